@@ -1,0 +1,9 @@
+// One bind_* function per area; module.cpp calls them all.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace dl::py_bind {
+namespace py = pybind11;
+void bind_errors(py::module_& m);
+void bind_system(py::module_& m);
+}  // namespace dl::py_bind

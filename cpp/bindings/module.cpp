@@ -1,0 +1,8 @@
+// The dasllama._core module: registers every area's bindings.
+#include "bindings/bind.h"
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "dasllama C++ core";
+  dl::py_bind::bind_errors(m);
+  dl::py_bind::bind_system(m);
+}

@@ -1,0 +1,28 @@
+// Exception types the core throws; bindings map each to a Python class of the same name.
+#pragma once
+#include <stdexcept>
+#include <string>
+
+namespace dl {
+
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A malformed or truncated GGUF file; the message names the field and byte offset.
+struct GGUFError : Error {
+  using Error::Error;
+};
+// An architecture, tensor type or feature we do not serve; the message names it.
+struct UnsupportedModelError : Error {
+  using Error::Error;
+};
+// Evaluating past the session's context.
+struct ContextOverflowError : Error {
+  using Error::Error;
+};
+// A KV pool with no free page left for the session asking.
+struct PoolExhaustedError : Error {
+  using Error::Error;
+};
+
+}  // namespace dl

@@ -1,0 +1,45 @@
+// Builds one KernelTable per compiled ISA once and hands out the active one.
+#include <array>
+#include <mutex>
+
+#include "core/errors.h"
+#include "cpu/isa_impl.h"
+
+namespace dl::cpu {
+
+namespace {
+std::array<KernelTable, 4> g_tables;
+std::once_flag g_once;
+
+void build() {
+  for (Isa isa : isas_compiled()) {
+    KernelTable& t = g_tables[(int)isa];
+    t.isa = isa;
+    switch (isa) {
+#ifdef DL_HAVE_ISA_BASELINE
+      case Isa::baseline: baseline::fill_table(t); break;
+#endif
+#ifdef DL_HAVE_ISA_AVX2
+      case Isa::avx2: avx2::fill_table(t); break;
+#endif
+#ifdef DL_HAVE_ISA_AVX512
+      case Isa::avx512: avx512::fill_table(t); break;
+#endif
+#ifdef DL_HAVE_ISA_NEON
+      case Isa::neon: neon::fill_table(t); break;
+#endif
+      default: break;
+    }
+  }
+}
+}  // namespace
+
+const KernelTable& kernels_for(Isa isa) {
+  std::call_once(g_once, build);
+  if (!isa_supported(isa)) throw Error(std::string("ISA '") + isa_name(isa) + "' is not available here");
+  return g_tables[(int)isa];
+}
+
+const KernelTable& kernels() { return kernels_for(active_isa()); }
+
+}  // namespace dl::cpu

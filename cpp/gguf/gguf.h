@@ -1,0 +1,104 @@
+// GGUF v2/v3 reader over an mmap: metadata, tensor infos, tensor data in place.
+// Every malformed input throws dl::GGUFError naming the field and byte offset;
+// nothing is allocated from a size before it is checked against the file.
+// Knows no architecture.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace dl::gguf {
+
+enum class ValueType : uint32_t {
+  UINT8 = 0, INT8 = 1, UINT16 = 2, INT16 = 3, UINT32 = 4, INT32 = 5, FLOAT32 = 6,
+  BOOL = 7, STRING = 8, ARRAY = 9, UINT64 = 10, INT64 = 11, FLOAT64 = 12,
+};
+const char* value_type_name(ValueType t);
+
+// One metadata value. Scalars are widened (ints to i64/u64, floats to double);
+// strings view the mapping; arrays hold their elements (nested arrays allowed).
+struct Value {
+  ValueType type = ValueType::UINT8;
+  union {
+    uint64_t u;
+    int64_t i;
+    double f;
+    bool b;
+  } num{};
+  std::string_view str;               // STRING: bytes in the mapping (not NUL-terminated)
+  ValueType elem_type = ValueType::UINT8;  // ARRAY: element type
+  std::vector<Value> arr;             // ARRAY: elements
+
+  bool is_int() const;       // any integer type (incl. bool? no)
+  bool is_float() const;
+  int64_t as_int() const;    // throws GGUFError if not an integer (u64 beyond i64 max too)
+  double as_float() const;   // ints and floats
+  std::string as_string() const;  // throws if not STRING
+};
+
+struct KV {
+  std::string key;
+  Value value;
+  uint64_t offset;  // byte offset of the key in the file
+};
+
+struct TensorInfo {
+  std::string name;
+  std::vector<int64_t> ne;  // dimensions, innermost (contiguous) first, as ggml stores them
+  uint32_t type = 0;        // ggml type id (dl::GGMLType)
+  uint64_t offset = 0;      // relative to the data section
+  uint64_t nbytes = 0;
+  int64_t n_elements() const;
+};
+
+class File {
+ public:
+  // Maps and validates the whole header. Throws GGUFError (or dl::Error for I/O).
+  static std::shared_ptr<File> open(const std::string& path);
+  ~File();
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint32_t version() const { return version_; }
+  uint64_t file_size() const { return size_; }
+  uint64_t alignment() const { return alignment_; }
+  uint64_t data_offset() const { return data_offset_; }
+
+  const std::vector<KV>& metadata() const { return kvs_; }
+  const Value* find(std::string_view key) const;  // nullptr if absent
+
+  // Typed lookups: nullopt when absent, GGUFError when present with the wrong type.
+  std::optional<int64_t> get_int(std::string_view key) const;
+  std::optional<double> get_float(std::string_view key) const;
+  std::optional<bool> get_bool(std::string_view key) const;
+  std::optional<std::string> get_string(std::string_view key) const;
+  const std::vector<Value>* get_array(std::string_view key) const;
+
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  const TensorInfo* find_tensor(std::string_view name) const;
+  // Pointer to the tensor's bytes inside the mapping (valid while the File lives).
+  const uint8_t* tensor_data(const TensorInfo& t) const { return base_ + data_offset_ + t.offset; }
+  const uint8_t* base() const { return base_; }
+
+ private:
+  File() = default;
+  void parse();
+  std::string path_;
+  const uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+  int fd_ = -1;
+  uint32_t version_ = 0;
+  uint64_t alignment_ = 32;
+  uint64_t data_offset_ = 0;
+  std::vector<KV> kvs_;
+  std::unordered_map<std::string_view, size_t> kv_index_;
+  std::vector<TensorInfo> tensors_;
+  std::unordered_map<std::string_view, size_t> tensor_index_;
+};
+
+}  // namespace dl::gguf

@@ -1,0 +1,30 @@
+"""dasllama: local LLM inference that hears and remembers.
+
+The public API lives here in one place; submodules hold the parts
+(``dasllama.gguf``, ``dasllama.hub``, ``dasllama.cli``).
+"""
+from __future__ import annotations
+
+from . import _core
+from ._core import (
+    ContextOverflowError,
+    DasllamaError,
+    GGUFError,
+    PoolExhaustedError,
+    UnsupportedModelError,
+)
+from ._system import get_isa, set_isa, system_info
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContextOverflowError",
+    "DasllamaError",
+    "GGUFError",
+    "PoolExhaustedError",
+    "UnsupportedModelError",
+    "get_isa",
+    "set_isa",
+    "system_info",
+    "__version__",
+]
