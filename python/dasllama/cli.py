@@ -65,9 +65,10 @@ def _cmd_list(args) -> int:
 
 def _cmd_inspect(args) -> int:
     from . import hub
+
+    path = hub.resolve(args.model)  # before importing the reader: a bad name fails first
     from .gguf import GGUFFile
 
-    path = hub.resolve(args.model)
     if path.is_dir():
         raise FileNotFoundError(f"{path} is a directory of model files, not a GGUF file")
     f = GGUFFile(str(path))
