@@ -1,0 +1,161 @@
+"""The `dasllama` command line: pull, list, inspect, info."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from . import __version__
+
+_ARRAY_HEAD = 5  # items of a long metadata array shown before "... (N items)"
+_STR_MAX = 80
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _short(v) -> str:
+    if isinstance(v, (bytes, bytearray)):
+        v = v.decode("utf-8", "replace")
+    if isinstance(v, str):
+        s = repr(v)
+        return s if len(s) <= _STR_MAX else s[: _STR_MAX - 3] + "...'"
+    return str(v)
+
+
+def _fmt_value(v) -> str:
+    # numpy arrays and lists alike: a few items and the count, never 49152 tokens.
+    if not isinstance(v, (str, bytes, bytearray)) and hasattr(v, "__len__") and hasattr(v, "__iter__"):
+        items = list(v[:_ARRAY_HEAD]) if hasattr(v, "__getitem__") else list(v)[:_ARRAY_HEAD]
+        body = ", ".join(_short(x) for x in items)
+        n = len(v)
+        if n > _ARRAY_HEAD:
+            return f"[{body}, ...] ({n} items)"
+        return f"[{body}]"
+    return _short(v)
+
+
+def _cmd_pull(args) -> int:
+    from . import hub
+
+    print(hub.pull(args.name, verify=args.verify))
+    return 0
+
+
+def _cmd_list(args) -> int:
+    from . import hub
+
+    cached = hub.list_cached()
+    names = {c.name for c in cached}
+    print(f"cache: {hub.home()}")
+    rows = [(c.name, _human(c.size), str(c.path)) for c in cached]
+    rows += [(n, "(not pulled)", hub.REGISTRY[n].description) for n in hub.known_models() if n not in names]
+    w0 = max(len("NAME"), *(len(r[0]) for r in rows))
+    w1 = max(len("SIZE"), *(len(r[1]) for r in rows))
+    print(f"{'NAME':<{w0}}  {'SIZE':>{w1}}  PATH")
+    for r in rows:
+        print(f"{r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from . import hub
+
+    path = hub.resolve(args.model)  # before importing the reader: a bad name fails first
+    from .gguf import GGUFFile
+
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is a directory of model files, not a GGUF file")
+    f = GGUFFile(str(path))
+    tensors = f.tensors
+    print(f"file: {path}")
+    print(f"GGUF version: {f.version}")
+    meta = f.metadata
+    print(f"metadata ({len(meta)} keys):")
+    wk = max((len(k) for k in meta), default=0)
+    for k, v in meta.items():
+        print(f"  {k:<{wk}} = {_fmt_value(v)}")
+    print(f"tensors ({len(tensors)}):")
+    rows = [(n, t.type_name, "x".join(str(d) for d in t.shape), int(t.nbytes)) for n, t in tensors.items()]
+    wn = max([len("NAME")] + [len(r[0]) for r in rows])
+    wt = max([len("TYPE")] + [len(r[1]) for r in rows])
+    ws = max([len("SHAPE")] + [len(r[2]) for r in rows])
+    print(f"  {'NAME':<{wn}}  {'TYPE':<{wt}}  {'SHAPE':<{ws}}  {'BYTES':>12}")
+    for n, ty, sh, nb in rows:
+        print(f"  {n:<{wn}}  {ty:<{wt}}  {sh:<{ws}}  {nb:>12,}")
+    total_bytes = sum(r[3] for r in rows)
+    total_params = 0
+    for t in tensors.values():
+        p = 1
+        for d in t.shape:
+            p *= int(d)
+        total_params += p
+    print(f"total: {len(rows)} tensors, {total_params:,} parameters, {total_bytes:,} bytes ({_human(total_bytes)})")
+    return 0
+
+
+def _cmd_info(args) -> int:
+    from . import system_info
+
+    info = system_info()
+    cpu = info.get("cpu", {})
+    print(f"dasllama {__version__}")
+    print(f"cpu: {cpu.get('arch', '?')}, {cpu.get('physical_cores', '?')} cores "
+          f"({cpu.get('logical_cores', '?')} logical)")
+    feats = [k for k, on in sorted(cpu.get("features", {}).items()) if on]
+    print(f"cpu features: {' '.join(feats) or '(none)'}")
+    print(f"kernel ISA: {info.get('isa_active')} "
+          f"(compiled: {', '.join(info.get('isa_compiled', []))}; "
+          f"supported here: {', '.join(info.get('isa_supported', []))})")
+    print("backends: " + ", ".join(f"{b} {s}" for b, s in info.get("backends", {}).items()))
+    # Anything a newer core reports that this printer does not know yet.
+    for k, v in info.items():
+        if k not in ("cpu", "isa_active", "isa_compiled", "isa_supported", "backends"):
+            print(f"{k}: {v}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dasllama", description="Local LLM inference that hears and remembers.")
+    p.add_argument("--version", action="version", version=f"dasllama {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sp = sub.add_parser("pull", help="download a model into the cache and print its path")
+    sp.add_argument("name")
+    sp.add_argument("--verify", action="store_true", help="re-hash a cached model (SHA256)")
+    sp.set_defaults(func=_cmd_pull)
+    sp = sub.add_parser("list", help="cached models and the registry")
+    sp.set_defaults(func=_cmd_list)
+    sp = sub.add_parser("inspect", help="GGUF version, metadata and tensors of a file or model name")
+    sp.add_argument("model", metavar="FILE|NAME")
+    sp.set_defaults(func=_cmd_inspect)
+    sp = sub.add_parser("info", help="CPU features, kernel ISA and backends")
+    sp.set_defaults(func=_cmd_info)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from ._core import DasllamaError
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 1
+    try:
+        return args.func(args)
+    except (DasllamaError, FileNotFoundError) as e:
+        # Expected failures get one line, not a traceback.
+        print(f"dasllama: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dasllama: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
