@@ -14,6 +14,7 @@ from ._core import (
     UnsupportedModelError,
 )
 from ._system import get_isa, set_isa, system_info
+from . import hub
 
 __version__ = "0.1.0"
 
