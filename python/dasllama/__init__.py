@@ -13,6 +13,7 @@ from ._core import (
     PoolExhaustedError,
     UnsupportedModelError,
 )
+from . import quant
 from ._system import get_isa, set_isa, system_info
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "PoolExhaustedError",
     "UnsupportedModelError",
     "get_isa",
+    "quant",
     "set_isa",
     "system_info",
     "__version__",
