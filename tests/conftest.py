@@ -9,3 +9,10 @@ def smollm2_path():
     from dasllama import hub
 
     return hub.pull("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    from dasllama import hub
+
+    return hub.pull("gemma3-270m")
