@@ -8,7 +8,7 @@ struct Entry {
   uint32_t id;
   TypeTraits t;
 };
-// dequantizable is filled from the list of formats quant/dequant.cpp implements.
+// dequantizable: the formats cpp/quant/dequant_impl.h decodes (cpp/cpu/dequant_isa.cpp).
 constexpr Entry kTable[] = {
     {0, {"f32", 1, 4, true}},        {1, {"f16", 1, 2, true}},         {2, {"q4_0", 32, 18, true}},
     {3, {"q4_1", 32, 20, true}},     {6, {"q5_0", 32, 22, true}},      {7, {"q5_1", 32, 24, true}},

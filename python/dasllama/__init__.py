@@ -13,6 +13,7 @@ from ._core import (
     PoolExhaustedError,
     UnsupportedModelError,
 )
+from . import quant
 from ._system import get_isa, set_isa, system_info
 from . import hub
 
@@ -25,6 +26,7 @@ __all__ = [
     "PoolExhaustedError",
     "UnsupportedModelError",
     "get_isa",
+    "quant",
     "set_isa",
     "system_info",
     "__version__",
