@@ -1,17 +1,45 @@
 // The CPU kernel table: one instance per compiled ISA, chosen at run time.
 // Kernel bodies live in cpp/cpu/*_isa.cpp, compiled once per ISA (see CMakeLists).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "core/cpu_features.h"
 
 namespace dl::cpu {
 
+// One matmul y[t][r] = sum_k W[r][k] * x[t][k] over weight rows [r0, r1).
+// W is row-major in its own block format (wtype), each row w_row_bytes long.
+// act holds the n_tok activation rows already converted to act_type(wtype)
+// (quantized blocks, or plain f32), each act_row_bytes long.
+struct MatmulArgs {
+  uint32_t wtype = 0;
+  int64_t k = 0;  // inner dimension (elements per row)
+  const void* w = nullptr;
+  size_t w_row_bytes = 0;
+  const void* act = nullptr;
+  size_t act_row_bytes = 0;
+  int64_t n_tok = 0;
+  float* y = nullptr;
+  int64_t y_stride = 0;  // floats between consecutive tokens' outputs
+};
+
 struct KernelTable {
   Isa isa = Isa::baseline;
   // Dequantize n elements (a whole number of blocks) of ggml type `type`.
   // Returns false if the type has no dequantizer.
   bool (*dequant_row)(uint32_t type, const void* src, float* dst, int64_t n) = nullptr;
+
+  // Matmul. act_type(wtype) names the activation format the weight's dot
+  // product wants (a GGMLType id: Q8_0, Q8_1, Q8_K, F16 or F32); act_row_bytes(k)
+  // follows from it. quantize_act converts one f32 row of n elements.
+  uint32_t (*act_type)(uint32_t wtype) = nullptr;
+  void (*quantize_act)(uint32_t act_type, const float* x, void* dst, int64_t n) = nullptr;
+  // Rows [r0, r1) of the product; safe to call from several threads on disjoint rows.
+  void (*matmul_rows)(const MatmulArgs& a, int64_t r0, int64_t r1) = nullptr;
+
+  // Float helpers for attention and norms.
+  float (*dot_f32)(const float* a, const float* b, int64_t n) = nullptr;
 };
 
 // The table for the active ISA (dl::active_isa()).
