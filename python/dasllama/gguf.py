@@ -61,6 +61,8 @@ class GGUFFile:
         self.data_offset: int = self._f.data_offset
         self.file_size: int = self._f.file_size
         self._metadata: Optional[Dict[str, Any]] = None
+        arch = self._f.get("general.architecture")  # one key, not the whole metadata
+        self.arch: Optional[str] = arch if isinstance(arch, str) else None
         self.tensors: Dict[str, TensorInfo] = {
             name: TensorInfo(name, tuple(shape), t, _core.ggml_type_name(t), off, nb)
             for name, shape, t, off, nb in self._f.tensors()
@@ -123,11 +125,7 @@ class GGUFFile:
         return iter(self.tensors)
 
     def __repr__(self) -> str:
-        arch = None
-        if self._f is not None:
-            a = self._f.get("general.architecture")  # one key, not the whole metadata
-            arch = a if isinstance(a, str) else None
         state = "" if self._f is not None else ", closed"
-        return (f"GGUFFile({os.path.basename(self.path)!r}, arch={arch!r}, tensors={len(self.tensors)}, "
+        return (f"GGUFFile({os.path.basename(self.path)!r}, arch={self.arch!r}, tensors={len(self.tensors)}, "
                 f"version={self.version}{state})")
 
