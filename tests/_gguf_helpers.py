@@ -158,6 +158,8 @@ def mutate(buf: bytes, ops, lengths: Sequence[int], header_end: int) -> bytes:
     """Applies ops [(op, a, b), ...]: positions are taken modulo the header region."""
     b = bytearray(buf)
     for op, a, c in ops:
+        if not b:
+            break
         region = max(1, min(len(b), header_end))
         p = a % region
         if op == "flip":
