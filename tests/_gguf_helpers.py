@@ -94,6 +94,7 @@ def length_fields(buf: bytes) -> Tuple[List[int], int]:
 
 def writer_file(path: Path, alignment: int | None = None) -> Path:
     """A small file by GGUFWriter: every scalar type, strings, arrays, nested arrays, several tensor types."""
+    path = Path(path)
     w = gguf_py.GGUFWriter(str(path), "llama")
     if alignment is not None:
         w.add_custom_alignment(alignment)

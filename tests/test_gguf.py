@@ -6,6 +6,7 @@ import shutil
 import struct
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,10 +92,10 @@ def test_writer_file_matches_reader(wdir, alignment):
 
 
 def test_version_2(wdir):
-    b = bytearray(open(h.writer_file(os.path.join(wdir, "v3.gguf")), "rb").read())
+    b = bytearray(h.writer_file(os.path.join(wdir, "v3.gguf")).read_bytes())
     b[4:8] = struct.pack("<I", 2)
     p = os.path.join(wdir, "v2.gguf")
-    open(p, "wb").write(b)
+    Path(p).write_bytes(b)
     assert check_against_reader(p).version == 2
 
 
@@ -103,7 +104,7 @@ def test_empty_arrays_and_typed_views(wdir):
     kvs += [kv(f"e.{t.name}", VT.ARRAY, (t, [])) for t in VT]
     data = np.arange(12, dtype=np.float32).tobytes() + bytes(16) + np.arange(8, dtype=np.float16).tobytes()
     p = os.path.join(wdir, "empty.gguf")
-    open(p, "wb").write(build(kvs, [tinfo("a", (4, 3), 0, 0), tinfo("b", (8,), 1, 64)], data))
+    Path(p).write_bytes(build(kvs, [tinfo("a", (4, 3), 0, 0), tinfo("b", (8,), 1, 64)], data))
     f = check_against_reader(p)
     f = GGUFFile(p)
     assert all(len(f.metadata[f"e.{t.name}"]) == 0 for t in VT)
@@ -160,7 +161,7 @@ def test_big_vocab_converts_fast(wdir):
     toks = [f"tok_{i}_\u0120x".encode() for i in range(150_000)]
     body = struct.pack("<IIQ", VT.ARRAY, VT.STRING, len(toks)) + b"".join(gstr(t) for t in toks)
     p = os.path.join(wdir, "vocab.gguf")
-    open(p, "wb").write(build([gstr("tokenizer.ggml.tokens") + body,
+    Path(p).write_bytes(build([gstr("tokenizer.ggml.tokens") + body,
                                kv("tokenizer.ggml.scores", VT.ARRAY, (VT.FLOAT32, [0.5] * 150_000))]))
     t = time.perf_counter()
     md = GGUFFile(p).metadata
@@ -171,7 +172,7 @@ def test_big_vocab_converts_fast(wdir):
 
 def test_invalid_utf8_is_replaced(wdir):
     p = os.path.join(wdir, "utf8.gguf")
-    open(p, "wb").write(build([gstr("k") + struct.pack("<I", VT.STRING) + gstr(b"a\xffb")]))
+    Path(p).write_bytes(build([gstr("k") + struct.pack("<I", VT.STRING) + gstr(b"a\xffb")]))
     assert GGUFFile(p).metadata["k"] == "a\ufffdb"
 
 
@@ -263,7 +264,7 @@ def test_malformed(tmp_path, case):
 
 def test_every_truncation_raises(tmp_path, wdir):
     """Cut a real writer file at every byte of its header and inside its data."""
-    b = open(h.writer_file(os.path.join(wdir, "cut.gguf")), "rb").read()
+    b = h.writer_file(os.path.join(wdir, "cut.gguf")).read_bytes()
     p = tmp_path / "cut.gguf"
     for n in list(range(0, GGUFFile(os.path.join(wdir, "cut.gguf")).data_offset + 1)) + [len(b) - 1]:
         p.write_bytes(b[:n])
@@ -277,7 +278,7 @@ def test_every_truncation_raises(tmp_path, wdir):
 def seeds(smollm2_path, wdir):
     out = []
     for al in (None, 1, 256):
-        out.append(open(h.writer_file(os.path.join(wdir, f"seed{al}.gguf"), al), "rb").read())
+        out.append(h.writer_file(os.path.join(wdir, f"seed{al}.gguf"), al).read_bytes())
     out.append(h.smollm2_seed(smollm2_path))
     with open(smollm2_path, "rb") as f:  # the real header with its data cut short
         out.append(f.read(1_785_664 + 4096))
