@@ -20,9 +20,13 @@ enum class ValueType : uint32_t {
 const char* value_type_name(ValueType t);
 
 // One metadata value. Scalars are widened (ints to i64/u64, floats to double);
-// strings view the mapping; arrays hold their elements (nested arrays allowed).
+// strings view the mapping. Arrays keep numeric/bool elements packed in the
+// mapping (zero copy, no per-element allocation a hostile count could inflate),
+// string elements as views, nested arrays as Values. An array Value reads like
+// a container: size(), v[i], range-for (elements come back as scalar Values).
 struct Value {
   ValueType type = ValueType::UINT8;
+  ValueType elem_type = ValueType::UINT8;  // ARRAY: element type
   union {
     uint64_t u;
     int64_t i;
@@ -30,15 +34,36 @@ struct Value {
     bool b;
   } num{};
   std::string_view str;               // STRING: bytes in the mapping (not NUL-terminated)
-  ValueType elem_type = ValueType::UINT8;  // ARRAY: element type
-  std::vector<Value> arr;             // ARRAY: elements
+  uint64_t n = 0;                     // ARRAY: element count
+  const uint8_t* data = nullptr;      // ARRAY of numbers/bools: n packed little-endian elements
+  std::vector<std::string_view> strs; // ARRAY of STRING: the elements
+  std::vector<Value> arr;             // ARRAY of ARRAY: the elements
 
-  bool is_int() const;       // any integer type (incl. bool? no)
-  bool is_float() const;
+  bool is_int() const;       // any integer type (not bool)
+  bool is_float() const;     // FLOAT32 / FLOAT64
   int64_t as_int() const;    // throws GGUFError if not an integer (u64 beyond i64 max too)
   double as_float() const;   // ints and floats
+  bool as_bool() const;      // throws if not BOOL
   std::string as_string() const;  // throws if not STRING
+
+  // ARRAY access (throws GGUFError on a non-array or an index out of range).
+  size_t size() const { return static_cast<size_t>(n); }
+  bool empty() const { return n == 0; }
+  Value at(size_t idx) const;
+  Value operator[](size_t idx) const { return at(idx); }
+  struct const_iterator {
+    const Value* v;
+    size_t i;
+    Value operator*() const { return v->at(i); }
+    const_iterator& operator++() { ++i; return *this; }
+    bool operator!=(const const_iterator& o) const { return i != o.i; }
+    bool operator==(const const_iterator& o) const { return i == o.i; }
+  };
+  const_iterator begin() const { return {this, 0}; }
+  const_iterator end() const { return {this, size()}; }
 };
+// Bytes one element of a fixed-size type takes (0 for STRING / ARRAY).
+size_t value_type_size(ValueType t);
 
 struct KV {
   std::string key;
@@ -77,13 +102,15 @@ class File {
   std::optional<double> get_float(std::string_view key) const;
   std::optional<bool> get_bool(std::string_view key) const;
   std::optional<std::string> get_string(std::string_view key) const;
-  const std::vector<Value>* get_array(std::string_view key) const;
+  // The ARRAY value (use size(), [i], range-for, or data/strs/arr directly).
+  const Value* get_array(std::string_view key) const;
 
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const TensorInfo* find_tensor(std::string_view name) const;
   // Pointer to the tensor's bytes inside the mapping (valid while the File lives).
   const uint8_t* tensor_data(const TensorInfo& t) const { return base_ + data_offset_ + t.offset; }
   const uint8_t* base() const { return base_; }
+  uint64_t header_end() const { return header_end_; }  // end of the tensor infos, before padding
 
  private:
   File() = default;
@@ -95,6 +122,7 @@ class File {
   uint32_t version_ = 0;
   uint64_t alignment_ = 32;
   uint64_t data_offset_ = 0;
+  uint64_t header_end_ = 0;
   std::vector<KV> kvs_;
   std::unordered_map<std::string_view, size_t> kv_index_;
   std::vector<TensorInfo> tensors_;

@@ -6,6 +6,7 @@ The public API lives here in one place; submodules hold the parts
 from __future__ import annotations
 
 from . import _core
+from . import gguf
 from ._core import (
     ContextOverflowError,
     DasllamaError,
