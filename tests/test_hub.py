@@ -24,40 +24,6 @@ def _sha256(path: Path) -> str:
 
 
 @pytest.fixture
-def gguf_module(monkeypatch):
-    """dasllama.gguf, or until the C++ reader merges a stand-in on gguf-py with its interface.
-
-    Delete the stand-in once `dasllama.gguf.GGUFFile` exists on main.
-    """
-    try:
-        import dasllama.gguf as mod  # noqa: F401
-
-        return mod
-    except ImportError:
-        pass
-    from gguf import GGUFReader
-
-    class _Tensor:
-        def __init__(self, t):
-            self.shape = tuple(int(d) for d in t.shape)
-            self.type_name = t.tensor_type.name
-            self.nbytes = int(t.n_bytes)
-
-    class GGUFFile:
-        def __init__(self, path):
-            r = GGUFReader(path)
-            self.version = int(r.fields["GGUF.version"].contents())
-            self.metadata = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-            self.tensors = {t.name: _Tensor(t) for t in r.tensors}
-
-    mod = types.ModuleType("dasllama.gguf")
-    mod.GGUFFile = GGUFFile
-    monkeypatch.setitem(sys.modules, "dasllama.gguf", mod)
-    monkeypatch.setattr(dasllama, "gguf", mod, raising=False)
-    return mod
-
-
-@pytest.fixture
 def temp_home(tmp_path, monkeypatch):
     home = tmp_path / "home"
     monkeypatch.setenv("DASLLAMA_HOME", str(home))
@@ -262,7 +228,7 @@ def test_cli_list_not_pulled(temp_home, capsys):
 
 
 @pytest.mark.parametrize("by_name", [True, False])
-def test_cli_inspect(smollm2_path, gguf_module, capsys, by_name):
+def test_cli_inspect(smollm2_path, capsys, by_name):
     target = "smollm2-135m-instruct" if by_name else str(smollm2_path)
     assert cli.main(["inspect", target]) == 0
     out = capsys.readouterr().out
