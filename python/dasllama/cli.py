@@ -155,6 +155,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("dasllama: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Output piped into `head` and closed early: not an error worth a traceback.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
