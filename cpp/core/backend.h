@@ -1,0 +1,86 @@
+// The op interface every backend implements (CPU in cpp/cpu, devices in cuda/,
+// vulkan/, metal/). Model code reaches kernels only through it. Knows no
+// architecture: ops take plain shapes and flags.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace dl {
+
+// A 2-D weight: rows of `cols` elements in ggml type `type`, row-major.
+struct Weight {
+  uint32_t type = 0;
+  int64_t rows = 0, cols = 0;
+  const uint8_t* data = nullptr;
+  size_t row_bytes = 0;
+  std::shared_ptr<std::vector<uint8_t>> owned;  // set when converted at load
+  bool empty() const { return data == nullptr; }
+};
+
+struct RopeParams {
+  bool neox = true;          // split-halves pairs (else adjacent pairs)
+  int n_rot = 0;             // rotated dims per head (<= head_dim)
+  float base = 10000.f;
+  float freq_scale = 1.f;    // linear scaling: positions times this
+  const float* freq_factors = nullptr;  // llama3-style per-pair divisors (n_rot/2), or null
+};
+
+enum class KVType : uint32_t { f32 = 0, f16 = 1, q8_0 = 8 };
+
+// Self-attention of n_tok queries against the cache rows [0, n_kv) of one layer.
+// Query t sits at position q_pos[t] and sees cache rows j with
+// j <= q_pos[t] and (window == 0 or q_pos[t] - j < window).
+struct AttnArgs {
+  const float* q = nullptr;  // [n_tok][n_heads * head_dim]
+  int64_t q_stride = 0;
+  const void* k = nullptr;   // cache rows: [pos][n_kv_heads * head_dim] in kv_type
+  const void* v = nullptr;
+  size_t kv_row_bytes = 0;
+  KVType kv_type = KVType::f32;
+  int64_t n_tok = 0, n_kv = 0;
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  const int32_t* q_pos = nullptr;
+  int window = 0;
+  float scale = 1.f;
+  float softcap = 0.f;
+  float* out = nullptr;  // [n_tok][n_heads * head_dim]
+  int64_t out_stride = 0;
+};
+
+enum class Act { silu, gelu_tanh };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  // y[t][r] = sum_k W[r][k] x[t][k] for t < n; x rows are w.cols long, y rows w.rows.
+  virtual void matmul(const Weight& w, const float* x, int64_t n, float* y) = 0;
+  // Rows of embedding table w for ids, dequantized to f32.
+  virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
+  // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.
+  virtual void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps) = 0;
+  // In-place RoPE on n_tok rows of n_heads heads (row stride in floats).
+  virtual void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
+                    const RopeParams& p) = 0;
+  // Writes n rows of `dim` floats into cache rows starting at row `first`.
+  virtual void kv_store(void* cache, KVType t, size_t row_bytes, int64_t first, const float* src, int64_t n,
+                        int64_t src_stride, int64_t dim) = 0;
+  virtual void attention(const AttnArgs& a) = 0;
+  // out[i] = act(gate[i]) * up[i] over rows.
+  virtual void glu(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* out,
+                   int64_t n_rows, int64_t dim, Act act) = 0;
+  virtual void add(float* y, const float* x, int64_t n) = 0;        // y += x
+  virtual void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) = 0;  // each row += b
+  virtual void scale(float* y, float s, int64_t n) = 0;
+  virtual void softcap(float* y, float cap, int64_t n) = 0;           // y = cap * tanh(y / cap)
+  virtual int n_threads() const = 0;
+};
+
+size_t kv_row_bytes(KVType t, int64_t dim);
+
+// The CPU backend with n_threads workers (0: physical cores).
+std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+
+}  // namespace dl

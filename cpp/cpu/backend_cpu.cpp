@@ -1,0 +1,251 @@
+// The CPU backend: the op interface on the per-ISA kernel table and a thread pool.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/errors.h"
+#include "core/half.h"
+#include "core/threadpool.h"
+#include "cpu/kernels.h"
+#include "quant/blocks.h"
+#include "quant/quant.h"
+#include "quant/types.h"
+
+namespace dl {
+
+size_t kv_row_bytes(KVType t, int64_t dim) {
+  switch (t) {
+    case KVType::f32: return (size_t)dim * 4;
+    case KVType::f16: return (size_t)dim * 2;
+    case KVType::q8_0: return (size_t)(dim / 32) * sizeof(block_q8_0);
+  }
+  return 0;
+}
+
+namespace {
+
+// Splits [0, n) into nth nearly equal parts; part ith.
+inline void split(int64_t n, int ith, int nth, int64_t& lo, int64_t& hi) {
+  int64_t per = (n + nth - 1) / nth;
+  lo = std::min(n, per * ith);
+  hi = std::min(n, lo + per);
+}
+
+// Decodes one cache row (dim elements) to f32.
+inline void kv_load(const uint8_t* row, KVType t, float* dst, int64_t dim) {
+  switch (t) {
+    case KVType::f32: std::memcpy(dst, row, (size_t)dim * 4); break;
+    case KVType::f16: cpu::kernels().dequant_row((uint32_t)GGMLType::F16, row, dst, dim); break;
+    case KVType::q8_0: cpu::kernels().dequant_row((uint32_t)GGMLType::Q8_0, row, dst, dim); break;
+  }
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int n) : pool_(n > 0 ? n : default_threads()) {}
+  const char* name() const override { return "cpu"; }
+  int n_threads() const override { return pool_.size(); }
+
+  void matmul(const Weight& w, const float* x, int64_t n, float* y) override {
+    const cpu::KernelTable& kt = cpu::kernels();
+    uint32_t at = kt.act_type(w.type);
+    if (at == UINT32_MAX) {
+      const TypeTraits* tt = type_traits(w.type);
+      throw UnsupportedModelError(std::string("no matmul kernel for weight type ") + (tt ? tt->name : "?"));
+    }
+    const int64_t k = w.cols;
+    const int64_t arb = type_nbytes(at, k);
+    if (arb < 0) throw UnsupportedModelError("matmul: row length " + std::to_string(k) + " is not a whole block");
+    act_.resize((size_t)(arb * n));
+    uint8_t* act = act_.data();
+    cpu::MatmulArgs a;
+    a.wtype = w.type;
+    a.k = k;
+    a.w = w.data;
+    a.w_row_bytes = w.row_bytes;
+    a.act = act;
+    a.act_row_bytes = (size_t)arb;
+    a.n_tok = n;
+    a.y = y;
+    a.y_stride = w.rows;
+    pool_.run([&](int ith, int nth) {
+      int64_t lo, hi;
+      split(n, ith, nth, lo, hi);
+      for (int64_t t = lo; t < hi; ++t) kt.quantize_act(at, x + t * k, act + t * arb, k);
+    });
+    // Rows in chunks of 16 handed out dynamically keep threads busy on uneven work.
+    const int64_t chunk = 16;
+    const int64_t n_chunks = (w.rows + chunk - 1) / chunk;
+    pool_.run([&](int ith, int nth) {
+      int64_t lo, hi;
+      split(n_chunks, ith, nth, lo, hi);
+      for (int64_t c = lo; c < hi; ++c) kt.matmul_rows(a, c * chunk, std::min(w.rows, (c + 1) * chunk));
+    });
+  }
+
+  void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
+    for (int64_t i = 0; i < n; ++i) {
+      if (ids[i] < 0 || ids[i] >= w.rows) throw Error("token id " + std::to_string(ids[i]) + " out of range");
+      dequantize_row(w.type, w.data + (size_t)ids[i] * w.row_bytes, out + i * w.cols, w.cols);
+    }
+  }
+
+  void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps) override {
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const float* xr = x + r * dim;
+      float* yr = y + r * dim;
+      double ss = 0;
+      for (int64_t i = 0; i < dim; ++i) ss += (double)xr[i] * xr[i];
+      const float s = (float)(1.0 / std::sqrt(ss / dim + eps));
+      if (w)
+        for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * s * w[i];
+      else
+        for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * s;
+    }
+  }
+
+  void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
+            const RopeParams& p) override {
+    const int half = p.n_rot / 2;
+    std::vector<float> cs(half), sn(half);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const double ppos = (double)pos[t] * p.freq_scale;
+      for (int i = 0; i < half; ++i) {
+        double theta = ppos * std::pow((double)p.base, -2.0 * i / p.n_rot);
+        if (p.freq_factors) theta /= p.freq_factors[i];
+        cs[i] = (float)std::cos(theta);
+        sn[i] = (float)std::sin(theta);
+      }
+      for (int h = 0; h < n_heads; ++h) {
+        float* v = x + t * stride + (int64_t)h * head_dim;
+        for (int i = 0; i < half; ++i) {
+          const int i0 = p.neox ? i : 2 * i;
+          const int i1 = p.neox ? i + half : 2 * i + 1;
+          const float a = v[i0], b = v[i1];
+          v[i0] = a * cs[i] - b * sn[i];
+          v[i1] = a * sn[i] + b * cs[i];
+        }
+      }
+    }
+  }
+
+  void kv_store(void* cache, KVType t, size_t row_bytes, int64_t first, const float* src, int64_t n,
+                int64_t src_stride, int64_t dim) override {
+    uint8_t* base = (uint8_t*)cache + (size_t)first * row_bytes;
+    for (int64_t i = 0; i < n; ++i) {
+      uint8_t* row = base + (size_t)i * row_bytes;
+      const float* s = src + i * src_stride;
+      switch (t) {
+        case KVType::f32: std::memcpy(row, s, (size_t)dim * 4); break;
+        case KVType::f16: quantize_row((uint32_t)GGMLType::F16, s, row, dim); break;
+        case KVType::q8_0: quantize_row((uint32_t)GGMLType::Q8_0, s, row, dim); break;
+      }
+    }
+  }
+
+  void attention(const AttnArgs& a) override {
+    const int group = a.n_heads / a.n_kv_heads;
+    const int hd = a.head_dim;
+    const int64_t kv_dim = (int64_t)a.n_kv_heads * hd;
+    const int64_t n_tasks = a.n_tok * a.n_kv_heads;
+    const cpu::KernelTable& kt = cpu::kernels();
+    pool_.run([&](int ith, int nth) {
+      int64_t lo, hi;
+      split(n_tasks, ith, nth, lo, hi);
+      thread_local std::vector<float> scores, krow, acc;
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t t = task / a.n_kv_heads;
+        const int kvh = (int)(task % a.n_kv_heads);
+        const int64_t p = a.q_pos[t];
+        int64_t j0 = 0, j1 = std::min<int64_t>(p + 1, a.n_kv);
+        if (a.window > 0) j0 = std::max<int64_t>(0, p - a.window + 1);
+        const int64_t nj = std::max<int64_t>(0, j1 - j0);
+        scores.resize((size_t)(nj * group));
+        krow.resize((size_t)kv_dim);
+        acc.assign((size_t)group * hd, 0.f);
+        // Scores: one decoded K row serves every query head of its group.
+        for (int64_t j = 0; j < nj; ++j) {
+          const uint8_t* kr = (const uint8_t*)a.k + (size_t)(j0 + j) * a.kv_row_bytes;
+          kv_load(kr, a.kv_type, krow.data(), kv_dim);
+          const float* kh = krow.data() + (int64_t)kvh * hd;
+          for (int g = 0; g < group; ++g) {
+            const float* q = a.q + t * a.q_stride + (int64_t)(kvh * group + g) * hd;
+            float s = kt.dot_f32(q, kh, hd) * a.scale;
+            if (a.softcap > 0) s = a.softcap * std::tanh(s / a.softcap);
+            scores[(size_t)(g * nj + j)] = s;
+          }
+        }
+        for (int g = 0; g < group; ++g) {
+          float* s = scores.data() + (size_t)g * nj;
+          float mx = -INFINITY;
+          for (int64_t j = 0; j < nj; ++j) mx = std::max(mx, s[j]);
+          double sum = 0;
+          for (int64_t j = 0; j < nj; ++j) {
+            s[j] = std::exp(s[j] - mx);
+            sum += s[j];
+          }
+          const float inv = sum > 0 ? (float)(1.0 / sum) : 0.f;
+          for (int64_t j = 0; j < nj; ++j) s[j] *= inv;
+        }
+        for (int64_t j = 0; j < nj; ++j) {
+          const uint8_t* vr = (const uint8_t*)a.v + (size_t)(j0 + j) * a.kv_row_bytes;
+          kv_load(vr, a.kv_type, krow.data(), kv_dim);
+          const float* vh = krow.data() + (int64_t)kvh * hd;
+          for (int g = 0; g < group; ++g) {
+            const float pj = scores[(size_t)(g * nj + j)];
+            float* o = acc.data() + (size_t)g * hd;
+            for (int d = 0; d < hd; ++d) o[d] += pj * vh[d];
+          }
+        }
+        for (int g = 0; g < group; ++g)
+          std::memcpy(a.out + t * a.out_stride + (int64_t)(kvh * group + g) * hd, acc.data() + (size_t)g * hd,
+                      (size_t)hd * 4);
+      }
+    });
+  }
+
+  void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
+           Act act) override {
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const float* g = gate + r * gs;
+      const float* u = up + r * us;
+      float* o = out + r * dim;
+      if (act == Act::silu) {
+        for (int64_t i = 0; i < dim; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      } else {
+        const float c = 0.7978845608028654f;  // sqrt(2/pi)
+        for (int64_t i = 0; i < dim; ++i) {
+          const float x = g[i];
+          o[i] = 0.5f * x * (1.f + std::tanh(c * (x + 0.044715f * x * x * x))) * u[i];
+        }
+      }
+    }
+  }
+
+  void add(float* y, const float* x, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+  }
+  void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t i = 0; i < dim; ++i) y[r * dim + i] += b[i];
+  }
+  void scale(float* y, float s, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) y[i] *= s;
+  }
+  void softcap(float* y, float cap, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) y[i] = cap * std::tanh(y[i] / cap);
+  }
+
+ private:
+  ThreadPool pool_;
+  std::vector<uint8_t> act_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_unique<CpuBackend>(n_threads); }
+
+}  // namespace dl

@@ -1,0 +1,37 @@
+// The architecture registry: each family registers its quirks once, as data.
+// The shared decoder (model/decoder.cpp) reads these flags; nothing tests arch names.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace dl {
+
+enum class RopeType { norm, neox };  // adjacent pairs (llama GGUF layout) / split halves
+enum class FfnAct { silu, gelu_tanh };
+
+struct ArchTraits {
+  std::string name;               // general.architecture
+  RopeType rope = RopeType::neox;
+  FfnAct act = FfnAct::silu;
+  bool embed_scale_sqrt_dim = false;  // gemma: embeddings times sqrt(dim)
+  int swa_pattern = 0;                // n: layer il is sliding unless il % n == n - 1 (0: all dense)
+  float default_attn_softcap = 0.f;   // used when the metadata key is absent
+  float default_final_softcap = 0.f;
+  float default_rope_base_swa = 10000.f;  // local rope base of sliding layers
+  // Attention scale 1/sqrt(dim/n_heads) instead of 1/sqrt(head_dim) (gemma 27B-style);
+  // decided per model in the family file's adjust hook when needed.
+  bool scale_by_dim_over_heads = false;
+};
+
+void register_arch(const ArchTraits& t);
+// nullptr if no family registered the name.
+const ArchTraits* find_arch(const std::string& name);
+std::vector<std::string> registered_archs();
+
+// One per family file (model/llama.cpp, qwen.cpp, gemma.cpp, phi.cpp).
+void register_llama_family();
+void register_qwen_family();
+void register_gemma_family();
+void register_phi_family();
+
+}  // namespace dl

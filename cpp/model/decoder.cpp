@@ -1,0 +1,180 @@
+// The shared decoder forward pass, written once for every family against the
+// backend op interface; family quirks arrive as traits and optional tensors.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/errors.h"
+#include "model/model.h"
+#include "model/session.h"
+
+namespace dl {
+
+Session::Session(std::shared_ptr<Model> model, KVType kv_type, int n_ctx)
+    : model_(std::move(model)), kv_type_(kv_type) {
+  const ModelConfig& c = model_->config();
+  n_ctx_ = n_ctx > 0 ? std::min(n_ctx, c.seq_len) : std::min(c.seq_len, 4096);
+  const int64_t kv_dim = (int64_t)c.n_kv_heads * c.head_dim;
+  if (kv_type == KVType::q8_0 && (kv_dim % 32 != 0 || c.head_dim % 32 != 0))
+    throw Error("q8_0 KV needs head_size and kv_dim to be multiples of 32");
+  k_row_bytes_ = v_row_bytes_ = kv_row_bytes(kv_type, kv_dim);
+  layer_bytes_k_ = k_row_bytes_ * (size_t)n_ctx_;
+  layer_bytes_v_ = v_row_bytes_ * (size_t)n_ctx_;
+  k_.resize(layer_bytes_k_ * c.n_layers);
+  v_.resize(layer_bytes_v_ * c.n_layers);
+}
+
+void Session::truncate(int64_t n) {
+  if (n < 0 || n > n_past_) throw Error("truncate: position out of range");
+  n_past_ = n;
+  history.resize((size_t)n);
+}
+
+void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
+  backend_->get_rows(tok_embd_, tokens, n, out);
+  if (traits_->embed_scale_sqrt_dim) {
+    // Gemma rounds the scale through its compute dtype; sqrt(dim) in f32 as the reference does.
+    backend_->scale(out, std::sqrt((float)cfg_.dim), n * cfg_.dim);
+  }
+}
+
+void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits) {
+  if (n <= 0) return;
+  if (s.n_past_ + n > s.n_ctx_)
+    throw ContextOverflowError("context overflow: " + std::to_string(s.n_past_) + " + " + std::to_string(n) +
+                               " tokens exceed the session's context of " + std::to_string(s.n_ctx_));
+  if (tokens)
+    for (int64_t i = 0; i < n; ++i)
+      if (tokens[i] < 0 || tokens[i] >= cfg_.vocab_size)
+        throw Error("token id " + std::to_string(tokens[i]) + " out of range [0, " + std::to_string(cfg_.vocab_size) +
+                    ")");
+  std::lock_guard<std::mutex> lk(mu_);
+  const int64_t V = cfg_.vocab_size;
+  s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
+  for (int64_t i = 0; i < n; i += max_chunk_) {
+    const int64_t m = std::min(max_chunk_, n - i);
+    forward_chunk(s, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits,
+                  nullptr);
+    if (all_logits) std::memcpy(s.logits.data() + i * V, tmp_.data(), (size_t)(m * V) * 4);
+  }
+  if (!all_logits) std::memcpy(s.logits.data(), tmp_.data(), (size_t)V * 4);
+  for (int64_t i = 0; i < n; ++i) s.history.push_back(tokens ? tokens[i] : -1);
+}
+
+std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
+  Session s(nullptr_model_guard_, KVType::f32, (int)tokens.size());
+  (void)s;
+  return {};
+}
+
+void Model::forward_chunk(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
+                          float* last_hidden) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const int64_t D = c.dim, hd = c.head_dim;
+  const int64_t q_dim = (int64_t)c.n_heads * hd, kv_dim = (int64_t)c.n_kv_heads * hd;
+  const int64_t F = c.ffn_dim;
+  x_.resize((size_t)(n * D));
+  xn_.resize((size_t)(n * D));
+  q_.resize((size_t)(n * q_dim));
+  k_.resize((size_t)(n * kv_dim));
+  v_.resize((size_t)(n * kv_dim));
+  attn_.resize((size_t)(n * q_dim));
+  gate_.resize((size_t)(n * 2 * F));
+  up_.resize((size_t)(n * F));
+  ffn_.resize((size_t)(n * std::max<int64_t>(D, q_dim + 2 * kv_dim)));
+  pos_.resize((size_t)n);
+  for (int64_t i = 0; i < n; ++i) pos_[i] = (int32_t)(s.n_past_ + i);
+
+  if (tokens)
+    embed_tokens(tokens, n, x_.data());
+  else
+    std::memcpy(x_.data(), embd, (size_t)(n * D) * 4);
+
+  RopeParams rp;
+  rp.neox = traits_->rope == RopeType::neox;
+  rp.n_rot = c.n_rot;
+  rp.freq_scale = c.rope_freq_scale;
+  rp.freq_factors = rope_freqs_.empty() ? nullptr : rope_freqs_.data();
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
+
+  for (int il = 0; il < c.n_layers; ++il) {
+    const LayerWeights& L = layers_[il];
+    const bool swa = c.layer_is_swa[il];
+    be.rms_norm(x_.data(), L.attn_norm.data(), xn_.data(), n, D, c.norm_eps);
+    if (!L.wqkv.empty()) {
+      float* qkv = ffn_.data();
+      be.matmul(L.wqkv, xn_.data(), n, qkv);
+      const int64_t w = q_dim + 2 * kv_dim;
+      for (int64_t t = 0; t < n; ++t) {
+        std::memcpy(q_.data() + t * q_dim, qkv + t * w, (size_t)q_dim * 4);
+        std::memcpy(k_.data() + t * kv_dim, qkv + t * w + q_dim, (size_t)kv_dim * 4);
+        std::memcpy(v_.data() + t * kv_dim, qkv + t * w + q_dim + kv_dim, (size_t)kv_dim * 4);
+      }
+    } else {
+      be.matmul(L.wq, xn_.data(), n, q_.data());
+      be.matmul(L.wk, xn_.data(), n, k_.data());
+      be.matmul(L.wv, xn_.data(), n, v_.data());
+      if (!L.bq.empty()) be.add_bias(q_.data(), L.bq.data(), n, q_dim);
+      if (!L.bk.empty()) be.add_bias(k_.data(), L.bk.data(), n, kv_dim);
+      if (!L.bv.empty()) be.add_bias(v_.data(), L.bv.data(), n, kv_dim);
+    }
+    if (!L.q_norm.empty()) be.rms_norm(q_.data(), L.q_norm.data(), q_.data(), n * c.n_heads, hd, c.norm_eps);
+    if (!L.k_norm.empty()) be.rms_norm(k_.data(), L.k_norm.data(), k_.data(), n * c.n_kv_heads, hd, c.norm_eps);
+    rp.base = swa ? c.rope_base_swa : c.rope_base;
+    be.rope(q_.data(), n, q_dim, c.n_heads, (int)hd, pos_.data(), rp);
+    be.rope(k_.data(), n, kv_dim, c.n_kv_heads, (int)hd, pos_.data(), rp);
+
+    be.kv_store(s.k_layer(il), s.kv_type_, s.k_row_bytes_, s.n_past_, k_.data(), n, kv_dim, kv_dim);
+    be.kv_store(s.v_layer(il), s.kv_type_, s.v_row_bytes_, s.n_past_, v_.data(), n, kv_dim, kv_dim);
+    AttnArgs a;
+    a.q = q_.data();
+    a.q_stride = q_dim;
+    a.k = s.k_layer(il);
+    a.v = s.v_layer(il);
+    a.kv_row_bytes = s.k_row_bytes_;
+    a.kv_type = s.kv_type_;
+    a.n_tok = n;
+    a.n_kv = s.n_past_ + n;
+    a.n_heads = c.n_heads;
+    a.n_kv_heads = c.n_kv_heads;
+    a.head_dim = (int)hd;
+    a.q_pos = pos_.data();
+    a.window = swa ? c.sliding_window : 0;
+    a.scale = c.attn_scale;
+    a.softcap = c.attn_softcap;
+    a.out = attn_.data();
+    a.out_stride = q_dim;
+    be.attention(a);
+
+    float* o = ffn_.data();
+    be.matmul(L.wo, attn_.data(), n, o);
+    if (!L.attn_post_norm.empty()) be.rms_norm(o, L.attn_post_norm.data(), o, n, D, c.norm_eps);
+    be.add(x_.data(), o, n * D);
+
+    be.rms_norm(x_.data(), L.ffn_norm.data(), xn_.data(), n, D, c.norm_eps);
+    if (!L.w_gate_up.empty()) {
+      be.matmul(L.w_gate_up, xn_.data(), n, gate_.data());
+      be.glu(gate_.data(), 2 * F, gate_.data() + F, 2 * F, up_.data(), n, F, act);
+    } else {
+      be.matmul(L.w_gate, xn_.data(), n, gate_.data());
+      be.matmul(L.w_up, xn_.data(), n, up_.data());
+      be.glu(gate_.data(), F, up_.data(), F, up_.data(), n, F, act);
+    }
+    be.matmul(L.w_down, up_.data(), n, o);
+    if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
+    be.add(x_.data(), o, n * D);
+  }
+  s.n_past_ += n;
+
+  // Final norm and logits: of every row, or only of the last.
+  const int64_t first = all_logits ? 0 : n - 1;
+  const int64_t rows = n - first;
+  be.rms_norm(x_.data() + first * D, output_norm_.data(), xn_.data(), rows, D, c.norm_eps);
+  if (last_hidden) std::memcpy(last_hidden, xn_.data(), (size_t)(rows * D) * 4);
+  tmp_.resize((size_t)(rows * c.vocab_size));
+  be.matmul(output_, xn_.data(), rows, tmp_.data());
+  if (c.final_softcap > 0) be.softcap(tmp_.data(), c.final_softcap, rows * c.vocab_size);
+}
+
+}  // namespace dl

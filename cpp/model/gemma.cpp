@@ -1,0 +1,28 @@
+// The gemma family: embeddings scaled by sqrt(dim), GELU(tanh) GLU, sandwich norms
+// (found from the tensors); Gemma-2 alternates sliding/global layers and soft-caps
+// attention and final logits; Gemma-3 has one global layer in six, QK-norm and a
+// local rope base of 10k on sliding layers.
+#include "model/arch.h"
+
+namespace dl {
+void register_gemma_family() {
+  ArchTraits g2;
+  g2.name = "gemma2";
+  g2.rope = RopeType::neox;
+  g2.act = FfnAct::gelu_tanh;
+  g2.embed_scale_sqrt_dim = true;
+  g2.swa_pattern = 2;
+  g2.default_attn_softcap = 50.f;
+  g2.default_final_softcap = 30.f;
+  g2.default_rope_base_swa = 0.f;  // gemma2 uses one rope base
+  register_arch(g2);
+
+  ArchTraits g3 = g2;
+  g3.name = "gemma3";
+  g3.swa_pattern = 6;
+  g3.default_attn_softcap = 0.f;
+  g3.default_final_softcap = 0.f;
+  g3.default_rope_base_swa = 10000.f;
+  register_arch(g3);
+}
+}  // namespace dl

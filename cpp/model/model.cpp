@@ -1,0 +1,213 @@
+// Model loading: config from metadata, weights mapped in place or converted per
+// QuantMode, every shape checked against the config before use.
+#include "model/model.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/errors.h"
+#include "model/session.h"
+#include "quant/quant.h"
+#include "quant/types.h"
+
+namespace dl {
+
+namespace {
+
+std::string key(const ModelConfig& c, const char* suffix) { return c.arch + "." + suffix; }
+
+int get_int_or(const gguf::File& f, const std::string& k, int def) {
+  const gguf::Value* v = f.find(k);
+  if (!v) return def;
+  if (v->type == gguf::ValueType::ARRAY)
+    throw UnsupportedModelError("metadata '" + k + "' varies per layer; not supported");
+  int64_t x = v->as_int();
+  if (x < 0 || x > (1 << 30)) throw GGUFError("metadata '" + k + "' out of range: " + std::to_string(x));
+  return (int)x;
+}
+
+float get_float_or(const gguf::File& f, const std::string& k, float def) {
+  auto v = f.get_float(k);
+  return v ? (float)*v : def;
+}
+
+bool is_float_type(uint32_t t) {
+  return t == (uint32_t)GGMLType::F32 || t == (uint32_t)GGMLType::F16 || t == (uint32_t)GGMLType::BF16;
+}
+
+Weight convert(const Weight& w, uint32_t to) {
+  Weight o = w;
+  o.type = to;
+  int64_t rb = type_nbytes(to, w.cols);
+  o.row_bytes = (size_t)rb;
+  o.owned = std::make_shared<std::vector<uint8_t>>((size_t)rb * w.rows);
+  std::vector<float> row((size_t)w.cols);
+  for (int64_t r = 0; r < w.rows; ++r) {
+    dequantize_row(w.type, w.data + (size_t)r * w.row_bytes, row.data(), w.cols);
+    if (to == (uint32_t)GGMLType::F32)
+      std::memcpy(o.owned->data() + (size_t)r * rb, row.data(), (size_t)rb);
+    else
+      quantize_row(to, row.data(), o.owned->data() + (size_t)r * rb, w.cols);
+  }
+  o.data = o.owned->data();
+  return o;
+}
+
+}  // namespace
+
+std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, int n_threads) {
+  std::shared_ptr<Model> m(new Model());
+  m->file_ = gguf::File::open(path);
+  m->mode_ = mode;
+  const gguf::File& f = *m->file_;
+  auto arch = f.get_string("general.architecture");
+  if (!arch) throw UnsupportedModelError("GGUF has no general.architecture: not a language model file");
+  m->traits_ = find_arch(*arch);
+  if (!m->traits_) {
+    std::string known;
+    for (auto& a : registered_archs()) known += (known.empty() ? "" : ", ") + a;
+    throw UnsupportedModelError("unsupported architecture '" + *arch + "' (supported: " + known + ")");
+  }
+  ModelConfig& c = m->cfg_;
+  c.arch = *arch;
+  c.dim = get_int_or(f, key(c, "embedding_length"), 0);
+  c.n_layers = get_int_or(f, key(c, "block_count"), 0);
+  c.n_heads = get_int_or(f, key(c, "attention.head_count"), 0);
+  if (c.dim <= 0 || c.n_layers <= 0 || c.n_heads <= 0)
+    throw GGUFError("metadata: embedding_length, block_count and attention.head_count must be positive");
+  c.n_kv_heads = get_int_or(f, key(c, "attention.head_count_kv"), c.n_heads);
+  c.head_dim = get_int_or(f, key(c, "attention.key_length"), c.dim / c.n_heads);
+  c.head_dim_v = get_int_or(f, key(c, "attention.value_length"), c.head_dim);
+  if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || c.head_dim <= 0 || c.head_dim_v != c.head_dim)
+    throw UnsupportedModelError("unsupported head layout: heads " + std::to_string(c.n_heads) + ", kv heads " +
+                                std::to_string(c.n_kv_heads) + ", head dims " + std::to_string(c.head_dim) + "/" +
+                                std::to_string(c.head_dim_v));
+  c.ffn_dim = get_int_or(f, key(c, "feed_forward_length"), 0);
+  c.seq_len = get_int_or(f, key(c, "context_length"), 2048);
+  c.norm_eps = get_float_or(f, key(c, "attention.layer_norm_rms_epsilon"), 1e-5f);
+  c.rope_base = get_float_or(f, key(c, "rope.freq_base"), 10000.f);
+  c.n_rot = get_int_or(f, key(c, "rope.dimension_count"), c.head_dim);
+  if (c.n_rot <= 0 || c.n_rot > c.head_dim || c.n_rot % 2) throw GGUFError("metadata: bad rope.dimension_count");
+  auto scaling = f.get_string(key(c, "rope.scaling.type"));
+  c.rope_scaling = scaling ? *scaling : "none";
+  if (c.rope_scaling == "linear") {
+    float factor = get_float_or(f, key(c, "rope.scaling.factor"), 1.f);
+    if (factor > 0) c.rope_freq_scale = 1.f / factor;
+  } else if (c.rope_scaling != "none" && c.rope_scaling != "") {
+    throw UnsupportedModelError("rope scaling '" + c.rope_scaling + "' is not supported yet");
+  }
+  const ArchTraits& t = *m->traits_;
+  c.rope_base_swa = get_float_or(f, key(c, "rope.freq_base_swa"), t.default_rope_base_swa);
+  if (c.rope_base_swa <= 0) c.rope_base_swa = c.rope_base;
+  c.sliding_window = get_int_or(f, key(c, "attention.sliding_window"), 0);
+  int pattern = get_int_or(f, key(c, "attention.sliding_window_pattern"), t.swa_pattern);
+  c.layer_is_swa.assign(c.n_layers, 0);
+  if (c.sliding_window > 0 && pattern > 0)
+    for (int il = 0; il < c.n_layers; ++il) c.layer_is_swa[il] = (il % pattern) < (pattern - 1);
+  c.attn_softcap = get_float_or(f, key(c, "attn_logit_softcapping"), t.default_attn_softcap);
+  c.final_softcap = get_float_or(f, key(c, "final_logit_softcapping"), t.default_final_softcap);
+  c.attn_scale = 1.f / std::sqrt((float)c.head_dim);
+
+  m->backend_ = make_cpu_backend(n_threads);
+  m->load_weights();
+  return m;
+}
+
+std::vector<float> Model::load_vector(const std::string& name, bool required, int64_t n) {
+  const gguf::TensorInfo* ti = file_->find_tensor(name);
+  if (!ti) {
+    if (required) throw UnsupportedModelError("missing tensor '" + name + "'");
+    return {};
+  }
+  int64_t ne = ti->n_elements();
+  if (n >= 0 && ne != n)
+    throw UnsupportedModelError("tensor '" + name + "' has " + std::to_string(ne) + " elements, expected " +
+                                std::to_string(n));
+  std::vector<float> v((size_t)ne);
+  dequantize_row(ti->type, file_->tensor_data(*ti), v.data(), ne);
+  return v;
+}
+
+Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, int64_t cols) {
+  const gguf::TensorInfo* ti = file_->find_tensor(name);
+  if (!ti) {
+    if (required) throw UnsupportedModelError("missing tensor '" + name + "'");
+    return {};
+  }
+  if (ti->ne.size() != 2 || (cols >= 0 && ti->ne[0] != cols) || (rows >= 0 && ti->ne[1] != rows)) {
+    std::string got;
+    for (auto d : ti->ne) got += (got.empty() ? "" : "x") + std::to_string(d);
+    throw UnsupportedModelError("tensor '" + name + "' has shape " + got + ", expected " + std::to_string(cols) +
+                                "x" + std::to_string(rows));
+  }
+  const TypeTraits* tt = type_traits(ti->type);
+  if (!tt || !tt->dequantizable)
+    throw UnsupportedModelError("tensor '" + name + "' has unsupported type " + (tt ? tt->name : "?"));
+  Weight w;
+  w.type = ti->type;
+  w.cols = ti->ne[0];
+  w.rows = ti->ne[1];
+  w.data = file_->tensor_data(*ti);
+  w.row_bytes = (size_t)type_nbytes(ti->type, w.cols);
+  if (mode_ == QuantMode::fp32) {
+    if (w.type != (uint32_t)GGMLType::F32) w = convert(w, (uint32_t)GGMLType::F32);
+  } else if (is_float_type(w.type) && w.cols % 32 == 0) {
+    w = convert(w, mode_ == QuantMode::q4_0 ? (uint32_t)GGMLType::Q4_0 : (uint32_t)GGMLType::Q8_0);
+  }
+  return w;
+}
+
+void Model::load_weights() {
+  const ModelConfig& c = cfg_;
+  const int64_t q_dim = (int64_t)c.n_heads * c.head_dim, kv_dim = (int64_t)c.n_kv_heads * c.head_dim;
+  // The embedding table stays in its file format: rows are decoded on lookup.
+  const gguf::TensorInfo* te = file_->find_tensor("token_embd.weight");
+  if (!te) throw UnsupportedModelError("missing tensor 'token_embd.weight'");
+  if (te->ne.size() != 2 || te->ne[0] != c.dim) throw UnsupportedModelError("token_embd.weight: bad shape");
+  tok_embd_.type = te->type;
+  tok_embd_.cols = te->ne[0];
+  tok_embd_.rows = te->ne[1];
+  tok_embd_.data = file_->tensor_data(*te);
+  tok_embd_.row_bytes = (size_t)type_nbytes(te->type, te->ne[0]);
+  const TypeTraits* tt = type_traits(te->type);
+  if (!tt || !tt->dequantizable) throw UnsupportedModelError("token_embd.weight: unsupported type");
+  cfg_.vocab_size = (int)tok_embd_.rows;
+
+  output_norm_ = load_vector("output_norm.weight", true, c.dim);
+  output_ = load_matrix("output.weight", false, c.vocab_size, c.dim);
+  if (output_.empty()) output_ = load_matrix("token_embd.weight", true, c.vocab_size, c.dim);  // tied
+  rope_freqs_ = load_vector("rope_freqs.weight", false, c.n_rot / 2);
+  if (rope_freqs_.empty()) rope_freqs_ = load_vector("rope_factors_short.weight", false, c.n_rot / 2);
+
+  layers_.resize(c.n_layers);
+  for (int il = 0; il < c.n_layers; ++il) {
+    LayerWeights& L = layers_[il];
+    auto n = [&](const char* s) { return "blk." + std::to_string(il) + "." + s + ".weight"; };
+    auto b = [&](const char* s) { return "blk." + std::to_string(il) + "." + s + ".bias"; };
+    L.attn_norm = load_vector(n("attn_norm"), true, c.dim);
+    L.wqkv = load_matrix(n("attn_qkv"), false, q_dim + 2 * kv_dim, c.dim);
+    if (L.wqkv.empty()) {
+      L.wq = load_matrix(n("attn_q"), true, q_dim, c.dim);
+      L.wk = load_matrix(n("attn_k"), true, kv_dim, c.dim);
+      L.wv = load_matrix(n("attn_v"), true, kv_dim, c.dim);
+      L.bq = load_vector(b("attn_q"), false, q_dim);
+      L.bk = load_vector(b("attn_k"), false, kv_dim);
+      L.bv = load_vector(b("attn_v"), false, kv_dim);
+    }
+    L.q_norm = load_vector(n("attn_q_norm"), false, c.head_dim);
+    L.k_norm = load_vector(n("attn_k_norm"), false, c.head_dim);
+    L.wo = load_matrix(n("attn_output"), true, c.dim, q_dim);
+    L.attn_post_norm = load_vector(n("post_attention_norm"), false, c.dim);
+    L.ffn_norm = load_vector(n("ffn_norm"), true, c.dim);
+    L.ffn_post_norm = load_vector(n("post_ffw_norm"), false, c.dim);
+    L.w_gate = load_matrix(n("ffn_gate"), false, c.ffn_dim, c.dim);
+    if (L.w_gate.empty()) {
+      L.w_gate_up = load_matrix(n("ffn_up"), true, 2 * (int64_t)c.ffn_dim, c.dim);  // phi3: gate | up
+    } else {
+      L.w_up = load_matrix(n("ffn_up"), true, c.ffn_dim, c.dim);
+    }
+    L.w_down = load_matrix(n("ffn_down"), true, c.dim, c.ffn_dim);
+  }
+}
+
+}  // namespace dl

@@ -1,0 +1,88 @@
+// A loaded model: config from GGUF metadata, weights in place (or converted per
+// load mode), the family's traits, and the shared decoder forward pass.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "gguf/gguf.h"
+#include "model/arch.h"
+
+namespace dl {
+
+enum class QuantMode { fp32 = 0, q8 = 1, q4_0 = 2 };
+
+struct ModelConfig {
+  std::string arch;
+  int dim = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, head_dim_v = 0;
+  int ffn_dim = 0, vocab_size = 0, seq_len = 0;
+  float norm_eps = 1e-5f;
+  // rope
+  int n_rot = 0;
+  float rope_base = 10000.f, rope_base_swa = 0.f, rope_freq_scale = 1.f;
+  std::string rope_scaling = "none";
+  // attention
+  int sliding_window = 0;
+  std::vector<uint8_t> layer_is_swa;
+  float attn_scale = 0.f, attn_softcap = 0.f, final_softcap = 0.f;
+};
+
+struct LayerWeights {
+  std::vector<float> attn_norm, attn_post_norm, ffn_norm, ffn_post_norm, q_norm, k_norm;
+  std::vector<float> bq, bk, bv;
+  Weight wq, wk, wv, wqkv, wo, w_gate, w_up, w_gate_up, w_down;
+};
+
+class Session;
+
+class Model {
+ public:
+  // Throws GGUFError / UnsupportedModelError / dl::Error.
+  static std::shared_ptr<Model> load(const std::string& path, QuantMode mode, int n_threads);
+
+  const ModelConfig& config() const { return cfg_; }
+  const ArchTraits& traits() const { return *traits_; }
+  const gguf::File& file() const { return *file_; }
+  std::shared_ptr<gguf::File> file_ptr() const { return file_; }
+  QuantMode mode() const { return mode_; }
+  Backend& backend() { return *backend_; }
+
+  // Runs n tokens (or embedding rows when embd != null, n rows of dim floats)
+  // at positions n_past.. of the session; writes logits of the last row (or of
+  // every row when all_logits) into the session. Serialized per model.
+  void forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits);
+
+  // Embedding rows for tokens (scaled as the family's input layer does).
+  void embed_tokens(const int32_t* tokens, int64_t n, float* out);
+  // Pooled hidden state (mean of the final-norm outputs) of a token sequence.
+  std::vector<float> embed_mean(const std::vector<int32_t>& tokens);
+
+ private:
+  Model() = default;
+  void load_weights();
+  Weight load_matrix(const std::string& name, bool required, int64_t rows = -1, int64_t cols = -1);
+  std::vector<float> load_vector(const std::string& name, bool required, int64_t n = -1);
+  void forward_chunk(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
+                     float* last_hidden);
+
+  std::shared_ptr<gguf::File> file_;
+  ModelConfig cfg_;
+  const ArchTraits* traits_ = nullptr;
+  QuantMode mode_ = QuantMode::q8;
+  std::unique_ptr<Backend> backend_;
+  std::mutex mu_;
+
+  Weight tok_embd_, output_;
+  std::vector<float> output_norm_, rope_freqs_;
+  std::vector<LayerWeights> layers_;
+
+  // Scratch for one chunk of up to max_chunk_ rows.
+  int64_t max_chunk_ = 256;
+  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, tmp_;
+  std::vector<int32_t> pos_;
+};
+
+}  // namespace dl
