@@ -6,4 +6,5 @@ namespace dl::py_bind {
 namespace py = pybind11;
 void bind_errors(py::module_& m);
 void bind_system(py::module_& m);
+void bind_tokenizer(py::module_& m);
 }  // namespace dl::py_bind

@@ -5,4 +5,5 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "dasllama C++ core";
   dl::py_bind::bind_errors(m);
   dl::py_bind::bind_system(m);
+  dl::py_bind::bind_tokenizer(m);
 }
