@@ -5,6 +5,7 @@ The split regexes are checked on their own against the HF tokenizers regex engin
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -139,10 +140,15 @@ def _hf(path: Path):
     return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
 
 
-def _ours(path: Path):
+@functools.lru_cache(maxsize=None)
+def _metadata(path: str) -> dict:
     from gguf import GGUFReader
 
-    return tokenizer_from_gguf_metadata(metadata_from_gguf_reader(GGUFReader(str(path))))
+    return metadata_from_gguf_reader(GGUFReader(path))
+
+
+def _ours(path: Path):
+    return tokenizer_from_gguf_metadata(_metadata(str(path)))
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -223,6 +229,27 @@ def test_speed_1mb(pair):
     ids = ours.encode(text, add_special=False)
     dt = time.perf_counter() - t
     assert ids and dt < 1.0, f"{name}: 1 MB in {dt:.2f}s"
+
+
+def test_llama_style_spm_matches_hf(gemma3_path):
+    """Llama-2/TinyLlama/Mistral-style SentencePiece (merges ranked by score, space prefix), built
+    from Gemma-3's vocabulary relabelled as a "llama" file, against transformers' builder for it."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    md = dict(_metadata(str(gemma3_path)))
+    md.update({"general.architecture": "llama", "tokenizer.ggml.add_space_prefix": True,
+               "tokenizer.ggml.add_bos_token": False})
+    ours = tokenizer_from_gguf_metadata(md)
+    hf, _ = convert_gguf_tokenizer("llama", {
+        "tokenizer_type": "llama", "tokens": md["tokenizer.ggml.tokens"], "scores": md["tokenizer.ggml.scores"],
+        "token_type": md["tokenizer.ggml.token_type"], "bos_token_id": 2, "eos_token_id": 1, "unk_token_id": 3})
+    want = [e.ids for e in hf.encode_batch(CORPUS, add_special_tokens=False)]
+    got = [ours.encode(t, add_special=False, parse_special=True) for t in CORPUS]
+    bad = _mismatches(got, want, CORPUS)
+    assert not bad, f"{len(bad)} differ, first {bad[:3]}"
+    want = hf.decode_batch(got, skip_special_tokens=False)
+    bad = _mismatches([ours.decode(i, special=True) for i in got], want, CORPUS)
+    assert not bad, f"decode: {len(bad)} differ, first {bad[:3]}"
 
 
 # --------------------------------------------------------------------------------------------

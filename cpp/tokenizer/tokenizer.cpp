@@ -342,8 +342,10 @@ void Tokenizer::encode_text(std::string_view seg, bool first, std::vector<int32_
   }
   // SPM: spaces as "▁" (and one in front of the text when asked), one word, chars as symbols,
   // byte tokens for chars the vocabulary lacks, UNK (fused) when even those are missing.
+  // The prefix goes only on the text's first segment, and not when it already starts with a
+  // space: transformers' Metaspace(prepend_scheme="first"); llama.cpp would add one there too.
   std::string norm;
-  if (add_space_prefix_ && first) norm = kSpace;
+  if (add_space_prefix_ && first && seg[0] != ' ') norm = kSpace;
   norm += replace_all(seg, " ", kSpace);
   std::vector<size_t> b = char_bounds(norm);
   bool prev_unk = false;
