@@ -23,8 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from dasllama import _core  # noqa: E402
 from dasllama.tokenizer import metadata_from_gguf_reader, tokenizer_from_gguf_metadata  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+import transformers  # noqa: E402,F401  - the oracle (needs torch for its GGUF reader); never skipped
 
 # --------------------------------------------------------------------------------------------
 # Gemma-3-270M: pulled through the hub when it knows the model, else assembled here from the

@@ -29,7 +29,7 @@ uint16_t cp_flags(uint32_t cp) {
   return cp < 256 ? latin[cp] : lookup_flags(cp);
 }
 
-// Text as code points with their byte offsets; invalid bytes become one U+FFFD each (flags 0).
+// Text as code points with their byte offsets; an invalid run becomes one U+FFFD (flags 0).
 struct Cps {
   std::vector<uint32_t> cp;
   std::vector<uint16_t> fl;
@@ -192,6 +192,8 @@ size_t match_gpt4o(const Cps& t, size_t i) {
 PreSplit pre_split_from_name(const std::string& pre) {
   // The names transformers maps to each split when it builds a tokenizer from a GGUF; anything
   // else (default, gpt-2, smollm, ...) gets GPT-2's byte-level regex there, so here too.
+  // llama.cpp splits every digit apart first for "smollm" (and starcoder, refact, ...); with
+  // SmolLM2's vocabulary (no token joins a digit to anything) both give the same ids.
   static const char* llama3[] = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                                  "midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"};
   static const char* qwen2[] = {"qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"};
