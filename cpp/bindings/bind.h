@@ -8,4 +8,5 @@ void bind_errors(py::module_& m);
 void bind_system(py::module_& m);
 void bind_quant(py::module_& m);
 void bind_gguf(py::module_& m);
+void bind_tokenizer(py::module_& m);
 }  // namespace dl::py_bind

@@ -7,4 +7,5 @@ PYBIND11_MODULE(_core, m) {
   dl::py_bind::bind_system(m);
   dl::py_bind::bind_quant(m);
   dl::py_bind::bind_gguf(m);
+  dl::py_bind::bind_tokenizer(m);
 }
