@@ -8,4 +8,5 @@ PYBIND11_MODULE(_core, m) {
   dl::py_bind::bind_quant(m);
   dl::py_bind::bind_gguf(m);
   dl::py_bind::bind_tokenizer(m);
+  dl::py_bind::bind_model(m);
 }

@@ -20,7 +20,7 @@ size_t kv_row_bytes(KVType t, int64_t dim) {
   switch (t) {
     case KVType::f32: return (size_t)dim * 4;
     case KVType::f16: return (size_t)dim * 2;
-    case KVType::q8_0: return (size_t)(dim / 32) * sizeof(block_q8_0);
+    case KVType::q8_0: return (size_t)(dim / 32) * sizeof(quant::block_q8_0);
   }
   return 0;
 }
@@ -51,6 +51,22 @@ class CpuBackend final : public Backend {
 
   void matmul(const Weight& w, const float* x, int64_t n, float* y) override {
     const cpu::KernelTable& kt = cpu::kernels();
+    if (!kt.matmul_rows) {  // TEMP until the matmul kernels land
+      pool_.run([&](int ith, int nth) {
+        std::vector<float> row((size_t)w.cols);
+        int64_t lo, hi;
+        split(w.rows, ith, nth, lo, hi);
+        for (int64_t r = lo; r < hi; ++r) {
+          dequantize_row(w.type, w.data + (size_t)r * w.row_bytes, row.data(), w.cols);
+          for (int64_t t = 0; t < n; ++t) {
+            double acc = 0;
+            for (int64_t i = 0; i < w.cols; ++i) acc += (double)row[i] * x[t * w.cols + i];
+            y[t * w.rows + r] = (float)acc;
+          }
+        }
+      });
+      return;
+    }
     uint32_t at = kt.act_type(w.type);
     if (at == UINT32_MAX) {
       const TypeTraits* tt = type_traits(w.type);
@@ -173,7 +189,10 @@ class CpuBackend final : public Backend {
           const float* kh = krow.data() + (int64_t)kvh * hd;
           for (int g = 0; g < group; ++g) {
             const float* q = a.q + t * a.q_stride + (int64_t)(kvh * group + g) * hd;
-            float s = kt.dot_f32(q, kh, hd) * a.scale;
+            float s = 0;
+            if (kt.dot_f32) s = kt.dot_f32(q, kh, hd);
+            else for (int d = 0; d < hd; ++d) s += q[d] * kh[d];  // TEMP
+            s *= a.scale;
             if (a.softcap > 0) s = a.softcap * std::tanh(s / a.softcap);
             scores[(size_t)(g * nj + j)] = s;
           }

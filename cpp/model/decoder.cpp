@@ -62,9 +62,29 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
 }
 
 std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
-  Session s(nullptr_model_guard_, KVType::f32, (int)tokens.size());
-  (void)s;
-  return {};
+  const int64_t n = (int64_t)tokens.size();
+  const int64_t D = cfg_.dim;
+  std::vector<float> mean((size_t)D, 0.f);
+  if (n == 0) return mean;
+  if (n > cfg_.seq_len) throw ContextOverflowError("embed: text longer than the model's context");
+  Session s(shared_from_this(), KVType::f32, (int)n);
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<float> hidden;
+  for (int64_t i = 0; i < n; i += max_chunk_) {
+    const int64_t m = std::min(max_chunk_, n - i);
+    hidden.resize((size_t)(m * D));
+    forward_chunk(s, tokens.data() + i, nullptr, m, true, hidden.data());
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t d = 0; d < D; ++d) mean[d] += hidden[r * D + d];
+  }
+  double norm = 0;
+  for (float& v : mean) {
+    v /= (float)n;
+    norm += (double)v * v;
+  }
+  if (norm > 0)
+    for (float& v : mean) v = (float)(v / std::sqrt(norm));
+  return mean;
 }
 
 void Model::forward_chunk(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,

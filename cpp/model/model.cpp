@@ -2,6 +2,7 @@
 // QuantMode, every shape checked against the config before use.
 #include "model/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -110,6 +111,17 @@ std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, int 
 
   m->backend_ = make_cpu_backend(n_threads);
   m->load_weights();
+  m->tokenizer_ = Tokenizer::from_gguf(f);
+  // End of generation: the declared ids plus the control tokens templates close turns with.
+  for (const char* k : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"})
+    if (auto v = f.get_int(k); v && *v >= 0 && *v < m->cfg_.vocab_size) m->eog_.push_back((int32_t)*v);
+  for (const char* t : {"<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>",
+                        "<|return|>", "<|call|>", "</s>"}) {
+    int32_t id = m->tokenizer_->token_to_id(t);
+    if (id >= 0 && id < m->cfg_.vocab_size && m->tokenizer_->token_type(id) == TokenType::CONTROL &&
+        std::find(m->eog_.begin(), m->eog_.end(), id) == m->eog_.end())
+      m->eog_.push_back(id);
+  }
   return m;
 }
 
@@ -127,6 +139,8 @@ std::vector<float> Model::load_vector(const std::string& name, bool required, in
   dequantize_row(ti->type, file_->tensor_data(*ti), v.data(), ne);
   return v;
 }
+
+bool Model::is_eog(int32_t id) const { return std::find(eog_.begin(), eog_.end(), id) != eog_.end(); }
 
 Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, int64_t cols) {
   const gguf::TensorInfo* ti = file_->find_tensor(name);

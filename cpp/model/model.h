@@ -2,6 +2,7 @@
 // load mode), the family's traits, and the shared decoder forward pass.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -10,6 +11,8 @@
 #include "core/backend.h"
 #include "gguf/gguf.h"
 #include "model/arch.h"
+#include "sample/sampler.h"
+#include "tokenizer/tokenizer.h"
 
 namespace dl {
 
@@ -37,8 +40,18 @@ struct LayerWeights {
 };
 
 class Session;
+class Model;
 
-class Model {
+// Per-token callback of generate: (id, piece) -> keep going.
+using TokenCallback = std::function<bool(int32_t, const std::string&)>;
+
+// Prefills the prompt (token ids, or npos embedding rows when embd is set) in one
+// eval, then samples up to max_tokens, stopping on an end-of-generation id, a
+// false from the callback, or a full context. Returns the tokens emitted.
+int64_t generate(Model& m, Session& s, const std::vector<int32_t>& prompt, const float* embd, int64_t npos,
+                 const SamplingParams& p, int64_t max_tokens, const TokenCallback& cb);
+
+class Model : public std::enable_shared_from_this<Model> {
  public:
   // Throws GGUFError / UnsupportedModelError / dl::Error.
   static std::shared_ptr<Model> load(const std::string& path, QuantMode mode, int n_threads);
@@ -49,6 +62,10 @@ class Model {
   std::shared_ptr<gguf::File> file_ptr() const { return file_; }
   QuantMode mode() const { return mode_; }
   Backend& backend() { return *backend_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  // End-of-generation ids: eos, eot, eom and the control tokens chat templates end turns with.
+  const std::vector<int32_t>& eog_ids() const { return eog_; }
+  bool is_eog(int32_t id) const;
 
   // Runs n tokens (or embedding rows when embd != null, n rows of dim floats)
   // at positions n_past.. of the session; writes logits of the last row (or of
@@ -73,6 +90,8 @@ class Model {
   const ArchTraits* traits_ = nullptr;
   QuantMode mode_ = QuantMode::q8;
   std::unique_ptr<Backend> backend_;
+  std::shared_ptr<Tokenizer> tokenizer_;
+  std::vector<int32_t> eog_;
   std::mutex mu_;
 
   Weight tok_embd_, output_;

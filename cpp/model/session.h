@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "sample/sampler.h"
 
 namespace dl {
 
@@ -31,6 +32,8 @@ class Session {
   std::vector<float> logits;      // [n_vocab] of the last row (or [n][n_vocab] with all_logits)
   std::vector<int32_t> history;   // tokens evaluated so far (media rows as negative ids)
   GenStats stats;
+  Rng rng;
+  std::vector<float> sample_scratch;
 
   // Cache row pointers for layer l.
   uint8_t* k_layer(int l) { return k_.data() + (size_t)l * layer_bytes_k_; }

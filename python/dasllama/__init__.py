@@ -17,10 +17,35 @@ from ._core import (
 from . import quant
 from ._system import get_isa, set_isa, system_info
 from . import hub
+from .llm import (
+    KVDtype,
+    Model,
+    ModelConfig,
+    QuantMode,
+    SamplingParams,
+    Session,
+    Stats,
+    create_session,
+    decode,
+    embed,
+    encode,
+    eval,
+    eval_embd,
+    generate,
+    load_model,
+    piece,
+    sample,
+    set_seed,
+    stats,
+    stream_generate,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVDtype", "Model", "ModelConfig", "QuantMode", "SamplingParams", "Session", "Stats",
+    "create_session", "decode", "embed", "encode", "eval", "eval_embd", "generate", "load_model",
+    "piece", "sample", "set_seed", "stats", "stream_generate",
     "ContextOverflowError",
     "DasllamaError",
     "GGUFError",

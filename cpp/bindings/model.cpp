@@ -1,0 +1,196 @@
+// Bindings for models, sessions, evaluation, sampling and generation. Compute
+// runs with the GIL released; logits cross as numpy views of session memory.
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bind.h"
+#include "core/errors.h"
+#include "model/model.h"
+#include "model/session.h"
+
+namespace dl::py_bind {
+
+namespace {
+
+SamplingParams params_from(const py::object& o) {
+  SamplingParams p;
+  if (o.is_none()) return p;
+  p.temp = o.attr("temp").cast<float>();
+  p.top_k = o.attr("top_k").cast<int>();
+  p.top_p = o.attr("top_p").cast<float>();
+  p.min_p = o.attr("min_p").cast<float>();
+  p.repeat_penalty = o.attr("repeat_penalty").cast<float>();
+  p.penalty_last_n = o.attr("penalty_last_n").cast<int>();
+  p.presence_penalty = o.attr("presence_penalty").cast<float>();
+  p.frequency_penalty = o.attr("frequency_penalty").cast<float>();
+  p.seed = o.attr("seed").cast<int64_t>();
+  if (!(p.top_p > 0.f && p.top_p <= 1.f)) throw py::value_error("top_p must be in (0, 1]");
+  if (p.min_p < 0.f || p.min_p > 1.f) throw py::value_error("min_p must be in [0, 1]");
+  if (p.top_k < 0) throw py::value_error("top_k must be >= 0");
+  if (!(p.repeat_penalty > 0.f)) throw py::value_error("repeat_penalty must be > 0");
+  return p;
+}
+
+std::vector<int32_t> ids_from(const Model& m, const std::vector<int64_t>& ids) {
+  std::vector<int32_t> out(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= m.config().vocab_size)
+      throw py::value_error("token id " + std::to_string(ids[i]) + " out of range [0, " +
+                            std::to_string(m.config().vocab_size) + ")");
+    out[i] = (int32_t)ids[i];
+  }
+  return out;
+}
+
+py::dict config_dict(const Model& m) {
+  const ModelConfig& c = m.config();
+  py::dict d;
+  d["arch"] = c.arch;
+  d["dim"] = c.dim;
+  d["n_layers"] = c.n_layers;
+  d["n_heads"] = c.n_heads;
+  d["n_kv_heads"] = c.n_kv_heads;
+  d["head_size"] = c.head_dim;
+  d["ffn_dim"] = c.ffn_dim;
+  d["vocab_size"] = c.vocab_size;
+  d["seq_len"] = c.seq_len;
+  d["norm_eps"] = c.norm_eps;
+  d["n_rot"] = c.n_rot;
+  d["rope_base"] = c.rope_base;
+  d["rope_base_swa"] = c.rope_base_swa;
+  d["rope_freq_scale"] = c.rope_freq_scale;
+  d["rope_scaling"] = c.rope_scaling;
+  d["sliding_window"] = c.sliding_window;
+  d["attn_softcap"] = c.attn_softcap;
+  d["final_softcap"] = c.final_softcap;
+  return d;
+}
+
+}  // namespace
+
+void bind_model(py::module_& m) {
+  py::class_<Model, std::shared_ptr<Model>>(m, "Model")
+      .def(py::init([](const std::string& path, int mode, int n_threads) {
+             if (mode < 0 || mode > 2) throw py::value_error("mode must be QuantMode.fp32, q8 or q4_0");
+             py::gil_scoped_release rel;
+             return Model::load(path, (QuantMode)mode, n_threads);
+           }),
+           py::arg("path"), py::arg("mode") = 1, py::arg("n_threads") = 0)
+      .def_property_readonly("config", &config_dict)
+      .def_property_readonly("arch", [](const Model& x) { return x.config().arch; })
+      .def_property_readonly("n_threads", [](Model& x) { return x.backend().n_threads(); })
+      .def_property_readonly("eog_ids", [](const Model& x) { return x.eog_ids(); })
+      .def_property_readonly("bos", [](const Model& x) { return x.tokenizer().bos(); })
+      .def("encode",
+           [](const Model& x, const std::string& text, bool add_special, bool parse_special) {
+             py::gil_scoped_release rel;
+             return x.tokenizer().encode(text, add_special, parse_special);
+           },
+           py::arg("text"), py::arg("add_special") = true, py::arg("parse_special") = false)
+      .def("decode",
+           [](const Model& x, const std::vector<int64_t>& ids, bool special) {
+             auto v = ids_from(x, ids);
+             return x.tokenizer().decode(v, special);
+           },
+           py::arg("ids"), py::arg("special") = false)
+      .def("piece",
+           [](const Model& x, int64_t id) {
+             auto v = ids_from(x, {id});
+             return py::bytes(x.tokenizer().piece(v[0]));
+           })
+      .def("token_text", [](const Model& x, int64_t id) { return x.tokenizer().token_text(ids_from(x, {id})[0]); })
+      .def("embed",
+           [](Model& x, const std::string& text) {
+             std::vector<float> v;
+             {
+               py::gil_scoped_release rel;
+               auto ids = x.tokenizer().encode(text, true, false);
+               v = x.embed_mean(ids);
+             }
+             return py::array_t<float>((py::ssize_t)v.size(), v.data());
+           })
+      .def("embed_tokens", [](Model& x, const std::vector<int64_t>& ids) {
+        auto v = ids_from(x, ids);
+        py::array_t<float> out({(py::ssize_t)v.size(), (py::ssize_t)x.config().dim});
+        float* dst = out.mutable_data();
+        {
+          py::gil_scoped_release rel;
+          x.embed_tokens(v.data(), (int64_t)v.size(), dst);
+        }
+        return out;
+      });
+
+  py::class_<Session, std::shared_ptr<Session>>(m, "Session")
+      .def(py::init([](std::shared_ptr<Model> model, int kv, int n_ctx) {
+             if (kv != 0 && kv != 1 && kv != 8) throw py::value_error("kv_dtype must be KVDtype.f32, f16 or q8_0");
+             return std::make_shared<Session>(model, (KVType)kv, n_ctx);
+           }),
+           py::arg("model"), py::arg("kv_dtype") = 1, py::arg("n_ctx") = 0)
+      .def_property_readonly("n_past", &Session::n_past)
+      .def_property_readonly("n_ctx", &Session::n_ctx)
+      .def_property_readonly("kv_dtype", [](const Session& s) { return (int)s.kv_type(); })
+      .def_property_readonly("history", [](const Session& s) { return s.history; })
+      .def_property_readonly("logits",
+                             [](py::object self) {
+                               Session& s = self.cast<Session&>();
+                               // A view of the session's buffer: valid until the next eval.
+                               return py::array_t<float>({(py::ssize_t)s.logits.size()}, {sizeof(float)},
+                                                         s.logits.data(), self);
+                             })
+      .def("truncate", &Session::truncate)
+      .def("stats",
+           [](const Session& s) {
+             py::dict d;
+             d["n_prompt"] = s.stats.n_prompt;
+             d["n_gen"] = s.stats.n_gen;
+             d["ttft_s"] = s.stats.ttft_s;
+             d["prefill_tps"] = s.stats.prefill_tps;
+             d["gen_tps"] = s.stats.gen_tps;
+             return d;
+           })
+      .def("set_seed", [](Session& s, int64_t seed) { s.rng.reseed((uint64_t)seed); });
+
+  m.def("eval",
+        [](Session& s, const std::vector<int64_t>& tokens, bool all_logits) {
+          auto v = ids_from(s.model(), tokens);
+          py::gil_scoped_release rel;
+          s.model().forward(s, v.data(), nullptr, (int64_t)v.size(), all_logits);
+        },
+        py::arg("session"), py::arg("tokens"), py::arg("all_logits") = false);
+  m.def("eval_embd",
+        [](Session& s, py::array_t<float, py::array::c_style | py::array::forcecast> embd, int64_t npos) {
+          const int64_t D = s.model().config().dim;
+          if (npos < 0 || embd.size() < npos * D)
+            throw py::value_error("embd holds " + std::to_string(embd.size()) + " floats; npos x dim = " +
+                                  std::to_string(npos * D));
+          const float* p = embd.data();
+          py::gil_scoped_release rel;
+          s.model().forward(s, nullptr, p, npos, false);
+        });
+  m.def("sample", [](Session& s, py::object params) {
+    if (s.logits.empty()) throw py::value_error("sample: no logits yet (eval first)");
+    SamplingParams p = params_from(params);
+    if (p.seed >= 0) s.rng.reseed((uint64_t)p.seed);
+    const int V = s.model().config().vocab_size;
+    return sample_token(s.logits.data() + (s.logits.size() - V), V, p, s.history, s.rng, s.sample_scratch);
+  });
+  m.def("generate",
+        [](Session& s, const std::vector<int64_t>& prompt, py::object params, int64_t max_tokens,
+           std::function<bool(int32_t, py::bytes)> cb) {
+          auto v = ids_from(s.model(), prompt);
+          SamplingParams p = params_from(params);
+          TokenCallback tc;
+          if (cb) {
+            tc = [&cb](int32_t id, const std::string& piece) {
+              py::gil_scoped_acquire acq;
+              return cb(id, py::bytes(piece));
+            };
+          }
+          py::gil_scoped_release rel;
+          return generate(s.model(), s, v, nullptr, 0, p, max_tokens, tc);
+        },
+        py::arg("session"), py::arg("prompt"), py::arg("params"), py::arg("max_tokens"), py::arg("callback"));
+}
+
+}  // namespace dl::py_bind

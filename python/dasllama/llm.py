@@ -1,0 +1,240 @@
+"""Models, sessions, tokenizer, evaluation, sampling and generation (reference §17.1.3–17.1.8).
+
+A :class:`Model` may be shared by threads (compute on one model is serialized);
+a :class:`Session` is used by one thread at a time.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _core
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class QuantMode(enum.IntEnum):
+    """Weight representation picked at load: fp32 (the reference), q8 (fast path), q4_0."""
+
+    fp32 = 0
+    q8 = 1
+    q4_0 = 2
+
+
+class KVDtype(enum.IntEnum):
+    """KV-cache codec of a session: f32 (bit-exact reference), f16 (default), q8_0."""
+
+    f32 = 0
+    f16 = 1
+    q8_0 = 8
+
+
+@dataclass
+class SamplingParams:
+    """Sampling knobs; the defaults are greedy (``temp <= 0`` selects argmax)."""
+
+    temp: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    penalty_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+
+
+@dataclass
+class Stats:
+    """Timing of the last generate call of a session."""
+
+    n_prompt: int = 0
+    n_gen: int = 0
+    ttft_s: float = 0.0
+    prefill_tps: float = 0.0
+    gen_tps: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_size: int
+    ffn_dim: int
+    vocab_size: int
+    seq_len: int
+    norm_eps: float
+    n_rot: int
+    rope_base: float
+    rope_base_swa: float
+    rope_freq_scale: float
+    rope_scaling: str
+    sliding_window: int
+    attn_softcap: float
+    final_softcap: float
+
+
+class Model:
+    """A loaded GGUF model and its tokenizer (see :func:`load_model`)."""
+
+    def __init__(self, core: "_core.Model", path: str, mode: QuantMode):
+        self._m = core
+        self.path = path
+        self.mode = mode
+        self.config = ModelConfig(**core.config)
+        self.arch = self.config.arch
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Model({os.path.basename(self.path)!r}, arch={c.arch!r}, layers={c.n_layers}, dim={c.dim}, "
+                f"vocab={c.vocab_size}, mode={self.mode.name}, threads={self._m.n_threads})")
+
+
+class Session:
+    """One generation stream: KV cache, position ``n_past`` and the last ``logits``."""
+
+    def __init__(self, model: Model, kv_dtype: KVDtype, n_ctx: int):
+        self.model = model
+        self._s = _core.Session(model._m, int(kv_dtype), int(n_ctx))
+
+    @property
+    def n_past(self) -> int:
+        return self._s.n_past
+
+    @property
+    def n_ctx(self) -> int:
+        return self._s.n_ctx
+
+    @property
+    def logits(self) -> np.ndarray:
+        """Logits of the last evaluated row: a view valid until the next eval (copy to keep)."""
+        return self._s.logits
+
+    def __repr__(self) -> str:
+        return f"Session(n_past={self.n_past}, n_ctx={self.n_ctx}, kv={KVDtype(self._s.kv_dtype).name})"
+
+
+def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 0) -> Model:
+    """Load a model and its tokenizer from a GGUF file or a hub name.
+
+    ``mode`` picks the weights: ``fp32`` dequantizes everything (the reference),
+    ``q8`` (default) requantizes float weights to q8_0 and keeps quantized planes,
+    ``q4_0`` requantizes float weights to q4_0. ``n_threads`` 0 means the physical cores.
+    """
+    from . import hub
+
+    p = str(hub.resolve(path))
+    mode = QuantMode(mode)
+    return Model(_core.Model(p, int(mode), int(n_threads)), p, mode)
+
+
+def create_session(model: Model, kv_dtype: KVDtype = KVDtype.f16, n_ctx: int = 0) -> Session:
+    """A fresh session; ``n_ctx`` 0 means min(model.config.seq_len, 4096) positions."""
+    return Session(model, KVDtype(kv_dtype), n_ctx)
+
+
+def encode(model: Model, text: str, add_special: bool = True, parse_special: bool = False) -> List[int]:
+    return model._m.encode(text, add_special, parse_special)
+
+
+def decode(model: Model, ids: Sequence[int]) -> str:
+    return model._m.decode([int(i) for i in ids])
+
+
+def piece(model: Model, id: int) -> str:
+    """One token's text (raw bytes decoded leniently; streaming should use generate's pieces)."""
+    return model._m.piece(int(id)).decode("utf-8", errors="replace")
+
+
+def eval(model: Model, session: Session, tokens: Sequence[int]) -> None:  # noqa: A001 - mirrors the reference
+    """Run tokens at the session's position and advance it; logits land in ``session.logits``."""
+    _check(model, session)
+    _core.eval(session._s, [int(t) for t in tokens])
+
+
+def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int) -> None:
+    """eval's embedding-row twin: prefill ``npos`` rows of ``dim`` floats."""
+    _check(model, session)
+    _core.eval_embd(session._s, np.ascontiguousarray(embd, dtype=np.float32).reshape(-1), int(npos))
+
+
+def sample(session: Session, params: Optional[SamplingParams] = None) -> int:
+    return _core.sample(session._s, params or SamplingParams())
+
+
+def set_seed(session: Session, seed: int) -> None:
+    session._s.set_seed(int(seed))
+
+
+def stats(session: Session) -> Stats:
+    return Stats(**session._s.stats())
+
+
+def generate(model: Model, session: Session, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
+             max_tokens: int = 256, on_token: Optional[Callable[[int, str], Optional[bool]]] = None) -> int:
+    """Prefill ``prompt`` then sample up to ``max_tokens``; ``on_token(id, piece)`` may return False to stop.
+
+    The decode loop runs in C++ with the GIL released. Pieces are whole UTF-8:
+    bytes of a split character are held until it completes. Returns the count emitted.
+    """
+    _check(model, session)
+    ids = encode(model, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    cb = None
+    if on_token is not None:
+        def cb(i: int, b: bytes) -> bool:
+            return on_token(i, b.decode("utf-8", errors="replace")) is not False
+    return _core.generate(session._s, ids, params or SamplingParams(), int(max_tokens), cb)
+
+
+def stream_generate(model: Model, session: Session, prompt: Union[str, Sequence[int]],
+                    params: Optional[SamplingParams] = None, max_tokens: int = 256) -> Iterator[str]:
+    """Generator form of :func:`generate`: yields text pieces as they come."""
+    q: "queue.Queue" = queue.Queue()
+    stop = threading.Event()
+    done = object()
+
+    def on_token(i: int, p: str) -> bool:
+        q.put(p)
+        return not stop.is_set()
+
+    def run():
+        try:
+            generate(model, session, prompt, params, max_tokens, on_token)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            q.put(e)
+        finally:
+            q.put(done)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            if item:
+                yield item
+    finally:
+        stop.set()
+        t.join()
+
+
+def embed(model: Model, text: str) -> np.ndarray:
+    """Mean-pooled, L2-normalized final hidden state of ``text`` (``dim`` floats)."""
+    return model._m.embed(text)
+
+
+def _check(model: Model, session: Session) -> None:
+    if session.model is not model:
+        raise ValueError("session belongs to another model")
