@@ -155,10 +155,13 @@ def piece(model: Model, id: int) -> str:
     return model._m.piece(int(id)).decode("utf-8", errors="replace")
 
 
-def eval(model: Model, session: Session, tokens: Sequence[int]) -> None:  # noqa: A001 - mirrors the reference
-    """Run tokens at the session's position and advance it; logits land in ``session.logits``."""
+def eval(model: Model, session: Session, tokens: Sequence[int], all_logits: bool = False) -> None:  # noqa: A001
+    """Run tokens at the session's position and advance it; logits land in ``session.logits``.
+
+    With ``all_logits`` the logits of every row are kept (``len(tokens) * vocab`` floats).
+    """
     _check(model, session)
-    _core.eval(session._s, [int(t) for t in tokens])
+    _core.eval(session._s, [int(t) for t in tokens], bool(all_logits))
 
 
 def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int) -> None:
