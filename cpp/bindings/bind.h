@@ -7,4 +7,5 @@ namespace py = pybind11;
 void bind_errors(py::module_& m);
 void bind_system(py::module_& m);
 void bind_quant(py::module_& m);
+void bind_kernels(py::module_& m);
 }  // namespace dl::py_bind

@@ -6,4 +6,5 @@ PYBIND11_MODULE(_core, m) {
   dl::py_bind::bind_errors(m);
   dl::py_bind::bind_system(m);
   dl::py_bind::bind_quant(m);
+  dl::py_bind::bind_kernels(m);
 }
