@@ -54,6 +54,15 @@ thread_local Scratch tl_unpack, tl_row;
 
 inline size_t round64(size_t n) { return (n + 63) / 64 * 64; }
 
+// f16 scale -> float: one F16C instruction where we have it (exact, same as h2f).
+inline float f16s(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return h2f(h);
+#endif
+}
+
 // ---- dot_f32 ------------------------------------------------------------------------------------
 
 float dot_f32_impl(const float* a, const float* b, int64_t n) {
@@ -175,44 +184,71 @@ void quant_act_k8(const float* x, uint8_t* dst, int64_t k) {
 // ---- unpackers: 32-block family ----------------------------------------------------------------
 // Per block: u[32] (element order), dw and mw such that w = dw * u + mw.
 
-inline void up_q4_0(const block_q4_0* b, uint8_t* u, float& dw, float& mw) {
+// 16 bytes of nibbles -> u[0..15] = low nibbles, u[16..31] = high nibbles.
+inline void up_nibbles(const uint8_t* qs, uint8_t* u) {
+#if defined(__AVX2__)
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(u), _mm_and_si128(q, m));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+#else
   for (int j = 0; j < 16; ++j) {
-    u[j] = b->qs[j] & 0xF;
-    u[j + 16] = b->qs[j] >> 4;
+    u[j] = qs[j] & 0xF;
+    u[j + 16] = qs[j] >> 4;
   }
-  dw = h2f(b->d);
+#endif
+}
+
+inline void up_q4_0(const block_q4_0* b, uint8_t* u, float& dw, float& mw) {
+  up_nibbles(b->qs, u);
+  dw = f16s(b->d);
   mw = -8.0f * dw;
 }
 inline void up_q4_1(const block_q4_1* b, uint8_t* u, float& dw, float& mw) {
-  for (int j = 0; j < 16; ++j) {
-    u[j] = b->qs[j] & 0xF;
-    u[j + 16] = b->qs[j] >> 4;
-  }
-  dw = h2f(b->d);
-  mw = h2f(b->m);
+  up_nibbles(b->qs, u);
+  dw = f16s(b->d);
+  mw = f16s(b->m);
 }
 inline void up_q5_bits(const uint8_t* qs, const uint8_t* qh4, uint8_t* u) {
   uint32_t qh;
   std::memcpy(&qh, qh4, 4);
+#if defined(__AVX2__)
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+  // Bit j of qh to byte j: byte j takes qh byte j/8, then tests bit j%8.
+  const __m256i bytes = _mm256_shuffle_epi8(
+      _mm256_set1_epi32((int)qh),
+      _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i hb = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), _mm256_or_si256(nib, hb));
+#else
   for (int j = 0; j < 16; ++j) {
     u[j] = (uint8_t)((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
     u[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
   }
+#endif
 }
 inline void up_q5_0(const block_q5_0* b, uint8_t* u, float& dw, float& mw) {
   up_q5_bits(b->qs, b->qh, u);
-  dw = h2f(b->d);
+  dw = f16s(b->d);
   mw = -16.0f * dw;
 }
 inline void up_q5_1(const block_q5_1* b, uint8_t* u, float& dw, float& mw) {
   up_q5_bits(b->qs, b->qh, u);
-  dw = h2f(b->d);
-  mw = h2f(b->m);
+  dw = f16s(b->d);
+  mw = f16s(b->m);
 }
 // Signed weights shifted by 128 to unsigned; the -128 * d * sum term undoes it.
 inline void up_q8_0(const block_q8_0* b, uint8_t* u, float& dw, float& mw) {
+#if defined(__AVX2__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u),
+                      _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs)), _mm256_set1_epi8(-128)));
+#else
   for (int j = 0; j < 32; ++j) u[j] = (uint8_t)b->qs[j] ^ 0x80;
-  dw = h2f(b->d);
+#endif
+  dw = f16s(b->d);
   mw = -128.0f * dw;
 }
 inline void up_iq4_nl(const block_iq4_nl* b, uint8_t* u, float& dw, float& mw) {
@@ -220,7 +256,7 @@ inline void up_iq4_nl(const block_iq4_nl* b, uint8_t* u, float& dw, float& mw) {
     u[j] = (uint8_t)(kvalues_iq4nl[b->qs[j] & 0xF] + 128);
     u[j + 16] = (uint8_t)(kvalues_iq4nl[b->qs[j] >> 4] + 128);
   }
-  dw = h2f(b->d);
+  dw = f16s(b->d);
   mw = -128.0f * dw;
 }
 inline void up_mxfp4(const block_mxfp4* b, uint8_t* u, float& dw, float& mw) {
@@ -244,7 +280,11 @@ void unpack_row_a(const void* w, int64_t k, uint8_t* out) {
   for (int64_t b = 0; b < nbr; ++b) {
     float dw, m;
     UP(blk + b, out + b * 32, dw, m);
+#if defined(__AVX2__)
+    _mm256_storeu_ps(dwx + b * 8, _mm256_set1_ps(dw));
+#else
     for (int j = 0; j < 8; ++j) dwx[b * 8 + j] = dw;
+#endif
     mw[b] = m;
   }
   for (int64_t b = nbr; b < nb; ++b) {
@@ -276,8 +316,8 @@ inline void upk_q2_K(const block_q2_K* b, KOut& o) {
     o.sc[g] = b->scales[g] & 0xF;
     o.mn[g] = b->scales[g] >> 4;
   }
-  o.D = h2f(b->d);
-  o.M = h2f(b->dmin);
+  o.D = f16s(b->d);
+  o.M = f16s(b->dmin);
 }
 
 inline void upk_q3_K(const block_q3_K* b, KOut& o) {
@@ -296,13 +336,30 @@ inline void upk_q3_K(const block_q3_K* b, KOut& o) {
     o.sc[i] = (lo | hi << 4) - 32;
     o.mn[i] = (int16_t)(4 * o.sc[i]);
   }
-  o.D = o.M = h2f(b->d);
+  o.D = o.M = f16s(b->d);
 }
 
 template <bool kFive, class Blk>
 inline void upk_q45_K(const Blk* b, const uint8_t* qh, KOut& o) {
   uint8_t sc[8], mn[8];
   k_scale_min(b->scales, sc, mn);
+#if defined(__AVX2__)
+  if (!kFive) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + c * 32));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.u + c * 64), _mm256_and_si256(q, m));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.u + c * 64 + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), m));
+    }
+    for (int j = 0; j < 8; ++j) {
+      o.sc[2 * j] = o.sc[2 * j + 1] = sc[j];
+      o.mn[2 * j] = o.mn[2 * j + 1] = mn[j];
+    }
+    o.D = f16s(b->d);
+    o.M = f16s(b->dmin);
+    return;
+  }
+#endif
   for (int j = 0; j < 8; ++j) {
     const uint8_t* q = b->qs + (j >> 1) * 32;
     const int sh = (j & 1) * 4;
@@ -314,13 +371,28 @@ inline void upk_q45_K(const Blk* b, const uint8_t* qh, KOut& o) {
     o.sc[2 * j] = o.sc[2 * j + 1] = sc[j];
     o.mn[2 * j] = o.mn[2 * j + 1] = mn[j];
   }
-  o.D = h2f(b->d);
-  o.M = h2f(b->dmin);
+  o.D = f16s(b->d);
+  o.M = f16s(b->dmin);
 }
 inline void upk_q4_K(const block_q4_K* b, KOut& o) { upk_q45_K<false>(b, nullptr, o); }
 inline void upk_q5_K(const block_q5_K* b, KOut& o) { upk_q45_K<true>(b, b->qh, o); }
 
 inline void upk_q6_K(const block_q6_K* b, KOut& o) {
+#if defined(__AVX2__)
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + h * 32));
+    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + h * 64));
+    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + h * 64 + 32));
+    const __m256i lo[4] = {_mm256_and_si256(ql0, m4), _mm256_and_si256(ql1, m4),
+                           _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4)};
+    const __m256i hi[4] = {_mm256_and_si256(qh, m2), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2)};
+    for (int s = 0; s < 4; ++s)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.u + h * 128 + s * 32),
+                          _mm256_or_si256(lo[s], _mm256_slli_epi16(hi[s], 4)));
+  }
+#else
   for (int h = 0; h < 2; ++h)
     for (int s = 0; s < 4; ++s) {
       const uint8_t* ql = b->ql + h * 64 + (s & 1) * 32;
@@ -329,11 +401,12 @@ inline void upk_q6_K(const block_q6_K* b, KOut& o) {
       for (int l = 0; l < 32; ++l)
         o.u[h * 128 + s * 32 + l] = (uint8_t)(((ql[l] >> shl) & 0xF) | ((qh[l] >> (2 * s)) & 3) << 4);
     }
+#endif
   for (int g = 0; g < 16; ++g) {
     o.sc[g] = b->scales[g];
     o.mn[g] = (int16_t)(32 * b->scales[g]);  // u - 32
   }
-  o.D = o.M = h2f(b->d);
+  o.D = o.M = f16s(b->d);
 }
 
 inline void upk_iq4_xs(const block_iq4_xs* b, KOut& o) {
@@ -349,7 +422,7 @@ inline void upk_iq4_xs(const block_iq4_xs* b, KOut& o) {
     o.sc[2 * i] = o.sc[2 * i + 1] = ls;
     o.mn[2 * i] = o.mn[2 * i + 1] = (int16_t)(128 * ls);
   }
-  o.D = o.M = h2f(b->d);
+  o.D = o.M = f16s(b->d);
 }
 
 // Unpacked 256-block row: u[k] | scx[k/4] int32 (group scale per 4-byte dot lane) |
@@ -369,7 +442,11 @@ void unpack_row_k(const void* w, int64_t k, uint8_t* out) {
     o.u = out + b * QK_K;
     UP(blk + b, o);
     for (int g = 0; g < 16; ++g) {
+#if defined(__AVX2__)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(scx + b * 64 + g * 4), _mm_set1_epi32(o.sc[g]));
+#else
       for (int j = 0; j < 4; ++j) scx[b * 64 + g * 4 + j] = o.sc[g];
+#endif
       mn[b * 16 + g] = o.mn[g];
     }
     D[b] = o.D;
@@ -436,8 +513,12 @@ void tile_k(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (
   const int64_t nsb = k / QK_K;
 #if defined(__AVX512F__)
   __m512 acc[R][T];
+  __m256 macc[R][T];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) {
+      acc[r][t] = _mm512_setzero_ps();
+      macc[r][t] = _mm256_setzero_ps();
+    }
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < nsb; ++b) {
     __m512i ia[R][T];
@@ -454,17 +535,33 @@ void tile_k(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (
           ia[r][t] = _mm512_add_epi32(ia[r][t], _mm512_mullo_epi32(_mm512_dpbusd_epi32(zero, u, qa[t]), sc));
       }
     }
+    // Scales and mins of this super-block: D * da on the integer sums, M * da on mn . bsums.
+    float da[T];
+    __m256i bs[T];
+    for (int t = 0; t < T; ++t) {
+      const block_q8_K* ab = reinterpret_cast<const block_q8_K*>(A[t]) + b;
+      std::memcpy(&da[t], &ab->d, 4);
+      bs[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab->bsums));
+    }
     for (int r = 0; r < R; ++r) {
-      const float D = reinterpret_cast<const float*>(U[r] + 2 * k + (k / 16) * 2)[b];
+      const float* DM = reinterpret_cast<const float*>(U[r] + 2 * k + (k / 16) * 2);
+      const float D = DM[b], M = DM[nsb + b];
+      const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(U[r] + 2 * k) + b);
       for (int t = 0; t < T; ++t) {
-        float da;
-        std::memcpy(&da, &reinterpret_cast<const block_q8_K*>(A[t])[b].d, 4);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][t]), _mm512_set1_ps(D * da), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][t]), _mm512_set1_ps(D * da[t]), acc[r][t]);
+        macc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs[t])), _mm256_set1_ps(M * da[t]),
+                                     macc[r][t]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < T; ++t) {
+      const __m256 m = macc[r][t];
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      out[r][t] = _mm512_reduce_add_ps(acc[r][t]) - _mm_cvtss_f32(h);
+    }
 #else
   for (int r = 0; r < R; ++r) {
     const int32_t* scx = reinterpret_cast<const int32_t*>(U[r] + k);
@@ -486,7 +583,6 @@ void tile_k(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (
       out[r][t] = acc;
     }
   }
-#endif
   // Mins: sum over super-blocks of M * da * sum_g mn[g] * bsums[g].
   for (int r = 0; r < R; ++r) {
     const int16_t* mn = reinterpret_cast<const int16_t*>(U[r] + 2 * k);
@@ -506,6 +602,7 @@ void tile_k(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (
       out[r][t] -= m;
     }
   }
+#endif
 }
 
 // ---- drivers ------------------------------------------------------------------------------------
@@ -584,7 +681,14 @@ void run_f32(const MatmulArgs& a, int64_t r0, int64_t r1) {
 void run_generic(const MatmulArgs& a, int64_t r0, int64_t r1) {
   float* row = reinterpret_cast<float*>(tl_row.get((size_t)a.k * 4));
   for (int64_t r = r0; r < r1; ++r) {
-    dequant_row(a.wtype, static_cast<const uint8_t*>(a.w) + (size_t)r * a.w_row_bytes, row, a.k);
+    const void* src = static_cast<const uint8_t*>(a.w) + (size_t)r * a.w_row_bytes;
+#if defined(__AVX2__)
+    if (a.wtype == (uint32_t)GGMLType::F16 && a.k % 8 == 0) {  // F16C: exact, as the decoder
+      const __m128i* h = static_cast<const __m128i*>(src);
+      for (int64_t i = 0; i < a.k / 8; ++i) _mm256_storeu_ps(row + i * 8, _mm256_cvtph_ps(_mm_loadu_si128(h + i)));
+    } else
+#endif
+      dequant_row(a.wtype, src, row, a.k);
     for (int64_t t = 0; t < a.n_tok; ++t)
       a.y[t * a.y_stride + r] = dot_f32_impl(
           row, reinterpret_cast<const float*>(static_cast<const uint8_t*>(a.act) + (size_t)t * a.act_row_bytes), a.k);
