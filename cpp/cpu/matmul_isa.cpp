@@ -483,6 +483,16 @@ void tile_a(const uint8_t* const* U, const uint8_t* const* A, int64_t kp, float 
       }
     }
   }
+  // Offsets (sum over blocks of mw * s) folded into the same accumulators: one reduction per output.
+  for (int64_t i = 0; i < nb; i += 16) {
+    const __mmask16 m = nb - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - i)) - 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512 mw = _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(U[r] + kp) + nb * 8 + i);
+      for (int t = 0; t < T; ++t)
+        acc[r][t] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(A[t] + kp) + nb + i),
+                                    acc[r][t]);
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 #else
@@ -500,12 +510,12 @@ void tile_a(const uint8_t* const* U, const uint8_t* const* A, int64_t kp, float 
       out[r][t] = acc;
     }
   }
-#endif
   // Offsets: sum over blocks of mw * (da * sum qa).
   for (int r = 0; r < R; ++r) {
     const float* mw = reinterpret_cast<const float*>(U[r] + kp) + nb * 8;
     for (int t = 0; t < T; ++t) out[r][t] += dot_f32_impl(mw, reinterpret_cast<const float*>(A[t] + kp) + nb, nb);
   }
+#endif
 }
 
 template <int R, int T>
