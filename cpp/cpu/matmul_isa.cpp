@@ -457,7 +457,8 @@ void unpack_row_k(const void* w, int64_t k, uint8_t* out) {
 // ---- tile kernels -------------------------------------------------------------------------------
 // R unpacked weight rows x T activation rows -> out[r][t].
 
-template <int R, int T>
+// Wide: u spans 0..255 (q8_0, iq4_nl); AVX2's maddubs would saturate, so it uses the sign trick there.
+template <int R, int T, bool Wide>
 void tile_a(const uint8_t* const* U, const uint8_t* const* A, int64_t kp, float (*out)[4]) {
   const int64_t nb = kp / 32;
 #if defined(__AVX512F__)
@@ -495,6 +496,46 @@ void tile_a(const uint8_t* const* U, const uint8_t* const* A, int64_t kp, float 
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+#elif defined(__AVX2__)
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), x80 = _mm256_set1_epi8(-128);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i qa[T];
+    __m256 da[T];
+    for (int t = 0; t < T; ++t) {
+      qa[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A[t] + b * 32));
+      da[t] = _mm256_broadcast_ss(reinterpret_cast<const float*>(A[t] + kp) + b);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(U[r] + b * 32));
+      const __m256 dw = _mm256_broadcast_ss(reinterpret_cast<const float*>(U[r] + kp) + b * 8);
+      // Wide: signed w = u - 128, |w| <= 128 keeps maddubs pairs below 2^15; sum w*qa is exact.
+      const __m256i ws = Wide ? _mm256_xor_si256(u, x80) : u;
+      const __m256i au = Wide ? _mm256_abs_epi8(ws) : u;
+      for (int t = 0; t < T; ++t) {
+        const __m256i p16 = _mm256_maddubs_epi16(au, Wide ? _mm256_sign_epi8(qa[t], ws) : qa[t]);
+        const __m256i p = _mm256_madd_epi16(p16, ones);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, da[t]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* dwx = reinterpret_cast<const float*>(U[r] + kp);
+    const float* mw = dwx + nb * 8;
+    for (int t = 0; t < T; ++t) {
+      const float* sa = reinterpret_cast<const float*>(A[t] + kp) + nb;
+      const __m256 v = acc[r][t];
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      float o = 0.0f;
+      // Wide computed sum (u - 128) * qa, so its offset is mw + 128 * dw (exactly 0 for q8_0 / iq4_nl).
+      for (int64_t b = 0; b < nb; ++b) o += (Wide ? mw[b] + 128.0f * dwx[b * 8] : mw[b]) * sa[b];
+      out[r][t] = _mm_cvtss_f32(h) + o;
+    }
+  }
 #else
   for (int r = 0; r < R; ++r) {
     const float* dw = reinterpret_cast<const float*>(U[r] + kp);
@@ -518,7 +559,33 @@ void tile_a(const uint8_t* const* U, const uint8_t* const* A, int64_t kp, float 
 #endif
 }
 
+// Mins: out -= sum over super-blocks of M * da * sum_g mn[g] * bsums[g].
 template <int R, int T>
+void sub_mins(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (*out)[4]) {
+  const int64_t nsb = k / QK_K;
+  for (int r = 0; r < R; ++r) {
+    const int16_t* mn = reinterpret_cast<const int16_t*>(U[r] + 2 * k);
+    const float* M = reinterpret_cast<const float*>(U[r] + 2 * k + (k / 16) * 2) + nsb;
+    for (int t = 0; t < T; ++t) {
+      const block_q8_K* a = reinterpret_cast<const block_q8_K*>(A[t]);
+      float m = 0.0f;
+      for (int64_t b = 0; b < nsb; ++b) {
+        int16_t bs[16];
+        float da;
+        std::memcpy(bs, a[b].bsums, sizeof(bs));
+        std::memcpy(&da, &a[b].d, 4);
+        int32_t s = 0;
+        for (int g = 0; g < 16; ++g) s += (int32_t)mn[b * 16 + g] * bs[g];
+        m += M[b] * da * (float)s;
+      }
+      out[r][t] -= m;
+    }
+  }
+}
+
+// Wide: u spans 0..255 (iq4_xs, u = value + 128 and mn = 128 * sc); AVX2 then sums (u - 128) * qa
+// with the sign trick, which makes the min term exactly zero.
+template <int R, int T, bool Wide>
 void tile_k(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (*out)[4]) {
   const int64_t nsb = k / QK_K;
 #if defined(__AVX512F__)
@@ -572,6 +639,50 @@ void tile_k(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (
       h = _mm_add_ss(h, _mm_movehdup_ps(h));
       out[r][t] = _mm512_reduce_add_ps(acc[r][t]) - _mm_cvtss_f32(h);
     }
+#elif defined(__AVX2__)
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  const __m256i x80 = _mm256_set1_epi8(-128);
+  for (int64_t b = 0; b < nsb; ++b) {
+    __m256i ia[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) ia[r][t] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      __m256i qa[T];
+      for (int t = 0; t < T; ++t)
+        qa[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const block_q8_K*>(A[t])[b].qs + c * 32));
+      for (int r = 0; r < R; ++r) {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(U[r] + b * QK_K + c * 32));
+        // Lane scales of two groups -> 16 int16 [g0 x8 | g1 x8] (packs works per 128-bit half).
+        const __m256i sx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(U[r] + k + (b * 8 + c) * 32));
+        const __m256i sc16 = _mm256_packs_epi32(sx, sx);
+        const __m256i ws = Wide ? _mm256_xor_si256(u, x80) : u;
+        const __m256i au = Wide ? _mm256_abs_epi8(ws) : u;
+        for (int t = 0; t < T; ++t) {
+          const __m256i p16 = _mm256_maddubs_epi16(au, Wide ? _mm256_sign_epi8(qa[t], ws) : qa[t]);
+          ia[r][t] = _mm256_add_epi32(ia[r][t], _mm256_madd_epi16(p16, sc16));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float D = reinterpret_cast<const float*>(U[r] + 2 * k + (k / 16) * 2)[b];
+      for (int t = 0; t < T; ++t) {
+        float da;
+        std::memcpy(&da, &reinterpret_cast<const block_q8_K*>(A[t])[b].d, 4);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][t]), _mm256_set1_ps(D * da), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      const __m256 v = acc[r][t];
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      out[r][t] = _mm_cvtss_f32(h);
+    }
+  if (!Wide) sub_mins<R, T>(U, A, k, out);
 #else
   for (int r = 0; r < R; ++r) {
     const int32_t* scx = reinterpret_cast<const int32_t*>(U[r] + k);
@@ -593,25 +704,7 @@ void tile_k(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (
       out[r][t] = acc;
     }
   }
-  // Mins: sum over super-blocks of M * da * sum_g mn[g] * bsums[g].
-  for (int r = 0; r < R; ++r) {
-    const int16_t* mn = reinterpret_cast<const int16_t*>(U[r] + 2 * k);
-    const float* M = reinterpret_cast<const float*>(U[r] + 2 * k + (k / 16) * 2) + nsb;
-    for (int t = 0; t < T; ++t) {
-      const block_q8_K* a = reinterpret_cast<const block_q8_K*>(A[t]);
-      float m = 0.0f;
-      for (int64_t b = 0; b < nsb; ++b) {
-        int16_t bs[16];
-        float da;
-        std::memcpy(bs, a[b].bsums, sizeof(bs));
-        std::memcpy(&da, &a[b].d, 4);
-        int32_t s = 0;
-        for (int g = 0; g < 16; ++g) s += (int32_t)mn[b * 16 + g] * bs[g];
-        m += M[b] * da * (float)s;
-      }
-      out[r][t] -= m;
-    }
-  }
+  sub_mins<R, T>(U, A, k, out);
 #endif
 }
 
@@ -619,14 +712,31 @@ void tile_k(const uint8_t* const* U, const uint8_t* const* A, int64_t k, float (
 
 using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, float (*)[4]);
 
-template <int R, int T>
+template <bool Wide>
 struct TileA {
-  static void run(const uint8_t* const* U, const uint8_t* const* A, int64_t n, float (*o)[4]) { tile_a<R, T>(U, A, n, o); }
+  template <int R, int T>
+  struct At {
+    static void run(const uint8_t* const* U, const uint8_t* const* A, int64_t n, float (*o)[4]) {
+      tile_a<R, T, Wide>(U, A, n, o);
+    }
+  };
 };
-template <int R, int T>
+template <bool Wide>
 struct TileK {
-  static void run(const uint8_t* const* U, const uint8_t* const* A, int64_t n, float (*o)[4]) { tile_k<R, T>(U, A, n, o); }
+  template <int R, int T>
+  struct At {
+    static void run(const uint8_t* const* U, const uint8_t* const* A, int64_t n, float (*o)[4]) {
+      tile_k<R, T, Wide>(U, A, n, o);
+    }
+  };
 };
+
+// Tokens per tile: AVX-512 has 32 registers for the R x T accumulators, AVX2 16.
+#if defined(__AVX512F__)
+constexpr int kTileTokA = 4, kTileTokK = 2;
+#else
+constexpr int kTileTokA = 2, kTileTokK = 2;
+#endif
 
 // fns[R-1][T-1] for R, T in 1..4.
 template <template <int, int> class Tile>
@@ -666,15 +776,15 @@ void run_unpacked(const MatmulArgs& a, int64_t r0, int64_t r1, void (*unpack)(co
   }
 }
 
-template <class Blk, void (*UP)(const Blk*, uint8_t*, float&, float&)>
+template <class Blk, void (*UP)(const Blk*, uint8_t*, float&, float&), bool Wide = false>
 void run_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
   const int64_t kp = act_a8_padded_k(a.k);
-  run_unpacked<TileA>(a, r0, r1, &unpack_row_a<Blk, UP>, ubytes_a(kp), kp, 4);
+  run_unpacked<TileA<Wide>::template At>(a, r0, r1, &unpack_row_a<Blk, UP>, ubytes_a(kp), kp, kTileTokA);
 }
 
-template <class Blk, void (*UP)(const Blk*, KOut&)>
+template <class Blk, void (*UP)(const Blk*, KOut&), bool Wide = false>
 void run_k(const MatmulArgs& a, int64_t r0, int64_t r1) {
-  run_unpacked<TileK>(a, r0, r1, &unpack_row_k<Blk, UP>, ubytes_k(a.k), a.k, 2);
+  run_unpacked<TileK<Wide>::template At>(a, r0, r1, &unpack_row_k<Blk, UP>, ubytes_k(a.k), a.k, kTileTokK);
 }
 
 // f32 weights: straight dot products (the row stays in L1 across tokens).
@@ -741,15 +851,15 @@ void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
     case GGMLType::Q4_1: run_a<block_q4_1, up_q4_1>(a, r0, r1); break;
     case GGMLType::Q5_0: run_a<block_q5_0, up_q5_0>(a, r0, r1); break;
     case GGMLType::Q5_1: run_a<block_q5_1, up_q5_1>(a, r0, r1); break;
-    case GGMLType::Q8_0: run_a<block_q8_0, up_q8_0>(a, r0, r1); break;
-    case GGMLType::IQ4_NL: run_a<block_iq4_nl, up_iq4_nl>(a, r0, r1); break;
+    case GGMLType::Q8_0: run_a<block_q8_0, up_q8_0, true>(a, r0, r1); break;
+    case GGMLType::IQ4_NL: run_a<block_iq4_nl, up_iq4_nl, true>(a, r0, r1); break;
     case GGMLType::MXFP4: run_a<block_mxfp4, up_mxfp4>(a, r0, r1); break;
     case GGMLType::Q2_K: run_k<block_q2_K, upk_q2_K>(a, r0, r1); break;
     case GGMLType::Q3_K: run_k<block_q3_K, upk_q3_K>(a, r0, r1); break;
     case GGMLType::Q4_K: run_k<block_q4_K, upk_q4_K>(a, r0, r1); break;
     case GGMLType::Q5_K: run_k<block_q5_K, upk_q5_K>(a, r0, r1); break;
     case GGMLType::Q6_K: run_k<block_q6_K, upk_q6_K>(a, r0, r1); break;
-    case GGMLType::IQ4_XS: run_k<block_iq4_xs, upk_iq4_xs>(a, r0, r1); break;
+    case GGMLType::IQ4_XS: run_k<block_iq4_xs, upk_iq4_xs, true>(a, r0, r1); break;
     case GGMLType::F32: run_f32(a, r0, r1); break;
     default: run_generic(a, r0, r1); break;
   }
