@@ -25,10 +25,10 @@ SHAPES = [(1, 256), (3, 576), (17, 1536), (64, 2048), (1, 2048), (64, 576)]  # (
 
 # Bars. Kernel vs the float64 product of the same quantized operands: what is left is
 # float32 rounding (eps 6e-8) of a few products per block and of the sums over k/32
-# blocks; the zero-point/min terms can be a few times larger than |w||x| per block,
-# so errors stay within ~1e-6 of sum |w||x|; 1e-5 leaves room and still catches any
-# wrong element (one element off by its own size is >= 1/k of the norm... and far more
-# in practice). Same bar between ISAs (reassociation only).
+# blocks; the zero-point/min terms are at most a few times sum |w||x| per block, so the
+# error stays around 1e-6 of sum |w||x| per output. 1e-5 leaves room yet catches a
+# wrong element or block (a wrong block costs ~1/nb >= 1/64 of the norm). Same bar
+# between ISAs (reassociation only).
 EXACT_REL = 1e-5
 # Against the unquantized product: rounding x to 8 bits per block of 32 (256) moves
 # each element by at most amax/254, an rms error of ~0.6% (0.7%) of a Gaussian row;

@@ -5,7 +5,7 @@
 //   32-block family (q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl mxfp4):  w = dw * u + mw   per block of 32
 //   256-block family (q2_K..q6_K, iq4_xs):   w = D * sc[g] * u - M * mn[g]     per group of 16
 // with small integer sc/mn. The dot with int8 activations is then one u8 x s8 integer
-// product per group (VNNI dpbusd / scalar), and the offsets become block sums of the
+// product per group (AVX-512 VNNI dpbusd, AVX2 maddubs, scalar), and the offsets become block sums of the
 // activations that quantize_act precomputes (A8 "s", K8 "bsums"). An unpacked tile is
 // reused by every token, so prefill pays the unpacking once per weight row.
 #include <algorithm>
