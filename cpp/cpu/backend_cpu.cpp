@@ -51,30 +51,15 @@ class CpuBackend final : public Backend {
 
   void matmul(const Weight& w, const float* x, int64_t n, float* y) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    if (!kt.matmul_rows) {  // TEMP until the matmul kernels land
-      pool_.run([&](int ith, int nth) {
-        std::vector<float> row((size_t)w.cols);
-        int64_t lo, hi;
-        split(w.rows, ith, nth, lo, hi);
-        for (int64_t r = lo; r < hi; ++r) {
-          dequantize_row(w.type, w.data + (size_t)r * w.row_bytes, row.data(), w.cols);
-          for (int64_t t = 0; t < n; ++t) {
-            double acc = 0;
-            for (int64_t i = 0; i < w.cols; ++i) acc += (double)row[i] * x[t * w.cols + i];
-            y[t * w.rows + r] = (float)acc;
-          }
-        }
-      });
-      return;
-    }
     uint32_t at = kt.act_type(w.type);
     if (at == UINT32_MAX) {
       const TypeTraits* tt = type_traits(w.type);
       throw UnsupportedModelError(std::string("no matmul kernel for weight type ") + (tt ? tt->name : "?"));
     }
     const int64_t k = w.cols;
-    const int64_t arb = type_nbytes(at, k);
-    if (arb < 0) throw UnsupportedModelError("matmul: row length " + std::to_string(k) + " is not a whole block");
+    const int64_t arb = (int64_t)cpu::act_row_bytes(at, k);
+    if (w.cols % type_traits(w.type)->block_size != 0)
+      throw UnsupportedModelError("matmul: row length " + std::to_string(k) + " is not a whole block");
     act_.resize((size_t)(arb * n));
     uint8_t* act = act_.data();
     cpu::MatmulArgs a;
@@ -92,7 +77,7 @@ class CpuBackend final : public Backend {
       split(n, ith, nth, lo, hi);
       for (int64_t t = lo; t < hi; ++t) kt.quantize_act(at, x + t * k, act + t * arb, k);
     });
-    // Rows in chunks of 16 handed out dynamically keep threads busy on uneven work.
+    // Rows in chunks of 16 (a multiple of the kernels' 4-row tiles).
     const int64_t chunk = 16;
     const int64_t n_chunks = (w.rows + chunk - 1) / chunk;
     pool_.run([&](int ith, int nth) {
@@ -189,10 +174,7 @@ class CpuBackend final : public Backend {
           const float* kh = krow.data() + (int64_t)kvh * hd;
           for (int g = 0; g < group; ++g) {
             const float* q = a.q + t * a.q_stride + (int64_t)(kvh * group + g) * hd;
-            float s = 0;
-            if (kt.dot_f32) s = kt.dot_f32(q, kh, hd);
-            else for (int d = 0; d < hd; ++d) s += q[d] * kh[d];  // TEMP
-            s *= a.scale;
+            float s = kt.dot_f32(q, kh, hd) * a.scale;
             if (a.softcap > 0) s = a.softcap * std::tanh(s / a.softcap);
             scores[(size_t)(g * nj + j)] = s;
           }

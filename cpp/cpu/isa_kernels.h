@@ -7,8 +7,18 @@
 #error "isa_kernels.h is included only by *_isa.cpp files, compiled with -DDL_ISA=<name>"
 #endif
 
+namespace dl::cpu {
+struct MatmulArgs;
+}
 namespace dl::cpu::DL_ISA {
+using dl::cpu::MatmulArgs;
 
 bool dequant_row(uint32_t type, const void* src, float* dst, int64_t n);
+
+// matmul_isa.cpp
+uint32_t act_type(uint32_t wtype);
+void quantize_act(uint32_t act_type, const float* x, void* dst, int64_t n);
+void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1);
+float dot_f32(const float* a, const float* b, int64_t n);
 
 }  // namespace dl::cpu::DL_ISA

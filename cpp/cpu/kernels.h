@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/cpu_features.h"
+#include "cpu/act_blocks.h"  // act_row_bytes(act_type, k): the size of one activation row
 
 namespace dl::cpu {
 
@@ -31,8 +32,10 @@ struct KernelTable {
   bool (*dequant_row)(uint32_t type, const void* src, float* dst, int64_t n) = nullptr;
 
   // Matmul. act_type(wtype) names the activation format the weight's dot
-  // product wants (a GGMLType id: Q8_0, Q8_1, Q8_K, F16 or F32); act_row_bytes(k)
-  // follows from it. quantize_act converts one f32 row of n elements.
+  // product wants (a GGMLType id naming one of the internal formats of
+  // cpu/act_blocks.h: Q8_1, Q8_K or F32), or UINT32_MAX for a type with no matmul;
+  // act_row_bytes(act_type, k) sizes a row. quantize_act converts one f32 row of n
+  // elements into dst (act_row_bytes long; 64-byte alignment is best).
   uint32_t (*act_type)(uint32_t wtype) = nullptr;
   void (*quantize_act)(uint32_t act_type, const float* x, void* dst, int64_t n) = nullptr;
   // Rows [r0, r1) of the product; safe to call from several threads on disjoint rows.

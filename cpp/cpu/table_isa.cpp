@@ -6,6 +6,10 @@ namespace dl::cpu::DL_ISA {
 
 void fill_table(KernelTable& t) {
   t.dequant_row = &dequant_row;
+  t.act_type = &act_type;
+  t.quantize_act = &quantize_act;
+  t.matmul_rows = &matmul_rows;
+  t.dot_f32 = &dot_f32;
 }
 
 }  // namespace dl::cpu::DL_ISA

@@ -1,0 +1,88 @@
+"""Matmul kernel speed on SmolLM2-shaped matrices: decode GEMV (GB/s of weights) and 512-token prefill (GFLOP/s).
+
+    python benchmarks/bench_matmul.py [--types q4_0,q8_0] [--threads 1,2] [--isa avx512] [--quick]
+
+Timings go through dasllama._core._matmul, so they include quantizing the activations
+(small next to the weights). Decode on the small matrices runs from cache (they fit in
+L2/L3); the "big" rows stream from memory and are the bandwidth figure.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+import dasllama
+from dasllama import _core, quant
+
+# (rows, k): attn q/o, ffn gate/up, ffn down, lm head; big = larger than the L3 cache.
+DECODE_SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (65536, 1536)]
+PREFILL_SHAPES = [(576, 576), (1536, 576), (576, 1536)]
+TYPES = ["q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K", "f16", "f32"]
+
+
+def make_weights(name: str, rows: int, k: int, rng) -> np.ndarray:
+    if name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "f32", "bf16"):
+        w = rng.standard_normal((rows, k)).astype(np.float32)
+        return quant.quantize(w, name).reshape(rows, -1)
+    bs, ts = GGML_QUANT_SIZES[T[name.upper()]]
+    raw = rng.integers(0, 256, size=(rows * k // bs, ts), dtype=np.uint8)
+    off = {"q4_K": [0, 2], "q6_K": [208], "q5_K": [0, 2], "q2_K": [80, 82], "q3_K": [108]}[name]
+    for o in off:
+        raw[:, o:o + 2] = np.full(len(raw), 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def best_time(fn, min_time=0.3, max_reps=200) -> float:
+    fn()
+    best, total, reps = float("inf"), 0.0, 0
+    while total < min_time and reps < max_reps:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, total, reps = min(best, dt), total + dt, reps + 1
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--isa", default=None)
+    ap.add_argument("--quick", action="store_true", help="skip the big decode matrix")
+    ap.add_argument("--n-tok", type=int, default=512)
+    args = ap.parse_args()
+    if args.isa:
+        dasllama.set_isa(args.isa)
+    print(f"isa {dasllama.get_isa()}")
+    rng = np.random.default_rng(0)
+    threads = [int(t) for t in args.threads.split(",")]
+    for name in args.types.split(","):
+        bs = GGML_QUANT_SIZES[T[name.upper()]][0]
+        tid = int(T[name.upper()])
+        for rows, k in DECODE_SHAPES:
+            if k % bs or (args.quick and rows * k > 40e6):
+                continue
+            w = make_weights(name, rows, k, rng)
+            x = rng.standard_normal((1, k)).astype(np.float32)
+            cols = []
+            for nt in threads:
+                t = best_time(lambda: _core._matmul(w, tid, k, x, nt))
+                cols.append(f"{nt}t {w.nbytes / t / 1e9:6.1f} GB/s {t * 1e6:8.1f} us")
+            print(f"decode  {name:5s} {rows:6d}x{k:<5d} " + "  ".join(cols))
+        for rows, k in PREFILL_SHAPES:
+            if k % bs:
+                continue
+            w = make_weights(name, rows, k, rng)
+            x = rng.standard_normal((args.n_tok, k)).astype(np.float32)
+            cols = []
+            for nt in threads:
+                t = best_time(lambda: _core._matmul(w, tid, k, x, nt), max_reps=20)
+                cols.append(f"{nt}t {2 * rows * k * args.n_tok / t / 1e9:6.1f} GFLOP/s")
+            print(f"prefill {name:5s} {rows:6d}x{k:<5d} n={args.n_tok} " + "  ".join(cols))
+
+
+if __name__ == "__main__":
+    main()
