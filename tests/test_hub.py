@@ -264,3 +264,12 @@ def test_python_m_dasllama():
     r = subprocess.run([sys.executable, "-m", "dasllama", "pull", "no-such-model-xyz"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+def test_cli_run_replies_in_chat(smollm2_path, capsys):
+    """The README's main job: a greedy chat reply from the default model."""
+    from dasllama.cli import main
+
+    assert main(["run", "What is the capital of France? Answer in one sentence.", "--model", str(smollm2_path),
+                 "--max-tokens", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out

@@ -34,8 +34,9 @@ inline void split(int64_t n, int ith, int nth, int64_t& lo, int64_t& hi) {
   hi = std::min(n, lo + per);
 }
 
-// Decodes one cache row (dim elements) to f32.
-inline void kv_load(const uint8_t* row, KVType t, float* dst, int64_t dim) {
+// Decodes dim elements of a cache row, starting at element `first`, to f32.
+inline void kv_load(const uint8_t* row, KVType t, int64_t first, float* dst, int64_t dim) {
+  row += kv_row_bytes(t, first);  // first is a multiple of 32 for q8_0 (checked at session create)
   switch (t) {
     case KVType::f32: std::memcpy(dst, row, (size_t)dim * 4); break;
     case KVType::f16: cpu::kernels().dequant_row((uint32_t)GGMLType::F16, row, dst, dim); break;
@@ -150,7 +151,6 @@ class CpuBackend final : public Backend {
   void attention(const AttnArgs& a) override {
     const int group = a.n_heads / a.n_kv_heads;
     const int hd = a.head_dim;
-    const int64_t kv_dim = (int64_t)a.n_kv_heads * hd;
     const int64_t n_tasks = a.n_tok * a.n_kv_heads;
     const cpu::KernelTable& kt = cpu::kernels();
     pool_.run([&](int ith, int nth) {
@@ -165,13 +165,13 @@ class CpuBackend final : public Backend {
         if (a.window > 0) j0 = std::max<int64_t>(0, p - a.window + 1);
         const int64_t nj = std::max<int64_t>(0, j1 - j0);
         scores.resize((size_t)(nj * group));
-        krow.resize((size_t)kv_dim);
+        krow.resize((size_t)hd);
         acc.assign((size_t)group * hd, 0.f);
         // Scores: one decoded K row serves every query head of its group.
         for (int64_t j = 0; j < nj; ++j) {
           const uint8_t* kr = (const uint8_t*)a.k + (size_t)(j0 + j) * a.kv_row_bytes;
-          kv_load(kr, a.kv_type, krow.data(), kv_dim);
-          const float* kh = krow.data() + (int64_t)kvh * hd;
+          kv_load(kr, a.kv_type, (int64_t)kvh * hd, krow.data(), hd);
+          const float* kh = krow.data();
           for (int g = 0; g < group; ++g) {
             const float* q = a.q + t * a.q_stride + (int64_t)(kvh * group + g) * hd;
             float s = kt.dot_f32(q, kh, hd) * a.scale;
@@ -193,8 +193,8 @@ class CpuBackend final : public Backend {
         }
         for (int64_t j = 0; j < nj; ++j) {
           const uint8_t* vr = (const uint8_t*)a.v + (size_t)(j0 + j) * a.kv_row_bytes;
-          kv_load(vr, a.kv_type, krow.data(), kv_dim);
-          const float* vh = krow.data() + (int64_t)kvh * hd;
+          kv_load(vr, a.kv_type, (int64_t)kvh * hd, krow.data(), hd);
+          const float* vh = krow.data();
           for (int g = 0; g < group; ++g) {
             const float pj = scores[(size_t)(g * nj + j)];
             float* o = acc.data() + (size_t)g * hd;

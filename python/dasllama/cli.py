@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from . import __version__
+from . import __version__, hub
 
 _ARRAY_HEAD = 5  # items of a long metadata array shown before "... (N items)"
 _STR_MAX = 80
@@ -120,6 +120,34 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_run(args) -> int:
+    import dasllama as d
+    from .chat.template import render_prompt
+
+    model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads)
+    if args.raw:
+        ids = d.encode(model, args.prompt)
+    else:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        msgs.append({"role": "user", "content": args.prompt})
+        ids = d.encode(model, render_prompt(model, msgs), add_special=False, parse_special=True)
+    s = d.create_session(model)
+    params = d.SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+
+    def show(_id: int, piece: str) -> bool:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        return True
+
+    d.generate(model, s, ids, params, args.max_tokens, show)
+    sys.stdout.write("\n")
+    if args.stats:
+        st = d.stats(s)
+        print(f"prompt {st.n_prompt} tok, {st.prefill_tps:.1f} tok/s; generated {st.n_gen} tok, "
+              f"{st.gen_tps:.1f} tok/s; first token {st.ttft_s * 1000:.0f} ms", file=sys.stderr)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dasllama", description="Local LLM inference that hears and remembers.")
     p.add_argument("--version", action="version", version=f"dasllama {__version__}")
@@ -133,6 +161,21 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("inspect", help="GGUF version, metadata and tensors of a file or model name")
     sp.add_argument("model", metavar="FILE|NAME")
     sp.set_defaults(func=_cmd_inspect)
+    sp = sub.add_parser("run", help="stream a reply from a model (the default: smollm2-135m-instruct)")
+    sp.add_argument("prompt")
+    sp.add_argument("--model", default=None, help="hub name or GGUF path")
+    sp.add_argument("--system", default="", help="system prompt (chat mode)")
+    sp.add_argument("--raw", action="store_true", help="plain completion: no chat template")
+    sp.add_argument("--temp", type=float, default=0.0, help="temperature; <= 0 is greedy")
+    sp.add_argument("--top-k", type=int, default=40)
+    sp.add_argument("--top-p", type=float, default=0.95)
+    sp.add_argument("--min-p", type=float, default=0.05)
+    sp.add_argument("--seed", type=int, default=-1)
+    sp.add_argument("--max-tokens", type=int, default=256)
+    sp.add_argument("--threads", type=int, default=0)
+    sp.add_argument("--mode", choices=["fp32", "q8", "q4_0"], default="q8")
+    sp.add_argument("--stats", action="store_true", help="print timing to stderr")
+    sp.set_defaults(func=_cmd_run)
     sp = sub.add_parser("info", help="CPU features, kernel ISA and backends")
     sp.set_defaults(func=_cmd_info)
     return p
