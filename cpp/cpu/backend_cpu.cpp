@@ -35,13 +35,16 @@ inline void split(int64_t n, int ith, int nth, int64_t& lo, int64_t& hi) {
 }
 
 // Decodes dim elements of a cache row, starting at element `first`, to f32.
-inline void kv_load(const uint8_t* row, KVType t, int64_t first, float* dst, int64_t dim) {
+// f32 rows are used in place; others are decoded into dst.
+inline const float* kv_load(const cpu::KernelTable& kt, const uint8_t* row, KVType t, int64_t first, float* dst,
+                            int64_t dim) {
   row += kv_row_bytes(t, first);  // first is a multiple of 32 for q8_0 (checked at session create)
   switch (t) {
-    case KVType::f32: std::memcpy(dst, row, (size_t)dim * 4); break;
-    case KVType::f16: cpu::kernels().dequant_row((uint32_t)GGMLType::F16, row, dst, dim); break;
-    case KVType::q8_0: cpu::kernels().dequant_row((uint32_t)GGMLType::Q8_0, row, dst, dim); break;
+    case KVType::f32: return (const float*)row;
+    case KVType::f16: kt.dequant_row((uint32_t)GGMLType::F16, row, dst, dim); break;
+    case KVType::q8_0: kt.dequant_row((uint32_t)GGMLType::Q8_0, row, dst, dim); break;
   }
+  return dst;
 }
 
 class CpuBackend final : public Backend {
@@ -112,12 +115,19 @@ class CpuBackend final : public Backend {
   void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
             const RopeParams& p) override {
     const int half = p.n_rot / 2;
-    std::vector<float> cs(half), sn(half);
+    thread_local std::vector<float> cs, sn;
+    thread_local std::vector<double> inv_freq;
+    cs.resize(half);
+    sn.resize(half);
+    inv_freq.resize(half);
+    for (int i = 0; i < half; ++i) {
+      inv_freq[i] = std::pow((double)p.base, -2.0 * i / p.n_rot);
+      if (p.freq_factors) inv_freq[i] /= p.freq_factors[i];
+    }
     for (int64_t t = 0; t < n_tok; ++t) {
       const double ppos = (double)pos[t] * p.freq_scale;
       for (int i = 0; i < half; ++i) {
-        double theta = ppos * std::pow((double)p.base, -2.0 * i / p.n_rot);
-        if (p.freq_factors) theta /= p.freq_factors[i];
+        const double theta = ppos * inv_freq[i];
         cs[i] = (float)std::cos(theta);
         sn[i] = (float)std::sin(theta);
       }
@@ -170,8 +180,7 @@ class CpuBackend final : public Backend {
         // Scores: one decoded K row serves every query head of its group.
         for (int64_t j = 0; j < nj; ++j) {
           const uint8_t* kr = (const uint8_t*)a.k + (size_t)(j0 + j) * a.kv_row_bytes;
-          kv_load(kr, a.kv_type, (int64_t)kvh * hd, krow.data(), hd);
-          const float* kh = krow.data();
+          const float* kh = kv_load(kt, kr, a.kv_type, (int64_t)kvh * hd, krow.data(), hd);
           for (int g = 0; g < group; ++g) {
             const float* q = a.q + t * a.q_stride + (int64_t)(kvh * group + g) * hd;
             float s = kt.dot_f32(q, kh, hd) * a.scale;
@@ -193,13 +202,8 @@ class CpuBackend final : public Backend {
         }
         for (int64_t j = 0; j < nj; ++j) {
           const uint8_t* vr = (const uint8_t*)a.v + (size_t)(j0 + j) * a.kv_row_bytes;
-          kv_load(vr, a.kv_type, (int64_t)kvh * hd, krow.data(), hd);
-          const float* vh = krow.data();
-          for (int g = 0; g < group; ++g) {
-            const float pj = scores[(size_t)(g * nj + j)];
-            float* o = acc.data() + (size_t)g * hd;
-            for (int d = 0; d < hd; ++d) o[d] += pj * vh[d];
-          }
+          const float* vh = kv_load(kt, vr, a.kv_type, (int64_t)kvh * hd, krow.data(), hd);
+          for (int g = 0; g < group; ++g) kt.axpy_f32(acc.data() + (size_t)g * hd, vh, scores[(size_t)(g * nj + j)], hd);
         }
         for (int g = 0; g < group; ++g)
           std::memcpy(a.out + t * a.out_stride + (int64_t)(kvh * group + g) * hd, acc.data() + (size_t)g * hd,

@@ -40,6 +40,11 @@ const KernelTable& kernels_for(Isa isa) {
   return g_tables[(int)isa];
 }
 
-const KernelTable& kernels() { return kernels_for(active_isa()); }
+// Hot path (called per op): active_isa() was validated when it was chosen, so
+// only the one-time table build is checked here.
+const KernelTable& kernels() {
+  std::call_once(g_once, build);
+  return g_tables[(int)active_isa()];
+}
 
 }  // namespace dl::cpu

@@ -20,5 +20,6 @@ uint32_t act_type(uint32_t wtype);
 void quantize_act(uint32_t act_type, const float* x, void* dst, int64_t n);
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1);
 float dot_f32(const float* a, const float* b, int64_t n);
+void axpy_f32(float* y, const float* x, float a, int64_t n);
 
 }  // namespace dl::cpu::DL_ISA

@@ -43,6 +43,7 @@ struct KernelTable {
 
   // Float helpers for attention and norms.
   float (*dot_f32)(const float* a, const float* b, int64_t n) = nullptr;
+  void (*axpy_f32)(float* y, const float* x, float a, int64_t n) = nullptr;  // y += a * x
 };
 
 // The table for the active ISA (dl::active_isa()).

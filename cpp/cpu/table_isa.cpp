@@ -10,6 +10,7 @@ void fill_table(KernelTable& t) {
   t.quantize_act = &quantize_act;
   t.matmul_rows = &matmul_rows;
   t.dot_f32 = &dot_f32;
+  t.axpy_f32 = &axpy_f32;
 }
 
 }  // namespace dl::cpu::DL_ISA
