@@ -192,8 +192,9 @@ def test_llama_style_spm_matches_hf(gemma3_path):
                "tokenizer.ggml.add_bos_token": False})
     ours = tokenizer_from_gguf_metadata(md)
     hf, _ = convert_gguf_tokenizer("llama", {
-        "tokenizer_type": "llama", "tokens": md["tokenizer.ggml.tokens"], "scores": md["tokenizer.ggml.scores"],
-        "token_type": md["tokenizer.ggml.token_type"], "bos_token_id": 2, "eos_token_id": 1, "unk_token_id": 3})
+        "tokenizer_type": "llama", "tokens": list(md["tokenizer.ggml.tokens"]),
+        "scores": [float(x) for x in md["tokenizer.ggml.scores"]],
+        "token_type": [int(x) for x in md["tokenizer.ggml.token_type"]], "bos_token_id": 2, "eos_token_id": 1, "unk_token_id": 3})
     want = [e.ids for e in hf.encode_batch(CORPUS, add_special_tokens=False)]
     got = [ours.encode(t, add_special=False, parse_special=True) for t in CORPUS]
     bad = _mismatches(got, want, CORPUS)
