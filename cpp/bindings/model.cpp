@@ -123,6 +123,7 @@ void bind_model(py::module_& m) {
 
   py::class_<Session, std::shared_ptr<Session>>(m, "Session")
       .def(py::init([](std::shared_ptr<Model> model, int kv, int n_ctx) {
+             if (!model) throw py::value_error("Session needs a model");
              if (kv != 0 && kv != 1 && kv != 8) throw py::value_error("kv_dtype must be KVDtype.f32, f16 or q8_0");
              return std::make_shared<Session>(model, (KVType)kv, n_ctx);
            }),

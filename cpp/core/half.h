@@ -1,4 +1,4 @@
-// IEEE half and bfloat16 <-> float conversions, exact (no FMA, no flush to zero).
+// float -> IEEE half, rounded to nearest even (decoding lives per ISA in quant/dequant_impl.h).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -14,30 +14,6 @@ inline uint32_t fp32_to_bits(float f) {
   uint32_t w;
   std::memcpy(&w, &f, 4);
   return w;
-}
-
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      int e = -1;
-      do {
-        man <<= 1;
-        ++e;
-      } while (!(man & 0x400));
-      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  return fp32_from_bits(bits);
 }
 
 // Round to nearest even, as numpy's astype(float16) does.
@@ -67,6 +43,5 @@ inline uint16_t f32_to_f16(float f) {
   return (uint16_t)(sign | q);
 }
 
-inline float bf16_to_f32(uint16_t h) { return fp32_from_bits((uint32_t)h << 16); }
 
 }  // namespace dl

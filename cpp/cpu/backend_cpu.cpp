@@ -7,7 +7,6 @@
 
 #include "core/backend.h"
 #include "core/errors.h"
-#include "core/half.h"
 #include "core/threadpool.h"
 #include "cpu/kernels.h"
 #include "quant/blocks.h"

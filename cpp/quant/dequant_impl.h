@@ -27,7 +27,7 @@ inline uint32_t f32_bits(float f) {
 }
 
 // IEEE half -> float, exact; NaN payloads kept (as numpy's conversion does).
-// Same results as dl::f16_to_f32 but written with selects so it vectorizes.
+// Written with selects so it vectorizes.
 inline float h2f(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
   const uint32_t em = h & 0x7fffu;
