@@ -57,6 +57,8 @@ class Backend {
   virtual const char* name() const = 0;
   // y[t][r] = sum_k W[r][k] x[t][k] for t < n; x rows are w.cols long, y rows w.rows.
   virtual void matmul(const Weight& w, const float* x, int64_t n, float* y) = 0;
+  // count weights with the same cols over the same x: ys[i] = x * ws[i]^T (count <= 8).
+  virtual void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) = 0;
   // Rows of embedding table w for ids, dequantized to f32.
   virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
   // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.

@@ -1,8 +1,7 @@
-// Spin-then-sleep workers: a short spin keeps per-token dispatch cheap in the
-// decode loop without burning a core while idle.
+// Chunked work sharing with spin-then-sleep workers. Ordering: a worker announces
+// itself (in_job_) before it looks at open_, and the caller closes open_ before it
+// waits for in_job_ to drain (both seq_cst), so no worker touches a finished job.
 #include "core/threadpool.h"
-
-#include <chrono>
 
 #include "core/cpu_features.h"
 
@@ -18,65 +17,79 @@ namespace dl {
 int default_threads() { return std::max(1, cpu_features().physical_cores); }
 
 ThreadPool::ThreadPool(int n_threads) : n_(std::max(1, n_threads)) {
-  for (int i = 1; i < n_; ++i) threads_.emplace_back(&ThreadPool::worker, this, i);
+  for (int i = 1; i < n_; ++i) threads_.emplace_back(&ThreadPool::worker, this);
 }
 
 ThreadPool::~ThreadPool() {
+  stop_.store(true);
+  epoch_.fetch_add(1);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-    epoch_.fetch_add(1);
   }
   cv_.notify_all();
   for (auto& t : threads_) t.join();
 }
 
-void ThreadPool::run(const std::function<void(int, int)>& fn, int n_threads) {
-  int nth = n_threads > 0 ? std::min(n_threads, n_) : n_;
-  if (nth == 1) {
-    fn(0, 1);
-    return;
+void ThreadPool::work() {
+  for (;;) {
+    const int64_t lo = next_.fetch_add(1, std::memory_order_relaxed) * grain_;
+    if (lo >= n_items_) return;
+    const int64_t hi = std::min(n_items_, lo + grain_);
+    (*fn_)(lo, hi);
+    done_.fetch_add(hi - lo, std::memory_order_release);
   }
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    fn_ = &fn;
-    active_ = nth;
-    pending_.store(nth - 1, std::memory_order_relaxed);
-    epoch_.fetch_add(1, std::memory_order_release);
-  }
-  cv_.notify_all();
-  fn(0, nth);
-  while (pending_.load(std::memory_order_acquire) != 0) DL_PAUSE();
 }
 
-void ThreadPool::worker(int ith) {
-  uint64_t seen = 0;
-  for (;;) {
-    // Spin a little for the next job, then sleep on the condition variable.
+void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(1, grain);
+  if (n_ == 1 || n <= grain) {
+    fn(0, n);
+    return;
+  }
+  fn_ = &fn;
+  n_items_ = n;
+  grain_ = grain;
+  next_.store(0);
+  done_.store(0);
+  open_.store(true);
+  epoch_.fetch_add(1);
+  if (sleepers_.load() > 0) {
+    std::lock_guard<std::mutex> lk(mu_);
+    cv_.notify_all();
+  }
+  work();
+  while (done_.load(std::memory_order_acquire) < n) DL_PAUSE();
+  open_.store(false);
+  while (in_job_.load() != 0) DL_PAUSE();
+}
+
+void ThreadPool::run(const std::function<void(int, int)>& fn, int n_threads) {
+  const int nth = n_threads > 0 ? std::min(n_threads, n_) : n_;
+  parallel_for(nth, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) fn((int)i, nth);
+  });
+}
+
+void ThreadPool::worker() {
+  uint64_t seen = epoch_.load();
+  while (!stop_.load()) {
     uint64_t e = epoch_.load(std::memory_order_acquire);
-    for (int spin = 0; e == seen && spin < 20000; ++spin) {
+    for (int spin = 0; e == seen && spin < 100000; ++spin) {
       DL_PAUSE();
       e = epoch_.load(std::memory_order_acquire);
     }
     if (e == seen) {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return epoch_.load() != seen; });
+      sleepers_.fetch_add(1);
+      cv_.wait(lk, [&] { return epoch_.load() != seen || stop_.load(); });
+      sleepers_.fetch_sub(1);
       e = epoch_.load();
     }
-    const std::function<void(int, int)>* fn;
-    int nth;
-    {
-      // Epoch, job and width read together, so a late waker never runs a job twice.
-      std::lock_guard<std::mutex> lk(mu_);
-      if (stop_) return;
-      seen = epoch_.load();
-      fn = fn_;
-      nth = active_;
-    }
-    if (ith < nth && fn) {
-      (*fn)(ith, nth);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
-    }
+    seen = e;
+    in_job_.fetch_add(1);
+    if (open_.load()) work();
+    in_job_.fetch_sub(1);
   }
 }
 

@@ -1,8 +1,10 @@
-// A persistent thread pool for data-parallel kernels: run(fn) calls fn(ith, nth)
-// on nth threads (the caller is thread 0) and returns when all are done.
+// A persistent thread pool for data-parallel kernels. Work is handed out in
+// chunks from a shared counter, so the caller (which takes part) finishes the
+// job alone if a worker is descheduled, instead of waiting for it.
 #pragma once
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -18,21 +20,29 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return n_; }
-  // Runs fn(ith, nth) for ith in [0, nth) with nth = min(n_threads, size()).
-  // Not reentrant: one run at a time per pool (callers serialize per model).
+  // Calls fn(lo, hi) over [0, n) in chunks of `grain`, each chunk exactly once,
+  // on the caller and the workers. One job at a time per pool.
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+  // Calls fn(ith, nth) for every ith in [0, nth), nth = min(n_threads or size(), size()).
+  // Each index runs once, on whichever thread takes it.
   void run(const std::function<void(int, int)>& fn, int n_threads = 0);
 
  private:
-  void worker(int ith);
+  void worker();
+  void work();
   int n_;
   std::vector<std::thread> threads_;
+  // The open job (valid while open_): written by the caller before it opens the job.
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t n_items_ = 0, grain_ = 1;
+  std::atomic<int64_t> next_{0}, done_{0};
+  std::atomic<bool> open_{false};
+  std::atomic<int> in_job_{0};      // workers inside work(); the caller waits for 0 before reuse
+  std::atomic<uint64_t> epoch_{0};  // bumped per job; workers spin on it, then sleep
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::condition_variable cv_;
-  const std::function<void(int, int)>* fn_ = nullptr;
-  int active_ = 0;                  // threads taking part in the current job
-  std::atomic<uint64_t> epoch_{0};  // bumped per job; workers spin on it briefly before sleeping
-  std::atomic<int> pending_{0};
-  bool stop_ = false;
 };
 
 // Default thread count: the physical cores.

@@ -26,13 +26,6 @@ size_t kv_row_bytes(KVType t, int64_t dim) {
 
 namespace {
 
-// Splits [0, n) into nth nearly equal parts; part ith.
-inline void split(int64_t n, int ith, int nth, int64_t& lo, int64_t& hi) {
-  int64_t per = (n + nth - 1) / nth;
-  lo = std::min(n, per * ith);
-  hi = std::min(n, lo + per);
-}
-
 // Decodes dim elements of a cache row, starting at element `first`, to f32.
 // f32 rows are used in place; others are decoded into dst.
 inline const float* kv_load(const cpu::KernelTable& kt, const uint8_t* row, KVType t, int64_t first, float* dst,
@@ -53,40 +46,72 @@ class CpuBackend final : public Backend {
   int n_threads() const override { return pool_.size(); }
 
   void matmul(const Weight& w, const float* x, int64_t n, float* y) override {
+    const Weight* ws[1] = {&w};
+    float* ys[1] = {y};
+    matmul_multi(ws, ys, 1, x, n);
+  }
+
+  // Several weights over the same activations: one quantization of x and one
+  // parallel pass over all their rows (QKV, gate|up), so decode pays one dispatch.
+  void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    uint32_t at = kt.act_type(w.type);
-    if (at == UINT32_MAX) {
-      const TypeTraits* tt = type_traits(w.type);
-      throw UnsupportedModelError(std::string("no matmul kernel for weight type ") + (tt ? tt->name : "?"));
+    const int64_t k = ws[0]->cols;
+    const uint32_t at = kt.act_type(ws[0]->type);
+    for (int i = 0; i < count; ++i) {
+      const TypeTraits* tt = type_traits(ws[i]->type);
+      if (kt.act_type(ws[i]->type) == UINT32_MAX)
+        throw UnsupportedModelError(std::string("no matmul kernel for weight type ") + (tt ? tt->name : "?"));
+      if (ws[i]->cols != k || ws[i]->cols % tt->block_size != 0)
+        throw UnsupportedModelError("matmul: bad row length " + std::to_string(ws[i]->cols));
     }
-    const int64_t k = w.cols;
+    // Weights wanting another activation format go alone (rare: mixed-type layers).
+    int same = 0;
+    const Weight* grp[8];
+    float* gy[8];
+    for (int i = 0; i < count; ++i) {
+      if (kt.act_type(ws[i]->type) == at && same < 8) {
+        grp[same] = ws[i];
+        gy[same++] = ys[i];
+      } else {
+        matmul_multi(&ws[i], &ys[i], 1, x, n);
+      }
+    }
     const int64_t arb = (int64_t)cpu::act_row_bytes(at, k);
-    if (w.cols % type_traits(w.type)->block_size != 0)
-      throw UnsupportedModelError("matmul: row length " + std::to_string(k) + " is not a whole block");
     act_.resize((size_t)(arb * n));
     uint8_t* act = act_.data();
-    cpu::MatmulArgs a;
-    a.wtype = w.type;
-    a.k = k;
-    a.w = w.data;
-    a.w_row_bytes = w.row_bytes;
-    a.act = act;
-    a.act_row_bytes = (size_t)arb;
-    a.n_tok = n;
-    a.y = y;
-    a.y_stride = w.rows;
-    pool_.run([&](int ith, int nth) {
-      int64_t lo, hi;
-      split(n, ith, nth, lo, hi);
+    auto quant = [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) kt.quantize_act(at, x + t * k, act + t * arb, k);
-    });
-    // Rows in chunks of 16 (a multiple of the kernels' 4-row tiles).
+    };
+    if (n * k <= 16384)
+      quant(0, n);  // a few rows: cheaper here than a dispatch
+    else
+      pool_.parallel_for(n, 1, quant);
+    // Rows in chunks of 16 (a multiple of the kernels' 4-row tiles), over all weights.
     const int64_t chunk = 16;
-    const int64_t n_chunks = (w.rows + chunk - 1) / chunk;
-    pool_.run([&](int ith, int nth) {
-      int64_t lo, hi;
-      split(n_chunks, ith, nth, lo, hi);
-      for (int64_t c = lo; c < hi; ++c) kt.matmul_rows(a, c * chunk, std::min(w.rows, (c + 1) * chunk));
+    int64_t first[9];
+    cpu::MatmulArgs args[8];
+    first[0] = 0;
+    for (int i = 0; i < same; ++i) {
+      const Weight& w = *grp[i];
+      cpu::MatmulArgs& a = args[i];
+      a.wtype = w.type;
+      a.k = k;
+      a.w = w.data;
+      a.w_row_bytes = w.row_bytes;
+      a.act = act;
+      a.act_row_bytes = (size_t)arb;
+      a.n_tok = n;
+      a.y = gy[i];
+      a.y_stride = w.rows;
+      first[i + 1] = first[i] + (w.rows + chunk - 1) / chunk;
+    }
+    pool_.parallel_for(first[same], 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t c = lo; c < hi; ++c) {
+        int i = 0;
+        while (c >= first[i + 1]) ++i;
+        const int64_t r0 = (c - first[i]) * chunk;
+        kt.matmul_rows(args[i], r0, std::min(grp[i]->rows, r0 + chunk));
+      }
     });
   }
 
@@ -162,9 +187,7 @@ class CpuBackend final : public Backend {
     const int hd = a.head_dim;
     const int64_t n_tasks = a.n_tok * a.n_kv_heads;
     const cpu::KernelTable& kt = cpu::kernels();
-    pool_.run([&](int ith, int nth) {
-      int64_t lo, hi;
-      split(n_tasks, ith, nth, lo, hi);
+    pool_.parallel_for(n_tasks, 1, [&](int64_t lo, int64_t hi) {
       thread_local std::vector<float> scores, krow, acc;
       for (int64_t task = lo; task < hi; ++task) {
         const int64_t t = task / a.n_kv_heads;

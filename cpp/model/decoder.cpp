@@ -132,9 +132,9 @@ void Model::forward_chunk(Session& s, const int32_t* tokens, const float* embd, 
         std::memcpy(v_.data() + t * kv_dim, qkv + t * w + q_dim + kv_dim, (size_t)kv_dim * 4);
       }
     } else {
-      be.matmul(L.wq, xn_.data(), n, q_.data());
-      be.matmul(L.wk, xn_.data(), n, k_.data());
-      be.matmul(L.wv, xn_.data(), n, v_.data());
+      const Weight* w[3] = {&L.wq, &L.wk, &L.wv};
+      float* y[3] = {q_.data(), k_.data(), v_.data()};
+      be.matmul_multi(w, y, 3, xn_.data(), n);
       if (!L.bq.empty()) be.add_bias(q_.data(), L.bq.data(), n, q_dim);
       if (!L.bk.empty()) be.add_bias(k_.data(), L.bk.data(), n, kv_dim);
       if (!L.bv.empty()) be.add_bias(v_.data(), L.bv.data(), n, kv_dim);
@@ -177,8 +177,9 @@ void Model::forward_chunk(Session& s, const int32_t* tokens, const float* embd, 
       be.matmul(L.w_gate_up, xn_.data(), n, gate_.data());
       be.glu(gate_.data(), 2 * F, gate_.data() + F, 2 * F, up_.data(), n, F, act);
     } else {
-      be.matmul(L.w_gate, xn_.data(), n, gate_.data());
-      be.matmul(L.w_up, xn_.data(), n, up_.data());
+      const Weight* w[2] = {&L.w_gate, &L.w_up};
+      float* y[2] = {gate_.data(), up_.data()};
+      be.matmul_multi(w, y, 2, xn_.data(), n);
       be.glu(gate_.data(), F, up_.data(), F, up_.data(), n, F, act);
     }
     be.matmul(L.w_down, up_.data(), n, o);
