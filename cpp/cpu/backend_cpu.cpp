@@ -182,7 +182,28 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void attention(const AttnArgs& a) override {
+  void attention(const AttnArgs& a0) override {
+    AttnArgs a = a0;
+    if (a.kv_type != KVType::f32 && a.n_tok > 1) {
+      // Prefill: each cache row would be decoded once per query; decode the
+      // layer's rows once into f32 instead and attend over those.
+      const int64_t kv_dim = (int64_t)a.n_kv_heads * a.head_dim;
+      kv_f32_.resize((size_t)(2 * a.n_kv * kv_dim));
+      float* kf = kv_f32_.data();
+      float* vf = kf + a.n_kv * kv_dim;
+      const cpu::KernelTable& kt = cpu::kernels();
+      const uint32_t t = a.kv_type == KVType::f16 ? (uint32_t)GGMLType::F16 : (uint32_t)GGMLType::Q8_0;
+      pool_.parallel_for(a.n_kv, 64, [&](int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) {
+          kt.dequant_row(t, (const uint8_t*)a.k + (size_t)j * a.kv_row_bytes, kf + j * kv_dim, kv_dim);
+          kt.dequant_row(t, (const uint8_t*)a.v + (size_t)j * a.kv_row_bytes, vf + j * kv_dim, kv_dim);
+        }
+      });
+      a.k = kf;
+      a.v = vf;
+      a.kv_type = KVType::f32;
+      a.kv_row_bytes = (size_t)kv_dim * 4;
+    }
     const int group = a.n_heads / a.n_kv_heads;
     const int hd = a.head_dim;
     const int64_t n_tasks = a.n_tok * a.n_kv_heads;
@@ -269,6 +290,7 @@ class CpuBackend final : public Backend {
  private:
   ThreadPool pool_;
   std::vector<uint8_t> act_;
+  std::vector<float> kv_f32_;
 };
 
 }  // namespace
