@@ -183,3 +183,36 @@ def test_bad_inputs_raise_clearly(smollm2_path, tmp_path):
         d.load_model(bad)
     with pytest.raises(d.DasllamaError):
         d.load_model(tmp_path / "missing.gguf")
+
+
+def test_eval_batch_equals_each_session_alone(smollm2_path):
+    """B sessions at different lengths, stepped together, give each one's own logits and greedy tokens."""
+    m = d.load_model(smollm2_path, mode=d.QuantMode.fp32)
+    prompts = ["The cat sat on", "Paris is the capital of", "def main():\n    ", "1, 2, 3, 4, 5, 6, 7,"]
+    alone = []
+    for p in prompts:
+        got = []
+        d.generate(m, d.create_session(m, d.KVDtype.f32), p, d.SamplingParams(), 10, lambda i, t: got.append(i))
+        alone.append(got)
+    ss = [d.create_session(m, d.KVDtype.f32) for _ in prompts]
+    for s, p in zip(ss, prompts):
+        d.eval(m, s, d.encode(m, p))
+    ws = d.create_batch_workspace(m)
+    batched = [[] for _ in prompts]
+    for _ in range(10):
+        toks = [int(np.argmax(s.logits)) for s in ss]
+        ref = []
+        for s, t in zip(ss, toks):  # each session's next logits computed alone, on a copy of its state
+            c = d.create_session(m, d.KVDtype.f32)
+            d.eval(m, c, list(s._s.history) + [t])
+            ref.append(np.array(c.logits))
+        for b, t in zip(batched, toks):
+            b.append(t)
+        d.eval_batch(m, ws, ss, toks)
+        for s, r in zip(ss, ref):
+            assert np.abs(np.array(s.logits) - r).max() < 1e-3
+    for a, b in zip(alone, batched):
+        n = len(a)  # alone stops at an end-of-generation token
+        assert b[:n] == a
+    with pytest.raises(d.DasllamaError):
+        d.eval_batch(m, ws, [ss[0], ss[0]], [1, 2])

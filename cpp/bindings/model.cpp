@@ -159,6 +159,21 @@ void bind_model(py::module_& m) {
           s.model().forward(s, v.data(), nullptr, (int64_t)v.size(), all_logits);
         },
         py::arg("session"), py::arg("tokens"), py::arg("all_logits") = false);
+  m.def("eval_batch", [](std::vector<std::shared_ptr<Session>> sessions, const std::vector<int64_t>& tokens) {
+    if (sessions.size() != tokens.size())
+      throw py::value_error("eval_batch: " + std::to_string(sessions.size()) + " sessions but " +
+                            std::to_string(tokens.size()) + " tokens");
+    if (sessions.empty()) return;
+    std::vector<Session*> ptrs;
+    for (auto& s : sessions) {
+      if (!s) throw py::value_error("eval_batch: None in sessions");
+      ptrs.push_back(s.get());
+    }
+    Model& model = ptrs[0]->model();
+    auto ids = ids_from(model, tokens);
+    py::gil_scoped_release rel;
+    model.forward_batch(ptrs.data(), ids.data(), (int64_t)ids.size());
+  });
   m.def("eval_embd",
         [](Session& s, py::array_t<float, py::array::c_style | py::array::forcecast> embd, int64_t npos) {
           const int64_t D = s.model().config().dim;

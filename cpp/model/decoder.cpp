@@ -53,7 +53,8 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
   for (int64_t i = 0; i < n; i += max_chunk_) {
     const int64_t m = std::min(max_chunk_, n - i);
-    forward_chunk(s, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits,
+    const Run run{&s, 0, m};
+    forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits,
                   nullptr);
     if (all_logits) std::memcpy(s.logits.data() + i * V, tmp_.data(), (size_t)(m * V) * 4);
   }
@@ -73,7 +74,8 @@ std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
   for (int64_t i = 0; i < n; i += max_chunk_) {
     const int64_t m = std::min(max_chunk_, n - i);
     hidden.resize((size_t)(m * D));
-    forward_chunk(s, tokens.data() + i, nullptr, m, true, hidden.data());
+    const Run run{&s, 0, m};
+    forward_chunk(&run, 1, tokens.data() + i, nullptr, m, true, hidden.data());
     for (int64_t r = 0; r < m; ++r)
       for (int64_t d = 0; d < D; ++d) mean[d] += hidden[r * D + d];
   }
@@ -87,8 +89,36 @@ std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
   return mean;
 }
 
-void Model::forward_chunk(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
-                          float* last_hidden) {
+void Model::forward_batch(Session* const* sessions, const int32_t* tokens, int64_t B) {
+  if (B <= 0) return;
+  for (int64_t b = 0; b < B; ++b) {
+    Session& s = *sessions[b];
+    if (&s.model() != this) throw Error("eval_batch: a session belongs to another model");
+    for (int64_t c = 0; c < b; ++c)
+      if (sessions[c] == sessions[b]) throw Error("eval_batch: a session appears twice");
+    if (s.n_past_ + 1 > s.n_ctx_)
+      throw ContextOverflowError("context overflow: session " + std::to_string(b) + " is full (" +
+                                 std::to_string(s.n_ctx_) + " positions)");
+    if (tokens[b] < 0 || tokens[b] >= cfg_.vocab_size)
+      throw Error("token id " + std::to_string(tokens[b]) + " out of range");
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  const int64_t V = cfg_.vocab_size;
+  for (int64_t i = 0; i < B; i += max_chunk_) {
+    const int64_t m = std::min(max_chunk_, B - i);
+    std::vector<Run> runs((size_t)m);
+    for (int64_t r = 0; r < m; ++r) runs[r] = Run{sessions[i + r], r, 1};
+    forward_chunk(runs.data(), (int)m, tokens + i, nullptr, m, false, nullptr);
+    for (int64_t r = 0; r < m; ++r) {
+      Session& s = *sessions[i + r];
+      s.logits.assign(tmp_.begin() + r * V, tmp_.begin() + (r + 1) * V);
+      s.history.push_back(tokens[i + r]);
+    }
+  }
+}
+
+void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, const float* embd, int64_t n,
+                          bool all_logits, float* last_hidden) {
   const ModelConfig& c = cfg_;
   Backend& be = *backend_;
   const int64_t D = c.dim, hd = c.head_dim;
@@ -104,7 +134,8 @@ void Model::forward_chunk(Session& s, const int32_t* tokens, const float* embd, 
   up_.resize((size_t)(n * F));
   ffn_.resize((size_t)(n * std::max<int64_t>(D, q_dim + 2 * kv_dim)));
   pos_.resize((size_t)n);
-  for (int64_t i = 0; i < n; ++i) pos_[i] = (int32_t)(s.n_past_ + i);
+  for (int ri = 0; ri < n_runs; ++ri)
+    for (int64_t i = 0; i < runs[ri].n_rows; ++i) pos_[runs[ri].first_row + i] = (int32_t)(runs[ri].s->n_past_ + i);
 
   if (tokens)
     embed_tokens(tokens, n, x_.data());
@@ -145,27 +176,32 @@ void Model::forward_chunk(Session& s, const int32_t* tokens, const float* embd, 
     be.rope(q_.data(), n, q_dim, c.n_heads, (int)hd, pos_.data(), rp);
     be.rope(k_.data(), n, kv_dim, c.n_kv_heads, (int)hd, pos_.data(), rp);
 
-    be.kv_store(s.k_layer(il), s.kv_type_, s.k_row_bytes_, s.n_past_, k_.data(), n, kv_dim, kv_dim);
-    be.kv_store(s.v_layer(il), s.kv_type_, s.v_row_bytes_, s.n_past_, v_.data(), n, kv_dim, kv_dim);
-    AttnArgs a;
-    a.q = q_.data();
-    a.q_stride = q_dim;
-    a.k = s.k_layer(il);
-    a.v = s.v_layer(il);
-    a.kv_row_bytes = s.k_row_bytes_;
-    a.kv_type = s.kv_type_;
-    a.n_tok = n;
-    a.n_kv = s.n_past_ + n;
-    a.n_heads = c.n_heads;
-    a.n_kv_heads = c.n_kv_heads;
-    a.head_dim = (int)hd;
-    a.q_pos = pos_.data();
-    a.window = swa ? c.sliding_window : 0;
-    a.scale = c.attn_scale;
-    a.softcap = c.attn_softcap;
-    a.out = attn_.data();
-    a.out_stride = q_dim;
-    be.attention(a);
+    // Each session's rows write its own cache and attend over it.
+    for (int ri = 0; ri < n_runs; ++ri) {
+      Session& s = *runs[ri].s;
+      const int64_t r0 = runs[ri].first_row, nr = runs[ri].n_rows;
+      be.kv_store(s.k_layer(il), s.kv_type_, s.k_row_bytes_, s.n_past_, k_.data() + r0 * kv_dim, nr, kv_dim, kv_dim);
+      be.kv_store(s.v_layer(il), s.kv_type_, s.v_row_bytes_, s.n_past_, v_.data() + r0 * kv_dim, nr, kv_dim, kv_dim);
+      AttnArgs a;
+      a.q = q_.data() + r0 * q_dim;
+      a.q_stride = q_dim;
+      a.k = s.k_layer(il);
+      a.v = s.v_layer(il);
+      a.kv_row_bytes = s.k_row_bytes_;
+      a.kv_type = s.kv_type_;
+      a.n_tok = nr;
+      a.n_kv = s.n_past_ + nr;
+      a.n_heads = c.n_heads;
+      a.n_kv_heads = c.n_kv_heads;
+      a.head_dim = (int)hd;
+      a.q_pos = pos_.data() + r0;
+      a.window = swa ? c.sliding_window : 0;
+      a.scale = c.attn_scale;
+      a.softcap = c.attn_softcap;
+      a.out = attn_.data() + r0 * q_dim;
+      a.out_stride = q_dim;
+      be.attention(a);
+    }
 
     float* o = ffn_.data();
     be.matmul(L.wo, attn_.data(), n, o);
@@ -186,12 +222,19 @@ void Model::forward_chunk(Session& s, const int32_t* tokens, const float* embd, 
     if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
     be.add(x_.data(), o, n * D);
   }
-  s.n_past_ += n;
+  for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
 
-  // Final norm and logits: of every row, or only of the last.
-  const int64_t first = all_logits ? 0 : n - 1;
-  const int64_t rows = n - first;
-  be.rms_norm(x_.data() + first * D, output_norm_.data(), xn_.data(), rows, D, c.norm_eps);
+  // Final norm and logits: of every row, or of the last row of each run.
+  int64_t rows = 0;
+  if (all_logits) {
+    rows = n;
+    be.rms_norm(x_.data(), output_norm_.data(), xn_.data(), n, D, c.norm_eps);
+  } else {
+    for (int ri = 0; ri < n_runs; ++ri, ++rows) {
+      const int64_t last = runs[ri].first_row + runs[ri].n_rows - 1;
+      be.rms_norm(x_.data() + last * D, output_norm_.data(), xn_.data() + rows * D, 1, D, c.norm_eps);
+    }
+  }
   if (last_hidden) std::memcpy(last_hidden, xn_.data(), (size_t)(rows * D) * 4);
   tmp_.resize((size_t)(rows * c.vocab_size));
   be.matmul(output_, xn_.data(), rows, tmp_.data());

@@ -72,6 +72,10 @@ class Model : public std::enable_shared_from_this<Model> {
   // every row when all_logits) into the session. Serialized per model.
   void forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits);
 
+  // One decode step for B distinct sessions: row b evaluates tokens[b] at
+  // sessions[b]'s position; the weights are read once for all rows.
+  void forward_batch(Session* const* sessions, const int32_t* tokens, int64_t B);
+
   // Embedding rows for tokens (scaled as the family's input layer does).
   void embed_tokens(const int32_t* tokens, int64_t n, float* out);
   // Pooled hidden state (mean of the final-norm outputs) of a token sequence.
@@ -82,8 +86,13 @@ class Model : public std::enable_shared_from_this<Model> {
   void load_weights();
   Weight load_matrix(const std::string& name, bool required, int64_t rows = -1, int64_t cols = -1);
   std::vector<float> load_vector(const std::string& name, bool required, int64_t n = -1);
-  void forward_chunk(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
-                     float* last_hidden);
+  // A chunk of rows: runs of consecutive rows, each belonging to one session.
+  struct Run {
+    Session* s;
+    int64_t first_row, n_rows;
+  };
+  void forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, const float* embd, int64_t n,
+                     bool all_logits, float* last_hidden);
 
   std::shared_ptr<gguf::File> file_;
   ModelConfig cfg_;

@@ -18,6 +18,7 @@ from . import quant
 from ._system import get_isa, set_isa, system_info
 from . import hub
 from .llm import (
+    BatchWorkspace,
     KVDtype,
     Model,
     ModelConfig,
@@ -25,11 +26,13 @@ from .llm import (
     SamplingParams,
     Session,
     Stats,
+    create_batch_workspace,
     create_session,
     decode,
     embed,
     encode,
     eval,
+    eval_batch,
     eval_embd,
     generate,
     load_model,
@@ -44,7 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KVDtype", "Model", "ModelConfig", "QuantMode", "SamplingParams", "Session", "Stats",
-    "create_session", "decode", "embed", "encode", "eval", "eval_embd", "generate", "load_model",
+    "BatchWorkspace", "create_batch_workspace", "eval_batch", "create_session", "decode", "embed", "encode", "eval", "eval_embd", "generate", "load_model",
     "piece", "sample", "set_seed", "stats", "stream_generate",
     "ContextOverflowError",
     "DasllamaError",

@@ -164,6 +164,37 @@ def eval(model: Model, session: Session, tokens: Sequence[int], all_logits: bool
     _core.eval(session._s, [int(t) for t in tokens], bool(all_logits))
 
 
+class BatchWorkspace:
+    """Caller-owned handle for :func:`eval_batch` steps of one model.
+
+    It holds no session state (positions, caches and logits stay in the
+    sessions). The batched scratch buffers are kept by the model today, whose
+    compute is serialized, so one workspace per concurrent batch costs nothing.
+    """
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    def __repr__(self) -> str:
+        return f"BatchWorkspace(model={os.path.basename(self.model.path)!r})"
+
+
+def create_batch_workspace(model: Model) -> BatchWorkspace:
+    return BatchWorkspace(model)
+
+
+def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session], tokens: Sequence[int]) -> None:
+    """One batched decode step: ``tokens[i]`` at ``sessions[i]``'s position, one pass over the weights.
+
+    Sessions must be distinct sessions of ``model``; each gets its own logits.
+    """
+    if ws.model is not model:
+        raise ValueError("workspace belongs to another model")
+    for s in sessions:
+        _check(model, s)
+    _core.eval_batch([s._s for s in sessions], [int(t) for t in tokens])
+
+
 def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int) -> None:
     """eval's embedding-row twin: prefill ``npos`` rows of ``dim`` floats."""
     _check(model, session)
