@@ -27,18 +27,6 @@ size_t kv_row_bytes(KVType t, int64_t dim) {
 namespace {
 
 // Decodes dim elements of a cache row, starting at element `first`, to f32.
-// f32 rows are used in place; others are decoded into dst.
-inline const float* kv_load(const cpu::KernelTable& kt, const uint8_t* row, KVType t, int64_t first, float* dst,
-                            int64_t dim) {
-  row += kv_row_bytes(t, first);  // first is a multiple of 32 for q8_0 (checked at session create)
-  switch (t) {
-    case KVType::f32: return (const float*)row;
-    case KVType::f16: kt.dequant_row((uint32_t)GGMLType::F16, row, dst, dim); break;
-    case KVType::q8_0: kt.dequant_row((uint32_t)GGMLType::Q8_0, row, dst, dim); break;
-  }
-  return dst;
-}
-
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int n) : pool_(n > 0 ? n : default_threads()) {}
@@ -182,75 +170,58 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void attention(const AttnArgs& a0) override {
-    AttnArgs a = a0;
-    if (a.kv_type != KVType::f32 && a.n_tok > 1) {
-      // Prefill: each cache row would be decoded once per query; decode the
-      // layer's rows once into f32 instead and attend over those.
-      const int64_t kv_dim = (int64_t)a.n_kv_heads * a.head_dim;
+  void attention(const AttnArgs& a) override {
+    const cpu::KernelTable& kt = cpu::kernels();
+    const int hd = a.head_dim;
+    const int64_t kv_dim = (int64_t)a.n_kv_heads * hd;
+    const float* kf = (const float*)a.k;
+    const float* vf = (const float*)a.v;
+    int64_t kv_stride = (int64_t)(a.kv_row_bytes / 4);
+    if (a.kv_type != KVType::f32) {
+      // Decode the layer's cache rows once into f32 (not once per query head).
       kv_f32_.resize((size_t)(2 * a.n_kv * kv_dim));
-      float* kf = kv_f32_.data();
-      float* vf = kf + a.n_kv * kv_dim;
-      const cpu::KernelTable& kt = cpu::kernels();
+      float* kd = kv_f32_.data();
+      float* vd = kd + a.n_kv * kv_dim;
       const uint32_t t = a.kv_type == KVType::f16 ? (uint32_t)GGMLType::F16 : (uint32_t)GGMLType::Q8_0;
       pool_.parallel_for(a.n_kv, 64, [&](int64_t lo, int64_t hi) {
         for (int64_t j = lo; j < hi; ++j) {
-          kt.dequant_row(t, (const uint8_t*)a.k + (size_t)j * a.kv_row_bytes, kf + j * kv_dim, kv_dim);
-          kt.dequant_row(t, (const uint8_t*)a.v + (size_t)j * a.kv_row_bytes, vf + j * kv_dim, kv_dim);
+          kt.dequant_row(t, (const uint8_t*)a.k + (size_t)j * a.kv_row_bytes, kd + j * kv_dim, kv_dim);
+          kt.dequant_row(t, (const uint8_t*)a.v + (size_t)j * a.kv_row_bytes, vd + j * kv_dim, kv_dim);
         }
       });
-      a.k = kf;
-      a.v = vf;
-      a.kv_type = KVType::f32;
-      a.kv_row_bytes = (size_t)kv_dim * 4;
+      kf = kd;
+      vf = vd;
+      kv_stride = kv_dim;
     }
+    // Tasks: (block of up to 16 query rows) x (kv head).
     const int group = a.n_heads / a.n_kv_heads;
-    const int hd = a.head_dim;
-    const int64_t n_tasks = a.n_tok * a.n_kv_heads;
-    const cpu::KernelTable& kt = cpu::kernels();
-    pool_.parallel_for(n_tasks, 1, [&](int64_t lo, int64_t hi) {
-      thread_local std::vector<float> scores, krow, acc;
+    const int64_t rb = 16;
+    const int64_t n_blocks = (a.n_tok + rb - 1) / rb;
+    pool_.parallel_for(n_blocks * a.n_kv_heads, 1, [&](int64_t lo, int64_t hi) {
+      thread_local std::vector<float> scratch;
       for (int64_t task = lo; task < hi; ++task) {
-        const int64_t t = task / a.n_kv_heads;
+        const int64_t blk = task / a.n_kv_heads;
         const int kvh = (int)(task % a.n_kv_heads);
-        const int64_t p = a.q_pos[t];
-        int64_t j0 = 0, j1 = std::min<int64_t>(p + 1, a.n_kv);
-        if (a.window > 0) j0 = std::max<int64_t>(0, p - a.window + 1);
-        const int64_t nj = std::max<int64_t>(0, j1 - j0);
-        scores.resize((size_t)(nj * group));
-        krow.resize((size_t)hd);
-        acc.assign((size_t)group * hd, 0.f);
-        // Scores: one decoded K row serves every query head of its group.
-        for (int64_t j = 0; j < nj; ++j) {
-          const uint8_t* kr = (const uint8_t*)a.k + (size_t)(j0 + j) * a.kv_row_bytes;
-          const float* kh = kv_load(kt, kr, a.kv_type, (int64_t)kvh * hd, krow.data(), hd);
-          for (int g = 0; g < group; ++g) {
-            const float* q = a.q + t * a.q_stride + (int64_t)(kvh * group + g) * hd;
-            float s = kt.dot_f32(q, kh, hd) * a.scale;
-            if (a.softcap > 0) s = a.softcap * std::tanh(s / a.softcap);
-            scores[(size_t)(g * nj + j)] = s;
-          }
-        }
-        for (int g = 0; g < group; ++g) {
-          float* s = scores.data() + (size_t)g * nj;
-          float mx = -INFINITY;
-          for (int64_t j = 0; j < nj; ++j) mx = std::max(mx, s[j]);
-          double sum = 0;
-          for (int64_t j = 0; j < nj; ++j) {
-            s[j] = std::exp(s[j] - mx);
-            sum += s[j];
-          }
-          const float inv = sum > 0 ? (float)(1.0 / sum) : 0.f;
-          for (int64_t j = 0; j < nj; ++j) s[j] *= inv;
-        }
-        for (int64_t j = 0; j < nj; ++j) {
-          const uint8_t* vr = (const uint8_t*)a.v + (size_t)(j0 + j) * a.kv_row_bytes;
-          const float* vh = kv_load(kt, vr, a.kv_type, (int64_t)kvh * hd, krow.data(), hd);
-          for (int g = 0; g < group; ++g) kt.axpy_f32(acc.data() + (size_t)g * hd, vh, scores[(size_t)(g * nj + j)], hd);
-        }
-        for (int g = 0; g < group; ++g)
-          std::memcpy(a.out + t * a.out_stride + (int64_t)(kvh * group + g) * hd, acc.data() + (size_t)g * hd,
-                      (size_t)hd * 4);
+        cpu::AttnBlock b;
+        const int64_t t0 = blk * rb;
+        b.n_rows = std::min(rb, a.n_tok - t0);
+        b.q = a.q + t0 * a.q_stride + (int64_t)kvh * group * hd;
+        b.q_stride = a.q_stride;
+        b.k = kf + (int64_t)kvh * hd;
+        b.v = vf + (int64_t)kvh * hd;
+        b.kv_stride = kv_stride;
+        b.pos = a.q_pos + t0;
+        b.n_kv = a.n_kv;
+        b.group = group;
+        b.head_dim = hd;
+        b.window = a.window;
+        b.scale = a.scale;
+        b.softcap = a.softcap;
+        b.out = a.out + t0 * a.out_stride + (int64_t)kvh * group * hd;
+        b.out_stride = a.out_stride;
+        scratch.resize(kt.attn_block_scratch(b.n_rows, group, hd, a.n_kv));
+        b.scratch = scratch.data();
+        kt.attn_block(b);
       }
     });
   }

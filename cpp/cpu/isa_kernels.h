@@ -1,7 +1,10 @@
 // Kernels defined once per ISA, in namespace dl::cpu::<DL_ISA>. Each *_isa.cpp
 // defines some of them; table_isa.cpp puts them in the table.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+
+#include "cpu/kernels.h"
 
 #ifndef DL_ISA
 #error "isa_kernels.h is included only by *_isa.cpp files, compiled with -DDL_ISA=<name>"
@@ -20,6 +23,7 @@ uint32_t act_type(uint32_t wtype);
 void quantize_act(uint32_t act_type, const float* x, void* dst, int64_t n);
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1);
 float dot_f32(const float* a, const float* b, int64_t n);
-void axpy_f32(float* y, const float* x, float a, int64_t n);
+void attn_block(const AttnBlock& b);
+size_t attn_block_scratch(int64_t n_rows, int group, int head_dim, int64_t n_kv);
 
 }  // namespace dl::cpu::DL_ISA

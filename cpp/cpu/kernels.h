@@ -25,6 +25,24 @@ struct MatmulArgs {
   int64_t y_stride = 0;  // floats between consecutive tokens' outputs
 };
 
+// Attention of n_rows query rows (each with `group` heads of head_dim, laid out
+// contiguously per row) against one KV head held in f32 rows. Row t sits at
+// position pos[t] and sees keys j <= pos[t] (and pos[t] - j < window if window).
+struct AttnBlock {
+  const float* q = nullptr;
+  int64_t q_stride = 0;  // floats between rows
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t kv_stride = 0;  // floats between key rows
+  const int32_t* pos = nullptr;
+  int64_t n_rows = 0, n_kv = 0;
+  int group = 1, head_dim = 0, window = 0;
+  float scale = 1.f, softcap = 0.f;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  float* scratch = nullptr;  // attn_block_scratch(...) floats
+};
+
 struct KernelTable {
   Isa isa = Isa::baseline;
   // Dequantize n elements (a whole number of blocks) of ggml type `type`.
@@ -43,7 +61,8 @@ struct KernelTable {
 
   // Float helpers for attention and norms.
   float (*dot_f32)(const float* a, const float* b, int64_t n) = nullptr;
-  void (*axpy_f32)(float* y, const float* x, float a, int64_t n) = nullptr;  // y += a * x
+  void (*attn_block)(const AttnBlock& b) = nullptr;
+  size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;
 };
 
 // The table for the active ISA (dl::active_isa()).

@@ -10,7 +10,8 @@ void fill_table(KernelTable& t) {
   t.quantize_act = &quantize_act;
   t.matmul_rows = &matmul_rows;
   t.dot_f32 = &dot_f32;
-  t.axpy_f32 = &axpy_f32;
+  t.attn_block = &attn_block;
+  t.attn_block_scratch = &attn_block_scratch;
 }
 
 }  // namespace dl::cpu::DL_ISA
