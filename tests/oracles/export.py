@@ -117,12 +117,30 @@ def _gemma2():
 
 def _gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    # 7 layers: 0-4 sliding, 5 global, 6 sliding again.
+    # 7 layers: 0-4 sliding, 5 global, 6 sliding again. Linear rope scaling (factor 8) on the
+    # global layers only, as Gemma-3 4B/12B/27B have it.
     return Gemma3ForCausalLM(Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=256,
         rms_norm_eps=1e-6, initializer_range=INIT, sliding_window=SLIDING_WINDOW,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager"))
+
+
+def _gemma_27b_shape(build, n_layers):
+    """The 27B models scale queries by (dim/heads)^-0.5, not head_dim^-0.5; no GGUF key says so:
+    llama.cpp recognizes them by layer count (gemma2 46, gemma3 62). A tiny model of that depth."""
+    def make():
+        m = build()
+        cfg = m.config
+        cfg.num_hidden_layers = n_layers
+        cfg.hidden_size, cfg.num_attention_heads = 128, 4  # dim/heads = 32 = head_dim: scale it
+        cfg.head_dim, cfg.query_pre_attn_scalar = 64, 32    # unlike head_dim
+        cfg.layer_types = None
+        cfg.__post_init__() if hasattr(cfg, "__post_init__") else None
+        return type(m)(cfg)
+    return make
 
 
 def _kv_llama(cfg, w):
@@ -156,6 +174,10 @@ FAMILIES: Dict[str, Family] = {
     "phi3": Family("phi3", _seeded(_phi3), gguf.MODEL_ARCH.PHI3, extra_kv=_kv_phi3),
     "gemma2": Family("gemma2", _seeded(_gemma2), gguf.MODEL_ARCH.GEMMA2, norm_plus_one=True, extra_kv=_kv_gemma2),
     "gemma3": Family("gemma3", _seeded(_gemma3), gguf.MODEL_ARCH.GEMMA3, norm_plus_one=True, extra_kv=_kv_gemma3),
+    "gemma2-27b-shape": Family("gemma2", _seeded(_gemma_27b_shape(_gemma2, 46)), gguf.MODEL_ARCH.GEMMA2,
+                               norm_plus_one=True, extra_kv=_kv_gemma2),
+    "gemma3-27b-shape": Family("gemma3", _seeded(_gemma_27b_shape(_gemma3, 62)), gguf.MODEL_ARCH.GEMMA3,
+                               norm_plus_one=True, extra_kv=_kv_gemma3),
 }
 
 
@@ -241,6 +263,9 @@ def write_gguf(fam: Family, model, path: str, ftype: str, spm_proto: bytes):
     theta = rope.get("full_attention", rope).get("rope_theta")
     if theta is not None and fam.name != "gemma2":  # gemma2's converter writes no rope base
         w.add_rope_freq_base(theta)
+    if rope.get("full_attention", rope).get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope.get("full_attention", rope)["factor"])
     if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         w.add_rope_freq_base_swa(local)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
