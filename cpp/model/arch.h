@@ -18,9 +18,13 @@ struct ArchTraits {
   float default_attn_softcap = 0.f;   // used when the metadata key is absent
   float default_final_softcap = 0.f;
   float default_rope_base_swa = 10000.f;  // local rope base of sliding layers
-  // Attention scale 1/sqrt(dim/n_heads) instead of 1/sqrt(head_dim) (gemma 27B-style);
-  // decided per model in the family file's adjust hook when needed.
-  bool scale_by_dim_over_heads = false;
+  int default_sliding_window = 0;         // used when attention.sliding_window is absent
+  // Sliding layers rope with the global linear scaling too (gemma2); otherwise unscaled
+  // (gemma3 4B+ scale only their global layers), as llama.cpp's rope_freq_scale_train_swa.
+  bool swa_rope_scaled = false;
+  // Block counts of the models that scale queries by 1/sqrt(dim/n_heads) instead of
+  // 1/sqrt(head_dim) (the gemma 27Bs); GGUF has no key for it, llama.cpp goes by depth too.
+  std::vector<int> attn_scale_dim_over_heads_at_layers;
 };
 
 void register_arch(const ArchTraits& t);

@@ -173,6 +173,7 @@ void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, co
     if (!L.q_norm.empty()) be.rms_norm(q_.data(), L.q_norm.data(), q_.data(), n * c.n_heads, hd, c.norm_eps);
     if (!L.k_norm.empty()) be.rms_norm(k_.data(), L.k_norm.data(), k_.data(), n * c.n_kv_heads, hd, c.norm_eps);
     rp.base = swa ? c.rope_base_swa : c.rope_base;
+    rp.freq_scale = swa ? c.rope_freq_scale_swa : c.rope_freq_scale;
     be.rope(q_.data(), n, q_dim, c.n_heads, (int)hd, pos_.data(), rp);
     be.rope(k_.data(), n, kv_dim, c.n_kv_heads, (int)hd, pos_.data(), rp);
 

@@ -15,6 +15,9 @@ void register_gemma_family() {
   g2.default_attn_softcap = 50.f;
   g2.default_final_softcap = 30.f;
   g2.default_rope_base_swa = 0.f;  // gemma2 uses one rope base
+  g2.default_sliding_window = 4096;
+  g2.swa_rope_scaled = true;
+  g2.attn_scale_dim_over_heads_at_layers = {46};  // Gemma-2-27B
   register_arch(g2);
 
   ArchTraits g3 = g2;
@@ -23,6 +26,9 @@ void register_gemma_family() {
   g3.default_attn_softcap = 0.f;
   g3.default_final_softcap = 0.f;
   g3.default_rope_base_swa = 10000.f;
+  g3.default_sliding_window = 0;
+  g3.swa_rope_scaled = false;
+  g3.attn_scale_dim_over_heads_at_layers = {62};  // Gemma-3-27B
   register_arch(g3);
 }
 }  // namespace dl

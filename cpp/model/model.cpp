@@ -100,14 +100,18 @@ std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, int 
   const ArchTraits& t = *m->traits_;
   c.rope_base_swa = get_float_or(f, key(c, "rope.freq_base_swa"), t.default_rope_base_swa);
   if (c.rope_base_swa <= 0) c.rope_base_swa = c.rope_base;
-  c.sliding_window = get_int_or(f, key(c, "attention.sliding_window"), 0);
+  c.rope_freq_scale_swa = t.swa_rope_scaled ? c.rope_freq_scale : 1.f;
+  c.sliding_window = get_int_or(f, key(c, "attention.sliding_window"), t.default_sliding_window);
   int pattern = get_int_or(f, key(c, "attention.sliding_window_pattern"), t.swa_pattern);
   c.layer_is_swa.assign(c.n_layers, 0);
   if (c.sliding_window > 0 && pattern > 0)
     for (int il = 0; il < c.n_layers; ++il) c.layer_is_swa[il] = (il % pattern) < (pattern - 1);
   c.attn_softcap = get_float_or(f, key(c, "attn_logit_softcapping"), t.default_attn_softcap);
   c.final_softcap = get_float_or(f, key(c, "final_logit_softcapping"), t.default_final_softcap);
-  c.attn_scale = 1.f / std::sqrt((float)c.head_dim);
+  const auto& big = t.attn_scale_dim_over_heads_at_layers;
+  c.attn_scale = std::find(big.begin(), big.end(), c.n_layers) != big.end()
+                     ? 1.f / std::sqrt((float)(c.dim / c.n_heads))
+                     : 1.f / std::sqrt((float)c.head_dim);
 
   m->backend_ = make_cpu_backend(n_threads);
   m->load_weights();

@@ -25,7 +25,7 @@ struct ModelConfig {
   float norm_eps = 1e-5f;
   // rope
   int n_rot = 0;
-  float rope_base = 10000.f, rope_base_swa = 0.f, rope_freq_scale = 1.f;
+  float rope_base = 10000.f, rope_base_swa = 0.f, rope_freq_scale = 1.f, rope_freq_scale_swa = 1.f;
   std::string rope_scaling = "none";
   // attention
   int sliding_window = 0;
