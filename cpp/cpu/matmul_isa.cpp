@@ -776,6 +776,93 @@ void run_unpacked(const MatmulArgs& a, int64_t r0, int64_t r1, void (*unpack)(co
   }
 }
 
+#if defined(__AVX512F__)
+// ---- decode GEMV (one token), 32-block family --------------------------------------------------
+// Streams weight blocks straight into registers (no unpack buffer): one token
+// cannot amortize unpacking, and decode is bound by reading the weights.
+// Each loader gives u (unsigned, element order) and w = dw * u + mw for one block.
+struct U32 {
+  __m256i u;
+  float dw, mw;
+};
+inline __m256i nibbles256(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+inline U32 ld_q4_0(const block_q4_0* b) {
+  const float d = f16s(b->d);
+  return {nibbles256(b->qs), d, -8.0f * d};
+}
+inline U32 ld_q4_1(const block_q4_1* b) { return {nibbles256(b->qs), f16s(b->d), f16s(b->m)}; }
+inline U32 ld_q8_0(const block_q8_0* b) {
+  const float d = f16s(b->d);
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
+  return {_mm256_xor_si256(q, _mm256_set1_epi8(-128)), d, -128.0f * d};
+}
+inline U32 ld_q5_0(const block_q5_0* b) {
+  uint32_t qh;
+  std::memcpy(&qh, b->qh, 4);
+  const __m256i bytes = _mm256_shuffle_epi8(
+      _mm256_set1_epi32((int)qh), _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i hb = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+  const float d = f16s(b->d);
+  return {_mm256_or_si256(nibbles256(b->qs), hb), d, -16.0f * d};
+}
+
+template <class Blk, U32 (*LD)(const Blk*)>
+void gemv_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  const int64_t nb = a.k / 32, kp = act_a8_padded_k(a.k);
+  const uint8_t* A = static_cast<const uint8_t*>(a.act);
+  const float* da = reinterpret_cast<const float*>(A + kp);
+  const float* sa = da + kp / 32;
+  constexpr int R = 4;  // rows in flight: four independent accumulator chains
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) {
+    const Blk* w[R];
+    for (int i = 0; i < R; ++i)
+      w[i] = reinterpret_cast<const Blk*>(static_cast<const uint8_t*>(a.w) + (size_t)(r + i) * a.w_row_bytes);
+    __m256 acc[R];
+    float off[R] = {0, 0, 0, 0};
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + b * 32));
+      for (int i = 0; i < R; ++i) {
+        // Weights come from DRAM once per token: fetch well ahead of use.
+        _mm_prefetch(reinterpret_cast<const char*>(w[i] + b) + 2048, _MM_HINT_T0);
+        const U32 u = LD(w[i] + b);
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u.u, qa);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(u.dw * da[b]), acc[i]);
+        off[i] += u.mw * sa[b];
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      a.y[r + i] = _mm_cvtss_f32(h) + off[i];
+    }
+  }
+  for (; r < r1; ++r) {
+    const Blk* w = reinterpret_cast<const Blk*>(static_cast<const uint8_t*>(a.w) + (size_t)r * a.w_row_bytes);
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      const U32 u = LD(w + b);
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + b * 32));
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u.u, qa);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(u.dw * da[b]), acc);
+      off += u.mw * sa[b];
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    a.y[r] = _mm_cvtss_f32(h) + off;
+  }
+}
+#endif
+
 template <class Blk, void (*UP)(const Blk*, uint8_t*, float&, float&), bool Wide = false>
 void run_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
   const int64_t kp = act_a8_padded_k(a.k);
@@ -846,6 +933,17 @@ void quantize_act(uint32_t at, const float* x, void* dst, int64_t n) {
 
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   if (r1 <= r0 || a.n_tok <= 0) return;
+#if defined(__AVX512F__)
+  if (a.n_tok == 1) {
+    switch ((GGMLType)a.wtype) {
+      case GGMLType::Q4_0: return gemv_a<block_q4_0, ld_q4_0>(a, r0, r1);
+      case GGMLType::Q4_1: return gemv_a<block_q4_1, ld_q4_1>(a, r0, r1);
+      case GGMLType::Q5_0: return gemv_a<block_q5_0, ld_q5_0>(a, r0, r1);
+      case GGMLType::Q8_0: return gemv_a<block_q8_0, ld_q8_0>(a, r0, r1);
+      default: break;
+    }
+  }
+#endif
   switch ((GGMLType)a.wtype) {
     case GGMLType::Q4_0: run_a<block_q4_0, up_q4_0>(a, r0, r1); break;
     case GGMLType::Q4_1: run_a<block_q4_1, up_q4_1>(a, r0, r1); break;
