@@ -7,31 +7,9 @@
 #include <cstring>
 
 #include "cpu/isa_kernels.h"
+#include "cpu/vmath.h"
 
 namespace dl::cpu::DL_ISA {
-namespace {
-
-// exp(x) for x <= 0 (softmax after the max is subtracted): 2^n * p(r) with
-// |r| <= ln2/2 and a degree-6 polynomial, ~2 ulp; branch-free so loops vectorize.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += (int32_t)n << 23;
-  std::memcpy(&p, &bits, 4);
-  return p;
-}
-
-}  // namespace
 
 void attn_block(const AttnBlock& b) {
   const int G = b.group, hd = b.head_dim;

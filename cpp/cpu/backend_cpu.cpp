@@ -228,20 +228,11 @@ class CpuBackend final : public Backend {
 
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const float* g = gate + r * gs;
-      const float* u = up + r * us;
-      float* o = out + r * dim;
-      if (act == Act::silu) {
-        for (int64_t i = 0; i < dim; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      } else {
-        const float c = 0.7978845608028654f;  // sqrt(2/pi)
-        for (int64_t i = 0; i < dim; ++i) {
-          const float x = g[i];
-          o[i] = 0.5f * x * (1.f + std::tanh(c * (x + 0.044715f * x * x * x))) * u[i];
-        }
-      }
-    }
+    const cpu::KernelTable& kt = cpu::kernels();
+    const int a = act == Act::silu ? 0 : 1;
+    pool_.parallel_for(n_rows, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) kt.glu_f32(gate + r * gs, up + r * us, out + r * dim, dim, a);
+    });
   }
 
   void add(float* y, const float* x, int64_t n) override {

@@ -62,6 +62,8 @@ struct KernelTable {
   // Float helpers for attention and norms.
   float (*dot_f32)(const float* a, const float* b, int64_t n) = nullptr;
   void (*attn_block)(const AttnBlock& b) = nullptr;
+  // out = act(gate) * up; act 0: SiLU, 1: GELU (tanh form). out may alias up.
+  void (*glu_f32)(const float* gate, const float* up, float* out, int64_t n, int act) = nullptr;
   size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;
 };
 

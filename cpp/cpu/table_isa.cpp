@@ -11,6 +11,7 @@ void fill_table(KernelTable& t) {
   t.matmul_rows = &matmul_rows;
   t.dot_f32 = &dot_f32;
   t.attn_block = &attn_block;
+  t.glu_f32 = &glu_f32;
   t.attn_block_scratch = &attn_block_scratch;
 }
 

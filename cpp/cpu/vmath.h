@@ -1,0 +1,49 @@
+// Branch-free float math for the per-ISA kernels (loops over these vectorize).
+// Included only by *_isa.cpp files: internal linkage keeps each ISA's copy apart.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace dl::cpu::DL_ISA {
+namespace {
+
+// exp(x) for x <= 0: 2^n * p(r) with |r| <= ln2/2 and a degree-6 polynomial, ~2 ulp.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += (int32_t)n << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+// x * sigmoid(x), from e = exp(-|x|) so the exponent never overflows.
+inline float silu(float x) {
+  const float e = exp_neg(-std::fabs(x));
+  return (x >= 0.f ? x : x * e) / (1.f + e);
+}
+
+// tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2|y|).
+inline float tanh_f(float y) {
+  const float e = exp_neg(-2.f * std::fabs(y));
+  const float t = (1.f - e) / (1.f + e);
+  return y < 0.f ? -t : t;
+}
+
+inline float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + tanh_f(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+}  // namespace
+}  // namespace dl::cpu::DL_ISA
