@@ -74,8 +74,11 @@ class CpuBackend final : public Backend {
       quant(0, n);  // a few rows: cheaper here than a dispatch
     else
       pool_.parallel_for(n, 1, quant);
-    // Rows in chunks of 16 (a multiple of the kernels' 4-row tiles), over all weights.
-    const int64_t chunk = 16;
+    // Rows in chunks (a multiple of the kernels' 4-row tiles) over all weights: about
+    // 16 per thread, so a big matrix is not cut into thousands of counter grabs.
+    int64_t total_rows = 0;
+    for (int i = 0; i < same; ++i) total_rows += grp[i]->rows;
+    const int64_t chunk = std::max<int64_t>(16, total_rows / (16 * pool_.size()) / 4 * 4);
     int64_t first[9];
     cpu::MatmulArgs args[8];
     first[0] = 0;
