@@ -818,6 +818,7 @@ void gemv_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
   const float* da = reinterpret_cast<const float*>(A + kp);
   const float* sa = da + kp / 32;
   constexpr int R = 4;  // rows in flight: four independent accumulator chains
+  const size_t pf = std::max<size_t>(2048, 2 * R * a.w_row_bytes);
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
     const Blk* w[R];
@@ -829,8 +830,9 @@ void gemv_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
     for (int64_t b = 0; b < nb; ++b) {
       const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + b * 32));
       for (int i = 0; i < R; ++i) {
-        // Weights come from DRAM once per token: fetch well ahead of use.
-        _mm_prefetch(reinterpret_cast<const char*>(w[i] + b) + 2048, _MM_HINT_T0);
+        // Weights come from DRAM once per token: fetch the same column two groups
+        // of rows ahead (at least 2 KiB) while this group computes.
+        _mm_prefetch(reinterpret_cast<const char*>(w[i] + b) + pf, _MM_HINT_T0);
         const U32 u = LD(w[i] + b);
         const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u.u, qa);
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(u.dw * da[b]), acc[i]);
