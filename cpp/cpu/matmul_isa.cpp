@@ -811,56 +811,68 @@ inline U32 ld_q5_0(const block_q5_0* b) {
   return {_mm256_or_si256(nibbles256(b->qs), hb), d, -16.0f * d};
 }
 
-template <class Blk, U32 (*LD)(const Blk*)>
-void gemv_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
+// Rows [r0, r1) against tokens [t0, t0 + T): each block is unpacked in registers
+// once and dotted with all T activation rows (T <= 4: batched decode steps).
+template <class Blk, U32 (*LD)(const Blk*), int T>
+void gemv_t(const MatmulArgs& a, int64_t r0, int64_t r1, int64_t t0) {
   const int64_t nb = a.k / 32, kp = act_a8_padded_k(a.k);
-  const uint8_t* A = static_cast<const uint8_t*>(a.act);
-  const float* da = reinterpret_cast<const float*>(A + kp);
-  const float* sa = da + kp / 32;
-  constexpr int R = 4;  // rows in flight: four independent accumulator chains
+  const uint8_t* A[T];
+  const float* da[T];
+  const float* sa[T];
+  for (int t = 0; t < T; ++t) {
+    A[t] = static_cast<const uint8_t*>(a.act) + (size_t)(t0 + t) * a.act_row_bytes;
+    da[t] = reinterpret_cast<const float*>(A[t] + kp);
+    sa[t] = da[t] + kp / 32;
+  }
+  constexpr int R = 4;  // rows in flight: R x T independent accumulator chains
   const size_t pf = std::max<size_t>(2048, 2 * R * a.w_row_bytes);
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
+  for (int64_t r = r0; r < r1; r += R) {
+    const int nr = (int)std::min<int64_t>(R, r1 - r);
     const Blk* w[R];
     for (int i = 0; i < R; ++i)
-      w[i] = reinterpret_cast<const Blk*>(static_cast<const uint8_t*>(a.w) + (size_t)(r + i) * a.w_row_bytes);
-    __m256 acc[R];
-    float off[R] = {0, 0, 0, 0};
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+      w[i] = reinterpret_cast<const Blk*>(static_cast<const uint8_t*>(a.w) +
+                                          (size_t)(r + std::min(i, nr - 1)) * a.w_row_bytes);
+    __m256 acc[R][T];
+    float off[R][T];
+    for (int i = 0; i < R; ++i)
+      for (int t = 0; t < T; ++t) {
+        acc[i][t] = _mm256_setzero_ps();
+        off[i][t] = 0.f;
+      }
     for (int64_t b = 0; b < nb; ++b) {
-      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + b * 32));
+      __m256i qa[T];
+      for (int t = 0; t < T; ++t) qa[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A[t] + b * 32));
       for (int i = 0; i < R; ++i) {
-        // Weights come from DRAM once per token: fetch the same column two groups
+        // Weights come from DRAM once per step: fetch the same column two groups
         // of rows ahead (at least 2 KiB) while this group computes.
         _mm_prefetch(reinterpret_cast<const char*>(w[i] + b) + pf, _MM_HINT_T0);
         const U32 u = LD(w[i] + b);
-        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u.u, qa);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(u.dw * da[b]), acc[i]);
-        off[i] += u.mw * sa[b];
+        for (int t = 0; t < T; ++t) {
+          const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u.u, qa[t]);
+          acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(u.dw * da[t][b]), acc[i][t]);
+          off[i][t] += u.mw * sa[t][b];
+        }
       }
     }
-    for (int i = 0; i < R; ++i) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      a.y[r + i] = _mm_cvtss_f32(h) + off[i];
-    }
+    for (int i = 0; i < nr; ++i)
+      for (int t = 0; t < T; ++t) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][t]), _mm256_extractf128_ps(acc[i][t], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        a.y[(t0 + t) * a.y_stride + r + i] = _mm_cvtss_f32(h) + off[i][t];
+      }
   }
-  for (; r < r1; ++r) {
-    const Blk* w = reinterpret_cast<const Blk*>(static_cast<const uint8_t*>(a.w) + (size_t)r * a.w_row_bytes);
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0;
-    for (int64_t b = 0; b < nb; ++b) {
-      const U32 u = LD(w + b);
-      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + b * 32));
-      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u.u, qa);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(u.dw * da[b]), acc);
-      off += u.mw * sa[b];
+}
+
+template <class Blk, U32 (*LD)(const Blk*)>
+void gemv_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  for (int64_t t = 0; t < a.n_tok; t += 4) {
+    switch (std::min<int64_t>(4, a.n_tok - t)) {
+      case 1: gemv_t<Blk, LD, 1>(a, r0, r1, t); break;
+      case 2: gemv_t<Blk, LD, 2>(a, r0, r1, t); break;
+      case 3: gemv_t<Blk, LD, 3>(a, r0, r1, t); break;
+      default: gemv_t<Blk, LD, 4>(a, r0, r1, t); break;
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    a.y[r] = _mm_cvtss_f32(h) + off;
   }
 }
 #endif
@@ -936,7 +948,9 @@ void quantize_act(uint32_t at, const float* x, void* dst, int64_t n) {
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   if (r1 <= r0 || a.n_tok <= 0) return;
 #if defined(__AVX512F__)
-  if (a.n_tok == 1) {
+  // Under four tokens (decode) unpack in registers: too few tokens to amortize the
+  // unpack buffer of the tiled path, which wins from four tokens on.
+  if (a.n_tok < 4) {
     switch ((GGMLType)a.wtype) {
       case GGMLType::Q4_0: return gemv_a<block_q4_0, ld_q4_0>(a, r0, r1);
       case GGMLType::Q4_1: return gemv_a<block_q4_1, ld_q4_1>(a, r0, r1);
