@@ -216,3 +216,25 @@ def test_eval_batch_equals_each_session_alone(smollm2_path):
         assert b[:n] == a
     with pytest.raises(d.DasllamaError):
         d.eval_batch(m, ws, [ss[0], ss[0]], [1, 2])
+
+
+@pytest.fixture(scope="module")
+def smollm2_ref(smollm2_path):
+    m = d.load_model(smollm2_path, mode=d.QuantMode.fp32)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
+                                              torch_dtype=torch.float32).eval()
+    return m, hf
+
+
+@pytest.mark.parametrize("isa", d.system_info()["isa_supported"])
+def test_every_isa_matches_transformers(smollm2_ref, isa):
+    """Each kernel variant (forced like DASLLAMA_ISA does) against the fp32 reference."""
+    m, hf = smollm2_ref
+    ids = d.encode(m, PROMPTS[1])
+    before = d.get_isa()
+    d.set_isa(isa)
+    try:
+        a = _ours_logits(m, ids)
+    finally:
+        d.set_isa(before)
+    assert np.abs(a - _hf_logits(hf, ids)).max() < FP32_BAR
