@@ -864,6 +864,71 @@ void gemv_t(const MatmulArgs& a, int64_t r0, int64_t r1, int64_t t0) {
   }
 }
 
+// q4_K rows against T (<= 3) tokens of q8_K activations, unpacked in registers:
+// per 64 elements one VNNI product covers two sub-blocks, each lane group is
+// scaled by its 6-bit sub-block scale in integers, mins come from the bsums.
+template <int T>
+void gemv_q4_K_t(const MatmulArgs& a, int64_t r0, int64_t r1, int64_t t0) {
+  const int64_t nsb = a.k / QK_K;
+  const block_q8_K* A[T];
+  for (int t = 0; t < T; ++t)
+    A[t] = reinterpret_cast<const block_q8_K*>(static_cast<const uint8_t*>(a.act) + (size_t)(t0 + t) * a.act_row_bytes);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const size_t pf = std::max<size_t>(2048, 2 * a.w_row_bytes);
+  for (int64_t r = r0; r < r1; ++r) {
+    const block_q4_K* w = reinterpret_cast<const block_q4_K*>(static_cast<const uint8_t*>(a.w) + (size_t)r * a.w_row_bytes);
+    __m512 acc[T];
+    float off[T];
+    for (int t = 0; t < T; ++t) {
+      acc[t] = _mm512_setzero_ps();
+      off[t] = 0.f;
+    }
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const block_q4_K* b = w + sb;
+      _mm_prefetch(reinterpret_cast<const char*>(b) + pf, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b) + pf + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b) + pf + 128, _MM_HINT_T0);
+      uint8_t sc[8], mn[8];
+      k_scale_min(b->scales, sc, mn);
+      const float d = f16s(b->d), dmin = f16s(b->dmin);
+      __m512i U[4], S[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + c * 32));
+        U[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m4)),
+                                  _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), 1);
+        S[c] = _mm512_inserti64x4(_mm512_set1_epi32(sc[2 * c]), _mm256_set1_epi32(sc[2 * c + 1]), 1);
+      }
+      for (int t = 0; t < T; ++t) {
+        const block_q8_K* x = A[t] + sb;
+        __m512i isum = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          const __m512i qa = _mm512_loadu_si512(x->qs + c * 64);
+          isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), U[c], qa), S[c]));
+        }
+        float da;
+        std::memcpy(&da, &x->d, 4);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * da), acc[t]);
+        int16_t bs[16];
+        std::memcpy(bs, x->bsums, sizeof(bs));
+        int32_t m = 0;
+        for (int j = 0; j < 8; ++j) m += (int32_t)mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+        off[t] += dmin * da * (float)m;
+      }
+    }
+    for (int t = 0; t < T; ++t) a.y[(t0 + t) * a.y_stride + r] = _mm512_reduce_add_ps(acc[t]) - off[t];
+  }
+}
+
+void gemv_q4_K(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  for (int64_t t = 0; t < a.n_tok; t += 3) {
+    switch (std::min<int64_t>(3, a.n_tok - t)) {
+      case 1: gemv_q4_K_t<1>(a, r0, r1, t); break;
+      case 2: gemv_q4_K_t<2>(a, r0, r1, t); break;
+      default: gemv_q4_K_t<3>(a, r0, r1, t); break;
+    }
+  }
+}
+
 template <class Blk, U32 (*LD)(const Blk*)>
 void gemv_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
   for (int64_t t = 0; t < a.n_tok; t += 4) {
@@ -956,6 +1021,7 @@ void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
       case GGMLType::Q4_1: return gemv_a<block_q4_1, ld_q4_1>(a, r0, r1);
       case GGMLType::Q5_0: return gemv_a<block_q5_0, ld_q5_0>(a, r0, r1);
       case GGMLType::Q8_0: return gemv_a<block_q8_0, ld_q8_0>(a, r0, r1);
+      case GGMLType::Q4_K: return gemv_q4_K(a, r0, r1);
       default: break;
     }
   }
