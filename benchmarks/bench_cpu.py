@@ -62,6 +62,26 @@ def ours(path: str, threads: int, mode: str) -> tuple:
     return pp, tg
 
 
+def transformers_tps(path: str, threads: int) -> tuple:
+    """transformers loading the same GGUF (dequantized to fp32), torch on the CPU."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              torch_dtype=torch.float32).eval()
+    ids = torch.randint(100, hf.config.vocab_size - 1, (1, 512))
+    with torch.no_grad():
+        t = time.perf_counter()
+        hf(ids)
+        pp = 512 / (time.perf_counter() - t)
+        t = time.perf_counter()
+        hf.generate(ids[:, :1], max_new_tokens=128, min_new_tokens=128, do_sample=False, pad_token_id=0)
+        tg = 128 / (time.perf_counter() - t)
+    return pp, tg
+
+
 def llama_bench(exe: str, path: str, threads: int) -> tuple:
     out = subprocess.run([exe, "-m", path, "-t", str(threads), "-p", "512", "-n", "128", "-r", "1", "-o", "json"],
                          capture_output=True, text=True, check=True).stdout
@@ -78,8 +98,18 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mode", default="q8")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
+    ap.add_argument("--variants", default="", help="also bench SmolLM2 requantized by us, e.g. q8_0,f16")
+    ap.add_argument("--transformers", action="store_true", help="add transformers (fp32, torch CPU) figures")
     a = ap.parse_args()
     models = a.model or ["smollm2-135m-instruct", "gemma3-270m"]
+    for v in filter(None, a.variants.split(",")):
+        from dasllama.convert import requantize
+
+        dst = d.hub.home() / "requant" / f"SmolLM2-135M-Instruct.{v.upper()}.gguf"
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            requantize(d.hub.pull("smollm2-135m-instruct"), dst, v)
+        models.append(str(dst))
     bw = bandwidth_gbs()
     print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {d.system_info()['isa_active']} threads={a.threads} "
           f"bandwidth~{bw:.1f} GB/s")
@@ -96,6 +126,9 @@ def main() -> int:
         op, ot = np.mean([x[0] for x in o]), np.mean([x[1] for x in o])
         lp = np.mean([x[0] for x in l]) if l else float("nan")
         lt = np.mean([x[1] for x in l]) if l else float("nan")
+        if a.transformers:
+            hp, ht = transformers_tps(path, a.threads)
+            print(f"| {os.path.basename(path)} (transformers fp32) | pp512 / tg128 | {hp:.1f} / {ht:.1f} | | | |")
         ceil = bw * 1e9 / wb
         base = os.path.basename(path)
         print(f"| {base} | pp512 | {op:.1f} | {lp:.1f} | {op / lp:.2f} | |")

@@ -120,6 +120,13 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_quantize(args) -> int:
+    from .convert import requantize
+
+    print(requantize(hub.resolve(args.src), args.dst, args.type))
+    return 0
+
+
 def _cmd_run(args) -> int:
     import dasllama as d
     from .chat.template import render_prompt
@@ -176,6 +183,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--mode", choices=["fp32", "q8", "q4_0"], default="q8")
     sp.add_argument("--stats", action="store_true", help="print timing to stderr")
     sp.set_defaults(func=_cmd_run)
+    sp = sub.add_parser("quantize", help="rewrite a GGUF with its matrices in another block format")
+    sp.add_argument("src", metavar="FILE|NAME")
+    sp.add_argument("dst")
+    sp.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0 or q4_1")
+    sp.set_defaults(func=_cmd_quantize)
     sp = sub.add_parser("info", help="CPU features, kernel ISA and backends")
     sp.set_defaults(func=_cmd_info)
     return p
