@@ -25,6 +25,8 @@ struct RopeParams {
   float base = 10000.f;
   float freq_scale = 1.f;    // linear scaling: positions times this
   const float* freq_factors = nullptr;  // llama3-style per-pair divisors (n_rot/2), or null
+  const double* inv_freq = nullptr;     // explicit per-pair frequencies (YaRN), replacing base
+  float mscale = 1.f;                   // cos/sin scale (YaRN attention factor)
 };
 
 enum class KVType : uint32_t { f32 = 0, f16 = 1, q8_0 = 8 };

@@ -136,15 +136,15 @@ class CpuBackend final : public Backend {
     sn.resize(half);
     inv_freq.resize(half);
     for (int i = 0; i < half; ++i) {
-      inv_freq[i] = std::pow((double)p.base, -2.0 * i / p.n_rot);
+      inv_freq[i] = p.inv_freq ? p.inv_freq[i] : std::pow((double)p.base, -2.0 * i / p.n_rot);
       if (p.freq_factors) inv_freq[i] /= p.freq_factors[i];
     }
     for (int64_t t = 0; t < n_tok; ++t) {
       const double ppos = (double)pos[t] * p.freq_scale;
       for (int i = 0; i < half; ++i) {
         const double theta = ppos * inv_freq[i];
-        cs[i] = (float)std::cos(theta);
-        sn[i] = (float)std::sin(theta);
+        cs[i] = (float)std::cos(theta) * p.mscale;
+        sn[i] = (float)std::sin(theta) * p.mscale;
       }
       for (int h = 0; h < n_heads; ++h) {
         float* v = x + t * stride + (int64_t)h * head_dim;

@@ -147,6 +147,8 @@ void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, co
   rp.n_rot = c.n_rot;
   rp.freq_scale = c.rope_freq_scale;
   rp.freq_factors = rope_freqs_.empty() ? nullptr : rope_freqs_.data();
+  rp.inv_freq = c.rope_inv_freq.empty() ? nullptr : c.rope_inv_freq.data();
+  rp.mscale = c.rope_mscale;
   const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
 
   for (int il = 0; il < c.n_layers; ++il) {

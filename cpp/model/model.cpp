@@ -94,6 +94,30 @@ std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, int 
   if (c.rope_scaling == "linear") {
     float factor = get_float_or(f, key(c, "rope.scaling.factor"), 1.f);
     if (factor > 0) c.rope_freq_scale = 1.f / factor;
+  } else if (c.rope_scaling == "yarn") {
+    // YaRN as transformers computes it (truncated correction range): per pair,
+    // interpolated and extrapolated frequencies blended by a linear ramp, and
+    // cos/sin scaled by the attention factor 0.1 ln(factor) + 1.
+    const double factor = get_float_or(f, key(c, "rope.scaling.factor"), 1.f);
+    const int orig = get_int_or(f, key(c, "rope.scaling.original_context_length"), 0);
+    if (!(factor > 0) || orig <= 0)
+      throw GGUFError("metadata: yarn rope scaling needs rope.scaling.factor and original_context_length");
+    const double beta_fast = get_float_or(f, key(c, "rope.scaling.yarn_beta_fast"), 32.f);
+    const double beta_slow = get_float_or(f, key(c, "rope.scaling.yarn_beta_slow"), 1.f);
+    const double dim = c.n_rot, base = c.rope_base;
+    auto corr = [&](double rot) { return dim * std::log(orig / (rot * 2 * M_PI)) / (2 * std::log(base)); };
+    const double low = std::max(std::floor(corr(beta_fast)), 0.0);
+    double high = std::min(std::ceil(corr(beta_slow)), dim - 1);
+    if (low == high) high += 0.001;
+    c.rope_inv_freq.resize((size_t)c.n_rot / 2);
+    for (int i = 0; i < c.n_rot / 2; ++i) {
+      const double extrap = 1.0 / std::pow(base, 2.0 * i / dim);
+      const double ramp = std::min(1.0, std::max(0.0, (i - low) / (high - low)));
+      const double keep = 1.0 - ramp;  // share of the extrapolated (unscaled) frequency
+      c.rope_inv_freq[i] = extrap / factor * (1.0 - keep) + extrap * keep;
+    }
+    c.rope_mscale = (float)((factor > 1 ? 0.1 * std::log(factor) + 1.0 : 1.0) *
+                            get_float_or(f, key(c, "rope.scaling.attn_factor"), 1.f));
   } else if (c.rope_scaling != "none" && c.rope_scaling != "") {
     throw UnsupportedModelError("rope scaling '" + c.rope_scaling + "' is not supported yet");
   }

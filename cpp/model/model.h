@@ -27,6 +27,8 @@ struct ModelConfig {
   int n_rot = 0;
   float rope_base = 10000.f, rope_base_swa = 0.f, rope_freq_scale = 1.f, rope_freq_scale_swa = 1.f;
   std::string rope_scaling = "none";
+  std::vector<double> rope_inv_freq;  // YaRN: per-pair frequencies (empty: from the base)
+  float rope_mscale = 1.f;            // YaRN: cos/sin scale
   // attention
   int sliding_window = 0;
   std::vector<uint8_t> layer_is_swa;

@@ -84,6 +84,18 @@ def _qwen2():
     return m
 
 
+def _qwen2_yarn():
+    """Qwen2 with YaRN (factor 4 over a 16-position original context): prompts run past it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                         "rope_theta": 1e4},
+        initializer_range=INIT, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        attn_implementation="eager"))
+
+
 def _qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
     return Qwen3ForCausalLM(Qwen3Config(
@@ -170,6 +182,7 @@ def _kv_gemma3(cfg, w):
 FAMILIES: Dict[str, Family] = {
     "llama": Family("llama", _seeded(_llama), gguf.MODEL_ARCH.LLAMA, permute_qk=True, extra_kv=_kv_llama),
     "qwen2": Family("qwen2", _seeded(_qwen2), gguf.MODEL_ARCH.QWEN2),
+    "qwen2-yarn": Family("qwen2", _seeded(_qwen2_yarn), gguf.MODEL_ARCH.QWEN2),
     "qwen3": Family("qwen3", _seeded(_qwen3), gguf.MODEL_ARCH.QWEN3),
     "phi3": Family("phi3", _seeded(_phi3), gguf.MODEL_ARCH.PHI3, extra_kv=_kv_phi3),
     "gemma2": Family("gemma2", _seeded(_gemma2), gguf.MODEL_ARCH.GEMMA2, norm_plus_one=True, extra_kv=_kv_gemma2),
@@ -266,6 +279,10 @@ def write_gguf(fam: Family, model, path: str, ftype: str, spm_proto: bytes):
     if rope.get("full_attention", rope).get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope.get("full_attention", rope)["factor"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         w.add_rope_freq_base_swa(local)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
