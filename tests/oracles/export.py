@@ -89,7 +89,7 @@ def _qwen2_yarn():
     from transformers import Qwen2Config, Qwen2ForCausalLM
     return Qwen2ForCausalLM(Qwen2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                          "rope_theta": 1e4},
         initializer_range=INIT, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
