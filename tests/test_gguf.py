@@ -251,6 +251,8 @@ CASES = {
     "offset_huge": (build(A, [tinfo("w", (4,), 0, 2**64 - 32)], D1), "tensor 'w'", "past end of file"),
     "no_data": (build(A, T1), "tensor 'w'", "past end of file"),
     "overlap": (build(A, [tinfo("a", (16,), 0, 0), tinfo("b", (8,), 0, 32)], bytes(64)), "tensor 'b'", "overlaps"),
+    "tname_utf8": (build(A, [tinfo(b"w\xf1x", (4,), 0, 0)], D1), "tensor 'w\\xf1x'", "UTF-8"),
+    "tname_surrogate": (build(A, [tinfo(b"\xed\xa0\x80", (4,), 0, 0)], D1), "UTF-8"),
     "tname_trunc": (build(A, n_tensors=1, alignment=1), "tensor #0 name", "truncated"),
     "dims_trunc": (build(A, n_tensors=1, alignment=1) + gstr("w") + struct.pack("<Iq", 3, 4), "tensor 'w'", "truncated"),
 }

@@ -47,6 +47,27 @@ std::string printable(std::string_view s) {
   return out;
 }
 
+// Strict UTF-8 (no overlongs, surrogates or code points past U+10FFFF).
+bool valid_utf8(std::string_view s) {
+  size_t i = 0, n = s.size();
+  while (i < n) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) { ++i; continue; }
+    int len = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 ? 2 : 0;
+    if (len == 0 || c > 0xf4 || i + len > n) return false;
+    unsigned char c1 = static_cast<unsigned char>(s[i + 1]);
+    if ((c1 & 0xc0) != 0x80) return false;
+    if (c == 0xe0 && c1 < 0xa0) return false;   // overlong
+    if (c == 0xed && c1 > 0x9f) return false;   // surrogate
+    if (c == 0xf0 && c1 < 0x90) return false;   // overlong
+    if (c == 0xf4 && c1 > 0x8f) return false;   // past U+10FFFF
+    for (int k = 2; k < len; ++k)
+      if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) return false;
+    i += len;
+  }
+  return true;
+}
+
 [[noreturn]] void fail(const std::string& what, uint64_t at) {
   throw GGUFError("GGUF: " + what + " at byte " + std::to_string(at));
 }
@@ -357,6 +378,8 @@ void File::parse() {
     std::string_view name = c.read_string("tensor #" + std::to_string(ti) + " name");
     std::string field = "tensor '" + printable(name) + "'";
     if (name.empty()) fail("tensor #" + std::to_string(ti) + " name is empty", tat);
+    // Names are looked up from Python as str, so one that is not UTF-8 could never be found.
+    if (!valid_utf8(name)) fail(field + ": name is not valid UTF-8", tat);
     TensorInfo t;
     t.name = std::string(name);
     uint64_t at_nd = c.pos;
