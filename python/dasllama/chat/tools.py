@@ -71,19 +71,25 @@ def set_tools(chat, tools: Sequence[Union[str, Dict[str, Any]]]) -> None:
     chat.tools = out
 
 
-def add_tool_results(chat, results: Sequence[str], names: Optional[Sequence[str]] = None) -> None:
-    """Queue tool results as the next pending turn (in place of add_user), one ``tool`` message each."""
+def add_tool_results(chat, results: Sequence[str], names: Optional[Sequence[str]] = None,
+                     ids: Optional[Sequence[str]] = None) -> None:
+    """Queue tool results as the next pending turn (in place of add_user), one ``tool`` message each;
+    ``names`` are the called functions, ``ids`` the call ids for families that carry them (mistral)."""
     if isinstance(results, str):
         raise TypeError("results must be a list of strings")
     results = list(results)
     if names is not None and len(names) != len(results):
         raise ValueError(f"{len(results)} results but {len(names)} names")
+    if ids is not None and len(ids) != len(results):
+        raise ValueError(f"{len(results)} results but {len(ids)} ids")
     for i, r in enumerate(results):
         if not isinstance(r, str):
             raise TypeError(f"tool result {i} must be str, got {type(r).__name__}")
         m: Dict[str, Any] = {"role": "tool", "content": r}
         if names is not None:
             m["name"] = str(names[i])
+        if ids is not None:
+            m["tool_call_id"] = str(ids[i])
         chat.pending.append(m)
 
 

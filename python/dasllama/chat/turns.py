@@ -106,7 +106,10 @@ def _tokens(chat: ChatSession, text: str) -> List[int]:
 def _prompt_ids(chat: ChatSession) -> List[int]:
     if not chat.pending:
         raise ValueError("no pending message: call add_user (or add_tool_results) first")
-    return _tokens(chat, _render_text(chat, _messages(chat, chat.pending), True))
+    ids = _tokens(chat, _render_text(chat, _messages(chat, chat.pending), True))
+    if not ids:
+        raise TemplateError("chat template rendered an empty prompt")
+    return ids
 
 
 def _held(chat: ChatSession) -> List[int]:
