@@ -66,8 +66,8 @@ def _env():
 class _Deadline:
     """Stops a template that runs past RENDER_BUDGET_S: line events in compiled template code check the clock.
 
-    Only frames of template code are traced (their file is "<template>"), so library code runs untraced.
-    Where a tracer is already installed (a debugger, coverage) it is left alone and there is no deadline.
+    Only frames of template code are traced (their file is "<template>"), so library code runs untraced;
+    a tracer already installed (a debugger, coverage) keeps seeing every other frame.
     """
 
     def __init__(self, budget: float):
@@ -83,17 +83,15 @@ class _Deadline:
     def _global(self, frame, event, arg):
         if frame.f_code.co_filename == "<template>":
             return self._local
-        return None
+        return self.old(frame, event, arg) if self.old is not None else None
 
     def __enter__(self):
-        self.installed = sys.gettrace() is None
-        if self.installed:
-            sys.settrace(self._global)
+        self.old = sys.gettrace()
+        sys.settrace(self._global)
         return self
 
     def __exit__(self, *exc):
-        if self.installed:
-            sys.settrace(None)
+        sys.settrace(self.old)
         return False
 
 
