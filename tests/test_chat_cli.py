@@ -34,3 +34,12 @@ def test_interactive_save_reset_load(smollm2_path, tmp_path):
     after = json.loads((tmp_path / "c.json").read_text())["history"]
     assert after[:3] == saved["history"] and [m["role"] for m in after[3:]] == ["user", "assistant"]
     assert "cannot load" in r.stdout
+
+
+def test_main_job_answers(smollm2_path, capsys):
+    """The README's main job through the chat layer: the same greedy answer `dasllama run` gives."""
+    from dasllama.cli import main
+
+    assert main(["chat", "What is the capital of France? Answer in one sentence.", "--model", str(smollm2_path),
+                 "--max-tokens", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out
