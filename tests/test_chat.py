@@ -105,6 +105,17 @@ def _whole(model, chat):
     return full
 
 
+def test_replaced_template_rederives_folding_and_stops(smollm2, smollm2_hf):
+    chat = d.create_chat_renderer(smollm2, system="Be brief.")
+    assert not chat.fold_system
+    chat.template = d.default_template("gemma3")  # a template with no system role, on SmolLM2's vocabulary
+    d.add_user(chat, "Hi")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert _whole(smollm2, chat) == _hf_ids(smollm2_hf, msgs, chat.template, add_generation_prompt=True)
+    assert chat.fold_system
+    assert chat.history[0] == {"role": "system", "content": "Be brief."}  # the transcript keeps it as said
+
+
 def _tool_conversation(model, template, ids_for_calls=False):
     chat = d.create_chat_renderer(model, system="You help with weather.")
     chat.template = template
@@ -251,6 +262,21 @@ def test_stream_respond_and_early_stop(smollm2):
     reply = d.respond(smollm2, a, d.SamplingParams(), lambda p: got.append(p) or len(got) < 3)
     assert len(got) == 3 and reply == "".join(got)
     assert a.history[-1] == {"role": "assistant", "content": reply}
+
+
+def test_closing_the_stream_stops_and_keeps_the_chat_usable(smollm2):
+    chat = d.create_chat(smollm2, max_new=64)
+    d.add_user(chat, "Count from one to fifty in words.")
+    gen = d.stream_respond(smollm2, chat)
+    first = [next(gen), next(gen)]
+    gen.close()
+    reply = chat.history[-1]["content"]
+    assert chat.history[-1]["role"] == "assistant" and reply.startswith("".join(first))
+    assert d.stats(chat.session).n_gen < 64
+    d.add_user(chat, "Thanks.")
+    prompt = turns._prompt_ids(chat)
+    d.respond(smollm2, chat)
+    assert chat.session._s.history[:len(prompt)] == prompt
 
 
 def test_bad_input_raises(smollm2, gemma3_path):

@@ -107,6 +107,9 @@ def set_thinking(chat, on: bool) -> None:
 
 def effective_stop_ids(chat) -> List[int]:
     """The stop ids in force for the next generation: the model's end-of-generation ids and the template's."""
+    from .turns import _refresh
+
+    _refresh(chat)
     return list(chat.stop_ids)
 
 

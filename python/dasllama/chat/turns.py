@@ -72,7 +72,19 @@ class ChatSession:
 
 # -- rendering --------------------------------------------------------------------------------------------
 
+def _refresh(chat: ChatSession) -> None:
+    """Re-derive what depends on the template (system folding, stop ids) when ``chat.template`` was replaced."""
+    if chat.__dict__.get("_derived_for") == chat.template:
+        return
+    from .reasoning import _template_stops
+
+    chat.__dict__["_derived_for"] = chat.template  # first: the stops below render through _messages
+    chat.fold_system = not _template_caps(chat.model, chat.template).system_prompt
+    chat.stop_ids = sorted(set(chat.model._m.eog_ids) | set(_template_stops(chat)))
+
+
 def _messages(chat: ChatSession, extra: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    _refresh(chat)
     msgs = [dict(m) for m in chat.history + extra]
     if chat.fold_system and msgs and msgs[0]["role"] == "system":
         # No system role: the system prompt opens the first user turn.
@@ -207,13 +219,9 @@ def _new_chat(model: Model, session: Optional[Session], system: str, max_new: in
         raise ValueError("max_new must be at least 1")
     chat = ChatSession(model=model, session=session, template=model_template(model), system=str(system or ""),
                        max_new=int(max_new))
-    c = caps(model)
-    chat.fold_system = not c.system_prompt
     if chat.system:
         chat.history.append({"role": "system", "content": chat.system})
-    from .reasoning import _template_stops
-
-    chat.stop_ids = sorted(set(model._m.eog_ids) | set(_template_stops(chat)))
+    _refresh(chat)
     return chat
 
 
@@ -327,13 +335,16 @@ def caps(model: Model) -> LlmCaps:
     """What the model's template supports: a system role, tools, thinking (audio / vision not yet)."""
     if not isinstance(model, Model):
         raise TypeError(f"expected a Model, got {type(model).__name__}")
-    cached = getattr(model, "_chat_caps", None)
-    if cached is not None:
-        return cached
+    return _template_caps(model, model_template(model))
+
+
+def _template_caps(model: Model, tpl: str) -> LlmCaps:
+    cache = model.__dict__.setdefault("_chat_caps", {})
+    if tpl in cache:
+        return cache[tpl]
     from .reasoning import _think_format
     from .tools import _tool_format
 
-    tpl = model_template(model)
     m = _meta(model)
     kw = dict(bos_token=m["bos"], eos_token=m["eos"])
     user = [{"role": "user", "content": "U"}]
@@ -347,7 +358,7 @@ def caps(model: Model) -> LlmCaps:
         sys_prompt = False  # it refuses a system message: we fold it
     c = LlmCaps(system_prompt=sys_prompt, tools=_tool_format(tpl) is not None,
                 thinking=_think_format(model, tpl) is not None)
-    model._chat_caps = c
+    cache[tpl] = c
     return c
 
 
