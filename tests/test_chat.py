@@ -71,6 +71,23 @@ def test_smollm2_multiturn_matches_transformers(smollm2, smollm2_hf):
         assert chat.session is None
 
 
+def test_hf_template_extensions(smollm2, smollm2_hf):
+    # loop controls, {% generation %} spans, tojson options and strftime_now, as transformers provides them
+    tpl = ("{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+           "{{ '<|im_start|>' + m.role + '\n' }}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+           "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+           "{{ {'b': 1, 'a': [1, 2]} | tojson(sort_keys=true) }}{{ strftime_now('%Y') | length }}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    chat = d.create_chat_renderer(smollm2)
+    chat.template = tpl
+    d.add_user(chat, "Hi")
+    d.render_assistant(smollm2, chat, "Hello")
+    d.add_user(chat, "Bye")
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"}]
+    assert _whole(smollm2, chat) == _hf_ids(smollm2_hf, msgs, tpl, add_generation_prompt=True)
+
+
 def test_render_close_is_the_templates_turn_end(smollm2, smollm2_hf):
     chat = d.create_chat_renderer(smollm2)
     assert d.render_close(smollm2, chat) == smollm2_hf("<|im_end|>\n", add_special_tokens=False)["input_ids"]

@@ -35,6 +35,23 @@ def _tojson(v, indent=None, ensure_ascii=False, separators=None, sort_keys=False
 _ENV = None
 
 
+def _generation_tag():
+    """{% generation %}...{% endgeneration %}: transformers marks assistant spans with it (for training masks);
+    rendering just writes the body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
 def _env():
     global _ENV
     if _ENV is not None:
@@ -54,7 +71,7 @@ def _env():
                         raise TemplateError("chat template: builds a sequence over 1 MiB")
             return super().call_binop(context, operator, left, right)
 
-    env = _Env(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _Env(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()])
     # The helpers the HF ecosystem gives templates.
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
