@@ -332,7 +332,11 @@ def stream_respond(model: Model, chat: ChatSession, params: Optional[SamplingPar
 # -- capabilities -----------------------------------------------------------------------------------------
 
 def caps(model: Model) -> LlmCaps:
-    """What the model's template supports: a system role, tools, thinking (audio / vision not yet)."""
+    """What the model's template supports: a system role, tools, thinking (audio / vision not yet).
+
+    ``system_prompt`` is False when the template refuses a system message, drops it, or writes it as the
+    head of the first user turn (gemma); the chat layer then folds the system prompt into that turn itself.
+    """
     if not isinstance(model, Model):
         raise TypeError(f"expected a Model, got {type(model).__name__}")
     return _template_caps(model, model_template(model))
