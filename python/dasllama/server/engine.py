@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, List, Optional, Set
 
 import numpy as np
 
@@ -40,6 +40,7 @@ class Job:
     max_tokens: int
     on_event: Event
     stop: List[str] = field(default_factory=list)
+    stop_ids: Set[int] = field(default_factory=set)  # end the reply (beside the model's end-of-generation ids)
     seed: Optional[int] = None
     deadline: Optional[float] = None     # time.monotonic() limit
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -258,7 +259,7 @@ class Engine:
 
     def _sampled(self, s: _Slot, tok: int) -> None:
         j = s.job
-        if tok in self.eog:
+        if tok in self.eog or tok in j.stop_ids:
             return self._finish(s, "stop")
         s.n_gen += 1
         self.generated_tokens_total += 1
