@@ -270,19 +270,29 @@ def respond(model: Model, chat: ChatSession, params: Optional[SamplingParams] = 
         raise llm._core.ContextOverflowError(
             f"the conversation ({len(ids)} tokens) does not fit the context of {s.n_ctx}: reset the chat")
     p = _sync(chat, ids, keep_last=True)
-    extra = set(effective_stop_ids(chat)) - set(model._m.eog_ids)
+    from .reasoning import _chat_format, split_reasoning
+
+    stops = list(effective_stop_ids(chat))
+    harmony = _chat_format(chat) == "harmony"
+    if harmony:
+        # Harmony ends each channel message with <|end|> (an end-of-generation id of gpt-oss files) and
+        # the turn with <|return|> / <|call|>: run through <|end|>, and stream the channel markers as
+        # text so the reasoning splitter and the tool parser see them.
+        end = llm.encode(model, "<|end|>", add_special=False, parse_special=True)
+        if len(end) == 1:
+            stops = [t for t in stops if t != end[0]]
     pieces: List[str] = []
-    cb = None
-    if on_piece is not None or extra:
-        def cb(tok: int, piece: str) -> bool:
-            if tok in extra:
-                return False  # a template stop the model does not know as end-of-generation
-            pieces.append(piece)
-            return on_piece is None or on_piece(piece) is not False
+
+    def cb(tok: int, piece: str) -> bool:
+        pieces.append(piece)
+        return on_piece is None or on_piece(piece) is not False
+
     max_new = min(chat.max_new, s.n_ctx - len(ids))
-    llm.generate(model, s, ids[p:], params or SamplingParams(), max_new, cb)
-    reply = "".join(pieces) if cb is not None else llm.decode(model, s._s.history[len(ids):])
-    chat.history += chat.pending + [{"role": "assistant", "content": reply}]
+    llm.generate(model, s, ids[p:], params or SamplingParams(), max_new, cb, stop_ids=stops, special=harmony)
+    reply = "".join(pieces)
+    # The transcript keeps what the template expects of an assistant turn: Harmony's final channel.
+    content = split_reasoning(chat, reply).content if harmony else reply
+    chat.history += chat.pending + [{"role": "assistant", "content": content}]
     chat.pending = []
     # Close the turn in the KV now, as the next turn will render it; a template that cannot render a
     # transcript ending in an assistant turn is synced lazily by the next turn instead.
