@@ -177,23 +177,34 @@ class CpuBackend final : public Backend {
     const cpu::KernelTable& kt = cpu::kernels();
     const int hd = a.head_dim;
     const int64_t kv_dim = (int64_t)a.n_kv_heads * hd;
-    const float* kf = (const float*)a.k;
-    const float* vf = (const float*)a.v;
+    // Contiguous rows are a table of one page whose shift no row index reaches.
+    const uint8_t* flat_k[1] = {(const uint8_t*)a.k};
+    const uint8_t* flat_v[1] = {(const uint8_t*)a.v};
+    const uint8_t* const* kp = a.pages ? a.pages : flat_k;
+    const uint8_t* const* vp = a.pages ? a.pages : flat_v;
+    size_t k_off = a.pages ? a.k_off : 0, v_off = a.pages ? a.v_off : 0;
+    int shift = a.pages ? a.page_shift : 62;
     int64_t kv_stride = (int64_t)(a.kv_row_bytes / 4);
+    const uint8_t* dec[1];
     if (a.kv_type != KVType::f32) {
       // Decode the layer's cache rows once into f32 (not once per query head).
       kv_f32_.resize((size_t)(2 * a.n_kv * kv_dim));
       float* kd = kv_f32_.data();
       float* vd = kd + a.n_kv * kv_dim;
       const uint32_t t = a.kv_type == KVType::f16 ? (uint32_t)GGMLType::F16 : (uint32_t)GGMLType::Q8_0;
+      const int64_t mask = (int64_t(1) << shift) - 1;
       pool_.parallel_for(a.n_kv, 64, [&](int64_t lo, int64_t hi) {
         for (int64_t j = lo; j < hi; ++j) {
-          kt.dequant_row(t, (const uint8_t*)a.k + (size_t)j * a.kv_row_bytes, kd + j * kv_dim, kv_dim);
-          kt.dequant_row(t, (const uint8_t*)a.v + (size_t)j * a.kv_row_bytes, vd + j * kv_dim, kv_dim);
+          const size_t r = (size_t)(j & mask) * a.kv_row_bytes;
+          kt.dequant_row(t, kp[j >> shift] + k_off + r, kd + j * kv_dim, kv_dim);
+          kt.dequant_row(t, vp[j >> shift] + v_off + r, vd + j * kv_dim, kv_dim);
         }
       });
-      kf = kd;
-      vf = vd;
+      dec[0] = (const uint8_t*)kd;
+      kp = vp = dec;
+      k_off = 0;
+      v_off = (size_t)(a.n_kv * kv_dim) * 4;
+      shift = 62;
       kv_stride = kv_dim;
     }
     // Tasks: (block of up to 16 query rows) x (kv head).
@@ -210,8 +221,11 @@ class CpuBackend final : public Backend {
         b.n_rows = std::min(rb, a.n_tok - t0);
         b.q = a.q + t0 * a.q_stride + (int64_t)kvh * group * hd;
         b.q_stride = a.q_stride;
-        b.k = kf + (int64_t)kvh * hd;
-        b.v = vf + (int64_t)kvh * hd;
+        b.k_pages = kp;
+        b.v_pages = vp;
+        b.k_off = k_off + (size_t)kvh * hd * 4;
+        b.v_off = v_off + (size_t)kvh * hd * 4;
+        b.page_shift = shift;
         b.kv_stride = kv_stride;
         b.pos = a.q_pos + t0;
         b.n_kv = a.n_kv;

@@ -42,6 +42,22 @@ from .llm import (
     stats,
     stream_generate,
 )
+from .kv import (
+    KVPool,
+    PoolStats,
+    PrefixCache,
+    PrefixChain,
+    create_kv_pool,
+    create_prefix_cache,
+    is_media_position,
+    media_ids,
+    prefix_attach,
+    prefix_chain_list,
+    prefix_held_groups,
+    prefix_insert,
+    prefix_release,
+    release_kv_pages,
+)
 
 __version__ = "0.1.0"
 
@@ -49,6 +65,9 @@ __all__ = [
     "KVDtype", "Model", "ModelConfig", "QuantMode", "SamplingParams", "Session", "Stats",
     "BatchWorkspace", "create_batch_workspace", "eval_batch", "create_session", "decode", "embed", "encode", "eval", "eval_embd", "generate", "load_model",
     "piece", "sample", "set_seed", "stats", "stream_generate",
+    "KVPool", "PoolStats", "PrefixCache", "PrefixChain", "create_kv_pool", "create_prefix_cache",
+    "is_media_position", "media_ids", "prefix_attach", "prefix_chain_list", "prefix_held_groups",
+    "prefix_insert", "prefix_release", "release_kv_pages",
     "ContextOverflowError",
     "DasllamaError",
     "GGUFError",
