@@ -321,3 +321,136 @@ def test_lru_budget_evicts_unreferenced_leaves(mq8):
     d.release_kv_pages(s)
     d.release_kv_pages(big)
     assert pool.stats().free == pool.stats().total
+
+
+# ---- a state machine over attach / insert / decode / truncate / release / evict ------------------
+
+from hypothesis import event, settings, strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test)
+
+_MODEL = {}
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    """Random use of one small pool (pages of 2 rows, 12 pages) and its prefix cache (budget 8),
+    with a 4-token alphabet so prefixes repeat. Page accounting is checked after every step;
+    every attach is checked against a cold prefill of the same prompt."""
+
+    P, PAGES = 2, 12
+
+    def __init__(self):
+        super().__init__()
+        self.m = _MODEL["m"]
+        self.pool = d.create_kv_pool(self.m, page_rows=self.P, kv_dtype=d.KVDtype.f32, max_pages=self.PAGES)
+        self.cache = d.create_prefix_cache(max_groups=8)
+        self.live = []
+        self.donated = []
+
+    def _pick(self, i):
+        return self.live[i % len(self.live)] if self.live else None
+
+    @initialize(prompt=st.lists(st.integers(1, 4), min_size=3, max_size=9))
+    def seed_cache(self, prompt):
+        self.start(prompt)
+        self.insert(0)
+
+    @rule(j=st.integers(0, 7), cut=st.integers(1, 12), extra=st.lists(st.integers(1, 4), max_size=3))
+    def start_from_donated(self, j, cut, extra):
+        """A prompt that begins like something donated earlier: the hits."""
+        if self.donated:
+            self.start(self.donated[j % len(self.donated)][:cut] + extra or [1])
+
+    @rule(prompt=st.lists(st.integers(1, 4), min_size=1, max_size=9))
+    def start(self, prompt):
+        if len(self.live) >= 4:
+            return
+        s = d.create_session(self.m, self.pool)
+        self.live.append(s)
+        n = d.prefix_attach(self.cache, self.pool, s, prompt)
+        assert 0 <= n < len(prompt) and n % self.P == 0 or n == len(prompt) - 1
+        assert s.history == prompt[:n]
+        event("attach hit" if n else "attach miss")
+        try:
+            d.eval(self.m, s, prompt[n:])
+        except d.PoolExhaustedError:
+            event("pool exhausted")
+            assert s.n_past == n  # refused with nothing changed
+            return
+        if n:
+            cold = d.create_session(self.m, d.KVDtype.f32, n_ctx=32)
+            d.eval(self.m, cold, prompt)
+            assert np.abs(np.array(s.logits) - np.array(cold.logits)).max() < TAIL_BAR
+
+    @rule(i=st.integers(0, 7), toks=st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    def decode(self, i, toks):
+        s = self._pick(i)
+        if s is None or s.n_past + len(toks) > 30:
+            return
+        n = s.n_past
+        try:
+            d.eval(self.m, s, toks)
+        except d.PoolExhaustedError:
+            assert s.n_past == n
+
+    @rule(i=st.integers(0, 7))
+    def insert(self, i):
+        s = self._pick(i)
+        if s is not None:
+            d.prefix_insert(self.cache, self.pool, s, s.history)
+            self.donated.append(list(s.history))
+
+    @rule(i=st.integers(0, 7), k=st.integers(0, 9))
+    def truncate(self, i, k):
+        s = self._pick(i)
+        if s is not None:
+            s.truncate(min(k, s.n_past))
+
+    @rule(i=st.integers(0, 7))
+    def release(self, i):
+        s = self._pick(i)
+        if s is not None:
+            d.release_kv_pages(s)
+            self.live.remove(s)
+
+    @rule()
+    def evict(self):
+        self.cache._c.evict_one()
+
+    @rule()
+    def release_cache(self):
+        d.prefix_release(self.cache, self.pool)
+
+    @invariant()
+    def accounting(self):
+        st_ = self.pool.stats()
+        assert st_.free + st_.used == st_.total == self.PAGES
+        held = d.prefix_held_groups(self.cache)
+        assert st_.by_cache == held <= self.PAGES
+        in_sessions = {}
+        for s in self.live:
+            pages = d._core.session_pages(s._s)
+            assert len(pages) == -(-s.n_past // self.P) and len(s.history) == s.n_past
+            for p in pages:
+                in_sessions[p] = in_sessions.get(p, 0) + 1
+        extra = 0
+        for p in range(st_.allocated):
+            rc = self.pool._p.refcount(p)
+            # Never freed while referenced; beyond the sessions' references, at most the cache's one.
+            assert rc - in_sessions.get(p, 0) in (0, 1)
+            extra += rc - in_sessions.get(p, 0)
+        assert extra == held
+        assert st_.used == sum(1 for p in range(st_.allocated) if self.pool._p.refcount(p) > 0)
+
+    def teardown(self):
+        for s in self.live:
+            d.release_kv_pages(s)
+        d.prefix_release(self.cache, self.pool)
+        st_ = self.pool.stats()
+        assert st_.free == st_.total and st_.by_cache == 0 and st_.by_sessions == 0
+
+
+def test_prefix_cache_state_machine(m32):
+    _MODEL["m"] = m32
+    run_state_machine_as_test(PrefixMachine, settings=settings(max_examples=40, stateful_step_count=30,
+                                                               deadline=None))
