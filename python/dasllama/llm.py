@@ -133,6 +133,11 @@ class Session:
         return self._s.paged
 
     @property
+    def n_pages(self) -> int:
+        """Pool pages in this session's block table (0 for a flat session)."""
+        return self._s.n_pages
+
+    @property
     def history(self) -> List[int]:
         """Ids evaluated so far, one per position (media rows as negative ids)."""
         return self._s.history
