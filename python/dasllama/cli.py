@@ -155,6 +155,23 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    try:
+        from .server import serve
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print("dasllama serve needs the server extra: pip install 'dasllama[server]'", file=sys.stderr)
+        return 2
+    from .llm import KVDtype
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
+    serve(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port, mmproj=args.mmproj, streams=args.streams,
+          ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
+          kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dasllama", description="Local LLM inference that hears and remembers.")
     p.add_argument("--version", action="version", version=f"dasllama {__version__}")
@@ -188,6 +205,19 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("dst")
     sp.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0 or q4_1")
     sp.set_defaults(func=_cmd_quantize)
+    sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)")
+    sp.add_argument("--model", default=None, help="hub name or GGUF path")
+    sp.add_argument("--mmproj", default=None, help="audio tower GGUF (llama.cpp mmproj layout)")
+    sp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    sp.add_argument("--port", type=int, default=8080)
+    sp.add_argument("--streams", type=int, default=4, help="sessions decoded together")
+    sp.add_argument("--ctx", type=int, default=0, help="context per stream (0: min(model, 4096))")
+    sp.add_argument("--chunk", type=int, default=256, help="prefill chunk: the most a new request delays others")
+    sp.add_argument("--queue", type=int, default=0, help="waiting requests before 503 (0: 4 x streams)")
+    sp.add_argument("--kv-dtype", choices=["f32", "f16", "q8_0"], default="f16")
+    sp.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    sp.add_argument("--threads", type=int, default=0)
+    sp.set_defaults(func=_cmd_serve)
     sp = sub.add_parser("info", help="CPU features, kernel ISA and backends")
     sp.set_defaults(func=_cmd_info)
     return p
