@@ -77,6 +77,11 @@ class Backend {
   virtual void kv_store(void* cache, KVType t, size_t row_bytes, int64_t first, const float* src, int64_t n,
                         int64_t src_stride, int64_t dim) = 0;
   virtual void attention(const AttnArgs& a) = 0;
+  // Several independent attentions (one per session of a batched step); a backend
+  // may run them as one dispatch.
+  virtual void attention_multi(const AttnArgs* a, int count) {
+    for (int i = 0; i < count; ++i) attention(a[i]);
+  }
   // out[i] = act(gate[i]) * up[i] over rows.
   virtual void glu(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* out,
                    int64_t n_rows, int64_t dim, Act act) = 0;

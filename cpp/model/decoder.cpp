@@ -207,7 +207,9 @@ void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, co
     be.rope(q_.data(), n, q_dim, c.n_heads, (int)hd, pos_.data(), rp);
     be.rope(k_.data(), n, kv_dim, c.n_kv_heads, (int)hd, pos_.data(), rp);
 
-    // Each session's rows write its own cache and attend over it, through its block table.
+    // Each session's rows write its own cache and attend over it, through its block
+    // table; the attentions of all sessions go to the backend together.
+    attn_args_.resize((size_t)n_runs);
     for (int ri = 0; ri < n_runs; ++ri) {
       Session& s = *runs[ri].s;
       const BlockTable& kv = *s.kv_;
@@ -224,7 +226,8 @@ void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, co
         be.kv_store(page + kv.v_off(il), s.kv_type_, rb, in_page, v_.data() + (r0 + i) * kv_dim, cnt, kv_dim, kv_dim);
         i += cnt;
       }
-      AttnArgs a;
+      AttnArgs& a = attn_args_[(size_t)ri];
+      a = AttnArgs{};
       a.q = q_.data() + r0 * q_dim;
       a.q_stride = q_dim;
       a.pages = kv.page_ptrs();
@@ -244,8 +247,8 @@ void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, co
       a.softcap = c.attn_softcap;
       a.out = attn_.data() + r0 * q_dim;
       a.out_stride = q_dim;
-      be.attention(a);
     }
+    be.attention_multi(attn_args_.data(), n_runs);
 
     float* o = ffn_.data();
     be.matmul(L.wo, attn_.data(), n, o);

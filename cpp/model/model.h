@@ -126,6 +126,7 @@ class Model : public std::enable_shared_from_this<Model> {
   int64_t max_chunk_ = 256;
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, tmp_;
   std::vector<int32_t> pos_;
+  std::vector<AttnArgs> attn_args_;
 };
 
 }  // namespace dl
