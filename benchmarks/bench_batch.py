@@ -21,7 +21,12 @@ import time
 
 import numpy as np
 
-import dasllama as d
+if os.environ.get("DASLLAMA_BENCH_SITE"):
+    # The --compare-site child: import dasllama from that folder, not from an editable
+    # install (whose import hook would otherwise win over sys.path).
+    sys.meta_path[:] = [f for f in sys.meta_path if "ScikitBuild" not in type(f).__name__]
+    sys.path.insert(0, os.environ["DASLLAMA_BENCH_SITE"])
+import dasllama as d  # noqa: E402
 
 
 def _prompt(rng, vocab, n):
@@ -110,7 +115,8 @@ def main() -> int:
     a = ap.parse_args()
     path = str(d.hub.resolve(a.model))
     if a.single_stream_json:  # the child run for --compare-site (an older build: flat sessions only)
-        print(json.dumps(single_stream(path, a.threads, a.mode, hasattr(d, "create_kv_pool"))))
+        print(json.dumps({**single_stream(path, a.threads, a.mode, hasattr(d, "create_kv_pool")),
+                          "module": d.__file__}))
         return 0
 
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.machine()} {d.system_info()['isa_active']} "
@@ -135,14 +141,17 @@ def main() -> int:
 
     # Single stream: flat vs paged here, and the build in --compare-site, interleaved.
     ours, theirs = [], []
-    for _ in range(a.reps):
+    for rep in range(a.reps):
         ours.append(single_stream(path, a.threads, a.mode, True))
         if a.compare_site:
-            env = dict(os.environ, PYTHONPATH=a.compare_site)
-            out = subprocess.run([sys.executable, __file__, "--model", path, "--threads", str(a.threads), "--mode",
+            env = dict(os.environ, DASLLAMA_BENCH_SITE=os.path.abspath(a.compare_site))
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--model", path, "--threads", str(a.threads), "--mode",
                                   a.mode, "--single-stream-json"], env=env, capture_output=True, text=True,
                                  check=True, cwd="/").stdout
             theirs.append(json.loads(out.strip().splitlines()[-1]))
+            if rep == 0:
+                print(f"(--compare-site build: {theirs[0].pop('module')})")
+            theirs[-1].pop("module", None)
     print(f"\nSingle-stream decode t/s (mean of {a.reps}, f16 KV, pages of 64 rows):")
     print("| test | this build | " + ("--compare-site build |" if theirs else "") + "\n| --- | --- |" +
           (" --- |" if theirs else ""))
