@@ -172,6 +172,9 @@ def test_attach_rejects_bad_use(m32, mq8):
     flat = d.create_session(m32, d.KVDtype.f32)
     with pytest.raises(ValueError):
         d.prefix_attach(cache, pool, flat, [1, 2, 3])
+    d.eval(m32, flat, [1, 2])
+    d.release_kv_pages(flat)  # no-op on a flat session
+    assert flat.n_past == 2
     s = d.create_session(m32, pool)
     d.eval(m32, s, [1, 2, 3, 4, 5])
     with pytest.raises(d.DasllamaError):

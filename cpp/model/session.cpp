@@ -47,6 +47,7 @@ void Session::truncate(int64_t n) {
 }
 
 void Session::release_pages() {
+  if (!kv_->paged()) return;  // a flat session owns its cache: nothing to give back
   kv_->release();
   n_past_ = 0;
   history.clear();

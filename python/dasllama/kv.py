@@ -118,8 +118,8 @@ def create_kv_pool(model: Model, page_rows: int = 64, kv_dtype: KVDtype = KVDtyp
 
 
 def release_kv_pages(session: Session) -> None:
-    """Return the session's pages to its pool (no-op on flat sessions). The session stays usable
-    and starts over at position 0 with an empty history."""
+    """Return a paged session's pages to its pool; it stays usable and starts over at position 0
+    with an empty history. A no-op on flat sessions."""
     _core.release_kv_pages(session._s)
 
 
