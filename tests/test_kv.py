@@ -77,6 +77,27 @@ def test_decode_steps_equal_one_prefill(mq8, kv):
         assert _same(_prefill_decode(mq8, s, ids, 1), np.array(one.logits).reshape(len(ids), -1))
 
 
+@pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0])
+def test_batched_decode_quantized_cache_equals_alone(mq8, kv):
+    """A batched step decodes each quantized cache inside its attention tasks; a lone session has
+    it decoded by all threads first. Same bits."""
+    prompts = [d.encode(mq8, PROMPT)[:k] for k in (5, 19, 33)]
+    pool = d.create_kv_pool(mq8, page_rows=16, kv_dtype=kv)
+    ss = [d.create_session(mq8, pool) for _ in prompts]
+    alone = [d.create_session(mq8, kv, n_ctx=64) for _ in prompts]
+    for s, a, p in zip(ss, alone, prompts):
+        d.eval(mq8, s, p)
+        d.eval(mq8, a, p)
+    ws = d.create_batch_workspace(mq8)
+    for _ in range(6):
+        toks = [int(np.argmax(a.logits)) for a in alone]
+        d.eval_batch(mq8, ws, ss, toks)
+        for a, t in zip(alone, toks):
+            d.eval(mq8, a, [t])
+        for s, a in zip(ss, alone):
+            assert _same(s.logits, a.logits)
+
+
 def test_paged_matches_transformers(m32, smollm2_path):
     """The paged path against the oracle directly (pages of 8 rows, f32 KV)."""
     import torch

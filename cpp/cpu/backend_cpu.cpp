@@ -177,8 +177,8 @@ class CpuBackend final : public Backend {
 
   // Tasks are (session, block of 16 query rows, KV head), all in one dispatch. A
   // quantized cache (f16, q8_0) is decoded to f32 first: inside each task for a
-  // single block of queries (decode: each KV head's rows are read by one task), or
-  // once per call for the whole layer when several blocks read the same rows.
+  // single block of queries in a batch (each KV head's rows are read by one task),
+  // else once per call for the whole layer by all threads.
   void attention_multi(const AttnArgs* args, int count) override {
     const cpu::KernelTable& kt = cpu::kernels();
     struct Call {
@@ -192,6 +192,13 @@ class CpuBackend final : public Backend {
       bool task_decode;  // decode this task's KV head rows inside the task
     };
     constexpr int64_t rb = 16;
+    // Decoding inside the tasks saves a dispatch per session, but with fewer tasks
+    // than twice the threads (one session's few KV heads) the threads would idle,
+    // so then the rows are decoded by all threads first. Both give the same bits.
+    int64_t decode_tasks = 0;
+    for (int i = 0; i < count; ++i)
+      if (args[i].n_tok <= rb) decode_tasks += args[i].n_kv_heads;
+    const bool in_task = decode_tasks >= 2 * (int64_t)pool_.size();
     std::vector<Call> calls((size_t)count);
     std::vector<int64_t> first((size_t)count + 1, 0);
     for (int i = 0; i < count; ++i) {
@@ -208,7 +215,7 @@ class CpuBackend final : public Backend {
       c.shift = a.pages ? a.page_shift : 62;
       c.kv_stride = (int64_t)(a.kv_row_bytes / 4);
       c.n_blocks = (a.n_tok + rb - 1) / rb;
-      c.task_decode = a.kv_type != KVType::f32 && c.n_blocks == 1;
+      c.task_decode = a.kv_type != KVType::f32 && c.n_blocks == 1 && in_task;
       if (a.kv_type != KVType::f32 && !c.task_decode) {
         // Decode the layer's cache rows once into f32 (not once per query block). The
         // buffer serves one call at a time, so in a batch such a call runs alone first.
