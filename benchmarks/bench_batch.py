@@ -111,6 +111,7 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=1000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compare-site", default="")
+    ap.add_argument("--sections", default="batch,ttft,single", help="which figures: batch, ttft, single")
     ap.add_argument("--single-stream-json", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     path = str(d.hub.resolve(a.model))
@@ -123,6 +124,21 @@ def main() -> int:
           f"threads={a.threads} mode={a.mode} {os.path.basename(path)}")
     m = d.load_model(path, mode=d.QuantMode[a.mode], n_threads=a.threads)
 
+    sections = set(a.sections.split(","))
+    if "batch" in sections:
+        batch_table(m, a)
+    if "ttft" in sections:
+        c, h, n = ttft(m, a.prefix, a.reps)
+        print(f"\nTTFT, {a.prefix}-token shared prefix + 16-token question (median of {a.reps}):")
+        print(f"| cold | prefix hit ({n} rows attached) | speedup |\n| --- | --- | --- |")
+        print(f"| {c * 1e3:.0f} ms | {h * 1e3:.0f} ms | {c / h:.1f}x |")
+        sys.stdout.flush()
+    if "single" in sections:
+        single_table(path, a)
+    return 0
+
+
+def batch_table(m, a) -> None:
     print("\n| B | paged t/s | flat t/s | paged vs B = 1 |")
     print("| --- | --- | --- | --- |")
     base = None
@@ -133,21 +149,17 @@ def main() -> int:
         print(f"| {B} | {p:.1f} | {f:.1f} | {p / base:.2f} |")
         sys.stdout.flush()
 
-    c, h, n = ttft(m, a.prefix, a.reps)
-    print(f"\nTTFT, {a.prefix}-token shared prefix + 16-token question (median of {a.reps}):")
-    print(f"| cold | prefix hit ({n} rows attached) | speedup |\n| --- | --- | --- |")
-    print(f"| {c * 1e3:.0f} ms | {h * 1e3:.0f} ms | {c / h:.1f}x |")
-    sys.stdout.flush()
 
+def single_table(path: str, a) -> None:
     # Single stream: flat vs paged here, and the build in --compare-site, interleaved.
     ours, theirs = [], []
     for rep in range(a.reps):
         ours.append(single_stream(path, a.threads, a.mode, True))
         if a.compare_site:
             env = dict(os.environ, DASLLAMA_BENCH_SITE=os.path.abspath(a.compare_site))
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--model", path, "--threads", str(a.threads), "--mode",
-                                  a.mode, "--single-stream-json"], env=env, capture_output=True, text=True,
-                                 check=True, cwd="/").stdout
+            cmd = [sys.executable, os.path.abspath(__file__), "--model", path, "--threads", str(a.threads),
+                   "--mode", a.mode, "--single-stream-json"]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd="/").stdout
             theirs.append(json.loads(out.strip().splitlines()[-1]))
             if rep == 0:
                 print(f"(--compare-site build: {theirs[0].pop('module')})")
@@ -162,7 +174,6 @@ def main() -> int:
         elif theirs:
             row += " |"
         print(row)
-    return 0
 
 
 if __name__ == "__main__":
