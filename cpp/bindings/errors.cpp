@@ -20,7 +20,10 @@ void bind_errors(py::module_& m) {
     } catch (const dl::ContextOverflowError& e) {
       PyErr_SetString(ctx.ptr(), e.what());
     } catch (const dl::PoolExhaustedError& e) {
-      PyErr_SetString(pool.ptr(), e.what());
+      // The instance carries session_index: the asking session's place in a batch (else -1).
+      py::object inst = py::reinterpret_borrow<py::object>(pool.ptr())(e.what());
+      inst.attr("session_index") = e.index;
+      PyErr_SetObject(pool.ptr(), inst.ptr());
     } catch (const dl::Error& e) {
       PyErr_SetString(base.ptr(), e.what());
     }

@@ -8,6 +8,7 @@
 
 #include "bindings/bind.h"
 #include "core/errors.h"
+#include "kv/pool.h"
 #include "model/model.h"
 #include "model/session.h"
 
@@ -130,6 +131,14 @@ void bind_model(py::module_& m) {
              return std::make_shared<Session>(model, (KVType)kv, n_ctx);
            }),
            py::arg("model"), py::arg("kv_dtype") = 1, py::arg("n_ctx") = 0)
+      .def(py::init([](std::shared_ptr<Model> model, std::shared_ptr<KVPool> pool, int n_ctx) {
+             if (!model) throw py::value_error("Session needs a model");
+             if (!pool) throw py::value_error("Session needs a pool");
+             return std::make_shared<Session>(model, pool, n_ctx);
+           }),
+           py::arg("model"), py::arg("pool"), py::arg("n_ctx") = 0)
+      .def_property_readonly("paged", [](const Session& s) { return s.kv().paged(); })
+      .def_property_readonly("n_pages", [](const Session& s) { return s.kv().paged() ? s.kv().n_pages() : 0; })
       .def_property_readonly("n_past", &Session::n_past)
       .def_property_readonly("n_ctx", &Session::n_ctx)
       .def_property_readonly("kv_dtype", [](const Session& s) { return (int)s.kv_type(); })
@@ -161,31 +170,57 @@ void bind_model(py::module_& m) {
           s.model().forward(s, v.data(), nullptr, (int64_t)v.size(), all_logits);
         },
         py::arg("session"), py::arg("tokens"), py::arg("all_logits") = false);
-  m.def("eval_batch", [](std::vector<std::shared_ptr<Session>> sessions, const std::vector<int64_t>& tokens) {
-    if (sessions.size() != tokens.size())
-      throw py::value_error("eval_batch: " + std::to_string(sessions.size()) + " sessions but " +
-                            std::to_string(tokens.size()) + " tokens");
-    if (sessions.empty()) return;
-    std::vector<Session*> ptrs;
-    for (auto& s : sessions) {
-      if (!s) throw py::value_error("eval_batch: None in sessions");
-      ptrs.push_back(s.get());
-    }
-    Model& model = ptrs[0]->model();
-    auto ids = ids_from(model, tokens);
-    py::gil_scoped_release rel;
-    model.forward_batch(ptrs.data(), ids.data(), (int64_t)ids.size());
-  });
+  // Ragged step: session b takes counts[b] tokens (in order) from tokens; counts
+  // omitted means one token each (a plain decode step).
+  m.def("eval_batch",
+        [](std::vector<std::shared_ptr<Session>> sessions, const std::vector<int64_t>& tokens,
+           std::vector<int64_t> counts) {
+          if (counts.empty()) counts.assign(sessions.size(), 1);
+          if (counts.size() != sessions.size())
+            throw py::value_error("eval_batch: " + std::to_string(sessions.size()) + " sessions but " +
+                                  std::to_string(counts.size()) + " token groups");
+          int64_t total = 0;
+          for (int64_t c : counts) {
+            if (c < 1) throw py::value_error("eval_batch: every session needs at least one token");
+            total += c;
+          }
+          if (total != (int64_t)tokens.size())
+            throw py::value_error("eval_batch: " + std::to_string(tokens.size()) + " tokens but the groups hold " +
+                                  std::to_string(total));
+          if (sessions.empty()) return;
+          std::vector<Session*> ptrs;
+          for (auto& s : sessions) {
+            if (!s) throw py::value_error("eval_batch: None in sessions");
+            ptrs.push_back(s.get());
+          }
+          Model& model = ptrs[0]->model();
+          auto ids = ids_from(model, tokens);
+          py::gil_scoped_release rel;
+          model.forward_ragged(ptrs.data(), ids.data(), counts.data(), (int64_t)ptrs.size());
+        },
+        py::arg("sessions"), py::arg("tokens"), py::arg("counts") = std::vector<int64_t>{});
   m.def("eval_embd",
-        [](Session& s, py::array_t<float, py::array::c_style | py::array::forcecast> embd, int64_t npos) {
+        [](Session& s, py::array_t<float, py::array::c_style | py::array::forcecast> embd, int64_t npos,
+           const std::vector<int64_t>& ids) {
           const int64_t D = s.model().config().dim;
           if (npos < 0 || embd.size() < npos * D)
             throw py::value_error("embd holds " + std::to_string(embd.size()) + " floats; npos x dim = " +
                                   std::to_string(npos * D));
+          std::vector<int32_t> mid;
+          if (!ids.empty()) {
+            if ((int64_t)ids.size() != npos)
+              throw py::value_error("eval_embd: " + std::to_string(ids.size()) + " media ids for " +
+                                    std::to_string(npos) + " rows");
+            for (int64_t v : ids) {
+              if (v >= 0 || v < INT32_MIN) throw py::value_error("media ids are negative int32 values");
+              mid.push_back((int32_t)v);
+            }
+          }
           const float* p = embd.data();
           py::gil_scoped_release rel;
-          s.model().forward(s, nullptr, p, npos, false);
-        });
+          s.model().forward(s, nullptr, p, npos, false, mid.empty() ? nullptr : mid.data());
+        },
+        py::arg("session"), py::arg("embd"), py::arg("npos"), py::arg("ids") = std::vector<int64_t>{});
   m.def("sample", [](Session& s, py::object params) {
     if (s.logits.empty()) throw py::value_error("sample: no logits yet (eval first)");
     SamplingParams p = params_from(params);

@@ -9,5 +9,6 @@ PYBIND11_MODULE(_core, m) {
   dl::py_bind::bind_gguf(m);
   dl::py_bind::bind_tokenizer(m);
   dl::py_bind::bind_model(m);
+  dl::py_bind::bind_kv(m);
   dl::py_bind::bind_kernels(m);
 }

@@ -39,11 +39,16 @@ enum class KVType : uint32_t { f32 = 0, f16 = 1, q8_0 = 8 };
 // Self-attention of n_tok queries against the cache rows [0, n_kv) of one layer.
 // Query t sits at position q_pos[t] and sees cache rows j with
 // j <= q_pos[t] and (window == 0 or q_pos[t] - j < window).
+// The rows are either contiguous (k, v) or paged: row j of K is at
+// pages[j >> page_shift] + k_off + (j & (2^page_shift - 1)) * kv_row_bytes (V: v_off).
 struct AttnArgs {
   const float* q = nullptr;  // [n_tok][n_heads * head_dim]
   int64_t q_stride = 0;
-  const void* k = nullptr;   // cache rows: [pos][n_kv_heads * head_dim] in kv_type
+  const void* k = nullptr;   // contiguous cache rows: [pos][n_kv_heads * head_dim] in kv_type
   const void* v = nullptr;
+  const uint8_t* const* pages = nullptr;  // when set, k and v are unused
+  int page_shift = 0;
+  size_t k_off = 0, v_off = 0;
   size_t kv_row_bytes = 0;
   KVType kv_type = KVType::f32;
   int64_t n_tok = 0, n_kv = 0;
@@ -79,6 +84,11 @@ class Backend {
   virtual void kv_store(void* cache, KVType t, size_t row_bytes, int64_t first, const float* src, int64_t n,
                         int64_t src_stride, int64_t dim) = 0;
   virtual void attention(const AttnArgs& a) = 0;
+  // Several independent attentions (one per session of a batched step); a backend
+  // may run them as one dispatch.
+  virtual void attention_multi(const AttnArgs* a, int count) {
+    for (int i = 0; i < count; ++i) attention(a[i]);
+  }
   // out[i] = act(gate[i]) * up[i] over rows.
   virtual void glu(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* out,
                    int64_t n_rows, int64_t dim, Act act) = 0;

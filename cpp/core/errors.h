@@ -1,5 +1,6 @@
 // Exception types the core throws; bindings map each to a Python class of the same name.
 #pragma once
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -20,9 +21,12 @@ struct UnsupportedModelError : Error {
 struct ContextOverflowError : Error {
   using Error::Error;
 };
-// A KV pool with no free page left for the session asking.
+// A KV pool with no free page left for the session asking. In a batched step,
+// index is the asking session's place in the batch (else -1).
 struct PoolExhaustedError : Error {
   using Error::Error;
+  PoolExhaustedError(const std::string& what, int64_t i) : Error(what), index(i) {}
+  int64_t index = -1;
 };
 
 }  // namespace dl

@@ -1,6 +1,7 @@
 // Attention of a block of query rows against one KV head, per ISA: scores for
 // 16 keys at a time from a transposed K tile (no horizontal sums), softmax per
-// row, then the value rows accumulated into the outputs.
+// row, then the value rows accumulated into the outputs. Rows are read through
+// a page table (contiguous rows are one page), in the same order either way.
 #pragma GCC optimize("fp-contract=fast")  // FMA where the ISA has it; results stay within the reference bars
 #include <algorithm>
 #include <cmath>
@@ -24,13 +25,19 @@ void attn_block(const AttnBlock& b) {
   const int64_t j_lo = b.window > 0 ? std::max<int64_t>(0, (int64_t)pmin - b.window + 1) : 0;
   const int64_t nj = std::max<int64_t>(0, j_hi - j_lo);
   const int64_t nqg = nq * G;
+  const int sh = b.page_shift;
+  const int64_t mask = (int64_t(1) << sh) - 1;
+  auto krow = [&](int64_t j) { return (const float*)(b.k_pages[j >> sh] + b.k_off) + (j & mask) * b.kv_stride; };
+  auto vrow = [&](int64_t j) { return (const float*)(b.v_pages[j >> sh] + b.v_off) + (j & mask) * b.kv_stride; };
+  // Rows of V from key j to the end of its page (or to `end`).
+  auto vrun = [&](int64_t j, int64_t end) { return std::min<int64_t>(end - j, (mask + 1) - (j & mask)); };
   float* S = b.scratch;            // [nq*G][nj] scores, then probabilities
   float* Kt = S + nqg * nj;        // [hd][16] one transposed K tile
   constexpr int TJ = 16;
   for (int64_t jb = 0; jb < nj; jb += TJ) {
     const int64_t tj = std::min<int64_t>(TJ, nj - jb);
     for (int64_t j = 0; j < TJ; ++j) {
-      const float* kr = b.k + (j_lo + jb + std::min<int64_t>(j, tj - 1)) * b.kv_stride;
+      const float* kr = krow(j_lo + jb + std::min<int64_t>(j, tj - 1));
       for (int d = 0; d < hd; ++d) Kt[d * TJ + j] = kr[d];
     }
     // Four query rows per pass: four independent FMA chains share each K tile row.
@@ -87,25 +94,31 @@ void attn_block(const AttnBlock& b) {
     int dc = 0;
     for (; dc + TD <= hd; dc += TD) {
       float acc[TD] = {0};
-      for (int64_t j = lo; j < hi; ++j) {
-        const float pj = s[j];
-        const float* vr = b.v + (j_lo + j) * b.kv_stride + dc;
-        for (int e = 0; e < TD; ++e) acc[e] += pj * vr[e];
+      for (int64_t j = lo; j < hi;) {
+        const int64_t run = vrun(j_lo + j, j_lo + hi);
+        const float* vr = vrow(j_lo + j) + dc;
+        for (int64_t i = 0; i < run; ++i, ++j, vr += b.kv_stride) {
+          const float pj = s[j];
+          for (int e = 0; e < TD; ++e) acc[e] += pj * vr[e];
+        }
       }
       std::memcpy(o + dc, acc, sizeof(acc));
     }
     for (; dc + TJ <= hd; dc += TJ) {
       float acc[TJ] = {0};
-      for (int64_t j = lo; j < hi; ++j) {
-        const float pj = s[j];
-        const float* vr = b.v + (j_lo + j) * b.kv_stride + dc;
-        for (int e = 0; e < TJ; ++e) acc[e] += pj * vr[e];
+      for (int64_t j = lo; j < hi;) {
+        const int64_t run = vrun(j_lo + j, j_lo + hi);
+        const float* vr = vrow(j_lo + j) + dc;
+        for (int64_t i = 0; i < run; ++i, ++j, vr += b.kv_stride) {
+          const float pj = s[j];
+          for (int e = 0; e < TJ; ++e) acc[e] += pj * vr[e];
+        }
       }
       std::memcpy(o + dc, acc, sizeof(acc));
     }
     for (; dc < hd; ++dc) {
       float acc = 0;
-      for (int64_t j = lo; j < hi; ++j) acc += s[j] * b.v[(j_lo + j) * b.kv_stride + dc];
+      for (int64_t j = lo; j < hi; ++j) acc += s[j] * vrow(j_lo + j)[dc];
       o[dc] = acc;
     }
   }

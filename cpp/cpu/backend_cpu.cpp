@@ -200,46 +200,124 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void attention(const AttnArgs& a) override {
+  void attention(const AttnArgs& a) override { attention_multi(&a, 1); }
+
+  // Tasks are (session, block of 16 query rows, KV head), all in one dispatch. A
+  // quantized cache (f16, q8_0) is decoded to f32 first: inside each task for a
+  // single block of queries in a batch (each KV head's rows are read by one task),
+  // else once per call for the whole layer by all threads.
+  void attention_multi(const AttnArgs* args, int count) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    const int hd = a.head_dim;
-    const int64_t kv_dim = (int64_t)a.n_kv_heads * hd;
-    const float* kf = (const float*)a.k;
-    const float* vf = (const float*)a.v;
-    int64_t kv_stride = (int64_t)(a.kv_row_bytes / 4);
-    if (a.kv_type != KVType::f32) {
-      // Decode the layer's cache rows once into f32 (not once per query head).
-      kv_f32_.resize((size_t)(2 * a.n_kv * kv_dim));
-      float* kd = kv_f32_.data();
-      float* vd = kd + a.n_kv * kv_dim;
-      const uint32_t t = a.kv_type == KVType::f16 ? (uint32_t)GGMLType::F16 : (uint32_t)GGMLType::Q8_0;
-      pool_.parallel_for(a.n_kv, 64, [&](int64_t lo, int64_t hi) {
-        for (int64_t j = lo; j < hi; ++j) {
-          kt.dequant_row(t, (const uint8_t*)a.k + (size_t)j * a.kv_row_bytes, kd + j * kv_dim, kv_dim);
-          kt.dequant_row(t, (const uint8_t*)a.v + (size_t)j * a.kv_row_bytes, vd + j * kv_dim, kv_dim);
+    struct Call {
+      const uint8_t* const* kp;
+      const uint8_t* const* vp;
+      const uint8_t* flat[2];
+      const uint8_t* dec;
+      size_t k_off, v_off;
+      int shift;
+      int64_t kv_stride, n_blocks;
+      bool task_decode;  // decode this task's KV head rows inside the task
+    };
+    constexpr int64_t rb = 16;
+    // Decoding inside the tasks saves a dispatch per session, but with fewer tasks
+    // than twice the threads (one session's few KV heads) the threads would idle,
+    // so then the rows are decoded by all threads first. Both give the same bits.
+    int64_t decode_tasks = 0;
+    for (int i = 0; i < count; ++i)
+      if (args[i].n_tok <= rb) decode_tasks += args[i].n_kv_heads;
+    const bool in_task = decode_tasks >= 2 * (int64_t)pool_.size();
+    std::vector<Call> calls((size_t)count);
+    std::vector<int64_t> first((size_t)count + 1, 0);
+    for (int i = 0; i < count; ++i) {
+      const AttnArgs& a = args[i];
+      Call& c = calls[(size_t)i];
+      const int64_t kv_dim = (int64_t)a.n_kv_heads * a.head_dim;
+      // Contiguous rows are a table of one page whose shift no row index reaches.
+      c.flat[0] = (const uint8_t*)a.k;
+      c.flat[1] = (const uint8_t*)a.v;
+      c.kp = a.pages ? a.pages : &c.flat[0];
+      c.vp = a.pages ? a.pages : &c.flat[1];
+      c.k_off = a.pages ? a.k_off : 0;
+      c.v_off = a.pages ? a.v_off : 0;
+      c.shift = a.pages ? a.page_shift : 62;
+      c.kv_stride = (int64_t)(a.kv_row_bytes / 4);
+      c.n_blocks = (a.n_tok + rb - 1) / rb;
+      c.task_decode = a.kv_type != KVType::f32 && c.n_blocks == 1 && in_task;
+      if (a.kv_type != KVType::f32 && !c.task_decode) {
+        // Decode the layer's cache rows once into f32 (not once per query block). The
+        // buffer serves one call at a time, so in a batch such a call runs alone first.
+        if (count > 1) {
+          attention_multi(&a, 1);
+          c.n_blocks = 0;
+          first[(size_t)i + 1] = first[(size_t)i];
+          continue;
         }
-      });
-      kf = kd;
-      vf = vd;
-      kv_stride = kv_dim;
+        kv_f32_.resize((size_t)(2 * a.n_kv * kv_dim));
+        float* kd = kv_f32_.data();
+        float* vd = kd + a.n_kv * kv_dim;
+        const uint32_t t = a.kv_type == KVType::f16 ? (uint32_t)GGMLType::F16 : (uint32_t)GGMLType::Q8_0;
+        const int64_t mask = (int64_t(1) << c.shift) - 1;
+        pool_.parallel_for(a.n_kv, 64, [&](int64_t lo, int64_t hi) {
+          for (int64_t j = lo; j < hi; ++j) {
+            const size_t r = (size_t)(j & mask) * a.kv_row_bytes;
+            kt.dequant_row(t, c.kp[j >> c.shift] + c.k_off + r, kd + j * kv_dim, kv_dim);
+            kt.dequant_row(t, c.vp[j >> c.shift] + c.v_off + r, vd + j * kv_dim, kv_dim);
+          }
+        });
+        c.dec = (const uint8_t*)kd;
+        c.kp = c.vp = &c.dec;
+        c.k_off = 0;
+        c.v_off = (size_t)(a.n_kv * kv_dim) * 4;
+        c.shift = 62;
+        c.kv_stride = kv_dim;
+      }
+      first[(size_t)i + 1] = first[(size_t)i] + c.n_blocks * a.n_kv_heads;
     }
-    // Tasks: (block of up to 16 query rows) x (kv head).
-    const int group = a.n_heads / a.n_kv_heads;
-    const int64_t rb = 16;
-    const int64_t n_blocks = (a.n_tok + rb - 1) / rb;
-    pool_.parallel_for(n_blocks * a.n_kv_heads, 1, [&](int64_t lo, int64_t hi) {
-      thread_local std::vector<float> scratch;
+    pool_.parallel_for(first[(size_t)count], 1, [&](int64_t lo, int64_t hi) {
+      thread_local std::vector<float> scratch, dec;
+      int i = 0;
       for (int64_t task = lo; task < hi; ++task) {
-        const int64_t blk = task / a.n_kv_heads;
-        const int kvh = (int)(task % a.n_kv_heads);
+        while (task >= first[(size_t)i + 1]) ++i;
+        const AttnArgs& a = args[i];
+        const Call& c = calls[(size_t)i];
+        const int hd = a.head_dim;
+        const int group = a.n_heads / a.n_kv_heads;
+        const int64_t local = task - first[(size_t)i];
+        const int64_t blk = local / a.n_kv_heads;
+        const int kvh = (int)(local % a.n_kv_heads);
         cpu::AttnBlock b;
         const int64_t t0 = blk * rb;
         b.n_rows = std::min(rb, a.n_tok - t0);
         b.q = a.q + t0 * a.q_stride + (int64_t)kvh * group * hd;
         b.q_stride = a.q_stride;
-        b.k = kf + (int64_t)kvh * hd;
-        b.v = vf + (int64_t)kvh * hd;
-        b.kv_stride = kv_stride;
+        const uint8_t* dec_page[1];
+        if (c.task_decode) {
+          // This KV head's slice of every row, decoded to f32 rows of hd.
+          dec.resize((size_t)(2 * a.n_kv * hd));
+          const uint32_t t = a.kv_type == KVType::f16 ? (uint32_t)GGMLType::F16 : (uint32_t)GGMLType::Q8_0;
+          const size_t head_off = kv_row_bytes(a.kv_type, (int64_t)kvh * hd);
+          const int64_t mask = (int64_t(1) << c.shift) - 1;
+          float* kd = dec.data();
+          float* vd = kd + a.n_kv * hd;
+          for (int64_t j = 0; j < a.n_kv; ++j) {
+            const size_t r = (size_t)(j & mask) * a.kv_row_bytes + head_off;
+            kt.dequant_row(t, c.kp[j >> c.shift] + c.k_off + r, kd + j * hd, hd);
+            kt.dequant_row(t, c.vp[j >> c.shift] + c.v_off + r, vd + j * hd, hd);
+          }
+          dec_page[0] = (const uint8_t*)kd;
+          b.k_pages = b.v_pages = dec_page;
+          b.k_off = 0;
+          b.v_off = (size_t)(a.n_kv * hd) * 4;
+          b.page_shift = 62;
+          b.kv_stride = hd;
+        } else {
+          b.k_pages = c.kp;
+          b.v_pages = c.vp;
+          b.k_off = c.k_off + (size_t)kvh * hd * 4;
+          b.v_off = c.v_off + (size_t)kvh * hd * 4;
+          b.page_shift = c.shift;
+          b.kv_stride = c.kv_stride;
+        }
         b.pos = a.q_pos + t0;
         b.n_kv = a.n_kv;
         b.group = group;

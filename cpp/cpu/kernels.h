@@ -30,11 +30,15 @@ struct MatmulArgs {
 // Attention of n_rows query rows (each with `group` heads of head_dim, laid out
 // contiguously per row) against one KV head held in f32 rows. Row t sits at
 // position pos[t] and sees keys j <= pos[t] (and pos[t] - j < window if window).
+// Key row j is at k_pages[j >> page_shift] + k_off bytes + (j & mask) * kv_stride
+// floats (V alike); contiguous rows are one page with a shift past any j.
 struct AttnBlock {
   const float* q = nullptr;
   int64_t q_stride = 0;  // floats between rows
-  const float* k = nullptr;
-  const float* v = nullptr;
+  const uint8_t* const* k_pages = nullptr;
+  const uint8_t* const* v_pages = nullptr;
+  size_t k_off = 0, v_off = 0;  // bytes into each page (this KV head's first element)
+  int page_shift = 62;
   int64_t kv_stride = 0;  // floats between key rows
   const int32_t* pos = nullptr;
   int64_t n_rows = 0, n_kv = 0;

@@ -10,26 +10,6 @@
 
 namespace dl {
 
-Session::Session(std::shared_ptr<Model> model, KVType kv_type, int n_ctx)
-    : model_(std::move(model)), kv_type_(kv_type) {
-  const ModelConfig& c = model_->config();
-  n_ctx_ = n_ctx > 0 ? std::min(n_ctx, c.seq_len) : std::min(c.seq_len, 4096);
-  const int64_t kv_dim = (int64_t)c.n_kv_heads * c.head_dim;
-  if (kv_type == KVType::q8_0 && (kv_dim % 32 != 0 || c.head_dim % 32 != 0))
-    throw Error("q8_0 KV needs head_size and kv_dim to be multiples of 32");
-  k_row_bytes_ = v_row_bytes_ = kv_row_bytes(kv_type, kv_dim);
-  layer_bytes_k_ = k_row_bytes_ * (size_t)n_ctx_;
-  layer_bytes_v_ = v_row_bytes_ * (size_t)n_ctx_;
-  k_.resize(layer_bytes_k_ * c.n_layers);
-  v_.resize(layer_bytes_v_ * c.n_layers);
-}
-
-void Session::truncate(int64_t n) {
-  if (n < 0 || n > n_past_) throw Error("truncate: position out of range");
-  n_past_ = n;
-  history.resize((size_t)n);
-}
-
 void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
   backend_->get_rows(tok_embd_, tokens, n, out);
   if (traits_->embed_scale_sqrt_dim) {
@@ -38,7 +18,8 @@ void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
   }
 }
 
-void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits) {
+void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
+                    const int32_t* media_ids) {
   if (n <= 0) return;
   if (s.n_past_ + n > s.n_ctx_)
     throw ContextOverflowError("context overflow: " + std::to_string(s.n_past_) + " + " + std::to_string(n) +
@@ -48,18 +29,23 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
       if (tokens[i] < 0 || tokens[i] >= cfg_.vocab_size)
         throw Error("token id " + std::to_string(tokens[i]) + " out of range [0, " + std::to_string(cfg_.vocab_size) +
                     ")");
+  if (media_ids)
+    for (int64_t i = 0; i < n; ++i)
+      if (media_ids[i] >= 0) throw Error("media ids must be negative");
   std::lock_guard<std::mutex> lk(mu_);
+  // Pages first: a full pool refuses here, with the session unchanged.
+  s.kv_->prepare_write(s.n_past_, s.n_past_ + n);
   const int64_t V = cfg_.vocab_size;
   s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
   for (int64_t i = 0; i < n; i += max_chunk_) {
     const int64_t m = std::min(max_chunk_, n - i);
-    const Run run{&s, 0, m};
+    const Run run{&s, 0, m, all_logits || i + m == n};
     forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits,
                   nullptr);
     if (all_logits) std::memcpy(s.logits.data() + i * V, tmp_.data(), (size_t)(m * V) * 4);
   }
   if (!all_logits) std::memcpy(s.logits.data(), tmp_.data(), (size_t)V * 4);
-  for (int64_t i = 0; i < n; ++i) s.history.push_back(tokens ? tokens[i] : -1);
+  for (int64_t i = 0; i < n; ++i) s.history.push_back(tokens ? tokens[i] : media_ids ? media_ids[i] : -1);
 }
 
 std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
@@ -90,31 +76,73 @@ std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
 }
 
 void Model::forward_batch(Session* const* sessions, const int32_t* tokens, int64_t B) {
+  std::vector<int64_t> counts((size_t)std::max<int64_t>(B, 0), 1);
+  forward_ragged(sessions, tokens, counts.data(), B);
+}
+
+void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, const int64_t* counts, int64_t B) {
   if (B <= 0) return;
+  int64_t total = 0;
+  const KVPool* pool = sessions[0]->kv_->pool();
   for (int64_t b = 0; b < B; ++b) {
     Session& s = *sessions[b];
     if (&s.model() != this) throw Error("eval_batch: a session belongs to another model");
     for (int64_t c = 0; c < b; ++c)
       if (sessions[c] == sessions[b]) throw Error("eval_batch: a session appears twice");
-    if (s.n_past_ + 1 > s.n_ctx_)
-      throw ContextOverflowError("context overflow: session " + std::to_string(b) + " is full (" +
-                                 std::to_string(s.n_ctx_) + " positions)");
-    if (tokens[b] < 0 || tokens[b] >= cfg_.vocab_size)
-      throw Error("token id " + std::to_string(tokens[b]) + " out of range");
+    if (s.kv_->pool() != pool) throw Error("eval_batch: sessions must all be flat or all of one KV pool");
+    if (counts[b] < 1) throw Error("eval_batch: session " + std::to_string(b) + " has no tokens");
+    if (s.n_past_ + counts[b] > s.n_ctx_)
+      throw ContextOverflowError("context overflow: session " + std::to_string(b) + " holds " +
+                                 std::to_string(s.n_past_) + " of " + std::to_string(s.n_ctx_) + " positions, " +
+                                 std::to_string(counts[b]) + " more do not fit");
+    for (int64_t i = 0; i < counts[b]; ++i)
+      if (tokens[total + i] < 0 || tokens[total + i] >= cfg_.vocab_size)
+        throw Error("token id " + std::to_string(tokens[total + i]) + " out of range");
+    total += counts[b];
   }
   std::lock_guard<std::mutex> lk(mu_);
-  const int64_t V = cfg_.vocab_size;
-  for (int64_t i = 0; i < B; i += max_chunk_) {
-    const int64_t m = std::min(max_chunk_, B - i);
-    std::vector<Run> runs((size_t)m);
-    for (int64_t r = 0; r < m; ++r) runs[r] = Run{sessions[i + r], r, 1};
-    forward_chunk(runs.data(), (int)m, tokens + i, nullptr, m, false, nullptr);
-    for (int64_t r = 0; r < m; ++r) {
-      Session& s = *sessions[i + r];
-      s.logits.assign(tmp_.begin() + r * V, tmp_.begin() + (r + 1) * V);
-      s.history.push_back(tokens[i + r]);
+  // Every session's pages before any compute; on refusal the ones already served
+  // give back what they just took, so no session has moved.
+  for (int64_t b = 0; b < B; ++b) {
+    try {
+      sessions[b]->kv_->prepare_write(sessions[b]->n_past_, sessions[b]->n_past_ + counts[b]);
+    } catch (const PoolExhaustedError& e) {
+      for (int64_t c = 0; c < b; ++c) sessions[c]->kv_->truncate(sessions[c]->n_past_);
+      throw PoolExhaustedError("eval_batch: session " + std::to_string(b) + " of the batch: " + e.what(), b);
     }
   }
+  const int64_t V = cfg_.vocab_size;
+  std::vector<Run> runs;
+  std::vector<int32_t> chunk_tokens;
+  auto flush = [&] {
+    if (runs.empty()) return;
+    forward_chunk(runs.data(), (int)runs.size(), chunk_tokens.data(), nullptr, (int64_t)chunk_tokens.size(), false,
+                  nullptr);
+    int64_t k = 0;
+    for (const Run& r : runs) {
+      for (int64_t i = 0; i < r.n_rows; ++i) r.s->history.push_back(chunk_tokens[r.first_row + i]);
+      if (r.want_logits) {
+        r.s->logits.assign(tmp_.begin() + k * V, tmp_.begin() + (k + 1) * V);
+        ++k;
+      }
+    }
+    runs.clear();
+    chunk_tokens.clear();
+  };
+  // Rows packed into chunks of max_chunk_; a long prefill run continues in the next chunk.
+  int64_t off = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t left = counts[b];
+    while (left > 0) {
+      const int64_t take = std::min(left, max_chunk_ - (int64_t)chunk_tokens.size());
+      runs.push_back(Run{sessions[b], (int64_t)chunk_tokens.size(), take, take == left});
+      chunk_tokens.insert(chunk_tokens.end(), tokens + off, tokens + off + take);
+      off += take;
+      left -= take;
+      if ((int64_t)chunk_tokens.size() == max_chunk_) flush();
+    }
+  }
+  flush();
 }
 
 void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, const float* embd, int64_t n,
@@ -179,18 +207,34 @@ void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, co
     be.rope(q_.data(), n, q_dim, c.n_heads, (int)hd, pos_.data(), rp);
     be.rope(k_.data(), n, kv_dim, c.n_kv_heads, (int)hd, pos_.data(), rp);
 
-    // Each session's rows write its own cache and attend over it.
+    // Each session's rows write its own cache and attend over it, through its block
+    // table; the attentions of all sessions go to the backend together.
+    attn_args_.resize((size_t)n_runs);
     for (int ri = 0; ri < n_runs; ++ri) {
       Session& s = *runs[ri].s;
+      const BlockTable& kv = *s.kv_;
       const int64_t r0 = runs[ri].first_row, nr = runs[ri].n_rows;
-      be.kv_store(s.k_layer(il), s.kv_type_, s.k_row_bytes_, s.n_past_, k_.data() + r0 * kv_dim, nr, kv_dim, kv_dim);
-      be.kv_store(s.v_layer(il), s.kv_type_, s.v_row_bytes_, s.n_past_, v_.data() + r0 * kv_dim, nr, kv_dim, kv_dim);
-      AttnArgs a;
+      const size_t rb = kv.geometry().row_bytes;
+      const int sh = kv.page_shift();
+      const int64_t P = kv.page_rows();
+      for (int64_t i = 0; i < nr;) {  // stores split at page ends
+        const int64_t row = s.n_past_ + i;
+        const int64_t in_page = sh >= 62 ? row : row & (P - 1);
+        const int64_t cnt = std::min(nr - i, P - in_page);
+        uint8_t* page = const_cast<uint8_t*>(kv.page_ptrs()[row >> sh]);
+        be.kv_store(page + kv.k_off(il), s.kv_type_, rb, in_page, k_.data() + (r0 + i) * kv_dim, cnt, kv_dim, kv_dim);
+        be.kv_store(page + kv.v_off(il), s.kv_type_, rb, in_page, v_.data() + (r0 + i) * kv_dim, cnt, kv_dim, kv_dim);
+        i += cnt;
+      }
+      AttnArgs& a = attn_args_[(size_t)ri];
+      a = AttnArgs{};
       a.q = q_.data() + r0 * q_dim;
       a.q_stride = q_dim;
-      a.k = s.k_layer(il);
-      a.v = s.v_layer(il);
-      a.kv_row_bytes = s.k_row_bytes_;
+      a.pages = kv.page_ptrs();
+      a.page_shift = sh;
+      a.k_off = kv.k_off(il);
+      a.v_off = kv.v_off(il);
+      a.kv_row_bytes = rb;
       a.kv_type = s.kv_type_;
       a.n_tok = nr;
       a.n_kv = s.n_past_ + nr;
@@ -203,8 +247,8 @@ void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, co
       a.softcap = c.attn_softcap;
       a.out = attn_.data() + r0 * q_dim;
       a.out_stride = q_dim;
-      be.attention(a);
     }
+    be.attention_multi(attn_args_.data(), n_runs);
 
     float* o = ffn_.data();
     be.matmul(L.wo, attn_.data(), n, o);
@@ -233,13 +277,16 @@ void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, co
     rows = n;
     be.rms_norm(x_.data(), output_norm_.data(), xn_.data(), n, D, c.norm_eps);
   } else {
-    for (int ri = 0; ri < n_runs; ++ri, ++rows) {
+    for (int ri = 0; ri < n_runs; ++ri) {
+      if (!runs[ri].want_logits) continue;
       const int64_t last = runs[ri].first_row + runs[ri].n_rows - 1;
       be.rms_norm(x_.data() + last * D, output_norm_.data(), xn_.data() + rows * D, 1, D, c.norm_eps);
+      ++rows;
     }
   }
   if (last_hidden) std::memcpy(last_hidden, xn_.data(), (size_t)(rows * D) * 4);
   tmp_.resize((size_t)(rows * c.vocab_size));
+  if (rows == 0) return;  // a run that continues in the next chunk wants no logits yet
   be.matmul(output_, xn_.data(), rows, tmp_.data());
   if (c.final_softcap > 0) be.softcap(tmp_.data(), c.final_softcap, rows * c.vocab_size);
 }

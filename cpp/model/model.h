@@ -10,6 +10,7 @@
 
 #include "core/backend.h"
 #include "gguf/gguf.h"
+#include "kv/pool.h"
 #include "model/arch.h"
 #include "sample/sampler.h"
 #include "tokenizer/tokenizer.h"
@@ -74,11 +75,22 @@ class Model : public std::enable_shared_from_this<Model> {
   // Runs n tokens (or embedding rows when embd != null, n rows of dim floats)
   // at positions n_past.. of the session; writes logits of the last row (or of
   // every row when all_logits) into the session. Serialized per model.
-  void forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits);
+  // Embedding rows enter the history as media_ids (negative) when given, else -1.
+  void forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
+               const int32_t* media_ids = nullptr);
 
   // One decode step for B distinct sessions: row b evaluates tokens[b] at
   // sessions[b]'s position; the weights are read once for all rows.
   void forward_batch(Session* const* sessions, const int32_t* tokens, int64_t B);
+  // A ragged step: session b evaluates counts[b] >= 1 tokens (taken in order from
+  // tokens) at its position, so one session can prefill a chunk while others
+  // decode one token each; each session gets the logits of its last row. KV
+  // pages for every session are taken before any compute: on PoolExhaustedError
+  // (index = the session asking) no session has moved.
+  void forward_ragged(Session* const* sessions, const int32_t* tokens, const int64_t* counts, int64_t B);
+
+  // The KV cache geometry of this model for a codec (checks q8_0's block constraint).
+  KVGeometry kv_geometry(KVType t) const;
 
   // Embedding rows for tokens (scaled as the family's input layer does).
   void embed_tokens(const int32_t* tokens, int64_t n, float* out);
@@ -94,6 +106,7 @@ class Model : public std::enable_shared_from_this<Model> {
   struct Run {
     Session* s;
     int64_t first_row, n_rows;
+    bool want_logits = true;  // false for a part of a run that continues in the next chunk
   };
   void forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, const float* embd, int64_t n,
                      bool all_logits, float* last_hidden);
@@ -115,6 +128,7 @@ class Model : public std::enable_shared_from_this<Model> {
   int64_t max_chunk_ = 256;
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, tmp_;
   std::vector<int32_t> pos_;
+  std::vector<AttnArgs> attn_args_;
 };
 
 }  // namespace dl

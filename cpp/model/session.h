@@ -1,11 +1,13 @@
-// One generation stream over a model: its KV cache (flat, per layer), position
-// and the logits of the last evaluation. Used by one thread at a time.
+// One generation stream over a model: its KV cache (a block table, flat or over a
+// paged pool), position and the logits of the last evaluation. Used by one thread at a time.
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/backend.h"
+#include "kv/pool.h"
 #include "sample/sampler.h"
 
 namespace dl {
@@ -20,14 +22,20 @@ struct GenStats {
 class Session {
  public:
   Session(std::shared_ptr<Model> model, KVType kv_type, int n_ctx);
+  // A paged session: pages come from `pool` as rows are written (n_ctx 0: seq_len).
+  Session(std::shared_ptr<Model> model, std::shared_ptr<KVPool> pool, int n_ctx);
 
   Model& model() { return *model_; }
   std::shared_ptr<Model> model_ptr() const { return model_; }
   int64_t n_past() const { return n_past_; }
   int64_t n_ctx() const { return n_ctx_; }
   KVType kv_type() const { return kv_type_; }
-  // Rewinds to n (<= n_past), dropping later positions.
+  // Rewinds to n (<= n_past), dropping later positions (and the pages past them).
   void truncate(int64_t n);
+  // Returns every KV page to the pool and starts over at position 0.
+  void release_pages();
+  // Sets the position after a prefix cache attach (pages already in the table).
+  void set_attached(int64_t n, const int32_t* ids);
 
   std::vector<float> logits;      // [n_vocab] of the last row (or [n][n_vocab] with all_logits)
   std::vector<int32_t> history;   // tokens evaluated so far (media rows as negative ids)
@@ -35,11 +43,8 @@ class Session {
   Rng rng;
   std::vector<float> sample_scratch;
 
-  // Cache row pointers for layer l.
-  uint8_t* k_layer(int l) { return k_.data() + (size_t)l * layer_bytes_k_; }
-  uint8_t* v_layer(int l) { return v_.data() + (size_t)l * layer_bytes_v_; }
-  size_t k_row_bytes() const { return k_row_bytes_; }
-  size_t v_row_bytes() const { return v_row_bytes_; }
+  BlockTable& kv() { return *kv_; }
+  const BlockTable& kv() const { return *kv_; }
 
  private:
   friend class Model;
@@ -47,8 +52,15 @@ class Session {
   KVType kv_type_;
   int64_t n_ctx_;
   int64_t n_past_ = 0;
-  size_t k_row_bytes_ = 0, v_row_bytes_ = 0, layer_bytes_k_ = 0, layer_bytes_v_ = 0;
-  std::vector<uint8_t> k_, v_;
+  std::unique_ptr<BlockTable> kv_;
 };
+
+class PrefixCache;
+// Attaches the longest cached prefix of prompt to a fresh paged session: matched
+// pages join its block table and n_past moves past them (capped one token short
+// of the prompt). Returns the matched count.
+int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>& prompt);
+// Donates the session's full pages of tokens (its evaluated history, checked) to the cache.
+void prefix_insert(PrefixCache& cache, Session& s, const std::vector<int32_t>& tokens, const std::string& preview);
 
 }  // namespace dl

@@ -42,6 +42,22 @@ from .llm import (
     stats,
     stream_generate,
 )
+from .kv import (
+    KVPool,
+    PoolStats,
+    PrefixCache,
+    PrefixChain,
+    create_kv_pool,
+    create_prefix_cache,
+    is_media_position,
+    media_ids,
+    prefix_attach,
+    prefix_chain_list,
+    prefix_held_groups,
+    prefix_insert,
+    prefix_release,
+    release_kv_pages,
+)
 
 from . import chat
 from .chat import (
@@ -94,6 +110,9 @@ __all__ = [
     "render_assistant", "render_assistant_calls", "render_close", "render_messages", "render_prompt", "render_turn", "reset", "respond",
     "save_transcript", "set_thinking", "set_tools", "split_reasoning", "stream_respond", "think_drain",
     "think_feed", "think_finish",
+    "KVPool", "PoolStats", "PrefixCache", "PrefixChain", "create_kv_pool", "create_prefix_cache",
+    "is_media_position", "media_ids", "prefix_attach", "prefix_chain_list", "prefix_held_groups",
+    "prefix_insert", "prefix_release", "release_kv_pages",
     "ContextOverflowError",
     "DasllamaError",
     "GGUFError",

@@ -100,11 +100,21 @@ class Model:
 
 
 class Session:
-    """One generation stream: KV cache, position ``n_past`` and the last ``logits``."""
+    """One generation stream: KV cache, position ``n_past`` and the last ``logits``.
 
-    def __init__(self, model: Model, kv_dtype: KVDtype, n_ctx: int):
+    Flat sessions own a cache of ``n_ctx`` rows; paged sessions (made over a
+    :class:`~dasllama.KVPool`) take pages from the pool as rows are written.
+    """
+
+    def __init__(self, model: Model, kv_dtype: KVDtype = KVDtype.f16, n_ctx: int = 0, pool=None):
         self.model = model
-        self._s = _core.Session(model._m, int(kv_dtype), int(n_ctx))
+        self.pool = pool
+        if pool is not None:
+            if pool.model is not model:
+                raise ValueError("the pool was made for another model")
+            self._s = _core.Session(model._m, pool._p, int(n_ctx))
+        else:
+            self._s = _core.Session(model._m, int(kv_dtype), int(n_ctx))
 
     @property
     def n_past(self) -> int:
@@ -115,12 +125,37 @@ class Session:
         return self._s.n_ctx
 
     @property
+    def kv_dtype(self) -> KVDtype:
+        return KVDtype(self._s.kv_dtype)
+
+    @property
+    def paged(self) -> bool:
+        return self._s.paged
+
+    @property
+    def n_pages(self) -> int:
+        """Pool pages in this session's block table (0 for a flat session)."""
+        return self._s.n_pages
+
+    @property
+    def history(self) -> List[int]:
+        """Ids evaluated so far, one per position (media rows as negative ids)."""
+        return self._s.history
+
+    def truncate(self, n: int) -> None:
+        """Rewind to position ``n`` (<= n_past). On a paged session the pages past ``n`` go back
+        to the pool, and a page shared with the prefix cache or another session is copied
+        before it is written again."""
+        self._s.truncate(int(n))
+
+    @property
     def logits(self) -> np.ndarray:
         """Logits of the last evaluated row: a view valid until the next eval (copy to keep)."""
         return self._s.logits
 
     def __repr__(self) -> str:
-        return f"Session(n_past={self.n_past}, n_ctx={self.n_ctx}, kv={KVDtype(self._s.kv_dtype).name})"
+        kind = f", pages={self._s.n_pages}" if self.paged else ""
+        return f"Session(n_past={self.n_past}, n_ctx={self.n_ctx}, kv={self.kv_dtype.name}{kind})"
 
 
 def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 0) -> Model:
@@ -137,8 +172,21 @@ def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 
     return Model(_core.Model(p, int(mode), int(n_threads)), p, mode)
 
 
-def create_session(model: Model, kv_dtype: KVDtype = KVDtype.f16, n_ctx: int = 0) -> Session:
-    """A fresh session; ``n_ctx`` 0 means min(model.config.seq_len, 4096) positions."""
+def create_session(model: Model, kv_dtype: Union[KVDtype, "KVPool"] = KVDtype.f16, n_ctx: int = 0,
+                   pool: Optional["KVPool"] = None) -> Session:
+    """A fresh session: ``create_session(model, kv_dtype, n_ctx)`` or ``create_session(model, pool)``.
+
+    Flat: ``n_ctx`` 0 means min(model.config.seq_len, 4096) positions, allocated up front.
+    Paged (a :class:`~dasllama.KVPool` as second argument or ``pool=``): the pool's codec,
+    ``n_ctx`` 0 means model.config.seq_len, and pages come from the pool as rows are
+    written (:class:`~dasllama.PoolExhaustedError` when it is full).
+    """
+    from .kv import KVPool
+
+    if isinstance(kv_dtype, KVPool):
+        pool, kv_dtype = kv_dtype, KVDtype.f16
+    if pool is not None:
+        return Session(model, n_ctx=n_ctx, pool=pool)
     return Session(model, KVDtype(kv_dtype), n_ctx)
 
 
@@ -183,22 +231,53 @@ def create_batch_workspace(model: Model) -> BatchWorkspace:
     return BatchWorkspace(model)
 
 
-def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session], tokens: Sequence[int]) -> None:
-    """One batched decode step: ``tokens[i]`` at ``sessions[i]``'s position, one pass over the weights.
+def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
+               tokens: Sequence[Union[int, Sequence[int]]]) -> None:
+    """One batched step, one pass over the weights for every row of every session.
 
-    Sessions must be distinct sessions of ``model``; each gets its own logits.
+    ``tokens[i]`` is an int (a decode step: one token at ``sessions[i]``'s position) or a
+    sequence of ints (a chunk: ``sessions[i]`` prefills them in order). So a scheduler can
+    prefill a chunk of one session in the same step as others decode (a ragged batch);
+    each session advances by its own count and gets the logits of its last row. Keep
+    chunks to a few hundred tokens so decoding sessions are not held up.
+
+    Sessions must be distinct sessions of ``model``, all flat or all of one pool. On a
+    paged batch, pages for every session are taken before any compute: if the pool
+    cannot serve one, :class:`~dasllama.PoolExhaustedError` is raised with
+    ``session_index`` naming it, and no session has moved.
     """
     if ws.model is not model:
         raise ValueError("workspace belongs to another model")
+    if len(sessions) != len(tokens):
+        raise ValueError(f"eval_batch: {len(sessions)} sessions but {len(tokens)} token groups")
     for s in sessions:
         _check(model, s)
-    _core.eval_batch([s._s for s in sessions], [int(t) for t in tokens])
+    flat: List[int] = []
+    counts: List[int] = []
+    for t in tokens:
+        if isinstance(t, (int, np.integer)):
+            flat.append(int(t))
+            counts.append(1)
+        else:
+            g = [int(x) for x in t]
+            if not g:
+                raise ValueError("eval_batch: an empty token group")
+            flat.extend(g)
+            counts.append(len(g))
+    _core.eval_batch([s._s for s in sessions], flat, counts)
 
 
-def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int) -> None:
-    """eval's embedding-row twin: prefill ``npos`` rows of ``dim`` floats."""
+def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int,
+              ids: Optional[Sequence[int]] = None) -> None:
+    """eval's embedding-row twin: prefill ``npos`` rows of ``dim`` floats.
+
+    ``ids`` (negative, one per row; see :func:`~dasllama.media_ids`) name the rows in
+    ``session.history`` so the prefix cache can match them later; without them the rows
+    are recorded as -1, which is never cached.
+    """
     _check(model, session)
-    _core.eval_embd(session._s, np.ascontiguousarray(embd, dtype=np.float32).reshape(-1), int(npos))
+    _core.eval_embd(session._s, np.ascontiguousarray(embd, dtype=np.float32).reshape(-1), int(npos),
+                    [int(i) for i in ids] if ids is not None else [])
 
 
 def sample(session: Session, params: Optional[SamplingParams] = None) -> int:

@@ -1,0 +1,97 @@
+// Sessions: their KV block table (flat or paged), rewinding, releasing pages, and
+// the glue between a session and the prefix cache (attach before prefill, donate after).
+#include <algorithm>
+
+#include "core/errors.h"
+#include "kv/prefix_cache.h"
+#include "model/model.h"
+#include "model/session.h"
+
+namespace dl {
+
+KVGeometry Model::kv_geometry(KVType t) const {
+  KVGeometry g;
+  g.n_layers = cfg_.n_layers;
+  g.kv_dim = (int64_t)cfg_.n_kv_heads * cfg_.head_dim;
+  g.type = t;
+  if (t == KVType::q8_0 && (g.kv_dim % 32 != 0 || cfg_.head_dim % 32 != 0))
+    throw Error("q8_0 KV needs head_size and kv_dim to be multiples of 32");
+  g.row_bytes = kv_row_bytes(t, g.kv_dim);
+  return g;
+}
+
+Session::Session(std::shared_ptr<Model> model, KVType kv_type, int n_ctx)
+    : model_(std::move(model)), kv_type_(kv_type) {
+  const ModelConfig& c = model_->config();
+  n_ctx_ = n_ctx > 0 ? std::min(n_ctx, c.seq_len) : std::min(c.seq_len, 4096);
+  kv_ = std::make_unique<BlockTable>(model_->kv_geometry(kv_type), n_ctx_);
+}
+
+Session::Session(std::shared_ptr<Model> model, std::shared_ptr<KVPool> pool, int n_ctx) : model_(std::move(model)) {
+  if (!pool) throw Error("create_session: no pool");
+  const KVGeometry g = model_->kv_geometry(pool->geometry().type);
+  if (g.n_layers != pool->geometry().n_layers || g.row_bytes != pool->geometry().row_bytes)
+    throw Error("create_session: the pool was made for another cache geometry");
+  kv_type_ = g.type;
+  const ModelConfig& c = model_->config();
+  n_ctx_ = n_ctx > 0 ? std::min(n_ctx, c.seq_len) : c.seq_len;  // memory comes page by page
+  kv_ = std::make_unique<BlockTable>(std::move(pool));
+}
+
+void Session::truncate(int64_t n) {
+  if (n < 0 || n > n_past_) throw Error("truncate: position out of range");
+  n_past_ = n;
+  history.resize((size_t)n);
+  // Pages past n go back; a shared page n falls in is copied on the next write.
+  kv_->truncate(n);
+}
+
+void Session::release_pages() {
+  if (!kv_->paged()) return;  // a flat session owns its cache: nothing to give back
+  kv_->release();
+  n_past_ = 0;
+  history.clear();
+  logits.clear();
+}
+
+int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>& prompt) {
+  if (!s.kv().paged()) throw Error("prefix_attach: the session is not paged (create it over a pool)");
+  cache.bind(s.kv().pool_ptr());
+  if (s.n_past() != 0 || s.kv().n_pages() != 0) throw Error("prefix_attach: the session is not fresh");
+  if ((int64_t)prompt.size() > s.n_ctx()) throw ContextOverflowError("prefix_attach: prompt longer than the context");
+  KVPool& pool = *s.kv().pool();
+  std::vector<int32_t> pages;
+  int64_t matched = 0;
+  {
+    std::lock_guard<std::mutex> lk(pool.mu());
+    std::tie(pages, matched) = cache.match_locked(prompt.data(), (int64_t)prompt.size());
+    // Referenced before the lock is let go, so no eviction can take them.
+    for (int32_t id : pages) pool.incref_locked(id);
+  }
+  if (matched == 0) return 0;
+  s.kv().adopt_referenced(pages);
+  s.set_attached(matched, prompt.data());
+  return matched;
+}
+
+void Session::set_attached(int64_t n, const int32_t* ids) {
+  n_past_ = n;
+  history.assign(ids, ids + n);
+  logits.clear();
+}
+
+void prefix_insert(PrefixCache& cache, Session& s, const std::vector<int32_t>& tokens, const std::string& preview) {
+  if (!s.kv().paged()) throw Error("prefix_insert: the session is not paged (create it over a pool)");
+  cache.bind(s.kv().pool_ptr());
+  const int64_t n = std::min<int64_t>((int64_t)tokens.size(), s.n_past());
+  // Donated pages must hold what the ids say: the ids are checked against what was evaluated.
+  for (int64_t i = 0; i < n; ++i)
+    if (tokens[(size_t)i] != s.history[(size_t)i])
+      throw Error("prefix_insert: tokens differ from the session's evaluated history at position " +
+                  std::to_string(i));
+  KVPool& pool = *s.kv().pool();
+  std::lock_guard<std::mutex> lk(pool.mu());
+  cache.insert_locked(tokens.data(), n, s.kv().page_ids(), preview);
+}
+
+}  // namespace dl

@@ -1,0 +1,193 @@
+"""Paged KV pool, prefix cache and media ids (reference §17.1.2 KVPool / PrefixCache, §17.1.4).
+
+A :class:`KVPool` owns fixed pages of ``page_rows`` positions for all layers;
+sessions made over it (``create_session(model, pool)``) hold a block table and
+take pages as they grow. A :class:`PrefixCache` keeps finished sessions' full
+pages keyed by a chained hash of the page ids, so a later prompt with the same
+prefix attaches them instead of prefilling::
+
+    pool = create_kv_pool(model, page_rows=64)
+    cache = create_prefix_cache()
+    s = create_session(model, pool)
+    n = prefix_attach(cache, pool, s, prompt)     # 0 on a miss; never the whole prompt
+    eval(model, s, prompt[n:])                    # prefill only the tail
+    ...                                           # generate
+    prefix_insert(cache, pool, s, s.history)      # donate the full pages
+    release_kv_pages(s)
+
+The pool and cache may be shared by threads (their bookkeeping is locked); a
+session is used by one thread at a time. Keep the pool alive while its sessions
+live, and call :func:`prefix_release` before dropping a cache you want emptied now.
+
+Media ids: positions filled with embedding rows (audio, images) carry negative
+ids derived from the media's content key (:func:`media_ids`), so the prefix
+cache hashes and verifies them like tokens and the same clip in a later turn
+matches. -1 is an anonymous row (no key) and is never cached.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import List, Sequence, Union
+
+from . import _core
+from .llm import KVDtype, Model, Session
+
+MEDIA_ID_ANONYMOUS = -1
+_MEDIA_SPAN = 2 ** 31 - 2  # media ids lie in [-2^31 + 1, -2]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Pages of a pool: ``free + used == total``; ``by_sessions`` and ``by_cache`` count pages held
+    by at least one session / by the prefix cache (``shared`` by both, so they may overlap);
+    ``allocated`` pages have memory (taken lazily)."""
+
+    page_rows: int
+    page_bytes: int
+    total: int
+    free: int
+    used: int
+    by_sessions: int
+    by_cache: int
+    shared: int
+    allocated: int
+
+
+@dataclass(frozen=True)
+class PrefixChain:
+    """One donation to the prefix cache (prefix_chain_list): page-covered tokens, pages still
+    cached, attaches that ended in it, born / last-hit ticks, and the caller's preview."""
+
+    tokens: int
+    live_pages: int
+    hits: int
+    born: int
+    last_hit: int
+    preview: str
+
+
+class KVPool:
+    """A paged KV pool over one model's cache geometry (see :func:`create_kv_pool`)."""
+
+    def __init__(self, model: Model, page_rows: int = 64, kv_dtype: KVDtype = KVDtype.f16, max_pages: int = 0):
+        self.model = model
+        self._p = _core.KVPool(model._m, int(page_rows), int(KVDtype(kv_dtype)), int(max_pages))
+
+    @property
+    def page_rows(self) -> int:
+        return self._p.page_rows
+
+    @property
+    def max_pages(self) -> int:
+        return self._p.max_pages
+
+    @property
+    def kv_dtype(self) -> KVDtype:
+        return KVDtype(self._p.kv_dtype)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(**self._p.stats())
+
+    def __repr__(self) -> str:
+        st = self.stats()
+        return (f"KVPool(page_rows={st.page_rows}, kv={self.kv_dtype.name}, pages {st.used}/{st.total} used, "
+                f"{st.by_cache} cached, {st.page_bytes / 2**20:.2f} MiB/page)")
+
+
+class PrefixCache:
+    """A page-granular prefix cache over one pool's sessions (see :func:`create_prefix_cache`)."""
+
+    def __init__(self, max_groups: int = 0):
+        self._c = _core.PrefixCache(int(max_groups))
+
+    @property
+    def max_groups(self) -> int:
+        return self._c.max_groups
+
+    def __repr__(self) -> str:
+        return f"PrefixCache(pages={self._c.held()}, max_groups={self.max_groups or 'unbounded'})"
+
+
+def create_kv_pool(model: Model, page_rows: int = 64, kv_dtype: KVDtype = KVDtype.f16,
+                   max_pages: int = 0) -> KVPool:
+    """A paged KV pool: pages of ``page_rows`` positions (a power of two) for every layer, in
+    ``kv_dtype``. At most ``max_pages`` pages (0: four contexts of min(seq_len, 4096) rows);
+    memory is taken page by page as sessions grow."""
+    return KVPool(model, page_rows, kv_dtype, max_pages)
+
+
+def release_kv_pages(session: Session) -> None:
+    """Return a paged session's pages to its pool; it stays usable and starts over at position 0
+    with an empty history. A no-op on flat sessions."""
+    _core.release_kv_pages(session._s)
+
+
+def create_prefix_cache(max_groups: int = 0) -> PrefixCache:
+    """A prefix cache for the paged sessions of one pool. ``max_groups`` caps the pages it keeps
+    (0: unbounded); past it, and whenever the pool runs out of free pages, the least recently
+    used pages that no session holds go first (leaves of a chain before their parents)."""
+    return PrefixCache(max_groups)
+
+
+def _pool_of(pool: KVPool, session: Session) -> None:
+    if session.pool is not pool:
+        raise ValueError("the session was not created over this pool")
+
+
+def prefix_attach(cache: PrefixCache, pool: KVPool, session: Session, prompt: Sequence[int]) -> int:
+    """Attach the longest cached prefix of ``prompt`` to a fresh paged session of ``pool``.
+
+    Matched pages join the session's block table and ``n_past`` moves past them, so the
+    caller prefills only ``prompt[matched:]``. Returns the matched count: whole pages, capped
+    one token short of the prompt (the tail is never empty, so the tail's eval gives logits).
+    Ids are verified on every hit, not only hashed.
+    """
+    _pool_of(pool, session)
+    return _core.prefix_attach(cache._c, pool._p, session._s, [int(t) for t in prompt])
+
+
+def prefix_insert(cache: PrefixCache, pool: KVPool, session: Session, tokens: Sequence[int],
+                  preview: str = "") -> None:
+    """Donate the session's full pages to the cache. ``tokens`` is the session's evaluated history
+    (``session.history``; checked against it); only the first ``n_past`` rows exist. The donated
+    pages survive :func:`release_kv_pages`. ``preview`` labels the chain in :func:`prefix_chain_list`."""
+    _pool_of(pool, session)
+    _core.prefix_insert(cache._c, pool._p, session._s, [int(t) for t in tokens], str(preview))
+
+
+def prefix_chain_list(cache: PrefixCache) -> List[PrefixChain]:
+    """Snapshot of the cache's live donations, oldest first."""
+    return [PrefixChain(**d) for d in cache._c.chains()]
+
+
+def prefix_held_groups(cache: PrefixCache) -> int:
+    """Pages the cache holds now."""
+    return cache._c.held()
+
+
+def prefix_release(cache: PrefixCache, pool: KVPool) -> None:
+    """Give every cached page back to ``pool`` and empty the cache (pages still used by live
+    sessions stay alive until those sessions release them)."""
+    cache._c.release(pool._p)
+
+
+def media_ids(key: Union[bytes, str], n: int) -> List[int]:
+    """``n`` negative ids for the positions of a media span with content key ``key`` (e.g. a
+    digest of the audio samples or image bytes, plus anything that changes the rows, such as
+    the encoder's name). The same key always gives the same ids; different keys collide with
+    negligible probability, and the prefix cache compares ids on every hit anyway."""
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    k = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    root = hashlib.blake2b(k, digest_size=32, person=b"dasllama-media").digest()
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=8, key=root).digest()
+        out.append(-2 - int.from_bytes(h, "little") % _MEDIA_SPAN)
+    return out
+
+
+def is_media_position(id: int) -> bool:  # noqa: A002 - mirrors the reference's name
+    """True for a position filled by an embedding row (a negative id) rather than a token."""
+    return int(id) < 0
