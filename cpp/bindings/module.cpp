@@ -10,4 +10,5 @@ PYBIND11_MODULE(_core, m) {
   dl::py_bind::bind_tokenizer(m);
   dl::py_bind::bind_model(m);
   dl::py_bind::bind_kernels(m);
+  dl::py_bind::bind_audio(m);
 }
