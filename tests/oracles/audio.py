@@ -150,7 +150,127 @@ def write_qwen2_audio(model, path):
     return write_mmproj(path, model.model.audio_tower, proj, "qwen2a", None, p.weight.shape[0])
 
 
+def _features(samples, n_mel, max_length=30 * 16000):
+    from transformers import WhisperFeatureExtractor
+
+    fe = WhisperFeatureExtractor(feature_size=n_mel)
+    return fe(samples, sampling_rate=16000, padding="max_length", max_length=max_length, truncation=False,
+              return_tensors="pt")["input_features"]
+
+
+def qwen2_audio_full_window_rows(model, samples: np.ndarray) -> np.ndarray:
+    """llama.cpp's convention: the whole 30 s window encoded unmasked (750 rows)."""
+    with torch.no_grad():
+        h = model.model.audio_tower(_features(samples, model.config.audio_config.num_mel_bins)).last_hidden_state
+        return model.model.multi_modal_projector(h)[0].numpy()
+
+
+def voxtral(seed: int = 0):
+    """A tiny VoxtralForConditionalGeneration: tower width 48 (FFN 192 = 4 x 48, so stack 4), decoder 64."""
+    from transformers import LlamaConfig, VoxtralConfig, VoxtralEncoderConfig, VoxtralForConditionalGeneration
+    ac = VoxtralEncoderConfig(hidden_size=48, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                              num_mel_bins=128, max_source_positions=1500)
+    tc = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2)
+    cfg = VoxtralConfig(audio_config=ac.to_dict(), text_config=tc.to_dict(), audio_token_id=AUDIO_TOKEN)
+    cfg._attn_implementation = "eager"
+    m = _randomize(VoxtralForConditionalGeneration(cfg), seed)
+    _round_convs_f16(m.model.audio_tower)
+    return m
+
+
+def voxtral_rows(model, samples: np.ndarray) -> np.ndarray:
+    """Voxtral's get_audio_features on its processor's input: the clip padded to whole 30 s windows."""
+    n_chunks = max(1, -(-len(samples) // (30 * 16000)))
+    feats = _features(samples, 128, n_chunks * 30 * 16000)
+    feats = feats.reshape(128, n_chunks, 3000).permute(1, 0, 2)  # the processor's chunks as a batch
+    with torch.no_grad():
+        return model.get_audio_features(feats).pooler_output.numpy()
+
+
+def write_voxtral(model, path):
+    p = model.model.multi_modal_projector
+    proj = {"mm.a.mlp.1.weight": p.linear_1.weight.detach().numpy(),
+            "mm.a.mlp.2.weight": p.linear_2.weight.detach().numpy()}
+    return write_mmproj(path, model.model.audio_tower, proj, "voxtral", None, p.linear_2.weight.shape[0], stack=4)
+
+
+def whisper_encoder(seed: int = 0, n_mel: int = 80):
+    """A tiny transformers WhisperEncoder (width 48, 2 blocks, 4 heads)."""
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+    cfg = WhisperConfig(num_mel_bins=n_mel, d_model=48, encoder_layers=2, encoder_attention_heads=4,
+                        encoder_ffn_dim=96, max_source_positions=1500)
+    cfg._attn_implementation = "eager"
+    enc = _randomize(WhisperEncoder(cfg), seed)
+    _round_convs_f16(enc)
+    return enc
+
+
+def whisper_rows(enc, samples: np.ndarray) -> np.ndarray:
+    """The encoder's rows over each whole 30 s window of the clip."""
+    n_chunks = max(1, -(-len(samples) // (30 * 16000)))
+    feats = _features(samples, enc.config.num_mel_bins, n_chunks * 30 * 16000)
+    feats = feats.reshape(enc.config.num_mel_bins, n_chunks, 3000).permute(1, 0, 2)
+    with torch.no_grad():
+        return enc(feats).last_hidden_state.reshape(-1, enc.config.d_model).numpy()
+
+
+def write_whisper(enc, path):
+    return write_mmproj(path, enc, {}, "whisper", None, enc.config.d_model)
+
+
+class UltravoxProjector(torch.nn.Module):
+    """Ultravox v0.5's projector as its model code defines it (StackAudioFrames, RMSNorm,
+    Linear, SwiGLU with the gate in the second half, RMSNorm, Linear; no biases), built
+    from transformers' LlamaRMSNorm (eps 1e-6)."""
+
+    def __init__(self, d_in, stack, hidden, d_out, seed):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        super().__init__()
+        self.stack = stack
+        self.ln_pre = LlamaRMSNorm(d_in * stack, eps=1e-6)
+        self.linear_1 = torch.nn.Linear(d_in * stack, 2 * hidden, bias=False)
+        self.ln_mid = LlamaRMSNorm(hidden, eps=1e-6)
+        self.linear_2 = torch.nn.Linear(hidden, d_out, bias=False)
+        _randomize(self, seed)
+
+    def forward(self, x):  # x: [T, d_in]
+        pad = (-x.shape[0]) % self.stack
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(-1, x.shape[1] * self.stack)
+        x = self.linear_1(self.ln_pre(x))
+        h, gate = x.chunk(2, dim=-1)
+        return self.linear_2(self.ln_mid(torch.nn.functional.silu(gate) * h))
+
+
+def ultravox(seed: int = 0):
+    """A whisper encoder (80 mel) and an ultravox projector (stack 8, hidden 80, out 64)."""
+    return whisper_encoder(seed, 80), UltravoxProjector(48, 8, 80, 64, seed + 1)
+
+
+def ultravox_rows(pair, samples: np.ndarray) -> np.ndarray:
+    enc, proj = pair
+    rows = whisper_rows(enc, samples)
+    out = []
+    with torch.no_grad():
+        for c in range(rows.shape[0] // 1500):
+            out.append(proj(torch.from_numpy(rows[c * 1500:(c + 1) * 1500])).numpy())
+    return np.concatenate(out)
+
+
+def write_ultravox(pair, path):
+    enc, p = pair
+    proj = {"mm.a.norm_pre.weight": p.ln_pre.weight.detach().numpy(),
+            "mm.a.mlp.1.weight": p.linear_1.weight.detach().numpy(),
+            "mm.a.norm_mid.weight": p.ln_mid.weight.detach().numpy(),
+            "mm.a.mlp.2.weight": p.linear_2.weight.detach().numpy()}
+    return write_mmproj(path, enc, proj, "ultravox", None, 64, stack=8)
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out, exist_ok=True)
     write_qwen2_audio(qwen2_audio(), os.path.join(out, "mmproj-qwen2a-tiny.gguf"))
+    write_voxtral(voxtral(), os.path.join(out, "mmproj-voxtral-tiny.gguf"))
+    write_ultravox(ultravox(), os.path.join(out, "mmproj-ultravox-tiny.gguf"))
+    write_whisper(whisper_encoder(), os.path.join(out, "mmproj-whisper-tiny.gguf"))
