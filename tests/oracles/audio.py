@@ -6,7 +6,10 @@ towers (conversion/ultravox.py, qwenvl.py, base.py MmprojModel): general.archite
 (audio_tower.* -> a.*, multi_modal_projector.* -> mm.a.*), conv biases unsqueezed to
 [dim, 1], conv kernels stored as f16 even in an f32 file, everything else f32.
 The reference models then get their conv kernels rounded through f16 too, so both
-sides compute with the weights as stored.
+sides compute with the weights as stored. Checked once by hand against the converter of
+llama.cpp's source (llama-cpp-python 0.3.36 sdist, ``--mmproj --outtype f32``) on the tiny
+Qwen2-Audio and Voxtral below: identical tensor names, shapes, types and bytes, and
+identical clip.* keys.
 
 Run as ``python tests/oracles/audio.py OUTDIR`` to write every file.
 """
@@ -43,10 +46,13 @@ def _round_convs_f16(tower: torch.nn.Module) -> None:
 
 
 def qwen2_audio(seed: int = 0, n_mel: int = 128):
-    """A tiny Qwen2AudioForConditionalGeneration: tower width 48, 2 blocks, decoder width 64."""
+    """A tiny Qwen2AudioForConditionalGeneration: tower width 48, 3 blocks, decoder width 64.
+
+    Three blocks, not two: llama.cpp's converter maps conv{N} names through its per-block
+    table, so a tower with fewer than 3 blocks cannot name conv2."""
     from transformers import (Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioForConditionalGeneration,
                               Qwen2Config)
-    ac = Qwen2AudioEncoderConfig(num_mel_bins=n_mel, encoder_layers=2, encoder_attention_heads=4,
+    ac = Qwen2AudioEncoderConfig(num_mel_bins=n_mel, encoder_layers=3, encoder_attention_heads=4,
                                  encoder_ffn_dim=96, d_model=48, max_source_positions=1500)
     tc = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -120,7 +126,6 @@ def write_mmproj(path, tower, projector: dict, proj_type: str, n_heads: int, pro
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_bool("clip.has_vision_encoder", False)
     w.add_bool("clip.has_audio_encoder", True)
     w.add_string("clip.projector_type", proj_type)
     cfg = tower.config
@@ -168,7 +173,7 @@ def qwen2_audio_full_window_rows(model, samples: np.ndarray) -> np.ndarray:
 def voxtral(seed: int = 0):
     """A tiny VoxtralForConditionalGeneration: tower width 48 (FFN 192 = 4 x 48, so stack 4), decoder 64."""
     from transformers import LlamaConfig, VoxtralConfig, VoxtralEncoderConfig, VoxtralForConditionalGeneration
-    ac = VoxtralEncoderConfig(hidden_size=48, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+    ac = VoxtralEncoderConfig(hidden_size=48, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
                               num_mel_bins=128, max_source_positions=1500)
     tc = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2)
@@ -196,10 +201,10 @@ def write_voxtral(model, path):
 
 
 def whisper_encoder(seed: int = 0, n_mel: int = 80):
-    """A tiny transformers WhisperEncoder (width 48, 2 blocks, 4 heads)."""
+    """A tiny transformers WhisperEncoder (width 48, 3 blocks, 4 heads)."""
     from transformers import WhisperConfig
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
-    cfg = WhisperConfig(num_mel_bins=n_mel, d_model=48, encoder_layers=2, encoder_attention_heads=4,
+    cfg = WhisperConfig(num_mel_bins=n_mel, d_model=48, encoder_layers=3, encoder_attention_heads=4,
                         encoder_ffn_dim=96, max_source_positions=1500)
     cfg._attn_implementation = "eager"
     enc = _randomize(WhisperEncoder(cfg), seed)
