@@ -3,7 +3,8 @@
 Each family is a seeded fp32 transformers model (tests/oracles/audio.py) written the way
 llama.cpp's converter writes it; its reference rows come from transformers' own
 forward on its own processor's input (Qwen2-Audio: the masked 30 s window and the
-processor's row count; Voxtral: get_audio_features over 30 s chunks; whisper: the
+processor's row count; Qwen2.5-Omni: its audio encoder on the frames the mask keeps,
+in 200-frame chunks; Voxtral: get_audio_features over 30 s chunks; whisper: the
 encoder; Ultravox: transformers' WhisperEncoder plus the projector module of
 oracles/audio.py, since transformers has no Ultravox class).
 
@@ -38,6 +39,7 @@ FAMILIES = {
     "voxtral": (A.voxtral, A.write_voxtral, A.voxtral_rows),
     "ultravox": (A.ultravox, A.write_ultravox, A.ultravox_rows),
     "whisper": (A.whisper_encoder, A.write_whisper, A.whisper_rows),
+    "qwen2.5o": (A.qwen25_omni_audio, A.write_qwen25_omni, A.qwen25_omni_rows),
 }
 
 
@@ -88,6 +90,18 @@ def test_qwen2a_rows_follow_the_processor(built, clip):
     if clip == "5.3s":
         assert ours.shape == (132, 64)  # the DESIGN.md count for a 5.3 s clip
     _close(ours, A.qwen2_audio_rows(m, x), clip)
+
+
+@pytest.mark.parametrize("seconds", [0.1, 35.3])
+def test_qwen25_omni_short_and_past_30s(built, seconds):
+    # The omni tower has no 30 s limit of its own (chunks of 200 frames); a long clip
+    # goes on past the first window (the reference: its feature extractor, untruncated).
+    m, path = built["qwen2.5o"]
+    tower = d.load_audio_tower(path)
+    x = np.tile(speak(JFK), 8)[: int(seconds * SR)]
+    ours = d.encode_audio_rows(tower, x)
+    assert ours.shape[0] == tower.n_rows(len(x))
+    _close(ours, A.qwen25_omni_rows(m, x), f"omni {seconds} s")
 
 
 def test_qwen2a_full_window_matches_unmasked_encoder(built):

@@ -129,6 +129,10 @@ void AudioEncoder::load_weights() {
                                                 : Projector::none;
   // Qwen2-Audio's processor keeps only the clip's rows; the others encode whole windows.
   c.full_window_default = c.proj != Projector::qwen2a;
+  // Qwen2.5-Omni's tower encodes the clip's frames in chunks of 2 * n_window = 200, each
+  // with its own conv padding, positions 0.. and attention (transformers' cu_seqlens);
+  // n_window is not in mmproj files and is 100 in every released checkpoint.
+  if (fam == "qwen2.5o") c.window_frames = 200;
 
   const gguf::TensorInfo& t1 = need(f, "a.conv1d.1.weight");
   if (t1.ne.size() != 3 || t1.ne[0] != 3)
@@ -245,8 +249,13 @@ int64_t AudioEncoder::chunk_rows(int64_t L, bool full) const {
   }
 }
 
+int64_t AudioEncoder::clip_frames(int64_t n, bool full) const {
+  return full ? mel_chunks(n) * kChunkFrames : (n + kHop - 1) / kHop;
+}
+
 int64_t AudioEncoder::n_rows(int64_t n, bool full) const {
   if (n <= 0) return 0;
+  if (cfg_.window_frames) return chunk_rows((clip_frames(n, full) - 1) / 2 + 1, full);
   const int64_t chunks = mel_chunks(n);
   int64_t rows = 0;
   for (int64_t c = 0; c < chunks; ++c) {
@@ -257,10 +266,11 @@ int64_t AudioEncoder::n_rows(int64_t n, bool full) const {
   return rows;
 }
 
-void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t L, AudioScratch& s) {
+void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L,
+                                AudioScratch& s) {
   Backend& be = *backend_;
   const TowerConfig& c = cfg_;
-  const int64_t d = c.dim, nm = c.n_mel, S = std::min<int64_t>(kChunkFrames, 2 * L);
+  const int64_t d = c.dim, nm = c.n_mel;
   // conv1 (k3 s1 p1) over frames [0, S): im2col rows [ch * 3 + k] = mel[ch][t + k - 1].
   s.x1.assign((size_t)(S * 3 * nm), 0.f);
   for (int64_t ch = 0; ch < nm; ++ch) {
@@ -268,7 +278,7 @@ void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t L, Aud
     for (int64_t t = 0; t < S; ++t)
       for (int k = 0; k < 3; ++k) {
         const int64_t j = t + k - 1;
-        if (j >= 0 && j < kChunkFrames) s.x1[(size_t)(t * 3 * nm + ch * 3 + k)] = m[j];
+        if (j >= 0 && j < avail) s.x1[(size_t)(t * 3 * nm + ch * 3 + k)] = m[j];
       }
   }
   s.g1.resize((size_t)(S * d));
@@ -350,13 +360,35 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
   const int64_t chunks = mel_chunks(n), frames = chunks * kChunkFrames, d = c.dim;
   s.mel.resize((size_t)(c.n_mel * frames));
   log_mel(be, *mel_, x, n, s.mel_s, s.mel.data());
+  if (c.window_frames) {
+    if (total_rows == 0) return 0;
+    // Qwen2.5-Omni: chunks of the clip's frames, each encoded alone, then the pairs of the
+    // concatenated positions averaged, the post-LN and the linear.
+    const int64_t F = clip_frames(n, full), W = c.window_frames;
+    int64_t P = 0;
+    s.hall.resize((size_t)(((F - 1) / 2 + 1) * d));
+    for (int64_t f0 = 0; f0 < F; f0 += W) {
+      const int64_t len = std::min(W, F - f0), L = (len - 1) / 2 + 1;
+      encode_chunk(s.mel.data() + f0, frames, len, len, L, s);
+      std::memcpy(s.hall.data() + P * d, s.h.data(), (size_t)(L * d) * 4);
+      P += L;
+    }
+    const int64_t rows = total_rows;
+    s.p.resize((size_t)(rows * d));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < d; ++i) s.p[r * d + i] = (s.hall[(2 * r) * d + i] + s.hall[(2 * r + 1) * d + i]) / 2.f;
+    be.layer_norm(s.p.data(), post_w_.data(), post_b_.data(), s.p.data(), rows, d, c.eps);
+    be.matmul(fc_, s.p.data(), rows, out);
+    be.add_bias(out, fc_b_.data(), rows, c.proj_dim);
+    return rows;
+  }
   int64_t row = 0;
   for (int64_t ci = 0; ci < chunks; ++ci) {
     const int64_t nc = std::min(kChunkSamples, n - ci * kChunkSamples);
     const int64_t L = ((full ? kChunkFrames : (nc + kHop - 1) / kHop) - 1) / 2 + 1;
     const int64_t rows = chunk_rows(L, full);
     if (rows == 0) continue;
-    encode_chunk(s.mel.data() + ci * kChunkFrames, frames, L, s);
+    encode_chunk(s.mel.data() + ci * kChunkFrames, frames, kChunkFrames, std::min<int64_t>(kChunkFrames, 2 * L), L, s);
     float* dst = out + row * c.proj_dim;
     switch (c.proj) {
       case Projector::none:

@@ -31,12 +31,13 @@ struct TowerConfig {
   int proj_hidden = 0;  // ultravox / voxtral: the projector MLP's inner width
   float eps = 1e-5f;
   bool full_window_default = true;  // false: the family's processor keeps only the clip's rows
+  int window_frames = 0;  // qwen2.5o: mel frames per independently encoded chunk (2 * n_window)
 };
 
 // Caller-owned buffers of one encode; holds no clip state between calls.
 struct AudioScratch {
   MelScratch mel_s;
-  std::vector<float> mel, x1, g1, x2, h, xn, q, k, v, a, o, u, p, pn, y, y2;
+  std::vector<float> mel, hall, x1, g1, x2, h, xn, q, k, v, a, o, u, p, pn, y, y2;
   std::vector<int32_t> pos;
 };
 
@@ -58,9 +59,11 @@ class AudioEncoder {
  private:
   AudioEncoder() = default;
   void load_weights();
-  // Encoder positions [0, L) of one 30 s chunk (mel columns c0 .. c0 + 3000 of a matrix
-  // with `stride` columns) into s.h (L x dim), post-LN not applied.
-  void encode_chunk(const float* mel, int64_t stride, int64_t L, AudioScratch& s);
+  // Encoder positions [0, L) of one chunk into s.h (L x dim), post-LN not applied. The mel
+  // rows have `stride` columns; frames past `avail` read as zero (conv padding); conv1
+  // runs over frames [0, S) and conv2 reads zeros past S.
+  void encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L, AudioScratch& s);
+  int64_t clip_frames(int64_t n, bool full_window) const;
   int64_t chunk_rows(int64_t L, bool full_window) const;
 
   std::shared_ptr<gguf::File> file_;

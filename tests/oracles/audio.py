@@ -272,6 +272,40 @@ def write_ultravox(pair, path):
     return write_mmproj(path, enc, proj, "ultravox", None, 64, stack=8)
 
 
+def qwen25_omni_audio(seed: int = 0):
+    """A tiny Qwen2.5-Omni audio tower (transformers' Qwen2_5OmniAudioEncoder): width 48,
+    3 blocks, output 64, the released n_window of 100 (200-frame chunks)."""
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniAudioEncoderConfig
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+    cfg = Qwen2_5OmniAudioEncoderConfig(num_mel_bins=128, encoder_layers=3, encoder_attention_heads=4,
+                                        encoder_ffn_dim=96, d_model=48, output_dim=64, n_window=100,
+                                        max_source_positions=1500)
+    cfg._attn_implementation = "eager"
+    enc = _randomize(Qwen2_5OmniAudioEncoder(cfg), seed)
+    _round_convs_f16(enc)
+    return enc
+
+
+def qwen25_omni_rows(enc, samples: np.ndarray) -> np.ndarray:
+    """The tower on the clip's own frames, as Qwen2.5-Omni's get_audio_features feeds it
+    (its processor's 30 s padded features, then only the frames the mask keeps)."""
+    from transformers import WhisperFeatureExtractor
+
+    fe = WhisperFeatureExtractor(feature_size=128)
+    n_max = max(30 * 16000, len(samples))
+    f = fe(samples, sampling_rate=16000, return_attention_mask=True, padding="max_length", max_length=n_max,
+           truncation=False, return_tensors="pt")
+    n = int(f["attention_mask"].sum())
+    with torch.no_grad():
+        return enc(f["input_features"][0, :, :n], feature_lens=torch.tensor([n])).last_hidden_state.numpy()
+
+
+def write_qwen25_omni(enc, path):
+    # The converter writes the sinusoid table (its formula is the module's buffer) as positions.
+    pos = {"a.position_embd.weight": enc.positional_embedding.positional_embedding.detach().float().numpy()}
+    return write_mmproj(path, enc, pos, "qwen2.5o", None, enc.config.output_dim)
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out, exist_ok=True)
@@ -279,3 +313,4 @@ if __name__ == "__main__":
     write_voxtral(voxtral(), os.path.join(out, "mmproj-voxtral-tiny.gguf"))
     write_ultravox(ultravox(), os.path.join(out, "mmproj-ultravox-tiny.gguf"))
     write_whisper(whisper_encoder(), os.path.join(out, "mmproj-whisper-tiny.gguf"))
+    write_qwen25_omni(qwen25_omni_audio(), os.path.join(out, "mmproj-qwen2.5o-tiny.gguf"))
