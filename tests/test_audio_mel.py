@@ -80,6 +80,8 @@ def test_accepts_other_dtypes_and_lists():
     ref = d.log_mel(x)
     np.testing.assert_array_equal(d.log_mel(x.astype(np.float64)), ref)
     np.testing.assert_array_equal(d.log_mel(list(x[:1000])), d.log_mel(x[:1000]))
+    with pytest.raises(ValueError):  # int16 PCM must be scaled by the caller
+        d.log_mel((x * 32767).astype(np.int16))
 
 
 @pytest.mark.parametrize("bad,exc", [

@@ -42,8 +42,8 @@ def log_mel(samples, n_mel: int = 80) -> np.ndarray:
 
 def _samples(samples) -> np.ndarray:
     x = np.asarray(samples)
-    if x.dtype.kind not in "fiu":
-        raise ValueError(f"samples must be numbers, got dtype {x.dtype}")
+    if x.dtype.kind != "f":  # int16 PCM passed as-is would be 32768x too loud: say so instead
+        raise ValueError(f"samples must be floating point PCM in [-1, 1] (16 kHz mono), got dtype {x.dtype}")
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
@@ -131,9 +131,12 @@ def encode_audio(embedder: AudioEmbedder, scratch: AudioState, samples, out: np.
     ``out`` is a writable C-contiguous float32 array with room for at least
     ``embedder.n_rows(len(samples)) * embedder.proj_dim`` floats (flat or 2-D); rows are
     written token-major from its start. By default a clip makes as many rows as its
-    family's processor gives (Qwen2-Audio keeps only the clip's rows of the 30 s window:
-    5.3 s -> 132; the others encode whole windows); ``full_window=True`` encodes every
-    30 s window whole, as llama.cpp does (750 rows per window for qwen2a).
+    family's processor gives: Qwen2-Audio keeps only the clip's rows of the 30 s window
+    (5.3 s -> 132) and Qwen2.5-Omni encodes the clip's own frames in 2 s chunks, while
+    Voxtral (375 per window), Ultravox (187, as llama.cpp counts) and whisper (1500)
+    encode whole 30 s windows. ``full_window=True`` encodes whole windows for every family
+    (qwen2a: 750 rows per window, llama.cpp's convention); ``False`` keeps only the clip's
+    frames (stacked families pad their last group with zeros).
     The GIL is released while it runs.
     """
     if not isinstance(embedder, AudioEmbedder):
