@@ -191,3 +191,31 @@ def test_encode_audio_out_contract(built):
         d.encode_audio(tower, st, np.array([np.nan], np.float32), out)
     with pytest.raises(TypeError):
         d.encode_audio(tower, None, x, out)
+
+
+def test_ten_minute_clip(built):
+    # Twenty identical, silence-framed windows: each window's rows equal transformers' on one.
+    m, path = built["qwen2a"]
+    tower = d.load_audio_tower(path)
+    s = np.zeros(30 * SR, np.float32)
+    sp = speak(JFK)
+    s[SR: SR + len(sp)] = sp
+    x = np.tile(s, 20)
+    rows = d.encode_audio_rows(tower, x)
+    assert rows.shape == (20 * 750, 64) and np.isfinite(rows).all()
+    one = A.qwen2_audio_rows(m, s)
+    for w in (0, 7, 19):
+        _close(rows[w * 750:(w + 1) * 750], one, f"window {w}")
+
+
+def test_threads_share_an_embedder(built):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, path = built["voxtral"]
+    emb = d.load_audio_embedder(path)
+    clips = [speak(t) for t in ("One.", "Two and three.", "Four, five, six.", "Seven.")]
+    serial = [d.encode_audio_rows(emb, c) for c in clips]
+    with ThreadPoolExecutor(4) as ex:
+        par = list(ex.map(lambda c: d.encode_audio_rows(emb, c, d.AudioState()), clips))
+    for a, b in zip(serial, par):
+        np.testing.assert_array_equal(a, b)
