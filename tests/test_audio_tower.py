@@ -8,7 +8,7 @@ in 200-frame chunks; Voxtral: get_audio_features over 30 s chunks; whisper: the
 encoder; Ultravox: transformers' WhisperEncoder plus the projector module of
 oracles/audio.py, since transformers has no Ultravox class).
 
-Error bar: 1e-4 of the reference's largest magnitude (observed <= 3e-6 of it). Both sides run
+Error bar: 1e-4 of the reference's largest magnitude (observed <= 7e-6 of it, the 35 s omni clip). Both sides run
 in float32 with the same (f16-rounded) conv kernels; what differs is summation order
 (our matmul / attention kernels vs torch), about 1e-6 relative per op over two blocks,
 and the mel input, which may differ by up to 7e-5 of a unit-scale feature (see
