@@ -88,8 +88,8 @@ def dequant(raw: np.ndarray, name: str) -> np.ndarray:
         return g_dequantize(raw, gtype(name)).astype(np.float64)
 
 
-def matmul(raw, name, k, x, n_threads=1):
-    return _core._matmul(np.ascontiguousarray(raw), int(gtype(name)), k, x, n_threads)
+def matmul(raw, name, k, x, n_threads=1, packed=False):
+    return _core._matmul(np.ascontiguousarray(raw), int(gtype(name)), k, x, n_threads, packed)
 
 
 @pytest.fixture
@@ -107,15 +107,16 @@ def check_against_reference(raw, name, k, x, isas=ISAS, quant_bar=True):
     base = None
     for isa in isas:
         dasllama.set_isa(isa)
-        y = matmul(raw, name, k, x)
-        assert y.shape == ref.shape and y.dtype == np.float32
-        assert np.isfinite(y).all()
-        err = np.abs(y - ref)
-        assert (err <= EXACT_REL * scale + 1e-30).all(), (isa, float((err / np.maximum(scale, 1e-30)).max()))
-        if base is None:
-            base = y
-        else:  # every ISA agrees with the first (baseline) up to reassociation
-            assert (np.abs(y - base) <= EXACT_REL * scale + 1e-30).all(), isa
+        for packed in (False, True):  # the file layout and the layout prepared at load (where the ISA has one)
+            y = matmul(raw, name, k, x, packed=packed)
+            assert y.shape == ref.shape and y.dtype == np.float32
+            assert np.isfinite(y).all()
+            err = np.abs(y - ref)
+            assert (err <= EXACT_REL * scale + 1e-30).all(), (isa, packed, float((err / np.maximum(scale, 1e-30)).max()))
+            if base is None:
+                base = y
+            else:  # every ISA and layout agrees with the first (baseline) up to reassociation
+                assert (np.abs(y - base) <= EXACT_REL * scale + 1e-30).all(), (isa, packed)
     if quant_bar and ref.size >= 64:  # a norm over few outputs is too noisy for a bar
         yf = x.astype(np.float64) @ wd.T
         nerr = np.linalg.norm(base - yf) / np.linalg.norm(yf)
@@ -162,6 +163,26 @@ def test_threads_bitwise_equal(restore_isa):
             y1 = matmul(raw, name, 1536, x, 1)
             for nt in (2, 3, 8):
                 np.testing.assert_array_equal(matmul(raw, name, 1536, x, nt), y1)
+
+
+@pytest.mark.parametrize("name", A8_TYPES + K8_TYPES)
+def test_decode_equals_prefill_bitwise(name, restore_isa):
+    """A token's row is the same bits whether it is decoded alone (the GEMV path) or inside a prefill
+    batch (the tiled path): a prefix-cache hit followed by a short tail must reproduce a cold run."""
+    rng = np.random.default_rng(11)
+    bs = GGML_QUANT_SIZES[gtype(name)][0]
+    for k in (32, 96, 576, 1536, 2048):  # odd block counts and a padded last pair included
+        if k % bs:
+            continue
+        raw = random_weights(rng, name, 13, k)
+        x = rng.standard_normal((20, k)).astype(np.float32)
+        for isa in ISAS:
+            dasllama.set_isa(isa)
+            for packed in (False, True):
+                full = matmul(raw, name, k, x, packed=packed)
+                for n in (1, 2, 3, 4, 5, 8, 9):  # decode, batched decode, and the switch to the tiled path
+                    np.testing.assert_array_equal(matmul(raw, name, k, x[:n], packed=packed), full[:n],
+                                                  err_msg=f"{isa} packed={packed} k={k} n={n}")
 
 
 def test_bad_input_raises():

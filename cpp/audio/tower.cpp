@@ -115,6 +115,11 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, int n_
   }
   e->load_weights();
   e->backend_ = make_cpu_backend(n_threads);
+  // The backend's own layouts where it has them (quantized mmprojs); f16/f32 stay as mapped.
+  for (Weight* w : {&e->conv1_, &e->conv2_, &e->fc_, &e->mm1_, &e->mm2_})
+    if (!w->empty()) e->backend_->prepare(*w);
+  for (EncoderLayer& L : e->layers_)
+    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_up, &L.w_down}) e->backend_->prepare(*w);
   e->mel_ = std::make_unique<MelBank>(e->cfg_.n_mel);
   return e;
 }

@@ -16,6 +16,11 @@ struct Weight {
   const uint8_t* data = nullptr;
   size_t row_bytes = 0;
   std::shared_ptr<std::vector<uint8_t>> owned;  // set when converted at load
+  // The backend's own layout of the same matrix (Backend::prepare), tagged with the kernel
+  // variant it is for; a backend ignores a layout it did not make.
+  std::shared_ptr<void> packed_owner;
+  const uint8_t* packed = nullptr;
+  int packed_for = -1;
   bool empty() const { return data == nullptr; }
 };
 
@@ -61,6 +66,8 @@ class Backend {
   virtual void matmul(const Weight& w, const float* x, int64_t n, float* y) = 0;
   // count weights with the same cols over the same x: ys[i] = x * ws[i]^T (count <= 8).
   virtual void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) = 0;
+  // Lays out a matmul weight the way this backend reads it fastest (once, at load). Optional.
+  virtual void prepare(Weight& w) { (void)w; }
   // Rows of embedding table w for ids, dequantized to f32.
   virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
   // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.

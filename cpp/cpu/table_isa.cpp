@@ -13,6 +13,8 @@ void fill_table(KernelTable& t) {
   t.attn_block = &attn_block;
   t.glu_f32 = &glu_f32;
   t.attn_block_scratch = &attn_block_scratch;
+  t.pack_bytes = &pack_bytes;
+  t.pack_rows = &pack_rows;
 }
 
 }  // namespace dl::cpu::DL_ISA

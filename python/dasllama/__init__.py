@@ -55,6 +55,45 @@ from .llm import (
     stream_generate,
 )
 
+from . import chat
+from .chat import (
+    ChatSession,
+    LlmCaps,
+    TemplateError,
+    ThinkSplit,
+    ThinkStream,
+    ToolCall,
+    ToolReply,
+    add_assistant,
+    add_assistant_calls,
+    add_tool_results,
+    add_user,
+    caps,
+    create_chat,
+    create_chat_renderer,
+    default_template,
+    effective_stop_ids,
+    load_transcript,
+    make_think_stream,
+    parse_calls,
+    render_assistant,
+    render_assistant_calls,
+    render_close,
+    render_messages,
+    render_prompt,
+    render_turn,
+    reset,
+    respond,
+    save_transcript,
+    set_thinking,
+    set_tools,
+    split_reasoning,
+    stream_respond,
+    think_drain,
+    think_feed,
+    think_finish,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -63,6 +102,12 @@ __all__ = [
     "piece", "sample", "set_seed", "stats", "stream_generate",
     "AudioEmbedder", "AudioState", "AudioTower", "audio_probe_proj_dim", "audio_tower_probe_proj_dim",
     "encode_audio", "encode_audio_rows", "load_audio_embedder", "load_audio_tower", "log_mel",
+    "chat", "ChatSession", "LlmCaps", "TemplateError", "ThinkSplit", "ThinkStream", "ToolCall", "ToolReply",
+    "add_assistant", "add_assistant_calls", "add_tool_results", "add_user", "caps", "create_chat",
+    "create_chat_renderer", "default_template", "effective_stop_ids", "load_transcript", "make_think_stream", "parse_calls",
+    "render_assistant", "render_assistant_calls", "render_close", "render_messages", "render_prompt", "render_turn", "reset", "respond",
+    "save_transcript", "set_thinking", "set_tools", "split_reasoning", "stream_respond", "think_drain",
+    "think_feed", "think_finish",
     "ContextOverflowError",
     "DasllamaError",
     "GGUFError",
