@@ -162,6 +162,12 @@ def test_probes_and_summaries(built, tmp_path):
     assert d.audio_tower_probe_proj_dim(tmp_path / "lm.gguf") == 0
     with pytest.raises(d.UnsupportedModelError):
         d.load_audio_embedder(tmp_path / "lm.gguf")
+    # A vision-only file of a family that also hears: no audio tower, so 0 as well.
+    w = gguf.GGUFWriter(str(tmp_path / "vision.gguf"), "clip")
+    w.add_string("clip.projector_type", "qwen2.5o")
+    w.add_tensor("v.patch_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert d.audio_probe_proj_dim(tmp_path / "vision.gguf") == 0
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     with pytest.raises(d.GGUFError):
         d.audio_probe_proj_dim(tmp_path / "junk.gguf")

@@ -98,6 +98,10 @@ std::string AudioEncoder::probe_family(const gguf::File& f) {
   if (f.find("clip.audio.projector_type")) t = f.get_string("clip.audio.projector_type");
   else if (f.find("clip.projector_type")) t = f.get_string("clip.projector_type");
   if (!t) return "";
+  // A vision-only file of a family that also hears (qwen2.5o) holds no a.* tensors.
+  bool any_audio = false;
+  for (const auto& ti : f.tensors()) any_audio |= ti.name.rfind("a.", 0) == 0;
+  if (!any_audio) return "";
   static const char* known[] = {"qwen2a", "qwen2.5o", "ultravox", "voxtral", "whisper"};
   for (const char* k : known)
     if (*t == k) return *t;
