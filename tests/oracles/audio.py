@@ -34,8 +34,6 @@ def _randomize(m: torch.nn.Module, seed: int) -> torch.nn.Module:
                 p.copy_((1.0 if "norm" in n and n.endswith("weight") else 0.0) + torch.randn_like(p) * 0.1)
             else:
                 p.copy_(torch.randn_like(p) * INIT)
-        for n, b in m.named_buffers():
-            pass
     return m.float().eval()
 
 
