@@ -96,6 +96,11 @@ class Backend {
   virtual void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) = 0;  // each row += b
   virtual void scale(float* y, float s, int64_t n) = 0;
   virtual void softcap(float* y, float cap, int64_t n) = 0;           // y = cap * tanh(y / cap)
+  // y = (x - mean) / sqrt(var + eps) * w + b over rows of dim (w, b may be null); y may alias x.
+  virtual void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim,
+                          float eps) = 0;
+  // y = 0.5 y (1 + erf(y / sqrt 2)) in place: the exact GELU of whisper-class towers.
+  virtual void gelu_erf(float* y, int64_t n) = 0;
   virtual int n_threads() const = 0;
 };
 

@@ -356,6 +356,32 @@ class CpuBackend final : public Backend {
   void softcap(float* y, float cap, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) y[i] = cap * std::tanh(y[i] / cap);
   }
+  void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim,
+                  float eps) override {
+    pool_.parallel_for(n_rows, 8, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const float* xr = x + r * dim;
+        float* yr = y + r * dim;
+        // Two passes in double: the mean first, so the variance does not cancel.
+        double mean = 0, var = 0;
+        for (int64_t i = 0; i < dim; ++i) mean += xr[i];
+        mean /= dim;
+        for (int64_t i = 0; i < dim; ++i) var += ((double)xr[i] - mean) * ((double)xr[i] - mean);
+        const double inv = 1.0 / std::sqrt(var / dim + eps);
+        for (int64_t i = 0; i < dim; ++i) {
+          float v = (float)(((double)xr[i] - mean) * inv);
+          if (w) v *= w[i];
+          if (b) v += b[i];
+          yr[i] = v;
+        }
+      }
+    });
+  }
+  void gelu_erf(float* y, int64_t n) override {
+    pool_.parallel_for(n, 4096, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) y[i] = 0.5f * y[i] * (1.f + std::erf(y[i] * 0.70710678118654752f));
+    });
+  }
 
  private:
   ThreadPool pool_;

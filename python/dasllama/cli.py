@@ -127,6 +127,13 @@ def _cmd_quantize(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    from .convert import convert_ct2_whisper
+
+    print(convert_ct2_whisper(hub.resolve(args.src), args.dst))
+    return 0
+
+
 def _cmd_run(args) -> int:
     import dasllama as d
     from .chat.template import render_prompt
@@ -314,6 +321,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("dst")
     sp.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0 or q4_1")
     sp.set_defaults(func=_cmd_quantize)
+    sp = sub.add_parser("convert", help="a whisper CTranslate2 model's encoder -> whisper-encoder mmproj GGUF")
+    sp.add_argument("src", metavar="DIR|NAME", help="CTranslate2 model directory, or a registry name (whisper-tiny.en)")
+    sp.add_argument("dst")
+    sp.set_defaults(func=_cmd_convert)
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)")
     sp.add_argument("--model", default=None, help="hub name or GGUF path")
     sp.add_argument("--mmproj", default=None, help="audio tower GGUF (llama.cpp mmproj layout)")
