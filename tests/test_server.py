@@ -125,7 +125,7 @@ def test_sse_wire_format(client):
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
 
 
-def test_next_turn_reuses_the_conversation(oai, model):
+def test_next_turn_reuses_the_conversation(oai, model, client):
     msgs = user(QUESTIONS[2])
     r1 = oai.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=12)
     msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content},
@@ -136,7 +136,23 @@ def test_next_turn_reuses_the_conversation(oai, model):
     # Everything up to the second user turn was in a stream's KV already.
     first = d.encode(model, render_prompt(model, msgs), add_special=False, parse_special=True)
     cached = r2.usage.prompt_tokens_details.cached_tokens
-    assert len(first) - 1 <= cached < n
+    page = client.app.state.engine.pool.page_rows
+    assert (len(first) - 1) // page * page <= cached < n and cached % page == 0
+
+
+def test_same_prompt_again_hits_the_prefix_cache(oai, client):
+    msgs = [{"role": "system", "content": "You are terse. " * 8}, {"role": "user", "content": QUESTIONS[3]}]
+    a = oai.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=8)
+    b = oai.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=8)
+    assert b.usage.prompt_tokens_details.cached_tokens > 0
+    assert b.choices[0].message.content == a.choices[0].message.content
+    eng = client.app.state.engine
+    for _ in range(100):  # the engine releases the stream right after the last event
+        st = eng.pool.stats()
+        if st.by_sessions == 0:
+            break
+        time.sleep(0.02)
+    assert st.by_sessions == 0 and st.by_cache > 0 and st.free + st.used == st.total
 
 
 def test_stop_strings_and_length(oai, model):
@@ -180,7 +196,8 @@ def test_models_health_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["object"] == "model"
     text = client.get("/metrics").text
-    for key in ("queue_depth", "active_streams", "tokens_per_second", "cached_tokens_total", "kv_tokens_held"):
+    for key in ("queue_depth", "active_streams", "tokens_per_second", "cached_tokens_total", "cache_hits_total",
+                "kv_pages_total", "kv_pages_free", "kv_pages_cache"):
         assert f"\ndasllama_{key} " in "\n" + text
 
 

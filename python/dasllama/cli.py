@@ -279,7 +279,7 @@ def _cmd_serve(args) -> int:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     serve(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port, mmproj=args.mmproj, streams=args.streams,
           ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
-          kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads,
+          kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages,
           chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None)
     return 0
 
@@ -335,6 +335,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk", type=int, default=256, help="prefill chunk: the most a new request delays others")
     sp.add_argument("--queue", type=int, default=0, help="waiting requests before 503 (0: 4 x streams)")
     sp.add_argument("--kv-dtype", choices=["f32", "f16", "q8_0"], default="f16")
+    sp.add_argument("--cache-pages", type=int, default=0,
+                    help="KV pages the prefix cache may keep across requests (0: the streams' contexts)")
     sp.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
     sp.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the model's")
     sp.add_argument("--threads", type=int, default=0)

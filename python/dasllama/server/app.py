@@ -82,7 +82,7 @@ def _error(e: APIError) -> JSONResponse:
 
 def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj: Optional[str] = None,
                streams: int = 4, ctx: int = 0, api_key: Optional[str] = None, chunk: int = 256,
-               max_queue: int = 0, kv_dtype: KVDtype = KVDtype.f16, n_threads: int = 0,
+               max_queue: int = 0, kv_dtype: KVDtype = KVDtype.f16, n_threads: int = 0, cache_pages: int = 0,
                model_name: Optional[str] = None, limits: Optional[Limits] = None,
                chat_template: Optional[str] = None) -> Starlette:
     """An ASGI app serving ``model`` (a hub name, a GGUF path or a loaded :class:`~dasllama.Model`).
@@ -96,7 +96,8 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
         raise NotImplementedError("audio towers (mmproj) are not served by this build yet")
     name = model_name or (model if isinstance(model, str) else m.path.rsplit("/", 1)[-1])
     lim = limits or Limits()
-    engine = Engine(m, streams=streams, n_ctx=ctx, kv_dtype=kv_dtype, chunk=chunk, max_queue=max_queue).start()
+    engine = Engine(m, streams=streams, n_ctx=ctx, kv_dtype=kv_dtype, chunk=chunk, max_queue=max_queue,
+                    cache_pages=cache_pages).start()
     chats = _Chats(m, chat_template)
     created = int(time.time())
 
@@ -301,8 +302,11 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
                 ("cached_tokens_total", "counter", "prompt tokens served from the KV without prefill"),
                 ("generated_tokens_total", "counter", "tokens generated"),
                 ("tokens_per_second", "gauge", "tokens generated per second over the last 10 s"),
-                ("kv_tokens_held", "gauge", "KV positions held by the streams"),
-                ("kv_tokens_total", "gauge", "KV positions of all streams")):
+                ("cache_hits_total", "counter", "requests that attached a cached prefix"),
+                ("kv_pages_total", "gauge", "pages of the KV pool"),
+                ("kv_pages_free", "gauge", "free pages of the KV pool"),
+                ("kv_pages_sessions", "gauge", "pages held by running streams"),
+                ("kv_pages_cache", "gauge", "pages held by the prefix cache")):
             lines += [f"# HELP dasllama_{key} {help_}", f"# TYPE dasllama_{key} {kind_}", f"dasllama_{key} {x[key]}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
