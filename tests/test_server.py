@@ -295,8 +295,14 @@ _keys = st.sampled_from(["messages", "max_tokens", "temperature", "top_p", "top_
                          "stream", "tools", "n", "chat_template_kwargs", "enable_thinking", "prompt", "input"])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=st.dictionaries(_keys, _json, max_size=5),
+@settings(max_examples=int(os.environ.get("DL_FUZZ_N", "60")), deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(
+    st.dictionaries(_keys, _json, max_size=5),
+    # A valid request with fields replaced by random JSON: reaches the template and the engine.
+    st.tuples(st.text(max_size=40), st.dictionaries(_keys.filter(lambda k: k not in ("messages", "prompt", "input")),
+                                                    _json, max_size=4))
+    .map(lambda t: {"messages": [{"role": "user", "content": t[0]}], "prompt": t[0], "input": t[0] or "x",
+                    "max_tokens": 3, **t[1]})),
        path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]))
 def test_fuzz_bodies_never_break_the_server(client, body, path):
     if isinstance(body.get("max_tokens"), int) and not isinstance(body.get("max_tokens"), bool):
