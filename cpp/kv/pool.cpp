@@ -1,6 +1,7 @@
 // The paged KV pool (page allocation, refcounts, statistics) and block tables.
 #include "kv/pool.h"
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -77,8 +78,14 @@ std::vector<int32_t> KVPool::alloc_locked(int64_t n) {
                              std::to_string(free_count_locked()) + " free of " + std::to_string(max_pages_) +
                              " (" + std::to_string(page_rows_) + " rows each)");
   out.reserve((size_t)n);
-  refs_.reserve(refs_.size() + (size_t)n);  // the only allocation: before any page changes hands
-  in_cache_.reserve(refs_.size() + (size_t)n);
+  // The only allocations, made before any page changes hands; free_ never outgrows
+  // refs_, so giving a page back (decref) never allocates.
+  if (refs_.capacity() < refs_.size() + (size_t)n) {
+    const size_t cap = std::max(refs_.size() + (size_t)n, 2 * refs_.capacity());
+    refs_.reserve(cap);
+    in_cache_.reserve(cap);
+    free_.reserve(cap);
+  }
   while ((int64_t)out.size() < n) {
     int32_t id;
     if (!free_.empty()) {
