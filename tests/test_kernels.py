@@ -88,8 +88,8 @@ def dequant(raw: np.ndarray, name: str) -> np.ndarray:
         return g_dequantize(raw, gtype(name)).astype(np.float64)
 
 
-def matmul(raw, name, k, x, n_threads=1):
-    return _core._matmul(np.ascontiguousarray(raw), int(gtype(name)), k, x, n_threads)
+def matmul(raw, name, k, x, n_threads=1, packed=False):
+    return _core._matmul(np.ascontiguousarray(raw), int(gtype(name)), k, x, n_threads, packed)
 
 
 @pytest.fixture
@@ -107,15 +107,16 @@ def check_against_reference(raw, name, k, x, isas=ISAS, quant_bar=True):
     base = None
     for isa in isas:
         dasllama.set_isa(isa)
-        y = matmul(raw, name, k, x)
-        assert y.shape == ref.shape and y.dtype == np.float32
-        assert np.isfinite(y).all()
-        err = np.abs(y - ref)
-        assert (err <= EXACT_REL * scale + 1e-30).all(), (isa, float((err / np.maximum(scale, 1e-30)).max()))
-        if base is None:
-            base = y
-        else:  # every ISA agrees with the first (baseline) up to reassociation
-            assert (np.abs(y - base) <= EXACT_REL * scale + 1e-30).all(), isa
+        for packed in (False, True):  # the file layout and the layout prepared at load (where the ISA has one)
+            y = matmul(raw, name, k, x, packed=packed)
+            assert y.shape == ref.shape and y.dtype == np.float32
+            assert np.isfinite(y).all()
+            err = np.abs(y - ref)
+            assert (err <= EXACT_REL * scale + 1e-30).all(), (isa, packed, float((err / np.maximum(scale, 1e-30)).max()))
+            if base is None:
+                base = y
+            else:  # every ISA and layout agrees with the first (baseline) up to reassociation
+                assert (np.abs(y - base) <= EXACT_REL * scale + 1e-30).all(), (isa, packed)
     if quant_bar and ref.size >= 64:  # a norm over few outputs is too noisy for a bar
         yf = x.astype(np.float64) @ wd.T
         nerr = np.linalg.norm(base - yf) / np.linalg.norm(yf)
@@ -174,12 +175,14 @@ def test_decode_equals_prefill_bitwise(name, restore_isa):
         if k % bs:
             continue
         raw = random_weights(rng, name, 13, k)
-        x = rng.standard_normal((9, k)).astype(np.float32)
+        x = rng.standard_normal((20, k)).astype(np.float32)
         for isa in ISAS:
             dasllama.set_isa(isa)
-            full = matmul(raw, name, k, x)
-            for n in (1, 2, 3):
-                np.testing.assert_array_equal(matmul(raw, name, k, x[:n]), full[:n], err_msg=f"{isa} k={k} n={n}")
+            for packed in (False, True):
+                full = matmul(raw, name, k, x, packed=packed)
+                for n in (1, 2, 3, 4, 5, 8, 9):  # decode, batched decode, and the switch to the tiled path
+                    np.testing.assert_array_equal(matmul(raw, name, k, x[:n], packed=packed), full[:n],
+                                                  err_msg=f"{isa} packed={packed} k={k} n={n}")
 
 
 def test_bad_input_raises():

@@ -238,3 +238,28 @@ def test_every_isa_matches_transformers(smollm2_ref, isa):
     finally:
         d.set_isa(before)
     assert np.abs(a - _hf_logits(hf, ids)).max() < FP32_BAR
+
+
+def test_generate_stop_ids_and_special_pieces(smollm2_path):
+    """stop_ids replaces the end-of-generation set; special streams control tokens as their text."""
+    m = d.load_model(smollm2_path)
+    prompt = d.encode(m, "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", add_special=False,
+                      parse_special=True)
+    im_end = d.encode(m, "<|im_end|>", add_special=False, parse_special=True)[0]
+    assert im_end in m._m.eog_ids
+
+    def run(**kw):
+        s = d.create_session(m)
+        got = []
+        d.generate(m, s, prompt, d.SamplingParams(), 40, lambda i, p: got.append((i, p)), **kw)
+        return got
+
+    plain = run()
+    assert plain and all(i != im_end for i, _ in plain)  # stopped at <|im_end|>, not emitted
+    through = run(stop_ids=[], special=True)  # nothing stops it: it runs past its turn end
+    ids = [i for i, _ in through]
+    assert ids[:len(plain)] == [i for i, _ in plain] and len(through) == 40
+    if im_end in ids:
+        assert dict(through)[im_end] == "<|im_end|>"
+    first = plain[0][0]
+    assert run(stop_ids=[first]) == []  # a stop id is never emitted

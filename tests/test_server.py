@@ -125,7 +125,7 @@ def test_sse_wire_format(client):
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
 
 
-def test_next_turn_reuses_the_conversation(oai, model):
+def test_next_turn_reuses_the_conversation(oai, model, client):
     msgs = user(QUESTIONS[2])
     r1 = oai.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=12)
     msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content},
@@ -136,7 +136,23 @@ def test_next_turn_reuses_the_conversation(oai, model):
     # Everything up to the second user turn was in a stream's KV already.
     first = d.encode(model, render_prompt(model, msgs), add_special=False, parse_special=True)
     cached = r2.usage.prompt_tokens_details.cached_tokens
-    assert len(first) - 1 <= cached < n
+    page = client.app.state.engine.pool.page_rows
+    assert (len(first) - 1) // page * page <= cached < n and cached % page == 0
+
+
+def test_same_prompt_again_hits_the_prefix_cache(oai, client):
+    msgs = [{"role": "system", "content": "You are terse. " * 8}, {"role": "user", "content": QUESTIONS[3]}]
+    a = oai.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=8)
+    b = oai.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=8)
+    assert b.usage.prompt_tokens_details.cached_tokens > 0
+    assert b.choices[0].message.content == a.choices[0].message.content
+    eng = client.app.state.engine
+    for _ in range(100):  # the engine releases the stream right after the last event
+        st = eng.pool.stats()
+        if st.by_sessions == 0:
+            break
+        time.sleep(0.02)
+    assert st.by_sessions == 0 and st.by_cache > 0 and st.free + st.used == st.total
 
 
 def test_stop_strings_and_length(oai, model):
@@ -180,7 +196,8 @@ def test_models_health_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["object"] == "model"
     text = client.get("/metrics").text
-    for key in ("queue_depth", "active_streams", "tokens_per_second", "cached_tokens_total", "kv_tokens_held"):
+    for key in ("queue_depth", "active_streams", "tokens_per_second", "cached_tokens_total", "cache_hits_total",
+                "kv_pages_total", "kv_pages_free", "kv_pages_cache"):
         assert f"\ndasllama_{key} " in "\n" + text
 
 
@@ -312,3 +329,114 @@ def test_serve_command_over_http(smollm2_path):
     finally:
         p.terminate()
         p.wait(timeout=30)
+
+
+# ---- chat layer behind the server: templates with tools and thinking, reply shaping ----------------------
+
+from chat_templates import QWEN3  # noqa: E402
+
+from dasllama.server.engine import Finish  # noqa: E402
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def qwen_app(model):
+    app = create_app(model, streams=1, ctx=1024, chat_template=QWEN3)
+    with TestClient(app) as c:
+        yield app, c, openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=c, max_retries=0)
+    app.state.engine.stop()
+
+
+def test_tool_conversation_prompt_matches_transformers(qwen_app, smollm2_path):
+    """OpenAI-shaped history (arguments as JSON text, tool results) renders as transformers renders it."""
+    from transformers import AutoTokenizer
+
+    _, _, cl = qwen_app
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    wire = [{"role": "system", "content": "You help with weather."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}]
+    hf_msgs = [dict(wire[0]), dict(wire[1]),
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+               dict(wire[3])]
+    want = tok.apply_chat_template(hf_msgs, tools=[WEATHER], chat_template=QWEN3, add_generation_prompt=True,
+                                   tokenize=True, enable_thinking=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    r = cl.chat.completions.create(model="m", messages=wire, tools=[WEATHER], max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == len(want)
+
+
+def _scripted(app, text):
+    """Replace generation by ``text`` in 3-character pieces: the HTTP layer's shaping on a known reply."""
+    def submit(job):
+        def run():
+            for i in range(0, len(text), 3):
+                job.on_event("text", text[i:i + 3])
+            job.on_event("done", Finish("stop", len(job.prompt), 0, len(text)))
+        threading.Thread(target=run).start()
+
+    real = app.state.engine.submit
+    app.state.engine.submit = submit
+    return real
+
+
+# A Qwen3 reply in the format of Qwen's function-calling docs.
+QWEN_CALL = ('<think>\nThe user wants weather; call the tool.\n</think>\n\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_and_reasoning_reach_the_sdk(qwen_app, stream):
+    app, _, cl = qwen_app
+    real = _scripted(app, QWEN_CALL)
+    try:
+        kw = dict(model="m", messages=user("Weather in Paris?"), tools=[WEATHER])
+        if not stream:
+            r = cl.chat.completions.create(**kw)
+            msg, finish = r.choices[0].message, r.choices[0].finish_reason
+            calls, reasoning, content = msg.tool_calls, msg.model_extra.get("reasoning_content"), msg.content
+        else:
+            calls, reasoning, content, finish = [], "", "", None
+            for ch in cl.chat.completions.create(stream=True, **kw):
+                dl = ch.choices[0].delta
+                reasoning += (dl.model_extra or {}).get("reasoning_content") or ""
+                content += dl.content or ""
+                calls += dl.tool_calls or []
+                finish = ch.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert len(calls) == 1 and calls[0].function.name == "get_weather"
+        assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+        assert reasoning.strip() == "The user wants weather; call the tool."
+        assert not (content or "").strip()
+    finally:
+        app.state.engine.submit = real
+
+
+def test_reasoning_split_without_tools(qwen_app):
+    app, _, cl = qwen_app
+    real = _scripted(app, "<think>\nShort.\n</think>\n\nParis.")
+    try:
+        r = cl.chat.completions.create(model="m", messages=user("Capital of France?"))
+        assert r.choices[0].message.content == "Paris."
+        assert r.choices[0].message.model_extra["reasoning_content"] == "Short."
+        assert r.choices[0].finish_reason == "stop"
+    finally:
+        app.state.engine.submit = real
+
+
+def test_malformed_call_text_is_content(qwen_app):
+    app, _, cl = qwen_app
+    real = _scripted(app, '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>')
+    try:
+        r = cl.chat.completions.create(model="m", messages=user("Weather?"), tools=[WEATHER])
+        assert not r.choices[0].message.tool_calls and "get_weather" in r.choices[0].message.content
+    finally:
+        app.state.engine.submit = real

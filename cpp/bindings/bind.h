@@ -12,4 +12,5 @@ void bind_tokenizer(py::module_& m);
 void bind_model(py::module_& m);
 void bind_kernels(py::module_& m);
 void bind_kv(py::module_& m);
+void bind_audio(py::module_& m);
 }  // namespace dl::py_bind

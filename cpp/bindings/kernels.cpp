@@ -27,7 +27,7 @@ std::unique_ptr<ThreadPool> g_pool;
 void bind_kernels(py::module_& m) {
   m.def(
       "_matmul",
-      [](const py::array& w, uint32_t wtype, int64_t k, const py::array& x_in, int n_threads) {
+      [](const py::array& w, uint32_t wtype, int64_t k, const py::array& x_in, int n_threads, bool packed) {
         const TypeTraits* tt = type_traits(wtype);
         if (!tt) throw py::value_error("_matmul: unknown ggml type id " + std::to_string(wtype));
         const cpu::KernelTable& kt = cpu::kernels();
@@ -64,6 +64,17 @@ void bind_kernels(py::module_& m) {
         a.n_tok = n_tok;
         a.y = y.mutable_data();
         a.y_stride = rows;
+        a.rows = rows;
+        // packed: the matrix in the active ISA's load-time layout, as the backend prepares weights.
+        std::unique_ptr<uint8_t, FreeDeleter> pack;
+        const size_t pack_n = packed ? kt.pack_bytes(wtype, rows, k) : 0;
+        if (pack_n) {
+          pack.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (pack_n + 63) / 64 * 64)));
+          if (!pack) throw std::bad_alloc();
+          kt.pack_rows(wtype, a.w, a.w_row_bytes, rows, k, 0, (rows + cpu::kPackRowAlign - 1) / cpu::kPackRowAlign,
+                       pack.get());
+          a.wpack = pack.get();
+        }
         const float* xs = x.data();
         {
           py::gil_scoped_release nogil;
@@ -77,20 +88,21 @@ void bind_kernels(py::module_& m) {
                 for (int64_t t = ith; t < n_tok; t += nth) kt.quantize_act(at, xs + t * k, act.get() + t * arb, k);
               },
               n_threads);
-          // Row ranges in multiples of 4 (the kernels' row tile), as even as possible.
-          const int64_t tiles = (rows + 3) / 4;
+          // Row ranges in multiples of 16 (row tiles and packed groups), as even as possible.
+          const int64_t A = cpu::kPackRowAlign, tiles = (rows + A - 1) / A;
           g_pool->run(
               [&](int ith, int nth) {
-                const int64_t r0 = std::min(rows, tiles * ith / nth * 4);
-                const int64_t r1 = std::min(rows, tiles * (ith + 1) / nth * 4);
+                const int64_t r0 = std::min(rows, tiles * ith / nth * A);
+                const int64_t r1 = std::min(rows, tiles * (ith + 1) / nth * A);
                 kt.matmul_rows(a, r0, r1);
               },
               n_threads);
         }
         return y;
       },
-      py::arg("w"), py::arg("wtype"), py::arg("k"), py::arg("x"), py::arg("n_threads") = 1,
-      "y[n_tok, rows] = x @ W.T with W the raw rows of a ggml type, through the active ISA's kernels.");
+      py::arg("w"), py::arg("wtype"), py::arg("k"), py::arg("x"), py::arg("n_threads") = 1, py::arg("packed") = false,
+      "y[n_tok, rows] = x @ W.T with W the raw rows of a ggml type, through the active ISA's kernels "
+      "(packed=True: through the layout the backend prepares at load, where the ISA has one).");
 }
 
 }  // namespace dl::py_bind

@@ -4,6 +4,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "bindings/bind.h"
 #include "core/errors.h"
 #include "kv/pool.h"
@@ -228,8 +230,10 @@ void bind_model(py::module_& m) {
   });
   m.def("generate",
         [](Session& s, const std::vector<int64_t>& prompt, py::object params, int64_t max_tokens,
-           std::function<bool(int32_t, py::bytes)> cb) {
+           std::function<bool(int32_t, py::bytes)> cb, std::optional<std::vector<int64_t>> stop_ids, bool special) {
           auto v = ids_from(s.model(), prompt);
+          std::vector<int32_t> stops;
+          if (stop_ids) stops = ids_from(s.model(), *stop_ids);
           SamplingParams p = params_from(params);
           TokenCallback tc;
           if (cb) {
@@ -239,9 +243,10 @@ void bind_model(py::module_& m) {
             };
           }
           py::gil_scoped_release rel;
-          return generate(s.model(), s, v, nullptr, 0, p, max_tokens, tc);
+          return generate(s.model(), s, v, nullptr, 0, p, max_tokens, tc, stop_ids ? &stops : nullptr, special);
         },
-        py::arg("session"), py::arg("prompt"), py::arg("params"), py::arg("max_tokens"), py::arg("callback"));
+        py::arg("session"), py::arg("prompt"), py::arg("params"), py::arg("max_tokens"), py::arg("callback"),
+        py::arg("stop_ids") = py::none(), py::arg("special") = false);
 }
 
 }  // namespace dl::py_bind

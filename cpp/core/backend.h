@@ -16,6 +16,11 @@ struct Weight {
   const uint8_t* data = nullptr;
   size_t row_bytes = 0;
   std::shared_ptr<std::vector<uint8_t>> owned;  // set when converted at load
+  // The backend's own layout of the same matrix (Backend::prepare), tagged with the kernel
+  // variant it is for; a backend ignores a layout it did not make.
+  std::shared_ptr<void> packed_owner;
+  const uint8_t* packed = nullptr;
+  int packed_for = -1;
   bool empty() const { return data == nullptr; }
 };
 
@@ -66,6 +71,8 @@ class Backend {
   virtual void matmul(const Weight& w, const float* x, int64_t n, float* y) = 0;
   // count weights with the same cols over the same x: ys[i] = x * ws[i]^T (count <= 8).
   virtual void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) = 0;
+  // Lays out a matmul weight the way this backend reads it fastest (once, at load). Optional.
+  virtual void prepare(Weight& w) { (void)w; }
   // Rows of embedding table w for ids, dequantized to f32.
   virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
   // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.
@@ -89,6 +96,11 @@ class Backend {
   virtual void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) = 0;  // each row += b
   virtual void scale(float* y, float s, int64_t n) = 0;
   virtual void softcap(float* y, float cap, int64_t n) = 0;           // y = cap * tanh(y / cap)
+  // y = (x - mean) / sqrt(var + eps) * w + b over rows of dim (w, b may be null); y may alias x.
+  virtual void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim,
+                          float eps) = 0;
+  // y = 0.5 y (1 + erf(y / sqrt 2)) in place: the exact GELU of whisper-class towers.
+  virtual void gelu_erf(float* y, int64_t n) = 0;
   virtual int n_threads() const = 0;
 };
 

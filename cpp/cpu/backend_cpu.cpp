@@ -1,7 +1,10 @@
 // The CPU backend: the op interface on the per-ISA kernel table and a thread pool.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -78,7 +81,8 @@ class CpuBackend final : public Backend {
     // 16 per thread, so a big matrix is not cut into thousands of counter grabs.
     int64_t total_rows = 0;
     for (int i = 0; i < same; ++i) total_rows += grp[i]->rows;
-    const int64_t chunk = std::max<int64_t>(16, total_rows / (16 * pool_.size()) / 4 * 4);
+    // Multiples of 16: the kernels' 4-row tiles and the packed layouts' 16-row groups.
+    const int64_t chunk = std::max<int64_t>(cpu::kPackRowAlign, total_rows / (16 * pool_.size()) / 16 * 16);
     int64_t first[9];
     cpu::MatmulArgs args[8];
     first[0] = 0;
@@ -94,6 +98,8 @@ class CpuBackend final : public Backend {
       a.n_tok = n;
       a.y = gy[i];
       a.y_stride = w.rows;
+      a.rows = w.rows;
+      a.wpack = (w.packed != nullptr && w.packed_for == (int)kt.isa) ? w.packed : nullptr;
       first[i + 1] = first[i] + (w.rows + chunk - 1) / chunk;
     }
     pool_.parallel_for(first[same], 1, [&](int64_t lo, int64_t hi) {
@@ -104,6 +110,27 @@ class CpuBackend final : public Backend {
         kt.matmul_rows(args[i], r0, std::min(grp[i]->rows, r0 + chunk));
       }
     });
+  }
+
+  void prepare(Weight& w) override {
+    // DASLLAMA_NO_PACK=1 keeps file layouts (A/B benchmarks of the packed kernels).
+    static const bool off = [] {
+      const char* e = std::getenv("DASLLAMA_NO_PACK");
+      return e != nullptr && *e != '\0' && *e != '0';
+    }();
+    const cpu::KernelTable& kt = cpu::kernels();
+    const size_t n = off ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
+    if (n == 0) return;
+    void* p = std::aligned_alloc(64, (n + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    std::shared_ptr<void> owner(p, std::free);
+    const int64_t groups = (w.rows + cpu::kPackRowAlign - 1) / cpu::kPackRowAlign;
+    pool_.parallel_for(groups, 64, [&](int64_t lo, int64_t hi) {
+      kt.pack_rows(w.type, w.data, w.row_bytes, w.rows, w.cols, lo, hi, p);
+    });
+    w.packed_owner = std::move(owner);
+    w.packed = static_cast<const uint8_t*>(p);
+    w.packed_for = (int)kt.isa;
   }
 
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
@@ -334,6 +361,32 @@ class CpuBackend final : public Backend {
   }
   void softcap(float* y, float cap, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) y[i] = cap * std::tanh(y[i] / cap);
+  }
+  void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim,
+                  float eps) override {
+    pool_.parallel_for(n_rows, 8, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const float* xr = x + r * dim;
+        float* yr = y + r * dim;
+        // Two passes in double: the mean first, so the variance does not cancel.
+        double mean = 0, var = 0;
+        for (int64_t i = 0; i < dim; ++i) mean += xr[i];
+        mean /= dim;
+        for (int64_t i = 0; i < dim; ++i) var += ((double)xr[i] - mean) * ((double)xr[i] - mean);
+        const double inv = 1.0 / std::sqrt(var / dim + eps);
+        for (int64_t i = 0; i < dim; ++i) {
+          float v = (float)(((double)xr[i] - mean) * inv);
+          if (w) v *= w[i];
+          if (b) v += b[i];
+          yr[i] = v;
+        }
+      }
+    });
+  }
+  void gelu_erf(float* y, int64_t n) override {
+    pool_.parallel_for(n, 4096, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) y[i] = 0.5f * y[i] * (1.f + std::erf(y[i] * 0.70710678118654752f));
+    });
   }
 
  private:

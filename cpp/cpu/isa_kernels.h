@@ -28,4 +28,10 @@ void glu_f32(const float* gate, const float* up, float* out, int64_t n, int act)
 void f16_to_f32(const uint16_t* src, float* dst, int64_t n);
 size_t attn_block_scratch(int64_t n_rows, int group, int head_dim, int64_t n_kv);
 
+// packed_isa.cpp
+size_t pack_bytes(uint32_t wtype, int64_t rows, int64_t k);
+void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, int64_t k, int64_t g0, int64_t g1,
+               void* out);
+bool matmul_packed(const MatmulArgs& a, int64_t r0, int64_t r1);
+
 }  // namespace dl::cpu::DL_ISA

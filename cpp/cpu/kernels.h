@@ -23,6 +23,8 @@ struct MatmulArgs {
   int64_t n_tok = 0;
   float* y = nullptr;
   int64_t y_stride = 0;  // floats between consecutive tokens' outputs
+  int64_t rows = 0;      // rows of the whole matrix
+  const void* wpack = nullptr;  // the same matrix in this ISA's packed layout (pack_rows), or null
 };
 
 // Attention of n_rows query rows (each with `group` heads of head_dim, laid out
@@ -47,6 +49,9 @@ struct AttnBlock {
   float* scratch = nullptr;  // attn_block_scratch(...) floats
 };
 
+// Packed matrices come in groups of this many rows; matmul row ranges start on a group.
+constexpr int64_t kPackRowAlign = 16;
+
 struct KernelTable {
   Isa isa = Isa::baseline;
   // Dequantize n elements (a whole number of blocks) of ggml type `type`.
@@ -61,7 +66,14 @@ struct KernelTable {
   uint32_t (*act_type)(uint32_t wtype) = nullptr;
   void (*quantize_act)(uint32_t act_type, const float* x, void* dst, int64_t n) = nullptr;
   // Rows [r0, r1) of the product; safe to call from several threads on disjoint rows.
+  // With wpack set, r0 is a multiple of kPackRowAlign.
   void (*matmul_rows)(const MatmulArgs& a, int64_t r0, int64_t r1) = nullptr;
+  // Repacked layouts (packed_isa.cpp): bytes of a rows x k matrix of wtype in this ISA's
+  // packed layout (0: none, keep the file layout), and the packing of row groups [g0, g1)
+  // (kPackRowAlign rows each) into out.
+  size_t (*pack_bytes)(uint32_t wtype, int64_t rows, int64_t k) = nullptr;
+  void (*pack_rows)(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, int64_t k, int64_t g0,
+                    int64_t g1, void* out) = nullptr;
 
   // Float helpers for attention and norms.
   float (*dot_f32)(const float* a, const float* b, int64_t n) = nullptr;

@@ -811,14 +811,14 @@ inline U32 ld_q5_0(const block_q5_0* b) {
   return {_mm256_or_si256(nibbles256(b->qs), hb), d, -16.0f * d};
 }
 
-// Rows [r0, r1) against tokens [t0, t0 + T): each block is unpacked in registers
-// once and dotted with all T activation rows (T <= 3: batched decode steps).
+// Rows [r, r + nr) (nr <= R) against tokens [t0, t0 + T): each block is unpacked in
+// registers once and dotted with all T activation rows (decode and batched decode).
 // The arithmetic is tile_a's, operation for operation (two blocks per 512-bit product,
 // the same scale products, offsets folded into the accumulators 16 blocks at a time,
 // one final reduction), so a token computes bit-identically whether it is decoded here
 // or prefilled through the tiled path: a prefix-cache hit then gives a cold run's logits.
-template <class Blk, U32 (*LD)(const Blk*), int T>
-void gemv_t(const MatmulArgs& a, int64_t r0, int64_t r1, int64_t t0) {
+template <class Blk, U32 (*LD)(const Blk*), int R, int T>
+void gemv_rt(const MatmulArgs& a, int64_t r, int nr, int64_t t0, float* mwb, int64_t nbs, size_t pf) {
   const int64_t nb = a.k / 32, kp = act_a8_padded_k(a.k);
   const uint8_t* A[T];
   const float* da[T];
@@ -828,55 +828,72 @@ void gemv_t(const MatmulArgs& a, int64_t r0, int64_t r1, int64_t t0) {
     da[t] = reinterpret_cast<const float*>(A[t] + kp);
     sa[t] = da[t] + kp / 32;
   }
-  constexpr int R = 4;  // rows in flight: R x T independent accumulator chains
-  const int64_t nbs = (nb + 15) / 16 * 16;
-  float* mwb = reinterpret_cast<float*>(tl_row.get((size_t)R * nbs * 4));
-  const size_t pf = std::max<size_t>(2048, 2 * R * a.w_row_bytes);
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i zero = _mm512_setzero_si512();
+  const Blk* w[R];
+  for (int i = 0; i < R; ++i)
+    w[i] = reinterpret_cast<const Blk*>(static_cast<const uint8_t*>(a.w) + (size_t)(r + std::min(i, nr - 1)) * a.w_row_bytes);
+  __m512 acc[R][T];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool two = b + 1 < nb;
+    __m512i qa[T];
+    __m512 dax[T];
+    for (int t = 0; t < T; ++t) {  // activation rows are padded to 64: the pair is always there
+      qa[t] = _mm512_loadu_si512(A[t] + b * 32);
+      const __m128 d2 = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(da[t] + b)));
+      dax[t] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2));
+    }
+    for (int i = 0; i < R; ++i) {
+      // Weights come from DRAM once per step: fetch the same column two groups
+      // of rows ahead (at least 2 KiB) while this group computes.
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(w[i] + b) + pf, _MM_HINT_T0);
+      const U32 u0 = LD(w[i] + b);
+      const U32 u1 = two ? LD(w[i] + b + 1) : U32{_mm256_setzero_si256(), 0.0f, 0.0f};
+      mwb[i * nbs + b] = u0.mw;
+      if (two) mwb[i * nbs + b + 1] = u1.mw;
+      const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0.u), u1.u, 1);
+      const __m512 dw = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(u0.dw), _mm512_set1_ps(u1.dw));
+      for (int t = 0; t < T; ++t) {
+        const __m512i p = _mm512_dpbusd_epi32(zero, u, qa[t]);
+        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, dax[t]), acc[i][t]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < nb; j += 16) {
+    const __mmask16 m = nb - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - j)) - 1);
+    for (int i = 0; i < R; ++i) {
+      const __m512 mw = _mm512_maskz_loadu_ps(m, mwb + i * nbs + j);
+      for (int t = 0; t < T; ++t) acc[i][t] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(m, sa[t] + j), acc[i][t]);
+    }
+  }
+  for (int i = 0; i < nr; ++i)
+    for (int t = 0; t < T; ++t) a.y[(t0 + t) * a.y_stride + r + i] = _mm512_reduce_add_ps(acc[i][t]);
+}
+
+// Tokens up to this count take the register-unpack GEMV; more take the tiled path,
+// whose unpack buffer is then shared by enough tokens to pay for itself.
+constexpr int64_t kGemvMaxTok = 8;
+
+template <class Blk, U32 (*LD)(const Blk*)>
+void gemv_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  constexpr int R = 4;  // rows in flight: R x T independent accumulator chains
+  const int64_t nb = a.k / 32, nbs = (nb + 15) / 16 * 16;
+  float* mwb = reinterpret_cast<float*>(tl_row.get((size_t)R * nbs * 4));
+  const size_t pf = std::max<size_t>(2048, 2 * R * a.w_row_bytes);
   for (int64_t r = r0; r < r1; r += R) {
     const int nr = (int)std::min<int64_t>(R, r1 - r);
-    const Blk* w[R];
-    for (int i = 0; i < R; ++i)
-      w[i] = reinterpret_cast<const Blk*>(static_cast<const uint8_t*>(a.w) +
-                                          (size_t)(r + std::min(i, nr - 1)) * a.w_row_bytes);
-    __m512 acc[R][T];
-    for (int i = 0; i < R; ++i)
-      for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
-      const bool two = b + 1 < nb;
-      __m512i qa[T];
-      __m512 dax[T];
-      for (int t = 0; t < T; ++t) {  // activation rows are padded to 64: the pair is always there
-        qa[t] = _mm512_loadu_si512(A[t] + b * 32);
-        const __m128 d2 = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(da[t] + b)));
-        dax[t] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2));
-      }
-      for (int i = 0; i < R; ++i) {
-        // Weights come from DRAM once per step: fetch the same column two groups
-        // of rows ahead (at least 2 KiB) while this group computes.
-        _mm_prefetch(reinterpret_cast<const char*>(w[i] + b) + pf, _MM_HINT_T0);
-        const U32 u0 = LD(w[i] + b);
-        const U32 u1 = two ? LD(w[i] + b + 1) : U32{_mm256_setzero_si256(), 0.0f, 0.0f};
-        mwb[i * nbs + b] = u0.mw;
-        if (two) mwb[i * nbs + b + 1] = u1.mw;
-        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0.u), u1.u, 1);
-        const __m512 dw = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(u0.dw), _mm512_set1_ps(u1.dw));
-        for (int t = 0; t < T; ++t) {
-          const __m512i p = _mm512_dpbusd_epi32(zero, u, qa[t]);
-          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, dax[t]), acc[i][t]);
-        }
+    // Token chunks inside the row group: the group's weights stay in L1 for the later chunks.
+    for (int64_t t = 0; t < a.n_tok; t += 4) {
+      const size_t p = t == 0 ? pf : 0;
+      switch (std::min<int64_t>(4, a.n_tok - t)) {
+        case 1: gemv_rt<Blk, LD, R, 1>(a, r, nr, t, mwb, nbs, p); break;
+        case 2: gemv_rt<Blk, LD, R, 2>(a, r, nr, t, mwb, nbs, p); break;
+        case 3: gemv_rt<Blk, LD, R, 3>(a, r, nr, t, mwb, nbs, p); break;
+        default: gemv_rt<Blk, LD, R, 4>(a, r, nr, t, mwb, nbs, p); break;
       }
     }
-    for (int64_t j = 0; j < nb; j += 16) {
-      const __mmask16 m = nb - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - j)) - 1);
-      for (int i = 0; i < R; ++i) {
-        const __m512 mw = _mm512_maskz_loadu_ps(m, mwb + i * nbs + j);
-        for (int t = 0; t < T; ++t) acc[i][t] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(m, sa[t] + j), acc[i][t]);
-      }
-    }
-    for (int i = 0; i < nr; ++i)
-      for (int t = 0; t < T; ++t) a.y[(t0 + t) * a.y_stride + r + i] = _mm512_reduce_add_ps(acc[i][t]);
   }
 }
 
@@ -953,16 +970,6 @@ void gemv_q4_K(const MatmulArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
-template <class Blk, U32 (*LD)(const Blk*)>
-void gemv_a(const MatmulArgs& a, int64_t r0, int64_t r1) {
-  for (int64_t t = 0; t < a.n_tok; t += 3) {
-    switch (std::min<int64_t>(3, a.n_tok - t)) {
-      case 1: gemv_t<Blk, LD, 1>(a, r0, r1, t); break;
-      case 2: gemv_t<Blk, LD, 2>(a, r0, r1, t); break;
-      default: gemv_t<Blk, LD, 3>(a, r0, r1, t); break;
-    }
-  }
-}
 #endif
 
 template <class Blk, void (*UP)(const Blk*, uint8_t*, float&, float&), bool Wide = false>
@@ -1035,19 +1042,20 @@ void quantize_act(uint32_t at, const float* x, void* dst, int64_t n) {
 
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   if (r1 <= r0 || a.n_tok <= 0) return;
+  if (a.wpack != nullptr && matmul_packed(a, r0, r1)) return;
 #if defined(__AVX512F__)
-  // Under four tokens (decode) unpack in registers: too few tokens to amortize the
-  // unpack buffer of the tiled path, which wins from four tokens on.
-  if (a.n_tok < 4) {
+  // Decode and batched decode unpack in registers: too few tokens to amortize the
+  // unpack buffer of the tiled path.
+  if (a.n_tok <= kGemvMaxTok) {
     switch ((GGMLType)a.wtype) {
       case GGMLType::Q4_0: return gemv_a<block_q4_0, ld_q4_0>(a, r0, r1);
       case GGMLType::Q4_1: return gemv_a<block_q4_1, ld_q4_1>(a, r0, r1);
       case GGMLType::Q5_0: return gemv_a<block_q5_0, ld_q5_0>(a, r0, r1);
       case GGMLType::Q8_0: return gemv_a<block_q8_0, ld_q8_0>(a, r0, r1);
-      case GGMLType::Q4_K: return gemv_q4_K(a, r0, r1);
       default: break;
     }
   }
+  if (a.n_tok < 4 && (GGMLType)a.wtype == GGMLType::Q4_K) return gemv_q4_K(a, r0, r1);
 #endif
   switch ((GGMLType)a.wtype) {
     case GGMLType::Q4_0: run_a<block_q4_0, up_q4_0>(a, r0, r1); break;

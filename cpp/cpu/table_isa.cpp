@@ -14,6 +14,8 @@ void fill_table(KernelTable& t) {
   t.glu_f32 = &glu_f32;
   t.f16_to_f32 = &f16_to_f32;
   t.attn_block_scratch = &attn_block_scratch;
+  t.pack_bytes = &pack_bytes;
+  t.pack_rows = &pack_rows;
 }
 
 }  // namespace dl::cpu::DL_ISA

@@ -1,5 +1,6 @@
 // The decode loop: prefill, then sample/eval one token at a time, all in C++;
 // only the per-token callback crosses into the caller.
+#include <algorithm>
 #include <chrono>
 
 #include "core/errors.h"
@@ -9,7 +10,8 @@
 namespace dl {
 
 int64_t generate(Model& m, Session& s, const std::vector<int32_t>& prompt, const float* embd, int64_t npos,
-                 const SamplingParams& p, int64_t max_tokens, const TokenCallback& cb) {
+                 const SamplingParams& p, int64_t max_tokens, const TokenCallback& cb,
+                 const std::vector<int32_t>* stop_ids, bool special) {
   using clock = std::chrono::steady_clock;
   const int64_t n_prompt = embd ? npos : (int64_t)prompt.size();
   if (s.n_past() + n_prompt > s.n_ctx())
@@ -30,9 +32,11 @@ int64_t generate(Model& m, Session& s, const std::vector<int32_t>& prompt, const
   while (n < max_tokens) {
     const int32_t id = sample_token(s.logits.data(), m.config().vocab_size, p, s.history, s.rng, s.sample_scratch);
     if (n == 0) t_first = clock::now();
-    if (m.is_eog(id)) break;
+    // The caller's stop set replaces the model's end-of-generation ids (a chat format may need
+    // to stop at its own turn end, or run through an id the model calls end-of-generation).
+    if (stop_ids ? std::find(stop_ids->begin(), stop_ids->end(), id) != stop_ids->end() : m.is_eog(id)) break;
     ++n;
-    std::string piece = holder.push(tok.render(id, false));
+    std::string piece = holder.push(tok.render(id, special));
     if (cb && !cb(id, piece)) break;
     if (s.n_past() >= s.n_ctx()) break;  // the context is full: stop, the session stays usable
     m.forward(s, &id, nullptr, 1, false);

@@ -196,6 +196,7 @@ Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, 
   } else if (is_float_type(w.type) && w.cols % 32 == 0) {
     w = convert(w, mode_ == QuantMode::q4_0 ? (uint32_t)GGMLType::Q4_0 : (uint32_t)GGMLType::Q8_0);
   }
+  backend_->prepare(w);
   return w;
 }
 

@@ -49,10 +49,12 @@ class Model;
 using TokenCallback = std::function<bool(int32_t, const std::string&)>;
 
 // Prefills the prompt (token ids, or npos embedding rows when embd is set) in one
-// eval, then samples up to max_tokens, stopping on an end-of-generation id, a
-// false from the callback, or a full context. Returns the tokens emitted.
+// eval, then samples up to max_tokens, stopping on an end-of-generation id (or one of
+// stop_ids, which then replaces them), a false from the callback, or a full context.
+// special: control tokens stream as their text. Returns the tokens emitted.
 int64_t generate(Model& m, Session& s, const std::vector<int32_t>& prompt, const float* embd, int64_t npos,
-                 const SamplingParams& p, int64_t max_tokens, const TokenCallback& cb);
+                 const SamplingParams& p, int64_t max_tokens, const TokenCallback& cb,
+                 const std::vector<int32_t>* stop_ids = nullptr, bool special = false);
 
 class Model : public std::enable_shared_from_this<Model> {
  public:

@@ -17,6 +17,18 @@ from ._core import (
 from . import quant
 from ._system import get_isa, set_isa, system_info
 from . import hub
+from .audio import (
+    AudioEmbedder,
+    AudioState,
+    AudioTower,
+    audio_probe_proj_dim,
+    audio_tower_probe_proj_dim,
+    encode_audio,
+    encode_audio_rows,
+    load_audio_embedder,
+    load_audio_tower,
+    log_mel,
+)
 from .llm import (
     BatchWorkspace,
     KVDtype,
@@ -59,12 +71,59 @@ from .kv import (
     release_kv_pages,
 )
 
+from . import chat
+from .chat import (
+    ChatSession,
+    LlmCaps,
+    TemplateError,
+    ThinkSplit,
+    ThinkStream,
+    ToolCall,
+    ToolReply,
+    add_assistant,
+    add_assistant_calls,
+    add_tool_results,
+    add_user,
+    caps,
+    create_chat,
+    create_chat_renderer,
+    default_template,
+    effective_stop_ids,
+    load_transcript,
+    make_think_stream,
+    parse_calls,
+    render_assistant,
+    render_assistant_calls,
+    render_close,
+    render_messages,
+    render_prompt,
+    render_turn,
+    reset,
+    respond,
+    save_transcript,
+    set_thinking,
+    set_tools,
+    split_reasoning,
+    stream_respond,
+    think_drain,
+    think_feed,
+    think_finish,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "KVDtype", "Model", "ModelConfig", "QuantMode", "SamplingParams", "Session", "Stats",
     "BatchWorkspace", "create_batch_workspace", "eval_batch", "create_session", "decode", "embed", "encode", "eval", "eval_embd", "generate", "load_model",
     "piece", "sample", "set_seed", "stats", "stream_generate",
+    "AudioEmbedder", "AudioState", "AudioTower", "audio_probe_proj_dim", "audio_tower_probe_proj_dim",
+    "encode_audio", "encode_audio_rows", "load_audio_embedder", "load_audio_tower", "log_mel",
+    "chat", "ChatSession", "LlmCaps", "TemplateError", "ThinkSplit", "ThinkStream", "ToolCall", "ToolReply",
+    "add_assistant", "add_assistant_calls", "add_tool_results", "add_user", "caps", "create_chat",
+    "create_chat_renderer", "default_template", "effective_stop_ids", "load_transcript", "make_think_stream", "parse_calls",
+    "render_assistant", "render_assistant_calls", "render_close", "render_messages", "render_prompt", "render_turn", "reset", "respond",
+    "save_transcript", "set_thinking", "set_tools", "split_reasoning", "stream_respond", "think_drain",
+    "think_feed", "think_finish",
     "KVPool", "PoolStats", "PrefixCache", "PrefixChain", "create_kv_pool", "create_prefix_cache",
     "is_media_position", "media_ids", "prefix_attach", "prefix_chain_list", "prefix_held_groups",
     "prefix_insert", "prefix_release", "release_kv_pages",

@@ -1,4 +1,4 @@
-"""The `dasllama` command line: pull, list, inspect, info."""
+"""The `dasllama` command line: pull, list, inspect, info, run, chat, quantize, serve."""
 from __future__ import annotations
 
 import argparse
@@ -127,6 +127,13 @@ def _cmd_quantize(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    from .convert import convert_ct2_whisper
+
+    print(convert_ct2_whisper(hub.resolve(args.src), args.dst))
+    return 0
+
+
 def _cmd_run(args) -> int:
     import dasllama as d
     from .chat.template import render_prompt
@@ -155,6 +162,110 @@ def _cmd_run(args) -> int:
     return 0
 
 
+_CHAT_HELP = "commands: /reset  /save FILE  /load FILE  /exit  (Ctrl-D leaves)"
+
+
+def _history_file():
+    return hub.home() / "chat_history"
+
+
+def _cmd_chat(args) -> int:
+    import dasllama as d
+
+    model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads)
+    chat = d.create_chat(model, system=args.system, max_new=args.max_tokens)
+    params = d.SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+
+    def reply() -> None:
+        try:
+            for piece in d.stream_respond(model, chat, params):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            sys.stdout.write(" [stopped]")  # the reply so far stays in the transcript
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    if args.question:
+        d.add_user(chat, args.question)
+        reply()
+        return 0
+
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # line editing and history for input()
+
+            try:
+                readline.read_history_file(str(_history_file()))
+            except OSError:
+                pass
+        except ImportError:  # pragma: no cover - Windows without pyreadline
+            readline = None
+        print(f"{model}\n{_CHAT_HELP}")
+    try:
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            cmd, _, arg = text.partition(" ")
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                d.reset(chat)
+                print("(conversation reset)")
+            elif cmd == "/save":
+                if not arg.strip():
+                    print("usage: /save FILE")
+                    continue
+                d.save_transcript(chat, arg.strip())
+                print(f"(saved to {arg.strip()})")
+            elif cmd == "/load":
+                if not arg.strip():
+                    print("usage: /load FILE")
+                    continue
+                try:
+                    d.load_transcript(chat, arg.strip())
+                except (OSError, ValueError) as e:
+                    print(f"(cannot load: {e})")
+                    continue
+                print(f"(loaded {sum(m['role'] == 'user' for m in chat.history)} turns from {arg.strip()})")
+            elif cmd == "/help" or (cmd.startswith("/") and " " not in cmd and len(cmd) > 1):
+                print(_CHAT_HELP)
+            else:
+                d.add_user(chat, line)
+                try:
+                    reply()
+                except d.DasllamaError as e:
+                    chat.pending = []  # the turn failed; the chat stays usable
+                    print(f"(error: {e})")
+    finally:
+        if interactive and readline is not None:
+            try:
+                _history_file().parent.mkdir(parents=True, exist_ok=True)
+                readline.write_history_file(str(_history_file()))
+            except OSError:
+                pass
+    return 0
+
+
+def _add_sampling(sp) -> None:
+    sp.add_argument("--model", default=None, help="hub name or GGUF path")
+    sp.add_argument("--system", default="", help="system prompt")
+    sp.add_argument("--temp", type=float, default=0.0, help="temperature; <= 0 is greedy")
+    sp.add_argument("--top-k", type=int, default=40)
+    sp.add_argument("--top-p", type=float, default=0.95)
+    sp.add_argument("--min-p", type=float, default=0.05)
+    sp.add_argument("--seed", type=int, default=-1)
+    sp.add_argument("--max-tokens", type=int, default=256)
+    sp.add_argument("--threads", type=int, default=0)
+    sp.add_argument("--mode", choices=["fp32", "q8", "q4_0"], default="q8")
+
+
 def _cmd_serve(args) -> int:
     try:
         from .server import serve
@@ -168,7 +279,8 @@ def _cmd_serve(args) -> int:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     serve(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port, mmproj=args.mmproj, streams=args.streams,
           ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
-          kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads)
+          kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages,
+          chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None)
     return 0
 
 
@@ -200,11 +312,19 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--mode", choices=["fp32", "q8", "q4_0"], default="q8")
     sp.add_argument("--stats", action="store_true", help="print timing to stderr")
     sp.set_defaults(func=_cmd_run)
+    sp = sub.add_parser("chat", help="chat with a model: one question, or an interactive session without one")
+    sp.add_argument("question", nargs="?", default=None, help="ask once and exit (no question: interactive)")
+    _add_sampling(sp)
+    sp.set_defaults(func=_cmd_chat)
     sp = sub.add_parser("quantize", help="rewrite a GGUF with its matrices in another block format")
     sp.add_argument("src", metavar="FILE|NAME")
     sp.add_argument("dst")
     sp.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0 or q4_1")
     sp.set_defaults(func=_cmd_quantize)
+    sp = sub.add_parser("convert", help="a whisper CTranslate2 model's encoder -> whisper-encoder mmproj GGUF")
+    sp.add_argument("src", metavar="DIR|NAME", help="CTranslate2 model directory, or a registry name (whisper-tiny.en)")
+    sp.add_argument("dst")
+    sp.set_defaults(func=_cmd_convert)
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)")
     sp.add_argument("--model", default=None, help="hub name or GGUF path")
     sp.add_argument("--mmproj", default=None, help="audio tower GGUF (llama.cpp mmproj layout)")
@@ -215,7 +335,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk", type=int, default=256, help="prefill chunk: the most a new request delays others")
     sp.add_argument("--queue", type=int, default=0, help="waiting requests before 503 (0: 4 x streams)")
     sp.add_argument("--kv-dtype", choices=["f32", "f16", "q8_0"], default="f16")
+    sp.add_argument("--cache-pages", type=int, default=0,
+                    help="KV pages the prefix cache may keep across requests (0: the streams' contexts)")
     sp.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    sp.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the model's")
     sp.add_argument("--threads", type=int, default=0)
     sp.set_defaults(func=_cmd_serve)
     sp = sub.add_parser("info", help="CPU features, kernel ISA and backends")

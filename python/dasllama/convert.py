@@ -69,3 +69,174 @@ def requantize(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], qtype
     w.close()
     os.replace(tmp, dst)
     return dst
+
+
+# ---- whisper encoders from CTranslate2 files -> whisper-encoder mmproj ----------------
+
+_CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}  # 5: bfloat16
+
+
+def _read_ct2(path: Path) -> dict:
+    """The variables of a CTranslate2 model.bin (binary version <= 6) as numpy arrays.
+
+    Layout (ctranslate2/specs/model_spec.py, ModelSpec._serialize): u32 version, string
+    spec name, u32 revision, u32 count, then per variable: string name, u8 rank, u32 dims,
+    u8 dtype, u32 byte count, bytes; strings are u16 length (with a NUL) + bytes.
+    """
+    import struct
+
+    buf = memoryview(path.read_bytes())
+    off = 0
+
+    def take(fmt):
+        nonlocal off
+        size = struct.calcsize(fmt)
+        if off + size > len(buf):
+            raise DasllamaError(f"{path}: truncated CTranslate2 model at byte {off}")
+        v = struct.unpack_from(fmt, buf, off)
+        off += size
+        return v[0]
+
+    def string():
+        nonlocal off
+        n = take("<H")
+        if n == 0 or off + n > len(buf):
+            raise DasllamaError(f"{path}: bad string at byte {off}")
+        s = bytes(buf[off:off + n - 1]).decode("utf-8", "replace")
+        off += n
+        return s
+
+    version = take("<I")
+    if not 1 <= version <= 6:
+        raise DasllamaError(f"{path}: unsupported CTranslate2 binary version {version}")
+    spec = string()
+    take("<I")  # revision
+    out = {"__spec__": spec}
+    for _ in range(take("<I")):
+        name = string()
+        dims = [take("<I") for _ in range(take("<B"))]
+        dtype, nbytes = take("<B"), take("<I")
+        if off + nbytes > len(buf):
+            raise DasllamaError(f"{path}: variable {name} runs past the end of the file")
+        raw = buf[off:off + nbytes]
+        off += nbytes
+        if dtype == 5:  # bfloat16: the high half of a float32
+            a = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif dtype in _CT2_DTYPES:
+            a = np.frombuffer(raw, _CT2_DTYPES[dtype])
+        else:
+            raise DasllamaError(f"{path}: variable {name} has unknown dtype {dtype}")
+        if a.size != int(np.prod(dims)):
+            raise DasllamaError(f"{path}: variable {name} holds {a.size} values for shape {dims}")
+        out[name] = a.reshape(dims)
+    return out
+
+
+def convert_ct2_whisper(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], progress: bool = True) -> Path:
+    """Write ``dst``: the encoder of a CTranslate2 whisper model (directory or model.bin) as a
+    whisper-encoder mmproj in llama.cpp's layout (family ``whisper``, no projector).
+
+    Weights keep their stored precision (f16 stays f16, int8 is dequantized with its
+    per-row scales to f16); norms and biases are f32; the fused QKV splits into
+    attn_q / attn_k / attn_v (whisper's key has no bias: CTranslate2 stores zeros there).
+    """
+    try:
+        import gguf
+    except ImportError as e:
+        raise DasllamaError("converting needs gguf-py: pip install 'dasllama[convert]'") from e
+    src = Path(src)
+    binf = src / "model.bin" if src.is_dir() else src
+    if not binf.is_file():
+        raise FileNotFoundError(f"{binf}: no CTranslate2 model.bin")
+    v = _read_ct2(binf)
+    if v["__spec__"] != "WhisperSpec":
+        raise DasllamaError(f"{binf}: a {v['__spec__']}, not a whisper model")
+
+    def get(name):
+        if f"encoder/{name}" not in v:
+            raise DasllamaError(f"{binf}: missing encoder/{name}")
+        a = v[f"encoder/{name}"]
+        scale = v.get(f"encoder/{name}_scale")
+        if a.dtype == np.int8:  # CTranslate2 int8: w = q / scale, one scale per output row
+            if scale is None:
+                raise DasllamaError(f"{binf}: int8 encoder/{name} without a scale")
+            a = (a.astype(np.float32) / scale.reshape(-1, *([1] * (a.ndim - 1)))).astype(np.float16)
+        return a
+
+    def f32(a):
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    def mat(a):  # stored precision: f16 stays f16, f32 stays f32
+        return np.ascontiguousarray(a if a.dtype in (np.float16, np.float32) else a.astype(np.float32))
+
+    c1w, c2w = get("conv1/weight"), get("conv2/weight")
+    dim, n_mel = c1w.shape[0], c1w.shape[1]
+    heads = int(np.asarray(v.get("encoder/num_heads", 0)).reshape(-1)[0]) if "encoder/num_heads" in v else 0
+    if heads <= 0 or dim % heads:
+        raise DasllamaError(f"{binf}: encoder/num_heads {heads} does not divide width {dim}")
+    n_layers = 0
+    while f"encoder/layer_{n_layers}/self_attention/linear_0/weight" in v:
+        n_layers += 1
+    ffn = get("layer_0/ffn/linear_0/weight").shape[0] if n_layers else 0
+    if n_layers == 0:
+        raise DasllamaError(f"{binf}: no encoder layers")
+
+    dst = Path(dst)
+    tmp = dst.with_name(dst.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_string("general.name", f"whisper encoder from {binf.parent.name}")
+    w.add_bool("clip.has_vision_encoder", False)
+    w.add_bool("clip.has_audio_encoder", True)
+    w.add_string("clip.projector_type", "whisper")
+    w.add_uint32("clip.audio.projection_dim", dim)
+    w.add_uint32("clip.audio.embedding_length", dim)
+    w.add_uint32("clip.audio.feed_forward_length", ffn)
+    w.add_uint32("clip.audio.block_count", n_layers)
+    w.add_uint32("clip.audio.attention.head_count", heads)
+    w.add_uint32("clip.audio.num_mel_bins", n_mel)
+    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+
+    tensors = [
+        ("a.conv1d.1.weight", c1w.astype(np.float16)), ("a.conv1d.1.bias", f32(get("conv1/bias"))[:, None]),
+        ("a.conv1d.2.weight", c2w.astype(np.float16)), ("a.conv1d.2.bias", f32(get("conv2/bias"))[:, None]),
+        ("a.position_embd.weight", f32(get("position_encodings/encodings"))),
+        ("a.post_ln.weight", f32(get("layer_norm/gamma"))), ("a.post_ln.bias", f32(get("layer_norm/beta"))),
+    ]
+    for il in range(n_layers):
+        p = f"layer_{il}/"
+        qkv, qkv_b = get(p + "self_attention/linear_0/weight"), f32(get(p + "self_attention/linear_0/bias"))
+        if qkv.shape != (3 * dim, dim) or qkv_b.shape != (3 * dim,):
+            raise DasllamaError(f"{binf}: layer {il} fused QKV has shape {qkv.shape}")
+        b = f"a.blk.{il}."
+        tensors += [
+            (b + "attn_q.weight", mat(qkv[:dim])), (b + "attn_q.bias", qkv_b[:dim]),
+            (b + "attn_k.weight", mat(qkv[dim:2 * dim])),
+            (b + "attn_v.weight", mat(qkv[2 * dim:])), (b + "attn_v.bias", qkv_b[2 * dim:]),
+            (b + "attn_out.weight", mat(get(p + "self_attention/linear_1/weight"))),
+            (b + "attn_out.bias", f32(get(p + "self_attention/linear_1/bias"))),
+            (b + "ln1.weight", f32(get(p + "self_attention/layer_norm/gamma"))),
+            (b + "ln1.bias", f32(get(p + "self_attention/layer_norm/beta"))),
+            (b + "ffn_up.weight", mat(get(p + "ffn/linear_0/weight"))),
+            (b + "ffn_up.bias", f32(get(p + "ffn/linear_0/bias"))),
+            (b + "ffn_down.weight", mat(get(p + "ffn/linear_1/weight"))),
+            (b + "ffn_down.bias", f32(get(p + "ffn/linear_1/bias"))),
+            (b + "ln2.weight", f32(get(p + "ffn/layer_norm/gamma"))),
+            (b + "ln2.bias", f32(get(p + "ffn/layer_norm/beta"))),
+        ]
+        if np.any(qkv_b[dim:2 * dim] != 0):
+            tensors.append((b + "attn_k.bias", qkv_b[dim:2 * dim]))
+    it = tensors
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(tensors, desc="convert whisper encoder", unit="tensor", leave=False)
+    for name, a in it:
+        w.add_tensor(name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    os.replace(tmp, dst)
+    return dst

@@ -293,11 +293,14 @@ def stats(session: Session) -> Stats:
 
 
 def generate(model: Model, session: Session, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
-             max_tokens: int = 256, on_token: Optional[Callable[[int, str], Optional[bool]]] = None) -> int:
+             max_tokens: int = 256, on_token: Optional[Callable[[int, str], Optional[bool]]] = None,
+             stop_ids: Optional[Sequence[int]] = None, special: bool = False) -> int:
     """Prefill ``prompt`` then sample up to ``max_tokens``; ``on_token(id, piece)`` may return False to stop.
 
     The decode loop runs in C++ with the GIL released. Pieces are whole UTF-8:
-    bytes of a split character are held until it completes. Returns the count emitted.
+    bytes of a split character are held until it completes. Generation stops at the
+    model's end-of-generation ids, or at ``stop_ids`` instead when given; ``special``
+    streams control tokens as their text. Returns the count emitted.
     """
     _check(model, session)
     ids = encode(model, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -305,7 +308,8 @@ def generate(model: Model, session: Session, prompt: Union[str, Sequence[int]], 
     if on_token is not None:
         def cb(i: int, b: bytes) -> bool:
             return on_token(i, b.decode("utf-8", errors="replace")) is not False
-    return _core.generate(session._s, ids, params or SamplingParams(), int(max_tokens), cb)
+    stops = None if stop_ids is None else [int(t) for t in stop_ids]
+    return _core.generate(session._s, ids, params or SamplingParams(), int(max_tokens), cb, stops, bool(special))
 
 
 def stream_generate(model: Model, session: Session, prompt: Union[str, Sequence[int]],

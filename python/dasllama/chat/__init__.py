@@ -1,4 +1,18 @@
-"""The chat layer: templates (and, as it grows, turns, tools and reasoning)."""
-from .template import TemplateError, render_messages
+"""The chat layer: templates, turns, reasoning and tool calls (reference §17.1.10-17.1.12)."""
+from .reasoning import (ThinkSplit, ThinkStream, effective_stop_ids, make_think_stream, set_thinking,
+                        split_reasoning, think_drain, think_feed, think_finish)
+from .template import TemplateError, default_template, render_messages, render_prompt
+from .tools import (ToolCall, ToolReply, add_assistant_calls, add_tool_results, parse_calls,
+                    render_assistant_calls, set_tools)
+from .turns import (ChatSession, LlmCaps, add_assistant, add_user, caps, create_chat, create_chat_renderer,
+                    load_transcript, render_assistant, render_close, render_turn, reset, respond,
+                    save_transcript, stream_respond)
 
-__all__ = ["TemplateError", "render_messages"]
+__all__ = [
+    "ChatSession", "LlmCaps", "TemplateError", "ThinkSplit", "ThinkStream", "ToolCall", "ToolReply",
+    "add_assistant", "add_assistant_calls", "add_tool_results", "add_user", "caps", "create_chat",
+    "create_chat_renderer", "default_template", "effective_stop_ids", "load_transcript", "make_think_stream",
+    "parse_calls", "render_assistant", "render_assistant_calls", "render_close", "render_messages",
+    "render_prompt", "render_turn", "reset", "respond", "save_transcript", "set_thinking", "set_tools",
+    "split_reasoning", "stream_respond", "think_drain", "think_feed", "think_finish",
+]

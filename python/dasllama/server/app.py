@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 import time
 import uuid
@@ -13,38 +14,58 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import llm
-from ..chat.template import TemplateError, render_messages
+from .. import chat, llm
+from ..chat.template import TemplateError
 from ..llm import KVDtype, SamplingParams
 from .engine import Engine, Finish, Job
 from .protocol import APIError, GenRequest, Limits, bad, parse_chat, parse_completion, parse_embeddings
 
 
-class _Template:
-    """The model's chat template and its bos/eos strings, read from the GGUF once."""
+class _Chats:
+    """Per-request chat renderers over one model: the chat layer's template (the GGUF's, else the family
+    default), system folding, thinking switch, stop ids, reasoning splitter and tool-call parser."""
 
-    def __init__(self, model: llm.Model):
-        from ..gguf import GGUFFile
+    def __init__(self, model: llm.Model, template: Optional[str]):
+        self.base = chat.create_chat_renderer(model)
+        if template:
+            self.base.template = template
+        chat.effective_stop_ids(self.base)  # derive once; copies share the compiled template
 
-        meta = GGUFFile(model.path).metadata
-        self.source = meta.get("tokenizer.chat_template") or ""
-        toks = meta.get("tokenizer.ggml.tokens", [])
-
-        def tok(key: str) -> str:
-            i = meta.get(key)
-            return toks[i] if isinstance(i, int) and 0 <= i < len(toks) else ""
-
-        self.bos, self.eos = tok("tokenizer.ggml.bos_token_id"), tok("tokenizer.ggml.eos_token_id")
-
-    def render(self, r: GenRequest) -> str:
-        if not self.source:
-            raise APIError(400, "the model has no chat template; use /v1/completions")
-        kw: Dict[str, Any] = dict(r.template_kwargs)
-        if r.tools:
-            kw["tools"] = r.tools
+    def build(self, r: GenRequest):
+        c = copy.copy(self.base)
+        msgs = [_template_message(m) for m in r.messages]
+        if msgs[-1]["role"] not in ("user", "tool"):
+            raise bad("the last message must be from the user or a tool", "messages")
+        c.history, c.pending, c.rendered = msgs[:-1], msgs[-1:], []
+        c.tools = list(r.tools or [])
+        kw = dict(r.template_kwargs)
+        kw.pop("enable_thinking", None)
+        c.template_kwargs = kw
         if r.enable_thinking is not None:
-            kw["enable_thinking"] = r.enable_thinking
-        return render_messages(self.source, r.messages, True, bos_token=self.bos, eos_token=self.eos, **kw)
+            c.thinking = r.enable_thinking
+        return c
+
+
+def _template_message(m: Dict[str, Any]) -> Dict[str, Any]:
+    """OpenAI's assistant tool_calls carry arguments as JSON text; chat templates expect a mapping."""
+    if "tool_calls" not in m:
+        return m
+    m = dict(m)
+    calls = []
+    for tc in m["tool_calls"]:
+        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        call = {"type": "function", "function": {"name": str(fn.get("name", "")), "arguments": args}}
+        if tc.get("id"):
+            call["id"] = tc["id"]
+        calls.append(call)
+    m["tool_calls"] = calls
+    return m
 
 
 def _sampling(r: GenRequest) -> SamplingParams:
@@ -61,11 +82,13 @@ def _error(e: APIError) -> JSONResponse:
 
 def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj: Optional[str] = None,
                streams: int = 4, ctx: int = 0, api_key: Optional[str] = None, chunk: int = 256,
-               max_queue: int = 0, kv_dtype: KVDtype = KVDtype.f16, n_threads: int = 0,
-               model_name: Optional[str] = None, limits: Optional[Limits] = None) -> Starlette:
+               max_queue: int = 0, kv_dtype: KVDtype = KVDtype.f16, n_threads: int = 0, cache_pages: int = 0,
+               model_name: Optional[str] = None, limits: Optional[Limits] = None,
+               chat_template: Optional[str] = None) -> Starlette:
     """An ASGI app serving ``model`` (a hub name, a GGUF path or a loaded :class:`~dasllama.Model`).
 
-    Mount it in another Starlette/FastAPI app or run it with uvicorn. The engine thread starts here;
+    ``chat_template`` (Jinja source) replaces the model's own. Mount the app in another Starlette/FastAPI
+    app or run it with uvicorn. The engine thread starts here;
     ``app.state.engine.stop()`` ends it (the ``dasllama serve`` command does so at shutdown).
     """
     m = model if isinstance(model, llm.Model) else llm.load_model(model, n_threads=n_threads)
@@ -73,8 +96,9 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
         raise NotImplementedError("audio towers (mmproj) are not served by this build yet")
     name = model_name or (model if isinstance(model, str) else m.path.rsplit("/", 1)[-1])
     lim = limits or Limits()
-    engine = Engine(m, streams=streams, n_ctx=ctx, kv_dtype=kv_dtype, chunk=chunk, max_queue=max_queue).start()
-    tpl = _Template(m)
+    engine = Engine(m, streams=streams, n_ctx=ctx, kv_dtype=kv_dtype, chunk=chunk, max_queue=max_queue,
+                    cache_pages=cache_pages).start()
+    chats = _Chats(m, chat_template)
     created = int(time.time())
 
     async def read_json(request: Request) -> Any:
@@ -94,7 +118,10 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
     def tokenize(text: str, special: bool) -> List[int]:
         return llm.encode(m, text, add_special=special, parse_special=not special)
 
-    async def run_job(request: Request, r: GenRequest, prompt: List[int], kind: str) -> Response:
+    async def run_job(request: Request, r: GenRequest, prompt: List[int], kind: str, c=None,
+                      stop_ids=()) -> Response:
+        """Queue one generation and answer it plainly or as SSE. ``c``: the chat renderer of a chat request
+        (reasoning split into reasoning_content, tool calls parsed when tools were offered)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
@@ -102,49 +129,81 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
             loop.call_soon_threadsafe(q.put_nowait, (kind_, payload))
 
         job = Job(prompt=prompt, params=_sampling(r), max_tokens=r.max_tokens, on_event=on_event, stop=r.stop,
-                  seed=r.sampling.seed, deadline=(time.monotonic() + r.timeout_s) if r.timeout_s else None)
+                  stop_ids=set(stop_ids), seed=r.sampling.seed,
+                  deadline=(time.monotonic() + r.timeout_s) if r.timeout_s else None)
         engine.submit(job)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if kind == "chat" else "text_completion"
+        tools = kind == "chat" and bool(r.tools)
 
         def usage(f: Finish) -> Dict[str, Any]:
             return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
                     "total_tokens": f.prompt_tokens + f.completion_tokens,
                     "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
 
+        def shaped(text: str):
+            """(reasoning, content, tool_calls) of a complete chat reply."""
+            if c is None:
+                return "", text, []
+            tr = chat.parse_calls(c, text) if tools else chat.split_reasoning(c, text)
+            calls = [{"id": tc.id or "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": tc.name, "arguments": tc.args}} for tc in getattr(tr, "calls", [])]
+            return tr.reasoning, tr.content, calls
+
         if r.stream:
             async def sse():
-                def chunk(delta: Optional[str], finish: Optional[str], first: bool = False) -> str:
-                    if kind == "chat":
-                        d: Dict[str, Any] = {}
-                        if first:
-                            d["role"] = "assistant"
-                        if delta is not None:
-                            d["content"] = delta
-                        ch = {"index": 0, "delta": d, "finish_reason": finish}
-                    else:
-                        ch = {"index": 0, "text": delta or "", "finish_reason": finish}
-                    body = {"id": rid, "object": obj + ".chunk" if kind == "chat" else obj, "created": int(time.time()),
-                            "model": name, "choices": [ch]}
+                def event(body: Dict[str, Any]) -> str:
                     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+                def chunk(delta: Optional[Dict[str, Any]], text: Optional[str], finish: Optional[str]) -> str:
+                    ch = ({"index": 0, "delta": delta or {}, "finish_reason": finish} if kind == "chat"
+                          else {"index": 0, "text": text or "", "finish_reason": finish})
+                    return event({"id": rid, "object": obj + ".chunk" if kind == "chat" else obj,
+                                  "created": int(time.time()), "model": name, "choices": [ch]})
+
+                ts = chat.make_think_stream(c) if c is not None else None
+                held: List[str] = []  # with tools, content waits for the end: it may be a call
                 try:
                     if kind == "chat":
-                        yield chunk(None, None, first=True)
+                        yield chunk({"role": "assistant", "content": ""}, None, None)
                     while True:
                         ev, payload = await q.get()
                         if ev == "text":
-                            yield chunk(payload, None)
+                            if kind != "chat":
+                                yield chunk(None, payload, None)
+                                continue
+                            rs, ct = chat.think_feed(ts, payload)
+                            if rs:
+                                yield chunk({"reasoning_content": rs}, None, None)
+                            if ct:
+                                if tools:
+                                    held.append(ct)
+                                else:
+                                    yield chunk({"content": ct}, None, None)
                         elif ev == "done":
-                            yield chunk(None, payload.reason)
+                            reason = payload.reason
+                            if kind == "chat":
+                                rs, ct = chat.think_finish(ts)
+                                if rs:
+                                    yield chunk({"reasoning_content": rs}, None, None)
+                                if tools:
+                                    _, content, calls = shaped("".join(held) + ct)
+                                    if content:
+                                        yield chunk({"content": content}, None, None)
+                                    if calls:
+                                        yield chunk({"tool_calls": [dict(tc, index=i) for i, tc in enumerate(calls)]},
+                                                    None, None)
+                                        reason = "tool_calls"
+                                elif ct:
+                                    yield chunk({"content": ct}, None, None)
+                            yield chunk({}, None, reason)
                             if r.include_usage:
-                                body = {"id": rid, "object": obj + ".chunk" if kind == "chat" else obj,
-                                        "created": int(time.time()), "model": name, "choices": [],
-                                        "usage": usage(payload)}
-                                yield f"data: {json.dumps(body)}\n\n"
+                                yield event({"id": rid, "object": obj + ".chunk" if kind == "chat" else obj,
+                                             "created": int(time.time()), "model": name, "choices": [],
+                                             "usage": usage(payload)})
                             break
                         else:
-                            yield f"data: {json.dumps(payload.body())}\n\n"
+                            yield event(payload.body())
                             break
                     yield "data: [DONE]\n\n"
                 finally:
@@ -175,7 +234,13 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
             job.cancel()
         text = "".join(parts)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin.reason,
+            reasoning, content, calls = shaped(text)
+            msg: Dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            if calls:
+                msg["tool_calls"] = calls
+            choice = {"index": 0, "message": msg, "finish_reason": "tool_calls" if calls else fin.reason,
                       "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": fin.reason, "logprobs": None}
@@ -186,12 +251,16 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
         r = parse_chat(await read_json(request), lim)
         if r.audio:
             raise bad("this server has no audio tower: start it with --mmproj to send input_audio", "messages")
+        c = chats.build(r)
+
+        def render():
+            return chat.render_turn(m, c), chat.effective_stop_ids(c)
+
         try:
-            text = await asyncio.to_thread(tpl.render, r)
+            prompt, stops = await asyncio.to_thread(render)
         except TemplateError as e:
             raise bad(f"the chat template failed on these messages: {e}", "messages") from None
-        prompt = await asyncio.to_thread(tokenize, text, False)
-        return await run_job(request, r, prompt, "chat")
+        return await run_job(request, r, prompt, "chat", c, stops)
 
     async def completions(request: Request) -> Response:
         r = parse_completion(await read_json(request), lim)
@@ -233,8 +302,11 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
                 ("cached_tokens_total", "counter", "prompt tokens served from the KV without prefill"),
                 ("generated_tokens_total", "counter", "tokens generated"),
                 ("tokens_per_second", "gauge", "tokens generated per second over the last 10 s"),
-                ("kv_tokens_held", "gauge", "KV positions held by the streams"),
-                ("kv_tokens_total", "gauge", "KV positions of all streams")):
+                ("cache_hits_total", "counter", "requests that attached a cached prefix"),
+                ("kv_pages_total", "gauge", "pages of the KV pool"),
+                ("kv_pages_free", "gauge", "free pages of the KV pool"),
+                ("kv_pages_sessions", "gauge", "pages held by running streams"),
+                ("kv_pages_cache", "gauge", "pages held by the prefix cache")):
             lines += [f"# HELP dasllama_{key} {help_}", f"# TYPE dasllama_{key} {kind_}", f"dasllama_{key} {x[key]}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

@@ -1,8 +1,11 @@
-"""The serving engine: one thread steps up to ``streams`` sessions through chunked prefill and batched decode.
+"""The serving engine: one thread steps up to ``streams`` sessions of one paged KV pool.
 
 No HTTP here: jobs come in through :meth:`Engine.submit` and report through a thread-safe callback.
-Each step is at most one prefill chunk of one job plus one batched decode of every running job, so a
-new request delays the running streams by at most one chunk.
+Each step is one ragged batch over the weights: at most one prefill chunk of one job plus a decode
+token of every running job, so a new request delays the running streams by at most one chunk.
+A finished stream donates its full pages to the prefix cache; a new job attaches the longest cached
+prefix of its prompt and prefills only the rest (a client resending its conversation pays for the
+new turn alone).
 """
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, List, Optional, Set
 
 import numpy as np
 
-from .. import llm
+from .. import kv, llm
+from .._core import PoolExhaustedError
 from ..llm import KVDtype, SamplingParams
 from .protocol import APIError
 
@@ -40,6 +44,7 @@ class Job:
     max_tokens: int
     on_event: Event
     stop: List[str] = field(default_factory=list)
+    stop_ids: Set[int] = field(default_factory=set)  # end the reply (beside the model's end-of-generation ids)
     seed: Optional[int] = None
     deadline: Optional[float] = None     # time.monotonic() limit
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -52,7 +57,7 @@ class Job:
 class _Slot:
     def __init__(self, session: llm.Session):
         self.s = session
-        self.tokens: List[int] = []   # mirror of what the KV holds
+        self.tokens: List[int] = []   # mirror of what the KV holds (the session's history)
         self.job: Optional[Job] = None
         self.pos = 0                  # prompt tokens prefilled so far
         self.next_tok = -1            # sampled, not yet evaluated
@@ -65,21 +70,26 @@ class _Slot:
 
 
 class Engine:
-    """Continuous batching over ``streams`` sessions of one model.
+    """Continuous batching over ``streams`` paged sessions of one model, with a prefix cache across requests.
 
-    A free slot is given to the waiting job whose prompt shares the longest prefix with the slot's KV,
-    so a conversation that resends its history prefills only the new turn.
+    ``cache_pages`` bounds what the prefix cache keeps (0: as many pages as the streams' contexts);
+    the pool holds the streams' contexts plus that budget.
     """
 
     def __init__(self, model: llm.Model, streams: int = 4, n_ctx: int = 0, kv_dtype: KVDtype = KVDtype.f16,
-                 chunk: int = 256, max_queue: int = 0):
+                 chunk: int = 256, max_queue: int = 0, page_rows: int = 16, cache_pages: int = 0):
         if streams < 1:
             raise ValueError("streams must be >= 1")
         if chunk < 1:
             raise ValueError("chunk must be >= 1")
         self.model = model
         self.n_ctx = n_ctx or min(model.config.seq_len, 4096)
-        self.slots = [_Slot(llm.create_session(model, kv_dtype, self.n_ctx)) for _ in range(streams)]
+        ctx_pages = (self.n_ctx + page_rows - 1) // page_rows
+        cache_pages = cache_pages or streams * ctx_pages
+        self.pool = kv.create_kv_pool(model, page_rows=page_rows, kv_dtype=kv_dtype,
+                                      max_pages=streams * ctx_pages + cache_pages)
+        self.cache = kv.create_prefix_cache(max_groups=cache_pages)
+        self.slots = [_Slot(llm.create_session(model, self.pool, n_ctx=self.n_ctx)) for _ in range(streams)]
         self.ws = llm.create_batch_workspace(model)
         self.chunk = chunk
         self.max_queue = max_queue or 4 * streams
@@ -92,6 +102,7 @@ class Engine:
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.cache_hits_total = 0
         self.generated_tokens_total = 0
         self._recent: Deque[tuple] = collections.deque()  # (time, tokens) of recent decode steps
 
@@ -135,6 +146,7 @@ class Engine:
 
     def metrics(self) -> dict:
         now = time.monotonic()
+        st = self.pool.stats()
         with self._cv:
             while self._recent and now - self._recent[0][0] > 10.0:
                 self._recent.popleft()
@@ -147,9 +159,12 @@ class Engine:
                 "prompt_tokens_total": self.prompt_tokens_total,
                 "cached_tokens_total": self.cached_tokens_total,
                 "generated_tokens_total": self.generated_tokens_total,
+                "cache_hits_total": self.cache_hits_total,
                 "tokens_per_second": recent / 10.0,
-                "kv_tokens_held": sum(len(s.tokens) for s in self.slots),
-                "kv_tokens_total": self.n_ctx * len(self.slots),
+                "kv_pages_total": st.total,
+                "kv_pages_free": st.free,
+                "kv_pages_sessions": st.by_sessions,
+                "kv_pages_cache": st.by_cache,
             }
 
     # ---- the engine thread -------------------------------------------------------------------------
@@ -166,9 +181,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - one bad step must not take the server down
                 for s in self.slots:
                     if s.job is not None:
-                        self._fail(s, APIError(500, f"engine error: {type(e).__name__}: {e}", type="server_error"))
-                        s.s._s.truncate(0)  # the KV may be half written: trust none of it
-                        s.tokens.clear()
+                        # The KV may be half written: answer, and donate none of it.
+                        self._fail(s, APIError(500, f"engine error: {type(e).__name__}: {e}", type="server_error"),
+                                   donate=False)
         for s in self.slots:
             if s.job is not None:
                 self._fail(s, APIError(503, "the server is shutting down", type="server_error"))
@@ -177,7 +192,7 @@ class Engine:
         self._waiting.clear()
 
     def _admit(self) -> None:
-        """Give free slots to waiting jobs (FIFO), each to the free slot sharing its longest prefix."""
+        """Give free slots to waiting jobs (FIFO); each attaches the longest cached prefix of its prompt."""
         while self._waiting:
             free = [s for s in self.slots if s.job is None]
             if not free:
@@ -185,22 +200,12 @@ class Engine:
             job = self._waiting.popleft()
             if job.cancelled.is_set():
                 continue
-            p = np.asarray(job.prompt, dtype=np.int64)
+            self._start(free[0], job)
 
-            def common(s: _Slot) -> int:
-                m = min(len(s.tokens), len(p))
-                if m == 0:
-                    return 0
-                d = np.flatnonzero(np.asarray(s.tokens[:m], dtype=np.int64) != p[:m])
-                return int(d[0]) if d.size else m
-
-            best = max(free, key=lambda s: (common(s), -s.last_used))
-            keep = min(common(best), len(p) - 1)  # the last prompt token is always evaluated: it gives the logits
-            self._start(best, job, keep)
-
-    def _start(self, s: _Slot, job: Job, keep: int) -> None:
-        s.s._s.truncate(keep)
-        del s.tokens[keep:]
+    def _start(self, s: _Slot, job: Job) -> None:
+        kv.release_kv_pages(s.s)
+        keep = kv.prefix_attach(self.cache, self.pool, s.s, job.prompt)  # whole pages, one token short at most
+        s.tokens = list(job.prompt[:keep])
         s.job, s.pos, s.cached, s.n_gen, s.next_tok = job, keep, keep, 0, -1
         s.text, s.sent = "", 0
         s.dec.reset()
@@ -208,6 +213,7 @@ class Engine:
         llm.set_seed(s.s, seed % (1 << 63))
         self.prompt_tokens_total += len(job.prompt)
         self.cached_tokens_total += keep
+        self.cache_hits_total += keep > 0
 
     def _step(self) -> None:
         now = time.monotonic()
@@ -219,46 +225,47 @@ class Engine:
                 self._release(s)
             elif j.deadline is not None and now > j.deadline:
                 self._fail(s, APIError(504, "the request's deadline passed", type="timeout"))
-        # One chunk of prefill for the oldest job still prefilling.
+        # One ragged batch: a prefill chunk of the oldest job still prefilling, a token of every decoder.
+        batch: List[_Slot] = []
+        toks: List[object] = []
         pre = [s for s in self.slots if s.job is not None and s.next_tok < 0]
         if pre:
-            s = min(pre, key=lambda x: x.job.submitted)
-            j = s.job
-            chunk = j.prompt[s.pos:s.pos + self.chunk]
-            self._eval(s, chunk)
-            if s.job is not None:
-                s.pos += len(chunk)
-                if s.pos == len(j.prompt):
-                    self._sampled(s, llm.sample(s.s, j.params))
-        # One batched decode step for every job that has a token to feed.
-        dec = [s for s in self.slots if s.job is not None and s.next_tok >= 0]
-        if not dec:
+            p = min(pre, key=lambda x: x.job.submitted)
+            batch.append(p)
+            toks.append(p.job.prompt[p.pos:p.pos + self.chunk])
+        for s in self.slots:
+            if s.job is not None and s.next_tok >= 0:
+                batch.append(s)
+                toks.append(s.next_tok)
+        if not batch:
             return
-        toks = [s.next_tok for s in dec]
-        if len(dec) == 1:
-            self._eval(dec[0], toks)
-        else:
-            llm.eval_batch(self.model, self.ws, [s.s for s in dec], toks)
-            for s, t in zip(dec, toks):
-                s.tokens.append(t)
-        for s in dec:
-            if s.job is not None:
-                self._sampled(s, llm.sample(s.s, s.job.params))
-        with self._cv:
-            self._recent.append((time.monotonic(), len(dec)))
-
-    def _eval(self, s: _Slot, toks: List[int]) -> None:
         try:
-            llm.eval(self.model, s.s, toks)
-        except Exception as e:  # noqa: BLE001
-            s.s._s.truncate(len(s.tokens))
-            self._fail(s, APIError(500, f"evaluation failed: {e}", type="server_error"))
+            llm.eval_batch(self.model, self.ws, [s.s for s in batch], toks)
+        except PoolExhaustedError as e:
+            # No session moved: the one that could not get a page is answered, the others go on next step.
+            i = getattr(e, "session_index", -1)
+            victim = batch[i] if 0 <= i < len(batch) else batch[0]
+            self._fail(victim, APIError(503, f"the KV pool is full: {e}", type="server_error",
+                                        headers={"Retry-After": "1"}))
             return
-        s.tokens.extend(toks)
+        n_dec = 0
+        for s, t in zip(batch, toks):
+            if isinstance(t, list):
+                s.tokens.extend(t)
+                s.pos += len(t)
+                if s.pos == len(s.job.prompt):
+                    self._sampled(s, llm.sample(s.s, s.job.params))
+            else:
+                s.tokens.append(t)
+                n_dec += 1
+                self._sampled(s, llm.sample(s.s, s.job.params))
+        if n_dec:
+            with self._cv:
+                self._recent.append((time.monotonic(), n_dec))
 
     def _sampled(self, s: _Slot, tok: int) -> None:
         j = s.job
-        if tok in self.eog:
+        if tok in self.eog or tok in j.stop_ids:
             return self._finish(s, "stop")
         s.n_gen += 1
         self.generated_tokens_total += 1
@@ -304,11 +311,18 @@ class Engine:
         j.on_event("done", Finish(reason, len(j.prompt), s.cached, s.n_gen))
         self._release(s)
 
-    def _fail(self, s: _Slot, err: APIError) -> None:
+    def _fail(self, s: _Slot, err: APIError, donate: bool = True) -> None:
         s.job.on_event("error", err)
-        self._release(s)
+        self._release(s, donate)
 
-    def _release(self, s: _Slot) -> None:
-        # The KV keeps what it holds, so the next turn of this conversation can reuse it.
+    def _release(self, s: _Slot, donate: bool = True) -> None:
+        """End a slot's job: its full pages go to the prefix cache, the rest back to the pool."""
+        if donate and s.tokens:
+            try:
+                kv.prefix_insert(self.cache, self.pool, s.s, s.tokens)
+            except Exception:  # noqa: BLE001 - caching is an optimization: never fail a reply over it
+                pass
+        kv.release_kv_pages(s.s)
+        s.tokens = []
         s.job, s.next_tok = None, -1
         s.last_used = time.monotonic()

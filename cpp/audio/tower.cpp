@@ -1,0 +1,449 @@
+// The whisper encoder and the audio projectors on the Backend ops: convs as im2col +
+// matmul, pre-LN blocks with bidirectional attention, then the family's projector.
+#include "audio/tower.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+
+#include "core/errors.h"
+#include "quant/quant.h"
+#include "quant/types.h"
+
+namespace dl::audio {
+
+namespace {
+
+std::string shape_str(const gguf::TensorInfo& t) {
+  std::string s;
+  for (auto d : t.ne) s += (s.empty() ? "" : "x") + std::to_string(d);
+  return s;
+}
+
+const gguf::TensorInfo& need(const gguf::File& f, const std::string& name) {
+  const gguf::TensorInfo* t = f.find_tensor(name);
+  if (!t) throw UnsupportedModelError("audio tower: missing tensor '" + name + "'");
+  return *t;
+}
+
+// A 1-D parameter (bias, norm) of exactly n elements, whatever its nominal shape.
+std::vector<float> vec(const gguf::File& f, const std::string& name, int64_t n, bool required = true) {
+  const gguf::TensorInfo* t = f.find_tensor(name);
+  if (!t) {
+    if (required) throw UnsupportedModelError("audio tower: missing tensor '" + name + "'");
+    return {};
+  }
+  if (t->n_elements() != n)
+    throw UnsupportedModelError("audio tower: tensor '" + name + "' has shape " + shape_str(*t) + ", expected " +
+                                std::to_string(n) + " elements");
+  const TypeTraits* tt = type_traits(t->type);
+  if (!tt || !tt->dequantizable || n % tt->block_size != 0)
+    throw UnsupportedModelError("audio tower: tensor '" + name + "' has unsupported type " + (tt ? tt->name : "?"));
+  std::vector<float> v((size_t)n);
+  dequantize_row(t->type, f.tensor_data(*t), v.data(), n);
+  return v;
+}
+
+// A matrix of `rows` rows of `cols` (either -1: any). A 3-D conv kernel [k, c_in, c_out]
+// reads as c_out rows of k * c_in, which is the im2col order below.
+Weight mat(const gguf::File& f, const std::string& name, int64_t rows, int64_t cols, bool required = true) {
+  const gguf::TensorInfo* t = f.find_tensor(name);
+  if (!t) {
+    if (required) throw UnsupportedModelError("audio tower: missing tensor '" + name + "'");
+    return {};
+  }
+  int64_t r = 0, c = 0;
+  if (t->ne.size() == 2) {
+    c = t->ne[0];
+    r = t->ne[1];
+  } else if (t->ne.size() == 3) {
+    c = t->ne[0] * t->ne[1];
+    r = t->ne[2];
+  }
+  if (r <= 0 || c <= 0 || (rows >= 0 && r != rows) || (cols >= 0 && c != cols))
+    throw UnsupportedModelError("audio tower: tensor '" + name + "' has shape " + shape_str(*t) + ", expected " +
+                                (cols >= 0 ? std::to_string(cols) : "*") + "x" +
+                                (rows >= 0 ? std::to_string(rows) : "*"));
+  const TypeTraits* tt = type_traits(t->type);
+  if (!tt || !tt->dequantizable || c % tt->block_size != 0)
+    throw UnsupportedModelError("audio tower: tensor '" + name + "' has unsupported type " + (tt ? tt->name : "?") +
+                                " for rows of " + std::to_string(c));
+  Weight w;
+  w.type = t->type;
+  w.rows = r;
+  w.cols = c;
+  w.row_bytes = (size_t)type_nbytes(t->type, c);
+  w.data = f.tensor_data(*t);
+  return w;
+}
+
+std::string blk(int il, const char* s) { return "a.blk." + std::to_string(il) + "." + s; }
+
+int meta_int(const gguf::File& f, const std::string& key, int def) {
+  const gguf::Value* v = f.find(key);
+  if (!v) return def;
+  const int64_t x = v->as_int();
+  if (x < 0 || x > (1 << 20)) throw GGUFError("metadata '" + key + "' out of range: " + std::to_string(x));
+  return (int)x;
+}
+
+}  // namespace
+
+std::string AudioEncoder::probe_family(const gguf::File& f) {
+  if (auto has = f.find("clip.has_audio_encoder"); has && has->type == gguf::ValueType::BOOL && !has->as_bool())
+    return "";
+  std::optional<std::string> t;
+  if (f.find("clip.audio.projector_type")) t = f.get_string("clip.audio.projector_type");
+  else if (f.find("clip.projector_type")) t = f.get_string("clip.projector_type");
+  if (!t) return "";
+  // A vision-only file of a family that also hears (qwen2.5o) holds no a.* tensors.
+  bool any_audio = false;
+  for (const auto& ti : f.tensors()) any_audio |= ti.name.rfind("a.", 0) == 0;
+  if (!any_audio) return "";
+  static const char* known[] = {"qwen2a", "qwen2.5o", "ultravox", "voxtral", "whisper"};
+  for (const char* k : known)
+    if (*t == k) return *t;
+  return "";
+}
+
+std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, int n_threads) {
+  std::shared_ptr<AudioEncoder> e(new AudioEncoder());
+  e->file_ = gguf::File::open(path);
+  e->cfg_.family = probe_family(*e->file_);
+  if (e->cfg_.family.empty()) {
+    auto t = e->file_->find("clip.projector_type") ? e->file_->get_string("clip.projector_type") : std::nullopt;
+    throw UnsupportedModelError(path + ": no audio tower we serve (projector type '" + (t ? *t : "") +
+                                "'; supported: qwen2a, qwen2.5o, ultravox, voxtral, whisper)");
+  }
+  e->load_weights();
+  e->backend_ = make_cpu_backend(n_threads);
+  // The backend's own layouts where it has them (quantized mmprojs); f16/f32 stay as mapped.
+  for (Weight* w : {&e->conv1_, &e->conv2_, &e->fc_, &e->mm1_, &e->mm2_})
+    if (!w->empty()) e->backend_->prepare(*w);
+  for (EncoderLayer& L : e->layers_)
+    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_up, &L.w_down}) e->backend_->prepare(*w);
+  e->mel_ = std::make_unique<MelBank>(e->cfg_.n_mel);
+  return e;
+}
+
+void AudioEncoder::load_weights() {
+  const gguf::File& f = *file_;
+  TowerConfig& c = cfg_;
+  const std::string& fam = c.family;
+  c.proj = fam == "qwen2a" || fam == "qwen2.5o" ? Projector::qwen2a
+           : fam == "ultravox"                  ? Projector::ultravox
+           : fam == "voxtral"                   ? Projector::voxtral
+                                                : Projector::none;
+  // Qwen2-Audio's processor keeps only the clip's rows; the others encode whole windows.
+  c.full_window_default = c.proj != Projector::qwen2a;
+  // Qwen2.5-Omni's tower encodes the clip's frames in chunks of 2 * n_window = 200, each
+  // with its own conv padding, positions 0.. and attention (transformers' cu_seqlens);
+  // n_window is not in mmproj files and is 100 in every released checkpoint.
+  if (fam == "qwen2.5o") c.window_frames = 200;
+
+  const gguf::TensorInfo& t1 = need(f, "a.conv1d.1.weight");
+  if (t1.ne.size() != 3 || t1.ne[0] != 3)
+    throw UnsupportedModelError("audio tower: a.conv1d.1.weight has shape " + shape_str(t1) +
+                                ", expected a kernel of 3 over [n_mel, dim]");
+  if (t1.ne[1] <= 0 || t1.ne[1] > 512 || t1.ne[2] <= 0 || t1.ne[2] > 16384)
+    throw UnsupportedModelError("audio tower: a.conv1d.1.weight has shape " + shape_str(t1));
+  c.n_mel = (int)t1.ne[1];
+  c.dim = (int)t1.ne[2];
+  const int64_t d = c.dim;
+  conv1_ = mat(f, "a.conv1d.1.weight", d, 3 * (int64_t)c.n_mel);
+  const gguf::TensorInfo& t2 = need(f, "a.conv1d.2.weight");
+  if (t2.ne.size() != 3 || t2.ne[0] != 3 || t2.ne[1] != d || t2.ne[2] != d)
+    throw UnsupportedModelError("audio tower: a.conv1d.2.weight has shape " + shape_str(t2) + ", expected 3x" +
+                                std::to_string(d) + "x" + std::to_string(d));
+  conv2_ = mat(f, "a.conv1d.2.weight", d, 3 * d);
+  conv1_b_ = vec(f, "a.conv1d.1.bias", d);
+  conv2_b_ = vec(f, "a.conv1d.2.bias", d);
+  const gguf::TensorInfo& tp = need(f, "a.position_embd.weight");
+  if (tp.ne.size() != 2 || tp.ne[0] != d || tp.ne[1] < 1500 || tp.ne[1] > 1 << 20)
+    throw UnsupportedModelError("audio tower: a.position_embd.weight has shape " + shape_str(tp) + ", expected " +
+                                std::to_string(d) + "x(>= 1500): a 30 s window needs 1500 positions");
+  c.n_pos = (int)tp.ne[1];
+  {  // the first 1500 rows: one 30 s window
+    const TypeTraits* tt = type_traits(tp.type);
+    if (!tt || !tt->dequantizable || d % tt->block_size != 0)
+      throw UnsupportedModelError("audio tower: a.position_embd.weight has an unsupported type");
+    pos_emb_.resize((size_t)d * 1500);
+    const size_t rb = (size_t)type_nbytes(tp.type, d);
+    for (int64_t r = 0; r < 1500; ++r) dequantize_row(tp.type, f.tensor_data(tp) + r * rb, pos_emb_.data() + r * d, d);
+  }
+  post_w_ = vec(f, "a.post_ln.weight", d);
+  post_b_ = vec(f, "a.post_ln.bias", d);
+
+  c.n_heads = meta_int(f, "clip.audio.attention.head_count", 0);
+  if (c.n_heads <= 0 || d % c.n_heads != 0)
+    throw UnsupportedModelError("audio tower: clip.audio.attention.head_count " + std::to_string(c.n_heads) +
+                                " does not divide the width " + std::to_string(d));
+  if (auto eps = f.get_float("clip.audio.attention.layer_norm_epsilon")) {
+    if (!(*eps > 0 && *eps < 1)) throw GGUFError("metadata clip.audio.attention.layer_norm_epsilon out of range");
+    c.eps = (float)*eps;
+  }
+  int n_layers = 0;
+  while (f.find_tensor(blk(n_layers, "attn_q.weight"))) ++n_layers;
+  if (n_layers == 0) throw UnsupportedModelError("audio tower: no encoder blocks (a.blk.0.attn_q.weight)");
+  c.n_layers = n_layers;
+  layers_.resize(n_layers);
+  for (int il = 0; il < n_layers; ++il) {
+    EncoderLayer& L = layers_[il];
+    L.ln1_w = vec(f, blk(il, "ln1.weight"), d);
+    L.ln1_b = vec(f, blk(il, "ln1.bias"), d);
+    L.ln2_w = vec(f, blk(il, "ln2.weight"), d);
+    L.ln2_b = vec(f, blk(il, "ln2.bias"), d);
+    L.wq = mat(f, blk(il, "attn_q.weight"), d, d);
+    L.wk = mat(f, blk(il, "attn_k.weight"), d, d);
+    L.wv = mat(f, blk(il, "attn_v.weight"), d, d);
+    L.wo = mat(f, blk(il, "attn_out.weight"), d, d);
+    L.bq = vec(f, blk(il, "attn_q.bias"), d);
+    L.bk = vec(f, blk(il, "attn_k.bias"), d, false);  // whisper has none
+    L.bv = vec(f, blk(il, "attn_v.bias"), d);
+    L.bo = vec(f, blk(il, "attn_out.bias"), d);
+    L.w_up = mat(f, blk(il, "ffn_up.weight"), il == 0 ? -1 : c.ffn_dim, d);
+    if (il == 0) {
+      if (L.w_up.rows > 1 << 18) throw UnsupportedModelError("audio tower: ffn width out of range");
+      c.ffn_dim = (int)L.w_up.rows;
+    }
+    L.w_down = mat(f, blk(il, "ffn_down.weight"), d, c.ffn_dim);
+    L.b_up = vec(f, blk(il, "ffn_up.bias"), c.ffn_dim);
+    L.b_down = vec(f, blk(il, "ffn_down.bias"), d);
+  }
+  if (f.find_tensor(blk(n_layers, "ln1.weight")) || f.find_tensor(blk(n_layers + 1, "attn_q.weight")))
+    throw UnsupportedModelError("audio tower: block " + std::to_string(n_layers) + " is incomplete");
+
+  switch (c.proj) {
+    case Projector::none: c.proj_dim = c.dim; break;
+    case Projector::qwen2a:
+      fc_ = mat(f, "mm.a.fc.weight", -1, d);
+      fc_b_ = vec(f, "mm.a.fc.bias", fc_.rows);
+      c.proj_dim = (int)fc_.rows;
+      break;
+    case Projector::ultravox:
+    case Projector::voxtral: {
+      mm1_ = mat(f, "mm.a.mlp.1.weight", -1, -1);
+      if (mm1_.cols % d != 0 || mm1_.cols / d > 64)
+        throw UnsupportedModelError("audio tower: mm.a.mlp.1.weight takes rows of " + std::to_string(mm1_.cols) +
+                                    ", not a stack of " + std::to_string(d) + "-wide frames");
+      c.stack = (int)(mm1_.cols / d);
+      if (c.proj == Projector::ultravox) {
+        if (mm1_.rows % 2 != 0) throw UnsupportedModelError("audio tower: ultravox mm.a.mlp.1 rows must be even (SwiGLU)");
+        c.proj_hidden = (int)(mm1_.rows / 2);
+        norm_pre_ = vec(f, "mm.a.norm_pre.weight", mm1_.cols);
+        norm_mid_ = vec(f, "mm.a.norm_mid.weight", c.proj_hidden);
+      } else {
+        c.proj_hidden = (int)mm1_.rows;
+        mm1_b_ = vec(f, "mm.a.mlp.1.bias", mm1_.rows, false);
+      }
+      mm2_ = mat(f, "mm.a.mlp.2.weight", -1, c.proj_hidden);
+      if (c.proj == Projector::voxtral) mm2_b_ = vec(f, "mm.a.mlp.2.bias", mm2_.rows, false);
+      c.proj_dim = (int)mm2_.rows;
+      break;
+    }
+  }
+  if (c.proj_dim <= 0 || c.proj_dim > 1 << 18) throw UnsupportedModelError("audio tower: projection width out of range");
+}
+
+int64_t AudioEncoder::chunk_rows(int64_t L, bool full) const {
+  switch (cfg_.proj) {
+    case Projector::none: return L;
+    case Projector::qwen2a: return L < 2 ? 0 : (L - 2) / 2 + 1;  // AvgPool1d(2, 2)
+    default:
+      // Stacked frames: the processor's clip pads the last group with zeros; the full
+      // window keeps whole groups only (1500 / 8 -> 187, as llama.cpp counts).
+      return full ? L / cfg_.stack : (L + cfg_.stack - 1) / cfg_.stack;
+  }
+}
+
+int64_t AudioEncoder::clip_frames(int64_t n, bool full) const {
+  return full ? mel_chunks(n) * kChunkFrames : (n + kHop - 1) / kHop;
+}
+
+int64_t AudioEncoder::n_rows(int64_t n, bool full) const {
+  if (n <= 0) return 0;
+  if (cfg_.window_frames) return chunk_rows((clip_frames(n, full) - 1) / 2 + 1, full);
+  const int64_t chunks = mel_chunks(n);
+  int64_t rows = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t nc = std::min(kChunkSamples, n - c * kChunkSamples);
+    const int64_t frames = full ? kChunkFrames : (nc + kHop - 1) / kHop;
+    rows += chunk_rows((frames - 1) / 2 + 1, full);
+  }
+  return rows;
+}
+
+void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L,
+                                AudioScratch& s) {
+  Backend& be = *backend_;
+  const TowerConfig& c = cfg_;
+  const int64_t d = c.dim, nm = c.n_mel;
+  // conv1 (k3 s1 p1) over frames [0, S): im2col rows [ch * 3 + k] = mel[ch][t + k - 1].
+  s.x1.assign((size_t)(S * 3 * nm), 0.f);
+  for (int64_t ch = 0; ch < nm; ++ch) {
+    const float* m = mel + ch * stride;
+    for (int64_t t = 0; t < S; ++t)
+      for (int k = 0; k < 3; ++k) {
+        const int64_t j = t + k - 1;
+        if (j >= 0 && j < avail) s.x1[(size_t)(t * 3 * nm + ch * 3 + k)] = m[j];
+      }
+  }
+  s.g1.resize((size_t)(S * d));
+  be.matmul(conv1_, s.x1.data(), S, s.g1.data());
+  be.add_bias(s.g1.data(), conv1_b_.data(), S, d);
+  be.gelu_erf(s.g1.data(), S * d);
+  // conv2 (k3 s2 p1): output t reads conv1 rows 2t - 1 .. 2t + 1 (zero outside the window).
+  s.x2.assign((size_t)(L * 3 * d), 0.f);
+  for (int64_t t = 0; t < L; ++t)
+    for (int k = 0; k < 3; ++k) {
+      const int64_t j = 2 * t + k - 1;
+      if (j < 0 || j >= S) continue;
+      const float* g = s.g1.data() + j * d;
+      float* x = s.x2.data() + t * 3 * d + k;
+      for (int64_t ch = 0; ch < d; ++ch) x[ch * 3] = g[ch];
+    }
+  s.h.resize((size_t)(L * d));
+  be.matmul(conv2_, s.x2.data(), L, s.h.data());
+  be.add_bias(s.h.data(), conv2_b_.data(), L, d);
+  be.gelu_erf(s.h.data(), L * d);
+  be.add(s.h.data(), pos_emb_.data(), L * d);
+
+  // Pre-LN blocks; every position sees every position (q_pos = L - 1 for all).
+  const int hd = (int)(d / c.n_heads);
+  s.pos.assign((size_t)L, (int32_t)(L - 1));
+  s.xn.resize((size_t)(L * d));
+  s.q.resize((size_t)(L * d));
+  s.k.resize((size_t)(L * d));
+  s.v.resize((size_t)(L * d));
+  s.a.resize((size_t)(L * d));
+  s.o.resize((size_t)(L * d));
+  s.u.resize((size_t)(L * c.ffn_dim));
+  for (const EncoderLayer& Ly : layers_) {
+    be.layer_norm(s.h.data(), Ly.ln1_w.data(), Ly.ln1_b.data(), s.xn.data(), L, d, c.eps);
+    const Weight* ws[3] = {&Ly.wq, &Ly.wk, &Ly.wv};
+    float* ys[3] = {s.q.data(), s.k.data(), s.v.data()};
+    be.matmul_multi(ws, ys, 3, s.xn.data(), L);
+    be.add_bias(s.q.data(), Ly.bq.data(), L, d);
+    if (!Ly.bk.empty()) be.add_bias(s.k.data(), Ly.bk.data(), L, d);
+    be.add_bias(s.v.data(), Ly.bv.data(), L, d);
+    AttnArgs a;
+    a.q = s.q.data();
+    a.q_stride = d;
+    a.k = s.k.data();
+    a.v = s.v.data();
+    a.kv_row_bytes = (size_t)d * 4;
+    a.kv_type = KVType::f32;
+    a.n_tok = L;
+    a.n_kv = L;
+    a.n_heads = a.n_kv_heads = c.n_heads;
+    a.head_dim = hd;
+    a.q_pos = s.pos.data();
+    a.scale = 1.f / std::sqrt((float)hd);
+    a.out = s.a.data();
+    a.out_stride = d;
+    be.attention(a);
+    be.matmul(Ly.wo, s.a.data(), L, s.o.data());
+    be.add_bias(s.o.data(), Ly.bo.data(), L, d);
+    be.add(s.h.data(), s.o.data(), L * d);
+    be.layer_norm(s.h.data(), Ly.ln2_w.data(), Ly.ln2_b.data(), s.xn.data(), L, d, c.eps);
+    be.matmul(Ly.w_up, s.xn.data(), L, s.u.data());
+    be.add_bias(s.u.data(), Ly.b_up.data(), L, c.ffn_dim);
+    be.gelu_erf(s.u.data(), L * c.ffn_dim);
+    be.matmul(Ly.w_down, s.u.data(), L, s.o.data());
+    be.add_bias(s.o.data(), Ly.b_down.data(), L, d);
+    be.add(s.h.data(), s.o.data(), L * d);
+  }
+}
+
+int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch& s, float* out, int64_t out_cap) {
+  const int64_t total_rows = n_rows(n, full);
+  const TowerConfig& c = cfg_;
+  if (n <= 0) throw std::invalid_argument("audio clip is empty");
+  if (total_rows * c.proj_dim > out_cap)
+    throw std::invalid_argument("output holds " + std::to_string(out_cap) + " floats; the clip makes " +
+                                std::to_string(total_rows) + " rows of " + std::to_string(c.proj_dim));
+  std::lock_guard<std::mutex> lock(mu_);
+  Backend& be = *backend_;
+  const int64_t chunks = mel_chunks(n), frames = chunks * kChunkFrames, d = c.dim;
+  s.mel.resize((size_t)(c.n_mel * frames));
+  log_mel(be, *mel_, x, n, s.mel_s, s.mel.data());
+  if (c.window_frames) {
+    if (total_rows == 0) return 0;
+    // Qwen2.5-Omni: chunks of the clip's frames, each encoded alone, then the pairs of the
+    // concatenated positions averaged, the post-LN and the linear.
+    const int64_t F = clip_frames(n, full), W = c.window_frames;
+    int64_t P = 0;
+    s.hall.resize((size_t)(((F - 1) / 2 + 1) * d));
+    for (int64_t f0 = 0; f0 < F; f0 += W) {
+      const int64_t len = std::min(W, F - f0), L = (len - 1) / 2 + 1;
+      encode_chunk(s.mel.data() + f0, frames, len, len, L, s);
+      std::memcpy(s.hall.data() + P * d, s.h.data(), (size_t)(L * d) * 4);
+      P += L;
+    }
+    const int64_t rows = total_rows;
+    s.p.resize((size_t)(rows * d));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < d; ++i) s.p[r * d + i] = (s.hall[(2 * r) * d + i] + s.hall[(2 * r + 1) * d + i]) / 2.f;
+    be.layer_norm(s.p.data(), post_w_.data(), post_b_.data(), s.p.data(), rows, d, c.eps);
+    be.matmul(fc_, s.p.data(), rows, out);
+    be.add_bias(out, fc_b_.data(), rows, c.proj_dim);
+    return rows;
+  }
+  int64_t row = 0;
+  for (int64_t ci = 0; ci < chunks; ++ci) {
+    const int64_t nc = std::min(kChunkSamples, n - ci * kChunkSamples);
+    const int64_t L = ((full ? kChunkFrames : (nc + kHop - 1) / kHop) - 1) / 2 + 1;
+    const int64_t rows = chunk_rows(L, full);
+    if (rows == 0) continue;
+    encode_chunk(s.mel.data() + ci * kChunkFrames, frames, kChunkFrames, std::min<int64_t>(kChunkFrames, 2 * L), L, s);
+    float* dst = out + row * c.proj_dim;
+    switch (c.proj) {
+      case Projector::none:
+        be.layer_norm(s.h.data(), post_w_.data(), post_b_.data(), dst, L, d, c.eps);
+        break;
+      case Projector::qwen2a: {
+        // AvgPool1d(2, 2) over positions, then the post-LN, then the linear.
+        s.p.resize((size_t)(rows * d));
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < d; ++i) s.p[r * d + i] = (s.h[(2 * r) * d + i] + s.h[(2 * r + 1) * d + i]) / 2.f;
+        be.layer_norm(s.p.data(), post_w_.data(), post_b_.data(), s.p.data(), rows, d, c.eps);
+        be.matmul(fc_, s.p.data(), rows, dst);
+        be.add_bias(dst, fc_b_.data(), rows, c.proj_dim);
+        break;
+      }
+      case Projector::ultravox:
+      case Projector::voxtral: {
+        // Post-LN, then `stack` consecutive rows side by side (zeros past the last row).
+        const int64_t sw = (int64_t)c.stack * d;
+        s.p.assign((size_t)(rows * sw), 0.f);
+        be.layer_norm(s.h.data(), post_w_.data(), post_b_.data(), s.h.data(), L, d, c.eps);
+        std::memcpy(s.p.data(), s.h.data(), (size_t)std::min(L * d, rows * sw) * 4);
+        const int64_t hid = c.proj_hidden;
+        if (c.proj == Projector::ultravox) {
+          be.rms_norm(s.p.data(), norm_pre_.data(), s.p.data(), rows, sw, 1e-6f);
+          s.y.resize((size_t)(rows * 2 * hid));
+          be.matmul(mm1_, s.p.data(), rows, s.y.data());
+          // SwiGLU with the halves swapped: silu(second half) * first half.
+          s.y2.resize((size_t)(rows * hid));
+          be.glu(s.y.data() + hid, 2 * hid, s.y.data(), 2 * hid, s.y2.data(), rows, hid, Act::silu);
+          be.rms_norm(s.y2.data(), norm_mid_.data(), s.y2.data(), rows, hid, 1e-6f);
+          be.matmul(mm2_, s.y2.data(), rows, dst);
+        } else {
+          s.y.resize((size_t)(rows * hid));
+          be.matmul(mm1_, s.p.data(), rows, s.y.data());
+          if (!mm1_b_.empty()) be.add_bias(s.y.data(), mm1_b_.data(), rows, hid);
+          be.gelu_erf(s.y.data(), rows * hid);
+          be.matmul(mm2_, s.y.data(), rows, dst);
+          if (!mm2_b_.empty()) be.add_bias(dst, mm2_b_.data(), rows, c.proj_dim);
+        }
+        break;
+      }
+    }
+    row += rows;
+  }
+  return row;
+}
+
+}  // namespace dl::audio

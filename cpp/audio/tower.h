@@ -1,0 +1,82 @@
+// Whisper-class audio towers from llama.cpp-layout mmproj GGUFs (clip.* keys, a.* and
+// mm.a.* tensors): the whisper encoder and the projectors qwen2a / qwen2.5o, ultravox,
+// voxtral, or none (family "whisper": encoder rows). Shapes come from the tensors;
+// metadata supplies only what tensors cannot say (head count, norm epsilon).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "audio/mel.h"
+#include "core/backend.h"
+#include "gguf/gguf.h"
+
+namespace dl::audio {
+
+enum class Projector { none, qwen2a, ultravox, voxtral };
+
+struct EncoderLayer {
+  std::vector<float> ln1_w, ln1_b, ln2_w, ln2_b, bq, bk, bv, bo, b_up, b_down;
+  Weight wq, wk, wv, wo, w_up, w_down;
+};
+
+struct TowerConfig {
+  std::string family;  // the file's projector type: qwen2a, qwen2.5o, ultravox, voxtral, whisper
+  Projector proj = Projector::none;
+  int n_mel = 0, dim = 0, n_layers = 0, n_heads = 0, ffn_dim = 0, n_pos = 0;
+  int proj_dim = 0;     // width of the rows encode() writes
+  int stack = 1;        // ultravox / voxtral: encoder rows stacked per projector row
+  int proj_hidden = 0;  // ultravox / voxtral: the projector MLP's inner width
+  float eps = 1e-5f;
+  bool full_window_default = true;  // false: the family's processor keeps only the clip's rows
+  int window_frames = 0;  // qwen2.5o: mel frames per independently encoded chunk (2 * n_window)
+};
+
+// Caller-owned buffers of one encode; holds no clip state between calls.
+struct AudioScratch {
+  MelScratch mel_s;
+  std::vector<float> mel, hall, x1, g1, x2, h, xn, q, k, v, a, o, u, p, pn, y, y2;
+  std::vector<int32_t> pos;
+};
+
+class AudioEncoder {
+ public:
+  // The family name of the file's audio projector, or "" when it holds no audio tower we
+  // serve. Throws GGUFError only for a malformed file.
+  static std::string probe_family(const gguf::File& f);
+  static std::shared_ptr<AudioEncoder> load(const std::string& path, int n_threads);
+
+  const TowerConfig& config() const { return cfg_; }
+  const std::string& path() const { return file_->path(); }
+  // Rows encode() writes for a clip of n samples.
+  int64_t n_rows(int64_t n_samples, bool full_window) const;
+  // 16 kHz mono -> n_rows(n) x proj_dim floats into out (room for out_cap floats).
+  int64_t encode(const float* x, int64_t n, bool full_window, AudioScratch& s, float* out, int64_t out_cap);
+  Backend& backend() { return *backend_; }
+
+ private:
+  AudioEncoder() = default;
+  void load_weights();
+  // Encoder positions [0, L) of one chunk into s.h (L x dim), post-LN not applied. The mel
+  // rows have `stride` columns; frames past `avail` read as zero (conv padding); conv1
+  // runs over frames [0, S) and conv2 reads zeros past S.
+  void encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L, AudioScratch& s);
+  int64_t clip_frames(int64_t n, bool full_window) const;
+  int64_t chunk_rows(int64_t L, bool full_window) const;
+
+  std::shared_ptr<gguf::File> file_;
+  TowerConfig cfg_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<MelBank> mel_;
+  std::mutex mu_;  // one encode at a time (the backend's buffers are shared)
+  Weight conv1_, conv2_;
+  std::vector<float> conv1_b_, conv2_b_, pos_emb_, post_w_, post_b_;
+  std::vector<EncoderLayer> layers_;
+  // projectors
+  Weight fc_, mm1_, mm2_;
+  std::vector<float> fc_b_, mm1_b_, mm2_b_, norm_pre_, norm_mid_;
+};
+
+}  // namespace dl::audio

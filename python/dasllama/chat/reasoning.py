@@ -1,0 +1,212 @@
+"""Reasoning (reference §17.1.12): the thinking toggle, stop ids, and the reasoning/content splitter.
+
+Two reply formats: the <think>...</think> pair (Qwen3, DeepSeek-R1 distills) and gpt-oss Harmony
+channels (analysis = reasoning, final / commentary = content). The splitter is one marker machine
+for both; it holds back a possible partial marker at the end of each piece, so any chunking of a
+reply splits the same way. Tool-call formats live in tools.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+REASONING, CONTENT, DROP = "reasoning", "content", None
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # the "answer directly" form Qwen3's template writes
+
+# marker -> the state it switches to (DROP: removed, state unchanged)
+_THINK_MARKERS: Dict[str, Optional[str]] = {THINK_OPEN: REASONING, THINK_CLOSE: CONTENT}
+_HARMONY_MARKERS: Dict[str, Optional[str]] = {
+    "<|channel|>analysis<|message|>": REASONING,
+    "<|channel|>final<|message|>": CONTENT,
+    "<|channel|>commentary<|message|>": CONTENT,
+    "<|start|>assistant": DROP, "<|end|>": DROP, "<|return|>": DROP, "<|call|>": DROP,
+}
+
+
+@dataclass
+class ThinkSplit:
+    """One reply split at its reasoning boundary: ``reasoning`` (empty when none) and ``content``."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+@dataclass
+class ThinkStream:
+    """The incremental splitter of one streamed reply (make_think_stream); pass-through when not armed."""
+
+    markers: Dict[str, Optional[str]] = field(default_factory=dict)
+    state: str = CONTENT
+    buf: str = ""
+    consumed: bool = False  # a reasoning span was seen: the drained halves are stripped
+
+    def __post_init__(self):
+        if self.state == REASONING:
+            self.consumed = True
+
+
+def _think_format(model, template: str) -> Optional[str]:
+    """'harmony', 'think' or None: which reasoning format the template / vocabulary speaks."""
+    if "<|channel|>" in template:
+        return "harmony"
+    if THINK_OPEN in template or THINK_CLOSE in template:
+        return "think"
+    if model is not None:
+        ids = model._m.encode(THINK_CLOSE, False, True)
+        if len(ids) == 1:
+            return "think"
+    return None
+
+
+def _chat_format(chat) -> Optional[str]:
+    f = chat.__dict__.get("_think_fmt")
+    if f is None or f[0] != chat.template:
+        f = (chat.template, _think_format(chat.model, chat.template))
+        chat.__dict__["_think_fmt"] = f
+    return f[1]
+
+
+def _gen_suffix(chat, text: str) -> str:
+    """What we add after the template's generation prompt: the empty think block when thinking is off and
+    the template has no enable_thinking switch of its own."""
+    if chat.thinking or _chat_format(chat) != "think" or "enable_thinking" in chat.template:
+        return ""
+    if text.rstrip().endswith(THINK_OPEN):  # an R1-style prompt that opens the think block itself
+        return "\n</think>\n\n"
+    return EMPTY_THINK
+
+
+def _template_stops(chat) -> List[int]:
+    """Single-token specials the template closes assistant turns with (what generation must stop at)."""
+    from .. import llm
+    from .turns import _close_text
+
+    out: List[int] = []
+    words = ["<|return|>", "<|call|>"] if _chat_format(chat) == "harmony" else []
+    try:
+        close = _close_text(chat).strip()
+    except Exception:  # noqa: BLE001 - a template that cannot close a turn just adds no stop
+        close = ""
+    if close:
+        words.append(close)
+    for w in words:
+        ids = llm.encode(chat.model, w, add_special=False, parse_special=True)
+        # A control token decodes to nothing: the close text opens with a special, generation stops there.
+        if ids and llm.decode(chat.model, ids[:1]) == "":
+            out.append(ids[0])
+    return out
+
+
+def set_thinking(chat, on: bool) -> None:
+    """Toggle reasoning for a hybrid thinking model: off renders the template's empty think block (its
+    enable_thinking switch, else ours) so the model answers directly. No-op for other families."""
+    chat.thinking = bool(on)
+
+
+def effective_stop_ids(chat) -> List[int]:
+    """The stop ids in force for the next generation: the model's end-of-generation ids and the template's."""
+    from .turns import _refresh
+
+    _refresh(chat)
+    return list(chat.stop_ids)
+
+
+def _armed_state(chat) -> Optional[Tuple[Dict[str, Optional[str]], str]]:
+    from .turns import _messages, _render_text
+
+    fmt = _chat_format(chat)
+    if fmt is None:
+        return None
+    if fmt == "harmony":
+        return _HARMONY_MARKERS, CONTENT
+    if not chat.thinking:
+        return None  # the empty think block is in the prompt: the reply is content
+    pending = chat.pending or [{"role": "user", "content": "x"}]
+    try:
+        prompt = _render_text(chat, _messages(chat, pending), True)
+    except Exception:  # noqa: BLE001 - the turn itself will report the template's error
+        prompt = ""
+    # An R1-style generation prompt opens <think> itself: the reply starts inside the reasoning.
+    return _THINK_MARKERS, (REASONING if prompt.rstrip().endswith(THINK_OPEN) else CONTENT)
+
+
+def make_think_stream(chat) -> ThinkStream:
+    """The splitter for chat's next turn; armed only when the turn thinks, else a pass-through stream."""
+    st = _armed_state(chat)
+    if st is None:
+        return ThinkStream()
+    return ThinkStream(markers=dict(st[0]), state=st[1])
+
+
+def _step(ts: ThinkStream, final: bool) -> Tuple[str, str]:
+    out = {REASONING: [], CONTENT: []}
+    buf = ts.buf
+    firsts = {m[0] for m in ts.markers}
+    i = 0
+    start = 0
+    while i < len(buf):
+        if buf[i] in firsts:
+            rest = buf[i:]
+            hit = next((m for m in ts.markers if rest.startswith(m)), None)
+            if hit is not None:
+                out[ts.state].append(buf[start:i])
+                nxt = ts.markers[hit]
+                if nxt is not None:
+                    ts.state = nxt
+                    if nxt == REASONING:
+                        ts.consumed = True
+                i += len(hit)
+                start = i
+                continue
+            if not final and any(m.startswith(rest) for m in ts.markers):
+                break  # a marker may be completing in the next piece: hold from here
+        i += 1
+    out[ts.state].append(buf[start:i])
+    ts.buf = buf[i:]
+    if final and ts.buf:
+        out[ts.state].append(ts.buf)
+        ts.buf = ""
+    return "".join(out[REASONING]), "".join(out[CONTENT])
+
+
+def think_feed(ts: ThinkStream, piece: str) -> Tuple[str, str]:
+    """Feed one streamed piece; returns this piece's (reasoning, content) deltas (either may be empty while a
+    partial marker is held). The reference's out-strings are the returned pair."""
+    if not ts.markers:
+        return "", piece
+    ts.buf += piece
+    return _step(ts, False)
+
+
+def think_finish(ts: ThinkStream) -> Tuple[str, str]:
+    """Flush at end of generation: the held tail; an unclosed reasoning span stays reasoning."""
+    if not ts.markers:
+        return "", ""
+    return _step(ts, True)
+
+
+def _strip(ts: ThinkStream, reasoning: str, content: str) -> ThinkSplit:
+    if ts.consumed:
+        return ThinkSplit(reasoning.strip(), content.strip())
+    return ThinkSplit(reasoning, content)
+
+
+def think_drain(ts: ThinkStream, full: str) -> ThinkSplit:
+    """A complete reply through the splitter in one call: feed + finish + the strip rule."""
+    r1, c1 = think_feed(ts, full)
+    r2, c2 = think_finish(ts)
+    return _strip(ts, r1 + r2, c1 + c2)
+
+
+def split_reasoning(chat, reply: str) -> ThinkSplit:
+    """Split a complete reply at its reasoning boundary per the family's format; both halves are stripped
+    when a reasoning span is found, and a reply without one passes through untouched."""
+    fmt = _chat_format(chat)
+    if fmt is None:
+        return ThinkSplit("", reply)
+    ts = make_think_stream(chat)
+    if not ts.markers:  # thinking off: still split a reply that thinks anyway
+        ts = ThinkStream(markers=dict(_THINK_MARKERS))
+    return think_drain(ts, reply)
