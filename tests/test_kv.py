@@ -98,6 +98,25 @@ def test_batched_decode_quantized_cache_equals_alone(mq8, kv):
             assert _same(s.logits, a.logits)
 
 
+@pytest.mark.parametrize("isa", d.system_info()["isa_supported"])
+def test_f16_cache_rows_convert_exactly(m32, isa):
+    """Each ISA's f16 -> f32 cache conversion (the F16C instruction where there is one, plain C
+    on the baseline) through logits: the f16 session within test_llm's f16 bar of the f32 one,
+    and the same greedy tokens as the baseline ISA."""
+    ids = d.encode(m32, PROMPT)
+    before = d.get_isa()
+    try:
+        d.set_isa("baseline")
+        base = _prefill_decode(m32, d.create_session(m32, d.KVDtype.f16, n_ctx=64), ids, 3)
+        d.set_isa(isa)
+        got = _prefill_decode(m32, d.create_session(m32, d.KVDtype.f16, n_ctx=64), ids, 3)
+        ref = _prefill_decode(m32, d.create_session(m32, d.KVDtype.f32, n_ctx=64), ids, 3)
+    finally:
+        d.set_isa(before)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3
+    assert (got.argmax(1) == base.argmax(1)).all()  # other ISAs reassociate the matmuls
+
+
 def test_paged_matches_transformers(m32, smollm2_path):
     """The paged path against the oracle directly (pages of 8 rows, f32 KV)."""
     import torch

@@ -202,6 +202,14 @@ class CpuBackend final : public Backend {
 
   void attention(const AttnArgs& a) override { attention_multi(&a, 1); }
 
+  // One cache row (n elements) to f32.
+  static void kv_row_f32(const cpu::KernelTable& kt, KVType t, const uint8_t* src, float* dst, int64_t n) {
+    if (t == KVType::f16)
+      kt.f16_to_f32((const uint16_t*)src, dst, n);
+    else
+      kt.dequant_row((uint32_t)GGMLType::Q8_0, src, dst, n);
+  }
+
   // Tasks are (session, block of 16 query rows, KV head), all in one dispatch. A
   // quantized cache (f16, q8_0) is decoded to f32 first: inside each task for a
   // single block of queries in a batch (each KV head's rows are read by one task),
@@ -255,13 +263,12 @@ class CpuBackend final : public Backend {
         kv_f32_.resize((size_t)(2 * a.n_kv * kv_dim));
         float* kd = kv_f32_.data();
         float* vd = kd + a.n_kv * kv_dim;
-        const uint32_t t = a.kv_type == KVType::f16 ? (uint32_t)GGMLType::F16 : (uint32_t)GGMLType::Q8_0;
         const int64_t mask = (int64_t(1) << c.shift) - 1;
         pool_.parallel_for(a.n_kv, 64, [&](int64_t lo, int64_t hi) {
           for (int64_t j = lo; j < hi; ++j) {
             const size_t r = (size_t)(j & mask) * a.kv_row_bytes;
-            kt.dequant_row(t, c.kp[j >> c.shift] + c.k_off + r, kd + j * kv_dim, kv_dim);
-            kt.dequant_row(t, c.vp[j >> c.shift] + c.v_off + r, vd + j * kv_dim, kv_dim);
+            kv_row_f32(kt, a.kv_type, c.kp[j >> c.shift] + c.k_off + r, kd + j * kv_dim, kv_dim);
+            kv_row_f32(kt, a.kv_type, c.vp[j >> c.shift] + c.v_off + r, vd + j * kv_dim, kv_dim);
           }
         });
         c.dec = (const uint8_t*)kd;
@@ -293,16 +300,15 @@ class CpuBackend final : public Backend {
         const uint8_t* dec_page[1];
         if (c.task_decode) {
           // This KV head's slice of every row, decoded to f32 rows of hd.
-          dec.resize((size_t)(2 * a.n_kv * hd));
-          const uint32_t t = a.kv_type == KVType::f16 ? (uint32_t)GGMLType::F16 : (uint32_t)GGMLType::Q8_0;
+          dec.resize((size_t)(2 * a.n_kv * hd + 16));
           const size_t head_off = kv_row_bytes(a.kv_type, (int64_t)kvh * hd);
           const int64_t mask = (int64_t(1) << c.shift) - 1;
-          float* kd = dec.data();
+          float* kd = (float*)(((uintptr_t)dec.data() + 63) & ~(uintptr_t)63);  // whole cache lines
           float* vd = kd + a.n_kv * hd;
           for (int64_t j = 0; j < a.n_kv; ++j) {
             const size_t r = (size_t)(j & mask) * a.kv_row_bytes + head_off;
-            kt.dequant_row(t, c.kp[j >> c.shift] + c.k_off + r, kd + j * hd, hd);
-            kt.dequant_row(t, c.vp[j >> c.shift] + c.v_off + r, vd + j * hd, hd);
+            kv_row_f32(kt, a.kv_type, c.kp[j >> c.shift] + c.k_off + r, kd + j * hd, hd);
+            kv_row_f32(kt, a.kv_type, c.vp[j >> c.shift] + c.v_off + r, vd + j * hd, hd);
           }
           dec_page[0] = (const uint8_t*)kd;
           b.k_pages = b.v_pages = dec_page;

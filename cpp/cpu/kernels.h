@@ -81,6 +81,8 @@ struct KernelTable {
   // out = act(gate) * up; act 0: SiLU, 1: GELU (tanh form). out may alias up.
   void (*glu_f32)(const float* gate, const float* up, float* out, int64_t n, int act) = nullptr;
   size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;
+  // f16 KV cache rows to f32 (exact for finite values).
+  void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n) = nullptr;
 };
 
 // The table for the active ISA (dl::active_isa()).

@@ -1,7 +1,13 @@
 // The paged KV pool (page allocation, refcounts, statistics) and block tables.
 #include "kv/pool.h"
 
+#include <algorithm>
 #include <cstring>
+#include <new>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#endif
 
 #include "core/errors.h"
 #include "kv/prefix_cache.h"
@@ -28,10 +34,32 @@ KVPool::KVPool(const KVGeometry& g, int64_t page_rows, int64_t max_pages)
     throw Error("KV pool too large: " + std::to_string(max_pages) + " pages of " + std::to_string((uint64_t)pb) +
                 " bytes");
   page_bytes_ = (size_t)pb;
-  data_.reserve((size_t)std::min<int64_t>(max_pages, 4096));
+  reserved_ = page_bytes_ * (size_t)max_pages;
+#if defined(__unix__) || defined(__APPLE__)
+  void* p = mmap(nullptr, reserved_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p != MAP_FAILED) {
+    base_ = (uint8_t*)p;
+    mapped_ = true;
+#ifdef MADV_HUGEPAGE
+    madvise(p, reserved_, MADV_HUGEPAGE);
+#endif
+  }
+#endif
+  if (!base_) {
+    base_ = (uint8_t*)::operator new(reserved_, std::nothrow);
+    if (!base_) throw Error("KV pool: cannot reserve " + std::to_string(reserved_) + " bytes");
+  }
 }
 
-KVPool::~KVPool() = default;
+KVPool::~KVPool() {
+#if defined(__unix__) || defined(__APPLE__)
+  if (mapped_) {
+    munmap(base_, reserved_);
+    return;
+  }
+#endif
+  ::operator delete(base_);
+}
 
 std::vector<int32_t> KVPool::alloc(int64_t n) {
   std::lock_guard<std::mutex> lk(mu_);
@@ -50,24 +78,26 @@ std::vector<int32_t> KVPool::alloc_locked(int64_t n) {
                              std::to_string(free_count_locked()) + " free of " + std::to_string(max_pages_) +
                              " (" + std::to_string(page_rows_) + " rows each)");
   out.reserve((size_t)n);
-  try {
-    while ((int64_t)out.size() < n) {
-      int32_t id;
-      if (!free_.empty()) {
-        id = free_.back();
-        free_.pop_back();
-      } else {
-        id = (int32_t)data_.size();
-        data_.emplace_back(new uint8_t[page_bytes_]);  // uninitialized: rows are written before read
-        refs_.push_back(0);
-        in_cache_.push_back(0);
-      }
-      refs_[(size_t)id] = 1;
-      out.push_back(id);
+  // The only allocations, made before any page changes hands; free_ never outgrows
+  // refs_, so giving a page back (decref) never allocates.
+  if (refs_.capacity() < refs_.size() + (size_t)n) {
+    const size_t cap = std::max(refs_.size() + (size_t)n, 2 * refs_.capacity());
+    refs_.reserve(cap);
+    in_cache_.reserve(cap);
+    free_.reserve(cap);
+  }
+  while ((int64_t)out.size() < n) {
+    int32_t id;
+    if (!free_.empty()) {
+      id = free_.back();
+      free_.pop_back();
+    } else {  // a page never used before: its memory is committed when first written
+      id = (int32_t)refs_.size();
+      refs_.push_back(0);
+      in_cache_.push_back(0);
     }
-  } catch (...) {
-    for (int32_t id : out) decref_locked(id);
-    throw;
+    refs_[(size_t)id] = 1;
+    out.push_back(id);
   }
   return out;
 }
@@ -102,7 +132,7 @@ PoolStats KVPool::stats_locked() const {
   s.page_rows = page_rows_;
   s.total = max_pages_;
   s.page_bytes = page_bytes_;
-  s.allocated = (int64_t)data_.size();
+  s.allocated = (int64_t)refs_.size();
   for (size_t i = 0; i < refs_.size(); ++i) {
     const int32_t r = refs_[i];
     if (r == 0) continue;

@@ -5,6 +5,7 @@
 // pages are refcounted (each session holding one and the prefix cache count once).
 // A flat session is the special case of one private page of n_ctx rows.
 #pragma once
+
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -27,7 +28,7 @@ struct KVGeometry {
 struct PoolStats {
   int64_t page_rows = 0, total = 0, free = 0, used = 0;
   int64_t by_sessions = 0, by_cache = 0, shared = 0;  // held by >= 1 session, by the cache, by both
-  int64_t allocated = 0;                              // pages whose memory exists (allocated lazily)
+  int64_t allocated = 0;                              // pages handed out at least once (memory committed on write)
   size_t page_bytes = 0;
 };
 
@@ -44,7 +45,7 @@ class KVPool {
   size_t page_bytes() const { return page_bytes_; }
   size_t k_off(int layer) const { return (size_t)layer * 2 * page_rows_ * geo_.row_bytes; }
   size_t v_off(int layer) const { return k_off(layer) + (size_t)page_rows_ * geo_.row_bytes; }
-  uint8_t* page_data(int32_t id) const { return data_[(size_t)id].get(); }
+  uint8_t* page_data(int32_t id) const { return base_ + (size_t)id * page_bytes_; }
 
   // n fresh pages (refcount 1 each), all or none: when the free list runs short the
   // bound prefix cache gives back unreferenced pages; then PoolExhaustedError.
@@ -64,7 +65,7 @@ class KVPool {
   bool cached_locked(int32_t id) const { return in_cache_[(size_t)id]; }
   PrefixCache* cache_locked() const { return cache_; }
   void bind_cache_locked(PrefixCache* c) { cache_ = c; }
-  int64_t free_count_locked() const { return (int64_t)free_.size() + (max_pages_ - (int64_t)data_.size()); }
+  int64_t free_count_locked() const { return (int64_t)free_.size() + (max_pages_ - (int64_t)refs_.size()); }
 
  private:
   KVGeometry geo_;
@@ -72,8 +73,13 @@ class KVPool {
   int page_shift_ = 0;
   size_t page_bytes_ = 0;
   mutable std::mutex mu_;
-  std::vector<std::unique_ptr<uint8_t[]>> data_;  // grows lazily up to max_pages
-  std::vector<int32_t> refs_;
+  // One address range for all pages, reserved up front: memory is committed by the
+  // OS as pages are first written, and large pages can back it (fewer TLB misses
+  // than separate allocations when attention streams a long context).
+  uint8_t* base_ = nullptr;
+  size_t reserved_ = 0;
+  bool mapped_ = false;
+  std::vector<int32_t> refs_;  // one per page handed out so far (the high-water mark)
   std::vector<uint8_t> in_cache_;
   std::vector<int32_t> free_;  // freed ids, reused first
   PrefixCache* cache_ = nullptr;  // not owned; the cache unbinds itself when it dies

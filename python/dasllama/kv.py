@@ -41,7 +41,7 @@ _MEDIA_SPAN = 2 ** 31 - 2  # media ids lie in [-2^31 + 1, -2]
 class PoolStats:
     """Pages of a pool: ``free + used == total``; ``by_sessions`` and ``by_cache`` count pages held
     by at least one session / by the prefix cache (``shared`` by both, so they may overlap);
-    ``allocated`` pages have memory (taken lazily)."""
+    ``allocated`` pages were handed out at least once (memory is committed as they are written)."""
 
     page_rows: int
     page_bytes: int
