@@ -312,3 +312,52 @@ if __name__ == "__main__":
     write_ultravox(ultravox(), os.path.join(out, "mmproj-ultravox-tiny.gguf"))
     write_whisper(whisper_encoder(), os.path.join(out, "mmproj-whisper-tiny.gguf"))
     write_qwen25_omni(qwen25_omni_audio(), os.path.join(out, "mmproj-qwen2.5o-tiny.gguf"))
+
+
+# -- the decoder side: the tiny model's language model as a qwen2 GGUF ------------------------------------
+
+# Chat specials put at the top of the tiny SentencePiece vocabulary (replacing pieces the pseudo-word
+# text never reaches), with <|AUDIO|> at AUDIO_TOKEN where the transformers model splices its rows.
+SPECIALS = {500: "<|AUDIO|>", 501: "<|audio_bos|>", 502: "<|audio_eos|>", 503: "<|im_start|>",
+            504: "<|im_end|>", 505: "[BEGIN_AUDIO]"}
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_vocab_proto() -> bytes:
+    """export.py's SentencePiece vocabulary with SPECIALS as control pieces."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import export
+
+    mp = pb.ModelProto()
+    mp.ParseFromString(export.spm_model_proto())
+    for i, text in SPECIALS.items():
+        mp.pieces[i].piece = text
+        mp.pieces[i].type = pb.ModelProto.SentencePiece.CONTROL
+        mp.pieces[i].score = 0.0
+    return mp.SerializeToString()
+
+
+def language_model(model):
+    """The audio model's decoder as a Qwen2ForCausalLM sharing its weights."""
+    from transformers import Qwen2ForCausalLM
+
+    tc = model.config.text_config
+    tc._attn_implementation = "eager"
+    lm = Qwen2ForCausalLM(tc)
+    lm.model.load_state_dict(model.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(model.lm_head.state_dict())
+    return lm.float().eval()
+
+
+def write_decoder(model, path, template: str = CHATML):
+    """The audio model's decoder as an f32 qwen2 GGUF with the chat vocabulary and ``template``."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import export
+
+    fam = export.Family("qwen2", lambda: None, gguf.MODEL_ARCH.QWEN2,
+                        extra_kv=lambda cfg, w: w.add_chat_template(template))
+    export.write_gguf(fam, language_model(model), str(path), "f32", chat_vocab_proto())
+    return path
