@@ -344,8 +344,11 @@ def language_model(model):
     """The audio model's decoder as a Qwen2ForCausalLM sharing its weights."""
     from transformers import Qwen2ForCausalLM
 
-    tc = model.config.text_config
+    import copy
+
+    tc = copy.deepcopy(model.config.text_config)
     tc._attn_implementation = "eager"
+    tc.max_position_embeddings = 32768  # room for a ten-minute clip (15000 rows); plain rope ignores it
     lm = Qwen2ForCausalLM(tc)
     lm.model.load_state_dict(model.model.language_model.state_dict())
     lm.lm_head.load_state_dict(model.lm_head.state_dict())

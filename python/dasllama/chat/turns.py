@@ -282,7 +282,7 @@ def _new_chat(model: Model, session: Optional[Session], system: str, max_new: in
 
 
 def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int = 256,
-                kv_dtype: KVDtype = KVDtype.f16, pool: Any = None, cache: Any = None) -> ChatSession:
+                kv_dtype: KVDtype = KVDtype.f16, pool: Any = None, cache: Any = None, n_ctx: int = 0) -> ChatSession:
     """Start a conversation over ``model``: its template (GGUF-embedded, else the family default) and a session.
 
     ``tower`` (an AudioTower / AudioEmbedder whose rows are the decoder's width) lets the chat hear:
@@ -290,7 +290,8 @@ def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int 
     reply, ``kv_dtype`` the KV codec. With ``pool`` (a KVPool) the session is paged over it, and
     with ``cache`` (its PrefixCache) each turn attaches what the cache holds of its prompt -- media
     spans included -- and donates its pages when it ends, so another conversation with the same
-    clip neither encodes nor prefills it. ``create_chat(model, "system prompt")`` still works.
+    clip neither encodes nor prefills it. ``n_ctx`` sizes the session (0: the session default; a
+    ten-minute clip is ~15000 rows on qwen2a). ``create_chat(model, "system prompt")`` still works.
     """
     if isinstance(tower, str):  # the text-only positional form create_chat(model, system, max_new, kv_dtype)
         tower, system, max_new, kv_dtype = None, tower, (max_new if system == "" else system), \
@@ -308,9 +309,9 @@ def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int 
     if pool is not None:
         if pool.model is not model:
             raise ValueError("the pool was made for another model")
-        session = llm.create_session(model, pool=pool)
+        session = llm.create_session(model, pool=pool, n_ctx=n_ctx)
     else:
-        session = llm.create_session(model, KVDtype(kv_dtype))
+        session = llm.create_session(model, KVDtype(kv_dtype), n_ctx)
     chat = _new_chat(model, session, system, max_new)
     chat.tower, chat.pool, chat.cache = tower, pool, cache
     return chat
@@ -588,6 +589,8 @@ def add_user_span(model: Model, chat: ChatSession, key, n_rows: int, text_before
         raise ValueError(f"text_before={text_before} is outside the message's {nb} bytes")
     if int(n_rows) < 1:
         raise ValueError("a span needs at least one row")
+    from .media import framing_for
+
     if is_image:
         open_, close = "", ""  # no vision family is served: an image span renders bare
     else:
