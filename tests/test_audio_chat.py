@@ -355,3 +355,35 @@ def test_audio_turn_logits_match_transformers(pair, clip, text):
     d.respond(model, chat, None, first.append)
     top = int(np.argmax(ref))
     assert top in chat.stop_ids or first[0] == d.piece(model, top)
+
+
+# -- CLI and example --------------------------------------------------------------------------------------
+
+def test_cli_chat_with_audio(pair, clip, tmp_path, capsys):
+    import soundfile as sf
+
+    from dasllama.cli import main
+
+    wav = tmp_path / "clip.wav"
+    sf.write(wav, clip, SR)
+    assert main(["chat", "What is said?", "--model", str(pair["decoder"]), "--mmproj", str(pair["mmproj"]),
+                 "--audio", str(wav), "--max-tokens", "4", "--mode", "fp32"]) == 0
+    out = capsys.readouterr().out
+    chat = d.create_chat(pair["model"], pair["tower"], max_new=4)
+    d.add_user_audio(chat, str(wav), "What is said?")
+    assert out == d.respond(pair["model"], chat) + "\n"
+    assert main(["chat", "x", "--model", str(pair["decoder"]), "--audio", str(wav)]) == 2
+    assert main(["chat", "x", "--model", str(pair["decoder"]), "--mmproj", str(pair["mmproj"]),
+                 "--audio", str(tmp_path / "missing.wav")]) == 2
+
+
+def test_example_runs(pair, clip, tmp_path):
+    import runpy
+
+    import soundfile as sf
+
+    wav = tmp_path / "clip.wav"
+    sf.write(wav, clip, SR)
+    ex = os.path.join(os.path.dirname(__file__), "..", "examples", "audio_chat.py")
+    mod = runpy.run_path(ex)
+    assert mod["main"]([str(pair["decoder"]), str(pair["mmproj"]), str(wav)]) == 0
