@@ -387,3 +387,54 @@ def test_example_runs(pair, clip, tmp_path):
     ex = os.path.join(os.path.dirname(__file__), "..", "examples", "audio_chat.py")
     mod = runpy.run_path(ex)
     assert mod["main"]([str(pair["decoder"]), str(pair["mmproj"]), str(wav)]) == 0
+
+
+def test_scheduler_shape_render_attach_prefill(pair, clip):
+    """What a server does per request: render with a renderer chat (history replayed, no KV), attach
+    through the prefix cache, prefill the rest with prefill_media_body, decode, donate."""
+    model, tower = pair["model"], pair["tower"]
+    pool = d.create_kv_pool(model, page_rows=1)
+    cache = d.create_prefix_cache()
+
+    def request(question, history=()):
+        r = d.create_chat_renderer(model, tower=tower)
+        prompt = []
+        for q, a in history:
+            d.add_user_audio(r, clip, q)
+            prompt += d.render_assistant(model, r, a)
+        d.add_user(r, question)
+        prompt += d.render_turn(model, r)
+        s = d.create_session(model, pool)
+        n = d.prefix_attach(cache, pool, s, prompt)
+        c = d.prefill_media_body(model, s, r, prompt[n:-1])
+        out = []
+        d.generate(model, s, prompt[-1:], None, 6, lambda i, p: out.append(p), stop_ids=r.stop_ids)
+        d.prefix_insert(cache, pool, s, s.history)
+        d.release_kv_pages(s)
+        return "".join(out), c, prompt
+
+    M.ROW_CACHE.clear()
+    r = d.create_chat_renderer(model, tower=tower)
+    d.add_user_audio(r, clip, "What is said?")
+    ids = d.render_turn(model, r)
+    assert d.audio_cache_stats()["encodes"] == 0  # rendering keys and counts the clip, encodes nothing
+    # Request 1 carries the clip in its first user message.
+    r1 = d.create_chat_renderer(model, tower=tower)
+    d.add_user_audio(r1, clip, "What is said?")
+    prompt1 = d.render_turn(model, r1)
+    assert prompt1 == ids
+    s = d.create_session(model, pool)
+    c1 = d.prefill_media_body(model, s, r1, prompt1[:-1])
+    out1 = []
+    d.generate(model, s, prompt1[-1:], None, 6, lambda i, p: out1.append(p), stop_ids=r1.stop_ids)
+    d.prefix_insert(cache, pool, s, s.history)
+    d.release_kv_pages(s)
+    assert c1["encodes"] == 1 and c1["media_rows_prefilled"] == sum(t < 0 for t in ids)
+    # Request 2 replays that exchange and asks again: the clip is attached, not encoded nor prefilled.
+    reply2, c2, prompt2 = request("And who speaks?", [("What is said?", "".join(out1))])
+    assert c2["encodes"] == 0 and c2["media_rows_prefilled"] == 0
+    chat = d.create_chat(model, tower, max_new=6)
+    d.add_user_audio(chat, clip, "What is said?")
+    d.add_assistant(model, chat, "".join(out1))
+    d.add_user(chat, "And who speaks?")
+    assert d.respond(model, chat) == reply2

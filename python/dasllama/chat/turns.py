@@ -317,9 +317,38 @@ def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int 
     return chat
 
 
-def create_chat_renderer(model: Model, system: str = "", max_new: int = 256) -> ChatSession:
-    """create_chat's render-only twin: template, stops and turn close, but no KV session."""
-    return _new_chat(model, None, system, max_new)
+def create_chat_renderer(model: Model, system: str = "", max_new: int = 256, tower: Any = None) -> ChatSession:
+    """create_chat's render-only twin: template, stops and turn close, but no KV session.
+
+    With ``tower`` it renders audio turns too (add_user_audio keys and counts a clip without encoding
+    it); a scheduler then prefills the rendered ids with :func:`prefill_media_body`."""
+    chat = _new_chat(model, None, system, max_new)
+    if tower is not None:
+        from ..audio import AudioEmbedder
+
+        if not isinstance(tower, AudioEmbedder):
+            raise TypeError(f"tower must be an AudioTower or AudioEmbedder, got {type(tower).__name__}")
+        if tower.proj_dim != model.config.dim:
+            raise ValueError(f"the audio tower writes {tower.proj_dim}-wide rows but the decoder's embedding width "
+                             f"is {model.config.dim}: this mmproj belongs to another model")
+        chat.tower = tower
+    return chat
+
+
+def prefill_media_body(model: Model, session: Session, chat: ChatSession, ids: List[int]) -> Dict[str, int]:
+    """Prefill ``ids`` -- a slice of a rendered prompt of ``chat`` (tokens and its spans' media ids) --
+    at ``session``'s position in one call, encoding a span's clip only if its rows are needed (through
+    the tower-output cache). For schedulers: render with a renderer chat, ``prefix_attach`` the prompt,
+    then prefill ``ids[matched:]`` here. Returns this call's counters (rows, media rows, encodes)."""
+    _same(model, chat)
+    llm._check(model, session)
+    from . import media
+
+    c = {"rows_prefilled": 0, "media_rows_prefilled": 0, "rows_attached": 0, "encodes": 0}
+    before = media.ROW_CACHE.encodes
+    media.prefill(model, session, chat.spans, [int(t) for t in ids], c)
+    c["encodes"] = media.ROW_CACHE.encodes - before
+    return c
 
 
 def add_user(chat: ChatSession, text: str) -> None:
