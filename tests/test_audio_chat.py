@@ -414,10 +414,11 @@ def test_scheduler_shape_render_attach_prefill(pair, clip):
         return "".join(out), c, prompt
 
     M.ROW_CACHE.clear()
+    enc0 = d.audio_cache_stats()["encodes"]
     r = d.create_chat_renderer(model, tower=tower)
     d.add_user_audio(r, clip, "What is said?")
     ids = d.render_turn(model, r)
-    assert d.audio_cache_stats()["encodes"] == 0  # rendering keys and counts the clip, encodes nothing
+    assert d.audio_cache_stats()["encodes"] == enc0  # rendering keys and counts the clip, encodes nothing
     # Request 1 carries the clip in its first user message.
     r1 = d.create_chat_renderer(model, tower=tower)
     d.add_user_audio(r1, clip, "What is said?")
@@ -438,3 +439,17 @@ def test_scheduler_shape_render_attach_prefill(pair, clip):
     d.add_assistant(model, chat, "".join(out1))
     d.add_user(chat, "And who speaks?")
     assert d.respond(model, chat) == reply2
+
+
+def test_create_chat_keeps_the_text_only_positional_form(pair):
+    model = pair["model"]
+    c = d.create_chat(model, "Be brief.", 7, d.KVDtype.f32)
+    assert c.system == "Be brief." and c.max_new == 7 and c.session.kv_dtype == d.KVDtype.f32 and c.tower is None
+    c = d.create_chat(model, "Be brief.", 5)
+    assert c.max_new == 5 and c.session.kv_dtype == d.KVDtype.f16
+    c = d.create_chat(model, pair["tower"], "Be brief.", 3)
+    assert c.tower is pair["tower"] and c.system == "Be brief." and c.max_new == 3
+    with pytest.raises(TypeError):
+        d.create_chat(model, object())
+    with pytest.raises(ValueError, match="pool"):
+        d.create_chat(model, cache=d.create_prefix_cache())

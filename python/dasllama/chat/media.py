@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,7 +26,13 @@ import numpy as np
 
 from ..kv import media_ids
 
-_SENTINEL_RE = re.compile("\u2063dasllama-media-(\\d+)\u2063")
+# A per-process nonce in the sentinel: text a user types cannot name a span.
+_NONCE = secrets.token_hex(8)
+_SENTINEL_RE = re.compile("\u2063dasllama-media-" + _NONCE + "-(\\d+)\u2063")
+
+
+def sentinel(span_id: int) -> str:
+    return f"\u2063dasllama-media-{_NONCE}-{int(span_id)}\u2063"
 
 # Framing per tower family, as llama.cpp's mtmd writes it (tools/mtmd/mtmd.cpp: the audio begin / end
 # strings per projector): qwen2a / qwen2.5o wrap the rows, voxtral opens them, ultravox splices bare.
@@ -79,8 +86,6 @@ class Span:
             c = self.__dict__["_ids"] = media_ids(self.key, self.n)
         return c
 
-    def sentinel(self) -> str:
-        return f"\u2063dasllama-media-{self.id}\u2063"
 
 
 # -- the tower's output, cached by content key ------------------------------------------------------------

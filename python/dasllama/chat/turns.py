@@ -109,13 +109,15 @@ def _with_sentinels(m: Dict[str, Any]) -> Dict[str, Any]:
     m = {k: v for k, v in m.items() if not k.startswith("_")}
     media = m.pop("media", None)
     if media:
+        from .media import sentinel
+
         text = m.get("content") or ""
         raw = text.encode("utf-8")
         out, last = [], 0
         for sp in sorted(media, key=lambda x: x["at"]):  # stable: clips at one offset keep their order
             at = min(int(sp["at"]), len(raw))
             out.append(raw[last:at].decode("utf-8", errors="replace"))
-            out.append(f"\u2063dasllama-media-{int(sp['span'])}\u2063")
+            out.append(sentinel(sp["span"]))
             last = at
         out.append(raw[last:].decode("utf-8", errors="replace"))
         m["content"] = "".join(out)
@@ -294,8 +296,10 @@ def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int 
     ten-minute clip is ~15000 rows on qwen2a). ``create_chat(model, "system prompt")`` still works.
     """
     if isinstance(tower, str):  # the text-only positional form create_chat(model, system, max_new, kv_dtype)
-        tower, system, max_new, kv_dtype = None, tower, (max_new if system == "" else system), \
-            (kv_dtype if system == "" else max_new)
+        tower, sys_prompt = None, tower
+        if not isinstance(system, str):  # positional max_new (and maybe kv_dtype) shifted one place right
+            max_new, kv_dtype = system, (max_new if isinstance(max_new, KVDtype) else kv_dtype)
+        system = sys_prompt
     if tower is not None:
         from ..audio import AudioEmbedder
 
