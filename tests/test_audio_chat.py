@@ -10,8 +10,8 @@ KV cache (f16 KV alone moves them by ~3e-4). It is test_families.py's fp32 bar: 
 measures 1e-6..5e-6 there; the tower's rows are within 1e-4 of their peak by test_audio_tower.py's
 bar (observed ~2e-6 on these clips: the mel input and summation order), and the RMS-normed decoder
 passes a relative input error through at about its size. A misplaced span, a wrong row count or a
-missing marker moves the logits by > 1e-1 of the peak. Observed: 5e-7 (4.4 s clip, 44 rows) and
-8e-7 (0.1 s, 2 rows) of the peak.
+missing marker moves the logits by > 1e-1 of the peak. Observed: 5.2e-7 (Qwen2-Audio, speech clip),
+5.4e-7 (Qwen2-Audio, 0.1 s) and 4.9e-7 (Voxtral, 375 rows) of the peak.
 """
 from __future__ import annotations
 
@@ -453,3 +453,35 @@ def test_create_chat_keeps_the_text_only_positional_form(pair):
         d.create_chat(model, object())
     with pytest.raises(ValueError, match="pool"):
         d.create_chat(model, cache=d.create_prefix_cache())
+
+
+def test_voxtral_turn_logits_match_transformers(clip, tmp_path):
+    """A Voxtral pair (its llama decoder + its tower): the chat's turn against VoxtralForConditionalGeneration.
+
+    VoxtralProcessor needs mistral-common's tokenizer, which is not installed here, so the input is
+    built as that processor lays it out -- [INST][BEGIN_AUDIO], 375 [AUDIO] ids per 30 s window, the
+    text, [/INST] -- from our rendered ids, with WhisperFeatureExtractor's 30 s features. Bar as above."""
+    import torch
+
+    vm = A.voxtral()
+    mm = A.write_voxtral(vm, tmp_path / "mmproj-voxtral.gguf")
+    dec = A.write_decoder(vm, tmp_path / "decoder-voxtral.gguf", A.VOXTRAL_TEMPLATE, A.VOXTRAL_SPECIALS)
+    model = d.load_model(dec, d.QuantMode.fp32)
+    tower = d.load_audio_tower(mm)
+    chat = d.create_chat(model, tower, max_new=1, kv_dtype=d.KVDtype.f32)
+    n = d.add_user_audio(chat, clip, "What is said?")
+    turn = d.render_turn(model, chat)
+    head, tail = d.render_turn_audio(model, chat)
+    assert n == 375 and head == [506, 505] and tail[-1] == 507
+    ids = torch.tensor([[A.AUDIO_TOKEN if t < 0 else t for t in turn]])
+    with torch.no_grad():
+        ref = vm(input_ids=ids, input_features=A._features(clip, 128)).logits[0, -1].numpy()
+    s = d.create_session(model, d.KVDtype.f32)
+    body = d.media_body_rows(model, s, head, d.encode_audio_rows(tower, clip), n, model.config.dim, tail)
+    d.eval_embd_body(model, s, body, len(turn), ids=turn)
+    err = float(np.abs(s.logits - ref).max())
+    assert err <= LOGIT_REL * float(np.abs(ref).max()), f"max abs error {err:.3g} of peak {np.abs(ref).max():.3g}"
+    first = []
+    d.respond(model, chat, None, first.append)
+    top = int(np.argmax(ref))
+    assert top in chat.stop_ids or first[0] == d.piece(model, top)

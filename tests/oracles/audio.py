@@ -324,8 +324,13 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def chat_vocab_proto() -> bytes:
-    """export.py's SentencePiece vocabulary with SPECIALS as control pieces."""
+VOXTRAL_SPECIALS = {**SPECIALS, 506: "[INST]", 507: "[/INST]"}
+VOXTRAL_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+                    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
+
+
+def chat_vocab_proto(specials=None) -> bytes:
+    """export.py's SentencePiece vocabulary with ``specials`` (default SPECIALS) as control pieces."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -333,7 +338,7 @@ def chat_vocab_proto() -> bytes:
 
     mp = pb.ModelProto()
     mp.ParseFromString(export.spm_model_proto())
-    for i, text in SPECIALS.items():
+    for i, text in (specials or SPECIALS).items():
         mp.pieces[i].piece = text
         mp.pieces[i].type = pb.ModelProto.SentencePiece.CONTROL
         mp.pieces[i].score = 0.0
@@ -341,26 +346,30 @@ def chat_vocab_proto() -> bytes:
 
 
 def language_model(model):
-    """The audio model's decoder as a Qwen2ForCausalLM sharing its weights."""
-    from transformers import Qwen2ForCausalLM
-
+    """The audio model's decoder as a Qwen2ForCausalLM / LlamaForCausalLM sharing its weights."""
     import copy
+
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     tc = copy.deepcopy(model.config.text_config)
     tc._attn_implementation = "eager"
     tc.max_position_embeddings = 32768  # room for a ten-minute clip (15000 rows); plain rope ignores it
-    lm = Qwen2ForCausalLM(tc)
+    lm = (Qwen2ForCausalLM if tc.model_type == "qwen2" else LlamaForCausalLM)(tc)
     lm.model.load_state_dict(model.model.language_model.state_dict())
     lm.lm_head.load_state_dict(model.lm_head.state_dict())
     return lm.float().eval()
 
 
-def write_decoder(model, path, template: str = CHATML):
-    """The audio model's decoder as an f32 qwen2 GGUF with the chat vocabulary and ``template``."""
+def write_decoder(model, path, template: str = CHATML, specials=None):
+    """The audio model's decoder as an f32 GGUF (qwen2, or llama for Voxtral) with the chat vocabulary
+    (``specials`` as control pieces) and ``template``."""
     sys.path.insert(0, os.path.dirname(__file__))
     import export
 
-    fam = export.Family("qwen2", lambda: None, gguf.MODEL_ARCH.QWEN2,
+    lm = language_model(model)
+    llama = lm.config.model_type != "qwen2"
+    fam = export.Family("llama" if llama else "qwen2", lambda: None,
+                        gguf.MODEL_ARCH.LLAMA if llama else gguf.MODEL_ARCH.QWEN2, permute_qk=llama,
                         extra_kv=lambda cfg, w: w.add_chat_template(template))
-    export.write_gguf(fam, language_model(model), str(path), "f32", chat_vocab_proto())
+    export.write_gguf(fam, lm, str(path), "f32", chat_vocab_proto(specials))
     return path
