@@ -130,6 +130,8 @@ def test_width_mismatch_and_bad_input(pair, tmp_path):
         d.add_user_audio(chat, str(tmp_path / "missing.wav"))
     with pytest.raises(TypeError):
         d.add_user_audio(chat, 12)
+    with pytest.raises(ValueError, match="too short"):
+        d.add_user_audio(chat, np.zeros(0, np.float32))
     with pytest.raises(ValueError, match="NaN"):
         d.add_user_audio(chat, np.full(160, np.nan, np.float32))
     with pytest.raises(ValueError, match="wide"):

@@ -570,6 +570,8 @@ def add_user_audio(chat: ChatSession, audio, text: str = "") -> int:
     x = load_audio(audio)
     tower = chat.tower
     n = tower.n_rows(x.shape[0])
+    if n < 1:  # an empty span would leave bare markers; the processor's count is 0 here too
+        raise ValueError(f"the clip ({x.shape[0]} samples) is too short to make any {tower.family} rows")
     open_, close = FAMILY_FRAMING.get(tower.family, ("", ""))
     sp = _new_span(chat, clip_key(tower, x), n, open_, close, source=(tower, x))
     _queue_head(chat, sp)
