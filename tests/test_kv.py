@@ -387,8 +387,10 @@ def test_media_ids_and_cached_media_span(m32):
     before = d.prefix_held_groups(cache)
     d.prefix_insert(cache, pool, c, c.history)
     assert d.prefix_held_groups(cache) == before + 2  # the two token pages only
+    with pytest.raises(ValueError):  # a row id is a media id (< 0) or a token id of the vocab
+        d.eval_embd(m32, c, rows, 12, ids=[m32.config.vocab_size] * 12)
     with pytest.raises(ValueError):
-        d.eval_embd(m32, c, rows, 12, ids=[5] * 12)
+        d.eval_embd(m32, c, rows, 12, ids=[-3] * 11)
 
 
 def test_lru_budget_evicts_unreferenced_leaves(mq8):

@@ -203,6 +203,7 @@ void bind_model(py::module_& m) {
         [](Session& s, py::array_t<float, py::array::c_style | py::array::forcecast> embd, int64_t npos,
            const std::vector<int64_t>& ids) {
           const int64_t D = s.model().config().dim;
+          const int64_t D_vocab = s.model().config().vocab_size;
           if (npos < 0 || embd.size() < npos * D)
             throw py::value_error("embd holds " + std::to_string(embd.size()) + " floats; npos x dim = " +
                                   std::to_string(npos * D));
@@ -212,7 +213,8 @@ void bind_model(py::module_& m) {
               throw py::value_error("eval_embd: " + std::to_string(ids.size()) + " media ids for " +
                                     std::to_string(npos) + " rows");
             for (int64_t v : ids) {
-              if (v >= 0 || v < INT32_MIN) throw py::value_error("media ids are negative int32 values");
+              if (v >= D_vocab || v < INT32_MIN)
+                throw py::value_error("eval_embd: row ids are negative media ids or token ids below the vocab size");
               mid.push_back((int32_t)v);
             }
           }

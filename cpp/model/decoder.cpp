@@ -29,9 +29,13 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
       if (tokens[i] < 0 || tokens[i] >= cfg_.vocab_size)
         throw Error("token id " + std::to_string(tokens[i]) + " out of range [0, " + std::to_string(cfg_.vocab_size) +
                     ")");
+  // Row ids of an embedding prefill: negative media ids, or the token id a text row was embedded
+  // from (a one-body turn), so the history -- and the prefix cache -- name every row.
   if (media_ids)
     for (int64_t i = 0; i < n; ++i)
-      if (media_ids[i] >= 0) throw Error("media ids must be negative");
+      if (media_ids[i] >= cfg_.vocab_size)
+        throw Error("row id " + std::to_string(media_ids[i]) + " out of range (a media id < 0 or a token id < " +
+                    std::to_string(cfg_.vocab_size) + ")");
   std::lock_guard<std::mutex> lk(mu_);
   // Pages first: a full pool refuses here, with the session unchanged.
   s.kv_->prepare_write(s.n_past_, s.n_past_ + n);

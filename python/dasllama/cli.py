@@ -162,7 +162,7 @@ def _cmd_run(args) -> int:
     return 0
 
 
-_CHAT_HELP = "commands: /reset  /save FILE  /load FILE  /exit  (Ctrl-D leaves)"
+_CHAT_HELP = "commands: /reset  /save FILE  /load FILE  /audio FILE (with --mmproj)  /exit  (Ctrl-D leaves)"
 
 
 def _history_file():
@@ -173,7 +173,17 @@ def _cmd_chat(args) -> int:
     import dasllama as d
 
     model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads)
-    chat = d.create_chat(model, system=args.system, max_new=args.max_tokens)
+    if args.audio and not args.mmproj:
+        print("error: --audio needs the model's audio tower (--mmproj FILE)", file=sys.stderr)
+        return 2
+    tower = d.load_audio_tower(args.mmproj, n_threads=args.threads) if args.mmproj else None
+    try:
+        chat = d.create_chat(model, tower, system=args.system, max_new=args.max_tokens)
+        for clip in args.audio or []:
+            d.add_user_audio(chat, clip)  # queued at the head of the first turn
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     params = d.SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
 
     def reply() -> None:
@@ -234,6 +244,16 @@ def _cmd_chat(args) -> int:
                     print(f"(cannot load: {e})")
                     continue
                 print(f"(loaded {sum(m['role'] == 'user' for m in chat.history)} turns from {arg.strip()})")
+            elif cmd == "/audio":
+                if tower is None or not arg.strip():
+                    print("usage: /audio FILE (start the chat with --mmproj FILE)")
+                    continue
+                try:
+                    n = d.add_user_audio(chat, arg.strip())
+                except (OSError, ValueError) as e:
+                    print(f"(cannot load: {e})")
+                    continue
+                print(f"(clip queued: {n} rows; ask about it)")
             elif cmd == "/help" or (cmd.startswith("/") and " " not in cmd and len(cmd) > 1):
                 print(_CHAT_HELP)
             else:
@@ -314,6 +334,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=_cmd_run)
     sp = sub.add_parser("chat", help="chat with a model: one question, or an interactive session without one")
     sp.add_argument("question", nargs="?", default=None, help="ask once and exit (no question: interactive)")
+    sp.add_argument("--mmproj", default=None, help="audio tower GGUF (llama.cpp mmproj layout) of the model")
+    sp.add_argument("--audio", action="append", default=None, metavar="FILE",
+                    help="a clip (WAV / FLAC / MP3 / OGG) heard before the first question; repeatable")
     _add_sampling(sp)
     sp.set_defaults(func=_cmd_chat)
     sp = sub.add_parser("quantize", help="rewrite a GGUF with its matrices in another block format")

@@ -267,17 +267,90 @@ def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
     _core.eval_batch([s._s for s in sessions], flat, counts)
 
 
-def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int,
+def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int, non_causal: bool = False,
               ids: Optional[Sequence[int]] = None) -> None:
-    """eval's embedding-row twin: prefill ``npos`` rows of ``dim`` floats.
+    """eval's embedding-row twin: prefill ``npos`` rows of ``dim`` floats (token-major) and advance.
 
-    ``ids`` (negative, one per row; see :func:`~dasllama.media_ids`) name the rows in
-    ``session.history`` so the prefix cache can match them later; without them the rows
-    are recorded as -1, which is never cached.
+    ``ids`` (one per row) name the rows in ``session.history``: negative media ids (see
+    :func:`~dasllama.media_ids`) for media rows, or the token id a text row was embedded from,
+    so the prefix cache and the chat layer match them later; without them the rows are recorded
+    as -1, which is never cached. Audio rows are causal; ``non_causal`` (an image span attending
+    itself whole) is refused: no vision family is served yet.
     """
     _check(model, session)
-    _core.eval_embd(session._s, np.ascontiguousarray(embd, dtype=np.float32).reshape(-1), int(npos),
-                    [int(i) for i in ids] if ids is not None else [])
+    if non_causal:
+        raise NotImplementedError("non-causal embedding spans (vision) are not served yet; audio rows are causal")
+    x = _rows(model, embd, npos)
+    _core.eval_embd(session._s, x, int(npos), [int(i) for i in ids] if ids is not None else [])
+
+
+def _rows(model: Model, embd, npos: int) -> np.ndarray:
+    x = np.asarray(embd)
+    if x.dtype != np.float32:
+        raise TypeError(f"embedding rows must be float32, got dtype {x.dtype}")
+    if int(npos) < 0:
+        raise ValueError("npos must be >= 0")
+    if x.ndim == 2 and x.shape[1] != model.config.dim:
+        raise ValueError(f"rows are {x.shape[1]} wide but the model's embedding width is {model.config.dim}")
+    if x.size < int(npos) * model.config.dim:
+        raise ValueError(f"embd holds {x.size} floats; npos x dim = {int(npos) * model.config.dim}")
+    return np.ascontiguousarray(x).reshape(-1)
+
+
+def embed_text_rows(model: Model, tokens: Sequence[int], out: Optional[np.ndarray] = None,
+                    offset: int = 0) -> np.ndarray:
+    """The embedding rows ``eval`` would prefill for ``tokens``: float32 ``(len(tokens), dim)``
+    (with gemma's sqrt(dim) scale). With ``out`` they are written into it from row ``offset``."""
+    rows = model._m.embed_tokens([int(t) for t in tokens])
+    if out is None:
+        return rows
+    view = np.asarray(out).reshape(-1, model.config.dim)
+    view[int(offset):int(offset) + rows.shape[0]] = rows
+    return out
+
+
+def media_body_rows(model: Model, session: Optional[Session], head: Sequence[int], rows: np.ndarray, n: int,
+                    dim: int, tail: Sequence[int], out: Optional[np.ndarray] = None) -> np.ndarray:
+    """One body of rows for a turn with one media span: ``head``'s text rows, the ``n`` media
+    ``rows`` (``dim`` wide, which must be the model's width), then ``tail``'s text rows:
+    float32 ``(len(head) + n + len(tail), dim)``. ``session`` is unused (kept for the reference's
+    signature: a per-layer-input family would record ids on it). Prefill with :func:`eval_embd_body`."""
+    if session is not None:
+        _check(model, session)
+    if int(dim) != model.config.dim:
+        raise ValueError(f"media rows are {dim} wide but the model's embedding width is {model.config.dim}")
+    r = _rows(model, rows, n).reshape(-1, model.config.dim)[:int(n)]
+    body = np.concatenate([embed_text_rows(model, head), r, embed_text_rows(model, tail)]) \
+        if (len(head) or len(tail)) else r.copy()
+    if out is not None:
+        np.asarray(out).reshape(-1, model.config.dim)[:body.shape[0]] = body
+        return out
+    return body
+
+
+def eval_embd_body(model: Model, session: Session, body: np.ndarray, n_total: int, span_lo: int = 0,
+                   span_hi: int = 0, ids: Optional[Sequence[int]] = None) -> None:
+    """Prefill a body of :func:`media_body_rows` in one call. ``(span_lo, span_hi)`` is a non-causal
+    image span; (0, 0) -- the only one served -- keeps every row causal, as audio wants. ``ids`` (the
+    rendered turn: token ids and media ids) name the rows in the session's history."""
+    if int(span_lo) != int(span_hi):
+        raise NotImplementedError("non-causal embedding spans (vision) are not served yet; audio rows are causal")
+    eval_embd(model, session, body, n_total, ids=ids)
+
+
+def generate_embd(model: Model, session: Session, embd: np.ndarray, npos: int,
+                  params: Optional[SamplingParams] = None, max_tokens: int = 256,
+                  on_token: Optional[Callable[[int, str], Optional[bool]]] = None,
+                  stop_ids: Optional[Sequence[int]] = None, special: bool = False,
+                  ids: Optional[Sequence[int]] = None) -> int:
+    """generate's embedding-prefill twin: prefill ``npos`` rows (see :func:`eval_embd`), then sample
+    exactly as :func:`generate` does. Over :func:`embed_text_rows` of a prompt it is the same
+    computation as ``generate(prompt)``: the rows are the ones the token path embeds.
+    ``stats(session).n_prompt`` counts only what the sampling call prefilled (0 here)."""
+    if int(npos) < 1:
+        raise ValueError("generate_embd needs at least one row")
+    eval_embd(model, session, embd, npos, ids=ids)
+    return generate(model, session, [], params, max_tokens, on_token, stop_ids, special)
 
 
 def sample(session: Session, params: Optional[SamplingParams] = None) -> int:

@@ -312,3 +312,64 @@ if __name__ == "__main__":
     write_ultravox(ultravox(), os.path.join(out, "mmproj-ultravox-tiny.gguf"))
     write_whisper(whisper_encoder(), os.path.join(out, "mmproj-whisper-tiny.gguf"))
     write_qwen25_omni(qwen25_omni_audio(), os.path.join(out, "mmproj-qwen2.5o-tiny.gguf"))
+
+
+# -- the decoder side: the tiny model's language model as a qwen2 GGUF ------------------------------------
+
+# Chat specials put at the top of the tiny SentencePiece vocabulary (replacing pieces the pseudo-word
+# text never reaches), with <|AUDIO|> at AUDIO_TOKEN where the transformers model splices its rows.
+SPECIALS = {500: "<|AUDIO|>", 501: "<|audio_bos|>", 502: "<|audio_eos|>", 503: "<|im_start|>",
+            504: "<|im_end|>", 505: "[BEGIN_AUDIO]"}
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+VOXTRAL_SPECIALS = {**SPECIALS, 506: "[INST]", 507: "[/INST]"}
+VOXTRAL_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+                    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
+
+
+def chat_vocab_proto(specials=None) -> bytes:
+    """export.py's SentencePiece vocabulary with ``specials`` (default SPECIALS) as control pieces."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import export
+
+    mp = pb.ModelProto()
+    mp.ParseFromString(export.spm_model_proto())
+    for i, text in (specials or SPECIALS).items():
+        mp.pieces[i].piece = text
+        mp.pieces[i].type = pb.ModelProto.SentencePiece.CONTROL
+        mp.pieces[i].score = 0.0
+    return mp.SerializeToString()
+
+
+def language_model(model):
+    """The audio model's decoder as a Qwen2ForCausalLM / LlamaForCausalLM sharing its weights."""
+    import copy
+
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    tc = copy.deepcopy(model.config.text_config)
+    tc._attn_implementation = "eager"
+    tc.max_position_embeddings = 32768  # room for a ten-minute clip (15000 rows); plain rope ignores it
+    lm = (Qwen2ForCausalLM if tc.model_type == "qwen2" else LlamaForCausalLM)(tc)
+    lm.model.load_state_dict(model.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(model.lm_head.state_dict())
+    return lm.float().eval()
+
+
+def write_decoder(model, path, template: str = CHATML, specials=None):
+    """The audio model's decoder as an f32 GGUF (qwen2, or llama for Voxtral) with the chat vocabulary
+    (``specials`` as control pieces) and ``template``."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import export
+
+    lm = language_model(model)
+    llama = lm.config.model_type != "qwen2"
+    fam = export.Family("llama" if llama else "qwen2", lambda: None,
+                        gguf.MODEL_ARCH.LLAMA if llama else gguf.MODEL_ARCH.QWEN2, permute_qk=llama,
+                        extra_kv=lambda cfg, w: w.add_chat_template(template))
+    export.write_gguf(fam, lm, str(path), "f32", chat_vocab_proto(specials))
+    return path

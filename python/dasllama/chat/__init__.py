@@ -4,11 +4,15 @@ from .reasoning import (ThinkSplit, ThinkStream, effective_stop_ids, make_think_
 from .template import TemplateError, default_template, render_messages, render_prompt
 from .tools import (ToolCall, ToolReply, add_assistant_calls, add_tool_results, parse_calls,
                     render_assistant_calls, set_tools)
-from .turns import (ChatSession, LlmCaps, add_assistant, add_user, caps, create_chat, create_chat_renderer,
-                    load_transcript, render_assistant, render_close, render_turn, reset, respond,
-                    save_transcript, stream_respond)
+from .media import audio_cache_stats, audio_span_bare
+from .turns import (ChatSession, LlmCaps, add_assistant, add_user, add_user_audio, add_user_audio_rows,
+                    add_user_span, caps, create_chat, create_chat_renderer, load_transcript, prefill_media_body,
+                    render_assistant, render_close, render_turn, render_turn_audio, reset, respond, save_transcript,
+                    stream_respond)
 
 __all__ = [
+    "add_user_audio", "add_user_audio_rows", "add_user_span", "audio_cache_stats", "audio_span_bare",
+    "render_turn_audio", "prefill_media_body",
     "ChatSession", "LlmCaps", "TemplateError", "ThinkSplit", "ThinkStream", "ToolCall", "ToolReply",
     "add_assistant", "add_assistant_calls", "add_tool_results", "add_user", "caps", "create_chat",
     "create_chat_renderer", "default_template", "effective_stop_ids", "load_transcript", "make_think_stream",

@@ -55,6 +55,13 @@ class ChatSession:
     stop_ids: List[int] = field(default_factory=list)
     fold_system: bool = False
     rendered: List[int] = field(default_factory=list)  # a renderer's stand-in for the KV's token history
+    tower: Any = None  # an AudioTower / AudioEmbedder: add_user_audio encodes through it
+    pool: Any = None  # with cache: the session is paged over pool and turns attach / donate through cache
+    cache: Any = None
+    spans: Dict[int, Any] = field(default_factory=dict)  # media spans by id (chat/media.py)
+    # Work counters: rows prefilled (all / media only), rows attached from the prefix cache, encoder runs.
+    media_stats: Dict[str, int] = field(default_factory=lambda: {
+        "rows_prefilled": 0, "media_rows_prefilled": 0, "rows_attached": 0, "encodes": 0})
 
     @property
     def compiled(self):
@@ -66,8 +73,9 @@ class ChatSession:
 
     def __repr__(self) -> str:
         kv = f"n_past={self.session.n_past}" if self.session is not None else "render-only"
+        audio = f", audio={self.tower.family}" if self.tower is not None else ""
         return (f"ChatSession(turns={sum(m['role'] == 'user' for m in self.history)}, pending={len(self.pending)}, "
-                f"{kv}, thinking={self.thinking}, tools={len(self.tools)})")
+                f"{kv}, thinking={self.thinking}, tools={len(self.tools)}{audio})")
 
 
 # -- rendering --------------------------------------------------------------------------------------------
@@ -85,7 +93,7 @@ def _refresh(chat: ChatSession) -> None:
 
 def _messages(chat: ChatSession, extra: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     _refresh(chat)
-    msgs = [dict(m) for m in chat.history + extra]
+    msgs = [_with_sentinels(m) for m in chat.history + extra]
     if chat.fold_system and msgs and msgs[0]["role"] == "system":
         # No system role: the system prompt opens the first user turn.
         sys_msg = msgs.pop(0)
@@ -94,6 +102,26 @@ def _messages(chat: ChatSession, extra: List[Dict[str, Any]]) -> List[Dict[str, 
                 m["content"] = sys_msg["content"] + "\n\n" + m["content"]
                 break
     return msgs
+
+
+def _with_sentinels(m: Dict[str, Any]) -> Dict[str, Any]:
+    """A message copy for the template: its media spans become sentinels in its text (chat/media.py)."""
+    m = {k: v for k, v in m.items() if not k.startswith("_")}
+    media = m.pop("media", None)
+    if media:
+        from .media import sentinel
+
+        text = m.get("content") or ""
+        raw = text.encode("utf-8")
+        out, last = [], 0
+        for sp in sorted(media, key=lambda x: x["at"]):  # stable: clips at one offset keep their order
+            at = min(int(sp["at"]), len(raw))
+            out.append(raw[last:at].decode("utf-8", errors="replace"))
+            out.append(sentinel(sp["span"]))
+            last = at
+        out.append(raw[last:].decode("utf-8", errors="replace"))
+        m["content"] = "".join(out)
+    return m
 
 
 def _render_text(chat: ChatSession, msgs: List[Dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -112,7 +140,10 @@ def _render_text(chat: ChatSession, msgs: List[Dict[str, Any]], add_generation_p
 
 def _tokens(chat: ChatSession, text: str) -> List[int]:
     # As transformers' apply_chat_template(tokenize=True): specials parsed, none added (the template has BOS).
-    return llm.encode(chat.model, text, add_special=False, parse_special=True)
+    # Media sentinels become their spans' media ids, each text run tokenized alone.
+    from .media import tokenize_with_spans
+
+    return tokenize_with_spans(chat.model, chat.spans, text)
 
 
 def _prompt_ids(chat: ChatSession) -> List[int]:
@@ -146,8 +177,33 @@ def _sync(chat: ChatSession, ids: List[int], keep_last: bool) -> int:
     if p < s.n_past:
         s._s.truncate(p)
     if not keep_last and p < len(ids):
-        llm.eval(chat.model, s, ids[p:])
+        _prefill(chat, ids[p:])
     return p
+
+
+def _prefill(chat: ChatSession, ids: List[int]) -> None:
+    from . import media
+
+    before = media.ROW_CACHE.encodes
+    media.prefill(chat.model, chat.session, chat.spans, ids, chat.media_stats)
+    chat.media_stats["encodes"] += media.ROW_CACHE.encodes - before
+
+
+def _attach(chat: ChatSession, ids: List[int]) -> None:
+    """A fresh paged session of a chat with a prefix cache takes the cached pages of its prompt."""
+    if chat.cache is None or chat.session.n_past != 0:
+        return
+    from .. import kv
+
+    n = kv.prefix_attach(chat.cache, chat.pool, chat.session, ids)
+    chat.media_stats["rows_attached"] += n
+
+
+def _donate(chat: ChatSession) -> None:
+    if chat.cache is not None and chat.session.n_past > 0:
+        from .. import kv
+
+        kv.prefix_insert(chat.cache, chat.pool, chat.session, chat.session.history)
 
 
 def _close_text(chat: ChatSession) -> str:
@@ -195,7 +251,9 @@ def _assistant(model: Model, chat: ChatSession, msg: Dict[str, Any], run: bool) 
     held = _held(chat)
     p = _common(held, ids)
     if run:
+        _attach(chat, ids)
         _sync(chat, ids, keep_last=False)
+        _donate(chat)
     else:
         chat.rendered = list(ids)
     chat.history += chat.pending + [msg]
@@ -225,23 +283,88 @@ def _new_chat(model: Model, session: Optional[Session], system: str, max_new: in
     return chat
 
 
-def create_chat(model: Model, system: str = "", max_new: int = 256, kv_dtype: KVDtype = KVDtype.f16) -> ChatSession:
+def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int = 256,
+                kv_dtype: KVDtype = KVDtype.f16, pool: Any = None, cache: Any = None, n_ctx: int = 0) -> ChatSession:
     """Start a conversation over ``model``: its template (GGUF-embedded, else the family default) and a session.
 
-    ``system`` is the system prompt (empty = none), ``max_new`` caps each reply, ``kv_dtype`` the KV codec.
+    ``tower`` (an AudioTower / AudioEmbedder whose rows are the decoder's width) lets the chat hear:
+    :func:`add_user_audio`. ``system`` is the system prompt (empty = none), ``max_new`` caps each
+    reply, ``kv_dtype`` the KV codec. With ``pool`` (a KVPool) the session is paged over it, and
+    with ``cache`` (its PrefixCache) each turn attaches what the cache holds of its prompt -- media
+    spans included -- and donates its pages when it ends, so another conversation with the same
+    clip neither encodes nor prefills it. ``n_ctx`` sizes the session (0: the session default; a
+    ten-minute clip is ~15000 rows on qwen2a). ``create_chat(model, "system prompt")`` still works.
     """
-    return _new_chat(model, llm.create_session(model, KVDtype(kv_dtype)), system, max_new)
+    if isinstance(tower, str):  # the text-only positional form create_chat(model, system, max_new, kv_dtype)
+        tower, sys_prompt = None, tower
+        if not isinstance(system, str):  # positional max_new (and maybe kv_dtype) shifted one place right
+            max_new, kv_dtype = system, (max_new if isinstance(max_new, KVDtype) else kv_dtype)
+        system = sys_prompt
+    if tower is not None:
+        from ..audio import AudioEmbedder
+
+        if not isinstance(tower, AudioEmbedder):
+            raise TypeError(f"tower must be an AudioTower or AudioEmbedder, got {type(tower).__name__}")
+        if isinstance(model, Model) and tower.proj_dim != model.config.dim:
+            raise ValueError(f"the audio tower writes {tower.proj_dim}-wide rows but the decoder's embedding width "
+                             f"is {model.config.dim}: this mmproj belongs to another model")
+    if cache is not None and pool is None:
+        raise ValueError("a prefix cache needs the pool its pages live in (pool=)")
+    if pool is not None:
+        if pool.model is not model:
+            raise ValueError("the pool was made for another model")
+        session = llm.create_session(model, pool=pool, n_ctx=n_ctx)
+    else:
+        session = llm.create_session(model, KVDtype(kv_dtype), n_ctx)
+    chat = _new_chat(model, session, system, max_new)
+    chat.tower, chat.pool, chat.cache = tower, pool, cache
+    return chat
 
 
-def create_chat_renderer(model: Model, system: str = "", max_new: int = 256) -> ChatSession:
-    """create_chat's render-only twin: template, stops and turn close, but no KV session."""
-    return _new_chat(model, None, system, max_new)
+def create_chat_renderer(model: Model, system: str = "", max_new: int = 256, tower: Any = None) -> ChatSession:
+    """create_chat's render-only twin: template, stops and turn close, but no KV session.
+
+    With ``tower`` it renders audio turns too (add_user_audio keys and counts a clip without encoding
+    it); a scheduler then prefills the rendered ids with :func:`prefill_media_body`."""
+    chat = _new_chat(model, None, system, max_new)
+    if tower is not None:
+        from ..audio import AudioEmbedder
+
+        if not isinstance(tower, AudioEmbedder):
+            raise TypeError(f"tower must be an AudioTower or AudioEmbedder, got {type(tower).__name__}")
+        if tower.proj_dim != model.config.dim:
+            raise ValueError(f"the audio tower writes {tower.proj_dim}-wide rows but the decoder's embedding width "
+                             f"is {model.config.dim}: this mmproj belongs to another model")
+        chat.tower = tower
+    return chat
+
+
+def prefill_media_body(model: Model, session: Session, chat: ChatSession, ids: List[int]) -> Dict[str, int]:
+    """Prefill ``ids`` -- a slice of a rendered prompt of ``chat`` (tokens and its spans' media ids) --
+    at ``session``'s position in one call, encoding a span's clip only if its rows are needed (through
+    the tower-output cache). For schedulers: render with a renderer chat, ``prefix_attach`` the prompt,
+    then prefill ``ids[matched:]`` here. Returns this call's counters (rows, media rows, encodes)."""
+    _same(model, chat)
+    llm._check(model, session)
+    from . import media
+
+    c = {"rows_prefilled": 0, "media_rows_prefilled": 0, "rows_attached": 0, "encodes": 0}
+    before = media.ROW_CACHE.encodes
+    media.prefill(model, session, chat.spans, [int(t) for t in ids], c)
+    c["encodes"] = media.ROW_CACHE.encodes - before
+    return c
 
 
 def add_user(chat: ChatSession, text: str) -> None:
     """Queue a user message for the next respond."""
     if not isinstance(text, str):
         raise TypeError(f"user message must be str, got {type(text).__name__}")
+    last = chat.pending[-1] if chat.pending else None
+    if last is not None and last.get("_audio_head"):
+        # Audio queued by add_user_audio opens this turn; the text follows it.
+        del last["_audio_head"]
+        last["content"] = text
+        return
     chat.pending.append({"role": "user", "content": text})
 
 
@@ -269,6 +392,7 @@ def respond(model: Model, chat: ChatSession, params: Optional[SamplingParams] = 
     if len(ids) >= s.n_ctx:
         raise llm._core.ContextOverflowError(
             f"the conversation ({len(ids)} tokens) does not fit the context of {s.n_ctx}: reset the chat")
+    _attach(chat, ids)
     p = _sync(chat, ids, keep_last=True)
     from .reasoning import _chat_format, split_reasoning
 
@@ -288,7 +412,14 @@ def respond(model: Model, chat: ChatSession, params: Optional[SamplingParams] = 
         return on_piece is None or on_piece(piece) is not False
 
     max_new = min(chat.max_new, s.n_ctx - len(ids))
-    llm.generate(model, s, ids[p:], params or SamplingParams(), max_new, cb, stop_ids=stops, special=harmony)
+    prompt = ids[p:]
+    if any(t < 0 for t in prompt):
+        # Media to prefill: everything but the generation prompt's last token as one body of rows
+        # (named by their ids in the history), then the decode loop from that token.
+        _prefill(chat, prompt[:-1])
+        prompt = prompt[-1:]
+    chat.media_stats["rows_prefilled"] += len(prompt)
+    llm.generate(model, s, prompt, params or SamplingParams(), max_new, cb, stop_ids=stops, special=harmony)
     reply = "".join(pieces)
     # The transcript keeps what the template expects of an assistant turn: Harmony's final channel.
     content = split_reasoning(chat, reply).content if harmony else reply
@@ -302,6 +433,7 @@ def respond(model: Model, chat: ChatSession, params: Optional[SamplingParams] = 
             _sync(chat, full, keep_last=False)
     except TemplateError:
         pass
+    _donate(chat)
     return reply
 
 
@@ -394,3 +526,131 @@ def load_transcript(chat: ChatSession, path: str) -> None:
     chat.history = [dict(m) for m in hist]
     chat.pending = []
     chat.rendered = []
+
+
+# -- audio turns (tutorial 08) ----------------------------------------------------------------------------
+
+def _new_span(chat: ChatSession, key: str, n: int, open_: str, close: str, is_image: bool = False,
+              rows=None, source=None):
+    from .media import Span
+
+    sid = max(chat.spans, default=-1) + 1
+    sp = Span(id=sid, key=str(key), n=int(n), open=open_, close=close, is_image=bool(is_image), rows=rows,
+              source=source)
+    chat.spans[sid] = sp
+    return sp
+
+
+def _queue_head(chat: ChatSession, sp) -> None:
+    """Put a span at the head of the pending user turn (before its text), opening one if needed."""
+    last = chat.pending[-1] if chat.pending else None
+    if last is None or last.get("role") != "user":
+        last = {"role": "user", "content": "", "_audio_head": True}
+        chat.pending.append(last)
+    last.setdefault("media", []).append({"span": sp.id, "at": 0})
+
+
+def add_user_audio(chat: ChatSession, audio, text: str = "") -> int:
+    """Queue a clip at the head of the next user turn; returns the rows it takes.
+
+    ``audio`` is float32 16 kHz mono PCM, or a path or the bytes of a WAV / FLAC / MP3 / OGG file
+    (decoded and resampled, see dasllama.audio_io). The clip is keyed by its content: its rows
+    are encoded when a turn first needs them (through a bounded cache of encoder outputs), and
+    a span the KV or the prefix cache already holds is neither encoded nor prefilled. ``text``,
+    if given, is the turn's text after the clip (as a following :func:`add_user` would be).
+    Needs a chat made with ``create_chat(model, tower)``.
+    """
+    if not isinstance(chat, ChatSession):
+        raise TypeError(f"expected a ChatSession, got {type(chat).__name__}")
+    if chat.tower is None:
+        raise ValueError("this chat has no audio tower: create it with create_chat(model, tower)")
+    from ..audio_io import load_audio
+    from .media import FAMILY_FRAMING, clip_key
+
+    x = load_audio(audio)
+    tower = chat.tower
+    n = tower.n_rows(x.shape[0])
+    if n < 1:  # an empty span would leave bare markers; the processor's count is 0 here too
+        raise ValueError(f"the clip ({x.shape[0]} samples) is too short to make any {tower.family} rows")
+    open_, close = FAMILY_FRAMING.get(tower.family, ("", ""))
+    sp = _new_span(chat, clip_key(tower, x), n, open_, close, source=(tower, x))
+    _queue_head(chat, sp)
+    if text:
+        add_user(chat, text)
+    return n
+
+
+def add_user_audio_rows(model: Model, chat: ChatSession, rows, n: Optional[int] = None, bare: bool = False) -> None:
+    """Queue pre-encoded audio rows (``n`` x dim float32, e.g. from encode_audio) at the head of the next
+    user turn; the chat needs no tower. ``bare`` (see :func:`audio_span_bare`) drops the span's markers;
+    otherwise the decoder's vocab picks the framing (qwen's audio_bos / eos, voxtral's [BEGIN_AUDIO])."""
+    _same(model, chat)
+    import numpy as np
+
+    from .media import framing_for, rows_key
+
+    r = np.asarray(rows)
+    if r.dtype != np.float32:
+        raise TypeError(f"audio rows must be float32, got dtype {r.dtype}")
+    D = model.config.dim
+    if r.ndim == 2 and r.shape[1] != D:
+        raise ValueError(f"audio rows are {r.shape[1]} wide but the decoder's embedding width is {D}")
+    if r.size % D:
+        raise ValueError(f"{r.size} floats are not whole rows of width {D}")
+    r = r.reshape(-1, D)
+    n = r.shape[0] if n is None else int(n)
+    if n < 1 or n > r.shape[0]:
+        raise ValueError(f"n={n} rows asked of {r.shape[0]}")
+    r = np.array(r[:n], dtype=np.float32)  # a copy: the chat owns its rows ("moves the rows in")
+    r.setflags(write=False)
+    fam = chat.tower.family if chat.tower is not None else None
+    open_, close = framing_for(model, fam, bool(bare))
+    _queue_head(chat, _new_span(chat, rows_key(r), n, open_, close, rows=r))
+
+
+def add_user_span(model: Model, chat: ChatSession, key, n_rows: int, text_before: int, is_image: bool = False,
+                  bare: bool = False, rows=None) -> None:
+    """Put a media span inside the pending user message, ``text_before`` bytes (UTF-8) into its text.
+
+    The span is ``n_rows`` positions named by ``media_ids(key, n_rows)``; render_turn writes those ids.
+    ``rows`` (optional, ``n_rows`` x dim) are what a respond prefills if the KV lacks the span; a
+    render-only chat needs none. Audio spans take the decoder's markers unless ``bare``."""
+    _same(model, chat)
+    if not chat.pending or chat.pending[-1].get("role") != "user":
+        raise ValueError("no pending user message: call add_user first")
+    msg = chat.pending[-1]
+    nb = len((msg.get("content") or "").encode("utf-8"))
+    if not 0 <= int(text_before) <= nb:
+        raise ValueError(f"text_before={text_before} is outside the message's {nb} bytes")
+    if int(n_rows) < 1:
+        raise ValueError("a span needs at least one row")
+    from .media import framing_for
+
+    if is_image:
+        open_, close = "", ""  # no vision family is served: an image span renders bare
+    else:
+        open_, close = framing_for(model, chat.tower.family if chat.tower is not None else None, bool(bare))
+    r = None
+    if rows is not None:
+        import numpy as np
+
+        r = np.asarray(rows)
+        if r.dtype != np.float32 or r.size != int(n_rows) * model.config.dim:
+            raise ValueError(f"rows must be float32 {n_rows} x {model.config.dim}")
+        r = np.array(r.reshape(int(n_rows), -1))
+    k = key.hex() if isinstance(key, (bytes, bytearray)) else str(key)
+    sp = _new_span(chat, k, int(n_rows), open_, close, is_image=is_image, rows=r)
+    msg.setdefault("media", []).append({"span": sp.id, "at": int(text_before)})
+
+
+def render_turn_audio(model: Model, chat: ChatSession):
+    """render_turn's audio twin: ``(head, tail)``, the turn's token ids before and after its first media
+    span (the rows a scheduler splices between them come from encode_audio). Render-only."""
+    ids = render_turn(model, chat)
+    lo = next((i for i, t in enumerate(ids) if t < 0), None)
+    if lo is None:
+        raise ValueError("the pending turn has no audio span")
+    hi = lo
+    while hi < len(ids) and ids[hi] < 0:
+        hi += 1
+    return ids[:lo], ids[hi:]
