@@ -4,6 +4,7 @@ Replies are checked against the library's own greedy generation on the same prom
 tests check against transformers; the chat prompt is checked against transformers' apply_chat_template.
 """
 import base64
+import io
 import json
 import os
 import socket
@@ -446,3 +447,85 @@ def test_malformed_call_text_is_content(qwen_app):
         assert not r.choices[0].message.tool_calls and "get_weather" in r.choices[0].message.content
     finally:
         app.state.engine.submit = real
+
+
+# ---- audio: input_audio parts through the tower, media cached across requests ----------------------------
+
+def _wav(samples):
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, samples, 16000, format="WAV", subtype="PCM_16")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def audio_app(tmp_path_factory):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
+    import audio as A
+    from speech import speak
+
+    tmp = tmp_path_factory.mktemp("server_audio")
+    hf = A.qwen2_audio()
+    mm = A.write_qwen2_audio(hf, tmp / "mmproj.gguf")
+    dec = A.write_decoder(hf, tmp / "decoder.gguf")
+    model = d.load_model(dec, d.QuantMode.fp32)
+    app = create_app(model, mmproj=str(mm), streams=2, ctx=2048, kv_dtype=d.KVDtype.f32,
+                     limits=Limits(max_audio_seconds=20.0))
+    clip = speak("Hello there, how are you today?")
+    with TestClient(app) as c:
+        yield {"app": app, "client": c, "model": model, "mmproj": str(mm), "clip": clip,
+               "oai": openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=c, max_retries=0)}
+    app.state.engine.stop()
+
+
+def _audio_msg(clip, text):
+    return {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": _wav(clip), "format": "wav"}},
+                                        {"type": "text", "text": text}]}
+
+
+def _metric(client, key):
+    for ln in client.get("/metrics").text.splitlines():
+        if ln.startswith(f"dasllama_{key} "):
+            return float(ln.split()[1])
+
+
+def test_audio_turn_equals_the_audio_chat(audio_app):
+    """The server's reply to an input_audio turn is the library's audio chat reply (greedy), and the next
+    request about the same clip (the client resends it) runs no encoder and prefills no audio rows."""
+    import soundfile as sf
+
+    model, clip, cl, client = audio_app["model"], audio_app["clip"], audio_app["oai"], audio_app["client"]
+    # The library's own chat on the clip as the WAV round trip gives it (PCM_16).
+    pcm, _ = sf.read(io.BytesIO(base64.b64decode(_wav(clip))), dtype="float32")
+    ch = d.create_chat(model, d.load_audio_tower(audio_app["mmproj"]), max_new=8, kv_dtype=d.KVDtype.f32)
+    d.add_user_audio(ch, pcm, "What is said?")
+    want = d.respond(model, ch, d.SamplingParams())
+
+    msgs = [_audio_msg(clip, "What is said?")]
+    r1 = cl.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=8)
+    assert r1.choices[0].message.content == want
+    enc, rows = _metric(client, "audio_encodes_total"), _metric(client, "media_rows_prefilled_total")
+    assert rows > 0
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "Say it again."}]
+    r2 = cl.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=8)
+    assert _metric(client, "audio_encodes_total") == enc
+    assert _metric(client, "media_rows_prefilled_total") == rows  # the span came from the prefix cache
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    d.add_user(ch, "Say it again.")
+    assert r2.choices[0].message.content == d.respond(model, ch, d.SamplingParams())
+
+
+def test_bad_audio_is_400_and_the_server_goes_on(audio_app):
+    client, clip = audio_app["client"], audio_app["clip"]
+    garbage = {"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....WAVEjunk").decode(),
+                                                "format": "wav"}}, {"type": "text", "text": "?"}]}
+    r = client.post("/v1/chat/completions", json={"messages": [garbage], "max_tokens": 2})
+    assert r.status_code == 400 and "input_audio" in r.json()["error"]["message"]
+    long = np.zeros(16000 * 21, np.float32)  # over the 20 s limit of this app
+    r = client.post("/v1/chat/completions", json={"messages": [_audio_msg(long, "?")], "max_tokens": 2})
+    assert r.status_code == 400 and "20" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": [_audio_msg(clip, "Hi")], "max_tokens": 2})
+    assert r.status_code == 200

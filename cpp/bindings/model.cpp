@@ -102,6 +102,12 @@ void bind_model(py::module_& m) {
              auto v = ids_from(x, {id});
              return py::bytes(x.tokenizer().piece(v[0]));
            })
+      .def("render",  // what the token adds to decode(): "" for a skipped special unless special
+           [](const Model& x, int64_t id, bool special) {
+             auto v = ids_from(x, {id});
+             return py::bytes(std::string(x.tokenizer().render(v[0], special)));
+           },
+           py::arg("id"), py::arg("special") = false)
       .def("token_text", [](const Model& x, int64_t id) { return x.tokenizer().token_text(ids_from(x, {id})[0]); })
       .def("embed",
            [](Model& x, const std::string& text) {

@@ -25,24 +25,71 @@ class _Chats:
     """Per-request chat renderers over one model: the chat layer's template (the GGUF's, else the family
     default), system folding, thinking switch, stop ids, reasoning splitter and tool-call parser."""
 
-    def __init__(self, model: llm.Model, template: Optional[str]):
+    def __init__(self, model: llm.Model, template: Optional[str], tower=None, limits: Optional[Limits] = None):
+        self.model, self.template, self.tower, self.limits = model, template, tower, limits or Limits()
         self.base = chat.create_chat_renderer(model)
         if template:
             self.base.template = template
         chat.effective_stop_ids(self.base)  # derive once; copies share the compiled template
 
-    def build(self, r: GenRequest):
-        c = copy.copy(self.base)
-        msgs = [_template_message(m) for m in r.messages]
-        if msgs[-1]["role"] not in ("user", "tool"):
-            raise bad("the last message must be from the user or a tool", "messages")
-        c.history, c.pending, c.rendered = msgs[:-1], msgs[-1:], []
+    def _options(self, c, r: GenRequest):
         c.tools = list(r.tools or [])
         kw = dict(r.template_kwargs)
         kw.pop("enable_thinking", None)
         c.template_kwargs = kw
         if r.enable_thinking is not None:
             c.thinking = r.enable_thinking
+
+    def build(self, r: GenRequest):
+        msgs = [_template_message(m) for m in r.messages]
+        if msgs[-1]["role"] not in ("user", "tool"):
+            raise bad("the last message must be from the user or a tool", "messages")
+        if r.audio:
+            return self._build_audio(r, msgs)
+        c = copy.copy(self.base)
+        c.history, c.pending, c.rendered = msgs[:-1], msgs[-1:], []
+        self._options(c, r)
+        return c
+
+    def _build_audio(self, r: GenRequest, msgs):
+        """A renderer with the tower: the history replayed turn by turn, each clip a content-keyed span, so a
+        clip the prefix cache or the tower-output cache already holds costs no encode and no prefill."""
+        from ..audio_io import SAMPLE_RATE, load_audio
+
+        if self.tower is None:
+            raise bad("this server has no audio tower: start it with --mmproj to send input_audio", "messages")
+        system = ""
+        while msgs and msgs[0]["role"] == "system":
+            system += ("\n\n" if system else "") + msgs.pop(0)["content"]
+        if not msgs:
+            raise bad("no user message", "messages")
+        c = chat.create_chat_renderer(self.model, system=system, tower=self.tower)
+        if self.template:
+            c.template = self.template
+        self._options(c, r)
+        seconds = 0.0
+        for i, m in enumerate(msgs):
+            role = m["role"]
+            if role == "user":
+                for a in m.get("_audio", []):
+                    try:
+                        x = load_audio(a.data)
+                    except (ValueError, TypeError) as e:
+                        raise bad(f"input_audio ({a.format}): {e}", "messages") from None
+                    seconds += len(x) / SAMPLE_RATE
+                    if seconds > self.limits.max_audio_seconds:
+                        raise bad(f"the request's audio is over {self.limits.max_audio_seconds:g} s", "messages")
+                    try:
+                        chat.add_user_audio(c, x)
+                    except ValueError as e:
+                        raise bad(f"input_audio: {e}", "messages") from None
+                chat.add_user(c, m["content"])
+            elif role == "assistant":
+                if i == len(msgs) - 1 or not c.pending:
+                    raise bad("an assistant message must follow a user turn", "messages")
+                chat.render_assistant(self.model, c, m["content"])
+            else:
+                raise bad(f"role {role!r} is not supported in a conversation with audio", "messages")
         return c
 
 
@@ -92,13 +139,18 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
     ``app.state.engine.stop()`` ends it (the ``dasllama serve`` command does so at shutdown).
     """
     m = model if isinstance(model, llm.Model) else llm.load_model(model, n_threads=n_threads)
+    tower = None
     if mmproj is not None:
-        raise NotImplementedError("audio towers (mmproj) are not served by this build yet")
+        from ..audio import load_audio_tower
+
+        tower = load_audio_tower(mmproj)
+        if tower.proj_dim != m.config.dim:
+            raise ValueError(f"{mmproj}: the tower writes {tower.proj_dim}-wide rows; the model takes {m.config.dim}")
     name = model_name or (model if isinstance(model, str) else m.path.rsplit("/", 1)[-1])
     lim = limits or Limits()
     engine = Engine(m, streams=streams, n_ctx=ctx, kv_dtype=kv_dtype, chunk=chunk, max_queue=max_queue,
                     cache_pages=cache_pages).start()
-    chats = _Chats(m, chat_template)
+    chats = _Chats(m, chat_template, tower, lim)
     created = int(time.time())
 
     async def read_json(request: Request) -> Any:
@@ -119,7 +171,7 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
         return llm.encode(m, text, add_special=special, parse_special=not special)
 
     async def run_job(request: Request, r: GenRequest, prompt: List[int], kind: str, c=None,
-                      stop_ids=()) -> Response:
+                      stop_ids=(), media=None) -> Response:
         """Queue one generation and answer it plainly or as SSE. ``c``: the chat renderer of a chat request
         (reasoning split into reasoning_content, tool calls parsed when tools were offered)."""
         loop = asyncio.get_running_loop()
@@ -129,7 +181,7 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
             loop.call_soon_threadsafe(q.put_nowait, (kind_, payload))
 
         job = Job(prompt=prompt, params=_sampling(r), max_tokens=r.max_tokens, on_event=on_event, stop=r.stop,
-                  stop_ids=set(stop_ids), seed=r.sampling.seed,
+                  stop_ids=set(stop_ids), seed=r.sampling.seed, media_chat=media,
                   deadline=(time.monotonic() + r.timeout_s) if r.timeout_s else None)
         engine.submit(job)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -249,18 +301,22 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
 
     async def chat_completions(request: Request) -> Response:
         r = parse_chat(await read_json(request), lim)
-        if r.audio:
+        if r.audio and tower is None:
             raise bad("this server has no audio tower: start it with --mmproj to send input_audio", "messages")
-        c = chats.build(r)
 
         def render():
-            return chat.render_turn(m, c), chat.effective_stop_ids(c)
+            c = chats.build(r)  # audio: decoded and keyed here, off the event loop
+            if r.audio:
+                from ..chat import turns
+
+                return c, turns._prompt_ids(c), chat.effective_stop_ids(c)
+            return c, chat.render_turn(m, c), chat.effective_stop_ids(c)
 
         try:
-            prompt, stops = await asyncio.to_thread(render)
+            c, prompt, stops = await asyncio.to_thread(render)
         except TemplateError as e:
             raise bad(f"the chat template failed on these messages: {e}", "messages") from None
-        return await run_job(request, r, prompt, "chat", c, stops)
+        return await run_job(request, r, prompt, "chat", c, stops, media=c if r.audio else None)
 
     async def completions(request: Request) -> Response:
         r = parse_completion(await read_json(request), lim)
@@ -303,6 +359,8 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
                 ("generated_tokens_total", "counter", "tokens generated"),
                 ("tokens_per_second", "gauge", "tokens generated per second over the last 10 s"),
                 ("cache_hits_total", "counter", "requests that attached a cached prefix"),
+                ("media_rows_prefilled_total", "counter", "audio rows prefilled (not attached from the cache)"),
+                ("audio_encodes_total", "counter", "audio tower runs"),
                 ("kv_pages_total", "gauge", "pages of the KV pool"),
                 ("kv_pages_free", "gauge", "free pages of the KV pool"),
                 ("kv_pages_sessions", "gauge", "pages held by running streams"),

@@ -47,6 +47,7 @@ class Job:
     stop_ids: Set[int] = field(default_factory=set)  # end the reply (beside the model's end-of-generation ids)
     seed: Optional[int] = None
     deadline: Optional[float] = None     # time.monotonic() limit
+    media_chat: object = None            # a renderer whose spans the prompt's negative ids name (audio)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -103,6 +104,8 @@ class Engine:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.cache_hits_total = 0
+        self.media_rows_total = 0      # audio rows prefilled (not attached from the cache)
+        self.encodes_total = 0         # audio tower runs
         self.generated_tokens_total = 0
         self._recent: Deque[tuple] = collections.deque()  # (time, tokens) of recent decode steps
 
@@ -160,6 +163,8 @@ class Engine:
                 "cached_tokens_total": self.cached_tokens_total,
                 "generated_tokens_total": self.generated_tokens_total,
                 "cache_hits_total": self.cache_hits_total,
+                "media_rows_prefilled_total": self.media_rows_total,
+                "audio_encodes_total": self.encodes_total,
                 "tokens_per_second": recent / 10.0,
                 "kv_pages_total": st.total,
                 "kv_pages_free": st.free,
@@ -231,8 +236,13 @@ class Engine:
         pre = [s for s in self.slots if s.job is not None and s.next_tok < 0]
         if pre:
             p = min(pre, key=lambda x: x.job.submitted)
-            batch.append(p)
-            toks.append(p.job.prompt[p.pos:p.pos + self.chunk])
+            if p.job.media_chat is not None and p.pos < len(p.job.prompt) - 1:
+                # Media turns prefill in one body (text runs and the spans' rows; a clip is encoded
+                # only if neither the KV nor the tower-output cache has it); this is the step's prefill.
+                self._media_prefill(p)
+            else:
+                batch.append(p)
+                toks.append(p.job.prompt[p.pos:p.pos + self.chunk])
         for s in self.slots:
             if s.job is not None and s.next_tok >= 0:
                 batch.append(s)
@@ -263,13 +273,30 @@ class Engine:
             with self._cv:
                 self._recent.append((time.monotonic(), n_dec))
 
+    def _media_prefill(self, s: _Slot) -> None:
+        from ..chat import turns
+
+        body = s.job.prompt[s.pos:-1]
+        try:
+            c = turns.prefill_media_body(self.model, s.s, s.job.media_chat, body)
+        except PoolExhaustedError as e:
+            return self._fail(s, APIError(503, f"the KV pool is full: {e}", type="server_error",
+                                          headers={"Retry-After": "1"}), donate=False)
+        except Exception as e:  # noqa: BLE001 - a bad clip fails its request only
+            return self._fail(s, APIError(500, f"audio prefill failed: {type(e).__name__}: {e}",
+                                          type="server_error"), donate=False)
+        s.tokens.extend(body)
+        s.pos += len(body)
+        self.media_rows_total += c.get("media_rows_prefilled", 0)
+        self.encodes_total += c.get("encodes", 0)
+
     def _sampled(self, s: _Slot, tok: int) -> None:
         j = s.job
         if tok in self.eog or tok in j.stop_ids:
             return self._finish(s, "stop")
         s.n_gen += 1
         self.generated_tokens_total += 1
-        s.text += s.dec.decode(self.model._m.piece(tok))
+        s.text += s.dec.decode(self.model._m.render(tok, False))  # control tokens give no text, as in generate
         if self._emit_text(s):
             return
         if s.n_gen >= j.max_tokens or len(s.tokens) + 1 >= self.n_ctx:

@@ -200,7 +200,11 @@ def parse_chat(body: Dict[str, Any], limits: Limits) -> GenRequest:
                         raise bad(f"messages[{i}]: a text part needs a string 'text'", "messages")
                     texts.append(p["text"])
                 elif p["type"] == "input_audio":
-                    r.audio.append(_decode_audio_part(p, i, limits, budget))
+                    if role != "user":
+                        raise bad(f"messages[{i}]: input_audio parts belong to user messages", "messages")
+                    a = _decode_audio_part(p, i, limits, budget)
+                    r.audio.append(a)
+                    out.setdefault("_audio", []).append(a)
                 else:
                     raise bad(f"messages[{i}]: content part type {p['type']!r} is not supported", "messages")
             out["content"] = "".join(texts)
