@@ -1,11 +1,12 @@
 // Repacked weight layouts made once at load (Backend::prepare), and the matmul that reads them.
 //
-// q8_0, q4_0 and q4_1 in groups of 16 rows (AVX-512 VNNI only; other ISAs keep the file layout).
+// q8_0, q4_0, q4_1 and q5_0 in groups of 16 rows (AVX-512 VNNI only; other ISAs keep the file layout).
 // Per group: the quants of every block column, then their f16 scales (and q4_1's mins), so a
 // group is as many bytes as its 16 file rows:
 //   q8_0  Q[nb][8][16][4]   chunk j: elements 4j..4j+3 of each row (lane = row), as q ^ 0x80 = q + 128
 //   q4    Q[nb][4][16][4]   register c: the file's qs bytes 4c..4c+3 of each row, i.e. elements
 //                           4c.. in the low nibbles and 16+4c.. in the high nibbles
+//   q5_0  as q4, then uint32 qh[16] (each row's fifth bits) per block column
 //   then  f16 d[nb][16]  (q4_1: and f16 m[nb][16])
 // One broadcast of 4 activation bytes and one VNNI product advance 16 rows at once, and the
 // 16 outputs of a group land in one register: no unpack buffer, no horizontal sums. Decode and
@@ -42,6 +43,7 @@ inline bool fmt_of(uint32_t wtype, Fmt& f) {
     case GGMLType::Q8_0: f = {512, false}; return true;
     case GGMLType::Q4_0: f = {256, false}; return true;
     case GGMLType::Q4_1: f = {256, true}; return true;
+    case GGMLType::Q5_0: f = {320, false}; return true;  // nibbles as q4_0, then the 16 rows' qh words
     default: return false;
   }
 }
@@ -51,12 +53,12 @@ inline size_t group_bytes(const Fmt& f, int64_t nb) { return (size_t)nb * (f.qby
 // chains keep the VNNI unit busy; the arithmetic of each output does not depend on G or T.
 template <GGMLType W, int G, int T>
 void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
-  constexpr bool kQ8 = W == GGMLType::Q8_0, kMins = W == GGMLType::Q4_1;
-  constexpr int kQB = kQ8 ? 512 : 256;
+  constexpr bool kQ8 = W == GGMLType::Q8_0, kMins = W == GGMLType::Q4_1, kQ5 = W == GGMLType::Q5_0;
+  constexpr int kQB = kQ8 ? 512 : (kQ5 ? 320 : 256);
   constexpr size_t kGB = kQB + 32 + (kMins ? 32 : 0);
   // sum w qa dw da with w = u + off (q8_0: u = q + 128, off -128; q4_0: off -8) is
   // dw da sum(u qa) + off dw sa, sa = da sum qa; q4_1 (w = dw u + m) adds m sa instead.
-  constexpr float kOff = kQ8 ? -128.0f : -8.0f;
+  constexpr float kOff = kQ8 ? -128.0f : (kQ5 ? -16.0f : -8.0f);
   const int64_t nb = a.k / 32, kp = act_a8_padded_k(a.k);
   const uint8_t* A[T];
   const float* da[T];
@@ -96,12 +98,26 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       }
     } else {
       // Register c holds elements 4c..4c+3 (low nibbles) and 16+4c.. (high nibbles) of each row.
+      __m512i qh[G];
+      if constexpr (kQ5)
+        for (int i = 0; i < G; ++i) qh[i] = _mm512_loadu_si512(Q[i] + b * kQB + 256);
       for (int c = 0; c < 4; ++c) {
         __m512i lo[G], hi[G];
         for (int i = 0; i < G; ++i) {
           const __m512i raw = _mm512_loadu_si512(Q[i] + b * kQB + c * 64);
           lo[i] = _mm512_and_si512(raw, m4);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+          if constexpr (kQ5) {
+            // q5_0's fifth bits: bit j of a row's qh is element j's. Four bits x of a lane go to
+            // bit 4 of its four bytes: x * (1 + 2^7 + 2^14 + 2^21) puts bit e at bit 8e (no carries).
+            const __m512i spread = _mm512_set1_epi32(0x00204081), ones = _mm512_set1_epi32(0x01010101);
+            auto fifth = [&](int shift) {
+              const __m512i x = _mm512_and_si512(_mm512_srli_epi32(qh[i], shift), _mm512_set1_epi32(0xF));
+              return _mm512_slli_epi32(_mm512_and_si512(_mm512_mullo_epi32(x, spread), ones), 4);
+            };
+            lo[i] = _mm512_or_si512(lo[i], fifth(4 * c));
+            hi[i] = _mm512_or_si512(hi[i], fifth(16 + 4 * c));
+          }
         }
         for (int t = 0; t < T; ++t) {
           int32_t vl, vh;
@@ -189,6 +205,11 @@ void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, in
           const block_q8_0* blk = reinterpret_cast<const block_q8_0*>(row) + b;
           D[b * 16 + l] = blk->d;
           for (int j = 0; j < 8; ++j) std::memcpy(q + j * 64 + l * 4, blk->qs + j * 4, 4);
+        } else if ((GGMLType)wtype == GGMLType::Q5_0) {
+          const block_q5_0* blk = reinterpret_cast<const block_q5_0*>(row) + b;
+          D[b * 16 + l] = blk->d;
+          for (int c = 0; c < 4; ++c) std::memcpy(q + c * 64 + l * 4, blk->qs + c * 4, 4);
+          std::memcpy(q + 256 + l * 4, blk->qh, 4);
         } else if (f.mins) {
           const block_q4_1* blk = reinterpret_cast<const block_q4_1*>(row) + b;
           D[b * 16 + l] = blk->d;
@@ -217,6 +238,7 @@ bool matmul_packed(const MatmulArgs& a, int64_t r0, int64_t r1) {
     case GGMLType::Q8_0: packed_rows<GGMLType::Q8_0>(a, r0, r1); return true;
     case GGMLType::Q4_0: packed_rows<GGMLType::Q4_0>(a, r0, r1); return true;
     case GGMLType::Q4_1: packed_rows<GGMLType::Q4_1>(a, r0, r1); return true;
+    case GGMLType::Q5_0: packed_rows<GGMLType::Q5_0>(a, r0, r1); return true;
     default: return false;
   }
 }
