@@ -26,6 +26,14 @@ namespace dl::cpu {
 
 inline int64_t act_a8_padded_k(int64_t k) { return (k + 63) / 64 * 64; }
 
+// Row t of an A8 activation buffer (kp = act_a8_padded_k(k)): its quants, block scales d and sums s.
+inline void a8_row(const void* act, size_t row_bytes, int64_t t, int64_t kp, const uint8_t*& q, const float*& d,
+                   const float*& s) {
+  q = static_cast<const uint8_t*>(act) + (size_t)t * row_bytes;
+  d = reinterpret_cast<const float*>(q + kp);
+  s = d + kp / 32;
+}
+
 // Bytes of one activation row of k elements, rounded up to 64 so rows stay cache-line aligned;
 // 0 for a format id the kernels do not produce.
 inline size_t act_row_bytes(uint32_t act_type, int64_t k) {

@@ -823,11 +823,7 @@ void gemv_rt(const MatmulArgs& a, int64_t r, int nr, int64_t t0, float* mwb, int
   const uint8_t* A[T];
   const float* da[T];
   const float* sa[T];
-  for (int t = 0; t < T; ++t) {
-    A[t] = static_cast<const uint8_t*>(a.act) + (size_t)(t0 + t) * a.act_row_bytes;
-    da[t] = reinterpret_cast<const float*>(A[t] + kp);
-    sa[t] = da[t] + kp / 32;
-  }
+  for (int t = 0; t < T; ++t) a8_row(a.act, a.act_row_bytes, t0 + t, kp, A[t], da[t], sa[t]);
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i zero = _mm512_setzero_si512();
   const Blk* w[R];

@@ -63,11 +63,7 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
   const uint8_t* A[T];
   const float* da[T];
   const float* sa[T];
-  for (int t = 0; t < T; ++t) {
-    A[t] = static_cast<const uint8_t*>(a.act) + (size_t)(t0 + t) * a.act_row_bytes;
-    da[t] = reinterpret_cast<const float*>(A[t] + kp);
-    sa[t] = da[t] + kp / 32;
-  }
+  for (int t = 0; t < T; ++t) a8_row(a.act, a.act_row_bytes, t0 + t, kp, A[t], da[t], sa[t]);
   const uint8_t* Q[G];
   const uint16_t* D[G];
   const uint16_t* M[G];
