@@ -385,26 +385,26 @@ def generate(model: Model, session: Session, prompt: Union[str, Sequence[int]], 
     return _core.generate(session._s, ids, params or SamplingParams(), int(max_tokens), cb, stops, bool(special))
 
 
-def stream_generate(model: Model, session: Session, prompt: Union[str, Sequence[int]],
-                    params: Optional[SamplingParams] = None, max_tokens: int = 256) -> Iterator[str]:
-    """Generator form of :func:`generate`: yields text pieces as they come."""
+def stream_pieces(run: Callable[[Callable[[str], bool]], object]) -> Iterator[str]:
+    """Turn a callback-streaming call into a generator: ``run(on_piece)`` runs on a worker thread;
+    closing the generator makes ``on_piece`` return False, which stops the call."""
     q: "queue.Queue" = queue.Queue()
     stop = threading.Event()
     done = object()
 
-    def on_token(i: int, p: str) -> bool:
+    def on_piece(p: str) -> bool:
         q.put(p)
         return not stop.is_set()
 
-    def run():
+    def work():
         try:
-            generate(model, session, prompt, params, max_tokens, on_token)
+            run(on_piece)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
             q.put(e)
         finally:
             q.put(done)
 
-    t = threading.Thread(target=run, daemon=True)
+    t = threading.Thread(target=work, daemon=True)
     t.start()
     try:
         while True:
@@ -418,6 +418,12 @@ def stream_generate(model: Model, session: Session, prompt: Union[str, Sequence[
     finally:
         stop.set()
         t.join()
+
+
+def stream_generate(model: Model, session: Session, prompt: Union[str, Sequence[int]],
+                    params: Optional[SamplingParams] = None, max_tokens: int = 256) -> Iterator[str]:
+    """Generator form of :func:`generate`: yields text pieces as they come."""
+    return stream_pieces(lambda cb: generate(model, session, prompt, params, max_tokens, lambda i, p: cb(p)))
 
 
 def embed(model: Model, text: str) -> np.ndarray:

@@ -9,8 +9,6 @@ Thinking and tool calls live in reasoning.py and tools.py; this file knows their
 from __future__ import annotations
 
 import json
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -439,36 +437,7 @@ def respond(model: Model, chat: ChatSession, params: Optional[SamplingParams] = 
 
 def stream_respond(model: Model, chat: ChatSession, params: Optional[SamplingParams] = None) -> Iterator[str]:
     """Generator form of :func:`respond`: yields pieces; closing the generator stops the reply."""
-    q: "queue.Queue" = queue.Queue()
-    stop = threading.Event()
-    done = object()
-
-    def on_piece(p: str) -> bool:
-        q.put(p)
-        return not stop.is_set()
-
-    def run():
-        try:
-            respond(model, chat, params, on_piece)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            q.put(e)
-        finally:
-            q.put(done)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            if item:
-                yield item
-    finally:
-        stop.set()
-        t.join()
+    return llm.stream_pieces(lambda cb: respond(model, chat, params, cb))
 
 
 # -- capabilities -----------------------------------------------------------------------------------------
