@@ -155,7 +155,9 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
 
     async def read_json(request: Request) -> Any:
         n = request.headers.get("content-length")
-        if n is not None and (not n.isdigit() or int(n) > lim.max_body_bytes):
+        if n is not None and not n.isdigit():
+            raise bad(f"bad Content-Length {n[:32]!r}")
+        if n is not None and int(n) > lim.max_body_bytes:
             raise APIError(413, f"the body is over the {lim.max_body_bytes} byte limit")
         buf = bytearray()
         async for piece in request.stream():
