@@ -16,8 +16,8 @@ namespace dl {
 
 int default_threads() { return std::max(1, cpu_features().physical_cores); }
 
-ThreadPool::ThreadPool(int n_threads) : n_(std::max(1, n_threads)) {
-  for (int i = 1; i < n_; ++i) threads_.emplace_back(&ThreadPool::worker, this);
+ThreadPool::ThreadPool(int n_threads) : n_(std::max(1, n_threads)), regions_(new Region[std::max(1, n_threads)]) {
+  for (int i = 1; i < n_; ++i) threads_.emplace_back(&ThreadPool::worker, this, i);
 }
 
 ThreadPool::~ThreadPool() {
@@ -30,13 +30,17 @@ ThreadPool::~ThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-void ThreadPool::work() {
-  for (;;) {
-    const int64_t lo = next_.fetch_add(1, std::memory_order_relaxed) * grain_;
-    if (lo >= n_items_) return;
-    const int64_t hi = std::min(n_items_, lo + grain_);
-    (*fn_)(lo, hi);
-    done_.fetch_add(hi - lo, std::memory_order_release);
+void ThreadPool::work(int id) {
+  const int nr = n_regions_;
+  for (int k = 0; k < nr; ++k) {
+    Region& r = regions_[(id + k) % nr];
+    for (;;) {
+      const int64_t c = r.next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= r.end) break;
+      const int64_t lo = c * grain_, hi = std::min(n_items_, lo + grain_);
+      (*fn_)(lo, hi);
+      done_.fetch_add(hi - lo, std::memory_order_release);
+    }
   }
 }
 
@@ -50,7 +54,12 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
   fn_ = &fn;
   n_items_ = n;
   grain_ = grain;
-  next_.store(0);
+  const int64_t chunks = (n + grain - 1) / grain;
+  n_regions_ = (int)std::min<int64_t>(n_, chunks);
+  for (int r = 0; r < n_regions_; ++r) {
+    regions_[r].next.store(chunks * r / n_regions_, std::memory_order_relaxed);
+    regions_[r].end = chunks * (r + 1) / n_regions_;
+  }
   done_.store(0);
   open_.store(true);
   epoch_.fetch_add(1);
@@ -58,7 +67,7 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     std::lock_guard<std::mutex> lk(mu_);
     cv_.notify_all();
   }
-  work();
+  work(0);
   while (done_.load(std::memory_order_acquire) < n) DL_PAUSE();
   open_.store(false);
   while (in_job_.load() != 0) DL_PAUSE();
@@ -71,7 +80,7 @@ void ThreadPool::run(const std::function<void(int, int)>& fn, int n_threads) {
   });
 }
 
-void ThreadPool::worker() {
+void ThreadPool::worker(int id) {
   uint64_t seen = epoch_.load();
   while (!stop_.load()) {
     uint64_t e = epoch_.load(std::memory_order_acquire);
@@ -88,7 +97,7 @@ void ThreadPool::worker() {
     }
     seen = e;
     in_job_.fetch_add(1);
-    if (open_.load()) work();
+    if (open_.load()) work(id);
     in_job_.fetch_sub(1);
   }
 }

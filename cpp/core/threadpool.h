@@ -1,11 +1,14 @@
-// A persistent thread pool for data-parallel kernels. Work is handed out in
-// chunks from a shared counter, so the caller (which takes part) finishes the
-// job alone if a worker is descheduled, instead of waiting for it.
+// A persistent thread pool for data-parallel kernels. A job's chunks are cut into
+// one contiguous region per thread; each thread walks its own region front to back
+// (so a core streams weights sequentially and its prefetchers keep up), then takes
+// what is left of the others' regions from their shared counters, so the caller
+// (which takes part) finishes the job alone if a worker is descheduled.
 #pragma once
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -28,14 +31,21 @@ class ThreadPool {
   void run(const std::function<void(int, int)>& fn, int n_threads = 0);
 
  private:
-  void worker();
-  void work();
+  void worker(int id);
+  void work(int id);
   int n_;
   std::vector<std::thread> threads_;
   // The open job (valid while open_): written by the caller before it opens the job.
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_items_ = 0, grain_ = 1;
-  std::atomic<int64_t> next_{0}, done_{0};
+  // Region r covers chunks [next, end): next is taken by its owner and by helpers alike.
+  struct alignas(64) Region {
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
+  std::unique_ptr<Region[]> regions_;
+  int n_regions_ = 1;
+  std::atomic<int64_t> done_{0};
   std::atomic<bool> open_{false};
   std::atomic<int> in_job_{0};      // workers inside work(); the caller waits for 0 before reuse
   std::atomic<uint64_t> epoch_{0};  // bumped per job; workers spin on it, then sleep
