@@ -2,6 +2,8 @@
 // 16 keys at a time from a transposed K tile (no horizontal sums), softmax per
 // row, then the value rows accumulated into the outputs. Rows are read through
 // a page table (contiguous rows are one page), in the same order either way.
+// f16 rows are converted as they are read (exactly), so no pass decodes the
+// cache first and the bits are those of an f32 copy of it.
 #pragma GCC optimize("fp-contract=fast")  // FMA where the ISA has it; results stay within the reference bars
 #include <algorithm>
 #include <cmath>
@@ -12,7 +14,23 @@
 
 namespace dl::cpu::DL_ISA {
 
-void attn_block(const AttnBlock& b) {
+namespace {
+
+// n elements of a cache row as f32: the row itself (f32), or converted into buf (f16).
+template <typename E>
+inline const float* row_f32(const E* src, float* buf, int64_t n) {
+  if constexpr (sizeof(E) == 4) {
+    (void)buf;
+    (void)n;
+    return reinterpret_cast<const float*>(src);
+  } else {
+    f16_to_f32(src, buf, n);
+    return buf;
+  }
+}
+
+template <typename E>
+void attn_block_t(const AttnBlock& b) {
   const int G = b.group, hd = b.head_dim;
   const int64_t nq = b.n_rows;
   // Keys any row of the block may see.
@@ -27,17 +45,18 @@ void attn_block(const AttnBlock& b) {
   const int64_t nqg = nq * G;
   const int sh = b.page_shift;
   const int64_t mask = (int64_t(1) << sh) - 1;
-  auto krow = [&](int64_t j) { return (const float*)(b.k_pages[j >> sh] + b.k_off) + (j & mask) * b.kv_stride; };
-  auto vrow = [&](int64_t j) { return (const float*)(b.v_pages[j >> sh] + b.v_off) + (j & mask) * b.kv_stride; };
+  auto krow = [&](int64_t j) { return (const E*)(b.k_pages[j >> sh] + b.k_off) + (j & mask) * b.kv_stride; };
+  auto vrow = [&](int64_t j) { return (const E*)(b.v_pages[j >> sh] + b.v_off) + (j & mask) * b.kv_stride; };
   // Rows of V from key j to the end of its page (or to `end`).
   auto vrun = [&](int64_t j, int64_t end) { return std::min<int64_t>(end - j, (mask + 1) - (j & mask)); };
   float* S = b.scratch;            // [nq*G][nj] scores, then probabilities
   float* Kt = S + nqg * nj;        // [hd][16] one transposed K tile
+  float* cbuf = Kt + hd * 16;      // [hd] one converted f16 K row or V segment
   constexpr int TJ = 16;
   for (int64_t jb = 0; jb < nj; jb += TJ) {
     const int64_t tj = std::min<int64_t>(TJ, nj - jb);
     for (int64_t j = 0; j < TJ; ++j) {
-      const float* kr = krow(j_lo + jb + std::min<int64_t>(j, tj - 1));
+      const float* kr = row_f32(krow(j_lo + jb + std::min<int64_t>(j, tj - 1)), cbuf, hd);
       for (int d = 0; d < hd; ++d) Kt[d * TJ + j] = kr[d];
     }
     // Four query rows per pass: four independent FMA chains share each K tile row.
@@ -96,10 +115,11 @@ void attn_block(const AttnBlock& b) {
       float acc[TD] = {0};
       for (int64_t j = lo; j < hi;) {
         const int64_t run = vrun(j_lo + j, j_lo + hi);
-        const float* vr = vrow(j_lo + j) + dc;
+        const E* vr = vrow(j_lo + j) + dc;
         for (int64_t i = 0; i < run; ++i, ++j, vr += b.kv_stride) {
           const float pj = s[j];
-          for (int e = 0; e < TD; ++e) acc[e] += pj * vr[e];
+          const float* v = row_f32(vr, cbuf, TD);
+          for (int e = 0; e < TD; ++e) acc[e] += pj * v[e];
         }
       }
       std::memcpy(o + dc, acc, sizeof(acc));
@@ -108,24 +128,34 @@ void attn_block(const AttnBlock& b) {
       float acc[TJ] = {0};
       for (int64_t j = lo; j < hi;) {
         const int64_t run = vrun(j_lo + j, j_lo + hi);
-        const float* vr = vrow(j_lo + j) + dc;
+        const E* vr = vrow(j_lo + j) + dc;
         for (int64_t i = 0; i < run; ++i, ++j, vr += b.kv_stride) {
           const float pj = s[j];
-          for (int e = 0; e < TJ; ++e) acc[e] += pj * vr[e];
+          const float* v = row_f32(vr, cbuf, TJ);
+          for (int e = 0; e < TJ; ++e) acc[e] += pj * v[e];
         }
       }
       std::memcpy(o + dc, acc, sizeof(acc));
     }
     for (; dc < hd; ++dc) {
       float acc = 0;
-      for (int64_t j = lo; j < hi; ++j) acc += s[j] * vrow(j_lo + j)[dc];
+      for (int64_t j = lo; j < hi; ++j) acc += s[j] * *row_f32(vrow(j_lo + j) + dc, cbuf, 1);
       o[dc] = acc;
     }
   }
 }
 
+}  // namespace
+
+void attn_block(const AttnBlock& b) {
+  if (b.kv_f16)
+    attn_block_t<uint16_t>(b);
+  else
+    attn_block_t<float>(b);
+}
+
 size_t attn_block_scratch(int64_t n_rows, int group, int head_dim, int64_t n_kv) {
-  return (size_t)(n_rows * group * n_kv + (int64_t)head_dim * 16);
+  return (size_t)(n_rows * group * n_kv + (int64_t)head_dim * 17);
 }
 
 }  // namespace dl::cpu::DL_ISA

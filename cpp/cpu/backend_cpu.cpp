@@ -82,7 +82,9 @@ class CpuBackend final : public Backend {
     int64_t total_rows = 0;
     for (int i = 0; i < same; ++i) total_rows += grp[i]->rows;
     // Multiples of 16: the kernels' 4-row tiles and the packed layouts' 16-row groups.
-    const int64_t chunk = std::max<int64_t>(cpu::kPackRowAlign, total_rows / (16 * pool_.size()) / 16 * 16);
+    // Decode takes at least 64 rows (four packed groups: independent chains for the kernel).
+    const int64_t min_chunk = n <= 8 ? 4 * cpu::kPackRowAlign : cpu::kPackRowAlign;
+    const int64_t chunk = std::max<int64_t>(min_chunk, total_rows / (16 * pool_.size()) / 16 * 16);
     int64_t first[9];
     cpu::MatmulArgs args[8];
     first[0] = 0;
@@ -202,18 +204,13 @@ class CpuBackend final : public Backend {
 
   void attention(const AttnArgs& a) override { attention_multi(&a, 1); }
 
-  // One cache row (n elements) to f32.
-  static void kv_row_f32(const cpu::KernelTable& kt, KVType t, const uint8_t* src, float* dst, int64_t n) {
-    if (t == KVType::f16)
-      kt.f16_to_f32((const uint16_t*)src, dst, n);
-    else
-      kt.dequant_row((uint32_t)GGMLType::Q8_0, src, dst, n);
-  }
-
-  // Tasks are (session, block of 16 query rows, KV head), all in one dispatch. A
-  // quantized cache (f16, q8_0) is decoded to f32 first: inside each task for a
-  // single block of queries in a batch (each KV head's rows are read by one task),
-  // else once per call for the whole layer by all threads.
+  // Tasks are (session, block of 16 query rows, KV head), all in one dispatch; with
+  // fewer such tasks than 4 per thread (one session's decode step over a few KV heads)
+  // each query head of a group is its own task, so the threads share the work evenly.
+  // Every row's arithmetic is the same either way. f32 and f16 caches are read where
+  // they lie; a q8_0 cache is decoded to f32 first: inside each task for a single
+  // block of queries in a batch (each KV head's rows are read by one task), else once
+  // per call for the whole layer by all threads.
   void attention_multi(const AttnArgs* args, int count) override {
     const cpu::KernelTable& kt = cpu::kernels();
     struct Call {
@@ -223,16 +220,19 @@ class CpuBackend final : public Backend {
       const uint8_t* dec;
       size_t k_off, v_off;
       int shift;
-      int64_t kv_stride, n_blocks;
-      bool task_decode;  // decode this task's KV head rows inside the task
+      int64_t kv_stride, n_blocks, per_block;
+      bool f16, task_decode;  // task_decode: decode this task's KV head rows inside the task
     };
     constexpr int64_t rb = 16;
-    // Decoding inside the tasks saves a dispatch per session, but with fewer tasks
-    // than twice the threads (one session's few KV heads) the threads would idle,
-    // so then the rows are decoded by all threads first. Both give the same bits.
-    int64_t decode_tasks = 0;
-    for (int i = 0; i < count; ++i)
+    int64_t blocks = 0, decode_tasks = 0;
+    for (int i = 0; i < count; ++i) {
+      blocks += ((args[i].n_tok + rb - 1) / rb) * args[i].n_kv_heads;
       if (args[i].n_tok <= rb) decode_tasks += args[i].n_kv_heads;
+    }
+    const bool split_heads = blocks < 4 * (int64_t)pool_.size();
+    // Decoding inside the tasks saves a dispatch per session, but with fewer tasks
+    // than twice the threads the threads would idle, so then the rows are decoded
+    // by all threads first. Both give the same bits.
     const bool in_task = decode_tasks >= 2 * (int64_t)pool_.size();
     std::vector<Call> calls((size_t)count);
     std::vector<int64_t> first((size_t)count + 1, 0);
@@ -248,10 +248,12 @@ class CpuBackend final : public Backend {
       c.k_off = a.pages ? a.k_off : 0;
       c.v_off = a.pages ? a.v_off : 0;
       c.shift = a.pages ? a.page_shift : 62;
-      c.kv_stride = (int64_t)(a.kv_row_bytes / 4);
+      c.f16 = a.kv_type == KVType::f16;
+      c.kv_stride = (int64_t)(a.kv_row_bytes / (c.f16 ? 2 : 4));
       c.n_blocks = (a.n_tok + rb - 1) / rb;
-      c.task_decode = a.kv_type != KVType::f32 && c.n_blocks == 1 && in_task;
-      if (a.kv_type != KVType::f32 && !c.task_decode) {
+      c.per_block = split_heads ? a.n_heads : a.n_kv_heads;
+      c.task_decode = a.kv_type == KVType::q8_0 && c.n_blocks == 1 && in_task;
+      if (a.kv_type == KVType::q8_0 && !c.task_decode) {
         // Decode the layer's cache rows once into f32 (not once per query block). The
         // buffer serves one call at a time, so in a batch such a call runs alone first.
         if (count > 1) {
@@ -267,8 +269,8 @@ class CpuBackend final : public Backend {
         pool_.parallel_for(a.n_kv, 64, [&](int64_t lo, int64_t hi) {
           for (int64_t j = lo; j < hi; ++j) {
             const size_t r = (size_t)(j & mask) * a.kv_row_bytes;
-            kv_row_f32(kt, a.kv_type, c.kp[j >> c.shift] + c.k_off + r, kd + j * kv_dim, kv_dim);
-            kv_row_f32(kt, a.kv_type, c.vp[j >> c.shift] + c.v_off + r, vd + j * kv_dim, kv_dim);
+            kt.dequant_row((uint32_t)GGMLType::Q8_0, c.kp[j >> c.shift] + c.k_off + r, kd + j * kv_dim, kv_dim);
+            kt.dequant_row((uint32_t)GGMLType::Q8_0, c.vp[j >> c.shift] + c.v_off + r, vd + j * kv_dim, kv_dim);
           }
         });
         c.dec = (const uint8_t*)kd;
@@ -277,8 +279,9 @@ class CpuBackend final : public Backend {
         c.v_off = (size_t)(a.n_kv * kv_dim) * 4;
         c.shift = 62;
         c.kv_stride = kv_dim;
+        c.f16 = false;
       }
-      first[(size_t)i + 1] = first[(size_t)i] + c.n_blocks * a.n_kv_heads;
+      first[(size_t)i + 1] = first[(size_t)i] + c.n_blocks * c.per_block;
     }
     pool_.parallel_for(first[(size_t)count], 1, [&](int64_t lo, int64_t hi) {
       thread_local std::vector<float> scratch, dec;
@@ -290,13 +293,16 @@ class CpuBackend final : public Backend {
         const int hd = a.head_dim;
         const int group = a.n_heads / a.n_kv_heads;
         const int64_t local = task - first[(size_t)i];
-        const int64_t blk = local / a.n_kv_heads;
-        const int kvh = (int)(local % a.n_kv_heads);
+        const int64_t blk = local / c.per_block;
+        // This task's query heads: the KV head's group, or one head of it.
+        const int h0 = split_heads ? (int)(local % c.per_block) : (int)(local % c.per_block) * group;
+        const int kvh = h0 / group;
         cpu::AttnBlock b;
         const int64_t t0 = blk * rb;
         b.n_rows = std::min(rb, a.n_tok - t0);
-        b.q = a.q + t0 * a.q_stride + (int64_t)kvh * group * hd;
+        b.q = a.q + t0 * a.q_stride + (int64_t)h0 * hd;
         b.q_stride = a.q_stride;
+        b.group = split_heads ? 1 : group;
         const uint8_t* dec_page[1];
         if (c.task_decode) {
           // This KV head's slice of every row, decoded to f32 rows of hd.
@@ -307,8 +313,8 @@ class CpuBackend final : public Backend {
           float* vd = kd + a.n_kv * hd;
           for (int64_t j = 0; j < a.n_kv; ++j) {
             const size_t r = (size_t)(j & mask) * a.kv_row_bytes + head_off;
-            kv_row_f32(kt, a.kv_type, c.kp[j >> c.shift] + c.k_off + r, kd + j * hd, hd);
-            kv_row_f32(kt, a.kv_type, c.vp[j >> c.shift] + c.v_off + r, vd + j * hd, hd);
+            kt.dequant_row((uint32_t)GGMLType::Q8_0, c.kp[j >> c.shift] + c.k_off + r, kd + j * hd, hd);
+            kt.dequant_row((uint32_t)GGMLType::Q8_0, c.vp[j >> c.shift] + c.v_off + r, vd + j * hd, hd);
           }
           dec_page[0] = (const uint8_t*)kd;
           b.k_pages = b.v_pages = dec_page;
@@ -316,24 +322,26 @@ class CpuBackend final : public Backend {
           b.v_off = (size_t)(a.n_kv * hd) * 4;
           b.page_shift = 62;
           b.kv_stride = hd;
+          b.kv_f16 = false;
         } else {
+          const size_t esz = c.f16 ? 2 : 4;
           b.k_pages = c.kp;
           b.v_pages = c.vp;
-          b.k_off = c.k_off + (size_t)kvh * hd * 4;
-          b.v_off = c.v_off + (size_t)kvh * hd * 4;
+          b.k_off = c.k_off + (size_t)kvh * hd * esz;
+          b.v_off = c.v_off + (size_t)kvh * hd * esz;
           b.page_shift = c.shift;
           b.kv_stride = c.kv_stride;
+          b.kv_f16 = c.f16;
         }
         b.pos = a.q_pos + t0;
         b.n_kv = a.n_kv;
-        b.group = group;
         b.head_dim = hd;
         b.window = a.window;
         b.scale = a.scale;
         b.softcap = a.softcap;
-        b.out = a.out + t0 * a.out_stride + (int64_t)kvh * group * hd;
+        b.out = a.out + t0 * a.out_stride + (int64_t)h0 * hd;
         b.out_stride = a.out_stride;
-        scratch.resize(kt.attn_block_scratch(b.n_rows, group, hd, a.n_kv));
+        scratch.resize(kt.attn_block_scratch(b.n_rows, b.group, hd, a.n_kv));
         b.scratch = scratch.data();
         kt.attn_block(b);
       }

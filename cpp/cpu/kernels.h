@@ -39,7 +39,8 @@ struct AttnBlock {
   const uint8_t* const* v_pages = nullptr;
   size_t k_off = 0, v_off = 0;  // bytes into each page (this KV head's first element)
   int page_shift = 62;
-  int64_t kv_stride = 0;  // floats between key rows
+  int64_t kv_stride = 0;  // elements between key rows
+  bool kv_f16 = false;    // rows hold f16 (read as they are used), else f32
   const int32_t* pos = nullptr;
   int64_t n_rows = 0, n_kv = 0;
   int group = 1, head_dim = 0, window = 0;
