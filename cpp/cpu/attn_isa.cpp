@@ -9,6 +9,10 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "cpu/isa_kernels.h"
 #include "cpu/vmath.h"
 
@@ -29,6 +33,50 @@ inline const float* row_f32(const E* src, float* buf, int64_t n) {
   }
 }
 
+#if defined(__AVX512F__)
+// Explicit registers where the compiler's vectorizer kept the accumulators on the stack.
+template <typename E>
+inline __m512 load16(const E* p) {
+  if constexpr (sizeof(E) == 4)
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  else
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Scores of QR query rows against a transposed K tile of 16 keys.
+template <int QR>
+inline void score_rows(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
+  __m512 acc[QR];
+  for (int i = 0; i < QR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int d = 0; d < hd; ++d) {
+    const __m512 kt = _mm512_loadu_ps(Kt + d * 16);
+    for (int i = 0; i < QR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), kt, acc[i]);
+  }
+  for (int i = 0; i < QR; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+// out[i][dc .. dc + 16 NV) = sum over keys j in [lo[i], hi[i]) of s[i][j] * V[j], keys in order.
+template <typename E, int RR, int NV, class VRow>
+inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int64_t* lo, const int64_t* hi,
+                         const float* const* s, float* const* o, int nr, int dc) {
+  __m512 acc[RR][NV];
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t j = jmin; j < jmax; ++j) {
+    const E* vr = vrow(j) + dc;
+    __m512 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = load16(vr + 16 * c);
+    for (int i = 0; i < RR; ++i) {
+      if (j < lo[i] || j >= hi[i]) continue;
+      const __m512 p = _mm512_set1_ps(s[i][j]);
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < nr; ++i)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o[i] + dc + 16 * c, acc[i][c]);
+}
+#endif
+
 template <typename E>
 void attn_block_t(const AttnBlock& b) {
   const int G = b.group, hd = b.head_dim;
@@ -47,8 +95,6 @@ void attn_block_t(const AttnBlock& b) {
   const int64_t mask = (int64_t(1) << sh) - 1;
   auto krow = [&](int64_t j) { return (const E*)(b.k_pages[j >> sh] + b.k_off) + (j & mask) * b.kv_stride; };
   auto vrow = [&](int64_t j) { return (const E*)(b.v_pages[j >> sh] + b.v_off) + (j & mask) * b.kv_stride; };
-  // Rows of V from key j to the end of its page (or to `end`).
-  auto vrun = [&](int64_t j, int64_t end) { return std::min<int64_t>(end - j, (mask + 1) - (j & mask)); };
   float* S = b.scratch;            // [nq*G][nj] scores, then probabilities
   float* Kt = S + nqg * nj;        // [hd][16] one transposed K tile
   float* cbuf = Kt + hd * 16;      // [hd] one converted f16 K row or V segment
@@ -59,15 +105,23 @@ void attn_block_t(const AttnBlock& b) {
       const float* kr = row_f32(krow(j_lo + jb + std::min<int64_t>(j, tj - 1)), cbuf, hd);
       for (int d = 0; d < hd; ++d) Kt[d * TJ + j] = kr[d];
     }
-    // Four query rows per pass: four independent FMA chains share each K tile row.
+    // QR query rows per pass: independent FMA chains share each K tile row.
+#if defined(__AVX512F__)
+    constexpr int QR = 8;
+#else
     constexpr int QR = 4;
+#endif
     for (int64_t r0 = 0; r0 < nqg; r0 += QR) {
       const float* q[QR];
       for (int i = 0; i < QR; ++i) {
         const int64_t r = std::min(r0 + i, nqg - 1);
         q[i] = b.q + (r / G) * b.q_stride + (r % G) * hd;
       }
-      float acc[QR][TJ] = {};
+      float acc[QR][TJ];
+#if defined(__AVX512F__)
+      score_rows<QR>(q, Kt, hd, acc);
+#else
+      std::memset(acc, 0, sizeof(acc));
       for (int d = 0; d < hd; ++d) {
         const float* kt = Kt + d * TJ;
         for (int i = 0; i < QR; ++i) {
@@ -75,6 +129,7 @@ void attn_block_t(const AttnBlock& b) {
           for (int j = 0; j < TJ; ++j) acc[i][j] += qd * kt[j];
         }
       }
+#endif
       for (int i = 0; i < QR && r0 + i < nqg; ++i) std::memcpy(S + (r0 + i) * nj + jb, acc[i], (size_t)tj * 4);
     }
   }
@@ -104,44 +159,72 @@ void attn_block_t(const AttnBlock& b) {
     for (; j < hi; ++j) sum += s[j] = exp_neg(s[j] - mx);
     for (int e = 0; e < TJ; ++e) sum += suml[e];
     const float inv = sum > 0 ? 1.f / sum : 0.f;
-    float* o = b.out + (r / G) * b.out_stride + (r % G) * hd;
     for (int64_t j = lo; j < hi; ++j) s[j] *= inv;
-    // 16 output dims at a time stay in one register across all keys (accumulating
-    // in memory would chain every key through a store and a reload).
-    // 64 dims per pass: four registers, four independent chains.
-    constexpr int TD = 64;
+  }
+  // Values: four rows at a time share each V row they read (and its conversion from
+  // f16); each output element still sums its row's keys in key order.
+  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
+    const int64_t p = b.pos[r / G];
+    lo = (b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0) - j_lo;
+    hi = std::min<int64_t>(j_hi, p + 1) - j_lo;
+  };
+  constexpr int RR = 4;
+  for (int64_t r0 = 0; r0 < nqg; r0 += RR) {
+    const int nr = (int)std::min<int64_t>(RR, nqg - r0);
+    int64_t lo[RR], hi[RR];
+    const float* s[RR];
+    float* o[RR];
+    int64_t jmin = nj, jmax = 0;
+    for (int i = 0; i < RR; ++i) {
+      const int64_t r = r0 + std::min(i, nr - 1);
+      range(r, lo[i], hi[i]);
+      if (i >= nr) hi[i] = lo[i];  // padding rows take no keys
+      jmin = std::min(jmin, lo[i]);
+      jmax = std::max(jmax, hi[i]);
+      s[i] = S + r * nj;
+      o[i] = b.out + (r / G) * b.out_stride + (r % G) * hd;
+    }
     int dc = 0;
+#if defined(__AVX512F__)
+    auto vr_of = [&](int64_t j) { return vrow(j_lo + j); };
+    for (; dc + 64 <= hd; dc += 64) accumulate_v<E, RR, 4>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc);
+#else
+    // TD dims per pass stay in registers across all keys.
+    constexpr int TD = 32;
     for (; dc + TD <= hd; dc += TD) {
-      float acc[TD] = {0};
-      for (int64_t j = lo; j < hi;) {
-        const int64_t run = vrun(j_lo + j, j_lo + hi);
-        const E* vr = vrow(j_lo + j) + dc;
-        for (int64_t i = 0; i < run; ++i, ++j, vr += b.kv_stride) {
-          const float pj = s[j];
-          const float* v = row_f32(vr, cbuf, TD);
-          for (int e = 0; e < TD; ++e) acc[e] += pj * v[e];
+      float acc[RR][TD] = {};
+      for (int64_t j = jmin; j < jmax; ++j) {
+        const float* v = row_f32(vrow(j_lo + j) + dc, cbuf, TD);
+        for (int i = 0; i < RR; ++i) {
+          if (j < lo[i] || j >= hi[i]) continue;
+          const float pj = s[i][j];
+          for (int e = 0; e < TD; ++e) acc[i][e] += pj * v[e];
         }
       }
-      std::memcpy(o + dc, acc, sizeof(acc));
+      for (int i = 0; i < nr; ++i) std::memcpy(o[i] + dc, acc[i], sizeof(acc[i]));
     }
+#endif
+#if defined(__AVX512F__)
+    for (; dc + 16 <= hd; dc += 16) accumulate_v<E, RR, 1>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc);
+#endif
     for (; dc + TJ <= hd; dc += TJ) {
-      float acc[TJ] = {0};
-      for (int64_t j = lo; j < hi;) {
-        const int64_t run = vrun(j_lo + j, j_lo + hi);
-        const E* vr = vrow(j_lo + j) + dc;
-        for (int64_t i = 0; i < run; ++i, ++j, vr += b.kv_stride) {
-          const float pj = s[j];
-          const float* v = row_f32(vr, cbuf, TJ);
-          for (int e = 0; e < TJ; ++e) acc[e] += pj * v[e];
+      float acc[RR][TJ] = {};
+      for (int64_t j = jmin; j < jmax; ++j) {
+        const float* v = row_f32(vrow(j_lo + j) + dc, cbuf, TJ);
+        for (int i = 0; i < RR; ++i) {
+          if (j < lo[i] || j >= hi[i]) continue;
+          const float pj = s[i][j];
+          for (int e = 0; e < TJ; ++e) acc[i][e] += pj * v[e];
         }
       }
-      std::memcpy(o + dc, acc, sizeof(acc));
+      for (int i = 0; i < nr; ++i) std::memcpy(o[i] + dc, acc[i], sizeof(acc[i]));
     }
-    for (; dc < hd; ++dc) {
-      float acc = 0;
-      for (int64_t j = lo; j < hi; ++j) acc += s[j] * *row_f32(vrow(j_lo + j) + dc, cbuf, 1);
-      o[dc] = acc;
-    }
+    for (; dc < hd; ++dc)
+      for (int i = 0; i < nr; ++i) {
+        float acc = 0;
+        for (int64_t j = lo[i]; j < hi[i]; ++j) acc += s[i][j] * *row_f32(vrow(j_lo + j) + dc, cbuf, 1);
+        o[i][dc] = acc;
+      }
   }
 }
 
