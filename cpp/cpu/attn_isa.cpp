@@ -43,6 +43,41 @@ inline __m512 load16(const E* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// In-register transpose of 16 rows of 16 floats (unpack, 4x4 shuffles, then 128-bit lanes).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// Kt[d][j] = K row j, element d, for 16 key rows and hd a multiple of 16.
+template <typename E>
+inline void k_tile(const E* const* rows, int hd, float* Kt) {
+  for (int d0 = 0; d0 < hd; d0 += 16) {
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) r[j] = load16(rows[j] + d0);
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(Kt + (d0 + i) * 16, r[i]);
+  }
+}
+
 // Scores of QR query rows against a transposed K tile of 16 keys.
 template <int QR>
 inline void score_rows(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
@@ -101,10 +136,18 @@ void attn_block_t(const AttnBlock& b) {
   constexpr int TJ = 16;
   for (int64_t jb = 0; jb < nj; jb += TJ) {
     const int64_t tj = std::min<int64_t>(TJ, nj - jb);
-    for (int64_t j = 0; j < TJ; ++j) {
-      const float* kr = row_f32(krow(j_lo + jb + std::min<int64_t>(j, tj - 1)), cbuf, hd);
-      for (int d = 0; d < hd; ++d) Kt[d * TJ + j] = kr[d];
-    }
+    // Past the last key, the tile repeats it (its scores are not stored).
+#if defined(__AVX512F__)
+    if (hd % 16 == 0) {
+      const E* rows[TJ];
+      for (int64_t j = 0; j < TJ; ++j) rows[j] = krow(j_lo + jb + std::min<int64_t>(j, tj - 1));
+      k_tile(rows, hd, Kt);
+    } else
+#endif
+      for (int64_t j = 0; j < TJ; ++j) {
+        const float* kr = row_f32(krow(j_lo + jb + std::min<int64_t>(j, tj - 1)), cbuf, hd);
+        for (int d = 0; d < hd; ++d) Kt[d * TJ + j] = kr[d];
+      }
     // QR query rows per pass: independent FMA chains share each K tile row.
 #if defined(__AVX512F__)
     constexpr int QR = 8;
