@@ -159,22 +159,10 @@ class CpuBackend final : public Backend {
   void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
             const RopeParams& p) override {
     const int half = p.n_rot / 2;
-    thread_local std::vector<float> cs, sn;
-    thread_local std::vector<double> inv_freq;
-    cs.resize(half);
-    sn.resize(half);
-    inv_freq.resize(half);
-    for (int i = 0; i < half; ++i) {
-      inv_freq[i] = p.inv_freq ? p.inv_freq[i] : std::pow((double)p.base, -2.0 * i / p.n_rot);
-      if (p.freq_factors) inv_freq[i] /= p.freq_factors[i];
-    }
+    const RopeTable& tab = rope_table(n_tok, pos, p);
     for (int64_t t = 0; t < n_tok; ++t) {
-      const double ppos = (double)pos[t] * p.freq_scale;
-      for (int i = 0; i < half; ++i) {
-        const double theta = ppos * inv_freq[i];
-        cs[i] = (float)std::cos(theta) * p.mscale;
-        sn[i] = (float)std::sin(theta) * p.mscale;
-      }
+      const float* cs = tab.cs.data() + t * half;
+      const float* sn = tab.sn.data() + t * half;
       for (int h = 0; h < n_heads; ++h) {
         float* v = x + t * stride + (int64_t)h * head_dim;
         for (int i = 0; i < half; ++i) {
@@ -196,7 +184,7 @@ class CpuBackend final : public Backend {
       const float* s = src + i * src_stride;
       switch (t) {
         case KVType::f32: std::memcpy(row, s, (size_t)dim * 4); break;
-        case KVType::f16: quantize_row((uint32_t)GGMLType::F16, s, row, dim); break;
+        case KVType::f16: cpu::kernels().f32_to_f16(s, (uint16_t*)row, dim); break;
         case KVType::q8_0: quantize_row((uint32_t)GGMLType::Q8_0, s, row, dim); break;
       }
     }
@@ -398,7 +386,57 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // cos/sin per (token, pair) for one set of positions and parameters. Q and K of a
+  // layer, and every layer with the same base, reuse it (two slots: Gemma alternates
+  // local and global bases), so a step computes its sines once, not once per call.
+  struct RopeTable {
+    std::vector<int32_t> pos;
+    float base = 0, freq_scale = 0, mscale = 0;
+    int n_rot = 0;
+    const float* freq_factors = nullptr;
+    const double* inv_freq = nullptr;
+    std::vector<float> cs, sn;
+    bool valid = false;
+  };
+  const RopeTable& rope_table(int64_t n_tok, const int32_t* pos, const RopeParams& p) {
+    auto same = [&](const RopeTable& t) {
+      return t.valid && t.base == p.base && t.freq_scale == p.freq_scale && t.mscale == p.mscale &&
+             t.n_rot == p.n_rot && t.freq_factors == p.freq_factors && t.inv_freq == p.inv_freq &&
+             (int64_t)t.pos.size() == n_tok && std::equal(t.pos.begin(), t.pos.end(), pos);
+    };
+    for (RopeTable& t : rope_) if (same(t)) return t;
+    std::swap(rope_[0], rope_[1]);  // the older slot is refilled
+    RopeTable& t = rope_[0];
+    const int half = p.n_rot / 2;
+    t.pos.assign(pos, pos + n_tok);
+    t.base = p.base;
+    t.freq_scale = p.freq_scale;
+    t.mscale = p.mscale;
+    t.n_rot = p.n_rot;
+    t.freq_factors = p.freq_factors;
+    t.inv_freq = p.inv_freq;
+    t.cs.resize((size_t)(n_tok * half));
+    t.sn.resize((size_t)(n_tok * half));
+    inv_freq_.resize((size_t)half);
+    for (int i = 0; i < half; ++i) {
+      inv_freq_[i] = p.inv_freq ? p.inv_freq[i] : std::pow((double)p.base, -2.0 * i / p.n_rot);
+      if (p.freq_factors) inv_freq_[i] /= p.freq_factors[i];
+    }
+    for (int64_t k = 0; k < n_tok; ++k) {
+      const double ppos = (double)pos[k] * p.freq_scale;
+      for (int i = 0; i < half; ++i) {
+        const double theta = ppos * inv_freq_[i];
+        t.cs[k * half + i] = (float)std::cos(theta) * p.mscale;
+        t.sn[k * half + i] = (float)std::sin(theta) * p.mscale;
+      }
+    }
+    t.valid = true;
+    return t;
+  }
+
   ThreadPool pool_;
+  RopeTable rope_[2];
+  std::vector<double> inv_freq_;
   std::vector<uint8_t> act_;
   std::vector<float> kv_f32_;
 };

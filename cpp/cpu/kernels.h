@@ -84,6 +84,8 @@ struct KernelTable {
   size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;
   // f16 KV cache rows to f32 (exact for finite values).
   void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n) = nullptr;
+  // f32 to f16 cache rows, rounding to nearest even.
+  void (*f32_to_f16)(const float* src, uint16_t* dst, int64_t n) = nullptr;
 };
 
 // The table for the active ISA (dl::active_isa()).

@@ -13,6 +13,7 @@ void fill_table(KernelTable& t) {
   t.attn_block = &attn_block;
   t.glu_f32 = &glu_f32;
   t.f16_to_f32 = &f16_to_f32;
+  t.f32_to_f16 = &f32_to_f16;
   t.attn_block_scratch = &attn_block_scratch;
   t.pack_bytes = &pack_bytes;
   t.pack_rows = &pack_rows;

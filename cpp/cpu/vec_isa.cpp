@@ -1,4 +1,5 @@
-// Elementwise float kernels per ISA: gated activations, f16 cache rows to f32.
+// Elementwise float kernels per ISA: gated activations, f16 cache rows to and from f32.
+#include "core/half.h"
 #include "cpu/isa_kernels.h"
 #include "cpu/vmath.h"
 #include "quant/dequant_impl.h"
@@ -26,6 +27,17 @@ void f16_to_f32(const uint16_t* src, float* dst, int64_t n) {
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = dl::quant::h2f(src[i]);
+}
+
+// Rounds to nearest even like dl::f32_to_f16 (the same bits for every non-NaN value).
+void f32_to_f16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = dl::f32_to_f16(src[i]);
 }
 
 }  // namespace dl::cpu::DL_ISA
