@@ -378,11 +378,17 @@ void pack_q4_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb,
       const block_q4_K* blk = reinterpret_cast<const block_q4_K*>(rows[l]) + b;
       uint8_t sc[8], mn[8];
       k_scale_min(blk->scales, sc, mn);
+      const __m256i m4 = _mm256_set1_epi8(0x0F);
       for (int s = 0; s < 8; ++s) {
-        uint8_t u[32];
-        for (int e = 0; e < 32; ++e) u[e] = (blk->qs[(s >> 1) * 32 + e] >> (4 * (s & 1))) & 0xF;
-        for (int c = 0; c < 4; ++c)
-          for (int j = 0; j < 4; ++j) R[s * 256 + c * 64 + l * 4 + j] = (uint8_t)(u[4 * c + j] | u[16 + 4 * c + j] << 4);
+        // u = the sub-block's 32 quants; the register bytes are u[0..15] | u[16..31] << 4.
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs + (s >> 1) * 32));
+        const __m256i u = _mm256_and_si256((s & 1) ? _mm256_srli_epi16(q, 4) : q, m4);
+        const __m128i v = _mm_or_si128(_mm256_castsi256_si128(u), _mm_slli_epi16(_mm256_extracti128_si256(u, 1), 4));
+        // Dwords straight from the register (a 16-byte store read back 4 bytes at a time stalls).
+        _mm_storeu_si32(R + s * 256 + l * 4, v);
+        _mm_storeu_si32(R + s * 256 + 64 + l * 4, _mm_srli_si128(v, 4));
+        _mm_storeu_si32(R + s * 256 + 128 + l * 4, _mm_srli_si128(v, 8));
+        _mm_storeu_si32(R + s * 256 + 192 + l * 4, _mm_srli_si128(v, 12));
         R[2048 + s * 16 + l] = sc[s];
       }
       for (int p = 0; p < 4; ++p) {
@@ -396,30 +402,39 @@ void pack_q4_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb,
 }
 
 void pack_q6_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb, uint8_t* out) {
+  // All 16 rows' quants are decoded first, then interleaved: reading back 4 bytes of a row
+  // just stored 32 at a time would stall on store forwarding.
+  alignas(32) uint8_t U[kRowsPerGroup][256];
   for (int64_t b = 0; b < nsb; ++b) {
     uint8_t* R = out + b * kQ6KRec;
     uint16_t* D = reinterpret_cast<uint16_t*>(R + 4352);
     std::memset(R + 4384, 0, 32);
     for (int l = 0; l < kRowsPerGroup; ++l) {
+      uint8_t* u = U[l];
       if (!valid[l]) {
-        for (int j = 0; j < 64; ++j) std::memset(R + j * 64 + l * 4, 0, 4);
+        std::memset(u, 0, 256);
         for (int q = 0; q < 16; ++q) R[4096 + q * 16 + l] = 0;
         D[l] = 0;
         continue;
       }
       const block_q6_K* blk = reinterpret_cast<const block_q6_K*>(rows[l]) + b;
-      uint8_t u[256];  // element e of the super-block, 0..63 (as dq_q6_K reads it)
-      for (int h = 0; h < 2; ++h)
+      // u[e] = element e of the super-block, 0..63, as dq_q6_K reads it:
+      // u[128h + 32s + l] = nibble (s >> 1) of ql[64h + 32(s & 1) + l] | bits 2s, 2s+1 of qh[32h + l] << 4.
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qh + h * 32));
         for (int s = 0; s < 4; ++s) {
-          const uint8_t* ql = blk->ql + h * 64 + (s & 1) * 32;
-          const uint8_t* qh = blk->qh + h * 32;
-          const int shl = (s >> 1) * 4;
-          for (int e = 0; e < 32; ++e) u[h * 128 + s * 32 + e] = (uint8_t)(((ql[e] >> shl) & 0xF) | ((qh[e] >> (2 * s)) & 3) << 4);
+          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->ql + h * 64 + (s & 1) * 32));
+          const __m256i lo = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), m2);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(u + h * 128 + s * 32), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
         }
-      for (int j = 0; j < 64; ++j) std::memcpy(R + j * 64 + l * 4, u + 4 * j, 4);
+      }
       for (int q = 0; q < 16; ++q) R[4096 + q * 16 + l] = (uint8_t)blk->scales[q];
       D[l] = blk->d;
     }
+    for (int j = 0; j < 64; ++j)
+      for (int l = 0; l < kRowsPerGroup; ++l) std::memcpy(R + j * 64 + l * 4, U[l] + 4 * j, 4);
   }
 }
 
