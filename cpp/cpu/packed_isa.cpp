@@ -330,16 +330,12 @@ void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
   }
 }
 
+// Tokens [t, t1) of groups [g, g + G): tiles of TM tokens, the rest in halving tiles.
 template <template <int, int> class Tile, int G, int TM>
-void k_groups(const MatmulArgs& a, int64_t g, int64_t n_tok) {
-  for (int64_t t = 0; t < n_tok; t += TM) {
-    switch (std::min<int64_t>(TM, n_tok - t)) {
-      case 1: Tile<G, 1>::run(a, g, t); break;
-      case 2: Tile<G, 2>::run(a, g, t); break;
-      case 3: if constexpr (TM >= 3) Tile<G, 3>::run(a, g, t); break;
-      default: if constexpr (TM >= 4) Tile<G, TM>::run(a, g, t); break;
-    }
-  }
+void k_tokens(const MatmulArgs& a, int64_t g, int64_t t, int64_t t1) {
+  for (; t + TM <= t1; t += TM) Tile<G, TM>::run(a, g, t);
+  if constexpr (TM > 1)
+    if (t < t1) k_tokens<Tile, G, TM / 2>(a, g, t, t1);
 }
 template <int G, int T>
 struct Q4KTile {
@@ -350,14 +346,16 @@ struct Q6KTile {
   static void run(const MatmulArgs& a, int64_t g, int64_t t) { q6k_tile<G, T>(a, g, t); }
 };
 
+// Decode: four groups per token (independent chains, weights stream once). Prefill: two
+// groups x 4 tokens, or one group x 8 tokens (the backend's 16-row chunks of a small matrix).
 template <template <int, int> class Tile>
 void k_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   int64_t g = r0 / kRowsPerGroup;
   const int64_t g1 = (r1 + kRowsPerGroup - 1) / kRowsPerGroup;
   if (a.n_tok == 1)
-    for (; g + 4 <= g1; g += 4) k_groups<Tile, 4, 1>(a, g, 1);
-  for (; g + 2 <= g1; g += 2) k_groups<Tile, 2, 4>(a, g, a.n_tok);
-  for (; g < g1; ++g) k_groups<Tile, 1, 4>(a, g, a.n_tok);
+    for (; g + 4 <= g1; g += 4) k_tokens<Tile, 4, 1>(a, g, 0, 1);
+  for (; g + 2 <= g1; g += 2) k_tokens<Tile, 2, 4>(a, g, 0, a.n_tok);
+  for (; g < g1; ++g) k_tokens<Tile, 1, 8>(a, g, 0, a.n_tok);
 }
 
 // Pack time: q4_K in the layout above.
