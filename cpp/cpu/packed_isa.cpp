@@ -6,7 +6,8 @@
 //   q8_0  Q[nb][8][16][4]   chunk j: elements 4j..4j+3 of each row (lane = row), as q ^ 0x80 = q + 128
 //   q4    Q[nb][4][16][4]   register c: the file's qs bytes 4c..4c+3 of each row, i.e. elements
 //                           4c.. in the low nibbles and 16+4c.. in the high nibbles
-//   q5_0  as q4, then uint32 qh[16] (each row's fifth bits) per block column
+//   q5_0  as q4, then qh[16][4] per block column: byte j of a row holds bit 2c = the fifth
+//         bit of element 4c+j, bit 2c+1 = that of element 16+4c+j (register c's byte j)
 //   then  f16 d[nb][16]  (q4_1: and f16 m[nb][16])
 //
 // q4_K and q6_K (K8 activations) in groups of 16 rows, one record per super-block of 256:
@@ -57,6 +58,21 @@ inline bool fmt_of(uint32_t wtype, Fmt& f) {
   }
 }
 inline size_t group_bytes(const Fmt& f, int64_t nb) { return (size_t)nb * (f.qbytes + 32 + (f.mins ? 32 : 0)); }
+
+// Bit x of every byte of v moved to bit 4 (16-bit shifts: bit 4 of a byte only ever
+// receives a bit of the same byte; the other bits are masked off by the caller).
+inline __m512i q5_bit4(__m512i v, int x) {
+  switch (x) {
+    case 0: return _mm512_slli_epi16(v, 4);
+    case 1: return _mm512_slli_epi16(v, 3);
+    case 2: return _mm512_slli_epi16(v, 2);
+    case 3: return _mm512_slli_epi16(v, 1);
+    case 4: return v;
+    case 5: return _mm512_srli_epi16(v, 1);
+    case 6: return _mm512_srli_epi16(v, 2);
+    default: return _mm512_srli_epi16(v, 3);
+  }
+}
 
 // Output groups [g, g + G) (rows g*16 ...) x tokens [t0, t0 + T). Independent (group, token)
 // chains keep the VNNI unit busy; the arithmetic of each output does not depend on G or T.
@@ -110,18 +126,17 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
         __m512i lo[G], hi[G];
         for (int i = 0; i < G; ++i) {
           const __m512i raw = _mm512_loadu_si512(Q[i] + b * kQB + c * 64);
-          lo[i] = _mm512_and_si512(raw, m4);
-          hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
           if constexpr (kQ5) {
-            // q5_0's fifth bits: bit j of a row's qh is element j's. Four bits x of a lane go to
-            // bit 4 of its four bytes: x * (1 + 2^7 + 2^14 + 2^21) puts bit e at bit 8e (no carries).
-            const __m512i spread = _mm512_set1_epi32(0x00204081), ones = _mm512_set1_epi32(0x01010101);
-            auto fifth = [&](int shift) {
-              const __m512i x = _mm512_and_si512(_mm512_srli_epi32(qh[i], shift), _mm512_set1_epi32(0xF));
-              return _mm512_slli_epi32(_mm512_and_si512(_mm512_mullo_epi32(x, spread), ones), 4);
-            };
-            lo[i] = _mm512_or_si512(lo[i], fifth(4 * c));
-            hi[i] = _mm512_or_si512(hi[i], fifth(16 + 4 * c));
+            // q5_0's fifth bits (pack_rows): bit 2c / 2c+1 of each byte of qh goes with that byte
+            // of register c's low / high nibbles. Moved to bit 4 and masked, then OR'ed onto the
+            // nibble with one ternlog ((A & C) | B): no per-lane multiply.
+            const __m512i b4 = _mm512_set1_epi8(0x10);
+            lo[i] = _mm512_ternarylogic_epi32(raw, _mm512_and_si512(q5_bit4(qh[i], 2 * c), b4), m4, 0xEC);
+            hi[i] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), _mm512_and_si512(q5_bit4(qh[i], 2 * c + 1), b4),
+                                              m4, 0xEC);
+          } else {
+            lo[i] = _mm512_and_si512(raw, m4);
+            hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
           }
         }
         for (int t = 0; t < T; ++t) {
@@ -503,7 +518,12 @@ void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, in
           const block_q5_0* blk = reinterpret_cast<const block_q5_0*>(row) + b;
           D[b * 16 + l] = blk->d;
           for (int c = 0; c < 4; ++c) std::memcpy(q + c * 64 + l * 4, blk->qs + c * 4, 4);
-          std::memcpy(q + 256 + l * 4, blk->qh, 4);
+          // Byte j of the row's qh word: bit 2c = element 4c+j's fifth bit, bit 2c+1 = element 16+4c+j's.
+          uint32_t qh;
+          std::memcpy(&qh, blk->qh, 4);
+          for (int j = 0; j < 4; ++j)
+            q[256 + l * 4 + j] = (uint8_t)(_pdep_u32(_pext_u32(qh, 0x1111u << j), 0x55) |
+                                           _pdep_u32(_pext_u32(qh, 0x11110000u << j), 0xAA));
         } else if (f.mins) {
           const block_q4_1* blk = reinterpret_cast<const block_q4_1*>(row) + b;
           D[b * 16 + l] = blk->d;
