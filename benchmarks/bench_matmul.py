@@ -1,9 +1,14 @@
 """Matmul kernel speed on SmolLM2-shaped matrices: decode GEMV (GB/s of weights) and 512-token prefill (GFLOP/s).
 
     python benchmarks/bench_matmul.py [--types q4_0,q8_0] [--threads 1,2] [--isa avx512] [--quick]
+                                      [--layouts file,packed] [--gemma]
 
-Timings go through dasllama._core._matmul, so they include quantizing the activations
-(small next to the weights). Decode on the small matrices runs from cache (they fit in
+--layouts: the file layout and/or the one Backend::prepare packs at load (where the ISA has
+one; otherwise "packed" runs the file layout too). --gemma: Gemma-3-270M's k-quant matrices
+(attn_output 640x1024, ffn_down 640x2048) instead of the SmolLM2 shapes.
+
+Timings go through dasllama._core._matmul and leave out its packing and activation
+quantization (timed as the difference between 1 and 1 + n repeats of the product). Decode on the small matrices runs from cache (they fit in
 L2/L3); the "big" rows stream from memory and are the bandwidth figure.
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dasllama import _core, quant
 # (rows, k): attn q/o, ffn gate/up, ffn down, lm head; big = larger than the L3 cache.
 DECODE_SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (65536, 1536)]
 PREFILL_SHAPES = [(576, 576), (1536, 576), (576, 1536)]
+GEMMA_SHAPES = [(640, 1024), (640, 2048)]
 TYPES = ["q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K", "f16", "f32"]
 
 
@@ -46,6 +52,14 @@ def best_time(fn, min_time=0.3, max_reps=200) -> float:
     return best
 
 
+def kernel_time(w, tid, k, x, nt, packed, reps, max_reps=200) -> float:
+    """Seconds of one product, without the packing and activation quantization that each
+    _matmul call does first (the backend does both once per weight / per batch)."""
+    t1 = best_time(lambda: _core._matmul(w, tid, k, x, nt, packed, 1), max_reps=max_reps)
+    tr = best_time(lambda: _core._matmul(w, tid, k, x, nt, packed, reps + 1), max_reps=max_reps)
+    return max(tr - t1, 1e-9) / reps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default=",".join(TYPES))
@@ -53,7 +67,12 @@ def main() -> None:
     ap.add_argument("--isa", default=None)
     ap.add_argument("--quick", action="store_true", help="skip the big decode matrix")
     ap.add_argument("--n-tok", type=int, default=512)
+    ap.add_argument("--layouts", default="file,packed")
+    ap.add_argument("--gemma", action="store_true")
     args = ap.parse_args()
+    layouts = args.layouts.split(",")
+    decode_shapes = GEMMA_SHAPES if args.gemma else DECODE_SHAPES
+    prefill_shapes = GEMMA_SHAPES if args.gemma else PREFILL_SHAPES
     if args.isa:
         dasllama.set_isa(args.isa)
     print(f"isa {dasllama.get_isa()}")
@@ -62,26 +81,28 @@ def main() -> None:
     for name in args.types.split(","):
         bs = GGML_QUANT_SIZES[T[name.upper()]][0]
         tid = int(T[name.upper()])
-        for rows, k in DECODE_SHAPES:
+        for rows, k in decode_shapes:
             if k % bs or (args.quick and rows * k > 40e6):
                 continue
             w = make_weights(name, rows, k, rng)
             x = rng.standard_normal((1, k)).astype(np.float32)
-            cols = []
-            for nt in threads:
-                t = best_time(lambda: _core._matmul(w, tid, k, x, nt))
-                cols.append(f"{nt}t {w.nbytes / t / 1e9:6.1f} GB/s {t * 1e6:8.1f} us")
-            print(f"decode  {name:5s} {rows:6d}x{k:<5d} " + "  ".join(cols))
-        for rows, k in PREFILL_SHAPES:
+            for lay in layouts:
+                cols = []
+                for nt in threads:
+                    t = kernel_time(w, tid, k, x, nt, lay == "packed", 20)
+                    cols.append(f"{nt}t {w.nbytes / t / 1e9:6.1f} GB/s {t * 1e6:8.1f} us")
+                print(f"decode  {name:5s} {lay:6s} {rows:6d}x{k:<5d} " + "  ".join(cols))
+        for rows, k in prefill_shapes:
             if k % bs:
                 continue
             w = make_weights(name, rows, k, rng)
             x = rng.standard_normal((args.n_tok, k)).astype(np.float32)
-            cols = []
-            for nt in threads:
-                t = best_time(lambda: _core._matmul(w, tid, k, x, nt), max_reps=20)
-                cols.append(f"{nt}t {2 * rows * k * args.n_tok / t / 1e9:6.1f} GFLOP/s")
-            print(f"prefill {name:5s} {rows:6d}x{k:<5d} n={args.n_tok} " + "  ".join(cols))
+            for lay in layouts:
+                cols = []
+                for nt in threads:
+                    t = kernel_time(w, tid, k, x, nt, lay == "packed", 2, max_reps=10)
+                    cols.append(f"{nt}t {2 * rows * k * args.n_tok / t / 1e9:6.1f} GFLOP/s")
+                print(f"prefill {name:5s} {lay:6s} {rows:6d}x{k:<5d} n={args.n_tok} " + "  ".join(cols))
 
 
 if __name__ == "__main__":

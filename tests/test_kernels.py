@@ -155,14 +155,15 @@ def test_activation_outliers_and_zeros(name, restore_isa):
 
 def test_threads_bitwise_equal(restore_isa):
     rng = np.random.default_rng(3)
-    for name in ["q4_1", "q4_K", "f16"]:
+    for name in ["q4_1", "q4_K", "q6_K", "f16"]:
         raw = random_weights(rng, name, 203, 1536)
         x = rng.standard_normal((9, 1536)).astype(np.float32)
         for isa in ISAS:
             dasllama.set_isa(isa)
-            y1 = matmul(raw, name, 1536, x, 1)
-            for nt in (2, 3, 8):
-                np.testing.assert_array_equal(matmul(raw, name, 1536, x, nt), y1)
+            for packed in (False, True):
+                y1 = matmul(raw, name, 1536, x, 1, packed=packed)
+                for nt in (2, 3, 8):
+                    np.testing.assert_array_equal(matmul(raw, name, 1536, x, nt, packed=packed), y1)
 
 
 @pytest.mark.parametrize("name", A8_TYPES + K8_TYPES)

@@ -27,7 +27,8 @@ std::unique_ptr<ThreadPool> g_pool;
 void bind_kernels(py::module_& m) {
   m.def(
       "_matmul",
-      [](const py::array& w, uint32_t wtype, int64_t k, const py::array& x_in, int n_threads, bool packed) {
+      [](const py::array& w, uint32_t wtype, int64_t k, const py::array& x_in, int n_threads, bool packed,
+         int repeat) {
         const TypeTraits* tt = type_traits(wtype);
         if (!tt) throw py::value_error("_matmul: unknown ggml type id " + std::to_string(wtype));
         const cpu::KernelTable& kt = cpu::kernels();
@@ -47,6 +48,7 @@ void bind_kernels(py::module_& m) {
         if (!x || x.ndim() != 2 || x.shape(1) != k)
           throw py::value_error("_matmul: x must be a 2-D float32 array [n_tok, k=" + std::to_string(k) + "]");
         if (n_threads < 1 || n_threads > 512) throw py::value_error("_matmul: n_threads must be in [1, 512]");
+        if (repeat < 1) throw py::value_error("_matmul: repeat must be >= 1");
         const int64_t rows = w.shape(0), n_tok = x.shape(0);
         py::array_t<float> y({n_tok, rows});
         if (rows == 0 || n_tok == 0) return y;
@@ -90,19 +92,23 @@ void bind_kernels(py::module_& m) {
               n_threads);
           // Row ranges in multiples of 16 (row tiles and packed groups), as even as possible.
           const int64_t A = cpu::kPackRowAlign, tiles = (rows + A - 1) / A;
-          g_pool->run(
-              [&](int ith, int nth) {
-                const int64_t r0 = std::min(rows, tiles * ith / nth * A);
-                const int64_t r1 = std::min(rows, tiles * (ith + 1) / nth * A);
-                kt.matmul_rows(a, r0, r1);
-              },
-              n_threads);
+          for (int rep = 0; rep < repeat; ++rep)
+            g_pool->run(
+                [&](int ith, int nth) {
+                  const int64_t r0 = std::min(rows, tiles * ith / nth * A);
+                  const int64_t r1 = std::min(rows, tiles * (ith + 1) / nth * A);
+                  kt.matmul_rows(a, r0, r1);
+                },
+                n_threads);
         }
         return y;
       },
       py::arg("w"), py::arg("wtype"), py::arg("k"), py::arg("x"), py::arg("n_threads") = 1, py::arg("packed") = false,
+      py::arg("repeat") = 1,
       "y[n_tok, rows] = x @ W.T with W the raw rows of a ggml type, through the active ISA's kernels "
-      "(packed=True: through the layout the backend prepares at load, where the ISA has one).");
+      "(packed=True: through the layout the backend prepares at load, where the ISA has one). "
+      "repeat > 1 runs the product that many times after one packing and activation quantization "
+      "(benchmarks time the kernel alone from the difference).");
 }
 
 }  // namespace dl::py_bind

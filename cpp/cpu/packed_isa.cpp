@@ -6,8 +6,17 @@
 //   q8_0  Q[nb][8][16][4]   chunk j: elements 4j..4j+3 of each row (lane = row), as q ^ 0x80 = q + 128
 //   q4    Q[nb][4][16][4]   register c: the file's qs bytes 4c..4c+3 of each row, i.e. elements
 //                           4c.. in the low nibbles and 16+4c.. in the high nibbles
-//   q5_0  as q4, then uint32 qh[16] (each row's fifth bits) per block column
+//   q5_0  as q4, then qh[16][4] per block column: byte j of a row holds bit 2c = the fifth
+//         bit of element 4c+j, bit 2c+1 = that of element 16+4c+j (register c's byte j)
 //   then  f16 d[nb][16]  (q4_1: and f16 m[nb][16])
+//
+// q4_K and q6_K (K8 activations) in groups of 16 rows, one record per super-block of 256:
+//   q4_K  Q[8][4][16][4]  per sub-block s of 32 the q4 register layout above (its elements in the
+//                         nibbles), then u8 sc[8][16], u8 mn[4][16][2] (sub-blocks 2p, 2p+1 as
+//                         an int16 pair per row for vpdpwssd), f16 d[16], f16 dmin[16]: 2368 bytes
+//   q6_K  Q[64][16][4]    chunk j: elements 4j..4j+3 of each row as bytes (q, 0..63, unpacked at
+//                         load: 30% more bytes than the file, no per-token unpacking), then
+//                         int8 sc[16][16], f16 d[16], 32 pad bytes: 4416 bytes
 // One broadcast of 4 activation bytes and one VNNI product advance 16 rows at once, and the
 // 16 outputs of a group land in one register: no unpack buffer, no horizontal sums. Decode and
 // prefill run the same per-output arithmetic (block by block, in order), so a token gets the
@@ -23,6 +32,7 @@
 #include "cpu/isa_kernels.h"
 #include "cpu/kernels.h"
 #include "quant/blocks.h"
+#include "quant/dequant_impl.h"
 #include "quant/types.h"
 
 namespace dl::cpu::DL_ISA {
@@ -48,6 +58,21 @@ inline bool fmt_of(uint32_t wtype, Fmt& f) {
   }
 }
 inline size_t group_bytes(const Fmt& f, int64_t nb) { return (size_t)nb * (f.qbytes + 32 + (f.mins ? 32 : 0)); }
+
+// Bit x of every byte of v moved to bit 4 (16-bit shifts: bit 4 of a byte only ever
+// receives a bit of the same byte; the other bits are masked off by the caller).
+inline __m512i q5_bit4(__m512i v, int x) {
+  switch (x) {
+    case 0: return _mm512_slli_epi16(v, 4);
+    case 1: return _mm512_slli_epi16(v, 3);
+    case 2: return _mm512_slli_epi16(v, 2);
+    case 3: return _mm512_slli_epi16(v, 1);
+    case 4: return v;
+    case 5: return _mm512_srli_epi16(v, 1);
+    case 6: return _mm512_srli_epi16(v, 2);
+    default: return _mm512_srli_epi16(v, 3);
+  }
+}
 
 // Output groups [g, g + G) (rows g*16 ...) x tokens [t0, t0 + T). Independent (group, token)
 // chains keep the VNNI unit busy; the arithmetic of each output does not depend on G or T.
@@ -101,18 +126,17 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
         __m512i lo[G], hi[G];
         for (int i = 0; i < G; ++i) {
           const __m512i raw = _mm512_loadu_si512(Q[i] + b * kQB + c * 64);
-          lo[i] = _mm512_and_si512(raw, m4);
-          hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
           if constexpr (kQ5) {
-            // q5_0's fifth bits: bit j of a row's qh is element j's. Four bits x of a lane go to
-            // bit 4 of its four bytes: x * (1 + 2^7 + 2^14 + 2^21) puts bit e at bit 8e (no carries).
-            const __m512i spread = _mm512_set1_epi32(0x00204081), ones = _mm512_set1_epi32(0x01010101);
-            auto fifth = [&](int shift) {
-              const __m512i x = _mm512_and_si512(_mm512_srli_epi32(qh[i], shift), _mm512_set1_epi32(0xF));
-              return _mm512_slli_epi32(_mm512_and_si512(_mm512_mullo_epi32(x, spread), ones), 4);
-            };
-            lo[i] = _mm512_or_si512(lo[i], fifth(4 * c));
-            hi[i] = _mm512_or_si512(hi[i], fifth(16 + 4 * c));
+            // q5_0's fifth bits (pack_rows): bit 2c / 2c+1 of each byte of qh goes with that byte
+            // of register c's low / high nibbles. Moved to bit 4 and masked, then OR'ed onto the
+            // nibble with one ternlog ((A & C) | B): no per-lane multiply.
+            const __m512i b4 = _mm512_set1_epi8(0x10);
+            lo[i] = _mm512_ternarylogic_epi32(raw, _mm512_and_si512(q5_bit4(qh[i], 2 * c), b4), m4, 0xEC);
+            hi[i] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), _mm512_and_si512(q5_bit4(qh[i], 2 * c + 1), b4),
+                                              m4, 0xEC);
+          } else {
+            lo[i] = _mm512_and_si512(raw, m4);
+            hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
           }
         }
         for (int t = 0; t < T; ++t) {
@@ -168,9 +192,280 @@ void packed_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   for (; g < g1; ++g) packed_groups<W, 1>(a, g, a.n_tok);
 }
 
+
+// ---- k-quants (K8 activations: block_q8_K, d, 256 qs, 16 bsums) --------------------------------
+
+constexpr size_t kQ4KRec = 2048 + 128 + 128 + 32 + 32;  // one super-block of a 16-row group
+constexpr size_t kQ6KRec = 4096 + 256 + 32 + 32;
+
+inline const block_q8_K* k8_row(const MatmulArgs& a, int64_t t) {
+  return reinterpret_cast<const block_q8_K*>(static_cast<const uint8_t*>(a.act) + (size_t)t * a.act_row_bytes);
+}
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// q4_K: per super-block and output, exact int32 sums per sub-block s (one VNNI chain over its
+// 32 elements), scaled by sc_s in float (|sum| < 2^16, sc < 2^6: exact products); the mins
+// are sum_s mn_s * bsum_s in int32 (vpdpwssd over sub-block pairs), so
+//   y += (d * da) * sum_s sc_s isum_s - (dmin * da) * sum_s mn_s bsum_s.
+template <int G, int T>
+void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
+  const int64_t nsb = a.k / QK_K;
+  const block_q8_K* A[T];
+  for (int t = 0; t < T; ++t) A[t] = k8_row(a, t0 + t);
+  const uint8_t* W[G];
+  for (int i = 0; i < G; ++i) W[i] = static_cast<const uint8_t*>(a.wpack) + (size_t)(g + i) * nsb * kQ4KRec;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  __m512 acc[G][T];
+  for (int i = 0; i < G; ++i)
+    for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    // Activation sub-block sums as int16 pairs (2p, 2p+1) in words 0, 1, 4, 5 (|sum| <= 32 * 127).
+    alignas(32) int32_t bp[T][8];
+    float da[T];
+    for (int t = 0; t < T; ++t) {
+      const block_q8_K* x = A[t] + b;
+      std::memcpy(&da[t], &x->d, 4);
+      const __m256i s8 = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->bsums)), ones16);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bp[t]), _mm256_packs_epi32(s8, s8));
+    }
+    const uint8_t* R[G];
+    for (int i = 0; i < G; ++i) R[i] = W[i] + b * kQ4KRec;
+    __m512 fs[G][T];
+    for (int i = 0; i < G; ++i)
+      for (int t = 0; t < T; ++t) fs[i][t] = _mm512_setzero_ps();
+    for (int s = 0; s < 8; ++s) {
+      // The next super-block's record streams in while this one computes (decode reads DRAM).
+      for (int i = 0; i < G; ++i)
+        for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + kQ4KRec + (s * 5 + l) * 64), _MM_HINT_T0);
+      __m512i is[G][T];
+      for (int i = 0; i < G; ++i)
+        for (int t = 0; t < T; ++t) is[i][t] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        __m512i lo[G], hi[G];
+        for (int i = 0; i < G; ++i) {
+          const __m512i raw = _mm512_loadu_si512(R[i] + s * 256 + c * 64);
+          lo[i] = _mm512_and_si512(raw, m4);
+          hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        }
+        for (int t = 0; t < T; ++t) {
+          const __m512i xl = bcast4(A[t][b].qs + s * 32 + c * 4), xh = bcast4(A[t][b].qs + s * 32 + 16 + c * 4);
+          for (int i = 0; i < G; ++i) is[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[i][t], lo[i], xl), hi[i], xh);
+        }
+      }
+      for (int i = 0; i < G; ++i) {
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R[i] + 2048 + s * 16))));
+        for (int t = 0; t < T; ++t) fs[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][t]), sc, fs[i][t]);
+      }
+    }
+    for (int i = 0; i < G; ++i) {
+      __m512i im[T];
+      for (int t = 0; t < T; ++t) im[t] = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R[i] + 2176 + p * 32)));
+        for (int t = 0; t < T; ++t) im[t] = _mm512_dpwssd_epi32(im[t], mn, _mm512_set1_epi32(bp[t][(p >> 1) * 4 + (p & 1)]));
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R[i] + 2304)));
+      const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R[i] + 2336)));
+      for (int t = 0; t < T; ++t) {
+        const __m512 vda = _mm512_set1_ps(da[t]);
+        acc[i][t] = _mm512_fmadd_ps(fs[i][t], _mm512_mul_ps(d, vda), acc[i][t]);
+        acc[i][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im[t]), _mm512_mul_ps(dm, vda), acc[i][t]);
+      }
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    const int64_t r = (g + i) * kRowsPerGroup;
+    const int64_t nv = std::min<int64_t>(kRowsPerGroup, a.rows - r);
+    const __mmask16 m = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
+    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, acc[i][t]);
+  }
+}
+
+// q6_K: per scale group of 16 an exact int32 sum of (q - 32) * qa (the chain starts at
+// -32 * bsum), scaled by sc in float (|sum| <= 16 * 32 * 127, |sc| <= 128: exact products):
+//   y += (d * da) * sum_g sc_g sum_{16} (q - 32) qa.
+template <int G, int T>
+void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
+  const int64_t nsb = a.k / QK_K;
+  const block_q8_K* A[T];
+  for (int t = 0; t < T; ++t) A[t] = k8_row(a, t0 + t);
+  const uint8_t* W[G];
+  for (int i = 0; i < G; ++i) W[i] = static_cast<const uint8_t*>(a.wpack) + (size_t)(g + i) * nsb * kQ6KRec;
+  __m512 acc[G][T];
+  for (int i = 0; i < G; ++i)
+    for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    alignas(64) int32_t off[T][16];  // -32 * bsums
+    float da[T];
+    for (int t = 0; t < T; ++t) {
+      const block_q8_K* x = A[t] + b;
+      std::memcpy(&da[t], &x->d, 4);
+      const __m512i bs = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->bsums)));
+      _mm512_store_si512(off[t], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(bs, 5)));
+    }
+    const uint8_t* R[G];
+    for (int i = 0; i < G; ++i) R[i] = W[i] + b * kQ6KRec;
+    __m512 fs[G][T];
+    for (int i = 0; i < G; ++i)
+      for (int t = 0; t < T; ++t) fs[i][t] = _mm512_setzero_ps();
+    for (int q = 0; q < 16; ++q) {
+      for (int i = 0; i < G; ++i)
+        for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + kQ6KRec + (q * 5 + l) * 64), _MM_HINT_T0);
+      __m512i is[G][T];
+      for (int i = 0; i < G; ++i)
+        for (int t = 0; t < T; ++t) is[i][t] = _mm512_set1_epi32(off[t][q]);
+      for (int j = 0; j < 4; ++j) {
+        __m512i w[G];
+        for (int i = 0; i < G; ++i) w[i] = _mm512_loadu_si512(R[i] + (q * 4 + j) * 64);
+        for (int t = 0; t < T; ++t) {
+          const __m512i x = bcast4(A[t][b].qs + q * 16 + j * 4);
+          for (int i = 0; i < G; ++i) is[i][t] = _mm512_dpbusd_epi32(is[i][t], w[i], x);
+        }
+      }
+      for (int i = 0; i < G; ++i) {
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R[i] + 4096 + q * 16))));
+        for (int t = 0; t < T; ++t) fs[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][t]), sc, fs[i][t]);
+      }
+    }
+    for (int i = 0; i < G; ++i) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R[i] + 4352)));
+      for (int t = 0; t < T; ++t) acc[i][t] = _mm512_fmadd_ps(fs[i][t], _mm512_mul_ps(d, _mm512_set1_ps(da[t])), acc[i][t]);
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    const int64_t r = (g + i) * kRowsPerGroup;
+    const int64_t nv = std::min<int64_t>(kRowsPerGroup, a.rows - r);
+    const __mmask16 m = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
+    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, acc[i][t]);
+  }
+}
+
+// Tokens [t, t1) of groups [g, g + G): tiles of TM tokens, the rest in halving tiles.
+template <template <int, int> class Tile, int G, int TM>
+void k_tokens(const MatmulArgs& a, int64_t g, int64_t t, int64_t t1) {
+  for (; t + TM <= t1; t += TM) Tile<G, TM>::run(a, g, t);
+  if constexpr (TM > 1)
+    if (t < t1) k_tokens<Tile, G, TM / 2>(a, g, t, t1);
+}
+template <int G, int T>
+struct Q4KTile {
+  static void run(const MatmulArgs& a, int64_t g, int64_t t) { q4k_tile<G, T>(a, g, t); }
+};
+template <int G, int T>
+struct Q6KTile {
+  static void run(const MatmulArgs& a, int64_t g, int64_t t) { q6k_tile<G, T>(a, g, t); }
+};
+
+// Decode: four groups per token (independent chains, weights stream once). Prefill: two
+// groups x 4 tokens, or one group x 8 tokens (the backend's 16-row chunks of a small matrix).
+template <template <int, int> class Tile>
+void k_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  int64_t g = r0 / kRowsPerGroup;
+  const int64_t g1 = (r1 + kRowsPerGroup - 1) / kRowsPerGroup;
+  if (a.n_tok == 1)
+    for (; g + 4 <= g1; g += 4) k_tokens<Tile, 4, 1>(a, g, 0, 1);
+  for (; g + 2 <= g1; g += 2) k_tokens<Tile, 2, 4>(a, g, 0, a.n_tok);
+  for (; g < g1; ++g) k_tokens<Tile, 1, 8>(a, g, 0, a.n_tok);
+}
+
+// Pack time: q4_K in the layout above.
+void pack_q4_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb, uint8_t* out) {
+  for (int64_t b = 0; b < nsb; ++b) {
+    uint8_t* R = out + b * kQ4KRec;
+    uint16_t* D = reinterpret_cast<uint16_t*>(R + 2304);
+    for (int l = 0; l < kRowsPerGroup; ++l) {
+      if (!valid[l]) {  // padding rows: zero quants and scales; their outputs are never stored
+        for (int s = 0; s < 8; ++s) {
+          for (int c = 0; c < 4; ++c) std::memset(R + s * 256 + c * 64 + l * 4, 0, 4);
+          R[2048 + s * 16 + l] = 0;
+        }
+        for (int p = 0; p < 4; ++p) R[2176 + p * 32 + l * 2] = R[2176 + p * 32 + l * 2 + 1] = 0;
+        D[l] = D[16 + l] = 0;
+        continue;
+      }
+      const block_q4_K* blk = reinterpret_cast<const block_q4_K*>(rows[l]) + b;
+      uint8_t sc[8], mn[8];
+      k_scale_min(blk->scales, sc, mn);
+      const __m256i m4 = _mm256_set1_epi8(0x0F);
+      for (int s = 0; s < 8; ++s) {
+        // u = the sub-block's 32 quants; the register bytes are u[0..15] | u[16..31] << 4.
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs + (s >> 1) * 32));
+        const __m256i u = _mm256_and_si256((s & 1) ? _mm256_srli_epi16(q, 4) : q, m4);
+        const __m128i v = _mm_or_si128(_mm256_castsi256_si128(u), _mm_slli_epi16(_mm256_extracti128_si256(u, 1), 4));
+        // Dwords straight from the register (a 16-byte store read back 4 bytes at a time stalls).
+        _mm_storeu_si32(R + s * 256 + l * 4, v);
+        _mm_storeu_si32(R + s * 256 + 64 + l * 4, _mm_srli_si128(v, 4));
+        _mm_storeu_si32(R + s * 256 + 128 + l * 4, _mm_srli_si128(v, 8));
+        _mm_storeu_si32(R + s * 256 + 192 + l * 4, _mm_srli_si128(v, 12));
+        R[2048 + s * 16 + l] = sc[s];
+      }
+      for (int p = 0; p < 4; ++p) {
+        R[2176 + p * 32 + l * 2] = mn[2 * p];
+        R[2176 + p * 32 + l * 2 + 1] = mn[2 * p + 1];
+      }
+      D[l] = blk->d;
+      D[16 + l] = blk->dmin;
+    }
+  }
+}
+
+void pack_q6_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb, uint8_t* out) {
+  // All 16 rows' quants are decoded first, then interleaved: reading back 4 bytes of a row
+  // just stored 32 at a time would stall on store forwarding.
+  alignas(32) uint8_t U[kRowsPerGroup][256];
+  for (int64_t b = 0; b < nsb; ++b) {
+    uint8_t* R = out + b * kQ6KRec;
+    uint16_t* D = reinterpret_cast<uint16_t*>(R + 4352);
+    std::memset(R + 4384, 0, 32);
+    for (int l = 0; l < kRowsPerGroup; ++l) {
+      uint8_t* u = U[l];
+      if (!valid[l]) {
+        std::memset(u, 0, 256);
+        for (int q = 0; q < 16; ++q) R[4096 + q * 16 + l] = 0;
+        D[l] = 0;
+        continue;
+      }
+      const block_q6_K* blk = reinterpret_cast<const block_q6_K*>(rows[l]) + b;
+      // u[e] = element e of the super-block, 0..63, as dq_q6_K reads it:
+      // u[128h + 32s + l] = nibble (s >> 1) of ql[64h + 32(s & 1) + l] | bits 2s, 2s+1 of qh[32h + l] << 4.
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qh + h * 32));
+        for (int s = 0; s < 4; ++s) {
+          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->ql + h * 64 + (s & 1) * 32));
+          const __m256i lo = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), m2);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(u + h * 128 + s * 32), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+        }
+      }
+      for (int q = 0; q < 16; ++q) R[4096 + q * 16 + l] = (uint8_t)blk->scales[q];
+      D[l] = blk->d;
+    }
+    for (int j = 0; j < 64; ++j)
+      for (int l = 0; l < kRowsPerGroup; ++l) std::memcpy(R + j * 64 + l * 4, U[l] + 4 * j, 4);
+  }
+}
+
+inline size_t k_rec(uint32_t wtype) {
+  switch ((GGMLType)wtype) {
+    case GGMLType::Q4_K: return kQ4KRec;
+    case GGMLType::Q6_K: return kQ6KRec;
+    default: return 0;
+  }
+}
+
 }  // namespace
 
 size_t pack_bytes(uint32_t wtype, int64_t rows, int64_t k) {
+  if (const size_t rec = k_rec(wtype)) {
+    if (k % QK_K != 0 || rows <= 0) return 0;
+    return (size_t)((rows + kRowsPerGroup - 1) / kRowsPerGroup) * (size_t)(k / QK_K) * rec;
+  }
   Fmt f;
   if (!fmt_of(wtype, f) || k % 32 != 0 || rows <= 0) return 0;
   return (size_t)((rows + kRowsPerGroup - 1) / kRowsPerGroup) * group_bytes(f, k / 32);
@@ -178,6 +473,24 @@ size_t pack_bytes(uint32_t wtype, int64_t rows, int64_t k) {
 
 void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, int64_t k, int64_t g0, int64_t g1,
                void* out) {
+  if (const size_t rec = k_rec(wtype)) {
+    const int64_t nsb = k / QK_K;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* rp[kRowsPerGroup];
+      bool valid[kRowsPerGroup];
+      for (int l = 0; l < kRowsPerGroup; ++l) {
+        const int64_t r = g * kRowsPerGroup + l;
+        valid[l] = r < rows;
+        rp[l] = static_cast<const uint8_t*>(w) + (size_t)std::min(r, rows - 1) * row_bytes;
+      }
+      uint8_t* o = static_cast<uint8_t*>(out) + (size_t)g * nsb * rec;
+      if ((GGMLType)wtype == GGMLType::Q4_K)
+        pack_q4_K_group(rp, valid, nsb, o);
+      else
+        pack_q6_K_group(rp, valid, nsb, o);
+    }
+    return;
+  }
   Fmt f;
   if (!fmt_of(wtype, f)) return;
   const int64_t nb = k / 32;
@@ -205,7 +518,12 @@ void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, in
           const block_q5_0* blk = reinterpret_cast<const block_q5_0*>(row) + b;
           D[b * 16 + l] = blk->d;
           for (int c = 0; c < 4; ++c) std::memcpy(q + c * 64 + l * 4, blk->qs + c * 4, 4);
-          std::memcpy(q + 256 + l * 4, blk->qh, 4);
+          // Byte j of the row's qh word: bit 2c = element 4c+j's fifth bit, bit 2c+1 = element 16+4c+j's.
+          uint32_t qh;
+          std::memcpy(&qh, blk->qh, 4);
+          for (int j = 0; j < 4; ++j)
+            q[256 + l * 4 + j] = (uint8_t)(_pdep_u32(_pext_u32(qh, 0x1111u << j), 0x55) |
+                                           _pdep_u32(_pext_u32(qh, 0x11110000u << j), 0xAA));
         } else if (f.mins) {
           const block_q4_1* blk = reinterpret_cast<const block_q4_1*>(row) + b;
           D[b * 16 + l] = blk->d;
@@ -235,6 +553,8 @@ bool matmul_packed(const MatmulArgs& a, int64_t r0, int64_t r1) {
     case GGMLType::Q4_0: packed_rows<GGMLType::Q4_0>(a, r0, r1); return true;
     case GGMLType::Q4_1: packed_rows<GGMLType::Q4_1>(a, r0, r1); return true;
     case GGMLType::Q5_0: packed_rows<GGMLType::Q5_0>(a, r0, r1); return true;
+    case GGMLType::Q4_K: k_rows<Q4KTile>(a, r0, r1); return true;
+    case GGMLType::Q6_K: k_rows<Q6KTile>(a, r0, r1); return true;
     default: return false;
   }
 }
