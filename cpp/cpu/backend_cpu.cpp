@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "core/backend.h"
 #include "core/errors.h"
 #include "core/threadpool.h"
@@ -28,6 +32,9 @@ size_t kv_row_bytes(KVType t, int64_t dim) {
 }
 
 namespace {
+
+constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kArena = size_t(32) << 20;
 
 // Decodes dim elements of a cache row, starting at element `first`, to f32.
 class CpuBackend final : public Backend {
@@ -82,9 +89,9 @@ class CpuBackend final : public Backend {
     int64_t total_rows = 0;
     for (int i = 0; i < same; ++i) total_rows += grp[i]->rows;
     // Multiples of 16: the kernels' 4-row tiles and the packed layouts' 16-row groups.
-    // Decode takes at least 64 rows (four packed groups: independent chains for the kernel).
+    // Decode takes multiples of 64 rows (four packed groups: independent chains for the kernel).
     const int64_t min_chunk = n <= 8 ? 4 * cpu::kPackRowAlign : cpu::kPackRowAlign;
-    const int64_t chunk = std::max<int64_t>(min_chunk, total_rows / (16 * pool_.size()) / 16 * 16);
+    const int64_t chunk = std::max<int64_t>(min_chunk, total_rows / (16 * pool_.size()) / min_chunk * min_chunk);
     int64_t first[9];
     cpu::MatmulArgs args[8];
     first[0] = 0;
@@ -123,9 +130,8 @@ class CpuBackend final : public Backend {
     const cpu::KernelTable& kt = cpu::kernels();
     const size_t n = off ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
     if (n == 0) return;
-    void* p = std::aligned_alloc(64, (n + 63) / 64 * 64);
-    if (!p) throw std::bad_alloc();
-    std::shared_ptr<void> owner(p, std::free);
+    std::shared_ptr<void> owner = pack_alloc(n);
+    void* p = owner.get();
     const int64_t groups = (w.rows + cpu::kPackRowAlign - 1) / cpu::kPackRowAlign;
     pool_.parallel_for(groups, 64, [&](int64_t lo, int64_t hi) {
       kt.pack_rows(w.type, w.data, w.row_bytes, w.rows, w.cols, lo, hi, p);
@@ -443,7 +449,29 @@ class CpuBackend final : public Backend {
     return t;
   }
 
+  // Packed weights are carved from arenas of 2 MiB pages where the kernel allows it:
+  // decode streams every weight once per token, and on 4 KiB pages a model's small
+  // matrices cost a TLB miss every 4 KiB. A weight's owner shares its arena.
+  std::shared_ptr<void> pack_alloc(size_t n) {
+    n = (n + 63) / 64 * 64;
+    if (!arena_ || arena_used_ + n > arena_size_) {
+      arena_size_ = std::max<size_t>(kArena, (n + kHugePage - 1) / kHugePage * kHugePage);
+      void* a = std::aligned_alloc(kHugePage, arena_size_);
+      if (!a) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+      madvise(a, arena_size_, MADV_HUGEPAGE);  // advice only: failure leaves small pages
+#endif
+      arena_ = std::shared_ptr<void>(a, std::free);
+      arena_used_ = 0;
+    }
+    void* p = static_cast<uint8_t*>(arena_.get()) + arena_used_;
+    arena_used_ += n;
+    return std::shared_ptr<void>(arena_, p);
+  }
+
   ThreadPool pool_;
+  std::shared_ptr<void> arena_;
+  size_t arena_size_ = 0, arena_used_ = 0;
   RopeTable rope_[2];
   std::vector<double> inv_freq_;
   std::vector<uint8_t> act_;
