@@ -91,7 +91,10 @@ class CpuBackend final : public Backend {
     // Multiples of 16: the kernels' 4-row tiles and the packed layouts' 16-row groups.
     // Decode takes multiples of 64 rows (four packed groups: independent chains for the kernel).
     const int64_t min_chunk = n <= 8 ? 4 * cpu::kPackRowAlign : cpu::kPackRowAlign;
-    const int64_t chunk = std::max<int64_t>(min_chunk, total_rows / (16 * pool_.size()) / min_chunk * min_chunk);
+    int64_t chunk = std::max<int64_t>(min_chunk, total_rows / (16 * pool_.size()) / min_chunk * min_chunk);
+    // A decode step's output matrix: chunks short enough that the thread finishing last
+    // leaves the other a few microseconds of waiting, not a 1536-row chunk's worth.
+    if (n <= 8) chunk = std::min<int64_t>(chunk, 4 * min_chunk);
     int64_t first[9];
     cpu::MatmulArgs args[8];
     first[0] = 0;
@@ -212,16 +215,6 @@ class CpuBackend final : public Backend {
   // per call for the whole layer by all threads.
   void attention_multi(const AttnArgs* args, int count) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    struct Call {
-      const uint8_t* const* kp;
-      const uint8_t* const* vp;
-      const uint8_t* flat[2];
-      const uint8_t* dec;
-      size_t k_off, v_off;
-      int shift;
-      int64_t kv_stride, n_blocks, per_block;
-      bool f16, task_decode;  // task_decode: decode this task's KV head rows inside the task
-    };
     constexpr int64_t rb = 16;
     int64_t blocks = 0, decode_tasks = 0;
     for (int i = 0; i < count; ++i) {
@@ -233,11 +226,21 @@ class CpuBackend final : public Backend {
     // than twice the threads the threads would idle, so then the rows are decoded
     // by all threads first. Both give the same bits.
     const bool in_task = decode_tasks >= 2 * (int64_t)pool_.size();
-    std::vector<Call> calls((size_t)count);
-    std::vector<int64_t> first((size_t)count + 1, 0);
+    // Reused buffers (no allocation per layer); a nested call (q8_0 in a batch) keeps its own.
+    std::vector<AttnCall> local_calls;
+    std::vector<int64_t> local_first;
+    const bool nested = attn_depth_++ > 0;
+    struct Depth {
+      int& d;
+      ~Depth() { --d; }
+    } depth{attn_depth_};
+    std::vector<AttnCall>& calls = nested ? local_calls : attn_calls_;
+    std::vector<int64_t>& first = nested ? local_first : attn_first_;
+    calls.assign((size_t)count, AttnCall{});
+    first.assign((size_t)count + 1, 0);
     for (int i = 0; i < count; ++i) {
       const AttnArgs& a = args[i];
-      Call& c = calls[(size_t)i];
+      AttnCall& c = calls[(size_t)i];
       const int64_t kv_dim = (int64_t)a.n_kv_heads * a.head_dim;
       // Contiguous rows are a table of one page whose shift no row index reaches.
       c.flat[0] = (const uint8_t*)a.k;
@@ -288,7 +291,7 @@ class CpuBackend final : public Backend {
       for (int64_t task = lo; task < hi; ++task) {
         while (task >= first[(size_t)i + 1]) ++i;
         const AttnArgs& a = args[i];
-        const Call& c = calls[(size_t)i];
+        const AttnCall& c = calls[(size_t)i];
         const int hd = a.head_dim;
         const int group = a.n_heads / a.n_kv_heads;
         const int64_t local = task - first[(size_t)i];
@@ -468,6 +471,20 @@ class CpuBackend final : public Backend {
     arena_used_ += n;
     return std::shared_ptr<void>(arena_, p);
   }
+
+  struct AttnCall {
+    const uint8_t* const* kp;
+    const uint8_t* const* vp;
+    const uint8_t* flat[2];
+    const uint8_t* dec;
+    size_t k_off, v_off;
+    int shift;
+    int64_t kv_stride, n_blocks, per_block;
+    bool f16, task_decode;  // task_decode: decode this task's KV head rows inside the task
+  };
+  std::vector<AttnCall> attn_calls_;
+  std::vector<int64_t> attn_first_;
+  int attn_depth_ = 0;
 
   ThreadPool pool_;
   std::shared_ptr<void> arena_;

@@ -116,8 +116,10 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     }
   }
   const int64_t V = cfg_.vocab_size;
-  std::vector<Run> runs;
-  std::vector<int32_t> chunk_tokens;
+  std::vector<Run>& runs = batch_runs_;
+  std::vector<int32_t>& chunk_tokens = batch_tokens_;
+  runs.clear();
+  chunk_tokens.clear();
   auto flush = [&] {
     if (runs.empty()) return;
     forward_chunk(runs.data(), (int)runs.size(), chunk_tokens.data(), nullptr, (int64_t)chunk_tokens.size(), false,

@@ -129,6 +129,8 @@ class Model : public std::enable_shared_from_this<Model> {
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, tmp_;
   std::vector<int32_t> pos_;
   std::vector<AttnArgs> attn_args_;
+  std::vector<Run> batch_runs_;          // forward_ragged's chunk being built (reused each step)
+  std::vector<int32_t> batch_tokens_;
 };
 
 }  // namespace dl
