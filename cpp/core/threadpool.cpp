@@ -32,6 +32,7 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::work(int id) {
   const int nr = n_regions_;
+  int64_t done = 0;  // reported once at the end: one shared-line update per thread, not per chunk
   for (int k = 0; k < nr; ++k) {
     Region& r = regions_[(id + k) % nr];
     for (;;) {
@@ -39,9 +40,10 @@ void ThreadPool::work(int id) {
       if (c >= r.end) break;
       const int64_t lo = c * grain_, hi = std::min(n_items_, lo + grain_);
       (*fn_)(lo, hi);
-      done_.fetch_add(hi - lo, std::memory_order_release);
+      done += hi - lo;
     }
   }
+  if (done) done_.fetch_add(done, std::memory_order_release);
 }
 
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
