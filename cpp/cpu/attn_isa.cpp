@@ -112,6 +112,22 @@ inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int
 }
 #endif
 
+// The portable accumulate_v: TD dims per pass in an array the compiler vectorizes.
+template <typename E, int RR, int TD, class VRow>
+inline void accumulate_v_generic(const VRow& vrow, int64_t jmin, int64_t jmax, const int64_t* lo, const int64_t* hi,
+                                 const float* const* s, float* const* o, int nr, int dc, float* cbuf) {
+  float acc[RR][TD] = {};
+  for (int64_t j = jmin; j < jmax; ++j) {
+    const float* v = row_f32(vrow(j) + dc, cbuf, TD);
+    for (int i = 0; i < RR; ++i) {
+      if (j < lo[i] || j >= hi[i]) continue;
+      const float pj = s[i][j];
+      for (int e = 0; e < TD; ++e) acc[i][e] += pj * v[e];
+    }
+  }
+  for (int i = 0; i < nr; ++i) std::memcpy(o[i] + dc, acc[i], sizeof(acc[i]));
+}
+
 template <typename E>
 void attn_block_t(const AttnBlock& b) {
   const int G = b.group, hd = b.head_dim;
@@ -228,40 +244,14 @@ void attn_block_t(const AttnBlock& b) {
       o[i] = b.out + (r / G) * b.out_stride + (r % G) * hd;
     }
     int dc = 0;
-#if defined(__AVX512F__)
     auto vr_of = [&](int64_t j) { return vrow(j_lo + j); };
-    for (; dc + 64 <= hd; dc += 64) accumulate_v<E, RR, 4>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc);
-#else
-    // TD dims per pass stay in registers across all keys.
-    constexpr int TD = 32;
-    for (; dc + TD <= hd; dc += TD) {
-      float acc[RR][TD] = {};
-      for (int64_t j = jmin; j < jmax; ++j) {
-        const float* v = row_f32(vrow(j_lo + j) + dc, cbuf, TD);
-        for (int i = 0; i < RR; ++i) {
-          if (j < lo[i] || j >= hi[i]) continue;
-          const float pj = s[i][j];
-          for (int e = 0; e < TD; ++e) acc[i][e] += pj * v[e];
-        }
-      }
-      for (int i = 0; i < nr; ++i) std::memcpy(o[i] + dc, acc[i], sizeof(acc[i]));
-    }
-#endif
 #if defined(__AVX512F__)
+    for (; dc + 64 <= hd; dc += 64) accumulate_v<E, RR, 4>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc);
     for (; dc + 16 <= hd; dc += 16) accumulate_v<E, RR, 1>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc);
+#else
+    for (; dc + 32 <= hd; dc += 32) accumulate_v_generic<E, RR, 32>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc, cbuf);
+    for (; dc + 16 <= hd; dc += 16) accumulate_v_generic<E, RR, 16>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc, cbuf);
 #endif
-    for (; dc + TJ <= hd; dc += TJ) {
-      float acc[RR][TJ] = {};
-      for (int64_t j = jmin; j < jmax; ++j) {
-        const float* v = row_f32(vrow(j_lo + j) + dc, cbuf, TJ);
-        for (int i = 0; i < RR; ++i) {
-          if (j < lo[i] || j >= hi[i]) continue;
-          const float pj = s[i][j];
-          for (int e = 0; e < TJ; ++e) acc[i][e] += pj * v[e];
-        }
-      }
-      for (int i = 0; i < nr; ++i) std::memcpy(o[i] + dc, acc[i], sizeof(acc[i]));
-    }
     for (; dc < hd; ++dc)
       for (int i = 0; i < nr; ++i) {
         float acc = 0;

@@ -74,6 +74,17 @@ inline __m512i q5_bit4(__m512i v, int x) {
   }
 }
 
+// A tile's G x T output registers: group g + i's 16 rows (fewer in a last partial group), token t0 + t.
+template <int G, int T>
+inline void store_tile(const MatmulArgs& a, int64_t g, int64_t t0, const __m512 (&acc)[G][T]) {
+  for (int i = 0; i < G; ++i) {
+    const int64_t r = (g + i) * kRowsPerGroup;
+    const int64_t nv = std::min<int64_t>(kRowsPerGroup, a.rows - r);
+    const __mmask16 m = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
+    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, acc[i][t]);
+  }
+}
+
 // Output groups [g, g + G) (rows g*16 ...) x tokens [t0, t0 + T). Independent (group, token)
 // chains keep the VNNI unit busy; the arithmetic of each output does not depend on G or T.
 template <GGMLType W, int G, int T>
@@ -174,12 +185,7 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       }
     }
   }
-  for (int i = 0; i < G; ++i) {
-    const int64_t r = (g + i) * kRowsPerGroup;
-    const int64_t nv = std::min<int64_t>(kRowsPerGroup, a.rows - r);
-    const __mmask16 m = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
-    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, acc[i][t]);
-  }
+  store_tile<G, T>(a, g, t0, acc);
 }
 
 template <GGMLType W, int G>
@@ -291,12 +297,7 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       }
     }
   }
-  for (int i = 0; i < G; ++i) {
-    const int64_t r = (g + i) * kRowsPerGroup;
-    const int64_t nv = std::min<int64_t>(kRowsPerGroup, a.rows - r);
-    const __mmask16 m = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
-    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, acc[i][t]);
-  }
+  store_tile<G, T>(a, g, t0, acc);
 }
 
 // q6_K: per scale group of 16 an exact int32 sum of (q - 32) * qa (the chain starts at
@@ -350,12 +351,7 @@ void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       for (int t = 0; t < T; ++t) acc[i][t] = _mm512_fmadd_ps(fs[i][t], _mm512_mul_ps(d, _mm512_set1_ps(da[t])), acc[i][t]);
     }
   }
-  for (int i = 0; i < G; ++i) {
-    const int64_t r = (g + i) * kRowsPerGroup;
-    const int64_t nv = std::min<int64_t>(kRowsPerGroup, a.rows - r);
-    const __mmask16 m = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
-    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, acc[i][t]);
-  }
+  store_tile<G, T>(a, g, t0, acc);
 }
 
 // Tokens [t, t1) of groups [g, g + G): tiles of TM tokens, the rest in halving tiles.
