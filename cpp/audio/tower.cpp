@@ -357,6 +357,20 @@ void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t avail,
   }
 }
 
+// Qwen2-Audio's projector (Qwen2.5-Omni's too): AvgPool1d(2, 2) over the encoder's positions,
+// the post-LN, then the linear; rows output rows from 2 * rows positions of h.
+void AudioEncoder::pool_project(const float* h, int64_t rows, AudioScratch& s, float* out) {
+  const TowerConfig& c = cfg_;
+  const int64_t d = c.dim;
+  Backend& be = *backend_;
+  s.p.resize((size_t)(rows * d));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < d; ++i) s.p[r * d + i] = (h[(2 * r) * d + i] + h[(2 * r + 1) * d + i]) / 2.f;
+  be.layer_norm(s.p.data(), post_w_.data(), post_b_.data(), s.p.data(), rows, d, c.eps);
+  be.matmul(fc_, s.p.data(), rows, out);
+  be.add_bias(out, fc_b_.data(), rows, c.proj_dim);
+}
+
 int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch& s, float* out, int64_t out_cap) {
   const int64_t total_rows = n_rows(n, full);
   const TowerConfig& c = cfg_;
@@ -382,14 +396,8 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
       std::memcpy(s.hall.data() + P * d, s.h.data(), (size_t)(L * d) * 4);
       P += L;
     }
-    const int64_t rows = total_rows;
-    s.p.resize((size_t)(rows * d));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < d; ++i) s.p[r * d + i] = (s.hall[(2 * r) * d + i] + s.hall[(2 * r + 1) * d + i]) / 2.f;
-    be.layer_norm(s.p.data(), post_w_.data(), post_b_.data(), s.p.data(), rows, d, c.eps);
-    be.matmul(fc_, s.p.data(), rows, out);
-    be.add_bias(out, fc_b_.data(), rows, c.proj_dim);
-    return rows;
+    pool_project(s.hall.data(), total_rows, s, out);
+    return total_rows;
   }
   int64_t row = 0;
   for (int64_t ci = 0; ci < chunks; ++ci) {
@@ -404,13 +412,7 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
         be.layer_norm(s.h.data(), post_w_.data(), post_b_.data(), dst, L, d, c.eps);
         break;
       case Projector::qwen2a: {
-        // AvgPool1d(2, 2) over positions, then the post-LN, then the linear.
-        s.p.resize((size_t)(rows * d));
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t i = 0; i < d; ++i) s.p[r * d + i] = (s.h[(2 * r) * d + i] + s.h[(2 * r + 1) * d + i]) / 2.f;
-        be.layer_norm(s.p.data(), post_w_.data(), post_b_.data(), s.p.data(), rows, d, c.eps);
-        be.matmul(fc_, s.p.data(), rows, dst);
-        be.add_bias(dst, fc_b_.data(), rows, c.proj_dim);
+        pool_project(s.h.data(), rows, s, dst);
         break;
       }
       case Projector::ultravox:

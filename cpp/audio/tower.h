@@ -63,6 +63,8 @@ class AudioEncoder {
   // rows have `stride` columns; frames past `avail` read as zero (conv padding); conv1
   // runs over frames [0, S) and conv2 reads zeros past S.
   void encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L, AudioScratch& s);
+  // The qwen2a projector: pairs of h's positions averaged, post-LN, linear, into rows of out.
+  void pool_project(const float* h, int64_t rows, AudioScratch& s, float* out);
   int64_t clip_frames(int64_t n, bool full_window) const;
   int64_t chunk_rows(int64_t L, bool full_window) const;
 
