@@ -20,6 +20,25 @@ TARGETS = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}  # -
 _SKIP_KEYS = {"general.architecture", "general.alignment", "general.file_type"}
 
 
+def _progress(items, desc: str, on: bool):
+    """items, wrapped in a tqdm bar when on."""
+    if not on:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit="tensor", leave=False)
+
+
+def _finish(w, tmp: Path, dst: Path) -> Path:
+    """Writes the GGUF to tmp, then moves it to dst: a failed run never leaves a partial dst."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    os.replace(tmp, dst)
+    return dst
+
+
 def requantize(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], qtype: str = "q8_0",
                progress: bool = True) -> Path:
     """Write ``dst``: ``src`` with its matrices in ``qtype`` (f32, f16, bf16, q8_0, q4_0, q4_1)."""
@@ -50,25 +69,14 @@ def requantize(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], qtype
     w.add_uint32("general.file_type", TARGETS[qtype])
     target = gguf.GGMLQuantizationType[qtype.upper()]
     block = gguf.GGML_QUANT_SIZES[target][0]
-    items = list(f.tensors.items())
-    it = items
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(items, desc=f"requantize to {qtype}", unit="tensor", leave=False)
-    for name, info in it:
+    for name, info in _progress(list(f.tensors.items()), f"requantize to {qtype}", progress):
         x = f.dequantize(name)
         if x.ndim == 2 and name.endswith(".weight") and x.shape[-1] % block == 0:
             data = quant.quantize(x, qtype)
             w.add_tensor(name, data, raw_dtype=target)  # shape follows from the row bytes
         else:
             w.add_tensor(name, x.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=False)
-    w.close()
-    os.replace(tmp, dst)
-    return dst
+    return _finish(w, tmp, dst)
 
 
 # ---- whisper encoders from CTranslate2 files -> whisper-encoder mmproj ----------------
@@ -227,16 +235,6 @@ def convert_ct2_whisper(src: Union[str, os.PathLike], dst: Union[str, os.PathLik
         ]
         if np.any(qkv_b[dim:2 * dim] != 0):
             tensors.append((b + "attn_k.bias", qkv_b[dim:2 * dim]))
-    it = tensors
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(tensors, desc="convert whisper encoder", unit="tensor", leave=False)
-    for name, a in it:
+    for name, a in _progress(tensors, "convert whisper encoder", progress):
         w.add_tensor(name, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=False)
-    w.close()
-    os.replace(tmp, dst)
-    return dst
+    return _finish(w, tmp, dst)
