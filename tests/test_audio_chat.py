@@ -33,6 +33,20 @@ SR = 16000
 LOGIT_REL = 1e-4
 
 
+def _assert_turn_matches(model, tower, chat, audio, n, turn, head, tail, ref):
+    """The rendered audio turn, prefilled with our tower's rows, gives transformers' last logits
+    (``ref``) within the bar, and respond's first piece is the reference's top token."""
+    s = d.create_session(model, d.KVDtype.f32)
+    body = d.media_body_rows(model, s, head, d.encode_audio_rows(tower, audio), n, model.config.dim, tail)
+    d.eval_embd_body(model, s, body, len(turn), ids=turn)
+    err = float(np.abs(s.logits - ref).max())
+    assert err <= LOGIT_REL * float(np.abs(ref).max()), f"max abs error {err:.3g} of peak {np.abs(ref).max():.3g}"
+    first = []
+    d.respond(model, chat, None, first.append)
+    top = int(np.argmax(ref))
+    assert top in chat.stop_ids or first[0] == d.piece(model, top)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("audiochat")
@@ -348,15 +362,7 @@ def test_audio_turn_logits_match_transformers(pair, clip, text):
     turn = d.render_turn(model, chat)
     assert [A.AUDIO_TOKEN if t < 0 else t for t in turn] == inp["input_ids"][0].tolist()
     head, tail = d.render_turn_audio(model, chat)
-    s = d.create_session(model, d.KVDtype.f32)
-    body = d.media_body_rows(model, s, head, d.encode_audio_rows(tower, x), n, model.config.dim, tail)
-    d.eval_embd_body(model, s, body, len(turn), ids=turn)
-    err = float(np.abs(s.logits - ref).max())
-    assert err <= LOGIT_REL * float(np.abs(ref).max()), f"max abs error {err:.3g} of peak {np.abs(ref).max():.3g}"
-    first = []
-    d.respond(model, chat, None, first.append)
-    top = int(np.argmax(ref))
-    assert top in chat.stop_ids or first[0] == d.piece(model, top)
+    _assert_turn_matches(model, tower, chat, x, n, turn, head, tail, ref)
 
 
 # -- CLI and example --------------------------------------------------------------------------------------
@@ -478,12 +484,4 @@ def test_voxtral_turn_logits_match_transformers(clip, tmp_path):
     ids = torch.tensor([[A.AUDIO_TOKEN if t < 0 else t for t in turn]])
     with torch.no_grad():
         ref = vm(input_ids=ids, input_features=A._features(clip, 128)).logits[0, -1].numpy()
-    s = d.create_session(model, d.KVDtype.f32)
-    body = d.media_body_rows(model, s, head, d.encode_audio_rows(tower, clip), n, model.config.dim, tail)
-    d.eval_embd_body(model, s, body, len(turn), ids=turn)
-    err = float(np.abs(s.logits - ref).max())
-    assert err <= LOGIT_REL * float(np.abs(ref).max()), f"max abs error {err:.3g} of peak {np.abs(ref).max():.3g}"
-    first = []
-    d.respond(model, chat, None, first.append)
-    top = int(np.argmax(ref))
-    assert top in chat.stop_ids or first[0] == d.piece(model, top)
+    _assert_turn_matches(model, tower, chat, clip, n, turn, head, tail, ref)

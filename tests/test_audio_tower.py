@@ -53,6 +53,14 @@ def built(tmp_path_factory):
     return out
 
 
+def _framed_window() -> np.ndarray:
+    """One 30 s window: a second of silence, the JFK line, silence to the end."""
+    s = np.zeros(30 * SR, np.float32)
+    sp = speak(JFK)
+    s[SR: SR + len(sp)] = sp
+    return s
+
+
 def _close(ours, ref, what):
     assert ours.shape == ref.shape, f"{what}: {ours.shape} vs {ref.shape}"
     err = float(np.abs(ours - ref).max())
@@ -118,9 +126,7 @@ def test_long_clip_makes_several_windows(built):
     # independent and each must equal transformers on one window.
     m, path = built["qwen2a"]
     tower = d.load_audio_tower(path)
-    s = np.zeros(30 * SR, np.float32)
-    sp = speak(JFK)
-    s[SR: SR + len(sp)] = sp
+    s = _framed_window()
     x = np.concatenate([s, s, s[: 5 * SR]])
     rows = d.encode_audio_rows(tower, x)
     one = A.qwen2_audio_rows(m, s)
@@ -203,9 +209,7 @@ def test_ten_minute_clip(built):
     # Twenty identical, silence-framed windows: each window's rows equal transformers' on one.
     m, path = built["qwen2a"]
     tower = d.load_audio_tower(path)
-    s = np.zeros(30 * SR, np.float32)
-    sp = speak(JFK)
-    s[SR: SR + len(sp)] = sp
+    s = _framed_window()
     x = np.tile(s, 20)
     rows = d.encode_audio_rows(tower, x)
     assert rows.shape == (20 * 750, 64) and np.isfinite(rows).all()

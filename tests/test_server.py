@@ -4,6 +4,7 @@ Replies are checked against the library's own greedy generation on the same prom
 tests check against transformers; the chat prompt is checked against transformers' apply_chat_template.
 """
 import base64
+import contextlib
 import io
 import json
 import os
@@ -389,8 +390,10 @@ def test_tool_conversation_prompt_matches_transformers(qwen_app, smollm2_path):
     assert r.usage.prompt_tokens == len(want)
 
 
+@contextlib.contextmanager
 def _scripted(app, text):
-    """Replace generation by ``text`` in 3-character pieces: the HTTP layer's shaping on a known reply."""
+    """Generation replaced by ``text`` in 3-character pieces inside the block: the HTTP layer's
+    shaping on a known reply."""
     def submit(job):
         def run():
             for i in range(0, len(text), 3):
@@ -400,7 +403,10 @@ def _scripted(app, text):
 
     real = app.state.engine.submit
     app.state.engine.submit = submit
-    return real
+    try:
+        yield
+    finally:
+        app.state.engine.submit = real
 
 
 # A Qwen3 reply in the format of Qwen's function-calling docs.
@@ -411,8 +417,7 @@ QWEN_CALL = ('<think>\nThe user wants weather; call the tool.\n</think>\n\n'
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_calls_and_reasoning_reach_the_sdk(qwen_app, stream):
     app, _, cl = qwen_app
-    real = _scripted(app, QWEN_CALL)
-    try:
+    with _scripted(app, QWEN_CALL):
         kw = dict(model="m", messages=user("Weather in Paris?"), tools=[WEATHER])
         if not stream:
             r = cl.chat.completions.create(**kw)
@@ -431,30 +436,22 @@ def test_tool_calls_and_reasoning_reach_the_sdk(qwen_app, stream):
         assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
         assert reasoning.strip() == "The user wants weather; call the tool."
         assert not (content or "").strip()
-    finally:
-        app.state.engine.submit = real
 
 
 def test_reasoning_split_without_tools(qwen_app):
     app, _, cl = qwen_app
-    real = _scripted(app, "<think>\nShort.\n</think>\n\nParis.")
-    try:
+    with _scripted(app, "<think>\nShort.\n</think>\n\nParis."):
         r = cl.chat.completions.create(model="m", messages=user("Capital of France?"))
         assert r.choices[0].message.content == "Paris."
         assert r.choices[0].message.model_extra["reasoning_content"] == "Short."
         assert r.choices[0].finish_reason == "stop"
-    finally:
-        app.state.engine.submit = real
 
 
 def test_malformed_call_text_is_content(qwen_app):
     app, _, cl = qwen_app
-    real = _scripted(app, '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>')
-    try:
+    with _scripted(app, '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'):
         r = cl.chat.completions.create(model="m", messages=user("Weather?"), tools=[WEATHER])
         assert not r.choices[0].message.tool_calls and "get_weather" in r.choices[0].message.content
-    finally:
-        app.state.engine.submit = real
 
 
 # ---- audio: input_audio parts through the tower, media cached across requests ----------------------------
