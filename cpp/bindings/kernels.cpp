@@ -1,4 +1,5 @@
-// _matmul: a test and benchmark entry to the CPU matmul kernels (quantize_act + matmul_rows over a thread pool).
+// _matmul: a test and benchmark entry to the CPU matmul kernels (quantize_act + matmul_rows over a thread pool);
+// _f32_to_f16 / _f16_to_f32: the active ISA's KV-cache row conversions, for tests against numpy.
 #include <pybind11/numpy.h>
 
 #include <cstdlib>
@@ -109,6 +110,22 @@ void bind_kernels(py::module_& m) {
       "(packed=True: through the layout the backend prepares at load, where the ISA has one). "
       "repeat > 1 runs the product that many times after one packing and activation quantization "
       "(benchmarks time the kernel alone from the difference).");
+  m.def(
+      "_f32_to_f16",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+        py::array_t<uint16_t> out(x.size());
+        cpu::kernels().f32_to_f16(x.data(), out.mutable_data(), (int64_t)x.size());
+        return out;
+      },
+      py::arg("x"), "float32 values to f16 bits (round to nearest even) with the active ISA's cache-row kernel.");
+  m.def(
+      "_f16_to_f32",
+      [](py::array_t<uint16_t, py::array::c_style | py::array::forcecast> h) {
+        py::array_t<float> out(h.size());
+        cpu::kernels().f16_to_f32(h.data(), out.mutable_data(), (int64_t)h.size());
+        return out;
+      },
+      py::arg("h"), "f16 bits to float32 with the active ISA's cache-row kernel.");
 }
 
 }  // namespace dl::py_bind
