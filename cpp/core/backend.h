@@ -1,27 +1,87 @@
 // The op interface every backend implements (CPU in cpp/cpu, devices in cuda/,
-// vulkan/, metal/). Model code reaches kernels only through it. Knows no
-// architecture: ops take plain shapes and flags.
+// vulkan/, metal/). Model code, the KV pool and the towers reach kernels and
+// memory only through it. Knows no architecture: ops take plain shapes and flags.
+//
+// Memory. Every pointer an op takes is *backend memory*: host memory for the CPU,
+// device memory for a GPU. Callers get it only from alloc() (and from load_weight),
+// pass it to ops, and cross to the host with upload() / download(); they never
+// dereference it. The KV pool's pages, the block tables attention reads and the
+// weights all live there.
+//
+// Order. Ops run in the order they are issued, on the backend's one queue (a CUDA
+// stream). upload() returns once the source may be reused; download() and sync()
+// return once everything issued before them has finished. A decode step issues all
+// of its per-step host data (token ids, positions, block tables) in one upload at
+// its start and its logits in one download at its end, bracketed by begin_step() /
+// end_step(): a backend may record the ops between them and replay them (a CUDA
+// graph) or run a fused kernel instead.
+//
+// Weights. The backend says which format it wants each matrix in (weight_type) and
+// makes the chosen bytes resident (load_weight: the CPU packs them for its ISA, a
+// GPU copies them to device memory). An op a backend cannot run is refused by
+// supports() before any compute, never emulated silently.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace dl {
+
+// How a model's weights and activations are computed (the CPU's policy; a device
+// backend may keep more precision, never less).
+enum class QuantMode { fp32 = 0, q8 = 1, q4_0 = 2 };
+
+enum class KVType : uint32_t { f32 = 0, f16 = 1, q8_0 = 8 };
+
+// What a backend is and where it runs.
+struct DeviceInfo {
+  std::string backend;        // "cpu", "cuda", ...
+  int index = 0;              // cuda:N
+  std::string name;           // GPU or CPU model name
+  size_t total_bytes = 0, free_bytes = 0;  // device memory (0 on the CPU: host memory)
+  int cc_major = 0, cc_minor = 0;          // CUDA compute capability
+  std::string driver;         // driver / runtime versions
+  int threads = 0;            // CPU worker threads
+};
+
+// A block of backend memory, freed when the last owner lets go.
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  void* data() const { return ptr_; }
+  size_t size() const { return size_; }
+
+ protected:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+using BufferPtr = std::shared_ptr<Buffer>;
 
 // A 2-D weight: rows of `cols` elements in ggml type `type`, row-major.
 struct Weight {
   uint32_t type = 0;
   int64_t rows = 0, cols = 0;
-  const uint8_t* data = nullptr;
   size_t row_bytes = 0;
-  std::shared_ptr<std::vector<uint8_t>> owned;  // set when converted at load
-  // The backend's own layout of the same matrix (Backend::prepare), tagged with the kernel
-  // variant it is for; a backend ignores a layout it did not make.
+  const uint8_t* host = nullptr;                 // the bytes on the host (mapped file or `owned`)
+  std::shared_ptr<std::vector<uint8_t>> owned;   // set when converted at load
+  const uint8_t* data = nullptr;                 // backend memory the kernels read (== host on the CPU)
+  BufferPtr resident;                            // the backend's copy, when it keeps one
+  // The backend's own layout of the same matrix, tagged with the kernel variant it
+  // is for; a backend ignores a layout it did not make.
   std::shared_ptr<void> packed_owner;
   const uint8_t* packed = nullptr;
   int packed_for = -1;
-  bool empty() const { return data == nullptr; }
+  bool empty() const { return host == nullptr && data == nullptr; }
+};
+
+// A vector of floats in backend memory (norm weights, biases, rope factors).
+struct Vec {
+  BufferPtr buf;
+  int64_t n = 0;
+  const float* data() const { return buf ? static_cast<const float*>(buf->data()) : nullptr; }
+  bool empty() const { return n == 0; }
 };
 
 struct RopeParams {
@@ -29,31 +89,36 @@ struct RopeParams {
   int n_rot = 0;             // rotated dims per head (<= head_dim)
   float base = 10000.f;
   float freq_scale = 1.f;    // linear scaling: positions times this
-  const float* freq_factors = nullptr;  // llama3-style per-pair divisors (n_rot/2), or null
-  const double* inv_freq = nullptr;     // explicit per-pair frequencies (YaRN), replacing base
+  const float* freq_factors = nullptr;  // backend memory: llama3-style per-pair divisors (n_rot/2), or null
+  const double* inv_freq = nullptr;     // backend memory: explicit per-pair frequencies (YaRN), replacing base
   float mscale = 1.f;                   // cos/sin scale (YaRN attention factor)
 };
 
-enum class KVType : uint32_t { f32 = 0, f16 = 1, q8_0 = 8 };
+// One layer's view of a session's KV cache through its block table. Row j of K
+// lives at base + pages[j >> page_shift] * page_bytes + k_off + (j & (2^page_shift - 1)) * row_bytes
+// (V: v_off). A flat cache is one page (page_shift 62, pages = {0}).
+struct KVView {
+  uint8_t* base = nullptr;        // backend memory: the pool's pages
+  const int32_t* pages = nullptr; // backend memory: the block table (page ids, in row order)
+  int64_t n_pages = 0;
+  int page_shift = 0;
+  size_t page_bytes = 0;
+  size_t k_off = 0, v_off = 0;    // this layer's K and V rows inside a page
+  size_t row_bytes = 0;
+  KVType type = KVType::f32;
+};
 
 // Self-attention of n_tok queries against the cache rows [0, n_kv) of one layer.
 // Query t sits at position q_pos[t] and sees cache rows j with
-// j <= q_pos[t] and (window == 0 or q_pos[t] - j < window).
-// The rows are either contiguous (k, v) or paged: row j of K is at
-// pages[j >> page_shift] + k_off + (j & (2^page_shift - 1)) * kv_row_bytes (V: v_off).
+// j <= q_pos[t] and (window == 0 or q_pos[t] - j < window); an encoder gives every
+// query the position n_kv - 1.
 struct AttnArgs {
   const float* q = nullptr;  // [n_tok][n_heads * head_dim]
   int64_t q_stride = 0;
-  const void* k = nullptr;   // contiguous cache rows: [pos][n_kv_heads * head_dim] in kv_type
-  const void* v = nullptr;
-  const uint8_t* const* pages = nullptr;  // when set, k and v are unused
-  int page_shift = 0;
-  size_t k_off = 0, v_off = 0;
-  size_t kv_row_bytes = 0;
-  KVType kv_type = KVType::f32;
+  KVView kv;
   int64_t n_tok = 0, n_kv = 0;
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
-  const int32_t* q_pos = nullptr;
+  const int32_t* q_pos = nullptr;  // backend memory
   int window = 0;
   float scale = 1.f;
   float softcap = 0.f;
@@ -63,25 +128,52 @@ struct AttnArgs {
 
 enum class Act { silu, gelu_tanh };
 
+// Ops a backend may or may not run, for supports().
+enum class Op { matmul, get_rows, attention, kv_store };
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
+  virtual DeviceInfo info() const = 0;
+
+  // ---- memory --------------------------------------------------------------
+  // Throws DeviceError (naming `what` and the sizes) when it does not fit.
+  virtual BufferPtr alloc(size_t bytes, const char* what) = 0;
+  virtual void upload(void* dst, const void* src, size_t bytes) = 0;    // host -> backend
+  virtual void download(void* dst, const void* src, size_t bytes) = 0;  // backend -> host (waits)
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;      // backend -> backend
+  virtual void zero(void* dst, size_t bytes) = 0;
+  virtual void sync() {}
+  // Refuses, before anything is allocated, `bytes` more that would not fit (weights, a pool).
+  virtual void check_fits(size_t bytes, const char* what) { (void)bytes, (void)what; }
+
+  // ---- weights -------------------------------------------------------------
+  // The format a matrix of `type` (cols wide) is kept in under `mode`; the loader converts.
+  virtual uint32_t weight_type(uint32_t type, int64_t cols, QuantMode mode) const;
+  // Makes w resident in the layout this backend reads fastest (once, at load).
+  virtual void load_weight(Weight& w) = 0;
+  virtual bool supports(Op op, uint32_t type) const = 0;
+
+  // ---- steps ---------------------------------------------------------------
+  virtual void begin_step() {}
+  virtual void end_step() {}
+
+  // ---- ops -----------------------------------------------------------------
   // y[t][r] = sum_k W[r][k] x[t][k] for t < n; x rows are w.cols long, y rows w.rows.
   virtual void matmul(const Weight& w, const float* x, int64_t n, float* y) = 0;
   // count weights with the same cols over the same x: ys[i] = x * ws[i]^T (count <= 8).
   virtual void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) = 0;
-  // Lays out a matmul weight the way this backend reads it fastest (once, at load). Optional.
-  virtual void prepare(Weight& w) { (void)w; }
-  // Rows of embedding table w for ids, dequantized to f32.
+  // Rows of table w for ids (backend memory; checked in range by the caller), dequantized to f32.
   virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
   // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.
   virtual void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps) = 0;
-  // In-place RoPE on n_tok rows of n_heads heads (row stride in floats).
+  // In-place RoPE on n_tok rows of n_heads heads (row stride in floats); pos in backend memory.
   virtual void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
                     const RopeParams& p) = 0;
-  // Writes n rows of `dim` floats into cache rows starting at row `first`.
-  virtual void kv_store(void* cache, KVType t, size_t row_bytes, int64_t first, const float* src, int64_t n,
+  // Writes n rows of K and V (dim floats each, src_stride apart) into cache rows
+  // first.. of a layer, through the block table (rows may cross pages).
+  virtual void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n,
                         int64_t src_stride, int64_t dim) = 0;
   virtual void attention(const AttnArgs& a) = 0;
   // Several independent attentions (one per session of a batched step); a backend
@@ -101,12 +193,39 @@ class Backend {
                           float eps) = 0;
   // y = 0.5 y (1 + erf(y / sqrt 2)) in place: the exact GELU of whisper-class towers.
   virtual void gelu_erf(float* y, int64_t n) = 0;
-  virtual int n_threads() const = 0;
+  // rows x width floats from src (src_stride apart) to dst (dst_stride apart): the QKV split.
+  virtual void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                         int64_t width) = 0;
+  // 1-D convolution input as rows: x is [C][x_stride] (channel-major, as mel frames are);
+  // out[t][c * k + j] = x[c][t * stride + j - pad], 0 outside [0, T), for t < T_out.
+  virtual void im2col_1d(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad,
+                         float* out, int64_t T_out) = 0;
+  // 1-D convolution input from rows: x is [T][C] (row per frame); same out layout.
+  virtual void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pad, float* out,
+                           int64_t T_out) = 0;
+  // out[r] = mean of rows x[r * k .. r * k + k) (a trailing partial group averages what it has).
+  virtual void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) = 0;
 };
 
 size_t kv_row_bytes(KVType t, int64_t dim);
 
 // The CPU backend with n_threads workers (0: physical cores).
-std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+std::shared_ptr<Backend> make_cpu_backend(int n_threads);
+
+// "cpu", "cuda", "cuda:N", ...: the backend for a device string, or a dl::Error that says
+// why not (not built, no device, bad index).
+std::shared_ptr<Backend> make_backend(const std::string& device, int n_threads);
+// Backends built into this module, and the devices each can reach now (with the
+// reason when none).
+struct BackendProbe {
+  std::string backend;
+  bool built = false;
+  std::vector<DeviceInfo> devices;
+  std::string error;  // why no device was found
+};
+std::vector<BackendProbe> probe_backends();
+
+// Host <-> backend helpers for callers holding host data.
+Vec upload_vec(Backend& be, const std::vector<float>& v, const char* what);
 
 }  // namespace dl

@@ -29,4 +29,10 @@ struct PoolExhaustedError : Error {
   int64_t index = -1;
 };
 
+// A device that is missing, not built, or out of memory; the message says which and why.
+// Raised before anything is half-allocated.
+struct DeviceError : Error {
+  using Error::Error;
+};
+
 }  // namespace dl
