@@ -75,7 +75,7 @@ Weight mat(const gguf::File& f, const std::string& name, int64_t rows, int64_t c
   w.rows = r;
   w.cols = c;
   w.row_bytes = (size_t)type_nbytes(t->type, c);
-  w.data = f.tensor_data(*t);
+  w.host = f.tensor_data(*t);
   return w;
 }
 
@@ -108,8 +108,11 @@ std::string AudioEncoder::probe_family(const gguf::File& f) {
   return "";
 }
 
-std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, int n_threads) {
+std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const std::string& device,
+                                                 int n_threads) {
   std::shared_ptr<AudioEncoder> e(new AudioEncoder());
+  e->backend_ = make_backend(device, n_threads);
+  e->mel_backend_ = std::string(e->backend_->name()) == "cpu" ? e->backend_ : make_cpu_backend(n_threads);
   e->file_ = gguf::File::open(path);
   e->cfg_.family = probe_family(*e->file_);
   if (e->cfg_.family.empty()) {
@@ -118,12 +121,27 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, int n_
                                 "'; supported: qwen2a, qwen2.5o, ultravox, voxtral, whisper)");
   }
   e->load_weights();
-  e->backend_ = make_cpu_backend(n_threads);
-  // The backend's own layouts where it has them (quantized mmprojs); f16/f32 stay as mapped.
+  // The file's formats as they are (f16 convs stay f16), resident in the backend's layout,
+  // once they are known to fit.
+  Backend& be = *e->backend_;
+  std::vector<Weight*> mats;
   for (Weight* w : {&e->conv1_, &e->conv2_, &e->fc_, &e->mm1_, &e->mm2_})
-    if (!w->empty()) e->backend_->prepare(*w);
+    if (!w->empty()) mats.push_back(w);
   for (EncoderLayer& L : e->layers_)
-    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_up, &L.w_down}) e->backend_->prepare(*w);
+    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_up, &L.w_down}) mats.push_back(w);
+  size_t total = 0;
+  for (Weight* w : mats) {
+    if (!be.supports(Op::matmul, w->type)) {
+      const TypeTraits* tt = type_traits(w->type);
+      throw UnsupportedModelError(std::string("audio tower: the ") + be.name() + " backend has no matmul for " +
+                                  (tt ? tt->name : "?"));
+    }
+    total += (size_t)w->rows * w->row_bytes;
+  }
+  be.check_fits(total, "audio tower weights");
+  for (Weight* w : mats) be.load_weight(*w, WeightUse::matmul);
+  e->page0_ = be.alloc(sizeof(int32_t), "audio tower");
+  be.zero(e->page0_->data(), sizeof(int32_t));
   e->mel_ = std::make_unique<MelBank>(e->cfg_.n_mel);
   return e;
 }
@@ -158,8 +176,8 @@ void AudioEncoder::load_weights() {
     throw UnsupportedModelError("audio tower: a.conv1d.2.weight has shape " + shape_str(t2) + ", expected 3x" +
                                 std::to_string(d) + "x" + std::to_string(d));
   conv2_ = mat(f, "a.conv1d.2.weight", d, 3 * d);
-  conv1_b_ = vec(f, "a.conv1d.1.bias", d);
-  conv2_b_ = vec(f, "a.conv1d.2.bias", d);
+  conv1_b_ = upload_vec(*backend_, vec(f, "a.conv1d.1.bias", d), "audio tower");
+  conv2_b_ = upload_vec(*backend_, vec(f, "a.conv1d.2.bias", d), "audio tower");
   const gguf::TensorInfo& tp = need(f, "a.position_embd.weight");
   if (tp.ne.size() != 2 || tp.ne[0] != d || tp.ne[1] < 1500 || tp.ne[1] > 1 << 20)
     throw UnsupportedModelError("audio tower: a.position_embd.weight has shape " + shape_str(tp) + ", expected " +
@@ -169,12 +187,13 @@ void AudioEncoder::load_weights() {
     const TypeTraits* tt = type_traits(tp.type);
     if (!tt || !tt->dequantizable || d % tt->block_size != 0)
       throw UnsupportedModelError("audio tower: a.position_embd.weight has an unsupported type");
-    pos_emb_.resize((size_t)d * 1500);
+    std::vector<float> pe((size_t)d * 1500);
     const size_t rb = (size_t)type_nbytes(tp.type, d);
-    for (int64_t r = 0; r < 1500; ++r) dequantize_row(tp.type, f.tensor_data(tp) + r * rb, pos_emb_.data() + r * d, d);
+    for (int64_t r = 0; r < 1500; ++r) dequantize_row(tp.type, f.tensor_data(tp) + r * rb, pe.data() + r * d, d);
+    pos_emb_ = upload_vec(*backend_, pe, "audio tower");
   }
-  post_w_ = vec(f, "a.post_ln.weight", d);
-  post_b_ = vec(f, "a.post_ln.bias", d);
+  post_w_ = upload_vec(*backend_, vec(f, "a.post_ln.weight", d), "audio tower");
+  post_b_ = upload_vec(*backend_, vec(f, "a.post_ln.bias", d), "audio tower");
 
   c.n_heads = meta_int(f, "clip.audio.attention.head_count", 0);
   if (c.n_heads <= 0 || d % c.n_heads != 0)
@@ -191,26 +210,26 @@ void AudioEncoder::load_weights() {
   layers_.resize(n_layers);
   for (int il = 0; il < n_layers; ++il) {
     EncoderLayer& L = layers_[il];
-    L.ln1_w = vec(f, blk(il, "ln1.weight"), d);
-    L.ln1_b = vec(f, blk(il, "ln1.bias"), d);
-    L.ln2_w = vec(f, blk(il, "ln2.weight"), d);
-    L.ln2_b = vec(f, blk(il, "ln2.bias"), d);
+    L.ln1_w = upload_vec(*backend_, vec(f, blk(il, "ln1.weight"), d), "audio tower");
+    L.ln1_b = upload_vec(*backend_, vec(f, blk(il, "ln1.bias"), d), "audio tower");
+    L.ln2_w = upload_vec(*backend_, vec(f, blk(il, "ln2.weight"), d), "audio tower");
+    L.ln2_b = upload_vec(*backend_, vec(f, blk(il, "ln2.bias"), d), "audio tower");
     L.wq = mat(f, blk(il, "attn_q.weight"), d, d);
     L.wk = mat(f, blk(il, "attn_k.weight"), d, d);
     L.wv = mat(f, blk(il, "attn_v.weight"), d, d);
     L.wo = mat(f, blk(il, "attn_out.weight"), d, d);
-    L.bq = vec(f, blk(il, "attn_q.bias"), d);
-    L.bk = vec(f, blk(il, "attn_k.bias"), d, false);  // whisper has none
-    L.bv = vec(f, blk(il, "attn_v.bias"), d);
-    L.bo = vec(f, blk(il, "attn_out.bias"), d);
+    L.bq = upload_vec(*backend_, vec(f, blk(il, "attn_q.bias"), d), "audio tower");
+    L.bk = upload_vec(*backend_, vec(f, blk(il, "attn_k.bias"), d, false), "audio tower");  // whisper has none
+    L.bv = upload_vec(*backend_, vec(f, blk(il, "attn_v.bias"), d), "audio tower");
+    L.bo = upload_vec(*backend_, vec(f, blk(il, "attn_out.bias"), d), "audio tower");
     L.w_up = mat(f, blk(il, "ffn_up.weight"), il == 0 ? -1 : c.ffn_dim, d);
     if (il == 0) {
       if (L.w_up.rows > 1 << 18) throw UnsupportedModelError("audio tower: ffn width out of range");
       c.ffn_dim = (int)L.w_up.rows;
     }
     L.w_down = mat(f, blk(il, "ffn_down.weight"), d, c.ffn_dim);
-    L.b_up = vec(f, blk(il, "ffn_up.bias"), c.ffn_dim);
-    L.b_down = vec(f, blk(il, "ffn_down.bias"), d);
+    L.b_up = upload_vec(*backend_, vec(f, blk(il, "ffn_up.bias"), c.ffn_dim), "audio tower");
+    L.b_down = upload_vec(*backend_, vec(f, blk(il, "ffn_down.bias"), d), "audio tower");
   }
   if (f.find_tensor(blk(n_layers, "ln1.weight")) || f.find_tensor(blk(n_layers + 1, "attn_q.weight")))
     throw UnsupportedModelError("audio tower: block " + std::to_string(n_layers) + " is incomplete");
@@ -219,7 +238,7 @@ void AudioEncoder::load_weights() {
     case Projector::none: c.proj_dim = c.dim; break;
     case Projector::qwen2a:
       fc_ = mat(f, "mm.a.fc.weight", -1, d);
-      fc_b_ = vec(f, "mm.a.fc.bias", fc_.rows);
+      fc_b_ = upload_vec(*backend_, vec(f, "mm.a.fc.bias", fc_.rows), "audio tower");
       c.proj_dim = (int)fc_.rows;
       break;
     case Projector::ultravox:
@@ -232,14 +251,14 @@ void AudioEncoder::load_weights() {
       if (c.proj == Projector::ultravox) {
         if (mm1_.rows % 2 != 0) throw UnsupportedModelError("audio tower: ultravox mm.a.mlp.1 rows must be even (SwiGLU)");
         c.proj_hidden = (int)(mm1_.rows / 2);
-        norm_pre_ = vec(f, "mm.a.norm_pre.weight", mm1_.cols);
-        norm_mid_ = vec(f, "mm.a.norm_mid.weight", c.proj_hidden);
+        norm_pre_ = upload_vec(*backend_, vec(f, "mm.a.norm_pre.weight", mm1_.cols), "audio tower");
+        norm_mid_ = upload_vec(*backend_, vec(f, "mm.a.norm_mid.weight", c.proj_hidden), "audio tower");
       } else {
         c.proj_hidden = (int)mm1_.rows;
-        mm1_b_ = vec(f, "mm.a.mlp.1.bias", mm1_.rows, false);
+        mm1_b_ = upload_vec(*backend_, vec(f, "mm.a.mlp.1.bias", mm1_.rows, false), "audio tower");
       }
       mm2_ = mat(f, "mm.a.mlp.2.weight", -1, c.proj_hidden);
-      if (c.proj == Projector::voxtral) mm2_b_ = vec(f, "mm.a.mlp.2.bias", mm2_.rows, false);
+      if (c.proj == Projector::voxtral) mm2_b_ = upload_vec(*backend_, vec(f, "mm.a.mlp.2.bias", mm2_.rows, false), "audio tower");
       c.proj_dim = (int)mm2_.rows;
       break;
     }
@@ -275,99 +294,98 @@ int64_t AudioEncoder::n_rows(int64_t n, bool full) const {
   return rows;
 }
 
-void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L,
-                                AudioScratch& s) {
+float* AudioEncoder::buf(int i, int64_t floats) {
+  const size_t bytes = (size_t)std::max<int64_t>(floats, 1) * sizeof(float);
+  if (!bufs_[i] || bufs_[i]->size() < bytes) bufs_[i] = backend_->alloc(bytes, "audio tower scratch");
+  return static_cast<float*>(bufs_[i]->data());
+}
+
+void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L) {
   Backend& be = *backend_;
   const TowerConfig& c = cfg_;
   const int64_t d = c.dim, nm = c.n_mel;
   // conv1 (k3 s1 p1) over frames [0, S): im2col rows [ch * 3 + k] = mel[ch][t + k - 1].
-  s.x1.assign((size_t)(S * 3 * nm), 0.f);
-  for (int64_t ch = 0; ch < nm; ++ch) {
-    const float* m = mel + ch * stride;
-    for (int64_t t = 0; t < S; ++t)
-      for (int k = 0; k < 3; ++k) {
-        const int64_t j = t + k - 1;
-        if (j >= 0 && j < avail) s.x1[(size_t)(t * 3 * nm + ch * 3 + k)] = m[j];
-      }
-  }
-  s.g1.resize((size_t)(S * d));
-  be.matmul(conv1_, s.x1.data(), S, s.g1.data());
-  be.add_bias(s.g1.data(), conv1_b_.data(), S, d);
-  be.gelu_erf(s.g1.data(), S * d);
+  float* x1 = buf(B_X1, std::max(S * 3 * nm, L * 3 * d));
+  be.im2col_1d(mel, stride, nm, avail, 3, 1, 1, x1, S);
+  float* g1 = buf(B_G1, S * d);
+  be.matmul(conv1_, x1, S, g1);
+  be.add_bias(g1, conv1_b_.data(), S, d);
+  be.gelu_erf(g1, S * d);
   // conv2 (k3 s2 p1): output t reads conv1 rows 2t - 1 .. 2t + 1 (zero outside the window).
-  s.x2.assign((size_t)(L * 3 * d), 0.f);
-  for (int64_t t = 0; t < L; ++t)
-    for (int k = 0; k < 3; ++k) {
-      const int64_t j = 2 * t + k - 1;
-      if (j < 0 || j >= S) continue;
-      const float* g = s.g1.data() + j * d;
-      float* x = s.x2.data() + t * 3 * d + k;
-      for (int64_t ch = 0; ch < d; ++ch) x[ch * 3] = g[ch];
-    }
-  s.h.resize((size_t)(L * d));
-  be.matmul(conv2_, s.x2.data(), L, s.h.data());
-  be.add_bias(s.h.data(), conv2_b_.data(), L, d);
-  be.gelu_erf(s.h.data(), L * d);
-  be.add(s.h.data(), pos_emb_.data(), L * d);
+  float* x2 = x1;
+  be.im2col_rows(g1, d, S, 3, 2, 1, x2, L);
+  float* h = buf(B_H, L * d);
+  be.matmul(conv2_, x2, L, h);
+  be.add_bias(h, conv2_b_.data(), L, d);
+  be.gelu_erf(h, L * d);
+  be.add(h, pos_emb_.data(), L * d);
 
-  // Pre-LN blocks; every position sees every position (q_pos = L - 1 for all).
+  // Pre-LN blocks; every position sees every position (q_pos = L - 1 for all). K and V
+  // rows sit in one block, a cache of one page: K rows first, then V rows.
   const int hd = (int)(d / c.n_heads);
-  s.pos.assign((size_t)L, (int32_t)(L - 1));
-  s.xn.resize((size_t)(L * d));
-  s.q.resize((size_t)(L * d));
-  s.k.resize((size_t)(L * d));
-  s.v.resize((size_t)(L * d));
-  s.a.resize((size_t)(L * d));
-  s.o.resize((size_t)(L * d));
-  s.u.resize((size_t)(L * c.ffn_dim));
+  if (!pos_ || pos_->size() < (size_t)L * 4) pos_ = be.alloc((size_t)L * 4, "audio tower scratch");
+  {
+    std::vector<int32_t> pos((size_t)L, (int32_t)(L - 1));
+    be.upload(pos_->data(), pos.data(), (size_t)L * 4);
+  }
+  float* xn = buf(B_XN, L * d);
+  float* kv = buf(B_KV, 2 * L * d);
+  float* q = buf(B_Q, L * d);
+  float* att = buf(B_A, L * d);
+  float* o = buf(B_O, L * d);
+  float* u = buf(B_U, L * c.ffn_dim);
   for (const EncoderLayer& Ly : layers_) {
-    be.layer_norm(s.h.data(), Ly.ln1_w.data(), Ly.ln1_b.data(), s.xn.data(), L, d, c.eps);
+    be.layer_norm(h, Ly.ln1_w.data(), Ly.ln1_b.data(), xn, L, d, c.eps);
     const Weight* ws[3] = {&Ly.wq, &Ly.wk, &Ly.wv};
-    float* ys[3] = {s.q.data(), s.k.data(), s.v.data()};
-    be.matmul_multi(ws, ys, 3, s.xn.data(), L);
-    be.add_bias(s.q.data(), Ly.bq.data(), L, d);
-    if (!Ly.bk.empty()) be.add_bias(s.k.data(), Ly.bk.data(), L, d);
-    be.add_bias(s.v.data(), Ly.bv.data(), L, d);
+    float* ys[3] = {q, kv, kv + L * d};
+    be.matmul_multi(ws, ys, 3, xn, L);
+    be.add_bias(q, Ly.bq.data(), L, d);
+    if (!Ly.bk.empty()) be.add_bias(kv, Ly.bk.data(), L, d);
+    be.add_bias(kv + L * d, Ly.bv.data(), L, d);
     AttnArgs a;
-    a.q = s.q.data();
+    a.q = q;
     a.q_stride = d;
-    a.k = s.k.data();
-    a.v = s.v.data();
-    a.kv_row_bytes = (size_t)d * 4;
-    a.kv_type = KVType::f32;
+    a.kv.base = reinterpret_cast<uint8_t*>(kv);
+    a.kv.pages = static_cast<const int32_t*>(page0_->data());
+    a.kv.n_pages = 1;
+    a.kv.page_shift = 62;
+    a.kv.page_bytes = (size_t)(2 * L * d) * 4;
+    a.kv.k_off = 0;
+    a.kv.v_off = (size_t)(L * d) * 4;
+    a.kv.row_bytes = (size_t)d * 4;
+    a.kv.type = KVType::f32;
     a.n_tok = L;
     a.n_kv = L;
     a.n_heads = a.n_kv_heads = c.n_heads;
     a.head_dim = hd;
-    a.q_pos = s.pos.data();
+    a.q_pos = static_cast<const int32_t*>(pos_->data());
     a.scale = 1.f / std::sqrt((float)hd);
-    a.out = s.a.data();
+    a.out = att;
     a.out_stride = d;
     be.attention(a);
-    be.matmul(Ly.wo, s.a.data(), L, s.o.data());
-    be.add_bias(s.o.data(), Ly.bo.data(), L, d);
-    be.add(s.h.data(), s.o.data(), L * d);
-    be.layer_norm(s.h.data(), Ly.ln2_w.data(), Ly.ln2_b.data(), s.xn.data(), L, d, c.eps);
-    be.matmul(Ly.w_up, s.xn.data(), L, s.u.data());
-    be.add_bias(s.u.data(), Ly.b_up.data(), L, c.ffn_dim);
-    be.gelu_erf(s.u.data(), L * c.ffn_dim);
-    be.matmul(Ly.w_down, s.u.data(), L, s.o.data());
-    be.add_bias(s.o.data(), Ly.b_down.data(), L, d);
-    be.add(s.h.data(), s.o.data(), L * d);
+    be.matmul(Ly.wo, att, L, o);
+    be.add_bias(o, Ly.bo.data(), L, d);
+    be.add(h, o, L * d);
+    be.layer_norm(h, Ly.ln2_w.data(), Ly.ln2_b.data(), xn, L, d, c.eps);
+    be.matmul(Ly.w_up, xn, L, u);
+    be.add_bias(u, Ly.b_up.data(), L, c.ffn_dim);
+    be.gelu_erf(u, L * c.ffn_dim);
+    be.matmul(Ly.w_down, u, L, o);
+    be.add_bias(o, Ly.b_down.data(), L, d);
+    be.add(h, o, L * d);
   }
 }
 
 // Qwen2-Audio's projector (Qwen2.5-Omni's too): AvgPool1d(2, 2) over the encoder's positions,
 // the post-LN, then the linear; rows output rows from 2 * rows positions of h.
-void AudioEncoder::pool_project(const float* h, int64_t rows, AudioScratch& s, float* out) {
+void AudioEncoder::pool_project(const float* h, int64_t rows, float* out) {
   const TowerConfig& c = cfg_;
   const int64_t d = c.dim;
   Backend& be = *backend_;
-  s.p.resize((size_t)(rows * d));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < d; ++i) s.p[r * d + i] = (h[(2 * r) * d + i] + h[(2 * r + 1) * d + i]) / 2.f;
-  be.layer_norm(s.p.data(), post_w_.data(), post_b_.data(), s.p.data(), rows, d, c.eps);
-  be.matmul(fc_, s.p.data(), rows, out);
+  float* p = buf(B_P, rows * d);
+  be.avg_pool_rows(h, 2 * rows, d, 2, p);
+  be.layer_norm(p, post_w_.data(), post_b_.data(), p, rows, d, c.eps);
+  be.matmul(fc_, p, rows, out);
   be.add_bias(out, fc_b_.data(), rows, c.proj_dim);
 }
 
@@ -382,21 +400,25 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
   Backend& be = *backend_;
   const int64_t chunks = mel_chunks(n), frames = chunks * kChunkFrames, d = c.dim;
   s.mel.resize((size_t)(c.n_mel * frames));
-  log_mel(be, *mel_, x, n, s.mel_s, s.mel.data());
+  log_mel(*mel_backend_, *mel_, x, n, s.mel_s, s.mel.data());
+  float* mel = buf(B_MEL, c.n_mel * frames);
+  be.upload(mel, s.mel.data(), s.mel.size() * 4);
+  float* dev_out = buf(B_OUT, total_rows * c.proj_dim);
   if (c.window_frames) {
     if (total_rows == 0) return 0;
     // Qwen2.5-Omni: chunks of the clip's frames, each encoded alone, then the pairs of the
     // concatenated positions averaged, the post-LN and the linear.
     const int64_t F = clip_frames(n, full), W = c.window_frames;
     int64_t P = 0;
-    s.hall.resize((size_t)(((F - 1) / 2 + 1) * d));
+    float* hall = buf(B_HALL, ((F - 1) / 2 + 1) * d);
     for (int64_t f0 = 0; f0 < F; f0 += W) {
       const int64_t len = std::min(W, F - f0), L = (len - 1) / 2 + 1;
-      encode_chunk(s.mel.data() + f0, frames, len, len, L, s);
-      std::memcpy(s.hall.data() + P * d, s.h.data(), (size_t)(L * d) * 4);
+      encode_chunk(mel + f0, frames, len, len, L);
+      be.copy(hall + P * d, bufs_[B_H]->data(), (size_t)(L * d) * 4);
       P += L;
     }
-    pool_project(s.hall.data(), total_rows, s, out);
+    pool_project(hall, total_rows, dev_out);
+    be.download(out, dev_out, (size_t)(total_rows * c.proj_dim) * 4);
     return total_rows;
   }
   int64_t row = 0;
@@ -405,39 +427,41 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
     const int64_t L = ((full ? kChunkFrames : (nc + kHop - 1) / kHop) - 1) / 2 + 1;
     const int64_t rows = chunk_rows(L, full);
     if (rows == 0) continue;
-    encode_chunk(s.mel.data() + ci * kChunkFrames, frames, kChunkFrames, std::min<int64_t>(kChunkFrames, 2 * L), L, s);
-    float* dst = out + row * c.proj_dim;
+    encode_chunk(mel + ci * kChunkFrames, frames, kChunkFrames, std::min<int64_t>(kChunkFrames, 2 * L), L);
+    float* h = static_cast<float*>(bufs_[B_H]->data());
+    float* dst = dev_out + row * c.proj_dim;
     switch (c.proj) {
       case Projector::none:
-        be.layer_norm(s.h.data(), post_w_.data(), post_b_.data(), dst, L, d, c.eps);
+        be.layer_norm(h, post_w_.data(), post_b_.data(), dst, L, d, c.eps);
         break;
       case Projector::qwen2a: {
-        pool_project(s.h.data(), rows, s, dst);
+        pool_project(h, rows, dst);
         break;
       }
       case Projector::ultravox:
       case Projector::voxtral: {
         // Post-LN, then `stack` consecutive rows side by side (zeros past the last row).
         const int64_t sw = (int64_t)c.stack * d;
-        s.p.assign((size_t)(rows * sw), 0.f);
-        be.layer_norm(s.h.data(), post_w_.data(), post_b_.data(), s.h.data(), L, d, c.eps);
-        std::memcpy(s.p.data(), s.h.data(), (size_t)std::min(L * d, rows * sw) * 4);
+        float* p = buf(B_P, rows * sw);
+        be.zero(p, (size_t)(rows * sw) * 4);
+        be.layer_norm(h, post_w_.data(), post_b_.data(), h, L, d, c.eps);
+        be.copy(p, h, (size_t)std::min(L * d, rows * sw) * 4);
         const int64_t hid = c.proj_hidden;
         if (c.proj == Projector::ultravox) {
-          be.rms_norm(s.p.data(), norm_pre_.data(), s.p.data(), rows, sw, 1e-6f);
-          s.y.resize((size_t)(rows * 2 * hid));
-          be.matmul(mm1_, s.p.data(), rows, s.y.data());
+          be.rms_norm(p, norm_pre_.data(), p, rows, sw, 1e-6f);
+          float* y = buf(B_Y, rows * 2 * hid);
+          be.matmul(mm1_, p, rows, y);
           // SwiGLU with the halves swapped: silu(second half) * first half.
-          s.y2.resize((size_t)(rows * hid));
-          be.glu(s.y.data() + hid, 2 * hid, s.y.data(), 2 * hid, s.y2.data(), rows, hid, Act::silu);
-          be.rms_norm(s.y2.data(), norm_mid_.data(), s.y2.data(), rows, hid, 1e-6f);
-          be.matmul(mm2_, s.y2.data(), rows, dst);
+          float* y2 = buf(B_Y2, rows * hid);
+          be.glu(y + hid, 2 * hid, y, 2 * hid, y2, rows, hid, Act::silu);
+          be.rms_norm(y2, norm_mid_.data(), y2, rows, hid, 1e-6f);
+          be.matmul(mm2_, y2, rows, dst);
         } else {
-          s.y.resize((size_t)(rows * hid));
-          be.matmul(mm1_, s.p.data(), rows, s.y.data());
-          if (!mm1_b_.empty()) be.add_bias(s.y.data(), mm1_b_.data(), rows, hid);
-          be.gelu_erf(s.y.data(), rows * hid);
-          be.matmul(mm2_, s.y.data(), rows, dst);
+          float* y = buf(B_Y, rows * hid);
+          be.matmul(mm1_, p, rows, y);
+          if (!mm1_b_.empty()) be.add_bias(y, mm1_b_.data(), rows, hid);
+          be.gelu_erf(y, rows * hid);
+          be.matmul(mm2_, y, rows, dst);
           if (!mm2_b_.empty()) be.add_bias(dst, mm2_b_.data(), rows, c.proj_dim);
         }
         break;
@@ -445,6 +469,7 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
     }
     row += rows;
   }
+  be.download(out, dev_out, (size_t)(row * c.proj_dim) * 4);
   return row;
 }
 

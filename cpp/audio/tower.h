@@ -18,7 +18,7 @@ namespace dl::audio {
 enum class Projector { none, qwen2a, ultravox, voxtral };
 
 struct EncoderLayer {
-  std::vector<float> ln1_w, ln1_b, ln2_w, ln2_b, bq, bk, bv, bo, b_up, b_down;
+  Vec ln1_w, ln1_b, ln2_w, ln2_b, bq, bk, bv, bo, b_up, b_down;
   Weight wq, wk, wv, wo, w_up, w_down;
 };
 
@@ -34,11 +34,10 @@ struct TowerConfig {
   int window_frames = 0;  // qwen2.5o: mel frames per independently encoded chunk (2 * n_window)
 };
 
-// Caller-owned buffers of one encode; holds no clip state between calls.
+// Caller-owned host buffers of one encode (the mel front end); holds no clip state.
 struct AudioScratch {
   MelScratch mel_s;
-  std::vector<float> mel, hall, x1, g1, x2, h, xn, q, k, v, a, o, u, p, pn, y, y2;
-  std::vector<int32_t> pos;
+  std::vector<float> mel;
 };
 
 class AudioEncoder {
@@ -46,7 +45,8 @@ class AudioEncoder {
   // The family name of the file's audio projector, or "" when it holds no audio tower we
   // serve. Throws GGUFError only for a malformed file.
   static std::string probe_family(const gguf::File& f);
-  static std::shared_ptr<AudioEncoder> load(const std::string& path, int n_threads);
+  // device as for make_backend; the mel front end runs on the CPU, the rest on the device.
+  static std::shared_ptr<AudioEncoder> load(const std::string& path, const std::string& device, int n_threads);
 
   const TowerConfig& config() const { return cfg_; }
   const std::string& path() const { return file_->path(); }
@@ -55,30 +55,38 @@ class AudioEncoder {
   // 16 kHz mono -> n_rows(n) x proj_dim floats into out (room for out_cap floats).
   int64_t encode(const float* x, int64_t n, bool full_window, AudioScratch& s, float* out, int64_t out_cap);
   Backend& backend() { return *backend_; }
+  const std::shared_ptr<Backend>& backend_ptr() const { return backend_; }
 
  private:
   AudioEncoder() = default;
   void load_weights();
-  // Encoder positions [0, L) of one chunk into s.h (L x dim), post-LN not applied. The mel
-  // rows have `stride` columns; frames past `avail` read as zero (conv padding); conv1
-  // runs over frames [0, S) and conv2 reads zeros past S.
-  void encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L, AudioScratch& s);
+  // Encoder positions [0, L) of one chunk into h (L x dim, backend memory), post-LN not
+  // applied. The mel rows (backend memory) have `stride` columns; frames past `avail`
+  // read as zero (conv padding); conv1 runs over frames [0, S) and conv2 reads zeros past S.
+  void encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L);
   // The qwen2a projector: pairs of h's positions averaged, post-LN, linear, into rows of out.
-  void pool_project(const float* h, int64_t rows, AudioScratch& s, float* out);
+  void pool_project(const float* h, int64_t rows, float* out);
+  float* buf(int i, int64_t floats);
   int64_t clip_frames(int64_t n, bool full_window) const;
   int64_t chunk_rows(int64_t L, bool full_window) const;
 
   std::shared_ptr<gguf::File> file_;
   TowerConfig cfg_;
-  std::unique_ptr<Backend> backend_;
+  std::shared_ptr<Backend> backend_;
+  std::shared_ptr<Backend> mel_backend_;  // the CPU (the same backend when that is the CPU)
   std::unique_ptr<MelBank> mel_;
-  std::mutex mu_;  // one encode at a time (the backend's buffers are shared)
+  std::mutex mu_;  // one encode at a time (the device buffers below are shared)
   Weight conv1_, conv2_;
-  std::vector<float> conv1_b_, conv2_b_, pos_emb_, post_w_, post_b_;
+  Vec conv1_b_, conv2_b_, pos_emb_, post_w_, post_b_;
   std::vector<EncoderLayer> layers_;
   // projectors
   Weight fc_, mm1_, mm2_;
-  std::vector<float> fc_b_, mm1_b_, mm2_b_, norm_pre_, norm_mid_;
+  Vec fc_b_, mm1_b_, mm2_b_, norm_pre_, norm_mid_;
+  // Backend scratch (grown on demand): mel, all positions, im2col, conv1, h, norm, q|k|v, attention,
+  // out, ffn, pooled, projector, projector 2, output; and the one-page block table {0}.
+  enum { B_MEL, B_HALL, B_X1, B_G1, B_H, B_XN, B_KV, B_Q, B_A, B_O, B_U, B_P, B_Y, B_Y2, B_OUT, B_COUNT };
+  BufferPtr bufs_[B_COUNT];
+  BufferPtr pos_, page0_;
 };
 
 }  // namespace dl::audio

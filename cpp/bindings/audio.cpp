@@ -27,7 +27,7 @@ Samples mono(const py::object& o) {
 // One CPU backend for the free log_mel (serialized: the backend's buffers are shared).
 Backend& shared_backend(std::unique_lock<std::mutex>& lock) {
   static std::mutex mu;
-  static std::unique_ptr<Backend> be;
+  static std::shared_ptr<Backend> be;
   lock = std::unique_lock<std::mutex>(mu);
   if (!be) be = make_cpu_backend(0);
   return *be;
@@ -61,11 +61,12 @@ void bind_audio(py::module_& m) {
   py::class_<audio::AudioScratch, std::shared_ptr<audio::AudioScratch>>(m, "AudioScratch").def(py::init<>());
 
   py::class_<audio::AudioEncoder, std::shared_ptr<audio::AudioEncoder>>(m, "AudioEncoder")
-      .def(py::init([](const std::string& path, int n_threads) {
+      .def(py::init([](const std::string& path, int n_threads, const std::string& device) {
              py::gil_scoped_release rel;
-             return audio::AudioEncoder::load(path, n_threads);
+             return audio::AudioEncoder::load(path, device, n_threads);
            }),
-           py::arg("path"), py::arg("n_threads") = 0)
+           py::arg("path"), py::arg("n_threads") = 0, py::arg("device") = "cpu")
+      .def_property_readonly("device", [](audio::AudioEncoder& e) { return device_dict(e.backend().info()); })
       .def_static("probe_family",
                   [](const std::string& path) {
                     py::gil_scoped_release rel;

@@ -2,6 +2,8 @@
 #pragma once
 #include <pybind11/pybind11.h>
 
+#include "core/backend.h"
+
 namespace dl::py_bind {
 namespace py = pybind11;
 void bind_errors(py::module_& m);
@@ -13,4 +15,7 @@ void bind_model(py::module_& m);
 void bind_kernels(py::module_& m);
 void bind_kv(py::module_& m);
 void bind_audio(py::module_& m);
+void bind_backend(py::module_& m);
+// A DeviceInfo as a dict (system_info, Model.device).
+py::dict device_dict(const DeviceInfo& d);
 }  // namespace dl::py_bind

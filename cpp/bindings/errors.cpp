@@ -10,6 +10,7 @@ void bind_errors(py::module_& m) {
   static py::exception<dl::UnsupportedModelError> unsup(m, "UnsupportedModelError", base.ptr());
   static py::exception<dl::ContextOverflowError> ctx(m, "ContextOverflowError", base.ptr());
   static py::exception<dl::PoolExhaustedError> pool(m, "PoolExhaustedError", base.ptr());
+  static py::exception<dl::DeviceError> device(m, "DeviceError", base.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -17,6 +18,8 @@ void bind_errors(py::module_& m) {
       PyErr_SetString(gguf.ptr(), e.what());
     } catch (const dl::UnsupportedModelError& e) {
       PyErr_SetString(unsup.ptr(), e.what());
+    } catch (const dl::DeviceError& e) {
+      PyErr_SetString(device.ptr(), e.what());
     } catch (const dl::ContextOverflowError& e) {
       PyErr_SetString(ctx.ptr(), e.what());
     } catch (const dl::PoolExhaustedError& e) {

@@ -47,7 +47,8 @@ void bind_kv(py::module_& m) {
                const int64_t ctx = std::min(model->config().seq_len, 4096);
                max_pages = std::max<int64_t>(1, 4 * ((ctx + page_rows - 1) / page_rows));
              }
-             return std::make_shared<KVPool>(model->kv_geometry((KVType)kv), page_rows, max_pages);
+             return std::make_shared<KVPool>(model->kv_geometry((KVType)kv), page_rows, max_pages,
+                                             model->backend_ptr());
            }),
            py::arg("model"), py::arg("page_rows") = 64, py::arg("kv_dtype") = 1, py::arg("max_pages") = 0)
       .def_property_readonly("page_rows", &KVPool::page_rows)

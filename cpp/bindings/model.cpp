@@ -74,15 +74,17 @@ py::dict config_dict(const Model& m) {
 
 void bind_model(py::module_& m) {
   py::class_<Model, std::shared_ptr<Model>>(m, "Model")
-      .def(py::init([](const std::string& path, int mode, int n_threads) {
+      .def(py::init([](const std::string& path, int mode, const std::string& device, int n_threads) {
              if (mode < 0 || mode > 2) throw py::value_error("mode must be QuantMode.fp32, q8 or q4_0");
              py::gil_scoped_release rel;
-             return Model::load(path, (QuantMode)mode, n_threads);
+             return Model::load(path, (QuantMode)mode, device, n_threads);
            }),
-           py::arg("path"), py::arg("mode") = 1, py::arg("n_threads") = 0)
+           py::arg("path"), py::arg("mode") = 1, py::arg("device") = "cpu", py::arg("n_threads") = 0)
+      .def_property_readonly("device", [](const Model& x) { return device_dict(x.backend().info()); })
+      .def_property_readonly("weight_bytes", &Model::weight_bytes)
       .def_property_readonly("config", &config_dict)
       .def_property_readonly("arch", [](const Model& x) { return x.config().arch; })
-      .def_property_readonly("n_threads", [](Model& x) { return x.backend().n_threads(); })
+      .def_property_readonly("n_threads", [](Model& x) { return x.backend().info().threads; })
       .def_property_readonly("eog_ids", [](const Model& x) { return x.eog_ids(); })
       .def_property_readonly("bos", [](const Model& x) { return x.tokenizer().bos(); })
       .def("encode",

@@ -7,6 +7,22 @@
 
 namespace dl::py_bind {
 
+py::dict device_dict(const DeviceInfo& i) {
+  py::dict d;
+  d["backend"] = i.backend;
+  d["index"] = i.index;
+  d["name"] = i.name;
+  if (i.backend == "cpu") {
+    d["threads"] = i.threads;
+  } else {
+    d["total_bytes"] = i.total_bytes;
+    d["free_bytes"] = i.free_bytes;
+    d["compute_capability"] = std::to_string(i.cc_major) + "." + std::to_string(i.cc_minor);
+    d["driver"] = i.driver;
+  }
+  return d;
+}
+
 void bind_system(py::module_& m) {
   m.def("system_info", [] {
     const CpuFeatures& f = cpu_features();
@@ -31,6 +47,18 @@ void bind_system(py::module_& m) {
     d["isa_supported"] = supported;
     d["isa_active"] = isa_name(active_isa());
     d["backends_built"] = std::string(DL_BACKENDS_BUILT);
+    // Each backend: built or not, the devices it reaches now, or why none.
+    py::dict devs;
+    for (const BackendProbe& p : probe_backends()) {
+      py::dict e;
+      e["built"] = p.built;
+      py::list l;
+      for (const DeviceInfo& i : p.devices) l.append(device_dict(i));
+      e["devices"] = l;
+      e["error"] = p.error;
+      devs[py::str(p.backend)] = e;
+    }
+    d["devices"] = devs;
     return d;
   }, "CPU features, kernel ISAs and backends of this build.");
   m.def("set_isa", [](const std::string& name) { set_active_isa(parse_isa(name)); },

@@ -128,6 +128,9 @@ struct AttnArgs {
 
 enum class Act { silu, gelu_tanh };
 
+// What a weight is read by: matmul kernels, or get_rows (an embedding table).
+enum class WeightUse { matmul, rows };
+
 // Ops a backend may or may not run, for supports().
 enum class Op { matmul, get_rows, attention, kv_store };
 
@@ -151,8 +154,9 @@ class Backend {
   // ---- weights -------------------------------------------------------------
   // The format a matrix of `type` (cols wide) is kept in under `mode`; the loader converts.
   virtual uint32_t weight_type(uint32_t type, int64_t cols, QuantMode mode) const;
-  // Makes w resident in the layout this backend reads fastest (once, at load).
-  virtual void load_weight(Weight& w) = 0;
+  // Makes w (w.host) resident in the layout this backend reads fastest for `use`, once, at load:
+  // sets w.data (and w.resident / w.packed where it keeps a copy).
+  virtual void load_weight(Weight& w, WeightUse use) = 0;
   virtual bool supports(Op op, uint32_t type) const = 0;
 
   // ---- steps ---------------------------------------------------------------

@@ -1,6 +1,9 @@
 // The CPU backend: the op interface on the per-ISA kernel table and a thread pool.
+// Backend memory is host memory, so uploads are copies and weights are read where
+// the file is mapped (plus the packed layouts made at load).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -22,26 +25,106 @@
 
 namespace dl {
 
-size_t kv_row_bytes(KVType t, int64_t dim) {
-  switch (t) {
-    case KVType::f32: return (size_t)dim * 4;
-    case KVType::f16: return (size_t)dim * 2;
-    case KVType::q8_0: return (size_t)(dim / 32) * sizeof(quant::block_q8_0);
-  }
-  return 0;
-}
-
 namespace {
 
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kArena = size_t(32) << 20;
 
+// Host memory. Large blocks (the KV pool, big scratch) are one reserved address range:
+// the OS commits it as it is first written, and large pages may back it (fewer TLB misses
+// when attention streams a long context).
+class CpuBuffer final : public Buffer {
+ public:
+  CpuBuffer(size_t bytes, const char* what) {
+    size_ = bytes;
+    const size_t n = bytes ? bytes : 1;
+#if defined(__linux__)
+    if (n >= kHugePage) {
+      void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p != MAP_FAILED) {
+        ptr_ = p;
+        mapped_ = true;
+#ifdef MADV_HUGEPAGE
+        madvise(p, n, MADV_HUGEPAGE);
+#endif
+        return;
+      }
+    }
+#endif
+    ptr_ = std::aligned_alloc(64, (n + 63) / 64 * 64);
+    if (!ptr_) throw Error(std::string(what) + ": cannot allocate " + std::to_string(bytes) + " bytes");
+  }
+  ~CpuBuffer() override {
+#if defined(__linux__)
+    if (mapped_) {
+      munmap(ptr_, size_ ? size_ : 1);
+      return;
+    }
+#endif
+    std::free(ptr_);
+  }
+
+ private:
+  bool mapped_ = false;
+};
+
+std::string cpu_model_name() {
+  std::FILE* f = std::fopen("/proc/cpuinfo", "r");
+  if (!f) return "";
+  char line[512];
+  std::string name;
+  while (std::fgets(line, sizeof line, f)) {
+    std::string l(line);
+    if (l.rfind("model name", 0) == 0 && l.find(':') != std::string::npos) {
+      name = l.substr(l.find(':') + 2);
+      while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+      break;
+    }
+  }
+  std::fclose(f);
+  return name;
+}
+
 // Decodes dim elements of a cache row, starting at element `first`, to f32.
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int n) : pool_(n > 0 ? n : default_threads()) {}
+  explicit CpuBackend(int n) : pool_(n > 0 ? n : default_threads()) { cpu::kernels(); }
   const char* name() const override { return "cpu"; }
-  int n_threads() const override { return pool_.size(); }
+  DeviceInfo info() const override {
+    DeviceInfo d;
+    d.backend = "cpu";
+    d.name = cpu_model_name();
+    d.threads = pool_.size();
+    return d;
+  }
+
+  BufferPtr alloc(size_t bytes, const char* what) override { return std::make_shared<CpuBuffer>(bytes, what); }
+  void upload(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void download(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memmove(dst, src, bytes);
+  }
+  void zero(void* dst, size_t bytes) override {
+    if (bytes) std::memset(dst, 0, bytes);
+  }
+
+  bool supports(Op op, uint32_t type) const override {
+    switch (op) {
+      case Op::matmul: return cpu::kernels().act_type(type) != UINT32_MAX;
+      case Op::get_rows: {
+        const TypeTraits* tt = type_traits(type);
+        return tt && tt->dequantizable;
+      }
+      case Op::attention:
+      case Op::kv_store: return type == (uint32_t)KVType::f32 || type == (uint32_t)KVType::f16 ||
+                                type == (uint32_t)KVType::q8_0;
+    }
+    return false;
+  }
 
   void matmul(const Weight& w, const float* x, int64_t n, float* y) override {
     const Weight* ws[1] = {&w};
@@ -124,7 +207,13 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void prepare(Weight& w) override {
+  // The file's bytes are read in place; matmul weights also get the ISA's packed layout.
+  void load_weight(Weight& w, WeightUse use) override {
+    w.data = w.host;
+    if (use == WeightUse::matmul) pack(w);
+  }
+
+  void pack(Weight& w) {
     // DASLLAMA_NO_PACK=1 keeps file layouts (A/B benchmarks of the packed kernels).
     static const bool off = [] {
       const char* e = std::getenv("DASLLAMA_NO_PACK");
@@ -190,17 +279,21 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void kv_store(void* cache, KVType t, size_t row_bytes, int64_t first, const float* src, int64_t n,
-                int64_t src_stride, int64_t dim) override {
-    uint8_t* base = (uint8_t*)cache + (size_t)first * row_bytes;
+  void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
+                int64_t dim) override {
+    const int64_t mask = kv.page_shift >= 62 ? INT64_MAX : (int64_t(1) << kv.page_shift) - 1;
     for (int64_t i = 0; i < n; ++i) {
-      uint8_t* row = base + (size_t)i * row_bytes;
-      const float* s = src + i * src_stride;
-      switch (t) {
-        case KVType::f32: std::memcpy(row, s, (size_t)dim * 4); break;
-        case KVType::f16: cpu::kernels().f32_to_f16(s, (uint16_t*)row, dim); break;
-        case KVType::q8_0: quantize_row((uint32_t)GGMLType::Q8_0, s, row, dim); break;
-      }
+      const int64_t j = first + i;
+      uint8_t* page = kv.base + (size_t)kv.pages[j >> kv.page_shift] * kv.page_bytes + (size_t)(j & mask) * kv.row_bytes;
+      store_row(kv.type, page + kv.k_off, k + i * src_stride, dim);
+      store_row(kv.type, page + kv.v_off, v + i * src_stride, dim);
+    }
+  }
+  static void store_row(KVType t, uint8_t* row, const float* s, int64_t dim) {
+    switch (t) {
+      case KVType::f32: std::memcpy(row, s, (size_t)dim * 4); break;
+      case KVType::f16: cpu::kernels().f32_to_f16(s, (uint16_t*)row, dim); break;
+      case KVType::q8_0: quantize_row((uint32_t)GGMLType::Q8_0, s, row, dim); break;
     }
   }
 
@@ -236,26 +329,37 @@ class CpuBackend final : public Backend {
     } depth{attn_depth_};
     std::vector<AttnCall>& calls = nested ? local_calls : attn_calls_;
     std::vector<int64_t>& first = nested ? local_first : attn_first_;
+    std::vector<const uint8_t*> local_ptrs;
+    std::vector<const uint8_t*>& ptrs = nested ? local_ptrs : attn_ptrs_;
     calls.assign((size_t)count, AttnCall{});
     first.assign((size_t)count + 1, 0);
+    // Page addresses from the block tables: base + id * page_bytes, for every call first
+    // (the table may grow), then each call points into it.
+    size_t n_ptrs = 0;
+    for (int i = 0; i < count; ++i) n_ptrs += (size_t)args[i].kv.n_pages;
+    ptrs.resize(n_ptrs);
+    n_ptrs = 0;
+    for (int i = 0; i < count; ++i) {
+      const KVView& kv = args[i].kv;
+      for (int64_t p = 0; p < kv.n_pages; ++p) ptrs[n_ptrs + (size_t)p] = kv.base + (size_t)kv.pages[p] * kv.page_bytes;
+      n_ptrs += (size_t)kv.n_pages;
+    }
+    n_ptrs = 0;
     for (int i = 0; i < count; ++i) {
       const AttnArgs& a = args[i];
       AttnCall& c = calls[(size_t)i];
       const int64_t kv_dim = (int64_t)a.n_kv_heads * a.head_dim;
-      // Contiguous rows are a table of one page whose shift no row index reaches.
-      c.flat[0] = (const uint8_t*)a.k;
-      c.flat[1] = (const uint8_t*)a.v;
-      c.kp = a.pages ? a.pages : &c.flat[0];
-      c.vp = a.pages ? a.pages : &c.flat[1];
-      c.k_off = a.pages ? a.k_off : 0;
-      c.v_off = a.pages ? a.v_off : 0;
-      c.shift = a.pages ? a.page_shift : 62;
-      c.f16 = a.kv_type == KVType::f16;
-      c.kv_stride = (int64_t)(a.kv_row_bytes / (c.f16 ? 2 : 4));
+      c.kp = c.vp = ptrs.data() + n_ptrs;
+      n_ptrs += (size_t)a.kv.n_pages;
+      c.k_off = a.kv.k_off;
+      c.v_off = a.kv.v_off;
+      c.shift = a.kv.page_shift;
+      c.f16 = a.kv.type == KVType::f16;
+      c.kv_stride = (int64_t)(a.kv.row_bytes / (c.f16 ? 2 : 4));
       c.n_blocks = (a.n_tok + rb - 1) / rb;
       c.per_block = split_heads ? a.n_heads : a.n_kv_heads;
-      c.task_decode = a.kv_type == KVType::q8_0 && c.n_blocks == 1 && in_task;
-      if (a.kv_type == KVType::q8_0 && !c.task_decode) {
+      c.task_decode = a.kv.type == KVType::q8_0 && c.n_blocks == 1 && in_task;
+      if (a.kv.type == KVType::q8_0 && !c.task_decode) {
         // Decode the layer's cache rows once into f32 (not once per query block). The
         // buffer serves one call at a time, so in a batch such a call runs alone first.
         if (count > 1) {
@@ -270,7 +374,7 @@ class CpuBackend final : public Backend {
         const int64_t mask = (int64_t(1) << c.shift) - 1;
         pool_.parallel_for(a.n_kv, 64, [&](int64_t lo, int64_t hi) {
           for (int64_t j = lo; j < hi; ++j) {
-            const size_t r = (size_t)(j & mask) * a.kv_row_bytes;
+            const size_t r = (size_t)(j & mask) * a.kv.row_bytes;
             kt.dequant_row((uint32_t)GGMLType::Q8_0, c.kp[j >> c.shift] + c.k_off + r, kd + j * kv_dim, kv_dim);
             kt.dequant_row((uint32_t)GGMLType::Q8_0, c.vp[j >> c.shift] + c.v_off + r, vd + j * kv_dim, kv_dim);
           }
@@ -309,12 +413,12 @@ class CpuBackend final : public Backend {
         if (c.task_decode) {
           // This KV head's slice of every row, decoded to f32 rows of hd.
           dec.resize((size_t)(2 * a.n_kv * hd + 16));
-          const size_t head_off = kv_row_bytes(a.kv_type, (int64_t)kvh * hd);
+          const size_t head_off = kv_row_bytes(a.kv.type, (int64_t)kvh * hd);
           const int64_t mask = (int64_t(1) << c.shift) - 1;
           float* kd = (float*)(((uintptr_t)dec.data() + 63) & ~(uintptr_t)63);  // whole cache lines
           float* vd = kd + a.n_kv * hd;
           for (int64_t j = 0; j < a.n_kv; ++j) {
-            const size_t r = (size_t)(j & mask) * a.kv_row_bytes + head_off;
+            const size_t r = (size_t)(j & mask) * a.kv.row_bytes + head_off;
             kt.dequant_row((uint32_t)GGMLType::Q8_0, c.kp[j >> c.shift] + c.k_off + r, kd + j * hd, hd);
             kt.dequant_row((uint32_t)GGMLType::Q8_0, c.vp[j >> c.shift] + c.v_off + r, vd + j * hd, hd);
           }
@@ -403,6 +507,52 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                 int64_t width) override {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * dst_stride, src + r * src_stride, (size_t)width * 4);
+  }
+  void im2col_1d(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad, float* out,
+                 int64_t T_out) override {
+    pool_.parallel_for(C, 8, [&](int64_t lo, int64_t hi) {
+      for (int64_t c = lo; c < hi; ++c) {
+        const float* xc = x + c * x_stride;
+        for (int64_t t = 0; t < T_out; ++t)
+          for (int j = 0; j < k; ++j) {
+            const int64_t src = t * stride + j - pad;
+            out[t * C * k + c * k + j] = src >= 0 && src < T ? xc[src] : 0.f;
+          }
+      }
+    });
+  }
+  void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pad, float* out,
+                   int64_t T_out) override {
+    pool_.parallel_for(T_out, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t)
+        for (int j = 0; j < k; ++j) {
+          const int64_t src = t * stride + j - pad;
+          float* o = out + t * C * k + j;
+          if (src < 0 || src >= T) {
+            for (int64_t c = 0; c < C; ++c) o[c * k] = 0.f;
+          } else {
+            const float* xr = x + src * C;
+            for (int64_t c = 0; c < C; ++c) o[c * k] = xr[c];
+          }
+        }
+    });
+  }
+  void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) override {
+    const int64_t n_out = (n_rows + k - 1) / k;
+    for (int64_t r = 0; r < n_out; ++r) {
+      const int64_t r0 = r * k, cnt = std::min<int64_t>(k, n_rows - r0);
+      float* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < cnt; ++j) acc += x[(r0 + j) * dim + i];
+        o[i] = acc / (float)cnt;
+      }
+    }
+  }
+
  private:
   // cos/sin per (token, pair) for one set of positions and parameters. Q and K of a
   // layer, and every layer with the same base, reuse it (two slots: Gemma alternates
@@ -475,7 +625,6 @@ class CpuBackend final : public Backend {
   struct AttnCall {
     const uint8_t* const* kp;
     const uint8_t* const* vp;
-    const uint8_t* flat[2];
     const uint8_t* dec;
     size_t k_off, v_off;
     int shift;
@@ -483,6 +632,7 @@ class CpuBackend final : public Backend {
     bool f16, task_decode;  // task_decode: decode this task's KV head rows inside the task
   };
   std::vector<AttnCall> attn_calls_;
+  std::vector<const uint8_t*> attn_ptrs_;
   std::vector<int64_t> attn_first_;
   int attn_depth_ = 0;
 
@@ -497,6 +647,6 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_unique<CpuBackend>(n_threads); }
+std::shared_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_shared<CpuBackend>(n_threads); }
 
 }  // namespace dl

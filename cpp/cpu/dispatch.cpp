@@ -4,12 +4,18 @@
 
 #include "core/errors.h"
 #include "cpu/isa_impl.h"
+#include "quant/quant.h"
 
 namespace dl::cpu {
 
 namespace {
 std::array<KernelTable, 4> g_tables;
 std::once_flag g_once;
+
+// quant/'s dequantize_row runs the active ISA's decoders once the tables exist (same bits).
+bool fast_dequant(uint32_t type, const void* src, float* dst, int64_t n) {
+  return g_tables[(int)active_isa()].dequant_row(type, src, dst, n);
+}
 
 void build() {
   for (Isa isa : isas_compiled()) {
@@ -31,6 +37,7 @@ void build() {
       default: break;
     }
   }
+  set_fast_dequantizer(&fast_dequant);
 }
 }  // namespace
 

@@ -5,9 +5,6 @@
 #include <cstring>
 #include <new>
 
-#if defined(__unix__) || defined(__APPLE__)
-#include <sys/mman.h>
-#endif
 
 #include "core/errors.h"
 #include "kv/prefix_cache.h"
@@ -19,8 +16,8 @@ constexpr int kFlatShift = 62;  // a flat table is one page: j >> 62 is 0 for ev
 constexpr int64_t kMaxPages = int64_t(1) << 30;
 }  // namespace
 
-KVPool::KVPool(const KVGeometry& g, int64_t page_rows, int64_t max_pages)
-    : geo_(g), page_rows_(page_rows), max_pages_(max_pages) {
+KVPool::KVPool(const KVGeometry& g, int64_t page_rows, int64_t max_pages, std::shared_ptr<Backend> backend)
+    : geo_(g), page_rows_(page_rows), max_pages_(max_pages), backend_(std::move(backend)) {
   if (page_rows < 1 || page_rows > 65536 || (page_rows & (page_rows - 1)) != 0)
     throw Error("page_rows must be a power of two in [1, 65536], got " + std::to_string(page_rows));
   if (max_pages < 1 || max_pages > kMaxPages)
@@ -34,32 +31,13 @@ KVPool::KVPool(const KVGeometry& g, int64_t page_rows, int64_t max_pages)
     throw Error("KV pool too large: " + std::to_string(max_pages) + " pages of " + std::to_string((uint64_t)pb) +
                 " bytes");
   page_bytes_ = (size_t)pb;
-  reserved_ = page_bytes_ * (size_t)max_pages;
-#if defined(__unix__) || defined(__APPLE__)
-  void* p = mmap(nullptr, reserved_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p != MAP_FAILED) {
-    base_ = (uint8_t*)p;
-    mapped_ = true;
-#ifdef MADV_HUGEPAGE
-    madvise(p, reserved_, MADV_HUGEPAGE);
-#endif
-  }
-#endif
-  if (!base_) {
-    base_ = (uint8_t*)::operator new(reserved_, std::nothrow);
-    if (!base_) throw Error("KV pool: cannot reserve " + std::to_string(reserved_) + " bytes");
-  }
+  const size_t bytes = page_bytes_ * (size_t)max_pages;
+  backend_->check_fits(bytes, "KV pool");
+  mem_ = backend_->alloc(bytes, "KV pool");
+  base_ = static_cast<uint8_t*>(mem_->data());
 }
 
-KVPool::~KVPool() {
-#if defined(__unix__) || defined(__APPLE__)
-  if (mapped_) {
-    munmap(base_, reserved_);
-    return;
-  }
-#endif
-  ::operator delete(base_);
-}
+KVPool::~KVPool() = default;
 
 std::vector<int32_t> KVPool::alloc(int64_t n) {
   std::lock_guard<std::mutex> lk(mu_);
@@ -149,11 +127,12 @@ PoolStats KVPool::stats_locked() const {
 
 // ---- block tables -------------------------------------------------------------
 
-BlockTable::BlockTable(const KVGeometry& g, int64_t n_ctx) : geo_(g), shift_(kFlatShift), rows_(n_ctx) {
+BlockTable::BlockTable(const KVGeometry& g, int64_t n_ctx, Backend& be) : geo_(g), shift_(kFlatShift), rows_(n_ctx) {
   const unsigned __int128 bytes = (unsigned __int128)g.n_layers * 2 * (uint64_t)n_ctx * g.row_bytes;
   if (n_ctx < 1 || bytes > (unsigned __int128)(SIZE_MAX / 2)) throw Error("session context too large");
-  flat_.reset(new uint8_t[(size_t)bytes]);  // uninitialized: rows are written before read
-  ptrs_.push_back(flat_.get());
+  be.check_fits((size_t)bytes, "session KV cache");
+  flat_ = be.alloc((size_t)bytes, "session KV cache");  // uninitialized: rows are written before read
+  ids_.push_back(0);
 }
 
 BlockTable::BlockTable(std::shared_ptr<KVPool> pool)
@@ -173,15 +152,11 @@ void BlockTable::prepare_write(int64_t from, int64_t to) {
   if (cow) {
     const int32_t old = ids_[(size_t)first], cp = fresh[k++];
     // Rows past `from` are about to be overwritten; copying the whole page is simplest.
-    std::memcpy(pool_->page_data(cp), pool_->page_data(old), pool_->page_bytes());
+    pool_->backend().copy(pool_->page_data(cp), pool_->page_data(old), pool_->page_bytes());
     ids_[(size_t)first] = cp;
-    ptrs_[(size_t)first] = pool_->page_data(cp);
     pool_->decref_locked(old);
   }
-  for (; k < fresh.size(); ++k) {
-    ids_.push_back(fresh[k]);
-    ptrs_.push_back(pool_->page_data(fresh[k]));
-  }
+  for (; k < fresh.size(); ++k) ids_.push_back(fresh[k]);
 }
 
 void BlockTable::truncate(int64_t n) {
@@ -192,7 +167,6 @@ void BlockTable::truncate(int64_t n) {
   while ((int64_t)ids_.size() > keep) {
     pool_->decref_locked(ids_.back());
     ids_.pop_back();
-    ptrs_.pop_back();
   }
 }
 
@@ -200,11 +174,7 @@ void BlockTable::release() { truncate(0); }
 
 void BlockTable::adopt_referenced(const std::vector<int32_t>& ids) {
   if (!pool_) throw Error("adopt: a flat session holds no pool pages");
-  std::lock_guard<std::mutex> lk(pool_->mu());  // page_data reads the page list, which alloc may grow
-  for (int32_t id : ids) {
-    ids_.push_back(id);
-    ptrs_.push_back(pool_->page_data(id));
-  }
+  ids_.insert(ids_.end(), ids.begin(), ids.end());
 }
 
 }  // namespace dl

@@ -3,7 +3,9 @@
 //
 // A page holds page_rows positions of every layer, laid out [layer][K rows | V rows];
 // pages are refcounted (each session holding one and the prefix cache count once).
-// A flat session is the special case of one private page of n_ctx rows.
+// A flat session is the special case of one private page of n_ctx rows. The pages
+// live in the backend's memory (device memory on a GPU): this code only does
+// bookkeeping, and copies pages through the backend.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +36,9 @@ struct PoolStats {
 
 class KVPool {
  public:
-  // Throws dl::Error on bad sizes (checked before anything is allocated).
-  KVPool(const KVGeometry& g, int64_t page_rows, int64_t max_pages);
+  // Throws dl::Error on bad sizes and dl::DeviceError when the pool does not fit in the
+  // backend's memory (both checked before anything is allocated).
+  KVPool(const KVGeometry& g, int64_t page_rows, int64_t max_pages, std::shared_ptr<Backend> backend);
   ~KVPool();
 
   const KVGeometry& geometry() const { return geo_; }
@@ -45,6 +48,8 @@ class KVPool {
   size_t page_bytes() const { return page_bytes_; }
   size_t k_off(int layer) const { return (size_t)layer * 2 * page_rows_ * geo_.row_bytes; }
   size_t v_off(int layer) const { return k_off(layer) + (size_t)page_rows_ * geo_.row_bytes; }
+  Backend& backend() const { return *backend_; }
+  uint8_t* base() const { return base_; }  // backend memory: page id i starts at base + i * page_bytes
   uint8_t* page_data(int32_t id) const { return base_ + (size_t)id * page_bytes_; }
 
   // n fresh pages (refcount 1 each), all or none: when the free list runs short the
@@ -73,12 +78,11 @@ class KVPool {
   int page_shift_ = 0;
   size_t page_bytes_ = 0;
   mutable std::mutex mu_;
-  // One address range for all pages, reserved up front: memory is committed by the
-  // OS as pages are first written, and large pages can back it (fewer TLB misses
-  // than separate allocations when attention streams a long context).
+  // One block of backend memory for all pages (on the CPU a reserved address range
+  // the OS commits as pages are first written).
+  std::shared_ptr<Backend> backend_;
+  BufferPtr mem_;
   uint8_t* base_ = nullptr;
-  size_t reserved_ = 0;
-  bool mapped_ = false;
   std::vector<int32_t> refs_;  // one per page handed out so far (the high-water mark)
   std::vector<uint8_t> in_cache_;
   std::vector<int32_t> free_;  // freed ids, reused first
@@ -89,7 +93,7 @@ class KVPool {
 // lives in page j >> page_shift at byte k_off(l) / v_off(l) + (j & mask) * row_bytes.
 class BlockTable {
  public:
-  BlockTable(const KVGeometry& g, int64_t n_ctx);  // flat: one private page of n_ctx rows
+  BlockTable(const KVGeometry& g, int64_t n_ctx, Backend& be);  // flat: one private page of n_ctx rows
   explicit BlockTable(std::shared_ptr<KVPool> pool);
   ~BlockTable() { release(); }
   BlockTable(const BlockTable&) = delete;
@@ -101,9 +105,10 @@ class BlockTable {
   const KVGeometry& geometry() const { return geo_; }
   int page_shift() const { return shift_; }
   int64_t page_rows() const { return rows_; }
-  const std::vector<int32_t>& page_ids() const { return ids_; }
-  const uint8_t* const* page_ptrs() const { return ptrs_.data(); }
-  int64_t n_pages() const { return (int64_t)ptrs_.size(); }
+  const std::vector<int32_t>& page_ids() const { return ids_; }  // host copy; a flat table is {0}
+  int64_t n_pages() const { return (int64_t)ids_.size(); }
+  uint8_t* base() const { return pool_ ? pool_->base() : static_cast<uint8_t*>(flat_->data()); }
+  size_t page_bytes() const { return pool_ ? pool_->page_bytes() : flat_->size(); }
   size_t k_off(int l) const { return (size_t)l * 2 * rows_ * geo_.row_bytes; }
   size_t v_off(int l) const { return k_off(l) + (size_t)rows_ * geo_.row_bytes; }
 
@@ -124,8 +129,7 @@ class BlockTable {
   int shift_ = 0;
   int64_t rows_ = 0;
   std::vector<int32_t> ids_;
-  std::vector<const uint8_t*> ptrs_;
-  std::unique_ptr<uint8_t[]> flat_;
+  BufferPtr flat_;
 };
 
 }  // namespace dl

@@ -1,5 +1,7 @@
 // The shared decoder forward pass, written once for every family against the
-// backend op interface; family quirks arrive as traits and optional tensors.
+// backend op interface; family quirks arrive as traits and optional tensors. All
+// activations live in backend memory; a step crosses to the host twice: one upload
+// of its ids, positions and block tables, one download of its logits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,12 +12,25 @@
 
 namespace dl {
 
+float* Model::scratch(BufferPtr& b, int64_t floats, const char* what) {
+  const size_t bytes = (size_t)std::max<int64_t>(floats, 1) * sizeof(float);
+  if (!b || b->size() < bytes) b = backend_->alloc(bytes, what);
+  return static_cast<float*>(b->data());
+}
+
 void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
-  backend_->get_rows(tok_embd_, tokens, n, out);
-  if (traits_->embed_scale_sqrt_dim) {
-    // Gemma rounds the scale through its compute dtype; sqrt(dim) in f32 as the reference does.
-    backend_->scale(out, std::sqrt((float)cfg_.dim), n * cfg_.dim);
-  }
+  // Host in, host out (the chat layer embeds text rows beside media rows).
+  for (int64_t i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= cfg_.vocab_size)
+      throw Error("token id " + std::to_string(tokens[i]) + " out of range");
+  if (n <= 0) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  int32_t* ids = reinterpret_cast<int32_t*>(scratch(meta_, n, "step metadata"));
+  backend_->upload(ids, tokens, (size_t)n * 4);
+  float* x = scratch(x_, n * cfg_.dim, "activations");
+  backend_->get_rows(tok_embd_, ids, n, x);
+  if (traits_->embed_scale_sqrt_dim) backend_->scale(x, std::sqrt((float)cfg_.dim), n * cfg_.dim);
+  backend_->download(out, x, (size_t)(n * cfg_.dim) * 4);
 }
 
 void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
@@ -44,11 +59,11 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   for (int64_t i = 0; i < n; i += max_chunk_) {
     const int64_t m = std::min(max_chunk_, n - i);
     const Run run{&s, 0, m, all_logits || i + m == n};
-    forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits,
-                  nullptr);
-    if (all_logits) std::memcpy(s.logits.data() + i * V, tmp_.data(), (size_t)(m * V) * 4);
+    const int64_t rows =
+        forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits);
+    if (rows > 0)
+      backend_->download(s.logits.data() + (all_logits ? i * V : 0), logits_->data(), (size_t)(rows * V) * 4);
   }
-  if (!all_logits) std::memcpy(s.logits.data(), tmp_.data(), (size_t)V * 4);
   for (int64_t i = 0; i < n; ++i) s.history.push_back(tokens ? tokens[i] : media_ids ? media_ids[i] : -1);
 }
 
@@ -60,12 +75,14 @@ std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
   if (n > cfg_.seq_len) throw ContextOverflowError("embed: text longer than the model's context");
   Session s(shared_from_this(), KVType::f32, (int)n);
   std::lock_guard<std::mutex> lk(mu_);
-  std::vector<float> hidden;
+  std::vector<float>& hidden = hidden_host_;
   for (int64_t i = 0; i < n; i += max_chunk_) {
     const int64_t m = std::min(max_chunk_, n - i);
     hidden.resize((size_t)(m * D));
     const Run run{&s, 0, m};
-    forward_chunk(&run, 1, tokens.data() + i, nullptr, m, true, hidden.data());
+    s.kv_->prepare_write(s.n_past_, s.n_past_ + m);
+    forward_chunk(&run, 1, tokens.data() + i, nullptr, m, true);
+    backend_->download(hidden.data(), xn_->data(), (size_t)(m * D) * 4);  // the final-norm rows
     for (int64_t r = 0; r < m; ++r)
       for (int64_t d = 0; d < D; ++d) mean[d] += hidden[r * D + d];
   }
@@ -122,13 +139,17 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
   chunk_tokens.clear();
   auto flush = [&] {
     if (runs.empty()) return;
-    forward_chunk(runs.data(), (int)runs.size(), chunk_tokens.data(), nullptr, (int64_t)chunk_tokens.size(), false,
-                  nullptr);
+    const int64_t rows =
+        forward_chunk(runs.data(), (int)runs.size(), chunk_tokens.data(), nullptr, (int64_t)chunk_tokens.size(), false);
+    // Every session's logits in one download.
+    std::vector<float>& lg = hidden_host_;
+    lg.resize((size_t)(rows * V));
+    if (rows > 0) backend_->download(lg.data(), logits_->data(), lg.size() * 4);
     int64_t k = 0;
     for (const Run& r : runs) {
       for (int64_t i = 0; i < r.n_rows; ++i) r.s->history.push_back(chunk_tokens[r.first_row + i]);
       if (r.want_logits) {
-        r.s->logits.assign(tmp_.begin() + k * V, tmp_.begin() + (k + 1) * V);
+        r.s->logits.assign(lg.begin() + k * V, lg.begin() + (k + 1) * V);
         ++k;
       }
     }
@@ -151,150 +172,193 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
   flush();
 }
 
-void Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, const float* embd, int64_t n,
-                          bool all_logits, float* last_hidden) {
+// The host data of a step in one upload: token ids, positions, each run's block table.
+void Model::stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64_t n) {
+  std::vector<int32_t>& h = meta_host_;
+  h.clear();
+  if (tokens) h.insert(h.end(), tokens, tokens + n);
+  const size_t pos_at = h.size();
+  h.resize(pos_at + (size_t)n);
+  for (int ri = 0; ri < n_runs; ++ri)
+    for (int64_t i = 0; i < runs[ri].n_rows; ++i)
+      h[pos_at + (size_t)(runs[ri].first_row + i)] = (int32_t)(runs[ri].s->n_past_ + i);
+  std::vector<size_t> table_at((size_t)n_runs);
+  for (int ri = 0; ri < n_runs; ++ri) {
+    const std::vector<int32_t>& ids = runs[ri].s->kv_->page_ids();
+    table_at[(size_t)ri] = h.size();
+    h.insert(h.end(), ids.begin(), ids.end());
+  }
+  int32_t* dev = reinterpret_cast<int32_t*>(scratch(meta_, (int64_t)h.size(), "step metadata"));
+  backend_->upload(dev, h.data(), h.size() * 4);
+  tokens_dev_ = tokens ? dev : nullptr;
+  pos_dev_ = dev + pos_at;
+  run_pages_.resize((size_t)n_runs);
+  for (int ri = 0; ri < n_runs; ++ri) run_pages_[(size_t)ri] = dev + table_at[(size_t)ri];
+}
+
+int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, const float* embd, int64_t n,
+                             bool all_logits) {
   const ModelConfig& c = cfg_;
   Backend& be = *backend_;
+  const int64_t D = c.dim;
+  be.begin_step();
+  stage_step(runs, n_runs, tokens, n);
+  float* x = scratch(x_, n * D, "activations");
+  if (tokens) {
+    be.get_rows(tok_embd_, tokens_dev_, n, x);
+    // Gemma rounds the scale through its compute dtype; sqrt(dim) in f32 as the reference does.
+    if (traits_->embed_scale_sqrt_dim) be.scale(x, std::sqrt((float)D), n * D);
+  } else {
+    be.upload(x, embd, (size_t)(n * D) * 4);
+  }
+  for (int il = 0; il < c.n_layers; ++il) {
+    attention_block(il, runs, n_runs, n);
+    ffn_block(il, n);
+  }
+  for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
+  const int64_t rows = logits_block(runs, n_runs, n, all_logits);
+  be.end_step();
+  return rows;
+}
+
+// Norm, QKV, RoPE, the KV store and attention through each session's block table, the
+// output projection and the residual add.
+void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const LayerWeights& L = layers_[il];
+  const bool swa = c.layer_is_swa[il];
   const int64_t D = c.dim, hd = c.head_dim;
   const int64_t q_dim = (int64_t)c.n_heads * hd, kv_dim = (int64_t)c.n_kv_heads * hd;
-  const int64_t F = c.ffn_dim;
-  x_.resize((size_t)(n * D));
-  xn_.resize((size_t)(n * D));
-  q_.resize((size_t)(n * q_dim));
-  k_.resize((size_t)(n * kv_dim));
-  v_.resize((size_t)(n * kv_dim));
-  attn_.resize((size_t)(n * q_dim));
-  gate_.resize((size_t)(n * 2 * F));
-  up_.resize((size_t)(n * F));
-  ffn_.resize((size_t)(n * std::max<int64_t>(D, q_dim + 2 * kv_dim)));
-  pos_.resize((size_t)n);
-  for (int ri = 0; ri < n_runs; ++ri)
-    for (int64_t i = 0; i < runs[ri].n_rows; ++i) pos_[runs[ri].first_row + i] = (int32_t)(runs[ri].s->n_past_ + i);
+  float* x = static_cast<float*>(x_->data());
+  float* xn = scratch(xn_, n * D, "activations");
+  float* q = scratch(q_, n * q_dim, "activations");
+  float* k = scratch(k_, n * kv_dim, "activations");
+  float* v = scratch(v_, n * kv_dim, "activations");
+  float* att = scratch(attn_, n * q_dim, "activations");
+  float* o = scratch(ffn_, n * std::max<int64_t>(D, q_dim + 2 * kv_dim), "activations");
 
-  if (tokens)
-    embed_tokens(tokens, n, x_.data());
-  else
-    std::memcpy(x_.data(), embd, (size_t)(n * D) * 4);
-
+  be.rms_norm(x, L.attn_norm.data(), xn, n, D, c.norm_eps);
+  if (!L.wqkv.empty()) {
+    be.matmul(L.wqkv, xn, n, o);
+    const int64_t w = q_dim + 2 * kv_dim;
+    be.copy_rows(q, q_dim, o, w, n, q_dim);
+    be.copy_rows(k, kv_dim, o + q_dim, w, n, kv_dim);
+    be.copy_rows(v, kv_dim, o + q_dim + kv_dim, w, n, kv_dim);
+  } else {
+    const Weight* w[3] = {&L.wq, &L.wk, &L.wv};
+    float* y[3] = {q, k, v};
+    be.matmul_multi(w, y, 3, xn, n);
+    if (!L.bq.empty()) be.add_bias(q, L.bq.data(), n, q_dim);
+    if (!L.bk.empty()) be.add_bias(k, L.bk.data(), n, kv_dim);
+    if (!L.bv.empty()) be.add_bias(v, L.bv.data(), n, kv_dim);
+  }
+  if (!L.q_norm.empty()) be.rms_norm(q, L.q_norm.data(), q, n * c.n_heads, hd, c.norm_eps);
+  if (!L.k_norm.empty()) be.rms_norm(k, L.k_norm.data(), k, n * c.n_kv_heads, hd, c.norm_eps);
   RopeParams rp;
   rp.neox = traits_->rope == RopeType::neox;
   rp.n_rot = c.n_rot;
-  rp.freq_scale = c.rope_freq_scale;
-  rp.freq_factors = rope_freqs_.empty() ? nullptr : rope_freqs_.data();
-  rp.inv_freq = c.rope_inv_freq.empty() ? nullptr : c.rope_inv_freq.data();
+  rp.freq_factors = rope_freqs_.data();
+  rp.inv_freq = rope_inv_freq_ ? static_cast<const double*>(rope_inv_freq_->data()) : nullptr;
   rp.mscale = c.rope_mscale;
-  const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
+  rp.base = swa ? c.rope_base_swa : c.rope_base;
+  rp.freq_scale = swa ? c.rope_freq_scale_swa : c.rope_freq_scale;
+  be.rope(q, n, q_dim, c.n_heads, (int)hd, pos_dev_, rp);
+  be.rope(k, n, kv_dim, c.n_kv_heads, (int)hd, pos_dev_, rp);
 
-  for (int il = 0; il < c.n_layers; ++il) {
-    const LayerWeights& L = layers_[il];
-    const bool swa = c.layer_is_swa[il];
-    be.rms_norm(x_.data(), L.attn_norm.data(), xn_.data(), n, D, c.norm_eps);
-    if (!L.wqkv.empty()) {
-      float* qkv = ffn_.data();
-      be.matmul(L.wqkv, xn_.data(), n, qkv);
-      const int64_t w = q_dim + 2 * kv_dim;
-      for (int64_t t = 0; t < n; ++t) {
-        std::memcpy(q_.data() + t * q_dim, qkv + t * w, (size_t)q_dim * 4);
-        std::memcpy(k_.data() + t * kv_dim, qkv + t * w + q_dim, (size_t)kv_dim * 4);
-        std::memcpy(v_.data() + t * kv_dim, qkv + t * w + q_dim + kv_dim, (size_t)kv_dim * 4);
-      }
-    } else {
-      const Weight* w[3] = {&L.wq, &L.wk, &L.wv};
-      float* y[3] = {q_.data(), k_.data(), v_.data()};
-      be.matmul_multi(w, y, 3, xn_.data(), n);
-      if (!L.bq.empty()) be.add_bias(q_.data(), L.bq.data(), n, q_dim);
-      if (!L.bk.empty()) be.add_bias(k_.data(), L.bk.data(), n, kv_dim);
-      if (!L.bv.empty()) be.add_bias(v_.data(), L.bv.data(), n, kv_dim);
-    }
-    if (!L.q_norm.empty()) be.rms_norm(q_.data(), L.q_norm.data(), q_.data(), n * c.n_heads, hd, c.norm_eps);
-    if (!L.k_norm.empty()) be.rms_norm(k_.data(), L.k_norm.data(), k_.data(), n * c.n_kv_heads, hd, c.norm_eps);
-    rp.base = swa ? c.rope_base_swa : c.rope_base;
-    rp.freq_scale = swa ? c.rope_freq_scale_swa : c.rope_freq_scale;
-    be.rope(q_.data(), n, q_dim, c.n_heads, (int)hd, pos_.data(), rp);
-    be.rope(k_.data(), n, kv_dim, c.n_kv_heads, (int)hd, pos_.data(), rp);
-
-    // Each session's rows write its own cache and attend over it, through its block
-    // table; the attentions of all sessions go to the backend together.
-    attn_args_.resize((size_t)n_runs);
-    for (int ri = 0; ri < n_runs; ++ri) {
-      Session& s = *runs[ri].s;
-      const BlockTable& kv = *s.kv_;
-      const int64_t r0 = runs[ri].first_row, nr = runs[ri].n_rows;
-      const size_t rb = kv.geometry().row_bytes;
-      const int sh = kv.page_shift();
-      const int64_t P = kv.page_rows();
-      for (int64_t i = 0; i < nr;) {  // stores split at page ends
-        const int64_t row = s.n_past_ + i;
-        const int64_t in_page = sh >= 62 ? row : row & (P - 1);
-        const int64_t cnt = std::min(nr - i, P - in_page);
-        uint8_t* page = const_cast<uint8_t*>(kv.page_ptrs()[row >> sh]);
-        be.kv_store(page + kv.k_off(il), s.kv_type_, rb, in_page, k_.data() + (r0 + i) * kv_dim, cnt, kv_dim, kv_dim);
-        be.kv_store(page + kv.v_off(il), s.kv_type_, rb, in_page, v_.data() + (r0 + i) * kv_dim, cnt, kv_dim, kv_dim);
-        i += cnt;
-      }
-      AttnArgs& a = attn_args_[(size_t)ri];
-      a = AttnArgs{};
-      a.q = q_.data() + r0 * q_dim;
-      a.q_stride = q_dim;
-      a.pages = kv.page_ptrs();
-      a.page_shift = sh;
-      a.k_off = kv.k_off(il);
-      a.v_off = kv.v_off(il);
-      a.kv_row_bytes = rb;
-      a.kv_type = s.kv_type_;
-      a.n_tok = nr;
-      a.n_kv = s.n_past_ + nr;
-      a.n_heads = c.n_heads;
-      a.n_kv_heads = c.n_kv_heads;
-      a.head_dim = (int)hd;
-      a.q_pos = pos_.data() + r0;
-      a.window = swa ? c.sliding_window : 0;
-      a.scale = c.attn_scale;
-      a.softcap = c.attn_softcap;
-      a.out = attn_.data() + r0 * q_dim;
-      a.out_stride = q_dim;
-    }
-    be.attention_multi(attn_args_.data(), n_runs);
-
-    float* o = ffn_.data();
-    be.matmul(L.wo, attn_.data(), n, o);
-    if (!L.attn_post_norm.empty()) be.rms_norm(o, L.attn_post_norm.data(), o, n, D, c.norm_eps);
-    be.add(x_.data(), o, n * D);
-
-    be.rms_norm(x_.data(), L.ffn_norm.data(), xn_.data(), n, D, c.norm_eps);
-    if (!L.w_gate_up.empty()) {
-      be.matmul(L.w_gate_up, xn_.data(), n, gate_.data());
-      be.glu(gate_.data(), 2 * F, gate_.data() + F, 2 * F, up_.data(), n, F, act);
-    } else {
-      const Weight* w[2] = {&L.w_gate, &L.w_up};
-      float* y[2] = {gate_.data(), up_.data()};
-      be.matmul_multi(w, y, 2, xn_.data(), n);
-      be.glu(gate_.data(), F, up_.data(), F, up_.data(), n, F, act);
-    }
-    be.matmul(L.w_down, up_.data(), n, o);
-    if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
-    be.add(x_.data(), o, n * D);
+  // Each session's rows write its own cache and attend over it, through its block
+  // table; the attentions of all sessions go to the backend together.
+  attn_args_.resize((size_t)n_runs);
+  for (int ri = 0; ri < n_runs; ++ri) {
+    Session& s = *runs[ri].s;
+    const BlockTable& kv = *s.kv_;
+    const int64_t r0 = runs[ri].first_row, nr = runs[ri].n_rows;
+    KVView view;
+    view.base = kv.base();
+    view.pages = run_pages_[(size_t)ri];
+    view.n_pages = kv.n_pages();
+    view.page_shift = kv.page_shift();
+    view.page_bytes = kv.page_bytes();
+    view.k_off = kv.k_off(il);
+    view.v_off = kv.v_off(il);
+    view.row_bytes = kv.geometry().row_bytes;
+    view.type = s.kv_type_;
+    be.kv_store(view, s.n_past_, k + r0 * kv_dim, v + r0 * kv_dim, nr, kv_dim, kv_dim);
+    AttnArgs& a = attn_args_[(size_t)ri];
+    a = AttnArgs{};
+    a.q = q + r0 * q_dim;
+    a.q_stride = q_dim;
+    a.kv = view;
+    a.n_tok = nr;
+    a.n_kv = s.n_past_ + nr;
+    a.n_heads = c.n_heads;
+    a.n_kv_heads = c.n_kv_heads;
+    a.head_dim = (int)hd;
+    a.q_pos = pos_dev_ + r0;
+    a.window = swa ? c.sliding_window : 0;
+    a.scale = c.attn_scale;
+    a.softcap = c.attn_softcap;
+    a.out = att + r0 * q_dim;
+    a.out_stride = q_dim;
   }
-  for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
+  be.attention_multi(attn_args_.data(), n_runs);
 
-  // Final norm and logits: of every row, or of the last row of each run.
+  be.matmul(L.wo, att, n, o);
+  if (!L.attn_post_norm.empty()) be.rms_norm(o, L.attn_post_norm.data(), o, n, D, c.norm_eps);
+  be.add(x, o, n * D);
+}
+
+// Norm, gate and up (or phi3's fused gate|up), the GLU, down, the residual add.
+void Model::ffn_block(int il, int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const LayerWeights& L = layers_[il];
+  const int64_t D = c.dim, F = c.ffn_dim;
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
+  float* x = static_cast<float*>(x_->data());
+  float* xn = static_cast<float*>(xn_->data());
+  float* o = static_cast<float*>(ffn_->data());
+  float* gate = scratch(gate_, n * 2 * F, "activations");
+  float* up = scratch(up_, n * F, "activations");
+  be.rms_norm(x, L.ffn_norm.data(), xn, n, D, c.norm_eps);
+  if (!L.w_gate_up.empty()) {
+    be.matmul(L.w_gate_up, xn, n, gate);
+    be.glu(gate, 2 * F, gate + F, 2 * F, up, n, F, act);
+  } else {
+    const Weight* w[2] = {&L.w_gate, &L.w_up};
+    float* y[2] = {gate, up};
+    be.matmul_multi(w, y, 2, xn, n);
+    be.glu(gate, F, up, F, up, n, F, act);
+  }
+  be.matmul(L.w_down, up, n, o);
+  if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
+  be.add(x, o, n * D);
+}
+
+// Final norm and logits: of every row, or of the last row of each run that wants them.
+int64_t Model::logits_block(const Run* runs, int n_runs, int64_t n, bool all_logits) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const int64_t D = c.dim;
+  const float* x = static_cast<const float*>(x_->data());
+  float* xn = static_cast<float*>(xn_->data());
   int64_t rows = 0;
   if (all_logits) {
     rows = n;
-    be.rms_norm(x_.data(), output_norm_.data(), xn_.data(), n, D, c.norm_eps);
+    be.rms_norm(x, output_norm_.data(), xn, n, D, c.norm_eps);
   } else {
     for (int ri = 0; ri < n_runs; ++ri) {
       if (!runs[ri].want_logits) continue;
       const int64_t last = runs[ri].first_row + runs[ri].n_rows - 1;
-      be.rms_norm(x_.data() + last * D, output_norm_.data(), xn_.data() + rows * D, 1, D, c.norm_eps);
+      be.rms_norm(x + last * D, output_norm_.data(), xn + rows * D, 1, D, c.norm_eps);
       ++rows;
     }
   }
-  if (last_hidden) std::memcpy(last_hidden, xn_.data(), (size_t)(rows * D) * 4);
-  tmp_.resize((size_t)(rows * c.vocab_size));
-  if (rows == 0) return;  // a run that continues in the next chunk wants no logits yet
-  be.matmul(output_, xn_.data(), rows, tmp_.data());
-  if (c.final_softcap > 0) be.softcap(tmp_.data(), c.final_softcap, rows * c.vocab_size);
+  if (rows == 0) return 0;  // a run that continues in the next chunk wants no logits yet
+  float* lg = scratch(logits_, rows * c.vocab_size, "logits");
+  be.matmul(output_, xn, rows, lg);
+  if (c.final_softcap > 0) be.softcap(lg, c.final_softcap, rows * c.vocab_size);
+  return rows;
 }
 
 }  // namespace dl

@@ -1,5 +1,6 @@
-// Model loading: config from metadata, weights mapped in place or converted per
-// QuantMode, every shape checked against the config before use.
+// Model loading: config from metadata, every shape checked against the config before
+// use, weights in the format the backend asks for (converted on the host where it
+// differs from the file), then made resident on the backend once they all fit.
 #include "model/model.h"
 
 #include <algorithm>
@@ -32,10 +33,6 @@ float get_float_or(const gguf::File& f, const std::string& k, float def) {
   return v ? (float)*v : def;
 }
 
-bool is_float_type(uint32_t t) {
-  return t == (uint32_t)GGMLType::F32 || t == (uint32_t)GGMLType::F16 || t == (uint32_t)GGMLType::BF16;
-}
-
 Weight convert(const Weight& w, uint32_t to) {
   Weight o = w;
   o.type = to;
@@ -44,20 +41,23 @@ Weight convert(const Weight& w, uint32_t to) {
   o.owned = std::make_shared<std::vector<uint8_t>>((size_t)rb * w.rows);
   std::vector<float> row((size_t)w.cols);
   for (int64_t r = 0; r < w.rows; ++r) {
-    dequantize_row(w.type, w.data + (size_t)r * w.row_bytes, row.data(), w.cols);
+    dequantize_row(w.type, w.host + (size_t)r * w.row_bytes, row.data(), w.cols);
     if (to == (uint32_t)GGMLType::F32)
       std::memcpy(o.owned->data() + (size_t)r * rb, row.data(), (size_t)rb);
     else
       quantize_row(to, row.data(), o.owned->data() + (size_t)r * rb, w.cols);
   }
-  o.data = o.owned->data();
+  o.host = o.owned->data();
   return o;
 }
 
 }  // namespace
 
-std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, int n_threads) {
+std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, const std::string& device,
+                                   int n_threads) {
   std::shared_ptr<Model> m(new Model());
+  // The backend first: a device that is missing is refused before the file is read.
+  m->backend_ = make_backend(device, n_threads);
   m->file_ = gguf::File::open(path);
   m->mode_ = mode;
   const gguf::File& f = *m->file_;
@@ -137,7 +137,6 @@ std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, int 
                      ? 1.f / std::sqrt((float)(c.dim / c.n_heads))
                      : 1.f / std::sqrt((float)c.head_dim);
 
-  m->backend_ = make_cpu_backend(n_threads);
   m->load_weights();
   m->tokenizer_ = Tokenizer::from_gguf(f);
   // End of generation: the declared ids plus the control tokens templates close turns with.
@@ -189,14 +188,15 @@ Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, 
   w.type = ti->type;
   w.cols = ti->ne[0];
   w.rows = ti->ne[1];
-  w.data = file_->tensor_data(*ti);
+  w.host = file_->tensor_data(*ti);
   w.row_bytes = (size_t)type_nbytes(ti->type, w.cols);
-  if (mode_ == QuantMode::fp32) {
-    if (w.type != (uint32_t)GGMLType::F32) w = convert(w, (uint32_t)GGMLType::F32);
-  } else if (is_float_type(w.type) && w.cols % 32 == 0) {
-    w = convert(w, mode_ == QuantMode::q4_0 ? (uint32_t)GGMLType::Q4_0 : (uint32_t)GGMLType::Q8_0);
+  const uint32_t want = backend_->weight_type(w.type, w.cols, mode_);
+  if (want != w.type) w = convert(w, want);
+  if (!backend_->supports(Op::matmul, w.type)) {
+    const TypeTraits* wt = type_traits(w.type);
+    throw UnsupportedModelError("tensor '" + name + "': the " + backend_->name() + " backend has no matmul for " +
+                                (wt ? wt->name : "?"));
   }
-  backend_->prepare(w);
   return w;
 }
 
@@ -210,39 +210,45 @@ void Model::load_weights() {
   tok_embd_.type = te->type;
   tok_embd_.cols = te->ne[0];
   tok_embd_.rows = te->ne[1];
-  tok_embd_.data = file_->tensor_data(*te);
+  tok_embd_.host = file_->tensor_data(*te);
   tok_embd_.row_bytes = (size_t)type_nbytes(te->type, te->ne[0]);
   const TypeTraits* tt = type_traits(te->type);
   if (!tt || !tt->dequantizable) throw UnsupportedModelError("token_embd.weight: unsupported type");
   cfg_.vocab_size = (int)tok_embd_.rows;
 
-  output_norm_ = load_vector("output_norm.weight", true, c.dim);
+  if (!backend_->supports(Op::get_rows, te->type)) throw UnsupportedModelError("token_embd.weight: unsupported type");
+  output_norm_ = upload(load_vector("output_norm.weight", true, c.dim));
   output_ = load_matrix("output.weight", false, c.vocab_size, c.dim);
   if (output_.empty()) output_ = load_matrix("token_embd.weight", true, c.vocab_size, c.dim);  // tied
-  rope_freqs_ = load_vector("rope_freqs.weight", false, c.n_rot / 2);
-  if (rope_freqs_.empty()) rope_freqs_ = load_vector("rope_factors_short.weight", false, c.n_rot / 2);
+  std::vector<float> rf = load_vector("rope_freqs.weight", false, c.n_rot / 2);
+  if (rf.empty()) rf = load_vector("rope_factors_short.weight", false, c.n_rot / 2);
+  rope_freqs_ = upload(rf);
+  if (!c.rope_inv_freq.empty()) {
+    rope_inv_freq_ = backend_->alloc(c.rope_inv_freq.size() * sizeof(double), "model weights");
+    backend_->upload(rope_inv_freq_->data(), c.rope_inv_freq.data(), c.rope_inv_freq.size() * sizeof(double));
+  }
 
   layers_.resize(c.n_layers);
   for (int il = 0; il < c.n_layers; ++il) {
     LayerWeights& L = layers_[il];
     auto n = [&](const char* s) { return "blk." + std::to_string(il) + "." + s + ".weight"; };
     auto b = [&](const char* s) { return "blk." + std::to_string(il) + "." + s + ".bias"; };
-    L.attn_norm = load_vector(n("attn_norm"), true, c.dim);
+    L.attn_norm = upload(load_vector(n("attn_norm"), true, c.dim));
     L.wqkv = load_matrix(n("attn_qkv"), false, q_dim + 2 * kv_dim, c.dim);
     if (L.wqkv.empty()) {
       L.wq = load_matrix(n("attn_q"), true, q_dim, c.dim);
       L.wk = load_matrix(n("attn_k"), true, kv_dim, c.dim);
       L.wv = load_matrix(n("attn_v"), true, kv_dim, c.dim);
-      L.bq = load_vector(b("attn_q"), false, q_dim);
-      L.bk = load_vector(b("attn_k"), false, kv_dim);
-      L.bv = load_vector(b("attn_v"), false, kv_dim);
+      L.bq = upload(load_vector(b("attn_q"), false, q_dim));
+      L.bk = upload(load_vector(b("attn_k"), false, kv_dim));
+      L.bv = upload(load_vector(b("attn_v"), false, kv_dim));
     }
-    L.q_norm = load_vector(n("attn_q_norm"), false, c.head_dim);
-    L.k_norm = load_vector(n("attn_k_norm"), false, c.head_dim);
+    L.q_norm = upload(load_vector(n("attn_q_norm"), false, c.head_dim));
+    L.k_norm = upload(load_vector(n("attn_k_norm"), false, c.head_dim));
     L.wo = load_matrix(n("attn_output"), true, c.dim, q_dim);
-    L.attn_post_norm = load_vector(n("post_attention_norm"), false, c.dim);
-    L.ffn_norm = load_vector(n("ffn_norm"), true, c.dim);
-    L.ffn_post_norm = load_vector(n("post_ffw_norm"), false, c.dim);
+    L.attn_post_norm = upload(load_vector(n("post_attention_norm"), false, c.dim));
+    L.ffn_norm = upload(load_vector(n("ffn_norm"), true, c.dim));
+    L.ffn_post_norm = upload(load_vector(n("post_ffw_norm"), false, c.dim));
     L.w_gate = load_matrix(n("ffn_gate"), false, c.ffn_dim, c.dim);
     if (L.w_gate.empty()) {
       L.w_gate_up = load_matrix(n("ffn_up"), true, 2 * (int64_t)c.ffn_dim, c.dim);  // phi3: gate | up
@@ -250,6 +256,25 @@ void Model::load_weights() {
       L.w_up = load_matrix(n("ffn_up"), true, c.ffn_dim, c.dim);
     }
     L.w_down = load_matrix(n("ffn_down"), true, c.dim, c.ffn_dim);
+  }
+
+  // Everything fits, or nothing is made resident: the sizes are known before any copy.
+  // A tied output shares the embedding table's bytes when the backend kept the file's format.
+  const bool tied_same = output_.host == tok_embd_.host && output_.type == tok_embd_.type;
+  std::vector<Weight*> mats = {&output_};
+  for (LayerWeights& L : layers_)
+    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wqkv, &L.wo, &L.w_gate, &L.w_up, &L.w_gate_up, &L.w_down})
+      if (!w->empty()) mats.push_back(w);
+  size_t total = tied_same ? 0 : (size_t)tok_embd_.rows * tok_embd_.row_bytes;
+  for (const Weight* w : mats) total += (size_t)w->rows * w->row_bytes;
+  weight_bytes_ = total;
+  backend_->check_fits(total, "model weights");
+  for (Weight* w : mats) backend_->load_weight(*w, WeightUse::matmul);
+  if (tied_same && output_.data != output_.host) {
+    tok_embd_.data = output_.data;  // the device copy the output matmul reads
+    tok_embd_.resident = output_.resident;
+  } else {
+    backend_->load_weight(tok_embd_, WeightUse::rows);
   }
 }
 

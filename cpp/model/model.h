@@ -1,5 +1,6 @@
-// A loaded model: config from GGUF metadata, weights in place (or converted per
-// load mode), the family's traits, and the shared decoder forward pass.
+// A loaded model: config from GGUF metadata, weights in the format its backend asks
+// for (converted on the host where needed, then made resident), the family's traits,
+// and the shared decoder forward pass.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -16,8 +17,6 @@
 #include "tokenizer/tokenizer.h"
 
 namespace dl {
-
-enum class QuantMode { fp32 = 0, q8 = 1, q4_0 = 2 };
 
 struct ModelConfig {
   std::string arch;
@@ -37,8 +36,8 @@ struct ModelConfig {
 };
 
 struct LayerWeights {
-  std::vector<float> attn_norm, attn_post_norm, ffn_norm, ffn_post_norm, q_norm, k_norm;
-  std::vector<float> bq, bk, bv;
+  Vec attn_norm, attn_post_norm, ffn_norm, ffn_post_norm, q_norm, k_norm;
+  Vec bq, bk, bv;
   Weight wq, wk, wv, wqkv, wo, w_gate, w_up, w_gate_up, w_down;
 };
 
@@ -58,15 +57,20 @@ int64_t generate(Model& m, Session& s, const std::vector<int32_t>& prompt, const
 
 class Model : public std::enable_shared_from_this<Model> {
  public:
-  // Throws GGUFError / UnsupportedModelError / dl::Error.
-  static std::shared_ptr<Model> load(const std::string& path, QuantMode mode, int n_threads);
+  // device: "cpu", "cuda", "cuda:N" (see make_backend). Throws GGUFError /
+  // UnsupportedModelError / DeviceError (before any device memory is taken) / dl::Error.
+  static std::shared_ptr<Model> load(const std::string& path, QuantMode mode, const std::string& device,
+                                     int n_threads);
 
   const ModelConfig& config() const { return cfg_; }
   const ArchTraits& traits() const { return *traits_; }
   const gguf::File& file() const { return *file_; }
   std::shared_ptr<gguf::File> file_ptr() const { return file_; }
   QuantMode mode() const { return mode_; }
-  Backend& backend() { return *backend_; }
+  Backend& backend() const { return *backend_; }
+  const std::shared_ptr<Backend>& backend_ptr() const { return backend_; }
+  // Bytes of weights resident on the backend (after conversion).
+  size_t weight_bytes() const { return weight_bytes_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   // End-of-generation ids: eos, eot, eom and the control tokens chat templates end turns with.
   const std::vector<int32_t>& eog_ids() const { return eog_; }
@@ -100,35 +104,53 @@ class Model : public std::enable_shared_from_this<Model> {
  private:
   Model() = default;
   void load_weights();
+  // Host-side: the matrix in the backend's chosen format (made resident later, all at once).
   Weight load_matrix(const std::string& name, bool required, int64_t rows = -1, int64_t cols = -1);
   std::vector<float> load_vector(const std::string& name, bool required, int64_t n = -1);
+  Vec upload(const std::vector<float>& v) { return upload_vec(*backend_, v, "model weights"); }
   // A chunk of rows: runs of consecutive rows, each belonging to one session.
   struct Run {
     Session* s;
     int64_t first_row, n_rows;
     bool want_logits = true;  // false for a part of a run that continues in the next chunk
   };
-  void forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, const float* embd, int64_t n,
-                     bool all_logits, float* last_hidden);
+  // One chunk of rows through every layer; the logits (or final-norm rows) stay on the
+  // backend in logits_ / xn_ for the caller to download. Returns the rows of logits made.
+  int64_t forward_chunk(const Run* runs, int n_runs, const int32_t* tokens, const float* embd, int64_t n,
+                        bool all_logits);
+  // The blocks of a layer, each a seam a backend could take over whole.
+  void stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64_t n);
+  void attention_block(int il, const Run* runs, int n_runs, int64_t n);
+  void ffn_block(int il, int64_t n);
+  int64_t logits_block(const Run* runs, int n_runs, int64_t n, bool all_logits);
+  float* scratch(BufferPtr& b, int64_t floats, const char* what);
 
   std::shared_ptr<gguf::File> file_;
   ModelConfig cfg_;
   const ArchTraits* traits_ = nullptr;
   QuantMode mode_ = QuantMode::q8;
-  std::unique_ptr<Backend> backend_;
+  std::shared_ptr<Backend> backend_;
+  size_t weight_bytes_ = 0;
   std::shared_ptr<Tokenizer> tokenizer_;
   std::vector<int32_t> eog_;
   std::mutex mu_;
 
   Weight tok_embd_, output_;
-  std::vector<float> output_norm_, rope_freqs_;
+  Vec output_norm_, rope_freqs_;
+  BufferPtr rope_inv_freq_;  // YaRN's per-pair frequencies (double), on the backend
   std::vector<LayerWeights> layers_;
 
-  // Scratch for one chunk of up to max_chunk_ rows.
+  // Backend scratch for one chunk of up to max_chunk_ rows (grown on demand).
   int64_t max_chunk_ = 256;
-  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, tmp_;
-  std::vector<int32_t> pos_;
+  BufferPtr x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, logits_;
+  // Per-step host data, uploaded at once: token ids, positions, then each run's block table.
+  std::vector<int32_t> meta_host_;
+  BufferPtr meta_;
+  const int32_t* tokens_dev_ = nullptr;
+  const int32_t* pos_dev_ = nullptr;
+  std::vector<const int32_t*> run_pages_;  // each run's block table on the backend
   std::vector<AttnArgs> attn_args_;
+  std::vector<float> hidden_host_;
   std::vector<Run> batch_runs_;          // forward_ragged's chunk being built (reused each step)
   std::vector<int32_t> batch_tokens_;
 };

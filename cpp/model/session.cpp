@@ -24,7 +24,7 @@ Session::Session(std::shared_ptr<Model> model, KVType kv_type, int n_ctx)
     : model_(std::move(model)), kv_type_(kv_type) {
   const ModelConfig& c = model_->config();
   n_ctx_ = n_ctx > 0 ? std::min(n_ctx, c.seq_len) : std::min(c.seq_len, 4096);
-  kv_ = std::make_unique<BlockTable>(model_->kv_geometry(kv_type), n_ctx_);
+  kv_ = std::make_unique<BlockTable>(model_->kv_geometry(kv_type), n_ctx_, model_->backend());
 }
 
 Session::Session(std::shared_ptr<Model> model, std::shared_ptr<KVPool> pool, int n_ctx) : model_(std::move(model)) {
@@ -32,6 +32,8 @@ Session::Session(std::shared_ptr<Model> model, std::shared_ptr<KVPool> pool, int
   const KVGeometry g = model_->kv_geometry(pool->geometry().type);
   if (g.n_layers != pool->geometry().n_layers || g.row_bytes != pool->geometry().row_bytes)
     throw Error("create_session: the pool was made for another cache geometry");
+  if (&pool->backend() != &model_->backend())
+    throw Error("create_session: the pool lives on another backend than the model (create it from this model)");
   kv_type_ = g.type;
   const ModelConfig& c = model_->config();
   n_ctx_ = n_ctx > 0 ? std::min(n_ctx, c.seq_len) : c.seq_len;  // memory comes page by page

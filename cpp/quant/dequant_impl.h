@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "quant/blocks.h"
+#include "quant/types.h"
 
 namespace dl::quant {
 // Internal linkage on purpose: this header is compiled once per ISA with
@@ -215,6 +216,46 @@ inline void dq_iq4_xs(const block_iq4_xs* b, float* y) {
       y[i * 32 + j] = dl * (float)kvalues_iq4nl[q[j] & 0xF];
       y[i * 32 + j + 16] = dl * (float)kvalues_iq4nl[q[j] >> 4];
     }
+  }
+}
+
+
+// A whole row of n elements (a whole number of blocks); false for a type with no decoder.
+template <typename Block, int QK, void (*Decode)(const Block*, float*)>
+inline void dq_rows(const void* src, float* dst, int64_t n) {
+  const Block* b = static_cast<const Block*>(src);
+  const int64_t nb = n / QK;
+  for (int64_t i = 0; i < nb; ++i) Decode(b + i, dst + i * QK);
+}
+
+inline bool dequant_row_impl(uint32_t type, const void* src, float* dst, int64_t n) {
+  switch ((GGMLType)type) {
+    case GGMLType::F32: std::memcpy(dst, src, (size_t)n * 4); return true;
+    case GGMLType::F16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = h2f(s[i]);
+      return true;
+    }
+    case GGMLType::BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf2f(s[i]);
+      return true;
+    }
+    case GGMLType::Q4_0: dq_rows<block_q4_0, QK4, dq_q4_0>(src, dst, n); return true;
+    case GGMLType::Q4_1: dq_rows<block_q4_1, QK4, dq_q4_1>(src, dst, n); return true;
+    case GGMLType::Q5_0: dq_rows<block_q5_0, QK4, dq_q5_0>(src, dst, n); return true;
+    case GGMLType::Q5_1: dq_rows<block_q5_1, QK4, dq_q5_1>(src, dst, n); return true;
+    case GGMLType::Q8_0: dq_rows<block_q8_0, QK4, dq_q8_0>(src, dst, n); return true;
+    case GGMLType::Q2_K: dq_rows<block_q2_K, QK_K, dq_q2_K>(src, dst, n); return true;
+    case GGMLType::Q3_K: dq_rows<block_q3_K, QK_K, dq_q3_K>(src, dst, n); return true;
+    case GGMLType::Q4_K: dq_rows<block_q4_K, QK_K, dq_q4_K>(src, dst, n); return true;
+    case GGMLType::Q5_K: dq_rows<block_q5_K, QK_K, dq_q5_K>(src, dst, n); return true;
+    case GGMLType::Q6_K: dq_rows<block_q6_K, QK_K, dq_q6_K>(src, dst, n); return true;
+    case GGMLType::Q8_K: dq_rows<block_q8_K, QK_K, dq_q8_K>(src, dst, n); return true;
+    case GGMLType::MXFP4: dq_rows<block_mxfp4, QK4, dq_mxfp4>(src, dst, n); return true;
+    case GGMLType::IQ4_NL: dq_rows<block_iq4_nl, QK4, dq_iq4_nl>(src, dst, n); return true;
+    case GGMLType::IQ4_XS: dq_rows<block_iq4_xs, QK_K, dq_iq4_xs>(src, dst, n); return true;
+    default: return false;
   }
 }
 

@@ -3,13 +3,15 @@
 // reference, byte-exact with gguf-py's numpy quantizers (q8_K: ggml's reference).
 #include "quant/quant.h"
 
+#include <atomic>
+
 #include <cmath>
 #include <cstring>
 #include <string>
 
 #include "core/errors.h"
 #include "core/half.h"
-#include "cpu/kernels.h"
+#include "quant/dequant_impl.h"
 #include "quant/blocks.h"
 #include "quant/types.h"
 
@@ -179,9 +181,16 @@ void rows(const float* x, void* dst, int64_t n) {
 }
 }  // namespace
 
+namespace {
+std::atomic<DequantRowFn> g_fast_dequant{nullptr};
+}  // namespace
+
+void set_fast_dequantizer(DequantRowFn fn) { g_fast_dequant.store(fn, std::memory_order_release); }
+
 void dequantize_row(uint32_t type, const void* src, float* dst, int64_t n) {
   check_blocks(type, n, "dequantize");
-  if (!cpu::kernels().dequant_row(type, src, dst, n))
+  DequantRowFn fast = g_fast_dequant.load(std::memory_order_acquire);
+  if (!(fast ? fast(type, src, dst, n) : quant::dequant_row_impl(type, src, dst, n)))
     throw UnsupportedModelError("no dequantizer for tensor type " + type_name(type));
 }
 

@@ -10,6 +10,7 @@ from . import gguf
 from ._core import (
     ContextOverflowError,
     DasllamaError,
+    DeviceError,
     GGUFError,
     PoolExhaustedError,
     UnsupportedModelError,
@@ -144,6 +145,7 @@ __all__ = [
     "prefix_insert", "prefix_release", "release_kv_pages",
     "ContextOverflowError",
     "DasllamaError",
+    "DeviceError",
     "GGUFError",
     "PoolExhaustedError",
     "UnsupportedModelError",

@@ -95,19 +95,26 @@ class AudioTower(AudioEmbedder):
     """A whisper-family encoder plus its model's projector, for a chat that hears."""
 
 
-def load_audio_embedder(path: PathLike, n_threads: int = 0) -> AudioEmbedder:
-    """Loads any audio family we serve from an mmproj GGUF (UnsupportedModelError otherwise)."""
-    return AudioEmbedder(_core.AudioEncoder(os.fspath(path), int(n_threads)))
+def load_audio_embedder(path: PathLike, n_threads: int = 0, device: Optional[str] = None) -> AudioEmbedder:
+    """Loads any audio family we serve from an mmproj GGUF (UnsupportedModelError otherwise).
+    ``device`` as for :func:`~dasllama.load_model` (the mel front end stays on the CPU)."""
+    from .llm import resolve_device
+
+    return AudioEmbedder(_core.AudioEncoder(os.fspath(path), int(n_threads), resolve_device(device)))
 
 
-def load_audio_tower(path: PathLike, n_threads: int = 0) -> AudioTower:
-    """Loads a chat audio tower (qwen2a, qwen2.5o, ultravox, voxtral) from an mmproj GGUF."""
+def load_audio_tower(path: PathLike, n_threads: int = 0, device: Optional[str] = None) -> AudioTower:
+    """Loads a chat audio tower (qwen2a, qwen2.5o, ultravox, voxtral) from an mmproj GGUF.
+    ``device`` as for :func:`~dasllama.load_model`: the encoder and projector run there, the
+    mel front end on the CPU."""
+    from .llm import resolve_device
+
     fam = _core.AudioEncoder.probe_family(os.fspath(path))
     if fam and fam not in TOWER_FAMILIES:
         raise UnsupportedModelError(
             f"{os.fspath(path)}: the {fam!r} encoder has no projector into a decoder; "
             "load it with load_audio_embedder")
-    return AudioTower(_core.AudioEncoder(os.fspath(path), int(n_threads)))
+    return AudioTower(_core.AudioEncoder(os.fspath(path), int(n_threads), resolve_device(device)))
 
 
 def audio_probe_proj_dim(path: PathLike) -> int:

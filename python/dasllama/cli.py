@@ -113,9 +113,17 @@ def _cmd_info(args) -> int:
           f"(compiled: {', '.join(info.get('isa_compiled', []))}; "
           f"supported here: {', '.join(info.get('isa_supported', []))})")
     print("backends: " + ", ".join(f"{b} {s}" for b, s in info.get("backends", {}).items()))
+    for b, e in info.get("devices", {}).items():
+        if b == "cpu" or not e.get("built"):
+            continue
+        if not e["devices"]:
+            print(f"{b}: no device ({e['error']})")
+        for dev in e["devices"]:
+            print(f"{b}:{dev['index']}: {dev['name']}, {_human(dev['total_bytes'])} ({_human(dev['free_bytes'])} free), "
+                  f"compute {dev['compute_capability']}, {dev['driver']}")
     # Anything a newer core reports that this printer does not know yet.
     for k, v in info.items():
-        if k not in ("cpu", "isa_active", "isa_compiled", "isa_supported", "backends"):
+        if k not in ("cpu", "isa_active", "isa_compiled", "isa_supported", "backends", "devices"):
             print(f"{k}: {v}")
     return 0
 
@@ -138,7 +146,8 @@ def _cmd_run(args) -> int:
     import dasllama as d
     from .chat.template import render_prompt
 
-    model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads)
+    model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads,
+                         device=args.device)
     if args.raw:
         ids = d.encode(model, args.prompt)
     else:
@@ -172,11 +181,12 @@ def _history_file():
 def _cmd_chat(args) -> int:
     import dasllama as d
 
-    model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads)
+    model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads,
+                         device=args.device)
     if args.audio and not args.mmproj:
         print("error: --audio needs the model's audio tower (--mmproj FILE)", file=sys.stderr)
         return 2
-    tower = d.load_audio_tower(args.mmproj, n_threads=args.threads) if args.mmproj else None
+    tower = d.load_audio_tower(args.mmproj, n_threads=args.threads, device=model.device) if args.mmproj else None
     try:
         chat = d.create_chat(model, tower, system=args.system, max_new=args.max_tokens)
         for clip in args.audio or []:
@@ -284,6 +294,12 @@ def _add_sampling(sp) -> None:
     sp.add_argument("--max-tokens", type=int, default=256)
     sp.add_argument("--threads", type=int, default=0)
     sp.add_argument("--mode", choices=["fp32", "q8", "q4_0"], default="q8")
+    _add_device(sp)
+
+
+def _add_device(sp) -> None:
+    sp.add_argument("--device", default=None,
+                    help="cpu, cuda or cuda:N (default: $DASLLAMA_DEVICE, else cpu)")
 
 
 def _cmd_serve(args) -> int:
@@ -299,7 +315,7 @@ def _cmd_serve(args) -> int:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     serve(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port, mmproj=args.mmproj, streams=args.streams,
           ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
-          kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages,
+          kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages, device=args.device,
           chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None)
     return 0
 
@@ -354,6 +370,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
     sp.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the model's")
     sp.add_argument("--threads", type=int, default=0)
+    _add_device(sp)
     sp.set_defaults(func=_cmd_serve)
     sp = sub.add_parser("info", help="CPU features, kernel ISA and backends")
     sp.set_defaults(func=_cmd_info)

@@ -93,10 +93,22 @@ class Model:
         self.config = ModelConfig(**core.config)
         self.arch = self.config.arch
 
+    @property
+    def device(self) -> str:
+        """Where the weights and KV cache live: ``"cpu"`` or ``"cuda:N"``."""
+        d = self._m.device
+        return "cpu" if d["backend"] == "cpu" else f"{d['backend']}:{d['index']}"
+
+    @property
+    def device_info(self) -> dict:
+        """The backend's device: name, memory (on a GPU), compute capability, driver, threads (CPU)."""
+        return dict(self._m.device)
+
     def __repr__(self) -> str:
         c = self.config
+        where = f"threads={self._m.n_threads}" if self.device == "cpu" else f"device={self.device!r}"
         return (f"Model({os.path.basename(self.path)!r}, arch={c.arch!r}, layers={c.n_layers}, dim={c.dim}, "
-                f"vocab={c.vocab_size}, mode={self.mode.name}, threads={self._m.n_threads})")
+                f"vocab={c.vocab_size}, mode={self.mode.name}, {where})")
 
 
 class Session:
@@ -158,18 +170,32 @@ class Session:
         return f"Session(n_past={self.n_past}, n_ctx={self.n_ctx}, kv={self.kv_dtype.name}{kind})"
 
 
-def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 0) -> Model:
+def resolve_device(device: Optional[str]) -> str:
+    """``device``, else ``$DASLLAMA_DEVICE``, else ``"cpu"``."""
+    if device is None or device == "":
+        device = os.environ.get("DASLLAMA_DEVICE", "") or "cpu"
+    return str(device)
+
+
+def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 0,
+               device: Optional[str] = None) -> Model:
     """Load a model and its tokenizer from a GGUF file or a hub name.
 
     ``mode`` picks the weights: ``fp32`` dequantizes everything (the reference),
     ``q8`` (default) requantizes float weights to q8_0 and keeps quantized planes,
     ``q4_0`` requantizes float weights to q4_0. ``n_threads`` 0 means the physical cores.
+
+    ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (default: ``$DASLLAMA_DEVICE``, else
+    the CPU). On a GPU the weights, activations and KV cache live in device memory; the file's
+    block formats are kept (computed in f32), so ``mode`` only matters on the CPU. A device
+    that is not built, not present or too small raises :class:`~dasllama.DeviceError` before
+    anything is allocated on it.
     """
     from . import hub
 
     p = str(hub.resolve(path))
     mode = QuantMode(mode)
-    return Model(_core.Model(p, int(mode), int(n_threads)), p, mode)
+    return Model(_core.Model(p, int(mode), resolve_device(device), int(n_threads)), p, mode)
 
 
 def create_session(model: Model, kv_dtype: Union[KVDtype, "KVPool"] = KVDtype.f16, n_ctx: int = 0,

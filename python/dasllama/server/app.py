@@ -131,19 +131,20 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
                streams: int = 4, ctx: int = 0, api_key: Optional[str] = None, chunk: int = 256,
                max_queue: int = 0, kv_dtype: KVDtype = KVDtype.f16, n_threads: int = 0, cache_pages: int = 0,
                model_name: Optional[str] = None, limits: Optional[Limits] = None,
-               chat_template: Optional[str] = None) -> Starlette:
+               chat_template: Optional[str] = None, device: Optional[str] = None) -> Starlette:
     """An ASGI app serving ``model`` (a hub name, a GGUF path or a loaded :class:`~dasllama.Model`).
 
-    ``chat_template`` (Jinja source) replaces the model's own. Mount the app in another Starlette/FastAPI
+    ``chat_template`` (Jinja source) replaces the model's own. ``device`` places a model (and tower)
+    loaded here, as for :func:`~dasllama.load_model`; a loaded model's tower goes where it is. Mount the app in another Starlette/FastAPI
     app or run it with uvicorn. The engine thread starts here;
     ``app.state.engine.stop()`` ends it (the ``dasllama serve`` command does so at shutdown).
     """
-    m = model if isinstance(model, llm.Model) else llm.load_model(model, n_threads=n_threads)
+    m = model if isinstance(model, llm.Model) else llm.load_model(model, n_threads=n_threads, device=device)
     tower = None
     if mmproj is not None:
         from ..audio import load_audio_tower
 
-        tower = load_audio_tower(mmproj)
+        tower = load_audio_tower(mmproj, n_threads=n_threads, device=m.device)
         if tower.proj_dim != m.config.dim:
             raise ValueError(f"{mmproj}: the tower writes {tower.proj_dim}-wide rows; the model takes {m.config.dim}")
     name = model_name or (model if isinstance(model, str) else m.path.rsplit("/", 1)[-1])

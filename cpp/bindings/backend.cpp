@@ -1,0 +1,286 @@
+// _core.Backend: one backend (cpu, cuda:N) with each op callable on numpy arrays, for the
+// backend-ops harness (tests/test_backend_ops.py) that runs every op on every backend
+// present against the CPU. Each call uploads its inputs, poisons its output with NaN,
+// runs the op and downloads the result. Not a public API.
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "bindings/bind.h"
+#include "core/backend.h"
+#include "core/errors.h"
+#include "quant/types.h"
+
+namespace dl::py_bind {
+
+namespace {
+
+using F32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+struct Dev {
+  std::shared_ptr<Backend> be;
+  std::vector<BufferPtr> keep;  // one call's buffers
+
+  template <typename T>
+  T* put(const T* src, size_t n) {
+    BufferPtr b = be->alloc(std::max<size_t>(n, 1) * sizeof(T), "harness");
+    if (n) be->upload(b->data(), src, n * sizeof(T));
+    keep.push_back(b);
+    return static_cast<T*>(b->data());
+  }
+  float* put(const F32& a) { return put(a.data(), (size_t)a.size()); }
+  // An output of n floats, filled with NaN so an element the op never writes shows.
+  float* poisoned(size_t n) {
+    std::vector<float> nan(std::max<size_t>(n, 1), std::numeric_limits<float>::quiet_NaN());
+    return put(nan.data(), nan.size());
+  }
+  py::array_t<float> get(const float* d, std::vector<int64_t> shape) {
+    py::array_t<float> out(shape);
+    be->download(out.mutable_data(), d, (size_t)out.size() * 4);
+    keep.clear();
+    return out;
+  }
+};
+
+F32 f32(const py::object& o, const char* what) {
+  F32 a = F32::ensure(o);
+  if (!a) throw py::value_error(std::string(what) + " must be a float32 array");
+  return a;
+}
+
+Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64_t cols, WeightUse use) {
+  const TypeTraits* tt = type_traits(type);
+  if (!tt) throw py::value_error("unknown ggml type " + std::to_string(type));
+  const int64_t rb = type_nbytes(type, cols);
+  if (rb < 0 || bytes.nbytes() != rows * rb) throw py::value_error("weight bytes do not match rows x cols");
+  Weight w;
+  w.type = type;
+  w.rows = rows;
+  w.cols = cols;
+  w.row_bytes = (size_t)rb;
+  w.owned = std::make_shared<std::vector<uint8_t>>((const uint8_t*)bytes.data(), (const uint8_t*)bytes.data() + bytes.nbytes());
+  w.host = w.owned->data();
+  d.be->load_weight(w, use);
+  return w;
+}
+
+}  // namespace
+
+void bind_backend(py::module_& m) {
+  py::class_<Dev, std::shared_ptr<Dev>>(m, "Backend")
+      .def(py::init([](const std::string& device, int n_threads) {
+             auto d = std::make_shared<Dev>();
+             d->be = make_backend(device, n_threads);
+             return d;
+           }),
+           py::arg("device") = "cpu", py::arg("n_threads") = 0)
+      .def_property_readonly("name", [](const Dev& d) { return std::string(d.be->name()); })
+      .def("supports", [](const Dev& d, const std::string& op, uint32_t type) {
+        const Op o = op == "matmul" ? Op::matmul : op == "get_rows" ? Op::get_rows : op == "attention" ? Op::attention : Op::kv_store;
+        return d.be->supports(o, type);
+      })
+      .def("matmul", [](Dev& d, const py::array& wb, uint32_t type, int64_t rows, int64_t cols, const py::object& xo) {
+        F32 x = f32(xo, "x");
+        if (x.ndim() != 2 || x.shape(1) != cols) throw py::value_error("x must be [n, cols]");
+        const int64_t n = x.shape(0);
+        Weight w = weight(d, wb, type, rows, cols, WeightUse::matmul);
+        float* xd = d.put(x);
+        float* y = d.poisoned((size_t)(n * rows));
+        d.be->matmul(w, xd, n, y);
+        return d.get(y, {n, rows});
+      })
+      .def("matmul_multi", [](Dev& d, const std::vector<py::array>& wbs, uint32_t type, const std::vector<int64_t>& rows,
+                              int64_t cols, const py::object& xo) {
+        F32 x = f32(xo, "x");
+        const int64_t n = x.shape(0);
+        if (wbs.size() != rows.size() || wbs.empty() || wbs.size() > 8) throw py::value_error("1..8 weights");
+        std::vector<Weight> ws;
+        for (size_t i = 0; i < wbs.size(); ++i) ws.push_back(weight(d, wbs[i], type, rows[i], cols, WeightUse::matmul));
+        float* xd = d.put(x);
+        std::vector<const Weight*> wp;
+        std::vector<float*> yp;
+        int64_t total = 0;
+        for (auto& w : ws) total += w.rows;
+        float* y = d.poisoned((size_t)(n * total));
+        int64_t off = 0;
+        for (auto& w : ws) {
+          wp.push_back(&w);
+          yp.push_back(y + off * n);
+          off += w.rows;
+        }
+        d.be->matmul_multi(wp.data(), yp.data(), (int)ws.size(), xd, n);
+        return d.get(y, {n * total});
+      })
+      .def("get_rows", [](Dev& d, const py::array& wb, uint32_t type, int64_t rows, int64_t cols, const I32& ids) {
+        for (int64_t i = 0; i < ids.size(); ++i)
+          if (ids.data()[i] < 0 || ids.data()[i] >= rows) throw py::value_error("id out of range");
+        Weight w = weight(d, wb, type, rows, cols, WeightUse::rows);
+        const int64_t n = ids.size();
+        int32_t* id = d.put(ids.data(), (size_t)n);
+        float* y = d.poisoned((size_t)(n * cols));
+        d.be->get_rows(w, id, n, y);
+        return d.get(y, {n, cols});
+      })
+      .def("rms_norm", [](Dev& d, const py::object& xo, const py::object& wo, float eps) {
+        F32 x = f32(xo, "x");
+        const int64_t r = x.shape(0), c = x.shape(1);
+        float* xd = d.put(x);
+        float* wd = wo.is_none() ? nullptr : d.put(f32(wo, "w"));
+        float* y = d.poisoned((size_t)(r * c));
+        d.be->rms_norm(xd, wd, y, r, c, eps);
+        return d.get(y, {r, c});
+      })
+      .def("layer_norm", [](Dev& d, const py::object& xo, const py::object& wo, const py::object& bo, float eps) {
+        F32 x = f32(xo, "x");
+        const int64_t r = x.shape(0), c = x.shape(1);
+        float* xd = d.put(x);
+        float* wd = wo.is_none() ? nullptr : d.put(f32(wo, "w"));
+        float* bd = bo.is_none() ? nullptr : d.put(f32(bo, "b"));
+        float* y = d.poisoned((size_t)(r * c));
+        d.be->layer_norm(xd, wd, bd, y, r, c, eps);
+        return d.get(y, {r, c});
+      })
+      .def("rope", [](Dev& d, const py::object& xo, int n_heads, int head_dim, const I32& pos, bool neox, int n_rot,
+                      float base, float freq_scale, const py::object& ff, const py::object& inv, float mscale) {
+        F32 x = f32(xo, "x");
+        const int64_t n = x.shape(0), stride = x.shape(1);
+        float* xd = d.put(x);
+        RopeParams p;
+        p.neox = neox;
+        p.n_rot = n_rot;
+        p.base = base;
+        p.freq_scale = freq_scale;
+        p.mscale = mscale;
+        if (!ff.is_none()) p.freq_factors = d.put(f32(ff, "freq_factors"));
+        if (!inv.is_none()) {
+          auto a = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(inv);
+          p.inv_freq = d.put(a.data(), (size_t)a.size());
+        }
+        d.be->rope(xd, n, stride, n_heads, head_dim, d.put(pos.data(), (size_t)pos.size()), p);
+        return d.get(xd, {n, stride});
+      })
+      .def("glu", [](Dev& d, const py::object& go, const py::object& uo, int act) {
+        F32 g = f32(go, "gate"), u = f32(uo, "up");
+        const int64_t r = g.shape(0), c = g.shape(1);
+        float* gd = d.put(g);
+        float* ud = d.put(u);
+        float* y = d.poisoned((size_t)(r * c));
+        d.be->glu(gd, c, ud, c, y, r, c, act ? Act::gelu_tanh : Act::silu);
+        return d.get(y, {r, c});
+      })
+      .def("unary", [](Dev& d, const std::string& op, const py::object& xo, float a) {
+        F32 x = f32(xo, "x");
+        const int64_t n = x.size();
+        float* xd = d.put(x);
+        if (op == "scale") d.be->scale(xd, a, n);
+        else if (op == "softcap") d.be->softcap(xd, a, n);
+        else if (op == "gelu_erf") d.be->gelu_erf(xd, n);
+        else throw py::value_error("unknown op " + op);
+        return d.get(xd, {n});
+      })
+      .def("add", [](Dev& d, const py::object& yo, const py::object& xo) {
+        F32 y = f32(yo, "y"), x = f32(xo, "x");
+        float* yd = d.put(y);
+        d.be->add(yd, d.put(x), y.size());
+        return d.get(yd, {(int64_t)y.size()});
+      })
+      .def("add_bias", [](Dev& d, const py::object& yo, const py::object& bo) {
+        F32 y = f32(yo, "y"), b = f32(bo, "b");
+        float* yd = d.put(y);
+        d.be->add_bias(yd, d.put(b), y.shape(0), y.shape(1));
+        return d.get(yd, {y.shape(0), y.shape(1)});
+      })
+      .def("copy_rows", [](Dev& d, const py::object& xo, int64_t col0, int64_t width) {
+        F32 x = f32(xo, "x");
+        const int64_t r = x.shape(0);
+        float* xd = d.put(x);
+        float* y = d.poisoned((size_t)(r * width));
+        d.be->copy_rows(y, width, xd + col0, x.shape(1), r, width);
+        return d.get(y, {r, width});
+      })
+      .def("im2col_1d", [](Dev& d, const py::object& xo, int64_t T, int k, int stride, int pad, int64_t T_out) {
+        F32 x = f32(xo, "x");  // [C][x_stride]
+        const int64_t C = x.shape(0);
+        float* xd = d.put(x);
+        float* y = d.poisoned((size_t)(T_out * C * k));
+        d.be->im2col_1d(xd, x.shape(1), C, T, k, stride, pad, y, T_out);
+        return d.get(y, {T_out, C * k});
+      })
+      .def("im2col_rows", [](Dev& d, const py::object& xo, int k, int stride, int pad, int64_t T_out) {
+        F32 x = f32(xo, "x");  // [T][C]
+        const int64_t T = x.shape(0), C = x.shape(1);
+        float* xd = d.put(x);
+        float* y = d.poisoned((size_t)(T_out * C * k));
+        d.be->im2col_rows(xd, C, T, k, stride, pad, y, T_out);
+        return d.get(y, {T_out, C * k});
+      })
+      .def("avg_pool_rows", [](Dev& d, const py::object& xo, int k) {
+        F32 x = f32(xo, "x");
+        const int64_t r = x.shape(0), c = x.shape(1), ro = (r + k - 1) / k;
+        float* xd = d.put(x);
+        float* y = d.poisoned((size_t)(ro * c));
+        d.be->avg_pool_rows(xd, r, c, k, y);
+        return d.get(y, {ro, c});
+      })
+      // K/V rows stored through kv_store into a paged cache whose pages are shuffled
+      // (page_ids[p] is the pool page of the p-th block), then attention over it. Returns
+      // (attention output, the raw bytes of the pool) so both ops are checked.
+      .def("paged_attention", [](Dev& d, const py::object& qo, const py::object& ko, const py::object& vo,
+                                 const I32& q_pos, int n_heads, int n_kv_heads, int head_dim, int kv_type,
+                                 int page_rows, const I32& page_ids, int n_pool_pages, int window, float scale,
+                                 float softcap, int64_t store_chunk) {
+        F32 q = f32(qo, "q"), k = f32(ko, "k"), v = f32(vo, "v");
+        const int64_t n_tok = q.shape(0), n_kv = k.shape(0), kv_dim = (int64_t)n_kv_heads * head_dim;
+        if (k.shape(1) != kv_dim || v.shape(0) != n_kv || q.shape(1) != (int64_t)n_heads * head_dim)
+          throw py::value_error("paged_attention: shapes");
+        int shift = 0;
+        while ((1 << shift) < page_rows) ++shift;
+        if ((1 << shift) != page_rows) throw py::value_error("page_rows must be a power of two");
+        if (page_ids.size() * page_rows < n_kv) throw py::value_error("not enough pages");
+        KVView kv;
+        kv.type = (KVType)kv_type;
+        kv.row_bytes = kv_row_bytes(kv.type, kv_dim);
+        kv.page_shift = shift;
+        kv.k_off = 0;
+        kv.v_off = (size_t)page_rows * kv.row_bytes;
+        kv.page_bytes = 2 * kv.v_off;
+        BufferPtr pool = d.be->alloc(kv.page_bytes * (size_t)n_pool_pages, "harness pool");
+        d.be->zero(pool->data(), kv.page_bytes * (size_t)n_pool_pages);
+        kv.base = static_cast<uint8_t*>(pool->data());
+        kv.pages = d.put(page_ids.data(), (size_t)page_ids.size());
+        kv.n_pages = page_ids.size();
+        float* kd = d.put(k);
+        float* vd = d.put(v);
+        for (int64_t r = 0; r < n_kv; r += store_chunk) {  // in chunks, as prefill and decode store
+          const int64_t c = std::min(store_chunk, n_kv - r);
+          d.be->kv_store(kv, r, kd + r * kv_dim, vd + r * kv_dim, c, kv_dim, kv_dim);
+        }
+        AttnArgs a;
+        a.q = d.put(q);
+        a.q_stride = q.shape(1);
+        a.kv = kv;
+        a.n_tok = n_tok;
+        a.n_kv = n_kv;
+        a.n_heads = n_heads;
+        a.n_kv_heads = n_kv_heads;
+        a.head_dim = head_dim;
+        a.q_pos = d.put(q_pos.data(), (size_t)q_pos.size());
+        a.window = window;
+        a.scale = scale;
+        a.softcap = softcap;
+        a.out = d.poisoned((size_t)(n_tok * n_heads * head_dim));
+        a.out_stride = (int64_t)n_heads * head_dim;
+        d.be->attention(a);
+        py::array_t<uint8_t> raw((int64_t)(kv.page_bytes * (size_t)n_pool_pages));
+        d.be->download(raw.mutable_data(), pool->data(), (size_t)raw.size());
+        py::array_t<float> out = d.get(a.out, {n_tok, (int64_t)n_heads * head_dim});
+        return py::make_tuple(out, raw);
+      });
+}
+
+}  // namespace dl::py_bind

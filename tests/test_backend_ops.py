@@ -1,0 +1,300 @@
+"""The backend-ops harness: every op of every backend present, on random shapes and values.
+
+Each op runs through ``_core.Backend`` (inputs uploaded, output poisoned with NaN, result
+downloaded) and is compared by normalized squared error (NMSE) with numpy in float64 over
+exactly what the backend stores (weights dequantized by gguf-py, KV rows quantized by
+gguf-py), and every device backend is also compared with the CPU backend. The bars are
+per precision class, the same for every backend: an op computed in f32 from the same
+inputs lands near 1e-12; the CPU's quantized matmul activations (q8 / f16) near 1e-5.
+On a machine without a GPU only the CPU runs; device backends are listed by what
+``system_info()`` finds, and a missing one is reported as a skip with its reason.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize as g_dequantize
+from gguf.quants import quantize as g_quantize
+
+import dasllama
+from dasllama import _core
+
+INFO = dasllama.system_info()["devices"]
+DEVICES = ["cpu"] + [f"{b}:{d['index']}" for b, e in INFO.items() if b != "cpu" for d in e["devices"]]
+NOT_FOUND = {b: e["error"] for b, e in INFO.items() if b != "cpu" and not e["devices"]}
+
+MATMUL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"]
+QUANTIZABLE = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
+K_SCALES = {"q4_K": [0, 2], "q5_K": [0, 2], "q6_K": [208]}  # byte offsets of f16 scale fields
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+
+# NMSE bars by precision class (see the module docstring).
+EXACT = 1e-10        # f32 arithmetic on identical inputs (norms, rope, elementwise, copies)
+F32_DOT = 1e-9       # long f32 dot products (matmul with f32 activations, attention)
+ACT_QUANT = 1e-4     # the CPU's matmul quantizes activations to q8 (or f16)
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return {d: _core.Backend(d) for d in DEVICES}
+
+
+def nmse(a: np.ndarray, ref: np.ndarray) -> float:
+    a = np.asarray(a, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert a.shape == ref.shape
+    assert np.isfinite(a).all(), "the op left NaN or inf (an output element never written?)"
+    den = float(np.sum(ref * ref))
+    return float(np.sum((a - ref) ** 2)) / (den if den > 0 else 1.0)
+
+
+def check(name, outs, ref, bar, cpu_bar=None):
+    """Every backend's output against the reference; device backends also against the CPU's."""
+    errs = {d: nmse(o, ref) for d, o in outs.items()}
+    cpu_bar = bar if cpu_bar is None else cpu_bar
+    for d, e in errs.items():
+        assert e <= (cpu_bar if d == "cpu" else bar), f"{name} on {d}: NMSE {e:.3g} vs the float64 reference"
+        if d != "cpu":
+            vs_cpu = nmse(outs[d], outs["cpu"])
+            assert vs_cpu <= bar + 4 * cpu_bar, f"{name} on {d}: NMSE {vs_cpu:.3g} vs the CPU backend"
+
+
+def run_all(backends, op, *args):
+    return {d: getattr(b, op)(*args) for d, b in backends.items()}
+
+
+def test_device_list_says_why():
+    """Device backends are either found (and run below) or say why not."""
+    for b, why in NOT_FOUND.items():
+        assert why, f"{b}: no device and no reason given"
+    if len(DEVICES) == 1:
+        pytest.skip("no device backend on this machine: " + "; ".join(f"{b}: {w}" for b, w in NOT_FOUND.items()))
+
+
+# ---- matmul and get_rows over every weight format -----------------------------------------
+
+
+def make_weight(rng, name: str, rows: int, cols: int):
+    """Bytes of a rows x cols matrix in `name`, and its float64 values as gguf-py reads them."""
+    if name in QUANTIZABLE:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.5
+        raw = g_quantize(w, T[name.upper()]) if name != "f32" else w.view(np.uint8)
+    else:
+        bs, ts = GGML_QUANT_SIZES[T[name.upper()]]
+        raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+        for off in K_SCALES[name]:
+            sc = (rng.uniform(0.002, 0.02, size=raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
+            raw[:, :, off:off + 2] = sc.view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw = raw.reshape(rows, -1)
+    raw = np.ascontiguousarray(raw.reshape(rows, -1).view(np.uint8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        vals = g_dequantize(raw, T[name.upper()]).astype(np.float64)
+    return raw, vals.reshape(rows, cols)
+
+
+@pytest.mark.parametrize("wtype", MATMUL_TYPES)
+@pytest.mark.parametrize("rows,cols,n", [(64, 256, 1), (67, 512, 3), (130, 256, 17), (256, 1024, 64), (33, 2048, 300)])
+def test_matmul(backends, wtype, rows, cols, n):
+    rng = np.random.default_rng(rows * 7 + cols + n)
+    raw, w = make_weight(rng, wtype, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    outs = run_all({d: b for d, b in backends.items() if b.supports("matmul", int(T[wtype.upper()]))}, "matmul",
+                   raw, int(T[wtype.upper()]), rows, cols, x)
+    assert "cpu" in outs
+    cpu_bar = F32_DOT if wtype == "f32" else ACT_QUANT
+    check(f"matmul {wtype} {rows}x{cols} n={n}", outs, x.astype(np.float64) @ w.T, F32_DOT, cpu_bar)
+
+
+def test_matmul_multi(backends):
+    rng = np.random.default_rng(5)
+    parts = [make_weight(rng, "q8_0", r, 512) for r in (64, 16, 16)]
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    outs = run_all(backends, "matmul_multi", [p[0] for p in parts], int(T.Q8_0), [64, 16, 16], 512, x)
+    ref = np.concatenate([(x.astype(np.float64) @ p[1].T).reshape(-1) for p in parts])
+    check("matmul_multi", outs, ref, F32_DOT, ACT_QUANT)
+
+
+@pytest.mark.parametrize("wtype", MATMUL_TYPES)
+def test_get_rows(backends, wtype):
+    rng = np.random.default_rng(11)
+    raw, w = make_weight(rng, wtype, 50, 256)
+    ids = np.array([0, 49, 7, 7, 23], np.int32)
+    outs = run_all(backends, "get_rows", raw, int(T[wtype.upper()]), 50, 256, ids)
+    check(f"get_rows {wtype}", outs, w[ids], EXACT)
+
+
+# ---- norms, rope, elementwise ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 576), (300, 2048)])
+def test_norms(backends, rows, dim):
+    rng = np.random.default_rng(dim)
+    x = (rng.standard_normal((rows, dim)) * 3 + 1).astype(np.float32)
+    w = rng.standard_normal(dim).astype(np.float32)
+    b = rng.standard_normal(dim).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-6) * w
+    check("rms_norm", run_all(backends, "rms_norm", x, w, 1e-6), ref, EXACT)
+    check("rms_norm no weight", run_all(backends, "rms_norm", x, None, 1e-6), ref / w, EXACT)
+    mu = x64.mean(axis=1, keepdims=True)
+    ref = (x64 - mu) / np.sqrt(((x64 - mu) ** 2).mean(axis=1, keepdims=True) + 1e-5) * w + b
+    check("layer_norm", run_all(backends, "layer_norm", x, w, b, 1e-5), ref, EXACT)
+
+
+def rope_ref(x, n_heads, hd, pos, neox, n_rot, base, freq_scale, ff, inv, mscale):
+    out = x.astype(np.float64).copy()
+    half = n_rot // 2
+    f = np.asarray(inv, np.float64) if inv is not None else base ** (-2.0 * np.arange(half) / n_rot)
+    if ff is not None:
+        f = f / ff
+    theta = (pos.astype(np.float64) * freq_scale)[:, None] * f[None, :]
+    cs, sn = np.cos(theta) * mscale, np.sin(theta) * mscale
+    for h in range(n_heads):
+        v = out[:, h * hd:(h + 1) * hd]
+        i0 = np.arange(half) if neox else 2 * np.arange(half)
+        i1 = i0 + half if neox else i0 + 1
+        a, b = v[:, i0].copy(), v[:, i1].copy()
+        v[:, i0] = a * cs - b * sn
+        v[:, i1] = a * sn + b * cs
+    return out
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("variant", ["plain", "partial", "factors", "yarn"])
+def test_rope(backends, neox, variant):
+    rng = np.random.default_rng(3)
+    n_heads, hd, n = 4, 64, 9
+    x = rng.standard_normal((n, n_heads * hd)).astype(np.float32)
+    pos = np.array([0, 1, 2, 100, 4095, 7, 30000, 5, 65000], np.int32)
+    n_rot, ff, inv, mscale, fs = hd, None, None, 1.0, 1.0
+    if variant == "partial":
+        n_rot, fs = 32, 0.25
+    elif variant == "factors":
+        ff = rng.uniform(1, 8, hd // 2).astype(np.float32)
+    elif variant == "yarn":
+        inv = 10000.0 ** (-2.0 * np.arange(hd // 2) / hd) / rng.uniform(1, 4, hd // 2)
+        mscale = 1.2
+    outs = run_all(backends, "rope", x, n_heads, hd, pos, neox, n_rot, 10000.0, fs, ff, inv, mscale)
+    # f32 cos/sin of angles up to 65000 rad: the angle's own rounding bounds the agreement.
+    check(f"rope {variant}", outs, rope_ref(x, n_heads, hd, pos, neox, n_rot, 10000.0, fs, ff, inv, mscale), 1e-9)
+
+
+def test_elementwise(backends):
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((13, 96)) * 4).astype(np.float32)
+    y = rng.standard_normal((13, 96)).astype(np.float32)
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    check("add", run_all(backends, "add", y, x), (y64 + x64).reshape(-1), EXACT)
+    check("add_bias", run_all(backends, "add_bias", y, x[0]), y64 + x64[0], EXACT)
+    check("scale", run_all(backends, "unary", "scale", x, 0.37), x64.reshape(-1) * np.float32(0.37), EXACT)
+    check("softcap", run_all(backends, "unary", "softcap", x, 3.0), 3.0 * np.tanh(x64.reshape(-1) / 3.0), EXACT)
+    erf = np.vectorize(math.erf)
+    check("gelu_erf", run_all(backends, "unary", "gelu_erf", x, 0.0),
+          (0.5 * x64 * (1 + erf(x64 / math.sqrt(2)))).reshape(-1), EXACT)
+    silu = x64 / (1 + np.exp(-x64))
+    check("glu silu", run_all(backends, "glu", x, y, 0), silu * y64, EXACT)
+    gt = 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
+    check("glu gelu_tanh", run_all(backends, "glu", x, y, 1), gt * y64, 1e-9)
+
+
+def test_copies_and_pooling(backends):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((11, 40)).astype(np.float32)
+    check("copy_rows", run_all(backends, "copy_rows", x, 7, 20), x[:, 7:27], 0.0)
+    check("avg_pool_rows", run_all(backends, "avg_pool_rows", x, 2),
+          np.stack([x[i:i + 2].astype(np.float64).mean(0) for i in range(0, 11, 2)]), EXACT)
+    mel = rng.standard_normal((5, 30)).astype(np.float32)  # [C][stride]; frames past T=23 read as 0
+    ref = np.zeros((23, 5 * 3))
+    for t in range(23):
+        for c in range(5):
+            for j in range(3):
+                s = t + j - 1
+                ref[t, c * 3 + j] = mel[c, s] if 0 <= s < 23 else 0
+    check("im2col_1d", run_all(backends, "im2col_1d", mel, 23, 3, 1, 1, 23), ref, 0.0)
+    rows = rng.standard_normal((23, 6)).astype(np.float32)  # [T][C], stride 2
+    ref = np.zeros((12, 6 * 3))
+    for t in range(12):
+        for j in range(3):
+            s = 2 * t + j - 1
+            if 0 <= s < 23:
+                ref[t, j::3] = rows[s]
+    check("im2col_rows", run_all(backends, "im2col_rows", rows, 3, 2, 1, 12), ref, 0.0)
+
+
+# ---- the KV store and paged attention ------------------------------------------------------
+
+
+def stored(x: np.ndarray, kv: str) -> np.ndarray:
+    """What a cache of `kv` gives back for rows x (gguf-py's q8_0 quantizer)."""
+    if kv == "f32":
+        return x.astype(np.float64)
+    if kv == "f16":
+        return x.astype(np.float16).astype(np.float64)
+    return g_dequantize(g_quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
+
+
+def attention_ref(q, k, v, q_pos, n_heads, n_kv_heads, hd, window, scale, softcap):
+    out = np.zeros((q.shape[0], n_heads * hd))
+    group = n_heads // n_kv_heads
+    j = np.arange(k.shape[0])
+    for t in range(q.shape[0]):
+        vis = j <= q_pos[t]
+        if window:
+            vis &= q_pos[t] - j < window
+        for h in range(n_heads):
+            kh = (h // group) * hd
+            s = k[:, kh:kh + hd] @ q[t, h * hd:(h + 1) * hd].astype(np.float64) * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            s = np.where(vis, s, -np.inf)
+            p = np.exp(s - s.max())
+            out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ v[:, kh:kh + hd]
+    return out
+
+
+ATTN_CASES = [
+    # n_tok, n_kv, heads, kv heads, head_dim, page_rows, window, softcap, store chunk
+    (1, 1, 4, 4, 64, 16, 0, 0.0, 1),
+    (1, 300, 8, 2, 64, 16, 0, 0.0, 1),
+    (5, 133, 4, 1, 128, 64, 0, 0.0, 5),
+    (33, 33, 6, 2, 64, 16, 0, 0.0, 33),
+    (1, 1000, 8, 8, 128, 64, 0, 50.0, 256),
+    (17, 700, 4, 2, 256, 16, 128, 0.0, 17),
+    (1, 2050, 16, 4, 64, 16, 512, 0.0, 100),
+]
+
+
+@pytest.mark.parametrize("kv", list(KV_TYPES))
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}-cap{}".format(*c[:8]))
+def test_paged_attention(backends, kv, case):
+    n_tok, n_kv, H, KVH, hd, P, window, cap, chunk = case
+    rng = np.random.default_rng(n_kv + hd + H)
+    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    pool_pages = n_pages + 3
+    page_ids = rng.permutation(pool_pages)[:n_pages].astype(np.int32)  # pages out of order
+    scale = 1 / math.sqrt(hd)
+    res = {d: b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, pool_pages, window,
+                                scale, cap, chunk) for d, b in backends.items()}
+    # The store: each row's bytes where the block table puts it, exactly as gguf-py / numpy encode it.
+    row_bytes = {"f32": 4 * KVH * hd, "f16": 2 * KVH * hd, "q8_0": 34 * KVH * hd // 32}[kv]
+    enc = {"f32": lambda x: x.view(np.uint8), "f16": lambda x: x.astype(np.float16).view(np.uint8),
+           "q8_0": lambda x: g_quantize(x, T.Q8_0)}[kv]
+    kb, vb = enc(k).reshape(n_kv, row_bytes), enc(v).reshape(n_kv, row_bytes)
+    for d, (_, raw) in res.items():
+        pages = raw.reshape(pool_pages, 2, P, row_bytes)
+        for p, pid in enumerate(page_ids):
+            r = slice(p * P, min(n_kv, (p + 1) * P))
+            cnt = r.stop - r.start
+            np.testing.assert_array_equal(pages[pid, 0, :cnt], kb[r], err_msg=f"kv_store K on {d}")
+            np.testing.assert_array_equal(pages[pid, 1, :cnt], vb[r], err_msg=f"kv_store V on {d}")
+    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap)
+    check(f"attention {kv}", {d: o for d, (o, _) in res.items()}, ref, F32_DOT)
