@@ -1,0 +1,52 @@
+// Host-side launchers of the CUDA backend's kernels (matmul.cu, attention.cu, ops.cu); all async on `st`.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/backend.h"
+
+namespace dl::cuda {
+
+// A weight matrix in device memory.
+struct Mat {
+  uint32_t type = 0;
+  const uint8_t* w = nullptr;
+  size_t row_bytes = 0;
+  int64_t rows = 0, cols = 0;
+};
+
+bool matmul_type_ok(uint32_t type);
+// y[t][r] = sum_k W[r][k] x[t][k], t < n.
+void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st);
+void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStream_t st);
+
+// Attention: splits of the key range per (query, head) (flash-decoding) and the
+// scratch floats they need; split > 1 needs that scratch.
+int attn_splits(const AttnArgs& a, int n_sm);
+size_t attn_scratch_floats(const AttnArgs& a, int splits);
+void attention(const AttnArgs& a, int splits, float* scratch, cudaStream_t st);
+void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
+              int64_t dim, cudaStream_t st);
+
+void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps, cudaStream_t st);
+void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim, float eps,
+                cudaStream_t st);
+void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos, const RopeParams& p,
+          cudaStream_t st);
+void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim, Act act,
+         cudaStream_t st);
+void add(float* y, const float* x, int64_t n, cudaStream_t st);
+void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim, cudaStream_t st);
+void scale(float* y, float s, int64_t n, cudaStream_t st);
+void softcap(float* y, float cap, int64_t n, cudaStream_t st);
+void gelu_erf(float* y, int64_t n, cudaStream_t st);
+void copy_rows(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t width, cudaStream_t st);
+void im2col_1d(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad, float* out,
+               int64_t T_out, cudaStream_t st);
+void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pad, float* out, int64_t T_out,
+                 cudaStream_t st);
+void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out, cudaStream_t st);
+
+}  // namespace dl::cuda

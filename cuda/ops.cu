@@ -1,0 +1,219 @@
+// Row and elementwise ops of the CUDA backend: norms (double accumulation, as the CPU),
+// RoPE (angles in double), GLU, adds and scales, and the audio towers' im2col / pooling.
+#include <cmath>
+#include <string>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace dl::cuda {
+namespace {
+
+constexpr int TPB = 256;
+
+unsigned grid_for(int64_t n) { return (unsigned)std::min<int64_t>(ceil_div(n, TPB), 65535 * 8); }
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ double block_sum(double v) {
+  __shared__ double sh[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum_d(v);
+  __syncthreads();  // sh may still be read from a previous call
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  double s = 0;
+  for (int w = 0; w < nw; ++w) s += sh[w];
+  return s;
+}
+
+__global__ void rms_norm_k(const float* x, const float* __restrict__ w, float* y, int64_t dim, float eps) {
+  const float* xr = x + blockIdx.x * dim;
+  float* yr = y + blockIdx.x * dim;
+  double ss = 0;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) ss += (double)xr[i] * xr[i];
+  ss = block_sum(ss);
+  const float s = (float)(1.0 / sqrt(ss / dim + eps));
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = w ? __fmul_rn(xr[i], s) * w[i] : xr[i] * s;
+}
+
+__global__ void layer_norm_k(const float* x, const float* __restrict__ w, const float* __restrict__ b, float* y,
+                             int64_t dim, float eps) {
+  const float* xr = x + blockIdx.x * dim;
+  float* yr = y + blockIdx.x * dim;
+  double mean = 0;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) mean += xr[i];
+  mean = block_sum(mean) / dim;
+  double var = 0;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    const double d = (double)xr[i] - mean;
+    var += d * d;
+  }
+  var = block_sum(var);
+  const double inv = 1.0 / sqrt(var / dim + eps);
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = (float)(((double)xr[i] - mean) * inv);
+    if (w) v = __fmul_rn(v, w[i]);
+    if (b) v += b[i];
+    yr[i] = v;
+  }
+}
+
+// One thread per (token, pair): the angle in double (long positions keep their
+// precision), then the pair rotated in every head.
+__global__ void rope_k(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
+                       RopeParams p) {
+  const int half = p.n_rot / 2;
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= n_tok * half) return;
+  const int64_t t = idx / half;
+  const int i = (int)(idx % half);
+  double inv = p.inv_freq ? p.inv_freq[i] : pow((double)p.base, -2.0 * i / p.n_rot);
+  if (p.freq_factors) inv /= p.freq_factors[i];
+  const double theta = (double)pos[t] * p.freq_scale * inv;
+  double sd, cd;
+  sincos(theta, &sd, &cd);
+  const float c = __fmul_rn((float)cd, p.mscale), s = __fmul_rn((float)sd, p.mscale);
+  const int i0 = p.neox ? i : 2 * i, i1 = p.neox ? i + half : 2 * i + 1;
+  for (int h = 0; h < n_heads; ++h) {
+    float* v = x + t * stride + (int64_t)h * head_dim;
+    const float a = v[i0], b = v[i1];
+    v[i0] = __fmul_rn(a, c) - __fmul_rn(b, s);
+    v[i1] = __fmul_rn(a, s) + __fmul_rn(b, c);
+  }
+}
+
+__device__ __forceinline__ float silu(float x) {
+  const float e = expf(-fabsf(x));
+  return (x >= 0.f ? x : x * e) / (1.f + e);
+}
+__device__ __forceinline__ float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+__global__ void glu_k(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows,
+                      int64_t dim, int act) {
+  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n_rows * dim;
+       idx += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = idx / dim, i = idx % dim;
+    const float g = gate[r * gs + i];
+    out[idx] = (act == 0 ? silu(g) : gelu_tanh(g)) * up[r * us + i];
+  }
+}
+
+#define DL_GRID_LOOP(n) \
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+__global__ void add_k(float* y, const float* x, int64_t n) { DL_GRID_LOOP(n) y[i] += x[i]; }
+__global__ void add_bias_k(float* y, const float* b, int64_t n_rows, int64_t dim) {
+  DL_GRID_LOOP(n_rows * dim) y[i] += b[i % dim];
+}
+__global__ void scale_k(float* y, float s, int64_t n) { DL_GRID_LOOP(n) y[i] *= s; }
+__global__ void softcap_k(float* y, float cap, int64_t n) { DL_GRID_LOOP(n) y[i] = cap * tanhf(y[i] / cap); }
+__global__ void gelu_erf_k(float* y, int64_t n) {
+  DL_GRID_LOOP(n) y[i] = 0.5f * y[i] * (1.f + erff(y[i] * 0.70710678118654752f));
+}
+__global__ void copy_rows_k(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t width) {
+  DL_GRID_LOOP(rows * width) {
+    const int64_t r = i / width, c = i % width;
+    dst[r * ds + c] = src[r * ss + c];
+  }
+}
+// out[t][c*k + j] = x(c, t*stride + j - pad), 0 outside [0, T); rows_layout: x is [T][C], else [C][x_stride].
+__global__ void im2col_k(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad,
+                         float* out, int64_t T_out, bool rows_layout) {
+  const int64_t w = C * k;
+  DL_GRID_LOOP(T_out * w) {
+    const int64_t t = i / w, ck = i % w, c = ck / k;
+    const int j = (int)(ck % k);
+    const int64_t s = t * stride + j - pad;
+    out[i] = s < 0 || s >= T ? 0.f : (rows_layout ? x[s * C + c] : x[c * x_stride + s]);
+  }
+}
+__global__ void avg_pool_k(const float* x, int64_t n_rows, int64_t dim, int k, float* out, int64_t n_out) {
+  DL_GRID_LOOP(n_out * dim) {
+    const int64_t r = i / dim, d = i % dim;
+    const int64_t r0 = r * k, r1 = min(n_rows, r0 + k);
+    float s = 0.f;
+    for (int64_t j = r0; j < r1; ++j) s += x[j * dim + d];
+    out[i] = s / (float)(r1 - r0);
+  }
+}
+
+}  // namespace
+
+void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps, cudaStream_t st) {
+  if (n_rows <= 0) return;
+  rms_norm_k<<<(unsigned)n_rows, TPB, 0, st>>>(x, w, y, dim, eps);
+  check_launch("rms_norm");
+}
+void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim, float eps,
+                cudaStream_t st) {
+  if (n_rows <= 0) return;
+  layer_norm_k<<<(unsigned)n_rows, TPB, 0, st>>>(x, w, b, y, dim, eps);
+  check_launch("layer_norm");
+}
+void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos, const RopeParams& p,
+          cudaStream_t st) {
+  const int64_t n = n_tok * (p.n_rot / 2);
+  if (n <= 0) return;
+  if (p.n_rot > head_dim) throw Error("cuda rope: n_rot " + std::to_string(p.n_rot) + " > head_dim");
+  rope_k<<<(unsigned)ceil_div(n, 128), 128, 0, st>>>(x, n_tok, stride, n_heads, head_dim, pos, p);
+  check_launch("rope");
+}
+void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim, Act act,
+         cudaStream_t st) {
+  if (n_rows * dim <= 0) return;
+  glu_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(gate, gs, up, us, out, n_rows, dim, act == Act::silu ? 0 : 1);
+  check_launch("glu");
+}
+void add(float* y, const float* x, int64_t n, cudaStream_t st) {
+  if (n <= 0) return;
+  add_k<<<grid_for(n), TPB, 0, st>>>(y, x, n);
+  check_launch("add");
+}
+void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim, cudaStream_t st) {
+  if (n_rows * dim <= 0) return;
+  add_bias_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(y, b, n_rows, dim);
+  check_launch("add_bias");
+}
+void scale(float* y, float s, int64_t n, cudaStream_t st) {
+  if (n <= 0) return;
+  scale_k<<<grid_for(n), TPB, 0, st>>>(y, s, n);
+  check_launch("scale");
+}
+void softcap(float* y, float cap, int64_t n, cudaStream_t st) {
+  if (n <= 0) return;
+  softcap_k<<<grid_for(n), TPB, 0, st>>>(y, cap, n);
+  check_launch("softcap");
+}
+void gelu_erf(float* y, int64_t n, cudaStream_t st) {
+  if (n <= 0) return;
+  gelu_erf_k<<<grid_for(n), TPB, 0, st>>>(y, n);
+  check_launch("gelu_erf");
+}
+void copy_rows(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t width, cudaStream_t st) {
+  if (rows * width <= 0) return;
+  copy_rows_k<<<grid_for(rows * width), TPB, 0, st>>>(dst, ds, src, ss, rows, width);
+  check_launch("copy_rows");
+}
+void im2col_1d(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad, float* out,
+               int64_t T_out, cudaStream_t st) {
+  if (T_out * C * k <= 0) return;
+  im2col_k<<<grid_for(T_out * C * k), TPB, 0, st>>>(x, x_stride, C, T, k, stride, pad, out, T_out, false);
+  check_launch("im2col_1d");
+}
+void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pad, float* out, int64_t T_out,
+                 cudaStream_t st) {
+  if (T_out * C * k <= 0) return;
+  im2col_k<<<grid_for(T_out * C * k), TPB, 0, st>>>(x, C, C, T, k, stride, pad, out, T_out, true);
+  check_launch("im2col_rows");
+}
+void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out, cudaStream_t st) {
+  if (n_rows <= 0 || dim <= 0) return;
+  if (k <= 0) throw Error("cuda avg_pool_rows: k must be positive");
+  const int64_t n_out = ceil_div(n_rows, k);
+  avg_pool_k<<<grid_for(n_out * dim), TPB, 0, st>>>(x, n_rows, dim, k, out, n_out);
+  check_launch("avg_pool_rows");
+}
+
+}  // namespace dl::cuda
