@@ -151,7 +151,7 @@ class CudaBackend final : public Backend {
     if (cuda::matmul_type_ok(type)) return type;
     return cols % 32 == 0 ? (uint32_t)GGMLType::Q8_0 : (uint32_t)GGMLType::F32;
   }
-  void load_weight(Weight& w) override {
+  void load_weight(Weight& w, WeightUse) override {  // matmul and get_rows read the same bytes
     if (!w.host) throw Error("cuda load_weight: the weight has no host bytes");
     if (!cuda::matmul_type_ok(w.type))
       throw UnsupportedModelError("cuda: no kernel for weight type " + type_label(w.type));
