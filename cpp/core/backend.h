@@ -10,11 +10,12 @@
 //
 // Order. Ops run in the order they are issued, on the backend's one queue (a CUDA
 // stream). upload() returns once the source may be reused; download() and sync()
-// return once everything issued before them has finished. A decode step issues all
-// of its per-step host data (token ids, positions, block tables) in one upload at
-// its start and its logits in one download at its end, bracketed by begin_step() /
-// end_step(): a backend may record the ops between them and replay them (a CUDA
-// graph) or run a fused kernel instead.
+// return once everything issued before them has finished. A forward step uploads
+// all of its per-step host data (token ids, positions, block tables, embedding rows)
+// first, then issues its ops between begin_step() and end_step() (only ops and
+// buffer growth in between: no upload, download or sync), then downloads its logits.
+// A backend may record the ops between the brackets and replay them (a CUDA graph)
+// or run a fused kernel instead.
 //
 // Weights. The backend says which format it wants each matrix in (weight_type) and
 // makes the chosen bytes resident (load_weight: the CPU packs them for its ISA, a

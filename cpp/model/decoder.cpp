@@ -201,15 +201,19 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
   const ModelConfig& c = cfg_;
   Backend& be = *backend_;
   const int64_t D = c.dim;
-  be.begin_step();
+  if (embd) {  // embedding rows from the host: uploaded with the step's other host data, before the step
+    embd_dev_ = scratch(embd_, n * D, "embedding rows");
+    be.upload(embd_dev_, embd, (size_t)(n * D) * 4);
+  }
   stage_step(runs, n_runs, tokens, n);
   float* x = scratch(x_, n * D, "activations");
+  be.begin_step();
   if (tokens) {
     be.get_rows(tok_embd_, tokens_dev_, n, x);
     // Gemma rounds the scale through its compute dtype; sqrt(dim) in f32 as the reference does.
     if (traits_->embed_scale_sqrt_dim) be.scale(x, std::sqrt((float)D), n * D);
   } else {
-    be.upload(x, embd, (size_t)(n * D) * 4);
+    be.copy(x, embd_dev_, (size_t)(n * D) * 4);
   }
   for (int il = 0; il < c.n_layers; ++il) {
     attention_block(il, runs, n_runs, n);

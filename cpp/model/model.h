@@ -142,7 +142,8 @@ class Model : public std::enable_shared_from_this<Model> {
 
   // Backend scratch for one chunk of up to max_chunk_ rows (grown on demand).
   int64_t max_chunk_ = 256;
-  BufferPtr x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, logits_;
+  BufferPtr x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, logits_, embd_;
+  float* embd_dev_ = nullptr;
   // Per-step host data, uploaded at once: token ids, positions, then each run's block table.
   std::vector<int32_t> meta_host_;
   BufferPtr meta_;

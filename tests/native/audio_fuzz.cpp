@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < x.size(); ++i) x[i] = 0.3f * std::sin(0.05f * (float)i);
   for (int i = 1; i < argc; ++i) {
     try {
-      auto e = dl::audio::AudioEncoder::load(argv[i], 1);
+      auto e = dl::audio::AudioEncoder::load(argv[i], "cpu", 1);
       dl::audio::AudioScratch s;
       for (bool full : {false, true}) {
         std::vector<float> out((size_t)(e->n_rows((int64_t)x.size(), full) * e->config().proj_dim));
