@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "core/errors.h"
@@ -191,7 +192,19 @@ Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, 
   w.host = file_->tensor_data(*ti);
   w.row_bytes = (size_t)type_nbytes(ti->type, w.cols);
   const uint32_t want = backend_->weight_type(w.type, w.cols, mode_);
-  if (want != w.type) w = convert(w, want);
+  if (want != w.type) {
+    // A quantized format the backend has no kernel for is converted here, said once per load and type
+    // (float matrices requantized by QuantMode are the documented default, not worth a line).
+    const bool is_float = w.type == (uint32_t)GGMLType::F32 || w.type == (uint32_t)GGMLType::F16 ||
+                          w.type == (uint32_t)GGMLType::BF16;
+    if (!is_float && mode_ != QuantMode::fp32 && noticed_.insert(w.type).second) {
+      const TypeTraits* from = type_traits(w.type);
+      const TypeTraits* to = type_traits(want);
+      std::fprintf(stderr, "dasllama: the %s backend has no %s kernel: those weights are converted to %s at load\n",
+                   backend_->name(), from ? from->name : "?", to ? to->name : "?");
+    }
+    w = convert(w, want);
+  }
   if (!backend_->supports(Op::matmul, w.type)) {
     const TypeTraits* wt = type_traits(w.type);
     throw UnsupportedModelError("tensor '" + name + "': the " + backend_->name() + " backend has no matmul for " +

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,7 @@ class Model : public std::enable_shared_from_this<Model> {
   QuantMode mode_ = QuantMode::q8;
   std::shared_ptr<Backend> backend_;
   size_t weight_bytes_ = 0;
+  std::set<uint32_t> noticed_;  // formats converted at load and said so
   std::shared_ptr<Tokenizer> tokenizer_;
   std::vector<int32_t> eog_;
   std::mutex mu_;

@@ -1,0 +1,58 @@
+"""Choosing a device: the registry's answers, DASLLAMA_DEVICE, --device, and clear refusals.
+
+Runs everywhere: on a machine without a GPU (CI) asking for CUDA must fail with a reason
+and leave the process generating on the CPU; on a GPU machine it must load there.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dasllama as d
+
+CUDA = d.system_info()["devices"]["cuda"]
+
+
+def test_system_info_says_what_was_built_and_found():
+    info = d.system_info()
+    assert info["backends"]["cpu"] == "built"
+    devs = info["devices"]
+    assert devs["cpu"]["devices"][0]["threads"] >= 1
+    for b in ("cuda", "vulkan", "metal"):
+        e = devs[b]
+        assert e["devices"] or e["error"], f"{b}: neither a device nor a reason"
+        assert (info["backends"][b] == "built") == e["built"]
+
+
+def test_unknown_and_malformed_devices(smollm2_path):
+    for bad in ("tpu", "cuda:x", "cuda:-1", "cpu:1"):
+        with pytest.raises(d.DasllamaError):
+            d.load_model(smollm2_path, device=bad)
+
+
+@pytest.mark.skipif(bool(CUDA["devices"]), reason="this machine has a CUDA device (tests/test_cuda.py covers it)")
+def test_cuda_missing_is_a_clear_error_and_the_cpu_still_works(smollm2_path, monkeypatch):
+    with pytest.raises(d.DeviceError, match="cuda") as e:
+        d.load_model(smollm2_path, device="cuda")
+    assert "not built" in str(e.value) or "driver" in str(e.value) or "no CUDA device" in str(e.value)
+    monkeypatch.setenv("DASLLAMA_DEVICE", "cuda:0")
+    with pytest.raises(d.DeviceError):
+        d.load_model(smollm2_path)  # the environment picks the device when the call does not
+    monkeypatch.delenv("DASLLAMA_DEVICE")
+    m = d.load_model(smollm2_path)
+    assert m.device == "cpu" and "threads=" in repr(m)
+    s = d.create_session(m)
+    d.eval(m, s, d.encode(m, "Hello"))
+    assert np.isfinite(s.logits).all()
+    r = subprocess.run([sys.executable, "-m", "dasllama.cli", "run", "--model", str(smollm2_path), "--device", "cuda",
+                        "Hi"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "dasllama: error:" in r.stderr and "cuda" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_backend_handle_refuses_bad_sizes():
+    be = d._core.Backend("cpu")
+    with pytest.raises(ValueError):
+        be.matmul(np.zeros((2, 10), np.uint8), 8, 2, 32, np.zeros((1, 32), np.float32))  # q8_0 row is 34 bytes
