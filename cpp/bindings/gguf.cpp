@@ -88,11 +88,19 @@ std::vector<py::ssize_t> numpy_shape(const gguf::TensorInfo& t) {
 
 void bind_gguf(py::module_& m) {
   py::class_<File, std::shared_ptr<File>>(m, "GGUFFile", "A GGUF file mapped read-only and validated.")
-      .def(py::init([](const std::string& path) {
+      .def(py::init([](const std::string& path, bool join_splits) {
              py::gil_scoped_release nogil;
-             return File::open(path);
+             return File::open(path, join_splits);
            }),
-           py::arg("path"))
+           py::arg("path"), py::arg("join_splits") = true,
+           "A first split part (NAME-00001-of-0000N.gguf) joins its other parts; join_splits=False opens one "
+           "file as it is.")
+      .def_property_readonly("part_paths", [](const File& f) {
+             std::vector<std::string> out;
+             for (size_t i = 0; i < f.n_parts(); ++i) out.push_back(f.part_path(i));
+             return out;
+           },
+           "The files this one is made of: [path] for a plain file, every part of a split in order.")
       .def_property_readonly("path", &File::path)
       .def_property_readonly("version", &File::version)
       .def_property_readonly("alignment", &File::alignment)
@@ -122,10 +130,12 @@ void bind_gguf(py::module_& m) {
       .def("tensors", [](const File& f) {
              py::list out;
              for (const gguf::TensorInfo& t : f.tensors())
-               out.append(py::make_tuple(t.name, numpy_shape(t), t.type, f.data_offset() + t.offset, t.nbytes));
+               out.append(py::make_tuple(t.name, numpy_shape(t), t.type, f.part_data_offset(t.part) + t.offset,
+                                         t.nbytes, t.part));
              return out;
            },
-           "[(name, numpy shape (outermost first), ggml type id, absolute file offset, nbytes)] in file order.")
+           "[(name, numpy shape (outermost first), ggml type id, absolute offset in its part's file, nbytes, "
+           "split part index)] in file order.")
       .def("tensor_bytes", [](std::shared_ptr<File> f, const std::string& name) {
              const gguf::TensorInfo& t = tensor_or_keyerror(*f, name);
              // A view over the mapping; the array's base holds the File, so the map outlives it.

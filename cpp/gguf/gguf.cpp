@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -283,7 +284,7 @@ int64_t TensorInfo::n_elements() const {
 
 // ---- File --------------------------------------------------------------------
 
-std::shared_ptr<File> File::open(const std::string& path) {
+std::shared_ptr<File> File::open(const std::string& path, bool join_splits) {
   std::shared_ptr<File> f(new File());
   f->path_ = path;
   f->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -301,7 +302,150 @@ std::shared_ptr<File> File::open(const std::string& path) {
   ::close(f->fd_);
   f->fd_ = -1;
   f->parse();
+  f->part_data_.assign(1, f->base_ + f->data_offset_);
+  if (join_splits) f->join_parts();
   return f;
+}
+
+// ---- split files ----------------------------------------------------------------
+
+namespace {
+constexpr const char* kSplitNo = "split.no";
+constexpr const char* kSplitCount = "split.count";
+constexpr const char* kSplitTensors = "split.tensors.count";
+constexpr int kMaxSplits = 65535;  // split.count is a uint16 in both writers
+
+std::string base_name(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+}  // namespace
+
+bool File::split_name(const std::string& path, std::string* prefix, int* no, int* count) {
+  // PREFIX-KKKKK-of-NNNNN.gguf: five or more digits each (printf's %05d).
+  static const std::string tail = ".gguf";
+  if (path.size() < tail.size() || path.compare(path.size() - tail.size(), tail.size(), tail) != 0) return false;
+  size_t end = path.size() - tail.size();
+  size_t i = end;
+  while (i > 0 && path[i - 1] >= '0' && path[i - 1] <= '9') --i;
+  size_t n_digits = end - i;
+  if (n_digits < 5 || n_digits > 9 || i < 4 || path.compare(i - 4, 4, "-of-") != 0) return false;
+  int n = std::stoi(path.substr(i, n_digits));
+  size_t j = i - 4;
+  size_t k = j;
+  while (k > 0 && path[k - 1] >= '0' && path[k - 1] <= '9') --k;
+  size_t k_digits = j - k;
+  if (k_digits < 5 || k_digits > 9 || k < 1 || path[k - 1] != '-') return false;
+  if (prefix) *prefix = path.substr(0, k - 1);
+  if (no) *no = std::stoi(path.substr(k, k_digits));
+  if (count) *count = n;
+  return true;
+}
+
+std::string File::split_part_name(const std::string& prefix, int no, int count) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "-%05d-of-%05d.gguf", no, count);
+  return prefix + buf;
+}
+
+void File::join_parts() {
+  const std::optional<int64_t> count = get_int(kSplitCount);
+  const std::optional<int64_t> no = get_int(kSplitNo);
+  const std::string me = base_name(path_);
+  if (!count) {
+    if (no && *no != 0)
+      throw GGUFError("GGUF: " + me + " has split.no = " + std::to_string(*no) + " but no split.count");
+    return;
+  }
+  if (*count < 1 || *count > kMaxSplits)
+    throw GGUFError("GGUF: " + me + ": split.count " + std::to_string(*count) + " not in 1.." +
+                    std::to_string(kMaxSplits));
+  if (!no) throw GGUFError("GGUF: " + me + ": split.count is set but split.no is missing");
+  if (*no < 0 || *no >= *count)
+    throw GGUFError("GGUF: " + me + ": split.no " + std::to_string(*no) + " not in 0.." + std::to_string(*count - 1));
+  std::string prefix;
+  if (*no != 0) {
+    std::string first = split_name(path_, &prefix, nullptr, nullptr)
+                            ? base_name(split_part_name(prefix, 1, static_cast<int>(*count)))
+                            : "the part with split.no = 0";
+    throw GGUFError("GGUF: " + me + " is part " + std::to_string(*no + 1) + " of " + std::to_string(*count) +
+                    " of a split model; open its first part (" + first + ")");
+  }
+  if (*count == 1) return;
+  const std::optional<int64_t> total = get_int(kSplitTensors);
+  if (!total) throw GGUFError("GGUF: " + me + ": split.count is set but split.tensors.count is missing");
+  if (*total < 0 || static_cast<uint64_t>(*total) < tensors_.size())
+    throw GGUFError("GGUF: " + me + ": split.tensors.count " + std::to_string(*total) + " is less than the " +
+                    std::to_string(tensors_.size()) + " tensors of the first part");
+  int name_no = 0, name_count = 0;
+  if (!split_name(path_, &prefix, &name_no, &name_count) || name_no != 1 || name_count != *count)
+    throw GGUFError("GGUF: " + me + " is part 1 of " + std::to_string(*count) +
+                    " of a split model, but its name does not end in " +
+                    base_name(split_part_name("", 1, static_cast<int>(*count))) +
+                    ", so the other parts cannot be found");
+
+  const int n = static_cast<int>(*count);
+  parts_.reserve(static_cast<size_t>(n - 1));
+  uint64_t n_all = tensors_.size();
+  for (int k = 1; k < n; ++k) {
+    const std::string pp = split_part_name(prefix, k + 1, n);
+    const std::string what = "GGUF: split part " + std::to_string(k + 1) + " of " + std::to_string(n) + " (" +
+                             base_name(pp) + ")";
+    struct stat st;
+    if (::stat(pp.c_str(), &st) != 0)
+      throw GGUFError(what + " is missing: " + std::strerror(errno) + " (" + pp + ")");
+    std::shared_ptr<File> p;
+    try {
+      p = File::open(pp, false);
+    } catch (const GGUFError& e) {
+      throw GGUFError(what + ": " + e.what());
+    } catch (const Error& e) {
+      throw GGUFError(what + ": " + e.what());
+    }
+    try {
+      const std::optional<int64_t> pc = p->get_int(kSplitCount);
+      const std::optional<int64_t> pn = p->get_int(kSplitNo);
+      const std::optional<int64_t> pt = p->get_int(kSplitTensors);
+      if (!pc || !pn || !pt) throw GGUFError("not a split part (split.no, split.count or split.tensors.count missing)");
+      if (*pn != k)
+        throw GGUFError("has split.no = " + std::to_string(*pn) + ", expected " + std::to_string(k));
+      if (*pc != *count || *pt != *total)
+        throw GGUFError("belongs to another split: split.count " + std::to_string(*pc) + ", split.tensors.count " +
+                        std::to_string(*pt) + " (the first part says " + std::to_string(*count) + " and " +
+                        std::to_string(*total) + ")");
+      if (p->version() != version_)
+        throw GGUFError("has GGUF version " + std::to_string(p->version()) + ", the first part " +
+                        std::to_string(version_));
+    } catch (const GGUFError& e) {
+      throw GGUFError(what + ": " + e.what());
+    }
+    n_all += p->tensors().size();
+    if (n_all > static_cast<uint64_t>(*total))
+      throw GGUFError(what + ": the parts so far hold " + std::to_string(n_all) +
+                      " tensors, more than split.tensors.count " + std::to_string(*total));
+    parts_.push_back(std::move(p));
+  }
+  if (n_all != static_cast<uint64_t>(*total))
+    throw GGUFError("GGUF: the " + std::to_string(n) + " parts of " + me + " hold " + std::to_string(n_all) +
+                    " tensors, split.tensors.count says " + std::to_string(*total));
+
+  // One tensor list over all parts; names are unique across the whole split.
+  tensors_.reserve(static_cast<size_t>(n_all));
+  for (size_t k = 0; k < parts_.size(); ++k) {
+    part_data_.push_back(parts_[k]->base_ + parts_[k]->data_offset_);
+    for (const TensorInfo& t : parts_[k]->tensors()) {
+      tensors_.push_back(t);
+      tensors_.back().part = static_cast<uint32_t>(k + 1);
+    }
+  }
+  // tensors_ may have moved: rebuild the index over the final strings.
+  tensor_index_.clear();
+  tensor_index_.reserve(tensors_.size());
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (!tensor_index_.emplace(std::string_view(tensors_[i].name), i).second)
+      throw GGUFError("GGUF: tensor '" + printable(tensors_[i].name) + "' appears in more than one part (" +
+                      base_name(part_path(tensors_[i].part)) + ")");
+  }
 }
 
 File::~File() {

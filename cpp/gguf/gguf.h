@@ -1,6 +1,9 @@
 // GGUF v2/v3 reader over an mmap: metadata, tensor infos, tensor data in place.
 // Every malformed input throws dl::GGUFError naming the field and byte offset;
 // nothing is allocated from a size before it is checked against the file.
+// Split files (llama.cpp's gguf-split / gguf-py's writer: NAME-00001-of-0000N.gguf
+// with keys split.no / split.count / split.tensors.count) open from the first part as
+// one File: every part is mapped and validated, tensors point into their own part.
 // Knows no architecture.
 #pragma once
 #include <cstdint>
@@ -75,15 +78,18 @@ struct TensorInfo {
   std::string name;
   std::vector<int64_t> ne;  // dimensions, innermost (contiguous) first, as ggml stores them
   uint32_t type = 0;        // ggml type id (dl::GGMLType)
-  uint64_t offset = 0;      // relative to the data section
+  uint64_t offset = 0;      // relative to the data section of its part
   uint64_t nbytes = 0;
+  uint32_t part = 0;        // split part holding the bytes (0: the first / only file)
   int64_t n_elements() const;
 };
 
 class File {
  public:
   // Maps and validates the whole header. Throws GGUFError (or dl::Error for I/O).
-  static std::shared_ptr<File> open(const std::string& path);
+  // A first split part (split.count > 1) maps and joins the other parts named after it;
+  // join_splits=false opens exactly one file (any part) as it is.
+  static std::shared_ptr<File> open(const std::string& path, bool join_splits = true);
   ~File();
   File(const File&) = delete;
   File& operator=(const File&) = delete;
@@ -108,13 +114,21 @@ class File {
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const TensorInfo* find_tensor(std::string_view name) const;
   // Pointer to the tensor's bytes inside the mapping (valid while the File lives).
-  const uint8_t* tensor_data(const TensorInfo& t) const { return base_ + data_offset_ + t.offset; }
+  const uint8_t* tensor_data(const TensorInfo& t) const { return part_data_[t.part] + t.offset; }
+  // Split parts: 1 for a plain file; part_path(0) is path().
+  size_t n_parts() const { return part_data_.size(); }
+  const std::string& part_path(size_t i) const { return i == 0 ? path_ : parts_.at(i - 1)->path_; }
+  uint64_t part_data_offset(size_t i) const { return i == 0 ? data_offset_ : parts_.at(i - 1)->data_offset_; }
+  // The split prefix and count a file name says (PREFIX-0000K-of-0000N.gguf); false if none.
+  static bool split_name(const std::string& path, std::string* prefix, int* no, int* count);
+  static std::string split_part_name(const std::string& prefix, int no, int count);  // no is 1-based
   const uint8_t* base() const { return base_; }
   uint64_t header_end() const { return header_end_; }  // end of the tensor infos, before padding
 
  private:
   File() = default;
   void parse();
+  void join_parts();
   std::string path_;
   const uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
@@ -127,6 +141,8 @@ class File {
   std::unordered_map<std::string_view, size_t> kv_index_;
   std::vector<TensorInfo> tensors_;
   std::unordered_map<std::string_view, size_t> tensor_index_;
+  std::vector<const uint8_t*> part_data_;      // per part: start of its data section
+  std::vector<std::shared_ptr<File>> parts_;   // parts 2..N of a split (kept mapped)
 };
 
 }  // namespace dl::gguf

