@@ -29,13 +29,19 @@ __device__ __forceinline__ float kv_elem(const uint8_t* r, int d) {
   }
 }
 
-// One block per (split, query head, token). Lane holds dims lane + 32 i (i < NI) of q
+// One block per (split, query head, row z). Lane holds dims lane + 32 i (i < NI) of q
 // and of its running output; warps take KB keys at a time from the split's range.
 // splits == 1 writes the normalized output; else (m, l, acc[hd]) partials to `part`.
+// A group (dargs set: sessions' args in device memory, so a replayed graph sees each
+// step's n_kv) maps row z to session z / maxtok, token z % maxtok; else z is the token of a0.
 template <int KT, int NI>
-__global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a, int splits, float* __restrict__ part) {
+__global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok,
+                                                     int splits, float* __restrict__ part) {
   const int s = blockIdx.x, h = blockIdx.y;
-  const int64_t t = blockIdx.z;
+  const int64_t z = blockIdx.z;
+  const AttnArgs a = dargs ? dargs[z / maxtok] : a0;
+  const int64_t t = dargs ? z % maxtok : z;
+  if (t >= a.n_tok) return;  // the whole block: a shorter session of the group
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hd = a.head_dim;
   const int kvh = h / (a.n_heads / a.n_kv_heads);
@@ -128,7 +134,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a, int splits, flo
       o[d] = v * inv;
     }
   } else {
-    float* p = part + ((t * a.n_heads + h) * splits + s) * (int64_t)(hd + 2);
+    float* p = part + ((z * a.n_heads + h) * splits + s) * (int64_t)(hd + 2);
     if (threadIdx.x == 0) p[0] = M, p[1] = L;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
       float v = 0.f;
@@ -140,11 +146,15 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a, int splits, flo
 }
 
 // One block per (head, token): merges the splits' partial states.
-__global__ void attn_combine_k(AttnArgs a, int splits, const float* __restrict__ part) {
+__global__ void attn_combine_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok, int splits,
+                               const float* __restrict__ part) {
   const int h = blockIdx.x;
-  const int64_t t = blockIdx.y;
+  const int64_t z = blockIdx.y;
+  const AttnArgs a = dargs ? dargs[z / maxtok] : a0;
+  const int64_t t = dargs ? z % maxtok : z;
+  if (t >= a.n_tok) return;
   const int hd = a.head_dim;
-  const float* p = part + (t * a.n_heads + h) * splits * (int64_t)(hd + 2);
+  const float* p = part + (z * a.n_heads + h) * splits * (int64_t)(hd + 2);
   float M = -INFINITY;
   for (int s = 0; s < splits; ++s) M = fmaxf(M, p[s * (hd + 2)]);
   float L = 0.f;
@@ -166,8 +176,8 @@ __global__ void attn_combine_k(AttnArgs a, int splits, const float* __restrict__
 
 // Block (row i, K or V); f32/f16: threads over elements; q8_0: a warp per 32-block,
 // quantized as ggml's quantize_row_q8_0 does (d = amax/127, q = round(x/d), d as f16).
-__global__ void kv_store_k(KVView kv, int64_t first, const float* __restrict__ k, const float* __restrict__ v,
-                           int64_t src_stride, int64_t dim) {
+__device__ __forceinline__ void kv_store_row(const KVView& kv, int64_t first, const float* __restrict__ k,
+                                             const float* __restrict__ v, int64_t src_stride, int64_t dim) {
   const int64_t i = blockIdx.x;
   const bool is_v = blockIdx.y == 1;
   const float* src = (is_v ? v : k) + i * src_stride;
@@ -191,32 +201,62 @@ __global__ void kv_store_k(KVView kv, int64_t first, const float* __restrict__ k
   }
 }
 
+__global__ void kv_store_k(KVView kv, int64_t first, const float* __restrict__ k, const float* __restrict__ v,
+                           int64_t src_stride, int64_t dim) {
+  kv_store_row(kv, first, k, v, src_stride, dim);
+}
+
+// Several sessions' stores in one launch: descriptor blockIdx.z, row blockIdx.x.
+__global__ void kv_store_group_k(const KVStoreDesc* __restrict__ d, int64_t src_stride, int64_t dim) {
+  const KVStoreDesc& e = d[blockIdx.z];
+  if ((int64_t)blockIdx.x >= e.n) return;
+  const KVView kv = e.kv;
+  kv_store_row(kv, e.first, e.k, e.v, src_stride, dim);
+}
+
 template <int KT>
-void launch_kt(const AttnArgs& a, int splits, float* part, cudaStream_t st) {
-  const dim3 grid((unsigned)splits, (unsigned)a.n_heads, (unsigned)a.n_tok);
+void launch_kt(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* part,
+               cudaStream_t st) {
+  const dim3 grid((unsigned)splits, (unsigned)a.n_heads, (unsigned)rows);
   if (a.head_dim <= 64)
-    attn_k<KT, 2><<<grid, WARPS * 32, 0, st>>>(a, splits, part);
+    attn_k<KT, 2><<<grid, WARPS * 32, 0, st>>>(a, dargs, maxtok, splits, part);
   else if (a.head_dim <= 128)
-    attn_k<KT, 4><<<grid, WARPS * 32, 0, st>>>(a, splits, part);
+    attn_k<KT, 4><<<grid, WARPS * 32, 0, st>>>(a, dargs, maxtok, splits, part);
   else
-    attn_k<KT, 8><<<grid, WARPS * 32, 0, st>>>(a, splits, part);
+    attn_k<KT, 8><<<grid, WARPS * 32, 0, st>>>(a, dargs, maxtok, splits, part);
+}
+
+void launch(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* scratch,
+            cudaStream_t st) {
+  switch (a.kv.type) {
+    case KVType::f32: launch_kt<0>(a, dargs, maxtok, rows, splits, scratch, st); break;
+    case KVType::f16: launch_kt<1>(a, dargs, maxtok, rows, splits, scratch, st); break;
+    case KVType::q8_0: launch_kt<8>(a, dargs, maxtok, rows, splits, scratch, st); break;
+    default: throw UnsupportedModelError("cuda attention: unknown KV type");
+  }
+  check_launch("attention");
+  if (splits > 1) {
+    attn_combine_k<<<dim3((unsigned)a.n_heads, (unsigned)rows), 128, 0, st>>>(a, dargs, maxtok, splits, scratch);
+    check_launch("attention combine");
+  }
 }
 
 }  // namespace
 
-int attn_splits(const AttnArgs& a, int n_sm) {
+int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm) {
   // Enough blocks for ~8 per SM, but no split under 256 keys (its fixed costs would dominate).
-  const int64_t base = std::max<int64_t>(1, a.n_tok * a.n_heads);
+  const int64_t base = std::max<int64_t>(1, rows * n_heads);
   const int64_t want = (8 * (int64_t)n_sm + base - 1) / base;
-  const int64_t cap = std::max<int64_t>(1, (a.n_kv + 255) / 256);
+  const int64_t cap = std::max<int64_t>(1, (n_kv + 255) / 256);
   return (int)std::max<int64_t>(1, std::min<int64_t>({want, cap, 64}));
 }
+int attn_splits(const AttnArgs& a, int n_sm) { return attn_splits(a.n_tok, a.n_heads, a.n_kv, n_sm); }
 
 size_t attn_scratch_floats(const AttnArgs& a, int splits) {
   return splits <= 1 ? 0 : (size_t)a.n_tok * a.n_heads * splits * (a.head_dim + 2);
 }
 
-void attention(const AttnArgs& a, int splits, float* scratch, cudaStream_t st) {
+void attn_check(const AttnArgs& a) {
   if (a.n_tok <= 0 || a.n_heads <= 0) return;
   if (a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
     throw Error("cuda attention: n_heads " + std::to_string(a.n_heads) + " is not a multiple of n_kv_heads " +
@@ -227,17 +267,20 @@ void attention(const AttnArgs& a, int splits, float* scratch, cudaStream_t st) {
     throw UnsupportedModelError("cuda attention: a q8_0 cache needs head_dim a multiple of 32, not " +
                                 std::to_string(a.head_dim));
   if (a.n_tok > 65535) throw Error("cuda attention: more than 65535 query rows in one call");
-  switch (a.kv.type) {
-    case KVType::f32: launch_kt<0>(a, splits, scratch, st); break;
-    case KVType::f16: launch_kt<1>(a, splits, scratch, st); break;
-    case KVType::q8_0: launch_kt<8>(a, splits, scratch, st); break;
-    default: throw UnsupportedModelError("cuda attention: unknown KV type");
-  }
-  check_launch("attention");
-  if (splits > 1) {
-    attn_combine_k<<<dim3((unsigned)a.n_heads, (unsigned)a.n_tok), 128, 0, st>>>(a, splits, scratch);
-    check_launch("attention combine");
-  }
+  if (a.kv.type != KVType::f32 && a.kv.type != KVType::f16 && a.kv.type != KVType::q8_0)
+    throw UnsupportedModelError("cuda attention: unknown KV type");
+}
+
+void attention(const AttnArgs& a, int splits, float* scratch, cudaStream_t st) {
+  attn_check(a);
+  if (a.n_tok <= 0 || a.n_heads <= 0) return;
+  launch(a, nullptr, 1, a.n_tok, splits, scratch, st);
+}
+
+void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
+                     cudaStream_t st) {
+  if (count <= 0 || maxtok <= 0 || shape.n_heads <= 0) return;
+  launch(shape, dargs, maxtok, (int64_t)count * maxtok, splits, scratch, st);
 }
 
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
@@ -247,6 +290,13 @@ void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, i
     throw Error("cuda kv_store: q8_0 rows need dim a multiple of 32, not " + std::to_string(dim));
   kv_store_k<<<dim3((unsigned)n, 2), 256, 0, st>>>(kv, first, k, v, src_stride, dim);
   check_launch("kv_store");
+}
+
+void kv_store_group(const KVStoreDesc* d, int count, int64_t max_n, int64_t src_stride, int64_t dim,
+                    cudaStream_t st) {
+  if (count <= 0 || max_n <= 0) return;
+  kv_store_group_k<<<dim3((unsigned)max_n, 2, (unsigned)count), 256, 0, st>>>(d, src_stride, dim);
+  check_launch("kv_store group");
 }
 
 }  // namespace dl::cuda

@@ -25,10 +25,26 @@ void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStrea
 // Attention: splits of the key range per (query, head) (flash-decoding) and the
 // scratch floats they need; split > 1 needs that scratch.
 int attn_splits(const AttnArgs& a, int n_sm);
+int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm);
 size_t attn_scratch_floats(const AttnArgs& a, int splits);
+void attn_check(const AttnArgs& a);  // throws what attention() would refuse
 void attention(const AttnArgs& a, int splits, float* scratch, cudaStream_t st);
+// count sessions' attentions in one launch: their args in device memory (dargs), all
+// with shape's n_heads, head_dim and KV type; rows z = session * maxtok + token; the
+// scratch holds count * maxtok rows of partials.
+void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
+                     cudaStream_t st);
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
               int64_t dim, cudaStream_t st);
+// One session's store for kv_store_group (in device memory).
+struct KVStoreDesc {
+  KVView kv;
+  int64_t first = 0;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t n = 0;
+};
+void kv_store_group(const KVStoreDesc* d, int count, int64_t max_n, int64_t src_stride, int64_t dim, cudaStream_t st);
 
 void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps, cudaStream_t st);
 void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim, float eps,

@@ -1,5 +1,6 @@
 // Matmul and embedding lookup over ggml-format weights: a warp-per-row GEMV for
-// decode (n <= 8) and a 64x64 shared-memory tiled f32 kernel for prefill.
+// decode (n <= 8; 16 tokens a pass up to 64) and a 64x64 shared-memory tiled f32 kernel for prefill.
+#include <algorithm>
 #include <string>
 
 #include "common.cuh"
@@ -147,6 +148,16 @@ void run_matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t 
       gemv_k<T, 4><<<grid, 128, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
     else
       gemv_k<T, 8><<<grid, 128, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
+  } else if (n <= 64) {
+    // Batched decode: the GEMV over 16 tokens at a time reads W once per 16 rows of x,
+    // where the 64x64 tile would do 64-wide f32 work per block for a few real tokens.
+    const dim3 grid((unsigned)ceil_div(m.rows, 4));
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const float* xc = x + t0 * m.cols;
+      const bool xv = m.cols % 8 == 0 && aligned16(xc);
+      gemv_k<T, 16><<<grid, 128, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, xc, (int)std::min<int64_t>(16, n - t0),
+                                         y + t0 * m.rows, wvec, xv);
+    }
   } else {
     const dim3 grid((unsigned)ceil_div(m.rows, BM), (unsigned)ceil_div(n, BN));
     gemm_k<T><<<grid, 256, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, x, n, y, wvec, xvec);
