@@ -87,6 +87,30 @@ void bind_model(py::module_& m) {
       .def_property_readonly("n_threads", [](Model& x) { return x.backend().info().threads; })
       .def_property_readonly("eog_ids", [](const Model& x) { return x.eog_ids(); })
       .def_property_readonly("bos", [](const Model& x) { return x.tokenizer().bos(); })
+      // What the chat layer renders with, read from the mapped file (not a re-read of it):
+      // tokenizer.chat_template (None when absent) and the bos / eos token texts ("" when unset).
+      .def_property_readonly("chat_meta", [](const Model& x) {
+        const gguf::File& f = x.file();
+        auto text = [](std::string_view s) {
+          PyObject* o = PyUnicode_DecodeUTF8(s.data(), (Py_ssize_t)s.size(), "replace");
+          if (!o) throw py::error_already_set();
+          return py::reinterpret_steal<py::object>(o);
+        };
+        const gguf::Value* toks = f.get_array("tokenizer.ggml.tokens");
+        auto tok = [&](const char* key) -> py::object {
+          const gguf::Value* v = f.find(key);
+          if (!v || !v->is_int() || !toks) return py::str("");
+          const int64_t i = v->as_int();
+          if (i < 0 || i >= (int64_t)toks->strs.size()) return py::str("");
+          return text(toks->strs[(size_t)i]);
+        };
+        const gguf::Value* t = f.find("tokenizer.chat_template");
+        py::dict d;
+        d["template"] = t && t->type == gguf::ValueType::STRING ? text(t->str) : py::none();
+        d["bos"] = tok("tokenizer.ggml.bos_token_id");
+        d["eos"] = tok("tokenizer.ggml.eos_token_id");
+        return d;
+      })
       .def("encode",
            [](const Model& x, const std::string& text, bool add_special, bool parse_special) {
              py::gil_scoped_release rel;
