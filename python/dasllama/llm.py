@@ -164,6 +164,43 @@ def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
     _core.eval_batch([s._s for s in sessions], flat, counts)
 
 
+class BatchStepper:
+    """The serving step loop in C++: streams over ``sessions`` (distinct sessions of one model, flat or of
+    one pool), one :meth:`step` per ragged batch, with the GIL released for the forward, the samples and
+    the stop checks. Used by one thread; text, stop strings and caching stay with the caller.
+    """
+
+    TOKEN, STOP, LENGTH = 0, 1, 2  # event kinds: a token; the stream ended at a stop id / at its length
+
+    def __init__(self, sessions: Sequence[Session], chunk: int = 256):
+        self.sessions = list(sessions)
+        if self.sessions and any(s.model is not self.sessions[0].model for s in self.sessions):
+            raise ValueError("BatchStepper: sessions of different models")
+        self._st = _core.Stepper([s._s for s in self.sessions], int(chunk))
+
+    def start(self, slot: int, prompt: Sequence[int], params: Optional[SamplingParams], max_tokens: int,
+              stop_ids: Sequence[int] = (), priority: float = 0.0) -> None:
+        """A job on ``sessions[slot]``, which holds ``prompt[:n_past]`` already (an attached prefix); the
+        rest is prefilled a chunk per step, the lowest ``priority`` first. ``stop_ids`` end the reply beside
+        the model's end-of-generation ids; a reply ends after ``max_tokens`` or one short of ``n_ctx``."""
+        self._st.start(int(slot), [int(t) for t in prompt], params or SamplingParams(), int(max_tokens),
+                       [int(t) for t in stop_ids], float(priority))
+
+    def end(self, slot: int) -> None:
+        """Stop ``slot``'s job (idempotent); its session's pages stay for the caller to donate or release."""
+        self._st.end(int(slot))
+
+    def next_prefill(self) -> int:
+        """The slot the next step prefills (-1: none). A caller that prefills it itself (media rows, with
+        :func:`eval_embd`) then calls ``step(prefill=False)``."""
+        return self._st.next_prefill()
+
+    def step(self, prefill: bool = True):
+        """One ragged batch: ``([(slot, kind, token, piece bytes)], decode rows run)``. A full pool raises
+        :class:`~dasllama.PoolExhaustedError` with ``session_index`` = the slot asking, no session moved."""
+        return self._st.step(bool(prefill))
+
+
 def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int, non_causal: bool = False,
               ids: Optional[Sequence[int]] = None) -> None:
     """eval's embedding-row twin: prefill ``npos`` rows of ``dim`` floats (token-major) and advance.
