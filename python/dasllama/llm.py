@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
