@@ -117,7 +117,7 @@ def test_gemma3_family_default_folds_system(gemma3_path):
 def _whole(model, chat):
     """The pending turn's whole prompt: what is held up to where the new rendering departs, then render_turn."""
     tail = d.render_turn(model, chat)
-    full = turns._prompt_ids(chat)
+    full = turns.prompt_ids(chat)
     assert full[len(full) - len(tail):] == tail
     return full
 
@@ -209,7 +209,7 @@ def test_three_turns_kv_equals_cold_prefill(smollm2_fp32):
     np.testing.assert_allclose(np.array(chat.session.logits), cold_logits, atol=1e-3, rtol=0)
     # The fourth reply equals greedy generation after a cold prefill of the whole prompt.
     d.add_user(chat, "Name a city.")
-    prompt = turns._prompt_ids(chat)
+    prompt = turns.prompt_ids(chat)
     cold = d.create_session(m, d.KVDtype.f32)
     pieces = []
     d.generate(m, cold, prompt, d.SamplingParams(), 16, lambda i, p: pieces.append(p))
@@ -225,7 +225,7 @@ def test_rewritten_turn_reprefills_from_first_difference(smollm2_fp32):
     held = list(chat.session._s.history)
     assert d.decode(m, held).count("add two and two") == 1
     d.add_user(chat, "3+3?")
-    prompt = turns._prompt_ids(chat)
+    prompt = turns.prompt_ids(chat)
     assert "add two and two" not in d.decode(m, prompt)
     first_diff = turns._common(held, prompt)
     assert 0 < first_diff < len(held)
@@ -245,7 +245,7 @@ def test_edited_history_is_never_answered_from_a_stale_cache(smollm2):
     d.respond(smollm2, chat)
     chat.history[0]["content"] = "Say goodbye."  # an edited transcript
     d.add_user(chat, "Again.")
-    prompt = turns._prompt_ids(chat)
+    prompt = turns.prompt_ids(chat)
     d.respond(smollm2, chat)
     assert chat.session._s.history[:len(prompt)] == prompt
 
@@ -291,7 +291,7 @@ def test_closing_the_stream_stops_and_keeps_the_chat_usable(smollm2):
     assert chat.history[-1]["role"] == "assistant" and reply.startswith("".join(first))
     assert d.stats(chat.session).n_gen < 64
     d.add_user(chat, "Thanks.")
-    prompt = turns._prompt_ids(chat)
+    prompt = turns.prompt_ids(chat)
     d.respond(smollm2, chat)
     assert chat.session._s.history[:len(prompt)] == prompt
 

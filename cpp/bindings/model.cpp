@@ -11,6 +11,7 @@
 #include "kv/pool.h"
 #include "model/model.h"
 #include "model/session.h"
+#include "model/stepper.h"
 
 namespace dl::py_bind {
 
@@ -87,6 +88,30 @@ void bind_model(py::module_& m) {
       .def_property_readonly("n_threads", [](Model& x) { return x.backend().info().threads; })
       .def_property_readonly("eog_ids", [](const Model& x) { return x.eog_ids(); })
       .def_property_readonly("bos", [](const Model& x) { return x.tokenizer().bos(); })
+      // What the chat layer renders with, read from the mapped file (not a re-read of it):
+      // tokenizer.chat_template (None when absent) and the bos / eos token texts ("" when unset).
+      .def_property_readonly("chat_meta", [](const Model& x) {
+        const gguf::File& f = x.file();
+        auto text = [](std::string_view s) {
+          PyObject* o = PyUnicode_DecodeUTF8(s.data(), (Py_ssize_t)s.size(), "replace");
+          if (!o) throw py::error_already_set();
+          return py::reinterpret_steal<py::object>(o);
+        };
+        const gguf::Value* toks = f.get_array("tokenizer.ggml.tokens");
+        auto tok = [&](const char* key) -> py::object {
+          const gguf::Value* v = f.find(key);
+          if (!v || !v->is_int() || !toks) return py::str("");
+          const int64_t i = v->as_int();
+          if (i < 0 || i >= (int64_t)toks->strs.size()) return py::str("");
+          return text(toks->strs[(size_t)i]);
+        };
+        const gguf::Value* t = f.find("tokenizer.chat_template");
+        py::dict d;
+        d["template"] = t && t->type == gguf::ValueType::STRING ? text(t->str) : py::none();
+        d["bos"] = tok("tokenizer.ggml.bos_token_id");
+        d["eos"] = tok("tokenizer.ggml.eos_token_id");
+        return d;
+      })
       .def("encode",
            [](const Model& x, const std::string& text, bool add_special, bool parse_special) {
              py::gil_scoped_release rel;
@@ -257,6 +282,40 @@ void bind_model(py::module_& m) {
         },
         py::arg("session"), py::arg("prompt"), py::arg("params"), py::arg("max_tokens"), py::arg("callback"),
         py::arg("stop_ids") = py::none(), py::arg("special") = false);
+
+  // The server's step loop: one call per step, the GIL released for the forward, samples and stops.
+  py::class_<Stepper>(m, "Stepper")
+      .def(py::init([](std::vector<std::shared_ptr<Session>> slots, int64_t chunk) {
+             return std::make_unique<Stepper>(std::move(slots), chunk);
+           }),
+           py::arg("sessions"), py::arg("chunk"))
+      .def("start",
+           [](Stepper& st, int slot, const std::vector<int64_t>& prompt, py::object params, int64_t max_tokens,
+              const std::vector<int64_t>& stop_ids, double priority) {
+             std::vector<int32_t> p(prompt.begin(), prompt.end()), stops;
+             for (int64_t v : prompt)
+               if (v < INT32_MIN || v > INT32_MAX) throw py::value_error("Stepper.start: an id out of range");
+             for (int64_t v : stop_ids)
+               if (v >= INT32_MIN && v <= INT32_MAX) stops.push_back((int32_t)v);  // others can never be sampled
+             st.start(slot, std::move(p), params_from(params), max_tokens, std::move(stops), priority);
+           },
+           py::arg("slot"), py::arg("prompt"), py::arg("params"), py::arg("max_tokens"), py::arg("stop_ids"),
+           py::arg("priority"))
+      .def("end", &Stepper::end)
+      .def("active", &Stepper::active)
+      .def("next_prefill", &Stepper::next_prefill)
+      // -> ([(slot, kind, token, bytes)], n_decoded); kind 0 token, 1 stop (ended), 2 length (ended).
+      .def("step", [](Stepper& st, bool prefill) {
+        std::vector<StepEvent> ev;
+        int64_t n_dec = 0;
+        {
+          py::gil_scoped_release rel;
+          ev = st.step(prefill, &n_dec);
+        }
+        py::list out;
+        for (auto& e : ev) out.append(py::make_tuple(e.slot, (int)e.kind, e.token, py::bytes(e.bytes)));
+        return py::make_tuple(out, n_dec);
+      }, py::arg("prefill") = true);
 }
 
 }  // namespace dl::py_bind

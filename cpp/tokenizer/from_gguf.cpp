@@ -1,5 +1,5 @@
-// Tokenizer::from_gguf: reads tokenizer.ggml.* (and general.architecture) into a TokenizerConfig.
-// Rename to from_gguf.cpp once cpp/gguf/gguf.cpp lands (the CMake glob then builds it).
+// Tokenizer::from_gguf: reads tokenizer.ggml.* (and general.architecture) into a TokenizerConfig,
+// the one policy load_model uses (python/dasllama/tokenizer.py still mirrors it for the tests).
 #include <algorithm>
 
 #include "core/errors.h"

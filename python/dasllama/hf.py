@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .hub import HubError
+from .hub_errors import HubError
 
 PREFIXES = ("hf:", "hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")
 DEFAULT_QUANT = "Q4_K_M"

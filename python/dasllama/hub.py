@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ._core import DasllamaError
+from .hub_errors import HubError  # noqa: F401 - raised here and by the sources hf.py / stores.py
 
 try:  # POSIX only; elsewhere two concurrent pulls are simply not serialized.
     import fcntl
@@ -25,8 +25,6 @@ except ImportError:  # pragma: no cover
     fcntl = None
 
 
-class HubError(DasllamaError):
-    """A model could not be found, downloaded or verified."""
 
 
 @dataclass(frozen=True)

@@ -27,86 +27,13 @@ matches. -1 is an anonymous row (no key) and is never cached.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import List, Sequence, Union
 
 from . import _core
-from .llm import KVDtype, Model, Session
+from .handles import KVDtype, KVPool, Model, PoolStats, PrefixCache, PrefixChain, Session  # noqa: F401
 
 MEDIA_ID_ANONYMOUS = -1
 _MEDIA_SPAN = 2 ** 31 - 2  # media ids lie in [-2^31 + 1, -2]
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """Pages of a pool: ``free + used == total``; ``by_sessions`` and ``by_cache`` count pages held
-    by at least one session / by the prefix cache (``shared`` by both, so they may overlap);
-    ``allocated`` pages were handed out at least once (memory is committed as they are written)."""
-
-    page_rows: int
-    page_bytes: int
-    total: int
-    free: int
-    used: int
-    by_sessions: int
-    by_cache: int
-    shared: int
-    allocated: int
-
-
-@dataclass(frozen=True)
-class PrefixChain:
-    """One donation to the prefix cache (prefix_chain_list): page-covered tokens, pages still
-    cached, attaches that ended in it, born / last-hit ticks, and the caller's preview."""
-
-    tokens: int
-    live_pages: int
-    hits: int
-    born: int
-    last_hit: int
-    preview: str
-
-
-class KVPool:
-    """A paged KV pool over one model's cache geometry (see :func:`create_kv_pool`)."""
-
-    def __init__(self, model: Model, page_rows: int = 64, kv_dtype: KVDtype = KVDtype.f16, max_pages: int = 0):
-        self.model = model
-        self._p = _core.KVPool(model._m, int(page_rows), int(KVDtype(kv_dtype)), int(max_pages))
-
-    @property
-    def page_rows(self) -> int:
-        return self._p.page_rows
-
-    @property
-    def max_pages(self) -> int:
-        return self._p.max_pages
-
-    @property
-    def kv_dtype(self) -> KVDtype:
-        return KVDtype(self._p.kv_dtype)
-
-    def stats(self) -> PoolStats:
-        return PoolStats(**self._p.stats())
-
-    def __repr__(self) -> str:
-        st = self.stats()
-        return (f"KVPool(page_rows={st.page_rows}, kv={self.kv_dtype.name}, pages {st.used}/{st.total} used, "
-                f"{st.by_cache} cached, {st.page_bytes / 2**20:.2f} MiB/page)")
-
-
-class PrefixCache:
-    """A page-granular prefix cache over one pool's sessions (see :func:`create_prefix_cache`)."""
-
-    def __init__(self, max_groups: int = 0):
-        self._c = _core.PrefixCache(int(max_groups))
-
-    @property
-    def max_groups(self) -> int:
-        return self._c.max_groups
-
-    def __repr__(self) -> str:
-        return f"PrefixCache(pages={self._c.held()}, max_groups={self.max_groups or 'unbounded'})"
 
 
 def create_kv_pool(model: Model, page_rows: int = 64, kv_dtype: KVDtype = KVDtype.f16,

@@ -5,34 +5,18 @@ a :class:`Session` is used by one thread at a time.
 """
 from __future__ import annotations
 
-import enum
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _core
+from . import _core, hub
+from .handles import KVDtype, KVPool, Model, ModelConfig, QuantMode, Session  # noqa: F401 - re-exported
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-class QuantMode(enum.IntEnum):
-    """Weight representation picked at load: fp32 (the reference), q8 (fast path), q4_0."""
-
-    fp32 = 0
-    q8 = 1
-    q4_0 = 2
-
-
-class KVDtype(enum.IntEnum):
-    """KV-cache codec of a session: f32 (bit-exact reference), f16 (default), q8_0."""
-
-    f32 = 0
-    f16 = 1
-    q8_0 = 8
 
 
 @dataclass
@@ -61,115 +45,6 @@ class Stats:
     gen_tps: float = 0.0
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: str
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_size: int
-    ffn_dim: int
-    vocab_size: int
-    seq_len: int
-    norm_eps: float
-    n_rot: int
-    rope_base: float
-    rope_base_swa: float
-    rope_freq_scale: float
-    rope_scaling: str
-    sliding_window: int
-    attn_softcap: float
-    final_softcap: float
-
-
-class Model:
-    """A loaded GGUF model and its tokenizer (see :func:`load_model`)."""
-
-    def __init__(self, core: "_core.Model", path: str, mode: QuantMode):
-        self._m = core
-        self.path = path
-        self.mode = mode
-        self.config = ModelConfig(**core.config)
-        self.arch = self.config.arch
-
-    @property
-    def device(self) -> str:
-        """Where the weights and KV cache live: ``"cpu"`` or ``"cuda:N"``."""
-        d = self._m.device
-        return "cpu" if d["backend"] == "cpu" else f"{d['backend']}:{d['index']}"
-
-    @property
-    def device_info(self) -> dict:
-        """The backend's device: name, memory (on a GPU), compute capability, driver, threads (CPU)."""
-        return dict(self._m.device)
-
-    def __repr__(self) -> str:
-        c = self.config
-        where = f"threads={self._m.n_threads}" if self.device == "cpu" else f"device={self.device!r}"
-        return (f"Model({os.path.basename(self.path)!r}, arch={c.arch!r}, layers={c.n_layers}, dim={c.dim}, "
-                f"vocab={c.vocab_size}, mode={self.mode.name}, {where})")
-
-
-class Session:
-    """One generation stream: KV cache, position ``n_past`` and the last ``logits``.
-
-    Flat sessions own a cache of ``n_ctx`` rows; paged sessions (made over a
-    :class:`~dasllama.KVPool`) take pages from the pool as rows are written.
-    """
-
-    def __init__(self, model: Model, kv_dtype: KVDtype = KVDtype.f16, n_ctx: int = 0, pool=None):
-        self.model = model
-        self.pool = pool
-        if pool is not None:
-            if pool.model is not model:
-                raise ValueError("the pool was made for another model")
-            self._s = _core.Session(model._m, pool._p, int(n_ctx))
-        else:
-            self._s = _core.Session(model._m, int(kv_dtype), int(n_ctx))
-
-    @property
-    def n_past(self) -> int:
-        return self._s.n_past
-
-    @property
-    def n_ctx(self) -> int:
-        return self._s.n_ctx
-
-    @property
-    def kv_dtype(self) -> KVDtype:
-        return KVDtype(self._s.kv_dtype)
-
-    @property
-    def paged(self) -> bool:
-        return self._s.paged
-
-    @property
-    def n_pages(self) -> int:
-        """Pool pages in this session's block table (0 for a flat session)."""
-        return self._s.n_pages
-
-    @property
-    def history(self) -> List[int]:
-        """Ids evaluated so far, one per position (media rows as negative ids)."""
-        return self._s.history
-
-    def truncate(self, n: int) -> None:
-        """Rewind to position ``n`` (<= n_past). On a paged session the pages past ``n`` go back
-        to the pool, and a page shared with the prefix cache or another session is copied
-        before it is written again."""
-        self._s.truncate(int(n))
-
-    @property
-    def logits(self) -> np.ndarray:
-        """Logits of the last evaluated row: a view valid until the next eval (copy to keep)."""
-        return self._s.logits
-
-    def __repr__(self) -> str:
-        kind = f", pages={self._s.n_pages}" if self.paged else ""
-        return f"Session(n_past={self.n_past}, n_ctx={self.n_ctx}, kv={self.kv_dtype.name}{kind})"
-
-
 def resolve_device(device: Optional[str]) -> str:
     """``device``, else ``$DASLLAMA_DEVICE``, else ``"cpu"``."""
     if device is None or device == "":
@@ -191,15 +66,13 @@ def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 
     that is not built, not present or too small raises :class:`~dasllama.DeviceError` before
     anything is allocated on it.
     """
-    from . import hub
-
     p = str(hub.resolve(path))
     mode = QuantMode(mode)
     return Model(_core.Model(p, int(mode), resolve_device(device), int(n_threads)), p, mode)
 
 
-def create_session(model: Model, kv_dtype: Union[KVDtype, "KVPool"] = KVDtype.f16, n_ctx: int = 0,
-                   pool: Optional["KVPool"] = None) -> Session:
+def create_session(model: Model, kv_dtype: Union[KVDtype, KVPool] = KVDtype.f16, n_ctx: int = 0,
+                   pool: Optional[KVPool] = None) -> Session:
     """A fresh session: ``create_session(model, kv_dtype, n_ctx)`` or ``create_session(model, pool)``.
 
     Flat: ``n_ctx`` 0 means min(model.config.seq_len, 4096) positions, allocated up front.
@@ -207,8 +80,6 @@ def create_session(model: Model, kv_dtype: Union[KVDtype, "KVPool"] = KVDtype.f1
     ``n_ctx`` 0 means model.config.seq_len, and pages come from the pool as rows are
     written (:class:`~dasllama.PoolExhaustedError` when it is full).
     """
-    from .kv import KVPool
-
     if isinstance(kv_dtype, KVPool):
         pool, kv_dtype = kv_dtype, KVDtype.f16
     if pool is not None:
@@ -291,6 +162,43 @@ def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
             flat.extend(g)
             counts.append(len(g))
     _core.eval_batch([s._s for s in sessions], flat, counts)
+
+
+class BatchStepper:
+    """The serving step loop in C++: streams over ``sessions`` (distinct sessions of one model, flat or of
+    one pool), one :meth:`step` per ragged batch, with the GIL released for the forward, the samples and
+    the stop checks. Used by one thread; text, stop strings and caching stay with the caller.
+    """
+
+    TOKEN, STOP, LENGTH = 0, 1, 2  # event kinds: a token; the stream ended at a stop id / at its length
+
+    def __init__(self, sessions: Sequence[Session], chunk: int = 256):
+        self.sessions = list(sessions)
+        if self.sessions and any(s.model is not self.sessions[0].model for s in self.sessions):
+            raise ValueError("BatchStepper: sessions of different models")
+        self._st = _core.Stepper([s._s for s in self.sessions], int(chunk))
+
+    def start(self, slot: int, prompt: Sequence[int], params: Optional[SamplingParams], max_tokens: int,
+              stop_ids: Sequence[int] = (), priority: float = 0.0) -> None:
+        """A job on ``sessions[slot]``, which holds ``prompt[:n_past]`` already (an attached prefix); the
+        rest is prefilled a chunk per step, the lowest ``priority`` first. ``stop_ids`` end the reply beside
+        the model's end-of-generation ids; a reply ends after ``max_tokens`` or one short of ``n_ctx``."""
+        self._st.start(int(slot), [int(t) for t in prompt], params or SamplingParams(), int(max_tokens),
+                       [int(t) for t in stop_ids], float(priority))
+
+    def end(self, slot: int) -> None:
+        """Stop ``slot``'s job (idempotent); its session's pages stay for the caller to donate or release."""
+        self._st.end(int(slot))
+
+    def next_prefill(self) -> int:
+        """The slot the next step prefills (-1: none). A caller that prefills it itself (media rows, with
+        :func:`eval_embd`) then calls ``step(prefill=False)``."""
+        return self._st.next_prefill()
+
+    def step(self, prefill: bool = True):
+        """One ragged batch: ``([(slot, kind, token, piece bytes)], decode rows run)``. A full pool raises
+        :class:`~dasllama.PoolExhaustedError` with ``session_index`` = the slot asking, no session moved."""
+        return self._st.step(bool(prefill))
 
 
 def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int, non_causal: bool = False,

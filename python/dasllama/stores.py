@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-from .hub import HubError
+from .hub_errors import HubError
 
 OLLAMA_PREFIX = "ollama:"
 MODEL_MEDIA = "application/vnd.ollama.image.model"

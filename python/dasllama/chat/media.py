@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import llm
+from ..audio import encode_audio_rows
 from ..kv import media_ids
 
 # A per-process nonce in the sentinel: text a user types cannot name a span.
@@ -61,7 +63,7 @@ def framing_for(model, family: Optional[str], bare: bool) -> Tuple[str, str]:
         return FAMILY_FRAMING[family]
     # Pre-encoded rows with no tower: the decoder's own specials say which family it is.
     for open_, close in (("<|audio_bos|>", "<|audio_eos|>"), ("[BEGIN_AUDIO]", "")):
-        if len(model._m.encode(open_, False, True)) == 1:
+        if len(llm.encode(model, open_, add_special=False, parse_special=True)) == 1:
             return (open_, close)
     return ("", "")
 
@@ -109,8 +111,6 @@ class RowCache:
                 self.hits += 1
                 return r
             self.misses += 1
-        from ..audio import encode_audio_rows
-
         r = encode_audio_rows(embedder, samples)
         r.setflags(write=False)
         with self._lock:
@@ -173,7 +173,9 @@ def span_rows(span: Span) -> np.ndarray:
 def tokenize_with_spans(model, spans: Dict[int, Span], text: str) -> List[int]:
     """Token ids of rendered text whose media sentinels become the spans' media ids. Each text run is
     tokenized alone: the open marker ends the run before a span, the close marker starts the run after."""
-    enc = model._m.encode
+    def enc(t: str, add_special: bool, parse_special: bool) -> List[int]:
+        return llm.encode(model, t, add_special, parse_special)
+
     parts = _SENTINEL_RE.split(text)
     if len(parts) == 1:
         return enc(text, False, True)
@@ -200,8 +202,6 @@ def tokenize_with_spans(model, spans: Dict[int, Span], text: str) -> List[int]:
 def prefill(model, session, spans: Dict[int, Span], ids: List[int], counters: Dict[str, int]) -> None:
     """Prefill ``ids`` (tokens and media ids) at the session's position: one eval for plain text, else
     one body of rows (text rows embedded as eval would, media rows from their spans) named by ``ids``."""
-    from .. import llm
-
     if not ids:
         return
     counters["rows_prefilled"] += len(ids)
@@ -213,8 +213,6 @@ def prefill(model, session, spans: Dict[int, Span], ids: List[int], counters: Di
 
 
 def body_rows(model, spans: Dict[int, Span], ids: List[int], counters: Dict[str, int]) -> np.ndarray:
-    from .. import llm
-
     index = _media_index(spans)
     D = model.config.dim
     body = np.empty((len(ids), D), np.float32)

@@ -1,5 +1,6 @@
 """Reasoning (reference §17.1.12): the thinking toggle, stop ids, and the reasoning/content splitter.
 
+Pure formats over a template, the vocabulary and text: no chat state (turns.py holds that).
 Two reply formats: the <think>...</think> pair (Qwen3, DeepSeek-R1 distills) and gpt-oss Harmony
 channels (analysis = reasoning, final / commentary = content). The splitter is one marker machine
 for both; it holds back a possible partial marker at the end of each piece, so any chunking of a
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+
+from .. import llm
 
 REASONING, CONTENT, DROP = "reasoning", "content", None
 
@@ -47,97 +50,45 @@ class ThinkStream:
             self.consumed = True
 
 
-def _think_format(model, template: str) -> Optional[str]:
+def think_format(model, template: str) -> Optional[str]:
     """'harmony', 'think' or None: which reasoning format the template / vocabulary speaks."""
     if "<|channel|>" in template:
         return "harmony"
     if THINK_OPEN in template or THINK_CLOSE in template:
         return "think"
-    if model is not None:
-        ids = model._m.encode(THINK_CLOSE, False, True)
-        if len(ids) == 1:
-            return "think"
+    if model is not None and len(llm.encode(model, THINK_CLOSE, add_special=False, parse_special=True)) == 1:
+        return "think"
     return None
 
 
-def _chat_format(chat) -> Optional[str]:
-    f = chat.__dict__.get("_think_fmt")
-    if f is None or f[0] != chat.template:
-        f = (chat.template, _think_format(chat.model, chat.template))
-        chat.__dict__["_think_fmt"] = f
-    return f[1]
-
-
-def _gen_suffix(chat, text: str) -> str:
-    """What we add after the template's generation prompt: the empty think block when thinking is off and
-    the template has no enable_thinking switch of its own."""
-    if chat.thinking or _chat_format(chat) != "think" or "enable_thinking" in chat.template:
+def gen_suffix(fmt: Optional[str], thinking: bool, template: str, text: str) -> str:
+    """What we add after the template's generation prompt ``text``: the empty think block when thinking is
+    off and the template has no enable_thinking switch of its own."""
+    if thinking or fmt != "think" or "enable_thinking" in template:
         return ""
     if text.rstrip().endswith(THINK_OPEN):  # an R1-style prompt that opens the think block itself
         return "\n</think>\n\n"
     return EMPTY_THINK
 
 
-def _template_stops(chat) -> List[int]:
-    """Single-token specials the template closes assistant turns with (what generation must stop at)."""
-    from .. import llm
-    from .turns import _close_text
-
-    out: List[int] = []
-    words = ["<|return|>", "<|call|>"] if _chat_format(chat) == "harmony" else []
-    try:
-        close = _close_text(chat).strip()
-    except Exception:  # noqa: BLE001 - a template that cannot close a turn just adds no stop
-        close = ""
-    if close:
-        words.append(close)
-    for w in words:
-        ids = llm.encode(chat.model, w, add_special=False, parse_special=True)
-        # A control token decodes to nothing: the close text opens with a special, generation stops there.
-        if ids and llm.decode(chat.model, ids[:1]) == "":
-            out.append(ids[0])
-    return out
+def stop_words(fmt: Optional[str], close: str) -> List[str]:
+    """The texts generation must stop at: Harmony's turn ends, and the template's close text."""
+    words = ["<|return|>", "<|call|>"] if fmt == "harmony" else []
+    if close.strip():
+        words.append(close.strip())
+    return words
 
 
-def set_thinking(chat, on: bool) -> None:
-    """Toggle reasoning for a hybrid thinking model: off renders the template's empty think block (its
-    enable_thinking switch, else ours) so the model answers directly. No-op for other families."""
-    chat.thinking = bool(on)
-
-
-def effective_stop_ids(chat) -> List[int]:
-    """The stop ids in force for the next generation: the model's end-of-generation ids and the template's."""
-    from .turns import _refresh
-
-    _refresh(chat)
-    return list(chat.stop_ids)
-
-
-def _armed_state(chat) -> Optional[Tuple[Dict[str, Optional[str]], str]]:
-    from .turns import _messages, _render_text
-
-    fmt = _chat_format(chat)
-    if fmt is None:
-        return None
+def think_stream(fmt: Optional[str], thinking: bool, prompt: str) -> ThinkStream:
+    """The splitter for a reply to ``prompt`` (the rendered generation prompt): armed only when the turn
+    thinks, else a pass-through stream."""
     if fmt == "harmony":
-        return _HARMONY_MARKERS, CONTENT
-    if not chat.thinking:
-        return None  # the empty think block is in the prompt: the reply is content
-    pending = chat.pending or [{"role": "user", "content": "x"}]
-    try:
-        prompt = _render_text(chat, _messages(chat, pending), True)
-    except Exception:  # noqa: BLE001 - the turn itself will report the template's error
-        prompt = ""
+        return ThinkStream(markers=dict(_HARMONY_MARKERS), state=CONTENT)
+    if fmt is None or not thinking:
+        return ThinkStream()  # thinking off: the empty think block is in the prompt, the reply is content
     # An R1-style generation prompt opens <think> itself: the reply starts inside the reasoning.
-    return _THINK_MARKERS, (REASONING if prompt.rstrip().endswith(THINK_OPEN) else CONTENT)
-
-
-def make_think_stream(chat) -> ThinkStream:
-    """The splitter for chat's next turn; armed only when the turn thinks, else a pass-through stream."""
-    st = _armed_state(chat)
-    if st is None:
-        return ThinkStream()
-    return ThinkStream(markers=dict(st[0]), state=st[1])
+    return ThinkStream(markers=dict(_THINK_MARKERS),
+                       state=REASONING if prompt.rstrip().endswith(THINK_OPEN) else CONTENT)
 
 
 def _step(ts: ThinkStream, final: bool) -> Tuple[str, str]:
@@ -200,13 +151,11 @@ def think_drain(ts: ThinkStream, full: str) -> ThinkSplit:
     return _strip(ts, r1 + r2, c1 + c2)
 
 
-def split_reasoning(chat, reply: str) -> ThinkSplit:
-    """Split a complete reply at its reasoning boundary per the family's format; both halves are stripped
-    when a reasoning span is found, and a reply without one passes through untouched."""
-    fmt = _chat_format(chat)
+def split_text(fmt: Optional[str], ts: ThinkStream, reply: str) -> ThinkSplit:
+    """Split a complete reply at its reasoning boundary with ``ts`` (see :func:`think_stream`); both halves
+    are stripped when a reasoning span is found, a reply without one passes through untouched."""
     if fmt is None:
         return ThinkSplit("", reply)
-    ts = make_think_stream(chat)
     if not ts.markers:  # thinking off: still split a reply that thinks anyway
         ts = ThinkStream(markers=dict(_THINK_MARKERS))
     return think_drain(ts, reply)

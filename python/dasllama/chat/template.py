@@ -1,6 +1,7 @@
 """Chat templates: the GGUF's Jinja template run in jinja2's immutable sandbox, and family defaults.
 
-Holds rendering only (messages -> text); turns, tokens and the KV live in turns.py.
+Holds rendering only (messages -> text, the close of a turn included); the template and bos / eos texts
+come from the loaded model (Model.chat_meta). Turns, tokens and the KV live in turns.py.
 """
 from __future__ import annotations
 
@@ -185,35 +186,27 @@ def default_template(arch: str) -> str:
     return FAMILY_TEMPLATES.get(arch, CHATML_TEMPLATE)
 
 
-def _meta(model):
-    from ..gguf import GGUFFile
-
-    cached = getattr(model, "_chat_meta", None)
-    if cached is None:
-        meta = GGUFFile(model.path).metadata
-        toks = meta.get("tokenizer.ggml.tokens", [])
-
-        def tok(key: str) -> str:
-            i = meta.get(key)
-            return str(toks[i]) if isinstance(i, int) and 0 <= i < len(toks) else ""
-
-        cached = {"template": meta.get("tokenizer.chat_template"), "bos": tok("tokenizer.ggml.bos_token_id"),
-                  "eos": tok("tokenizer.ggml.eos_token_id")}
-        try:
-            model._chat_meta = cached
-        except AttributeError:  # pragma: no cover - a frozen model object: just recompute next time
-            pass
-    return cached
-
-
 def model_template(model) -> str:
     """The model's template: the GGUF's tokenizer.chat_template, else its family default."""
-    return _meta(model)["template"] or default_template(model.arch)
+    return model.chat_meta["template"] or default_template(model.arch)
 
 
 def render_prompt(model, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
                   template: Optional[str] = None, **kwargs: Any) -> str:
     """The model's own template (or its family default, or ``template``) applied to ``messages``."""
-    m = _meta(model)
+    m = model.chat_meta
     return render_messages(template or model_template(model), messages, add_generation_prompt,
                            bos_token=m["bos"], eos_token=m["eos"], **kwargs)
+
+
+# An assistant reply's stand-in: what the template writes after it is the text that closes a turn.
+REPLY_SENTINEL = "\u2063dasllama-reply\u2063"
+
+
+def close_text(template: Any, messages: List[Dict[str, Any]], bos_token: str = "", eos_token: str = "",
+               **kwargs: Any) -> str:
+    """The text that terminates an assistant turn: ``messages`` end with an assistant turn whose content
+    is :data:`REPLY_SENTINEL`; returns what the template writes after it ("" when it drops the reply)."""
+    text = render_messages(template, messages, False, bos_token=bos_token, eos_token=eos_token, **kwargs)
+    i = text.rfind(REPLY_SENTINEL)
+    return text[i + len(REPLY_SENTINEL):] if i >= 0 else ""

@@ -6,7 +6,8 @@ Wire formats, picked from the template's own markers:
            call such as brave_search.call(query="...") / python code           (Llama-3.1 / 3.2 / 3.3)
   mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "..."}], or [TOOL_CALLS]name[ARGS]{...}
   harmony  <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
-Malformed call text stays in the content: parsing a model's reply never raises.
+Malformed call text stays in the content: parsing a model's reply never raises. Pure formats: the
+chat-level calls (set_tools, parse_calls, ...) are in turns.py.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from .reasoning import split_reasoning
+from .reasoning import ThinkSplit
 
 
 @dataclass
@@ -37,7 +38,8 @@ class ToolReply:
     calls: List[ToolCall] = field(default_factory=list)
 
 
-def _tool_format(template: str) -> Optional[str]:
+def tool_format(template: str) -> Optional[str]:
+    """The wire format the template speaks (see above), or None."""
     if "<|channel|>" in template:
         return "harmony"
     if "<tool_call>" in template:
@@ -49,15 +51,8 @@ def _tool_format(template: str) -> Optional[str]:
     return None
 
 
-def _chat_tool_format(chat) -> Optional[str]:
-    return _tool_format(chat.template)
-
-
-def set_tools(chat, tools: Sequence[Union[str, Dict[str, Any]]]) -> None:
-    """Declare the conversation's tools (OpenAI tools[] objects, as dicts or JSON text) for the template.
-
-    Families whose template has no tool format ignore them (the template never reads them).
-    """
+def check_tools(tools: Sequence[Union[str, Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """OpenAI tools[] objects (dicts or JSON text) as dicts; raises ValueError on a malformed one."""
     out = []
     for t in tools:
         if isinstance(t, str):
@@ -68,13 +63,12 @@ def set_tools(chat, tools: Sequence[Union[str, Dict[str, Any]]]) -> None:
         if not isinstance(t, dict):
             raise ValueError(f"a tool must be a JSON object, got {type(t).__name__}")
         out.append(t)
-    chat.tools = out
+    return out
 
 
-def add_tool_results(chat, results: Sequence[str], names: Optional[Sequence[str]] = None,
-                     ids: Optional[Sequence[str]] = None) -> None:
-    """Queue tool results as the next pending turn (in place of add_user), one ``tool`` message each;
-    ``names`` are the called functions, ``ids`` the call ids for families that carry them (mistral)."""
+def result_messages(results: Sequence[str], names: Optional[Sequence[str]] = None,
+                    ids: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+    """Tool results as ``tool`` messages; ``names`` are the called functions, ``ids`` the call ids."""
     if isinstance(results, str):
         raise TypeError("results must be a list of strings")
     results = list(results)
@@ -82,6 +76,7 @@ def add_tool_results(chat, results: Sequence[str], names: Optional[Sequence[str]
         raise ValueError(f"{len(results)} results but {len(names)} names")
     if ids is not None and len(ids) != len(results):
         raise ValueError(f"{len(results)} results but {len(ids)} ids")
+    out = []
     for i, r in enumerate(results):
         if not isinstance(r, str):
             raise TypeError(f"tool result {i} must be str, got {type(r).__name__}")
@@ -90,10 +85,12 @@ def add_tool_results(chat, results: Sequence[str], names: Optional[Sequence[str]
             m["name"] = str(names[i])
         if ids is not None:
             m["tool_call_id"] = str(ids[i])
-        chat.pending.append(m)
+        out.append(m)
+    return out
 
 
-def _call_message(text: str, calls: Sequence[Union[str, Dict[str, Any]]]) -> Dict[str, Any]:
+def call_message(text: str, calls: Sequence[Union[str, Dict[str, Any]]]) -> Dict[str, Any]:
+    """An assistant message that made ``calls`` (``{"name", "arguments"}`` objects or their JSON text)."""
     tcs = []
     for c in calls:
         obj = json.loads(c) if isinstance(c, str) else c
@@ -107,21 +104,6 @@ def _call_message(text: str, calls: Sequence[Union[str, Dict[str, Any]]]) -> Dic
             tc["id"] = str(obj["id"])
         tcs.append(tc)
     return {"role": "assistant", "content": str(text), "tool_calls": tcs}
-
-
-def render_assistant_calls(model, chat, text: str, calls: Sequence[Union[str, Dict[str, Any]]]) -> List[int]:
-    """render_assistant's tool-calling twin: an assistant turn that made ``calls`` (``{"name", "arguments"}``
-    objects or their JSON text) with ``text`` beside them; returns its tokens and advances the transcript."""
-    from .turns import _assistant
-
-    return _assistant(model, chat, _call_message(text, calls), run=False)
-
-
-def add_assistant_calls(model, chat, text: str, calls: Sequence[Union[str, Dict[str, Any]]]) -> None:
-    """add_assistant's tool-calling twin: prefill an assistant turn that made ``calls``."""
-    from .turns import _assistant
-
-    _assistant(model, chat, _call_message(text, calls), run=True)
 
 
 # -- parsing ----------------------------------------------------------------------------------------------
@@ -268,15 +250,13 @@ def _parse_harmony(reply: str) -> ToolReply:
     return ToolReply("\n".join(r.strip() for r in reasoning), "\n".join(c.strip() for c in content).strip(), calls)
 
 
-def parse_calls(chat, reply: str) -> ToolReply:
-    """Classify a complete reply per the family's wire format: reasoning, content, and the calls with their
-    arguments as JSON object text. A family without a tool format gets the reasoning split alone."""
-    if not isinstance(reply, str):
-        raise TypeError(f"reply must be str, got {type(reply).__name__}")
-    fmt = _chat_tool_format(chat)
+def parse_reply(fmt: Optional[str], reply: str, split: Optional[ThinkSplit] = None) -> ToolReply:
+    """Classify a complete reply per the wire format ``fmt``: reasoning, content, and the calls with their
+    arguments as JSON object text. ``split`` is the reply's reasoning split (not used by Harmony, whose
+    channels carry both); without a tool format the split alone is the answer."""
     if fmt == "harmony":
         return _parse_harmony(reply)
-    split = split_reasoning(chat, reply)
+    split = split if split is not None else ThinkSplit("", reply)
     content, calls = split.content, []
     if fmt == "hermes":
         content, calls = _parse_hermes(content)

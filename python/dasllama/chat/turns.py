@@ -4,7 +4,8 @@ The KV is kept in step with the transcript by diffing token ids: every turn rend
 conversation, tokenizes it, keeps the longest prefix the session already holds and prefills only
 the rest. A template that rewrites earlier turns therefore costs a re-prefill from the first
 differing token, and the cache never answers for a prompt it does not hold.
-Thinking and tool calls live in reasoning.py and tools.py; this file knows their wire formats not.
+This file holds the conversation state and every call that takes a ChatSession (the thinking and tool
+calls included); the formats themselves are pure functions in template.py, reasoning.py and tools.py.
 """
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .. import llm
-from ..llm import KVDtype, Model, SamplingParams, Session
-from .template import TemplateError, _meta, compile_template, model_template, render_messages
+import weakref
 
-_SENTINEL = "\u2063dasllama-reply\u2063"
+import numpy as np
+
+from .. import kv, llm
+from ..audio import AudioEmbedder
+from ..audio_io import load_audio
+from ..llm import KVDtype, Model, SamplingParams, Session
+from . import media, reasoning
+from .reasoning import ThinkSplit, ThinkStream
+from .template import REPLY_SENTINEL, TemplateError, close_text, compile_template, model_template, render_messages
+from .tools import ToolReply, call_message, check_tools, parse_reply, result_messages, tool_format
 
 
 @dataclass
@@ -60,13 +68,17 @@ class ChatSession:
     # Work counters: rows prefilled (all / media only), rows attached from the prefix cache, encoder runs.
     media_stats: Dict[str, int] = field(default_factory=lambda: {
         "rows_prefilled": 0, "media_rows_prefilled": 0, "rows_attached": 0, "encodes": 0})
+    # What derives from ``template`` (recomputed when it is replaced): its compiled form, and the
+    # template the fold / stops / reasoning format below were derived for.
+    _compiled: Any = field(default=None, init=False, repr=False, compare=False)
+    _derived_for: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+    _think_fmt: Optional[str] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def compiled(self):
-        c = self.__dict__.get("_compiled")
+        c = self._compiled
         if c is None or c[0] != self.template:
-            c = (self.template, compile_template(self.template))
-            self.__dict__["_compiled"] = c
+            c = self._compiled = (self.template, compile_template(self.template))
         return c[1]
 
     def __repr__(self) -> str:
@@ -80,13 +92,33 @@ class ChatSession:
 
 def _refresh(chat: ChatSession) -> None:
     """Re-derive what depends on the template (system folding, stop ids) when ``chat.template`` was replaced."""
-    if chat.__dict__.get("_derived_for") == chat.template:
+    if chat._derived_for == chat.template:
         return
-    from .reasoning import _template_stops
-
-    chat.__dict__["_derived_for"] = chat.template  # first: the stops below render through _messages
+    chat._derived_for = chat.template  # first: the stops below render through _messages
+    chat._think_fmt = reasoning.think_format(chat.model, chat.template)
     chat.fold_system = not _template_caps(chat.model, chat.template).system_prompt
-    chat.stop_ids = sorted(set(chat.model._m.eog_ids) | set(_template_stops(chat)))
+    chat.stop_ids = sorted(set(chat.model.eog_ids) | set(_template_stops(chat)))
+
+
+def _fmt(chat: ChatSession) -> Optional[str]:
+    """The reasoning format of the chat's template ('harmony', 'think' or None)."""
+    _refresh(chat)
+    return chat._think_fmt
+
+
+def _template_stops(chat: ChatSession) -> List[int]:
+    """Single-token specials the template closes assistant turns with (what generation must stop at)."""
+    try:
+        close = _close_text(chat)
+    except Exception:  # noqa: BLE001 - a template that cannot close a turn just adds no stop
+        close = ""
+    out: List[int] = []
+    for w in reasoning.stop_words(chat._think_fmt, close):
+        ids = llm.encode(chat.model, w, add_special=False, parse_special=True)
+        # A control token decodes to nothing: the close text opens with a special, generation stops there.
+        if ids and llm.decode(chat.model, ids[:1]) == "":
+            out.append(ids[0])
+    return out
 
 
 def _messages(chat: ChatSession, extra: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -105,17 +137,15 @@ def _messages(chat: ChatSession, extra: List[Dict[str, Any]]) -> List[Dict[str, 
 def _with_sentinels(m: Dict[str, Any]) -> Dict[str, Any]:
     """A message copy for the template: its media spans become sentinels in its text (chat/media.py)."""
     m = {k: v for k, v in m.items() if not k.startswith("_")}
-    media = m.pop("media", None)
-    if media:
-        from .media import sentinel
-
+    spans = m.pop("media", None)
+    if spans:
         text = m.get("content") or ""
         raw = text.encode("utf-8")
         out, last = [], 0
-        for sp in sorted(media, key=lambda x: x["at"]):  # stable: clips at one offset keep their order
+        for sp in sorted(spans, key=lambda x: x["at"]):  # stable: clips at one offset keep their order
             at = min(int(sp["at"]), len(raw))
             out.append(raw[last:at].decode("utf-8", errors="replace"))
-            out.append(sentinel(sp["span"]))
+            out.append(media.sentinel(sp["span"]))
             last = at
         out.append(raw[last:].decode("utf-8", errors="replace"))
         m["content"] = "".join(out)
@@ -123,28 +153,26 @@ def _with_sentinels(m: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _render_text(chat: ChatSession, msgs: List[Dict[str, Any]], add_generation_prompt: bool) -> str:
-    from .reasoning import _gen_suffix
-
-    m = _meta(chat.model)
+    m = chat.model.chat_meta
     kw = dict(chat.template_kwargs)
     if chat.tools:
         kw["tools"] = chat.tools
     kw.setdefault("enable_thinking", chat.thinking)
     text = render_messages(chat.compiled, msgs, add_generation_prompt, bos_token=m["bos"], eos_token=m["eos"], **kw)
     if add_generation_prompt:
-        text += _gen_suffix(chat, text)
+        text += reasoning.gen_suffix(_fmt(chat), chat.thinking, chat.template, text)
     return text
 
 
 def _tokens(chat: ChatSession, text: str) -> List[int]:
     # As transformers' apply_chat_template(tokenize=True): specials parsed, none added (the template has BOS).
     # Media sentinels become their spans' media ids, each text run tokenized alone.
-    from .media import tokenize_with_spans
-
-    return tokenize_with_spans(chat.model, chat.spans, text)
+    return media.tokenize_with_spans(chat.model, chat.spans, text)
 
 
-def _prompt_ids(chat: ChatSession) -> List[int]:
+def prompt_ids(chat: ChatSession) -> List[int]:
+    """The whole rendered prompt of the pending turn (the conversation so far + the generation prompt) as
+    ids: tokens, and media ids for its spans. For schedulers that attach and prefill it themselves."""
     if not chat.pending:
         raise ValueError("no pending message: call add_user (or add_tool_results) first")
     ids = _tokens(chat, _render_text(chat, _messages(chat, chat.pending), True))
@@ -154,7 +182,7 @@ def _prompt_ids(chat: ChatSession) -> List[int]:
 
 
 def _held(chat: ChatSession) -> List[int]:
-    return chat.session._s.history if chat.session is not None else chat.rendered
+    return chat.session.history if chat.session is not None else chat.rendered
 
 
 def _common(a: List[int], b: List[int]) -> int:
@@ -169,19 +197,17 @@ def _sync(chat: ChatSession, ids: List[int], keep_last: bool) -> int:
     """Make the KV hold exactly ``ids`` (minus the last token with ``keep_last``, left for the caller to
     run); returns the position from which ``ids`` still has to be prefilled."""
     s = chat.session
-    p = _common(s._s.history, ids)
+    p = _common(s.history, ids)
     if keep_last:
         p = min(p, len(ids) - 1)
     if p < s.n_past:
-        s._s.truncate(p)
+        s.truncate(p)
     if not keep_last and p < len(ids):
         _prefill(chat, ids[p:])
     return p
 
 
 def _prefill(chat: ChatSession, ids: List[int]) -> None:
-    from . import media
-
     before = media.ROW_CACHE.encodes
     media.prefill(chat.model, chat.session, chat.spans, ids, chat.media_stats)
     chat.media_stats["encodes"] += media.ROW_CACHE.encodes - before
@@ -191,26 +217,20 @@ def _attach(chat: ChatSession, ids: List[int]) -> None:
     """A fresh paged session of a chat with a prefix cache takes the cached pages of its prompt."""
     if chat.cache is None or chat.session.n_past != 0:
         return
-    from .. import kv
-
     n = kv.prefix_attach(chat.cache, chat.pool, chat.session, ids)
     chat.media_stats["rows_attached"] += n
 
 
 def _donate(chat: ChatSession) -> None:
     if chat.cache is not None and chat.session.n_past > 0:
-        from .. import kv
-
         kv.prefix_insert(chat.cache, chat.pool, chat.session, chat.session.history)
 
 
 def _close_text(chat: ChatSession) -> str:
     """The text that terminates an assistant turn: what the template writes after a reply."""
-    msgs = _messages(chat, [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}])
-    text = render_messages(chat.compiled, msgs, False, bos_token=_meta(chat.model)["bos"],
-                           eos_token=_meta(chat.model)["eos"], **dict(chat.template_kwargs))
-    i = text.rfind(_SENTINEL)
-    return text[i + len(_SENTINEL):] if i >= 0 else ""
+    msgs = _messages(chat, [{"role": "user", "content": "x"}, {"role": "assistant", "content": REPLY_SENTINEL}])
+    m = chat.model.chat_meta
+    return close_text(chat.compiled, msgs, m["bos"], m["eos"], **dict(chat.template_kwargs))
 
 
 def render_close(model: Model, chat: ChatSession) -> List[int]:
@@ -223,7 +243,7 @@ def render_turn(model: Model, chat: ChatSession) -> List[int]:
     """The next turn's prefill ids without running the model: the rendered prompt past what is already held
     (BOS + system on the first turn, then the pending turn and the generation prompt)."""
     _same(model, chat)
-    ids = _prompt_ids(chat)
+    ids = prompt_ids(chat)
     p = min(_common(_held(chat), ids), len(ids) - 1)
     return ids[p:]
 
@@ -299,8 +319,6 @@ def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int 
             max_new, kv_dtype = system, (max_new if isinstance(max_new, KVDtype) else kv_dtype)
         system = sys_prompt
     if tower is not None:
-        from ..audio import AudioEmbedder
-
         if not isinstance(tower, AudioEmbedder):
             raise TypeError(f"tower must be an AudioTower or AudioEmbedder, got {type(tower).__name__}")
         if isinstance(model, Model) and tower.proj_dim != model.config.dim:
@@ -326,8 +344,6 @@ def create_chat_renderer(model: Model, system: str = "", max_new: int = 256, tow
     it); a scheduler then prefills the rendered ids with :func:`prefill_media_body`."""
     chat = _new_chat(model, None, system, max_new)
     if tower is not None:
-        from ..audio import AudioEmbedder
-
         if not isinstance(tower, AudioEmbedder):
             raise TypeError(f"tower must be an AudioTower or AudioEmbedder, got {type(tower).__name__}")
         if tower.proj_dim != model.config.dim:
@@ -344,8 +360,6 @@ def prefill_media_body(model: Model, session: Session, chat: ChatSession, ids: L
     then prefill ``ids[matched:]`` here. Returns this call's counters (rows, media rows, encodes)."""
     _same(model, chat)
     llm._check(model, session)
-    from . import media
-
     c = {"rows_prefilled": 0, "media_rows_prefilled": 0, "rows_attached": 0, "encodes": 0}
     before = media.ROW_CACHE.encodes
     media.prefill(model, session, chat.spans, [int(t) for t in ids], c)
@@ -383,19 +397,15 @@ def respond(model: Model, chat: ChatSession, params: Optional[SamplingParams] = 
     _same(model, chat)
     if chat.session is None:
         raise ValueError("a render-only chat (create_chat_renderer) cannot respond")
-    from .reasoning import effective_stop_ids
-
     s = chat.session
-    ids = _prompt_ids(chat)
+    ids = prompt_ids(chat)
     if len(ids) >= s.n_ctx:
         raise llm._core.ContextOverflowError(
             f"the conversation ({len(ids)} tokens) does not fit the context of {s.n_ctx}: reset the chat")
     _attach(chat, ids)
     p = _sync(chat, ids, keep_last=True)
-    from .reasoning import _chat_format, split_reasoning
-
     stops = list(effective_stop_ids(chat))
-    harmony = _chat_format(chat) == "harmony"
+    harmony = _fmt(chat) == "harmony"
     if harmony:
         # Harmony ends each channel message with <|end|> (an end-of-generation id of gpt-oss files) and
         # the turn with <|return|> / <|call|>: run through <|end|>, and stream the channel markers as
@@ -453,14 +463,15 @@ def caps(model: Model) -> LlmCaps:
     return _template_caps(model, model_template(model))
 
 
+# Capabilities by template, per model: they depend on the model's vocab and bos / eos texts.
+_CAPS: "weakref.WeakKeyDictionary[Model, Dict[str, LlmCaps]]" = weakref.WeakKeyDictionary()
+
+
 def _template_caps(model: Model, tpl: str) -> LlmCaps:
-    cache = model.__dict__.setdefault("_chat_caps", {})
+    cache = _CAPS.setdefault(model, {})
     if tpl in cache:
         return cache[tpl]
-    from .reasoning import _think_format
-    from .tools import _tool_format
-
-    m = _meta(model)
+    m = model.chat_meta
     kw = dict(bos_token=m["bos"], eos_token=m["eos"])
     user = [{"role": "user", "content": "U"}]
     sys_prompt = True
@@ -471,8 +482,8 @@ def _template_caps(model: Model, tpl: str) -> LlmCaps:
         sys_prompt = with_sys != folded and "S" in with_sys
     except TemplateError:
         sys_prompt = False  # it refuses a system message: we fold it
-    c = LlmCaps(system_prompt=sys_prompt, tools=_tool_format(tpl) is not None,
-                thinking=_think_format(model, tpl) is not None)
+    c = LlmCaps(system_prompt=sys_prompt, tools=tool_format(tpl) is not None,
+                thinking=reasoning.think_format(model, tpl) is not None)
     cache[tpl] = c
     return c
 
@@ -501,10 +512,8 @@ def load_transcript(chat: ChatSession, path: str) -> None:
 
 def _new_span(chat: ChatSession, key: str, n: int, open_: str, close: str, is_image: bool = False,
               rows=None, source=None):
-    from .media import Span
-
     sid = max(chat.spans, default=-1) + 1
-    sp = Span(id=sid, key=str(key), n=int(n), open=open_, close=close, is_image=bool(is_image), rows=rows,
+    sp = media.Span(id=sid, key=str(key), n=int(n), open=open_, close=close, is_image=bool(is_image), rows=rows,
               source=source)
     chat.spans[sid] = sp
     return sp
@@ -533,16 +542,13 @@ def add_user_audio(chat: ChatSession, audio, text: str = "") -> int:
         raise TypeError(f"expected a ChatSession, got {type(chat).__name__}")
     if chat.tower is None:
         raise ValueError("this chat has no audio tower: create it with create_chat(model, tower)")
-    from ..audio_io import load_audio
-    from .media import FAMILY_FRAMING, clip_key
-
     x = load_audio(audio)
     tower = chat.tower
     n = tower.n_rows(x.shape[0])
     if n < 1:  # an empty span would leave bare markers; the processor's count is 0 here too
         raise ValueError(f"the clip ({x.shape[0]} samples) is too short to make any {tower.family} rows")
-    open_, close = FAMILY_FRAMING.get(tower.family, ("", ""))
-    sp = _new_span(chat, clip_key(tower, x), n, open_, close, source=(tower, x))
+    open_, close = media.FAMILY_FRAMING.get(tower.family, ("", ""))
+    sp = _new_span(chat, media.clip_key(tower, x), n, open_, close, source=(tower, x))
     _queue_head(chat, sp)
     if text:
         add_user(chat, text)
@@ -554,10 +560,6 @@ def add_user_audio_rows(model: Model, chat: ChatSession, rows, n: Optional[int] 
     user turn; the chat needs no tower. ``bare`` (see :func:`audio_span_bare`) drops the span's markers;
     otherwise the decoder's vocab picks the framing (qwen's audio_bos / eos, voxtral's [BEGIN_AUDIO])."""
     _same(model, chat)
-    import numpy as np
-
-    from .media import framing_for, rows_key
-
     r = np.asarray(rows)
     if r.dtype != np.float32:
         raise TypeError(f"audio rows must be float32, got dtype {r.dtype}")
@@ -573,8 +575,8 @@ def add_user_audio_rows(model: Model, chat: ChatSession, rows, n: Optional[int] 
     r = np.array(r[:n], dtype=np.float32)  # a copy: the chat owns its rows ("moves the rows in")
     r.setflags(write=False)
     fam = chat.tower.family if chat.tower is not None else None
-    open_, close = framing_for(model, fam, bool(bare))
-    _queue_head(chat, _new_span(chat, rows_key(r), n, open_, close, rows=r))
+    open_, close = media.framing_for(model, fam, bool(bare))
+    _queue_head(chat, _new_span(chat, media.rows_key(r), n, open_, close, rows=r))
 
 
 def add_user_span(model: Model, chat: ChatSession, key, n_rows: int, text_before: int, is_image: bool = False,
@@ -593,16 +595,12 @@ def add_user_span(model: Model, chat: ChatSession, key, n_rows: int, text_before
         raise ValueError(f"text_before={text_before} is outside the message's {nb} bytes")
     if int(n_rows) < 1:
         raise ValueError("a span needs at least one row")
-    from .media import framing_for
-
     if is_image:
         open_, close = "", ""  # no vision family is served: an image span renders bare
     else:
-        open_, close = framing_for(model, chat.tower.family if chat.tower is not None else None, bool(bare))
+        open_, close = media.framing_for(model, chat.tower.family if chat.tower is not None else None, bool(bare))
     r = None
     if rows is not None:
-        import numpy as np
-
         r = np.asarray(rows)
         if r.dtype != np.float32 or r.size != int(n_rows) * model.config.dim:
             raise ValueError(f"rows must be float32 {n_rows} x {model.config.dim}")
@@ -623,3 +621,75 @@ def render_turn_audio(model: Model, chat: ChatSession):
     while hi < len(ids) and ids[hi] < 0:
         hi += 1
     return ids[:lo], ids[hi:]
+
+
+# -- thinking and tool calls over a chat (the formats are in reasoning.py and tools.py) --------------------
+
+def set_thinking(chat: ChatSession, on: bool) -> None:
+    """Toggle reasoning for a hybrid thinking model: off renders the template's empty think block (its
+    enable_thinking switch, else ours) so the model answers directly. No-op for other families."""
+    chat.thinking = bool(on)
+
+
+def effective_stop_ids(chat: ChatSession) -> List[int]:
+    """The stop ids in force for the next generation: the model's end-of-generation ids and the template's."""
+    _refresh(chat)
+    return list(chat.stop_ids)
+
+
+def make_think_stream(chat: ChatSession) -> ThinkStream:
+    """The splitter for chat's next turn; armed only when the turn thinks, else a pass-through stream."""
+    fmt = _fmt(chat)
+    prompt = ""
+    if fmt == "think" and chat.thinking:
+        pending = chat.pending or [{"role": "user", "content": "x"}]
+        try:
+            prompt = _render_text(chat, _messages(chat, pending), True)
+        except Exception:  # noqa: BLE001 - the turn itself will report the template's error
+            prompt = ""
+    return reasoning.think_stream(fmt, chat.thinking, prompt)
+
+
+def split_reasoning(chat: ChatSession, reply: str) -> ThinkSplit:
+    """Split a complete reply at its reasoning boundary per the family's format; both halves are stripped
+    when a reasoning span is found, and a reply without one passes through untouched."""
+    fmt = _fmt(chat)
+    if fmt is None:
+        return ThinkSplit("", reply)
+    return reasoning.split_text(fmt, make_think_stream(chat), reply)
+
+
+def set_tools(chat: ChatSession, tools) -> None:
+    """Declare the conversation's tools (OpenAI tools[] objects, as dicts or JSON text) for the template.
+
+    Families whose template has no tool format ignore them (the template never reads them).
+    """
+    chat.tools = check_tools(tools)
+
+
+def add_tool_results(chat: ChatSession, results, names=None, ids=None) -> None:
+    """Queue tool results as the next pending turn (in place of add_user), one ``tool`` message each;
+    ``names`` are the called functions, ``ids`` the call ids for families that carry them (mistral)."""
+    chat.pending.extend(result_messages(results, names, ids))
+
+
+def render_assistant_calls(model: Model, chat: ChatSession, text: str, calls) -> List[int]:
+    """render_assistant's tool-calling twin: an assistant turn that made ``calls`` (``{"name", "arguments"}``
+    objects or their JSON text) with ``text`` beside them; returns its tokens and advances the transcript."""
+    return _assistant(model, chat, call_message(text, calls), run=False)
+
+
+def add_assistant_calls(model: Model, chat: ChatSession, text: str, calls) -> None:
+    """add_assistant's tool-calling twin: prefill an assistant turn that made ``calls``."""
+    _assistant(model, chat, call_message(text, calls), run=True)
+
+
+def parse_calls(chat: ChatSession, reply: str) -> ToolReply:
+    """Classify a complete reply per the family's wire format: reasoning, content, and the calls with their
+    arguments as JSON object text. A family without a tool format gets the reasoning split alone."""
+    if not isinstance(reply, str):
+        raise TypeError(f"reply must be str, got {type(reply).__name__}")
+    fmt = tool_format(chat.template)
+    if fmt == "harmony":
+        return parse_reply(fmt, reply)
+    return parse_reply(fmt, reply, split_reasoning(chat, reply))

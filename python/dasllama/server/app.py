@@ -310,9 +310,7 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
         def render():
             c = chats.build(r)  # audio: decoded and keyed here, off the event loop
             if r.audio:
-                from ..chat import turns
-
-                return c, turns._prompt_ids(c), chat.effective_stop_ids(c)
+                return c, chat.prompt_ids(c), chat.effective_stop_ids(c)
             return c, chat.render_turn(m, c), chat.effective_stop_ids(c)
 
         try:

@@ -1,7 +1,9 @@
-"""The serving engine: one thread steps up to ``streams`` sessions of one paged KV pool.
+"""The serving engine: admission, the prefix cache, text and stop strings around the C++ step loop.
 
 No HTTP here: jobs come in through :meth:`Engine.submit` and report through a thread-safe callback.
-Each step is one ragged batch over the weights: at most one prefill chunk of one job plus a decode
+One thread calls :class:`~dasllama.llm.BatchStepper` once per step (batching, sampling, stop ids and
+lengths run in C++ with the GIL released); this file turns its tokens into text. Each step is one
+ragged batch over the weights: at most one prefill chunk of one job plus a decode
 token of every running job, so a new request delays the running streams by at most one chunk.
 A finished stream donates its full pages to the prefix cache; a new job attaches the longest cached
 prefix of its prompt and prefills only the rest (a client resending its conversation pays for the
@@ -16,8 +18,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional, Set
-
-import numpy as np
 
 from .. import kv, llm
 from .._core import PoolExhaustedError
@@ -56,12 +56,10 @@ class Job:
 
 
 class _Slot:
-    def __init__(self, session: llm.Session):
+    def __init__(self, i: int, session: llm.Session):
+        self.i = i                    # its index in the stepper
         self.s = session
-        self.tokens: List[int] = []   # mirror of what the KV holds (the session's history)
         self.job: Optional[Job] = None
-        self.pos = 0                  # prompt tokens prefilled so far
-        self.next_tok = -1            # sampled, not yet evaluated
         self.n_gen = 0
         self.cached = 0
         self.text = ""                # generated text so far (after UTF-8 assembly)
@@ -90,11 +88,11 @@ class Engine:
         self.pool = kv.create_kv_pool(model, page_rows=page_rows, kv_dtype=kv_dtype,
                                       max_pages=streams * ctx_pages + cache_pages)
         self.cache = kv.create_prefix_cache(max_groups=cache_pages)
-        self.slots = [_Slot(llm.create_session(model, self.pool, n_ctx=self.n_ctx)) for _ in range(streams)]
-        self.ws = llm.create_batch_workspace(model)
+        self.slots = [_Slot(i, llm.create_session(model, self.pool, n_ctx=self.n_ctx)) for i in range(streams)]
+        # The per-token work (batching, sampling, stop ids, lengths) runs in C++, one call per step.
+        self.stepper = llm.BatchStepper([s.s for s in self.slots], chunk)
         self.chunk = chunk
         self.max_queue = max_queue or 4 * streams
-        self.eog = set(model._m.eog_ids)
         self._waiting: Deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -210,12 +208,18 @@ class Engine:
     def _start(self, s: _Slot, job: Job) -> None:
         kv.release_kv_pages(s.s)
         keep = kv.prefix_attach(self.cache, self.pool, s.s, job.prompt)  # whole pages, one token short at most
-        s.tokens = list(job.prompt[:keep])
-        s.job, s.pos, s.cached, s.n_gen, s.next_tok = job, keep, keep, 0, -1
+        s.job, s.cached, s.n_gen = job, keep, 0
         s.text, s.sent = "", 0
         s.dec.reset()
         seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         llm.set_seed(s.s, seed % (1 << 63))
+        try:  # prefills go oldest submission first
+            self.stepper.start(s.i, job.prompt, job.params, job.max_tokens, sorted(job.stop_ids), job.submitted)
+        except (ValueError, TypeError) as e:  # sampling knobs the protocol let through
+            s.job = None
+            kv.release_kv_pages(s.s)
+            job.on_event("error", APIError(400, str(e)))
+            return
         self.prompt_tokens_total += len(job.prompt)
         self.cached_tokens_total += keep
         self.cache_hits_total += keep > 0
@@ -230,45 +234,40 @@ class Engine:
                 self._release(s)
             elif j.deadline is not None and now > j.deadline:
                 self._fail(s, APIError(504, "the request's deadline passed", type="timeout"))
-        # One ragged batch: a prefill chunk of the oldest job still prefilling, a token of every decoder.
-        batch: List[_Slot] = []
-        toks: List[object] = []
-        pre = [s for s in self.slots if s.job is not None and s.next_tok < 0]
-        if pre:
-            p = min(pre, key=lambda x: x.job.submitted)
-            if p.job.media_chat is not None and p.pos < len(p.job.prompt) - 1:
+        # One ragged batch in C++: a prefill chunk of the oldest job still prefilling, a token of every decoder.
+        prefill = True
+        p = self.stepper.next_prefill()
+        if p >= 0:
+            s = self.slots[p]
+            if s.job.media_chat is not None and s.s.n_past < len(s.job.prompt) - 1:
                 # Media turns prefill in one body (text runs and the spans' rows; a clip is encoded
                 # only if neither the KV nor the tower-output cache has it); this is the step's prefill.
-                self._media_prefill(p)
-            else:
-                batch.append(p)
-                toks.append(p.job.prompt[p.pos:p.pos + self.chunk])
-        for s in self.slots:
-            if s.job is not None and s.next_tok >= 0:
-                batch.append(s)
-                toks.append(s.next_tok)
-        if not batch:
-            return
+                self._media_prefill(s)
+                prefill = False
         try:
-            llm.eval_batch(self.model, self.ws, [s.s for s in batch], toks)
+            events, n_dec = self.stepper.step(prefill)
         except PoolExhaustedError as e:
             # No session moved: the one that could not get a page is answered, the others go on next step.
             i = getattr(e, "session_index", -1)
-            victim = batch[i] if 0 <= i < len(batch) else batch[0]
+            victim = self.slots[i] if 0 <= i < len(self.slots) and self.slots[i].job is not None else \
+                next(s for s in self.slots if s.job is not None)
             self._fail(victim, APIError(503, f"the KV pool is full: {e}", type="server_error",
                                         headers={"Retry-After": "1"}))
             return
-        n_dec = 0
-        for s, t in zip(batch, toks):
-            if isinstance(t, list):
-                s.tokens.extend(t)
-                s.pos += len(t)
-                if s.pos == len(s.job.prompt):
-                    self._sampled(s, llm.sample(s.s, s.job.params))
-            else:
-                s.tokens.append(t)
-                n_dec += 1
-                self._sampled(s, llm.sample(s.s, s.job.params))
+        for slot, kind, _tok, piece in events:
+            s = self.slots[slot]
+            if kind == llm.BatchStepper.STOP:
+                self._finish(s, "stop")
+                continue
+            s.n_gen += 1
+            self.generated_tokens_total += 1
+            s.text += s.dec.decode(piece)
+            if self._emit_text(s):
+                continue
+            if kind == llm.BatchStepper.LENGTH:
+                s.text += s.dec.decode(b"", final=True)
+                if not self._emit_text(s, final=True):
+                    self._finish(s, "length")
         if n_dec:
             with self._cv:
                 self._recent.append((time.monotonic(), n_dec))
@@ -276,7 +275,7 @@ class Engine:
     def _media_prefill(self, s: _Slot) -> None:
         from ..chat import turns
 
-        body = s.job.prompt[s.pos:-1]
+        body = s.job.prompt[s.s.n_past:-1]
         try:
             c = turns.prefill_media_body(self.model, s.s, s.job.media_chat, body)
         except PoolExhaustedError as e:
@@ -285,26 +284,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a bad clip fails its request only
             return self._fail(s, APIError(500, f"audio prefill failed: {type(e).__name__}: {e}",
                                           type="server_error"), donate=False)
-        s.tokens.extend(body)
-        s.pos += len(body)
         self.media_rows_total += c.get("media_rows_prefilled", 0)
         self.encodes_total += c.get("encodes", 0)
-
-    def _sampled(self, s: _Slot, tok: int) -> None:
-        j = s.job
-        if tok in self.eog or tok in j.stop_ids:
-            return self._finish(s, "stop")
-        s.n_gen += 1
-        self.generated_tokens_total += 1
-        s.text += s.dec.decode(self.model._m.render(tok, False))  # control tokens give no text, as in generate
-        if self._emit_text(s):
-            return
-        if s.n_gen >= j.max_tokens or len(s.tokens) + 1 >= self.n_ctx:
-            s.text += s.dec.decode(b"", final=True)
-            if not self._emit_text(s, final=True):
-                self._finish(s, "length")
-            return
-        s.next_tok = tok
 
     def _emit_text(self, s: _Slot, final: bool = False) -> bool:
         """Send what is safe to send; True when a stop string ended the job."""
@@ -344,12 +325,13 @@ class Engine:
 
     def _release(self, s: _Slot, donate: bool = True) -> None:
         """End a slot's job: its full pages go to the prefix cache, the rest back to the pool."""
-        if donate and s.tokens:
+        self.stepper.end(s.i)
+        hist = s.s.history if donate else []
+        if hist:
             try:
-                kv.prefix_insert(self.cache, self.pool, s.s, s.tokens)
+                kv.prefix_insert(self.cache, self.pool, s.s, hist)
             except Exception:  # noqa: BLE001 - caching is an optimization: never fail a reply over it
                 pass
         kv.release_kv_pages(s.s)
-        s.tokens = []
-        s.job, s.next_tok = None, -1
+        s.job = None
         s.last_used = time.monotonic()

@@ -1,0 +1,124 @@
+// The serving step loop (see stepper.h): batch building, sampling and stop checks per step.
+#include "model/stepper.h"
+
+#include <algorithm>
+
+#include "core/errors.h"
+#include "model/model.h"
+
+namespace dl {
+
+Stepper::Stepper(std::vector<std::shared_ptr<Session>> slots, int64_t chunk)
+    : slots_(std::move(slots)), jobs_(slots_.size()), chunk_(chunk) {
+  if (slots_.empty()) throw Error("Stepper: no sessions");
+  if (chunk_ < 1) throw Error("Stepper: chunk must be >= 1");
+  for (auto& s : slots_) {
+    if (!s) throw Error("Stepper: a null session");
+    if (&s->model() != &slots_[0]->model()) throw Error("Stepper: sessions of different models");
+  }
+}
+
+int Stepper::check(int slot) const {
+  if (slot < 0 || slot >= (int)slots_.size()) throw Error("Stepper: slot " + std::to_string(slot) + " out of range");
+  return slot;
+}
+
+void Stepper::start(int slot, std::vector<int32_t> prompt, const SamplingParams& p, int64_t max_tokens,
+                    std::vector<int32_t> stop_ids, double priority) {
+  Session& s = *slots_[check(slot)];
+  for (int32_t t : prompt)
+    if (t >= s.model().config().vocab_size) throw Error("Stepper: token id " + std::to_string(t) + " out of range");
+  if (s.n_past() >= (int64_t)prompt.size())
+    throw Error("Stepper: the session already holds the whole prompt (attach stops one token short)");
+  Job& j = jobs_[slot];
+  j = Job{};
+  j.active = true;
+  j.prompt = std::move(prompt);
+  j.params = p;
+  j.max_tokens = max_tokens;
+  j.stop_ids = std::move(stop_ids);
+  j.priority = priority;
+}
+
+void Stepper::end(int slot) { jobs_[check(slot)].active = false; }
+
+int Stepper::next_prefill() const {
+  int best = -1;
+  for (int i = 0; i < (int)jobs_.size(); ++i) {
+    const Job& j = jobs_[i];
+    if (j.active && j.next_tok < 0 && (best < 0 || j.priority < jobs_[best].priority)) best = i;
+  }
+  return best;
+}
+
+std::vector<StepEvent> Stepper::step(bool prefill, int64_t* n_decoded) {
+  batch_.clear();
+  batch_slot_.clear();
+  tokens_.clear();
+  counts_.clear();
+  int64_t n_dec = 0;
+  const int p = prefill ? next_prefill() : -1;
+  if (p >= 0) {
+    Session& s = *slots_[p];
+    const Job& j = jobs_[p];
+    const int64_t lo = s.n_past(), hi = std::min<int64_t>((int64_t)j.prompt.size(), lo + chunk_);
+    batch_.push_back(&s);
+    batch_slot_.push_back(p);
+    for (int64_t i = lo; i < hi; ++i)
+      if (j.prompt[i] < 0)  // embedding rows are the caller's to prefill (see next_prefill)
+        throw Error("Stepper: prompt position " + std::to_string(i) + " is a media row; prefill it with step(false)");
+    tokens_.insert(tokens_.end(), j.prompt.begin() + lo, j.prompt.begin() + hi);
+    counts_.push_back(hi - lo);
+  }
+  for (int i = 0; i < (int)jobs_.size(); ++i) {
+    if (!jobs_[i].active || jobs_[i].next_tok < 0) continue;
+    batch_.push_back(slots_[i].get());
+    batch_slot_.push_back(i);
+    tokens_.push_back(jobs_[i].next_tok);
+    counts_.push_back(1);
+    ++n_dec;
+  }
+  if (n_decoded) *n_decoded = n_dec;
+  std::vector<StepEvent> out;
+  if (batch_.empty()) return out;
+  try {
+    batch_[0]->model().forward_ragged(batch_.data(), tokens_.data(), counts_.data(), (int64_t)batch_.size());
+  } catch (const PoolExhaustedError& e) {
+    const int64_t b = e.index;
+    throw PoolExhaustedError(e.what(), b >= 0 && b < (int64_t)batch_slot_.size() ? batch_slot_[b] : batch_slot_[0]);
+  }
+  for (size_t b = 0; b < batch_.size(); ++b) {
+    const int slot = batch_slot_[b];
+    Job& j = jobs_[slot];
+    // A prefilling stream samples once its whole prompt is in the KV.
+    if (j.next_tok < 0 && slots_[slot]->n_past() < (int64_t)j.prompt.size()) continue;
+    sampled(slot, out);
+  }
+  return out;
+}
+
+void Stepper::sampled(int slot, std::vector<StepEvent>& out) {
+  Session& s = *slots_[slot];
+  Job& j = jobs_[slot];
+  Model& m = s.model();
+  const int V = m.config().vocab_size;
+  if (j.params.seed >= 0) s.rng.reseed((uint64_t)j.params.seed);
+  const int32_t tok = sample_token(s.logits.data() + (s.logits.size() - V), V, j.params, s.history, s.rng,
+                                   s.sample_scratch);
+  if (m.is_eog(tok) || std::find(j.stop_ids.begin(), j.stop_ids.end(), tok) != j.stop_ids.end()) {
+    out.push_back({slot, StepEvent::kStop, tok, {}});
+    j.active = false;
+    return;
+  }
+  ++j.n_gen;
+  std::string bytes(m.tokenizer().render(tok, false));  // control tokens give no text, as in generate
+  if (j.n_gen >= j.max_tokens || s.n_past() + 1 >= s.n_ctx()) {
+    out.push_back({slot, StepEvent::kLength, tok, std::move(bytes)});
+    j.active = false;
+    return;
+  }
+  j.next_tok = tok;
+  out.push_back({slot, StepEvent::kToken, tok, std::move(bytes)});
+}
+
+}  // namespace dl
