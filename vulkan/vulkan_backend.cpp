@@ -574,13 +574,11 @@ class VulkanBackend final : public Backend {
     Lock g(c_->mu);
     struct {
       uint64_t w, x, y, row_bytes;
-      uint32_t rows, cols, n, row_base;
+      uint32_t rows, cols, n, pad;
     } pc{A(w.data), A(x), A(y), w.row_bytes, (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
+    if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
     const std::string sh = "matmul_" + std::to_string(w.type);
-    for (int64_t r0 = 0; r0 < w.rows; r0 += kMaxGroups) {
-      pc.row_base = (uint32_t)r0;
-      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, w.rows - r0), (uint32_t)((n + 7) / 8));
-    }
+    c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
     for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);

@@ -2,6 +2,7 @@
 // packed formats, exact f32 -> f16 rounding, and the activation helpers.
 #extension GL_EXT_buffer_reference : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#extension GL_EXT_control_flow_attributes : require
 
 // Backend "pointers" are device addresses; these views read/write at any 4-aligned address.
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer F32 { float v[]; };

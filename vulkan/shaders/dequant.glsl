@@ -17,10 +17,14 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint e0 = g * 8u;
 #if TYPE == T_F32
   F32 p = F32(row);
-  for (uint i = 0u; i < 8u; ++i) v[i] = e0 + i < cols ? p.v[e0 + i] : 0.0f;
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    v[i] = 0.0f;
+    if (e0 + i < cols) v[i] = p.v[e0 + i];
+  }
 #elif TYPE == T_F16 || TYPE == T_BF16
-  for (uint i = 0u; i < 8u; ++i) {
-    const uint h = e0 + i < cols ? rd16(row + 2u * (e0 + i)) : 0u;
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    uint h = 0u;
+    if (e0 + i < cols) h = rd16(row + 2u * (e0 + i));
 #if TYPE == T_F16
     v[i] = h2f(h);
 #else
@@ -32,7 +36,7 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const float d = h2f(rd16(b));
   const uint64_t q = b + 2u + (g & 3u) * 8u;
   const uint w0 = rd32(q), w1 = rd32(q + 4u);
-  for (uint i = 0u; i < 4u; ++i) {
+  [[unroll]] for (uint i = 0u; i < 4u; ++i) {
     precise float a = float(sbyte(w0, i)) * d, c = float(sbyte(w1, i)) * d;
     v[i] = a, v[i + 4u] = c;
   }
@@ -55,7 +59,7 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
 #if TYPE == T_Q5_0 || TYPE == T_Q5_1
   const uint qh = rd32(b + (TYPE == T_Q5_1 ? 4u : 2u)) >> o;  // bit j: element j's fifth bit
 #endif
-  for (uint i = 0u; i < 8u; ++i) {
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
     int n = int(((i < 4u ? w0 : w1) >> ((i & 3u) * 8u + sh)) & 0xFu);
 #if TYPE == T_Q5_0 || TYPE == T_Q5_1
     n |= int((qh >> i) & 1u) << 4;
@@ -92,7 +96,7 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
 #if TYPE == T_Q5_K
   const uint h0 = rd32(b + 16u + l0), h1 = rd32(b + 20u + l0);
 #endif
-  for (uint i = 0u; i < 8u; ++i) {
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
     uint n = ((i < 4u ? w0 : w1) >> ((i & 3u) * 8u + nsh)) & 0xFu;
 #if TYPE == T_Q5_K
     n |= (((i < 4u ? h0 : h1) >> ((i & 3u) * 8u + j)) & 1u) << 4;
@@ -109,7 +113,7 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint64_t ql = b + h * 64u + (s & 1u) * 32u + l0, qh = b + 128u + h * 32u + l0;
   const uint l0w = rd32(ql), l1w = rd32(ql + 4u), h0w = rd32(qh), h1w = rd32(qh + 4u);
   const uint shl = (s >> 1) * 4u, shh = 2u * s;
-  for (uint i = 0u; i < 8u; ++i) {
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
     const uint bl = ((i < 4u ? l0w : l1w) >> ((i & 3u) * 8u)) & 0xFFu;
     const uint bh = ((i < 4u ? h0w : h1w) >> ((i & 3u) * 8u)) & 0xFFu;
     const int n = int(((bl >> shl) & 0xFu) | (((bh >> shh) & 3u) << 4)) - 32;

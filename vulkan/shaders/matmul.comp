@@ -1,6 +1,8 @@
-// y[t][r] = sum_k W[r][k] x[t][k]: one workgroup per (weight row, block of 8 tokens); each
-// invocation decodes 8-element groups once and dots them with every token's x, then the
-// workgroup sums in shared memory. One kernel for decode and prefill (plain path).
+// y[t][r] = sum_k W[r][k] x[t][k]: an invocation per (4 weight rows, 8 tokens) walks the rows
+// serially, decoding each 8-element group once and reusing every x value for 4 rows (a 4x8
+// register tile). No shared memory and no barriers: cheap on lavapipe (where loads are per-lane
+// gathers and a barrier is a coroutine switch), and the x reads are the same for the whole
+// workgroup (a broadcast on a GPU). One kernel for decode and prefill (the plain path).
 #version 450
 #include "common.glsl"
 #include "dequant.glsl"
@@ -9,38 +11,39 @@ layout(local_size_x = 64) in;
 layout(push_constant, std430) uniform PC {
   uint64_t w, x, y;
   uint64_t row_bytes;
-  uint rows, cols, n, row_base;  // row_base + workgroup z * 32768 + x = the row
+  uint rows, cols, n, pad_;
 } pc;
 
-const uint NT = 8u;
-shared float red[NT][64];
+const uint NT = 8u, NR = 4u;
 
 void main() {
-  const uint r = pc.row_base + gl_WorkGroupID.z * 32768u + gl_WorkGroupID.x;
-  if (r >= pc.rows) return;  // uniform over the workgroup
-  const uint t0 = gl_WorkGroupID.y * NT, tid = gl_LocalInvocationID.x;
+  const uint r0 = gl_GlobalInvocationID.x * NR;
+  if (r0 >= pc.rows) return;
+  const uint t0 = gl_WorkGroupID.y * NT;
   const uint nt = min(NT, pc.n - t0);
-  const uint64_t row = pc.w + uint64_t(r) * pc.row_bytes;
+  uint64_t row[NR];
+  // Rows past the end repeat the last one (computed, not stored).
+  [[unroll]] for (uint j = 0u; j < NR; ++j) row[j] = pc.w + uint64_t(min(r0 + j, pc.rows - 1u)) * pc.row_bytes;
   const uint ng = (pc.cols + 7u) / 8u;
-  float acc[NT];
-  for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f;
-  for (uint g = tid; g < ng; g += 64u) {
-    float v[8];
-    dq8(row, g, pc.cols, v);
+  float acc[NR][NT];
+  [[unroll]] for (uint j = 0u; j < NR; ++j)
+    [[unroll]] for (uint t = 0u; t < NT; ++t) acc[j][t] = 0.0f;
+  for (uint g = 0u; g < ng; ++g) {
+    float v[NR][8];
+    [[unroll]] for (uint j = 0u; j < NR; ++j) dq8(row[j], g, pc.cols, v[j]);
     const uint e0 = g * 8u;
-    for (uint t = 0u; t < nt; ++t) {
-      F32 xr = F32(pc.x + (uint64_t(t0 + t) * pc.cols) * 4u);
-      float s = 0.0f;
-      for (uint i = 0u; i < 8u; ++i) s += e0 + i < pc.cols ? v[i] * xr.v[e0 + i] : 0.0f;
-      acc[t] += s;
+    const uint ne = min(8u, pc.cols - e0);
+    [[unroll]] for (uint t = 0u; t < NT; ++t) {
+      if (t >= nt) break;
+      F32 xr = F32(pc.x + (uint64_t(t0 + t) * pc.cols + e0) * 4u);
+      [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+        if (i >= ne) break;
+        const float xv = xr.v[i];
+        [[unroll]] for (uint j = 0u; j < NR; ++j) acc[j][t] += v[j][i] * xv;
+      }
     }
   }
-  for (uint t = 0u; t < NT; ++t) red[t][tid] = acc[t];
-  barrier();
-  for (uint h = 32u; h > 0u; h >>= 1) {
-    if (tid < h)
-      for (uint t = 0u; t < NT; ++t) red[t][tid] += red[t][tid + h];
-    barrier();
-  }
-  if (tid < nt) F32(pc.y + (uint64_t(t0 + tid) * pc.rows + r) * 4u).v[0] = red[tid][0];
+  [[unroll]] for (uint t = 0u; t < NT; ++t)
+    [[unroll]] for (uint j = 0u; j < NR; ++j)
+      if (t < nt && r0 + j < pc.rows) F32(pc.y + (uint64_t(t0 + t) * pc.rows + r0 + j) * 4u).v[0] = acc[j][t];
 }
