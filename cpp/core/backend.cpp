@@ -11,6 +11,9 @@
 #ifdef DL_HAVE_CUDA
 #include "cuda/cuda_backend.h"
 #endif
+#ifdef DL_HAVE_VULKAN
+#include "vulkan/vulkan_backend.h"
+#endif
 
 namespace dl {
 
@@ -77,7 +80,16 @@ std::shared_ptr<Backend> make_backend(const std::string& device, int n_threads) 
                       "rebuild with the CUDA toolkit on PATH or -DDASLLAMA_CUDA=ON)");
 #endif
   }
-  if (kind == "vulkan" || kind == "metal")
+  if (kind == "vulkan") {
+#ifdef DL_HAVE_VULKAN
+    return make_vulkan_backend(index);
+#else
+    throw DeviceError("device '" + device +
+                      "': this build of dasllama has no Vulkan backend (it was built without the Vulkan "
+                      "headers and glslc; install them, e.g. Debian's libvulkan-dev and glslc, and rebuild)");
+#endif
+  }
+  if (kind == "metal")
     throw DeviceError("device '" + device + "': this build of dasllama has no " + kind + " backend");
   throw Error("unknown device '" + device + "' (expected cpu, cuda, cuda:N, vulkan, vulkan:N or metal)");
 }
@@ -97,12 +109,18 @@ std::vector<BackendProbe> probe_backends() {
   cu.error = "not built (no nvcc when this module was compiled)";
   out.push_back(cu);
 #endif
-  for (const char* k : {"vulkan", "metal"}) {
-    BackendProbe p;
-    p.backend = k;
-    p.error = "not built";
-    out.push_back(p);
-  }
+#ifdef DL_HAVE_VULKAN
+  out.push_back(probe_vulkan());
+#else
+  BackendProbe vk;
+  vk.backend = "vulkan";
+  vk.error = "not built (no Vulkan headers or glslc when this module was compiled)";
+  out.push_back(vk);
+#endif
+  BackendProbe mt;
+  mt.backend = "metal";
+  mt.error = "not built";
+  out.push_back(mt);
   return out;
 }
 

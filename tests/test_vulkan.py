@@ -1,0 +1,149 @@
+"""The library end to end on a Vulkan device, against the CPU backend on the same files.
+
+Sized for lavapipe (Mesa's Vulkan on the CPU), which CI runs on every submission: SmolLM2-135M's
+teacher-forced logits over a short text against the CPU in fp32 mode (weights decoded exactly,
+f32 math) by normalized squared error, and a few greedy tokens equal to the CPU's; on tiny
+random models (tests/oracles/export.py), the f16 / q8_0 caches, paged sessions with the prefix
+cache, a ragged batch, an audio turn and the errors. The op-level harness is
+tests/test_backend_ops.py. Without a Vulkan device every test here skips, saying why.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import dasllama as d
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
+import export as E  # noqa: E402
+
+_VK = d.system_info()["devices"]["vulkan"]
+pytestmark = pytest.mark.skipif(not _VK["devices"], reason="no Vulkan device here: " + (_VK["error"] or "none found"))
+
+# Measured on lavapipe: 1e-12..2e-11 on SmolLM2 (f32 accumulation in another order); a wrong op
+# moves the logits by O(1), an NMSE of 1e-2 or more.
+LOGIT_BAR = 1e-8
+TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
+
+
+def nmse(a, ref):
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(a).all()
+    return float(np.sum((a - ref) ** 2) / np.sum(ref ** 2))
+
+
+def _greedy(m, s, n, vocab):
+    toks = []
+    for _ in range(n):
+        t = int(np.argmax(np.asarray(s.logits).reshape(-1, vocab)[-1]))
+        toks.append(t)
+        d.eval(m, s, [t])
+    return toks
+
+
+def test_smollm2_logits_and_greedy(smollm2_path):
+    out = {}
+    for dev in ("cpu", "vulkan"):
+        m = d.load_model(smollm2_path, d.QuantMode.fp32, device=dev)
+        ids = d.encode(m, TEXT)
+        s = d.create_session(m, d.KVDtype.f32, n_ctx=len(ids) + 8)
+        d.eval(m, s, ids, all_logits=True)
+        logits = np.array(s.logits).reshape(len(ids), -1)
+        out[dev] = (logits, _greedy(m, s, 4, logits.shape[1]))
+    e = nmse(out["vulkan"][0], out["cpu"][0])
+    print(f"SmolLM2 teacher-forced logits over {out['cpu'][0].shape[0]} tokens: NMSE {e:.2e}")
+    assert e <= LOGIT_BAR, f"Vulkan logits NMSE {e:.3g} against the CPU"
+    assert out["vulkan"][1] == out["cpu"][1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random llama-family model, f32 from the exporter and q8_0 requantized."""
+    from dasllama.convert import requantize
+
+    out = tmp_path_factory.mktemp("vk-gguf")
+    fam = E.FAMILIES["llama"]
+    f32 = str(out / "llama-f32.gguf")
+    E.write_gguf(fam, fam.make(), f32, "f32", E.spm_model_proto())
+    q8 = str(out / "llama-q8_0.gguf")
+    requantize(f32, q8, "q8_0")
+    return {"f32": f32, "q8_0": q8}
+
+
+def teacher_forced(path, device, ids, kv):
+    m = d.load_model(path, d.QuantMode.fp32, device=device)
+    s = d.create_session(m, kv, n_ctx=len(ids))
+    d.eval(m, s, ids, all_logits=True)
+    return np.array(s.logits).reshape(len(ids), -1)
+
+
+@pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0])
+def test_kv_types(tiny, kv):
+    ids = [1] + np.random.default_rng(2).integers(3, E.VOCAB, 40).tolist()
+    e = nmse(teacher_forced(tiny["q8_0"], "vulkan", ids, kv), teacher_forced(tiny["q8_0"], "cpu", ids, kv))
+    assert e <= LOGIT_BAR, f"kv {kv.name}: NMSE {e:.3g}"
+
+
+def test_paged_prefix_cache_and_ragged_batch(tiny):
+    m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
+    rng = np.random.default_rng(3)
+    prompt = [1] + rng.integers(3, E.VOCAB, 40).tolist()
+    pool = d.create_kv_pool(m, page_rows=16)
+    cache = d.create_prefix_cache()
+    a = d.create_session(m, pool)
+    d.eval(m, a, prompt)
+    cold = np.array(a.logits)
+    d.prefix_insert(cache, pool, a, a.history)
+    b = d.create_session(m, pool)
+    n = d.prefix_attach(cache, pool, b, prompt)
+    assert n == 32  # two full pages, capped one token short of the prompt
+    d.eval(m, b, prompt[n:])
+    assert nmse(b.logits, cold) <= 1e-12
+    # Ragged: one session prefills 9 tokens while two others decode one each, against each alone.
+    ss = [d.create_session(m, pool) for _ in range(3)]
+    alone = []
+    for i, s in enumerate(ss):
+        d.eval(m, s, prompt[:10 + i])
+        t = d.create_session(m, pool)
+        d.eval(m, t, prompt[:10 + i] + ([7] if i else prompt[10:19]))
+        alone.append(np.array(t.logits))
+        d.release_kv_pages(t)
+    ws = d.create_batch_workspace(m)
+    d.eval_batch(m, ws, ss, [prompt[10:19], 7, 7])
+    for s, ref in zip(ss, alone):
+        assert nmse(s.logits, ref) <= 1e-12
+
+
+def test_errors_leave_the_process_usable(tiny):
+    with pytest.raises(d.DeviceError, match="vulkan:99"):
+        d.load_model(tiny["f32"], device="vulkan:99")
+    m = d.load_model(tiny["f32"], device="vulkan")
+    with pytest.raises(d.DeviceError, match="KV pool"):
+        d.create_kv_pool(m, page_rows=16, max_pages=1 << 29)
+    s = d.create_session(m)
+    d.eval(m, s, [1, 2, 3])
+    assert np.isfinite(s.logits).all()
+
+
+def test_audio_tower_and_turn(tmp_path):
+    import audio as A  # tests/oracles/audio.py
+
+    model = A.qwen2_audio(seed=0)
+    mm = str(tmp_path / "mmproj.gguf")
+    A.write_qwen2_audio(model, mm)
+    x = np.random.default_rng(0).standard_normal(16000 * 2).astype(np.float32) * 0.1
+    rows = {dev: d.encode_audio_rows(d.load_audio_tower(mm, device=dev), x) for dev in ("cpu", "vulkan")}
+    assert nmse(rows["vulkan"], rows["cpu"]) <= 1e-9
+    dec = str(tmp_path / "dec.gguf")
+    A.write_decoder(model, dec)
+    replies = {}
+    for dev in ("cpu", "vulkan"):
+        m = d.load_model(dec, d.QuantMode.fp32, device=dev)
+        chat = d.create_chat(m, d.load_audio_tower(mm, device=dev), max_new=8)
+        d.add_user_audio(chat, x)
+        d.add_user(chat, "What is said?")
+        replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
+    assert replies["vulkan"] == replies["cpu"]

@@ -1,0 +1,125 @@
+// dq8: elements 8g..8g+7 of a weight row in ggml format TYPE (a compile-time define), the
+// values of cpp/quant's reference decoders (products rounded on their own: `precise`).
+// Float rows may end mid-group (elements past cols read 0); quantized rows are whole blocks.
+#define T_F32 0
+#define T_F16 1
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+#define T_BF16 30
+
+void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
+  const uint e0 = g * 8u;
+#if TYPE == T_F32
+  F32 p = F32(row);
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    v[i] = 0.0f;
+    if (e0 + i < cols) v[i] = p.v[e0 + i];
+  }
+#elif TYPE == T_F16 || TYPE == T_BF16
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    uint h = 0u;
+    if (e0 + i < cols) h = rd16(row + 2u * (e0 + i));
+#if TYPE == T_F16
+    v[i] = h2f(h);
+#else
+    v[i] = bf2f(h);
+#endif
+  }
+#elif TYPE == T_Q8_0
+  const uint64_t b = row + uint64_t(g >> 2) * 34u;
+  const float d = h2f(rd16(b));
+  const uint64_t q = b + 2u + (g & 3u) * 8u;
+  const uint w0 = rd32(q), w1 = rd32(q + 4u);
+  [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+    precise float a = float(sbyte(w0, i)) * d, c = float(sbyte(w1, i)) * d;
+    v[i] = a, v[i + 4u] = c;
+  }
+#elif TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q5_0 || TYPE == T_Q5_1
+#if TYPE == T_Q4_0
+  const uint BYTES = 18u, QS = 2u;
+#elif TYPE == T_Q4_1
+  const uint BYTES = 20u, QS = 4u;
+#elif TYPE == T_Q5_0
+  const uint BYTES = 22u, QS = 6u;
+#else
+  const uint BYTES = 24u, QS = 8u;
+#endif
+  const uint64_t b = row + uint64_t(g >> 2) * BYTES;
+  const float d = h2f(rd16(b));
+  const uint o = (g & 3u) * 8u;      // first element inside the 32-block
+  const uint sh = (o >> 4) * 4u;     // elements 16..31 are the high nibbles of bytes 0..15
+  const uint64_t q = b + QS + (o & 15u);
+  const uint w0 = rd32(q), w1 = rd32(q + 4u);
+#if TYPE == T_Q5_0 || TYPE == T_Q5_1
+  const uint qh = rd32(b + (TYPE == T_Q5_1 ? 4u : 2u)) >> o;  // bit j: element j's fifth bit
+#endif
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    int n = int(((i < 4u ? w0 : w1) >> ((i & 3u) * 8u + sh)) & 0xFu);
+#if TYPE == T_Q5_0 || TYPE == T_Q5_1
+    n |= int((qh >> i) & 1u) << 4;
+#endif
+#if TYPE == T_Q4_1 || TYPE == T_Q5_1
+    const float m = h2f(rd16(b + 2u));
+    precise float p = d * float(n);
+    v[i] = p + m;
+#elif TYPE == T_Q4_0
+    v[i] = d * float(n - 8);
+#else
+    v[i] = d * float(n - 16);
+#endif
+  }
+#elif TYPE == T_Q4_K || TYPE == T_Q5_K
+  const uint64_t b = row + uint64_t(g >> 5) * (TYPE == T_Q4_K ? 144u : 176u);
+  const uint e = (g & 31u) * 8u;
+  const uint j = e >> 5, l0 = e & 31u;
+  const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2u));
+  const uint64_t s = b + 4u;
+  uint sc, mn;
+  if (j < 4u) {
+    sc = rd8(s + j) & 0x3Fu;
+    mn = rd8(s + j + 4u) & 0x3Fu;
+  } else {
+    sc = (rd8(s + j + 4u) & 0xFu) | ((rd8(s + j - 4u) >> 2) & 0x30u);
+    mn = (rd8(s + j + 4u) >> 4) | ((rd8(s + j) >> 2) & 0x30u);
+  }
+  precise float dl = d * float(sc);
+  precise float ml = dmin * float(mn);
+  const uint64_t q = b + (TYPE == T_Q4_K ? 16u : 48u) + (j >> 1) * 32u + l0;
+  const uint w0 = rd32(q), w1 = rd32(q + 4u);
+  const uint nsh = (j & 1u) * 4u;
+#if TYPE == T_Q5_K
+  const uint h0 = rd32(b + 16u + l0), h1 = rd32(b + 20u + l0);
+#endif
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    uint n = ((i < 4u ? w0 : w1) >> ((i & 3u) * 8u + nsh)) & 0xFu;
+#if TYPE == T_Q5_K
+    n |= (((i < 4u ? h0 : h1) >> ((i & 3u) * 8u + j)) & 1u) << 4;
+#endif
+    precise float p = dl * float(n);
+    v[i] = p - ml;
+  }
+#elif TYPE == T_Q6_K
+  const uint64_t b = row + uint64_t(g >> 5) * 210u;
+  const uint e = (g & 31u) * 8u;
+  const uint h = e >> 7, s = (e >> 5) & 3u, l0 = e & 31u;
+  const float d = h2f(rd16(b + 208u));
+  precise float dl = d * float(sbyte(rd8(b + 192u + (e >> 4)), 0u));
+  const uint64_t ql = b + h * 64u + (s & 1u) * 32u + l0, qh = b + 128u + h * 32u + l0;
+  const uint l0w = rd32(ql), l1w = rd32(ql + 4u), h0w = rd32(qh), h1w = rd32(qh + 4u);
+  const uint shl = (s >> 1) * 4u, shh = 2u * s;
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    const uint bl = ((i < 4u ? l0w : l1w) >> ((i & 3u) * 8u)) & 0xFFu;
+    const uint bh = ((i < 4u ? h0w : h1w) >> ((i & 3u) * 8u)) & 0xFFu;
+    const int n = int(((bl >> shl) & 0xFu) | (((bh >> shh) & 3u) << 4)) - 32;
+    v[i] = dl * float(n);
+  }
+#else
+#error "dq8: unknown TYPE"
+#endif
+}

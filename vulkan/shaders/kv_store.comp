@@ -1,0 +1,61 @@
+// Writes rows of K (workgroup y 0) and V (y 1) into cache rows first.. through the block
+// table: f32 as is, f16 rounded to nearest even, q8_0 as gguf-py / ggml quantize it
+// (d = amax / 127, q = round-half-away(x / d), d stored as f16): byte-exact with them.
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 64) in;
+layout(push_constant, std430) uniform PC {
+  uint64_t base, pages, k, v;
+  uint page_bytes, k_off, v_off, row_bytes;
+  int first, src_stride, dim, page_shift, kvtype, row_base;
+} pc;
+
+shared float amax[64];
+
+uint64_t kv_row(uint off, int j) {
+  const int64_t jj = int64_t(j);
+  const int64_t page = int64_t(I32(pc.pages).v[uint(jj >> pc.page_shift)]);
+  const int64_t mask = (int64_t(1) << pc.page_shift) - 1;
+  return pc.base + uint64_t(page) * pc.page_bytes + off + uint64_t(jj & mask) * pc.row_bytes;
+}
+
+float roundf_away(float x) {  // C roundf, in exact steps (as gguf-py's np_roundf)
+  const float a = abs(x), f = floor(a);
+  return sign(x) * (f + floor(2.0f * (a - f)));
+}
+
+void main() {
+  const int i = pc.row_base + int(gl_WorkGroupID.x), tid = int(gl_LocalInvocationID.x);
+  const bool is_v = gl_WorkGroupID.y == 1u;
+  F32 src = F32((is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u);
+  const uint64_t dst = kv_row(is_v ? pc.v_off : pc.k_off, pc.first + i);
+  if (pc.kvtype == 0) {
+    for (int e = tid; e < pc.dim; e += 64) F32(dst).v[e] = src.v[e];
+  } else if (pc.kvtype == 1) {
+    for (int e = tid; e < pc.dim; e += 64) wr16(dst + uint64_t(e) * 2u, f2h(src.v[e]));
+  } else {
+    // Two 32-blocks per pass: invocations 0..31 and 32..63.
+    const int lane = tid & 31, half_ = tid >> 5;
+    for (int b0 = 0; b0 < pc.dim / 32; b0 += 2) {
+      const int b = b0 + half_;
+      const bool ok = b < pc.dim / 32;
+      const float x = ok ? src.v[b * 32 + lane] : 0.0f;
+      amax[tid] = abs(x);
+      barrier();
+      float mx = 0.0f;
+      for (int k = 0; k < 32; ++k) mx = max(mx, amax[half_ * 32 + k]);
+      barrier();
+      if (ok) {
+        // In double, then rounded once: the f32 quotient correctly rounded, as on the CPU
+        // (a driver's f32 division may be off by an ulp and flip a rounding).
+        const float d = float(double(mx) / 127.0lf);
+        const float id = d == 0.0f ? 0.0f : float(1.0lf / double(d));
+        const uint64_t blk = dst + uint64_t(b) * 34u;
+        precise float xs = x * id;
+        wr8(blk + 2u + uint(lane), uint(int(roundf_away(xs))) & 0xffu);
+        if (lane == 0) wr16(blk, f2h(d));
+      }
+    }
+  }
+}

@@ -1,0 +1,67 @@
+// The row and elementwise ops, one pipeline picked by `op`: add, add_bias, scale, softcap,
+// gelu_erf, glu (silu / gelu_tanh), copy_rows, im2col (channel-major or row input), avg_pool.
+// Invocations stride over the output elements.
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 256) in;
+layout(push_constant, std430) uniform PC {
+  uint64_t a, b, c;  // op-specific addresses (see below)
+  uint op, n;        // n: output elements
+  uint p0, p1, p2, p3, p4, p5, p6;
+  float f0;
+} pc;
+
+const uint ADD = 0u, ADD_BIAS = 1u, SCALE = 2u, SOFTCAP = 3u, GELU_ERF = 4u, GLU_SILU = 5u, GLU_GELU = 6u,
+           COPY_ROWS = 7u, IM2COL = 8u, AVG_POOL = 9u;
+
+float silu(float x) {
+  const float e = exp(-abs(x));
+  return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+float gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh_safe(0.7978845608028654f * (x + 0.044715f * x * x * x))); }
+
+void main() {
+  F32 A = F32(pc.a), B = F32(pc.b), C = F32(pc.c);
+  for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += gl_NumWorkGroups.x * 256u) {
+    switch (pc.op) {
+      case ADD: A.v[i] += B.v[i]; break;                      // a += b
+      case ADD_BIAS: A.v[i] += B.v[i % pc.p0]; break;         // rows of p0 += b
+      case SCALE: A.v[i] *= pc.f0; break;
+      case SOFTCAP: A.v[i] = pc.f0 * tanh_safe(A.v[i] / pc.f0); break;
+      case GELU_ERF: {
+        const float y = A.v[i];
+        A.v[i] = 0.5f * y * (1.0f + erf_f(y * 0.70710678118654752f));
+        break;
+      }
+      case GLU_SILU:
+      case GLU_GELU: {  // c[r][k] = act(a[r * p1 + k]) * b[r * p2 + k], dim p0
+        const uint r = i / pc.p0, k = i % pc.p0;
+        const float g = A.v[r * pc.p1 + k];
+        C.v[i] = (pc.op == GLU_SILU ? silu(g) : gelu_tanh(g)) * B.v[r * pc.p2 + k];
+        break;
+      }
+      case COPY_ROWS: {  // c[r * p1 + k] = a[r * p2 + k], width p0
+        const uint r = i / pc.p0, k = i % pc.p0;
+        C.v[r * pc.p1 + k] = A.v[r * pc.p2 + k];
+        break;
+      }
+      case IM2COL: {  // c[t][ch * k + j] = x(ch, t * stride + j - pad); p0 C, p1 T, p2 k, p3 stride, p4 pad,
+                      // p5 x_stride, p6 rows layout ([T][C]) or not ([C][x_stride])
+        const uint w = pc.p0 * pc.p2;
+        const uint t = i / w, ck = i % w, ch = ck / pc.p2, j = ck % pc.p2;
+        const int s = int(t * pc.p3 + j) - int(pc.p4);
+        C.v[i] = s < 0 || s >= int(pc.p1) ? 0.0f : (pc.p6 != 0u ? A.v[uint(s) * pc.p0 + ch] : A.v[ch * pc.p5 + uint(s)]);
+        break;
+      }
+      case AVG_POOL: {  // c[r][d] = mean of a rows r*k .. ; p0 n_rows, p1 dim, p2 k
+        const uint r = i / pc.p1, d = i % pc.p1;
+        const uint r0 = r * pc.p2, r1 = min(pc.p0, r0 + pc.p2);
+        float s = 0.0f;
+        for (uint j = r0; j < r1; ++j) s += A.v[j * pc.p1 + d];
+        C.v[i] = s / float(r1 - r0);
+        break;
+      }
+    }
+  }
+}
