@@ -37,7 +37,8 @@ def test_unknown_and_malformed_devices(smollm2_path):
 def test_cuda_missing_is_a_clear_error_and_the_cpu_still_works(smollm2_path, monkeypatch):
     with pytest.raises(d.DeviceError, match="cuda") as e:
         d.load_model(smollm2_path, device="cuda")
-    assert "not built" in str(e.value) or "driver" in str(e.value) or "no CUDA device" in str(e.value)
+    why = str(e.value)  # a build without nvcc, a machine without the driver, or one without a GPU
+    assert "no CUDA backend" in why or "driver" in why or "no CUDA device" in why, why
     monkeypatch.setenv("DASLLAMA_DEVICE", "cuda:0")
     with pytest.raises(d.DeviceError):
         d.load_model(smollm2_path)  # the environment picks the device when the call does not

@@ -17,7 +17,7 @@ py::dict device_dict(const DeviceInfo& i) {
   } else {
     d["total_bytes"] = i.total_bytes;
     d["free_bytes"] = i.free_bytes;
-    d["compute_capability"] = std::to_string(i.cc_major) + "." + std::to_string(i.cc_minor);
+    if (i.backend == "cuda") d["compute_capability"] = std::to_string(i.cc_major) + "." + std::to_string(i.cc_minor);
     d["driver"] = i.driver;
   }
   return d;
