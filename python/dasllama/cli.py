@@ -148,7 +148,7 @@ def _cmd_info(args) -> int:
             print(f"{b}: no device ({e['error']})")
         for dev in e["devices"]:
             print(f"{b}:{dev['index']}: {dev['name']}, {_human(dev['total_bytes'])} ({_human(dev['free_bytes'])} free), "
-                  (f"compute {dev['compute_capability']}, " if "compute_capability" in dev else "") + dev["driver"])
+                  + (f"compute {dev['compute_capability']}, " if "compute_capability" in dev else "") + dev["driver"])
     # Anything a newer core reports that this printer does not know yet.
     for k, v in info.items():
         if k not in ("cpu", "isa_active", "isa_compiled", "isa_supported", "backends", "devices"):
