@@ -23,6 +23,9 @@ import dasllama as d
 from dasllama.gguf import GGUFFile
 
 
+DEFAULT_MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
+
+
 def bandwidth_gbs() -> float:
     a = np.ones(256 << 20, dtype=np.uint8)
     b = np.empty_like(a)
@@ -101,7 +104,7 @@ def main() -> int:
     ap.add_argument("--variants", default="", help="also bench SmolLM2 requantized by us, e.g. q8_0,f16")
     ap.add_argument("--transformers", action="store_true", help="add transformers (fp32, torch CPU) figures")
     a = ap.parse_args()
-    models = a.model or ["smollm2-135m-instruct", "gemma3-270m"]
+    models = a.model or list(DEFAULT_MODELS)
     for v in filter(None, a.variants.split(",")):
         from dasllama.convert import requantize
 

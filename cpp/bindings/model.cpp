@@ -74,6 +74,26 @@ py::dict config_dict(const Model& m) {
 }  // namespace
 
 void bind_model(py::module_& m) {
+  m.def("estimate_memory",
+        [](const std::string& path, int mode, const std::string& device, int64_t n_ctx, int kv) {
+          if (mode < 0 || mode > 2) throw py::value_error("mode must be QuantMode.fp32, q8 or q4_0");
+          if (kv != 0 && kv != 1 && kv != 8) throw py::value_error("kv_dtype must be f32, f16 or q8_0");
+          Model::MemoryEstimate e;
+          {
+            py::gil_scoped_release rel;
+            e = Model::estimate(path, (QuantMode)mode, device, n_ctx, (KVType)kv);
+          }
+          py::dict d;
+          d["weights"] = e.weights;
+          d["embd_table"] = e.embd_table;
+          d["kv"] = e.kv;
+          d["scratch"] = e.scratch;
+          d["total"] = e.total;
+          d["available"] = e.available;
+          return d;
+        },
+        py::arg("path"), py::arg("mode") = 1, py::arg("device") = "cpu", py::arg("n_ctx") = 4096,
+        py::arg("kv_dtype") = 1);
   py::class_<Model, std::shared_ptr<Model>>(m, "Model")
       .def(py::init([](const std::string& path, int mode, const std::string& device, int n_threads) {
              if (mode < 0 || mode > 2) throw py::value_error("mode must be QuantMode.fp32, q8 or q4_0");

@@ -74,6 +74,13 @@ struct Weight {
   std::shared_ptr<void> packed_owner;
   const uint8_t* packed = nullptr;
   int packed_for = -1;
+  // Set by load_weight when the backend never reads w.host again (it reads its own copy):
+  // the loader may then drop those bytes (free a converted copy, release mapped pages).
+  bool host_done = false;
+  // Set by the loader when host lies in a read-only file mapping: a backend copying it may
+  // drop its pages as it goes (a later read only faults them in again), so a load never
+  // holds a matrix twice.
+  bool host_mapped = false;
   bool empty() const { return host == nullptr && data == nullptr; }
 };
 
@@ -213,6 +220,10 @@ class Backend {
 };
 
 size_t kv_row_bytes(KVType t, int64_t dim);
+
+// Host memory this process may still take: MemAvailable, capped by the cgroup's limit
+// less its usage (0 when neither can be read).
+size_t host_memory_available();
 
 // The CPU backend with n_threads workers (0: physical cores).
 std::shared_ptr<Backend> make_cpu_backend(int n_threads);

@@ -13,6 +13,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include "core/backend.h"
@@ -85,6 +86,20 @@ std::string cpu_model_name() {
   return name;
 }
 
+uint64_t read_u64_file(const char* path, bool* ok) {
+  *ok = false;
+  std::FILE* f = std::fopen(path, "r");
+  if (!f) return 0;
+  char buf[64] = {0};
+  const bool got = std::fgets(buf, sizeof buf, f) != nullptr;
+  std::fclose(f);
+  if (!got || buf[0] < '0' || buf[0] > '9') return 0;  // "max": no limit
+  *ok = true;
+  return std::strtoull(buf, nullptr, 10);
+}
+
+std::string mib(size_t b) { return std::to_string((b + (size_t(1) << 19)) >> 20) + " MiB"; }
+
 // Decodes dim elements of a cache row, starting at element `first`, to f32.
 class CpuBackend final : public Backend {
  public:
@@ -99,6 +114,21 @@ class CpuBackend final : public Backend {
   }
 
   BufferPtr alloc(size_t bytes, const char* what) override { return std::make_shared<CpuBuffer>(bytes, what); }
+  // Refused here with a message rather than by the OOM killer later: the KV pool and
+  // big scratch are reserved lazily, so an oversized one would only die once written.
+  // DASLLAMA_NO_MEMCHECK=1 skips the check (overcommitted hosts, swap).
+  void check_fits(size_t bytes, const char* what) override {
+    static const bool off = [] {
+      const char* e = std::getenv("DASLLAMA_NO_MEMCHECK");
+      return e != nullptr && *e != '\0' && *e != '0';
+    }();
+    if (off) return;
+    const size_t avail = host_memory_available();
+    if (avail != 0 && bytes > avail)
+      throw DeviceError(std::string(what) + " needs " + mib(bytes) + " but only " + mib(avail) +
+                        " of host memory is available (MemAvailable, or the cgroup's limit); use a smaller "
+                        "n_ctx / pool, a smaller QuantMode, or a smaller model");
+  }
   void upload(void* dst, const void* src, size_t bytes) override {
     if (bytes) std::memcpy(dst, src, bytes);
   }
@@ -225,12 +255,30 @@ class CpuBackend final : public Backend {
     std::shared_ptr<void> owner = pack_alloc(n);
     void* p = owner.get();
     const int64_t groups = (w.rows + cpu::kPackRowAlign - 1) / cpu::kPackRowAlign;
-    pool_.parallel_for(groups, 64, [&](int64_t lo, int64_t hi) {
-      kt.pack_rows(w.type, w.data, w.row_bytes, w.rows, w.cols, lo, hi, p);
-    });
+    // Slices of ~8 MiB of the source; a mapped source gives its pages back after each, so
+    // packing a large table (a tied output) never holds it twice.
+    const size_t group_src = (size_t)cpu::kPackRowAlign * w.row_bytes;
+    const int64_t slice = w.host_mapped ? std::max<int64_t>(64, (int64_t)((size_t(8) << 20) / group_src)) : groups;
+    for (int64_t g0 = 0; g0 < groups; g0 += slice) {
+      const int64_t g1 = std::min(groups, g0 + slice);
+      pool_.parallel_for(g1 - g0, 64, [&](int64_t lo, int64_t hi) {
+        kt.pack_rows(w.type, w.data, w.row_bytes, w.rows, w.cols, g0 + lo, g0 + hi, p);
+      });
+#if defined(__linux__)
+      if (w.host_mapped) {
+        // Whole pages below the slice's end (the page it ends in is the next slice's).
+        static const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+        const uintptr_t lo = ((uintptr_t)w.data + (uintptr_t)g0 * group_src) & ~(pg - 1);
+        const uintptr_t hi = ((uintptr_t)w.data + std::min((size_t)g1 * group_src, (size_t)w.rows * w.row_bytes)) &
+                             ~(pg - 1);
+        if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+      }
+#endif
+    }
     w.packed_owner = std::move(owner);
     w.packed = static_cast<const uint8_t*>(p);
     w.packed_for = (int)kt.isa;
+    w.host_done = true;  // every packable type has a packed kernel: w.data is never read again
   }
 
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
@@ -646,6 +694,45 @@ class CpuBackend final : public Backend {
 };
 
 }  // namespace
+
+size_t host_memory_available() {
+  size_t avail = 0;
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kb = 0;
+    while (std::fgets(line, sizeof line, f))
+      if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+        avail = (size_t)kb * 1024;
+        break;
+      }
+    std::fclose(f);
+  }
+  // A container's limit (cgroup v2, then v1) binds before the machine's memory does.
+  bool ok_max = false, ok_cur = false;
+  uint64_t lim = read_u64_file("/sys/fs/cgroup/memory.max", &ok_max);
+  uint64_t cur = read_u64_file("/sys/fs/cgroup/memory.current", &ok_cur);
+  if (!ok_max) {
+    lim = read_u64_file("/sys/fs/cgroup/memory/memory.limit_in_bytes", &ok_max);
+    cur = read_u64_file("/sys/fs/cgroup/memory/memory.usage_in_bytes", &ok_cur);
+    if (lim >= (uint64_t(1) << 60)) ok_max = false;  // v1's "unlimited"
+  }
+  if (ok_max && ok_cur) {
+    // Usage counts the page cache; its inactive part is reclaimed before anyone is killed.
+    if (std::FILE* f = std::fopen("/sys/fs/cgroup/memory.stat", "r")) {
+      char line[256];
+      unsigned long long v = 0;
+      while (std::fgets(line, sizeof line, f))
+        if (std::sscanf(line, "inactive_file %llu", &v) == 1) {
+          cur = cur > v ? cur - v : 0;
+          break;
+        }
+      std::fclose(f);
+    }
+    const size_t room = lim > cur ? (size_t)(lim - cur) : 0;
+    avail = avail == 0 ? room : std::min(avail, room);
+  }
+  return avail;
+}
 
 std::shared_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_shared<CpuBackend>(n_threads); }
 

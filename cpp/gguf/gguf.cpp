@@ -453,6 +453,18 @@ File::~File() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+void File::release(const void* p, size_t n) const {
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  if (b >= base_ && b < base_ + size_) {
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t lo = ((uintptr_t)b + pg - 1) & ~(pg - 1);  // whole pages only: neighbours stay
+    const uintptr_t hi = std::min((uintptr_t)b + n, (uintptr_t)(base_ + size_)) & ~(pg - 1);
+    if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+    return;
+  }
+  for (const auto& part : parts_) part->release(p, n);
+}
+
 void File::parse() {
   Cursor c{base_, size_};
   c.need(4, "magic");

@@ -124,6 +124,10 @@ class File {
   static std::string split_part_name(const std::string& prefix, int no, int count);  // no is 1-based
   const uint8_t* base() const { return base_; }
   uint64_t header_end() const { return header_end_; }  // end of the tensor infos, before padding
+  // Drops the whole pages of [p, p + n) from this process's resident memory, where they
+  // lie in this file's (or a joined part's) mapping; anything else is ignored. The
+  // mapping is read-only, so a later read only faults the bytes back in from the file.
+  void release(const void* p, size_t n) const;
 
  private:
   File() = default;

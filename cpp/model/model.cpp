@@ -56,6 +56,35 @@ Weight convert(const Weight& w, uint32_t to) {
 
 std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, const std::string& device,
                                    int n_threads) {
+  return open(path, mode, device, n_threads, false);
+}
+
+Model::MemoryEstimate Model::estimate(const std::string& path, QuantMode mode, const std::string& device,
+                                      int64_t n_ctx, KVType kv_type) {
+  if (n_ctx < 1) throw Error("estimate: n_ctx must be >= 1");
+  std::shared_ptr<Model> m = open(path, mode, device, 1, true);
+  const ModelConfig& c = m->cfg_;
+  MemoryEstimate e;
+  e.weights = m->weight_bytes_;
+  e.embd_table = m->embd_bytes_;
+  const KVGeometry g = m->kv_geometry(kv_type);
+  e.kv = (size_t)g.n_layers * 2 * (size_t)n_ctx * g.row_bytes;
+  // One chunk of rows through a layer (decoder.cpp's scratch), the logits of one row, the
+  // quantized activations, and per worker the attention's score row over n_ctx keys.
+  const int64_t rows = std::min<int64_t>(m->max_chunk_, n_ctx);
+  const int64_t q_dim = (int64_t)c.n_heads * c.head_dim, kv_dim = (int64_t)c.n_kv_heads * c.head_dim;
+  const int64_t per_row = 4 * (int64_t)c.dim + 2 * q_dim + 2 * kv_dim + std::max<int64_t>(c.dim, q_dim + 2 * kv_dim) +
+                          3 * (int64_t)c.ffn_dim;
+  const int threads = std::max(1, m->backend_->info().threads);
+  e.scratch = (size_t)(rows * per_row + c.vocab_size) * 4 + (size_t)(rows * std::max(c.dim, c.ffn_dim)) * 2 +
+              (size_t)threads * 16 * (size_t)n_ctx * 4;
+  e.total = e.weights + e.kv + e.scratch;
+  e.available = std::string(m->backend_->name()) == "cpu" ? host_memory_available() : 0;
+  return e;
+}
+
+std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, const std::string& device,
+                                   int n_threads, bool dry_run) {
   std::shared_ptr<Model> m(new Model());
   // The backend first: a device that is missing is refused before the file is read.
   m->backend_ = make_backend(device, n_threads);
@@ -138,8 +167,11 @@ std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, cons
                      ? 1.f / std::sqrt((float)(c.dim / c.n_heads))
                      : 1.f / std::sqrt((float)c.head_dim);
 
-  m->load_weights();
+  m->load_weights();  // shapes and types checked, sizes known; nothing resident yet
+  if (dry_run) return m;
+  // The tokenizer before the weights: its build's temporaries then never sit on top of them.
   m->tokenizer_ = Tokenizer::from_gguf(f);
+  m->make_resident();
   // End of generation: the declared ids plus the control tokens templates close turns with.
   for (const char* k : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"})
     if (auto v = f.get_int(k); v && *v >= 0 && *v < m->cfg_.vocab_size) m->eog_.push_back((int32_t)*v);
@@ -150,7 +182,25 @@ std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, cons
         std::find(m->eog_.begin(), m->eog_.end(), id) == m->eog_.end())
       m->eog_.push_back(id);
   }
+  m->release_unread_pages();
   return m;
+}
+
+// After load only matrices read in place need the file's pages: the header, metadata,
+// vectors (copied at load), packed matrices and the embedding table (get_rows pages in
+// the rows it reads) go back to the page cache, so the process holds the file once.
+void Model::release_unread_pages() {
+  std::vector<const uint8_t*> in_place;
+  auto keep = [&](const Weight& w) {
+    if (!w.empty() && !w.host_done && !w.owned && w.host) in_place.push_back(w.host);
+  };
+  for (const Weight* w : matrices()) keep(*w);
+  const gguf::File& f = *file_;
+  f.release(f.base(), (size_t)f.data_offset());
+  for (const gguf::TensorInfo& t : f.tensors()) {
+    const uint8_t* p = f.tensor_data(t);
+    if (std::find(in_place.begin(), in_place.end(), p) == in_place.end()) f.release(p, (size_t)t.nbytes);
+  }
 }
 
 std::vector<float> Model::load_vector(const std::string& name, bool required, int64_t n) {
@@ -203,10 +253,11 @@ Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, 
       std::fprintf(stderr, "dasllama: the %s backend has no %s kernel: those weights are converted to %s at load\n",
                    backend_->name(), from ? from->name : "?", to ? to->name : "?");
     }
-    w = convert(w, want);
   }
-  if (!backend_->supports(Op::matmul, w.type)) {
-    const TypeTraits* wt = type_traits(w.type);
+  // Converted later, one matrix at a time just before it is made resident, so a load
+  // never holds every converted copy at once.
+  if (!backend_->supports(Op::matmul, want)) {
+    const TypeTraits* wt = type_traits(want);
     throw UnsupportedModelError("tensor '" + name + "': the " + backend_->name() + " backend has no matmul for " +
                                 (wt ? wt->name : "?"));
   }
@@ -273,16 +324,53 @@ void Model::load_weights() {
 
   // Everything fits, or nothing is made resident: the sizes are known before any copy.
   // A tied output shares the embedding table's bytes when the backend kept the file's format.
-  const bool tied_same = output_.host == tok_embd_.host && output_.type == tok_embd_.type;
+  const bool tied_same = output_.host == tok_embd_.host &&
+                         backend_->weight_type(output_.type, output_.cols, mode_) == tok_embd_.type;
+  const std::vector<Weight*> mats = matrices();
+  size_t total = tied_same ? 0 : (size_t)tok_embd_.rows * tok_embd_.row_bytes;
+  for (const Weight* w : mats)
+    total += (size_t)w->rows * (size_t)type_nbytes(backend_->weight_type(w->type, w->cols, mode_), w->cols);
+  weight_bytes_ = total;
+  embd_bytes_ = tied_same ? 0 : (size_t)tok_embd_.rows * tok_embd_.row_bytes;
+}
+
+std::vector<Weight*> Model::matrices() {
   std::vector<Weight*> mats = {&output_};
   for (LayerWeights& L : layers_)
     for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wqkv, &L.wo, &L.w_gate, &L.w_up, &L.w_gate_up, &L.w_down})
       if (!w->empty()) mats.push_back(w);
-  size_t total = tied_same ? 0 : (size_t)tok_embd_.rows * tok_embd_.row_bytes;
-  for (const Weight* w : mats) total += (size_t)w->rows * w->row_bytes;
-  weight_bytes_ = total;
-  backend_->check_fits(total, "model weights");
-  for (Weight* w : mats) backend_->load_weight(*w, WeightUse::matmul);
+  return mats;
+}
+
+// Converts (one matrix at a time), packs or uploads every matrix; all or nothing fits.
+void Model::make_resident() {
+  const bool tied_same = output_.host == tok_embd_.host &&
+                         backend_->weight_type(output_.type, output_.cols, mode_) == tok_embd_.type;
+  const std::vector<Weight*> mats = matrices();
+  backend_->check_fits(weight_bytes_, "model weights");
+  for (Weight* w : mats) {
+    const uint8_t* file_bytes = w->host;
+    const size_t file_n = (size_t)w->rows * w->row_bytes;
+    const uint32_t want = backend_->weight_type(w->type, w->cols, mode_);
+    if (want != w->type)
+      *w = convert(*w, want);
+    else
+      w->host_mapped = true;  // from the file mapping
+    backend_->load_weight(*w, WeightUse::matmul);
+    // What the backend copied (packed, uploaded) is not kept twice: a converted copy is
+    // freed, and the file's pages go back to the page cache (a read faults them in again,
+    // so the tied embedding table's get_rows stays correct: it pages in only its rows).
+    if (w->host_done) {
+      if (w->owned) {
+        if (w->data == w->host) w->data = w->packed;  // never read: the backend reads its copy
+        w->owned.reset();
+        w->host = nullptr;
+      }
+      file_->release(file_bytes, file_n);
+    } else if (w->owned) {
+      file_->release(file_bytes, file_n);  // read once by the conversion
+    }
+  }
   if (tied_same && output_.data != output_.host) {
     tok_embd_.data = output_.data;  // the device copy the output matmul reads
     tok_embd_.resident = output_.resident;

@@ -62,6 +62,18 @@ class Model : public std::enable_shared_from_this<Model> {
   // UnsupportedModelError / DeviceError (before any device memory is taken) / dl::Error.
   static std::shared_ptr<Model> load(const std::string& path, QuantMode mode, const std::string& device,
                                      int n_threads);
+  // What a load and one session of n_ctx rows would take of the backend's memory, from the
+  // file's header and shapes alone (no weight is converted, packed or allocated).
+  struct MemoryEstimate {
+    size_t weights = 0;      // resident weights in the backend's format (packed on the CPU)
+    size_t embd_table = 0;   // of which: the embedding table read in place (paged in by rows used)
+    size_t kv = 0;           // one session's KV cache of n_ctx rows
+    size_t scratch = 0;      // activations, logits, attention scratch (about)
+    size_t total = 0;
+    size_t available = 0;    // host memory available now (0: unknown)
+  };
+  static MemoryEstimate estimate(const std::string& path, QuantMode mode, const std::string& device, int64_t n_ctx,
+                                 KVType kv_type);
 
   const ModelConfig& config() const { return cfg_; }
   const ArchTraits& traits() const { return *traits_; }
@@ -104,7 +116,12 @@ class Model : public std::enable_shared_from_this<Model> {
 
  private:
   Model() = default;
+  static std::shared_ptr<Model> open(const std::string& path, QuantMode mode, const std::string& device,
+                                     int n_threads, bool dry_run);
   void load_weights();
+  void make_resident();
+  std::vector<Weight*> matrices();  // every matrix the loader made (output first)
+  void release_unread_pages();
   // Host-side: the matrix in the backend's chosen format (made resident later, all at once).
   Weight load_matrix(const std::string& name, bool required, int64_t rows = -1, int64_t cols = -1);
   std::vector<float> load_vector(const std::string& name, bool required, int64_t n = -1);
@@ -132,6 +149,7 @@ class Model : public std::enable_shared_from_this<Model> {
   QuantMode mode_ = QuantMode::q8;
   std::shared_ptr<Backend> backend_;
   size_t weight_bytes_ = 0;
+  size_t embd_bytes_ = 0;  // the embedding table's share of weight_bytes_ (0 when tied to a packed output)
   std::set<uint32_t> noticed_;  // formats converted at load and said so
   std::shared_ptr<Tokenizer> tokenizer_;
   std::vector<int32_t> eog_;

@@ -60,6 +60,7 @@ from .llm import (
     stats,
     stream_generate,
 )
+from .memory import MemoryEstimate, estimate_memory
 from .kv import (
     KVPool,
     PoolStats,
@@ -146,6 +147,8 @@ __all__ = [
     "ContextOverflowError",
     "DasllamaError",
     "DeviceError",
+    "MemoryEstimate",
+    "estimate_memory",
     "GGUFError",
     "PoolExhaustedError",
     "UnsupportedModelError",

@@ -124,7 +124,39 @@ def _cmd_inspect(args) -> int:
             p *= int(d)
         total_params += p
     print(f"total: {len(rows)} tensors, {total_params:,} parameters, {total_bytes:,} bytes ({_human(total_bytes)})")
+    _print_memory(str(path), args.n_ctx)
     return 0
+
+
+def _print_memory(path: str, n_ctx: int | None) -> None:
+    """Memory per QuantMode at a few contexts (weights + f16 KV + scratch), before any load."""
+    from .llm import QuantMode
+    from .memory import estimate_memory
+
+    try:
+        ctx = int(_model_ctx(path))
+    except Exception:  # not a language model: nothing to estimate
+        return
+    ctxs = [n_ctx] if n_ctx else sorted({min(4096, ctx), ctx})
+    print("memory (CPU, f16 KV; weights + KV + scratch):")
+    for mode in QuantMode:
+        for c in ctxs:
+            try:
+                e = estimate_memory(path, mode, c)
+            except Exception as ex:  # noqa: BLE001 - an unsupported file says why, once
+                print(f"  {mode.name}: {ex}")
+                return
+            print(f"  {mode.name:<5} n_ctx={c:<6} {_human(e.total):>10}  (weights {_human(e.weights)}, "
+                  f"KV {_human(e.kv)}, scratch {_human(e.scratch)})")
+    if e.available:
+        print(f"  available now: {_human(e.available)}")
+
+
+def _model_ctx(path: str) -> int:
+    from .gguf import GGUFFile
+
+    meta = GGUFFile(path).metadata
+    return int(meta[f"{meta['general.architecture']}.context_length"])
 
 
 def _cmd_info(args) -> int:
@@ -397,6 +429,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=_cmd_list)
     sp = sub.add_parser("inspect", help="GGUF version, metadata and tensors of a file or model name")
     sp.add_argument("model", metavar="FILE|NAME")
+    sp.add_argument("--n-ctx", type=int, default=None, help="context for the memory estimate (default: 4096 and the model's)")
     sp.set_defaults(func=_cmd_inspect)
     sp = sub.add_parser("run", help="stream a reply from a model (the default: smollm2-135m-instruct)")
     sp.add_argument("prompt")

@@ -1,0 +1,54 @@
+"""Memory: a load holds the file once, estimate_memory says the size first, and what does not fit is refused."""
+import subprocess
+import sys
+
+import pytest
+
+import dasllama as d
+
+# A fresh process per load: RSS figures of this one are shared by every test before it.
+PROBE = """
+import sys, dasllama as d
+def rss():
+    r = {}
+    for l in open('/proc/self/status'):
+        if l.startswith(('RssAnon', 'RssFile', 'VmHWM')):
+            r[l.split(':')[0]] = int(l.split()[1]) * 1024
+    return r
+before = rss()
+m = d.load_model(sys.argv[1], mode=d.QuantMode[sys.argv[2]], n_threads=1)
+after = rss()
+print(after['RssAnon'] - before['RssAnon'], after['RssFile'] - before['RssFile'], after['VmHWM'] - before['VmHWM'])
+"""
+
+
+@pytest.mark.parametrize("mode", ["q8", "fp32"])
+def test_load_holds_the_file_once(smollm2_path, mode):
+    est = d.estimate_memory(str(smollm2_path), d.QuantMode[mode], n_ctx=256)
+    out = subprocess.run([sys.executable, "-c", PROBE, str(smollm2_path), mode], capture_output=True, text=True,
+                         check=True).stdout.split()
+    anon, file_, hwm = (int(x) for x in out)
+    # Packed (or converted) weights are the anonymous memory; the file's pages went back.
+    assert file_ < 8 << 20, f"mapped pages kept after load: {file_ >> 20} MiB"
+    assert anon < est.weights + (24 << 20), (anon >> 20, est.weights >> 20)
+    if mode == "q8":  # the quantized image is about the file's size; fp32's larger one is expected
+        assert est.weights < 1.05 * smollm2_path.stat().st_size
+        assert hwm < est.weights + (40 << 20), "the load held a matrix twice"
+
+
+def test_estimate_memory_grows_with_context(smollm2_path):
+    small = d.estimate_memory(str(smollm2_path), d.QuantMode.q8, n_ctx=256)
+    big = d.estimate_memory(str(smollm2_path), d.QuantMode.q8, n_ctx=4096)
+    c = d.load_model(str(smollm2_path), n_threads=1).config
+    assert big.kv == 16 * small.kv == c.n_layers * 2 * 4096 * c.n_kv_heads * c.head_size * 2  # f16 rows
+    assert big.weights == small.weights and big.total > small.total
+    assert d.estimate_memory(str(smollm2_path), d.QuantMode.fp32, 256).weights > 4 * small.weights
+    assert small.available > 0 and small.fits
+
+
+def test_what_does_not_fit_is_refused(smollm2_path):
+    m = d.load_model(str(smollm2_path), n_threads=1)
+    with pytest.raises(d.DeviceError, match="host memory is available"):
+        d.KVPool(m, max_pages=1 << 26)
+    s = d.create_session(m, n_ctx=64)  # the process goes on
+    d.eval(m, s, [1, 2, 3])
