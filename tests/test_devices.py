@@ -57,3 +57,11 @@ def test_backend_handle_refuses_bad_sizes():
     be = d._core.Backend("cpu")
     with pytest.raises(ValueError):
         be.matmul(np.zeros((2, 10), np.uint8), 8, 2, 32, np.zeros((1, 32), np.float32))  # q8_0 row is 34 bytes
+    z = np.zeros((4, 64), np.float32)
+    for bad in (lambda: be.rms_norm(np.zeros(5, np.float32), None, 1e-6),  # a row needs two dimensions
+                lambda: be.copy_rows(z, 40, 30),  # columns past the row
+                lambda: be.rope(z, 1, 64, np.array([0], np.int32), True, 64, 1e4, 1.0, None, None, 1.0),
+                lambda: be.paged_attention(z[:1], z, z, np.array([3], np.int32), 1, 1, 64, 1, 16,
+                                           np.array([7], np.int32), 2, 0, 1.0, 0.0, 4)):  # page 7 of a 2-page pool
+        with pytest.raises(ValueError):
+            bad()

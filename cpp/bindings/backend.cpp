@@ -47,10 +47,16 @@ struct Dev {
   }
 };
 
-F32 f32(const py::object& o, const char* what) {
+// Every input is checked here (rank, sizes, ranges) before an op sees it: a bad call is a
+// ValueError, never a read or write out of bounds in a kernel.
+F32 f32(const py::object& o, const char* what, int ndim = -1) {
   F32 a = F32::ensure(o);
   if (!a) throw py::value_error(std::string(what) + " must be a float32 array");
+  if (ndim >= 0 && a.ndim() != ndim) throw py::value_error(std::string(what) + " must be " + std::to_string(ndim) + "-D");
   return a;
+}
+void need(bool ok, const char* what) {
+  if (!ok) throw py::value_error(what);
 }
 
 Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64_t cols, WeightUse use) {
@@ -96,7 +102,8 @@ void bind_backend(py::module_& m) {
       })
       .def("matmul_multi", [](Dev& d, const std::vector<py::array>& wbs, uint32_t type, const std::vector<int64_t>& rows,
                               int64_t cols, const py::object& xo) {
-        F32 x = f32(xo, "x");
+        F32 x = f32(xo, "x", 2);
+        need(x.shape(1) == cols, "x must be [n, cols]");
         const int64_t n = x.shape(0);
         if (wbs.size() != rows.size() || wbs.empty() || wbs.size() > 8) throw py::value_error("1..8 weights");
         std::vector<Weight> ws;
@@ -127,28 +134,37 @@ void bind_backend(py::module_& m) {
         return d.get(y, {n, cols});
       })
       .def("rms_norm", [](Dev& d, const py::object& xo, const py::object& wo, float eps) {
-        F32 x = f32(xo, "x");
+        F32 x = f32(xo, "x", 2);
         const int64_t r = x.shape(0), c = x.shape(1);
         float* xd = d.put(x);
-        float* wd = wo.is_none() ? nullptr : d.put(f32(wo, "w"));
+        F32 w = wo.is_none() ? F32() : f32(wo, "w", 1);
+        need(wo.is_none() || w.size() == c, "w must have a row's length");
+        float* wd = wo.is_none() ? nullptr : d.put(w);
         float* y = d.poisoned((size_t)(r * c));
         d.be->rms_norm(xd, wd, y, r, c, eps);
         return d.get(y, {r, c});
       })
       .def("layer_norm", [](Dev& d, const py::object& xo, const py::object& wo, const py::object& bo, float eps) {
-        F32 x = f32(xo, "x");
+        F32 x = f32(xo, "x", 2);
         const int64_t r = x.shape(0), c = x.shape(1);
         float* xd = d.put(x);
-        float* wd = wo.is_none() ? nullptr : d.put(f32(wo, "w"));
-        float* bd = bo.is_none() ? nullptr : d.put(f32(bo, "b"));
+        F32 w = wo.is_none() ? F32() : f32(wo, "w", 1), b = bo.is_none() ? F32() : f32(bo, "b", 1);
+        need((wo.is_none() || w.size() == c) && (bo.is_none() || b.size() == c), "w and b must have a row's length");
+        float* wd = wo.is_none() ? nullptr : d.put(w);
+        float* bd = bo.is_none() ? nullptr : d.put(b);
         float* y = d.poisoned((size_t)(r * c));
         d.be->layer_norm(xd, wd, bd, y, r, c, eps);
         return d.get(y, {r, c});
       })
       .def("rope", [](Dev& d, const py::object& xo, int n_heads, int head_dim, const I32& pos, bool neox, int n_rot,
                       float base, float freq_scale, const py::object& ff, const py::object& inv, float mscale) {
-        F32 x = f32(xo, "x");
+        F32 x = f32(xo, "x", 2);
         const int64_t n = x.shape(0), stride = x.shape(1);
+        need(pos.size() == n, "one position per row");
+        need(head_dim > 0 && n_heads > 0 && (int64_t)n_heads * head_dim <= stride, "heads must fit in a row");
+        need(n_rot > 0 && n_rot % 2 == 0 && n_rot <= head_dim, "n_rot must be even and at most head_dim");
+        need(ff.is_none() || f32(ff, "freq_factors", 1).size() == n_rot / 2, "freq_factors: n_rot / 2 values");
+        need(inv.is_none() || py::array_t<double>::ensure(inv).size() == n_rot / 2, "inv_freq: n_rot / 2 values");
         float* xd = d.put(x);
         RopeParams p;
         p.neox = neox;
@@ -165,7 +181,8 @@ void bind_backend(py::module_& m) {
         return d.get(xd, {n, stride});
       })
       .def("glu", [](Dev& d, const py::object& go, const py::object& uo, int act) {
-        F32 g = f32(go, "gate"), u = f32(uo, "up");
+        F32 g = f32(go, "gate", 2), u = f32(uo, "up", 2);
+        need(g.shape(0) == u.shape(0) && g.shape(1) == u.shape(1), "gate and up must have one shape");
         const int64_t r = g.shape(0), c = g.shape(1);
         float* gd = d.put(g);
         float* ud = d.put(u);
@@ -185,42 +202,48 @@ void bind_backend(py::module_& m) {
       })
       .def("add", [](Dev& d, const py::object& yo, const py::object& xo) {
         F32 y = f32(yo, "y"), x = f32(xo, "x");
+        need(x.size() == y.size(), "x and y must have one size");
         float* yd = d.put(y);
         d.be->add(yd, d.put(x), y.size());
         return d.get(yd, {(int64_t)y.size()});
       })
       .def("add_bias", [](Dev& d, const py::object& yo, const py::object& bo) {
-        F32 y = f32(yo, "y"), b = f32(bo, "b");
+        F32 y = f32(yo, "y", 2), b = f32(bo, "b", 1);
+        need(b.size() == y.shape(1), "b must have a row's length");
         float* yd = d.put(y);
         d.be->add_bias(yd, d.put(b), y.shape(0), y.shape(1));
         return d.get(yd, {y.shape(0), y.shape(1)});
       })
       .def("copy_rows", [](Dev& d, const py::object& xo, int64_t col0, int64_t width) {
-        F32 x = f32(xo, "x");
+        F32 x = f32(xo, "x", 2);
         const int64_t r = x.shape(0);
+        need(col0 >= 0 && width >= 0 && col0 + width <= x.shape(1), "columns out of the row");
         float* xd = d.put(x);
         float* y = d.poisoned((size_t)(r * width));
         d.be->copy_rows(y, width, xd + col0, x.shape(1), r, width);
         return d.get(y, {r, width});
       })
       .def("im2col_1d", [](Dev& d, const py::object& xo, int64_t T, int k, int stride, int pad, int64_t T_out) {
-        F32 x = f32(xo, "x");  // [C][x_stride]
+        F32 x = f32(xo, "x", 2);  // [C][x_stride]
         const int64_t C = x.shape(0);
+        need(T >= 0 && T <= x.shape(1) && k >= 1 && stride >= 1 && pad >= 0 && T_out >= 0, "bad conv geometry");
         float* xd = d.put(x);
         float* y = d.poisoned((size_t)(T_out * C * k));
         d.be->im2col_1d(xd, x.shape(1), C, T, k, stride, pad, y, T_out);
         return d.get(y, {T_out, C * k});
       })
       .def("im2col_rows", [](Dev& d, const py::object& xo, int k, int stride, int pad, int64_t T_out) {
-        F32 x = f32(xo, "x");  // [T][C]
+        F32 x = f32(xo, "x", 2);  // [T][C]
         const int64_t T = x.shape(0), C = x.shape(1);
+        need(k >= 1 && stride >= 1 && pad >= 0 && T_out >= 0, "bad conv geometry");
         float* xd = d.put(x);
         float* y = d.poisoned((size_t)(T_out * C * k));
         d.be->im2col_rows(xd, C, T, k, stride, pad, y, T_out);
         return d.get(y, {T_out, C * k});
       })
       .def("avg_pool_rows", [](Dev& d, const py::object& xo, int k) {
-        F32 x = f32(xo, "x");
+        F32 x = f32(xo, "x", 2);
+        need(k >= 1, "k must be >= 1");
         const int64_t r = x.shape(0), c = x.shape(1), ro = (r + k - 1) / k;
         float* xd = d.put(x);
         float* y = d.poisoned((size_t)(ro * c));
@@ -234,9 +257,16 @@ void bind_backend(py::module_& m) {
                                  const I32& q_pos, int n_heads, int n_kv_heads, int head_dim, int kv_type,
                                  int page_rows, const I32& page_ids, int n_pool_pages, int window, float scale,
                                  float softcap, int64_t store_chunk) {
-        F32 q = f32(qo, "q"), k = f32(ko, "k"), v = f32(vo, "v");
+        F32 q = f32(qo, "q", 2), k = f32(ko, "k", 2), v = f32(vo, "v", 2);
+        need(kv_type == 0 || kv_type == 1 || kv_type == 8, "kv_type must be 0 (f32), 1 (f16) or 8 (q8_0)");
+        need(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0, "bad head layout");
+        need(kv_type != 8 || head_dim % 32 == 0, "a q8_0 cache needs head_dim a multiple of 32");
+        need(q_pos.size() == q.shape(0) && store_chunk >= 1 && n_pool_pages >= 1, "bad positions, chunk or pool");
+        for (int64_t i = 0; i < q_pos.size(); ++i) need(q_pos.data()[i] >= 0, "positions must be >= 0");
+        for (int64_t i = 0; i < page_ids.size(); ++i)
+          need(page_ids.data()[i] >= 0 && page_ids.data()[i] < n_pool_pages, "a page id outside the pool");
         const int64_t n_tok = q.shape(0), n_kv = k.shape(0), kv_dim = (int64_t)n_kv_heads * head_dim;
-        if (k.shape(1) != kv_dim || v.shape(0) != n_kv || q.shape(1) != (int64_t)n_heads * head_dim)
+        if (k.shape(1) != kv_dim || v.shape(0) != n_kv || v.shape(1) != kv_dim || q.shape(1) != (int64_t)n_heads * head_dim)
           throw py::value_error("paged_attention: shapes");
         int shift = 0;
         while ((1 << shift) < page_rows) ++shift;

@@ -95,6 +95,12 @@ std::shared_ptr<Backend> make_backend(const std::string& device, int n_threads) 
 }
 
 std::vector<BackendProbe> probe_backends() {
+  auto not_built = [](const char* name, const char* why) {
+    BackendProbe p;
+    p.backend = name;
+    p.error = why;
+    return p;
+  };
   std::vector<BackendProbe> out;
   BackendProbe cpu;
   cpu.backend = "cpu";
@@ -104,23 +110,14 @@ std::vector<BackendProbe> probe_backends() {
 #ifdef DL_HAVE_CUDA
   out.push_back(probe_cuda());
 #else
-  BackendProbe cu;
-  cu.backend = "cuda";
-  cu.error = "not built (no nvcc when this module was compiled)";
-  out.push_back(cu);
+  out.push_back(not_built("cuda", "not built (no nvcc when this module was compiled)"));
 #endif
 #ifdef DL_HAVE_VULKAN
   out.push_back(probe_vulkan());
 #else
-  BackendProbe vk;
-  vk.backend = "vulkan";
-  vk.error = "not built (no Vulkan headers or glslc when this module was compiled)";
-  out.push_back(vk);
+  out.push_back(not_built("vulkan", "not built (no Vulkan headers or glslc when this module was compiled)"));
 #endif
-  BackendProbe mt;
-  mt.backend = "metal";
-  mt.error = "not built";
-  out.push_back(mt);
+  out.push_back(not_built("metal", "not built"));
   return out;
 }
 
