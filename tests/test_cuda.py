@@ -20,21 +20,19 @@ from dasllama.convert import requantize
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
 import export as E  # noqa: E402
+import _device_checks as C  # noqa: E402
 
 _CUDA = d.system_info()["devices"]["cuda"]
 pytestmark = pytest.mark.skipif(not _CUDA["devices"], reason="no CUDA device here: " + (_CUDA["error"] or "none found"))
 
 # Measured on the H200: 1e-13..1e-11 for every family and format (f32 accumulation in
 # another order); a wrong op moves the logits by O(1), an NMSE of 1e-2 or more.
-LOGIT_BAR = 1e-8
+LOGIT_BAR = C.LOGIT_BAR
+nmse = C.nmse
 FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"]  # what the requantizer writes
 N_POS = 256
 
 
-def nmse(a, ref):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(a).all()
-    return float(np.sum((a - ref) ** 2) / np.sum(ref ** 2))
 
 
 @pytest.fixture(scope="module")
@@ -101,62 +99,13 @@ def _greedy(m, s, prompt, n):
 
 
 def test_paged_prefix_cache_and_ragged_batch(files):
-    m = d.load_model(files["qwen3"]["q8_0"], d.QuantMode.fp32, device="cuda")
-    rng = np.random.default_rng(3)
-    prompt = [1] + rng.integers(3, E.VOCAB, 70).tolist()
-    pool = d.create_kv_pool(m, page_rows=16)
-    cache = d.create_prefix_cache()
-    a = d.create_session(m, pool)
-    d.eval(m, a, prompt)
-    cold = np.array(a.logits)
-    d.prefix_insert(cache, pool, a, a.history)
-    b = d.create_session(m, pool)
-    n = d.prefix_attach(cache, pool, b, prompt)
-    assert n == 64  # four full pages, capped one token short of the prompt
-    d.eval(m, b, prompt[n:])
-    assert nmse(b.logits, cold) <= 1e-12
-    # Ragged: one session prefills 9 tokens while two others decode one each, against each alone.
-    ss = [d.create_session(m, pool) for _ in range(3)]
-    alone = []
-    for i, s in enumerate(ss):
-        d.eval(m, s, prompt[:10 + i])
-        t = d.create_session(m, pool)
-        d.eval(m, t, prompt[:10 + i] + ([7] if i else prompt[10:19]))
-        alone.append(np.array(t.logits))
-        d.release_kv_pages(t)
-    ws = d.create_batch_workspace(m)
-    d.eval_batch(m, ws, ss, [prompt[10:19], 7, 7])
-    for s, ref in zip(ss, alone):
-        assert nmse(s.logits, ref) <= 1e-12
+    prompt = [1] + np.random.default_rng(3).integers(3, E.VOCAB, 70).tolist()
+    C.paged_prefix_cache_and_ragged_batch(files["qwen3"]["q8_0"], "cuda", prompt)
 
 
 def test_errors_leave_the_process_usable(files):
-    with pytest.raises(d.DeviceError, match="cuda:99"):
-        d.load_model(files["llama"]["f32"], device="cuda:99")
-    m = d.load_model(files["llama"]["f32"], device="cuda")
-    with pytest.raises(d.DeviceError, match="KV pool"):
-        d.create_kv_pool(m, page_rows=16, max_pages=1 << 29)
-    s = d.create_session(m)
-    d.eval(m, s, [1, 2, 3])
-    assert np.isfinite(s.logits).all()
+    C.errors_leave_the_process_usable(files["llama"]["f32"], "cuda")
 
 
 def test_audio_tower_and_turn(tmp_path):
-    import audio as A  # tests/oracles/audio.py
-
-    model = A.qwen2_audio(seed=0)
-    mm = str(tmp_path / "mmproj.gguf")
-    A.write_qwen2_audio(model, mm)
-    x = np.random.default_rng(0).standard_normal(16000 * 3).astype(np.float32) * 0.1
-    rows = {dev: d.encode_audio_rows(d.load_audio_tower(mm, device=dev), x) for dev in ("cpu", "cuda")}
-    assert nmse(rows["cuda"], rows["cpu"]) <= 1e-9
-    dec = str(tmp_path / "dec.gguf")
-    A.write_decoder(model, dec)
-    replies = {}
-    for dev in ("cpu", "cuda"):
-        m = d.load_model(dec, d.QuantMode.fp32, device=dev)
-        chat = d.create_chat(m, d.load_audio_tower(mm, device=dev), max_new=24)
-        d.add_user_audio(chat, x)
-        d.add_user(chat, "What is said?")
-        replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
-    assert replies["cuda"] == replies["cpu"]
+    C.audio_tower_and_turn(tmp_path, "cuda", seconds=3, max_new=24)

@@ -19,20 +19,18 @@ import dasllama as d
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
 import export as E  # noqa: E402
+import _device_checks as C  # noqa: E402
 
 _VK = d.system_info()["devices"]["vulkan"]
 pytestmark = pytest.mark.skipif(not _VK["devices"], reason="no Vulkan device here: " + (_VK["error"] or "none found"))
 
 # Measured on lavapipe: 1e-12..2e-11 on SmolLM2 (f32 accumulation in another order); a wrong op
 # moves the logits by O(1), an NMSE of 1e-2 or more.
-LOGIT_BAR = 1e-8
+LOGIT_BAR = C.LOGIT_BAR
+nmse = C.nmse
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
 
 
-def nmse(a, ref):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(a).all()
-    return float(np.sum((a - ref) ** 2) / np.sum(ref ** 2))
 
 
 def _greedy(m, s, n, vocab):
@@ -88,62 +86,13 @@ def test_kv_types(tiny, kv):
 
 
 def test_paged_prefix_cache_and_ragged_batch(tiny):
-    m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
-    rng = np.random.default_rng(3)
-    prompt = [1] + rng.integers(3, E.VOCAB, 40).tolist()
-    pool = d.create_kv_pool(m, page_rows=16)
-    cache = d.create_prefix_cache()
-    a = d.create_session(m, pool)
-    d.eval(m, a, prompt)
-    cold = np.array(a.logits)
-    d.prefix_insert(cache, pool, a, a.history)
-    b = d.create_session(m, pool)
-    n = d.prefix_attach(cache, pool, b, prompt)
-    assert n == 32  # two full pages, capped one token short of the prompt
-    d.eval(m, b, prompt[n:])
-    assert nmse(b.logits, cold) <= 1e-12
-    # Ragged: one session prefills 9 tokens while two others decode one each, against each alone.
-    ss = [d.create_session(m, pool) for _ in range(3)]
-    alone = []
-    for i, s in enumerate(ss):
-        d.eval(m, s, prompt[:10 + i])
-        t = d.create_session(m, pool)
-        d.eval(m, t, prompt[:10 + i] + ([7] if i else prompt[10:19]))
-        alone.append(np.array(t.logits))
-        d.release_kv_pages(t)
-    ws = d.create_batch_workspace(m)
-    d.eval_batch(m, ws, ss, [prompt[10:19], 7, 7])
-    for s, ref in zip(ss, alone):
-        assert nmse(s.logits, ref) <= 1e-12
+    prompt = [1] + np.random.default_rng(3).integers(3, E.VOCAB, 40).tolist()
+    C.paged_prefix_cache_and_ragged_batch(tiny["q8_0"], "vulkan", prompt)
 
 
 def test_errors_leave_the_process_usable(tiny):
-    with pytest.raises(d.DeviceError, match="vulkan:99"):
-        d.load_model(tiny["f32"], device="vulkan:99")
-    m = d.load_model(tiny["f32"], device="vulkan")
-    with pytest.raises(d.DeviceError, match="KV pool"):
-        d.create_kv_pool(m, page_rows=16, max_pages=1 << 29)
-    s = d.create_session(m)
-    d.eval(m, s, [1, 2, 3])
-    assert np.isfinite(s.logits).all()
+    C.errors_leave_the_process_usable(tiny["f32"], "vulkan")
 
 
 def test_audio_tower_and_turn(tmp_path):
-    import audio as A  # tests/oracles/audio.py
-
-    model = A.qwen2_audio(seed=0)
-    mm = str(tmp_path / "mmproj.gguf")
-    A.write_qwen2_audio(model, mm)
-    x = np.random.default_rng(0).standard_normal(16000 * 2).astype(np.float32) * 0.1
-    rows = {dev: d.encode_audio_rows(d.load_audio_tower(mm, device=dev), x) for dev in ("cpu", "vulkan")}
-    assert nmse(rows["vulkan"], rows["cpu"]) <= 1e-9
-    dec = str(tmp_path / "dec.gguf")
-    A.write_decoder(model, dec)
-    replies = {}
-    for dev in ("cpu", "vulkan"):
-        m = d.load_model(dec, d.QuantMode.fp32, device=dev)
-        chat = d.create_chat(m, d.load_audio_tower(mm, device=dev), max_new=8)
-        d.add_user_audio(chat, x)
-        d.add_user(chat, "What is said?")
-        replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
-    assert replies["vulkan"] == replies["cpu"]
+    C.audio_tower_and_turn(tmp_path, "vulkan", seconds=2, max_new=8)

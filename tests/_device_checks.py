@@ -1,0 +1,87 @@
+"""End-to-end checks shared by every device backend's test file (test_cuda.py, test_vulkan.py).
+
+Each takes the device string and compares the device with the CPU backend on the same file:
+the CPU in fp32 mode decodes weights exactly and is itself checked against transformers
+(tests/test_families.py), so it is the reference here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dasllama as d
+
+LOGIT_BAR = 1e-8  # measured 1e-13..2e-11 on every device; a wrong op gives 1e-2 or more
+
+
+def nmse(a, ref) -> float:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(a).all()
+    return float(np.sum((a - ref) ** 2) / np.sum(ref ** 2))
+
+
+def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) -> None:
+    """A prompt's cold logits match the CPU's; attaching its cached pages gives the cold logits;
+    a ragged step (one 9-token prefill beside two decodes) gives each session its logits alone."""
+    ref = d.load_model(path, d.QuantMode.fp32)
+    rs = d.create_session(ref, d.KVDtype.f16)
+    d.eval(ref, rs, prompt)
+    m = d.load_model(path, d.QuantMode.fp32, device=device)
+    pool = d.create_kv_pool(m, page_rows=16)
+    cache = d.create_prefix_cache()
+    a = d.create_session(m, pool)
+    d.eval(m, a, prompt)
+    cold = np.array(a.logits)
+    assert nmse(cold, rs.logits) <= LOGIT_BAR
+    d.prefix_insert(cache, pool, a, a.history)
+    b = d.create_session(m, pool)
+    n = d.prefix_attach(cache, pool, b, prompt)
+    assert n == (len(prompt) - 1) // 16 * 16  # whole pages, capped one token short of the prompt
+    d.eval(m, b, prompt[n:])
+    assert nmse(b.logits, cold) <= 1e-12
+    ss = [d.create_session(m, pool) for _ in range(3)]
+    alone = []
+    for i, s in enumerate(ss):
+        d.eval(m, s, prompt[:10 + i])
+        t = d.create_session(m, pool)
+        d.eval(m, t, prompt[:10 + i] + ([7] if i else prompt[10:19]))
+        alone.append(np.array(t.logits))
+        d.release_kv_pages(t)
+    d.eval_batch(m, d.create_batch_workspace(m), ss, [prompt[10:19], 7, 7])
+    for s, want in zip(ss, alone):
+        assert nmse(s.logits, want) <= 1e-12
+
+
+def errors_leave_the_process_usable(path: str, device: str) -> None:
+    """A missing device index and a pool too big for the device are refused; the model still runs."""
+    kind = device.split(":")[0]
+    with pytest.raises(d.DeviceError, match=f"{kind}:99"):
+        d.load_model(path, device=f"{kind}:99")
+    m = d.load_model(path, device=device)
+    with pytest.raises(d.DeviceError, match="KV pool"):
+        d.create_kv_pool(m, page_rows=16, max_pages=1 << 29)
+    s = d.create_session(m)
+    d.eval(m, s, [1, 2, 3])
+    assert np.isfinite(s.logits).all()
+
+
+def audio_tower_and_turn(tmp_path, device: str, seconds: int, max_new: int) -> None:
+    """A Qwen2-Audio tower's rows, and a whole greedy audio chat turn, equal to the CPU's."""
+    import audio as A  # tests/oracles/audio.py
+
+    model = A.qwen2_audio(seed=0)
+    mm = str(tmp_path / "mmproj.gguf")
+    A.write_qwen2_audio(model, mm)
+    x = np.random.default_rng(0).standard_normal(16000 * seconds).astype(np.float32) * 0.1
+    rows = {dev: d.encode_audio_rows(d.load_audio_tower(mm, device=dev), x) for dev in ("cpu", device)}
+    assert nmse(rows[device], rows["cpu"]) <= 1e-9
+    dec = str(tmp_path / "dec.gguf")
+    A.write_decoder(model, dec)
+    replies = {}
+    for dev in ("cpu", device):
+        m = d.load_model(dec, d.QuantMode.fp32, device=dev)
+        chat = d.create_chat(m, d.load_audio_tower(mm, device=dev), max_new=max_new)
+        d.add_user_audio(chat, x)
+        d.add_user(chat, "What is said?")
+        replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
+    assert replies[device] == replies["cpu"]
