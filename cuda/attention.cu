@@ -244,10 +244,14 @@ void launch(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, 
 }  // namespace
 
 int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm) {
-  // Enough blocks for ~8 per SM, but no split under 256 keys (its fixed costs would dominate).
+  // Enough blocks for ~8 per SM, at least 16 keys a split: a block walks its keys 16 at a
+  // time, each round a chain of dependent loads, so short contexts split too.
   const int64_t base = std::max<int64_t>(1, rows * n_heads);
   const int64_t want = (8 * (int64_t)n_sm + base - 1) / base;
-  const int64_t cap = std::max<int64_t>(1, (n_kv + 255) / 256);
+  // Powers of two, so a decode step's graph (the split count is in its launches) changes
+  // a few times over a context, not every 32 tokens.
+  int64_t cap = 1;
+  while (cap * 16 < n_kv) cap *= 2;
   return (int)std::max<int64_t>(1, std::min<int64_t>({want, cap, 64}));
 }
 int attn_splits(const AttnArgs& a, int n_sm) { return attn_splits(a.n_tok, a.n_heads, a.n_kv, n_sm); }

@@ -15,6 +15,7 @@
 
 #include "common.cuh"
 #include "core/errors.h"
+#include "dequant.cuh"
 #include "kernels.h"
 #include "quant/types.h"
 
@@ -125,6 +126,7 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(st_);
     for (Cached& c : cache_) cudaGraphExecDestroy(c.exec);
     scratch_.reset();
+    qact_.reset();
     dblob_.reset();
     cudaStreamDestroy(st_);
   }
@@ -214,14 +216,41 @@ class CudaBackend final : public Backend {
     if (cuda::matmul_type_ok(type)) return type;
     return cols % 32 == 0 ? (uint32_t)GGMLType::Q8_0 : (uint32_t)GGMLType::F32;
   }
-  void load_weight(Weight& w, WeightUse) override {  // matmul and get_rows read the same bytes
+  // matmul and get_rows read the same bytes: the file's, or for q8_0 / q4_0 this backend's
+  // split layout (dequant.cuh), made on the host a slab of rows at a time.
+  void load_weight(Weight& w, WeightUse) override {
     if (!w.host) throw Error("cuda load_weight: the weight has no host bytes");
     if (!cuda::matmul_type_ok(w.type))
       throw UnsupportedModelError("cuda: no kernel for weight type " + type_label(w.type));
-    const size_t n = (size_t)w.rows * w.row_bytes;
-    BufferPtr b = alloc(n, "weight");
+    const size_t srb = split_ok() ? cuda::split_row_bytes(w.type, w.cols) : 0;
+    const size_t rb = srb ? srb : w.row_bytes;
+    BufferPtr b = alloc((size_t)w.rows * rb, "weight");
     use();
-    check(cudaMemcpyAsync(b->data(), w.host, n, cudaMemcpyHostToDevice, st_), "load_weight");
+    if (!srb) {
+      check(cudaMemcpyAsync(b->data(), w.host, (size_t)w.rows * rb, cudaMemcpyHostToDevice, st_), "load_weight");
+    } else {
+      const bool q8 = w.type == (uint32_t)GGMLType::Q8_0;
+      const int64_t nb = w.cols / 32, qb = q8 ? 32 : 16, qs_row = nb * qb;
+      const int64_t slab = std::max<int64_t>(1, (int64_t)(8u << 20) / (int64_t)rb);
+      std::vector<uint8_t> tmp((size_t)(std::min(slab, w.rows) * (int64_t)rb), 0);
+      for (int64_t r0 = 0; r0 < w.rows; r0 += slab) {
+        const int64_t nr = std::min(slab, w.rows - r0);
+        for (int64_t r = 0; r < nr; ++r) {
+          const uint8_t* src = w.host + (size_t)(r0 + r) * w.row_bytes;
+          uint8_t* dst = tmp.data() + (size_t)r * rb;
+          for (int64_t bi = 0; bi < nb; ++bi) {
+            const uint8_t* blk = src + bi * (2 + qb);
+            std::memcpy(dst + bi * qb, blk + 2, (size_t)qb);
+            std::memcpy(dst + qs_row + bi * 2, blk, 2);
+          }
+        }
+        // Synchronous: tmp is refilled next.
+        check(cudaMemcpy(static_cast<uint8_t*>(b->data()) + (size_t)r0 * rb, tmp.data(), (size_t)nr * rb,
+                         cudaMemcpyHostToDevice),
+              "load_weight");
+      }
+      w.packed_for = kSplitLayout;
+    }
     // The host bytes may be a mapping the loader drops next: wait for the copy.
     check(cudaStreamSynchronize(st_), "load_weight");
     w.data = static_cast<const uint8_t*>(b->data());
@@ -285,22 +314,34 @@ class CudaBackend final : public Backend {
 
   // ---- ops ----
   void matmul(const Weight& w, const float* x, int64_t n, float* y) override {
+    MatmulStep s;
+    s.x = x, s.n = n, s.count = 1, s.w[0] = &w, s.y[0] = y;
+    if (n > 0 && staged(s)) return;
     use();
     const cuda::Mat m = mat(w);
-    if (!cuda::matmul_type_ok(m.type))
-      throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(m.type));
+    if (!cuda::matmul_type_ok(w.type))
+      throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(w.type));
     max_rows_ = std::max(max_rows_, n);
     op(Tag::matmul, [=](cudaStream_t s) { cuda::matmul(m, x, n, y, s); }, m.type, m.w, m.row_bytes, m.rows, m.cols, x,
        n, y);
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
+    MatmulStep s;
+    s.x = x, s.n = n, s.count = count;
+    for (int i = 0; i < count && i < 3; ++i) s.w[i] = ws[i], s.y[i] = ys[i];
+    if (count <= 3 && staged(s)) return;
     for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
+  }
+  void matmul_step(const MatmulStep& s) override {
+    if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
+      throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
+    if (!staged(s)) Backend::matmul_step(s);
   }
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
     use();
     const cuda::Mat m = mat(w);
-    if (!cuda::matmul_type_ok(m.type))
-      throw UnsupportedModelError("cuda: no get_rows kernel for weight type " + type_label(m.type));
+    if (!cuda::matmul_type_ok(w.type))
+      throw UnsupportedModelError("cuda: no get_rows kernel for weight type " + type_label(w.type));
     op(Tag::get_rows, [=](cudaStream_t s) { cuda::get_rows(m, ids, n, out, s); }, m.type, m.w, m.row_bytes, m.rows,
        m.cols, ids, n, out);
   }
@@ -435,13 +476,63 @@ class CudaBackend final : public Backend {
  private:
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
-    softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows
+    softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant
   };
   template <class T>
   void sig1(const T& v) {
     static_assert(std::is_scalar_v<T>, "signature fields are scalars (structs have padding)");
     const auto* p = reinterpret_cast<const uint8_t*>(&v);
     sig_.insert(sig_.end(), p, p + sizeof v);
+  }
+  // s as one staged-GEMV launch (norm, every matmul and the residual add fused), or
+  // false when its weights or sizes do not fit that kernel.
+  bool staged(const MatmulStep& s) {
+    use();
+    cuda::GemvJob j;
+    std::memset(static_cast<void*>(&j), 0, sizeof j);  // padding too: the job's bytes are the signature
+    j.type = s.w[0]->type, j.count = s.count, j.cols = s.w[0]->cols, j.x = s.x, j.n = (int)std::min<int64_t>(s.n, 1 << 20);
+    j.type = mat(*s.w[0]).type;
+    for (int i = 0; i < s.count; ++i) {
+      const cuda::Mat m = mat(*s.w[i]);
+      if (m.type != j.type || m.cols != j.cols) return false;
+      j.w[i] = m.w, j.rb[i] = m.row_bytes, j.rows[i] = m.rows, j.y[i] = s.y[i];
+    }
+    j.norm = s.norm, j.norm_w = s.norm ? s.norm_w : nullptr, j.eps = s.eps;
+    if (s.residual) j.accumulate = true, j.y[0] = s.residual;
+    if (s.n > (1 << 20)) return false;
+    // q8 mode on the split layouts: activations quantized once (normed on the way), then
+    // int8 dot products, as the CPU's quantized matmuls do.
+    const bool q8 = !s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0;
+    void* qb = nullptr;
+    if (q8) {
+      j.x = nullptr, j.norm = false, j.norm_w = nullptr;
+      cuda::GemvJob probe = j;
+      probe.xq = reinterpret_cast<const int8_t*>(16);  // any aligned address: the fit does not read it
+      if (!cuda::gemv_staged_fits(probe)) return false;
+      qb = qact_for(cuda::qact_bytes(s.n, j.cols));
+      cuda::point_qact(j, qb, s.n, j.cols);
+    }
+    if (!cuda::gemv_staged_fits(j)) return false;
+    max_rows_ = std::max(max_rows_, s.n);
+    if (q8) {
+      const float* x = s.x;
+      const int64_t n = s.n, cols = j.cols;
+      const bool norm = s.norm;
+      const float* nw = s.norm ? s.norm_w : nullptr;
+      const float eps = s.eps;
+      op(Tag::quant, [=](cudaStream_t st) { cuda::quantize_act(x, n, cols, norm, nw, eps, qb, st); }, x, n, cols, norm,
+         nw, eps, qb);
+    }
+    if (!rec_) {
+      cuda::gemv_staged(j, st_);
+      return true;
+    }
+    flush_kv();
+    sig1(Tag::gemv);
+    const auto* p = reinterpret_cast<const uint8_t*>(&j);
+    sig_.insert(sig_.end(), p, p + sizeof j);
+    ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
+    return true;
   }
   // Runs f now, or (inside a step) records it with its arguments' bytes.
   template <class F, class... A>
@@ -574,7 +665,30 @@ class CudaBackend final : public Backend {
     if (!w.data) throw Error("cuda: a weight used before load_weight");
     cuda::Mat m;
     m.type = w.type, m.w = w.data, m.row_bytes = w.row_bytes, m.rows = w.rows, m.cols = w.cols;
+    if (w.packed_for == kSplitLayout) {
+      m.type = w.type == (uint32_t)GGMLType::Q8_0 ? cuda::T_Q8_0S : cuda::T_Q4_0S;
+      m.row_bytes = cuda::split_row_bytes(w.type, w.cols);
+    }
     return m;
+  }
+  // Weight::packed_for of a matrix kept in the split layout.
+  static constexpr int kSplitLayout = 0x5C0;
+  // DASLLAMA_CUDA_SPLIT=0 keeps q8_0 / q4_0 in the file's layout (for A/B runs).
+  static bool split_ok() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_CUDA_SPLIT");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
+  // Quantized activations of a matmul; grown like scratch_for.
+  void* qact_for(size_t bytes) {
+    if (!qact_ || qact_->size() < bytes) {
+      if (qact_) check(cudaStreamSynchronize(st_), "activation scratch");
+      qact_.reset();
+      qact_ = alloc(bytes + bytes / 2, "quantized activations");
+    }
+    return qact_->data();
   }
   // Attention's split partials; grown (never shrunk) on demand. Growing frees the old
   // buffer after the stream has drained, since kernels in flight may still read it.
@@ -591,7 +705,7 @@ class CudaBackend final : public Backend {
   int dev_;
   cudaDeviceProp prop_{};
   cudaStream_t st_ = nullptr;
-  BufferPtr scratch_;
+  BufferPtr scratch_, qact_;
   // The step being recorded.
   bool graphs_;
   int group_;

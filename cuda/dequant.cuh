@@ -10,6 +10,10 @@ namespace dl::cuda {
 // GGML type ids served by matmul / get_rows (cpp/quant/types.h).
 enum : uint32_t { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
                   T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+// This backend's own layouts of q8_0 / q4_0 ("split"): each row holds its quants first
+// (cols bytes / cols / 2 bytes, in block order), then its blocks' f16 scales, padded to
+// 16 bytes; so a lane reads 16 or 32 weights with one aligned 16-byte load.
+enum : uint32_t { T_Q8_0S = 200, T_Q4_0S = 201 };
 
 // Elements per block and bytes per block of each served type.
 template <uint32_t T> struct Blk;
@@ -24,6 +28,12 @@ template <> struct Blk<T_Q8_0> { static constexpr int qk = 32, bytes = 34; };
 template <> struct Blk<T_Q4_K> { static constexpr int qk = 256, bytes = 144; };
 template <> struct Blk<T_Q5_K> { static constexpr int qk = 256, bytes = 176; };
 template <> struct Blk<T_Q6_K> { static constexpr int qk = 256, bytes = 210; };
+template <> struct Blk<T_Q8_0S> { static constexpr int qk = 32, bytes = 34; };
+template <> struct Blk<T_Q4_0S> { static constexpr int qk = 32, bytes = 18; };
+
+// An int of magnitude < 2^22 as a float, exactly, without the quarter-rate I2F
+// conversion: the int lands in the mantissa of 1.5 * 2^23, which is then subtracted.
+__device__ __forceinline__ float sf(int v) { return __int_as_float(0x4B400000 + v) - 12582912.f; }
 
 // Elements 8g..8g+7 of `row` into v. Float types may have cols % 8 != 0: elements past
 // cols read as 0; `vec` (cols % 8 == 0 and the row 16-byte aligned) allows 16-byte loads.
@@ -62,6 +72,19 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
         v[i] = T == T_F16 ? h2f(h) : bf2f(h);
       }
     }
+  } else if constexpr (T == T_Q8_0S) {
+    const uint2 q = *reinterpret_cast<const uint2*>(row + e0);
+    const float d = h2f(ld16(row + cols + (g >> 2) * 2));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(sf((int8_t)((i < 4 ? q.x : q.y) >> (8 * (i & 3)))), d);
+  } else if constexpr (T == T_Q4_0S) {
+    const int64_t b = g >> 2;
+    const int o = (int)(g & 3) * 8;
+    const uint2 q = *reinterpret_cast<const uint2*>(row + b * 16 + (o & 15));
+    const float d = h2f(ld16(row + cols / 2 + b * 2));
+    const int sh = (o >> 4) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(d, sf((int)(((i < 4 ? q.x : q.y) >> (8 * (i & 3) + sh)) & 0xF) - 8));
   } else if constexpr (T == T_Q8_0) {
     const uint8_t* b = row + (g >> 2) * 34;
     const float d = h2f(ld16(b));
@@ -69,8 +92,8 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t w = ld16(q + 2 * i);
-      v[2 * i] = __fmul_rn((float)(int8_t)(w & 0xff), d);
-      v[2 * i + 1] = __fmul_rn((float)(int8_t)(w >> 8), d);
+      v[2 * i] = __fmul_rn(sf((int8_t)(w & 0xff)), d);
+      v[2 * i + 1] = __fmul_rn(sf((int8_t)(w >> 8)), d);
     }
   } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
     constexpr bool has_m = T == T_Q4_1 || T == T_Q5_1;
@@ -96,12 +119,12 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
         hi |= ((qh >> (2 * i + 1)) & 1) << 4;
       }
       if constexpr (has_m) {
-        v[2 * i] = __fmul_rn(d, (float)lo) + m;
-        v[2 * i + 1] = __fmul_rn(d, (float)hi) + m;
+        v[2 * i] = __fmul_rn(d, sf(lo)) + m;
+        v[2 * i + 1] = __fmul_rn(d, sf(hi)) + m;
       } else {
         constexpr int off = five ? 16 : 8;
-        v[2 * i] = __fmul_rn(d, (float)(lo - off));
-        v[2 * i + 1] = __fmul_rn(d, (float)(hi - off));
+        v[2 * i] = __fmul_rn(d, sf(lo - off));
+        v[2 * i + 1] = __fmul_rn(d, sf(hi - off));
       }
     }
   } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
@@ -129,7 +152,7 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
       const uint32_t w = i < 4 ? qw.x : qw.y;
       int q = (w >> (8 * (i & 3) + sh)) & 0xF;
       if constexpr (T == T_Q5_K) q |= (((i < 4 ? hw.x : hw.y) >> (8 * (i & 3) + j)) & 1) << 4;
-      v[i] = __fmul_rn(dl, (float)q) - ml;
+      v[i] = __fmul_rn(dl, sf(q)) - ml;
     }
   } else if constexpr (T == T_Q6_K) {
     const uint8_t* b = row + (g >> 5) * 210;
@@ -145,8 +168,8 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
       const uint32_t wl = ld16(ql + 2 * i), wh = ld16(qh + 2 * i);
       const int q0 = (int)(((wl >> shl) & 0xF) | ((wh >> shh) & 3) << 4) - 32;
       const int q1 = (int)(((wl >> (8 + shl)) & 0xF) | ((wh >> (8 + shh)) & 3) << 4) - 32;
-      v[2 * i] = __fmul_rn(dl, (float)q0);
-      v[2 * i + 1] = __fmul_rn(dl, (float)q1);
+      v[2 * i] = __fmul_rn(dl, sf(q0));
+      v[2 * i + 1] = __fmul_rn(dl, sf(q1));
     }
   }
 }
@@ -154,6 +177,17 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
 // X(T) for every served type id: a switch over weight types is `switch (t) { DL_CUDA_TYPES(CASE) }`.
 #define DL_CUDA_TYPES(X) \
   X(T_F32) X(T_F16) X(T_BF16) X(T_Q8_0) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
+
+// Every layout a kernel reads: the served types and this backend's own.
+#define DL_CUDA_LAYOUTS(X) DL_CUDA_TYPES(X) X(T_Q8_0S) X(T_Q4_0S)
+
+// Bytes of a row of `cols` in this backend's split layout of `type` (0: none).
+inline size_t split_row_bytes(uint32_t type, int64_t cols) {
+  if (cols % 32 != 0) return 0;
+  const int64_t qs = type == T_Q8_0 ? cols : type == T_Q4_0 ? cols / 2 : -1;
+  if (qs < 0) return 0;
+  return (size_t)((qs + cols / 32 * 2 + 15) / 16 * 16);
+}
 
 inline bool served_type(uint32_t t) {
   switch (t) {

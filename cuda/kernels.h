@@ -18,6 +18,41 @@ struct Mat {
 };
 
 bool matmul_type_ok(uint32_t type);
+
+// Up to 3 matrices of one type and equal cols over the same n tokens of x, one launch:
+// y[i][t][r] = s * sum_k W_i[r][k] xn[t][k], xn = x * norm_w when norm_w is set and
+// s = 1 / rms(x[t]) when norm, else xn = x and s = 1; accumulate adds into y.
+struct GemvJob {
+  uint32_t type = 0;
+  int count = 0;
+  const uint8_t* w[3] = {};
+  size_t rb[3] = {};
+  int64_t rows[3] = {};
+  float* y[3] = {};
+  int64_t first_block[4] = {};  // filled by gemv_staged
+  int64_t cols = 0;
+  const float* x = nullptr;
+  int n = 0;
+  bool norm = false, accumulate = false;
+  const float* norm_w = nullptr;
+  float eps = 0.f;
+  // Quantized activations (set: x is unused, norm is already applied): per token row,
+  // cols int8 quants, then per 32-block the scale d and the sum of the block's quants.
+  const int8_t* xq = nullptr;
+  const float* xd = nullptr;
+  const int32_t* xs = nullptr;
+};
+// Bytes of n rows of quantized activations of `cols` (cols % 32 == 0): quants, scales, sums.
+inline size_t qact_bytes(int64_t n, int64_t cols) { return (size_t)(n * cols + n * (cols / 32) * 8); }
+// x (n rows of cols; RMS-normed first when norm, times norm_w when set) to 8-bit blocks of
+// 32 at q: as the CPU's A8 rows (d = amax / 127, q = rint(x * 127 / amax)). Fills j's xq/xd/xs.
+void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const float* norm_w, float eps, void* q,
+                  cudaStream_t st);
+void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols);
+// Whether j can run on the staged GEMV (n <= 32, cols % 8 == 0, rows 4-byte aligned;
+// 16-byte for float types), and the launch (first_block is filled there).
+bool gemv_staged_fits(const GemvJob& j);
+void gemv_staged(GemvJob j, cudaStream_t st);
 // y[t][r] = sum_k W[r][k] x[t][k], t < n.
 void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st);
 void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStream_t st);

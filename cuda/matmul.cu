@@ -115,6 +115,144 @@ __global__ void __launch_bounds__(256) gemm_k(const uint8_t* __restrict__ W, siz
     }
 }
 
+// ---- Staged GEMV (decode and batched decode) ---------------------------------------
+// A warp per weight row, 8 warps a block. The row streams through the warp's slice of
+// shared memory in chunks of CE elements, with 16-byte (or 4-byte) async copies two
+// chunks deep, so each warp keeps kilobytes of the row in flight whatever the format;
+// lanes then decode 8-element groups from shared memory and dot them with every
+// token's x (read through L1). One launch serves up to 3 matrices of equal cols (Q/K/V,
+// gate/up): the blocks of matrix i start at job.first_block[i].
+constexpr int SW = 8;  // warps per block
+template <uint32_t T> struct Chunk { static constexpr int ce = 2048; };
+template <> struct Chunk<T_F32> { static constexpr int ce = 512; };
+template <> struct Chunk<T_F16> { static constexpr int ce = 1024; };
+template <> struct Chunk<T_BF16> { static constexpr int ce = 1024; };
+template <uint32_t T> __host__ __device__ constexpr int chunk_bytes() { return Chunk<T>::ce / Blk<T>::qk * Blk<T>::bytes; }
+
+// Elements 8g..8g+7 of a chunk in shared memory (16-byte aligned).
+template <uint32_t T>
+__device__ __forceinline__ void dq8_smem(const uint8_t* c, int g, float v[8]) {
+  if constexpr (T == T_F32) {
+    const float4 a = reinterpret_cast<const float4*>(c)[2 * g], b = reinterpret_cast<const float4*>(c)[2 * g + 1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else if constexpr (T == T_F16 || T == T_BF16) {
+    const uint4 u = reinterpret_cast<const uint4*>(c)[g];
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (T == T_F16) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+      } else {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      }
+    }
+  } else {
+    dq8<T>(c, g, 0, false, v);
+  }
+}
+
+// Global -> shared copy of `bytes` (a multiple of VEC) by the warp's lanes, as one async group.
+template <int VEC>
+__device__ __forceinline__ void stage(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
+#if __CUDA_ARCH__ >= 800
+  for (int off = lane * VEC; off < bytes; off += 32 * VEC) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst + off);
+    if constexpr (VEC == 16)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src + off));
+    else
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src + off));
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+#else
+  for (int off = lane * VEC; off < bytes; off += 32 * VEC) {
+    if constexpr (VEC == 16)
+      *reinterpret_cast<uint4*>(dst + off) = *reinterpret_cast<const uint4*>(src + off);
+    else
+      *reinterpret_cast<uint32_t*>(dst + off) = *reinterpret_cast<const uint32_t*>(src + off);
+  }
+#endif
+}
+template <int N>
+__device__ __forceinline__ void stage_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+  __syncwarp();
+}
+
+template <uint32_t T, int NT, int VEC>
+__global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
+  constexpr int CE = Chunk<T>::ce, CB = chunk_bytes<T>();
+  __shared__ __align__(16) uint8_t sm[SW][2][CB];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int mi = 0;
+  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
+  const int64_t rows = j.rows[mi];
+  const int64_t r = ((int64_t)blockIdx.x - j.first_block[mi]) * SW + warp;
+  if (r >= rows) return;
+  const int64_t cols = j.cols;
+  const size_t rb = j.rb[mi];
+  const uint8_t* row = j.w[mi] + r * rb;
+  const int nchunks = (int)((cols + CE - 1) / CE);
+  auto issue = [&](int c) {
+    const size_t off = (size_t)c * CB;
+    stage<VEC>(sm[warp][c & 1], row + off, (int)(rb - off < (size_t)CB ? rb - off : (size_t)CB), lane);
+  };
+  issue(0);
+  if (nchunks > 1) issue(1);
+  float acc[NT], ss[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f, ss[t] = 0.f;
+  for (int c = 0; c < nchunks; ++c) {
+    if (c + 1 < nchunks) stage_wait<1>(); else stage_wait<0>();
+    const uint8_t* buf = sm[warp][c & 1];
+    const int64_t e0 = (int64_t)c * CE;
+    const int ng = (int)((cols - e0 < CE ? cols - e0 : (int64_t)CE) / 8);
+    for (int g = lane; g < ng; g += 32) {
+      float v[8];
+      dq8_smem<T>(buf, g, v);
+      float nw[8];
+      if (j.norm_w) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(j.norm_w + e0 + 8 * g));
+        const float4 b = __ldg(reinterpret_cast<const float4*>(j.norm_w + e0 + 8 * g) + 1);
+        nw[0] = a.x, nw[1] = a.y, nw[2] = a.z, nw[3] = a.w, nw[4] = b.x, nw[5] = b.y, nw[6] = b.z, nw[7] = b.w;
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t < j.n) {
+          float xv[8];
+          ld_x8(j.x + t * cols, e0 + 8 * g, cols, true, xv);
+          if (j.norm) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) ss[t] += xv[i] * xv[i];
+            if (j.norm_w)
+#pragma unroll
+              for (int i = 0; i < 8; ++i) xv[i] *= nw[i];
+          }
+          float s = 0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s += v[i] * xv[i];
+          acc[t] += s;
+        }
+      }
+    }
+    __syncwarp();  // every lane is done with this buffer before it is refilled
+    if (c + 2 < nchunks) issue(c + 2);
+  }
+  float* y = j.y[mi];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    float s = warp_sum(acc[t]);
+    if (j.norm) s *= 1.f / sqrtf(warp_sum(ss[t]) / (float)cols + j.eps);
+    if (lane == 0 && t < j.n) {
+      if (j.accumulate) y[t * rows + r] += s;
+      else y[t * rows + r] = s;
+    }
+  }
+}
+
 // One block per id, threads over 8-element groups.
 template <uint32_t T>
 __global__ void get_rows_k(const uint8_t* __restrict__ W, size_t rb, int64_t cols, const int32_t* __restrict__ ids,
@@ -132,11 +270,343 @@ __global__ void get_rows_k(const uint8_t* __restrict__ W, size_t rb, int64_t col
 }
 
 bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+bool aligned4(const void* p) { return ((uintptr_t)p & 3) == 0; }
+// Tokens up to which matmuls take the staged GEMV (in passes of 16); past it the tile kernel.
+constexpr int64_t kStagedMax = 32;
+
+// ---- Direct GEMV: layouts whose rows are 16-byte aligned (f16, bf16, split q8_0 / q4_0) --
+// A warp takes R consecutive rows; each lane loads 16-byte units straight from global
+// memory (U units of each row in flight), so the x values it reads serve R rows. The
+// block scale multiplies a partial sum of 8 products (quants converted exactly).
+template <uint32_t T> struct Unit { static constexpr int e = 8; };  // elements per 16 bytes
+template <> struct Unit<T_Q8_0S> { static constexpr int e = 16; };
+template <> struct Unit<T_Q4_0S> { static constexpr int e = 32; };
+
+template <uint32_t T>
+__device__ __forceinline__ float unit_scale(const uint8_t* row, int64_t cols, int64_t u) {
+  if constexpr (T == T_Q8_0S) return h2f(ld16(row + cols + (u >> 1) * 2));
+  else if constexpr (T == T_Q4_0S) return h2f(ld16(row + cols / 2 + u * 2));
+  else return 1.f;
+}
+// Group h (8 elements) of a loaded unit, as the integers or floats it holds, and the
+// offset of its first element inside the unit.
+template <uint32_t T>
+__device__ __forceinline__ int unit_group(const uint4& q, int h, float v[8]) {
+  if constexpr (T == T_F16 || T == T_BF16) {
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (T == T_F16) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+      } else {
+        v[2 * i] = __uint_as_float(w[i] << 16), v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      }
+    }
+    return 0;
+  } else if constexpr (T == T_Q8_0S) {
+    const uint32_t a = h ? q.z : q.x, b = h ? q.w : q.y;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = sf((int8_t)((i < 4 ? a : b) >> (8 * (i & 3))));
+    return 8 * h;
+  } else {  // T_Q4_0S: groups 0, 1 the low nibbles of bytes 0-7, 8-15; groups 2, 3 the high ones
+    const uint32_t a = (h & 1) ? q.z : q.x, b = (h & 1) ? q.w : q.y;
+    const int sh = (h >> 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = sf((int)(((i < 4 ? a : b) >> (8 * (i & 3) + sh)) & 0xF) - 8);
+    return 8 * h;
+  }
+}
+
+// The block's 8 warps form 8 / KS groups of R rows; the KS warps of a group split the
+// row's units, and their partial sums meet in shared memory. KS grows with the row length
+// so that short rows still give every lane two units, and long rows many warps.
+template <uint32_t T, int NT, int R>
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks) {
+  constexpr int UE = Unit<T>::e, U = 2;
+  constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
+  __shared__ float red[SW][R + 1][NT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = warp / ks, part = warp % ks, groups = SW / ks;
+  int mi = 0;
+  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
+  const int64_t rows = j.rows[mi];
+  const int64_t r0 = (((int64_t)blockIdx.x - j.first_block[mi]) * groups + group) * R;
+  const int64_t cols = j.cols, nu = cols / UE;
+  const int64_t per = (nu + ks - 1) / ks, ub = part * per, ue = ub + per < nu ? ub + per : nu;
+  const size_t rb = j.rb[mi];
+  const uint8_t* base = j.w[mi] + (r0 < rows ? r0 : rows - 1) * rb;
+  float acc[R][NT], ss[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    ss[t] = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r][t] = 0.f;
+  }
+  for (int64_t u0 = ub + lane; r0 < rows && u0 < ue; u0 += 32 * U) {
+    uint4 q[U][R];
+    float d[U][R];
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t u = u0 + 32 * k;
+        const bool ok = u < ue && r0 + r < rows;
+        const uint8_t* row = base + r * rb;
+        q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
+        d[k][r] = ok ? unit_scale<T>(row, cols, u) : 0.f;
+      }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t u = u0 + 32 * k;
+      if (u >= ue) break;
+#pragma unroll
+      for (int h = 0; h < UE / 8; ++h) {
+        float wv[R][8];
+        int off = 0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) off = unit_group<T>(q[k][r], h, wv[r]);
+        const int64_t e = u * UE + off;
+        float nw[8];
+        if (j.norm_w) {
+          const float4 a = __ldg(reinterpret_cast<const float4*>(j.norm_w + e));
+          const float4 b = __ldg(reinterpret_cast<const float4*>(j.norm_w + e) + 1);
+          nw[0] = a.x, nw[1] = a.y, nw[2] = a.z, nw[3] = a.w, nw[4] = b.x, nw[5] = b.y, nw[6] = b.z, nw[7] = b.w;
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (t < j.n) {
+            float xv[8];
+            ld_x8(j.x + t * cols, e, cols, true, xv);
+            if (j.norm) {
+#pragma unroll
+              for (int i = 0; i < 8; ++i) ss[t] += xv[i] * xv[i];
+              if (j.norm_w)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) xv[i] *= nw[i];
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              float p = 0.f;
+#pragma unroll
+              for (int i = 0; i < 8; ++i) p += wv[r][i] * xv[i];
+              acc[r][t] += scaled ? d[k][r] * p : p;
+            }
+          }
+        }
+      }
+    }
+  }
+  // Warp sums, then the group's KS partials in shared memory.
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = warp_sum(acc[r][t]);
+      if (lane == 0) red[warp][r][t] = s;
+    }
+    const float q = warp_sum(ss[t]);
+    if (lane == 0) red[warp][R][t] = q;
+  }
+  __syncthreads();
+  if (part != 0 || r0 >= rows) return;
+  float* y = j.y[mi];
+  for (int idx = lane; idx < R * NT; idx += 32) {
+    const int r = idx / NT, t = idx % NT;
+    if (t >= j.n || r0 + r >= rows) continue;
+    float s = 0.f, q = 0.f;
+    for (int p = 0; p < ks; ++p) s += red[warp + p][r][t], q += red[warp + p][R][t];
+    if (j.norm) s *= 1.f / sqrtf(q / (float)cols + j.eps);
+    if (j.accumulate) y[t * rows + r0 + r] += s;
+    else y[t * rows + r0 + r] = s;
+  }
+}
+
+// ---- Quantized activations (q8 mode): the CPU's A8 rounding, then int8 dot products -----
+// Blocks of (token row, 8 quant blocks): each block sums the row's squares itself (the
+// row is a few kilobytes, read from L2) so no pass waits for another; the RMS scale as
+// rms_norm_k computes it (double sum), then a warp per 32-block: amax, d = amax / 127,
+// q = rint(x * (127 / amax)), and the quant sum.
+__global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ x, int64_t cols, bool norm,
+                                                      const float* __restrict__ nw, float eps, int8_t* __restrict__ xq,
+                                                      float* __restrict__ xd, int32_t* __restrict__ xs) {
+  const int64_t t = blockIdx.y;
+  const float* xr = x + t * cols;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
+  float sc = 1.f;
+  if (norm) {
+    __shared__ double sh[8];
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) ss += (double)xr[i] * xr[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) sh[warp] = ss;
+    __syncthreads();
+    double tot = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) tot += sh[w];
+    sc = (float)(1.0 / sqrt(tot / cols + eps));
+  }
+  if (b >= nb) return;
+  const int64_t i = b * 32 + lane;
+  float v = xr[i];
+  if (norm) v = nw ? __fmul_rn(v, sc) * nw[i] : v * sc;
+  const float amax = warp_max(fabsf(v));
+  int q = 0;
+  if (amax > 0.f) q = max(-127, min(127, (int)rintf(__fmul_rn(v, 127.f / amax))));
+  xq[t * cols + i] = (int8_t)q;
+  int qs = q;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
+  if (lane == 0) xd[t * nb + b] = amax / 127.f, xs[t * nb + b] = qs;
+}
+
+// The direct kernel's shape with int8 dot products: a 16-byte unit is 16 q8_0 weights (4
+// dp4a against the token's quants) or a whole q4_0 block (8 dp4a, less 8 * its quant sum);
+// per unit, the integer sum times the weight and activation scales.
+// Four blocks an SM (64 registers) for up to 4 tokens: the profile showed 2 blocks, a
+// quarter occupancy, too few loads in flight to reach the memory's bandwidth.
+template <uint32_t T, int NT, int R>
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j, int ks) {
+  constexpr int UE = Unit<T>::e, U = 2;
+  __shared__ float red[SW][R][NT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = warp / ks, part = warp % ks, groups = SW / ks;
+  int mi = 0;
+  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
+  const int64_t rows = j.rows[mi];
+  const int64_t r0 = (((int64_t)blockIdx.x - j.first_block[mi]) * groups + group) * R;
+  const int64_t cols = j.cols, nu = cols / UE, nb = cols / 32;
+  const int64_t per = (nu + ks - 1) / ks, ub = part * per, ue = ub + per < nu ? ub + per : nu;
+  const size_t rb = j.rb[mi];
+  const uint8_t* base = j.w[mi] + (r0 < rows ? r0 : rows - 1) * rb;
+  float acc[R][NT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  for (int64_t u0 = ub + lane; r0 < rows && u0 < ue; u0 += 32 * U) {
+    uint4 q[U][R];
+    float d[U][R];
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t u = u0 + 32 * k;
+        const bool ok = u < ue && r0 + r < rows;
+        const uint8_t* row = base + r * rb;
+        q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
+        d[k][r] = ok ? unit_scale<T>(row, cols, u) : 0.f;
+      }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t u = u0 + 32 * k;
+      if (u >= ue) break;
+      const int64_t b = T == T_Q8_0S ? u >> 1 : u;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t >= j.n) continue;
+        const int8_t* xr = j.xq + t * cols + u * UE;
+        const float dx = __ldg(j.xd + t * nb + b);
+        if constexpr (T == T_Q8_0S) {
+          const int4 xa = __ldg(reinterpret_cast<const int4*>(xr));
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            int s = __dp4a((int)q[k][r].x, xa.x, 0);
+            s = __dp4a((int)q[k][r].y, xa.y, s);
+            s = __dp4a((int)q[k][r].z, xa.z, s);
+            s = __dp4a((int)q[k][r].w, xa.w, s);
+            acc[r][t] += (float)s * __fmul_rn(d[k][r], dx);
+          }
+        } else {
+          const int4 xa = __ldg(reinterpret_cast<const int4*>(xr)), xb = __ldg(reinterpret_cast<const int4*>(xr) + 1);
+          const int off = 8 * __ldg(j.xs + t * nb + b);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint4 w = q[k][r];
+            int s = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa.x, 0);
+            s = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa.y, s);
+            s = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa.z, s);
+            s = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa.w, s);
+            s = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb.x, s);
+            s = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb.y, s);
+            s = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb.z, s);
+            s = __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb.w, s);
+            acc[r][t] += (float)(s - off) * __fmul_rn(d[k][r], dx);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = warp_sum(acc[r][t]);
+      if (lane == 0) red[warp][r][t] = s;
+    }
+  __syncthreads();
+  if (part != 0 || r0 >= rows) return;
+  float* y = j.y[mi];
+  for (int idx = lane; idx < R * NT; idx += 32) {
+    const int r = idx / NT, t = idx % NT;
+    if (t >= j.n || r0 + r >= rows) continue;
+    float s = 0.f;
+    for (int p = 0; p < ks; ++p) s += red[warp + p][r][t];
+    if (j.accumulate) y[t * rows + r0 + r] += s;
+    else y[t * rows + r0 + r] = s;
+  }
+}
+
+template <uint32_t T>
+void launch_q8(const GemvJob& j, int ks, cudaStream_t st) {
+  const unsigned grid = (unsigned)j.first_block[j.count];
+  if (j.n == 1) gemv_q8_k<T, 1, 4><<<grid, SW * 32, 0, st>>>(j, ks);
+  else if (j.n <= 4) gemv_q8_k<T, 4, 4><<<grid, SW * 32, 0, st>>>(j, ks);
+  else if (j.n <= 8) gemv_q8_k<T, 8, 4><<<grid, SW * 32, 0, st>>>(j, ks);
+  else gemv_q8_k<T, 16, 2><<<grid, SW * 32, 0, st>>>(j, ks);
+}
+
+// Warps splitting a row of nu units (a power of two <= 8; each lane two units at least).
+int direct_ks(int64_t nu) {
+  int ks = 1;
+  while (ks < SW && nu >= (int64_t)ks * 2 * 64) ks *= 2;
+  return ks;
+}
+template <uint32_t T>
+void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
+  const unsigned grid = (unsigned)j.first_block[j.count];
+  if (j.n == 1) gemv_direct_k<T, 1, 4><<<grid, SW * 32, 0, st>>>(j, ks);
+  else if (j.n <= 4) gemv_direct_k<T, 4, 4><<<grid, SW * 32, 0, st>>>(j, ks);
+  else if (j.n <= 8) gemv_direct_k<T, 8, 4><<<grid, SW * 32, 0, st>>>(j, ks);
+  else gemv_direct_k<T, 16, 2><<<grid, SW * 32, 0, st>>>(j, ks);
+}
+// Rows a warp group of the direct kernel takes for n tokens (as launch_direct picks).
+int direct_rows(int n) { return n <= 8 ? 4 : 2; }
+bool is_direct(uint32_t t) { return t == T_F16 || t == T_BF16 || t == T_Q8_0S || t == T_Q4_0S; }
+int unit_elems(uint32_t t) { return t == T_Q8_0S ? 16 : t == T_Q4_0S ? 32 : 8; }
+
+// The staged kernel's launch for job j over n <= 16 tokens (VEC: the copy width).
+template <uint32_t T, int VEC>
+void launch_staged(const GemvJob& j, cudaStream_t st) {
+  const unsigned grid = (unsigned)j.first_block[j.count];
+  if (j.n == 1) gemv_staged_k<T, 1, VEC><<<grid, SW * 32, 0, st>>>(j);
+  else if (j.n <= 4) gemv_staged_k<T, 4, VEC><<<grid, SW * 32, 0, st>>>(j);
+  else if (j.n <= 8) gemv_staged_k<T, 8, VEC><<<grid, SW * 32, 0, st>>>(j);
+  else gemv_staged_k<T, 16, VEC><<<grid, SW * 32, 0, st>>>(j);
+}
 
 template <uint32_t T>
 void run_matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {
   const bool wvec = m.cols % 8 == 0 && m.row_bytes % 16 == 0 && aligned16(m.w);
   const bool xvec = m.cols % 8 == 0 && aligned16(x);
+  if (n <= kStagedMax) {
+    GemvJob j;
+    j.type = T, j.count = 1, j.w[0] = m.w, j.rb[0] = m.row_bytes, j.rows[0] = m.rows, j.y[0] = y;
+    j.cols = m.cols, j.x = x, j.n = (int)n;
+    if (gemv_staged_fits(j)) return gemv_staged(j, st);
+  }
   if (n <= 8) {
     const dim3 grid((unsigned)ceil_div(m.rows, 4));
     const int nn = (int)n;
@@ -168,12 +638,94 @@ void run_matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t 
 
 bool matmul_type_ok(uint32_t type) { return served_type(type); }
 
+void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols) {
+  j.xq = static_cast<int8_t*>(q);
+  j.xd = reinterpret_cast<float*>(static_cast<uint8_t*>(q) + n * cols);
+  j.xs = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(q) + n * cols + n * (cols / 32) * 4);
+}
+
+void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const float* norm_w, float eps, void* q,
+                  cudaStream_t st) {
+  if (n <= 0) return;
+  if (cols % 32 != 0) throw Error("cuda quantize_act: cols must be a multiple of 32");
+  GemvJob j;
+  point_qact(j, q, n, cols);
+  quantize_act_k<<<dim3((unsigned)ceil_div(cols / 32, 8), (unsigned)n), 256, 0, st>>>(x, cols, norm, norm_w, eps, const_cast<int8_t*>(j.xq),
+                                             const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
+  check_launch("quantize_act");
+}
+
+bool gemv_staged_fits(const GemvJob& j) {
+  if (j.n < 1 || j.n > kStagedMax || j.count < 1 || j.count > 3 || j.cols <= 0 || j.cols % 8 != 0 ||
+      (!j.xq && !aligned16(j.x)) || (j.norm_w && !aligned16(j.norm_w)) ||
+      !(served_type(j.type) || j.type == T_Q8_0S || j.type == T_Q4_0S))
+    return false;
+  const bool is_float = j.type == T_F32 || j.type == T_F16 || j.type == T_BF16;
+  if (j.xq) return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && !j.norm;
+  if (j.type == T_Q8_0S || j.type == T_Q4_0S) return j.cols % 32 == 0;  // aligned by construction
+  bool v16 = true;
+  for (int i = 0; i < j.count; ++i) {
+    if (j.rows[i] <= 0) return false;
+    if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) v16 = false;
+    if (j.rb[i] % 4 != 0 || !aligned4(j.w[i])) return false;
+  }
+  return v16 || !is_float;
+}
+
+void gemv_staged(GemvJob j, cudaStream_t st) {
+  if (!gemv_staged_fits(j)) throw Error("cuda: a matmul the staged GEMV does not take");
+  bool v16 = true;
+  for (int i = 0; i < j.count; ++i)
+    if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) v16 = false;
+  const bool direct = is_direct(j.type) && v16;
+  const int n = j.n;
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    GemvJob p = j;
+    p.n = std::min(16, n - t0);
+    p.x = j.x ? j.x + t0 * j.cols : nullptr;
+    if (j.xq) p.xq = j.xq + t0 * j.cols, p.xd = j.xd + t0 * (j.cols / 32), p.xs = j.xs + t0 * (j.cols / 32);
+    for (int i = 0; i < j.count; ++i) p.y[i] = j.y[i] + t0 * j.rows[i];
+    const int ks = direct ? direct_ks(j.cols / unit_elems(j.type)) : 1;
+    const int64_t per_block = direct ? SW / ks * direct_rows(p.n) : SW;
+    int64_t b = 0;
+    for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
+    p.first_block[j.count] = b;
+    if (direct && j.xq) {
+      if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(p, ks, st);
+      else launch_q8<T_Q4_0S>(p, ks, st);
+      continue;
+    }
+    if (direct) {
+      switch (j.type) {
+        case T_F16: launch_direct<T_F16>(p, ks, st); break;
+        case T_BF16: launch_direct<T_BF16>(p, ks, st); break;
+        case T_Q8_0S: launch_direct<T_Q8_0S>(p, ks, st); break;
+        case T_Q4_0S: launch_direct<T_Q4_0S>(p, ks, st); break;
+        default: break;
+      }
+      continue;
+    }
+    switch (j.type) {
+      case T_F32: launch_staged<T_F32, 16>(p, st); break;
+      case T_F16: launch_staged<T_F16, 16>(p, st); break;
+      case T_BF16: launch_staged<T_BF16, 16>(p, st); break;
+#define DL_CASE(T) \
+  case T: v16 ? launch_staged<T, 16>(p, st) : launch_staged<T, 4>(p, st); break;
+      DL_CASE(T_Q8_0) DL_CASE(T_Q4_0) DL_CASE(T_Q4_1) DL_CASE(T_Q5_0) DL_CASE(T_Q5_1) DL_CASE(T_Q4_K)
+      DL_CASE(T_Q5_K) DL_CASE(T_Q6_K)
+#undef DL_CASE
+      default: break;
+    }
+  }
+  check_launch("matmul (staged)");
+}
+
 void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {
   if (n <= 0 || m.rows <= 0) return;
   switch (m.type) {
 #define DL_CASE(T) \
   case T: run_matmul<T>(m, x, n, y, st); break;
-    DL_CUDA_TYPES(DL_CASE)
+    DL_CUDA_LAYOUTS(DL_CASE)
 #undef DL_CASE
     default: throw UnsupportedModelError("cuda: no matmul kernel for weight type id " + std::to_string(m.type));
   }
@@ -186,7 +738,7 @@ void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStrea
   switch (m.type) {
 #define DL_CASE(T) \
   case T: get_rows_k<T><<<(unsigned)n, 128, 0, st>>>(m.w, m.row_bytes, m.cols, ids, out, wvec); break;
-    DL_CUDA_TYPES(DL_CASE)
+    DL_CUDA_LAYOUTS(DL_CASE)
 #undef DL_CASE
     default: throw UnsupportedModelError("cuda: no get_rows kernel for weight type id " + std::to_string(m.type));
   }

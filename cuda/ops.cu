@@ -58,28 +58,47 @@ __global__ void layer_norm_k(const float* x, const float* __restrict__ w, const 
   }
 }
 
-// One thread per (token, pair): the angle in double (long positions keep their
-// precision), then the pair rotated in every head.
-__global__ void rope_k(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
-                       RopeParams p) {
+// The angle of pair i at position `pos`, in double (long positions keep their precision).
+__device__ __forceinline__ void rope_cs(const RopeParams& p, int64_t pos, int i, float* c, float* s) {
+  double inv = p.inv_freq ? p.inv_freq[i] : pow((double)p.base, -2.0 * i / p.n_rot);
+  if (p.freq_factors) inv /= p.freq_factors[i];
+  const double theta = (double)pos * p.freq_scale * inv;
+  double sd, cd;
+  sincos(theta, &sd, &cd);
+  *c = __fmul_rn((float)cd, p.mscale), *s = __fmul_rn((float)sd, p.mscale);
+}
+__device__ __forceinline__ void rope_pair(float* v, int i, int half, bool neox, float c, float s) {
+  const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+  const float a = v[i0], b = v[i1];
+  v[i0] = __fmul_rn(a, c) - __fmul_rn(b, s);
+  v[i1] = __fmul_rn(a, s) + __fmul_rn(b, c);
+}
+
+// One block per token: each pair's angle once into shared memory, then a thread per
+// (head, pair).
+constexpr int kRopeMaxHalf = 256;
+__global__ void rope_tok_k(float* x, int64_t stride, int n_heads, int head_dim, const int32_t* pos, RopeParams p) {
+  __shared__ float cs[2][kRopeMaxHalf];
+  const int half = p.n_rot / 2;
+  const int64_t t = blockIdx.x;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cs(p, pos[t], i, &cs[0][i], &cs[1][i]);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < n_heads * half; idx += blockDim.x) {
+    const int h = idx / half, i = idx % half;
+    rope_pair(x + t * stride + (int64_t)h * head_dim, i, half, p.neox, cs[0][i], cs[1][i]);
+  }
+}
+// Any rotary width: a thread per (token, pair), walking the heads.
+__global__ void rope_any_k(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
+                           RopeParams p) {
   const int half = p.n_rot / 2;
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= n_tok * half) return;
   const int64_t t = idx / half;
   const int i = (int)(idx % half);
-  double inv = p.inv_freq ? p.inv_freq[i] : pow((double)p.base, -2.0 * i / p.n_rot);
-  if (p.freq_factors) inv /= p.freq_factors[i];
-  const double theta = (double)pos[t] * p.freq_scale * inv;
-  double sd, cd;
-  sincos(theta, &sd, &cd);
-  const float c = __fmul_rn((float)cd, p.mscale), s = __fmul_rn((float)sd, p.mscale);
-  const int i0 = p.neox ? i : 2 * i, i1 = p.neox ? i + half : 2 * i + 1;
-  for (int h = 0; h < n_heads; ++h) {
-    float* v = x + t * stride + (int64_t)h * head_dim;
-    const float a = v[i0], b = v[i1];
-    v[i0] = __fmul_rn(a, c) - __fmul_rn(b, s);
-    v[i1] = __fmul_rn(a, s) + __fmul_rn(b, c);
-  }
+  float c, s;
+  rope_cs(p, pos[t], i, &c, &s);
+  for (int h = 0; h < n_heads; ++h) rope_pair(x + t * stride + (int64_t)h * head_dim, i, half, p.neox, c, s);
 }
 
 __device__ __forceinline__ float silu(float x) {
@@ -157,7 +176,10 @@ void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, co
   const int64_t n = n_tok * (p.n_rot / 2);
   if (n <= 0) return;
   if (p.n_rot > head_dim) throw Error("cuda rope: n_rot " + std::to_string(p.n_rot) + " > head_dim");
-  rope_k<<<(unsigned)ceil_div(n, 128), 128, 0, st>>>(x, n_tok, stride, n_heads, head_dim, pos, p);
+  if (p.n_rot / 2 <= kRopeMaxHalf)
+    rope_tok_k<<<(unsigned)n_tok, 256, 0, st>>>(x, stride, n_heads, head_dim, pos, p);
+  else
+    rope_any_k<<<(unsigned)ceil_div(n, 128), 128, 0, st>>>(x, n_tok, stride, n_heads, head_dim, pos, p);
   check_launch("rope");
 }
 void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim, Act act,

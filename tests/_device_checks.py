@@ -38,7 +38,10 @@ def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) ->
     n = d.prefix_attach(cache, pool, b, prompt)
     assert n == (len(prompt) - 1) // 16 * 16  # whole pages, capped one token short of the prompt
     d.eval(m, b, prompt[n:])
-    assert nmse(b.logits, cold) <= 1e-12
+    # The attached tail runs through the decode GEMV, the cold prompt through the prefill
+    # tile: equal to rounding (LOGIT_BAR), where a wrong page would be O(1).
+    e = nmse(b.logits, cold)
+    assert e <= LOGIT_BAR, f"attached tail against the cold prompt: NMSE {e:.3g}"
     ss = [d.create_session(m, pool) for _ in range(3)]
     alone = []
     for i, s in enumerate(ss):
@@ -49,7 +52,8 @@ def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) ->
         d.release_kv_pages(t)
     d.eval_batch(m, d.create_batch_workspace(m), ss, [prompt[10:19], 7, 7])
     for s, want in zip(ss, alone):
-        assert nmse(s.logits, want) <= 1e-12
+        e = nmse(s.logits, want)
+        assert e <= 1e-12, f"a ragged step's session against itself alone: NMSE {e:.3g}"
 
 
 def errors_leave_the_process_usable(path: str, device: str) -> None:

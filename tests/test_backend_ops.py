@@ -119,6 +119,87 @@ def test_matmul_multi(backends):
     check("matmul_multi", outs, ref, F32_DOT, ACT_QUANT)
 
 
+def rms_rows(x, w=None, eps=1e-5):
+    x = x.astype(np.float64)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y * w if w is not None else y
+
+
+@pytest.mark.parametrize("wtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_1", "q4_K", "q6_K"])
+@pytest.mark.parametrize("n", [1, 5, 20])
+def test_matmul_step(backends, wtype, n):
+    """The fused stage (norm -> up to three matmuls; or a matmul into the residual). A
+    backend that fuses keeps f32 activations and is held to float64 numpy at the f32 bar;
+    each backend also equals its own plain ops (rms_norm, matmul_multi, add) within that
+    bar, bit for bit where it composes them (the CPU, whose q8 activations put it at the
+    ACT_QUANT class against numpy: its plain matmul is checked in test_matmul)."""
+    rng = np.random.default_rng(17 + n)
+    qt = int(T[wtype.upper()])
+    cols, rows = 512, [96, 32, 40]
+    parts = [make_weight(rng, wtype, r, cols) for r in rows]
+    raws = [p[0] for p in parts]
+    x = rng.standard_normal((n, cols)).astype(np.float32) * 3
+    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    res = rng.standard_normal((n, rows[0])).astype(np.float32)
+    cases = [  # (name, weights, rows, norm, norm_w, eps, residual, float64 reference)
+        ("norm+3", raws, rows, True, nw, 1e-6, None,
+         np.concatenate([(rms_rows(x, nw.astype(np.float64), 1e-6) @ p[1].T).reshape(-1) for p in parts])),
+        ("norm", raws[:1], rows[:1], True, None, 1e-6, None, (rms_rows(x, None, 1e-6) @ parts[0][1].T).reshape(-1)),
+        ("residual", raws[:1], rows[:1], False, None, 0.0, res, res + x.astype(np.float64) @ parts[0][1].T),
+    ]
+    for name, ws, rs, norm, w_n, eps, r, ref in cases:
+        for d, b in backends.items():
+            got = b.matmul_step(ws, qt, rs, cols, x, norm, w_n, eps, r)
+            xin = b.rms_norm(x, w_n, eps) if norm else x
+            plain = b.matmul_multi(ws, qt, rs, cols, xin)
+            if r is not None:
+                plain = b.add(r, plain).reshape(r.shape)
+            if d == "cpu":
+                assert np.array_equal(got, plain), f"matmul_step {name} {wtype} n={n} on cpu: not its plain ops"
+                continue
+            assert nmse(got, ref) <= F32_DOT, f"matmul_step {name} {wtype} n={n} on {d}: NMSE {nmse(got, ref):.3g}"
+            assert nmse(got, plain) <= F32_DOT, f"matmul_step {name} {wtype} n={n} on {d}: not its plain ops"
+
+
+@pytest.fixture(scope="module")
+def q8_backends():
+    return {d: _core.Backend(d, exact=False) for d in DEVICES}
+
+
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("n", [1, 7, 20])
+def test_matmul_q8_mode(q8_backends, wtype, n):
+    """Weights loaded as in q8 mode: a backend either quantizes the activations to 8-bit
+    blocks of 32 with the CPU's rounding (act_blocks.h), and then equals the CPU's matmul up
+    to the order of float sums, or keeps them in f32 and equals float64 numpy at the f32
+    bar; either way it is in the ACT_QUANT class against numpy. Plain, normed with three
+    outputs, and into a residual."""
+    rng = np.random.default_rng(29 + n)
+    qt = int(T[wtype.upper()])
+    cols, rows = 512, [96, 32, 40]
+    parts = [make_weight(rng, wtype, r, cols) for r in rows]
+    raws = [p[0] for p in parts]
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    res = rng.standard_normal((n, rows[0])).astype(np.float32)
+    xn = rms_rows(x, nw.astype(np.float64), 1e-6)
+    cases = [
+        ("matmul", "matmul", (raws[0], qt, rows[0], cols, x), x.astype(np.float64) @ parts[0][1].T),
+        ("step norm+3", "matmul_step", (raws, qt, rows, cols, x, True, nw, 1e-6, None),
+         np.concatenate([(xn @ p[1].T).reshape(-1) for p in parts])),
+        ("step residual", "matmul_step", (raws[:1], qt, rows[:1], cols, x, False, None, 0.0, res),
+         res + x.astype(np.float64) @ parts[0][1].T),
+    ]
+    for name, op, args, ref in cases:
+        outs = run_all(q8_backends, op, *args)
+        for d, o in outs.items():
+            assert nmse(o, ref) <= ACT_QUANT, f"q8 {name} {wtype} n={n} on {d}: NMSE {nmse(o, ref):.3g}"
+            if d != "cpu":
+                e_cpu, e_f32 = nmse(o, outs["cpu"]), nmse(o, ref)
+                assert min(e_cpu, e_f32) <= F32_DOT, \
+                    f"q8 {name} {wtype} n={n} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
+
+
 @pytest.mark.parametrize("wtype", MATMUL_TYPES)
 def test_get_rows(backends, wtype):
     rng = np.random.default_rng(11)

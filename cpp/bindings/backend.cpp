@@ -25,6 +25,7 @@ using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 struct Dev {
   std::shared_ptr<Backend> be;
   std::vector<BufferPtr> keep;  // one call's buffers
+  bool exact = true;            // weights load as in fp32 mode
 
   template <typename T>
   T* put(const T* src, size_t n) {
@@ -71,6 +72,7 @@ Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64
   w.row_bytes = (size_t)rb;
   w.owned = std::make_shared<std::vector<uint8_t>>((const uint8_t*)bytes.data(), (const uint8_t*)bytes.data() + bytes.nbytes());
   w.host = w.owned->data();
+  w.exact = d.exact;
   d.be->load_weight(w, use);
   return w;
 }
@@ -79,12 +81,14 @@ Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64
 
 void bind_backend(py::module_& m) {
   py::class_<Dev, std::shared_ptr<Dev>>(m, "Backend")
-      .def(py::init([](const std::string& device, int n_threads) {
+      // exact: weights loaded as in fp32 mode (f32 activations on every backend that honours it).
+      .def(py::init([](const std::string& device, int n_threads, bool exact) {
              auto d = std::make_shared<Dev>();
              d->be = make_backend(device, n_threads);
+             d->exact = exact;
              return d;
            }),
-           py::arg("device") = "cpu", py::arg("n_threads") = 0)
+           py::arg("device") = "cpu", py::arg("n_threads") = 0, py::arg("exact") = true)
       .def_property_readonly("name", [](const Dev& d) { return std::string(d.be->name()); })
       .def("supports", [](const Dev& d, const std::string& op, uint32_t type) {
         const Op o = op == "matmul" ? Op::matmul : op == "get_rows" ? Op::get_rows : op == "attention" ? Op::attention : Op::kv_store;
@@ -121,6 +125,44 @@ void bind_backend(py::module_& m) {
           off += w.rows;
         }
         d.be->matmul_multi(wp.data(), yp.data(), (int)ws.size(), xd, n);
+        return d.get(y, {n * total});
+      })
+      // A fused matmul stage: the (normed) x through 1-3 weights, or into a residual.
+      .def("matmul_step", [](Dev& d, const std::vector<py::array>& wbs, uint32_t type, const std::vector<int64_t>& rows,
+                             int64_t cols, const py::object& xo, bool norm, const py::object& nwo, float eps,
+                             const py::object& reso) {
+        F32 x = f32(xo, "x", 2);
+        need(x.shape(1) == cols, "x must be [n, cols]");
+        const int64_t n = x.shape(0);
+        if (wbs.size() != rows.size() || wbs.empty() || wbs.size() > 3) throw py::value_error("1..3 weights");
+        if (!reso.is_none() && wbs.size() != 1) throw py::value_error("a residual takes one weight");
+        std::vector<Weight> ws;
+        for (size_t i = 0; i < wbs.size(); ++i) ws.push_back(weight(d, wbs[i], type, rows[i], cols, WeightUse::matmul));
+        MatmulStep st;
+        st.x = d.put(x), st.n = n, st.count = (int)ws.size(), st.norm = norm, st.eps = eps;
+        if (!nwo.is_none()) {
+          F32 nw = f32(nwo, "norm_w", 1);
+          need(nw.shape(0) == cols, "norm_w must have cols elements");
+          st.norm_w = d.put(nw);
+        }
+        st.xn = d.poisoned((size_t)(n * cols));
+        int64_t total = 0;
+        for (auto& w : ws) total += w.rows;
+        float* y = d.poisoned((size_t)(n * total));
+        int64_t off = 0;
+        for (size_t i = 0; i < ws.size(); ++i) {
+          st.w[i] = &ws[i];
+          st.y[i] = y + off * n;
+          off += ws[i].rows;
+        }
+        if (!reso.is_none()) {
+          F32 r = f32(reso, "residual", 2);
+          need(r.shape(0) == n && r.shape(1) == rows[0], "residual must be [n, rows]");
+          st.residual = d.put(r);
+          d.be->matmul_step(st);
+          return d.get(st.residual, {n, rows[0]});
+        }
+        d.be->matmul_step(st);
         return d.get(y, {n * total});
       })
       .def("get_rows", [](Dev& d, const py::array& wb, uint32_t type, int64_t rows, int64_t cols, const I32& ids) {

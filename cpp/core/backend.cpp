@@ -28,6 +28,19 @@ size_t kv_row_bytes(KVType t, int64_t dim) {
 
 // The CPU's policy: fp32 dequantizes everything (the reference); q8 / q4_0 requantize
 // float matrices (whose rows are whole 32-blocks) and keep quantized planes as they are.
+void Backend::matmul_step(const MatmulStep& s) {
+  if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
+    throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
+  const int64_t cols = s.w[0]->cols;
+  const float* in = s.x;
+  if (s.norm) {
+    rms_norm(s.x, s.norm_w, s.xn, s.n, cols, s.eps);
+    in = s.xn;
+  }
+  matmul_multi(s.w, s.y, s.count, in, s.n);
+  if (s.residual) add(s.residual, s.y[0], s.n * s.w[0]->rows);
+}
+
 uint32_t Backend::weight_type(uint32_t type, int64_t cols, QuantMode mode) const {
   if (mode == QuantMode::fp32) return (uint32_t)GGMLType::F32;
   const bool is_float =

@@ -81,6 +81,9 @@ struct Weight {
   // drop its pages as it goes (a later read only faults them in again), so a load never
   // holds a matrix twice.
   bool host_mapped = false;
+  // Set by the loader in fp32 mode: this matrix's matmuls keep f32 activations (a backend
+  // may otherwise quantize them to 8 bits, as the CPU does for every quantized weight).
+  bool exact = false;
   bool empty() const { return host == nullptr && data == nullptr; }
 };
 
@@ -136,6 +139,25 @@ struct AttnArgs {
 
 enum class Act { silu, gelu_tanh };
 
+// A layer's matmul stage described whole, so a backend can run it as one pass: the RMS
+// norm of the n rows of x (when `norm`; scaled by norm_w unless null), `count` matmuls
+// of the result (weights of equal cols), then, when `residual` is set, residual += y[0].
+// The default composes the plain ops: the normed rows go to xn (n * cols floats the
+// caller provides), and with a residual y[0] is scratch. A fusing backend may leave xn
+// and that scratch unwritten.
+struct MatmulStep {
+  const float* x = nullptr;
+  int64_t n = 0;
+  bool norm = false;
+  const float* norm_w = nullptr;
+  float eps = 0.f;
+  float* xn = nullptr;
+  int count = 0;
+  const Weight* w[3] = {nullptr, nullptr, nullptr};
+  float* y[3] = {nullptr, nullptr, nullptr};
+  float* residual = nullptr;  // count 1 only
+};
+
 // What a weight is read by: matmul kernels, or get_rows (an embedding table).
 enum class WeightUse { matmul, rows };
 
@@ -176,6 +198,8 @@ class Backend {
   virtual void matmul(const Weight& w, const float* x, int64_t n, float* y) = 0;
   // count weights with the same cols over the same x: ys[i] = x * ws[i]^T (count <= 8).
   virtual void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) = 0;
+  // See MatmulStep; the default runs rms_norm, matmul_multi and add.
+  virtual void matmul_step(const MatmulStep& s);
   // Rows of table w for ids (backend memory; checked in range by the caller), dequantized to f32.
   virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
   // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.

@@ -242,17 +242,21 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   float* att = scratch(attn_, n * q_dim, "activations");
   float* o = scratch(ffn_, n * std::max<int64_t>(D, q_dim + 2 * kv_dim), "activations");
 
-  be.rms_norm(x, L.attn_norm.data(), xn, n, D, c.norm_eps);
+  MatmulStep qkv;
+  qkv.x = x, qkv.n = n, qkv.xn = xn;
+  qkv.norm = true, qkv.norm_w = L.attn_norm.data(), qkv.eps = c.norm_eps;
   if (!L.wqkv.empty()) {
-    be.matmul(L.wqkv, xn, n, o);
+    qkv.count = 1, qkv.w[0] = &L.wqkv, qkv.y[0] = o;
+    be.matmul_step(qkv);
     const int64_t w = q_dim + 2 * kv_dim;
     be.copy_rows(q, q_dim, o, w, n, q_dim);
     be.copy_rows(k, kv_dim, o + q_dim, w, n, kv_dim);
     be.copy_rows(v, kv_dim, o + q_dim + kv_dim, w, n, kv_dim);
   } else {
-    const Weight* w[3] = {&L.wq, &L.wk, &L.wv};
-    float* y[3] = {q, k, v};
-    be.matmul_multi(w, y, 3, xn, n);
+    qkv.count = 3;
+    qkv.w[0] = &L.wq, qkv.w[1] = &L.wk, qkv.w[2] = &L.wv;
+    qkv.y[0] = q, qkv.y[1] = k, qkv.y[2] = v;
+    be.matmul_step(qkv);
     if (!L.bq.empty()) be.add_bias(q, L.bq.data(), n, q_dim);
     if (!L.bk.empty()) be.add_bias(k, L.bk.data(), n, kv_dim);
     if (!L.bv.empty()) be.add_bias(v, L.bv.data(), n, kv_dim);
@@ -307,9 +311,23 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   }
   be.attention_multi(attn_args_.data(), n_runs);
 
-  be.matmul(L.wo, att, n, o);
-  if (!L.attn_post_norm.empty()) be.rms_norm(o, L.attn_post_norm.data(), o, n, D, c.norm_eps);
-  be.add(x, o, n * D);
+  project_residual(L.wo, L.attn_post_norm, att, n, o);
+}
+
+// x += W in (through a post-norm when the family has one), x the residual stream; `o`
+// is scratch for the projection.
+void Model::project_residual(const Weight& w, const Vec& post_norm, const float* in, int64_t n, float* o) {
+  Backend& be = *backend_;
+  float* x = static_cast<float*>(x_->data());
+  if (!post_norm.empty()) {
+    be.matmul(w, in, n, o);
+    be.rms_norm(o, post_norm.data(), o, n, cfg_.dim, cfg_.norm_eps);
+    be.add(x, o, n * cfg_.dim);
+    return;
+  }
+  MatmulStep st;
+  st.x = in, st.n = n, st.count = 1, st.w[0] = &w, st.y[0] = o, st.residual = x;
+  be.matmul_step(st);
 }
 
 // Norm, gate and up (or phi3's fused gate|up), the GLU, down, the residual add.
@@ -317,26 +335,26 @@ void Model::ffn_block(int il, int64_t n) {
   const ModelConfig& c = cfg_;
   Backend& be = *backend_;
   const LayerWeights& L = layers_[il];
-  const int64_t D = c.dim, F = c.ffn_dim;
+  const int64_t F = c.ffn_dim;
   const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
   float* x = static_cast<float*>(x_->data());
   float* xn = static_cast<float*>(xn_->data());
   float* o = static_cast<float*>(ffn_->data());
   float* gate = scratch(gate_, n * 2 * F, "activations");
   float* up = scratch(up_, n * F, "activations");
-  be.rms_norm(x, L.ffn_norm.data(), xn, n, D, c.norm_eps);
+  MatmulStep gu;
+  gu.x = x, gu.n = n, gu.xn = xn;
+  gu.norm = true, gu.norm_w = L.ffn_norm.data(), gu.eps = c.norm_eps;
   if (!L.w_gate_up.empty()) {
-    be.matmul(L.w_gate_up, xn, n, gate);
+    gu.count = 1, gu.w[0] = &L.w_gate_up, gu.y[0] = gate;
+    be.matmul_step(gu);
     be.glu(gate, 2 * F, gate + F, 2 * F, up, n, F, act);
   } else {
-    const Weight* w[2] = {&L.w_gate, &L.w_up};
-    float* y[2] = {gate, up};
-    be.matmul_multi(w, y, 2, xn, n);
+    gu.count = 2, gu.w[0] = &L.w_gate, gu.w[1] = &L.w_up, gu.y[0] = gate, gu.y[1] = up;
+    be.matmul_step(gu);
     be.glu(gate, F, up, F, up, n, F, act);
   }
-  be.matmul(L.w_down, up, n, o);
-  if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
-  be.add(x, o, n * D);
+  project_residual(L.w_down, L.ffn_post_norm, up, n, o);
 }
 
 // Final norm and logits: of every row, or of the last row of each run that wants them.

@@ -356,6 +356,7 @@ void Model::make_resident() {
       *w = convert(*w, want);
     else
       w->host_mapped = true;  // from the file mapping
+    w->exact = mode_ == QuantMode::fp32;
     backend_->load_weight(*w, WeightUse::matmul);
     // What the backend copied (packed, uploaded) is not kept twice: a converted copy is
     // freed, and the file's pages go back to the page cache (a read faults them in again,
@@ -372,8 +373,10 @@ void Model::make_resident() {
     }
   }
   if (tied_same && output_.data != output_.host) {
-    tok_embd_.data = output_.data;  // the device copy the output matmul reads
+    tok_embd_.data = output_.data;  // the device copy the output matmul reads, in its layout
     tok_embd_.resident = output_.resident;
+    tok_embd_.packed = output_.packed, tok_embd_.packed_owner = output_.packed_owner;
+    tok_embd_.packed_for = output_.packed_for;
   } else {
     backend_->load_weight(tok_embd_, WeightUse::rows);
   }

@@ -140,6 +140,7 @@ class Model : public std::enable_shared_from_this<Model> {
   void stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64_t n);
   void attention_block(int il, const Run* runs, int n_runs, int64_t n);
   void ffn_block(int il, int64_t n);
+  void project_residual(const Weight& w, const Vec& post_norm, const float* in, int64_t n, float* o);
   int64_t logits_block(const Run* runs, int n_runs, int64_t n, bool all_logits);
   float* scratch(BufferPtr& b, int64_t floats, const char* what);
 

@@ -1,0 +1,83 @@
+"""Where a CUDA decode step's time goes: host wall time per step against the GPU's own
+timeline (kernels, gaps, copies), read from CUPTI through torch's profiler, which sees
+every kernel of the process, ours included. Run on the GPU machine:
+
+    python benchmarks/profile_cuda.py --shape llama1b --type q8_0 [--steps 32] [--trace out.json]
+
+Prints, per decode step: host wall time, GPU span (first kernel start to last end), the
+sum of kernel times, the gaps between them, and the kernels grouped by name.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import tempfile
+import time
+
+from bench_cuda import SHAPES, write_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama1b", choices=sorted(SHAPES))
+    ap.add_argument("--type", default="q8_0")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=16, help="prompt tokens before the profiled steps")
+    ap.add_argument("--trace", default=None, help="write a chrome trace here")
+    args = ap.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import dasllama as d
+
+    torch.zeros(1, device="cuda")  # CUPTI and the context up before the model
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "m.gguf")
+        write_model(path, args.shape, args.type)
+        m = d.load_model(path, device="cuda")
+        s = d.create_session(m, n_ctx=args.ctx + 3 * args.steps + 64)
+        d.eval(m, s, list(range(3, 3 + args.ctx)))
+        for _ in range(args.steps):  # warm: graphs captured
+            d.eval(m, s, [5])
+        wall = []
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                d.eval(m, s, [5])
+                wall.append(time.perf_counter() - t)
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
+    kernels = []
+    for e in prof.events():
+        if e.device_type.name == "CUDA" or str(e.device_type).endswith("CUDA"):
+            kernels.append((e.time_range.start, e.time_range.end, e.name))
+    kernels.sort()
+    print(f"{args.shape} {args.type}: {len(kernels)} GPU activities over {args.steps} steps "
+          f"({len(kernels) / args.steps:.0f} per step)")
+    print(f"host wall per step: median {statistics.median(wall) * 1e3:.3f} ms, min {min(wall) * 1e3:.3f} ms")
+    if not kernels:
+        print("no GPU activity recorded (CUPTI did not see this process's kernels)")
+        return
+    span = (kernels[-1][1] - kernels[0][0]) / args.steps
+    busy = sum(b - a for a, b, _ in kernels) / args.steps
+    gaps = []
+    for (a0, b0, _), (a1, b1, _) in zip(kernels, kernels[1:]):
+        gaps.append(a1 - b0)
+    small = [g for g in gaps if g < 200]  # within a step (us); larger ones are between steps
+    print(f"GPU per step: span {span / 1e3:.3f} ms, kernels busy {busy / 1e3:.3f} ms, "
+          f"in-step gaps {sum(small) / args.steps / 1e3:.3f} ms (median gap {statistics.median(small):.2f} us), "
+          f"between-step gaps {sum(g for g in gaps if g >= 200) / args.steps / 1e3:.3f} ms")
+    by = collections.defaultdict(list)
+    for a, b, n in kernels:
+        n = n.replace("dl::cuda::(anonymous namespace)::", "").replace("void ", "")
+        by[n.split("(")[0][:90]].append(b - a)
+    print(f"{'kernel':90s} {'per step':>8s} {'mean us':>8s} {'ms/step':>8s}")
+    for n, ts in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{n:90s} {len(ts) / args.steps:8.1f} {statistics.mean(ts):8.2f} {sum(ts) / args.steps / 1e3:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
