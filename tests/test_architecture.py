@@ -90,7 +90,10 @@ def test_import_graph_has_no_cycles():
 # The _core handles behind the wrapper classes, and the modules that own them.
 OWNERS = {"_m": {"dasllama.handles", "dasllama.llm", "dasllama.kv"},
           "_s": {"dasllama.handles", "dasllama.llm", "dasllama.kv", "dasllama.audio"},
-          "_p": {"dasllama.handles", "dasllama.llm", "dasllama.kv"}}
+          "_p": {"dasllama.handles", "dasllama.llm", "dasllama.kv"},
+          "_c": {"dasllama.handles", "dasllama.kv"},
+          "_enc": {"dasllama.audio"},
+          "_f": {"dasllama.gguf"}}
 
 
 def test_no_private_reach_ins():
@@ -102,3 +105,42 @@ def test_no_private_reach_ins():
             if isinstance(node, ast.Attribute) and node.attr in OWNERS and name not in OWNERS[node.attr]:
                 bad.append(f"{name}:{node.lineno} .{node.attr}")
     assert not bad, "private handles reached from outside their owners: " + ", ".join(bad)
+
+
+def _module_aliases(tree, name, is_pkg, mods):
+    """Local names bound to dasllama modules by the imports of one module (``from .. import llm``)."""
+    pkg = name if is_pkg else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                if f"{mod}.{a.name}" in mods:
+                    out.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in mods and a.asname:
+                    out.add(a.asname)
+    return out
+
+
+def test_no_private_module_names_from_outside():
+    """``llm._check`` or ``llm._core`` from another module is a reach-in too: a module's seam is its
+    public names (``_core`` is imported directly by whoever needs the extension)."""
+    mods = _modules()
+    bad = []
+    for name, (path, is_pkg) in mods.items():
+        if path is None:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = _module_aliases(tree, name, is_pkg, mods)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not bad, "private names of other modules used: " + ", ".join(bad)

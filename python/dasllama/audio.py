@@ -76,6 +76,11 @@ class AudioEmbedder:
         return self.proj_dim
 
     @property
+    def encoder_key(self) -> int:
+        """Names the loaded encoder (not its file): the key of caches of its outputs (chat.media.RowCache)."""
+        return id(self._enc)
+
+    @property
     def config(self) -> dict:
         return dict(self._enc.config)
 
