@@ -36,7 +36,7 @@ def check_against_reader(path):
     with GGUFFile(path) as f:
         fields = {k: v for k, v in ref.fields.items() if not k.startswith("GGUF.")}
         md = f.metadata
-        types = f._f.metadata_types()
+        types = f.metadata_types()
         assert list(md) == list(fields)
         assert f.version == ref.fields["GGUF.version"].contents()
         for k, fld in fields.items():

@@ -275,7 +275,7 @@ def test_mutated_parts_raise_never_crash(parts3, tmp_path):
 def test_split_keys_types_match_llama_cpp(parts3):
     """llama.cpp's gguf-split writes split.no / split.count as u16 and split.tensors.count as i32."""
     for i, p in enumerate(parts3):
-        types = GGUFFile(p, join_splits=False)._f.metadata_types()
+        types = GGUFFile(p, join_splits=False).metadata_types()
         assert types["split.no"][0] == VT.UINT16 and types["split.count"][0] == VT.UINT16
         assert types["split.tensors.count"][0] == VT.INT32
         with open(p, "rb") as fh:

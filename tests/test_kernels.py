@@ -1,6 +1,12 @@
-"""CPU matmul kernels (_core._matmul) against gguf-py's dequantize, on every ISA, random and real tensors."""
+"""CPU matmul kernels against gguf-py's dequantize, on every ISA, random and real tensors.
+
+Products go through the CPU backend (``_core.Backend("cpu", n_threads)``: the weight loaded and packed
+as the model loader does, activations quantized and rows split over its thread pool as in a forward
+pass), in the ISA's packed layout and in the file's.
+"""
 from __future__ import annotations
 
+import functools
 import warnings
 import zlib
 
@@ -88,8 +94,14 @@ def dequant(raw: np.ndarray, name: str) -> np.ndarray:
         return g_dequantize(raw, gtype(name)).astype(np.float64)
 
 
+@functools.lru_cache(maxsize=None)
+def cpu(n_threads: int = 1):
+    return _core.Backend("cpu", n_threads)
+
+
 def matmul(raw, name, k, x, n_threads=1, packed=False):
-    return _core._matmul(np.ascontiguousarray(raw), int(gtype(name)), k, x, n_threads, packed)
+    raw = np.ascontiguousarray(raw)
+    return cpu(n_threads).matmul(raw, int(gtype(name)), raw.shape[0], k, x, packed=packed)
 
 
 @pytest.fixture
@@ -190,27 +202,28 @@ def test_bad_input_raises():
     rng = np.random.default_rng(0)
     raw = random_weights(rng, "q4_0", 4, 64)
     x = np.zeros((2, 64), np.float32)
+    be = cpu()
     matmul(raw, "q4_0", 64, x)
     with pytest.raises(ValueError):
-        _core._matmul(raw, int(T.Q4_0), 96, x)  # k disagrees with row bytes
+        be.matmul(raw, int(T.Q4_0), 4, 96, np.zeros((2, 96), np.float32))  # cols disagree with row bytes
     with pytest.raises(ValueError):
-        _core._matmul(raw, int(T.Q4_0), 48, x)  # not whole blocks
+        be.matmul(raw, int(T.Q4_0), 4, 48, np.zeros((2, 48), np.float32))  # not whole blocks
     with pytest.raises(ValueError):
-        _core._matmul(raw, int(T.Q4_0), 64, np.zeros((2, 32), np.float32))
+        be.matmul(raw, int(T.Q4_0), 5, 64, x)  # rows disagree with the bytes
     with pytest.raises(ValueError):
-        _core._matmul(raw, int(T.Q4_0), 64, np.zeros(64, np.float32))
+        be.matmul(raw, int(T.Q4_0), 4, 64, np.zeros((2, 32), np.float32))
     with pytest.raises(ValueError):
-        _core._matmul(raw.view(np.int8), int(T.Q4_0), 64, x)
+        be.matmul(raw, int(T.Q4_0), 4, 64, np.zeros(64, np.float32))
     with pytest.raises(ValueError):
-        _core._matmul(raw[:, ::2].copy(), int(T.Q4_0), 64, x)
+        be.matmul(raw[:, ::2].copy(), int(T.Q4_0), 4, 64, x)
     with pytest.raises(ValueError):
-        _core._matmul(np.zeros((4, 72), np.uint8)[:, ::2], int(T.Q4_0), 64, x)  # not contiguous
+        be.matmul(raw, int(T.IQ2_XXS), 1, 256, np.zeros((2, 256), np.float32))  # no matmul for this type
     with pytest.raises(ValueError):
-        _core._matmul(raw, int(T.IQ2_XXS), 256, x)  # no matmul for this type
+        be.matmul(raw, 999, 4, 64, x)
     with pytest.raises(ValueError):
-        _core._matmul(raw, 999, 64, x)
+        be.matmul(raw, int(T.Q4_0), 4, 64, x, repeat=0)
     with pytest.raises(ValueError):
-        _core._matmul(raw, int(T.Q4_0), 64, x, 0)
+        _core.Backend("cpu", -1)
     assert matmul(raw, "q4_0", 64, np.zeros((0, 64), np.float32)).shape == (0, 4)
 
 

@@ -1,5 +1,7 @@
 """The C++ tokenizer against the oracle: the HF tokenizer transformers builds from the same GGUF.
 
+The tokenizer under test is the one load_model builds: ``_core.Tokenizer.from_gguf`` runs the same C++
+reader (``Tokenizer::from_gguf``) with the family's quirks from the registry.
 Models: SmolLM2-135M (byte-level BPE, pre "smollm") and Gemma-3-270M (SentencePiece-style BPE).
 The split regexes are checked on their own against the HF tokenizers regex engine, per pre type.
 """
@@ -15,7 +17,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from dasllama import _core  # noqa: E402
-from dasllama.tokenizer import tokenizer_from_gguf_metadata  # noqa: E402
 
 import transformers  # noqa: E402,F401  - the oracle (needs torch for its GGUF reader); never skipped
 
@@ -91,14 +92,8 @@ def _hf(path: Path):
 
 
 @functools.lru_cache(maxsize=None)
-def _metadata(path: str) -> dict:
-    from dasllama.gguf import GGUFFile
-
-    return GGUFFile(path).metadata
-
-
 def _ours(path: Path):
-    return tokenizer_from_gguf_metadata(_metadata(str(path)))
+    return _core.Tokenizer.from_gguf(str(path))
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -180,15 +175,51 @@ def test_encode_1mb(pair):
     assert ids and ours.decode(ids) == text, name
 
 
-def test_llama_style_spm_matches_hf(gemma3_path):
+def test_same_tokenizer_as_load_model(smollm2_path):
+    import dasllama as d
+
+    m = d.load_model(smollm2_path, n_threads=1)
+    ours = _ours(smollm2_path)
+    for t in CORPUS[:200]:
+        assert d.encode(m, t, add_special=True, parse_special=True) == ours.encode(t, True, True)
+
+
+def _relabelled_as_llama(src: Path, dst: Path) -> dict:
+    """A tokenizer-only GGUF written by gguf-py: ``src``'s SentencePiece vocabulary under
+    general.architecture "llama" with a space prefix and no BOS. Returns ``src``'s metadata."""
+    import gguf
+
+    from dasllama.gguf import GGUFFile
+
+    md = GGUFFile(src).metadata
+    w = gguf.GGUFWriter(str(dst), "llama")
+    w.add_tokenizer_model(md["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(md["tokenizer.ggml.pre"])
+    w.add_token_list(list(md["tokenizer.ggml.tokens"]))
+    w.add_token_scores([float(x) for x in md["tokenizer.ggml.scores"]])
+    w.add_token_types([int(x) for x in md["tokenizer.ggml.token_type"]])
+    w.add_bos_token_id(md["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
+    w.add_unk_token_id(md["tokenizer.ggml.unknown_token_id"])
+    w.add_pad_token_id(md["tokenizer.ggml.padding_token_id"])
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(md["tokenizer.ggml.add_eos_token"])
+    w.add_add_space_prefix(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return md
+
+
+def test_llama_style_spm_matches_hf(gemma3_path, tmp_path):
     """Llama-2/TinyLlama/Mistral-style SentencePiece (merges ranked by score, space prefix), built
     from Gemma-3's vocabulary relabelled as a "llama" file, against transformers' builder for it."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    md = dict(_metadata(str(gemma3_path)))
-    md.update({"general.architecture": "llama", "tokenizer.ggml.add_space_prefix": True,
-               "tokenizer.ggml.add_bos_token": False})
-    ours = tokenizer_from_gguf_metadata(md)
+    md = _relabelled_as_llama(gemma3_path, tmp_path / "llama-spm.gguf")
+    ours = _core.Tokenizer.from_gguf(str(tmp_path / "llama-spm.gguf"))
+    assert ours.model == "llama" and not ours.add_bos
     hf, _ = convert_gguf_tokenizer("llama", {
         "tokenizer_type": "llama", "tokens": list(md["tokenizer.ggml.tokens"]),
         "scores": [float(x) for x in md["tokenizer.ggml.scores"]],

@@ -91,6 +91,27 @@ int meta_int(const gguf::File& f, const std::string& key, int def) {
 
 }  // namespace
 
+const std::vector<TowerFamily>& tower_families() {
+  static const std::vector<TowerFamily> t = {
+      // Qwen2-Audio: avg-pool + linear; its processor keeps only the clip's rows.
+      {"qwen2a", Projector::qwen2a, false, 0},
+      // Qwen2.5-Omni: Qwen2-Audio's projector; the tower encodes the clip's frames in chunks of
+      // 2 * n_window = 200, each with its own conv padding, positions 0.. and attention
+      // (transformers' cu_seqlens); n_window is not in mmproj files and is 100 in every release.
+      {"qwen2.5o", Projector::qwen2a, false, 200},
+      {"ultravox", Projector::ultravox, true, 0},  // stack 8 + RMSNorm + SwiGLU, whole windows
+      {"voxtral", Projector::voxtral, true, 0},    // stack 4 + GELU MLP, whole windows
+      {"whisper", Projector::none, true, 0},       // a bare encoder: its rows are the output
+  };
+  return t;
+}
+
+const TowerFamily* find_tower_family(const std::string& name) {
+  for (const TowerFamily& f : tower_families())
+    if (name == f.name) return &f;
+  return nullptr;
+}
+
 std::string AudioEncoder::probe_family(const gguf::File& f) {
   if (auto has = f.find("clip.has_audio_encoder"); has && has->type == gguf::ValueType::BOOL && !has->as_bool())
     return "";
@@ -98,14 +119,11 @@ std::string AudioEncoder::probe_family(const gguf::File& f) {
   if (f.find("clip.audio.projector_type")) t = f.get_string("clip.audio.projector_type");
   else if (f.find("clip.projector_type")) t = f.get_string("clip.projector_type");
   if (!t) return "";
-  // A vision-only file of a family that also hears (qwen2.5o) holds no a.* tensors.
+  // A vision-only file of a family that also hears (Qwen2.5-Omni) holds no a.* tensors.
   bool any_audio = false;
   for (const auto& ti : f.tensors()) any_audio |= ti.name.rfind("a.", 0) == 0;
   if (!any_audio) return "";
-  static const char* known[] = {"qwen2a", "qwen2.5o", "ultravox", "voxtral", "whisper"};
-  for (const char* k : known)
-    if (*t == k) return *t;
-  return "";
+  return find_tower_family(*t) ? *t : "";
 }
 
 std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const std::string& device,
@@ -117,8 +135,10 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
   e->cfg_.family = probe_family(*e->file_);
   if (e->cfg_.family.empty()) {
     auto t = e->file_->find("clip.projector_type") ? e->file_->get_string("clip.projector_type") : std::nullopt;
+    std::string names;
+    for (const TowerFamily& fam : tower_families()) names += (names.empty() ? "" : ", ") + std::string(fam.name);
     throw UnsupportedModelError(path + ": no audio tower we serve (projector type '" + (t ? *t : "") +
-                                "'; supported: qwen2a, qwen2.5o, ultravox, voxtral, whisper)");
+                                "'; supported: " + names + ")");
   }
   e->load_weights();
   // The file's formats as they are (f16 convs stay f16), resident in the backend's layout,
@@ -149,17 +169,10 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
 void AudioEncoder::load_weights() {
   const gguf::File& f = *file_;
   TowerConfig& c = cfg_;
-  const std::string& fam = c.family;
-  c.proj = fam == "qwen2a" || fam == "qwen2.5o" ? Projector::qwen2a
-           : fam == "ultravox"                  ? Projector::ultravox
-           : fam == "voxtral"                   ? Projector::voxtral
-                                                : Projector::none;
-  // Qwen2-Audio's processor keeps only the clip's rows; the others encode whole windows.
-  c.full_window_default = c.proj != Projector::qwen2a;
-  // Qwen2.5-Omni's tower encodes the clip's frames in chunks of 2 * n_window = 200, each
-  // with its own conv padding, positions 0.. and attention (transformers' cu_seqlens);
-  // n_window is not in mmproj files and is 100 in every released checkpoint.
-  if (fam == "qwen2.5o") c.window_frames = 200;
+  const TowerFamily& fam = *find_tower_family(c.family);  // probe_family found it
+  c.proj = fam.proj;
+  c.full_window_default = fam.full_window_default;
+  c.window_frames = fam.window_frames;
 
   const gguf::TensorInfo& t1 = need(f, "a.conv1d.1.weight");
   if (t1.ne.size() != 3 || t1.ne[0] != 3)

@@ -22,6 +22,18 @@ struct EncoderLayer {
   Weight wq, wk, wv, wo, w_up, w_down;
 };
 
+// One audio family as data: the projector it uses and how its processor cuts a clip. The
+// table (tower.cpp's tower_families) is the only place a family name is written; loading,
+// probing and row counts read the traits.
+struct TowerFamily {
+  const char* name;          // clip.audio.projector_type (or clip.projector_type)
+  Projector proj = Projector::none;
+  bool full_window_default = true;  // false: the processor keeps only the clip's rows
+  int window_frames = 0;     // > 0: the clip's frames are encoded in chunks of this many mel frames
+};
+const std::vector<TowerFamily>& tower_families();
+const TowerFamily* find_tower_family(const std::string& name);
+
 struct TowerConfig {
   std::string family;  // the file's projector type: qwen2a, qwen2.5o, ultravox, voxtral, whisper
   Projector proj = Projector::none;

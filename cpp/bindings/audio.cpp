@@ -73,6 +73,15 @@ void bind_audio(py::module_& m) {
                     auto f = gguf::File::open(path);
                     return audio::AudioEncoder::probe_family(*f);
                   })
+      .def_static("families",
+                  [] {
+                    py::dict d;  // name -> whether it projects into a decoder (a tower) or is a bare encoder
+                    for (const audio::TowerFamily& f : audio::tower_families())
+                      d[py::str(f.name)] = f.proj != audio::Projector::none;
+                    return d;
+                  },
+                  "The audio families the registry serves: name -> True for a tower (a projector into a "
+                  "decoder), False for a bare encoder.")
       .def_property_readonly("path", &audio::AudioEncoder::path)
       .def_property_readonly("config",
                              [](const audio::AudioEncoder& e) {

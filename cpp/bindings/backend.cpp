@@ -83,6 +83,7 @@ void bind_backend(py::module_& m) {
   py::class_<Dev, std::shared_ptr<Dev>>(m, "Backend")
       // exact: weights loaded as in fp32 mode (f32 activations on every backend that honours it).
       .def(py::init([](const std::string& device, int n_threads, bool exact) {
+             need(n_threads >= 0 && n_threads <= 512, "n_threads must be in [0, 512] (0: the default)");
              auto d = std::make_shared<Dev>();
              d->be = make_backend(device, n_threads);
              d->exact = exact;
@@ -94,16 +95,36 @@ void bind_backend(py::module_& m) {
         const Op o = op == "matmul" ? Op::matmul : op == "get_rows" ? Op::get_rows : op == "attention" ? Op::attention : Op::kv_store;
         return d.be->supports(o, type);
       })
-      .def("matmul", [](Dev& d, const py::array& wb, uint32_t type, int64_t rows, int64_t cols, const py::object& xo) {
+      .def("matmul", [](Dev& d, const py::array& wb, uint32_t type, int64_t rows, int64_t cols, const py::object& xo,
+                        bool packed, int repeat) {
         F32 x = f32(xo, "x");
         if (x.ndim() != 2 || x.shape(1) != cols) throw py::value_error("x must be [n, cols]");
+        need(rows > 0 && cols > 0, "rows and cols must be positive");
+        need(d.be->supports(Op::matmul, type), "this backend has no matmul for the weight type");
+        need(repeat >= 1 && repeat <= 1000000, "repeat must be in [1, 1e6]");
         const int64_t n = x.shape(0);
         Weight w = weight(d, wb, type, rows, cols, WeightUse::matmul);
+        if (!packed && w.packed) {
+          // The file's layout: the CPU drops the ISA's packed copy made at load (a backend reads
+          // only a layout it made; a device backend's own layout, when it keeps one, is w.data).
+          w.packed = nullptr;
+          w.packed_owner.reset();
+          w.packed_for = -1;
+        }
+        if (n == 0) return py::array_t<float>(std::vector<int64_t>{0, rows});
         float* xd = d.put(x);
         float* y = d.poisoned((size_t)(n * rows));
-        d.be->matmul(w, xd, n, y);
+        {
+          py::gil_scoped_release nogil;
+          for (int r = 0; r < repeat; ++r) d.be->matmul(w, xd, n, y);
+        }
         return d.get(y, {n, rows});
-      })
+      },
+      py::arg("w"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("packed") = true,
+      py::arg("repeat") = 1,
+      "y[n, rows] = x @ W.T through the backend (weight loaded as the model loader loads it). packed=False: "
+      "the CPU reads the file's layout instead of the ISA's packed one. repeat > 1 runs the product that "
+      "many times after one upload and load (benchmarks time the op from the difference).")
       .def("matmul_multi", [](Dev& d, const std::vector<py::array>& wbs, uint32_t type, const std::vector<int64_t>& rows,
                               int64_t cols, const py::object& xo) {
         F32 x = f32(xo, "x", 2);

@@ -74,6 +74,8 @@ py::dict config_dict(const Model& m) {
 }  // namespace
 
 void bind_model(py::module_& m) {
+  m.def("registered_archs", &registered_archs,
+        "The general.architecture names the family registry serves (model/arch.cpp and the family files).");
   m.def("estimate_memory",
         [](const std::string& path, int mode, const std::string& device, int64_t n_ctx, int kv) {
           if (mode < 0 || mode > 2) throw py::value_error("mode must be QuantMode.fp32, q8 or q4_0");

@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings/bind.h"
+#include "model/model.h"
 #include "tokenizer/tokenizer.h"
 
 namespace dl::py_bind {
@@ -47,6 +48,14 @@ void bind_tokenizer(py::module_& m) {
            py::arg("bos") = -1, py::arg("eos") = -1, py::arg("add_bos") = false, py::arg("add_eos") = false,
            py::arg("add_space_prefix") = false, py::arg("unk") = -1, py::arg("pad") = -1,
            py::arg("gemma_style") = false)
+      .def_static("from_gguf",
+                  [](const std::string& path) {
+                    py::gil_scoped_release nogil;
+                    return load_tokenizer(*gguf::File::open(path));
+                  },
+                  py::arg("path"),
+                  "The tokenizer of a GGUF file (a model, or only its tokenizer.ggml.* keys), built as "
+                  "load_model builds it: the same C++ reader and the family's quirks from the registry.")
       .def("encode",
            [](const Tokenizer& t, const std::string& text, bool add_special, bool parse_special) {
              py::gil_scoped_release nogil;

@@ -31,6 +31,21 @@ const ArchTraits* find_arch(const std::string& name) {
   return nullptr;
 }
 
+const std::vector<TurnEnd>& turn_end_tokens() {
+  static const std::vector<TurnEnd> t = {
+      {"<|im_end|>", "ChatML (Qwen, SmolLM)"},
+      {"<end_of_turn>", "Gemma"},
+      {"<|eot_id|>", "Llama 3"},
+      {"<|eom_id|>", "Llama 3 (tool call)"},
+      {"<|end|>", "Phi-3, harmony (gpt-oss)"},
+      {"<|endoftext|>", "GPT-2 style end of text (Qwen, Phi)"},
+      {"<|return|>", "harmony (final answer)"},
+      {"<|call|>", "harmony (tool call)"},
+      {"</s>", "SentencePiece end of sequence (Llama 2, Mistral)"},
+  };
+  return t;
+}
+
 std::vector<std::string> registered_archs() {
   ensure_registered();
   std::vector<std::string> v;

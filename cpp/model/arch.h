@@ -1,5 +1,7 @@
-// The architecture registry: each family registers its quirks once, as data.
-// The shared decoder (model/decoder.cpp) reads these flags; nothing tests arch names.
+// The architecture registry: each family registers its quirks once, as data, and the
+// turn-closing control tokens of the chat formats we know sit in one table beside it.
+// The shared decoder (model/decoder.cpp), the loader and the tokenizer's builder read
+// these; nothing on a shared path tests a family or vendor name.
 #pragma once
 #include <string>
 #include <vector>
@@ -25,7 +27,20 @@ struct ArchTraits {
   // Block counts of the models that scale queries by 1/sqrt(dim/n_heads) instead of
   // 1/sqrt(head_dim) (the gemma 27Bs); GGUF has no key for it, llama.cpp goes by depth too.
   std::vector<int> attn_scale_dim_over_heads_at_layers;
+  // A SentencePiece vocabulary of this family is Gemma's as transformers builds it: merges
+  // ranked by token order (not scores), runs of spaces spelled with "\u2581".
+  bool spm_gemma = false;
 };
+
+// A control token that closes a turn in a chat format (ChatML's <|im_end|>, ...). A
+// vocabulary that holds one as a CONTROL token ends generation there whatever the family,
+// as llama.cpp's vocabulary does: formats travel between families (SmolLM2 is a llama
+// with ChatML turns), so this is a table of formats, not a family trait.
+struct TurnEnd {
+  const char* text;
+  const char* format;  // who closes turns with it (for the reader)
+};
+const std::vector<TurnEnd>& turn_end_tokens();
 
 void register_arch(const ArchTraits& t);
 // nullptr if no family registered the name.

@@ -18,6 +18,7 @@ void register_gemma_family() {
   g2.default_sliding_window = 4096;
   g2.swa_rope_scaled = true;
   g2.attn_scale_dim_over_heads_at_layers = {46};  // Gemma-2-27B
+  g2.spm_gemma = true;
   register_arch(g2);
 
   ArchTraits g3 = g2;

@@ -54,6 +54,11 @@ Weight convert(const Weight& w, uint32_t to) {
 
 }  // namespace
 
+std::shared_ptr<Tokenizer> load_tokenizer(const gguf::File& f) {
+  const ArchTraits* t = find_arch(f.get_string("general.architecture").value_or(""));
+  return Tokenizer::from_gguf(f, t && t->spm_gemma);
+}
+
 std::shared_ptr<Model> Model::load(const std::string& path, QuantMode mode, const std::string& device,
                                    int n_threads) {
   return open(path, mode, device, n_threads, false);
@@ -170,14 +175,13 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
   m->load_weights();  // shapes and types checked, sizes known; nothing resident yet
   if (dry_run) return m;
   // The tokenizer before the weights: its build's temporaries then never sit on top of them.
-  m->tokenizer_ = Tokenizer::from_gguf(f);
+  m->tokenizer_ = load_tokenizer(f);
   m->make_resident();
-  // End of generation: the declared ids plus the control tokens templates close turns with.
+  // End of generation: the declared ids plus the control tokens chat formats close turns with.
   for (const char* k : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"})
     if (auto v = f.get_int(k); v && *v >= 0 && *v < m->cfg_.vocab_size) m->eog_.push_back((int32_t)*v);
-  for (const char* t : {"<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>",
-                        "<|return|>", "<|call|>", "</s>"}) {
-    int32_t id = m->tokenizer_->token_to_id(t);
+  for (const TurnEnd& t : turn_end_tokens()) {
+    int32_t id = m->tokenizer_->token_to_id(t.text);
     if (id >= 0 && id < m->cfg_.vocab_size && m->tokenizer_->token_type(id) == TokenType::CONTROL &&
         std::find(m->eog_.begin(), m->eog_.end(), id) == m->eog_.end())
       m->eog_.push_back(id);

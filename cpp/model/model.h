@@ -45,6 +45,10 @@ struct LayerWeights {
 class Session;
 class Model;
 
+// The file's tokenizer with its family's quirks from the registry (an unregistered or absent
+// general.architecture has none): what Model::load builds, exposed for the tests.
+std::shared_ptr<Tokenizer> load_tokenizer(const gguf::File& f);
+
 // Per-token callback of generate: (id, piece) -> keep going.
 using TokenCallback = std::function<bool(int32_t, const std::string&)>;
 

@@ -1,5 +1,6 @@
-// Tokenizer::from_gguf: reads tokenizer.ggml.* (and general.architecture) into a TokenizerConfig,
-// the one policy load_model uses (python/dasllama/tokenizer.py still mirrors it for the tests).
+// Tokenizer::from_gguf: reads tokenizer.ggml.* into a TokenizerConfig with llama.cpp's defaults for
+// absent keys; the one builder load_model (through model.cpp's load_tokenizer, which adds the
+// family's quirk from the registry) and the tests (_core.Tokenizer.from_gguf) use.
 #include <algorithm>
 
 #include "core/errors.h"
@@ -22,7 +23,7 @@ std::vector<std::string> string_array(const gguf::File& f, const char* key, bool
 }
 }  // namespace
 
-std::shared_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
+std::shared_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& f, bool spm_gemma) {
   TokenizerConfig c;
   auto model = f.get_string("tokenizer.ggml.model");
   if (!model) throw UnsupportedModelError("GGUF has no tokenizer (tokenizer.ggml.model missing)");
@@ -53,8 +54,7 @@ std::shared_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
   c.add_bos = f.get_bool("tokenizer.ggml.add_bos_token").value_or(spm);
   c.add_eos = f.get_bool("tokenizer.ggml.add_eos_token").value_or(false);
   c.add_space_prefix = f.get_bool("tokenizer.ggml.add_space_prefix").value_or(spm);
-  std::string arch = f.get_string("general.architecture").value_or("");
-  c.gemma_style = spm && arch.rfind("gemma", 0) == 0;
+  c.gemma_style = spm && spm_gemma;
   return std::make_shared<Tokenizer>(std::move(c));
 }
 

@@ -43,7 +43,10 @@ struct TokenizerConfig {
 class Tokenizer {
  public:
   explicit Tokenizer(TokenizerConfig cfg);  // throws dl::Error on an inconsistent vocabulary
-  static std::shared_ptr<Tokenizer> from_gguf(const gguf::File& f);  // from_gguf.cpp
+  // The vocabulary of tokenizer.ggml.* (from_gguf.cpp). spm_gemma: the family's quirk
+  // (ArchTraits::spm_gemma), applied to a SentencePiece vocabulary; the tokenizer knows no
+  // family, so model/model.cpp's load_tokenizer looks it up.
+  static std::shared_ptr<Tokenizer> from_gguf(const gguf::File& f, bool spm_gemma);
 
   // add_special: BOS/EOS per the file's policy. parse_special: control tokens spelled in the text
   // become their ids (user-defined tokens always do, as in HF and llama.cpp).

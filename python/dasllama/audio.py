@@ -24,9 +24,9 @@ from ._core import UnsupportedModelError
 PathLike = Union[str, "os.PathLike[str]"]
 
 # Families load_audio_tower serves (a projector into a decoder); load_audio_embedder
-# serves these and the bare whisper encoder.
-TOWER_FAMILIES = ("qwen2a", "qwen2.5o", "ultravox", "voxtral")
-EMBEDDER_FAMILIES = TOWER_FAMILIES + ("whisper",)
+# serves these and the bare encoders. The C++ table (audio/tower.cpp) is the one list.
+EMBEDDER_FAMILIES = tuple(_core.AudioEncoder.families())
+TOWER_FAMILIES = tuple(k for k, tower in _core.AudioEncoder.families().items() if tower)
 
 
 def log_mel(samples, n_mel: int = 80) -> np.ndarray:
@@ -74,6 +74,11 @@ class AudioEmbedder:
     @property
     def audio_proj_dim(self) -> int:
         return self.proj_dim
+
+    @property
+    def encoder_key(self) -> int:
+        """Names the loaded encoder (not its file): the key of caches of its outputs (chat.media.RowCache)."""
+        return id(self._enc)
 
     @property
     def config(self) -> dict:

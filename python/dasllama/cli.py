@@ -270,6 +270,7 @@ def _mmproj_arg(args):
 
 
 def _cmd_chat(args) -> int:
+    """Load, then answer one question (a positional question) or run the REPL."""
     import dasllama as d
 
     model = d.load_model(args.model or hub.DEFAULT_MODEL, mode=d.QuantMode[args.mode], n_threads=args.threads,
@@ -289,92 +290,131 @@ def _cmd_chat(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     params = d.SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    repl = _ChatRepl(model, chat, tower, params)
+    if args.question:
+        d.add_user(chat, args.question)
+        repl.reply()
+        return 0
+    repl.run()
+    return 0
 
-    def reply() -> None:
+
+class _ChatRepl:
+    """The interactive chat: reads lines (readline history when a terminal), sends text as a turn and
+    hands /commands to ``command``."""
+
+    def __init__(self, model, chat, tower, params):
+        self.model, self.chat, self.tower, self.params = model, chat, tower, params
+
+    def reply(self) -> None:
+        """Stream the reply to the pending turn; Ctrl-C stops it (the reply so far stays in the transcript)."""
+        import dasllama as d
+
         try:
-            for piece in d.stream_respond(model, chat, params):
+            for piece in d.stream_respond(self.model, self.chat, self.params):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:
-            sys.stdout.write(" [stopped]")  # the reply so far stays in the transcript
+            sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         sys.stdout.flush()
 
-    if args.question:
-        d.add_user(chat, args.question)
-        reply()
-        return 0
-
-    interactive = sys.stdin.isatty()
-    if interactive:
+    def run(self) -> None:
+        interactive = sys.stdin.isatty()
+        readline = _open_history() if interactive else None
+        if interactive:
+            print(f"{self.model}\n{_CHAT_HELP}")
         try:
-            import readline  # line editing and history for input()
+            while True:
+                try:
+                    line = input("> " if interactive else "")
+                except EOFError:
+                    break
+                text = line.strip()
+                if not text:
+                    continue
+                cmd = text.partition(" ")[0]
+                if cmd.startswith("/") and len(cmd) > 1:
+                    if not self.command(text):
+                        break
+                else:
+                    self.turn(line)
+        finally:
+            if readline is not None:
+                _save_history(readline)
 
+    def command(self, text: str) -> bool:
+        """Run one /command line; False to leave. An unknown command prints the help."""
+        import dasllama as d
+
+        cmd, _, arg = text.partition(" ")
+        arg = arg.strip()
+        if cmd in ("/exit", "/quit"):
+            return False
+        if cmd == "/reset":
+            d.reset(self.chat)
+            print("(conversation reset)")
+        elif cmd == "/save":
+            if not arg:
+                print("usage: /save FILE")
+                return True
+            d.save_transcript(self.chat, arg)
+            print(f"(saved to {arg})")
+        elif cmd == "/load":
+            if not arg:
+                print("usage: /load FILE")
+                return True
             try:
-                readline.read_history_file(str(_history_file()))
-            except OSError:
-                pass
-        except ImportError:  # pragma: no cover - Windows without pyreadline
-            readline = None
-        print(f"{model}\n{_CHAT_HELP}")
+                d.load_transcript(self.chat, arg)
+            except (OSError, ValueError) as e:
+                print(f"(cannot load: {e})")
+                return True
+            print(f"(loaded {sum(m['role'] == 'user' for m in self.chat.history)} turns from {arg})")
+        elif cmd == "/audio":
+            if self.tower is None or not arg:
+                print("usage: /audio FILE (start the chat with --mmproj FILE)")
+                return True
+            try:
+                n = d.add_user_audio(self.chat, arg)
+            except (OSError, ValueError) as e:
+                print(f"(cannot load: {e})")
+                return True
+            print(f"(clip queued: {n} rows; ask about it)")
+        else:  # /help and anything unknown
+            print(_CHAT_HELP)
+        return True
+
+    def turn(self, line: str) -> None:
+        """One user turn and its streamed reply; a failed turn is reported and dropped."""
+        import dasllama as d
+
+        d.add_user(self.chat, line)
+        try:
+            self.reply()
+        except d.DasllamaError as e:
+            self.chat.pending = []  # the turn failed; the chat stays usable
+            print(f"(error: {e})")
+
+
+def _open_history():
+    """readline with the chat history loaded (line editing for input()), or None without readline."""
     try:
-        while True:
-            try:
-                line = input("> " if interactive else "")
-            except EOFError:
-                break
-            text = line.strip()
-            if not text:
-                continue
-            cmd, _, arg = text.partition(" ")
-            if cmd in ("/exit", "/quit"):
-                break
-            if cmd == "/reset":
-                d.reset(chat)
-                print("(conversation reset)")
-            elif cmd == "/save":
-                if not arg.strip():
-                    print("usage: /save FILE")
-                    continue
-                d.save_transcript(chat, arg.strip())
-                print(f"(saved to {arg.strip()})")
-            elif cmd == "/load":
-                if not arg.strip():
-                    print("usage: /load FILE")
-                    continue
-                try:
-                    d.load_transcript(chat, arg.strip())
-                except (OSError, ValueError) as e:
-                    print(f"(cannot load: {e})")
-                    continue
-                print(f"(loaded {sum(m['role'] == 'user' for m in chat.history)} turns from {arg.strip()})")
-            elif cmd == "/audio":
-                if tower is None or not arg.strip():
-                    print("usage: /audio FILE (start the chat with --mmproj FILE)")
-                    continue
-                try:
-                    n = d.add_user_audio(chat, arg.strip())
-                except (OSError, ValueError) as e:
-                    print(f"(cannot load: {e})")
-                    continue
-                print(f"(clip queued: {n} rows; ask about it)")
-            elif cmd == "/help" or (cmd.startswith("/") and " " not in cmd and len(cmd) > 1):
-                print(_CHAT_HELP)
-            else:
-                d.add_user(chat, line)
-                try:
-                    reply()
-                except d.DasllamaError as e:
-                    chat.pending = []  # the turn failed; the chat stays usable
-                    print(f"(error: {e})")
-    finally:
-        if interactive and readline is not None:
-            try:
-                _history_file().parent.mkdir(parents=True, exist_ok=True)
-                readline.write_history_file(str(_history_file()))
-            except OSError:
-                pass
-    return 0
+        import readline
+    except ImportError:  # pragma: no cover - Windows without pyreadline
+        return None
+    try:
+        readline.read_history_file(str(_history_file()))
+    except OSError:
+        pass
+    return readline
+
+
+def _save_history(readline) -> None:
+    try:
+        _history_file().parent.mkdir(parents=True, exist_ok=True)
+        readline.write_history_file(str(_history_file()))
+    except OSError:
+        pass
 
 
 def _add_sampling(sp) -> None:

@@ -49,7 +49,7 @@ def requantize(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], qtype
     if qtype not in TARGETS:
         raise ValueError(f"unsupported target type {qtype!r}; choose from {sorted(TARGETS)}")
     f = GGUFFile(src)
-    meta, types = f.metadata, f._f.metadata_types()
+    meta, types = f.metadata, f.metadata_types()
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise DasllamaError(f"{src}: no general.architecture")

@@ -82,6 +82,11 @@ class GGUFFile:
             self._metadata = self._core().metadata()
         return self._metadata
 
+    def metadata_types(self) -> Dict[str, Any]:
+        """Each key's GGUF value type (and an array's element type), as the file stores them: what a
+        writer needs to copy the metadata without widening a type."""
+        return self._core().metadata_types()
+
     def _core(self) -> _core.GGUFFile:
         if self._f is None:
             raise ValueError(f"GGUF file {self.path} is closed")

@@ -105,7 +105,7 @@ def eval(model: Model, session: Session, tokens: Sequence[int], all_logits: bool
 
     With ``all_logits`` the logits of every row are kept (``len(tokens) * vocab`` floats).
     """
-    _check(model, session)
+    check_session(model, session)
     _core.eval(session._s, [int(t) for t in tokens], bool(all_logits))
 
 
@@ -148,7 +148,7 @@ def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
     if len(sessions) != len(tokens):
         raise ValueError(f"eval_batch: {len(sessions)} sessions but {len(tokens)} token groups")
     for s in sessions:
-        _check(model, s)
+        check_session(model, s)
     flat: List[int] = []
     counts: List[int] = []
     for t in tokens:
@@ -211,7 +211,7 @@ def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int, non_c
     as -1, which is never cached. Audio rows are causal; ``non_causal`` (an image span attending
     itself whole) is refused: no vision family is served yet.
     """
-    _check(model, session)
+    check_session(model, session)
     if non_causal:
         raise NotImplementedError("non-causal embedding spans (vision) are not served yet; audio rows are causal")
     x = _rows(model, embd, npos)
@@ -250,7 +250,7 @@ def media_body_rows(model: Model, session: Optional[Session], head: Sequence[int
     float32 ``(len(head) + n + len(tail), dim)``. ``session`` is unused (kept for the reference's
     signature: a per-layer-input family would record ids on it). Prefill with :func:`eval_embd_body`."""
     if session is not None:
-        _check(model, session)
+        check_session(model, session)
     if int(dim) != model.config.dim:
         raise ValueError(f"media rows are {dim} wide but the model's embedding width is {model.config.dim}")
     r = _rows(model, rows, n).reshape(-1, model.config.dim)[:int(n)]
@@ -309,7 +309,7 @@ def generate(model: Model, session: Session, prompt: Union[str, Sequence[int]], 
     model's end-of-generation ids, or at ``stop_ids`` instead when given; ``special``
     streams control tokens as their text. Returns the count emitted.
     """
-    _check(model, session)
+    check_session(model, session)
     ids = encode(model, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     cb = None
     if on_token is not None:
@@ -365,6 +365,7 @@ def embed(model: Model, text: str) -> np.ndarray:
     return model._m.embed(text)
 
 
-def _check(model: Model, session: Session) -> None:
+def check_session(model: Model, session: Session) -> None:
+    """ValueError unless ``session`` was made for ``model``."""
     if session.model is not model:
         raise ValueError("session belongs to another model")

@@ -103,7 +103,7 @@ class RowCache:
         self.hits = self.misses = self.encodes = 0
 
     def get(self, embedder, key: str, samples: np.ndarray) -> np.ndarray:
-        k = (id(embedder._enc), key)
+        k = (embedder.encoder_key, key)
         with self._lock:
             r = self._d.get(k)
             if r is not None:

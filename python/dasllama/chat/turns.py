@@ -20,6 +20,7 @@ import numpy as np
 from .. import kv, llm
 from ..audio import AudioEmbedder
 from ..audio_io import load_audio
+from .._core import ContextOverflowError
 from ..llm import KVDtype, Model, SamplingParams, Session
 from . import media, reasoning
 from .reasoning import ThinkSplit, ThinkStream
@@ -359,7 +360,7 @@ def prefill_media_body(model: Model, session: Session, chat: ChatSession, ids: L
     the tower-output cache). For schedulers: render with a renderer chat, ``prefix_attach`` the prompt,
     then prefill ``ids[matched:]`` here. Returns this call's counters (rows, media rows, encodes)."""
     _same(model, chat)
-    llm._check(model, session)
+    llm.check_session(model, session)
     c = {"rows_prefilled": 0, "media_rows_prefilled": 0, "rows_attached": 0, "encodes": 0}
     before = media.ROW_CACHE.encodes
     media.prefill(model, session, chat.spans, [int(t) for t in ids], c)
@@ -400,7 +401,7 @@ def respond(model: Model, chat: ChatSession, params: Optional[SamplingParams] = 
     s = chat.session
     ids = prompt_ids(chat)
     if len(ids) >= s.n_ctx:
-        raise llm._core.ContextOverflowError(
+        raise ContextOverflowError(
             f"the conversation ({len(ids)} tokens) does not fit the context of {s.n_ctx}: reset the chat")
     _attach(chat, ids)
     p = _sync(chat, ids, keep_last=True)

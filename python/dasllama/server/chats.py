@@ -1,0 +1,104 @@
+"""OpenAI chat messages to the chat layer's renderers: one per request, over the server's model, template
+and audio tower (no HTTP: a bad message is an APIError for the app to answer)."""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Dict, Optional
+
+from .. import chat, llm
+from .protocol import GenRequest, Limits, bad
+
+
+class Chats:
+    """Per-request chat renderers over one model: the chat layer's template (the GGUF's, else the family
+    default), system folding, thinking switch, stop ids, reasoning splitter and tool-call parser."""
+
+    def __init__(self, model: llm.Model, template: Optional[str], tower=None, limits: Optional[Limits] = None):
+        self.model, self.template, self.tower, self.limits = model, template, tower, limits or Limits()
+        self.base = chat.create_chat_renderer(model)
+        if template:
+            self.base.template = template
+        chat.effective_stop_ids(self.base)  # derive once; copies share the compiled template
+
+    def _options(self, c, r: GenRequest):
+        c.tools = list(r.tools or [])
+        kw = dict(r.template_kwargs)
+        kw.pop("enable_thinking", None)
+        c.template_kwargs = kw
+        if r.enable_thinking is not None:
+            c.thinking = r.enable_thinking
+
+    def build(self, r: GenRequest):
+        msgs = [template_message(m) for m in r.messages]
+        if msgs[-1]["role"] not in ("user", "tool"):
+            raise bad("the last message must be from the user or a tool", "messages")
+        if r.audio:
+            return self._build_audio(r, msgs)
+        c = copy.copy(self.base)
+        c.history, c.pending, c.rendered = msgs[:-1], msgs[-1:], []
+        self._options(c, r)
+        return c
+
+    def _build_audio(self, r: GenRequest, msgs):
+        """A renderer with the tower: the history replayed turn by turn, each clip a content-keyed span, so a
+        clip the prefix cache or the tower-output cache already holds costs no encode and no prefill."""
+        from ..audio_io import SAMPLE_RATE, load_audio
+
+        if self.tower is None:
+            raise bad("this server has no audio tower: start it with --mmproj to send input_audio", "messages")
+        system = ""
+        while msgs and msgs[0]["role"] == "system":
+            system += ("\n\n" if system else "") + msgs.pop(0)["content"]
+        if not msgs:
+            raise bad("no user message", "messages")
+        c = chat.create_chat_renderer(self.model, system=system, tower=self.tower)
+        if self.template:
+            c.template = self.template
+        self._options(c, r)
+        seconds = 0.0
+        for i, m in enumerate(msgs):
+            role = m["role"]
+            if role == "user":
+                for a in m.get("_audio", []):
+                    try:
+                        x = load_audio(a.data)
+                    except (ValueError, TypeError) as e:
+                        raise bad(f"input_audio ({a.format}): {e}", "messages") from None
+                    seconds += len(x) / SAMPLE_RATE
+                    if seconds > self.limits.max_audio_seconds:
+                        raise bad(f"the request's audio is over {self.limits.max_audio_seconds:g} s", "messages")
+                    try:
+                        chat.add_user_audio(c, x)
+                    except ValueError as e:
+                        raise bad(f"input_audio: {e}", "messages") from None
+                chat.add_user(c, m["content"])
+            elif role == "assistant":
+                if i == len(msgs) - 1 or not c.pending:
+                    raise bad("an assistant message must follow a user turn", "messages")
+                chat.render_assistant(self.model, c, m["content"])
+            else:
+                raise bad(f"role {role!r} is not supported in a conversation with audio", "messages")
+        return c
+
+
+def template_message(m: Dict[str, Any]) -> Dict[str, Any]:
+    """OpenAI's assistant tool_calls carry arguments as JSON text; chat templates expect a mapping."""
+    if "tool_calls" not in m:
+        return m
+    m = dict(m)
+    calls = []
+    for tc in m["tool_calls"]:
+        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        call = {"type": "function", "function": {"name": str(fn.get("name", "")), "arguments": args}}
+        if tc.get("id"):
+            call["id"] = tc["id"]
+        calls.append(call)
+    m["tool_calls"] = calls
+    return m
