@@ -655,10 +655,20 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   check_launch("quantize_act");
 }
 
+// The layouts gemv_staged launches (its switches below list exactly these).
+bool staged_type(uint32_t t) {
+  switch (t) {
+    case T_F32: case T_F16: case T_BF16: case T_Q8_0: case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1:
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_Q8_0S: case T_Q4_0S:
+      return true;
+  }
+  return false;
+}
+
 bool gemv_staged_fits(const GemvJob& j) {
   if (j.n < 1 || j.n > kStagedMax || j.count < 1 || j.count > 3 || j.cols <= 0 || j.cols % 8 != 0 ||
       (!j.xq && !aligned16(j.x)) || (j.norm_w && !aligned16(j.norm_w)) ||
-      !(served_type(j.type) || j.type == T_Q8_0S || j.type == T_Q4_0S))
+      !staged_type(j.type))
     return false;
   const bool is_float = j.type == T_F32 || j.type == T_F16 || j.type == T_BF16;
   if (j.xq) return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && !j.norm;
@@ -714,7 +724,7 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
       DL_CASE(T_Q8_0) DL_CASE(T_Q4_0) DL_CASE(T_Q4_1) DL_CASE(T_Q5_0) DL_CASE(T_Q5_1) DL_CASE(T_Q4_K)
       DL_CASE(T_Q5_K) DL_CASE(T_Q6_K)
 #undef DL_CASE
-      default: break;
+      default: throw Error("cuda: the staged GEMV has no kernel for layout " + std::to_string(j.type));
     }
   }
   check_launch("matmul (staged)");
