@@ -131,6 +131,38 @@ __global__ void get_rows_k(const uint8_t* __restrict__ W, size_t rb, int64_t col
   }
 }
 
+// matmul_id: one warp per (expert row, pair); the pair's expert picks the slice of the stack.
+// Each pair streams its expert's rows (a decode step reads just the k experts it routes to;
+// a prefill reads an expert once per token routed to it, from L2 when it is hot).
+template <uint32_t T>
+__global__ void __launch_bounds__(128) gemv_id_k(const uint8_t* __restrict__ W, size_t rb, int64_t R, int64_t cols,
+                                                 const float* __restrict__ x, int64_t x_div,
+                                                 const int32_t* __restrict__ ids, int64_t p0,
+                                                 const float* __restrict__ bias, float* __restrict__ y, bool wvec,
+                                                 bool xvec) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (r >= R) return;
+  const int64_t p = p0 + blockIdx.y;
+  const int64_t e = ids[p];
+  const uint8_t* row = W + (e * R + r) * rb;
+  const float* xr = x + (p / x_div) * cols;
+  const int64_t ng = (cols + 7) / 8;
+  float acc = 0.f;
+#pragma unroll 2
+  for (int64_t g = lane; g < ng; g += 32) {
+    float v[8], xv[8];
+    dq8<T>(row, g, cols, wvec, v);
+    ld_x8(xr, g * 8, cols, xvec, xv);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += v[i] * xv[i];
+    acc += s;
+  }
+  const float s = warp_sum(acc);
+  if (lane == 0) y[p * R + r] = s + (bias ? bias[e * R + r] : 0.f);
+}
+
 bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
 template <uint32_t T>
@@ -178,6 +210,26 @@ void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) 
     default: throw UnsupportedModelError("cuda: no matmul kernel for weight type id " + std::to_string(m.type));
   }
   check_launch("matmul");
+}
+
+void matmul_id(const Mat& m, int64_t R, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
+               const float* bias, float* y, cudaStream_t st) {
+  if (n_pairs <= 0 || R <= 0) return;
+  const bool wvec = m.cols % 8 == 0 && m.row_bytes % 16 == 0 && aligned16(m.w);
+  const bool xvec = m.cols % 8 == 0 && aligned16(x);
+  for (int64_t p0 = 0; p0 < n_pairs; p0 += 65535) {
+    const dim3 grid((unsigned)ceil_div(R, 4), (unsigned)std::min<int64_t>(65535, n_pairs - p0));
+    switch (m.type) {
+#define DL_CASE(T)                                                                                              \
+  case T:                                                                                                       \
+    gemv_id_k<T><<<grid, 128, 0, st>>>(m.w, m.row_bytes, R, m.cols, x, x_div, ids, p0, bias, y, wvec, xvec); \
+    break;
+      DL_CUDA_TYPES(DL_CASE)
+#undef DL_CASE
+      default: throw UnsupportedModelError("cuda: no matmul_id kernel for weight type id " + std::to_string(m.type));
+    }
+  }
+  check_launch("matmul_id");
 }
 
 void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStream_t st) {

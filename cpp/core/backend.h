@@ -81,6 +81,9 @@ struct Weight {
   // drop its pages as it goes (a later read only faults them in again), so a load never
   // holds a matrix twice.
   bool host_mapped = false;
+  // A stack of experts (a 3-D GGUF tensor [n_expert][expert_rows][cols]) seen as one matrix
+  // of n_expert * expert_rows rows; 0 for a plain matrix. matmul_id reads one expert's slice.
+  int64_t expert_rows = 0;
   bool empty() const { return host == nullptr && data == nullptr; }
 };
 
@@ -135,6 +138,13 @@ struct AttnArgs {
 };
 
 enum class Act { silu, gelu_tanh };
+
+// How a mixture-of-experts router turns its logits into the weights of the k experts it picks
+// (always the k largest logits, ties to the lower id, largest first):
+//   softmax:      softmax over all experts, the picked experts' probabilities;
+//   sigmoid:      sigmoid of each picked logit;
+//   softmax_topk: softmax over the k picked logits only.
+enum class MoeGate { softmax = 0, sigmoid = 1, softmax_topk = 2 };
 
 // What a weight is read by: matmul kernels, or get_rows (an embedding table).
 enum class WeightUse { matmul, rows };
@@ -217,6 +227,21 @@ class Backend {
                            int64_t T_out) = 0;
   // out[r] = mean of rows x[r * k .. r * k + k) (a trailing partial group averages what it has).
   virtual void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) = 0;
+
+  // ---- mixture of experts ----------------------------------------------------
+  // Routing of n tokens, each a row of n_expert logits: ids[t * k + j] and w[t * k + j] for
+  // the k experts token t goes to (see MoeGate); norm divides the k weights by their sum.
+  virtual void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,
+                         float* w) = 0;
+  // For pairs p < n_pairs (token p / k_x's slot): y[p][r] = sum_c W_e[r][c] x[p / x_div][c] (+ bias[e][r]),
+  // with e = ids[p] and W_e rows [e * w.expert_rows, (e + 1) * w.expert_rows) of the stack w.
+  // x_div is k (every slot of a token reads the token's row) or 1 (a row per pair); bias is
+  // [n_expert][expert_rows] or null. ids are in backend memory, checked by the caller.
+  // Only the experts named in ids are read, each once per call however many tokens use it.
+  virtual void matmul_id(const Weight& w, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
+                         const float* bias, float* y) = 0;
+  // out[t][d] = sum_j w[t * k + j] * y[t * k + j][d] over j in order, for t < n.
+  virtual void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out) = 0;
 };
 
 size_t kv_row_bytes(KVType t, int64_t dim);

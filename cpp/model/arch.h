@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
+
 namespace dl {
 
 enum class RopeType { norm, neox };  // adjacent pairs (llama GGUF layout) / split halves
@@ -25,6 +27,11 @@ struct ArchTraits {
   // Block counts of the models that scale queries by 1/sqrt(dim/n_heads) instead of
   // 1/sqrt(head_dim) (the gemma 27Bs); GGUF has no key for it, llama.cpp goes by depth too.
   std::vector<int> attn_scale_dim_over_heads_at_layers;
+  // Mixture of experts (layers that carry ffn_*_exps tensors): how the router weighs the
+  // experts it picks, and whether the k weights are renormalized to sum to one (the
+  // default when the file has no expert_weights_norm key).
+  MoeGate moe_gate = MoeGate::softmax;
+  bool moe_norm_topk = false;
 };
 
 void register_arch(const ArchTraits& t);

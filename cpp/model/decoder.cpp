@@ -325,7 +325,9 @@ void Model::ffn_block(int il, int64_t n) {
   float* gate = scratch(gate_, n * 2 * F, "activations");
   float* up = scratch(up_, n * F, "activations");
   be.rms_norm(x, L.ffn_norm.data(), xn, n, D, c.norm_eps);
-  if (!L.w_gate_up.empty()) {
+  if (!L.router.empty()) {
+    moe_block(il, n);
+  } else if (!L.w_gate_up.empty()) {
     be.matmul(L.w_gate_up, xn, n, gate);
     be.glu(gate, 2 * F, gate + F, 2 * F, up, n, F, act);
   } else {
@@ -334,9 +336,53 @@ void Model::ffn_block(int il, int64_t n) {
     be.matmul_multi(w, y, 2, xn, n);
     be.glu(gate, F, up, F, up, n, F, act);
   }
-  be.matmul(L.w_down, up, n, o);
+  if (L.router.empty()) be.matmul(L.w_down, up, n, o);
   if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
   be.add(x, o, n * D);
+}
+
+// A mixture-of-experts FFN over the normed rows xn, into ffn_: the router's logits, the k
+// experts of each token (ids and weights stay on the backend), each picked expert's GLU through
+// matmul_id (an expert's weights read once per step for all the tokens routed to it), the
+// weighted sum; then a shared expert, when the layer has one, scaled by its sigmoid gate.
+void Model::moe_block(int il, int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const LayerWeights& L = layers_[il];
+  const int64_t D = c.dim, E = c.n_expert, F = c.expert_ffn_dim;
+  const int k = c.n_expert_used;
+  const int64_t P = n * k;
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
+  const float* xn = static_cast<const float*>(xn_->data());
+  float* o = static_cast<float*>(ffn_->data());
+  float* lg = scratch(moe_logits_, n * E + n, "activations");
+  int32_t* ids = reinterpret_cast<int32_t*>(scratch(moe_ids_, P + n, "activations"));
+  float* w = scratch(moe_w_, P + n, "activations");
+  float* gate = scratch(gate_, P * F, "activations");
+  float* up = scratch(up_, P * F, "activations");
+  float* yd = scratch(moe_y_, P * D, "activations");
+  be.matmul(L.router, xn, n, lg);
+  if (!L.router_b.empty()) be.add_bias(lg, L.router_b.data(), n, E);
+  be.moe_route(lg, n, (int)E, k, traits_->moe_gate, c.moe_norm_topk, ids, w);
+  be.matmul_id(L.gate_exps, xn, k, ids, P, L.gate_exps_b.data(), gate);
+  be.matmul_id(L.up_exps, xn, k, ids, P, L.up_exps_b.data(), up);
+  be.glu(gate, F, up, F, up, P, F, act);
+  be.matmul_id(L.down_exps, up, 1, ids, P, L.down_exps_b.data(), yd);
+  be.moe_sum(yd, w, n, k, D, o);
+  if (L.gate_shexp.empty()) return;
+  const int64_t Fs = c.shexp_ffn_dim;
+  float* sh = scratch(moe_sh_, n * (2 * Fs + 2 * D), "activations");
+  float* sg = sh, *su = sh + n * Fs, *sd = sh + 2 * n * Fs, *so = sd + n * D;
+  const Weight* ws[2] = {&L.gate_shexp, &L.up_shexp};
+  float* ys[2] = {sg, su};
+  be.matmul_multi(ws, ys, 2, xn, n);
+  be.glu(sg, Fs, su, Fs, su, n, Fs, act);
+  be.matmul(L.down_shexp, su, n, sd);
+  // The gate's logit through moe_route as one expert of one: sigmoid(logit) as its weight.
+  be.matmul(L.router_shexp, xn, n, lg + n * E);
+  be.moe_route(lg + n * E, n, 1, 1, MoeGate::sigmoid, false, ids + P, w + P);
+  be.moe_sum(sd, w + P, n, 1, D, so);
+  be.add(o, so, n * D);
 }
 
 // Final norm and logits: of every row, or of the last row of each run that wants them.
