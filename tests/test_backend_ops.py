@@ -202,6 +202,79 @@ def test_elementwise(backends):
     check("glu gelu_tanh", run_all(backends, "glu", x, y, 1), gt * y64, 1e-9)
 
 
+# ---- mixture of experts: routing, the gathered expert matmul, the weighted sum ---------------
+
+
+def route_ref(logits, k, gate, norm):
+    """The k largest logits per row (ties to the lower id) and their weights, in float64."""
+    l = logits.astype(np.float64)
+    ids = np.argsort(-l, axis=1, kind="stable")[:, :k]
+    picked = np.take_along_axis(l, ids, 1)
+    if gate == 0:  # softmax over all experts, the picked ones' probabilities
+        e = np.exp(l - l.max(1, keepdims=True))
+        w = np.take_along_axis(e / e.sum(1, keepdims=True), ids, 1)
+    elif gate == 1:  # sigmoid of each picked logit
+        w = 1 / (1 + np.exp(-picked))
+    else:  # softmax over the picked logits only
+        e = np.exp(picked - picked.max(1, keepdims=True))
+        w = e / e.sum(1, keepdims=True)
+    if norm:
+        w = w / w.sum(1, keepdims=True)
+    return ids, w
+
+
+@pytest.mark.parametrize("gate,norm,E,k", [(0, False, 8, 2), (0, True, 60, 4), (1, False, 1, 1), (2, False, 32, 4)])
+def test_moe_route(backends, gate, norm, E, k):
+    rng = np.random.default_rng(11 + gate + E)
+    logits = (rng.standard_normal((37, E)) * 2).astype(np.float32)
+    ids_ref, w_ref = route_ref(logits, k, gate, norm)
+    outs = run_all(backends, "moe_route", logits, k, gate, norm)
+    for dev, (ids, _) in outs.items():
+        assert np.array_equal(ids, ids_ref), f"moe_route on {dev}: other experts picked"
+    check(f"moe_route gate={gate} norm={norm}", {dev: o[1] for dev, o in outs.items()}, w_ref, EXACT)
+
+
+@pytest.mark.parametrize("wtype", MATMUL_TYPES)
+@pytest.mark.parametrize("rows,cols,n,k,per_pair,bias", [
+    (64, 512, 1, 2, False, False),   # decode: one token's gate/up over its 2 experts (packed on the CPU)
+    (24, 512, 5, 3, True, True),     # a down projection (a row per pair); 24 rows: an unpacked stack
+    (64, 256, 40, 4, False, True),   # prefill: many tokens share each expert
+])
+def test_matmul_id(backends, wtype, rows, cols, n, k, per_pair, bias):
+    rng = np.random.default_rng(rows + cols + n + k)
+    E = 6
+    raw, w = make_weight(rng, wtype, E * rows, cols)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(n)]).astype(np.int32).reshape(-1)
+    x = rng.standard_normal((n * k if per_pair else n, cols)).astype(np.float32)
+    b = rng.standard_normal((E, rows)).astype(np.float32) if bias else None
+    x_div = 1 if per_pair else k
+    ref = np.stack([w[e * rows:(e + 1) * rows] @ x[p // x_div].astype(np.float64) for p, e in enumerate(ids)])
+    if bias:
+        ref = ref + b[ids].astype(np.float64)
+    t = int(T[wtype.upper()])
+    outs = run_all({dv: be for dv, be in backends.items() if be.supports("matmul", t)}, "matmul_id",
+                   raw, t, E, rows, cols, x, x_div, ids, b)
+    check(f"matmul_id {wtype} {rows}x{cols} n={n} k={k}", outs, ref, F32_DOT, F32_DOT if wtype == "f32" else ACT_QUANT)
+
+
+def test_moe_route_sum_and_bad_calls(backends):
+    rng = np.random.default_rng(3)
+    n, k, dim = 9, 3, 130
+    y = rng.standard_normal((n * k, dim)).astype(np.float32)
+    w = rng.random((n, k)).astype(np.float32)
+    ref = np.einsum("tj,tjd->td", w.astype(np.float64), y.reshape(n, k, dim).astype(np.float64))
+    check("moe_sum", run_all(backends, "moe_sum", y, w), ref, EXACT)
+    raw, _ = make_weight(rng, "q8_0", 4 * 32, 64)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    for be in backends.values():
+        with pytest.raises(ValueError):
+            be.matmul_id(raw, int(T.Q8_0), 4, 32, 64, x, 1, np.array([0, 4], np.int32), None)  # expert 4 of 4
+        with pytest.raises(ValueError):
+            be.moe_route(x, 65, 0, False)  # k above the 64 experts
+        with pytest.raises(ValueError):
+            be.moe_route(x, 2, 3, False)  # no such gate
+
+
 def test_copies_and_pooling(backends):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((11, 40)).astype(np.float32)

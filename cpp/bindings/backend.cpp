@@ -59,7 +59,8 @@ void need(bool ok, const char* what) {
   if (!ok) throw py::value_error(what);
 }
 
-Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64_t cols, WeightUse use) {
+Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64_t cols, WeightUse use,
+              int64_t expert_rows = 0) {
   const TypeTraits* tt = type_traits(type);
   if (!tt) throw py::value_error("unknown ggml type " + std::to_string(type));
   const int64_t rb = type_nbytes(type, cols);
@@ -71,6 +72,7 @@ Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64
   w.row_bytes = (size_t)rb;
   w.owned = std::make_shared<std::vector<uint8_t>>((const uint8_t*)bytes.data(), (const uint8_t*)bytes.data() + bytes.nbytes());
   w.host = w.owned->data();
+  w.expert_rows = expert_rows;
   d.be->load_weight(w, use);
   return w;
 }
@@ -206,6 +208,54 @@ void bind_backend(py::module_& m) {
         float* yd = d.put(y);
         d.be->add(yd, d.put(x), y.size());
         return d.get(yd, {(int64_t)y.size()});
+      })
+      .def("moe_route", [](Dev& d, const py::object& lo, int k, int gate, bool norm) {
+        F32 l = f32(lo, "logits", 2);
+        const int64_t n = l.shape(0), E = l.shape(1);
+        need(E >= 1 && k >= 1 && k <= E, "k must be in [1, n_expert]");
+        need(gate >= 0 && gate <= 2, "gate must be 0 (softmax), 1 (sigmoid) or 2 (softmax over the top k)");
+        float* ld = d.put(l);
+        std::vector<int32_t> minus((size_t)std::max<int64_t>(n * k, 1), -1);
+        int32_t* ids = d.put(minus.data(), minus.size());
+        float* w = d.poisoned((size_t)(n * k));
+        d.be->moe_route(ld, n, (int)E, k, (MoeGate)gate, norm, ids, w);
+        py::array_t<int32_t> ids_out({n, (int64_t)k});
+        d.be->download(ids_out.mutable_data(), ids, (size_t)(n * k) * 4);
+        return py::make_tuple(ids_out, d.get(w, {n, (int64_t)k}));
+      })
+      .def("matmul_id", [](Dev& d, const py::array& wb, uint32_t type, int64_t n_expert, int64_t rows, int64_t cols,
+                           const py::object& xo, int64_t x_div, const I32& ids, const py::object& bo) {
+        F32 x = f32(xo, "x", 2);
+        need(x.shape(1) == cols, "x must be [rows of x, cols]");
+        need(n_expert >= 1 && rows >= 1, "n_expert and rows must be positive");
+        need(x_div >= 1, "x_div must be >= 1");
+        const int64_t P = ids.size();
+        need(P == 0 || (P - 1) / x_div < x.shape(0), "x has fewer rows than the pairs read");
+        for (int64_t i = 0; i < P; ++i) need(ids.data()[i] >= 0 && ids.data()[i] < n_expert, "expert id out of range");
+        F32 b;
+        if (!bo.is_none()) {
+          b = f32(bo, "bias", 2);
+          need(b.shape(0) == n_expert && b.shape(1) == rows, "bias must be [n_expert, rows]");
+        }
+        Weight w = weight(d, wb, type, n_expert * rows, cols, WeightUse::matmul, rows);
+        float* xd = d.put(x);
+        int32_t* id = d.put(ids.data(), (size_t)P);
+        float* bd = bo.is_none() ? nullptr : d.put(b);
+        float* y = d.poisoned((size_t)(P * rows));
+        d.be->matmul_id(w, xd, x_div, id, P, bd, y);
+        return d.get(y, {P, rows});
+      })
+      .def("moe_sum", [](Dev& d, const py::object& yo, const py::object& wo) {
+        F32 w = f32(wo, "w", 2);
+        const int64_t n = w.shape(0), k = w.shape(1);
+        F32 y = f32(yo, "y", 2);
+        need(y.shape(0) == n * k, "y must have a row per (token, slot)");
+        const int64_t dim = y.shape(1);
+        float* yd = d.put(y);
+        float* wd = d.put(w);
+        float* out = d.poisoned((size_t)(n * dim));
+        d.be->moe_sum(yd, wd, n, (int)k, dim, out);
+        return d.get(out, {n, dim});
       })
       .def("add_bias", [](Dev& d, const py::object& yo, const py::object& bo) {
         F32 y = f32(yo, "y", 2), b = f32(bo, "b", 1);
