@@ -86,6 +86,12 @@ __device__ __forceinline__ float silu(float x) {
   const float e = expf(-fabsf(x));
   return (x >= 0.f ? x : x * e) / (1.f + e);
 }
+__device__ __forceinline__ float swiglu_oai(float gate, float up) {
+  const float g = fminf(gate, 7.f), u = fminf(fmaxf(up, -7.f), 7.f);
+  const float z = 1.702f * g;
+  const float e = expf(-fabsf(z));
+  return g * ((z >= 0.f ? 1.f : e) / (1.f + e)) * (u + 1.f);
+}
 __device__ __forceinline__ float gelu_tanh(float x) {
   return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
@@ -96,7 +102,7 @@ __global__ void glu_k(const float* gate, int64_t gs, const float* up, int64_t us
        idx += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = idx / dim, i = idx % dim;
     const float g = gate[r * gs + i];
-    out[idx] = (act == 0 ? silu(g) : gelu_tanh(g)) * up[r * us + i];
+    out[idx] = act == 2 ? swiglu_oai(g, up[r * us + i]) : (act == 0 ? silu(g) : gelu_tanh(g)) * up[r * us + i];
   }
 }
 
@@ -163,7 +169,7 @@ void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, co
 void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim, Act act,
          cudaStream_t st) {
   if (n_rows * dim <= 0) return;
-  glu_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(gate, gs, up, us, out, n_rows, dim, act == Act::silu ? 0 : 1);
+  glu_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(gate, gs, up, us, out, n_rows, dim, act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : 2);
   check_launch("glu");
 }
 void add(float* y, const float* x, int64_t n, cudaStream_t st) {

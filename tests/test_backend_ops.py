@@ -200,6 +200,10 @@ def test_elementwise(backends):
     check("glu silu", run_all(backends, "glu", x, y, 0), silu * y64, EXACT)
     gt = 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
     check("glu gelu_tanh", run_all(backends, "glu", x, y, 1), gt * y64, 1e-9)
+    g = np.minimum(x64 * 4, 7.0)  # gate and up spread past gpt-oss's clamp at 7
+    u = np.clip(y64 * 4, -7.0, 7.0)
+    oai = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+    check("glu swiglu_oai", run_all(backends, "glu", x * 4, y * 4, 2), oai, EXACT)
 
 
 # ---- mixture of experts: routing, the gathered expert matmul, the weighted sum ---------------
@@ -311,7 +315,7 @@ def stored(x: np.ndarray, kv: str) -> np.ndarray:
     return g_dequantize(g_quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
 
 
-def attention_ref(q, k, v, q_pos, n_heads, n_kv_heads, hd, window, scale, softcap):
+def attention_ref(q, k, v, q_pos, n_heads, n_kv_heads, hd, window, scale, softcap, sinks=None):
     out = np.zeros((q.shape[0], n_heads * hd))
     group = n_heads // n_kv_heads
     j = np.arange(k.shape[0])
@@ -325,8 +329,10 @@ def attention_ref(q, k, v, q_pos, n_heads, n_kv_heads, hd, window, scale, softca
             if softcap:
                 s = softcap * np.tanh(s / softcap)
             s = np.where(vis, s, -np.inf)
-            p = np.exp(s - s.max())
-            out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ v[:, kh:kh + hd]
+            mx = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            p = np.exp(s - mx)
+            den = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - mx))  # the sink takes a share
+            out[t, h * hd:(h + 1) * hd] = (p / den) @ v[:, kh:kh + hd]
     return out
 
 
@@ -340,6 +346,27 @@ ATTN_CASES = [
     (17, 700, 4, 2, 256, 16, 128, 0.0, 17),
     (1, 2050, 16, 4, 64, 16, 512, 0.0, 100),
 ]
+
+
+@pytest.mark.parametrize("case", [(1, 1000, 8, 2, 64, 16, 0), (33, 70, 8, 2, 64, 16, 16), (1, 5, 4, 4, 64, 16, 0)],
+                         ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}".format(*c))
+def test_attention_sinks(backends, case):
+    """gpt-oss's sinks: a logit per head in each softmax's denominator (decode over many keys,
+    where a device splits the keys; a windowed prefill)."""
+    n_tok, n_kv, H, KVH, hd, P, window = case
+    rng = np.random.default_rng(n_kv + 7)
+    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    sinks = (rng.standard_normal(H) * 3).astype(np.float32)
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    page_ids = rng.permutation(n_pages + 2)[:n_pages].astype(np.int32)
+    scale = 1 / math.sqrt(hd)
+    outs = {d: b.paged_attention(q, k, v, q_pos, H, KVH, hd, 0, P, page_ids, n_pages + 2, window, scale, 0.0,
+                                 n_kv, sinks=sinks)[0] for d, b in backends.items()}
+    ref = attention_ref(q, k.astype(np.float64), v.astype(np.float64), q_pos, H, KVH, hd, window, scale, 0.0, sinks)
+    check(f"attention with sinks {case}", outs, ref, F32_DOT)
 
 
 @pytest.mark.parametrize("kv", list(KV_TYPES))

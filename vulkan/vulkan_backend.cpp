@@ -650,11 +650,11 @@ class VulkanBackend final : public Backend {
     if (a.n_tok > kMaxGroups) throw Error("vulkan attention: more than 65535 query rows in one call");
     Lock g(c_->mu);
     struct {
-      uint64_t q, base, pages, q_pos, out;
+      uint64_t q, base, pages, q_pos, out, sinks;
       uint32_t page_bytes, k_off, v_off, row_bytes;
       int32_t q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
       float scale, softcap;
-    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), (uint32_t)a.kv.page_bytes,
+    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), (uint32_t)a.kv.page_bytes,
          (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes, (int32_t)a.q_stride,
          (int32_t)a.out_stride, (int32_t)a.n_kv, a.n_heads, a.n_kv_heads, a.head_dim, a.kv.page_shift, a.window,
          (int32_t)a.kv.type, a.scale, a.softcap};
@@ -662,7 +662,7 @@ class VulkanBackend final : public Backend {
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
-    op(act == Act::silu ? 5 : 6, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : 10, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
   }
   void add(float* y, const float* x, int64_t n) override { op(0, y, x, nullptr, n, {}); }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {

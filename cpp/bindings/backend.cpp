@@ -189,7 +189,8 @@ void bind_backend(py::module_& m) {
         float* gd = d.put(g);
         float* ud = d.put(u);
         float* y = d.poisoned((size_t)(r * c));
-        d.be->glu(gd, c, ud, c, y, r, c, act ? Act::gelu_tanh : Act::silu);
+        need(act >= 0 && act <= 2, "act must be 0 (silu), 1 (gelu_tanh) or 2 (swiglu_oai)");
+        d.be->glu(gd, c, ud, c, y, r, c, (Act)act);
         return d.get(y, {r, c});
       })
       .def("unary", [](Dev& d, const std::string& op, const py::object& xo, float a) {
@@ -306,8 +307,13 @@ void bind_backend(py::module_& m) {
       .def("paged_attention", [](Dev& d, const py::object& qo, const py::object& ko, const py::object& vo,
                                  const I32& q_pos, int n_heads, int n_kv_heads, int head_dim, int kv_type,
                                  int page_rows, const I32& page_ids, int n_pool_pages, int window, float scale,
-                                 float softcap, int64_t store_chunk) {
+                                 float softcap, int64_t store_chunk, const py::object& sinks_o) {
         F32 q = f32(qo, "q", 2), k = f32(ko, "k", 2), v = f32(vo, "v", 2);
+        F32 sinks;
+        if (!sinks_o.is_none()) {
+          sinks = f32(sinks_o, "sinks", 1);
+          need(sinks.shape(0) == n_heads, "sinks must hold one logit per query head");
+        }
         need(kv_type == 0 || kv_type == 1 || kv_type == 8, "kv_type must be 0 (f32), 1 (f16) or 8 (q8_0)");
         need(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0, "bad head layout");
         need(kv_type != 8 || head_dim % 32 == 0, "a q8_0 cache needs head_dim a multiple of 32");
@@ -353,6 +359,7 @@ void bind_backend(py::module_& m) {
         a.window = window;
         a.scale = scale;
         a.softcap = softcap;
+        a.sinks = sinks_o.is_none() ? nullptr : d.put(sinks);
         a.out = d.poisoned((size_t)(n_tok * n_heads * head_dim));
         a.out_stride = (int64_t)n_heads * head_dim;
         d.be->attention(a);
@@ -360,7 +367,9 @@ void bind_backend(py::module_& m) {
         d.be->download(raw.mutable_data(), pool->data(), (size_t)raw.size());
         py::array_t<float> out = d.get(a.out, {n_tok, (int64_t)n_heads * head_dim});
         return py::make_tuple(out, raw);
-      });
+      }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_pos"), py::arg("n_heads"), py::arg("n_kv_heads"),
+         py::arg("head_dim"), py::arg("kv_type"), py::arg("page_rows"), py::arg("page_ids"), py::arg("n_pool_pages"),
+         py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("store_chunk"), py::arg("sinks") = py::none());
 }
 
 }  // namespace dl::py_bind

@@ -133,11 +133,16 @@ struct AttnArgs {
   int window = 0;
   float scale = 1.f;
   float softcap = 0.f;
+  // backend memory: a learned logit per query head that joins each softmax's denominator
+  // (gpt-oss's attention sinks; it takes a share of the weight but adds no value), or null
+  const float* sinks = nullptr;
   float* out = nullptr;  // [n_tok][n_heads * head_dim]
   int64_t out_stride = 0;
 };
 
-enum class Act { silu, gelu_tanh };
+// swiglu_oai: gpt-oss's clamped SwiGLU, g = min(gate, 7), u = clamp(up, -7, 7),
+// out = g * sigmoid(1.702 g) * (u + 1).
+enum class Act { silu, gelu_tanh, swiglu_oai };
 
 // How a mixture-of-experts router turns its logits into the weights of the k experts it picks
 // (always the k largest logits, ties to the lower id, largest first):

@@ -527,6 +527,7 @@ class CpuBackend final : public Backend {
         b.window = a.window;
         b.scale = a.scale;
         b.softcap = a.softcap;
+        b.sinks = a.sinks ? a.sinks + h0 : nullptr;
         b.out = a.out + t0 * a.out_stride + (int64_t)h0 * hd;
         b.out_stride = a.out_stride;
         scratch.resize(kt.attn_block_scratch(b.n_rows, b.group, hd, a.n_kv));
@@ -539,7 +540,7 @@ class CpuBackend final : public Backend {
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    const int a = act == Act::silu ? 0 : 1;
+    const int a = act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : 2;
     auto rows = [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) kt.glu_f32(gate + r * gs, up + r * us, out + r * dim, dim, a);
     };
