@@ -27,9 +27,9 @@ INFO = dasllama.system_info()["devices"]
 DEVICES = ["cpu"] + [f"{b}:{d['index']}" for b, e in INFO.items() if b != "cpu" for d in e["devices"]]
 NOT_FOUND = {b: e["error"] for b, e in INFO.items() if b != "cpu" and not e["devices"]}
 
-MATMUL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"]
+MATMUL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K", "mxfp4"]
 QUANTIZABLE = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
-K_SCALES = {"q4_K": [0, 2], "q5_K": [0, 2], "q6_K": [208]}  # byte offsets of f16 scale fields
+K_SCALES = {"q4_K": [0, 2], "q5_K": [0, 2], "q6_K": [208], "mxfp4": []}  # byte offsets of f16 scale fields
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 
 # NMSE bars by precision class (see the module docstring).
@@ -86,6 +86,8 @@ def make_weight(rng, name: str, rows: int, cols: int):
     else:
         bs, ts = GGML_QUANT_SIZES[T[name.upper()]]
         raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+        if name == "mxfp4":  # e8m0 exponents around 2^-6 .. 2^3 (values up to 12 times half of that)
+            raw[:, :, 0] = rng.integers(121, 131, size=raw.shape[:2])
         for off in K_SCALES[name]:
             sc = (rng.uniform(0.002, 0.02, size=raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
             raw[:, :, off:off + 2] = sc.view(np.uint8).reshape(*raw.shape[:2], 2)
@@ -126,6 +128,22 @@ def test_get_rows(backends, wtype):
     ids = np.array([0, 49, 7, 7, 23], np.int32)
     outs = run_all(backends, "get_rows", raw, int(T[wtype.upper()]), 50, 256, ids)
     check(f"get_rows {wtype}", outs, w[ids], EXACT)
+
+
+def test_mxfp4_rows_bit_exact(backends):
+    """MXFP4 (gpt-oss's expert format) decoded by every backend equals gguf-py's dequantize bit for
+    bit, over every exponent a block may carry (subnormal scales 0 and 1 included)."""
+    rng = np.random.default_rng(17)
+    raw = rng.integers(0, 256, size=(64, 8, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(64 * 8).reshape(64, 8) % 256  # all 256 exponents
+    raw[raw[:, :, 0] == 255, 0] = 254  # 0xFF is e8m0's NaN: gguf-py and ggml disagree on nothing else
+    raw = raw.reshape(64, -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the top exponents overflow to inf, in both
+        want = g_dequantize(raw, T.MXFP4).astype(np.float32).reshape(64, 256)
+    ids = np.arange(64, dtype=np.int32)
+    for dev, out in run_all(backends, "get_rows", raw, int(T.MXFP4), 64, 256, ids).items():
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), f"mxfp4 rows on {dev}"
 
 
 # ---- norms, rope, elementwise ----------------------------------------------------------

@@ -52,7 +52,7 @@ void vcheck(VkResult r, const char* what) {
 // The weight formats the shaders decode (cpp/quant/types.h ids).
 bool served_type(uint32_t t) {
   switch (t) {
-    case 0: case 1: case 2: case 3: case 6: case 7: case 8: case 12: case 13: case 14: case 30: return true;
+    case 0: case 1: case 2: case 3: case 6: case 7: case 8: case 12: case 13: case 14: case 30: case 39: return true;
   }
   return false;
 }
