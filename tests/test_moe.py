@@ -1,8 +1,10 @@
-"""Mixture-of-experts families against transformers: tiny random Qwen3-MoE and Qwen2-MoE models
-(tests/oracles/moe.py) written to GGUF by llama.cpp's own convert_hf_to_gguf.py.
+"""Mixture-of-experts families against transformers: tiny random Qwen3-MoE, Qwen2-MoE and gpt-oss
+models (tests/oracles/moe.py) written to GGUF by llama.cpp's own convert_hf_to_gguf.py; gpt-oss's
+experts come from an MXFP4 checkpoint (blocks and scales, as openai's files ship) and stay MXFP4 in
+the GGUF, as real gpt-oss files carry them.
 
 fp32 mode on the f32 file is held to the HF model in fp32 eager attention: measured max |Δlogit|
-1.5e-6..1.7e-6 on logits up to ~3.3; the bar 1e-4 is 60x that, while flipping the top-k
+1.5e-6..1.7e-6 on logits up to ~3.4 (gpt-oss's MXFP4 experts included); the bar 1e-4 is 60x that, while flipping the top-k
 renormalization (0.5..1.2), routing to one expert fewer (0.3..1.5) or dropping qwen2moe's shared
 expert (0.9) moves them far more (measured by mutating the reference). The
 bitwise guarantees of the dense families hold here too (every expert's rows are computed by the
@@ -129,6 +131,33 @@ def test_batched_equals_alone(moe_models, name, mode, ft):
             assert np.array_equal(np.array(s.logits), r)
 
 
+def test_gpt_oss_mxfp4_in_place_q8(moe_models):
+    """In the default q8 mode the MXFP4 experts are read in place (no conversion: the resident bytes
+    are the file's), the rest is q8_0; logits stay near the reference and greedy picks agree."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GT
+
+    hf, paths = moe_models["gpt-oss"]
+    m = d.load_model(paths["q8_0"])
+    r = GGUFReader(paths["q8_0"])
+    want = 0
+    for t in r.tensors:
+        if len(t.shape) < 2 or t.name.endswith(".bias"):  # vectors (the expert biases are [n_expert][rows])
+            continue
+        if t.tensor_type in (GT.MXFP4, GT.Q8_0):
+            want += int(t.n_bytes)
+        else:  # kept f32 by the converter (the router), q8_0 at load
+            bs, ts = GGML_QUANT_SIZES[GT.Q8_0]
+            want += int(t.n_elements) // bs * ts
+        if "_exps" in t.name:
+            assert t.tensor_type == GT.MXFP4, t.name
+    assert m._m.weight_bytes == want
+    ids = _ids(41, hf.config.vocab_size)
+    a, b = _ours_logits(m, ids), M.hf_logits(hf, ids)
+    assert float(np.abs(a - b).max()) < 0.25
+    assert (a.argmax(1) == b.argmax(1)).mean() >= 0.95
+
+
 def test_converter_layout_and_shared_expert(moe_models):
     """The files carry what the decoder reads: stacked experts, qwen2moe's shared expert and its
     gate (a matrix of one row; older files hold it 1-D, read the same), the converter's q8_0 stacks."""
@@ -143,3 +172,7 @@ def test_converter_layout_and_shared_expert(moe_models):
     r3 = GGUFReader(moe_models["qwen3moe"][1]["q8_0"])
     types = {t.name: t.tensor_type.name for t in r3.tensors}
     assert types["blk.0.ffn_up_exps.weight"] == "Q8_0"
+    ro = GGUFReader(moe_models["gpt-oss"][1]["f32"])
+    oss = {t.name: (t.tensor_type.name, tuple(int(x) for x in t.shape)) for t in ro.tensors}
+    assert oss["blk.0.ffn_gate_exps.weight"][0] == "MXFP4" and oss["blk.0.attn_sinks.weight"] == ("F32", (4,))
+    assert oss["blk.0.ffn_down_exps.bias"] == ("F32", (64, 8))

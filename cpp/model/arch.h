@@ -9,7 +9,7 @@
 namespace dl {
 
 enum class RopeType { norm, neox };  // adjacent pairs (llama GGUF layout) / split halves
-enum class FfnAct { silu, gelu_tanh };
+enum class FfnAct { silu, gelu_tanh, swiglu_oai };  // swiglu_oai: gpt-oss's clamped SwiGLU
 
 struct ArchTraits {
   std::string name;               // general.architecture
@@ -32,6 +32,12 @@ struct ArchTraits {
   // default when the file has no expert_weights_norm key).
   MoeGate moe_gate = MoeGate::softmax;
   bool moe_norm_topk = false;
+  // The FFN's input norm tensor (gpt-oss names it post_attention_norm, then it is no
+  // attention post-norm).
+  std::string ffn_norm_tensor = "ffn_norm";
+  // YaRN's correction range rounded out to whole dims (transformers' truncate, its default);
+  // gpt-oss trains without.
+  bool yarn_truncate = true;
 };
 
 void register_arch(const ArchTraits& t);
@@ -44,5 +50,6 @@ void register_llama_family();
 void register_qwen_family();
 void register_gemma_family();
 void register_phi_family();
+void register_gpt_oss_family();
 
 }  // namespace dl

@@ -302,12 +302,14 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.window = swa ? c.sliding_window : 0;
     a.scale = c.attn_scale;
     a.softcap = c.attn_softcap;
+    a.sinks = L.attn_sinks.data();
     a.out = att + r0 * q_dim;
     a.out_stride = q_dim;
   }
   be.attention_multi(attn_args_.data(), n_runs);
 
   be.matmul(L.wo, att, n, o);
+  if (!L.bo.empty()) be.add_bias(o, L.bo.data(), n, D);
   if (!L.attn_post_norm.empty()) be.rms_norm(o, L.attn_post_norm.data(), o, n, D, c.norm_eps);
   be.add(x, o, n * D);
 }
@@ -318,7 +320,7 @@ void Model::ffn_block(int il, int64_t n) {
   Backend& be = *backend_;
   const LayerWeights& L = layers_[il];
   const int64_t D = c.dim, F = c.ffn_dim;
-  const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : traits_->act == FfnAct::gelu_tanh ? Act::gelu_tanh : Act::swiglu_oai;
   float* x = static_cast<float*>(x_->data());
   float* xn = static_cast<float*>(xn_->data());
   float* o = static_cast<float*>(ffn_->data());
@@ -352,7 +354,7 @@ void Model::moe_block(int il, int64_t n) {
   const int64_t D = c.dim, E = c.n_expert, F = c.expert_ffn_dim;
   const int k = c.n_expert_used;
   const int64_t P = n * k;
-  const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : traits_->act == FfnAct::gelu_tanh ? Act::gelu_tanh : Act::swiglu_oai;
   const float* xn = static_cast<const float*>(xn_->data());
   float* o = static_cast<float*>(ffn_->data());
   float* lg = scratch(moe_logits_, n * E + n, "activations");

@@ -139,8 +139,9 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
     const double beta_slow = get_float_or(f, key(c, "rope.scaling.yarn_beta_slow"), 1.f);
     const double dim = c.n_rot, base = c.rope_base;
     auto corr = [&](double rot) { return dim * std::log(orig / (rot * 2 * M_PI)) / (2 * std::log(base)); };
-    const double low = std::max(std::floor(corr(beta_fast)), 0.0);
-    double high = std::min(std::ceil(corr(beta_slow)), dim - 1);
+    const bool trunc = m->traits_->yarn_truncate;
+    const double low = std::max(trunc ? std::floor(corr(beta_fast)) : corr(beta_fast), 0.0);
+    double high = std::min(trunc ? std::ceil(corr(beta_slow)) : corr(beta_slow), dim - 1);
     if (low == high) high += 0.001;
     c.rope_inv_freq.resize((size_t)c.n_rot / 2);
     for (int i = 0; i < c.n_rot / 2; ++i) {
@@ -359,8 +360,12 @@ void Model::load_weights() {
     L.q_norm = upload(load_vector(n("attn_q_norm"), false, c.head_dim));
     L.k_norm = upload(load_vector(n("attn_k_norm"), false, c.head_dim));
     L.wo = load_matrix(n("attn_output"), true, c.dim, q_dim);
-    L.attn_post_norm = upload(load_vector(n("post_attention_norm"), false, c.dim));
-    L.ffn_norm = upload(load_vector(n("ffn_norm"), true, c.dim));
+    L.bo = upload(load_vector(b("attn_output"), false, c.dim));
+    L.attn_sinks = upload(load_vector(n("attn_sinks"), false, c.n_heads));
+    const std::string& ffn_norm = traits_->ffn_norm_tensor;
+    if (ffn_norm != "post_attention_norm")
+      L.attn_post_norm = upload(load_vector(n("post_attention_norm"), false, c.dim));
+    L.ffn_norm = upload(load_vector(n(ffn_norm.c_str()), true, c.dim));
     L.ffn_post_norm = upload(load_vector(n("post_ffw_norm"), false, c.dim));
     if (c.n_expert > 0) L.router = load_matrix(n("ffn_gate_inp"), false, c.n_expert, c.dim);
     if (!L.router.empty()) {

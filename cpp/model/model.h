@@ -41,7 +41,8 @@ struct ModelConfig {
 
 struct LayerWeights {
   Vec attn_norm, attn_post_norm, ffn_norm, ffn_post_norm, q_norm, k_norm;
-  Vec bq, bk, bv;
+  Vec bq, bk, bv, bo;
+  Vec attn_sinks;  // a logit per query head (gpt-oss)
   Weight wq, wk, wv, wqkv, wo, w_gate, w_up, w_gate_up, w_down;
   // mixture of experts: the router, the expert stacks (with biases where the family has
   // them) and an optional shared expert behind its own sigmoid gate (a 1-row matrix)

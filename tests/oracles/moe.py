@@ -89,7 +89,76 @@ def qwen2moe(vocab: int) -> torch.nn.Module:
     return _seeded(Qwen2MoeForCausalLM(cfg))
 
 
-FAMILIES = {"qwen3moe": qwen3moe, "qwen2moe": qwen2moe}
+def gpt_oss(vocab: int) -> torch.nn.Module:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    # Layer 0 sliding (window 8, crossed by the ~40-token prompts), layer 1 full; YaRN as the real
+    # files have it (factor 32, no truncation), over a small original context so it bites.
+    cfg = GptOssConfig(vocab_size=vocab, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                       num_experts_per_tok=2, sliding_window=8, max_position_embeddings=2048,
+                       rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 64},
+                       rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+    m = _seeded(GptOssForCausalLM(cfg))
+    with torch.no_grad():  # sinks that take a real share of each softmax
+        for layer in m.model.layers:
+            layer.self_attn.sinks.normal_(0, 1.0)
+    return m
+
+
+FAMILIES = {"qwen3moe": qwen3moe, "qwen2moe": qwen2moe, "gpt-oss": gpt_oss}
+
+# ---- MXFP4 as gpt-oss checkpoints carry it: e2m1 values, a shared e8m0 exponent per 32 -----
+
+FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_quantize(w: np.ndarray):
+    """Rows of w (last dim a multiple of 32) in OpenAI's checkpoint layout: blocks [..., n/32, 16]
+    (element 2j in the low nibble of byte j, 2j+1 in the high), scales [..., n/32] (e8m0), and the
+    values they decode to."""
+    x = w.reshape(*w.shape[:-1], -1, 32).astype(np.float64)
+    amax = np.abs(x).max(-1, keepdims=True)
+    e = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127).clip(-127, 127)
+    y = x / np.exp2(e)
+    idx = np.abs(y[..., None] - FP4[None, :8]).argmin(-1) + np.where(y < 0, 8, 0)
+    idx = idx.astype(np.uint8)
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    scales = (e[..., 0] + 127).astype(np.uint8)
+    values = (FP4[idx] * np.exp2(e)).reshape(w.shape)
+    return blocks, scales, values.astype(np.float32)
+
+
+def save_gpt_oss_mxfp4(model, out_dir: str):
+    """The model's experts as MXFP4 blocks/scales (quantization_config mxfp4, as openai/gpt-oss-*
+    ship), every other tensor as it is; the model's own expert weights become the decoded values,
+    so it is the reference for exactly what the file stores."""
+    import json
+
+    from safetensors.torch import save_file
+
+    sd = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                w = p.detach().numpy().transpose(0, 2, 1)  # [E, out, in]: rows of the checkpoint
+                blocks, scales, values = mxfp4_quantize(w)
+                sd[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+                sd[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+                p.copy_(torch.from_numpy(values.transpose(0, 2, 1).copy()))
+            else:
+                sd[name] = p.detach().clone().contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
 
 
 def convert(hf_dir: str, out: str, outtype: str) -> str:
@@ -107,7 +176,10 @@ def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
     """The HF model and {outtype: gguf path} of a family, written under out_dir."""
     model = FAMILIES[name](len(tok))
     hf_dir = os.path.join(out_dir, name + "-hf")
-    model.save_pretrained(hf_dir)
+    if name == "gpt-oss":
+        save_gpt_oss_mxfp4(model, hf_dir)
+    else:
+        model.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
     return model, {t: convert(hf_dir, os.path.join(out_dir, f"{name}-{t}.gguf"), t) for t in outtypes}
 
