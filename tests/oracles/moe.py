@@ -103,9 +103,10 @@ def gpt_oss(vocab: int) -> torch.nn.Module:
                        rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False,
                        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
     m = _seeded(GptOssForCausalLM(cfg))
-    with torch.no_grad():  # sinks that take a real share of each softmax
+    with torch.no_grad():  # sinks that take a real share of each softmax; gates past the clamp at 7
         for layer in m.model.layers:
             layer.self_attn.sinks.normal_(0, 1.0)
+            layer.mlp.experts.gate_up_proj.mul_(12.0)
     return m
 
 
