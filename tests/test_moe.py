@@ -15,6 +15,7 @@ converter's q8_0 file in the default q8 mode.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -24,6 +25,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dasllama as d  # noqa: E402
+from dasllama.chat import turns  # noqa: E402
 import torch  # noqa: E402,F401  (the oracle; never skipped)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
@@ -182,3 +184,70 @@ def test_converter_layout_and_shared_expert(moe_models):
     oss = {t.name: (t.tensor_type.name, tuple(int(x) for x in t.shape)) for t in ro.tensors}
     assert oss["blk.0.ffn_gate_exps.weight"][0] == "MXFP4" and oss["blk.0.attn_sinks.weight"] == ("F32", (4,))
     assert oss["blk.0.ffn_down_exps.bias"] == ("F32", (64, 8))
+
+
+# -- gpt-oss chat: Harmony with gpt-oss's own template ---------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def oss_chat(moe_models):
+    from transformers import AutoTokenizer
+
+    path = moe_models["gpt-oss"][1]["q8_0"]
+    hf_tok = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(path), "gpt-oss-hf"))
+    return d.load_model(path), hf_tok
+
+
+def _hf_ids(tok, msgs, **kw):
+    return list(tok.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw)["input_ids"])
+
+
+@pytest.mark.parametrize("effort", [None, "low", "high"])
+def test_gpt_oss_template_matches_transformers(oss_chat, effort):
+    """The file's own template (gpt-oss's, embedded by the converter) renders token-identically to
+    transformers' apply_chat_template: system, tools, a tool call and its result, a final answer and a
+    second question; reasoning effort is a template argument (default medium)."""
+    m, tok = oss_chat
+    chat = d.create_chat_renderer(m, system="You help with weather.")
+    assert "<|channel|>" in chat.template and "reasoning_effort" in chat.template
+    kw = {} if effort is None else {"reasoning_effort": effort}
+    chat.template_kwargs = dict(kw)
+    chat.tools = [WEATHER]
+    d.add_user(chat, "Weather in Paris?")
+    msgs = [{"role": "system", "content": "You help with weather."}, {"role": "user", "content": "Weather in Paris?"}]
+    first = d.render_turn(m, chat)
+    assert first == _hf_ids(tok, msgs, tools=[WEATHER], add_generation_prompt=True, **kw)
+    assert f"Reasoning: {effort or 'medium'}" in d.decode(m, first)
+    d.render_assistant_calls(m, chat, "", [json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})])
+    d.add_tool_results(chat, ['{"temp_c": 21}'], names=["get_weather"])
+    d.render_assistant(m, chat, "It is 21 °C in Paris.")
+    d.add_user(chat, "Thanks!")
+    msgs += [{"role": "assistant", "content": "", "tool_calls": [
+                 {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "content": '{"temp_c": 21}', "name": "get_weather"},
+             {"role": "assistant", "content": "It is 21 °C in Paris."}, {"role": "user", "content": "Thanks!"}]
+    tail = d.render_turn(m, chat)
+    whole = turns.prompt_ids(chat)  # the whole prompt; render_turn is its part past what is held
+    assert whole[len(whole) - len(tail):] == tail
+    assert whole == _hf_ids(tok, msgs, tools=[WEATHER], add_generation_prompt=True, **kw)
+
+
+def test_gpt_oss_reasoning_and_calls_split(oss_chat):
+    """Replies in Harmony come apart into reasoning, content and tool calls; the turn-ending control
+    tokens end generation."""
+    m, _ = oss_chat
+    chat = d.create_chat_renderer(m)
+    reply = ("<|channel|>analysis<|message|>User asks 2+2. Simple.<|end|>"
+             "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>")
+    assert d.split_reasoning(chat, reply) == d.ThinkSplit("User asks 2+2. Simple.", "2 + 2 = 4.")
+    r = d.parse_calls(chat, "<|channel|>analysis<|message|>Need the weather.<|end|>"
+                            "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                            '<|message|>{"city":"Paris"}<|call|>')
+    assert r.reasoning == "Need the weather." and r.content == ""
+    assert [(c.name, json.loads(c.args)) for c in r.calls] == [("get_weather", {"city": "Paris"})]
+    for t in ("<|return|>", "<|call|>"):
+        assert d.encode(m, t, parse_special=True)[0] in m.eog_ids

@@ -6,7 +6,8 @@ the expert stacks, the metadata keys and the quantized types are what users' fil
 carry. The converter is taken from the llama-cpp-python sdist (pinned), fetched once
 with pip into the hub cache. The tokenizer is SmolLM2's (pulled through the hub,
 rebuilt by transformers from its GGUF): the converter needs a real one, and the
-models' vocabulary is sized to it.
+models' vocabulary is sized to it; gpt-oss's adds Harmony's control tokens and carries the real
+gpt-oss chat template (shipped in llama.cpp's source as models/templates/openai-gpt-oss-120b.jinja).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def llama_cpp_dir() -> Path:
 
     root = hub.home() / "llama.cpp-src"
     src = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    if (src / "convert_hf_to_gguf.py").exists():
+    keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/openai-gpt-oss-120b.jinja")
+    if all((src / k).exists() for k in keep):
         return src
     root.mkdir(parents=True, exist_ok=True)
     tgz = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
@@ -39,7 +41,6 @@ def llama_cpp_dir() -> Path:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         "--no-build-isolation", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)],
                        check=True, capture_output=True)
-    keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
     with tarfile.open(tgz) as tf:
         members = [m for m in tf.getmembers()
@@ -52,6 +53,19 @@ def tokenizer(path_gguf: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.path.dirname(path_gguf), gguf_file=os.path.basename(path_gguf))
+
+
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+def harmony_tokenizer(tok):
+    """A copy of tok with Harmony's control tokens and gpt-oss's own chat template."""
+    import copy
+
+    t = copy.deepcopy(tok)
+    t.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    t.chat_template = (llama_cpp_dir() / "models" / "templates" / "openai-gpt-oss-120b.jinja").read_text()
+    return t
 
 
 def _seeded(model: torch.nn.Module) -> torch.nn.Module:
@@ -175,6 +189,8 @@ def convert(hf_dir: str, out: str, outtype: str) -> str:
 
 def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
     """The HF model and {outtype: gguf path} of a family, written under out_dir."""
+    if name == "gpt-oss":
+        tok = harmony_tokenizer(tok)
     model = FAMILIES[name](len(tok))
     hf_dir = os.path.join(out_dir, name + "-hf")
     if name == "gpt-oss":
