@@ -204,3 +204,96 @@ def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
 def hf_logits(model, ids) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+# ---- network-free files for the device tests ---------------------------------------------------
+
+def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str:
+    """A small random file of a family with the converter's names, shapes, keys and types (as the
+    converter-made files above carry them; gpt-oss's experts MXFP4), written by gguf-py with
+    export.py's 512-token SPM vocabulary: for the device tests, which compare a device with the
+    CPU (itself held to transformers above) where neither PyPI nor the converter is reachable."""
+    import gguf
+
+    import export as E
+
+    rng = np.random.default_rng(seed)
+    D, H, KVH, hd, E_, k, F, V = 64, 4, 2, 16, 8, 2, 32, E.VOCAB
+    arch = {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
+            "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}[name]
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(KVH)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(E_)
+    w.add_expert_used_count(k)
+    w.add_expert_feed_forward_length(F)
+    if name == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(64)
+    if name == "gpt-oss":
+        w.add_sliding_window(8)
+        w.add_rope_freq_base(150000.0)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(64)
+    else:
+        w.add_rope_freq_base(1e6)
+    E._add_spm_vocab(w, E.spm_model_proto())
+    qt = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[ftype]
+
+    def mat(tname, *shape, scale=INIT, qtype=None):
+        a = (rng.standard_normal(shape) * scale).astype(np.float32)
+        q = qtype if qtype is not None else qt
+        if q == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(tname, a)
+        else:
+            w.add_tensor(tname, gguf.quants.quantize(a, q), raw_dtype=q)
+
+    def vec(tname, *shape, base=0.0):
+        w.add_tensor(tname, (base + rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    mat("token_embd.weight", V, D, scale=1.0)
+    vec("output_norm.weight", D, base=1.0)
+    mat("output.weight", V, D)
+    exps = gguf.GGMLQuantizationType.MXFP4 if name == "gpt-oss" else None
+    for il in range(2):
+        b = f"blk.{il}."
+        vec(b + "attn_norm.weight", D, base=1.0)
+        mat(b + "attn_q.weight", H * hd, D)
+        mat(b + "attn_k.weight", KVH * hd, D)
+        mat(b + "attn_v.weight", KVH * hd, D)
+        mat(b + "attn_output.weight", D, H * hd)
+        if name == "qwen3moe":
+            vec(b + "attn_q_norm.weight", hd, base=1.0)
+            vec(b + "attn_k_norm.weight", hd, base=1.0)
+        if name != "qwen3moe":
+            for t, n in (("attn_q", H * hd), ("attn_k", KVH * hd), ("attn_v", KVH * hd)):
+                vec(b + t + ".bias", n)
+        vec(b + ("post_attention_norm" if name == "gpt-oss" else "ffn_norm") + ".weight", D, base=1.0)
+        mat(b + "ffn_gate_inp.weight", E_, D, scale=0.5, qtype=gguf.GGMLQuantizationType.F32)
+        mat(b + "ffn_gate_exps.weight", E_, F, D, qtype=exps)
+        mat(b + "ffn_up_exps.weight", E_, F, D, qtype=exps)
+        mat(b + "ffn_down_exps.weight", E_, D, F, qtype=exps)
+        if name == "qwen2moe":
+            mat(b + "ffn_gate_inp_shexp.weight", 1, D, qtype=gguf.GGMLQuantizationType.F32)
+            mat(b + "ffn_gate_shexp.weight", 64, D)
+            mat(b + "ffn_up_shexp.weight", 64, D)
+            mat(b + "ffn_down_shexp.weight", D, 64)
+        if name == "gpt-oss":
+            vec(b + "attn_output.bias", D)
+            vec(b + "attn_sinks.weight", H)
+            vec(b + "ffn_gate_inp.bias", E_)
+            vec(b + "ffn_gate_exps.bias", E_, F)
+            vec(b + "ffn_up_exps.bias", E_, F)
+            vec(b + "ffn_down_exps.bias", E_, D)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
