@@ -62,24 +62,20 @@ def moe_family(tmp_dir: str, name: str, device: str) -> None:
     ids = [1] + np.random.default_rng(5).integers(3, 512, 30).tolist()
     for ft, mode in (("f32", d.QuantMode.fp32), ("q8_0", d.QuantMode.q8)):
         path = M.random_gguf(name, f"{tmp_dir}/{name}-{ft}.gguf", ft)
-        ref = d.load_model(path, d.QuantMode.fp32)
-        m = d.load_model(path, mode, device=device)
-        outs = []
-        for model in (ref, m):
+        runs = []
+        for model in (d.load_model(path, d.QuantMode.fp32), d.load_model(path, mode, device=device)):
             s = d.create_session(model, d.KVDtype.f32, n_ctx=64)
             d.eval(model, s, ids, all_logits=True)
+            rows = np.array(s.logits)
             toks = []
             for _ in range(6):
                 toks.append(int(np.argmax(np.asarray(s.logits).reshape(-1, 512)[-1])))
                 d.eval(model, s, [toks[-1]])
-            outs.append((np.array(s.logits), toks))
-        s_ref = d.create_session(ref, d.KVDtype.f32, n_ctx=64)
-        s_dev = d.create_session(m, d.KVDtype.f32, n_ctx=64)
-        d.eval(ref, s_ref, ids, all_logits=True)
-        d.eval(m, s_dev, ids, all_logits=True)
-        e = nmse(s_dev.logits, s_ref.logits)
+            runs.append((rows, toks))
+        (ref_rows, ref_toks), (dev_rows, dev_toks) = runs
+        e = nmse(dev_rows, ref_rows)
         assert e <= LOGIT_BAR, f"{name} {ft} on {device}: NMSE {e:.3g}"
-        assert outs[1][1] == outs[0][1], f"{name} {ft} on {device}: greedy tokens differ"
+        assert dev_toks == ref_toks, f"{name} {ft} on {device}: greedy tokens differ"
         paged_prefix_cache_and_ragged_batch(path, device, ids)
 
 
