@@ -97,6 +97,19 @@ def write(path: str, layers: int, qname: str) -> str:
     return path
 
 
+def llama_bench(exe: str, path: str, threads: int) -> tuple:
+    """bench_cpu's runner with the weights loaded (-lm none), as ours are packed at load: a mapped
+    file would fault each expert in on its first use inside the timed runs."""
+    import json
+    import subprocess
+
+    out = subprocess.run([exe, "-m", path, "-t", str(threads), "-p", "512", "-n", "128", "-r", "1", "-lm", "none",
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    return (next(r["avg_ts"] for r in rows if r["n_prompt"] == 512),
+            next(r["avg_ts"] for r in rows if r["n_gen"] == 128))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -120,7 +133,7 @@ def main() -> int:
     for _ in range(a.reps):  # interleaved: ours, then theirs, each rep
         o.append(B.ours(str(path), a.threads, "q8"))
         if a.llama_bench:
-            lb.append(B.llama_bench(a.llama_bench, str(path), a.threads))
+            lb.append(llama_bench(a.llama_bench, str(path), a.threads))
     for i, test in enumerate(("pp512", "tg128")):
         ours = float(np.mean([x[i] for x in o]))
         theirs = float(np.mean([x[i] for x in lb])) if lb else float("nan")
