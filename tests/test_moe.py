@@ -74,6 +74,26 @@ def test_fp32_logits_match_transformers(moe_models, name):
     assert err < FP32_BAR
 
 
+@pytest.mark.parametrize("isa", d.system_info()["isa_supported"])
+def test_every_isa(moe_models, isa):
+    """The expert kernels of every ISA variant the CPU runs (picked at run time): fp32 mode held to
+    transformers, and the q8 mode's in-place quantized experts (q8_0, gpt-oss's MXFP4) bitwise between
+    decode steps and one prefill."""
+    before = d.get_isa()
+    d.set_isa(isa)
+    try:
+        for name in FAMILIES:
+            hf, paths = moe_models[name]
+            ids = _ids(25, hf.config.vocab_size, seed=4)
+            m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+            assert float(np.abs(_ours_logits(m, ids) - M.hf_logits(hf, ids)).max()) < FP32_BAR, (isa, name)
+            q = d.load_model(paths["q8_0"])
+            flat = _prefill_decode(q, d.create_session(q, d.KVDtype.f32, n_ctx=64), ids, 3)
+            assert np.array_equal(flat, _ours_logits(q, ids)), (isa, name)
+    finally:
+        d.set_isa(before)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_fp32_greedy_tokens_match_transformers(moe_models, name):
     hf, paths = moe_models[name]
