@@ -126,6 +126,13 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs
   }
   if (splits == 1) {
     float* o = a.out + t * a.out_stride + (int64_t)h * hd;
+    if (a.sinks) {  // the sink joins the denominator: rescale to the joint max
+      const float sink = a.sinks[h], M2 = fmaxf(M, sink);
+      const float c = M == -INFINITY ? 0.f : expf(M - M2);
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) f[w] *= c;
+      L = L * c + expf(sink - M2);
+    }
     const float inv = L > 0.f ? 1.f / L : 0.f;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
       float v = 0.f;
@@ -157,7 +164,8 @@ __global__ void attn_combine_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, 
   const float* p = part + (z * a.n_heads + h) * splits * (int64_t)(hd + 2);
   float M = -INFINITY;
   for (int s = 0; s < splits; ++s) M = fmaxf(M, p[s * (hd + 2)]);
-  float L = 0.f;
+  if (a.sinks) M = fmaxf(M, a.sinks[h]);
+  float L = a.sinks ? expf(a.sinks[h] - M) : 0.f;
   for (int s = 0; s < splits; ++s) {
     const float ms = p[s * (hd + 2)];
     if (ms != -INFINITY) L += p[s * (hd + 2) + 1] * expf(ms - M);

@@ -222,7 +222,8 @@ class CudaBackend final : public Backend {
     if (!w.host) throw Error("cuda load_weight: the weight has no host bytes");
     if (!cuda::matmul_type_ok(w.type))
       throw UnsupportedModelError("cuda: no kernel for weight type " + type_label(w.type));
-    const size_t srb = split_ok() ? cuda::split_row_bytes(w.type, w.cols) : 0;
+    // Expert stacks keep the file's layout: matmul_id's kernels read that one.
+    const size_t srb = split_ok() && w.expert_rows == 0 ? cuda::split_row_bytes(w.type, w.cols) : 0;
     const size_t rb = srb ? srb : w.row_bytes;
     BufferPtr b = alloc((size_t)w.rows * rb, "weight");
     use();
@@ -473,10 +474,36 @@ class CudaBackend final : public Backend {
        out);
   }
 
+  // ---- mixture of experts: ids and weights stay on the device (no host sync per layer) ----
+  void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,
+                 float* w) override {
+    use();
+    if (k < 1 || k > n_expert) throw Error("cuda moe_route: k must be in [1, n_expert]");
+    const int g = (int)gate;
+    op(Tag::moe_route, [=](cudaStream_t s) { cuda::moe_route(logits, n, n_expert, k, g, norm, ids, w, s); }, logits, n,
+       n_expert, k, g, norm, ids, w);
+  }
+  void matmul_id(const Weight& w, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
+                 const float* bias, float* y) override {
+    use();
+    const cuda::Mat m = mat(w);
+    const int64_t R = w.expert_rows;
+    if (R <= 0 || m.rows % R != 0) throw Error("cuda matmul_id: the weight is not a stack of experts");
+    if (x_div < 1) throw Error("cuda matmul_id: x_div must be >= 1");
+    if (!cuda::matmul_type_ok(m.type))
+      throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(m.type));
+    op(Tag::matmul_id, [=](cudaStream_t s) { cuda::matmul_id(m, R, x, x_div, ids, n_pairs, bias, y, s); }, m.type, m.w,
+       m.row_bytes, m.rows, m.cols, R, x, x_div, ids, n_pairs, bias, y);
+  }
+  void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out) override {
+    use();
+    op(Tag::moe_sum, [=](cudaStream_t s) { cuda::moe_sum(y, w, n, k, dim, out, s); }, y, w, n, k, dim, out);
+  }
+
  private:
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
-    softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant
+    softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum
   };
   template <class T>
   void sig1(const T& v) {

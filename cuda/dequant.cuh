@@ -9,7 +9,7 @@ namespace dl::cuda {
 
 // GGML type ids served by matmul / get_rows (cpp/quant/types.h).
 enum : uint32_t { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-                  T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+                  T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39 };
 // This backend's own layouts of q8_0 / q4_0 ("split"): each row holds its quants first
 // (cols bytes / cols / 2 bytes, in block order), then its blocks' f16 scales, padded to
 // 16 bytes; so a lane reads 16 or 32 weights with one aligned 16-byte load.
@@ -34,6 +34,18 @@ template <> struct Blk<T_Q4_0S> { static constexpr int qk = 32, bytes = 18; };
 // An int of magnitude < 2^22 as a float, exactly, without the quarter-rate I2F
 // conversion: the int lands in the mantissa of 1.5 * 2^23, which is then subtracted.
 __device__ __forceinline__ float sf(int v) { return __int_as_float(0x4B400000 + v) - 12582912.f; }
+template <> struct Blk<T_MXFP4> { static constexpr int qk = 32, bytes = 17; };
+
+// mxfp4's e2m1 codebook, doubled ({0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign), and its e8m0 scale
+// halved to match (cpp/quant/dequant_impl.h's e8m0_half, bit for bit).
+__device__ __forceinline__ float e2m1x2(uint32_t n) {
+  const uint32_t m = n & 7;
+  const int a = m <= 4 ? (int)m : m == 5 ? 6 : m == 6 ? 8 : 12;
+  return (float)((n & 8) ? -a : a);
+}
+__device__ __forceinline__ float e8m0_half(uint32_t e) {
+  return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
 
 // Elements 8g..8g+7 of `row` into v. Float types may have cols % 8 != 0: elements past
 // cols read as 0; `vec` (cols % 8 == 0 and the row 16-byte aligned) allows 16-byte loads.
@@ -95,6 +107,14 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
       v[2 * i] = __fmul_rn(sf((int8_t)(w & 0xff)), d);
       v[2 * i + 1] = __fmul_rn(sf((int8_t)(w >> 8)), d);
     }
+  } else if constexpr (T == T_MXFP4) {
+    const uint8_t* b = row + (g >> 2) * 17;
+    const float d = e8m0_half(b[0]);
+    const int o = (int)(g & 3) * 8;  // first element inside the block; 16..31 are the high nibbles
+    const uint8_t* q = b + 1 + (o & 15);
+    const int sh = (o >> 4) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(d, e2m1x2((q[i] >> sh) & 0xF));
   } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1) {
     constexpr bool has_m = T == T_Q4_1 || T == T_Q5_1;
     constexpr bool five = T == T_Q5_0 || T == T_Q5_1;
@@ -176,7 +196,8 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
 
 // X(T) for every served type id: a switch over weight types is `switch (t) { DL_CUDA_TYPES(CASE) }`.
 #define DL_CUDA_TYPES(X) \
-  X(T_F32) X(T_F16) X(T_BF16) X(T_Q8_0) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
+  X(T_F32) X(T_F16) X(T_BF16) X(T_Q8_0) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K) \
+  X(T_MXFP4)
 
 // Every layout a kernel reads: the served types and this backend's own.
 #define DL_CUDA_LAYOUTS(X) DL_CUDA_TYPES(X) X(T_Q8_0S) X(T_Q4_0S)

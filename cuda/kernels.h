@@ -56,6 +56,12 @@ void gemv_staged(GemvJob j, cudaStream_t st);
 // y[t][r] = sum_k W[r][k] x[t][k], t < n.
 void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st);
 void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStream_t st);
+// Backend::matmul_id over a stack of experts of expert_rows rows each (m.rows = all of them).
+void matmul_id(const Mat& m, int64_t expert_rows, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
+               const float* bias, float* y, cudaStream_t st);
+void moe_route(const float* logits, int64_t n, int n_expert, int k, int gate, bool norm, int32_t* ids, float* w,
+               cudaStream_t st);
+void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out, cudaStream_t st);
 
 // Attention: splits of the key range per (query, head) (flash-decoding) and the
 // scratch floats they need; split > 1 needs that scratch.

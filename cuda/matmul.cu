@@ -1,5 +1,7 @@
 // Matmul and embedding lookup over ggml-format weights: a warp-per-row GEMV for
-// decode (n <= 8; 16 tokens a pass up to 64) and a 64x64 shared-memory tiled f32 kernel for prefill.
+// decode (n <= 8; 16 tokens a pass up to 64) and a 64x64 shared-memory tiled f32 kernel for prefill;
+// matmul_id over stacks of experts (a warp per row and pair for decode, pairs gathered per expert
+// for prefill).
 #include <algorithm>
 #include <string>
 
@@ -266,6 +268,91 @@ __global__ void get_rows_k(const uint8_t* __restrict__ W, size_t rb, int64_t col
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (g * 8 + j < cols) o[g * 8 + j] = v[j];
+  }
+}
+
+// matmul_id for decode (a few pairs): one warp per (expert row, pair); the pair's expert picks
+// the slice of the stack, so a step reads just the k experts each token routes to.
+template <uint32_t T>
+__global__ void __launch_bounds__(128) gemv_id_k(const uint8_t* __restrict__ W, size_t rb, int64_t R, int64_t cols,
+                                                 const float* __restrict__ x, int64_t x_div,
+                                                 const int32_t* __restrict__ ids, int64_t p0,
+                                                 const float* __restrict__ bias, float* __restrict__ y, bool wvec,
+                                                 bool xvec) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (r >= R) return;
+  const int64_t p = p0 + blockIdx.y;
+  const int64_t e = ids[p];
+  const uint8_t* row = W + (e * R + r) * rb;
+  const float* xr = x + (p / x_div) * cols;
+  const int64_t ng = (cols + 7) / 8;
+  float acc = 0.f;
+#pragma unroll 2
+  for (int64_t g = lane; g < ng; g += 32) {
+    float v[8], xv[8];
+    dq8<T>(row, g, cols, wvec, v);
+    ld_x8(xr, g * 8, cols, xvec, xv);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += v[i] * xv[i];
+    acc += s;
+  }
+  const float s = warp_sum(acc);
+  if (lane == 0) y[p * R + r] = s + (bias ? bias[e * R + r] : 0.f);
+}
+
+// matmul_id for prefill and batched steps: a block per (expert, 4 rows) gathers the pairs routed
+// to its expert (a scan of ids into shared memory), then streams each weight row once per 16 of
+// them (gemv_k's inner loop over gathered x rows), so an expert is read once per 16 tokens, not
+// once per token. Each pair's sums run in the same order as in gemv_id_k.
+constexpr int kIdMaxPairs = 4096;
+template <uint32_t T>
+__global__ void __launch_bounds__(128) gemv_id_grouped_k(const uint8_t* __restrict__ W, size_t rb, int64_t R,
+                                                         int64_t cols, const float* __restrict__ x, int64_t x_div,
+                                                         const int32_t* __restrict__ ids, int64_t n_pairs,
+                                                         const float* __restrict__ bias, float* __restrict__ y,
+                                                         bool wvec, bool xvec) {
+  __shared__ int plist[kIdMaxPairs];
+  __shared__ int cnt;
+  const int e = blockIdx.y;
+  if (threadIdx.x == 0) cnt = 0;
+  __syncthreads();
+  for (int64_t p = threadIdx.x; p < n_pairs; p += blockDim.x)
+    if (ids[p] == e) plist[atomicAdd(&cnt, 1)] = (int)p;
+  __syncthreads();
+  const int n = cnt;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (n == 0 || r >= R) return;  // uniform per warp: no shuffle below is left half-done
+  const uint8_t* row = W + ((int64_t)e * R + r) * rb;
+  const int64_t ng = (cols + 7) / 8;
+  const float b = bias ? bias[(int64_t)e * R + r] : 0.f;
+  for (int c0 = 0; c0 < n; c0 += 16) {
+    const int nt = min(16, n - c0);
+    float acc[16];
+#pragma unroll
+    for (int t = 0; t < 16; ++t) acc[t] = 0.f;
+    for (int64_t g = lane; g < ng; g += 32) {
+      float v[8];
+      dq8<T>(row, g, cols, wvec, v);
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        if (t < nt) {
+          float xv[8];
+          ld_x8(x + ((int64_t)plist[c0 + t] / x_div) * cols, g * 8, cols, xvec, xv);
+          float s = 0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s += v[i] * xv[i];
+          acc[t] += s;
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      const float s = warp_sum(acc[t]);
+      if (lane == 0 && t < nt) y[(int64_t)plist[c0 + t] * R + r] = s + b;
+    }
   }
 }
 
@@ -740,6 +827,42 @@ void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) 
     default: throw UnsupportedModelError("cuda: no matmul kernel for weight type id " + std::to_string(m.type));
   }
   check_launch("matmul");
+}
+
+void matmul_id(const Mat& m, int64_t R, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
+               const float* bias, float* y, cudaStream_t st) {
+  if (n_pairs <= 0 || R <= 0) return;
+  const bool wvec = m.cols % 8 == 0 && m.row_bytes % 16 == 0 && aligned16(m.w);
+  const bool xvec = m.cols % 8 == 0 && aligned16(x);
+  const int64_t n_expert = m.rows / R;
+  if (n_pairs > 64 && n_pairs <= kIdMaxPairs && n_expert <= 65535) {
+    const dim3 grid((unsigned)ceil_div(R, 4), (unsigned)n_expert);
+    switch (m.type) {
+#define DL_CASE(T)                                                                                                \
+  case T:                                                                                                         \
+    gemv_id_grouped_k<T><<<grid, 128, 0, st>>>(m.w, m.row_bytes, R, m.cols, x, x_div, ids, n_pairs, bias, y, wvec, \
+                                               xvec);                                                             \
+    break;
+      DL_CUDA_TYPES(DL_CASE)
+#undef DL_CASE
+      default: throw UnsupportedModelError("cuda: no matmul_id kernel for weight type id " + std::to_string(m.type));
+    }
+    check_launch("matmul_id");
+    return;
+  }
+  for (int64_t p0 = 0; p0 < n_pairs; p0 += 65535) {
+    const dim3 grid((unsigned)ceil_div(R, 4), (unsigned)std::min<int64_t>(65535, n_pairs - p0));
+    switch (m.type) {
+#define DL_CASE(T)                                                                                              \
+  case T:                                                                                                       \
+    gemv_id_k<T><<<grid, 128, 0, st>>>(m.w, m.row_bytes, R, m.cols, x, x_div, ids, p0, bias, y, wvec, xvec); \
+    break;
+      DL_CUDA_TYPES(DL_CASE)
+#undef DL_CASE
+      default: throw UnsupportedModelError("cuda: no matmul_id kernel for weight type id " + std::to_string(m.type));
+    }
+  }
+  check_launch("matmul_id");
 }
 
 void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStream_t st) {

@@ -105,6 +105,12 @@ __device__ __forceinline__ float silu(float x) {
   const float e = expf(-fabsf(x));
   return (x >= 0.f ? x : x * e) / (1.f + e);
 }
+__device__ __forceinline__ float swiglu_oai(float gate, float up) {
+  const float g = fminf(gate, 7.f), u = fminf(fmaxf(up, -7.f), 7.f);
+  const float z = 1.702f * g;
+  const float e = expf(-fabsf(z));
+  return g * ((z >= 0.f ? 1.f : e) / (1.f + e)) * (u + 1.f);
+}
 __device__ __forceinline__ float gelu_tanh(float x) {
   return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
@@ -115,7 +121,7 @@ __global__ void glu_k(const float* gate, int64_t gs, const float* up, int64_t us
        idx += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = idx / dim, i = idx % dim;
     const float g = gate[r * gs + i];
-    out[idx] = (act == 0 ? silu(g) : gelu_tanh(g)) * up[r * us + i];
+    out[idx] = act == 2 ? swiglu_oai(g, up[r * us + i]) : (act == 0 ? silu(g) : gelu_tanh(g)) * up[r * us + i];
   }
 }
 
@@ -185,7 +191,7 @@ void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, co
 void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim, Act act,
          cudaStream_t st) {
   if (n_rows * dim <= 0) return;
-  glu_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(gate, gs, up, us, out, n_rows, dim, act == Act::silu ? 0 : 1);
+  glu_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(gate, gs, up, us, out, n_rows, dim, act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : 2);
   check_launch("glu");
 }
 void add(float* y, const float* x, int64_t n, cudaStream_t st) {
@@ -236,6 +242,66 @@ void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* ou
   const int64_t n_out = ceil_div(n_rows, k);
   avg_pool_k<<<grid_for(n_out * dim), TPB, 0, st>>>(x, n_rows, dim, k, out, n_out);
   check_launch("avg_pool_rows");
+}
+
+// One thread per token: the CPU's moe_route_row step for step (expf, f32).
+__global__ void moe_route_k(const float* __restrict__ lg, int64_t n, int E, int k, int gate, bool norm,
+                            int32_t* __restrict__ ids, float* __restrict__ w) {
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n) return;
+  const float* l = lg + t * E;
+  int32_t* id = ids + t * k;
+  float* wt = w + t * k;
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    for (int e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int i = 0; i < j; ++i) taken |= id[i] == e;
+      if (!taken && (best < 0 || l[e] > l[best])) best = e;
+    }
+    id[j] = best;
+  }
+  if (gate == 1) {
+    for (int j = 0; j < k; ++j) wt[j] = 1.f / (1.f + expf(-l[id[j]]));
+  } else {
+    float mx = l[id[0]], sum = 0.f;
+    if (gate == 0) {
+      for (int e = 0; e < E; ++e) mx = fmaxf(mx, l[e]);
+      for (int e = 0; e < E; ++e) sum += expf(l[e] - mx);
+    } else {
+      for (int j = 0; j < k; ++j) sum += expf(l[id[j]] - mx);
+    }
+    for (int j = 0; j < k; ++j) wt[j] = expf(l[id[j]] - mx) / sum;
+  }
+  if (norm) {
+    float sum = 0.f;
+    for (int j = 0; j < k; ++j) sum += wt[j];
+    for (int j = 0; j < k; ++j) wt[j] /= sum;
+  }
+}
+
+__global__ void moe_sum_k(const float* __restrict__ y, const float* __restrict__ w, int64_t n, int k, int64_t dim,
+                          float* __restrict__ out) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n * dim; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t t = i / dim, d = i % dim;
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) acc += w[t * k + j] * y[(t * k + j) * dim + d];
+    out[i] = acc;
+  }
+}
+
+void moe_route(const float* logits, int64_t n, int n_expert, int k, int gate, bool norm, int32_t* ids, float* w,
+               cudaStream_t st) {
+  if (n <= 0) return;
+  if (k < 1 || k > n_expert) throw Error("cuda moe_route: k must be in [1, n_expert]");
+  moe_route_k<<<(unsigned)ceil_div(n, 64), 64, 0, st>>>(logits, n, n_expert, k, gate, norm, ids, w);
+  check_launch("moe_route");
+}
+
+void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out, cudaStream_t st) {
+  if (n * dim <= 0) return;
+  moe_sum_k<<<grid_for(n * dim), TPB, 0, st>>>(y, w, n, k, dim, out);
+  check_launch("moe_sum");
 }
 
 }  // namespace dl::cuda

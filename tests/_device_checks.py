@@ -56,6 +56,33 @@ def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) ->
         assert e <= 1e-12, f"a ragged step's session against itself alone: NMSE {e:.3g}"
 
 
+def moe_family(tmp_dir: str, name: str, device: str) -> None:
+    """A mixture-of-experts family (tests/oracles/moe.py's random file: routing, matmul_id, moe_sum;
+    gpt-oss's MXFP4 experts, sinks and clamped SwiGLU) on the device: all-row logits of the f32 file
+    (fp32 mode) and of the q8_0 file (default mode, experts in their file format) against the CPU in
+    fp32 mode, a few greedy tokens alike, then the paged / prefix-cache / ragged-batch checks."""
+    import moe as M  # tests/oracles/moe.py
+
+    ids = [1] + np.random.default_rng(5).integers(3, 512, 30).tolist()
+    for ft, mode in (("f32", d.QuantMode.fp32), ("q8_0", d.QuantMode.q8)):
+        path = M.random_gguf(name, f"{tmp_dir}/{name}-{ft}.gguf", ft)
+        runs = []
+        for model in (d.load_model(path, d.QuantMode.fp32), d.load_model(path, mode, device=device)):
+            s = d.create_session(model, d.KVDtype.f32, n_ctx=64)
+            d.eval(model, s, ids, all_logits=True)
+            rows = np.array(s.logits)
+            toks = []
+            for _ in range(6):
+                toks.append(int(np.argmax(np.asarray(s.logits).reshape(-1, 512)[-1])))
+                d.eval(model, s, [toks[-1]])
+            runs.append((rows, toks))
+        (ref_rows, ref_toks), (dev_rows, dev_toks) = runs
+        e = nmse(dev_rows, ref_rows)
+        assert e <= LOGIT_BAR, f"{name} {ft} on {device}: NMSE {e:.3g}"
+        assert dev_toks == ref_toks, f"{name} {ft} on {device}: greedy tokens differ"
+        paged_prefix_cache_and_ragged_batch(path, device, ids)
+
+
 def errors_leave_the_process_usable(path: str, device: str) -> None:
     """A missing device index and a pool too big for the device are refused; the model still runs."""
     kind = device.split(":")[0]

@@ -27,9 +27,9 @@ INFO = dasllama.system_info()["devices"]
 DEVICES = ["cpu"] + [f"{b}:{d['index']}" for b, e in INFO.items() if b != "cpu" for d in e["devices"]]
 NOT_FOUND = {b: e["error"] for b, e in INFO.items() if b != "cpu" and not e["devices"]}
 
-MATMUL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"]
+MATMUL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K", "mxfp4"]
 QUANTIZABLE = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
-K_SCALES = {"q4_K": [0, 2], "q5_K": [0, 2], "q6_K": [208]}  # byte offsets of f16 scale fields
+K_SCALES = {"q4_K": [0, 2], "q5_K": [0, 2], "q6_K": [208], "mxfp4": []}  # byte offsets of f16 scale fields
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 
 # NMSE bars by precision class (see the module docstring).
@@ -86,6 +86,8 @@ def make_weight(rng, name: str, rows: int, cols: int):
     else:
         bs, ts = GGML_QUANT_SIZES[T[name.upper()]]
         raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+        if name == "mxfp4":  # e8m0 exponents around 2^-6 .. 2^3 (values up to 12 times half of that)
+            raw[:, :, 0] = rng.integers(121, 131, size=raw.shape[:2])
         for off in K_SCALES[name]:
             sc = (rng.uniform(0.002, 0.02, size=raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
             raw[:, :, off:off + 2] = sc.view(np.uint8).reshape(*raw.shape[:2], 2)
@@ -209,6 +211,22 @@ def test_get_rows(backends, wtype):
     check(f"get_rows {wtype}", outs, w[ids], EXACT)
 
 
+def test_mxfp4_rows_bit_exact(backends):
+    """MXFP4 (gpt-oss's expert format) decoded by every backend equals gguf-py's dequantize bit for
+    bit, over every exponent a block may carry (subnormal scales 0 and 1 included)."""
+    rng = np.random.default_rng(17)
+    raw = rng.integers(0, 256, size=(64, 8, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(64 * 8).reshape(64, 8) % 256  # all 256 exponents
+    raw[raw[:, :, 0] == 255, 0] = 254  # 0xFF is e8m0's NaN: gguf-py and ggml disagree on nothing else
+    raw = raw.reshape(64, -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the top exponents overflow to inf, in both
+        want = g_dequantize(raw, T.MXFP4).astype(np.float32).reshape(64, 256)
+    ids = np.arange(64, dtype=np.int32)
+    for dev, out in run_all(backends, "get_rows", raw, int(T.MXFP4), 64, 256, ids).items():
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), f"mxfp4 rows on {dev}"
+
+
 # ---- norms, rope, elementwise ----------------------------------------------------------
 
 
@@ -281,6 +299,83 @@ def test_elementwise(backends):
     check("glu silu", run_all(backends, "glu", x, y, 0), silu * y64, EXACT)
     gt = 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
     check("glu gelu_tanh", run_all(backends, "glu", x, y, 1), gt * y64, 1e-9)
+    g = np.minimum(x64 * 4, 7.0)  # gate and up spread past gpt-oss's clamp at 7
+    u = np.clip(y64 * 4, -7.0, 7.0)
+    oai = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+    check("glu swiglu_oai", run_all(backends, "glu", x * 4, y * 4, 2), oai, EXACT)
+
+
+# ---- mixture of experts: routing, the gathered expert matmul, the weighted sum ---------------
+
+
+def route_ref(logits, k, gate, norm):
+    """The k largest logits per row (ties to the lower id) and their weights, in float64."""
+    l = logits.astype(np.float64)
+    ids = np.argsort(-l, axis=1, kind="stable")[:, :k]
+    picked = np.take_along_axis(l, ids, 1)
+    if gate == 0:  # softmax over all experts, the picked ones' probabilities
+        e = np.exp(l - l.max(1, keepdims=True))
+        w = np.take_along_axis(e / e.sum(1, keepdims=True), ids, 1)
+    elif gate == 1:  # sigmoid of each picked logit
+        w = 1 / (1 + np.exp(-picked))
+    else:  # softmax over the picked logits only
+        e = np.exp(picked - picked.max(1, keepdims=True))
+        w = e / e.sum(1, keepdims=True)
+    if norm:
+        w = w / w.sum(1, keepdims=True)
+    return ids, w
+
+
+@pytest.mark.parametrize("gate,norm,E,k", [(0, False, 8, 2), (0, True, 60, 4), (1, False, 1, 1), (2, False, 32, 4)])
+def test_moe_route(backends, gate, norm, E, k):
+    rng = np.random.default_rng(11 + gate + E)
+    logits = (rng.standard_normal((37, E)) * 2).astype(np.float32)
+    ids_ref, w_ref = route_ref(logits, k, gate, norm)
+    outs = run_all(backends, "moe_route", logits, k, gate, norm)
+    for dev, (ids, _) in outs.items():
+        assert np.array_equal(ids, ids_ref), f"moe_route on {dev}: other experts picked"
+    check(f"moe_route gate={gate} norm={norm}", {dev: o[1] for dev, o in outs.items()}, w_ref, EXACT)
+
+
+@pytest.mark.parametrize("wtype", MATMUL_TYPES)
+@pytest.mark.parametrize("rows,cols,n,k,per_pair,bias", [
+    (64, 512, 1, 2, False, False),   # decode: one token's gate/up over its 2 experts (packed on the CPU)
+    (24, 512, 5, 3, True, True),     # a down projection (a row per pair); 24 rows: an unpacked stack
+    (64, 256, 40, 4, False, True),   # prefill: many tokens share each expert
+])
+def test_matmul_id(backends, wtype, rows, cols, n, k, per_pair, bias):
+    rng = np.random.default_rng(rows + cols + n + k)
+    E = 6
+    raw, w = make_weight(rng, wtype, E * rows, cols)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(n)]).astype(np.int32).reshape(-1)
+    x = rng.standard_normal((n * k if per_pair else n, cols)).astype(np.float32)
+    b = rng.standard_normal((E, rows)).astype(np.float32) if bias else None
+    x_div = 1 if per_pair else k
+    ref = np.stack([w[e * rows:(e + 1) * rows] @ x[p // x_div].astype(np.float64) for p, e in enumerate(ids)])
+    if bias:
+        ref = ref + b[ids].astype(np.float64)
+    t = int(T[wtype.upper()])
+    outs = run_all({dv: be for dv, be in backends.items() if be.supports("matmul", t)}, "matmul_id",
+                   raw, t, E, rows, cols, x, x_div, ids, b)
+    check(f"matmul_id {wtype} {rows}x{cols} n={n} k={k}", outs, ref, F32_DOT, F32_DOT if wtype == "f32" else ACT_QUANT)
+
+
+def test_moe_route_sum_and_bad_calls(backends):
+    rng = np.random.default_rng(3)
+    n, k, dim = 9, 3, 130
+    y = rng.standard_normal((n * k, dim)).astype(np.float32)
+    w = rng.random((n, k)).astype(np.float32)
+    ref = np.einsum("tj,tjd->td", w.astype(np.float64), y.reshape(n, k, dim).astype(np.float64))
+    check("moe_sum", run_all(backends, "moe_sum", y, w), ref, EXACT)
+    raw, _ = make_weight(rng, "q8_0", 4 * 32, 64)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    for be in backends.values():
+        with pytest.raises(ValueError):
+            be.matmul_id(raw, int(T.Q8_0), 4, 32, 64, x, 1, np.array([0, 4], np.int32), None)  # expert 4 of 4
+        with pytest.raises(ValueError):
+            be.moe_route(x, 65, 0, False)  # k above the 64 experts
+        with pytest.raises(ValueError):
+            be.moe_route(x, 2, 3, False)  # no such gate
 
 
 def test_copies_and_pooling(backends):
@@ -319,7 +414,7 @@ def stored(x: np.ndarray, kv: str) -> np.ndarray:
     return g_dequantize(g_quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
 
 
-def attention_ref(q, k, v, q_pos, n_heads, n_kv_heads, hd, window, scale, softcap):
+def attention_ref(q, k, v, q_pos, n_heads, n_kv_heads, hd, window, scale, softcap, sinks=None):
     out = np.zeros((q.shape[0], n_heads * hd))
     group = n_heads // n_kv_heads
     j = np.arange(k.shape[0])
@@ -333,8 +428,10 @@ def attention_ref(q, k, v, q_pos, n_heads, n_kv_heads, hd, window, scale, softca
             if softcap:
                 s = softcap * np.tanh(s / softcap)
             s = np.where(vis, s, -np.inf)
-            p = np.exp(s - s.max())
-            out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ v[:, kh:kh + hd]
+            mx = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            p = np.exp(s - mx)
+            den = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - mx))  # the sink takes a share
+            out[t, h * hd:(h + 1) * hd] = (p / den) @ v[:, kh:kh + hd]
     return out
 
 
@@ -348,6 +445,27 @@ ATTN_CASES = [
     (17, 700, 4, 2, 256, 16, 128, 0.0, 17),
     (1, 2050, 16, 4, 64, 16, 512, 0.0, 100),
 ]
+
+
+@pytest.mark.parametrize("case", [(1, 1000, 8, 2, 64, 16, 0), (33, 70, 8, 2, 64, 16, 16), (1, 5, 4, 4, 64, 16, 0)],
+                         ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}".format(*c))
+def test_attention_sinks(backends, case):
+    """gpt-oss's sinks: a logit per head in each softmax's denominator (decode over many keys,
+    where a device splits the keys; a windowed prefill)."""
+    n_tok, n_kv, H, KVH, hd, P, window = case
+    rng = np.random.default_rng(n_kv + 7)
+    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    sinks = (rng.standard_normal(H) * 3).astype(np.float32)
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    page_ids = rng.permutation(n_pages + 2)[:n_pages].astype(np.int32)
+    scale = 1 / math.sqrt(hd)
+    outs = {d: b.paged_attention(q, k, v, q_pos, H, KVH, hd, 0, P, page_ids, n_pages + 2, window, scale, 0.0,
+                                 n_kv, sinks=sinks)[0] for d, b in backends.items()}
+    ref = attention_ref(q, k.astype(np.float64), v.astype(np.float64), q_pos, H, KVH, hd, window, scale, 0.0, sinks)
+    check(f"attention with sinks {case}", outs, ref, F32_DOT)
 
 
 @pytest.mark.parametrize("kv", list(KV_TYPES))

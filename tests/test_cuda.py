@@ -103,6 +103,11 @@ def test_paged_prefix_cache_and_ragged_batch(files):
     C.paged_prefix_cache_and_ragged_batch(files["qwen3"]["q8_0"], "cuda", prompt)
 
 
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "gpt-oss"])
+def test_moe_families(tmp_path, name):
+    C.moe_family(str(tmp_path), name, "cuda")
+
+
 def test_errors_leave_the_process_usable(files):
     C.errors_leave_the_process_usable(files["llama"]["f32"], "cuda")
 

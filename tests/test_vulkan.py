@@ -90,6 +90,11 @@ def test_paged_prefix_cache_and_ragged_batch(tiny):
     C.paged_prefix_cache_and_ragged_batch(tiny["q8_0"], "vulkan", prompt)
 
 
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "gpt-oss"])
+def test_moe_families(tmp_path, name):
+    C.moe_family(str(tmp_path), name, "vulkan")
+
+
 def test_errors_leave_the_process_usable(tiny):
     C.errors_leave_the_process_usable(tiny["f32"], "vulkan")
 

@@ -52,7 +52,7 @@ void vcheck(VkResult r, const char* what) {
 // The weight formats the shaders decode (cpp/quant/types.h ids).
 bool served_type(uint32_t t) {
   switch (t) {
-    case 0: case 1: case 2: case 3: case 6: case 7: case 8: case 12: case 13: case 14: case 30: return true;
+    case 0: case 1: case 2: case 3: case 6: case 7: case 8: case 12: case 13: case 14: case 30: case 39: return true;
   }
   return false;
 }
@@ -650,11 +650,11 @@ class VulkanBackend final : public Backend {
     if (a.n_tok > kMaxGroups) throw Error("vulkan attention: more than 65535 query rows in one call");
     Lock g(c_->mu);
     struct {
-      uint64_t q, base, pages, q_pos, out;
+      uint64_t q, base, pages, q_pos, out, sinks;
       uint32_t page_bytes, k_off, v_off, row_bytes;
       int32_t q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
       float scale, softcap;
-    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), (uint32_t)a.kv.page_bytes,
+    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), (uint32_t)a.kv.page_bytes,
          (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes, (int32_t)a.q_stride,
          (int32_t)a.out_stride, (int32_t)a.n_kv, a.n_heads, a.n_kv_heads, a.head_dim, a.kv.page_shift, a.window,
          (int32_t)a.kv.type, a.scale, a.softcap};
@@ -662,7 +662,7 @@ class VulkanBackend final : public Backend {
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
-    op(act == Act::silu ? 5 : 6, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : 10, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
   }
   void add(float* y, const float* x, int64_t n) override { op(0, y, x, nullptr, n, {}); }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {
@@ -690,8 +690,48 @@ class VulkanBackend final : public Backend {
     op(9, x, nullptr, out, (n_rows + k - 1) / k * dim, {(uint32_t)n_rows, (uint32_t)dim, (uint32_t)k});
   }
 
+  // ---- mixture of experts ----
+  void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,
+                 float* w) override {
+    if (k < 1 || k > n_expert) throw Error("vulkan moe_route: k must be in [1, n_expert]");
+    if (n <= 0) return;
+    moe_op(0, logits, ids, w, n, (uint32_t)n_expert, (uint32_t)k, (uint32_t)gate, norm ? 1u : 0u, 0, groups(n, 64));
+  }
+  void matmul_id(const Weight& w, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
+                 const float* bias, float* y) override {
+    check_w(w);
+    const int64_t R = w.expert_rows;
+    if (R <= 0 || w.rows % R != 0) throw Error("vulkan matmul_id: the weight is not a stack of experts");
+    if (x_div < 1) throw Error("vulkan matmul_id: x_div must be >= 1");
+    if (n_pairs <= 0) return;
+    Lock g(c_->mu);
+    struct {
+      uint64_t w, x, y, row_bytes, ids, bias;
+      uint32_t rows, cols, x_div, pair_base;
+    } pc{A(w.data), A(x), A(y), w.row_bytes, A(ids), A(bias), (uint32_t)R, (uint32_t)w.cols, (uint32_t)x_div, 0};
+    const std::string sh = "matmul_id_" + std::to_string(w.type);
+    for (int64_t p0 = 0; p0 < n_pairs; p0 += kMaxGroups) {
+      pc.pair_base = (uint32_t)p0;
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((R + 255) / 256), (uint32_t)std::min(kMaxGroups, n_pairs - p0));
+    }
+  }
+  void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out) override {
+    if (n <= 0 || dim <= 0) return;
+    if (n * dim > INT32_MAX) throw Error("vulkan moe_sum: more than 2^31 elements");
+    moe_op(1, y, w, out, n, 0, (uint32_t)k, 0, 0, (uint32_t)dim, groups(n * dim, 64));
+  }
+
  private:
   using Lock = std::lock_guard<std::recursive_mutex>;
+  void moe_op(uint32_t code, const void* a, const void* b, const void* c, int64_t n, uint32_t n_expert, uint32_t k,
+              uint32_t gate, uint32_t norm, uint32_t dim, uint32_t gx) {
+    Lock g(c_->mu);
+    struct {
+      uint64_t a, b, c;
+      uint32_t op, n, n_expert, k, gate, norm, dim;
+    } pc{A(a), A(b), A(c), code, (uint32_t)n, n_expert, k, gate, norm, dim};
+    c_->dispatch("moe", &pc, sizeof pc, gx);
+  }
   static void check_w(const Weight& w) {
     if (!w.data) throw Error("vulkan: a weight used before load_weight");
   }

@@ -60,7 +60,8 @@ void need(bool ok, const char* what) {
   if (!ok) throw py::value_error(what);
 }
 
-Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64_t cols, WeightUse use) {
+Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64_t cols, WeightUse use,
+              int64_t expert_rows = 0) {
   const TypeTraits* tt = type_traits(type);
   if (!tt) throw py::value_error("unknown ggml type " + std::to_string(type));
   const int64_t rb = type_nbytes(type, cols);
@@ -73,6 +74,7 @@ Weight weight(Dev& d, const py::array& bytes, uint32_t type, int64_t rows, int64
   w.owned = std::make_shared<std::vector<uint8_t>>((const uint8_t*)bytes.data(), (const uint8_t*)bytes.data() + bytes.nbytes());
   w.host = w.owned->data();
   w.exact = d.exact;
+  w.expert_rows = expert_rows;
   d.be->load_weight(w, use);
   return w;
 }
@@ -250,7 +252,8 @@ void bind_backend(py::module_& m) {
         float* gd = d.put(g);
         float* ud = d.put(u);
         float* y = d.poisoned((size_t)(r * c));
-        d.be->glu(gd, c, ud, c, y, r, c, act ? Act::gelu_tanh : Act::silu);
+        need(act >= 0 && act <= 2, "act must be 0 (silu), 1 (gelu_tanh) or 2 (swiglu_oai)");
+        d.be->glu(gd, c, ud, c, y, r, c, (Act)act);
         return d.get(y, {r, c});
       })
       .def("unary", [](Dev& d, const std::string& op, const py::object& xo, float a) {
@@ -269,6 +272,54 @@ void bind_backend(py::module_& m) {
         float* yd = d.put(y);
         d.be->add(yd, d.put(x), y.size());
         return d.get(yd, {(int64_t)y.size()});
+      })
+      .def("moe_route", [](Dev& d, const py::object& lo, int k, int gate, bool norm) {
+        F32 l = f32(lo, "logits", 2);
+        const int64_t n = l.shape(0), E = l.shape(1);
+        need(E >= 1 && k >= 1 && k <= E, "k must be in [1, n_expert]");
+        need(gate >= 0 && gate <= 2, "gate must be 0 (softmax), 1 (sigmoid) or 2 (softmax over the top k)");
+        float* ld = d.put(l);
+        std::vector<int32_t> minus((size_t)std::max<int64_t>(n * k, 1), -1);
+        int32_t* ids = d.put(minus.data(), minus.size());
+        float* w = d.poisoned((size_t)(n * k));
+        d.be->moe_route(ld, n, (int)E, k, (MoeGate)gate, norm, ids, w);
+        py::array_t<int32_t> ids_out({n, (int64_t)k});
+        d.be->download(ids_out.mutable_data(), ids, (size_t)(n * k) * 4);
+        return py::make_tuple(ids_out, d.get(w, {n, (int64_t)k}));
+      })
+      .def("matmul_id", [](Dev& d, const py::array& wb, uint32_t type, int64_t n_expert, int64_t rows, int64_t cols,
+                           const py::object& xo, int64_t x_div, const I32& ids, const py::object& bo) {
+        F32 x = f32(xo, "x", 2);
+        need(x.shape(1) == cols, "x must be [rows of x, cols]");
+        need(n_expert >= 1 && rows >= 1, "n_expert and rows must be positive");
+        need(x_div >= 1, "x_div must be >= 1");
+        const int64_t P = ids.size();
+        need(P == 0 || (P - 1) / x_div < x.shape(0), "x has fewer rows than the pairs read");
+        for (int64_t i = 0; i < P; ++i) need(ids.data()[i] >= 0 && ids.data()[i] < n_expert, "expert id out of range");
+        F32 b;
+        if (!bo.is_none()) {
+          b = f32(bo, "bias", 2);
+          need(b.shape(0) == n_expert && b.shape(1) == rows, "bias must be [n_expert, rows]");
+        }
+        Weight w = weight(d, wb, type, n_expert * rows, cols, WeightUse::matmul, rows);
+        float* xd = d.put(x);
+        int32_t* id = d.put(ids.data(), (size_t)P);
+        float* bd = bo.is_none() ? nullptr : d.put(b);
+        float* y = d.poisoned((size_t)(P * rows));
+        d.be->matmul_id(w, xd, x_div, id, P, bd, y);
+        return d.get(y, {P, rows});
+      })
+      .def("moe_sum", [](Dev& d, const py::object& yo, const py::object& wo) {
+        F32 w = f32(wo, "w", 2);
+        const int64_t n = w.shape(0), k = w.shape(1);
+        F32 y = f32(yo, "y", 2);
+        need(y.shape(0) == n * k, "y must have a row per (token, slot)");
+        const int64_t dim = y.shape(1);
+        float* yd = d.put(y);
+        float* wd = d.put(w);
+        float* out = d.poisoned((size_t)(n * dim));
+        d.be->moe_sum(yd, wd, n, (int)k, dim, out);
+        return d.get(out, {n, dim});
       })
       .def("add_bias", [](Dev& d, const py::object& yo, const py::object& bo) {
         F32 y = f32(yo, "y", 2), b = f32(bo, "b", 1);
@@ -319,8 +370,13 @@ void bind_backend(py::module_& m) {
       .def("paged_attention", [](Dev& d, const py::object& qo, const py::object& ko, const py::object& vo,
                                  const I32& q_pos, int n_heads, int n_kv_heads, int head_dim, int kv_type,
                                  int page_rows, const I32& page_ids, int n_pool_pages, int window, float scale,
-                                 float softcap, int64_t store_chunk) {
+                                 float softcap, int64_t store_chunk, const py::object& sinks_o) {
         F32 q = f32(qo, "q", 2), k = f32(ko, "k", 2), v = f32(vo, "v", 2);
+        F32 sinks;
+        if (!sinks_o.is_none()) {
+          sinks = f32(sinks_o, "sinks", 1);
+          need(sinks.shape(0) == n_heads, "sinks must hold one logit per query head");
+        }
         need(kv_type == 0 || kv_type == 1 || kv_type == 8, "kv_type must be 0 (f32), 1 (f16) or 8 (q8_0)");
         need(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0, "bad head layout");
         need(kv_type != 8 || head_dim % 32 == 0, "a q8_0 cache needs head_dim a multiple of 32");
@@ -366,6 +422,7 @@ void bind_backend(py::module_& m) {
         a.window = window;
         a.scale = scale;
         a.softcap = softcap;
+        a.sinks = sinks_o.is_none() ? nullptr : d.put(sinks);
         a.out = d.poisoned((size_t)(n_tok * n_heads * head_dim));
         a.out_stride = (int64_t)n_heads * head_dim;
         d.be->attention(a);
@@ -373,7 +430,9 @@ void bind_backend(py::module_& m) {
         d.be->download(raw.mutable_data(), pool->data(), (size_t)raw.size());
         py::array_t<float> out = d.get(a.out, {n_tok, (int64_t)n_heads * head_dim});
         return py::make_tuple(out, raw);
-      });
+      }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_pos"), py::arg("n_heads"), py::arg("n_kv_heads"),
+         py::arg("head_dim"), py::arg("kv_type"), py::arg("page_rows"), py::arg("page_ids"), py::arg("n_pool_pages"),
+         py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("store_chunk"), py::arg("sinks") = py::none());
 }
 
 }  // namespace dl::py_bind

@@ -84,6 +84,9 @@ struct Weight {
   // Set by the loader in fp32 mode: this matrix's matmuls keep f32 activations (a backend
   // may otherwise quantize them to 8 bits, as the CPU does for every quantized weight).
   bool exact = false;
+  // A stack of experts (a 3-D GGUF tensor [n_expert][expert_rows][cols]) seen as one matrix
+  // of n_expert * expert_rows rows; 0 for a plain matrix. matmul_id reads one expert's slice.
+  int64_t expert_rows = 0;
   bool empty() const { return host == nullptr && data == nullptr; }
 };
 
@@ -133,11 +136,23 @@ struct AttnArgs {
   int window = 0;
   float scale = 1.f;
   float softcap = 0.f;
+  // backend memory: a learned logit per query head that joins each softmax's denominator
+  // (gpt-oss's attention sinks; it takes a share of the weight but adds no value), or null
+  const float* sinks = nullptr;
   float* out = nullptr;  // [n_tok][n_heads * head_dim]
   int64_t out_stride = 0;
 };
 
-enum class Act { silu, gelu_tanh };
+// swiglu_oai: gpt-oss's clamped SwiGLU, g = min(gate, 7), u = clamp(up, -7, 7),
+// out = g * sigmoid(1.702 g) * (u + 1).
+enum class Act { silu, gelu_tanh, swiglu_oai };
+
+// How a mixture-of-experts router turns its logits into the weights of the k experts it picks
+// (always the k largest logits, ties to the lower id, largest first):
+//   softmax:      softmax over all experts, the picked experts' probabilities;
+//   sigmoid:      sigmoid of each picked logit;
+//   softmax_topk: softmax over the k picked logits only.
+enum class MoeGate { softmax = 0, sigmoid = 1, softmax_topk = 2 };
 
 // A layer's matmul stage described whole, so a backend can run it as one pass: the RMS
 // norm of the n rows of x (when `norm`; scaled by norm_w unless null), `count` matmuls
@@ -241,6 +256,21 @@ class Backend {
                            int64_t T_out) = 0;
   // out[r] = mean of rows x[r * k .. r * k + k) (a trailing partial group averages what it has).
   virtual void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) = 0;
+
+  // ---- mixture of experts ----------------------------------------------------
+  // Routing of n tokens, each a row of n_expert logits: ids[t * k + j] and w[t * k + j] for
+  // the k experts token t goes to (see MoeGate); norm divides the k weights by their sum.
+  virtual void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,
+                         float* w) = 0;
+  // For pairs p < n_pairs (token p / k_x's slot): y[p][r] = sum_c W_e[r][c] x[p / x_div][c] (+ bias[e][r]),
+  // with e = ids[p] and W_e rows [e * w.expert_rows, (e + 1) * w.expert_rows) of the stack w.
+  // x_div is k (every slot of a token reads the token's row) or 1 (a row per pair); bias is
+  // [n_expert][expert_rows] or null. ids are in backend memory, checked by the caller.
+  // Only the experts named in ids are read, each once per call however many tokens use it.
+  virtual void matmul_id(const Weight& w, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
+                         const float* bias, float* y) = 0;
+  // out[t][d] = sum_j w[t * k + j] * y[t * k + j][d] over j in order, for t < n.
+  virtual void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out) = 0;
 };
 
 size_t kv_row_bytes(KVType t, int64_t dim);

@@ -211,12 +211,15 @@ void attn_block_t(const AttnBlock& b) {
     float mx = -INFINITY;
     for (; j < hi; ++j) mx = std::max(mx, s[j]);
     for (int e = 0; e < TJ; ++e) mx = std::max(mx, mxl[e]);
+    const float sink = b.sinks ? b.sinks[r % G] : -INFINITY;
+    mx = std::max(mx, sink);
     float suml[TJ] = {0};
     for (j = lo; j + TJ <= hi; j += TJ)
       for (int e = 0; e < TJ; ++e) suml[e] += s[j + e] = exp_neg(s[j + e] - mx);
     float sum = 0;
     for (; j < hi; ++j) sum += s[j] = exp_neg(s[j] - mx);
     for (int e = 0; e < TJ; ++e) sum += suml[e];
+    if (b.sinks) sum += exp_neg(sink - mx);  // the sink's share of the denominator
     const float inv = sum > 0 ? 1.f / sum : 0.f;
     for (int64_t j = lo; j < hi; ++j) s[j] *= inv;
   }

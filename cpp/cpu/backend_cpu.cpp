@@ -100,7 +100,39 @@ uint64_t read_u64_file(const char* path, bool* ok) {
 
 std::string mib(size_t b) { return std::to_string((b + (size_t(1) << 19)) >> 20) + " MiB"; }
 
-// Decodes dim elements of a cache row, starting at element `first`, to f32.
+// One token's routing (Backend::moe_route): the k largest logits by selection (k is small),
+// ties to the lower id; then the family's weights, in f32 as the references compute them.
+void moe_route_row(const float* l, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids, float* w) {
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    for (int e = 0; e < n_expert; ++e) {
+      bool taken = false;
+      for (int i = 0; i < j; ++i) taken |= ids[i] == e;
+      if (!taken && (best < 0 || l[e] > l[best])) best = e;
+    }
+    ids[j] = best;
+  }
+  if (gate == MoeGate::sigmoid) {
+    for (int j = 0; j < k; ++j) w[j] = 1.f / (1.f + std::exp(-l[ids[j]]));
+  } else {
+    const bool all = gate == MoeGate::softmax;
+    float mx = l[ids[0]];
+    if (all)
+      for (int e = 0; e < n_expert; ++e) mx = std::max(mx, l[e]);
+    float sum = 0.f;
+    if (all)
+      for (int e = 0; e < n_expert; ++e) sum += std::exp(l[e] - mx);
+    else
+      for (int j = 0; j < k; ++j) sum += std::exp(l[ids[j]] - mx);
+    for (int j = 0; j < k; ++j) w[j] = std::exp(l[ids[j]] - mx) / sum;
+  }
+  if (norm) {
+    float sum = 0.f;
+    for (int j = 0; j < k; ++j) sum += w[j];
+    for (int j = 0; j < k; ++j) w[j] /= sum;
+  }
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int n) : pool_(n > 0 ? n : default_threads()) { cpu::kernels(); }
@@ -250,7 +282,9 @@ class CpuBackend final : public Backend {
       return e != nullptr && *e != '\0' && *e != '0';
     }();
     const cpu::KernelTable& kt = cpu::kernels();
-    const size_t n = off ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
+    // A stack of experts packs only when every expert starts on a packed row group.
+    const bool split = w.expert_rows > 0 && w.expert_rows % cpu::kPackRowAlign != 0;
+    const size_t n = off || split ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
     if (n == 0) return;
     std::shared_ptr<void> owner = pack_alloc(n);
     void* p = owner.get();
@@ -493,6 +527,7 @@ class CpuBackend final : public Backend {
         b.window = a.window;
         b.scale = a.scale;
         b.softcap = a.softcap;
+        b.sinks = a.sinks ? a.sinks + h0 : nullptr;
         b.out = a.out + t0 * a.out_stride + (int64_t)h0 * hd;
         b.out_stride = a.out_stride;
         scratch.resize(kt.attn_block_scratch(b.n_rows, b.group, hd, a.n_kv));
@@ -505,7 +540,7 @@ class CpuBackend final : public Backend {
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    const int a = act == Act::silu ? 0 : 1;
+    const int a = act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : 2;
     auto rows = [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) kt.glu_f32(gate + r * gs, up + r * us, out + r * dim, dim, a);
     };
@@ -601,6 +636,114 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,
+                 float* w) override {
+    if (k < 1 || k > n_expert) throw Error("moe_route: k must be in [1, n_expert]");
+    for (int64_t t = 0; t < n; ++t) moe_route_row(logits + t * n_expert, n_expert, k, gate, norm, ids + t * k, w + t * k);
+  }
+
+  // Tokens grouped by expert: each expert's gathered rows go through the dense kernel over
+  // that expert's slice of the stack (its packed slice when packed), so an expert's weights
+  // are read once per call; every (expert, row chunk) is a task of one dispatch.
+  void matmul_id(const Weight& w, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
+                 const float* bias, float* y) override {
+    const cpu::KernelTable& kt = cpu::kernels();
+    const int64_t R = w.expert_rows, K = w.cols;
+    if (R <= 0 || w.rows % R != 0) throw Error("matmul_id: the weight is not a stack of experts");
+    if (x_div < 1) throw Error("matmul_id: x_div must be >= 1");
+    const int64_t E = w.rows / R;
+    const uint32_t at = kt.act_type(w.type);
+    const TypeTraits* tt = type_traits(w.type);
+    if (at == UINT32_MAX) throw UnsupportedModelError(std::string("no matmul kernel for weight type ") + (tt ? tt->name : "?"));
+    if (n_pairs <= 0) return;
+    // Counting sort of the pairs by expert.
+    std::vector<int64_t>& start = moe_start_;
+    std::vector<int64_t>& order = moe_order_;
+    start.assign((size_t)E + 1, 0);
+    for (int64_t p = 0; p < n_pairs; ++p) {
+      if (ids[p] < 0 || ids[p] >= E) throw Error("matmul_id: expert id " + std::to_string(ids[p]) + " out of range");
+      ++start[(size_t)ids[p] + 1];
+    }
+    for (int64_t e = 0; e < E; ++e) start[(size_t)e + 1] += start[(size_t)e];
+    order.resize((size_t)n_pairs);
+    {
+      std::vector<int64_t> fill(start.begin(), start.end() - 1);
+      for (int64_t p = 0; p < n_pairs; ++p) order[(size_t)fill[(size_t)ids[p]]++] = p;
+    }
+    const int64_t arb = (int64_t)cpu::act_row_bytes(at, K);
+    act_.resize((size_t)(arb * n_pairs));
+    uint8_t* act = act_.data();
+    auto quant = [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) kt.quantize_act(at, x + (order[(size_t)i] / x_div) * K, act + i * arb, K);
+    };
+    if (n_pairs * K <= 16384)
+      quant(0, n_pairs);
+    else
+      pool_.parallel_for(n_pairs, 1, quant);
+    moe_y_.resize((size_t)(n_pairs * R));
+    float* yb = moe_y_.data();
+    const int64_t min_chunk = n_pairs <= 8 ? 4 * cpu::kPackRowAlign : cpu::kPackRowAlign;
+    const bool packed = w.packed != nullptr && w.packed_for == (int)kt.isa;
+    std::vector<cpu::MatmulArgs>& args = moe_args_;
+    std::vector<int64_t>& first = moe_first_;  // task index of each used expert's first chunk
+    args.clear();
+    first.assign(1, 0);
+    int64_t active_rows = 0;
+    for (int64_t e = 0; e < E; ++e) active_rows += start[(size_t)e + 1] > start[(size_t)e] ? R : 0;
+    const int64_t chunk =
+        std::min<int64_t>(4 * min_chunk, std::max<int64_t>(min_chunk, active_rows / (16 * pool_.size()) / min_chunk * min_chunk));
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t cnt = start[(size_t)e + 1] - start[(size_t)e];
+      if (cnt == 0) continue;
+      cpu::MatmulArgs a;
+      a.wtype = w.type;
+      a.k = K;
+      a.w = w.data + (size_t)(e * R) * w.row_bytes;
+      a.w_row_bytes = w.row_bytes;
+      a.act = act + start[(size_t)e] * arb;
+      a.act_row_bytes = (size_t)arb;
+      a.n_tok = cnt;
+      a.y = yb + start[(size_t)e] * R;
+      a.y_stride = R;
+      a.rows = R;
+      a.wpack = packed ? w.packed + kt.pack_bytes(w.type, e * R, K) : nullptr;
+      args.push_back(a);
+      first.push_back(first.back() + (R + chunk - 1) / chunk);
+    }
+    const int n_args = (int)args.size();
+    pool_.parallel_for(first.back(), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t c = lo; c < hi; ++c) {
+        int i = 0;
+        while (c >= first[(size_t)i + 1]) ++i;
+        const int64_t r0 = (c - first[(size_t)i]) * chunk;
+        kt.matmul_rows(args[(size_t)i], r0, std::min(R, r0 + chunk));
+      }
+    });
+    (void)n_args;
+    for (int64_t i = 0; i < n_pairs; ++i) {
+      const int64_t p = order[(size_t)i];
+      const float* src = yb + i * R;
+      float* dst = y + p * R;
+      if (bias) {
+        const float* b = bias + (int64_t)ids[p] * R;
+        for (int64_t r = 0; r < R; ++r) dst[r] = src[r] + b[r];
+      } else {
+        std::memcpy(dst, src, (size_t)R * 4);
+      }
+    }
+  }
+
+  void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out) override {
+    for (int64_t t = 0; t < n; ++t) {
+      float* o = out + t * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        float acc = 0.f;
+        for (int j = 0; j < k; ++j) acc += w[t * k + j] * y[(t * k + j) * dim + d];
+        o[d] = acc;
+      }
+    }
+  }
+
  private:
   // cos/sin per (token, pair) for one set of positions and parameters. Q and K of a
   // layer, and every layer with the same base, reuse it (two slots: Gemma alternates
@@ -690,6 +833,9 @@ class CpuBackend final : public Backend {
   RopeTable rope_[2];
   std::vector<double> inv_freq_;
   std::vector<uint8_t> act_;
+  std::vector<int64_t> moe_start_, moe_order_, moe_first_;
+  std::vector<cpu::MatmulArgs> moe_args_;
+  std::vector<float> moe_y_;
   std::vector<float> kv_f32_;
 };
 

@@ -45,6 +45,7 @@ struct AttnBlock {
   int64_t n_rows = 0, n_kv = 0;
   int group = 1, head_dim = 0, window = 0;
   float scale = 1.f, softcap = 0.f;
+  const float* sinks = nullptr;  // the block's first query head's sink logit (AttnArgs::sinks), or null
   float* out = nullptr;
   int64_t out_stride = 0;
   float* scratch = nullptr;  // attn_block_scratch(...) floats

@@ -34,6 +34,14 @@ inline float silu(float x) {
   return (x >= 0.f ? x : x * e) / (1.f + e);
 }
 
+// gpt-oss's clamped SwiGLU (Act::swiglu_oai).
+inline float swiglu_oai(float gate, float up) {
+  const float g = std::fmin(gate, 7.f), u = std::fmin(std::fmax(up, -7.f), 7.f);
+  const float z = 1.702f * g;
+  const float e = exp_neg(-std::fabs(z));
+  return g * ((z >= 0.f ? 1.f : e) / (1.f + e)) * (u + 1.f);
+}
+
 // tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2|y|).
 inline float tanh_f(float y) {
   const float e = exp_neg(-2.f * std::fabs(y));

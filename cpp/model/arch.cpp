@@ -18,6 +18,7 @@ void ensure_registered() {
     register_qwen_family();
     register_gemma_family();
     register_phi_family();
+    register_gpt_oss_family();
   });
 }
 }  // namespace

@@ -6,10 +6,12 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
+
 namespace dl {
 
 enum class RopeType { norm, neox };  // adjacent pairs (llama GGUF layout) / split halves
-enum class FfnAct { silu, gelu_tanh };
+enum class FfnAct { silu, gelu_tanh, swiglu_oai };  // swiglu_oai: gpt-oss's clamped SwiGLU
 
 struct ArchTraits {
   std::string name;               // general.architecture
@@ -30,6 +32,17 @@ struct ArchTraits {
   // A SentencePiece vocabulary of this family is Gemma's as transformers builds it: merges
   // ranked by token order (not scores), runs of spaces spelled with "\u2581".
   bool spm_gemma = false;
+  // Mixture of experts (layers that carry ffn_*_exps tensors): how the router weighs the
+  // experts it picks, and whether the k weights are renormalized to sum to one (the
+  // default when the file has no expert_weights_norm key).
+  MoeGate moe_gate = MoeGate::softmax;
+  bool moe_norm_topk = false;
+  // The FFN's input norm tensor (gpt-oss names it post_attention_norm, then it is no
+  // attention post-norm).
+  std::string ffn_norm_tensor = "ffn_norm";
+  // YaRN's correction range rounded out to whole dims (transformers' truncate, its default);
+  // gpt-oss trains without.
+  bool yarn_truncate = true;
 };
 
 // A control token that closes a turn in a chat format (ChatML's <|im_end|>, ...). A
@@ -52,5 +65,6 @@ void register_llama_family();
 void register_qwen_family();
 void register_gemma_family();
 void register_phi_family();
+void register_gpt_oss_family();
 
 }  // namespace dl

@@ -306,22 +306,25 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.window = swa ? c.sliding_window : 0;
     a.scale = c.attn_scale;
     a.softcap = c.attn_softcap;
+    a.sinks = L.attn_sinks.data();
     a.out = att + r0 * q_dim;
     a.out_stride = q_dim;
   }
   be.attention_multi(attn_args_.data(), n_runs);
 
-  project_residual(L.wo, L.attn_post_norm, att, n, o);
+  project_residual(L.wo, L.bo, L.attn_post_norm, att, n, o);
 }
 
-// x += W in (through a post-norm when the family has one), x the residual stream; `o`
-// is scratch for the projection.
-void Model::project_residual(const Weight& w, const Vec& post_norm, const float* in, int64_t n, float* o) {
+// x += W in (+ bias, through a post-norm when the family has them), x the residual
+// stream; `o` is scratch for the projection.
+void Model::project_residual(const Weight& w, const Vec& bias, const Vec& post_norm, const float* in, int64_t n,
+                             float* o) {
   Backend& be = *backend_;
   float* x = static_cast<float*>(x_->data());
-  if (!post_norm.empty()) {
+  if (!post_norm.empty() || !bias.empty()) {
     be.matmul(w, in, n, o);
-    be.rms_norm(o, post_norm.data(), o, n, cfg_.dim, cfg_.norm_eps);
+    if (!bias.empty()) be.add_bias(o, bias.data(), n, cfg_.dim);
+    if (!post_norm.empty()) be.rms_norm(o, post_norm.data(), o, n, cfg_.dim, cfg_.norm_eps);
     be.add(x, o, n * cfg_.dim);
     return;
   }
@@ -335,13 +338,20 @@ void Model::ffn_block(int il, int64_t n) {
   const ModelConfig& c = cfg_;
   Backend& be = *backend_;
   const LayerWeights& L = layers_[il];
-  const int64_t F = c.ffn_dim;
-  const Act act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
+  const int64_t D = c.dim, F = c.ffn_dim;
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : traits_->act == FfnAct::gelu_tanh ? Act::gelu_tanh : Act::swiglu_oai;
   float* x = static_cast<float*>(x_->data());
   float* xn = static_cast<float*>(xn_->data());
   float* o = static_cast<float*>(ffn_->data());
   float* gate = scratch(gate_, n * 2 * F, "activations");
   float* up = scratch(up_, n * F, "activations");
+  if (!L.router.empty()) {  // a mixture of experts reads the normed rows (xn) itself
+    be.rms_norm(x, L.ffn_norm.data(), xn, n, D, c.norm_eps);
+    moe_block(il, n);
+    if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
+    be.add(x, o, n * D);
+    return;
+  }
   MatmulStep gu;
   gu.x = x, gu.n = n, gu.xn = xn;
   gu.norm = true, gu.norm_w = L.ffn_norm.data(), gu.eps = c.norm_eps;
@@ -354,7 +364,51 @@ void Model::ffn_block(int il, int64_t n) {
     be.matmul_step(gu);
     be.glu(gate, F, up, F, up, n, F, act);
   }
-  project_residual(L.w_down, L.ffn_post_norm, up, n, o);
+  project_residual(L.w_down, Vec{}, L.ffn_post_norm, up, n, o);
+}
+
+// A mixture-of-experts FFN over the normed rows xn, into ffn_: the router's logits, the k
+// experts of each token (ids and weights stay on the backend), each picked expert's GLU through
+// matmul_id (an expert's weights read once per step for all the tokens routed to it), the
+// weighted sum; then a shared expert, when the layer has one, scaled by its sigmoid gate.
+void Model::moe_block(int il, int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const LayerWeights& L = layers_[il];
+  const int64_t D = c.dim, E = c.n_expert, F = c.expert_ffn_dim;
+  const int k = c.n_expert_used;
+  const int64_t P = n * k;
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : traits_->act == FfnAct::gelu_tanh ? Act::gelu_tanh : Act::swiglu_oai;
+  const float* xn = static_cast<const float*>(xn_->data());
+  float* o = static_cast<float*>(ffn_->data());
+  float* lg = scratch(moe_logits_, n * E + n, "activations");
+  int32_t* ids = reinterpret_cast<int32_t*>(scratch(moe_ids_, P + n, "activations"));
+  float* w = scratch(moe_w_, P + n, "activations");
+  float* gate = scratch(gate_, P * F, "activations");
+  float* up = scratch(up_, P * F, "activations");
+  float* yd = scratch(moe_y_, P * D, "activations");
+  be.matmul(L.router, xn, n, lg);
+  if (!L.router_b.empty()) be.add_bias(lg, L.router_b.data(), n, E);
+  be.moe_route(lg, n, (int)E, k, traits_->moe_gate, c.moe_norm_topk, ids, w);
+  be.matmul_id(L.gate_exps, xn, k, ids, P, L.gate_exps_b.data(), gate);
+  be.matmul_id(L.up_exps, xn, k, ids, P, L.up_exps_b.data(), up);
+  be.glu(gate, F, up, F, up, P, F, act);
+  be.matmul_id(L.down_exps, up, 1, ids, P, L.down_exps_b.data(), yd);
+  be.moe_sum(yd, w, n, k, D, o);
+  if (L.gate_shexp.empty()) return;
+  const int64_t Fs = c.shexp_ffn_dim;
+  float* sh = scratch(moe_sh_, n * (2 * Fs + 2 * D), "activations");
+  float* sg = sh, *su = sh + n * Fs, *sd = sh + 2 * n * Fs, *so = sd + n * D;
+  const Weight* ws[2] = {&L.gate_shexp, &L.up_shexp};
+  float* ys[2] = {sg, su};
+  be.matmul_multi(ws, ys, 2, xn, n);
+  be.glu(sg, Fs, su, Fs, su, n, Fs, act);
+  be.matmul(L.down_shexp, su, n, sd);
+  // The gate's logit through moe_route as one expert of one: sigmoid(logit) as its weight.
+  be.matmul(L.router_shexp, xn, n, lg + n * E);
+  be.moe_route(lg + n * E, n, 1, 1, MoeGate::sigmoid, false, ids + P, w + P);
+  be.moe_sum(sd, w + P, n, 1, D, so);
+  be.add(o, so, n * D);
 }
 
 // Final norm and logits: of every row, or of the last row of each run that wants them.

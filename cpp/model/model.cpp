@@ -79,7 +79,10 @@ Model::MemoryEstimate Model::estimate(const std::string& path, QuantMode mode, c
   const int64_t rows = std::min<int64_t>(m->max_chunk_, n_ctx);
   const int64_t q_dim = (int64_t)c.n_heads * c.head_dim, kv_dim = (int64_t)c.n_kv_heads * c.head_dim;
   const int64_t per_row = 4 * (int64_t)c.dim + 2 * q_dim + 2 * kv_dim + std::max<int64_t>(c.dim, q_dim + 2 * kv_dim) +
-                          3 * (int64_t)c.ffn_dim;
+                          3 * (int64_t)c.ffn_dim +
+                          // a mixture of experts: per token k experts' gate, up and down rows, the shared expert
+                          (int64_t)c.n_expert_used * (2 * (int64_t)c.expert_ffn_dim + c.dim) +
+                          (c.n_expert > 0 ? 2 * (int64_t)c.shexp_ffn_dim + 2 * c.dim + c.n_expert : 0);
   const int threads = std::max(1, m->backend_->info().threads);
   e.scratch = (size_t)(rows * per_row + c.vocab_size) * 4 + (size_t)(rows * std::max(c.dim, c.ffn_dim)) * 2 +
               (size_t)threads * 16 * (size_t)n_ctx * 4;
@@ -141,8 +144,9 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
     const double beta_slow = get_float_or(f, key(c, "rope.scaling.yarn_beta_slow"), 1.f);
     const double dim = c.n_rot, base = c.rope_base;
     auto corr = [&](double rot) { return dim * std::log(orig / (rot * 2 * M_PI)) / (2 * std::log(base)); };
-    const double low = std::max(std::floor(corr(beta_fast)), 0.0);
-    double high = std::min(std::ceil(corr(beta_slow)), dim - 1);
+    const bool trunc = m->traits_->yarn_truncate;
+    const double low = std::max(trunc ? std::floor(corr(beta_fast)) : corr(beta_fast), 0.0);
+    double high = std::min(trunc ? std::ceil(corr(beta_slow)) : corr(beta_slow), dim - 1);
     if (low == high) high += 0.001;
     c.rope_inv_freq.resize((size_t)c.n_rot / 2);
     for (int i = 0; i < c.n_rot / 2; ++i) {
@@ -171,6 +175,18 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
   c.attn_scale = std::find(big.begin(), big.end(), c.n_layers) != big.end()
                      ? 1.f / std::sqrt((float)(c.dim / c.n_heads))
                      : 1.f / std::sqrt((float)c.head_dim);
+
+  c.n_expert = get_int_or(f, key(c, "expert_count"), 0);
+  c.n_expert_used = get_int_or(f, key(c, "expert_used_count"), 0);
+  c.expert_ffn_dim = get_int_or(f, key(c, "expert_feed_forward_length"), c.ffn_dim);
+  c.shexp_ffn_dim = get_int_or(f, key(c, "expert_shared_feed_forward_length"), c.ffn_dim);
+  {
+    const gguf::Value* v = f.find(key(c, "expert_weights_norm"));
+    c.moe_norm_topk = v && v->type == gguf::ValueType::BOOL ? v->as_int() != 0 : t.moe_norm_topk;
+  }
+  if (c.n_expert > 0 && (c.n_expert_used < 1 || c.n_expert_used > c.n_expert || c.expert_ffn_dim <= 0))
+    throw GGUFError("metadata: bad expert counts (" + std::to_string(c.n_expert_used) + " used of " +
+                    std::to_string(c.n_expert) + ", expert ffn " + std::to_string(c.expert_ffn_dim) + ")");
 
   m->load_weights();  // shapes and types checked, sizes known; nothing resident yet
   if (dry_run) return m;
@@ -230,7 +246,9 @@ Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, 
     if (required) throw UnsupportedModelError("missing tensor '" + name + "'");
     return {};
   }
-  if (ti->ne.size() != 2 || (cols >= 0 && ti->ne[0] != cols) || (rows >= 0 && ti->ne[1] != rows)) {
+  // A 1-D tensor is a matrix of one row where one is asked for (qwen2moe's shared-expert gate).
+  const int64_t ne1 = ti->ne.size() == 1 && rows == 1 ? 1 : ti->ne.size() == 2 ? ti->ne[1] : -1;
+  if ((ti->ne.size() != 2 && ne1 != 1) || (cols >= 0 && ti->ne[0] != cols) || (rows >= 0 && ne1 != rows)) {
     std::string got;
     for (auto d : ti->ne) got += (got.empty() ? "" : "x") + std::to_string(d);
     throw UnsupportedModelError("tensor '" + name + "' has shape " + got + ", expected " + std::to_string(cols) +
@@ -242,7 +260,7 @@ Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, 
   Weight w;
   w.type = ti->type;
   w.cols = ti->ne[0];
-  w.rows = ti->ne[1];
+  w.rows = ne1;
   w.host = file_->tensor_data(*ti);
   w.row_bytes = (size_t)type_nbytes(ti->type, w.cols);
   const uint32_t want = backend_->weight_type(w.type, w.cols, mode_);
@@ -260,6 +278,38 @@ Weight Model::load_matrix(const std::string& name, bool required, int64_t rows, 
   }
   // Converted later, one matrix at a time just before it is made resident, so a load
   // never holds every converted copy at once.
+  if (!backend_->supports(Op::matmul, want)) {
+    const TypeTraits* wt = type_traits(want);
+    throw UnsupportedModelError("tensor '" + name + "': the " + backend_->name() + " backend has no matmul for " +
+                                (wt ? wt->name : "?"));
+  }
+  return w;
+}
+
+Weight Model::load_experts(const std::string& name, bool required, int64_t n_expert, int64_t rows, int64_t cols) {
+  const gguf::TensorInfo* ti = file_->find_tensor(name);
+  if (!ti) {
+    if (required) throw UnsupportedModelError("missing tensor '" + name + "'");
+    return {};
+  }
+  if (ti->ne.size() != 3 || ti->ne[0] != cols || ti->ne[1] != rows || ti->ne[2] != n_expert) {
+    std::string got;
+    for (auto d : ti->ne) got += (got.empty() ? "" : "x") + std::to_string(d);
+    throw UnsupportedModelError("tensor '" + name + "' has shape " + got + ", expected " + std::to_string(cols) + "x" +
+                                std::to_string(rows) + "x" + std::to_string(n_expert));
+  }
+  // Each expert's rows are contiguous in the file: the stack is one matrix of n_expert * rows.
+  Weight w;
+  const TypeTraits* tt = type_traits(ti->type);
+  if (!tt || !tt->dequantizable)
+    throw UnsupportedModelError("tensor '" + name + "' has unsupported type " + (tt ? tt->name : "?"));
+  w.type = ti->type;
+  w.cols = cols;
+  w.rows = n_expert * rows;
+  w.expert_rows = rows;
+  w.host = file_->tensor_data(*ti);
+  w.row_bytes = (size_t)type_nbytes(ti->type, cols);
+  const uint32_t want = backend_->weight_type(w.type, w.cols, mode_);
   if (!backend_->supports(Op::matmul, want)) {
     const TypeTraits* wt = type_traits(want);
     throw UnsupportedModelError("tensor '" + name + "': the " + backend_->name() + " backend has no matmul for " +
@@ -314,9 +364,32 @@ void Model::load_weights() {
     L.q_norm = upload(load_vector(n("attn_q_norm"), false, c.head_dim));
     L.k_norm = upload(load_vector(n("attn_k_norm"), false, c.head_dim));
     L.wo = load_matrix(n("attn_output"), true, c.dim, q_dim);
-    L.attn_post_norm = upload(load_vector(n("post_attention_norm"), false, c.dim));
-    L.ffn_norm = upload(load_vector(n("ffn_norm"), true, c.dim));
+    L.bo = upload(load_vector(b("attn_output"), false, c.dim));
+    L.attn_sinks = upload(load_vector(n("attn_sinks"), false, c.n_heads));
+    const std::string& ffn_norm = traits_->ffn_norm_tensor;
+    if (ffn_norm != "post_attention_norm")
+      L.attn_post_norm = upload(load_vector(n("post_attention_norm"), false, c.dim));
+    L.ffn_norm = upload(load_vector(n(ffn_norm.c_str()), true, c.dim));
     L.ffn_post_norm = upload(load_vector(n("post_ffw_norm"), false, c.dim));
+    if (c.n_expert > 0) L.router = load_matrix(n("ffn_gate_inp"), false, c.n_expert, c.dim);
+    if (!L.router.empty()) {
+      // A mixture-of-experts layer; the shared expert and the biases are found from the tensors.
+      const int64_t E = c.n_expert, F = c.expert_ffn_dim;
+      L.router_b = upload(load_vector(b("ffn_gate_inp"), false, E));
+      L.gate_exps = load_experts(n("ffn_gate_exps"), true, E, F, c.dim);
+      L.up_exps = load_experts(n("ffn_up_exps"), true, E, F, c.dim);
+      L.down_exps = load_experts(n("ffn_down_exps"), true, E, c.dim, F);
+      L.gate_exps_b = upload(load_vector(b("ffn_gate_exps"), false, E * F));
+      L.up_exps_b = upload(load_vector(b("ffn_up_exps"), false, E * F));
+      L.down_exps_b = upload(load_vector(b("ffn_down_exps"), false, E * c.dim));
+      L.router_shexp = load_matrix(n("ffn_gate_inp_shexp"), false, 1, c.dim);
+      L.gate_shexp = load_matrix(n("ffn_gate_shexp"), !L.router_shexp.empty(), c.shexp_ffn_dim, c.dim);
+      if (!L.gate_shexp.empty()) {
+        L.up_shexp = load_matrix(n("ffn_up_shexp"), true, c.shexp_ffn_dim, c.dim);
+        L.down_shexp = load_matrix(n("ffn_down_shexp"), true, c.dim, c.shexp_ffn_dim);
+      }
+      continue;
+    }
     L.w_gate = load_matrix(n("ffn_gate"), false, c.ffn_dim, c.dim);
     if (L.w_gate.empty()) {
       L.w_gate_up = load_matrix(n("ffn_up"), true, 2 * (int64_t)c.ffn_dim, c.dim);  // phi3: gate | up
@@ -341,7 +414,9 @@ void Model::load_weights() {
 std::vector<Weight*> Model::matrices() {
   std::vector<Weight*> mats = {&output_};
   for (LayerWeights& L : layers_)
-    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wqkv, &L.wo, &L.w_gate, &L.w_up, &L.w_gate_up, &L.w_down})
+    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wqkv, &L.wo, &L.w_gate, &L.w_up, &L.w_gate_up, &L.w_down, &L.router,
+                      &L.gate_exps, &L.up_exps, &L.down_exps, &L.gate_shexp, &L.up_shexp, &L.down_shexp,
+                      &L.router_shexp})
       if (!w->empty()) mats.push_back(w);
   return mats;
 }

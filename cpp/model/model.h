@@ -34,12 +34,20 @@ struct ModelConfig {
   int sliding_window = 0;
   std::vector<uint8_t> layer_is_swa;
   float attn_scale = 0.f, attn_softcap = 0.f, final_softcap = 0.f;
+  // mixture of experts (0 experts: a dense model)
+  int n_expert = 0, n_expert_used = 0, expert_ffn_dim = 0, shexp_ffn_dim = 0;
+  bool moe_norm_topk = false;
 };
 
 struct LayerWeights {
   Vec attn_norm, attn_post_norm, ffn_norm, ffn_post_norm, q_norm, k_norm;
-  Vec bq, bk, bv;
+  Vec bq, bk, bv, bo;
+  Vec attn_sinks;  // a logit per query head (gpt-oss)
   Weight wq, wk, wv, wqkv, wo, w_gate, w_up, w_gate_up, w_down;
+  // mixture of experts: the router, the expert stacks (with biases where the family has
+  // them) and an optional shared expert behind its own sigmoid gate (a 1-row matrix)
+  Weight router, gate_exps, up_exps, down_exps, gate_shexp, up_shexp, down_shexp, router_shexp;
+  Vec router_b, gate_exps_b, up_exps_b, down_exps_b;
 };
 
 class Session;
@@ -128,6 +136,9 @@ class Model : public std::enable_shared_from_this<Model> {
   void release_unread_pages();
   // Host-side: the matrix in the backend's chosen format (made resident later, all at once).
   Weight load_matrix(const std::string& name, bool required, int64_t rows = -1, int64_t cols = -1);
+  // A stack of n_expert matrices of rows x cols (a 3-D tensor), as one matrix of matmul_id.
+  Weight load_experts(const std::string& name, bool required, int64_t n_expert, int64_t rows, int64_t cols);
+  void moe_block(int il, int64_t n);
   std::vector<float> load_vector(const std::string& name, bool required, int64_t n = -1);
   Vec upload(const std::vector<float>& v) { return upload_vec(*backend_, v, "model weights"); }
   // A chunk of rows: runs of consecutive rows, each belonging to one session.
@@ -144,7 +155,7 @@ class Model : public std::enable_shared_from_this<Model> {
   void stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64_t n);
   void attention_block(int il, const Run* runs, int n_runs, int64_t n);
   void ffn_block(int il, int64_t n);
-  void project_residual(const Weight& w, const Vec& post_norm, const float* in, int64_t n, float* o);
+  void project_residual(const Weight& w, const Vec& bias, const Vec& post_norm, const float* in, int64_t n, float* o);
   int64_t logits_block(const Run* runs, int n_runs, int64_t n, bool all_logits);
   float* scratch(BufferPtr& b, int64_t floats, const char* what);
 
@@ -168,6 +179,7 @@ class Model : public std::enable_shared_from_this<Model> {
   // Backend scratch for one chunk of up to max_chunk_ rows (grown on demand).
   int64_t max_chunk_ = 256;
   BufferPtr x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, logits_, embd_;
+  BufferPtr moe_logits_, moe_ids_, moe_w_, moe_y_, moe_sh_;
   float* embd_dev_ = nullptr;
   // Per-step host data, uploaded at once: token ids, positions, then each run's block table.
   std::vector<int32_t> meta_host_;

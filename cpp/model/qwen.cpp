@@ -1,4 +1,7 @@
-// The qwen family: Qwen2/2.5 (q/k/v biases, found from the tensors) and Qwen3 (QK-norm).
+// The qwen family: Qwen2/2.5 (q/k/v biases, found from the tensors) and Qwen3 (QK-norm);
+// their mixtures of experts: Qwen2-MoE / Qwen1.5-MoE (softmax router, top-k weights as they
+// are, a shared expert behind a sigmoid gate, found from the tensors) and Qwen3-MoE
+// (softmax router, top-k weights renormalized, no shared expert).
 #include "model/arch.h"
 
 namespace dl {
@@ -10,5 +13,15 @@ void register_qwen_family() {
     t.act = FfnAct::silu;
     register_arch(t);
   }
+  ArchTraits m;
+  m.name = "qwen2moe";
+  m.rope = RopeType::neox;
+  m.act = FfnAct::silu;
+  m.moe_gate = MoeGate::softmax;
+  m.moe_norm_topk = false;
+  register_arch(m);
+  m.name = "qwen3moe";
+  m.moe_norm_topk = true;
+  register_arch(m);
 }
 }  // namespace dl

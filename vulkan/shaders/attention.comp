@@ -7,7 +7,7 @@
 
 layout(local_size_x = 64) in;
 layout(push_constant, std430) uniform PC {
-  uint64_t q, base, pages, q_pos, out_;
+  uint64_t q, base, pages, q_pos, out_, sinks;  // sinks: a logit per head joining the denominator, or 0
   uint page_bytes, k_off, v_off, row_bytes;
   int q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
   float scale, softcap;
@@ -73,6 +73,12 @@ void main() {
     }
     m = mx;
     barrier();  // sc is rewritten by the next chunk
+  }
+  if (pc.sinks != 0ul) {
+    const float sink = F32(pc.sinks).v[h], mx = max(m, sink);
+    const float corr = exp(m - mx);
+    l = l * corr + exp(sink - mx);
+    for (int i = 0; i < 4; ++i) acc[i] *= corr;
   }
   F32 o = F32(pc.out_ + (uint64_t(t) * uint64_t(pc.out_stride) + uint64_t(h * hd)) * 4u);
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;

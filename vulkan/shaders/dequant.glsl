@@ -12,6 +12,7 @@
 #define T_Q5_K 13
 #define T_Q6_K 14
 #define T_BF16 30
+#define T_MXFP4 39
 
 void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint e0 = g * 8u;
@@ -39,6 +40,20 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   [[unroll]] for (uint i = 0u; i < 4u; ++i) {
     precise float a = float(sbyte(w0, i)) * d, c = float(sbyte(w1, i)) * d;
     v[i] = a, v[i + 4u] = c;
+  }
+#elif TYPE == T_MXFP4
+  // e2m1 doubled ({0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign) times the e8m0 scale halved.
+  const uint64_t b = row + uint64_t(g >> 2) * 17u;
+  const uint e = rd8(b);
+  const float d = uintBitsToFloat(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
+  const uint o = (g & 3u) * 8u;
+  const uint sh = (o >> 4) * 4u;
+  const uint64_t q = b + 1u + (o & 15u);
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    const uint n = (rd8(q + i) >> sh) & 0xFu, m = n & 7u;
+    const int a = m <= 4u ? int(m) : (m == 5u ? 6 : (m == 6u ? 8 : 12));
+    precise float p = d * float((n & 8u) != 0u ? -a : a);
+    v[i] = p;
   }
 #elif TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q5_0 || TYPE == T_Q5_1
 #if TYPE == T_Q4_0

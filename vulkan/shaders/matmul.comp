@@ -3,27 +3,48 @@
 // register tile). No shared memory and no barriers: cheap on lavapipe (where loads are per-lane
 // gathers and a barrier is a coroutine switch), and the x reads are the same for the whole
 // workgroup (a broadcast on a GPU). One kernel for decode and prefill (the plain path).
+// Built with -DMOE it is matmul_id: workgroup row y is one (token, slot) pair, whose expert
+// ids[p] picks the slice of the expert stack it reads (plus that expert's bias, if any).
 #version 450
 #include "common.glsl"
 #include "dequant.glsl"
 
 layout(local_size_x = 64) in;
+#ifdef MOE
+layout(push_constant, std430) uniform PC {
+  uint64_t w, x, y;
+  uint64_t row_bytes;
+  uint64_t ids, bias;
+  uint rows, cols, x_div, pair_base;  // rows: one expert's
+} pc;
+const uint NT = 1u, NR = 4u;
+#else
 layout(push_constant, std430) uniform PC {
   uint64_t w, x, y;
   uint64_t row_bytes;
   uint rows, cols, n, pad_;
 } pc;
-
 const uint NT = 8u, NR = 4u;
+#endif
 
 void main() {
   const uint r0 = gl_GlobalInvocationID.x * NR;
   if (r0 >= pc.rows) return;
+#ifdef MOE
+  const uint p = pc.pair_base + gl_WorkGroupID.y;
+  const uint e = uint(I32(pc.ids).v[p]);
+  const uint64_t wbase = pc.w + uint64_t(e) * pc.rows * pc.row_bytes;
+  const uint64_t xbase = pc.x + uint64_t(p / pc.x_div) * pc.cols * 4u;
+  const uint64_t ybase = pc.y + uint64_t(p) * pc.rows * 4u;
+  const uint t0 = 0u, nt = 1u;
+#else
+  const uint64_t wbase = pc.w, xbase = pc.x, ybase = pc.y;
   const uint t0 = gl_WorkGroupID.y * NT;
   const uint nt = min(NT, pc.n - t0);
+#endif
   uint64_t row[NR];
   // Rows past the end repeat the last one (computed, not stored).
-  [[unroll]] for (uint j = 0u; j < NR; ++j) row[j] = pc.w + uint64_t(min(r0 + j, pc.rows - 1u)) * pc.row_bytes;
+  [[unroll]] for (uint j = 0u; j < NR; ++j) row[j] = wbase + uint64_t(min(r0 + j, pc.rows - 1u)) * pc.row_bytes;
   const uint ng = (pc.cols + 7u) / 8u;
   float acc[NR][NT];
   [[unroll]] for (uint j = 0u; j < NR; ++j)
@@ -35,7 +56,7 @@ void main() {
     const uint ne = min(8u, pc.cols - e0);
     [[unroll]] for (uint t = 0u; t < NT; ++t) {
       if (t >= nt) break;
-      F32 xr = F32(pc.x + (uint64_t(t0 + t) * pc.cols + e0) * 4u);
+      F32 xr = F32(xbase + (uint64_t(t0 + t) * pc.cols + e0) * 4u);
       [[unroll]] for (uint i = 0u; i < 8u; ++i) {
         if (i >= ne) break;
         const float xv = xr.v[i];
@@ -43,7 +64,14 @@ void main() {
       }
     }
   }
+#ifdef MOE
+  [[unroll]] for (uint j = 0u; j < NR; ++j)
+    if (r0 + j < pc.rows)
+      F32(ybase + uint64_t(r0 + j) * 4u).v[0] =
+          acc[j][0] + (pc.bias != 0ul ? F32(pc.bias).v[e * pc.rows + r0 + j] : 0.0f);
+#else
   [[unroll]] for (uint t = 0u; t < NT; ++t)
     [[unroll]] for (uint j = 0u; j < NR; ++j)
-      if (t < nt && r0 + j < pc.rows) F32(pc.y + (uint64_t(t0 + t) * pc.rows + r0 + j) * 4u).v[0] = acc[j][t];
+      if (t < nt && r0 + j < pc.rows) F32(ybase + (uint64_t(t0 + t) * pc.rows + r0 + j) * 4u).v[0] = acc[j][t];
+#endif
 }

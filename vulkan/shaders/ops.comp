@@ -13,11 +13,17 @@ layout(push_constant, std430) uniform PC {
 } pc;
 
 const uint ADD = 0u, ADD_BIAS = 1u, SCALE = 2u, SOFTCAP = 3u, GELU_ERF = 4u, GLU_SILU = 5u, GLU_GELU = 6u,
-           COPY_ROWS = 7u, IM2COL = 8u, AVG_POOL = 9u;
+           COPY_ROWS = 7u, IM2COL = 8u, AVG_POOL = 9u, GLU_OAI = 10u;
 
 float silu(float x) {
   const float e = exp(-abs(x));
   return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+float swiglu_oai(float gate, float up) {
+  const float g = min(gate, 7.0f), u = clamp(up, -7.0f, 7.0f);
+  const float z = 1.702f * g;
+  const float e = exp(-abs(z));
+  return g * ((z >= 0.0f ? 1.0f : e) / (1.0f + e)) * (u + 1.0f);
 }
 float gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh_safe(0.7978845608028654f * (x + 0.044715f * x * x * x))); }
 
@@ -39,6 +45,11 @@ void main() {
         const uint r = i / pc.p0, k = i % pc.p0;
         const float g = A.v[r * pc.p1 + k];
         C.v[i] = (pc.op == GLU_SILU ? silu(g) : gelu_tanh(g)) * B.v[r * pc.p2 + k];
+        break;
+      }
+      case GLU_OAI: {  // gpt-oss's clamped SwiGLU, layout as GLU_SILU
+        const uint r = i / pc.p0, k = i % pc.p0;
+        C.v[i] = swiglu_oai(A.v[r * pc.p1 + k], B.v[r * pc.p2 + k]);
         break;
       }
       case COPY_ROWS: {  // c[r * p1 + k] = a[r * p2 + k], width p0
