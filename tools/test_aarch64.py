@@ -32,7 +32,7 @@ DEB_PKGS = ["python3.11-minimal", "libpython3.11-stdlib", "libstdc++6", "libgcc-
 # Debian packages that the interpreter's dependency walk names but that it does not need to run.
 DEB_SKIP = {"debconf", "perl", "dpkg", "tar", "coreutils", "bash", "install-info", "media-types",
             "tzdata", "readline-common", "libdebconfclient0", "debianutils", "sensible-utils",
-            "mime-support", "netbase", "base-files", "libperl5.36", "mailcap"}
+            "mime-support", "netbase", "base-files", "libperl5.36", "perl-modules-5.36", "mailcap"}
 PY_DEPS = ["numpy", "gguf", "pytest", "hypothesis", "jinja2", "tqdm"]
 DEFAULT_TESTS = ["tests/test_install.py", "tests/test_kernels.py", "tests/test_quant.py",
                  "tests/test_backend_ops.py"]
@@ -86,7 +86,7 @@ def install(wheel: Path) -> Path:
     site = BUILD / "aarch64-site"
     shutil.rmtree(site, ignore_errors=True)
     run([sys.executable, "-m", "pip", "install", "-q", "--target", site, "--only-binary=:all:",
-         "--platform", "manylinux_2_28_aarch64", "--platform", "manylinux2014_aarch64",
+         *[a for t in ("2_17", "2_24", "2_27", "2_28") for a in ("--platform", f"manylinux_{t}_aarch64")],
          "--python-version", PYVER, "--implementation", "cp", wheel, *PY_DEPS])
     return site
 
@@ -124,7 +124,9 @@ def main(argv: list[str]) -> int:
         out = qpy(cpu, "-c", check + f"; assert i['cpu']['arch'] == 'aarch64' and i['isa_active'] == {want!r}, i",
                   capture_output=True, text=True)
         log(f"-cpu {cpu}: {out.stdout.strip()}")
-    tests = pytest_args or [str(ROOT / t) for t in DEFAULT_TESTS]
+    # A timed test means nothing under emulation (it checks native speed).
+    tests = pytest_args or [str(ROOT / t) for t in DEFAULT_TESTS] + [
+        "--deselect", str(ROOT / "tests/test_quant.py::test_dequantize_smollm2_is_fast")]
     qpy("max", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", ROOT, *tests)
     return 0
 
