@@ -48,7 +48,7 @@ export PATH="${PATH#"$NOCC:"}"
 python -m pytest -q -p no:cacheprovider --rootdir "$REPO" "$REPO/tests/test_gguf_asan.py" "$REPO/tests/test_audio_asan.py"
 cd "$REPO"
 
-# 5. aarch64 under emulation (optional: several minutes more).
+# 5. aarch64 under emulation (optional: ~10 min to cross-build, 20+ to test on 2 cores; needs qemu-user).
 if [ "${DASLLAMA_CI_AARCH64:-0}" = 1 ]; then
   build/venv-tools/bin/python tools/build_wheels.py --arch aarch64 --python 3.11
   build/venv-tools/bin/python tools/test_aarch64.py
