@@ -123,7 +123,9 @@ std::vector<BackendProbe> probe_backends() {
 #ifdef DL_HAVE_CUDA
   out.push_back(probe_cuda());
 #else
-  out.push_back(not_built("cuda", "not built (no nvcc when this module was compiled)"));
+  // The CPU wheels leave CUDA out on purpose: it ships as the dasllama-cuda13 wheel (docs/wheels.md).
+  out.push_back(not_built("cuda", "not built into this module (pip install dasllama-cuda13, or build from source "
+                                  "where nvcc is on PATH)"));
 #endif
 #ifdef DL_HAVE_VULKAN
   out.push_back(probe_vulkan());

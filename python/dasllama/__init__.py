@@ -124,7 +124,7 @@ from .chat import (
     think_finish,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "KVDtype", "Model", "ModelConfig", "QuantMode", "SamplingParams", "Session", "Stats",
