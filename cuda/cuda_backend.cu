@@ -515,10 +515,11 @@ class CudaBackend final : public Backend {
   // false when its weights or sizes do not fit that kernel.
   bool staged(const MatmulStep& s) {
     use();
+    if (s.n < 1 || s.n > 32) return false;  // the staged GEMV's range (kStagedMax in matmul.cu)
     cuda::GemvJob j;
     std::memset(static_cast<void*>(&j), 0, sizeof j);  // padding too: the job's bytes are the signature
-    j.type = s.w[0]->type, j.count = s.count, j.cols = s.w[0]->cols, j.x = s.x, j.n = (int)std::min<int64_t>(s.n, 1 << 20);
-    j.type = mat(*s.w[0]).type;
+    const cuda::Mat m0 = mat(*s.w[0]);
+    j.type = m0.type, j.count = s.count, j.cols = m0.cols, j.x = s.x, j.n = (int)s.n;
     for (int i = 0; i < s.count; ++i) {
       const cuda::Mat m = mat(*s.w[i]);
       if (m.type != j.type || m.cols != j.cols) return false;
@@ -526,16 +527,12 @@ class CudaBackend final : public Backend {
     }
     j.norm = s.norm, j.norm_w = s.norm ? s.norm_w : nullptr, j.eps = s.eps;
     if (s.residual) j.accumulate = true, j.y[0] = s.residual;
-    if (s.n > (1 << 20)) return false;
     // q8 mode on the split layouts: activations quantized once (normed on the way), then
     // int8 dot products, as the CPU's quantized matmuls do.
     const bool q8 = !s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0;
     void* qb = nullptr;
     if (q8) {
       j.x = nullptr, j.norm = false, j.norm_w = nullptr;
-      cuda::GemvJob probe = j;
-      probe.xq = reinterpret_cast<const int8_t*>(16);  // any aligned address: the fit does not read it
-      if (!cuda::gemv_staged_fits(probe)) return false;
       qb = qact_for(cuda::qact_bytes(s.n, j.cols));
       cuda::point_qact(j, qb, s.n, j.cols);
     }
