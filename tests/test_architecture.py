@@ -26,6 +26,15 @@ def _modules():
     return out
 
 
+def _from_module(node, pkg):
+    """The absolute module a `from ... import` in package `pkg` names (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = pkg.split(".")
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _graph():
     mods = _modules()
     graph = {m: set() for m in mods}
@@ -38,12 +47,7 @@ def _graph():
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.split(".")
-                    base = base[:len(base) - (node.level - 1)]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
+                mod = _from_module(node, pkg)
                 # `from . import x` names a submodule when one exists, else a name of the package.
                 subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in mods]
                 targets = subs + ([mod] if len(subs) < len(node.names) else [])
@@ -114,12 +118,7 @@ def _module_aliases(tree, name, is_pkg, mods):
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, pkg)
             for a in node.names:
                 if f"{mod}.{a.name}" in mods:
                     out.add(a.asname or a.name)
