@@ -58,28 +58,39 @@ def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) ->
 
 def moe_family(tmp_dir: str, name: str, device: str) -> None:
     """A mixture-of-experts family (tests/oracles/moe.py's random file: routing, matmul_id, moe_sum;
-    gpt-oss's MXFP4 experts, sinks and clamped SwiGLU) on the device: all-row logits of the f32 file
-    (fp32 mode) and of the q8_0 file (default mode, experts in their file format) against the CPU in
-    fp32 mode, a few greedy tokens alike, then the paged / prefix-cache / ragged-batch checks."""
+    gpt-oss's MXFP4 experts, sinks and clamped SwiGLU) on the device: all-row logits of the f32 and
+    q8_0 files in fp32 mode against the CPU in fp32 mode and a few greedy tokens alike, then the
+    paged / prefix-cache / ragged-batch checks. The q8_0 file in the default q8 mode too: a device
+    rounds activations for fewer matmuls than the CPU's q8 mode does (CUDA for its split dense
+    layouts, not for expert stacks), so its logits must be no farther from fp32 than the CPU's q8
+    mode's are."""
     import moe as M  # tests/oracles/moe.py
 
     ids = [1] + np.random.default_rng(5).integers(3, 512, 30).tolist()
-    for ft, mode in (("f32", d.QuantMode.fp32), ("q8_0", d.QuantMode.q8)):
+
+    def run(path, mode, dev):
+        model = d.load_model(path, mode, device=dev)
+        s = d.create_session(model, d.KVDtype.f32, n_ctx=64)
+        d.eval(model, s, ids, all_logits=True)
+        rows = np.array(s.logits)
+        toks = []
+        for _ in range(6):
+            toks.append(int(np.argmax(np.asarray(s.logits).reshape(-1, 512)[-1])))
+            d.eval(model, s, [toks[-1]])
+        return rows, toks
+
+    for ft in ("f32", "q8_0"):
         path = M.random_gguf(name, f"{tmp_dir}/{name}-{ft}.gguf", ft)
-        runs = []
-        for model in (d.load_model(path, d.QuantMode.fp32), d.load_model(path, mode, device=device)):
-            s = d.create_session(model, d.KVDtype.f32, n_ctx=64)
-            d.eval(model, s, ids, all_logits=True)
-            rows = np.array(s.logits)
-            toks = []
-            for _ in range(6):
-                toks.append(int(np.argmax(np.asarray(s.logits).reshape(-1, 512)[-1])))
-                d.eval(model, s, [toks[-1]])
-            runs.append((rows, toks))
-        (ref_rows, ref_toks), (dev_rows, dev_toks) = runs
+        ref_rows, ref_toks = run(path, d.QuantMode.fp32, "cpu")
+        dev_rows, dev_toks = run(path, d.QuantMode.fp32, device)
         e = nmse(dev_rows, ref_rows)
         assert e <= LOGIT_BAR, f"{name} {ft} on {device}: NMSE {e:.3g}"
         assert dev_toks == ref_toks, f"{name} {ft} on {device}: greedy tokens differ"
+        if ft == "q8_0":
+            cpu_q8 = nmse(run(path, d.QuantMode.q8, "cpu")[0], ref_rows)
+            dev_q8 = nmse(run(path, d.QuantMode.q8, device)[0], ref_rows)
+            assert cpu_q8 > LOGIT_BAR, "the CPU's q8 mode should round activations"
+            assert dev_q8 <= cpu_q8, f"{name} q8 mode on {device}: NMSE {dev_q8:.3g} > the CPU's {cpu_q8:.3g}"
         paged_prefix_cache_and_ragged_batch(path, device, ids)
 
 

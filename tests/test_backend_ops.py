@@ -100,7 +100,8 @@ def make_weight(rng, name: str, rows: int, cols: int):
 
 
 @pytest.mark.parametrize("wtype", MATMUL_TYPES)
-@pytest.mark.parametrize("rows,cols,n", [(64, 256, 1), (67, 512, 3), (130, 256, 17), (256, 1024, 64), (33, 2048, 300)])
+@pytest.mark.parametrize("rows,cols,n", [(64, 256, 1), (67, 512, 3), (40, 512, 12), (130, 256, 17), (256, 1024, 64),
+                                         (33, 2048, 300)])
 def test_matmul(backends, wtype, rows, cols, n):
     rng = np.random.default_rng(rows * 7 + cols + n)
     raw, w = make_weight(rng, wtype, rows, cols)

@@ -101,3 +101,21 @@ def test_errors_leave_the_process_usable(tiny):
 
 def test_audio_tower_and_turn(tmp_path):
     C.audio_tower_and_turn(tmp_path, "vulkan", seconds=2, max_new=8)
+
+
+def test_subgroup_path_on_lavapipe():
+    """GPUs take matmul's subgroup path, lavapipe the plain one; forced onto the subgroup path
+    here, the op harness's matmul and matmul_id cases (float64 numpy and the CPU) and the paged /
+    prefix-cache / ragged-batch checks (a session's rows alike alone and in a batch) hold too."""
+    import subprocess
+
+    env = dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1")
+    probe = subprocess.run([sys.executable, "-c", "import dasllama as d; print(d.system_info()['devices']"
+                            "['vulkan']['devices'][0]['features'])"], env=env, capture_output=True, text=True)
+    assert probe.stdout.strip() == "subgroup matmul", probe.stdout + probe.stderr
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
+                        "-k", "matmul or paged"],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

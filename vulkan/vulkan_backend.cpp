@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -116,6 +117,23 @@ Found find_devices() {
   return out;
 }
 
+// Whether matmul and matmul_id take the subgroup path on this device. One path per device for
+// every token count, so a session's rows do not depend on what shares its step: the subgroup
+// path on GPUs (it needs add-reductions in compute shaders, core since 1.1), the plain one on a
+// software device (lavapipe, where it is faster). DASLLAMA_VULKAN_SUBGROUP=1 / 0 forces either.
+bool use_subgroup(const vk::Api& a, VkPhysicalDevice pd, const VkPhysicalDeviceProperties& props) {
+  VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+  VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+  p2.pNext = &sp;
+  a.vkGetPhysicalDeviceProperties2(pd, &p2);
+  const VkSubgroupFeatureFlags need = VK_SUBGROUP_FEATURE_BASIC_BIT | VK_SUBGROUP_FEATURE_ARITHMETIC_BIT;
+  const bool can = (sp.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) && (sp.supportedOperations & need) == need &&
+                   props.apiVersion >= VK_API_VERSION_1_1;
+  const char* env = std::getenv("DASLLAMA_VULKAN_SUBGROUP");
+  const bool want = env && *env ? std::strcmp(env, "0") != 0 : props.deviceType != VK_PHYSICAL_DEVICE_TYPE_CPU;
+  return can && want;
+}
+
 DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t used) {
   VkPhysicalDeviceDriverProperties drv{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
   VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
@@ -132,6 +150,7 @@ DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t use
       d.total_bytes = std::max<size_t>(d.total_bytes, mp.memoryHeaps[i].size);
   d.free_bytes = d.total_bytes > used ? d.total_bytes - used : 0;
   const uint32_t v = p2.properties.apiVersion;
+  d.features = use_subgroup(a, pd, p2.properties) ? "subgroup matmul" : "plain matmul";
   d.driver = "Vulkan " + std::to_string(VK_API_VERSION_MAJOR(v)) + "." + std::to_string(VK_API_VERSION_MINOR(v)) +
              "." + std::to_string(VK_API_VERSION_PATCH(v)) + ", " + drv.driverName + " " + drv.driverInfo;
   return d;
@@ -151,6 +170,7 @@ class Ctx {
   Ctx(const vk::Api& a, VkPhysicalDevice pd, int index) : a_(a), pd_(pd), index_(index) {
     a.vkGetPhysicalDeviceProperties(pd, &props_);
     a.vkGetPhysicalDeviceMemoryProperties(pd, &mprops_);
+    subgroup = use_subgroup(a, pd, props_);
     uint32_t nq = 0;
     a.vkGetPhysicalDeviceQueueFamilyProperties(pd, &nq, nullptr);
     std::vector<VkQueueFamilyProperties> qs(nq);
@@ -213,6 +233,7 @@ class Ctx {
 
   static constexpr uint32_t kPush = 128;  // the push-constant size every device guarantees
   std::recursive_mutex mu;
+  bool subgroup = false;  // matmul and matmul_id take the subgroup path
 
   DeviceInfo info() const { return describe(a_, pd_, index_, used_); }
   std::string where() const { return "vulkan:" + std::to_string(index_) + " (" + props_.deviceName + ")"; }
@@ -577,6 +598,11 @@ class VulkanBackend final : public Backend {
       uint32_t rows, cols, n, pad;
     } pc{A(w.data), A(x), A(y), w.row_bytes, (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
     if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
+    if (c_->subgroup) {  // a subgroup per row, 4 rows per workgroup
+      const std::string sh = "matmul_sg_" + std::to_string(w.type);
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 3) / 4), (uint32_t)((n + 7) / 8));
+      return;
+    }
     const std::string sh = "matmul_" + std::to_string(w.type);
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
@@ -709,10 +735,12 @@ class VulkanBackend final : public Backend {
       uint64_t w, x, y, row_bytes, ids, bias;
       uint32_t rows, cols, x_div, pair_base;
     } pc{A(w.data), A(x), A(y), w.row_bytes, A(ids), A(bias), (uint32_t)R, (uint32_t)w.cols, (uint32_t)x_div, 0};
-    const std::string sh = "matmul_id_" + std::to_string(w.type);
+    const bool sg = c_->subgroup;
+    const std::string sh = (sg ? "matmul_id_sg_" : "matmul_id_") + std::to_string(w.type);
     for (int64_t p0 = 0; p0 < n_pairs; p0 += kMaxGroups) {
       pc.pair_base = (uint32_t)p0;
-      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((R + 255) / 256), (uint32_t)std::min(kMaxGroups, n_pairs - p0));
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)(sg ? (R + 3) / 4 : (R + 255) / 256),
+                   (uint32_t)std::min(kMaxGroups, n_pairs - p0));
     }
   }
   void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out) override {

@@ -19,6 +19,7 @@ py::dict device_dict(const DeviceInfo& i) {
     d["free_bytes"] = i.free_bytes;
     if (i.backend == "cuda") d["compute_capability"] = std::to_string(i.cc_major) + "." + std::to_string(i.cc_minor);
     d["driver"] = i.driver;
+    d["features"] = i.features;
   }
   return d;
 }

@@ -44,6 +44,7 @@ struct DeviceInfo {
   size_t total_bytes = 0, free_bytes = 0;  // device memory (0 on the CPU: host memory)
   int cc_major = 0, cc_minor = 0;          // CUDA compute capability
   std::string driver;         // driver / runtime versions
+  std::string features;       // kernel paths in use (e.g. Vulkan's "subgroup matmul")
   int threads = 0;            // CPU worker threads
 };
 

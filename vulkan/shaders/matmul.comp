@@ -9,7 +9,18 @@
 #include "common.glsl"
 #include "dequant.glsl"
 
+#ifdef SG
+// The subgroup path (-DSG, for devices with subgroup arithmetic): a subgroup per weight row, its
+// lanes taking 8-element groups in turn (adjacent lanes read adjacent bytes: coalesced), the
+// partial sums joined by subgroupAdd. rows * subgroup-size invocations instead of rows / 4: what
+// a GPU needs to stream the weights at its bandwidth in decode. Any subgroup size works; a
+// workgroup holds RW rows, looped over when it has fewer subgroups than that.
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+layout(local_size_x = 128) in;
+#else
 layout(local_size_x = 64) in;
+#endif
 #ifdef MOE
 layout(push_constant, std430) uniform PC {
   uint64_t w, x, y;
@@ -27,6 +38,55 @@ layout(push_constant, std430) uniform PC {
 const uint NT = 8u, NR = 4u;
 #endif
 
+#ifdef SG
+const uint RW = 4u;
+void main() {
+#ifdef MOE
+  const uint p = pc.pair_base + gl_WorkGroupID.y;
+  const uint e = uint(I32(pc.ids).v[p]);
+  const uint64_t wbase = pc.w + uint64_t(e) * pc.rows * pc.row_bytes;
+  const uint64_t xbase = pc.x + uint64_t(p / pc.x_div) * pc.cols * 4u;
+  const uint64_t ybase = pc.y + uint64_t(p) * pc.rows * 4u;
+  const uint t0 = 0u, nt = 1u;
+#else
+  const uint64_t wbase = pc.w, xbase = pc.x, ybase = pc.y;
+  const uint t0 = gl_WorkGroupID.y * NT;
+  const uint nt = min(NT, pc.n - t0);
+#endif
+  const uint ng = (pc.cols + 7u) / 8u;
+  for (uint rr = gl_SubgroupID; rr < RW; rr += gl_NumSubgroups) {
+    const uint r = gl_WorkGroupID.x * RW + rr;
+    if (r >= pc.rows) break;  // the same r in the whole subgroup
+    const uint64_t row = wbase + uint64_t(r) * pc.row_bytes;
+    float acc[NT];
+    [[unroll]] for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f;
+    for (uint g = gl_SubgroupInvocationID; g < ng; g += gl_SubgroupSize) {
+      float v[8];
+      dq8(row, g, pc.cols, v);
+      const uint e0 = g * 8u;
+      const uint ne = min(8u, pc.cols - e0);
+      [[unroll]] for (uint t = 0u; t < NT; ++t) {
+        if (t >= nt) break;
+        F32 xr = F32(xbase + (uint64_t(t0 + t) * pc.cols + e0) * 4u);
+        [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+          if (i >= ne) break;
+          acc[t] += v[i] * xr.v[i];
+        }
+      }
+    }
+    [[unroll]] for (uint t = 0u; t < NT; ++t) {
+      if (t >= nt) break;
+      const float s = subgroupAdd(acc[t]);
+#ifdef MOE
+      if (subgroupElect())
+        F32(ybase + uint64_t(r) * 4u).v[0] = s + (pc.bias != 0ul ? F32(pc.bias).v[e * pc.rows + r] : 0.0f);
+#else
+      if (subgroupElect()) F32(ybase + (uint64_t(t0 + t) * pc.rows + r) * 4u).v[0] = s;
+#endif
+    }
+  }
+}
+#else
 void main() {
   const uint r0 = gl_GlobalInvocationID.x * NR;
   if (r0 >= pc.rows) return;
@@ -75,3 +135,4 @@ void main() {
       if (t < nt && r0 + j < pc.rows) F32(ybase + (uint64_t(t0 + t) * pc.rows + r0 + j) * 4u).v[0] = acc[j][t];
 #endif
 }
+#endif
