@@ -245,10 +245,13 @@ class CudaBackend final : public Backend {
             std::memcpy(dst + qs_row + bi * 2, blk, 2);
           }
         }
-        // Synchronous: tmp is refilled next.
-        check(cudaMemcpy(static_cast<uint8_t*>(b->data()) + (size_t)r0 * rb, tmp.data(), (size_t)nr * rb,
-                         cudaMemcpyHostToDevice),
+        // On st_ and waited for, since tmp is refilled next. (Not cudaMemcpy: that runs on the
+        // legacy stream, which st_ does not wait for, and from pageable memory it may return
+        // before the bytes land, so kernels on st_ read the buffer before it is filled.)
+        check(cudaMemcpyAsync(static_cast<uint8_t*>(b->data()) + (size_t)r0 * rb, tmp.data(), (size_t)nr * rb,
+                              cudaMemcpyHostToDevice, st_),
               "load_weight");
+        check(cudaStreamSynchronize(st_), "load_weight");
       }
       w.packed_for = kSplitLayout;
     }

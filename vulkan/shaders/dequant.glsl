@@ -51,9 +51,18 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint64_t q = b + 1u + (o & 15u);
   [[unroll]] for (uint i = 0u; i < 8u; ++i) {
     const uint n = (rd8(q + i) >> sh) & 0xFu, m = n & 7u;
-    const int a = m <= 4u ? int(m) : (m == 5u ? 6 : (m == 6u ? 8 : 12));
-    precise float p = d * float((n & 8u) != 0u ? -a : a);
-    v[i] = p;
+    const uint a = m <= 4u ? m : (m == 5u ? 6u : (m == 6u ? 8u : 12u));
+    if (e >= 2u) {
+      precise float p = d * float((n & 8u) != 0u ? -int(a) : int(a));  // code 8 (-0) is +0, as in ggml
+      v[i] = p;
+    } else {
+      // d is subnormal (2^-128 or 2^-127), which GPUs flush to zero in arithmetic: the exact
+      // product a * d built from its bits. Below 2^-126 a float's bits are linear in its value
+      // (units of 2^-149); above, float(a) with its exponent lowered by 128 - e.
+      const uint lin = a << (e + 21u);
+      const uint bits = a == 0u ? 0u : (lin < 0x800000u ? lin : floatBitsToUint(float(a)) - ((128u - e) << 23));
+      v[i] = uintBitsToFloat(a == 0u ? 0u : bits | ((n & 8u) << 28));
+    }
   }
 #elif TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q5_0 || TYPE == T_Q5_1
 #if TYPE == T_Q4_0
