@@ -23,7 +23,8 @@ namespace dl::vk {
   X(vkAllocateCommandBuffers) X(vkBeginCommandBuffer) X(vkEndCommandBuffer) X(vkResetCommandBuffer)    \
   X(vkCmdBindPipeline) X(vkCmdPushConstants) X(vkCmdDispatch) X(vkCmdPipelineBarrier)                  \
   X(vkCmdCopyBuffer) X(vkCmdFillBuffer) X(vkQueueSubmit) X(vkCreateFence) X(vkDestroyFence)            \
-  X(vkWaitForFences) X(vkResetFences)
+  X(vkWaitForFences) X(vkResetFences) X(vkCreateQueryPool) X(vkDestroyQueryPool) X(vkCmdResetQueryPool)  \
+  X(vkCmdWriteTimestamp) X(vkGetQueryPoolResults)
 
 // The loader, one instance per process (made on first use, kept to exit).
 struct Api {

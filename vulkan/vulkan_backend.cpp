@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -179,6 +180,7 @@ class Ctx {
     for (uint32_t i = 0; i < nq; ++i)
       if (qs[i].queueFlags & VK_QUEUE_COMPUTE_BIT) {
         qfam_ = i;
+        ts_bits_ = qs[i].timestampValidBits;
         break;
       }
     const float prio = 1.f;
@@ -215,11 +217,22 @@ class Ctx {
     lci.pushConstantRangeCount = 1;
     lci.pPushConstantRanges = &pcr;
     vcheck(f_.vkCreatePipelineLayout(dev_, &lci, nullptr, &layout_), "vkCreatePipelineLayout");
+    const char* prof = std::getenv("DASLLAMA_VULKAN_PROFILE");
+    if (prof && *prof && std::strcmp(prof, "0") != 0 && ts_bits_ > 0) {
+      VkQueryPoolCreateInfo qpi{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};
+      qpi.queryType = VK_QUERY_TYPE_TIMESTAMP;
+      qpi.queryCount = kQueries;
+      vcheck(f_.vkCreateQueryPool(dev_, &qpi, nullptr, &qpool_), "vkCreateQueryPool");
+    }
   }
   ~Ctx() {
     try {
       flush();
     } catch (...) {
+    }
+    if (qpool_) {
+      print_profile();
+      f_.vkDestroyQueryPool(dev_, qpool_, nullptr);
     }
     for (auto& [n, p] : pipes_) f_.vkDestroyPipeline(dev_, p, nullptr);
     for (auto& s : staging_) destroy(s.a);
@@ -319,6 +332,7 @@ class Ctx {
     f_.vkCmdPushConstants(cmd_, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, (uint32_t)push_bytes, push);
     f_.vkCmdDispatch(cmd_, gx, gy, gz);
     barrier();
+    if (qpool_) stamp(shader);
   }
   // Submits what is recorded and waits; frees what died meanwhile and the staging space.
   void flush() {
@@ -333,6 +347,7 @@ class Ctx {
       f_.vkResetFences(dev_, 1, &fence_);
       f_.vkResetCommandBuffer(cmd_, 0);
       vcheck(r, "waiting for the queue (a shader before it failed)");
+      if (qpool_) read_stamps();
     }
     for (auto& g : grave_) destroy(g);
     grave_.clear();
@@ -388,6 +403,49 @@ class Ctx {
     bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
     vcheck(f_.vkBeginCommandBuffer(cmd_, &bi), "vkBeginCommandBuffer");
     open_ = true;
+    if (qpool_) {
+      f_.vkCmdResetQueryPool(cmd_, qpool_, 0, kQueries);
+      stamped_.clear();
+      f_.vkCmdWriteTimestamp(cmd_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, qpool_, 0);
+    }
+  }
+  // DASLLAMA_VULKAN_PROFILE=1: a timestamp after each dispatch's barrier, so the gap between two
+  // is what that dispatch cost the serialized stream (its run and the wait behind it); summed by
+  // shader and printed to stderr when the device closes. Dispatches past kQueries per submit go
+  // unmeasured (counted as such).
+  void stamp(const char* shader) {
+    if (stamped_.size() + 1 >= kQueries) {
+      ++unmeasured_;
+      return;
+    }
+    stamped_.push_back(shader);
+    f_.vkCmdWriteTimestamp(cmd_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, qpool_, (uint32_t)stamped_.size());
+  }
+  void read_stamps() {
+    if (stamped_.empty()) return;
+    std::vector<uint64_t> t(stamped_.size() + 1);
+    if (f_.vkGetQueryPoolResults(dev_, qpool_, 0, (uint32_t)t.size(), t.size() * 8, t.data(), 8,
+                                 VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT) != VK_SUCCESS)
+      return;
+    const uint64_t mask = ts_bits_ >= 64 ? ~uint64_t(0) : (uint64_t(1) << ts_bits_) - 1;
+    // Gaps after a transfer (uploads between dispatches) are charged to the next dispatch.
+    for (size_t i = 0; i < stamped_.size(); ++i) {
+      auto& e = prof_[stamped_[i]];
+      e.first += (double)((t[i + 1] - t[i]) & mask) * props_.limits.timestampPeriod;
+      e.second += 1;
+    }
+    stamped_.clear();
+  }
+  void print_profile() const {
+    std::vector<std::pair<std::string, std::pair<double, uint64_t>>> v(prof_.begin(), prof_.end());
+    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+    double total = 0;
+    for (const auto& e : v) total += e.second.first;
+    std::fprintf(stderr, "vulkan profile (%s): %.3f ms in dispatches; %llu unmeasured\n", props_.deviceName,
+                 total * 1e-6, (unsigned long long)unmeasured_);
+    for (const auto& e : v)
+      std::fprintf(stderr, "  %-22s %10.3f ms %8llu calls %9.2f us/call\n", e.first.c_str(), e.second.first * 1e-6,
+                   (unsigned long long)e.second.second, e.second.first * 1e-3 / (double)e.second.second);
   }
   // Every command sees all writes before it: simple, and the ops depend on each other anyway.
   void barrier() {
@@ -485,6 +543,12 @@ class Ctx {
   VkCommandBuffer cmd_ = VK_NULL_HANDLE;
   VkFence fence_ = VK_NULL_HANDLE;
   VkPipelineLayout layout_ = VK_NULL_HANDLE;
+  static constexpr uint32_t kQueries = 16384;
+  uint32_t ts_bits_ = 0;
+  VkQueryPool qpool_ = VK_NULL_HANDLE;  // DASLLAMA_VULKAN_PROFILE only
+  std::vector<std::string> stamped_;    // the shader of each timestamp after the first, this submit
+  std::map<std::string, std::pair<double, uint64_t>> prof_;  // shader: (ns, dispatches)
+  uint64_t unmeasured_ = 0;
   std::unordered_map<std::string, VkPipeline> pipes_;
   std::map<uint64_t, Alloc> live_;
   std::vector<Alloc> grave_;
