@@ -521,6 +521,11 @@ class Ctx {
     ci.stage.stage = VK_SHADER_STAGE_COMPUTE_BIT;
     ci.stage.module = mod;
     ci.stage.pName = "main";
+    // Constant 0, the width of row-wise shaders' workgroups (those that declare it).
+    const uint32_t wide = props_.deviceType == VK_PHYSICAL_DEVICE_TYPE_CPU ? 64 : 256;
+    const VkSpecializationMapEntry me{0, 0, sizeof wide};
+    const VkSpecializationInfo si{1, &me, sizeof wide, &wide};
+    ci.stage.pSpecializationInfo = &si;
     ci.layout = layout_;
     VkPipeline p;
     const VkResult r = f_.vkCreateComputePipelines(dev_, VK_NULL_HANDLE, 1, &ci, nullptr, &p);

@@ -1,7 +1,8 @@
 // Paged attention: a workgroup per (query head, token). Keys come 64 at a time: each
 // invocation scores one key (full dot with q from shared memory), then the chunk's
 // probabilities update a running softmax (max m, sum l) and each invocation's output dims.
-// KV rows are read through the block table; GQA maps head h to kv head h / (H / KVH).
+// KV rows are read through the block table (once per key, kept in shared memory for the V
+// pass); GQA maps head h to kv head h / (H / KVH).
 #version 450
 #include "common.glsl"
 
@@ -16,19 +17,63 @@ layout(push_constant, std430) uniform PC {
 shared float qs[256];
 shared float sc[64];
 
-uint64_t kv_row(uint off, int j) {
-  const int64_t jj = int64_t(j);
-  const int64_t page = int64_t(I32(pc.pages).v[uint(jj >> pc.page_shift)]);
-  const int64_t mask = (int64_t(1) << pc.page_shift) - 1;
-  return pc.base + uint64_t(page) * pc.page_bytes + off + uint64_t(jj & mask) * pc.row_bytes;
-}
-
 float kv_elem(uint64_t r, int d) {
   if (pc.kvtype == 0) return F32(r).v[d];
   if (pc.kvtype == 1) return h2f(rd16(r + uint64_t(d) * 2u));
   const uint64_t b = r + uint64_t(d >> 5) * 34u;
   return float(sbyte(rd8(b + 2u + uint(d & 31)), 0u)) * h2f(rd16(b));
 }
+
+// q . (key row at kr): whole words per load where the row's alignment allows.
+float kv_dot(uint64_t kr) {
+  const int hd = pc.head_dim;
+  float p = 0.0f;
+  if (pc.kvtype == 0) {
+    if ((kr & 15ul) == 0ul && hd % 4 == 0) {
+      V4 r = V4(kr);
+      for (int d = 0; d < hd; d += 4) {
+        const vec4 k = r.v[d >> 2];
+        p += qs[d] * k.x;
+        p += qs[d + 1] * k.y;
+        p += qs[d + 2] * k.z;
+        p += qs[d + 3] * k.w;
+      }
+    } else {
+      for (int d = 0; d < hd; ++d) p += qs[d] * F32(kr).v[d];
+    }
+  } else if (pc.kvtype == 1) {
+    if ((kr & 3ul) == 0ul && hd % 2 == 0) {
+      U32 r = U32(kr);
+      for (int d = 0; d < hd; d += 2) {
+        const vec2 k = unpackHalf2x16(r.v[d >> 1]);
+        p += qs[d] * k.x;
+        p += qs[d + 1] * k.y;
+      }
+    } else {
+      for (int d = 0; d < hd; ++d) p += qs[d] * h2f(rd16(kr + uint64_t(d) * 2u));
+    }
+  } else {
+    for (int b0 = 0; b0 < hd; b0 += 32) {
+      const uint64_t b = kr + uint64_t(b0 >> 5) * 34u;
+      const float sc = h2f(rd16(b));
+      for (int w = 0; w < 8; ++w) {
+        const uint q = rd32(b + 2u + uint(w) * 4u);
+        for (int i = 0; i < 4; ++i) p += qs[b0 + w * 4 + i] * (float(sbyte(q, uint(i))) * sc);
+      }
+    }
+  }
+  return p;
+}
+
+// The start of key j's row (before the K / V offsets), through the block table.
+uint64_t kv_base(int j) {
+  const int64_t jj = int64_t(j);
+  const int64_t page = int64_t(I32(pc.pages).v[uint(jj >> pc.page_shift)]);
+  const int64_t mask = (int64_t(1) << pc.page_shift) - 1;
+  return pc.base + uint64_t(page) * pc.page_bytes + uint64_t(jj & mask) * pc.row_bytes;
+}
+
+shared uint64_t rowb[64];  // the chunk's row starts, looked up once per key (by the scoring lane)
 
 void main() {
   const int h = int(gl_WorkGroupID.x), t = int(gl_WorkGroupID.y), tid = int(gl_LocalInvocationID.x);
@@ -49,9 +94,9 @@ void main() {
     const int j = j0 + tid;
     float s = uintBitsToFloat(0xff800000u);
     if (j < hi) {
-      const uint64_t kr = kv_row(koff, j);
-      float p = 0.0f;
-      for (int d = 0; d < hd; ++d) p += qs[d] * kv_elem(kr, d);
+      const uint64_t rb = kv_base(j);
+      rowb[tid] = rb;
+      const float p = kv_dot(rb + koff);
       s = pc.softcap > 0.0f ? pc.softcap * tanh_safe(p * pc.scale / pc.softcap) : p * pc.scale;
     }
     sc[tid] = s;
@@ -62,17 +107,28 @@ void main() {
     const float corr = exp(m - mx);  // 0 on the first chunk (m = -inf)
     l *= corr;
     for (int i = 0; i < 4; ++i) acc[i] *= corr;
-    for (int k = 0; k < cnt; ++k) {
-      const float p = exp(sc[k] - mx);
-      l += p;
-      const uint64_t vr = kv_row(voff, j0 + k);
-      for (int i = 0; i < 4; ++i) {
-        const int d = tid + 64 * i;
-        if (d < hd) acc[i] += p * kv_elem(vr, d);
+    // Four keys a pass, their V loads issued together; the sums run key by key as before.
+    int k = 0;
+    for (; k < cnt; k += 4) {
+      const int nk = min(4, cnt - k);
+      float pk[4], ev[4][4];
+      [[unroll]] for (int u = 0; u < 4; ++u) {
+        pk[u] = 0.0f;
+        if (u < nk) pk[u] = exp(sc[k + u] - mx);
+        const uint64_t vr = rowb[k + min(u, nk - 1)] + voff;
+        [[unroll]] for (int i = 0; i < 4; ++i) {
+          const int d = tid + 64 * i;
+          ev[u][i] = d < hd && u < nk ? kv_elem(vr, d) : 0.0f;
+        }
+      }
+      [[unroll]] for (int u = 0; u < 4; ++u) {
+        if (u >= nk) break;
+        l += pk[u];
+        [[unroll]] for (int i = 0; i < 4; ++i) acc[i] += pk[u] * ev[u][i];
       }
     }
     m = mx;
-    barrier();  // sc is rewritten by the next chunk
+    barrier();  // sc and rowb are rewritten by the next chunk
   }
   if (pc.sinks != 0ul) {
     const float sink = F32(pc.sinks).v[h], mx = max(m, sink);

@@ -54,23 +54,42 @@ void main() {
   const uint nt = min(NT, pc.n - t0);
 #endif
   const uint ng = (pc.cols + 7u) / 8u;
+  const bool xvec = pc.cols % 8u == 0u && (xbase & 15ul) == 0ul;  // x rows 16-byte aligned
   for (uint rr = gl_SubgroupID; rr < RW; rr += gl_NumSubgroups) {
     const uint r = gl_WorkGroupID.x * RW + rr;
     if (r >= pc.rows) break;  // the same r in the whole subgroup
     const uint64_t row = wbase + uint64_t(r) * pc.row_bytes;
     float acc[NT];
     [[unroll]] for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f;
-    for (uint g = gl_SubgroupInvocationID; g < ng; g += gl_SubgroupSize) {
-      float v[8];
-      dq8(row, g, pc.cols, v);
-      const uint e0 = g * 8u;
-      const uint ne = min(8u, pc.cols - e0);
-      [[unroll]] for (uint t = 0u; t < NT; ++t) {
-        if (t >= nt) break;
-        F32 xr = F32(xbase + (uint64_t(t0 + t) * pc.cols + e0) * 4u);
-        [[unroll]] for (uint i = 0u; i < 8u; ++i) {
-          if (i >= ne) break;
-          acc[t] += v[i] * xr.v[i];
+    // Two groups a lane per pass, both decoded before either is used: their loads are in flight
+    // together (a GPU does not overlap a loop's iterations on its own). Each group's products
+    // are summed in element order either way.
+    const uint S = gl_SubgroupSize;
+    for (uint g0 = gl_SubgroupInvocationID; g0 < ng; g0 += 2u * S) {
+      float v[2][8];
+      dq8(row, g0, pc.cols, v[0]);
+      const bool two = g0 + S < ng;
+      if (two) dq8(row, g0 + S, pc.cols, v[1]);
+      [[unroll]] for (uint u = 0u; u < 2u; ++u) {
+        if (u == 1u && !two) break;
+        const uint e0 = (g0 + u * S) * 8u;
+        const uint ne = min(8u, pc.cols - e0);
+        [[unroll]] for (uint t = 0u; t < NT; ++t) {
+          if (t >= nt) break;
+          const uint64_t xa = xbase + (uint64_t(t0 + t) * pc.cols + e0) * 4u;
+          float xv[8];
+          if (xvec) {  // two 16-byte loads
+            V4 xr = V4(xa);
+            const vec4 a = xr.v[0], b = xr.v[1];
+            xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w, xv[4] = b.x, xv[5] = b.y, xv[6] = b.z, xv[7] = b.w;
+          } else {
+            F32 xr = F32(xa);
+            [[unroll]] for (uint i = 0u; i < 8u; ++i) xv[i] = i < ne ? xr.v[i] : 0.0f;
+          }
+          [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+            if (i >= ne) break;
+            acc[t] += v[u][i] * xv[i];
+          }
         }
       }
     }
