@@ -24,30 +24,38 @@ float kv_elem(uint64_t r, int d) {
   return float(sbyte(rd8(b + 2u + uint(d & 31)), 0u)) * h2f(rd16(b));
 }
 
-// q . (key row at kr): whole words per load where the row's alignment allows.
+// q . (key row at kr): whole words per load where the row's alignment allows, 16 dims a pass
+// with their loads issued together (a loop of unknown length is not pipelined for us).
 float kv_dot(uint64_t kr) {
   const int hd = pc.head_dim;
   float p = 0.0f;
   if (pc.kvtype == 0) {
-    if ((kr & 15ul) == 0ul && hd % 4 == 0) {
+    if ((kr & 15ul) == 0ul && hd % 16 == 0) {
       V4 r = V4(kr);
-      for (int d = 0; d < hd; d += 4) {
-        const vec4 k = r.v[d >> 2];
-        p += qs[d] * k.x;
-        p += qs[d + 1] * k.y;
-        p += qs[d + 2] * k.z;
-        p += qs[d + 3] * k.w;
+      for (int d = 0; d < hd; d += 16) {
+        vec4 k[4];
+        [[unroll]] for (int i = 0; i < 4; ++i) k[i] = r.v[(d >> 2) + i];
+        [[unroll]] for (int i = 0; i < 4; ++i) {
+          p += qs[d + 4 * i] * k[i].x;
+          p += qs[d + 4 * i + 1] * k[i].y;
+          p += qs[d + 4 * i + 2] * k[i].z;
+          p += qs[d + 4 * i + 3] * k[i].w;
+        }
       }
     } else {
       for (int d = 0; d < hd; ++d) p += qs[d] * F32(kr).v[d];
     }
   } else if (pc.kvtype == 1) {
-    if ((kr & 3ul) == 0ul && hd % 2 == 0) {
+    if ((kr & 3ul) == 0ul && hd % 16 == 0) {
       U32 r = U32(kr);
-      for (int d = 0; d < hd; d += 2) {
-        const vec2 k = unpackHalf2x16(r.v[d >> 1]);
-        p += qs[d] * k.x;
-        p += qs[d + 1] * k.y;
+      for (int d = 0; d < hd; d += 16) {
+        uint w[8];
+        [[unroll]] for (int i = 0; i < 8; ++i) w[i] = r.v[(d >> 1) + i];
+        [[unroll]] for (int i = 0; i < 8; ++i) {
+          const vec2 k = unpackHalf2x16(w[i]);
+          p += qs[d + 2 * i] * k.x;
+          p += qs[d + 2 * i + 1] * k.y;
+        }
       }
     } else {
       for (int d = 0; d < hd; ++d) p += qs[d] * h2f(rd16(kr + uint64_t(d) * 2u));
@@ -56,10 +64,10 @@ float kv_dot(uint64_t kr) {
     for (int b0 = 0; b0 < hd; b0 += 32) {
       const uint64_t b = kr + uint64_t(b0 >> 5) * 34u;
       const float sc = h2f(rd16(b));
-      for (int w = 0; w < 8; ++w) {
-        const uint q = rd32(b + 2u + uint(w) * 4u);
-        for (int i = 0; i < 4; ++i) p += qs[b0 + w * 4 + i] * (float(sbyte(q, uint(i))) * sc);
-      }
+      uint q[8];
+      [[unroll]] for (int w = 0; w < 8; ++w) q[w] = rd32(b + 2u + uint(w) * 4u);
+      [[unroll]] for (int w = 0; w < 8; ++w)
+        [[unroll]] for (int i = 0; i < 4; ++i) p += qs[b0 + w * 4 + i] * (float(sbyte(q[w], uint(i))) * sc);
     }
   }
   return p;
