@@ -328,7 +328,7 @@ class Ctx {
     if (push_bytes > kPush) throw Error("vulkan: push constants too large for " + std::string(shader));
     const VkPipeline p = pipeline(shader);
     begin();
-    f_.vkCmdBindPipeline(cmd_, VK_PIPELINE_BIND_POINT_COMPUTE, p);
+    if (p != bound_) f_.vkCmdBindPipeline(cmd_, VK_PIPELINE_BIND_POINT_COMPUTE, p), bound_ = p;
     f_.vkCmdPushConstants(cmd_, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, (uint32_t)push_bytes, push);
     f_.vkCmdDispatch(cmd_, gx, gy, gz);
     barrier();
@@ -403,6 +403,7 @@ class Ctx {
     bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
     vcheck(f_.vkBeginCommandBuffer(cmd_, &bi), "vkBeginCommandBuffer");
     open_ = true;
+    bound_ = VK_NULL_HANDLE;
     if (qpool_) {
       f_.vkCmdResetQueryPool(cmd_, qpool_, 0, kQueries);
       stamped_.clear();
@@ -548,6 +549,7 @@ class Ctx {
   VkCommandBuffer cmd_ = VK_NULL_HANDLE;
   VkFence fence_ = VK_NULL_HANDLE;
   VkPipelineLayout layout_ = VK_NULL_HANDLE;
+  VkPipeline bound_ = VK_NULL_HANDLE;  // in the open command buffer
   static constexpr uint32_t kQueries = 16384;
   uint32_t ts_bits_ = 0;
   VkQueryPool qpool_ = VK_NULL_HANDLE;  // DASLLAMA_VULKAN_PROFILE only
@@ -668,15 +670,48 @@ class VulkanBackend final : public Backend {
     } pc{A(w.data), A(x), A(y), w.row_bytes, (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
     if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
     if (c_->subgroup) {  // a subgroup per row, 4 rows per workgroup
-      const std::string sh = "matmul_sg_" + std::to_string(w.type);
-      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 3) / 4), (uint32_t)((n + 7) / 8));
+      const Weight* ws[1] = {&w};
+      float* ys[1] = {y};
+      matmul_sg(ws, ys, 1, x, n);
       return;
     }
     const std::string sh = "matmul_" + std::to_string(w.type);
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
-    for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
+    bool one = c_->subgroup && count >= 1 && count <= 3 && n > 0;
+    for (int i = 0; one && i < count; ++i) {
+      check_w(*ws[i]);
+      one = ws[i]->type == ws[0]->type && ws[i]->cols == ws[0]->cols && ws[i]->row_bytes == ws[0]->row_bytes &&
+            ws[i]->rows > 0;
+    }
+    if (!one) {
+      for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
+      return;
+    }
+    Lock g(c_->mu);
+    if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
+    matmul_sg(ws, ys, count, x, n);
+  }
+  // One dispatch of the subgroup path over 1-3 weights of one type and width.
+  void matmul_sg(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) {
+    struct {
+      uint64_t w[3], y[3];
+      uint64_t x, row_bytes;
+      uint32_t rows[3];
+      uint32_t cols, n, b0, b1;
+    } pc{};
+    uint32_t blocks = 0, b[3] = {0, 0, 0};
+    for (int i = 0; i < count; ++i) {
+      pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
+      b[i] = (uint32_t)((ws[i]->rows + 3) / 4);
+      blocks += b[i];
+    }
+    pc.x = A(x), pc.row_bytes = ws[0]->row_bytes, pc.cols = (uint32_t)ws[0]->cols, pc.n = (uint32_t)n;
+    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
+    auto it = sg_names_.find(ws[0]->type);
+    if (it == sg_names_.end()) it = sg_names_.emplace(ws[0]->type, "matmul_sg_" + std::to_string(ws[0]->type)).first;
+    c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
   }
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
     if (n <= 0) return;
@@ -878,6 +913,7 @@ class VulkanBackend final : public Backend {
 
   std::shared_ptr<Ctx> c_;
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
+  std::unordered_map<uint32_t, std::string> sg_names_;  // matmul_sg_<type>
 };
 
 }  // namespace

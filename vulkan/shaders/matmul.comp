@@ -29,6 +29,17 @@ layout(push_constant, std430) uniform PC {
   uint rows, cols, x_div, pair_base;  // rows: one expert's
 } pc;
 const uint NT = 1u, NR = 4u;
+#elif defined(SG)
+// Up to three weights of one type and width against the same x (matmul_multi: Q/K/V, gate/up)
+// in one dispatch: workgroups [0, b0) take weight 0, the next b1 weight 1, the rest weight 2.
+// Each row is computed exactly as alone.
+layout(push_constant, std430) uniform PC {
+  uint64_t w[3], y[3];
+  uint64_t x, row_bytes;
+  uint rows[3];
+  uint cols, n, b0, b1;
+} pc;
+const uint NT = 8u, NR = 4u;
 #else
 layout(push_constant, std430) uniform PC {
   uint64_t w, x, y;
@@ -44,20 +55,27 @@ void main() {
 #ifdef MOE
   const uint p = pc.pair_base + gl_WorkGroupID.y;
   const uint e = uint(I32(pc.ids).v[p]);
+  const uint rows = pc.rows, wg = gl_WorkGroupID.x;
   const uint64_t wbase = pc.w + uint64_t(e) * pc.rows * pc.row_bytes;
   const uint64_t xbase = pc.x + uint64_t(p / pc.x_div) * pc.cols * 4u;
   const uint64_t ybase = pc.y + uint64_t(p) * pc.rows * 4u;
   const uint t0 = 0u, nt = 1u;
 #else
-  const uint64_t wbase = pc.w, xbase = pc.x, ybase = pc.y;
+  uint wg = gl_WorkGroupID.x, mi = 0u;
+  if (wg >= pc.b0) {
+    wg -= pc.b0, mi = 1u;
+    if (wg >= pc.b1) wg -= pc.b1, mi = 2u;
+  }
+  const uint rows = pc.rows[mi];
+  const uint64_t wbase = pc.w[mi], xbase = pc.x, ybase = pc.y[mi];
   const uint t0 = gl_WorkGroupID.y * NT;
   const uint nt = min(NT, pc.n - t0);
 #endif
   const uint ng = (pc.cols + 7u) / 8u;
   const bool xvec = pc.cols % 8u == 0u && (xbase & 15ul) == 0ul;  // x rows 16-byte aligned
   for (uint rr = gl_SubgroupID; rr < RW; rr += gl_NumSubgroups) {
-    const uint r = gl_WorkGroupID.x * RW + rr;
-    if (r >= pc.rows) break;  // the same r in the whole subgroup
+    const uint r = wg * RW + rr;
+    if (r >= rows) break;  // the same r in the whole subgroup
     const uint64_t row = wbase + uint64_t(r) * pc.row_bytes;
     float acc[NT];
     [[unroll]] for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f;
@@ -98,9 +116,9 @@ void main() {
       const float s = subgroupAdd(acc[t]);
 #ifdef MOE
       if (subgroupElect())
-        F32(ybase + uint64_t(r) * 4u).v[0] = s + (pc.bias != 0ul ? F32(pc.bias).v[e * pc.rows + r] : 0.0f);
+        F32(ybase + uint64_t(r) * 4u).v[0] = s + (pc.bias != 0ul ? F32(pc.bias).v[e * rows + r] : 0.0f);
 #else
-      if (subgroupElect()) F32(ybase + (uint64_t(t0 + t) * pc.rows + r) * 4u).v[0] = s;
+      if (subgroupElect()) F32(ybase + (uint64_t(t0 + t) * rows + r) * 4u).v[0] = s;
 #endif
     }
   }
