@@ -584,6 +584,9 @@ class VkBuf final : public Buffer {
 uint64_t A(const void* p) { return reinterpret_cast<uint64_t>(p); }
 uint32_t groups(int64_t n, int per) { return (uint32_t)std::min<int64_t>((n + per - 1) / per, 4096); }
 constexpr int64_t kMaxGroups = 65535;
+// Where the subgroup path (GPUs) hands over to the tiled one: a session's rows are the same
+// whatever shares its step up to here (as on CUDA, whose staged GEMV ends at 32 tokens too).
+constexpr int64_t kTileMin = 32;
 
 class VulkanBackend final : public Backend {
  public:
@@ -669,6 +672,11 @@ class VulkanBackend final : public Backend {
       uint32_t rows, cols, n, pad;
     } pc{A(w.data), A(x), A(y), w.row_bytes, (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
     if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
+    if (c_->subgroup && n > kTileMin) {  // prefill: 64 x 64 output tiles through shared memory
+      const std::string sh = "matmul_tile_" + std::to_string(w.type);
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 63) / 64), (uint32_t)((n + 63) / 64));
+      return;
+    }
     if (c_->subgroup) {  // a subgroup per row, 4 rows per workgroup
       const Weight* ws[1] = {&w};
       float* ys[1] = {y};
@@ -679,7 +687,7 @@ class VulkanBackend final : public Backend {
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
-    bool one = c_->subgroup && count >= 1 && count <= 3 && n > 0;
+    bool one = c_->subgroup && count >= 1 && count <= 3 && n > 0 && n <= kTileMin;
     for (int i = 0; one && i < count; ++i) {
       check_w(*ws[i]);
       one = ws[i]->type == ws[0]->type && ws[i]->cols == ws[0]->cols && ws[i]->row_bytes == ws[0]->row_bytes &&
