@@ -104,9 +104,11 @@ def test_audio_tower_and_turn(tmp_path):
 
 
 def test_subgroup_path_on_lavapipe():
-    """GPUs take matmul's subgroup path, lavapipe the plain one; forced onto the subgroup path
-    here, the op harness's matmul and matmul_id cases (float64 numpy and the CPU) and the paged /
-    prefix-cache / ragged-batch checks (a session's rows alike alone and in a batch) hold too."""
+    """GPUs take matmul's subgroup path (and past 32 tokens the tiled one; matmul_id grouped by
+    expert past 8 pairs), lavapipe the plain one; forced onto the GPUs' paths here, the op
+    harness's matmul and matmul_id cases (float64 numpy and the CPU), the paged / prefix-cache /
+    ragged-batch checks (a session's rows alike alone and in a batch) and the MoE families hold
+    too."""
     import subprocess
 
     env = dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1")
@@ -116,6 +118,6 @@ def test_subgroup_path_on_lavapipe():
     here = os.path.dirname(__file__)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
-                        "-k", "matmul or paged"],
+                        "-k", "matmul or paged or moe"],
                        env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

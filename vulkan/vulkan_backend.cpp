@@ -848,6 +848,14 @@ class VulkanBackend final : public Backend {
       uint32_t rows, cols, x_div, pair_base;
     } pc{A(w.data), A(x), A(y), w.row_bytes, A(ids), A(bias), (uint32_t)R, (uint32_t)w.cols, (uint32_t)x_div, 0};
     const bool sg = c_->subgroup;
+    const int64_t n_expert = w.rows / R;
+    if (sg && n_pairs > 8 && n_pairs <= 4096 && n_expert <= kMaxGroups) {
+      // Prefill / batched: a workgroup per (expert, 4 rows) over the pairs routed to it.
+      pc.pair_base = (uint32_t)n_pairs;
+      const std::string sh = "matmul_idg_sg_" + std::to_string(w.type);
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((R + 3) / 4), (uint32_t)n_expert);
+      return;
+    }
     const std::string sh = (sg ? "matmul_id_sg_" : "matmul_id_") + std::to_string(w.type);
     for (int64_t p0 = 0; p0 < n_pairs; p0 += kMaxGroups) {
       pc.pair_base = (uint32_t)p0;

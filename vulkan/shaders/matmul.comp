@@ -26,9 +26,13 @@ layout(push_constant, std430) uniform PC {
   uint64_t w, x, y;
   uint64_t row_bytes;
   uint64_t ids, bias;
-  uint rows, cols, x_div, pair_base;  // rows: one expert's
+  uint rows, cols, x_div, pair_base;  // rows: one expert's; pair_base: the pair count when GROUPED
 } pc;
+#ifdef GROUPED
+const uint NT = 8u, NR = 4u;
+#else
 const uint NT = 1u, NR = 4u;
+#endif
 #elif defined(SG)
 // Up to three weights of one type and width against the same x (matmul_multi: Q/K/V, gate/up)
 // in one dispatch: workgroups [0, b0) take weight 0, the next b1 weight 1, the rest weight 2.
@@ -51,15 +55,30 @@ const uint NT = 8u, NR = 4u;
 
 #ifdef SG
 const uint RW = 4u;
+#ifdef GROUPED
+// matmul_id for prefill and batched steps: a workgroup per (expert, RW rows) gathers the pairs
+// routed to its expert, then streams each of its rows once per NT of them, so an expert is read
+// once per 8 tokens, not once per token. Each pair's sum runs as in the ungrouped kernel.
+shared uint plist[4096];
+shared uint pcount;
+#endif
+
 void main() {
 #ifdef MOE
-  const uint p = pc.pair_base + gl_WorkGroupID.y;
-  const uint e = uint(I32(pc.ids).v[p]);
   const uint rows = pc.rows, wg = gl_WorkGroupID.x;
+#ifdef GROUPED
+  const uint e = gl_WorkGroupID.y;
+  if (gl_LocalInvocationID.x == 0u) pcount = 0u;
+  barrier();
+  for (uint q = gl_LocalInvocationID.x; q < pc.pair_base; q += gl_WorkGroupSize.x)  // pair_base: the pair count
+    if (uint(I32(pc.ids).v[q]) == e) plist[atomicAdd(pcount, 1u)] = q;
+  barrier();
+  const uint total = pcount;
+#else
+  const uint e = uint(I32(pc.ids).v[pc.pair_base + gl_WorkGroupID.y]);
+  const uint total = 1u;
+#endif
   const uint64_t wbase = pc.w + uint64_t(e) * pc.rows * pc.row_bytes;
-  const uint64_t xbase = pc.x + uint64_t(p / pc.x_div) * pc.cols * 4u;
-  const uint64_t ybase = pc.y + uint64_t(p) * pc.rows * 4u;
-  const uint t0 = 0u, nt = 1u;
 #else
   uint wg = gl_WorkGroupID.x, mi = 0u;
   if (wg >= pc.b0) {
@@ -67,59 +86,79 @@ void main() {
     if (wg >= pc.b1) wg -= pc.b1, mi = 2u;
   }
   const uint rows = pc.rows[mi];
-  const uint64_t wbase = pc.w[mi], xbase = pc.x, ybase = pc.y[mi];
-  const uint t0 = gl_WorkGroupID.y * NT;
-  const uint nt = min(NT, pc.n - t0);
+  const uint64_t wbase = pc.w[mi];
+  const uint total = min(NT, pc.n - gl_WorkGroupID.y * NT);
 #endif
   const uint ng = (pc.cols + 7u) / 8u;
-  const bool xvec = pc.cols % 8u == 0u && (xbase & 15ul) == 0ul;  // x rows 16-byte aligned
-  for (uint rr = gl_SubgroupID; rr < RW; rr += gl_NumSubgroups) {
-    const uint r = wg * RW + rr;
-    if (r >= rows) break;  // the same r in the whole subgroup
-    const uint64_t row = wbase + uint64_t(r) * pc.row_bytes;
-    float acc[NT];
-    [[unroll]] for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f;
-    // Two groups a lane per pass, both decoded before either is used: their loads are in flight
-    // together (a GPU does not overlap a loop's iterations on its own). Each group's products
-    // are summed in element order either way.
-    const uint S = gl_SubgroupSize;
-    for (uint g0 = gl_SubgroupInvocationID; g0 < ng; g0 += 2u * S) {
-      float v[2][8];
-      dq8(row, g0, pc.cols, v[0]);
-      const bool two = g0 + S < ng;
-      if (two) dq8(row, g0 + S, pc.cols, v[1]);
-      [[unroll]] for (uint u = 0u; u < 2u; ++u) {
-        if (u == 1u && !two) break;
-        const uint e0 = (g0 + u * S) * 8u;
-        const uint ne = min(8u, pc.cols - e0);
-        [[unroll]] for (uint t = 0u; t < NT; ++t) {
-          if (t >= nt) break;
-          const uint64_t xa = xbase + (uint64_t(t0 + t) * pc.cols + e0) * 4u;
-          float xv[8];
-          if (xvec) {  // two 16-byte loads
-            V4 xr = V4(xa);
-            const vec4 a = xr.v[0], b = xr.v[1];
-            xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w, xv[4] = b.x, xv[5] = b.y, xv[6] = b.z, xv[7] = b.w;
-          } else {
-            F32 xr = F32(xa);
-            [[unroll]] for (uint i = 0u; i < 8u; ++i) xv[i] = i < ne ? xr.v[i] : 0.0f;
-          }
-          [[unroll]] for (uint i = 0u; i < 8u; ++i) {
-            if (i >= ne) break;
-            acc[t] += v[u][i] * xv[i];
+  const bool xvec = pc.cols % 8u == 0u && (pc.x & 15ul) == 0ul;  // every x row 16-byte aligned
+  for (uint c0 = 0u; c0 < total; c0 += NT) {
+    // This pass's x rows and y rows (row 0 of each output vector).
+    const uint nt = min(NT, total - c0);
+    uint64_t xa[NT], ya[NT];
+    [[unroll]] for (uint t = 0u; t < NT; ++t) {
+      const uint tt = c0 + min(t, nt - 1u);
+#ifdef MOE
+#ifdef GROUPED
+      const uint p = plist[tt];
+#else
+      const uint p = pc.pair_base + gl_WorkGroupID.y;
+#endif
+      xa[t] = pc.x + uint64_t(p / pc.x_div) * pc.cols * 4u;
+      ya[t] = pc.y + uint64_t(p) * pc.rows * 4u;
+#else
+      const uint tok = gl_WorkGroupID.y * NT + tt;
+      xa[t] = pc.x + uint64_t(tok) * pc.cols * 4u;
+      ya[t] = pc.y[mi] + uint64_t(tok) * rows * 4u;
+#endif
+    }
+    for (uint rr = gl_SubgroupID; rr < RW; rr += gl_NumSubgroups) {
+      const uint r = wg * RW + rr;
+      if (r >= rows) break;  // the same r in the whole subgroup
+      const uint64_t row = wbase + uint64_t(r) * pc.row_bytes;
+      float acc[NT];
+      [[unroll]] for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f;
+      // Two groups a lane per pass, both decoded before either is used: their loads are in
+      // flight together (a GPU does not overlap a loop's iterations on its own). Each group's
+      // products are summed in element order either way.
+      const uint S = gl_SubgroupSize;
+      for (uint g0 = gl_SubgroupInvocationID; g0 < ng; g0 += 2u * S) {
+        float v[2][8];
+        dq8(row, g0, pc.cols, v[0]);
+        const bool two = g0 + S < ng;
+        if (two) dq8(row, g0 + S, pc.cols, v[1]);
+        [[unroll]] for (uint u = 0u; u < 2u; ++u) {
+          if (u == 1u && !two) break;
+          const uint e0 = (g0 + u * S) * 8u;
+          const uint ne = min(8u, pc.cols - e0);
+          [[unroll]] for (uint t = 0u; t < NT; ++t) {
+            if (t >= nt) break;
+            const uint64_t xe = xa[t] + uint64_t(e0) * 4u;
+            float xv[8];
+            if (xvec) {  // two 16-byte loads
+              V4 xr = V4(xe);
+              const vec4 a = xr.v[0], b = xr.v[1];
+              xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w, xv[4] = b.x, xv[5] = b.y, xv[6] = b.z, xv[7] = b.w;
+            } else {
+              F32 xr = F32(xe);
+              [[unroll]] for (uint i = 0u; i < 8u; ++i) xv[i] = i < ne ? xr.v[i] : 0.0f;
+            }
+            [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+              if (i >= ne) break;
+              acc[t] += v[u][i] * xv[i];
+            }
           }
         }
       }
-    }
-    [[unroll]] for (uint t = 0u; t < NT; ++t) {
-      if (t >= nt) break;
-      const float s = subgroupAdd(acc[t]);
+      [[unroll]] for (uint t = 0u; t < NT; ++t) {
+        if (t >= nt) break;
+        const float s = subgroupAdd(acc[t]);
 #ifdef MOE
-      if (subgroupElect())
-        F32(ybase + uint64_t(r) * 4u).v[0] = s + (pc.bias != 0ul ? F32(pc.bias).v[e * rows + r] : 0.0f);
+        if (subgroupElect())
+          F32(ya[t] + uint64_t(r) * 4u).v[0] = s + (pc.bias != 0ul ? F32(pc.bias).v[e * rows + r] : 0.0f);
 #else
-      if (subgroupElect()) F32(ybase + (uint64_t(t0 + t) * rows + r) * 4u).v[0] = s;
+        if (subgroupElect()) F32(ya[t] + uint64_t(r) * 4u).v[0] = s;
 #endif
+      }
     }
   }
 }
