@@ -687,13 +687,7 @@ class VulkanBackend final : public Backend {
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
-    bool one = c_->subgroup && count >= 1 && count <= 3 && n > 0 && n <= kTileMin;
-    for (int i = 0; one && i < count; ++i) {
-      check_w(*ws[i]);
-      one = ws[i]->type == ws[0]->type && ws[i]->cols == ws[0]->cols && ws[i]->row_bytes == ws[0]->row_bytes &&
-            ws[i]->rows > 0;
-    }
-    if (!one) {
+    if (!sg_fits(ws, count, n)) {
       for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
       return;
     }
@@ -701,14 +695,37 @@ class VulkanBackend final : public Backend {
     if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
     matmul_sg(ws, ys, count, x, n);
   }
+  // The fused stage as one subgroup-path dispatch (norm on the way, the residual added in) when
+  // it is up to 32 tokens over weights of one type and width; else the composition.
+  void matmul_step(const MatmulStep& s) override {
+    if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
+      throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
+    if (!sg_fits(s.w, s.count, s.n)) return Backend::matmul_step(s);
+    Lock g(c_->mu);
+    // With a residual the product goes straight into it (y[0] and xn are scratch to callers).
+    float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
+    matmul_sg(s.w, ys, s.count, s.x, s.n, s.norm, s.norm_w, s.eps, s.residual != nullptr);
+  }
+  bool sg_fits(const Weight* const* ws, int count, int64_t n) const {
+    bool one = c_->subgroup && count >= 1 && count <= 3 && n > 0 && n <= kTileMin;
+    for (int i = 0; one && i < count; ++i) {
+      check_w(*ws[i]);
+      one = ws[i]->type == ws[0]->type && ws[i]->cols == ws[0]->cols && ws[i]->row_bytes == ws[0]->row_bytes &&
+            ws[i]->rows > 0;
+    }
+    return one;
+  }
   // One dispatch of the subgroup path over 1-3 weights of one type and width.
-  void matmul_sg(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) {
+  void matmul_sg(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n, bool norm = false,
+                 const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false) {
     struct {
       uint64_t w[3], y[3];
-      uint64_t x, row_bytes;
+      uint64_t x, row_bytes, norm_w;
       uint32_t rows[3];
-      uint32_t cols, n, b0, b1;
+      uint32_t cols, n, b0, b1, flags;
+      float eps;
     } pc{};
+    pc.norm_w = norm ? A(norm_w) : 0, pc.flags = (norm ? 1u : 0u) | (accumulate ? 2u : 0u), pc.eps = eps;
     uint32_t blocks = 0, b[3] = {0, 0, 0};
     for (int i = 0; i < count; ++i) {
       pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;

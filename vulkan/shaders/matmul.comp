@@ -37,11 +37,15 @@ const uint NT = 1u, NR = 4u;
 // Up to three weights of one type and width against the same x (matmul_multi: Q/K/V, gate/up)
 // in one dispatch: workgroups [0, b0) take weight 0, the next b1 weight 1, the rest weight 2.
 // Each row is computed exactly as alone.
+// matmul_step fuses into it too: x RMS-normed on the way (flags bit 0; times norm_w when set:
+// each subgroup sums the squares of the x it reads, which is all of it), and the result added
+// into y (bit 1, the residual).
 layout(push_constant, std430) uniform PC {
   uint64_t w[3], y[3];
-  uint64_t x, row_bytes;
+  uint64_t x, row_bytes, norm_w;
   uint rows[3];
-  uint cols, n, b0, b1;
+  uint cols, n, b0, b1, flags;
+  float eps;
 } pc;
 const uint NT = 8u, NR = 4u;
 #else
@@ -115,8 +119,13 @@ void main() {
       const uint r = wg * RW + rr;
       if (r >= rows) break;  // the same r in the whole subgroup
       const uint64_t row = wbase + uint64_t(r) * pc.row_bytes;
-      float acc[NT];
-      [[unroll]] for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f;
+      float acc[NT], ss[NT];
+      [[unroll]] for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f, ss[t] = 0.0f;
+#ifdef MOE
+      const bool norm = false;
+#else
+      const bool norm = (pc.flags & 1u) != 0u;
+#endif
       // Two groups a lane per pass, both decoded before either is used: their loads are in
       // flight together (a GPU does not overlap a loop's iterations on its own). Each group's
       // products are summed in element order either way.
@@ -142,6 +151,15 @@ void main() {
               F32 xr = F32(xe);
               [[unroll]] for (uint i = 0u; i < 8u; ++i) xv[i] = i < ne ? xr.v[i] : 0.0f;
             }
+#ifndef MOE
+            if (norm) {
+              [[unroll]] for (uint i = 0u; i < 8u; ++i) ss[t] += xv[i] * xv[i];  // xv is 0 past cols
+              if (pc.norm_w != 0ul) {
+                F32 nw = F32(pc.norm_w + uint64_t(e0) * 4u);
+                [[unroll]] for (uint i = 0u; i < 8u; ++i) xv[i] *= i < ne ? nw.v[i] : 0.0f;
+              }
+            }
+#endif
             [[unroll]] for (uint i = 0u; i < 8u; ++i) {
               if (i >= ne) break;
               acc[t] += v[u][i] * xv[i];
@@ -151,12 +169,18 @@ void main() {
       }
       [[unroll]] for (uint t = 0u; t < NT; ++t) {
         if (t >= nt) break;
-        const float s = subgroupAdd(acc[t]);
+        float s = subgroupAdd(acc[t]);
+#ifndef MOE
+        if (norm) s *= 1.0f / sqrt(subgroupAdd(ss[t]) / float(pc.cols) + pc.eps);
+#endif
 #ifdef MOE
         if (subgroupElect())
           F32(ya[t] + uint64_t(r) * 4u).v[0] = s + (pc.bias != 0ul ? F32(pc.bias).v[e * rows + r] : 0.0f);
 #else
-        if (subgroupElect()) F32(ya[t] + uint64_t(r) * 4u).v[0] = s;
+        if (subgroupElect()) {
+          F32 yo = F32(ya[t] + uint64_t(r) * 4u);
+          yo.v[0] = (pc.flags & 2u) != 0u ? yo.v[0] + s : s;
+        }
 #endif
       }
     }
