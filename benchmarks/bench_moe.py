@@ -1,6 +1,7 @@
 """A mixture of experts of a real shape, ours next to llama.cpp's llama-bench on the same file.
 
     python benchmarks/bench_moe.py [--layers 4] [--type q8_0] [--threads 2] [--reps 2] [--llama-bench PATH]
+                                   [--device cuda|vulkan]
 
 Writes (once, into the hub cache) a random-weight qwen3moe file with Qwen3-30B-A3B's layer
 shapes -- dim 2048, 32 query / 4 KV heads of 128, 128 experts of 768 rows, 8 used per token --
@@ -110,6 +111,24 @@ def llama_bench(exe: str, path: str, threads: int) -> tuple:
             next(r["avg_ts"] for r in rows if r["n_gen"] == 128))
 
 
+def ours_on(path: str, device: str) -> tuple:
+    """bench_cpu.ours on a device backend (the file's formats, the default mode), after a warm-up."""
+    m = d.load_model(path, device=device)
+    rng = np.random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(100, m.config.vocab_size - 1, 512)]
+    d.eval(m, d.create_session(m, n_ctx=1024), prompt[:64])
+    s = d.create_session(m, n_ctx=1024)
+    t = time.perf_counter()
+    d.eval(m, s, prompt)
+    pp = 512 / (time.perf_counter() - t)
+    s = d.create_session(m, n_ctx=1024)
+    d.eval(m, s, [prompt[0]])
+    t = time.perf_counter()
+    for i in range(128):
+        d.eval(m, s, [prompt[i + 1]])
+    return pp, 128 / (time.perf_counter() - t)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -117,6 +136,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"))
+    ap.add_argument("--device", default="cpu", help="cpu, or a device backend (llama-bench then is not run)")
     a = ap.parse_args()
     path = d.hub.home() / "bench" / f"qwen3moe-30b-a3b-shape-{a.layers}l-{a.type}.gguf"
     if not path.exists():
@@ -125,14 +145,15 @@ def main() -> int:
         write(str(path) + ".part", a.layers, a.type)
         os.replace(str(path) + ".part", path)
         print(f"# wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s")
-    print(f"# {time.strftime('%Y-%m-%d')} {d.system_info()['isa_active']} threads={a.threads}; Qwen3-30B-A3B layer "
+    where = f"threads={a.threads}" if a.device == "cpu" else f"device={a.device}"
+    print(f"# {time.strftime('%Y-%m-%d')} {d.system_info()['isa_active']} {where}; Qwen3-30B-A3B layer "
           f"shapes x {a.layers} layers, {a.type}, random weights")
     print("| test | dasllama t/s | llama.cpp t/s | ratio |")
     print("| --- | --- | --- | --- |")
     o, lb = [], []
     for _ in range(a.reps):  # interleaved: ours, then theirs, each rep
-        o.append(B.ours(str(path), a.threads, "q8"))
-        if a.llama_bench:
+        o.append(B.ours(str(path), a.threads, "q8") if a.device == "cpu" else ours_on(str(path), a.device))
+        if a.llama_bench and a.device == "cpu":
             lb.append(llama_bench(a.llama_bench, str(path), a.threads))
     for i, test in enumerate(("pp512", "tg128")):
         ours = float(np.mean([x[i] for x in o]))
