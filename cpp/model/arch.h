@@ -43,6 +43,9 @@ struct ArchTraits {
   // YaRN's correction range rounded out to whole dims (transformers' truncate, its default);
   // gpt-oss trains without.
   bool yarn_truncate = true;
+  // The query projection carries a gate per head ([q | gate] for each head, 2 head_dim rows):
+  // the attention's output is multiplied by sigmoid(gate) before the output projection.
+  bool attn_output_gate = false;
 };
 
 // A control token that closes a turn in a chat format (ChatML's <|im_end|>, ...). A

@@ -216,7 +216,10 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
     be.copy(x, embd_dev_, (size_t)(n * D) * 4);
   }
   for (int il = 0; il < c.n_layers; ++il) {
-    attention_block(il, runs, n_runs, n);
+    if (c.rec_slot[il] >= 0)
+      recurrent_block(il, runs, n_runs, n);
+    else
+      attention_block(il, runs, n_runs, n);
     ffn_block(il, n);
   }
   for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
@@ -234,13 +237,18 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   const bool swa = c.layer_is_swa[il];
   const int64_t D = c.dim, hd = c.head_dim;
   const int64_t q_dim = (int64_t)c.n_heads * hd, kv_dim = (int64_t)c.n_kv_heads * hd;
+  // An output-gated query projection makes [q | gate] per head: 2 q_dim wide, split below.
+  const bool gated = traits_->attn_output_gate;
+  const int64_t q_rows = gated ? 2 * q_dim : q_dim;
   float* x = static_cast<float*>(x_->data());
   float* xn = scratch(xn_, n * D, "activations");
   float* q = scratch(q_, n * q_dim, "activations");
   float* k = scratch(k_, n * kv_dim, "activations");
   float* v = scratch(v_, n * kv_dim, "activations");
   float* att = scratch(attn_, n * q_dim, "activations");
-  float* o = scratch(ffn_, n * std::max<int64_t>(D, q_dim + 2 * kv_dim), "activations");
+  float* o = scratch(ffn_, n * std::max<int64_t>(D, q_rows + 2 * kv_dim), "activations");
+  float* qg = gated ? scratch(qgate_, n * (q_rows + q_dim), "activations") : nullptr;  // [q | gate] rows, then the gates
+  float* qdst = gated ? qg : q;
 
   MatmulStep qkv;
   qkv.x = x, qkv.n = n, qkv.xn = xn;
@@ -248,18 +256,23 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   if (!L.wqkv.empty()) {
     qkv.count = 1, qkv.w[0] = &L.wqkv, qkv.y[0] = o;
     be.matmul_step(qkv);
-    const int64_t w = q_dim + 2 * kv_dim;
-    be.copy_rows(q, q_dim, o, w, n, q_dim);
-    be.copy_rows(k, kv_dim, o + q_dim, w, n, kv_dim);
-    be.copy_rows(v, kv_dim, o + q_dim + kv_dim, w, n, kv_dim);
+    const int64_t w = q_rows + 2 * kv_dim;
+    be.copy_rows(qdst, q_rows, o, w, n, q_rows);
+    be.copy_rows(k, kv_dim, o + q_rows, w, n, kv_dim);
+    be.copy_rows(v, kv_dim, o + q_rows + kv_dim, w, n, kv_dim);
   } else {
     qkv.count = 3;
     qkv.w[0] = &L.wq, qkv.w[1] = &L.wk, qkv.w[2] = &L.wv;
-    qkv.y[0] = q, qkv.y[1] = k, qkv.y[2] = v;
+    qkv.y[0] = qdst, qkv.y[1] = k, qkv.y[2] = v;
     be.matmul_step(qkv);
-    if (!L.bq.empty()) be.add_bias(q, L.bq.data(), n, q_dim);
+    if (!L.bq.empty()) be.add_bias(qdst, L.bq.data(), n, q_rows);
     if (!L.bk.empty()) be.add_bias(k, L.bk.data(), n, kv_dim);
     if (!L.bv.empty()) be.add_bias(v, L.bv.data(), n, kv_dim);
+  }
+  float* gate = gated ? qg + n * q_rows : nullptr;
+  if (gated) {  // head h's rows: q at 2 h hd, its gate at (2 h + 1) hd
+    be.copy_rows(q, hd, qg, 2 * hd, n * c.n_heads, hd);
+    be.copy_rows(gate, hd, qg + hd, 2 * hd, n * c.n_heads, hd);
   }
   if (!L.q_norm.empty()) be.rms_norm(q, L.q_norm.data(), q, n * c.n_heads, hd, c.norm_eps);
   if (!L.k_norm.empty()) be.rms_norm(k, L.k_norm.data(), k, n * c.n_kv_heads, hd, c.norm_eps);
@@ -287,8 +300,8 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     view.n_pages = kv.n_pages();
     view.page_shift = kv.page_shift();
     view.page_bytes = kv.page_bytes();
-    view.k_off = kv.k_off(il);
-    view.v_off = kv.v_off(il);
+    view.k_off = kv.k_off(c.kv_slot[il]);
+    view.v_off = kv.v_off(c.kv_slot[il]);
     view.row_bytes = kv.geometry().row_bytes;
     view.type = s.kv_type_;
     be.kv_store(view, s.n_past_, k + r0 * kv_dim, v + r0 * kv_dim, nr, kv_dim, kv_dim);
@@ -311,8 +324,56 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.out_stride = q_dim;
   }
   be.attention_multi(attn_args_.data(), n_runs);
+  if (gated) be.glu(gate, q_dim, att, q_dim, att, n, q_dim, Act::sigmoid);
 
   project_residual(L.wo, L.bo, L.attn_post_norm, att, n, o);
+}
+
+// A gated-DeltaNet layer (in place of attention): norm; the qkv, z, alpha and beta projections;
+// per session the causal conv (silu) and the gated delta rule from its recurrent state; the
+// gated norm (RMS norm per value head times silu(z)); the output projection and residual add.
+void Model::recurrent_block(int il, const Run* runs, int n_runs, int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const LayerWeights& L = layers_[il];
+  const int64_t D = c.dim, C = c.ssm_conv_dim, nv = c.ssm_nv, dk = c.ssm_dk, inner = nv * c.ssm_dv;
+  const int K = c.ssm_conv_k;
+  float* x = static_cast<float*>(x_->data());
+  float* xn = scratch(xn_, n * D, "activations");
+  float* proj = scratch(ssm_x_, n * 2 * C, "activations");  // the qkv projection, then the conv's output
+  float* conv = proj + n * C;
+  float* zo = scratch(ssm_o_, n * 2 * inner, "activations");  // z, then the delta rule's output
+  float* out = zo + n * inner;
+  float* ab = scratch(ssm_ab_, n * 2 * nv, "activations");    // alpha, then beta logits
+  float* o = scratch(ffn_, n * D, "activations");
+  be.rms_norm(x, L.attn_norm.data(), xn, n, D, c.norm_eps);
+  const Weight* ws[4] = {&L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta};
+  float* ys[4] = {proj, zo, ab, ab + n * nv};
+  be.matmul_multi(ws, ys, 4, xn, n);
+  for (int ri = 0; ri < n_runs; ++ri) {
+    const int64_t r0 = runs[ri].first_row, nr = runs[ri].n_rows;
+    float* st = runs[ri].s->recurrent_state() + (int64_t)c.rec_slot[il] * c.rec_state_floats;
+    be.conv1d_causal(st, proj + r0 * C, C, nr, C, L.ssm_conv.data(), K, true, conv + r0 * C);
+    DeltaRuleArgs a;
+    a.state = st + (int64_t)(K - 1) * C;
+    a.q = conv + r0 * C;
+    a.k = a.q + (int64_t)c.ssm_nk * dk;
+    a.v = a.q + 2 * (int64_t)c.ssm_nk * dk;
+    a.qkv_stride = C;
+    a.alpha = ab + r0 * nv;
+    a.beta = ab + n * nv + r0 * nv;
+    a.ab_stride = nv;
+    a.A = L.ssm_a.data();
+    a.dt_bias = L.ssm_dt.data();
+    a.n = nr;
+    a.n_k_heads = c.ssm_nk, a.n_v_heads = c.ssm_nv, a.dk = c.ssm_dk, a.dv = c.ssm_dv;
+    a.out = out + r0 * inner;
+    a.out_stride = inner;
+    be.delta_rule(a);
+  }
+  be.rms_norm(out, L.ssm_norm.data(), out, n * nv, c.ssm_dv, c.norm_eps);
+  be.glu(zo, inner, out, inner, out, n, inner, Act::silu);
+  project_residual(L.ssm_out, Vec{}, Vec{}, out, n, o);
 }
 
 // x += W in (+ bias, through a post-norm when the family has them), x the residual

@@ -11,7 +11,7 @@ namespace dl {
 
 KVGeometry Model::kv_geometry(KVType t) const {
   KVGeometry g;
-  g.n_layers = cfg_.n_layers;
+  g.n_layers = cfg_.n_kv_layers;  // recurrent layers keep no KV
   g.kv_dim = (int64_t)cfg_.n_kv_heads * cfg_.head_dim;
   g.type = t;
   if (t == KVType::q8_0 && (g.kv_dim % 32 != 0 || cfg_.head_dim % 32 != 0))
@@ -25,6 +25,24 @@ Session::Session(std::shared_ptr<Model> model, KVType kv_type, int n_ctx)
   const ModelConfig& c = model_->config();
   n_ctx_ = n_ctx > 0 ? std::min(n_ctx, c.seq_len) : std::min(c.seq_len, 4096);
   kv_ = std::make_unique<BlockTable>(model_->kv_geometry(kv_type), n_ctx_, model_->backend());
+  init_recurrent();
+}
+
+void Session::init_recurrent() {
+  const ModelConfig& c = model_->config();
+  if (c.n_rec_layers == 0) return;
+  rstate_ = model_->backend().alloc((size_t)c.n_rec_layers * (size_t)c.rec_state_floats * 4, "recurrent state");
+  reset_recurrent();
+}
+
+void Session::reset_recurrent() {
+  if (rstate_) model_->backend().zero(rstate_->data(), rstate_->size());
+}
+
+int64_t Session::rewind_point(int64_t n) const {
+  if (n < 0 || n > n_past_) throw Error("rewind_point: position out of range");
+  if (!rstate_ || n == n_past_) return n;
+  return 0;
 }
 
 Session::Session(std::shared_ptr<Model> model, std::shared_ptr<KVPool> pool, int n_ctx) : model_(std::move(model)) {
@@ -38,10 +56,16 @@ Session::Session(std::shared_ptr<Model> model, std::shared_ptr<KVPool> pool, int
   const ModelConfig& c = model_->config();
   n_ctx_ = n_ctx > 0 ? std::min(n_ctx, c.seq_len) : c.seq_len;  // memory comes page by page
   kv_ = std::make_unique<BlockTable>(std::move(pool));
+  init_recurrent();
 }
 
 void Session::truncate(int64_t n) {
   if (n < 0 || n > n_past_) throw Error("truncate: position out of range");
+  if (rewind_point(n) != n)
+    throw Error("truncate: this model's recurrent layers cannot rewind to position " + std::to_string(n) +
+                " (their state is kept at position " + std::to_string(n_past_) +
+                " and at 0; rewind_point(n) says where they can go)");
+  if (rstate_ && n == 0) reset_recurrent();
   n_past_ = n;
   history.resize((size_t)n);
   // Pages past n go back; a shared page n falls in is copied on the next write.
@@ -51,6 +75,7 @@ void Session::truncate(int64_t n) {
 void Session::release_pages() {
   if (!kv_->paged()) return;  // a flat session owns its cache: nothing to give back
   kv_->release();
+  reset_recurrent();
   n_past_ = 0;
   history.clear();
   logits.clear();
@@ -61,6 +86,7 @@ int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>
   cache.bind(s.kv().pool_ptr());
   if (s.n_past() != 0 || s.kv().n_pages() != 0) throw Error("prefix_attach: the session is not fresh");
   if ((int64_t)prompt.size() > s.n_ctx()) throw ContextOverflowError("prefix_attach: prompt longer than the context");
+  if (s.recurrent_state()) return 0;  // pages alone do not hold a recurrent layer's state
   KVPool& pool = *s.kv().pool();
   std::vector<int32_t> pages;
   int64_t matched = 0;

@@ -36,6 +36,14 @@ class Session {
   void release_pages();
   // Sets the position after a prefix cache attach (pages already in the table).
   void set_attached(int64_t n, const int32_t* ids);
+  // The position at or before n (<= n_past) that truncate can rewind to: n itself when the
+  // model keeps only KV; for a model with recurrent layers, the latest position <= n whose
+  // recurrent state the session still has (0, n_past, or a snapshot).
+  int64_t rewind_point(int64_t n) const;
+
+  // The recurrent layers' state (backend memory; null for a model without them): per layer
+  // (rec_slot order) rec_state_floats floats, zero at position 0.
+  float* recurrent_state() const { return rstate_ ? static_cast<float*>(rstate_->data()) : nullptr; }
 
   std::vector<float> logits;      // [n_vocab] of the last row (or [n][n_vocab] with all_logits)
   std::vector<int32_t> history;   // tokens evaluated so far (media rows as negative ids)
@@ -53,6 +61,9 @@ class Session {
   int64_t n_ctx_;
   int64_t n_past_ = 0;
   std::unique_ptr<BlockTable> kv_;
+  BufferPtr rstate_;
+  void init_recurrent();
+  void reset_recurrent();
 };
 
 class PrefixCache;

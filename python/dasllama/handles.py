@@ -142,6 +142,12 @@ class Session:
         before it is written again."""
         self._s.truncate(int(n))
 
+    def rewind_point(self, n: int) -> int:
+        """The position at or before ``n`` that :meth:`truncate` can rewind to: ``n`` itself for a
+        model that keeps only KV; for a hybrid model (recurrent layers) the latest position whose
+        recurrent state the session still has (0, ``n_past``, or a snapshot)."""
+        return self._s.rewind_point(int(n))
+
     @property
     def logits(self) -> np.ndarray:
         """Logits of the last evaluated row: a view valid until the next eval (copy to keep)."""

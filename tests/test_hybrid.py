@@ -1,0 +1,157 @@
+"""Hybrid families against transformers: a tiny random Qwen3.5 (gated-DeltaNet layers between
+output-gated full-attention layers; tests/oracles/hybrid.py) written to GGUF by llama.cpp's own
+convert_hf_to_gguf.py (--no-mtp).
+
+fp32 mode on the f32 file is held to the HF model in fp32 (eager attention; its chunked delta rule
+for a prefill, its recurrent step for decode in generate). The recurrent layers' state lives in the
+session beside the KV: decode steps equal one prefill bitwise (the delta rule runs token by token in
+both), paged equals flat, a batched step (sessions prefilling and decoding together) equals each
+session alone, and a session rewinds only where its recurrent state is kept.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import dasllama as d  # noqa: E402
+import torch  # noqa: E402  (the oracle; never skipped)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
+import hybrid as H  # noqa: E402
+import moe as M  # noqa: E402
+
+FP32_BAR = 1e-4
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory, smollm2_path):
+    out = str(tmp_path_factory.mktemp("hybrid-gguf"))
+    tok = M.tokenizer(str(smollm2_path))
+    return {name: H.build(name, tok, out) for name in H.FAMILIES}
+
+
+def _ids(n, vocab, seed=0):
+    return [1] + np.random.default_rng(seed).integers(3, vocab, n - 1).tolist()
+
+
+def _ours_logits(model, ids, kv=d.KVDtype.f32):
+    s = d.create_session(model, kv, n_ctx=len(ids) + 8)
+    d.eval(model, s, ids, all_logits=True)
+    return np.array(s.logits).reshape(len(ids), -1)
+
+
+def _prefill_decode(model, s, ids, n_first):
+    d.eval(model, s, ids[:n_first], all_logits=True)
+    out = [np.array(s.logits).reshape(n_first, -1)]
+    for t in ids[n_first:]:
+        d.eval(model, s, [t])
+        out.append(np.array(s.logits)[None])
+    return np.concatenate(out)
+
+
+def test_converter_layout(hybrid_models):
+    """The file carries what the decoder reads: recurrent layers flagged per layer, the ssm shapes,
+    the gated query (2 head_dim rows per head) and the FFN norm stored as post_attention_norm."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(hybrid_models["qwen35"][1]["f32"])
+    f = {k: v.contents() for k, v in r.fields.items() if k.startswith("qwen35.")}
+    assert f["qwen35.attention.recurrent_layers"] == [True, False, True, False]
+    assert (f["qwen35.ssm.group_count"], f["qwen35.ssm.time_step_rank"], f["qwen35.ssm.state_size"]) == (2, 4, 16)
+    names = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    assert names["blk.0.attn_qkv.weight"] == (64, 2 * 2 * 16 + 4 * 16)
+    assert names["blk.0.ssm_conv1d.weight"] == (4, 128)
+    assert names["blk.1.attn_q.weight"] == (64, 2 * 4 * 16)
+    assert "blk.1.post_attention_norm.weight" in names and "blk.1.ffn_norm.weight" not in names
+    assert not any(n.startswith("blk.0.attn_k") for n in names)  # recurrent layers keep no KV
+
+
+@pytest.mark.parametrize("name", list(H.FAMILIES))
+def test_fp32_logits_match_transformers(hybrid_models, name):
+    hf, paths = hybrid_models[name]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    assert m.arch == name
+    ids = _ids(41, hf.config.vocab_size)
+    a, b = _ours_logits(m, ids), M.hf_logits(hf, ids)
+    err = float(np.abs(a - b).max())
+    print(f"{name}: max |Δlogit| {err:.2e} (|logit| up to {np.abs(b).max():.2f})")
+    assert err < FP32_BAR
+
+
+@pytest.mark.parametrize("name", list(H.FAMILIES))
+def test_fp32_greedy_tokens_match_transformers(hybrid_models, name):
+    hf, paths = hybrid_models[name]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    prompt = _ids(9, hf.config.vocab_size, seed=1)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    s = d.create_session(m, d.KVDtype.f32, n_ctx=64)
+    got = []
+    d.generate(m, s, prompt, d.SamplingParams(), 24, lambda i, p: got.append(i))
+    assert len(got) >= 12 and got == ref[:len(got)]
+
+
+@pytest.mark.parametrize("mode,ft", [(d.QuantMode.fp32, "f32"), (d.QuantMode.q8, "q8_0")])
+def test_decode_paged_and_flat_equal_one_prefill(hybrid_models, mode, ft):
+    """Token-by-token decode (the recurrent step) equals one prefill, bitwise, flat and through pages
+    of 4 rows (the recurrent layers take no pages: the pool's geometry has the attention layers only)."""
+    hf, paths = hybrid_models["qwen35"]
+    m = d.load_model(paths[ft], mode=mode)
+    ids = _ids(33, hf.config.vocab_size, seed=2)
+    one = _ours_logits(m, ids)
+    flat = _prefill_decode(m, d.create_session(m, d.KVDtype.f32, n_ctx=64), ids, 5)
+    pool = d.create_kv_pool(m, page_rows=4, kv_dtype=d.KVDtype.f32, max_pages=32)
+    paged = _prefill_decode(m, d.create_session(m, pool), ids, 5)
+    assert np.array_equal(flat, one)
+    assert np.array_equal(paged, one)
+
+
+@pytest.mark.parametrize("mode,ft", [(d.QuantMode.fp32, "f32"), (d.QuantMode.q8, "q8_0")])
+def test_batched_equals_alone(hybrid_models, mode, ft):
+    """Sessions stepped together (one prefilling chunks in the same steps) keep their own recurrent
+    state: each gets its own logits, bitwise."""
+    hf, paths = hybrid_models["qwen35"]
+    m = d.load_model(paths[ft], mode=mode)
+    V = hf.config.vocab_size
+    prompts = [_ids(n, V, seed=10 + n) for n in (3, 7, 12)]
+    late = _ids(20, V, seed=99)
+    chunks = [late[i:i + 6] for i in range(0, len(late), 6)]
+    pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32)
+    ss = [d.create_session(m, pool) for _ in range(4)]
+    for s, p in zip(ss, prompts):
+        d.eval(m, s, p)
+    ws = d.create_batch_workspace(m)
+    for step in range(len(chunks) + 3):
+        group = [int(np.argmax(s.logits)) for s in ss[:3]]
+        group.append(chunks[step] if step < len(chunks) else int(np.argmax(ss[3].logits)))
+        ref = []
+        for s, t in zip(ss, group):
+            c = d.create_session(m, d.KVDtype.f32, n_ctx=64)
+            d.eval(m, c, list(s.history) + ([t] if isinstance(t, int) else list(t)))
+            ref.append(np.array(c.logits))
+        d.eval_batch(m, ws, ss, group)
+        for s, r in zip(ss, ref):
+            assert np.array_equal(np.array(s.logits), r)
+
+
+def test_rewind_only_where_state_is_kept(hybrid_models):
+    """A recurrent state cannot be rewound like KV rows: truncate goes to 0 (a fresh state) or stays
+    put; elsewhere it says so, and rewind_point names where it can go."""
+    hf, paths = hybrid_models["qwen35"]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    ids = _ids(12, hf.config.vocab_size, seed=5)
+    s = d.create_session(m, d.KVDtype.f32, n_ctx=32)
+    d.eval(m, s, ids)
+    assert s.rewind_point(12) == 12 and s.rewind_point(7) == 0
+    with pytest.raises(d.DasllamaError, match="recurrent"):
+        s.truncate(7)
+    assert s.n_past == 12
+    s.truncate(0)
+    d.eval(m, s, ids)
+    assert np.array_equal(np.array(s.logits), _ours_logits(m, ids)[-1])
