@@ -19,6 +19,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dasllama as d  # noqa: E402
+from dasllama.chat import turns  # noqa: E402
 import torch  # noqa: E402  (the oracle; never skipped)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
@@ -155,3 +156,193 @@ def test_rewind_only_where_state_is_kept(hybrid_models):
     s.truncate(0)
     d.eval(m, s, ids)
     assert np.array_equal(np.array(s.logits), _ours_logits(m, ids)[-1])
+
+
+# -- the recurrent state in the prefix cache and across chat turns --------------------------------------
+
+def _cold(m, ids):
+    s = d.create_session(m, d.KVDtype.f32, n_ctx=len(ids) + 8)
+    d.eval(m, s, ids)
+    return np.array(s.logits)
+
+
+def test_prefix_cache_hit_restores_the_state(hybrid_models):
+    """A donated prefill leaves a state snapshot at the last page boundary it crossed; a new session
+    attaches the pages up to that boundary, the state is restored there, and its tail gives the cold
+    prefill's logits bitwise. Pages and snapshots are freed together."""
+    hf, paths = hybrid_models["qwen35"]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    V = hf.config.vocab_size
+    prompt = _ids(30, V, seed=7)
+    pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32, max_pages=64)
+    cache = d.create_prefix_cache()
+    a = d.create_session(m, pool)
+    d.eval(m, a, prompt)
+    d.prefix_insert(cache, pool, a, a.history)
+    assert cache.states_held == 1  # the boundary at 24 (the prefill's end, 30, is not a page's)
+    longer = prompt + _ids(9, V, seed=8)[1:]
+    b = d.create_session(m, pool)
+    assert d.prefix_attach(cache, pool, b, longer) == 24
+    d.eval(m, b, longer[24:])
+    assert np.array_equal(np.array(b.logits), _cold(m, longer))
+    # A prompt that diverges inside the snapshot's page attaches nothing: no page before it has a state.
+    c = d.create_session(m, pool)
+    assert d.prefix_attach(cache, pool, c, prompt[:20] + [5] * 10) == 0
+    for s in (a, b, c):
+        d.release_kv_pages(s)
+    d.prefix_release(cache, pool)
+    assert cache.states_held == 0 and pool.stats().used == 0
+
+
+def test_snapshot_budget(hybrid_models):
+    """The cache keeps at most max_states snapshots (least recently used pages give theirs up first)."""
+    hf, paths = hybrid_models["qwen35"]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    pool = d.create_kv_pool(m, page_rows=4, kv_dtype=d.KVDtype.f32)
+    cache = d.create_prefix_cache()
+    cache.max_states = 2
+    for seed in range(4):
+        s = d.create_session(m, pool)
+        d.eval(m, s, _ids(10, hf.config.vocab_size, seed=20 + seed))
+        d.prefix_insert(cache, pool, s, s.history)
+        d.release_kv_pages(s)
+        assert cache.states_held == min(seed + 1, 2)
+    d.prefix_release(cache, pool)
+    assert cache.states_held == 0 and pool.stats().used == 0
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_second_chat_turn_prefills_only_its_new_tokens(hybrid_models, paged):
+    """A chat on the hybrid: the turn's close re-syncs the KV to the rendered transcript (rewinding the
+    recurrent state to the snapshot at the prompt's end when the reply re-tokenizes differently), so
+    the second turn prefills only its new tokens; its logits equal a cold prefill of the same ids. A
+    second conversation over the same cache attaches the first one's pages with their state."""
+    hf, paths = hybrid_models["qwen35"]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    kw = {}
+    if paged:
+        kw["pool"] = pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32)
+        kw["cache"] = cache = d.create_prefix_cache()
+    chat = d.create_chat(m, system="You are terse.", max_new=6, kv_dtype=d.KVDtype.f32, **kw)
+    d.add_user(chat, "What is the capital of France?")
+    d.respond(m, chat)
+    held = chat.session.n_past
+    d.add_user(chat, "And of Italy?")
+    ids2 = turns.prompt_ids(chat)
+    assert list(chat.session.history) == ids2[:held]  # the closed first turn is what the KV holds
+    before = chat.media_stats["rows_prefilled"]
+    seen = {}
+
+    def first(piece):
+        if not seen:
+            seen["prefilled"] = chat.media_stats["rows_prefilled"] - before
+            seen["logits"] = np.array(chat.session.logits)
+            seen["n_past"] = chat.session.n_past
+        return True
+
+    d.respond(m, chat, on_piece=first)
+    assert seen["prefilled"] == len(ids2) - held
+    assert seen["n_past"] >= len(ids2)
+    assert np.array_equal(seen["logits"], _cold(m, list(chat.session.history)[:seen["n_past"]]))
+    if paged:
+        other = d.create_chat(m, system="You are terse.", max_new=4, **kw)
+        d.add_user(other, "What is the capital of France?")
+        d.respond(m, other)
+        assert other.media_stats["rows_attached"] > 0
+
+
+def test_truncate_to_a_snapshot(hybrid_models):
+    """eval snapshots the state at a prefill's end: a session rewinds there after decoding (as a chat
+    does when a reply re-renders differently) and continues as a cold prefill would."""
+    hf, paths = hybrid_models["qwen35"]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    ids = _ids(14, hf.config.vocab_size, seed=11)
+    s = d.create_session(m, d.KVDtype.f32, n_ctx=40)
+    d.eval(m, s, ids)
+    for t in (5, 6, 7):
+        d.eval(m, s, [t])
+    assert s.rewind_point(16) == 14 and s.rewind_point(13) == 0
+    s.truncate(14)
+    d.eval(m, s, [9, 10])
+    assert np.array_equal(np.array(s.logits), _cold(m, ids + [9, 10]))
+
+
+# -- a state machine over attach, eval, rewind, donate and release --------------------------------------
+
+from hypothesis import settings, strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+_SM = {}
+
+
+class HybridSnapshots(RuleBasedStateMachine):
+    """Sessions of a hybrid over one pool and prefix cache (pages of 4 rows, 3 snapshots at most):
+    every evaluation's logits equal a cold prefill of the session's history, bitwise, whatever was
+    attached, rewound or released before; at the end every page and snapshot is back."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = _SM["model"]
+        self.pool = d.create_kv_pool(self.m, page_rows=4, kv_dtype=d.KVDtype.f32, max_pages=256)
+        self.cache = d.create_prefix_cache()
+        self.cache.max_states = 3
+        self.sessions = []
+
+    def _check(self, s):
+        assert np.array_equal(np.array(s.logits), _cold(self.m, list(s.history)))
+
+    @precondition(lambda self: len(self.sessions) < 3)
+    @rule(prompt=st.lists(st.integers(10, 13), min_size=2, max_size=18))
+    def open_and_prefill(self, prompt):
+        s = d.create_session(self.m, self.pool)
+        n = d.prefix_attach(self.cache, self.pool, s, prompt)
+        assert n % 4 == 0 and n < len(prompt)
+        d.eval(self.m, s, prompt[n:])
+        self._check(s)
+        self.sessions.append(s)
+
+    @precondition(lambda self: self.sessions)
+    @rule(i=st.integers(0, 2), toks=st.lists(st.integers(10, 13), min_size=1, max_size=6))
+    def extend(self, i, toks):
+        s = self.sessions[i % len(self.sessions)]
+        if s.n_past + len(toks) > 60:
+            return
+        d.eval(self.m, s, toks)
+        self._check(s)
+
+    @precondition(lambda self: self.sessions)
+    @rule(i=st.integers(0, 2), back=st.integers(0, 12), tok=st.integers(10, 13))
+    def rewind(self, i, back, tok):
+        s = self.sessions[i % len(self.sessions)]
+        p = s.rewind_point(max(0, s.n_past - back))
+        s.truncate(p)
+        assert s.n_past == p
+        d.eval(self.m, s, [tok])
+        self._check(s)
+
+    @precondition(lambda self: self.sessions)
+    @rule(i=st.integers(0, 2))
+    def donate(self, i):
+        s = self.sessions[i % len(self.sessions)]
+        d.prefix_insert(self.cache, self.pool, s, s.history)
+
+    @precondition(lambda self: self.sessions)
+    @rule(i=st.integers(0, 2))
+    def release(self, i):
+        d.release_kv_pages(self.sessions.pop(i % len(self.sessions)))
+
+    @invariant()
+    def within_budget(self):
+        assert self.cache.states_held <= 3
+
+    def teardown(self):
+        for s in self.sessions:
+            d.release_kv_pages(s)
+        d.prefix_release(self.cache, self.pool)
+        assert self.cache.states_held == 0 and self.pool.stats().used == 0
+
+
+def test_snapshot_state_machine(hybrid_models):
+    _SM["model"] = d.load_model(hybrid_models["qwen35"][1]["f32"], mode=d.QuantMode.fp32)
+    run = settings(max_examples=25, stateful_step_count=12, deadline=None)(HybridSnapshots).TestCase
+    run("runTest").runTest()

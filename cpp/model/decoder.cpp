@@ -56,13 +56,22 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   s.kv_->prepare_write(s.n_past_, s.n_past_ + n);
   const int64_t V = cfg_.vocab_size;
   s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
-  for (int64_t i = 0; i < n; i += max_chunk_) {
-    const int64_t m = std::min(max_chunk_, n - i);
+  // A model with recurrent layers snapshots their state at the last page boundary the rows
+  // cross (the chunk splits there; the prefix cache keeps page-aligned snapshots) and at the
+  // end of a prefill (a turn's end, where a chat rewinds to).
+  const bool snap = s.recurrent_state() != nullptr;
+  const int64_t P = s.kv_->paged() ? s.kv_->page_rows() : 0;
+  const int64_t boundary = snap && P > 0 ? (s.n_past_ + n) / P * P : -1;
+  for (int64_t i = 0; i < n;) {
+    int64_t m = std::min(max_chunk_, n - i);
+    if (s.n_past_ < boundary && s.n_past_ + m > boundary) m = boundary - s.n_past_;
     const Run run{&s, 0, m, all_logits || i + m == n};
     const int64_t rows =
         forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits);
     if (rows > 0)
       backend_->download(s.logits.data() + (all_logits ? i * V : 0), logits_->data(), (size_t)(rows * V) * 4);
+    i += m;
+    if (snap && (s.n_past_ == boundary || (i == n && n > 1))) s.snapshot();
   }
   for (int64_t i = 0; i < n; ++i) s.history.push_back(tokens ? tokens[i] : media_ids ? media_ids[i] : -1);
 }

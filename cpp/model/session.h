@@ -13,6 +13,7 @@
 namespace dl {
 
 class Model;
+class PrefixCache;
 
 struct GenStats {
   int64_t n_prompt = 0, n_gen = 0;
@@ -44,6 +45,12 @@ class Session {
   // The recurrent layers' state (backend memory; null for a model without them): per layer
   // (rec_slot order) rec_state_floats floats, zero at position 0.
   float* recurrent_state() const { return rstate_ ? static_cast<float*>(rstate_->data()) : nullptr; }
+  // Snapshots of that state (position, copy), taken by eval at the end of each prefill and at
+  // the page boundaries it crosses; truncate rewinds to them and the prefix cache keeps the
+  // page-aligned ones. At most kMaxSnapshots per session, the oldest dropped first.
+  static constexpr int kMaxSnapshots = 4;
+  void snapshot();
+  const std::vector<std::pair<int64_t, BufferPtr>>& snapshots() const { return snaps_; }
 
   std::vector<float> logits;      // [n_vocab] of the last row (or [n][n_vocab] with all_logits)
   std::vector<int32_t> history;   // tokens evaluated so far (media rows as negative ids)
@@ -56,12 +63,14 @@ class Session {
 
  private:
   friend class Model;
+  friend int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>& prompt);
   std::shared_ptr<Model> model_;
   KVType kv_type_;
   int64_t n_ctx_;
   int64_t n_past_ = 0;
   std::unique_ptr<BlockTable> kv_;
   BufferPtr rstate_;
+  std::vector<std::pair<int64_t, BufferPtr>> snaps_;  // by position, ascending
   void init_recurrent();
   void reset_recurrent();
 };

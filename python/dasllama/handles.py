@@ -226,6 +226,22 @@ class PrefixCache:
     def max_groups(self) -> int:
         return self._c.max_groups
 
+    @property
+    def max_states(self) -> int:
+        """The budget of recurrent-state snapshots kept with cached pages (hybrid models such as
+        Qwen3.5; each snapshot is one model's whole recurrent state). Past it the least recently
+        used page gives up its snapshot; the page stays. Default 32."""
+        return self._c.max_states
+
+    @max_states.setter
+    def max_states(self, n: int) -> None:
+        self._c.max_states = int(n)
+
+    @property
+    def states_held(self) -> int:
+        """Recurrent-state snapshots held now (freed with their pages)."""
+        return self._c.states_held()
+
     def __repr__(self) -> str:
         return f"PrefixCache(pages={self._c.held()}, max_groups={self.max_groups or 'unbounded'})"
 

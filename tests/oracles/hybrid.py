@@ -52,3 +52,89 @@ def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
     model.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
     return model, {t: convert(hf_dir, os.path.join(out_dir, f"{name}-{t}.gguf"), t) for t in outtypes}
+
+
+# ---- network-free files for the device tests ---------------------------------------------------
+
+def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str:
+    """A small random Qwen3.5 file with the converter's names, shapes and keys (as the converter-made
+    files above carry them; keys written by name, since an installed gguf-py may predate qwen35), with
+    export.py's 512-token SPM vocabulary: for the device tests, which compare a device with the CPU
+    (itself held to transformers above) where neither PyPI nor the converter is reachable."""
+    import gguf
+    import numpy as np
+
+    import export as E
+
+    assert name == "qwen35"
+    rng = np.random.default_rng(seed)
+    D, H, KVH, hd, F, V = 64, 4, 2, 16, 128, E.VOCAB
+    nk, nv, dk, dv, K = 2, 4, 16, 16, 4
+    C = 2 * nk * dk + nv * dv
+    rec = [True, False, True, False]
+    w = gguf.GGUFWriter(path, name)
+    a = name + "."
+    w.add_uint32(a + "block_count", len(rec))
+    w.add_uint32(a + "context_length", 256)
+    w.add_uint32(a + "embedding_length", D)
+    w.add_uint32(a + "feed_forward_length", F)
+    w.add_uint32(a + "attention.head_count", H)
+    w.add_uint32(a + "attention.head_count_kv", KVH)
+    w.add_uint32(a + "attention.key_length", hd)
+    w.add_uint32(a + "attention.value_length", hd)
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(a + "rope.freq_base", 10000.0)
+    w.add_uint32(a + "rope.dimension_count", hd // 4)
+    w.add_array(a + "rope.dimension_sections", [11, 11, 10, 0])
+    w.add_uint32(a + "ssm.conv_kernel", K)
+    w.add_uint32(a + "ssm.state_size", dk)
+    w.add_uint32(a + "ssm.group_count", nk)
+    w.add_uint32(a + "ssm.time_step_rank", nv)
+    w.add_uint32(a + "ssm.inner_size", nv * dv)
+    w.add_array(a + "attention.recurrent_layers", rec)
+    w.add_uint32(a + "full_attention_interval", 4)
+    E._add_spm_vocab(w, E.spm_model_proto())
+    qt = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[ftype]
+
+    def mat(tname, *shape, scale=INIT):
+        x = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(tname, x)
+        else:
+            w.add_tensor(tname, gguf.quants.quantize(x, qt), raw_dtype=qt)
+
+    def vec(tname, *shape, base=0.0, scale=0.1):
+        w.add_tensor(tname, (base + rng.standard_normal(shape) * scale).astype(np.float32))
+
+    mat("token_embd.weight", V, D, scale=1.0)
+    vec("output_norm.weight", D, base=1.0)
+    mat("output.weight", V, D)
+    for il, r in enumerate(rec):
+        b = f"blk.{il}."
+        vec(b + "attn_norm.weight", D, base=1.0)
+        vec(b + "post_attention_norm.weight", D, base=1.0)
+        if r:
+            mat(b + "attn_qkv.weight", C, D)
+            mat(b + "attn_gate.weight", nv * dv, D)
+            mat(b + "ssm_alpha.weight", nv, D)
+            mat(b + "ssm_beta.weight", nv, D)
+            mat(b + "ssm_out.weight", D, nv * dv)
+            vec(b + "ssm_conv1d.weight", C, K, scale=0.5)
+            w.add_tensor(b + "ssm_a", -rng.uniform(0.1, 4, nv).astype(np.float32))
+            vec(b + "ssm_dt.bias", nv, base=1.0)
+            vec(b + "ssm_norm.weight", dv, base=1.0)
+        else:
+            mat(b + "attn_q.weight", 2 * H * hd, D)
+            mat(b + "attn_k.weight", KVH * hd, D)
+            mat(b + "attn_v.weight", KVH * hd, D)
+            mat(b + "attn_output.weight", D, H * hd)
+            vec(b + "attn_q_norm.weight", hd, base=1.0)
+            vec(b + "attn_k_norm.weight", hd, base=1.0)
+        mat(b + "ffn_gate.weight", F, D)
+        mat(b + "ffn_up.weight", F, D)
+        mat(b + "ffn_down.weight", D, F)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
