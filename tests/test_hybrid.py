@@ -84,6 +84,24 @@ def test_fp32_logits_match_transformers(hybrid_models, name):
     assert err < FP32_BAR
 
 
+@pytest.mark.parametrize("isa", d.system_info()["isa_supported"])
+def test_every_isa(hybrid_models, isa):
+    """The kernels of every ISA variant the CPU runs (the output gate's sigmoid GLU among them): fp32
+    mode held to transformers, and q8 mode's decode steps equal to one prefill, bitwise."""
+    before = d.get_isa()
+    d.set_isa(isa)
+    try:
+        hf, paths = hybrid_models["qwen35"]
+        ids = _ids(25, hf.config.vocab_size, seed=4)
+        m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+        assert float(np.abs(_ours_logits(m, ids) - M.hf_logits(hf, ids)).max()) < FP32_BAR, isa
+        q = d.load_model(paths["q8_0"])
+        flat = _prefill_decode(q, d.create_session(q, d.KVDtype.f32, n_ctx=64), ids, 3)
+        assert np.array_equal(flat, _ours_logits(q, ids)), isa
+    finally:
+        d.set_isa(before)
+
+
 @pytest.mark.parametrize("name", list(H.FAMILIES))
 def test_fp32_greedy_tokens_match_transformers(hybrid_models, name):
     hf, paths = hybrid_models[name]
