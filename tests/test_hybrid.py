@@ -364,3 +364,24 @@ def test_snapshot_state_machine(hybrid_models):
     _SM["model"] = d.load_model(hybrid_models["qwen35"][1]["f32"], mode=d.QuantMode.fp32)
     run = settings(max_examples=25, stateful_step_count=12, deadline=None)(HybridSnapshots).TestCase
     run("runTest").runTest()
+
+
+def test_batched_prefill_snapshots_for_the_cache(hybrid_models):
+    """eval_batch (the server's step) snapshots a hybrid session as eval does: a prefill in a ragged
+    step beside a decoding session leaves its page-boundary snapshot, which a later session attaches."""
+    hf, paths = hybrid_models["qwen35"]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    V = hf.config.vocab_size
+    prompt, other = _ids(30, V, seed=12), _ids(5, V, seed=13)
+    pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32)
+    cache = d.create_prefix_cache()
+    a, b = d.create_session(m, pool), d.create_session(m, pool)
+    d.eval(m, b, other)
+    d.eval_batch(m, d.create_batch_workspace(m), [b, a], [7, prompt])
+    assert np.array_equal(np.array(a.logits), _cold(m, prompt))
+    d.prefix_insert(cache, pool, a, a.history)
+    assert cache.states_held == 1
+    c = d.create_session(m, pool)
+    assert d.prefix_attach(cache, pool, c, prompt + [9]) == 24
+    d.eval(m, c, (prompt + [9])[24:])
+    assert np.array_equal(np.array(c.logits), _cold(m, prompt + [9]))

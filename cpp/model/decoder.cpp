@@ -165,17 +165,27 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     runs.clear();
     chunk_tokens.clear();
   };
-  // Rows packed into chunks of max_chunk_; a long prefill run continues in the next chunk.
+  // Rows packed into chunks of max_chunk_; a long prefill run continues in the next chunk. A
+  // session with recurrent layers snapshots their state as forward() does (at the last page
+  // boundary its rows cross, at a prefill's end): its run ends there and the chunk runs first.
   int64_t off = 0;
   for (int64_t b = 0; b < B; ++b) {
+    Session& s = *sessions[b];
+    const bool snap = s.recurrent_state() != nullptr;
+    const int64_t p0 = s.n_past_, P = s.kv_->paged() ? s.kv_->page_rows() : 0;
+    const int64_t boundary = snap && P > 0 ? (p0 + counts[b]) / P * P : -1;
     int64_t left = counts[b];
     while (left > 0) {
-      const int64_t take = std::min(left, max_chunk_ - (int64_t)chunk_tokens.size());
-      runs.push_back(Run{sessions[b], (int64_t)chunk_tokens.size(), take, take == left});
+      const int64_t pos = p0 + counts[b] - left;
+      int64_t take = std::min(left, max_chunk_ - (int64_t)chunk_tokens.size());
+      if (pos < boundary && pos + take > boundary) take = boundary - pos;
+      runs.push_back(Run{&s, (int64_t)chunk_tokens.size(), take, take == left});
       chunk_tokens.insert(chunk_tokens.end(), tokens + off, tokens + off + take);
       off += take;
       left -= take;
-      if ((int64_t)chunk_tokens.size() == max_chunk_) flush();
+      const bool at_snapshot = snap && (pos + take == boundary || (left == 0 && counts[b] > 1));
+      if ((int64_t)chunk_tokens.size() == max_chunk_ || at_snapshot) flush();
+      if (at_snapshot) s.snapshot();
     }
   }
   flush();
