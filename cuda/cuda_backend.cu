@@ -513,7 +513,7 @@ class CudaBackend final : public Backend {
     if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)
       throw Error("cuda delta_rule: bad head layout");
     op(Tag::delta_rule, [=](cudaStream_t s) { cuda::delta_rule(a, s); }, a.state, a.q, a.k, a.v, a.qkv_stride, a.alpha,
-       a.beta, a.ab_stride, a.A, a.dt_bias, a.n, a.n_k_heads, a.n_v_heads, a.dk, a.dv, a.l2_eps, a.out, a.out_stride);
+       a.beta, a.ab_stride, a.A, a.dt_bias, a.n, a.n_k_heads, a.n_v_heads, a.dk, a.dv, a.grouped, a.l2_eps, a.out, a.out_stride);
   }
 
  private:

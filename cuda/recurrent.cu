@@ -37,7 +37,7 @@ __global__ void conv1d_causal_k(float* state, const float* x, int64_t x_stride, 
 // written in global memory (coalesced across j). The norms of q and k in double, as the CPU.
 __global__ void delta_rule_k(DeltaRuleArgs a) {
   const int h = blockIdx.x;
-  const int kh = h % a.n_k_heads;
+  const int kh = a.grouped ? h / (a.n_v_heads / a.n_k_heads) : h % a.n_k_heads;
   const int64_t dk = a.dk, dv = a.dv;
   float* S = a.state + (int64_t)h * dk * dv;
   __shared__ float sc[2];

@@ -335,9 +335,10 @@ def test_conv1d_causal(backends, k, n):
         check(f"conv1d_causal state k={k} n={n}", {b: o[1] for b, o in outs.items()}, new, EXACT)
 
 
-def delta_ref(state, qkv, alpha, beta, A, dt, nk, eps=1e-6):
+def delta_ref(state, qkv, alpha, beta, A, dt, nk, eps=1e-6, grouped=False):
     """float64, token by token as transformers' torch_recurrent_gated_delta_rule (l2-normed q and
-    k, q / sqrt(dk); value head h reads key head h % nk, the converter's tiled order)."""
+    k, q / sqrt(dk); value head h reads key head h % nk, the converter's tiled order, or h // (nv / nk)
+    grouped, as transformers' repeat_interleave)."""
     nv, dk, dv = state.shape
     S = state.astype(np.float64).copy()
     out = np.zeros((len(qkv), nv * dv))
@@ -350,7 +351,8 @@ def delta_ref(state, qkv, alpha, beta, A, dt, nk, eps=1e-6):
         g = A.astype(np.float64) * np.log1p(np.exp(alpha[t].astype(np.float64) + dt))
         b = 1 / (1 + np.exp(-beta[t].astype(np.float64)))
         for h in range(nv):
-            qh, kh = q[h % nk], kk[h % nk]
+            g_ = h // (nv // nk) if grouped else h % nk
+            qh, kh = q[g_], kk[g_]
             S[h] *= np.exp(g[h])
             delta = (v[h] - kh @ S[h]) * b[h]
             S[h] += np.outer(kh, delta)
@@ -358,8 +360,9 @@ def delta_ref(state, qkv, alpha, beta, A, dt, nk, eps=1e-6):
     return out, S
 
 
-@pytest.mark.parametrize("nk,nv,dk,dv,n", [(2, 4, 16, 16, 7), (1, 1, 32, 8, 1), (2, 2, 8, 80, 3)])
-def test_delta_rule(backends, nk, nv, dk, dv, n):
+@pytest.mark.parametrize("nk,nv,dk,dv,n,grouped", [(2, 4, 16, 16, 7, False), (2, 4, 16, 16, 5, True),
+                                                   (1, 1, 32, 8, 1, False), (2, 2, 8, 80, 3, False)])
+def test_delta_rule(backends, nk, nv, dk, dv, n, grouped):
     """The gated delta rule from a carried state: the outputs and the state it leaves; one call
     over n tokens equals n calls of one token (the decode step), to the bar."""
     rng = np.random.default_rng(nk + nv + dk + n)
@@ -369,14 +372,14 @@ def test_delta_rule(backends, nk, nv, dk, dv, n):
     beta = rng.standard_normal((n, nv)).astype(np.float32)
     A = -rng.uniform(0.1, 4, nv).astype(np.float32)
     dt = rng.standard_normal(nv).astype(np.float32)
-    outs = run_all(backends, "delta_rule", st, qkv, alpha, beta, A, dt, nk, 1e-6)
-    out, S = delta_ref(st, qkv, alpha, beta, A, dt, nk)
+    outs = run_all(backends, "delta_rule", st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped)
+    out, S = delta_ref(st, qkv, alpha, beta, A, dt, nk, grouped=grouped)
     check(f"delta_rule {nk}/{nv} {dk}x{dv} n={n}", {b: o[0] for b, o in outs.items()}, out, F32_DOT)
     check(f"delta_rule state {nk}/{nv} {dk}x{dv} n={n}", {b: o[1] for b, o in outs.items()}, S, F32_DOT)
     for name, be in backends.items():  # token by token, the state carried between calls
         s, rows = st, []
         for t in range(n):
-            o, s = be.delta_rule(s, qkv[t:t + 1], alpha[t:t + 1], beta[t:t + 1], A, dt, nk, 1e-6)
+            o, s = be.delta_rule(s, qkv[t:t + 1], alpha[t:t + 1], beta[t:t + 1], A, dt, nk, 1e-6, grouped)
             rows.append(o)
         assert np.array_equal(np.concatenate(rows), outs[name][0]), name
         assert np.array_equal(s, outs[name][1]), name

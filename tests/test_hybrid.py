@@ -1,6 +1,6 @@
-"""Hybrid families against transformers: a tiny random Qwen3.5 (gated-DeltaNet layers between
-output-gated full-attention layers; tests/oracles/hybrid.py) written to GGUF by llama.cpp's own
-convert_hf_to_gguf.py (--no-mtp).
+"""Hybrid families against transformers: tiny random Qwen3.5 (gated-DeltaNet layers between
+output-gated full-attention layers) and Qwen3-Next (the same with experts; tests/oracles/hybrid.py)
+written to GGUF by llama.cpp's own convert_hf_to_gguf.py (--no-mtp).
 
 fp32 mode on the f32 file is held to the HF model in fp32 (eager attention; its chunked delta rule
 for a prefill, its recurrent step for decode in generate). The recurrent layers' state lives in the
@@ -117,10 +117,11 @@ def test_fp32_greedy_tokens_match_transformers(hybrid_models, name):
 
 
 @pytest.mark.parametrize("mode,ft", [(d.QuantMode.fp32, "f32"), (d.QuantMode.q8, "q8_0")])
-def test_decode_paged_and_flat_equal_one_prefill(hybrid_models, mode, ft):
+@pytest.mark.parametrize("name", list(H.FAMILIES))
+def test_decode_paged_and_flat_equal_one_prefill(hybrid_models, name, mode, ft):
     """Token-by-token decode (the recurrent step) equals one prefill, bitwise, flat and through pages
     of 4 rows (the recurrent layers take no pages: the pool's geometry has the attention layers only)."""
-    hf, paths = hybrid_models["qwen35"]
+    hf, paths = hybrid_models[name]
     m = d.load_model(paths[ft], mode=mode)
     ids = _ids(33, hf.config.vocab_size, seed=2)
     one = _ours_logits(m, ids)

@@ -693,7 +693,7 @@ class VulkanBackend final : public Backend {
   // ---- recurrent layers ----
   struct RecurrentPC {
     uint64_t state, q, k, v, alpha, beta, A, dt, out;
-    uint32_t op, n, qkv_stride, ab_stride, nk, dk, dv, out_stride;
+    uint32_t op, n, qkv_stride, ab_stride, nk, dk, dv, out_stride, nv_per_k;
     float l2_eps;
   };
   void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w, int k,
@@ -703,7 +703,7 @@ class VulkanBackend final : public Backend {
     if ((n + k) * std::max<int64_t>(C, x_stride) > INT32_MAX) throw Error("vulkan conv1d_causal: more than 2^31 elements");
     Lock g(c_->mu);
     RecurrentPC pc{A(state), A(x), A(w), 0, 0, 0, 0, 0, A(y), 0, (uint32_t)n, (uint32_t)x_stride, (uint32_t)C,
-                   (uint32_t)k, silu ? 1u : 0u, 0, 0, 0.f};
+                   (uint32_t)k, silu ? 1u : 0u, 0, 0, 0, 0.f};
     c_->dispatch("recurrent", &pc, sizeof pc, (uint32_t)((C + 63) / 64));
   }
   void delta_rule(const DeltaRuleArgs& a) override {
@@ -714,7 +714,8 @@ class VulkanBackend final : public Backend {
     Lock g(c_->mu);
     RecurrentPC pc{A(a.state), A(a.q), A(a.k), A(a.v), A(a.alpha), A(a.beta), A(a.A), A(a.dt_bias), A(a.out),
                    1, (uint32_t)a.n, (uint32_t)a.qkv_stride, (uint32_t)a.ab_stride, (uint32_t)a.n_k_heads,
-                   (uint32_t)a.dk, (uint32_t)a.dv, (uint32_t)a.out_stride, a.l2_eps};
+                   (uint32_t)a.dk, (uint32_t)a.dv, (uint32_t)a.out_stride,
+                   a.grouped ? (uint32_t)(a.n_v_heads / a.n_k_heads) : 0u, a.l2_eps};
     c_->dispatch("recurrent", &pc, sizeof pc, (uint32_t)a.n_v_heads);
   }
 

@@ -148,8 +148,9 @@ struct AttnArgs {
 enum class Act { silu, gelu_tanh, swiglu_oai, sigmoid };
 
 // The gated delta rule of one sequence (a gated-DeltaNet layer: Qwen3.5, Qwen3-Next), run
-// token by token from a carried state. For token t and value head h (its key head h % n_k_heads,
-// the converter's tiled order):
+// token by token from a carried state. For token t and value head h (its key head h % n_k_heads
+// in the tiled order llama.cpp's converter writes for Qwen3.5, h / (n_v_heads / n_k_heads) when
+// `grouped`, as Qwen3-Next files keep them):
 //   q, k = l2norm(q, k) (x / sqrt(sum x^2 + l2_eps)), q /= sqrt(dk);
 //   g = A[h] * softplus(alpha[t][h] + dt_bias[h]), beta = sigmoid(beta_logit[t][h]);
 //   S = S * exp(g);  S += k (x) ((v - S^T k) * beta);  out = S^T q,
@@ -167,6 +168,7 @@ struct DeltaRuleArgs {
   const float* dt_bias = nullptr;  // [n_v_heads]
   int64_t n = 0;
   int n_k_heads = 0, n_v_heads = 0, dk = 0, dv = 0;
+  bool grouped = false;
   float l2_eps = 1e-6f;
   float* out = nullptr;  // [n][n_v_heads * dv], out_stride apart
   int64_t out_stride = 0;

@@ -667,7 +667,7 @@ class CpuBackend final : public Backend {
     pool_.parallel_for(a.n_v_heads, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> q((size_t)dk), k((size_t)dk), kv((size_t)dv);
       for (int64_t h = lo; h < hi; ++h) {
-        const int64_t kh = h % a.n_k_heads;
+        const int64_t kh = a.grouped ? h / (a.n_v_heads / a.n_k_heads) : h % a.n_k_heads;
         float* S = a.state + h * dk * dv;
         for (int64_t t = 0; t < a.n; ++t) {
           const float* qt = a.q + t * a.qkv_stride + kh * dk;

@@ -363,12 +363,23 @@ void Model::recurrent_block(int il, const Run* runs, int n_runs, int64_t n) {
   float* conv = proj + n * C;
   float* zo = scratch(ssm_o_, n * 2 * inner, "activations");  // z, then the delta rule's output
   float* out = zo + n * inner;
-  float* ab = scratch(ssm_ab_, n * 2 * nv, "activations");    // alpha, then beta logits
+  float* ab = scratch(ssm_ab_, n * 4 * nv, "activations");    // alpha, then beta logits (then ssm_ba's rows)
   float* o = scratch(ffn_, n * D, "activations");
   be.rms_norm(x, L.attn_norm.data(), xn, n, D, c.norm_eps);
-  const Weight* ws[4] = {&L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta};
-  float* ys[4] = {proj, zo, ab, ab + n * nv};
-  be.matmul_multi(ws, ys, 4, xn, n);
+  if (L.ssm_ba.empty()) {
+    const Weight* ws[4] = {&L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta};
+    float* ys[4] = {proj, zo, ab, ab + n * nv};
+    be.matmul_multi(ws, ys, 4, xn, n);
+  } else {
+    // Per key head [beta (r) | alpha (r)], r = nv / nk: de-interleaved into the alpha and beta rows.
+    const Weight* ws[3] = {&L.ssm_qkv, &L.ssm_z, &L.ssm_ba};
+    float* ba = ab + 2 * n * nv;
+    float* ys[3] = {proj, zo, ba};
+    be.matmul_multi(ws, ys, 3, xn, n);
+    const int64_t r = nv / c.ssm_nk;
+    be.copy_rows(ab + n * nv, r, ba, 2 * r, n * c.ssm_nk, r);
+    be.copy_rows(ab, r, ba + r, 2 * r, n * c.ssm_nk, r);
+  }
   for (int ri = 0; ri < n_runs; ++ri) {
     const int64_t r0 = runs[ri].first_row, nr = runs[ri].n_rows;
     float* st = runs[ri].s->recurrent_state() + (int64_t)c.rec_slot[il] * c.rec_state_floats;
@@ -386,6 +397,7 @@ void Model::recurrent_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.dt_bias = L.ssm_dt.data();
     a.n = nr;
     a.n_k_heads = c.ssm_nk, a.n_v_heads = c.ssm_nv, a.dk = c.ssm_dk, a.dv = c.ssm_dv;
+    a.grouped = traits_->ssm_v_grouped;
     a.out = out + r0 * inner;
     a.out_stride = inner;
     be.delta_rule(a);

@@ -394,8 +394,13 @@ void Model::load_weights() {
       const int64_t C = c.ssm_conv_dim, nv = c.ssm_nv, inner = (int64_t)nv * c.ssm_dv;
       L.ssm_qkv = load_matrix(n("attn_qkv"), true, C, c.dim);
       L.ssm_z = load_matrix(n("attn_gate"), true, inner, c.dim);
-      L.ssm_alpha = load_matrix(n("ssm_alpha"), true, nv, c.dim);
-      L.ssm_beta = load_matrix(n("ssm_beta"), true, nv, c.dim);
+      L.ssm_alpha = load_matrix(n("ssm_alpha"), false, nv, c.dim);
+      if (L.ssm_alpha.empty()) {
+        // Qwen3-Next: one projection, per key head [beta of its nv/nk value heads | their alpha].
+        L.ssm_ba = load_matrix(n("ssm_ba"), true, 2 * nv, c.dim);
+      } else {
+        L.ssm_beta = load_matrix(n("ssm_beta"), true, nv, c.dim);
+      }
       L.ssm_out = load_matrix(n("ssm_out"), true, c.dim, inner);
       L.ssm_conv = upload(load_vector(n("ssm_conv1d"), true, C * c.ssm_conv_k));
       L.ssm_a = upload(load_vector("blk." + std::to_string(il) + ".ssm_a", true, nv));
@@ -468,7 +473,7 @@ std::vector<Weight*> Model::matrices() {
   for (LayerWeights& L : layers_)
     for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wqkv, &L.wo, &L.w_gate, &L.w_up, &L.w_gate_up, &L.w_down, &L.router,
                       &L.gate_exps, &L.up_exps, &L.down_exps, &L.gate_shexp, &L.up_shexp, &L.down_shexp,
-                      &L.router_shexp, &L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta, &L.ssm_out})
+                      &L.router_shexp, &L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta, &L.ssm_ba, &L.ssm_out})
       if (!w->empty()) mats.push_back(w);
   return mats;
 }

@@ -60,7 +60,7 @@ struct LayerWeights {
   Vec router_b, gate_exps_b, up_exps_b, down_exps_b;
   // a gated-DeltaNet layer: the qkv and z (output gate) projections, the per-head gate logits
   // (alpha: decay, beta: write strength), the conv, A, dt bias, the gated norm, the output
-  Weight ssm_qkv, ssm_z, ssm_alpha, ssm_beta, ssm_out;
+  Weight ssm_qkv, ssm_z, ssm_alpha, ssm_beta, ssm_ba, ssm_out;  // ssm_ba: beta and alpha interleaved
   Vec ssm_conv, ssm_a, ssm_dt, ssm_norm;
 };
 

@@ -1,5 +1,7 @@
 """Tiny random hybrid models (transformers, fp32) turned into GGUF by llama.cpp's own converter:
-Qwen3.5 dense (gated-DeltaNet layers between output-gated full-attention layers).
+Qwen3.5 dense (gated-DeltaNet layers between output-gated full-attention layers) and Qwen3-Next
+(the same with a mixture of experts and a shared expert; its value heads stay grouped by key head
+in the file, and beta / alpha come as one interleaved projection).
 
 The converter runs with --no-mtp (a random model has no multi-token-prediction layers). The
 linear-attention layers have twice as many value heads as key heads, so the converter's reorder
@@ -32,7 +34,23 @@ def qwen35(vocab: int) -> torch.nn.Module:
     return M._seeded(Qwen3_5ForCausalLM(cfg))
 
 
-FAMILIES = {"qwen35": qwen35}
+def qwen3next(vocab: int) -> torch.nn.Module:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                          linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                          mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6,
+                          initializer_range=INIT, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                          attn_implementation="eager")
+    assert cfg.layer_types == ["linear_attention", "full_attention"] * 2
+    return M._seeded(Qwen3NextForCausalLM(cfg))
+
+
+FAMILIES = {"qwen35": qwen35, "qwen3next": qwen3next}
 
 
 def convert(hf_dir: str, out: str, outtype: str) -> str:

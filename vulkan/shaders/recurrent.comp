@@ -11,6 +11,7 @@ layout(local_size_x = 64) in;
 layout(push_constant, std430) uniform PC {
   uint64_t state, q, k, v, alpha, beta, A, dt, out_;  // CONV: state, x, w, -, -, -, -, -, y
   uint op, n, qkv_stride, ab_stride, nk, dk, dv, out_stride;  // CONV: -, n, x_stride, C, k, silu
+  uint nv_per_k;  // 0: value head h reads key head h % nk; else h / nv_per_k (grouped)
   float l2_eps;
 } pc;
 
@@ -41,7 +42,7 @@ void conv() {
 void delta() {
   F32 St = F32(pc.state), Q = F32(pc.q), Kk = F32(pc.k), V = F32(pc.v), Al = F32(pc.alpha), Be = F32(pc.beta),
       Av = F32(pc.A), Dt = F32(pc.dt), O = F32(pc.out_);
-  const uint h = gl_WorkGroupID.x, kh = h % pc.nk, dk = pc.dk, dv = pc.dv;
+  const uint h = gl_WorkGroupID.x, kh = pc.nv_per_k != 0u ? h / pc.nv_per_k : h % pc.nk, dk = pc.dk, dv = pc.dv;
   const uint s0 = h * dk * dv;
   for (uint t = 0u; t < pc.n; ++t) {
     const uint qo = t * pc.qkv_stride + kh * dk, vo = t * pc.qkv_stride + h * dv;
