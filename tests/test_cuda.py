@@ -108,7 +108,7 @@ def test_moe_families(tmp_path, name):
     C.moe_family(str(tmp_path), name, "cuda")
 
 
-@pytest.mark.parametrize("name", ["qwen35"])
+@pytest.mark.parametrize("name", ["qwen35", "qwen3next"])
 def test_hybrid_families(tmp_path, name):
     C.hybrid_family(str(tmp_path), name, "cuda")
 

@@ -75,8 +75,9 @@ def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
 # ---- network-free files for the device tests ---------------------------------------------------
 
 def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str:
-    """A small random Qwen3.5 file with the converter's names, shapes and keys (as the converter-made
-    files above carry them; keys written by name, since an installed gguf-py may predate qwen35), with
+    """A small random Qwen3.5 / Qwen3-Next file with the converter's names, shapes and keys (as the
+    converter-made files above carry them; keys written by name, since an installed gguf-py may
+    predate these families), with
     export.py's 512-token SPM vocabulary: for the device tests, which compare a device with the CPU
     (itself held to transformers above) where neither PyPI nor the converter is reachable."""
     import gguf
@@ -84,7 +85,8 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
 
     import export as E
 
-    assert name == "qwen35"
+    assert name in FAMILIES
+    moe = name == "qwen3next"  # experts and a shared expert; beta and alpha as one ssm_ba
     rng = np.random.default_rng(seed)
     D, H, KVH, hd, F, V = 64, 4, 2, 16, 128, E.VOCAB
     nk, nv, dk, dv, K = 2, 4, 16, 16, 4
@@ -111,6 +113,11 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
     w.add_uint32(a + "ssm.inner_size", nv * dv)
     w.add_array(a + "attention.recurrent_layers", rec)
     w.add_uint32(a + "full_attention_interval", 4)
+    if moe:
+        w.add_uint32(a + "expert_count", 8)
+        w.add_uint32(a + "expert_used_count", 2)
+        w.add_uint32(a + "expert_feed_forward_length", 32)
+        w.add_uint32(a + "expert_shared_feed_forward_length", 64)
     E._add_spm_vocab(w, E.spm_model_proto())
     qt = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[ftype]
 
@@ -134,8 +141,11 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
         if r:
             mat(b + "attn_qkv.weight", C, D)
             mat(b + "attn_gate.weight", nv * dv, D)
-            mat(b + "ssm_alpha.weight", nv, D)
-            mat(b + "ssm_beta.weight", nv, D)
+            if moe:
+                mat(b + "ssm_ba.weight", 2 * nv, D)
+            else:
+                mat(b + "ssm_alpha.weight", nv, D)
+                mat(b + "ssm_beta.weight", nv, D)
             mat(b + "ssm_out.weight", D, nv * dv)
             vec(b + "ssm_conv1d.weight", C, K, scale=0.5)
             w.add_tensor(b + "ssm_a", -rng.uniform(0.1, 4, nv).astype(np.float32))
@@ -148,9 +158,19 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
             mat(b + "attn_output.weight", D, H * hd)
             vec(b + "attn_q_norm.weight", hd, base=1.0)
             vec(b + "attn_k_norm.weight", hd, base=1.0)
-        mat(b + "ffn_gate.weight", F, D)
-        mat(b + "ffn_up.weight", F, D)
-        mat(b + "ffn_down.weight", D, F)
+        if moe:
+            w.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((8, D)) * 0.5).astype(np.float32))
+            w.add_tensor(b + "ffn_gate_inp_shexp.weight", (rng.standard_normal((1, D)) * INIT).astype(np.float32))
+            mat(b + "ffn_gate_exps.weight", 8, 32, D)
+            mat(b + "ffn_up_exps.weight", 8, 32, D)
+            mat(b + "ffn_down_exps.weight", 8, D, 32)
+            mat(b + "ffn_gate_shexp.weight", 64, D)
+            mat(b + "ffn_up_shexp.weight", 64, D)
+            mat(b + "ffn_down_shexp.weight", D, 64)
+        else:
+            mat(b + "ffn_gate.weight", F, D)
+            mat(b + "ffn_up.weight", F, D)
+            mat(b + "ffn_down.weight", D, F)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
