@@ -37,7 +37,8 @@ class PrefixCache {
   void insert_locked(const int32_t* ids, int64_t n, const std::vector<int32_t>& page_ids, const std::string& preview,
                      const std::vector<StateAt>* states = nullptr);
   // The budget of state snapshots (each one model's whole recurrent state); past it the least
-  // recently used page gives up its snapshot (the page stays). Default 32.
+  // recently used page gives up its snapshot (the page stays). Default 16 (a Qwen3.5-9B state is
+  // about 50 MiB).
   void set_max_states(int64_t n) { max_states_ = n; }
   int64_t max_states() const { return max_states_; }
   int64_t states_held() const;
@@ -70,7 +71,7 @@ class PrefixCache {
   void enforce_states_locked();
 
   int64_t max_groups_;
-  int64_t max_states_ = 32;
+  int64_t max_states_ = 16;
   std::shared_ptr<KVPool> pool_;
   std::unordered_map<uint64_t, Entry> map_;
   std::vector<Chain> chains_;

@@ -18,6 +18,14 @@ float* Model::scratch(BufferPtr& b, int64_t floats, const char* what) {
   return static_cast<float*>(b->data());
 }
 
+void Model::state_copy(void* dst, const void* src, size_t bytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (src)
+    backend_->copy(dst, src, bytes);
+  else
+    backend_->zero(dst, bytes);
+}
+
 void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
   // Host in, host out (the chat layer embeds text rows beside media rows).
   for (int64_t i = 0; i < n; ++i)

@@ -135,6 +135,11 @@ class Model : public std::enable_shared_from_this<Model> {
   // The KV cache geometry of this model for a codec (checks q8_0's block constraint).
   KVGeometry kv_geometry(KVType t) const;
 
+  // A backend copy (src null: a fill with zeros) of a session's own buffers outside a step (its
+  // recurrent state: rewinds, attaches), serialized with compute: a device backend may be
+  // recording another thread's step.
+  void state_copy(void* dst, const void* src, size_t bytes);
+
   // Embedding rows for tokens (scaled as the family's input layer does).
   void embed_tokens(const int32_t* tokens, int64_t n, float* out);
   // Pooled hidden state (mean of the final-norm outputs) of a token sequence.

@@ -36,10 +36,11 @@ void Session::init_recurrent() {
 }
 
 void Session::reset_recurrent() {
-  if (rstate_) model_->backend().zero(rstate_->data(), rstate_->size());
+  if (rstate_) model_->state_copy(rstate_->data(), nullptr, rstate_->size());
   snaps_.clear();
 }
 
+// Called by the model inside a forward (its lock held).
 void Session::snapshot() {
   if (!rstate_ || (!snaps_.empty() && snaps_.back().first == n_past_)) return;
   for (auto& sn : snaps_)
@@ -88,7 +89,7 @@ void Session::truncate(int64_t n) {
     reset_recurrent();
   } else if (rstate_ && n < n_past_) {
     for (const auto& sn : snaps_)
-      if (sn.first == n) model_->backend().copy(rstate_->data(), sn.second->data(), rstate_->size());
+      if (sn.first == n) model_->state_copy(rstate_->data(), sn.second->data(), rstate_->size());
   }
   if (rstate_)
     while (!snaps_.empty() && snaps_.back().first > n) snaps_.pop_back();
@@ -130,7 +131,7 @@ int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>
   s.kv().adopt_referenced(pages);
   s.set_attached(matched, prompt.data());
   if (hybrid) {
-    s.model().backend().copy(s.rstate_->data(), state->data(), s.rstate_->size());
+    s.model().state_copy(s.rstate_->data(), state->data(), s.rstate_->size());
     s.snaps_.assign(1, {matched, state});  // shared with the cache, never written
   }
   return matched;

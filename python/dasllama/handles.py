@@ -230,7 +230,7 @@ class PrefixCache:
     def max_states(self) -> int:
         """The budget of recurrent-state snapshots kept with cached pages (hybrid models such as
         Qwen3.5; each snapshot is one model's whole recurrent state). Past it the least recently
-        used page gives up its snapshot; the page stays. Default 32."""
+        used page gives up its snapshot; the page stays. Default 16."""
         return self._c.max_states
 
     @max_states.setter
