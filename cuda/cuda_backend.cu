@@ -503,10 +503,27 @@ class CudaBackend final : public Backend {
     op(Tag::moe_sum, [=](cudaStream_t s) { cuda::moe_sum(y, w, n, k, dim, out, s); }, y, w, n, k, dim, out);
   }
 
+  // ---- recurrent layers ----
+  void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w, int k,
+                     bool silu, float* y) override {
+    use();
+    if (k < 1 || k > 65) throw Error("cuda conv1d_causal: k must be in [1, 65]");
+    op(Tag::conv1d_causal, [=](cudaStream_t s) { cuda::conv1d_causal(state, x, x_stride, n, C, w, k, silu, y, s); },
+       state, x, x_stride, n, C, w, k, silu, y);
+  }
+  void delta_rule(const DeltaRuleArgs& a) override {
+    use();
+    if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)
+      throw Error("cuda delta_rule: bad head layout");
+    op(Tag::delta_rule, [=](cudaStream_t s) { cuda::delta_rule(a, s); }, a.state, a.q, a.k, a.v, a.qkv_stride, a.alpha,
+       a.beta, a.ab_stride, a.A, a.dt_bias, a.n, a.n_k_heads, a.n_v_heads, a.dk, a.dv, a.grouped, a.l2_eps, a.out, a.out_stride);
+  }
+
  private:
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
-    softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum
+    softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
+    conv1d_causal, delta_rule
   };
   template <class T>
   void sig1(const T& v) {

@@ -106,4 +106,9 @@ void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pa
                  cudaStream_t st);
 void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out, cudaStream_t st);
 
+// recurrent.cu: gated-DeltaNet layers (see Backend::conv1d_causal / delta_rule).
+void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w, int k,
+                   bool silu, float* y, cudaStream_t st);
+void delta_rule(const DeltaRuleArgs& a, cudaStream_t st);
+
 }  // namespace dl::cuda

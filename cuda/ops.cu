@@ -121,7 +121,9 @@ __global__ void glu_k(const float* gate, int64_t gs, const float* up, int64_t us
        idx += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = idx / dim, i = idx % dim;
     const float g = gate[r * gs + i];
-    out[idx] = act == 2 ? swiglu_oai(g, up[r * us + i]) : (act == 0 ? silu(g) : gelu_tanh(g)) * up[r * us + i];
+    out[idx] = act == 2   ? swiglu_oai(g, up[r * us + i])
+               : act == 3 ? up[r * us + i] / (1.f + expf(-g))
+                          : (act == 0 ? silu(g) : gelu_tanh(g)) * up[r * us + i];
   }
 }
 
@@ -191,7 +193,11 @@ void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, co
 void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim, Act act,
          cudaStream_t st) {
   if (n_rows * dim <= 0) return;
-  glu_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(gate, gs, up, us, out, n_rows, dim, act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : 2);
+  glu_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(gate, gs, up, us, out, n_rows, dim,
+                                                      act == Act::silu        ? 0
+                                                      : act == Act::gelu_tanh ? 1
+                                                      : act == Act::swiglu_oai ? 2
+                                                                               : 3);
   check_launch("glu");
 }
 void add(float* y, const float* x, int64_t n, cudaStream_t st) {

@@ -94,6 +94,58 @@ def moe_family(tmp_dir: str, name: str, device: str) -> None:
         paged_prefix_cache_and_ragged_batch(path, device, ids)
 
 
+def hybrid_family(tmp_dir: str, name: str, device: str) -> None:
+    """A hybrid family (tests/oracles/hybrid.py's random Qwen3.5 file: conv1d_causal, delta_rule,
+    the output-gated attention) on the device: all-row logits of the f32 file (fp32 mode) and of the
+    q8_0 file (default mode) against the CPU in fp32 mode, greedy tokens alike; then a prefix-cache
+    hit (pages and the state snapshot at their end) against the cold prompt, and a ragged step
+    (sessions with their own recurrent states) against each session alone."""
+    import hybrid as H  # tests/oracles/hybrid.py
+
+    ids = [1] + np.random.default_rng(5).integers(3, 512, 30).tolist()
+    for ft, mode in (("f32", d.QuantMode.fp32), ("q8_0", d.QuantMode.q8)):
+        path = H.random_gguf(name, f"{tmp_dir}/{name}-{ft}.gguf", ft)
+        runs = []
+        for model in (d.load_model(path, d.QuantMode.fp32), d.load_model(path, mode, device=device)):
+            s = d.create_session(model, d.KVDtype.f32, n_ctx=64)
+            d.eval(model, s, ids, all_logits=True)
+            rows = np.array(s.logits)
+            toks = []
+            for _ in range(6):
+                toks.append(int(np.argmax(np.asarray(s.logits).reshape(-1, 512)[-1])))
+                d.eval(model, s, [toks[-1]])
+            runs.append((rows, toks))
+        (ref_rows, ref_toks), (dev_rows, dev_toks) = runs
+        e = nmse(dev_rows, ref_rows)
+        assert e <= LOGIT_BAR, f"{name} {ft} on {device}: NMSE {e:.3g}"
+        assert dev_toks == ref_toks, f"{name} {ft} on {device}: greedy tokens differ"
+    m = d.load_model(path, d.QuantMode.fp32, device=device)
+    pool = d.create_kv_pool(m, page_rows=8)
+    cache = d.create_prefix_cache()
+    a = d.create_session(m, pool)
+    d.eval(m, a, ids)
+    cold = np.array(a.logits)
+    d.prefix_insert(cache, pool, a, a.history)
+    b = d.create_session(m, pool)
+    n = d.prefix_attach(cache, pool, b, ids)
+    assert n == 24 and cache.states_held == 1  # the last page boundary the prefill crossed
+    d.eval(m, b, ids[n:])
+    e = nmse(b.logits, cold)
+    assert e <= LOGIT_BAR, f"attached pages and state against the cold prompt: NMSE {e:.3g}"
+    ss = [d.create_session(m, pool) for _ in range(3)]
+    alone = []
+    for i, s in enumerate(ss):
+        d.eval(m, s, ids[:10 + i])
+        t = d.create_session(m, pool)
+        d.eval(m, t, ids[:10 + i] + ([7] if i else ids[10:19]))
+        alone.append(np.array(t.logits))
+        d.release_kv_pages(t)
+    d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[10:19], 7, 7])
+    for s, want in zip(ss, alone):
+        e = nmse(s.logits, want)
+        assert e <= 1e-12, f"a ragged step's session against itself alone: NMSE {e:.3g}"
+
+
 def errors_leave_the_process_usable(path: str, device: str) -> None:
     """A missing device index and a pool too big for the device are refused; the model still runs."""
     kind = device.split(":")[0]

@@ -304,6 +304,91 @@ def test_elementwise(backends):
     u = np.clip(y64 * 4, -7.0, 7.0)
     oai = g / (1 + np.exp(-1.702 * g)) * (u + 1)
     check("glu swiglu_oai", run_all(backends, "glu", x * 4, y * 4, 2), oai, EXACT)
+    check("glu sigmoid", run_all(backends, "glu", x, y, 3), y64 / (1 + np.exp(-x64)), EXACT)
+
+
+# ---- recurrent (gated DeltaNet) layers: the causal conv with its state, the gated delta rule --
+
+
+def conv_ref(state, x, w, silu):
+    """float64: the causal depthwise conv over [state rows; x rows], and the new state."""
+    k = w.shape[1]
+    u = np.concatenate([state, x]).astype(np.float64)
+    y = np.stack([(u[t:t + k] * w.T.astype(np.float64)).sum(0) for t in range(len(x))])
+    if silu:
+        y = y / (1 + np.exp(-y))
+    return y, u[len(u) - (k - 1):]
+
+
+@pytest.mark.parametrize("k,n", [(4, 1), (4, 9), (2, 3), (4, 2)])
+def test_conv1d_causal(backends, k, n):
+    """One call over n rows, from a carried state; the state it leaves is the last k-1 rows (a
+    sequence shorter than the state keeps part of the old one)."""
+    rng = np.random.default_rng(k * 10 + n)
+    C = 70
+    st = rng.standard_normal((k - 1, C)).astype(np.float32)
+    x = rng.standard_normal((n, C)).astype(np.float32)
+    w = rng.standard_normal((C, k)).astype(np.float32)
+    for silu in (False, True):
+        outs = run_all(backends, "conv1d_causal", st, x, w, silu)
+        y, new = conv_ref(st, x, w, silu)
+        check(f"conv1d_causal k={k} n={n} silu={silu}", {b: o[0] for b, o in outs.items()}, y, EXACT)
+        check(f"conv1d_causal state k={k} n={n}", {b: o[1] for b, o in outs.items()}, new, EXACT)
+
+
+def delta_ref(state, qkv, alpha, beta, A, dt, nk, eps=1e-6, grouped=False):
+    """float64, token by token as transformers' torch_recurrent_gated_delta_rule (l2-normed q and
+    k, q / sqrt(dk); value head h reads key head h % nk, the converter's tiled order, or h // (nv / nk)
+    grouped, as transformers' repeat_interleave)."""
+    nv, dk, dv = state.shape
+    S = state.astype(np.float64).copy()
+    out = np.zeros((len(qkv), nv * dv))
+    for t, row in enumerate(qkv.astype(np.float64)):
+        q = row[:nk * dk].reshape(nk, dk)
+        kk = row[nk * dk:2 * nk * dk].reshape(nk, dk)
+        v = row[2 * nk * dk:].reshape(nv, dv)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + eps) / np.sqrt(dk)
+        kk = kk / np.sqrt((kk * kk).sum(-1, keepdims=True) + eps)
+        g = A.astype(np.float64) * np.log1p(np.exp(alpha[t].astype(np.float64) + dt))
+        b = 1 / (1 + np.exp(-beta[t].astype(np.float64)))
+        for h in range(nv):
+            g_ = h // (nv // nk) if grouped else h % nk
+            qh, kh = q[g_], kk[g_]
+            S[h] *= np.exp(g[h])
+            delta = (v[h] - kh @ S[h]) * b[h]
+            S[h] += np.outer(kh, delta)
+            out[t, h * dv:(h + 1) * dv] = qh @ S[h]
+    return out, S
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv,n,grouped", [(2, 4, 16, 16, 7, False), (2, 4, 16, 16, 5, True),
+                                                   (1, 1, 32, 8, 1, False), (2, 2, 8, 80, 3, False)])
+def test_delta_rule(backends, nk, nv, dk, dv, n, grouped):
+    """The gated delta rule from a carried state: the outputs and the state it leaves; one call
+    over n tokens equals n calls of one token (the decode step), to the bar."""
+    rng = np.random.default_rng(nk + nv + dk + n)
+    st = (rng.standard_normal((nv, dk, dv)) * 0.3).astype(np.float32)
+    qkv = rng.standard_normal((n, 2 * nk * dk + nv * dv)).astype(np.float32)
+    alpha = rng.standard_normal((n, nv)).astype(np.float32)
+    beta = rng.standard_normal((n, nv)).astype(np.float32)
+    A = -rng.uniform(0.1, 4, nv).astype(np.float32)
+    dt = rng.standard_normal(nv).astype(np.float32)
+    outs = run_all(backends, "delta_rule", st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped)
+    out, S = delta_ref(st, qkv, alpha, beta, A, dt, nk, grouped=grouped)
+    check(f"delta_rule {nk}/{nv} {dk}x{dv} n={n}", {b: o[0] for b, o in outs.items()}, out, F32_DOT)
+    check(f"delta_rule state {nk}/{nv} {dk}x{dv} n={n}", {b: o[1] for b, o in outs.items()}, S, F32_DOT)
+    for name, be in backends.items():  # token by token, the state carried between calls
+        s, rows = st, []
+        for t in range(n):
+            o, s = be.delta_rule(s, qkv[t:t + 1], alpha[t:t + 1], beta[t:t + 1], A, dt, nk, 1e-6, grouped)
+            rows.append(o)
+        assert np.array_equal(np.concatenate(rows), outs[name][0]), name
+        assert np.array_equal(s, outs[name][1]), name
+    for be in backends.values():
+        with pytest.raises(ValueError):
+            be.delta_rule(st, qkv[:, 1:], alpha, beta, A, dt, nk, 1e-6)  # a short qkv row
+        with pytest.raises(ValueError):
+            be.conv1d_causal(np.zeros((2, 5), np.float32), np.zeros((1, 5), np.float32), np.zeros((5, 4), np.float32), True)
 
 
 # ---- mixture of experts: routing, the gathered expert matmul, the weighted sum ---------------

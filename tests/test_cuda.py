@@ -108,6 +108,11 @@ def test_moe_families(tmp_path, name):
     C.moe_family(str(tmp_path), name, "cuda")
 
 
+@pytest.mark.parametrize("name", ["qwen35", "qwen3next"])
+def test_hybrid_families(tmp_path, name):
+    C.hybrid_family(str(tmp_path), name, "cuda")
+
+
 def test_errors_leave_the_process_usable(files):
     C.errors_leave_the_process_usable(files["llama"]["f32"], "cuda")
 

@@ -95,6 +95,11 @@ def test_moe_families(tmp_path, name):
     C.moe_family(str(tmp_path), name, "vulkan")
 
 
+@pytest.mark.parametrize("name", ["qwen35", "qwen3next"])
+def test_hybrid_families(tmp_path, name):
+    C.hybrid_family(str(tmp_path), name, "vulkan")
+
+
 def test_errors_leave_the_process_usable(tiny):
     C.errors_leave_the_process_usable(tiny["f32"], "vulkan")
 

@@ -817,7 +817,7 @@ class VulkanBackend final : public Backend {
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
-    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : 10, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : 11, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
   }
   void add(float* y, const float* x, int64_t n) override { op(0, y, x, nullptr, n, {}); }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {
@@ -843,6 +843,35 @@ class VulkanBackend final : public Backend {
     if (n_rows <= 0 || dim <= 0) return;
     if (k <= 0) throw Error("vulkan avg_pool_rows: k must be positive");
     op(9, x, nullptr, out, (n_rows + k - 1) / k * dim, {(uint32_t)n_rows, (uint32_t)dim, (uint32_t)k});
+  }
+
+  // ---- recurrent layers ----
+  struct RecurrentPC {
+    uint64_t state, q, k, v, alpha, beta, A, dt, out;
+    uint32_t op, n, qkv_stride, ab_stride, nk, dk, dv, out_stride, nv_per_k;
+    float l2_eps;
+  };
+  void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w, int k,
+                     bool silu, float* y) override {
+    if (k < 1 || k > 65) throw Error("vulkan conv1d_causal: k must be in [1, 65]");
+    if (n <= 0 || C <= 0) return;
+    if ((n + k) * std::max<int64_t>(C, x_stride) > INT32_MAX) throw Error("vulkan conv1d_causal: more than 2^31 elements");
+    Lock g(c_->mu);
+    RecurrentPC pc{A(state), A(x), A(w), 0, 0, 0, 0, 0, A(y), 0, (uint32_t)n, (uint32_t)x_stride, (uint32_t)C,
+                   (uint32_t)k, silu ? 1u : 0u, 0, 0, 0, 0.f};
+    c_->dispatch("recurrent", &pc, sizeof pc, (uint32_t)((C + 63) / 64));
+  }
+  void delta_rule(const DeltaRuleArgs& a) override {
+    if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)
+      throw Error("vulkan delta_rule: bad head layout");
+    if (a.n <= 0) return;
+    if (a.n * std::max(a.qkv_stride, a.out_stride) > INT32_MAX) throw Error("vulkan delta_rule: more than 2^31 elements");
+    Lock g(c_->mu);
+    RecurrentPC pc{A(a.state), A(a.q), A(a.k), A(a.v), A(a.alpha), A(a.beta), A(a.A), A(a.dt_bias), A(a.out),
+                   1, (uint32_t)a.n, (uint32_t)a.qkv_stride, (uint32_t)a.ab_stride, (uint32_t)a.n_k_heads,
+                   (uint32_t)a.dk, (uint32_t)a.dv, (uint32_t)a.out_stride,
+                   a.grouped ? (uint32_t)(a.n_v_heads / a.n_k_heads) : 0u, a.l2_eps};
+    c_->dispatch("recurrent", &pc, sizeof pc, (uint32_t)a.n_v_heads);
   }
 
   // ---- mixture of experts ----

@@ -252,7 +252,7 @@ void bind_backend(py::module_& m) {
         float* gd = d.put(g);
         float* ud = d.put(u);
         float* y = d.poisoned((size_t)(r * c));
-        need(act >= 0 && act <= 2, "act must be 0 (silu), 1 (gelu_tanh) or 2 (swiglu_oai)");
+        need(act >= 0 && act <= 3, "act must be 0 (silu), 1 (gelu_tanh), 2 (swiglu_oai) or 3 (sigmoid)");
         d.be->glu(gd, c, ud, c, y, r, c, (Act)act);
         return d.get(y, {r, c});
       })
@@ -309,6 +309,58 @@ void bind_backend(py::module_& m) {
         d.be->matmul_id(w, xd, x_div, id, P, bd, y);
         return d.get(y, {P, rows});
       })
+      // Returns (y, the new state).
+      .def("conv1d_causal", [](Dev& d, const py::object& so, const py::object& xo, const py::object& wo, bool silu) {
+        F32 st = f32(so, "state", 2), x = f32(xo, "x", 2), w = f32(wo, "w", 2);
+        const int64_t n = x.shape(0), C = x.shape(1), k = w.shape(1);
+        need(w.shape(0) == C, "w must be [C, k]");
+        need(k >= 1 && k <= 65, "k must be in [1, 65]");
+        need(st.shape(0) == k - 1 && st.shape(1) == C, "state must be [k - 1, C]");
+        float* sd = d.put(st);
+        float* xd = d.put(x);
+        float* wd = d.put(w);
+        float* y = d.poisoned((size_t)(n * C));
+        d.be->conv1d_causal(sd, xd, C, n, C, wd, (int)k, silu, y);
+        py::array_t<float> st_out(std::vector<int64_t>{k - 1, C});
+        d.be->download(st_out.mutable_data(), sd, (size_t)st_out.size() * 4);
+        return py::make_tuple(d.get(y, {n, C}), st_out);
+      })
+      // qkv rows [n][2 nk dk + nv dv]; alpha, beta [n][nv]; A, dt_bias [nv]; state [nv][dk][dv].
+      // Returns (out [n][nv dv], the new state).
+      .def("delta_rule", [](Dev& d, const py::object& so, const py::object& qo, const py::object& ao,
+                            const py::object& bo, const py::object& Ao, const py::object& dto, int nk, float eps,
+                            bool grouped) {
+        F32 st = f32(so, "state", 3), qkv = f32(qo, "qkv", 2), al = f32(ao, "alpha", 2), be = f32(bo, "beta", 2);
+        F32 A = f32(Ao, "A", 1), dt = f32(dto, "dt_bias", 1);
+        const int64_t nv = st.shape(0), dk = st.shape(1), dv = st.shape(2), n = qkv.shape(0);
+        need(nk >= 1 && nv % nk == 0, "n_v_heads must be a multiple of n_k_heads");
+        need(qkv.shape(1) == 2 * nk * dk + nv * dv, "qkv rows must be 2 nk dk + nv dv");
+        need(al.shape(0) == n && al.shape(1) == nv && be.shape(0) == n && be.shape(1) == nv, "alpha, beta: [n, nv]");
+        need(A.size() == nv && dt.size() == nv, "A and dt_bias: [nv]");
+        DeltaRuleArgs a;
+        a.state = d.put(st);
+        a.q = d.put(qkv);
+        a.k = a.q + nk * dk;
+        a.v = a.q + 2 * nk * dk;
+        a.qkv_stride = qkv.shape(1);
+        a.alpha = d.put(al);
+        a.beta = d.put(be);
+        a.ab_stride = nv;
+        a.A = d.put(A);
+        a.dt_bias = d.put(dt);
+        a.n = n;
+        a.n_k_heads = nk, a.n_v_heads = (int)nv, a.dk = (int)dk, a.dv = (int)dv;
+        a.l2_eps = eps;
+        a.grouped = grouped;
+        float* out = d.poisoned((size_t)(n * nv * dv));
+        a.out = out;
+        a.out_stride = nv * dv;
+        d.be->delta_rule(a);
+        py::array_t<float> st_out(std::vector<int64_t>{nv, dk, dv});
+        d.be->download(st_out.mutable_data(), a.state, (size_t)st_out.size() * 4);
+        return py::make_tuple(d.get(out, {n, nv * dv}), st_out);
+      }, py::arg("state"), py::arg("qkv"), py::arg("alpha"), py::arg("beta"), py::arg("A"), py::arg("dt_bias"),
+         py::arg("nk"), py::arg("eps"), py::arg("grouped") = false)
       .def("moe_sum", [](Dev& d, const py::object& yo, const py::object& wo) {
         F32 w = f32(wo, "w", 2);
         const int64_t n = w.shape(0), k = w.shape(1);

@@ -85,6 +85,12 @@ void bind_kv(py::module_& m) {
            py::arg("max_groups") = 0)
       .def_property_readonly("max_groups", &PrefixCache::max_groups)
       .def("held", &PrefixCache::held)
+      // Recurrent-state snapshots held with cached pages (hybrid models), and their budget.
+      .def("states_held", &PrefixCache::states_held)
+      .def_property("max_states", &PrefixCache::max_states, [](PrefixCache& c, int64_t n) {
+        if (n < 0) throw py::value_error("max_states must be >= 0");
+        c.set_max_states(n);
+      })
       .def("chains",
            [](const PrefixCache& c) {
              py::list out;

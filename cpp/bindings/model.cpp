@@ -206,6 +206,7 @@ void bind_model(py::module_& m) {
                                                          s.logits.data(), self);
                              })
       .def("truncate", &Session::truncate)
+      .def("rewind_point", &Session::rewind_point)
       .def("stats",
            [](const Session& s) {
              py::dict d;

@@ -145,8 +145,35 @@ struct AttnArgs {
 };
 
 // swiglu_oai: gpt-oss's clamped SwiGLU, g = min(gate, 7), u = clamp(up, -7, 7),
-// out = g * sigmoid(1.702 g) * (u + 1).
-enum class Act { silu, gelu_tanh, swiglu_oai };
+// out = g * sigmoid(1.702 g) * (u + 1). sigmoid: out = sigmoid(gate) * up (an output gate).
+enum class Act { silu, gelu_tanh, swiglu_oai, sigmoid };
+
+// The gated delta rule of one sequence (a gated-DeltaNet layer: Qwen3.5, Qwen3-Next), run
+// token by token from a carried state. For token t and value head h (its key head h % n_k_heads
+// in the tiled order llama.cpp's converter writes for Qwen3.5, h / (n_v_heads / n_k_heads) when
+// `grouped`, as Qwen3-Next files keep them):
+//   q, k = l2norm(q, k) (x / sqrt(sum x^2 + l2_eps)), q /= sqrt(dk);
+//   g = A[h] * softplus(alpha[t][h] + dt_bias[h]), beta = sigmoid(beta_logit[t][h]);
+//   S = S * exp(g);  S += k (x) ((v - S^T k) * beta);  out = S^T q,
+// with S [n_v_heads][dk][dv] the state (read and updated in place).
+struct DeltaRuleArgs {
+  float* state = nullptr;
+  const float* q = nullptr;  // rows of qkv_stride floats: q at q, k at k, v at v (one row per token)
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t qkv_stride = 0;
+  const float* alpha = nullptr;  // [n][n_v_heads] (ab_stride apart)
+  const float* beta = nullptr;   // [n][n_v_heads] logits
+  int64_t ab_stride = 0;
+  const float* A = nullptr;        // [n_v_heads], negative
+  const float* dt_bias = nullptr;  // [n_v_heads]
+  int64_t n = 0;
+  int n_k_heads = 0, n_v_heads = 0, dk = 0, dv = 0;
+  bool grouped = false;
+  float l2_eps = 1e-6f;
+  float* out = nullptr;  // [n][n_v_heads * dv], out_stride apart
+  int64_t out_stride = 0;
+};
 
 // How a mixture-of-experts router turns its logits into the weights of the k experts it picks
 // (always the k largest logits, ties to the lower id, largest first):
@@ -257,6 +284,15 @@ class Backend {
                            int64_t T_out) = 0;
   // out[r] = mean of rows x[r * k .. r * k + k) (a trailing partial group averages what it has).
   virtual void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) = 0;
+
+  // ---- recurrent layers (gated DeltaNet) ---------------------------------------
+  // A causal depthwise convolution of n rows of C channels continuing a carried state: with
+  // u the k-1 state rows (oldest first) followed by the rows of x (x_stride apart),
+  // y[t][c] = sum_j w[c * k + j] * u[t + j][c] (silu of it when `silu`), y rows C apart;
+  // then the state becomes the last k-1 rows of u.
+  virtual void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w,
+                             int k, bool silu, float* y) = 0;
+  virtual void delta_rule(const DeltaRuleArgs& a) = 0;
 
   // ---- mixture of experts ----------------------------------------------------
   // Routing of n tokens, each a row of n_expert logits: ids[t * k + j] and w[t * k + j] for

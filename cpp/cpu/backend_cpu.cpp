@@ -540,7 +540,7 @@ class CpuBackend final : public Backend {
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    const int a = act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : 2;
+    const int a = act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : act == Act::swiglu_oai ? 2 : 3;
     auto rows = [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) kt.glu_f32(gate + r * gs, up + r * us, out + r * dim, dim, a);
     };
@@ -634,6 +634,75 @@ class CpuBackend final : public Backend {
         o[i] = acc / (float)cnt;
       }
     }
+  }
+
+  void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w, int k,
+                     bool silu, float* y) override {
+    if (n <= 0 || C <= 0) return;
+    if (k < 1 || k > 65) throw Error("conv1d_causal: k must be in [1, 65]");
+    const int64_t S = k - 1;
+    // Channels are independent: each worker runs its channels over the whole sequence.
+    pool_.parallel_for(C, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t c = lo; c < hi; ++c) {
+        const float* wc = w + c * k;
+        auto u = [&](int64_t i) { return i < S ? state[i * C + c] : x[(i - S) * x_stride + c]; };
+        for (int64_t t = 0; t < n; ++t) {
+          float acc = 0.f;
+          for (int j = 0; j < k; ++j) acc += wc[j] * u(t + j);
+          y[t * C + c] = silu ? acc / (1.f + std::exp(-acc)) : acc;
+        }
+        // The last k-1 rows of u, read before any is overwritten (oldest first).
+        float keep[64];
+        for (int64_t i = 0; i < S; ++i) keep[i] = u(n + i);
+        for (int64_t i = 0; i < S; ++i) state[i * C + c] = keep[i];
+      }
+    });
+  }
+
+  void delta_rule(const DeltaRuleArgs& a) override {
+    if (a.n <= 0) return;
+    if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)
+      throw Error("delta_rule: bad head layout");
+    const int64_t dk = a.dk, dv = a.dv;
+    pool_.parallel_for(a.n_v_heads, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> q((size_t)dk), k((size_t)dk), kv((size_t)dv);
+      for (int64_t h = lo; h < hi; ++h) {
+        const int64_t kh = a.grouped ? h / (a.n_v_heads / a.n_k_heads) : h % a.n_k_heads;
+        float* S = a.state + h * dk * dv;
+        for (int64_t t = 0; t < a.n; ++t) {
+          const float* qt = a.q + t * a.qkv_stride + kh * dk;
+          const float* kt = a.k + t * a.qkv_stride + kh * dk;
+          const float* vt = a.v + t * a.qkv_stride + h * dv;
+          double sq = 0, sk = 0;
+          for (int64_t i = 0; i < dk; ++i) sq += (double)qt[i] * qt[i], sk += (double)kt[i] * kt[i];
+          const float iq = (float)(1.0 / std::sqrt(sq + a.l2_eps) / std::sqrt((double)dk));
+          const float ik = (float)(1.0 / std::sqrt(sk + a.l2_eps));
+          for (int64_t i = 0; i < dk; ++i) q[i] = qt[i] * iq, k[i] = kt[i] * ik;
+          const float x = a.alpha[t * a.ab_stride + h] + a.dt_bias[h];
+          const float sp = x > 20.f ? x : std::log1p(std::exp(x));  // softplus (torch's threshold)
+          const float decay = std::exp(a.A[h] * sp);
+          const float b = 1.f / (1.f + std::exp(-a.beta[t * a.ab_stride + h]));
+          std::fill(kv.begin(), kv.end(), 0.f);
+          for (int64_t i = 0; i < dk; ++i) {
+            float* Si = S + i * dv;
+            for (int64_t j = 0; j < dv; ++j) {
+              Si[j] *= decay;
+              kv[j] += Si[j] * k[i];
+            }
+          }
+          for (int64_t j = 0; j < dv; ++j) kv[j] = (vt[j] - kv[j]) * b;  // the delta
+          float* o = a.out + t * a.out_stride + h * dv;
+          for (int64_t j = 0; j < dv; ++j) o[j] = 0.f;
+          for (int64_t i = 0; i < dk; ++i) {
+            float* Si = S + i * dv;
+            for (int64_t j = 0; j < dv; ++j) {
+              Si[j] += k[i] * kv[j];
+              o[j] += Si[j] * q[i];
+            }
+          }
+        }
+      }
+    });
   }
 
   void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,

@@ -34,6 +34,12 @@ inline float silu(float x) {
   return (x >= 0.f ? x : x * e) / (1.f + e);
 }
 
+// 1 / (1 + exp(-x)), from e = exp(-|x|) so the exponent never overflows.
+inline float sigmoid(float x) {
+  const float e = exp_neg(-std::fabs(x));
+  return (x >= 0.f ? 1.f : e) / (1.f + e);
+}
+
 // gpt-oss's clamped SwiGLU (Act::swiglu_oai).
 inline float swiglu_oai(float gate, float up) {
   const float g = std::fmin(gate, 7.f), u = std::fmin(std::fmax(up, -7.f), 7.f);

@@ -46,11 +46,13 @@ void PrefixCache::bind(const std::shared_ptr<KVPool>& pool) {
   pool_ = pool;
 }
 
-std::pair<std::vector<int32_t>, int64_t> PrefixCache::match_locked(const int32_t* ids, int64_t n) {
+std::pair<std::vector<int32_t>, int64_t> PrefixCache::match_locked(const int32_t* ids, int64_t n, BufferPtr* state) {
   const int64_t P = pool_->page_rows();
   std::vector<int32_t> pages;
   uint64_t key = kRootKey;
   int64_t deepest_chain = -1;
+  size_t with_state = 0;  // pages up to the deepest one carrying a snapshot (state matches)
+  BufferPtr found;
   // Full pages of the prompt only; the cap below may leave the last one partly used.
   for (int64_t p = 0; (p + 1) * P <= n; ++p) {
     const int32_t* pid = ids + p * P;
@@ -61,6 +63,12 @@ std::pair<std::vector<int32_t>, int64_t> PrefixCache::match_locked(const int32_t
     pages.push_back(it->second.page);
     deepest_chain = it->second.chain;
     key = k;
+    // A snapshot counts only where a row is left to prefill after it.
+    if (state && it->second.state && (p + 1) * P <= n - 1) with_state = pages.size(), found = it->second.state;
+  }
+  if (state) {
+    pages.resize(with_state);
+    *state = found;
   }
   if (pages.empty()) return {pages, 0};
   ++tick_;
@@ -81,7 +89,7 @@ std::pair<std::vector<int32_t>, int64_t> PrefixCache::match_locked(const int32_t
 }
 
 void PrefixCache::insert_locked(const int32_t* ids, int64_t n, const std::vector<int32_t>& page_ids,
-                                const std::string& preview) {
+                                const std::string& preview, const std::vector<StateAt>* states) {
   const int64_t P = pool_->page_rows();
   const int64_t full = std::min<int64_t>(n / P, (int64_t)page_ids.size());
   if (full <= 0) return;
@@ -116,6 +124,11 @@ void PrefixCache::insert_locked(const int32_t* ids, int64_t n, const std::vector
       if (p > 0) ++map_[key].children;
       map_.emplace(k, std::move(e));
     }
+    if (states) {
+      Entry& e = map_[k];
+      for (const StateAt& st : *states)
+        if (st.first == (p + 1) * P && st.second && !e.state) e.state = st.second;
+    }
     ch.keys.push_back(k);
     key = k;
   }
@@ -137,6 +150,27 @@ void PrefixCache::insert_locked(const int32_t* ids, int64_t n, const std::vector
     chains_ = std::move(keep);
   }
   enforce_budget_locked();
+  enforce_states_locked();
+}
+
+void PrefixCache::enforce_states_locked() {
+  int64_t held = 0;
+  for (auto& kv : map_) held += kv.second.state != nullptr;
+  while (held > std::max<int64_t>(max_states_, 0)) {
+    Entry* oldest = nullptr;
+    for (auto& kv : map_)
+      if (kv.second.state && (!oldest || kv.second.last_used < oldest->last_used)) oldest = &kv.second;
+    oldest->state.reset();
+    --held;
+  }
+}
+
+int64_t PrefixCache::states_held() const {
+  if (!pool_) return 0;
+  std::lock_guard<std::mutex> lk(pool_->mu());
+  int64_t held = 0;
+  for (auto& kv : map_) held += kv.second.state != nullptr;
+  return held;
 }
 
 void PrefixCache::drop_locked(std::unordered_map<uint64_t, Entry>::iterator it) {

@@ -28,9 +28,20 @@ class PrefixCache {
   // Pages of the longest cached page-aligned prefix of `ids` (one token short of
   // it at most: the caller prefills at least one row). Returns (pages, matched).
   // The pages are not yet referenced by the caller; call under the pool lock.
-  std::pair<std::vector<int32_t>, int64_t> match_locked(const int32_t* ids, int64_t n);
-  // Adds the full pages of a session's rows (page_ids[i] holds ids[i*P, (i+1)*P)).
-  void insert_locked(const int32_t* ids, int64_t n, const std::vector<int32_t>& page_ids, const std::string& preview);
+  // With `state` (a model whose recurrent layers keep a state beside the KV), only a prefix
+  // ending on a page that carries a state snapshot matches, and *state is that snapshot.
+  std::pair<std::vector<int32_t>, int64_t> match_locked(const int32_t* ids, int64_t n, BufferPtr* state = nullptr);
+  // Adds the full pages of a session's rows (page_ids[i] holds ids[i*P, (i+1)*P)); a state
+  // snapshot taken at position (i+1)*P goes with page i (and is freed with it).
+  using StateAt = std::pair<int64_t, BufferPtr>;
+  void insert_locked(const int32_t* ids, int64_t n, const std::vector<int32_t>& page_ids, const std::string& preview,
+                     const std::vector<StateAt>* states = nullptr);
+  // The budget of state snapshots (each one model's whole recurrent state); past it the least
+  // recently used page gives up its snapshot (the page stays). Default 16 (a Qwen3.5-9B state is
+  // about 50 MiB).
+  void set_max_states(int64_t n) { max_states_ = n; }
+  int64_t max_states() const { return max_states_; }
+  int64_t states_held() const;
   // Gives one least recently used unreferenced leaf page back to the pool.
   bool evict_one_locked();
   void release();  // every page back to the pool; the cache is empty after
@@ -48,6 +59,7 @@ class PrefixCache {
     int64_t chain = -1;  // the donation that brought the page in
     int64_t last_used = 0;
     std::vector<int32_t> ids;
+    BufferPtr state;  // an opaque snapshot of the state at the end of this page, or null
   };
   struct Chain {
     std::vector<uint64_t> keys;
@@ -56,8 +68,10 @@ class PrefixCache {
   };
   void drop_locked(std::unordered_map<uint64_t, Entry>::iterator it);
   void enforce_budget_locked();
+  void enforce_states_locked();
 
   int64_t max_groups_;
+  int64_t max_states_ = 16;
   std::shared_ptr<KVPool> pool_;
   std::unordered_map<uint64_t, Entry> map_;
   std::vector<Chain> chains_;

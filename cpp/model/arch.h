@@ -43,6 +43,12 @@ struct ArchTraits {
   // YaRN's correction range rounded out to whole dims (transformers' truncate, its default);
   // gpt-oss trains without.
   bool yarn_truncate = true;
+  // The query projection carries a gate per head ([q | gate] for each head, 2 head_dim rows):
+  // the attention's output is multiplied by sigmoid(gate) before the output projection.
+  bool attn_output_gate = false;
+  // Gated-DeltaNet value heads grouped by key head (head h reads key head h / (n_v / n_k)), as
+  // Qwen3-Next files keep them; otherwise tiled (h % n_k), as the converter writes Qwen3.5.
+  bool ssm_v_grouped = false;
 };
 
 // A control token that closes a turn in a chat format (ChatML's <|im_end|>, ...). A

@@ -18,6 +18,14 @@ float* Model::scratch(BufferPtr& b, int64_t floats, const char* what) {
   return static_cast<float*>(b->data());
 }
 
+void Model::state_copy(void* dst, const void* src, size_t bytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (src)
+    backend_->copy(dst, src, bytes);
+  else
+    backend_->zero(dst, bytes);
+}
+
 void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
   // Host in, host out (the chat layer embeds text rows beside media rows).
   for (int64_t i = 0; i < n; ++i)
@@ -56,13 +64,22 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   s.kv_->prepare_write(s.n_past_, s.n_past_ + n);
   const int64_t V = cfg_.vocab_size;
   s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
-  for (int64_t i = 0; i < n; i += max_chunk_) {
-    const int64_t m = std::min(max_chunk_, n - i);
+  // A model with recurrent layers snapshots their state at the last page boundary the rows
+  // cross (the chunk splits there; the prefix cache keeps page-aligned snapshots) and at the
+  // end of a prefill (a turn's end, where a chat rewinds to).
+  const bool snap = s.recurrent_state() != nullptr;
+  const int64_t P = s.kv_->paged() ? s.kv_->page_rows() : 0;
+  const int64_t boundary = snap && P > 0 ? (s.n_past_ + n) / P * P : -1;
+  for (int64_t i = 0; i < n;) {
+    int64_t m = std::min(max_chunk_, n - i);
+    if (s.n_past_ < boundary && s.n_past_ + m > boundary) m = boundary - s.n_past_;
     const Run run{&s, 0, m, all_logits || i + m == n};
     const int64_t rows =
         forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits);
     if (rows > 0)
       backend_->download(s.logits.data() + (all_logits ? i * V : 0), logits_->data(), (size_t)(rows * V) * 4);
+    i += m;
+    if (snap && (s.n_past_ == boundary || (i == n && n > 1))) s.snapshot();
   }
   for (int64_t i = 0; i < n; ++i) s.history.push_back(tokens ? tokens[i] : media_ids ? media_ids[i] : -1);
 }
@@ -156,17 +173,27 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     runs.clear();
     chunk_tokens.clear();
   };
-  // Rows packed into chunks of max_chunk_; a long prefill run continues in the next chunk.
+  // Rows packed into chunks of max_chunk_; a long prefill run continues in the next chunk. A
+  // session with recurrent layers snapshots their state as forward() does (at the last page
+  // boundary its rows cross, at a prefill's end): its run ends there and the chunk runs first.
   int64_t off = 0;
   for (int64_t b = 0; b < B; ++b) {
+    Session& s = *sessions[b];
+    const bool snap = s.recurrent_state() != nullptr;
+    const int64_t p0 = s.n_past_, P = s.kv_->paged() ? s.kv_->page_rows() : 0;
+    const int64_t boundary = snap && P > 0 ? (p0 + counts[b]) / P * P : -1;
     int64_t left = counts[b];
     while (left > 0) {
-      const int64_t take = std::min(left, max_chunk_ - (int64_t)chunk_tokens.size());
-      runs.push_back(Run{sessions[b], (int64_t)chunk_tokens.size(), take, take == left});
+      const int64_t pos = p0 + counts[b] - left;
+      int64_t take = std::min(left, max_chunk_ - (int64_t)chunk_tokens.size());
+      if (pos < boundary && pos + take > boundary) take = boundary - pos;
+      runs.push_back(Run{&s, (int64_t)chunk_tokens.size(), take, take == left});
       chunk_tokens.insert(chunk_tokens.end(), tokens + off, tokens + off + take);
       off += take;
       left -= take;
-      if ((int64_t)chunk_tokens.size() == max_chunk_) flush();
+      const bool at_snapshot = snap && (pos + take == boundary || (left == 0 && counts[b] > 1));
+      if ((int64_t)chunk_tokens.size() == max_chunk_ || at_snapshot) flush();
+      if (at_snapshot) s.snapshot();
     }
   }
   flush();
@@ -216,7 +243,10 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
     be.copy(x, embd_dev_, (size_t)(n * D) * 4);
   }
   for (int il = 0; il < c.n_layers; ++il) {
-    attention_block(il, runs, n_runs, n);
+    if (c.rec_slot[il] >= 0)
+      recurrent_block(il, runs, n_runs, n);
+    else
+      attention_block(il, runs, n_runs, n);
     ffn_block(il, n);
   }
   for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
@@ -234,13 +264,18 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   const bool swa = c.layer_is_swa[il];
   const int64_t D = c.dim, hd = c.head_dim;
   const int64_t q_dim = (int64_t)c.n_heads * hd, kv_dim = (int64_t)c.n_kv_heads * hd;
+  // An output-gated query projection makes [q | gate] per head: 2 q_dim wide, split below.
+  const bool gated = traits_->attn_output_gate;
+  const int64_t q_rows = gated ? 2 * q_dim : q_dim;
   float* x = static_cast<float*>(x_->data());
   float* xn = scratch(xn_, n * D, "activations");
   float* q = scratch(q_, n * q_dim, "activations");
   float* k = scratch(k_, n * kv_dim, "activations");
   float* v = scratch(v_, n * kv_dim, "activations");
   float* att = scratch(attn_, n * q_dim, "activations");
-  float* o = scratch(ffn_, n * std::max<int64_t>(D, q_dim + 2 * kv_dim), "activations");
+  float* o = scratch(ffn_, n * std::max<int64_t>(D, q_rows + 2 * kv_dim), "activations");
+  float* qg = gated ? scratch(qgate_, n * (q_rows + q_dim), "activations") : nullptr;  // [q | gate] rows, then the gates
+  float* qdst = gated ? qg : q;
 
   MatmulStep qkv;
   qkv.x = x, qkv.n = n, qkv.xn = xn;
@@ -248,18 +283,23 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   if (!L.wqkv.empty()) {
     qkv.count = 1, qkv.w[0] = &L.wqkv, qkv.y[0] = o;
     be.matmul_step(qkv);
-    const int64_t w = q_dim + 2 * kv_dim;
-    be.copy_rows(q, q_dim, o, w, n, q_dim);
-    be.copy_rows(k, kv_dim, o + q_dim, w, n, kv_dim);
-    be.copy_rows(v, kv_dim, o + q_dim + kv_dim, w, n, kv_dim);
+    const int64_t w = q_rows + 2 * kv_dim;
+    be.copy_rows(qdst, q_rows, o, w, n, q_rows);
+    be.copy_rows(k, kv_dim, o + q_rows, w, n, kv_dim);
+    be.copy_rows(v, kv_dim, o + q_rows + kv_dim, w, n, kv_dim);
   } else {
     qkv.count = 3;
     qkv.w[0] = &L.wq, qkv.w[1] = &L.wk, qkv.w[2] = &L.wv;
-    qkv.y[0] = q, qkv.y[1] = k, qkv.y[2] = v;
+    qkv.y[0] = qdst, qkv.y[1] = k, qkv.y[2] = v;
     be.matmul_step(qkv);
-    if (!L.bq.empty()) be.add_bias(q, L.bq.data(), n, q_dim);
+    if (!L.bq.empty()) be.add_bias(qdst, L.bq.data(), n, q_rows);
     if (!L.bk.empty()) be.add_bias(k, L.bk.data(), n, kv_dim);
     if (!L.bv.empty()) be.add_bias(v, L.bv.data(), n, kv_dim);
+  }
+  float* gate = gated ? qg + n * q_rows : nullptr;
+  if (gated) {  // head h's rows: q at 2 h hd, its gate at (2 h + 1) hd
+    be.copy_rows(q, hd, qg, 2 * hd, n * c.n_heads, hd);
+    be.copy_rows(gate, hd, qg + hd, 2 * hd, n * c.n_heads, hd);
   }
   if (!L.q_norm.empty()) be.rms_norm(q, L.q_norm.data(), q, n * c.n_heads, hd, c.norm_eps);
   if (!L.k_norm.empty()) be.rms_norm(k, L.k_norm.data(), k, n * c.n_kv_heads, hd, c.norm_eps);
@@ -287,8 +327,8 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     view.n_pages = kv.n_pages();
     view.page_shift = kv.page_shift();
     view.page_bytes = kv.page_bytes();
-    view.k_off = kv.k_off(il);
-    view.v_off = kv.v_off(il);
+    view.k_off = kv.k_off(c.kv_slot[il]);
+    view.v_off = kv.v_off(c.kv_slot[il]);
     view.row_bytes = kv.geometry().row_bytes;
     view.type = s.kv_type_;
     be.kv_store(view, s.n_past_, k + r0 * kv_dim, v + r0 * kv_dim, nr, kv_dim, kv_dim);
@@ -311,8 +351,68 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.out_stride = q_dim;
   }
   be.attention_multi(attn_args_.data(), n_runs);
+  if (gated) be.glu(gate, q_dim, att, q_dim, att, n, q_dim, Act::sigmoid);
 
   project_residual(L.wo, L.bo, L.attn_post_norm, att, n, o);
+}
+
+// A gated-DeltaNet layer (in place of attention): norm; the qkv, z, alpha and beta projections;
+// per session the causal conv (silu) and the gated delta rule from its recurrent state; the
+// gated norm (RMS norm per value head times silu(z)); the output projection and residual add.
+void Model::recurrent_block(int il, const Run* runs, int n_runs, int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const LayerWeights& L = layers_[il];
+  const int64_t D = c.dim, C = c.ssm_conv_dim, nv = c.ssm_nv, dk = c.ssm_dk, inner = nv * c.ssm_dv;
+  const int K = c.ssm_conv_k;
+  float* x = static_cast<float*>(x_->data());
+  float* xn = scratch(xn_, n * D, "activations");
+  float* proj = scratch(ssm_x_, n * 2 * C, "activations");  // the qkv projection, then the conv's output
+  float* conv = proj + n * C;
+  float* zo = scratch(ssm_o_, n * 2 * inner, "activations");  // z, then the delta rule's output
+  float* out = zo + n * inner;
+  float* ab = scratch(ssm_ab_, n * 4 * nv, "activations");    // alpha, then beta logits (then ssm_ba's rows)
+  float* o = scratch(ffn_, n * D, "activations");
+  be.rms_norm(x, L.attn_norm.data(), xn, n, D, c.norm_eps);
+  if (L.ssm_ba.empty()) {
+    const Weight* ws[4] = {&L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta};
+    float* ys[4] = {proj, zo, ab, ab + n * nv};
+    be.matmul_multi(ws, ys, 4, xn, n);
+  } else {
+    // Per key head [beta (r) | alpha (r)], r = nv / nk: de-interleaved into the alpha and beta rows.
+    const Weight* ws[3] = {&L.ssm_qkv, &L.ssm_z, &L.ssm_ba};
+    float* ba = ab + 2 * n * nv;
+    float* ys[3] = {proj, zo, ba};
+    be.matmul_multi(ws, ys, 3, xn, n);
+    const int64_t r = nv / c.ssm_nk;
+    be.copy_rows(ab + n * nv, r, ba, 2 * r, n * c.ssm_nk, r);
+    be.copy_rows(ab, r, ba + r, 2 * r, n * c.ssm_nk, r);
+  }
+  for (int ri = 0; ri < n_runs; ++ri) {
+    const int64_t r0 = runs[ri].first_row, nr = runs[ri].n_rows;
+    float* st = runs[ri].s->recurrent_state() + (int64_t)c.rec_slot[il] * c.rec_state_floats;
+    be.conv1d_causal(st, proj + r0 * C, C, nr, C, L.ssm_conv.data(), K, true, conv + r0 * C);
+    DeltaRuleArgs a;
+    a.state = st + (int64_t)(K - 1) * C;
+    a.q = conv + r0 * C;
+    a.k = a.q + (int64_t)c.ssm_nk * dk;
+    a.v = a.q + 2 * (int64_t)c.ssm_nk * dk;
+    a.qkv_stride = C;
+    a.alpha = ab + r0 * nv;
+    a.beta = ab + n * nv + r0 * nv;
+    a.ab_stride = nv;
+    a.A = L.ssm_a.data();
+    a.dt_bias = L.ssm_dt.data();
+    a.n = nr;
+    a.n_k_heads = c.ssm_nk, a.n_v_heads = c.ssm_nv, a.dk = c.ssm_dk, a.dv = c.ssm_dv;
+    a.grouped = traits_->ssm_v_grouped;
+    a.out = out + r0 * inner;
+    a.out_stride = inner;
+    be.delta_rule(a);
+  }
+  be.rms_norm(out, L.ssm_norm.data(), out, n * nv, c.ssm_dv, c.norm_eps);
+  be.glu(zo, inner, out, inner, out, n, inner, Act::silu);
+  project_residual(L.ssm_out, Vec{}, Vec{}, out, n, o);
 }
 
 // x += W in (+ bias, through a post-norm when the family has them), x the residual

@@ -73,7 +73,7 @@ Model::MemoryEstimate Model::estimate(const std::string& path, QuantMode mode, c
   e.weights = m->weight_bytes_;
   e.embd_table = m->embd_bytes_;
   const KVGeometry g = m->kv_geometry(kv_type);
-  e.kv = (size_t)g.n_layers * 2 * (size_t)n_ctx * g.row_bytes;
+  e.kv = (size_t)g.n_layers * 2 * (size_t)n_ctx * g.row_bytes + (size_t)c.n_rec_layers * c.rec_state_floats * 4;
   // One chunk of rows through a layer (decoder.cpp's scratch), the logits of one row, the
   // quantized activations, and per worker the attention's score row over n_ctx keys.
   const int64_t rows = std::min<int64_t>(m->max_chunk_, n_ctx);
@@ -187,6 +187,43 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
   if (c.n_expert > 0 && (c.n_expert_used < 1 || c.n_expert_used > c.n_expert || c.expert_ffn_dim <= 0))
     throw GGUFError("metadata: bad expert counts (" + std::to_string(c.n_expert_used) + " used of " +
                     std::to_string(c.n_expert) + ", expert ffn " + std::to_string(c.expert_ffn_dim) + ")");
+
+  // Recurrent layers: named by the file (recurrent_layers), or every layer but each
+  // full_attention_interval-th when only the interval is given; none without ssm keys.
+  c.ssm_conv_k = get_int_or(f, key(c, "ssm.conv_kernel"), 0);
+  c.rec_slot.assign(c.n_layers, -1);
+  c.kv_slot.assign(c.n_layers, -1);
+  if (c.ssm_conv_k > 0) {
+    c.ssm_dk = get_int_or(f, key(c, "ssm.state_size"), 0);
+    c.ssm_nk = get_int_or(f, key(c, "ssm.group_count"), 0);
+    c.ssm_nv = get_int_or(f, key(c, "ssm.time_step_rank"), 0);
+    const int inner = get_int_or(f, key(c, "ssm.inner_size"), 0);
+    if (c.ssm_conv_k > 65 || c.ssm_dk <= 0 || c.ssm_nk <= 0 || c.ssm_nv <= 0 || c.ssm_nv % c.ssm_nk != 0 ||
+        inner <= 0 || inner % c.ssm_nv != 0)
+      throw GGUFError("metadata: bad ssm shapes (conv_kernel " + std::to_string(c.ssm_conv_k) + ", state_size " +
+                      std::to_string(c.ssm_dk) + ", group_count " + std::to_string(c.ssm_nk) + ", time_step_rank " +
+                      std::to_string(c.ssm_nv) + ", inner_size " + std::to_string(inner) + ")");
+    c.ssm_dv = inner / c.ssm_nv;
+    c.ssm_conv_dim = 2 * (int64_t)c.ssm_nk * c.ssm_dk + inner;
+    c.rec_state_floats = (int64_t)(c.ssm_conv_k - 1) * c.ssm_conv_dim + (int64_t)c.ssm_nv * c.ssm_dk * c.ssm_dv;
+    std::vector<uint8_t> rec((size_t)c.n_layers, 0);
+    if (const gguf::Value* v = f.find(key(c, "attention.recurrent_layers"))) {
+      if (v->type != gguf::ValueType::ARRAY || v->size() < (size_t)c.n_layers)
+        throw GGUFError("metadata: attention.recurrent_layers must be an array of a flag per layer");
+      for (int il = 0; il < c.n_layers; ++il) {
+        const gguf::Value e = v->at((size_t)il);
+        rec[(size_t)il] = e.type == gguf::ValueType::BOOL ? e.as_bool() : e.as_int() != 0;
+      }
+    } else {
+      const int every = get_int_or(f, key(c, "full_attention_interval"), 4);
+      if (every <= 0) throw GGUFError("metadata: full_attention_interval must be positive");
+      for (int il = 0; il < c.n_layers; ++il) rec[(size_t)il] = (il + 1) % every != 0;
+    }
+    for (int il = 0; il < c.n_layers; ++il)
+      if (rec[(size_t)il]) c.rec_slot[(size_t)il] = c.n_rec_layers++;
+  }
+  for (int il = 0; il < c.n_layers; ++il)
+    if (c.rec_slot[(size_t)il] < 0) c.kv_slot[(size_t)il] = c.n_kv_layers++;
 
   m->load_weights();  // shapes and types checked, sizes known; nothing resident yet
   if (dry_run) return m;
@@ -352,12 +389,31 @@ void Model::load_weights() {
     auto n = [&](const char* s) { return "blk." + std::to_string(il) + "." + s + ".weight"; };
     auto b = [&](const char* s) { return "blk." + std::to_string(il) + "." + s + ".bias"; };
     L.attn_norm = upload(load_vector(n("attn_norm"), true, c.dim));
-    L.wqkv = load_matrix(n("attn_qkv"), false, q_dim + 2 * kv_dim, c.dim);
+    if (c.rec_slot[il] >= 0) {
+      // A gated-DeltaNet layer in place of attention.
+      const int64_t C = c.ssm_conv_dim, nv = c.ssm_nv, inner = (int64_t)nv * c.ssm_dv;
+      L.ssm_qkv = load_matrix(n("attn_qkv"), true, C, c.dim);
+      L.ssm_z = load_matrix(n("attn_gate"), true, inner, c.dim);
+      L.ssm_alpha = load_matrix(n("ssm_alpha"), false, nv, c.dim);
+      if (L.ssm_alpha.empty()) {
+        // Qwen3-Next: one projection, per key head [beta of its nv/nk value heads | their alpha].
+        L.ssm_ba = load_matrix(n("ssm_ba"), true, 2 * nv, c.dim);
+      } else {
+        L.ssm_beta = load_matrix(n("ssm_beta"), true, nv, c.dim);
+      }
+      L.ssm_out = load_matrix(n("ssm_out"), true, c.dim, inner);
+      L.ssm_conv = upload(load_vector(n("ssm_conv1d"), true, C * c.ssm_conv_k));
+      L.ssm_a = upload(load_vector("blk." + std::to_string(il) + ".ssm_a", true, nv));
+      L.ssm_dt = upload(load_vector(b("ssm_dt"), true, nv));
+      L.ssm_norm = upload(load_vector(n("ssm_norm"), true, c.ssm_dv));
+    } else {
+    const int64_t q_rows = traits_->attn_output_gate ? 2 * q_dim : q_dim;
+    L.wqkv = load_matrix(n("attn_qkv"), false, q_rows + 2 * kv_dim, c.dim);
     if (L.wqkv.empty()) {
-      L.wq = load_matrix(n("attn_q"), true, q_dim, c.dim);
+      L.wq = load_matrix(n("attn_q"), true, q_rows, c.dim);
       L.wk = load_matrix(n("attn_k"), true, kv_dim, c.dim);
       L.wv = load_matrix(n("attn_v"), true, kv_dim, c.dim);
-      L.bq = upload(load_vector(b("attn_q"), false, q_dim));
+      L.bq = upload(load_vector(b("attn_q"), false, q_rows));
       L.bk = upload(load_vector(b("attn_k"), false, kv_dim));
       L.bv = upload(load_vector(b("attn_v"), false, kv_dim));
     }
@@ -366,6 +422,7 @@ void Model::load_weights() {
     L.wo = load_matrix(n("attn_output"), true, c.dim, q_dim);
     L.bo = upload(load_vector(b("attn_output"), false, c.dim));
     L.attn_sinks = upload(load_vector(n("attn_sinks"), false, c.n_heads));
+    }
     const std::string& ffn_norm = traits_->ffn_norm_tensor;
     if (ffn_norm != "post_attention_norm")
       L.attn_post_norm = upload(load_vector(n("post_attention_norm"), false, c.dim));
@@ -416,7 +473,7 @@ std::vector<Weight*> Model::matrices() {
   for (LayerWeights& L : layers_)
     for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wqkv, &L.wo, &L.w_gate, &L.w_up, &L.w_gate_up, &L.w_down, &L.router,
                       &L.gate_exps, &L.up_exps, &L.down_exps, &L.gate_shexp, &L.up_shexp, &L.down_shexp,
-                      &L.router_shexp})
+                      &L.router_shexp, &L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta, &L.ssm_ba, &L.ssm_out})
       if (!w->empty()) mats.push_back(w);
   return mats;
 }

@@ -37,6 +37,16 @@ struct ModelConfig {
   // mixture of experts (0 experts: a dense model)
   int n_expert = 0, n_expert_used = 0, expert_ffn_dim = 0, shexp_ffn_dim = 0;
   bool moe_norm_topk = false;
+  // Which layers keep KV and where: kv_slot[il] is the layer's slot in the cache geometry, -1
+  // for a layer that keeps none (a recurrent layer).
+  std::vector<int> kv_slot;
+  int n_kv_layers = 0;
+  // Recurrent (gated DeltaNet) layers: rec_slot[il] >= 0 for each, their state in the session.
+  std::vector<int> rec_slot;
+  int n_rec_layers = 0;
+  int ssm_conv_k = 0, ssm_nk = 0, ssm_nv = 0, ssm_dk = 0, ssm_dv = 0;
+  int64_t ssm_conv_dim = 0;    // the conv's channels: q and k (nk dk each), v (nv dv)
+  int64_t rec_state_floats = 0;  // one layer's state: the conv's (k-1) x conv_dim rows, then nv x dk x dv
 };
 
 struct LayerWeights {
@@ -48,6 +58,10 @@ struct LayerWeights {
   // them) and an optional shared expert behind its own sigmoid gate (a 1-row matrix)
   Weight router, gate_exps, up_exps, down_exps, gate_shexp, up_shexp, down_shexp, router_shexp;
   Vec router_b, gate_exps_b, up_exps_b, down_exps_b;
+  // a gated-DeltaNet layer: the qkv and z (output gate) projections, the per-head gate logits
+  // (alpha: decay, beta: write strength), the conv, A, dt bias, the gated norm, the output
+  Weight ssm_qkv, ssm_z, ssm_alpha, ssm_beta, ssm_ba, ssm_out;  // ssm_ba: beta and alpha interleaved
+  Vec ssm_conv, ssm_a, ssm_dt, ssm_norm;
 };
 
 class Session;
@@ -121,6 +135,11 @@ class Model : public std::enable_shared_from_this<Model> {
   // The KV cache geometry of this model for a codec (checks q8_0's block constraint).
   KVGeometry kv_geometry(KVType t) const;
 
+  // A backend copy (src null: a fill with zeros) of a session's own buffers outside a step (its
+  // recurrent state: rewinds, attaches), serialized with compute: a device backend may be
+  // recording another thread's step.
+  void state_copy(void* dst, const void* src, size_t bytes);
+
   // Embedding rows for tokens (scaled as the family's input layer does).
   void embed_tokens(const int32_t* tokens, int64_t n, float* out);
   // Pooled hidden state (mean of the final-norm outputs) of a token sequence.
@@ -154,6 +173,7 @@ class Model : public std::enable_shared_from_this<Model> {
   // The blocks of a layer, each a seam a backend could take over whole.
   void stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64_t n);
   void attention_block(int il, const Run* runs, int n_runs, int64_t n);
+  void recurrent_block(int il, const Run* runs, int n_runs, int64_t n);
   void ffn_block(int il, int64_t n);
   void project_residual(const Weight& w, const Vec& bias, const Vec& post_norm, const float* in, int64_t n, float* o);
   int64_t logits_block(const Run* runs, int n_runs, int64_t n, bool all_logits);
@@ -180,6 +200,7 @@ class Model : public std::enable_shared_from_this<Model> {
   int64_t max_chunk_ = 256;
   BufferPtr x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, logits_, embd_;
   BufferPtr moe_logits_, moe_ids_, moe_w_, moe_y_, moe_sh_;
+  BufferPtr qgate_, ssm_x_, ssm_ab_, ssm_o_;
   float* embd_dev_ = nullptr;
   // Per-step host data, uploaded at once: token ids, positions, then each run's block table.
   std::vector<int32_t> meta_host_;

@@ -1,7 +1,7 @@
 // The qwen family: Qwen2/2.5 (q/k/v biases, found from the tensors) and Qwen3 (QK-norm);
 // their mixtures of experts: Qwen2-MoE / Qwen1.5-MoE (softmax router, top-k weights as they
 // are, a shared expert behind a sigmoid gate, found from the tensors) and Qwen3-MoE
-// (softmax router, top-k weights renormalized, no shared expert).
+// (softmax router, top-k weights renormalized, no shared expert); the Qwen3.5 and Qwen3-Next hybrids.
 #include "model/arch.h"
 
 namespace dl {
@@ -23,5 +23,24 @@ void register_qwen_family() {
   m.name = "qwen3moe";
   m.moe_norm_topk = true;
   register_arch(m);
+  // Qwen3.5 (dense): gated-DeltaNet layers (which ones: the file's recurrent_layers) between
+  // full-attention layers whose queries carry an output gate; QK-norm, partial neox rope (its
+  // M-RoPE sections coincide with plain rope for text); the FFN norm is stored as
+  // post_attention_norm.
+  ArchTraits h;
+  h.name = "qwen35";
+  h.rope = RopeType::neox;
+  h.act = FfnAct::silu;
+  h.attn_output_gate = true;
+  h.ffn_norm_tensor = "post_attention_norm";
+  register_arch(h);
+  // Qwen3-Next: the same hybrid with a mixture of experts (softmax router, top-k renormalized, a
+  // shared expert behind its sigmoid gate); its value heads stay grouped by key head, and beta and
+  // alpha come as one interleaved projection (ssm_ba).
+  h.name = "qwen3next";
+  h.moe_gate = MoeGate::softmax;
+  h.moe_norm_topk = true;
+  h.ssm_v_grouped = true;
+  register_arch(h);
 }
 }  // namespace dl

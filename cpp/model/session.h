@@ -13,6 +13,7 @@
 namespace dl {
 
 class Model;
+class PrefixCache;
 
 struct GenStats {
   int64_t n_prompt = 0, n_gen = 0;
@@ -36,6 +37,20 @@ class Session {
   void release_pages();
   // Sets the position after a prefix cache attach (pages already in the table).
   void set_attached(int64_t n, const int32_t* ids);
+  // The position at or before n (<= n_past) that truncate can rewind to: n itself when the
+  // model keeps only KV; for a model with recurrent layers, the latest position <= n whose
+  // recurrent state the session still has (0, n_past, or a snapshot).
+  int64_t rewind_point(int64_t n) const;
+
+  // The recurrent layers' state (backend memory; null for a model without them): per layer
+  // (rec_slot order) rec_state_floats floats, zero at position 0.
+  float* recurrent_state() const { return rstate_ ? static_cast<float*>(rstate_->data()) : nullptr; }
+  // Snapshots of that state (position, copy), taken by eval at the end of each prefill and at
+  // the page boundaries it crosses; truncate rewinds to them and the prefix cache keeps the
+  // page-aligned ones. At most kMaxSnapshots per session, the oldest dropped first.
+  static constexpr int kMaxSnapshots = 4;
+  void snapshot();
+  const std::vector<std::pair<int64_t, BufferPtr>>& snapshots() const { return snaps_; }
 
   std::vector<float> logits;      // [n_vocab] of the last row (or [n][n_vocab] with all_logits)
   std::vector<int32_t> history;   // tokens evaluated so far (media rows as negative ids)
@@ -48,11 +63,16 @@ class Session {
 
  private:
   friend class Model;
+  friend int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>& prompt);
   std::shared_ptr<Model> model_;
   KVType kv_type_;
   int64_t n_ctx_;
   int64_t n_past_ = 0;
   std::unique_ptr<BlockTable> kv_;
+  BufferPtr rstate_;
+  std::vector<std::pair<int64_t, BufferPtr>> snaps_;  // by position, ascending
+  void init_recurrent();
+  void reset_recurrent();
 };
 
 class PrefixCache;

@@ -142,6 +142,12 @@ class Session:
         before it is written again."""
         self._s.truncate(int(n))
 
+    def rewind_point(self, n: int) -> int:
+        """The position at or before ``n`` that :meth:`truncate` can rewind to: ``n`` itself for a
+        model that keeps only KV; for a hybrid model (recurrent layers) the latest position whose
+        recurrent state the session still has (0, ``n_past``, or a snapshot)."""
+        return self._s.rewind_point(int(n))
+
     @property
     def logits(self) -> np.ndarray:
         """Logits of the last evaluated row: a view valid until the next eval (copy to keep)."""
@@ -219,6 +225,22 @@ class PrefixCache:
     @property
     def max_groups(self) -> int:
         return self._c.max_groups
+
+    @property
+    def max_states(self) -> int:
+        """The budget of recurrent-state snapshots kept with cached pages (hybrid models such as
+        Qwen3.5; each snapshot is one model's whole recurrent state). Past it the least recently
+        used page gives up its snapshot; the page stays. Default 16."""
+        return self._c.max_states
+
+    @max_states.setter
+    def max_states(self, n: int) -> None:
+        self._c.max_states = int(n)
+
+    @property
+    def states_held(self) -> int:
+        """Recurrent-state snapshots held now (freed with their pages)."""
+        return self._c.states_held()
 
     def __repr__(self) -> str:
         return f"PrefixCache(pages={self._c.held()}, max_groups={self.max_groups or 'unbounded'})"

@@ -1,5 +1,5 @@
 // The row and elementwise ops, one pipeline picked by `op`: add, add_bias, scale, softcap,
-// gelu_erf, glu (silu / gelu_tanh), copy_rows, im2col (channel-major or row input), avg_pool.
+// gelu_erf, glu (silu / gelu_tanh / swiglu_oai / sigmoid), copy_rows, im2col (channel-major or row input), avg_pool.
 // Invocations stride over the output elements.
 #version 450
 #include "common.glsl"
@@ -13,7 +13,8 @@ layout(push_constant, std430) uniform PC {
 } pc;
 
 const uint ADD = 0u, ADD_BIAS = 1u, SCALE = 2u, SOFTCAP = 3u, GELU_ERF = 4u, GLU_SILU = 5u, GLU_GELU = 6u,
-           COPY_ROWS = 7u, IM2COL = 8u, AVG_POOL = 9u, GLU_OAI = 10u;
+           COPY_ROWS = 7u, IM2COL = 8u, AVG_POOL = 9u, GLU_OAI = 10u,
+           GLU_SIGMOID = 11u;
 
 float silu(float x) {
   const float e = exp(-abs(x));
@@ -45,6 +46,11 @@ void main() {
         const uint r = i / pc.p0, k = i % pc.p0;
         const float g = A.v[r * pc.p1 + k];
         C.v[i] = (pc.op == GLU_SILU ? silu(g) : gelu_tanh(g)) * B.v[r * pc.p2 + k];
+        break;
+      }
+      case GLU_SIGMOID: {  // an output gate: sigmoid(a) * b, layout as GLU_SILU
+        const uint r = i / pc.p0, k = i % pc.p0;
+        C.v[i] = B.v[r * pc.p2 + k] / (1.0f + exp(-A.v[r * pc.p1 + k]));
         break;
       }
       case GLU_OAI: {  // gpt-oss's clamped SwiGLU, layout as GLU_SILU

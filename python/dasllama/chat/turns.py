@@ -202,6 +202,7 @@ def _sync(chat: ChatSession, ids: List[int], keep_last: bool) -> int:
     if keep_last:
         p = min(p, len(ids) - 1)
     if p < s.n_past:
+        p = s.rewind_point(p)  # a hybrid model's recurrent state rewinds only to where it was kept
         s.truncate(p)
     if not keep_last and p < len(ids):
         _prefill(chat, ids[p:])
