@@ -34,8 +34,11 @@ void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
 }
 
 void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
-                    const int32_t* media_ids) {
+                    const int32_t* media_ids, int64_t span_lo, int64_t span_hi) {
   if (n <= 0) return;
+  if (span_lo < 0 || span_hi < span_lo || span_hi > n)
+    throw Error("non-causal span [" + std::to_string(span_lo) + ", " + std::to_string(span_hi) +
+                ") is not within the call's " + std::to_string(n) + " rows");
   if (s.n_past_ + n > s.n_ctx_)
     throw ContextOverflowError("context overflow: " + std::to_string(s.n_past_) + " + " + std::to_string(n) +
                                " tokens exceed the session's context of " + std::to_string(s.n_ctx_));
@@ -56,8 +59,18 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   s.kv_->prepare_write(s.n_past_, s.n_past_ + n);
   const int64_t V = cfg_.vocab_size;
   s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
-  for (int64_t i = 0; i < n; i += max_chunk_) {
-    const int64_t m = std::min(max_chunk_, n - i);
+  // A non-causal span is prefilled in one chunk (every row's keys must be stored before any
+  // attends), however long: chunks end where it starts, and it is one chunk of its own.
+  const bool span = span_lo < span_hi;
+  span_pos_lo_ = s.n_past_ + span_lo, span_pos_hi_ = span ? s.n_past_ + span_hi : span_pos_lo_;
+  struct Reset {
+    Model* m;
+    ~Reset() { m->span_pos_lo_ = m->span_pos_hi_ = 0; }
+  } reset{this};
+  for (int64_t i = 0, m = 0; i < n; i += m) {
+    m = std::min(max_chunk_, n - i);
+    if (span && i < span_hi && i + m > span_lo && (i < span_lo || i + m < span_hi))
+      m = i < span_lo ? span_lo - i : span_hi - i;
     const Run run{&s, 0, m, all_logits || i + m == n};
     const int64_t rows =
         forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits);
@@ -188,10 +201,21 @@ void Model::stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64
     table_at[(size_t)ri] = h.size();
     h.insert(h.end(), ids.begin(), ids.end());
   }
+  // A non-causal span in this step (forward's, one run): its rows mask by the span's last position.
+  size_t mask_at = pos_at;
+  if (span_pos_hi_ > span_pos_lo_ && n_runs == 1) {
+    mask_at = h.size();
+    h.resize(mask_at + (size_t)n);
+    for (size_t i = 0; i < (size_t)n; ++i) {
+      const int32_t p = h[pos_at + i];
+      h[mask_at + i] = p >= span_pos_lo_ && p < span_pos_hi_ ? (int32_t)(span_pos_hi_ - 1) : p;
+    }
+  }
   int32_t* dev = reinterpret_cast<int32_t*>(scratch(meta_, (int64_t)h.size(), "step metadata"));
   backend_->upload(dev, h.data(), h.size() * 4);
   tokens_dev_ = tokens ? dev : nullptr;
   pos_dev_ = dev + pos_at;
+  mask_pos_dev_ = dev + mask_at;
   run_pages_.resize((size_t)n_runs);
   for (int ri = 0; ri < n_runs; ++ri) run_pages_[(size_t)ri] = dev + table_at[(size_t)ri];
 }
@@ -302,7 +326,7 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.n_heads = c.n_heads;
     a.n_kv_heads = c.n_kv_heads;
     a.head_dim = (int)hd;
-    a.q_pos = pos_dev_ + r0;
+    a.q_pos = mask_pos_dev_ + r0;
     a.window = swa ? c.sliding_window : 0;
     a.scale = c.attn_scale;
     a.softcap = c.attn_softcap;
