@@ -284,3 +284,89 @@ def test_fuzzed_mmproj_files_raise_clean_errors(tmp_path, built):
             continue
         rows = d.encode_image_rows(e, np.full((8, 8, 3), 128, np.uint8))
         assert rows.shape == (e.n_rows, e.proj_dim)
+
+
+# -- the server: image_url parts ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vision_app(built):
+    from starlette.testclient import TestClient
+
+    from dasllama.server import create_app
+    from dasllama.server.protocol import Limits
+
+    _, dec, mm = built
+    model = d.load_model(dec, d.QuantMode.fp32)
+    app = create_app(model, mmproj=mm, streams=2, ctx=1024, kv_dtype=d.KVDtype.f32,
+                     limits=Limits(max_images=2, max_image_pixels=1 << 20))
+    with TestClient(app) as c:
+        yield {"client": c, "model": model, "mmproj": mm}
+    app.state.engine.stop()
+
+
+def _data_url(raw: bytes, mime="image/jpeg") -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(raw).decode()
+
+
+def _img_msg(raw, text, mime="image/jpeg"):
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(raw, mime)}},
+                                        {"type": "text", "text": text}]}
+
+
+def _metric(client, key):
+    for ln in client.get("/metrics").text.splitlines():
+        if ln.startswith(f"dasllama_{key} "):
+            return float(ln.split()[1])
+
+
+def test_server_image_turn_equals_the_library_chat(vision_app, photo):
+    """The server's greedy reply to an image_url turn is the library chat's; a resent conversation with the
+    same image runs no vision encoder and prefills no image rows (the span comes from the prefix cache)."""
+    client, model = vision_app["client"], vision_app["model"]
+    ch = d.create_chat(model, d.load_vision_embedder(vision_app["mmproj"]), max_new=6, kv_dtype=d.KVDtype.f32)
+    d.add_user_image(ch, photo, "ka to ri")
+    want = d.respond(model, ch, d.SamplingParams())
+
+    msgs = [_img_msg(photo, "ka to ri")]
+    r1 = client.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 6})
+    assert r1.status_code == 200, r1.text
+    assert r1.json()["choices"][0]["message"]["content"] == want
+    enc, rows = _metric(client, "image_encodes_total"), _metric(client, "media_rows_prefilled_total")
+    assert enc >= 1 and rows >= 16
+    msgs += [{"role": "assistant", "content": want}, {"role": "user", "content": "mu sen"}]
+    r2 = client.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 6})
+    assert r2.status_code == 200, r2.text
+    assert _metric(client, "image_encodes_total") == enc
+    assert _metric(client, "media_rows_prefilled_total") == rows
+    d.add_user(ch, "mu sen")
+    assert r2.json()["choices"][0]["message"]["content"] == d.respond(model, ch, d.SamplingParams())
+
+
+def test_server_bad_images_are_400_and_the_server_goes_on(vision_app, photo):
+    client = vision_app["client"]
+    big = _png(np.zeros((1100, 1000, 3), np.uint8))  # 1.1 Mpx, over this app's 1 Mpx
+    cases = [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "remote"),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "remote"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}, "base64"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "base64"),
+        ({"type": "image_url", "image_url": {"url": _data_url(photo[:2000])}}, "image_url"),
+        ({"type": "image_url", "image_url": {"url": _data_url(b"hello world")}}, "image_url"),
+        ({"type": "image_url", "image_url": {"url": _data_url(big, "image/png")}}, "over the limit"),
+        ({"type": "image_url", "image_url": 7}, "image_url"),
+    ]
+    for part, word in cases:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}],
+                                                      "max_tokens": 2})
+        assert r.status_code == 400 and word in r.json()["error"]["message"], (part, r.text)
+    three = [{"type": "image_url", "image_url": {"url": _data_url(photo)}}] * 3
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": three}], "max_tokens": 2})
+    assert r.status_code == 400 and "more than 2 images" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": [
+        {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": _data_url(photo)}}]},
+        {"role": "user", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 400
+    r = client.post("/v1/chat/completions", json={"messages": [_img_msg(photo, "ka")], "max_tokens": 2})
+    assert r.status_code == 200
