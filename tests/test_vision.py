@@ -370,3 +370,22 @@ def test_server_bad_images_are_400_and_the_server_goes_on(vision_app, photo):
     assert r.status_code == 400
     r = client.post("/v1/chat/completions", json={"messages": [_img_msg(photo, "ka")], "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_cli_chat_with_an_image(built, photo, tmp_path, capsys):
+    from dasllama.cli import main
+
+    _, dec, mm = built
+    jpg = tmp_path / "photo.jpg"
+    jpg.write_bytes(photo)
+    assert main(["chat", "ka to ri", "--model", dec, "--mmproj", mm, "--image", str(jpg), "--max-tokens", "4",
+                 "--mode", "fp32", "-q"]) == 0
+    out = capsys.readouterr().out
+    model = d.load_model(dec, d.QuantMode.fp32)
+    chat = d.create_chat(model, d.load_vision_embedder(mm), max_new=4)
+    d.add_user_image(chat, photo, "ka to ri")
+    assert out == d.respond(model, chat) + "\n"
+    assert main(["chat", "x", "--model", dec, "--image", str(jpg)]) == 2  # no --mmproj
+    assert main(["chat", "x", "--model", dec, "--mmproj", mm, "--image", str(tmp_path / "missing.jpg")]) == 2
+    (tmp_path / "bad.jpg").write_bytes(photo[:100])
+    assert main(["chat", "x", "--model", dec, "--mmproj", mm, "--image", str(tmp_path / "bad.jpg")]) == 2
