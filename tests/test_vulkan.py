@@ -101,3 +101,7 @@ def test_errors_leave_the_process_usable(tiny):
 
 def test_audio_tower_and_turn(tmp_path):
     C.audio_tower_and_turn(tmp_path, "vulkan", seconds=2, max_new=8)
+
+
+def test_vision_tower_and_turn(tmp_path):
+    C.vision_tower_and_turn(tmp_path, "vulkan", max_new=8)

@@ -469,7 +469,7 @@ def stream_respond(model: Model, chat: ChatSession, params: Optional[SamplingPar
 # -- capabilities -----------------------------------------------------------------------------------------
 
 def caps(model: Model) -> LlmCaps:
-    """What the model's template supports: a system role, tools, thinking (audio / vision not yet).
+    """What the model's template supports: a system role, tools, thinking (audio / vision come with a tower).
 
     ``system_prompt`` is False when the template refuses a system message, drops it, or writes it as the
     head of the first user turn (gemma); the chat layer then folds the system prompt into that turn itself.
@@ -649,8 +649,9 @@ def add_user_span(model: Model, chat: ChatSession, key, n_rows: int, text_before
         raise ValueError(f"text_before={text_before} is outside the message's {nb} bytes")
     if int(n_rows) < 1:
         raise ValueError("a span needs at least one row")
-    if is_image:
-        open_, close = "", ""  # no vision family is served: an image span renders bare
+    if is_image:  # framed (and non-causal) as the chat's vision family wants; bare without one
+        fam = chat.vision.family if chat.vision is not None else None
+        open_, close = ("", "") if bare else media.IMAGE_FRAMING.get(fam, ("", ""))
     else:
         open_, close = media.framing_for(model, chat.tower.family if chat.tower is not None else None, bool(bare))
     r = None
@@ -661,6 +662,7 @@ def add_user_span(model: Model, chat: ChatSession, key, n_rows: int, text_before
         r = np.array(r.reshape(int(n_rows), -1))
     k = key.hex() if isinstance(key, (bytes, bytearray)) else str(key)
     sp = _new_span(chat, k, int(n_rows), open_, close, is_image=is_image, rows=r)
+    sp.non_causal = bool(is_image and chat.vision is not None and chat.vision.non_causal)
     msg.setdefault("media", []).append({"span": sp.id, "at": int(text_before)})
 
 
