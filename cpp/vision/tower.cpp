@@ -139,8 +139,6 @@ std::shared_ptr<VisionEncoder> VisionEncoder::load(const std::string& path, cons
   }
   be.check_fits(total, "vision tower weights");
   for (Weight* w : mats) be.load_weight(*w, WeightUse::matmul);
-  e->page0_ = be.alloc(sizeof(int32_t), "vision tower");
-  be.zero(e->page0_->data(), sizeof(int32_t));
   return e;
 }
 
@@ -226,8 +224,6 @@ void VisionEncoder::load_weights() {
   }
   if (f.find_tensor(blk(n_layers, "ln1.weight")) || f.find_tensor(blk(n_layers + 1, "attn_q.weight")))
     throw UnsupportedModelError("vision tower: block " + std::to_string(n_layers) + " is incomplete");
-  // The GELU of the blocks is tanh's (SigLIP's gelu_pytorch_tanh): the GLU op with a row of ones.
-  ones_ = upload_vec(*backend_, std::vector<float>((size_t)c.ffn_dim, 1.f), "vision tower");
 
   switch (c.proj) {
     case Projector::gemma3: {
@@ -297,60 +293,7 @@ int64_t VisionEncoder::encode(const float* pixels, int64_t n_pixels, float* out,
   be.add_bias(h, patch_b_.data(), L, d);
   be.add(h, pos_emb_.data(), L * d);
 
-  // Pre-LN blocks; every patch sees every patch (q_pos = L - 1 for all), K rows then V rows
-  // in one page of a one-page cache, as the audio towers do.
-  const int hd = (int)(d / c.n_heads);
-  if (!pos_ || pos_->size() < (size_t)L * 4) pos_ = be.alloc((size_t)L * 4, "vision tower scratch");
-  {
-    std::vector<int32_t> pos((size_t)L, (int32_t)(L - 1));
-    be.upload(pos_->data(), pos.data(), (size_t)L * 4);
-  }
-  float* xn = buf(B_XN, L * d);
-  float* kv = buf(B_KV, 2 * L * d);
-  float* q = buf(B_Q, L * d);
-  float* att = buf(B_A, L * d);
-  float* o = buf(B_O, L * d);
-  float* u = buf(B_U, L * c.ffn_dim);
-  for (const VitLayer& Ly : layers_) {
-    be.layer_norm(h, Ly.ln1_w.data(), Ly.ln1_b.data(), xn, L, d, c.eps);
-    const Weight* ws[3] = {&Ly.wq, &Ly.wk, &Ly.wv};
-    float* ys[3] = {q, kv, kv + L * d};
-    be.matmul_multi(ws, ys, 3, xn, L);
-    be.add_bias(q, Ly.bq.data(), L, d);
-    be.add_bias(kv, Ly.bk.data(), L, d);
-    be.add_bias(kv + L * d, Ly.bv.data(), L, d);
-    AttnArgs a;
-    a.q = q;
-    a.q_stride = d;
-    a.kv.base = reinterpret_cast<uint8_t*>(kv);
-    a.kv.pages = static_cast<const int32_t*>(page0_->data());
-    a.kv.n_pages = 1;
-    a.kv.page_shift = 62;
-    a.kv.page_bytes = (size_t)(2 * L * d) * 4;
-    a.kv.k_off = 0;
-    a.kv.v_off = (size_t)(L * d) * 4;
-    a.kv.row_bytes = (size_t)d * 4;
-    a.kv.type = KVType::f32;
-    a.n_tok = L;
-    a.n_kv = L;
-    a.n_heads = a.n_kv_heads = c.n_heads;
-    a.head_dim = hd;
-    a.q_pos = static_cast<const int32_t*>(pos_->data());
-    a.scale = 1.f / std::sqrt((float)hd);
-    a.out = att;
-    a.out_stride = d;
-    be.attention(a);
-    be.matmul(Ly.wo, att, L, o);
-    be.add_bias(o, Ly.bo.data(), L, d);
-    be.add(h, o, L * d);
-    be.layer_norm(h, Ly.ln2_w.data(), Ly.ln2_b.data(), xn, L, d, c.eps);
-    be.matmul(Ly.w_up, xn, L, u);
-    be.add_bias(u, Ly.b_up.data(), L, c.ffn_dim);
-    be.glu(u, c.ffn_dim, ones_.data(), 0, u, L, c.ffn_dim, Act::gelu_tanh);
-    be.matmul(Ly.w_down, u, L, o);
-    be.add_bias(o, Ly.b_down.data(), L, d);
-    be.add(h, o, L * d);
-  }
+  blocks_.run(be, layers_, h, L, d, c.n_heads, c.ffn_dim, c.eps, encoder::Gelu::tanh);  // SigLIP: GELU(tanh)
   be.layer_norm(h, post_w_.data(), post_b_.data(), h, L, d, c.eps);
 
   float* dev_out = buf(B_OUT, (int64_t)c.n_rows * c.proj_dim);
@@ -363,7 +306,7 @@ int64_t VisionEncoder::encode(const float* pixels, int64_t n_pixels, float* out,
       const int64_t m = c.merge, Q = G / m;
       float* p1 = buf(B_P, L / m * d);
       be.avg_pool_rows(h, L, d, (int)m, p1);
-      float* p2 = o;  // free now
+      float* p2 = buf(B_P2, Q * Q * d);
       be.avg_pool_rows(p1, G, Q * d, (int)m, p2);
       be.rms_norm(p2, soft_norm_.data(), p2, Q * Q, d, c.eps);
       be.matmul(proj_, p2, Q * Q, dev_out);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "encoder/blocks.h"
 #include "gguf/gguf.h"
 
 namespace dl::vision {
@@ -39,10 +40,7 @@ struct VisionConfig {
   float mean[3] = {0.5f, 0.5f, 0.5f}, std[3] = {0.5f, 0.5f, 0.5f};
 };
 
-struct VitLayer {
-  Vec ln1_w, ln1_b, ln2_w, ln2_b, bq, bk, bv, bo, b_up, b_down;
-  Weight wq, wk, wv, wo, w_up, w_down;
-};
+using VitLayer = encoder::Layer;
 
 class VisionEncoder {
  public:
@@ -68,12 +66,12 @@ class VisionEncoder {
   std::shared_ptr<Backend> backend_;
   std::mutex mu_;  // one encode at a time (the device buffers below are shared)
   Weight patch_, proj_;
-  Vec patch_b_, pos_emb_, post_w_, post_b_, soft_norm_, ones_;
+  Vec patch_b_, pos_emb_, post_w_, post_b_, soft_norm_;
   std::vector<VitLayer> layers_;
   std::vector<float> patches_host_;
-  enum { B_X, B_H, B_XN, B_KV, B_Q, B_A, B_O, B_U, B_P, B_OUT, B_COUNT };
+  enum { B_X, B_H, B_P, B_P2, B_OUT, B_COUNT };
   BufferPtr bufs_[B_COUNT];
-  BufferPtr pos_, page0_;
+  encoder::Blocks blocks_;
 };
 
 }  // namespace dl::vision
