@@ -389,3 +389,43 @@ def test_cli_chat_with_an_image(built, photo, tmp_path, capsys):
     assert main(["chat", "x", "--model", dec, "--mmproj", mm, "--image", str(tmp_path / "missing.jpg")]) == 2
     (tmp_path / "bad.jpg").write_bytes(photo[:100])
     assert main(["chat", "x", "--model", dec, "--mmproj", mm, "--image", str(tmp_path / "bad.jpg")]) == 2
+
+
+def test_formats_and_fuzzed_image_bytes(photo):
+    """WebP, GIF (first frame), palette and RGBA PNGs decode to RGB; byte flips and cuts of a real JPEG and
+    PNG either decode or raise ImageError, never anything else."""
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(io.BytesIO(photo)).convert("RGB").resize((64, 48)))
+    for fmt, kw in (("WEBP", {"lossless": True}), ("PNG", {})):
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, fmt, **kw)
+        got = d.load_image_rgb(buf.getvalue())
+        np.testing.assert_array_equal(got.rgb, rgb)
+    frames = [Image.fromarray(np.full((8, 8, 3), c, np.uint8)) for c in (10, 200)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
+    g = d.load_image_rgb(buf.getvalue())
+    assert g.rgb.shape == (8, 8, 3) and abs(int(g.rgb.mean()) - 10) <= 2
+    rgba = np.zeros((4, 4, 4), np.uint8)
+    rgba[..., 0] = 255
+    rgba[..., 3] = 255
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, "PNG")
+    assert d.load_image_rgb(buf.getvalue()).rgb[..., 0].min() == 255
+    png = io.BytesIO()
+    Image.fromarray(rgb).save(png, "PNG")
+    rng = np.random.default_rng(1)
+    for src in (photo, png.getvalue()):
+        for i in range(40):
+            b = bytearray(src)
+            if i % 3 == 0:
+                b = b[: int(rng.integers(1, len(b)))]
+            else:
+                for _ in range(int(rng.integers(1, 8))):
+                    b[int(rng.integers(0, min(len(b), 2048)))] = int(rng.integers(0, 256))
+            try:
+                im = d.load_image_rgb(bytes(b))
+            except d.ImageError:
+                continue
+            assert im.rgb.dtype == np.uint8 and im.rgb.ndim == 3
