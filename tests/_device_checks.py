@@ -124,7 +124,8 @@ def vision_tower_and_turn(tmp_path, device: str, max_new: int) -> None:
     llama.cpp's converter (tests/oracles/vision.py)."""
     import vision as V  # tests/oracles/vision.py
 
-    dec, mm = V.convert_gemma3(V.gemma3(), str(tmp_path))
+    # A window of 8 with the image ending past it: the span's sliding layers attend row by row too.
+    dec, mm = V.convert_gemma3(V.gemma3(sliding_window=8), str(tmp_path))
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)
     rows = {dev: d.encode_image_rows(d.load_vision_embedder(mm, device=dev), img) for dev in ("cpu", device)}

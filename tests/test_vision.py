@@ -89,7 +89,20 @@ def test_rows_match_get_image_features(built, photo):
 
 def test_image_turn_logits_match_transformers(built, photo):
     """A prompt with an image, teacher-forced: our rows spliced as one non-causal span vs transformers' forward."""
-    m, dec, mm = built
+    _image_turn_logits(*built, photo)
+
+
+def test_image_deep_in_the_sliding_window(tmp_path, photo):
+    """Sliding layers of window 8 with the image ending past it: each image row sees its own window back
+    and the whole image (transformers' sliding mask OR the image block), not its last row's window."""
+    m = V.gemma3(seed=1, sliding_window=8)
+    with torch.no_grad():
+        w = m.model.multi_modal_projector.mm_input_projection_weight
+        w.copy_(w.half().float())
+    _image_turn_logits(m, *V.convert_gemma3(m, str(tmp_path)), photo)
+
+
+def _image_turn_logits(m, dec, mm, photo):
     model = d.load_model(dec, d.QuantMode.fp32)
     e = d.load_vision_embedder(mm)
     head = [1] + d.encode(model, "ka to ri mu", add_special=False) + [500]

@@ -334,7 +334,28 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.out = att + r0 * q_dim;
     a.out_stride = q_dim;
   }
-  be.attention_multi(attn_args_.data(), n_runs);
+  // A sliding layer over a non-causal span that ends at or past the window: a span row at p sees
+  // keys (p - window, p] and the whole span, so each row's window reaches back from the span's
+  // end by window + (end - p) -- one call per span row (rare: an image deep in a long chat).
+  const int64_t M = span_pos_hi_ - 1;
+  if (span_window_split(swa, n_runs, M)) {
+    const AttnArgs a = attn_args_[0];
+    const int64_t p0 = runs[0].s->n_past_;
+    const int64_t lo = std::max<int64_t>(span_pos_lo_ - p0, 0), hi = std::min<int64_t>(span_pos_hi_ - p0, a.n_tok);
+    attn_args_.clear();
+    auto part = [&](int64_t r, int64_t m, int window) {
+      if (m <= 0) return;
+      AttnArgs b = a;
+      b.q = a.q + r * q_dim, b.q_pos = a.q_pos + r, b.out = a.out + r * q_dim, b.n_tok = m, b.window = window;
+      attn_args_.push_back(b);
+    };
+    part(0, lo, a.window);
+    for (int64_t r = lo; r < hi; ++r) part(r, 1, (int)(a.window + (M - (p0 + r))));
+    part(hi, a.n_tok - hi, a.window);
+    be.attention_multi(attn_args_.data(), (int)attn_args_.size());
+  } else {
+    be.attention_multi(attn_args_.data(), n_runs);
+  }
 
   project_residual(L.wo, L.bo, L.attn_post_norm, att, n, o);
 }

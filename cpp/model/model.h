@@ -192,6 +192,12 @@ class Model : public std::enable_shared_from_this<Model> {
   // the rows of a non-causal span, which see up to the span's last position.
   const int32_t* mask_pos_dev_ = nullptr;
   int64_t span_pos_lo_ = 0, span_pos_hi_ = 0;  // the current forward's span, in session positions
+  // Whether a sliding layer's attention over the span must go row by row (the span ends at or past
+  // the window, so keys before the span fall out of its last row's window but not of earlier rows').
+  bool span_window_split(bool swa, int n_runs, int64_t span_last) const {
+    return swa && cfg_.sliding_window > 0 && n_runs == 1 && span_pos_hi_ > span_pos_lo_ &&
+           span_last >= cfg_.sliding_window;
+  }
   std::vector<const int32_t*> run_pages_;  // each run's block table on the backend
   std::vector<AttnArgs> attn_args_;
   std::vector<float> hidden_host_;

@@ -27,12 +27,12 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'mode
 IMAGE_SIZE, PATCH, TOKENS = 32, 4, 16  # an 8x8 patch grid pooled 2x2 -> 16 rows
 
 
-def gemma3(seed: int = 0):
+def gemma3(seed: int = 0, sliding_window: int = 512):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     cfg = Gemma3Config(
         text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=512,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
                          max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          query_pre_attn_scalar=16,  # = head_dim, as the released models (llama.cpp assumes it)
                          # five sliding layers, then a global one: the pattern llama.cpp assumes for gemma3
