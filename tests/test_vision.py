@@ -442,3 +442,16 @@ def test_formats_and_fuzzed_image_bytes(photo):
             except d.ImageError:
                 continue
             assert im.rgb.dtype == np.uint8 and im.rgb.ndim == 3
+
+
+def test_example_runs(built, photo, tmp_path, capsys):
+    import runpy
+
+    _, dec, mm = built
+    jpg = tmp_path / "photo.jpg"
+    jpg.write_bytes(photo)
+    ex = os.path.join(os.path.dirname(__file__), "..", "examples", "vision_chat.py")
+    main = runpy.run_path(ex)["main"]
+    assert main([dec, mm, str(jpg), "ka to ri"]) == 0
+    out = capsys.readouterr().out
+    assert "second chat:" in out and "'encodes': 0" in out.split("second chat:")[1]
