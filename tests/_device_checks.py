@@ -179,3 +179,33 @@ def audio_tower_and_turn(tmp_path, device: str, seconds: int, max_new: int) -> N
         d.add_user(chat, "What is said?")
         replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
     assert replies[device] == replies["cpu"]
+
+
+def vision_tower_and_turn(tmp_path, device: str, max_new: int) -> None:
+    """A Gemma-3 SigLIP tower's rows, the teacher-forced logits of an image prompt (its rows one
+    non-causal span) and a whole greedy image chat turn, equal to the CPU's. The files come from
+    llama.cpp's converter (tests/oracles/vision.py)."""
+    import vision as V  # tests/oracles/vision.py
+
+    # A window of 8 with the image ending past it: the span's sliding layers attend row by row too.
+    dec, mm = V.convert_gemma3(V.gemma3(sliding_window=8), str(tmp_path))
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    rows = {dev: d.encode_image_rows(d.load_vision_embedder(mm, device=dev), img) for dev in ("cpu", device)}
+    assert nmse(rows[device], rows["cpu"]) <= 1e-9
+    logits, replies = {}, {}
+    for dev in ("cpu", device):
+        m = d.load_model(dec, d.QuantMode.fp32, device=dev)
+        head = [1] + d.encode(m, "ka to ri", add_special=False) + [500]
+        tail = [501] + d.encode(m, "mu sen la po", add_special=False)
+        n = rows["cpu"].shape[0]
+        s = d.create_session(m, d.KVDtype.f32)
+        body = d.media_body_rows(m, None, head, rows["cpu"], n, m.config.dim, [])
+        d.eval_embd_body(m, s, body, len(head) + n, len(head), len(head) + n)
+        d.eval(m, s, tail, all_logits=True)
+        logits[dev] = np.array(s.logits)
+        chat = d.create_chat(m, d.load_vision_embedder(mm, device=dev), max_new=max_new)
+        d.add_user_image(chat, img, "ka to ri")
+        replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
+    assert nmse(logits[device], logits["cpu"]) <= LOGIT_BAR
+    assert replies[device] == replies["cpu"]

@@ -97,7 +97,7 @@ OWNERS = {"_m": {"dasllama.handles", "dasllama.llm", "dasllama.kv"},
           "_s": {"dasllama.handles", "dasllama.llm", "dasllama.kv", "dasllama.audio"},
           "_p": {"dasllama.handles", "dasllama.llm", "dasllama.kv"},
           "_c": {"dasllama.handles", "dasllama.kv"},
-          "_enc": {"dasllama.audio"},
+          "_enc": {"dasllama.audio", "dasllama.vision"},
           "_f": {"dasllama.gguf"}}
 
 

@@ -119,3 +119,7 @@ def test_errors_leave_the_process_usable(files):
 
 def test_audio_tower_and_turn(tmp_path):
     C.audio_tower_and_turn(tmp_path, "cuda", seconds=3, max_new=24)
+
+
+def test_vision_tower_and_turn(tmp_path):
+    C.vision_tower_and_turn(tmp_path, "cuda", max_new=24)

@@ -126,3 +126,7 @@ def test_subgroup_path_on_lavapipe():
                         "-k", "matmul or paged or moe"],
                        env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_vision_tower_and_turn(tmp_path):
+    C.vision_tower_and_turn(tmp_path, "vulkan", max_new=8)

@@ -160,8 +160,6 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
   }
   be.check_fits(total, "audio tower weights");
   for (Weight* w : mats) be.load_weight(*w, WeightUse::matmul);
-  e->page0_ = be.alloc(sizeof(int32_t), "audio tower");
-  be.zero(e->page0_->data(), sizeof(int32_t));
   e->mel_ = std::make_unique<MelBank>(e->cfg_.n_mel);
   return e;
 }
@@ -333,60 +331,7 @@ void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t avail,
   be.gelu_erf(h, L * d);
   be.add(h, pos_emb_.data(), L * d);
 
-  // Pre-LN blocks; every position sees every position (q_pos = L - 1 for all). K and V
-  // rows sit in one block, a cache of one page: K rows first, then V rows.
-  const int hd = (int)(d / c.n_heads);
-  if (!pos_ || pos_->size() < (size_t)L * 4) pos_ = be.alloc((size_t)L * 4, "audio tower scratch");
-  {
-    std::vector<int32_t> pos((size_t)L, (int32_t)(L - 1));
-    be.upload(pos_->data(), pos.data(), (size_t)L * 4);
-  }
-  float* xn = buf(B_XN, L * d);
-  float* kv = buf(B_KV, 2 * L * d);
-  float* q = buf(B_Q, L * d);
-  float* att = buf(B_A, L * d);
-  float* o = buf(B_O, L * d);
-  float* u = buf(B_U, L * c.ffn_dim);
-  for (const EncoderLayer& Ly : layers_) {
-    be.layer_norm(h, Ly.ln1_w.data(), Ly.ln1_b.data(), xn, L, d, c.eps);
-    const Weight* ws[3] = {&Ly.wq, &Ly.wk, &Ly.wv};
-    float* ys[3] = {q, kv, kv + L * d};
-    be.matmul_multi(ws, ys, 3, xn, L);
-    be.add_bias(q, Ly.bq.data(), L, d);
-    if (!Ly.bk.empty()) be.add_bias(kv, Ly.bk.data(), L, d);
-    be.add_bias(kv + L * d, Ly.bv.data(), L, d);
-    AttnArgs a;
-    a.q = q;
-    a.q_stride = d;
-    a.kv.base = reinterpret_cast<uint8_t*>(kv);
-    a.kv.pages = static_cast<const int32_t*>(page0_->data());
-    a.kv.n_pages = 1;
-    a.kv.page_shift = 62;
-    a.kv.page_bytes = (size_t)(2 * L * d) * 4;
-    a.kv.k_off = 0;
-    a.kv.v_off = (size_t)(L * d) * 4;
-    a.kv.row_bytes = (size_t)d * 4;
-    a.kv.type = KVType::f32;
-    a.n_tok = L;
-    a.n_kv = L;
-    a.n_heads = a.n_kv_heads = c.n_heads;
-    a.head_dim = hd;
-    a.q_pos = static_cast<const int32_t*>(pos_->data());
-    a.scale = 1.f / std::sqrt((float)hd);
-    a.out = att;
-    a.out_stride = d;
-    be.attention(a);
-    be.matmul(Ly.wo, att, L, o);
-    be.add_bias(o, Ly.bo.data(), L, d);
-    be.add(h, o, L * d);
-    be.layer_norm(h, Ly.ln2_w.data(), Ly.ln2_b.data(), xn, L, d, c.eps);
-    be.matmul(Ly.w_up, xn, L, u);
-    be.add_bias(u, Ly.b_up.data(), L, c.ffn_dim);
-    be.gelu_erf(u, L * c.ffn_dim);
-    be.matmul(Ly.w_down, u, L, o);
-    be.add_bias(o, Ly.b_down.data(), L, d);
-    be.add(h, o, L * d);
-  }
+  blocks_.run(be, layers_, h, L, d, c.n_heads, c.ffn_dim, c.eps, encoder::Gelu::erf);
 }
 
 // Qwen2-Audio's projector (Qwen2.5-Omni's too): AvgPool1d(2, 2) over the encoder's positions,

@@ -11,16 +11,14 @@
 
 #include "audio/mel.h"
 #include "core/backend.h"
+#include "encoder/blocks.h"
 #include "gguf/gguf.h"
 
 namespace dl::audio {
 
 enum class Projector { none, qwen2a, ultravox, voxtral };
 
-struct EncoderLayer {
-  Vec ln1_w, ln1_b, ln2_w, ln2_b, bq, bk, bv, bo, b_up, b_down;
-  Weight wq, wk, wv, wo, w_up, w_down;
-};
+using EncoderLayer = encoder::Layer;
 
 // One audio family as data: the projector it uses and how its processor cuts a clip. The
 // table (tower.cpp's tower_families) is the only place a family name is written; loading,
@@ -94,11 +92,11 @@ class AudioEncoder {
   // projectors
   Weight fc_, mm1_, mm2_;
   Vec fc_b_, mm1_b_, mm2_b_, norm_pre_, norm_mid_;
-  // Backend scratch (grown on demand): mel, all positions, im2col, conv1, h, norm, q|k|v, attention,
-  // out, ffn, pooled, projector, projector 2, output; and the one-page block table {0}.
-  enum { B_MEL, B_HALL, B_X1, B_G1, B_H, B_XN, B_KV, B_Q, B_A, B_O, B_U, B_P, B_Y, B_Y2, B_OUT, B_COUNT };
+  // Backend scratch (grown on demand): mel, all positions, im2col, conv1, h, pooled, projector,
+  // projector 2, output; the blocks keep their own.
+  enum { B_MEL, B_HALL, B_X1, B_G1, B_H, B_P, B_Y, B_Y2, B_OUT, B_COUNT };
   BufferPtr bufs_[B_COUNT];
-  BufferPtr pos_, page0_;
+  encoder::Blocks blocks_;
 };
 
 }  // namespace dl::audio

@@ -257,7 +257,7 @@ void bind_model(py::module_& m) {
         py::arg("sessions"), py::arg("tokens"), py::arg("counts") = std::vector<int64_t>{});
   m.def("eval_embd",
         [](Session& s, py::array_t<float, py::array::c_style | py::array::forcecast> embd, int64_t npos,
-           const std::vector<int64_t>& ids) {
+           const std::vector<int64_t>& ids, int64_t span_lo, int64_t span_hi) {
           const int64_t D = s.model().config().dim;
           const int64_t D_vocab = s.model().config().vocab_size;
           if (npos < 0 || embd.size() < npos * D)
@@ -275,10 +275,14 @@ void bind_model(py::module_& m) {
             }
           }
           const float* p = embd.data();
+          if (span_lo < 0 || span_hi < span_lo || span_hi > npos)
+            throw py::value_error("eval_embd: span [" + std::to_string(span_lo) + ", " + std::to_string(span_hi) +
+                                  ") is not within the " + std::to_string(npos) + " rows");
           py::gil_scoped_release rel;
-          s.model().forward(s, nullptr, p, npos, false, mid.empty() ? nullptr : mid.data());
+          s.model().forward(s, nullptr, p, npos, false, mid.empty() ? nullptr : mid.data(), span_lo, span_hi);
         },
-        py::arg("session"), py::arg("embd"), py::arg("npos"), py::arg("ids") = std::vector<int64_t>{});
+        py::arg("session"), py::arg("embd"), py::arg("npos"), py::arg("ids") = std::vector<int64_t>{},
+        py::arg("span_lo") = 0, py::arg("span_hi") = 0);
   m.def("sample", [](Session& s, py::object params) {
     if (s.logits.empty()) throw py::value_error("sample: no logits yet (eval first)");
     SamplingParams p = params_from(params);

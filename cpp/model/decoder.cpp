@@ -42,8 +42,11 @@ void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
 }
 
 void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
-                    const int32_t* media_ids) {
+                    const int32_t* media_ids, int64_t span_lo, int64_t span_hi) {
   if (n <= 0) return;
+  if (span_lo < 0 || span_hi < span_lo || span_hi > n)
+    throw Error("non-causal span [" + std::to_string(span_lo) + ", " + std::to_string(span_hi) +
+                ") is not within the call's " + std::to_string(n) + " rows");
   if (s.n_past_ + n > s.n_ctx_)
     throw ContextOverflowError("context overflow: " + std::to_string(s.n_past_) + " + " + std::to_string(n) +
                                " tokens exceed the session's context of " + std::to_string(s.n_ctx_));
@@ -70,9 +73,23 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   const bool snap = s.recurrent_state() != nullptr;
   const int64_t P = s.kv_->paged() ? s.kv_->page_rows() : 0;
   const int64_t boundary = snap && P > 0 ? (s.n_past_ + n) / P * P : -1;
+  // A non-causal span is prefilled in one chunk (every row's keys must be stored before any
+  // attends), however long: chunks end where it starts, and it is one chunk of its own (a page
+  // boundary inside it is not split at).
+  const bool span = span_lo < span_hi;
+  span_pos_lo_ = s.n_past_ + span_lo, span_pos_hi_ = span ? s.n_past_ + span_hi : span_pos_lo_;
+  struct Reset {
+    Model* m;
+    ~Reset() { m->span_pos_lo_ = m->span_pos_hi_ = 0; }
+  } reset{this};
   for (int64_t i = 0; i < n;) {
     int64_t m = std::min(max_chunk_, n - i);
-    if (s.n_past_ < boundary && s.n_past_ + m > boundary) m = boundary - s.n_past_;
+    if (span && i < span_hi && i + m > span_lo && (i < span_lo || i + m < span_hi))
+      m = i < span_lo ? span_lo - i : span_hi - i;
+    if (s.n_past_ < boundary && s.n_past_ + m > boundary) {
+      const int64_t cut = boundary - s.n_past_;
+      if (!(span && i + cut > span_lo && i + cut < span_hi)) m = cut;
+    }
     const Run run{&s, 0, m, all_logits || i + m == n};
     const int64_t rows =
         forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits);
@@ -215,10 +232,21 @@ void Model::stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64
     table_at[(size_t)ri] = h.size();
     h.insert(h.end(), ids.begin(), ids.end());
   }
+  // A non-causal span in this step (forward's, one run): its rows mask by the span's last position.
+  size_t mask_at = pos_at;
+  if (span_pos_hi_ > span_pos_lo_ && n_runs == 1) {
+    mask_at = h.size();
+    h.resize(mask_at + (size_t)n);
+    for (size_t i = 0; i < (size_t)n; ++i) {
+      const int32_t p = h[pos_at + i];
+      h[mask_at + i] = p >= span_pos_lo_ && p < span_pos_hi_ ? (int32_t)(span_pos_hi_ - 1) : p;
+    }
+  }
   int32_t* dev = reinterpret_cast<int32_t*>(scratch(meta_, (int64_t)h.size(), "step metadata"));
   backend_->upload(dev, h.data(), h.size() * 4);
   tokens_dev_ = tokens ? dev : nullptr;
   pos_dev_ = dev + pos_at;
+  mask_pos_dev_ = dev + mask_at;
   run_pages_.resize((size_t)n_runs);
   for (int ri = 0; ri < n_runs; ++ri) run_pages_[(size_t)ri] = dev + table_at[(size_t)ri];
 }
@@ -342,7 +370,7 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.n_heads = c.n_heads;
     a.n_kv_heads = c.n_kv_heads;
     a.head_dim = (int)hd;
-    a.q_pos = pos_dev_ + r0;
+    a.q_pos = mask_pos_dev_ + r0;
     a.window = swa ? c.sliding_window : 0;
     a.scale = c.attn_scale;
     a.softcap = c.attn_softcap;
@@ -350,7 +378,28 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.out = att + r0 * q_dim;
     a.out_stride = q_dim;
   }
-  be.attention_multi(attn_args_.data(), n_runs);
+  // A sliding layer over a non-causal span that ends at or past the window: a span row at p sees
+  // keys (p - window, p] and the whole span, so each row's window reaches back from the span's
+  // end by window + (end - p) -- one call per span row (rare: an image deep in a long chat).
+  const int64_t M = span_pos_hi_ - 1;
+  if (span_window_split(swa, n_runs, M)) {
+    const AttnArgs a = attn_args_[0];
+    const int64_t p0 = runs[0].s->n_past_;
+    const int64_t lo = std::max<int64_t>(span_pos_lo_ - p0, 0), hi = std::min<int64_t>(span_pos_hi_ - p0, a.n_tok);
+    attn_args_.clear();
+    auto part = [&](int64_t r, int64_t m, int window) {
+      if (m <= 0) return;
+      AttnArgs b = a;
+      b.q = a.q + r * q_dim, b.q_pos = a.q_pos + r, b.out = a.out + r * q_dim, b.n_tok = m, b.window = window;
+      attn_args_.push_back(b);
+    };
+    part(0, lo, a.window);
+    for (int64_t r = lo; r < hi; ++r) part(r, 1, (int)(a.window + (M - (p0 + r))));
+    part(hi, a.n_tok - hi, a.window);
+    be.attention_multi(attn_args_.data(), (int)attn_args_.size());
+  } else {
+    be.attention_multi(attn_args_.data(), n_runs);
+  }
   if (gated) be.glu(gate, q_dim, att, q_dim, att, n, q_dim, Act::sigmoid);
 
   project_residual(L.wo, L.bo, L.attn_post_norm, att, n, o);

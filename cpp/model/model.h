@@ -119,8 +119,10 @@ class Model : public std::enable_shared_from_this<Model> {
   // at positions n_past.. of the session; writes logits of the last row (or of
   // every row when all_logits) into the session. Serialized per model.
   // Embedding rows enter the history as media_ids (negative) when given, else -1.
+  // Rows [span_lo, span_hi) of the call (span_lo < span_hi) are one non-causal span: each of
+  // them attends every row of the span (an image's rows, gemma vision); the rest stay causal.
   void forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
-               const int32_t* media_ids = nullptr);
+               const int32_t* media_ids = nullptr, int64_t span_lo = 0, int64_t span_hi = 0);
 
   // One decode step for B distinct sessions: row b evaluates tokens[b] at
   // sessions[b]'s position; the weights are read once for all rows.
@@ -207,6 +209,16 @@ class Model : public std::enable_shared_from_this<Model> {
   BufferPtr meta_;
   const int32_t* tokens_dev_ = nullptr;
   const int32_t* pos_dev_ = nullptr;
+  // The positions attention masks by (each row sees keys up to its own); == pos_dev_ but for
+  // the rows of a non-causal span, which see up to the span's last position.
+  const int32_t* mask_pos_dev_ = nullptr;
+  int64_t span_pos_lo_ = 0, span_pos_hi_ = 0;  // the current forward's span, in session positions
+  // Whether a sliding layer's attention over the span must go row by row (the span ends at or past
+  // the window, so keys before the span fall out of its last row's window but not of earlier rows').
+  bool span_window_split(bool swa, int n_runs, int64_t span_last) const {
+    return swa && cfg_.sliding_window > 0 && n_runs == 1 && span_pos_hi_ > span_pos_lo_ &&
+           span_last >= cfg_.sliding_window;
+  }
   std::vector<const int32_t*> run_pages_;  // each run's block table on the backend
   std::vector<AttnArgs> attn_args_;
   std::vector<float> hidden_host_;

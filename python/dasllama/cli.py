@@ -231,7 +231,8 @@ def _cmd_run(args) -> int:
     return 0
 
 
-_CHAT_HELP = "commands: /reset  /save FILE  /load FILE  /audio FILE (with --mmproj)  /exit  (Ctrl-D leaves)"
+_CHAT_HELP = ("commands: /reset  /save FILE  /load FILE  /audio FILE  /image FILE (with --mmproj)  /exit  "
+              "(Ctrl-D leaves)")
 
 
 def _history_file():
@@ -277,15 +278,30 @@ def _cmd_chat(args) -> int:
                          device=args.device)
     if not args.quiet:
         print(_banner(args, model), file=sys.stderr)
-    if args.audio and not args.mmproj:
-        print("error: --audio needs the model's audio tower (--mmproj FILE)", file=sys.stderr)
+    if (args.audio or args.image) and not args.mmproj:
+        print("error: --audio / --image need the model's audio / vision tower (--mmproj FILE)", file=sys.stderr)
         return 2
     mmproj = _mmproj_arg(args) if args.mmproj else None
-    tower = d.load_audio_tower(mmproj, n_threads=args.threads, device=model.device) if mmproj else None
+    tower = vision = None
+    if mmproj:  # an mmproj may carry a vision tower, an audio tower, or both
+        if d.vision_probe_family(mmproj):
+            vision = d.load_vision_embedder(mmproj, n_threads=args.threads, device=model.device)
+        if vision is None or d.audio_tower_probe_proj_dim(mmproj):
+            tower = d.load_audio_tower(mmproj, n_threads=args.threads, device=model.device)
     try:
-        chat = d.create_chat(model, tower, system=args.system, max_new=args.max_tokens)
+        chat = d.create_chat(model, tower if tower is not None else vision, system=args.system,
+                             max_new=args.max_tokens)
+        if tower is not None and vision is not None:
+            if vision.proj_dim != model.config.dim:
+                raise ValueError(f"{mmproj}: the vision tower writes {vision.proj_dim}-wide rows; the model takes "
+                                 f"{model.config.dim}")
+            chat.vision = vision
+        if args.image and vision is None:
+            raise ValueError(f"{mmproj} has no vision tower we serve: --image needs one")
+        for img in args.image or []:
+            d.add_user_image(chat, img)  # queued at the head of the first turn
         for clip in args.audio or []:
-            d.add_user_audio(chat, clip)  # queued at the head of the first turn
+            d.add_user_audio(chat, clip)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -380,6 +396,16 @@ class _ChatRepl:
                 print(f"(cannot load: {e})")
                 return True
             print(f"(clip queued: {n} rows; ask about it)")
+        elif cmd == "/image":
+            if self.chat.vision is None or not arg:
+                print("usage: /image FILE (start the chat with a vision --mmproj FILE)")
+                return True
+            try:
+                n = d.add_user_image(self.chat, arg)
+            except (OSError, ValueError) as e:
+                print(f"(cannot load: {e})")
+                return True
+            print(f"(image queued: {n} rows; ask about it)")
         else:  # /help and anything unknown
             print(_CHAT_HELP)
         return True
@@ -480,10 +506,12 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("chat", help="chat with a model: one question, or an interactive session without one")
     sp.add_argument("question", nargs="?", default=None, help="ask once and exit (no question: interactive)")
     sp.add_argument("--mmproj", default=None,
-                    help="audio tower GGUF (llama.cpp mmproj layout) of the model; auto: the one its repo, "
-                         "Ollama manifest or folder has")
+                    help="audio / vision tower GGUF (llama.cpp mmproj layout) of the model; auto: the one its "
+                         "repo, Ollama manifest or folder has")
     sp.add_argument("--audio", action="append", default=None, metavar="FILE",
                     help="a clip (WAV / FLAC / MP3 / OGG) heard before the first question; repeatable")
+    sp.add_argument("--image", action="append", default=None, metavar="FILE",
+                    help="an image (JPEG / PNG / WebP / GIF) seen before the first question; repeatable")
     sp.add_argument("--quiet", "-q", action="store_true", help="no banner (model, mode, source) on stderr")
     _add_sampling(sp)
     sp.set_defaults(func=_cmd_chat)

@@ -208,14 +208,26 @@ def eval_embd(model: Model, session: Session, embd: np.ndarray, npos: int, non_c
     ``ids`` (one per row) name the rows in ``session.history``: negative media ids (see
     :func:`~dasllama.media_ids`) for media rows, or the token id a text row was embedded from,
     so the prefix cache and the chat layer match them later; without them the rows are recorded
-    as -1, which is never cached. Audio rows are causal; ``non_causal`` (an image span attending
-    itself whole) is refused: no vision family is served yet.
+    as -1, which is never cached. Audio rows are causal; ``non_causal`` marks the whole call as one
+    image span, every row of which attends the whole span (gemma vision).
     """
-    check_session(model, session)
     if non_causal:
-        raise NotImplementedError("non-causal embedding spans (vision) are not served yet; audio rows are causal")
+        eval_embd_span(model, session, embd, npos, 0, npos, ids=ids)
+    else:
+        eval_embd_span(model, session, embd, npos, 0, 0, ids=ids)
+
+
+def eval_embd_span(model: Model, session: Session, embd: np.ndarray, npos: int, span_lo: int, span_hi: int,
+                   ids: Optional[Sequence[int]] = None) -> None:
+    """eval_embd for rows carrying one non-causal image span: rows ``[span_lo, span_hi)`` each attend
+    the whole span (mtmd's non-causal media chunk, transformers' image blocks); the rows around them
+    stay causal. ``span_lo == span_hi`` is a causal call. The span is prefilled in one chunk."""
+    check_session(model, session)
     x = _rows(model, embd, npos)
-    _core.eval_embd(session._s, x, int(npos), [int(i) for i in ids] if ids is not None else [])
+    lo, hi = int(span_lo), int(span_hi)
+    if not 0 <= lo <= hi <= int(npos):
+        raise ValueError(f"span [{lo}, {hi}) is not within the {int(npos)} rows")
+    _core.eval_embd(session._s, x, int(npos), [int(i) for i in ids] if ids is not None else [], lo, hi)
 
 
 def _rows(model: Model, embd, npos: int) -> np.ndarray:
@@ -265,11 +277,9 @@ def media_body_rows(model: Model, session: Optional[Session], head: Sequence[int
 def eval_embd_body(model: Model, session: Session, body: np.ndarray, n_total: int, span_lo: int = 0,
                    span_hi: int = 0, ids: Optional[Sequence[int]] = None) -> None:
     """Prefill a body of :func:`media_body_rows` in one call. ``(span_lo, span_hi)`` is a non-causal
-    image span; (0, 0) -- the only one served -- keeps every row causal, as audio wants. ``ids`` (the
-    rendered turn: token ids and media ids) name the rows in the session's history."""
-    if int(span_lo) != int(span_hi):
-        raise NotImplementedError("non-causal embedding spans (vision) are not served yet; audio rows are causal")
-    eval_embd(model, session, body, n_total, ids=ids)
+    image span; (0, 0) keeps every row causal, as audio wants. ``ids`` (the rendered turn: token ids
+    and media ids) name the rows in the session's history."""
+    eval_embd_span(model, session, body, n_total, span_lo, span_hi, ids=ids)
 
 
 def generate_embd(model: Model, session: Session, embd: np.ndarray, npos: int,

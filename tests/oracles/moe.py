@@ -32,7 +32,8 @@ def llama_cpp_dir() -> Path:
 
     root = hub.home() / "llama.cpp-src"
     src = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/openai-gpt-oss-120b.jinja")
+    keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/openai-gpt-oss-120b.jinja",
+            "tools/mtmd/test-1.jpeg")  # a real photo (vision tests)
     if all((src / k).exists() for k in keep):
         return src
     root.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import llm
 from ..audio import encode_audio_rows
+from ..vision import VisionEmbedder, encode_image_rows
 from ..kv import media_ids
 
 # A per-process nonce in the sentinel: text a user types cannot name a span.
@@ -44,6 +45,13 @@ FAMILY_FRAMING = {
     "voxtral": ("[BEGIN_AUDIO]", ""),
     "ultravox": ("", ""),
     "whisper": ("", ""),
+}
+
+
+# Image framing per vision family, as each family's transformers processor writes it (Gemma-3: the
+# image token expands to "\n\n<start_of_image>" + rows + "<end_of_image>\n\n").
+IMAGE_FRAMING = {
+    "gemma3v": ("\n\n<start_of_image>", "<end_of_image>\n\n"),
 }
 
 
@@ -79,7 +87,8 @@ class Span:
     close: str
     is_image: bool = False
     rows: Optional[np.ndarray] = None  # pre-encoded rows (add_user_audio_rows), else fetched by `source`
-    source: Optional[Tuple[object, np.ndarray]] = None  # (embedder, samples): encoded on demand
+    source: Optional[Tuple[object, object]] = None  # (embedder, samples or image): encoded on demand
+    non_causal: bool = False  # the rows attend each other whole in the decoder (gemma vision)
 
     @property
     def ids(self) -> List[int]:
@@ -101,6 +110,7 @@ class RowCache:
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.encodes = 0
+        self.image_encodes = 0  # of encodes, the vision towers' runs
 
     def get(self, embedder, key: str, samples: np.ndarray) -> np.ndarray:
         k = (embedder.encoder_key, key)
@@ -111,10 +121,13 @@ class RowCache:
                 self.hits += 1
                 return r
             self.misses += 1
-        r = encode_audio_rows(embedder, samples)
+        # An audio clip's samples, or an image.
+        image = isinstance(embedder, VisionEmbedder)
+        r = encode_image_rows(embedder, samples) if image else encode_audio_rows(embedder, samples)
         r.setflags(write=False)
         with self._lock:
             self.encodes += 1
+            self.image_encodes += int(image)
             if k not in self._d:
                 self._d[k] = r
                 self._bytes += r.nbytes
@@ -131,7 +144,7 @@ class RowCache:
     def stats(self) -> Dict[str, int]:
         with self._lock:
             return {"entries": len(self._d), "bytes": self._bytes, "hits": self.hits, "misses": self.misses,
-                    "encodes": self.encodes}
+                    "encodes": self.encodes, "image_encodes": self.image_encodes}
 
 
 ROW_CACHE = RowCache()
@@ -139,6 +152,11 @@ ROW_CACHE = RowCache()
 
 def audio_cache_stats() -> Dict[str, int]:
     """The tower-output cache: entries, bytes, hits, misses and encoder runs since start."""
+    return ROW_CACHE.stats()
+
+
+def media_cache_stats() -> Dict[str, int]:
+    """The tower-output cache (audio clips and images alike): entries, bytes, hits, misses, encoder runs."""
     return ROW_CACHE.stats()
 
 
@@ -209,7 +227,21 @@ def prefill(model, session, spans: Dict[int, Span], ids: List[int], counters: Di
         llm.eval(model, session, ids)
         return
     body = body_rows(model, spans, ids, counters)
-    llm.eval_embd(model, session, body, len(ids), ids=ids)
+    # One call per non-causal span (the decoder takes one per call): each call ends where a span ends.
+    index = _media_index(spans)
+    start = i = 0
+    while i < len(ids):
+        hit = index.get(ids[i]) if ids[i] < 0 else None
+        if hit is None or not hit[0].non_causal:
+            i += 1
+            continue
+        sp, lo = hit[0], i
+        while i < len(ids) and ids[i] < 0 and (index.get(ids[i]) or (None,))[0] is sp:
+            i += 1
+        llm.eval_embd_span(model, session, body[start:i], i - start, lo - start, i - start, ids=ids[start:i])
+        start = i
+    if start < len(ids):
+        llm.eval_embd(model, session, body[start:], len(ids) - start, ids=ids[start:])
 
 
 def body_rows(model, spans: Dict[int, Span], ids: List[int], counters: Dict[str, int]) -> np.ndarray:

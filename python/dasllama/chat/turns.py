@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import kv, llm
 from ..audio import AudioEmbedder
+from ..vision import VisionEmbedder, load_image_rgb
 from ..audio_io import load_audio
 from .._core import ContextOverflowError
 from ..llm import KVDtype, Model, SamplingParams, Session
@@ -63,6 +64,7 @@ class ChatSession:
     fold_system: bool = False
     rendered: List[int] = field(default_factory=list)  # a renderer's stand-in for the KV's token history
     tower: Any = None  # an AudioTower / AudioEmbedder: add_user_audio encodes through it
+    vision: Any = None  # a VisionEmbedder: add_user_image encodes through it
     pool: Any = None  # with cache: the session is paged over pool and turns attach / donate through cache
     cache: Any = None
     spans: Dict[int, Any] = field(default_factory=dict)  # media spans by id (chat/media.py)
@@ -320,9 +322,12 @@ def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int 
         if not isinstance(system, str):  # positional max_new (and maybe kv_dtype) shifted one place right
             max_new, kv_dtype = system, (max_new if isinstance(max_new, KVDtype) else kv_dtype)
         system = sys_prompt
+    vision = None
+    if isinstance(tower, VisionEmbedder):
+        vision, tower = _check_vision(model, tower), None
     if tower is not None:
         if not isinstance(tower, AudioEmbedder):
-            raise TypeError(f"tower must be an AudioTower or AudioEmbedder, got {type(tower).__name__}")
+            raise TypeError(f"tower must be an AudioTower, AudioEmbedder or VisionEmbedder, got {type(tower).__name__}")
         if isinstance(model, Model) and tower.proj_dim != model.config.dim:
             raise ValueError(f"the audio tower writes {tower.proj_dim}-wide rows but the decoder's embedding width "
                              f"is {model.config.dim}: this mmproj belongs to another model")
@@ -335,8 +340,15 @@ def create_chat(model: Model, tower: Any = None, system: str = "", max_new: int 
     else:
         session = llm.create_session(model, KVDtype(kv_dtype), n_ctx)
     chat = _new_chat(model, session, system, max_new)
-    chat.tower, chat.pool, chat.cache = tower, pool, cache
+    chat.tower, chat.vision, chat.pool, chat.cache = tower, vision, pool, cache
     return chat
+
+
+def _check_vision(model: Model, e: VisionEmbedder) -> VisionEmbedder:
+    if isinstance(model, Model) and e.proj_dim != model.config.dim:
+        raise ValueError(f"the vision embedder writes {e.proj_dim}-wide rows but the decoder's embedding width "
+                         f"is {model.config.dim}: this mmproj belongs to another model")
+    return e
 
 
 def create_chat_renderer(model: Model, system: str = "", max_new: int = 256, tower: Any = None) -> ChatSession:
@@ -345,7 +357,9 @@ def create_chat_renderer(model: Model, system: str = "", max_new: int = 256, tow
     With ``tower`` it renders audio turns too (add_user_audio keys and counts a clip without encoding
     it); a scheduler then prefills the rendered ids with :func:`prefill_media_body`."""
     chat = _new_chat(model, None, system, max_new)
-    if tower is not None:
+    if isinstance(tower, VisionEmbedder):
+        chat.vision = _check_vision(model, tower)
+    elif tower is not None:
         if not isinstance(tower, AudioEmbedder):
             raise TypeError(f"tower must be an AudioTower or AudioEmbedder, got {type(tower).__name__}")
         if tower.proj_dim != model.config.dim:
@@ -362,10 +376,11 @@ def prefill_media_body(model: Model, session: Session, chat: ChatSession, ids: L
     then prefill ``ids[matched:]`` here. Returns this call's counters (rows, media rows, encodes)."""
     _same(model, chat)
     llm.check_session(model, session)
-    c = {"rows_prefilled": 0, "media_rows_prefilled": 0, "rows_attached": 0, "encodes": 0}
-    before = media.ROW_CACHE.encodes
+    c = {"rows_prefilled": 0, "media_rows_prefilled": 0, "rows_attached": 0, "encodes": 0, "image_encodes": 0}
+    before, before_img = media.ROW_CACHE.encodes, media.ROW_CACHE.image_encodes
     media.prefill(model, session, chat.spans, [int(t) for t in ids], c)
     c["encodes"] = media.ROW_CACHE.encodes - before
+    c["image_encodes"] = media.ROW_CACHE.image_encodes - before_img
     return c
 
 
@@ -455,7 +470,7 @@ def stream_respond(model: Model, chat: ChatSession, params: Optional[SamplingPar
 # -- capabilities -----------------------------------------------------------------------------------------
 
 def caps(model: Model) -> LlmCaps:
-    """What the model's template supports: a system role, tools, thinking (audio / vision not yet).
+    """What the model's template supports: a system role, tools, thinking (audio / vision come with a tower).
 
     ``system_prompt`` is False when the template refuses a system message, drops it, or writes it as the
     head of the first user turn (gemma); the chat layer then folds the system prompt into that turn itself.
@@ -557,6 +572,44 @@ def add_user_audio(chat: ChatSession, audio, text: str = "") -> int:
     return n
 
 
+def add_user_image(chat: ChatSession, image, text: str = "") -> int:
+    """Queue an image at the head of the next user turn; returns the rows it takes.
+
+    ``image`` is a path, the bytes of a JPEG / PNG / WebP / GIF file, a PIL image, an H x W x 3 uint8
+    array or a VisionImage (see :func:`~dasllama.load_image_rgb`; a bad image raises ImageError and
+    leaves the chat as it was). The image is keyed by its pixels: its rows are encoded when a turn
+    first needs them (through the bounded cache of encoder outputs), and a span the KV or the prefix
+    cache already holds is neither encoded nor prefilled. ``text``, if given, is the turn's text after
+    the image. Needs a chat made with ``create_chat(model, embedder)``.
+    """
+    if not isinstance(chat, ChatSession):
+        raise TypeError(f"expected a ChatSession, got {type(chat).__name__}")
+    e = chat.vision
+    if e is None:
+        raise ValueError("this chat has no vision embedder: create it with create_chat(model, embedder)")
+    img = load_image_rgb(image)
+    open_, close = media.IMAGE_FRAMING.get(e.family, ("", ""))
+    sp = _new_span(chat, e.image_key(img), e.n_rows, open_, close, is_image=True, source=(e, img))
+    sp.non_causal = bool(e.non_causal)
+    _queue_head(chat, sp)
+    if text:
+        add_user(chat, text)
+    return e.n_rows
+
+
+def render_turn_image(model: Model, chat: ChatSession):
+    """render_turn's image twin: ``(head, tail)``, the turn's token ids before and after its first image
+    span (the rows a scheduler splices between them come from encode_image). Render-only."""
+    ids = render_turn(model, chat)
+    lo = next((i for i, t in enumerate(ids) if t < 0), None)
+    if lo is None:
+        raise ValueError("the pending turn has no image span")
+    hi = lo
+    while hi < len(ids) and ids[hi] < 0:
+        hi += 1
+    return ids[:lo], ids[hi:]
+
+
 def add_user_audio_rows(model: Model, chat: ChatSession, rows, n: Optional[int] = None, bare: bool = False) -> None:
     """Queue pre-encoded audio rows (``n`` x dim float32, e.g. from encode_audio) at the head of the next
     user turn; the chat needs no tower. ``bare`` (see :func:`audio_span_bare`) drops the span's markers;
@@ -597,8 +650,9 @@ def add_user_span(model: Model, chat: ChatSession, key, n_rows: int, text_before
         raise ValueError(f"text_before={text_before} is outside the message's {nb} bytes")
     if int(n_rows) < 1:
         raise ValueError("a span needs at least one row")
-    if is_image:
-        open_, close = "", ""  # no vision family is served: an image span renders bare
+    if is_image:  # framed (and non-causal) as the chat's vision family wants; bare without one
+        fam = chat.vision.family if chat.vision is not None else None
+        open_, close = ("", "") if bare else media.IMAGE_FRAMING.get(fam, ("", ""))
     else:
         open_, close = media.framing_for(model, chat.tower.family if chat.tower is not None else None, bool(bare))
     r = None
@@ -609,6 +663,7 @@ def add_user_span(model: Model, chat: ChatSession, key, n_rows: int, text_before
         r = np.array(r.reshape(int(n_rows), -1))
     k = key.hex() if isinstance(key, (bytes, bytearray)) else str(key)
     sp = _new_span(chat, k, int(n_rows), open_, close, is_image=is_image, rows=r)
+    sp.non_causal = bool(is_image and chat.vision is not None and chat.vision.non_causal)
     msg.setdefault("media", []).append({"span": sp.id, "at": int(text_before)})
 
 

@@ -135,10 +135,13 @@ async def chat_completions(request: Request) -> Response:
     r = parse_chat(await read_json(request, st.limits), st.limits)
     if r.audio and st.tower is None:
         raise bad("this server has no audio tower: start it with --mmproj to send input_audio", "messages")
+    if r.images and st.chats.vision is None:
+        raise bad("this server has no vision tower: start it with a vision --mmproj to send image_url", "messages")
+    media = bool(r.audio or r.images)
 
     def render():
-        c = st.chats.build(r)  # audio: decoded and keyed here, off the event loop
-        if r.audio:
+        c = st.chats.build(r)  # audio and images: decoded and keyed here, off the event loop
+        if media:
             return c, chat.prompt_ids(c), chat.effective_stop_ids(c)
         return c, chat.render_turn(st.model, c), chat.effective_stop_ids(c)
 
@@ -146,7 +149,7 @@ async def chat_completions(request: Request) -> Response:
         c, prompt, stops = await asyncio.to_thread(render)
     except TemplateError as e:
         raise bad(f"the chat template failed on these messages: {e}", "messages") from None
-    return await run_job(request, r, prompt, "chat", c, stops, media=c if r.audio else None)
+    return await run_job(request, r, prompt, "chat", c, stops, media=c if media else None)
 
 
 async def completions(request: Request) -> Response:
@@ -194,8 +197,9 @@ METRICS = (
     ("generated_tokens_total", "counter", "tokens generated"),
     ("tokens_per_second", "gauge", "tokens generated per second over the last 10 s"),
     ("cache_hits_total", "counter", "requests that attached a cached prefix"),
-    ("media_rows_prefilled_total", "counter", "audio rows prefilled (not attached from the cache)"),
+    ("media_rows_prefilled_total", "counter", "audio and image rows prefilled (not attached from the cache)"),
     ("audio_encodes_total", "counter", "audio tower runs"),
+    ("image_encodes_total", "counter", "vision tower runs"),
     ("kv_pages_total", "gauge", "pages of the KV pool"),
     ("kv_pages_free", "gauge", "free pages of the KV pool"),
     ("kv_pages_sessions", "gauge", "pages held by running streams"),
@@ -258,19 +262,28 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
     ``app.state.engine.stop()`` ends it (the ``dasllama serve`` command does so at shutdown).
     """
     m = model if isinstance(model, llm.Model) else llm.load_model(model, n_threads=n_threads, device=device)
-    tower = None
+    tower = vision = None
     if mmproj is not None:
-        from ..audio import load_audio_tower
+        from .. import _core as _c
+        from ..audio import TOWER_FAMILIES, load_audio_tower
+        from ..vision import load_vision_embedder, vision_probe_family
 
-        tower = load_audio_tower(mmproj, n_threads=n_threads, device=m.device)
-        if tower.proj_dim != m.config.dim:
-            raise ValueError(f"{mmproj}: the tower writes {tower.proj_dim}-wide rows; the model takes {m.config.dim}")
+        # One mmproj may carry an audio tower, a vision tower or both.
+        if vision_probe_family(mmproj):
+            vision = load_vision_embedder(mmproj, n_threads=n_threads, device=m.device)
+            if vision.proj_dim != m.config.dim:
+                raise ValueError(f"{mmproj}: the vision tower writes {vision.proj_dim}-wide rows; the model takes "
+                                 f"{m.config.dim}")
+        if vision is None or _c.AudioEncoder.probe_family(mmproj) in TOWER_FAMILIES:
+            tower = load_audio_tower(mmproj, n_threads=n_threads, device=m.device)
+            if tower.proj_dim != m.config.dim:
+                raise ValueError(f"{mmproj}: the tower writes {tower.proj_dim}-wide rows; the model takes {m.config.dim}")
     name = model_name or (model if isinstance(model, str) else m.path.rsplit("/", 1)[-1])
     lim = limits or Limits()
     engine = Engine(m, streams=streams, n_ctx=ctx, kv_dtype=kv_dtype, chunk=chunk, max_queue=max_queue,
                     cache_pages=cache_pages).start()
     app = Starlette(routes=ROUTES, exception_handlers={404: not_found, 405: not_found})
-    app.state.server = AppState(model=m, tower=tower, engine=engine, chats=Chats(m, chat_template, tower, lim),
+    app.state.server = AppState(model=m, tower=tower, engine=engine, chats=Chats(m, chat_template, tower, lim, vision=vision),
                                 limits=lim, name=name, api_key=api_key)
     app.state.engine = engine
     app.state.model = m

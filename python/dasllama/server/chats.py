@@ -1,5 +1,5 @@
 """OpenAI chat messages to the chat layer's renderers: one per request, over the server's model, template
-and audio tower (no HTTP: a bad message is an APIError for the app to answer)."""
+and audio / vision towers (no HTTP: a bad message is an APIError for the app to answer)."""
 from __future__ import annotations
 
 import copy
@@ -14,8 +14,10 @@ class Chats:
     """Per-request chat renderers over one model: the chat layer's template (the GGUF's, else the family
     default), system folding, thinking switch, stop ids, reasoning splitter and tool-call parser."""
 
-    def __init__(self, model: llm.Model, template: Optional[str], tower=None, limits: Optional[Limits] = None):
+    def __init__(self, model: llm.Model, template: Optional[str], tower=None, limits: Optional[Limits] = None,
+                 vision=None):
         self.model, self.template, self.tower, self.limits = model, template, tower, limits or Limits()
+        self.vision = vision
         self.base = chat.create_chat_renderer(model)
         if template:
             self.base.template = template
@@ -33,7 +35,7 @@ class Chats:
         msgs = [template_message(m) for m in r.messages]
         if msgs[-1]["role"] not in ("user", "tool"):
             raise bad("the last message must be from the user or a tool", "messages")
-        if r.audio:
+        if r.audio or r.images:
             return self._build_audio(r, msgs)
         c = copy.copy(self.base)
         c.history, c.pending, c.rendered = msgs[:-1], msgs[-1:], []
@@ -41,18 +43,23 @@ class Chats:
         return c
 
     def _build_audio(self, r: GenRequest, msgs):
-        """A renderer with the tower: the history replayed turn by turn, each clip a content-keyed span, so a
-        clip the prefix cache or the tower-output cache already holds costs no encode and no prefill."""
+        """A renderer with the towers: the history replayed turn by turn, each clip and image a content-keyed
+        span, so media the prefix cache or the tower-output cache already holds cost no encode and no prefill."""
         from ..audio_io import SAMPLE_RATE, load_audio
+        from ..vision import ImageError, load_image_rgb
 
-        if self.tower is None:
+        if r.audio and self.tower is None:
             raise bad("this server has no audio tower: start it with --mmproj to send input_audio", "messages")
+        if r.images and self.vision is None:
+            raise bad("this server has no vision tower: start it with a vision --mmproj to send image_url",
+                      "messages")
         system = ""
         while msgs and msgs[0]["role"] == "system":
             system += ("\n\n" if system else "") + msgs.pop(0)["content"]
         if not msgs:
             raise bad("no user message", "messages")
         c = chat.create_chat_renderer(self.model, system=system, tower=self.tower)
+        c.vision = self.vision
         if self.template:
             c.template = self.template
         self._options(c, r)
@@ -72,13 +79,19 @@ class Chats:
                         chat.add_user_audio(c, x)
                     except ValueError as e:
                         raise bad(f"input_audio: {e}", "messages") from None
+                for im in m.get("_images", []):
+                    try:
+                        img = load_image_rgb(im.data, max_pixels=self.limits.max_image_pixels)
+                        chat.add_user_image(c, img)
+                    except ImageError as e:
+                        raise bad(f"image_url: {e}", "messages") from None
                 chat.add_user(c, m["content"])
             elif role == "assistant":
                 if i == len(msgs) - 1 or not c.pending:
                     raise bad("an assistant message must follow a user turn", "messages")
                 chat.render_assistant(self.model, c, m["content"])
             else:
-                raise bad(f"role {role!r} is not supported in a conversation with audio", "messages")
+                raise bad(f"role {role!r} is not supported in a conversation with audio or images", "messages")
         return c
 
 

@@ -104,6 +104,7 @@ class Engine:
         self.cache_hits_total = 0
         self.media_rows_total = 0      # audio rows prefilled (not attached from the cache)
         self.encodes_total = 0         # audio tower runs
+        self.image_encodes_total = 0   # vision tower runs
         self.generated_tokens_total = 0
         self._recent: Deque[tuple] = collections.deque()  # (time, tokens) of recent decode steps
 
@@ -163,6 +164,7 @@ class Engine:
                 "cache_hits_total": self.cache_hits_total,
                 "media_rows_prefilled_total": self.media_rows_total,
                 "audio_encodes_total": self.encodes_total,
+                "image_encodes_total": self.image_encodes_total,
                 "tokens_per_second": recent / 10.0,
                 "kv_pages_total": st.total,
                 "kv_pages_free": st.free,
@@ -282,10 +284,11 @@ class Engine:
             return self._fail(s, APIError(503, f"the KV pool is full: {e}", type="server_error",
                                           headers={"Retry-After": "1"}), donate=False)
         except Exception as e:  # noqa: BLE001 - a bad clip fails its request only
-            return self._fail(s, APIError(500, f"audio prefill failed: {type(e).__name__}: {e}",
+            return self._fail(s, APIError(500, f"media prefill failed: {type(e).__name__}: {e}",
                                           type="server_error"), donate=False)
         self.media_rows_total += c.get("media_rows_prefilled", 0)
-        self.encodes_total += c.get("encodes", 0)
+        self.encodes_total += c.get("encodes", 0) - c.get("image_encodes", 0)
+        self.image_encodes_total += c.get("image_encodes", 0)
 
     def _emit_text(self, s: _Slot, final: bool = False) -> bool:
         """Send what is safe to send; True when a stop string ended the job."""

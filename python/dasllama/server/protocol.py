@@ -31,8 +31,10 @@ class Limits:
 
     max_body_bytes: int = 32 << 20
     max_messages: int = 1024
-    max_media_bytes: int = 25 << 20      # decoded audio file bytes per request
+    max_media_bytes: int = 25 << 20      # decoded audio and image file bytes per request
     max_audio_seconds: float = 600.0
+    max_images: int = 8                  # image_url parts per request
+    max_image_pixels: int = 32 << 20     # per image (width x height, read from the header before decoding)
     max_stop: int = 16
     max_embedding_inputs: int = 256
 
@@ -56,6 +58,11 @@ class AudioPart:
 
 
 @dataclass
+class ImagePart:
+    data: bytes  # the image file's bytes (from a data: URL)
+
+
+@dataclass
 class GenRequest:
     """A chat or completion request after validation."""
 
@@ -68,6 +75,7 @@ class GenRequest:
     stop: List[str]
     messages: List[Dict[str, Any]] = field(default_factory=list)  # chat: text-only messages for the template
     audio: List[AudioPart] = field(default_factory=list)
+    images: List[ImagePart] = field(default_factory=list)
     prompt: str = ""                           # completion
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Any = None
@@ -168,6 +176,30 @@ def _decode_audio_part(part: Dict[str, Any], i: int, limits: Limits, budget: Lis
     return AudioPart(raw, fmt)
 
 
+def _decode_image_part(part: Dict[str, Any], i: int, limits: Limits, budget: List[int]) -> ImagePart:
+    iu = part.get("image_url")
+    url = iu.get("url") if isinstance(iu, dict) else iu
+    if not isinstance(url, str):
+        raise bad(f"messages[{i}]: an image_url part needs an 'image_url' object with a string 'url'", "messages")
+    head, comma, data = url.partition(",")
+    if not head.lower().startswith("data:"):
+        scheme = url.split(":", 1)[0][:16] if ":" in url else "a bare path"
+        raise bad(f"messages[{i}]: image_url must be a data: URL (base64); remote URLs ({scheme}) are off "
+                  "on this server", "messages")
+    if not comma or not head.lower().endswith(";base64"):
+        raise bad(f"messages[{i}]: an image data: URL must be base64 (data:image/png;base64,...)", "messages")
+    if len(data) // 4 * 3 > limits.max_media_bytes:
+        raise bad(f"messages[{i}]: the image is over the {limits.max_media_bytes} byte limit", "messages")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"messages[{i}]: the image data: URL is not valid base64", "messages") from None
+    budget[0] += len(raw)
+    if budget[0] > limits.max_media_bytes:
+        raise bad(f"the request's media are over the {limits.max_media_bytes} byte limit", "messages")
+    return ImagePart(raw)
+
+
 def parse_chat(body: Dict[str, Any], limits: Limits) -> GenRequest:
     r = _common(body, "chat", limits)
     msgs = body.get("messages")
@@ -205,6 +237,14 @@ def parse_chat(body: Dict[str, Any], limits: Limits) -> GenRequest:
                     a = _decode_audio_part(p, i, limits, budget)
                     r.audio.append(a)
                     out.setdefault("_audio", []).append(a)
+                elif p["type"] == "image_url":
+                    if role != "user":
+                        raise bad(f"messages[{i}]: image_url parts belong to user messages", "messages")
+                    if len(r.images) >= limits.max_images:
+                        raise bad(f"more than {limits.max_images} images in the request", "messages")
+                    im = _decode_image_part(p, i, limits, budget)
+                    r.images.append(im)
+                    out.setdefault("_images", []).append(im)
                 else:
                     raise bad(f"messages[{i}]: content part type {p['type']!r} is not supported", "messages")
             out["content"] = "".join(texts)

@@ -1,0 +1,87 @@
+// The shared encoder blocks on the Backend ops (see blocks.h).
+#include "encoder/blocks.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dl::encoder {
+
+float* Blocks::buf(Backend& be, int i, int64_t floats) {
+  const size_t bytes = (size_t)std::max<int64_t>(floats, 1) * sizeof(float);
+  if (!bufs_[i] || bufs_[i]->size() < bytes) bufs_[i] = be.alloc(bytes, "encoder scratch");
+  return static_cast<float*>(bufs_[i]->data());
+}
+
+void Blocks::run(Backend& be, const std::vector<Layer>& layers, float* h, int64_t L, int64_t d, int n_heads,
+                 int64_t F, float eps, Gelu gelu) {
+  if (!page0_) {
+    page0_ = be.alloc(sizeof(int32_t), "encoder");
+    be.zero(page0_->data(), sizeof(int32_t));
+  }
+  // Every position sees every position: q_pos = L - 1 for all (the attention op masks keys
+  // past a query's position). K rows then V rows sit in one page of a one-page cache.
+  if (pos_rows_ != L) {
+    if (!pos_ || pos_->size() < (size_t)L * 4) pos_ = be.alloc((size_t)L * 4, "encoder scratch");
+    std::vector<int32_t> pos((size_t)L, (int32_t)(L - 1));
+    be.upload(pos_->data(), pos.data(), (size_t)L * 4);
+    pos_rows_ = L;
+  }
+  // GELU(tanh) runs as the GLU op against a row of ones (stride 0): no op of its own.
+  if (gelu == Gelu::tanh && (!ones_ || ones_->size() < (size_t)F * 4)) {
+    ones_ = be.alloc((size_t)F * 4, "encoder");
+    std::vector<float> one((size_t)F, 1.f);
+    be.upload(ones_->data(), one.data(), (size_t)F * 4);
+  }
+  const int hd = (int)(d / n_heads);
+  float* xn = buf(be, B_XN, L * d);
+  float* kv = buf(be, B_KV, 2 * L * d);
+  float* q = buf(be, B_Q, L * d);
+  float* att = buf(be, B_A, L * d);
+  float* o = buf(be, B_O, L * d);
+  float* u = buf(be, B_U, L * F);
+  for (const Layer& Ly : layers) {
+    be.layer_norm(h, Ly.ln1_w.data(), Ly.ln1_b.data(), xn, L, d, eps);
+    const Weight* ws[3] = {&Ly.wq, &Ly.wk, &Ly.wv};
+    float* ys[3] = {q, kv, kv + L * d};
+    be.matmul_multi(ws, ys, 3, xn, L);
+    be.add_bias(q, Ly.bq.data(), L, d);
+    if (!Ly.bk.empty()) be.add_bias(kv, Ly.bk.data(), L, d);
+    be.add_bias(kv + L * d, Ly.bv.data(), L, d);
+    AttnArgs a;
+    a.q = q;
+    a.q_stride = d;
+    a.kv.base = reinterpret_cast<uint8_t*>(kv);
+    a.kv.pages = static_cast<const int32_t*>(page0_->data());
+    a.kv.n_pages = 1;
+    a.kv.page_shift = 62;
+    a.kv.page_bytes = (size_t)(2 * L * d) * 4;
+    a.kv.k_off = 0;
+    a.kv.v_off = (size_t)(L * d) * 4;
+    a.kv.row_bytes = (size_t)d * 4;
+    a.kv.type = KVType::f32;
+    a.n_tok = L;
+    a.n_kv = L;
+    a.n_heads = a.n_kv_heads = n_heads;
+    a.head_dim = hd;
+    a.q_pos = static_cast<const int32_t*>(pos_->data());
+    a.scale = 1.f / std::sqrt((float)hd);
+    a.out = att;
+    a.out_stride = d;
+    be.attention(a);
+    be.matmul(Ly.wo, att, L, o);
+    be.add_bias(o, Ly.bo.data(), L, d);
+    be.add(h, o, L * d);
+    be.layer_norm(h, Ly.ln2_w.data(), Ly.ln2_b.data(), xn, L, d, eps);
+    be.matmul(Ly.w_up, xn, L, u);
+    be.add_bias(u, Ly.b_up.data(), L, F);
+    if (gelu == Gelu::erf)
+      be.gelu_erf(u, L * F);
+    else
+      be.glu(u, F, static_cast<const float*>(ones_->data()), 0, u, L, F, Act::gelu_tanh);
+    be.matmul(Ly.w_down, u, L, o);
+    be.add_bias(o, Ly.b_down.data(), L, d);
+    be.add(h, o, L * d);
+  }
+}
+
+}  // namespace dl::encoder
