@@ -1,9 +1,11 @@
 // Attention of a block of query rows against one KV head, per ISA: scores for
-// 16 keys at a time from a transposed K tile (no horizontal sums), softmax per
-// row, then the value rows accumulated into the outputs. Rows are read through
-// a page table (contiguous rows are one page), in the same order either way.
-// f16 rows are converted as they are read (exactly), so no pass decodes the
-// cache first and the bits are those of an f32 copy of it.
+// 16 keys at a time, softmax per row, then the value rows accumulated into the
+// outputs. Many query rows (a prefill block) score against a transposed K tile
+// (no horizontal sums); a few (a decode step) score the K rows where they lie and
+// add lanes with shuffles, in the same order, so a row is the same bits either way.
+// Rows are read through a page table (contiguous rows are one page), in the same
+// order either way. f16 rows are converted as they are read (exactly), so no pass
+// decodes the cache first and the bits are those of an f32 copy of it.
 #pragma GCC optimize("fp-contract=fast")  // FMA where the ISA has it; results stay within the reference bars
 #include <algorithm>
 #include <cmath>
@@ -78,9 +80,10 @@ inline void k_tile(const E* const* rows, int hd, float* Kt) {
   }
 }
 
-// Scores of QR query rows against a transposed K tile of 16 keys.
+// Scores of QR query rows against a transposed K tile of 16 keys, any head_dim: one
+// FMA chain over d per key.
 template <int QR>
-inline void score_rows(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
+inline void score_rows_seq(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
   __m512 acc[QR];
   for (int i = 0; i < QR; ++i) acc[i] = _mm512_setzero_ps();
   for (int d = 0; d < hd; ++d) {
@@ -88,6 +91,67 @@ inline void score_rows(const float* const* q, const float* Kt, int hd, float (*o
     for (int i = 0; i < QR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), kt, acc[i]);
   }
   for (int i = 0; i < QR; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+// head_dim a multiple of 16: a score is summed in the order a dot product of whole
+// vectors gives without any transpose. Element d goes to partial sum l = d % 16 (one
+// FMA chain each, from zero); the 16 partials then add as
+//   s_g = (p[4g] + p[4g+2]) + (p[4g+1] + p[4g+3]),  score = (s_0 + s_1) + (s_2 + s_3).
+// score_tile (many query rows, K transposed: partials are vectors over keys) and
+// score_direct (a few rows, K rows as they lie: partials are lanes, reduce16 adds them)
+// both sum in exactly this order, so a row's scores are the same bits on either path.
+template <int QR>
+inline void score_tile(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
+  __m512 t01[QR], s0[QR];
+  for (int g = 0; g < 4; ++g) {
+    __m512 p[QR][4];
+    for (int i = 0; i < QR; ++i)
+      for (int e = 0; e < 4; ++e) p[i][e] = _mm512_setzero_ps();
+    for (int c = 0; c < hd; c += 16)
+      for (int e = 0; e < 4; ++e) {
+        const int d = c + 4 * g + e;
+        const __m512 kt = _mm512_loadu_ps(Kt + d * 16);
+        for (int i = 0; i < QR; ++i) p[i][e] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), kt, p[i][e]);
+      }
+    for (int i = 0; i < QR; ++i) {
+      const __m512 sg = _mm512_add_ps(_mm512_add_ps(p[i][0], p[i][2]), _mm512_add_ps(p[i][1], p[i][3]));
+      if (g == 0 || g == 2) {
+        s0[i] = sg;
+      } else if (g == 1) {
+        t01[i] = _mm512_add_ps(s0[i], sg);
+      } else {
+        _mm512_storeu_ps(out[i], _mm512_add_ps(t01[i], _mm512_add_ps(s0[i], sg)));
+      }
+    }
+  }
+}
+
+// a[j]'s 16 lanes summed in score_tile's order, into lane j of the result.
+inline __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4];
+  // Lanes l and l + 2 of each group of four: [a(0+2), b(0+2), a(1+3), b(1+3)] per 128 bits.
+  for (int k = 0; k < 8; ++k)
+    x[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  // The group sums s_g of keys 4k .. 4k + 3, group g in 128-bit lane g.
+  for (int k = 0; k < 4; ++k)
+    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // s_0 + s_1 and s_2 + s_3, then their sum; key j ends in lane j.
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+
+// Scores of one query row against 16 key rows read where they lie (no transpose).
+template <typename E>
+inline __m512 score_direct(const float* q, const E* const* rows, int hd) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int c = 0; c < hd; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16(rows[j] + c), a[j]);
+  }
+  return reduce16(a);
 }
 
 // out[i][dc .. dc + 16 NV) = sum over keys j in [lo[i], hi[i]) of s[i][j] * V[j], keys in order.
@@ -150,6 +214,20 @@ void attn_block_t(const AttnBlock& b) {
   float* Kt = S + nqg * nj;        // [hd][16] one transposed K tile
   float* cbuf = Kt + hd * 16;      // [hd] one converted f16 K row or V segment
   constexpr int TJ = 16;
+#if defined(__AVX512F__)
+  // A few query rows (a decode step): score K rows where they lie, no transposed tile.
+  if (hd % 16 == 0 && nqg <= 4) {
+    for (int64_t jb = 0; jb < nj; jb += TJ) {
+      const int64_t tj = std::min<int64_t>(TJ, nj - jb);
+      const E* rows[TJ];
+      for (int64_t j = 0; j < TJ; ++j) rows[j] = krow(j_lo + jb + std::min<int64_t>(j, tj - 1));
+      for (int64_t r = 0; r < nqg; ++r) {
+        const __m512 sc = score_direct(b.q + (r / G) * b.q_stride + (r % G) * hd, rows, hd);
+        _mm512_mask_storeu_ps(S + r * nj + jb, (__mmask16)((1u << tj) - 1), sc);
+      }
+    }
+  } else
+#endif
   for (int64_t jb = 0; jb < nj; jb += TJ) {
     const int64_t tj = std::min<int64_t>(TJ, nj - jb);
     // Past the last key, the tile repeats it (its scores are not stored).
@@ -165,11 +243,7 @@ void attn_block_t(const AttnBlock& b) {
         for (int d = 0; d < hd; ++d) Kt[d * TJ + j] = kr[d];
       }
     // QR query rows per pass: independent FMA chains share each K tile row.
-#if defined(__AVX512F__)
-    constexpr int QR = 8;
-#else
     constexpr int QR = 4;
-#endif
     for (int64_t r0 = 0; r0 < nqg; r0 += QR) {
       const float* q[QR];
       for (int i = 0; i < QR; ++i) {
@@ -178,7 +252,10 @@ void attn_block_t(const AttnBlock& b) {
       }
       float acc[QR][TJ];
 #if defined(__AVX512F__)
-      score_rows<QR>(q, Kt, hd, acc);
+      if (hd % 16 == 0)
+        score_tile<QR>(q, Kt, hd, acc);
+      else
+        score_rows_seq<QR>(q, Kt, hd, acc);
 #else
       std::memset(acc, 0, sizeof(acc));
       for (int d = 0; d < hd; ++d) {
