@@ -163,6 +163,11 @@ inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int
     for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t j = jmin; j < jmax; ++j) {
     const E* vr = vrow(j) + dc;
+    // Rows come from pages far apart in memory; ask for one a few keys ahead.
+    if (j + 8 < jmax) {
+      const char* pf = reinterpret_cast<const char*>(vrow(j + 8) + dc);
+      for (int l = 0; l < NV * 16 * (int)sizeof(E); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+    }
     __m512 v[NV];
     for (int c = 0; c < NV; ++c) v[c] = load16(vr + 16 * c);
     for (int i = 0; i < RR; ++i) {
@@ -192,18 +197,15 @@ inline void accumulate_v_generic(const VRow& vrow, int64_t jmin, int64_t jmax, c
   for (int i = 0; i < nr; ++i) std::memcpy(o[i] + dc, acc[i], sizeof(acc[i]));
 }
 
+// One key chunk [k0, k1) (inside chunk c of kAttnChunk keys) for every row of the block:
+// row r's partial at part + r * part_stride is [m, l, o[hd]]: the max of its visible scores
+// in the chunk (-inf if none), the sum of exp(s - m), and the sum of exp(s - m) * V rows.
+// What a row gets depends only on its position and the chunk, not on the other rows.
 template <typename E>
-void attn_block_t(const AttnBlock& b) {
+void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t part_stride) {
   const int G = b.group, hd = b.head_dim;
   const int64_t nq = b.n_rows;
-  // Keys any row of the block may see.
-  int32_t pmin = b.pos[0], pmax = b.pos[0];
-  for (int64_t t = 1; t < nq; ++t) {
-    pmin = std::min(pmin, b.pos[t]);
-    pmax = std::max(pmax, b.pos[t]);
-  }
-  const int64_t j_hi = std::min<int64_t>(b.n_kv, (int64_t)pmax + 1);
-  const int64_t j_lo = b.window > 0 ? std::max<int64_t>(0, (int64_t)pmin - b.window + 1) : 0;
+  const int64_t j_lo = k0, j_hi = k1;
   const int64_t nj = std::max<int64_t>(0, j_hi - j_lo);
   const int64_t nqg = nq * G;
   const int sh = b.page_shift;
@@ -221,6 +223,10 @@ void attn_block_t(const AttnBlock& b) {
       const int64_t tj = std::min<int64_t>(TJ, nj - jb);
       const E* rows[TJ];
       for (int64_t j = 0; j < TJ; ++j) rows[j] = krow(j_lo + jb + std::min<int64_t>(j, tj - 1));
+      for (int64_t j = jb + TJ; j < std::min(nj, jb + 2 * TJ); ++j) {  // the next tile's rows
+        const char* pf = reinterpret_cast<const char*>(krow(j_lo + j));
+        for (int l = 0; l < hd * (int)sizeof(E); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+      }
       for (int64_t r = 0; r < nqg; ++r) {
         const __m512 sc = score_direct(b.q + (r / G) * b.q_stride + (r % G) * hd, rows, hd);
         _mm512_mask_storeu_ps(S + r * nj + jb, (__mmask16)((1u << tj) - 1), sc);
@@ -269,12 +275,18 @@ void attn_block_t(const AttnBlock& b) {
       for (int i = 0; i < QR && r0 + i < nqg; ++i) std::memcpy(S + (r0 + i) * nj + jb, acc[i], (size_t)tj * 4);
     }
   }
+  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
+    // Row r sees keys j <= p inside the window; the rest of the chunk is masked.
+    const int64_t p = b.pos[r / G];
+    lo = std::max<int64_t>(b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0, j_lo) - j_lo;
+    hi = std::min<int64_t>(std::min<int64_t>(b.n_kv, p + 1), j_hi) - j_lo;
+    hi = std::max(hi, lo);
+  };
   for (int64_t r = 0; r < nqg; ++r) {
     float* s = S + r * nj;
-    const int64_t p = b.pos[r / G];
-    // Row r sees keys j <= p inside the window; the rest of the block's range is masked.
-    const int64_t lo = (b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0) - j_lo;
-    const int64_t hi = std::min<int64_t>(j_hi, p + 1) - j_lo;
+    float* pr = part + r * part_stride;
+    int64_t lo, hi;
+    range(r, lo, hi);
     if (b.softcap > 0) {
       for (int64_t j = lo; j < hi; ++j) s[j] = b.softcap * std::tanh(s[j] * b.scale / b.softcap);
     } else {
@@ -288,25 +300,21 @@ void attn_block_t(const AttnBlock& b) {
     float mx = -INFINITY;
     for (; j < hi; ++j) mx = std::max(mx, s[j]);
     for (int e = 0; e < TJ; ++e) mx = std::max(mx, mxl[e]);
-    const float sink = b.sinks ? b.sinks[r % G] : -INFINITY;
-    mx = std::max(mx, sink);
+    pr[0] = mx;
+    if (hi == lo) {
+      pr[1] = 0.f;
+      continue;
+    }
     float suml[TJ] = {0};
     for (j = lo; j + TJ <= hi; j += TJ)
       for (int e = 0; e < TJ; ++e) suml[e] += s[j + e] = exp_neg(s[j + e] - mx);
     float sum = 0;
     for (; j < hi; ++j) sum += s[j] = exp_neg(s[j] - mx);
     for (int e = 0; e < TJ; ++e) sum += suml[e];
-    if (b.sinks) sum += exp_neg(sink - mx);  // the sink's share of the denominator
-    const float inv = sum > 0 ? 1.f / sum : 0.f;
-    for (int64_t j = lo; j < hi; ++j) s[j] *= inv;
+    pr[1] = sum;
   }
   // Values: four rows at a time share each V row they read (and its conversion from
   // f16); each output element still sums its row's keys in key order.
-  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
-    const int64_t p = b.pos[r / G];
-    lo = (b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0) - j_lo;
-    hi = std::min<int64_t>(j_hi, p + 1) - j_lo;
-  };
   constexpr int RR = 4;
   for (int64_t r0 = 0; r0 < nqg; r0 += RR) {
     const int nr = (int)std::min<int64_t>(RR, nqg - r0);
@@ -321,7 +329,7 @@ void attn_block_t(const AttnBlock& b) {
       jmin = std::min(jmin, lo[i]);
       jmax = std::max(jmax, hi[i]);
       s[i] = S + r * nj;
-      o[i] = b.out + (r / G) * b.out_stride + (r % G) * hd;
+      o[i] = part + r * part_stride + 2;
     }
     int dc = 0;
     auto vr_of = [&](int64_t j) { return vrow(j_lo + j); };
@@ -341,6 +349,42 @@ void attn_block_t(const AttnBlock& b) {
   }
 }
 
+// Chunk partials, or (part == nullptr) the whole attention: every chunk's partials into the
+// scratch, then attn_combine per row, the same function the backend calls on partials from
+// tasks split over keys, so a row is the same bits however its keys were split.
+template <typename E>
+void attn_block_t(const AttnBlock& b) {
+  const int G = b.group, hd = b.head_dim;
+  const int64_t nqg = b.n_rows * G;
+  int32_t pmin = b.pos[0], pmax = b.pos[0];
+  for (int64_t t = 1; t < b.n_rows; ++t) {
+    pmin = std::min(pmin, b.pos[t]);
+    pmax = std::max(pmax, b.pos[t]);
+  }
+  // Keys any row of the block may see, and their chunks.
+  const int64_t j_hi = std::min<int64_t>(b.n_kv, (int64_t)pmax + 1);
+  const int64_t j_lo = b.window > 0 ? std::max<int64_t>(0, (int64_t)pmin - b.window + 1) : 0;
+  const int64_t pw = hd + 2;
+  if (b.part) {
+    const int64_t stride = b.part_stride > 0 ? b.part_stride : (b.c_hi - b.c_lo) * pw;
+    for (int64_t c = b.c_lo; c < b.c_hi; ++c) {
+      const int64_t k0 = std::max(j_lo, c * kAttnChunk), k1 = std::min(j_hi, (c + 1) * kAttnChunk);
+      attn_chunk<E>(b, k0, std::max(k0, k1), b.part + (c - b.c_lo) * pw, stride);
+    }
+    return;
+  }
+  const int64_t c_lo = j_lo / kAttnChunk, c_hi = std::max(c_lo + 1, (j_hi + kAttnChunk - 1) / kAttnChunk);
+  const int64_t nch = c_hi - c_lo;
+  float* part = b.scratch + attn_block_scratch(b.n_rows, G, hd, 0);
+  for (int64_t c = c_lo; c < c_hi; ++c) {
+    const int64_t k0 = std::max(j_lo, c * kAttnChunk), k1 = std::min(j_hi, (c + 1) * kAttnChunk);
+    attn_chunk<E>(b, k0, std::max(k0, k1), part + (c - c_lo) * pw, nch * pw);
+  }
+  for (int64_t r = 0; r < nqg; ++r)
+    attn_combine(part + r * nch * pw, nch, hd, b.sinks ? b.sinks + r % G : nullptr,
+                 b.out + (r / G) * b.out_stride + (r % G) * hd);
+}
+
 }  // namespace
 
 void attn_block(const AttnBlock& b) {
@@ -350,8 +394,44 @@ void attn_block(const AttnBlock& b) {
     attn_block_t<float>(b);
 }
 
+// Chunks in key order: a running max M, the sum L of l * exp(m - M) and the outputs
+// o * exp(m - M) rescaled as M grows; a chunk the row sees nothing of is skipped. The
+// sink's logit joins the denominator last.
+void attn_combine(const float* part, int64_t n_chunks, int hd, const float* sink, float* out) {
+  float M = -INFINITY, L = 0.f;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const float* p = part + c * (hd + 2);
+    if (p[0] == -INFINITY) continue;
+    if (M == -INFINITY) {
+      M = p[0];
+      L = p[1];
+      std::memcpy(out, p + 2, sizeof(float) * (size_t)hd);
+      continue;
+    }
+    const float m = std::max(M, p[0]), a = exp_neg(M - m), e = exp_neg(p[0] - m);
+    L = L * a + p[1] * e;
+    for (int d = 0; d < hd; ++d) out[d] = out[d] * a + p[2 + d] * e;
+    M = m;
+  }
+  if (M == -INFINITY) {  // no key visible (only a sink): nothing to average
+    std::fill(out, out + hd, 0.f);
+    return;
+  }
+  if (sink) {
+    const float m = std::max(M, *sink), a = exp_neg(M - m);
+    L = L * a + exp_neg(*sink - m);
+    for (int d = 0; d < hd; ++d) out[d] *= a;
+  }
+  const float inv = L > 0 ? 1.f / L : 0.f;
+  for (int d = 0; d < hd; ++d) out[d] *= inv;
+}
+
 size_t attn_block_scratch(int64_t n_rows, int group, int head_dim, int64_t n_kv) {
-  return (size_t)(n_rows * group * n_kv + (int64_t)head_dim * 17);
+  // Scores of one chunk, a K tile and a converted row, then (whole attention) every chunk's
+  // partials.
+  const int64_t nqg = n_rows * group;
+  const int64_t n_chunks = n_kv > 0 ? (n_kv + kAttnChunk - 1) / kAttnChunk + 1 : 0;
+  return (size_t)(nqg * kAttnChunk + (int64_t)head_dim * 17 + nqg * n_chunks * (head_dim + 2));
 }
 
 }  // namespace dl::cpu::DL_ISA
