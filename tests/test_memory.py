@@ -52,3 +52,25 @@ def test_what_does_not_fit_is_refused(smollm2_path):
         d.KVPool(m, max_pages=1 << 26)
     s = d.create_session(m, n_ctx=64)  # the process goes on
     d.eval(m, s, [1, 2, 3])
+
+
+TOKENIZER_PROBE = """
+import sys
+from dasllama import _core
+def anon():
+    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('RssAnon'))
+before = anon()
+t = _core.Tokenizer.from_gguf(sys.argv[1])
+print(anon() - before, t.n_vocab, len(t.encode('Hello world')))
+"""
+
+
+def test_tokenizer_holds_its_vocabulary_compactly(gemma3_path):
+    """Gemma's 262k vocabulary (and its 515k SentencePiece merges, derived at load): one arena of
+    bytes and flat tables, not three heap strings per token and node-based maps (~270 bytes a
+    token, 68 MiB, before)."""
+    out = subprocess.run([sys.executable, "-c", TOKENIZER_PROBE, str(gemma3_path)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    anon, n_vocab = int(out[0]), int(out[1])
+    assert n_vocab == 262144
+    assert anon < 160 * n_vocab, f"tokenizer holds {anon >> 20} MiB"

@@ -149,7 +149,7 @@ void bind_model(py::module_& m) {
       .def("piece",
            [](const Model& x, int64_t id) {
              auto v = ids_from(x, {id});
-             return py::bytes(x.tokenizer().piece(v[0]));
+             return py::bytes(std::string(x.tokenizer().piece(v[0])));
            })
       .def("render",  // what the token adds to decode(): "" for a skipped special unless special
            [](const Model& x, int64_t id, bool special) {

@@ -74,7 +74,7 @@ void bind_tokenizer(py::module_& m) {
            },
            py::arg("ids"), py::arg("special") = false,
            "Text of ids; special=True renders control tokens, otherwise they give nothing.")
-      .def("piece", [](const Tokenizer& t, int32_t id) { return py::bytes(t.piece(id)); }, py::arg("id"),
+      .def("piece", [](const Tokenizer& t, int32_t id) { return py::bytes(std::string(t.piece(id))); }, py::arg("id"),
            "Raw bytes of one token.")
       .def("token_text", &Tokenizer::token_text, py::arg("id"))
       .def("token_type", [](const Tokenizer& t, int32_t id) { return (int)t.token_type(id); }, py::arg("id"))

@@ -1,9 +1,11 @@
 // Attention of a block of query rows against one KV head, per ISA: scores for
-// 16 keys at a time from a transposed K tile (no horizontal sums), softmax per
-// row, then the value rows accumulated into the outputs. Rows are read through
-// a page table (contiguous rows are one page), in the same order either way.
-// f16 rows are converted as they are read (exactly), so no pass decodes the
-// cache first and the bits are those of an f32 copy of it.
+// 16 keys at a time, softmax per row, then the value rows accumulated into the
+// outputs. Many query rows (a prefill block) score against a transposed K tile
+// (no horizontal sums); a few (a decode step) score the K rows where they lie and
+// add lanes with shuffles, in the same order, so a row is the same bits either way.
+// Rows are read through a page table (contiguous rows are one page), in the same
+// order either way. f16 rows are converted as they are read (exactly), so no pass
+// decodes the cache first and the bits are those of an f32 copy of it.
 #pragma GCC optimize("fp-contract=fast")  // FMA where the ISA has it; results stay within the reference bars
 #include <algorithm>
 #include <cmath>
@@ -78,9 +80,10 @@ inline void k_tile(const E* const* rows, int hd, float* Kt) {
   }
 }
 
-// Scores of QR query rows against a transposed K tile of 16 keys.
+// Scores of QR query rows against a transposed K tile of 16 keys, any head_dim: one
+// FMA chain over d per key.
 template <int QR>
-inline void score_rows(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
+inline void score_rows_seq(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
   __m512 acc[QR];
   for (int i = 0; i < QR; ++i) acc[i] = _mm512_setzero_ps();
   for (int d = 0; d < hd; ++d) {
@@ -88,6 +91,67 @@ inline void score_rows(const float* const* q, const float* Kt, int hd, float (*o
     for (int i = 0; i < QR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), kt, acc[i]);
   }
   for (int i = 0; i < QR; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+// head_dim a multiple of 16: a score is summed in the order a dot product of whole
+// vectors gives without any transpose. Element d goes to partial sum l = d % 16 (one
+// FMA chain each, from zero); the 16 partials then add as
+//   s_g = (p[4g] + p[4g+2]) + (p[4g+1] + p[4g+3]),  score = (s_0 + s_1) + (s_2 + s_3).
+// score_tile (many query rows, K transposed: partials are vectors over keys) and
+// score_direct (a few rows, K rows as they lie: partials are lanes, reduce16 adds them)
+// both sum in exactly this order, so a row's scores are the same bits on either path.
+template <int QR>
+inline void score_tile(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
+  __m512 t01[QR], s0[QR];
+  for (int g = 0; g < 4; ++g) {
+    __m512 p[QR][4];
+    for (int i = 0; i < QR; ++i)
+      for (int e = 0; e < 4; ++e) p[i][e] = _mm512_setzero_ps();
+    for (int c = 0; c < hd; c += 16)
+      for (int e = 0; e < 4; ++e) {
+        const int d = c + 4 * g + e;
+        const __m512 kt = _mm512_loadu_ps(Kt + d * 16);
+        for (int i = 0; i < QR; ++i) p[i][e] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), kt, p[i][e]);
+      }
+    for (int i = 0; i < QR; ++i) {
+      const __m512 sg = _mm512_add_ps(_mm512_add_ps(p[i][0], p[i][2]), _mm512_add_ps(p[i][1], p[i][3]));
+      if (g == 0 || g == 2) {
+        s0[i] = sg;
+      } else if (g == 1) {
+        t01[i] = _mm512_add_ps(s0[i], sg);
+      } else {
+        _mm512_storeu_ps(out[i], _mm512_add_ps(t01[i], _mm512_add_ps(s0[i], sg)));
+      }
+    }
+  }
+}
+
+// a[j]'s 16 lanes summed in score_tile's order, into lane j of the result.
+inline __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4];
+  // Lanes l and l + 2 of each group of four: [a(0+2), b(0+2), a(1+3), b(1+3)] per 128 bits.
+  for (int k = 0; k < 8; ++k)
+    x[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  // The group sums s_g of keys 4k .. 4k + 3, group g in 128-bit lane g.
+  for (int k = 0; k < 4; ++k)
+    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // s_0 + s_1 and s_2 + s_3, then their sum; key j ends in lane j.
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+
+// Scores of one query row against 16 key rows read where they lie (no transpose).
+template <typename E>
+inline __m512 score_direct(const float* q, const E* const* rows, int hd) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int c = 0; c < hd; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16(rows[j] + c), a[j]);
+  }
+  return reduce16(a);
 }
 
 // out[i][dc .. dc + 16 NV) = sum over keys j in [lo[i], hi[i]) of s[i][j] * V[j], keys in order.
@@ -99,6 +163,11 @@ inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int
     for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t j = jmin; j < jmax; ++j) {
     const E* vr = vrow(j) + dc;
+    // Rows come from pages far apart in memory; ask for one a few keys ahead.
+    if (j + 8 < jmax) {
+      const char* pf = reinterpret_cast<const char*>(vrow(j + 8) + dc);
+      for (int l = 0; l < NV * 16 * (int)sizeof(E); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+    }
     __m512 v[NV];
     for (int c = 0; c < NV; ++c) v[c] = load16(vr + 16 * c);
     for (int i = 0; i < RR; ++i) {
@@ -128,18 +197,15 @@ inline void accumulate_v_generic(const VRow& vrow, int64_t jmin, int64_t jmax, c
   for (int i = 0; i < nr; ++i) std::memcpy(o[i] + dc, acc[i], sizeof(acc[i]));
 }
 
+// One key chunk [k0, k1) (inside chunk c of kAttnChunk keys) for every row of the block:
+// row r's partial at part + r * part_stride is [m, l, o[hd]]: the max of its visible scores
+// in the chunk (-inf if none), the sum of exp(s - m), and the sum of exp(s - m) * V rows.
+// What a row gets depends only on its position and the chunk, not on the other rows.
 template <typename E>
-void attn_block_t(const AttnBlock& b) {
+void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t part_stride) {
   const int G = b.group, hd = b.head_dim;
   const int64_t nq = b.n_rows;
-  // Keys any row of the block may see.
-  int32_t pmin = b.pos[0], pmax = b.pos[0];
-  for (int64_t t = 1; t < nq; ++t) {
-    pmin = std::min(pmin, b.pos[t]);
-    pmax = std::max(pmax, b.pos[t]);
-  }
-  const int64_t j_hi = std::min<int64_t>(b.n_kv, (int64_t)pmax + 1);
-  const int64_t j_lo = b.window > 0 ? std::max<int64_t>(0, (int64_t)pmin - b.window + 1) : 0;
+  const int64_t j_lo = k0, j_hi = k1;
   const int64_t nj = std::max<int64_t>(0, j_hi - j_lo);
   const int64_t nqg = nq * G;
   const int sh = b.page_shift;
@@ -150,6 +216,24 @@ void attn_block_t(const AttnBlock& b) {
   float* Kt = S + nqg * nj;        // [hd][16] one transposed K tile
   float* cbuf = Kt + hd * 16;      // [hd] one converted f16 K row or V segment
   constexpr int TJ = 16;
+#if defined(__AVX512F__)
+  // A few query rows (a decode step): score K rows where they lie, no transposed tile.
+  if (hd % 16 == 0 && nqg <= 4) {
+    for (int64_t jb = 0; jb < nj; jb += TJ) {
+      const int64_t tj = std::min<int64_t>(TJ, nj - jb);
+      const E* rows[TJ];
+      for (int64_t j = 0; j < TJ; ++j) rows[j] = krow(j_lo + jb + std::min<int64_t>(j, tj - 1));
+      for (int64_t j = jb + TJ; j < std::min(nj, jb + 2 * TJ); ++j) {  // the next tile's rows
+        const char* pf = reinterpret_cast<const char*>(krow(j_lo + j));
+        for (int l = 0; l < hd * (int)sizeof(E); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+      }
+      for (int64_t r = 0; r < nqg; ++r) {
+        const __m512 sc = score_direct(b.q + (r / G) * b.q_stride + (r % G) * hd, rows, hd);
+        _mm512_mask_storeu_ps(S + r * nj + jb, (__mmask16)((1u << tj) - 1), sc);
+      }
+    }
+  } else
+#endif
   for (int64_t jb = 0; jb < nj; jb += TJ) {
     const int64_t tj = std::min<int64_t>(TJ, nj - jb);
     // Past the last key, the tile repeats it (its scores are not stored).
@@ -165,11 +249,7 @@ void attn_block_t(const AttnBlock& b) {
         for (int d = 0; d < hd; ++d) Kt[d * TJ + j] = kr[d];
       }
     // QR query rows per pass: independent FMA chains share each K tile row.
-#if defined(__AVX512F__)
-    constexpr int QR = 8;
-#else
     constexpr int QR = 4;
-#endif
     for (int64_t r0 = 0; r0 < nqg; r0 += QR) {
       const float* q[QR];
       for (int i = 0; i < QR; ++i) {
@@ -178,7 +258,10 @@ void attn_block_t(const AttnBlock& b) {
       }
       float acc[QR][TJ];
 #if defined(__AVX512F__)
-      score_rows<QR>(q, Kt, hd, acc);
+      if (hd % 16 == 0)
+        score_tile<QR>(q, Kt, hd, acc);
+      else
+        score_rows_seq<QR>(q, Kt, hd, acc);
 #else
       std::memset(acc, 0, sizeof(acc));
       for (int d = 0; d < hd; ++d) {
@@ -192,12 +275,18 @@ void attn_block_t(const AttnBlock& b) {
       for (int i = 0; i < QR && r0 + i < nqg; ++i) std::memcpy(S + (r0 + i) * nj + jb, acc[i], (size_t)tj * 4);
     }
   }
+  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
+    // Row r sees keys j <= p inside the window; the rest of the chunk is masked.
+    const int64_t p = b.pos[r / G];
+    lo = std::max<int64_t>(b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0, j_lo) - j_lo;
+    hi = std::min<int64_t>(std::min<int64_t>(b.n_kv, p + 1), j_hi) - j_lo;
+    hi = std::max(hi, lo);
+  };
   for (int64_t r = 0; r < nqg; ++r) {
     float* s = S + r * nj;
-    const int64_t p = b.pos[r / G];
-    // Row r sees keys j <= p inside the window; the rest of the block's range is masked.
-    const int64_t lo = (b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0) - j_lo;
-    const int64_t hi = std::min<int64_t>(j_hi, p + 1) - j_lo;
+    float* pr = part + r * part_stride;
+    int64_t lo, hi;
+    range(r, lo, hi);
     if (b.softcap > 0) {
       for (int64_t j = lo; j < hi; ++j) s[j] = b.softcap * std::tanh(s[j] * b.scale / b.softcap);
     } else {
@@ -211,25 +300,21 @@ void attn_block_t(const AttnBlock& b) {
     float mx = -INFINITY;
     for (; j < hi; ++j) mx = std::max(mx, s[j]);
     for (int e = 0; e < TJ; ++e) mx = std::max(mx, mxl[e]);
-    const float sink = b.sinks ? b.sinks[r % G] : -INFINITY;
-    mx = std::max(mx, sink);
+    pr[0] = mx;
+    if (hi == lo) {
+      pr[1] = 0.f;
+      continue;
+    }
     float suml[TJ] = {0};
     for (j = lo; j + TJ <= hi; j += TJ)
       for (int e = 0; e < TJ; ++e) suml[e] += s[j + e] = exp_neg(s[j + e] - mx);
     float sum = 0;
     for (; j < hi; ++j) sum += s[j] = exp_neg(s[j] - mx);
     for (int e = 0; e < TJ; ++e) sum += suml[e];
-    if (b.sinks) sum += exp_neg(sink - mx);  // the sink's share of the denominator
-    const float inv = sum > 0 ? 1.f / sum : 0.f;
-    for (int64_t j = lo; j < hi; ++j) s[j] *= inv;
+    pr[1] = sum;
   }
   // Values: four rows at a time share each V row they read (and its conversion from
   // f16); each output element still sums its row's keys in key order.
-  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
-    const int64_t p = b.pos[r / G];
-    lo = (b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0) - j_lo;
-    hi = std::min<int64_t>(j_hi, p + 1) - j_lo;
-  };
   constexpr int RR = 4;
   for (int64_t r0 = 0; r0 < nqg; r0 += RR) {
     const int nr = (int)std::min<int64_t>(RR, nqg - r0);
@@ -244,7 +329,7 @@ void attn_block_t(const AttnBlock& b) {
       jmin = std::min(jmin, lo[i]);
       jmax = std::max(jmax, hi[i]);
       s[i] = S + r * nj;
-      o[i] = b.out + (r / G) * b.out_stride + (r % G) * hd;
+      o[i] = part + r * part_stride + 2;
     }
     int dc = 0;
     auto vr_of = [&](int64_t j) { return vrow(j_lo + j); };
@@ -264,6 +349,42 @@ void attn_block_t(const AttnBlock& b) {
   }
 }
 
+// Chunk partials, or (part == nullptr) the whole attention: every chunk's partials into the
+// scratch, then attn_combine per row, the same function the backend calls on partials from
+// tasks split over keys, so a row is the same bits however its keys were split.
+template <typename E>
+void attn_block_t(const AttnBlock& b) {
+  const int G = b.group, hd = b.head_dim;
+  const int64_t nqg = b.n_rows * G;
+  int32_t pmin = b.pos[0], pmax = b.pos[0];
+  for (int64_t t = 1; t < b.n_rows; ++t) {
+    pmin = std::min(pmin, b.pos[t]);
+    pmax = std::max(pmax, b.pos[t]);
+  }
+  // Keys any row of the block may see, and their chunks.
+  const int64_t j_hi = std::min<int64_t>(b.n_kv, (int64_t)pmax + 1);
+  const int64_t j_lo = b.window > 0 ? std::max<int64_t>(0, (int64_t)pmin - b.window + 1) : 0;
+  const int64_t pw = hd + 2;
+  if (b.part) {
+    const int64_t stride = b.part_stride > 0 ? b.part_stride : (b.c_hi - b.c_lo) * pw;
+    for (int64_t c = b.c_lo; c < b.c_hi; ++c) {
+      const int64_t k0 = std::max(j_lo, c * kAttnChunk), k1 = std::min(j_hi, (c + 1) * kAttnChunk);
+      attn_chunk<E>(b, k0, std::max(k0, k1), b.part + (c - b.c_lo) * pw, stride);
+    }
+    return;
+  }
+  const int64_t c_lo = j_lo / kAttnChunk, c_hi = std::max(c_lo + 1, (j_hi + kAttnChunk - 1) / kAttnChunk);
+  const int64_t nch = c_hi - c_lo;
+  float* part = b.scratch + attn_block_scratch(b.n_rows, G, hd, 0);
+  for (int64_t c = c_lo; c < c_hi; ++c) {
+    const int64_t k0 = std::max(j_lo, c * kAttnChunk), k1 = std::min(j_hi, (c + 1) * kAttnChunk);
+    attn_chunk<E>(b, k0, std::max(k0, k1), part + (c - c_lo) * pw, nch * pw);
+  }
+  for (int64_t r = 0; r < nqg; ++r)
+    attn_combine(part + r * nch * pw, nch, hd, b.sinks ? b.sinks + r % G : nullptr,
+                 b.out + (r / G) * b.out_stride + (r % G) * hd);
+}
+
 }  // namespace
 
 void attn_block(const AttnBlock& b) {
@@ -273,8 +394,44 @@ void attn_block(const AttnBlock& b) {
     attn_block_t<float>(b);
 }
 
+// Chunks in key order: a running max M, the sum L of l * exp(m - M) and the outputs
+// o * exp(m - M) rescaled as M grows; a chunk the row sees nothing of is skipped. The
+// sink's logit joins the denominator last.
+void attn_combine(const float* part, int64_t n_chunks, int hd, const float* sink, float* out) {
+  float M = -INFINITY, L = 0.f;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const float* p = part + c * (hd + 2);
+    if (p[0] == -INFINITY) continue;
+    if (M == -INFINITY) {
+      M = p[0];
+      L = p[1];
+      std::memcpy(out, p + 2, sizeof(float) * (size_t)hd);
+      continue;
+    }
+    const float m = std::max(M, p[0]), a = exp_neg(M - m), e = exp_neg(p[0] - m);
+    L = L * a + p[1] * e;
+    for (int d = 0; d < hd; ++d) out[d] = out[d] * a + p[2 + d] * e;
+    M = m;
+  }
+  if (M == -INFINITY) {  // no key visible (only a sink): nothing to average
+    std::fill(out, out + hd, 0.f);
+    return;
+  }
+  if (sink) {
+    const float m = std::max(M, *sink), a = exp_neg(M - m);
+    L = L * a + exp_neg(*sink - m);
+    for (int d = 0; d < hd; ++d) out[d] *= a;
+  }
+  const float inv = L > 0 ? 1.f / L : 0.f;
+  for (int d = 0; d < hd; ++d) out[d] *= inv;
+}
+
 size_t attn_block_scratch(int64_t n_rows, int group, int head_dim, int64_t n_kv) {
-  return (size_t)(n_rows * group * n_kv + (int64_t)head_dim * 17);
+  // Scores of one chunk, a K tile and a converted row, then (whole attention) every chunk's
+  // partials.
+  const int64_t nqg = n_rows * group;
+  const int64_t n_chunks = n_kv > 0 ? (n_kv + kAttnChunk - 1) / kAttnChunk + 1 : 0;
+  return (size_t)(nqg * kAttnChunk + (int64_t)head_dim * 17 + nqg * n_chunks * (head_dim + 2));
 }
 
 }  // namespace dl::cpu::DL_ISA

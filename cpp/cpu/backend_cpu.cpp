@@ -413,6 +413,12 @@ class CpuBackend final : public Backend {
     std::vector<int64_t>& first = nested ? local_first : attn_first_;
     std::vector<const uint8_t*> local_ptrs;
     std::vector<const uint8_t*>& ptrs = nested ? local_ptrs : attn_ptrs_;
+    // A step of a few rows over keys spanning several chunks splits over the keys: each KV
+    // head's rows are read once (by all its query heads together) and the threads share the
+    // chunks evenly; the chunk partials combine as attn_block combines them itself.
+    std::vector<float> local_part;
+    std::vector<float>& part = nested ? local_part : attn_part_;
+    size_t n_part = 0;
     calls.assign((size_t)count, AttnCall{});
     first.assign((size_t)count + 1, 0);
     // Page addresses from the block tables: base + id * page_bytes, for every call first
@@ -441,6 +447,24 @@ class CpuBackend final : public Backend {
       c.n_blocks = (a.n_tok + rb - 1) / rb;
       c.per_block = split_heads ? a.n_heads : a.n_kv_heads;
       c.task_decode = a.kv.type == KVType::q8_0 && c.n_blocks == 1 && in_task;
+      c.split_keys = false;
+      if (a.n_tok <= 4 && a.kv.type != KVType::q8_0) {
+        int32_t pmin = a.q_pos[0], pmax = a.q_pos[0];
+        for (int64_t t = 1; t < a.n_tok; ++t) {
+          pmin = std::min(pmin, a.q_pos[t]);
+          pmax = std::max(pmax, a.q_pos[t]);
+        }
+        const int64_t j_hi = std::min<int64_t>(a.n_kv, (int64_t)pmax + 1);
+        const int64_t j_lo = a.window > 0 ? std::max<int64_t>(0, (int64_t)pmin - a.window + 1) : 0;
+        c.c_lo = j_lo / cpu::kAttnChunk;
+        c.n_chunks = (j_hi + cpu::kAttnChunk - 1) / cpu::kAttnChunk - c.c_lo;
+        if (c.n_chunks >= 2) {
+          c.split_keys = true;
+          c.per_block = (int64_t)a.n_kv_heads * c.n_chunks;
+          c.part_off = n_part;
+          n_part += (size_t)(a.n_tok * a.n_heads * c.n_chunks * (a.head_dim + 2));
+        }
+      }
       if (a.kv.type == KVType::q8_0 && !c.task_decode) {
         // Decode the layer's cache rows once into f32 (not once per query block). The
         // buffer serves one call at a time, so in a batch such a call runs alone first.
@@ -471,6 +495,7 @@ class CpuBackend final : public Backend {
       }
       first[(size_t)i + 1] = first[(size_t)i] + c.n_blocks * c.per_block;
     }
+    part.resize(n_part);
     pool_.parallel_for(first[(size_t)count], 1, [&](int64_t lo, int64_t hi) {
       thread_local std::vector<float> scratch, dec;
       int i = 0;
@@ -483,14 +508,15 @@ class CpuBackend final : public Backend {
         const int64_t local = task - first[(size_t)i];
         const int64_t blk = local / c.per_block;
         // This task's query heads: the KV head's group, or one head of it.
-        const int h0 = split_heads ? (int)(local % c.per_block) : (int)(local % c.per_block) * group;
+        const int h0 = c.split_keys ? (int)(local / c.n_chunks) * group
+                       : split_heads ? (int)(local % c.per_block) : (int)(local % c.per_block) * group;
         const int kvh = h0 / group;
         cpu::AttnBlock b;
         const int64_t t0 = blk * rb;
         b.n_rows = std::min(rb, a.n_tok - t0);
         b.q = a.q + t0 * a.q_stride + (int64_t)h0 * hd;
         b.q_stride = a.q_stride;
-        b.group = split_heads ? 1 : group;
+        b.group = split_heads && !c.split_keys ? 1 : group;
         const uint8_t* dec_page[1];
         if (c.task_decode) {
           // This KV head's slice of every row, decoded to f32 rows of hd.
@@ -530,11 +556,36 @@ class CpuBackend final : public Backend {
         b.sinks = a.sinks ? a.sinks + h0 : nullptr;
         b.out = a.out + t0 * a.out_stride + (int64_t)h0 * hd;
         b.out_stride = a.out_stride;
-        scratch.resize(kt.attn_block_scratch(b.n_rows, b.group, hd, a.n_kv));
+        if (c.split_keys) {  // this KV head's rows, one chunk: [kv head][row][chunk] partials
+          const int64_t ch = local % c.n_chunks;
+          b.part = part.data() + c.part_off + (size_t)(((int64_t)(h0 / group) * a.n_tok * group * c.n_chunks + ch) *
+                                                       (hd + 2));
+          b.part_stride = c.n_chunks * (hd + 2);
+          b.c_lo = c.c_lo + ch;
+          b.c_hi = b.c_lo + 1;
+        }
+        scratch.resize(kt.attn_block_scratch(b.n_rows, b.group, hd, c.split_keys ? 0 : a.n_kv));
         b.scratch = scratch.data();
         kt.attn_block(b);
       }
     });
+    if (n_part == 0) return;
+    // Each row of a call split over keys: its chunks combined, in order.
+    for (int i = 0; i < count; ++i) {
+      const AttnArgs& a = args[i];
+      const AttnCall& c = calls[(size_t)i];
+      if (!c.split_keys) continue;
+      const int group = a.n_heads / a.n_kv_heads, hd = a.head_dim;
+      const int64_t rows = a.n_tok * a.n_heads;
+      pool_.parallel_for(rows, 4, [&](int64_t lo, int64_t hi) {
+        for (int64_t q = lo; q < hi; ++q) {  // q = (kv head, token, head of the group)
+          const int64_t kvh = q / (a.n_tok * group), t = (q / group) % a.n_tok;
+          const int h = (int)(kvh * group + q % group);
+          kt.attn_combine(part.data() + c.part_off + (size_t)(q * c.n_chunks * (hd + 2)), c.n_chunks, hd,
+                          a.sinks ? a.sinks + h : nullptr, a.out + t * a.out_stride + (int64_t)h * hd);
+        }
+      });
+    }
   }
 
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
@@ -890,7 +941,13 @@ class CpuBackend final : public Backend {
     int shift;
     int64_t kv_stride, n_blocks, per_block;
     bool f16, task_decode;  // task_decode: decode this task's KV head rows inside the task
+    // Split over keys (a decode step over many keys): tasks are (KV head, key chunk), their
+    // partials at part_off in attn_part_, n_chunks from chunk c_lo.
+    bool split_keys;
+    int64_t c_lo, n_chunks;
+    size_t part_off;
   };
+  std::vector<float> attn_part_;
   std::vector<AttnCall> attn_calls_;
   std::vector<const uint8_t*> attn_ptrs_;
   std::vector<int64_t> attn_first_;

@@ -49,7 +49,18 @@ struct AttnBlock {
   float* out = nullptr;
   int64_t out_stride = 0;
   float* scratch = nullptr;  // attn_block_scratch(...) floats
+  // Split over keys: with part set, only key chunks [c_lo, c_hi) (kAttnChunk keys each, from
+  // key 0) are done and row r's partial for chunk c goes to part + r * part_stride + (c - c_lo)
+  // * (head_dim + 2), for attn_combine; out and sinks are not used. part_stride 0 means
+  // (c_hi - c_lo) * (head_dim + 2).
+  float* part = nullptr;
+  int64_t part_stride = 0;
+  int64_t c_lo = 0, c_hi = 0;
 };
+
+// Keys per chunk of the softmax: every row's keys are summed in chunks at multiples of this
+// many keys, then the chunks are combined in order, however the work was split.
+constexpr int64_t kAttnChunk = 512;
 
 // Packed matrices come in groups of this many rows; matmul row ranges start on a group.
 constexpr int64_t kPackRowAlign = 16;
@@ -80,6 +91,9 @@ struct KernelTable {
   // Float helpers for attention and norms.
   float (*dot_f32)(const float* a, const float* b, int64_t n) = nullptr;
   void (*attn_block)(const AttnBlock& b) = nullptr;
+  // One row's output from its n_chunks partials [m, l, o[hd]] (AttnBlock::part), in chunk
+  // order; sink: the head's sink logit or null.
+  void (*attn_combine)(const float* part, int64_t n_chunks, int hd, const float* sink, float* out) = nullptr;
   // out = act(gate) * up; act 0: SiLU, 1: GELU (tanh form). out may alias up.
   void (*glu_f32)(const float* gate, const float* up, float* out, int64_t n, int act) = nullptr;
   size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;

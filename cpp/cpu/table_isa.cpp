@@ -11,6 +11,7 @@ void fill_table(KernelTable& t) {
   t.matmul_rows = &matmul_rows;
   t.dot_f32 = &dot_f32;
   t.attn_block = &attn_block;
+  t.attn_combine = &attn_combine;
   t.glu_f32 = &glu_f32;
   t.f16_to_f32 = &f16_to_f32;
   t.f32_to_f16 = &f32_to_f16;

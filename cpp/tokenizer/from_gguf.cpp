@@ -2,6 +2,9 @@
 // absent keys; the one builder load_model (through model.cpp's load_tokenizer, which adds the
 // family's quirk from the registry) and the tests (_core.Tokenizer.from_gguf) use.
 #include <algorithm>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "core/errors.h"
 #include "gguf/gguf.h"
@@ -55,7 +58,13 @@ std::shared_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& f, bool spm_ge
   c.add_eos = f.get_bool("tokenizer.ggml.add_eos_token").value_or(false);
   c.add_space_prefix = f.get_bool("tokenizer.ggml.add_space_prefix").value_or(spm);
   c.gemma_style = spm && spm_gemma;
-  return std::make_shared<Tokenizer>(std::move(c));
+  auto tok = std::make_shared<Tokenizer>(std::move(c));
+#if defined(__GLIBC__)
+  // The config's many small strings are freed now; give their pages back to the system
+  // rather than leave them resident in the heap for the model's lifetime.
+  malloc_trim(0);
+#endif
+  return tok;
 }
 
 }  // namespace dl

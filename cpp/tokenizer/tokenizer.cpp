@@ -110,14 +110,13 @@ int hex_digit(char c) {
 Tokenizer::Tokenizer(TokenizerConfig cfg)
     : model_(std::move(cfg.model)),
       pre_(std::move(cfg.pre)),
-      tokens_(std::move(cfg.tokens)),
       bos_(cfg.bos),
       eos_(cfg.eos),
       unk_(cfg.unk),
       add_bos_(cfg.add_bos),
       add_eos_(cfg.add_eos),
       add_space_prefix_(cfg.add_space_prefix) {
-  const size_t n = tokens_.size();
+  const size_t n = cfg.tokens.size();
   if (model_ == "gpt2") byte_level_ = true;
   else if (model_ != "llama")
     throw UnsupportedModelError("tokenizer model '" + model_ + "' is not supported (gpt2, llama)");
@@ -137,70 +136,94 @@ Tokenizer::Tokenizer(TokenizerConfig cfg)
     types_[i] = (t >= 0 && t <= 6) ? TokenType(t) : TokenType::NORMAL;
   }
 
-  // Spelling the BPE sees (vocab_ keys), and raw pieces.
-  spell_.resize(n);
-  pieces_.resize(n);
+  // Spelling the BPE sees (vocab_ keys), and raw pieces, into the arena: the file spellings
+  // first, then only the pieces and spellings that differ from them.
+  size_t text_bytes = 0;
+  for (const std::string& t : cfg.tokens) text_bytes += t.size();
+  arena_.reserve(text_bytes + text_bytes / 4);
+  str_.resize(n);
+  auto put = [&](std::string_view b) {
+    if (arena_.size() + b.size() > UINT32_MAX) throw Error("tokenizer: vocabulary text over 4 GiB");
+    Span sp{(uint32_t)arena_.size(), (uint32_t)b.size()};
+    arena_.append(b);
+    return sp;
+  };
+  for (size_t i = 0; i < n; ++i) str_[i].text = str_[i].piece = str_[i].spell = put(cfg.tokens[i]);
   std::fill(std::begin(byte_sym_), std::end(byte_sym_), -1);
-  std::string tmp;
+  std::string piece, sp;
   for (size_t i = 0; i < n; ++i) {
-    const std::string& t = tokens_[i];
+    const std::string& t = cfg.tokens[i];
+    bool own_piece = true, own_spell = false;
+    sp.clear();
     if (byte_level_) {
-      if (unmap_byte_level(t, tmp)) {
-        spell_[i] = t;
-        pieces_[i] = tmp;
-      } else {
+      if (!unmap_byte_level(t, piece)) {
         // Outside the byte alphabet (added tokens stored raw): the text is the bytes; HF respells
         // it in the alphabet so the BPE could still reach it.
-        pieces_[i] = t;
-        for (unsigned char b : t) append_utf8(spell_[i], alphabet().to_cp[b]);
+        own_piece = false;
+        for (unsigned char b : t) append_utf8(sp, alphabet().to_cp[b]);
+        own_spell = true;
       }
     } else {
-      spell_[i] = t;
       if (types_[i] == TokenType::BYTE && t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' &&
           hex_digit(t[3]) >= 0 && hex_digit(t[4]) >= 0) {
         int b = hex_digit(t[3]) * 16 + hex_digit(t[4]);
-        pieces_[i] = std::string(1, char(b));
+        piece.assign(1, char(b));
         byte_sym_[b] = (int32_t)i;
       } else {
-        pieces_[i] = replace_all(t, kSpace, " ");
+        piece = replace_all(t, kSpace, " ");
       }
       // Gemma files store tokens of several spaces as real spaces; the text reaches the BPE with
       // "▁" for space, so spell them that way (as transformers does).
       if (cfg.gemma_style && t.find(' ') != std::string::npos &&
           std::all_of(t.begin(), t.end(), [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); })) {
-        spell_[i].clear();
-        for (size_t k = 0; k < t.size(); ++k) spell_[i] += kSpace;
+        for (size_t k = 0; k < t.size(); ++k) sp += kSpace;
+        own_spell = true;
       }
     }
+    if (own_piece && piece != t) str_[i].piece = put(piece);
+    if (own_spell && sp != t) str_[i].spell = put(sp);
   }
-  vocab_.reserve(n * 2);
-  for (size_t i = 0; i < n; ++i) vocab_[spell_[i]] = (int32_t)i;  // a later duplicate wins, as in a dict
+  arena_.shrink_to_fit();
+  // The file's strings are in the arena now; merges (byte-level) are all that is read later.
+  std::vector<std::string>().swap(cfg.tokens);
+  {
+    size_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    vocab_.assign(cap, -1);
+    const size_t mask = cap - 1;
+    for (size_t i = 0; i < n; ++i) {  // a later duplicate wins, as in a dict
+      std::string_view k = spell((int32_t)i);
+      size_t h = std::hash<std::string_view>()(k) & mask;
+      while (vocab_[h] >= 0 && spell(vocab_[h]) != k) h = (h + 1) & mask;
+      vocab_[h] = (int32_t)i;
+    }
+  }
   if (byte_level_) {
     std::string one;
     for (int b = 0; b < 256; ++b) {
       one.clear();
       append_utf8(one, alphabet().to_cp[b]);
-      auto it = vocab_.find(one);
-      byte_sym_[b] = it == vocab_.end() ? -1 : it->second;
+      byte_sym_[b] = find_spell(one);
     }
   }
 
   // Merges: given (byte-level), or derived from the vocabulary (SPM).
   if (!cfg.merges.empty()) {
-    merges_.reserve(cfg.merges.size() * 2);
+    merges_.reserve(cfg.merges.size());
     std::string joined;
     for (size_t r = 0; r < cfg.merges.size(); ++r) {
       const std::string& m = cfg.merges[r];
       size_t sp = m.find(' ', 1);
       if (sp == std::string::npos) continue;
       std::string_view l(m.data(), sp), rr(m.data() + sp + 1, m.size() - sp - 1);
-      auto il = vocab_.find(l), ir = vocab_.find(rr);
+      const int32_t il = find_spell(l), ir = find_spell(rr);
       joined.assign(l);
       joined.append(rr);
-      auto ij = vocab_.find(joined);
-      if (il == vocab_.end() || ir == vocab_.end() || ij == vocab_.end()) continue;  // HF rejects these too
-      uint64_t key = (uint64_t(uint32_t(il->second)) << 32) | uint32_t(ir->second);
-      merges_.emplace(key, Merge{(int32_t)r, ij->second});
+      const int32_t ij = find_spell(joined);
+      if (il < 0 || ir < 0 || ij < 0) continue;  // HF rejects these too
+      uint64_t key = (uint64_t(uint32_t(il)) << 32) | uint32_t(ir);
+      bool inserted;
+      merges_.insert(key, Merge{(int32_t)r, ij}, &inserted);
     }
   } else if (!byte_level_) {
     std::vector<float> score(n);
@@ -214,17 +237,14 @@ Tokenizer::Tokenizer(TokenizerConfig cfg)
   skip_.assign(n, false);
   trie_.emplace_back();
   auto add = [&](int32_t id, bool special) {
-    const std::string& t = tokens_[id];
-    if (t.empty() || spell_[id] != t) return;  // respelled tokens are not matched (not in HF's vocab)
+    const std::string_view t = token_text(id);
+    if (t.empty() || spell(id) != t) return;  // respelled tokens are not matched (not in HF's vocab)
     int32_t node = 0;
     for (unsigned char b : t) {
       uint64_t key = (uint64_t(node) << 8) | b;
-      auto it = trie_edges_.find(key);
-      if (it == trie_edges_.end()) {
-        trie_.emplace_back();
-        it = trie_edges_.emplace(key, (int32_t)trie_.size() - 1).first;
-      }
-      node = it->second;
+      bool inserted;
+      node = *trie_edges_.insert(key, (int32_t)trie_.size(), &inserted);
+      if (inserted) trie_.emplace_back();
     }
     trie_first_[(unsigned char)t[0]] = true;
     if (trie_[node].id < 0 || special) trie_[node] = TrieNode{id, special};
@@ -245,19 +265,18 @@ void Tokenizer::build_spm_merges(const std::vector<float>& score) {
   struct M { float score; uint32_t len_l, len_r; int32_t l, r, result; };
   std::vector<M> all;
   std::vector<M> local;
-  for (size_t i = 0; i < spell_.size(); ++i) {
-    const std::string& t = spell_[i];
-    auto it_self = vocab_.find(t);
-    if (it_self == vocab_.end() || it_self->second != (int32_t)i) continue;  // duplicate spelling: once
+  for (size_t i = 0; i < str_.size(); ++i) {
+    const std::string_view t = spell((int32_t)i);
+    if (find_spell(t) != (int32_t)i) continue;  // duplicate spelling: once
     std::vector<size_t> b = char_bounds(t);
     size_t chars = b.size() - 1;
     local.clear();
     for (size_t k = 1; k < chars; ++k) {
-      auto il = vocab_.find(std::string_view(t).substr(0, b[k]));
-      if (il == vocab_.end()) continue;
-      auto ir = vocab_.find(std::string_view(t).substr(b[k]));
-      if (ir == vocab_.end()) continue;
-      local.push_back(M{score[i], (uint32_t)k, (uint32_t)(chars - k), il->second, ir->second, (int32_t)i});
+      const int32_t il = find_spell(t.substr(0, b[k]));
+      if (il < 0) continue;
+      const int32_t ir = find_spell(t.substr(b[k]));
+      if (ir < 0) continue;
+      local.push_back(M{score[i], (uint32_t)k, (uint32_t)(chars - k), il, ir, (int32_t)i});
     }
     std::sort(local.begin(), local.end(), [](const M& a, const M& c) { return a.l != c.l ? a.l < c.l : a.r < c.r; });
     all.insert(all.end(), local.begin(), local.end());
@@ -267,10 +286,11 @@ void Tokenizer::build_spm_merges(const std::vector<float>& score) {
     if (a.len_l != c.len_l) return a.len_l > c.len_l;
     return a.len_r > c.len_r;
   });
-  merges_.reserve(all.size() * 2);
+  merges_.reserve(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
     uint64_t key = (uint64_t(uint32_t(all[r].l)) << 32) | uint32_t(all[r].r);
-    merges_.emplace(key, Merge{(int32_t)r, all[r].result});
+    bool inserted;
+    merges_.insert(key, Merge{(int32_t)r, all[r].result}, &inserted);
   }
 }
 
@@ -278,9 +298,9 @@ size_t Tokenizer::match_added(std::string_view text, size_t pos, int32_t* id, bo
   int32_t node = 0;
   size_t best = 0;
   for (size_t i = pos; i < text.size(); ++i) {
-    auto it = trie_edges_.find((uint64_t(node) << 8) | (unsigned char)text[i]);
-    if (it == trie_edges_.end()) break;
-    node = it->second;
+    const int32_t* child = trie_edges_.find((uint64_t(node) << 8) | (unsigned char)text[i]);
+    if (!child) break;
+    node = *child;
     if (trie_[node].id >= 0) {
       best = i + 1 - pos;
       *id = trie_[node].id;
@@ -304,8 +324,8 @@ void Tokenizer::bpe_word(const int32_t* sym, size_t n, std::vector<int32_t>& out
   std::priority_queue<Cand, std::vector<Cand>, decltype(cmp)> q(cmp);
   auto push = [&](int32_t pos) {
     if (pos < 0 || s[pos].next < 0) return;
-    auto it = merges_.find((uint64_t(uint32_t(s[pos].id)) << 32) | uint32_t(s[s[pos].next].id));
-    if (it != merges_.end()) q.push(Cand{it->second.rank, pos, it->second.result});
+    const Merge* m = merges_.find((uint64_t(uint32_t(s[pos].id)) << 32) | uint32_t(s[s[pos].next].id));
+    if (m) q.push(Cand{m->rank, pos, m->result});
   };
   for (size_t i = 0; i + 1 < n; ++i) push((int32_t)i);
   while (!q.empty()) {
@@ -313,8 +333,8 @@ void Tokenizer::bpe_word(const int32_t* sym, size_t n, std::vector<int32_t>& out
     q.pop();
     Node& a = s[c.pos];
     if (a.id < 0 || a.next < 0) continue;  // merged away
-    auto it = merges_.find((uint64_t(uint32_t(a.id)) << 32) | uint32_t(s[a.next].id));
-    if (it == merges_.end() || it->second.result != c.result || it->second.rank != c.rank) continue;  // stale
+    const Merge* m = merges_.find((uint64_t(uint32_t(a.id)) << 32) | uint32_t(s[a.next].id));
+    if (!m || m->result != c.result || m->rank != c.rank) continue;  // stale
     Node& b = s[a.next];
     a.id = c.result;
     b.id = -1;
@@ -351,9 +371,9 @@ void Tokenizer::encode_text(std::string_view seg, bool first, std::vector<int32_
   bool prev_unk = false;
   for (size_t k = 0; k + 1 < b.size(); ++k) {
     std::string_view ch(norm.data() + b[k], b[k + 1] - b[k]);
-    auto it = vocab_.find(ch);
-    if (it != vocab_.end()) {
-      sym.push_back(it->second);
+    const int32_t id = find_spell(ch);
+    if (id >= 0) {
+      sym.push_back(id);
       prev_unk = false;
       continue;
     }
@@ -400,19 +420,19 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, 
 }
 
 void Tokenizer::check_id(int32_t id) const {
-  if (id < 0 || id >= (int32_t)tokens_.size())
-    throw Error("token id " + std::to_string(id) + " out of range [0, " + std::to_string(tokens_.size()) + ")");
+  if (id < 0 || id >= (int32_t)str_.size())
+    throw Error("token id " + std::to_string(id) + " out of range [0, " + std::to_string(str_.size()) + ")");
 }
 
-const std::string& Tokenizer::piece(int32_t id) const {
+std::string_view Tokenizer::piece(int32_t id) const {
   check_id(id);
-  return pieces_[id];
+  return view(str_[id].piece);
 }
 
 std::string_view Tokenizer::render(int32_t id, bool special) const {
   check_id(id);
   if (skip_[id] && !special) return {};
-  return pieces_[id];
+  return view(str_[id].piece);
 }
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool special) const {
@@ -423,9 +443,9 @@ std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool special) con
   return out;
 }
 
-const std::string& Tokenizer::token_text(int32_t id) const {
+std::string_view Tokenizer::token_text(int32_t id) const {
   check_id(id);
-  return tokens_[id];
+  return view(str_[id].text);
 }
 
 TokenType Tokenizer::token_type(int32_t id) const {
@@ -434,9 +454,68 @@ TokenType Tokenizer::token_type(int32_t id) const {
 }
 
 int32_t Tokenizer::token_to_id(std::string_view text) const {
-  for (size_t i = 0; i < tokens_.size(); ++i)
-    if (tokens_[i] == text) return (int32_t)i;
+  for (size_t i = 0; i < str_.size(); ++i)
+    if (view(str_[i].text) == text) return (int32_t)i;
   return -1;
+}
+
+int32_t Tokenizer::find_spell(std::string_view s) const {
+  const size_t mask = vocab_.size() - 1;
+  for (size_t h = std::hash<std::string_view>()(s) & mask;; h = (h + 1) & mask) {
+    const int32_t id = vocab_[h];
+    if (id < 0 || spell(id) == s) return id;
+  }
+}
+
+template <typename V>
+size_t Tokenizer::U64Map<V>::slot(uint64_t k) const {
+  // murmur3's finalizer (ids differ in low bits only), then onto [0, capacity) by a multiply,
+  // so the table need not be a power of two: ~0.7 full, not 0.5 at the next power.
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  return (size_t)(((unsigned __int128)k * slots_.size()) >> 64);
+}
+
+template <typename V>
+void Tokenizer::U64Map<V>::reserve(size_t n) {
+  const size_t cap = std::max<size_t>(16, n + n / 2);
+  if (cap <= slots_.size()) return;
+  std::vector<Slot> old(cap, Slot{~0ull, V{}});
+  old.swap(slots_);
+  size_ = 0;
+  bool inserted;
+  for (const Slot& s : old)
+    if (s.key != ~0ull) insert(s.key, s.val, &inserted);
+}
+
+template <typename V>
+const V* Tokenizer::U64Map<V>::find(uint64_t k) const {
+  if (slots_.empty()) return nullptr;
+  for (size_t h = slot(k);;) {
+    if (slots_[h].key == k) return &slots_[h].val;
+    if (slots_[h].key == ~0ull) return nullptr;
+    if (++h == slots_.size()) h = 0;
+  }
+}
+
+template <typename V>
+V* Tokenizer::U64Map<V>::insert(uint64_t k, const V& v, bool* inserted) {
+  if (10 * (size_ + 1) > 7 * slots_.size()) reserve(2 * (size_ + 1));
+  for (size_t h = slot(k);;) {
+    Slot& s = slots_[h];
+    if (s.key == k) {
+      *inserted = false;
+      return &s.val;
+    }
+    if (s.key == ~0ull) {
+      s = Slot{k, v};
+      ++size_;
+      *inserted = true;
+      return &s.val;
+    }
+    if (++h == slots_.size()) h = 0;
+  }
 }
 
 std::string utf8_sanitize(std::string_view s) {

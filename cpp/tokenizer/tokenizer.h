@@ -57,11 +57,11 @@ class Tokenizer {
   // skip_special_tokens=True and llama.cpp's default.
   std::string decode(const std::vector<int32_t>& ids, bool special = false) const;
   // The raw bytes one token stands for (control tokens: their text).
-  const std::string& piece(int32_t id) const;
+  std::string_view piece(int32_t id) const;
   // What `id` contributes to decode(): piece() or "" for a skipped special token.
   std::string_view render(int32_t id, bool special) const;
 
-  int32_t n_vocab() const { return (int32_t)tokens_.size(); }
+  int32_t n_vocab() const { return (int32_t)str_.size(); }
   int32_t bos() const { return bos_; }
   int32_t eos() const { return eos_; }
   bool add_bos() const { return add_bos_; }
@@ -69,7 +69,7 @@ class Tokenizer {
   bool is_byte_level() const { return byte_level_; }
   const std::string& model() const { return model_; }
   const std::string& pre() const { return pre_; }
-  const std::string& token_text(int32_t id) const;  // as the file spells it
+  std::string_view token_text(int32_t id) const;  // as the file spells it
   TokenType token_type(int32_t id) const;
   int32_t token_to_id(std::string_view text) const;  // by file spelling; -1 if absent
 
@@ -83,20 +83,42 @@ class Tokenizer {
   std::string model_, pre_;
   bool byte_level_ = false;
   PreSplit split_ = PreSplit::GPT2;
-  std::vector<std::string> tokens_;   // file spelling
-  std::vector<std::string> pieces_;   // raw bytes per token
-  std::vector<std::string> spell_;    // what the BPE sees (vocab_ keys point into it)
+  // Every token's three strings (file spelling, raw bytes, what the BPE sees) are spans of one
+  // byte arena; a string equal to the file spelling shares its bytes. A 262k vocabulary then
+  // costs its text plus 24 bytes a token, not three heap strings a token.
+  struct Span { uint32_t off, len; };
+  struct TokenStr { Span text, piece, spell; };
+  std::string arena_;
+  std::vector<TokenStr> str_;
+  std::string_view view(Span s) const { return std::string_view(arena_.data() + s.off, s.len); }
+  std::string_view spell(int32_t id) const { return view(str_[id].spell); }
   std::vector<TokenType> types_;
   std::vector<bool> skip_;            // dropped by decode(special=false)
-  std::unordered_map<std::string_view, int32_t> vocab_;  // BPE spelling -> id
-  std::unordered_map<uint64_t, Merge> merges_;           // (left << 32 | right) -> rank, result
+  // BPE spelling -> id: open addressing over ids (-1 empty), keys compared in the arena.
+  std::vector<int32_t> vocab_;
+  int32_t find_spell(std::string_view s) const;  // -1 if absent
+  // uint64 -> value, open addressing (no node per entry); ~0 is never a key here.
+  template <typename V>
+  class U64Map {
+   public:
+    void reserve(size_t n);  // room for n keys at most ~0.7 full
+    const V* find(uint64_t k) const;
+    V* insert(uint64_t k, const V& v, bool* inserted);  // an existing key keeps its value
+    size_t size() const { return size_; }
+   private:
+    struct Slot { uint64_t key; V val; };
+    size_t slot(uint64_t k) const;
+    std::vector<Slot> slots_;
+    size_t size_ = 0;
+  };
+  U64Map<Merge> merges_;              // (left << 32 | right) -> rank, result
   int32_t byte_sym_[256];             // byte-level: byte -> id of its one-char token; SPM: <0xXX>
   int32_t bos_ = -1, eos_ = -1, unk_ = -1;
   bool add_bos_ = false, add_eos_ = false, add_space_prefix_ = false;
   // Added tokens matched in the raw text, leftmost-longest: a byte trie, edges in one hash map.
   struct TrieNode { int32_t id = -1; bool special = false; };
   std::vector<TrieNode> trie_;
-  std::unordered_map<uint64_t, int32_t> trie_edges_;  // (node << 8 | byte) -> child
+  U64Map<int32_t> trie_edges_;        // (node << 8 | byte) -> child
   bool trie_first_[256] = {};
   size_t match_added(std::string_view text, size_t pos, int32_t* id, bool* special) const;
 };
