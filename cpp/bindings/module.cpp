@@ -12,5 +12,6 @@ PYBIND11_MODULE(_core, m) {
   dl::py_bind::bind_kv(m);
   dl::py_bind::bind_kernels(m);
   dl::py_bind::bind_audio(m);
+  dl::py_bind::bind_asr(m);
   dl::py_bind::bind_backend(m);
 }

@@ -1,0 +1,211 @@
+"""Speech recognition: whisper models (encoder + decoder + tokenizer in one GGUF, as
+``dasllama convert`` writes them) and ``transcribe``. Not audio chat (``audio.py`` and the
+chat layer): this decodes text with whisper's own decoder.
+
+Greedy decoding with whisper's prompt (start of transcript, language and task on
+multilingual models, then no-timestamps or the timestamp rules) and its token suppression;
+the decode loop runs in C++ (``_core.WhisperDecoder.greedy``). Audio longer than 30 s is cut
+into consecutive 30 s windows decoded independently (no timestamp-driven seeking and no
+temperature fallback yet). A model may be shared by threads; decodes on one model are
+serialized.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+import numpy as np
+
+from . import _core
+from ._core import UnsupportedModelError
+from .audio import AudioEmbedder, encode_audio_rows
+from .audio_io import AudioInput, load_audio
+
+PathLike = Union[str, "os.PathLike[str]"]
+WINDOW_SAMPLES = 30 * 16000
+TIME_PRECISION = 0.02  # seconds per timestamp token
+
+
+@dataclass
+class Segment:
+    """A stretch of the transcript: start and end in seconds from the clip's start."""
+    start: float
+    end: float
+    text: str
+    tokens: List[int] = field(default_factory=list)
+
+
+@dataclass
+class Transcript:
+    text: str
+    segments: List[Segment]
+    language: Optional[str] = None
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level alphabet inverted: the printable char each byte was mapped to -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _byte_decoder()
+
+
+class ASRModel:
+    """A whisper model for transcription: the encoder, the decoder and the vocabulary."""
+
+    def __init__(self, path: str, n_threads: int, device: str):
+        from .gguf import GGUFFile
+
+        if not _core.WhisperDecoder.probe(path):
+            raise UnsupportedModelError(
+                f"{path}: no whisper decoder in this file (an encoder-only mmproj?); convert the whole model with "
+                "`dasllama convert` (dasllama.convert_asr)")
+        meta = GGUFFile(path).metadata
+        try:
+            self.tokens: List[str] = list(meta["tokenizer.ggml.tokens"])
+            sp = {k.split(".")[-1]: int(v) for k, v in meta.items() if k.startswith("whisper.token.")}
+            self.eot, self.sot, self.notimestamps = sp["eot"], sp["sot"], sp["notimestamps"]
+        except KeyError as e:
+            raise UnsupportedModelError(f"{path}: whisper metadata missing ({e})") from None
+        self.transcribe_id, self.translate_id = sp.get("transcribe", -1), sp.get("translate", -1)
+        self.timestamp_begin, self.no_speech = sp.get("timestamp_begin", self.notimestamps + 1), sp.get("no_speech", -1)
+        self.suppress = [int(i) for i in meta.get("whisper.suppress_tokens", [])]
+        self.begin_suppress = [int(i) for i in meta.get("whisper.begin_suppress_tokens", [])]
+        self.multilingual = bool(meta.get("whisper.multilingual", False))
+        self.languages = {str(c): int(i) for c, i in zip(meta.get("whisper.languages", []),
+                                                          meta.get("whisper.language_tokens", []))}
+        self.encoder = AudioEmbedder(_core.AudioEncoder(path, n_threads, device))
+        self.decoder = _core.WhisperDecoder(path, n_threads, device)
+        c = self.decoder.config
+        if self.encoder.proj_dim != c["dim"]:
+            raise UnsupportedModelError(f"{path}: encoder rows of {self.encoder.proj_dim} for a decoder of {c['dim']}")
+        if len(self.tokens) != c["vocab"]:
+            raise UnsupportedModelError(f"{path}: {len(self.tokens)} tokens for an embedding of {c['vocab']} rows")
+        self.n_ctx: int = c["n_ctx"]
+        self.path = path
+        self._lock = threading.Lock()
+
+    def decode(self, ids) -> str:
+        """Text of token ids; special tokens (end of text and above) are dropped."""
+        b = bytearray()
+        for i in ids:
+            if 0 <= int(i) < self.eot:
+                b += bytes(_BYTES.get(ch, 32) for ch in self.tokens[int(i)])
+        return b.decode("utf-8", "replace")
+
+    def prompt(self, language: Optional[str], timestamps: bool, task: str = "transcribe") -> List[int]:
+        """Whisper's forced prompt."""
+        p = [self.sot]
+        if self.multilingual:
+            if language is None or language not in self.languages:
+                raise ValueError(f"unknown language {language!r}; this model knows {sorted(self.languages)}")
+            tid = self.transcribe_id if task == "transcribe" else self.translate_id
+            if tid < 0:
+                raise ValueError(f"this model has no {task} token")
+            p += [self.languages[language], tid]
+        if not timestamps:
+            p.append(self.notimestamps)
+        return p
+
+    def __repr__(self) -> str:
+        c = self.decoder.config
+        return (f"ASRModel(layers={self.encoder.n_layers}+{c['n_layers']}, dim={c['dim']}, vocab={c['vocab']}, "
+                f"multilingual={self.multilingual}, path={os.path.basename(self.path)!r})")
+
+
+def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = None) -> ASRModel:
+    """A whisper model from the GGUF ``dasllama convert`` writes (encoder, decoder, tokenizer).
+    ``device`` as for :func:`~dasllama.load_model` (the mel front end stays on the CPU)."""
+    from .llm import resolve_device
+
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"no such model file: {p}")
+    return ASRModel(p, int(n_threads), resolve_device(device))
+
+
+def _detect_language(model: ASRModel) -> Optional[str]:
+    """The language whose token is likeliest after <|startoftranscript|> (the encoder set)."""
+    if not model.multilingual or not model.languages:
+        return None
+    lg = model.decoder.forward(np.array([model.sot], np.int32), 0, False)[0]
+    codes = list(model.languages)
+    ids = np.array([model.languages[c] for c in codes])
+    return codes[int(np.argmax(lg[ids]))]
+
+
+def _segments(model: ASRModel, toks: List[int], offset: float, duration: float, timestamps: bool) -> List[Segment]:
+    tb = model.timestamp_begin
+    if not timestamps:
+        text = model.decode(toks)
+        return [Segment(offset, offset + duration, text, list(toks))] if text.strip() else []
+    segs, start, cur = [], None, []
+    for t in toks:
+        if t >= tb:
+            ts = offset + (t - tb) * TIME_PRECISION
+            if start is None:
+                start = ts
+            elif cur:
+                segs.append(Segment(start, ts, model.decode(cur), cur))
+                start, cur = None, []
+            else:
+                start = ts
+        else:
+            cur.append(t)
+    if cur:  # text after the last timestamp: it runs to the window's end
+        segs.append(Segment(start if start is not None else offset, offset + duration, model.decode(cur), cur))
+    return [s for s in segs if s.text.strip()]
+
+
+def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = None, timestamps: bool = False, *,
+               max_new_tokens: Optional[int] = None) -> Transcript:
+    """The words spoken in ``audio`` (a float32 16 kHz mono array, a path, or an audio file's
+    bytes), greedy. ``language`` (a code such as ``"en"``) is detected on multilingual models
+    when None; English-only models take None or ``"en"``. ``timestamps`` applies whisper's
+    timestamp rules and gives one segment per timestamped stretch (else one per window).
+    ``max_new_tokens`` caps each window's tokens (default: half the decoder's context).
+    """
+    if not isinstance(model, ASRModel):
+        raise TypeError("transcribe takes an ASRModel (load_asr_model)")
+    x = load_audio(audio)
+    if x.size == 0:
+        raise ValueError("audio clip is empty")
+    if not model.multilingual and language not in (None, "en"):
+        raise ValueError(f"this model is English-only; got language {language!r}")
+    if language is not None and model.multilingual and language not in model.languages:
+        raise ValueError(f"unknown language {language!r}")
+    limit = model.n_ctx // 2 if max_new_tokens is None else int(max_new_tokens)
+    if limit <= 0:
+        raise ValueError("max_new_tokens must be positive")
+    with model._lock:
+        rows = encode_audio_rows(model.encoder, x, full_window=True)
+        per = rows.shape[0] // max(1, -(-x.size // WINDOW_SAMPLES))
+        segs: List[Segment] = []
+        lang = language
+        for w in range(0, x.size, WINDOW_SAMPLES):
+            k = w // WINDOW_SAMPLES
+            model.decoder.set_encoder(rows[k * per:(k + 1) * per])
+            if model.multilingual and lang is None:
+                lang = _detect_language(model)
+            prompt = model.prompt(lang, timestamps)
+            toks, _lp, _ns = model.decoder.greedy(
+                prompt, model.suppress, model.begin_suppress, model.eot, min(limit, model.n_ctx - len(prompt)),
+                no_timestamps=model.notimestamps, timestamp_begin=model.timestamp_begin if timestamps else 0,
+                no_speech_id=model.no_speech)
+            dur = min(WINDOW_SAMPLES, x.size - w) / 16000
+            segs += _segments(model, toks, w / 16000, dur, timestamps)
+    text = "".join(s.text for s in segs).strip()
+    return Transcript(text, segs, lang if model.multilingual else "en")
+
+
+__all__ = ["ASRModel", "Segment", "Transcript", "load_asr_model", "transcribe"]
