@@ -349,16 +349,23 @@ GreedyResult WhisperDecoder::greedy(const GreedyOptions& o, int32_t no_speech_id
     throw std::invalid_argument("whisper decoder: timestamp_begin out of range");
   GreedyResult r;
   std::vector<float> lg((size_t)c.vocab);
-  forward(o.prompt.data(), (int64_t)o.prompt.size(), 0, false, lg.data());
-  int64_t pos = (int64_t)o.prompt.size();
+  const int64_t np_ = (int64_t)o.prompt.size();
+  if (no_speech_id >= 0 && no_speech_id < c.vocab) {
+    // The no-speech probability is read where whisper reads it: the distribution after
+    // <|startoftranscript|> (the prompt's first token), before any suppression.
+    std::vector<float> all((size_t)(np_ * c.vocab));
+    forward(o.prompt.data(), np_, 0, true, all.data());
+    const float* l0 = all.data();
+    const float mx = *std::max_element(l0, l0 + c.vocab);
+    double z = 0;
+    for (int i = 0; i < c.vocab; ++i) z += std::exp((double)l0[i] - mx);
+    r.no_speech_prob = (float)(std::exp((double)l0[no_speech_id] - mx) / z);
+    std::copy(all.end() - c.vocab, all.end(), lg.begin());
+  } else {
+    forward(o.prompt.data(), np_, 0, false, lg.data());
+  }
+  int64_t pos = np_;
   for (int step = 0; step < o.max_new; ++step) {
-    if (step == 0 && no_speech_id >= 0 && no_speech_id < c.vocab) {
-      // The no-speech probability reads the first step's raw distribution (as whisper does).
-      const float mx = *std::max_element(lg.begin(), lg.end());
-      double z = 0;
-      for (float v : lg) z += std::exp((double)v - mx);
-      r.no_speech_prob = (float)(std::exp((double)lg[(size_t)no_speech_id] - mx) / z);
-    }
     for (int32_t t : o.suppress)
       if (t >= 0 && t < c.vocab) lg[(size_t)t] = kNegInf;
     if (step == 0)

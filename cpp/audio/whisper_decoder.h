@@ -38,7 +38,7 @@ struct GreedyOptions {
 struct GreedyResult {
   std::vector<int32_t> tokens;  // generated, without the prompt or the end of text
   double sum_logprob = 0;       // of the generated tokens (end of text included), after suppression
-  float no_speech_prob = 0;     // softmax of the first step's logits at no_speech_id (when >= 0)
+  float no_speech_prob = 0;     // P(no_speech_id) after the prompt's first token (<|startoftranscript|>)
 };
 
 class WhisperDecoder {

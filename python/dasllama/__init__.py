@@ -31,7 +31,7 @@ from .audio import (
     log_mel,
 )
 from .audio_io import load_audio
-from .asr import ASRModel, Segment, Transcript, load_asr_model, transcribe
+from .asr import ASRModel, Segment, Transcript, format_transcript, load_asr_model, resolve_asr_model, transcribe
 from .llm import (
     BatchWorkspace,
     KVDtype,
@@ -128,7 +128,7 @@ from .chat import (
 from ._version import __version__
 
 __all__ = [
-    "ASRModel", "Segment", "Transcript", "load_asr_model", "transcribe",
+    "ASRModel", "Segment", "Transcript", "format_transcript", "load_asr_model", "resolve_asr_model", "transcribe",
     "KVDtype", "Model", "ModelConfig", "QuantMode", "SamplingParams", "Session", "Stats",
     "BatchWorkspace", "create_batch_workspace", "eval_batch", "create_session", "decode", "embed", "encode", "eval", "eval_embd", "generate", "load_model",
     "piece", "sample", "set_seed", "stats", "stream_generate",

@@ -123,15 +123,40 @@ class ASRModel:
                 f"multilingual={self.multilingual}, path={os.path.basename(self.path)!r})")
 
 
+def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
+    """The ASR GGUF for a GGUF path, a CTranslate2 whisper directory or a registry name
+    (``whisper-tiny.en``, pulled first): directories are converted on first use, into
+    ``<dir>/model.asr.gguf``, and again whenever their model.bin is newer."""
+    from . import hub
+
+    s = os.fspath(name_or_path)
+    if os.path.isfile(s):
+        return s
+    if not os.path.isdir(s):
+        if s.endswith(".gguf") or os.sep in s:
+            raise FileNotFoundError(f"no such model file: {s}")
+        s = os.fspath(hub.resolve(s))
+        if os.path.isfile(s):
+            return s
+    binf = os.path.join(s, "model.bin")
+    if not os.path.isfile(binf):
+        raise FileNotFoundError(f"{s}: neither a GGUF nor a CTranslate2 whisper directory (no model.bin)")
+    out = os.path.join(s, "model.asr.gguf")
+    if not os.path.isfile(out) or os.path.getmtime(out) < os.path.getmtime(binf):
+        from .convert_asr import convert_ct2_whisper_asr
+
+        convert_ct2_whisper_asr(s, out, progress=progress)
+    return out
+
+
 def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = None) -> ASRModel:
-    """A whisper model from the GGUF ``dasllama convert`` writes (encoder, decoder, tokenizer).
-    ``device`` as for :func:`~dasllama.load_model` (the mel front end stays on the CPU)."""
+    """A whisper model from the GGUF ``dasllama convert`` writes (encoder, decoder, tokenizer),
+    or from a CTranslate2 whisper directory or registry name (``whisper-tiny.en``), converted
+    on first use (see :func:`resolve_asr_model`). ``device`` as for
+    :func:`~dasllama.load_model` (the mel front end stays on the CPU)."""
     from .llm import resolve_device
 
-    p = os.fspath(path)
-    if not os.path.isfile(p):
-        raise FileNotFoundError(f"no such model file: {p}")
-    return ASRModel(p, int(n_threads), resolve_device(device))
+    return ASRModel(resolve_asr_model(path), int(n_threads), resolve_device(device))
 
 
 def _detect_language(model: ASRModel) -> Optional[str]:
@@ -168,12 +193,15 @@ def _segments(model: ASRModel, toks: List[int], offset: float, duration: float, 
 
 
 def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = None, timestamps: bool = False, *,
-               max_new_tokens: Optional[int] = None) -> Transcript:
+               max_new_tokens: Optional[int] = None, no_speech_threshold: Optional[float] = 0.6,
+               logprob_threshold: Optional[float] = -1.0) -> Transcript:
     """The words spoken in ``audio`` (a float32 16 kHz mono array, a path, or an audio file's
     bytes), greedy. ``language`` (a code such as ``"en"``) is detected on multilingual models
     when None; English-only models take None or ``"en"``. ``timestamps`` applies whisper's
     timestamp rules and gives one segment per timestamped stretch (else one per window).
     ``max_new_tokens`` caps each window's tokens (default: half the decoder's context).
+    A window is dropped as silence, as whisper drops it, when its no-speech probability is
+    above ``no_speech_threshold`` and its average log-probability below ``logprob_threshold``.
     """
     if not isinstance(model, ASRModel):
         raise TypeError("transcribe takes an ASRModel (load_asr_model)")
@@ -198,14 +226,42 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
             if model.multilingual and lang is None:
                 lang = _detect_language(model)
             prompt = model.prompt(lang, timestamps)
-            toks, _lp, _ns = model.decoder.greedy(
+            toks, sum_lp, no_speech = model.decoder.greedy(
                 prompt, model.suppress, model.begin_suppress, model.eot, min(limit, model.n_ctx - len(prompt)),
                 no_timestamps=model.notimestamps, timestamp_begin=model.timestamp_begin if timestamps else 0,
                 no_speech_id=model.no_speech)
             dur = min(WINDOW_SAMPLES, x.size - w) / 16000
+            if (no_speech_threshold is not None and no_speech > no_speech_threshold
+                    and (logprob_threshold is None or sum_lp / (len(toks) + 1) < logprob_threshold)):
+                continue
             segs += _segments(model, toks, w / 16000, dur, timestamps)
     text = "".join(s.text for s in segs).strip()
     return Transcript(text, segs, lang if model.multilingual else "en")
 
 
-__all__ = ["ASRModel", "Segment", "Transcript", "load_asr_model", "transcribe"]
+def _stamp(t: float, sep: str) -> str:
+    ms = int(round(t * 1000))
+    return f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+
+
+def format_transcript(t: Transcript, fmt: str = "txt") -> str:
+    """The transcript as plain text, SubRip (srt), WebVTT (vtt) or JSON."""
+    if fmt == "txt":
+        return t.text + "\n"
+    if fmt == "srt":
+        return "".join(f"{i}\n{_stamp(s.start, ',')} --> {_stamp(s.end, ',')}\n{s.text.strip()}\n\n"
+                       for i, s in enumerate(t.segments, 1))
+    if fmt == "vtt":
+        return "WEBVTT\n\n" + "".join(f"{_stamp(s.start, '.')} --> {_stamp(s.end, '.')}\n{s.text.strip()}\n\n"
+                                        for s in t.segments)
+    if fmt == "json":
+        import json
+
+        return json.dumps({"text": t.text, "language": t.language,
+                           "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text,
+                                         "tokens": s.tokens} for s in t.segments]}, ensure_ascii=False) + "\n"
+    raise ValueError(f"unknown format {fmt!r}: txt, srt, vtt or json")
+
+
+__all__ = ["ASRModel", "Segment", "Transcript", "format_transcript", "load_asr_model", "resolve_asr_model",
+           "transcribe"]
