@@ -252,3 +252,18 @@ def test_encoder_only_file_is_refused(tmp_path):
     w.close()
     with pytest.raises(d.UnsupportedModelError, match="no whisper decoder"):
         d.load_asr_model(tmp_path / "enc.gguf")
+
+
+@pytest.mark.parametrize("which", ["speech", "noise"])
+def test_language_detection_equals_transformers(model, hf, clip, which):
+    import torch
+
+    from dasllama.asr import _detect_language
+
+    x = _clip(which, clip)
+    with torch.no_grad():
+        ref = int(hf.detect_language(_features(x))[0])
+    model.decoder.set_encoder(d.encode_audio_rows(model.encoder, x, full_window=True))
+    lang = _detect_language(model)
+    assert model.languages[lang] == ref
+    assert d.transcribe(model, x, max_new_tokens=4).language == lang
