@@ -117,3 +117,33 @@ def test_registry_name_converts_on_first_use(ct2_dir):
     p = d.resolve_asr_model("whisper-tiny.en", progress=False)
     assert p == os.path.join(ct2_dir, "model.asr.gguf") and os.path.isfile(p)
     assert d.resolve_asr_model("whisper-tiny.en") == p  # cached
+
+
+def test_long_clip_follows_timestamps(model, ct2, monkeypatch):
+    """A 50 s clip: windows follow the timestamps (the second starts where the first window's
+    last complete segment ended), and the second window's text is CTranslate2's on that window."""
+    sentences = [JFK, CLIPS["numbers"],
+                 "We choose to go to the moon in this decade, not because it is easy, but because it is hard.",
+                 "Four score and seven years ago our fathers brought forth on this continent a new nation."]
+    pause = np.zeros(16000, np.float32)
+    x = np.concatenate([np.concatenate([speak(s), pause]) for s in sentences * 2])
+    assert len(x) > 45 * 16000
+    import dasllama.asr as asr
+
+    windows = []  # the samples of each window the encoder is given
+    real = asr.encode_audio_rows
+    monkeypatch.setattr(asr, "encode_audio_rows", lambda enc, xs, **kw: (windows.append(len(xs)), real(enc, xs, **kw))[1])
+    t = d.transcribe(model, x)
+    starts = [s.start for s in t.segments]
+    assert starts == sorted(starts) and all(s.end <= len(x) / 16000 + 0.02 for s in t.segments)
+    for word in ("Americans", "moon", "seven years"):
+        assert t.text.count(word) == 2, (word, t.text)
+    assert len(windows) >= 2 and windows[0] == 30 * 16000
+    starts = [len(x) - n for n in windows[1:]]
+    assert starts == sorted(starts) and all(0 < s_ < len(x) and s_ % 320 == 0 for s_ in starts)
+    # Each window's kept text (its complete timestamp pairs) starts CTranslate2's decode of that window.
+    bounds = [0] + starts + [len(x)]
+    for w0, w1 in zip(bounds, bounds[1:]):
+        ref = [i for i in _ct2_tokens(ct2, x[w0:w0 + 30 * 16000], model.prompt(None, True)) if i < model.eot]
+        ours = [i for s in t.segments if w0 / 16000 <= s.start < w1 / 16000 for i in s.tokens]
+        assert ours and ref[:len(ours)] == ours, (w0, w1)

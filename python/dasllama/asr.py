@@ -169,27 +169,44 @@ def _detect_language(model: ASRModel) -> Optional[str]:
     return codes[int(np.argmax(lg[ids]))]
 
 
-def _segments(model: ASRModel, toks: List[int], offset: float, duration: float, timestamps: bool) -> List[Segment]:
-    tb = model.timestamp_begin
+def _split(model: ASRModel, toks: List[int], offset: float, n_samples: int, timestamps: bool):
+    """A window's segments and how many samples to advance, as whisper's transcribe cuts them:
+    text between consecutive timestamp pairs; a window that ends in a single timestamp (or has
+    no pair) is consumed whole, else the next window starts at the last timestamp."""
+    tb, dur = model.timestamp_begin, n_samples / 16000
     if not timestamps:
         text = model.decode(toks)
-        return [Segment(offset, offset + duration, text, list(toks))] if text.strip() else []
-    segs, start, cur = [], None, []
-    for t in toks:
-        if t >= tb:
-            ts = offset + (t - tb) * TIME_PRECISION
-            if start is None:
-                start = ts
-            elif cur:
-                segs.append(Segment(start, ts, model.decode(cur), cur))
-                start, cur = None, []
-            else:
-                start = ts
-        else:
-            cur.append(t)
-    if cur:  # text after the last timestamp: it runs to the window's end
-        segs.append(Segment(start if start is not None else offset, offset + duration, model.decode(cur), cur))
-    return [s for s in segs if s.text.strip()]
+        return ([Segment(offset, offset + dur, text, list(toks))] if text.strip() else []), n_samples
+    is_ts = [t >= tb for t in toks]
+
+    def at(t):
+        return offset + (t - tb) * TIME_PRECISION
+
+    def seg(start, end, part):
+        text_ids = [t for t in part if t < tb]
+        return Segment(start, end, model.decode(text_ids), text_ids)
+
+    single_ending = len(toks) >= 2 and not is_ts[-2] and is_ts[-1]
+    cuts = [i for i in range(1, len(toks)) if is_ts[i - 1] and is_ts[i]]  # inside each timestamp pair
+    segs: List[Segment] = []
+    if cuts:
+        if single_ending:
+            cuts.append(len(toks))
+        last = 0
+        for cur in cuts:
+            part = toks[last:cur]
+            segs.append(seg(at(part[0]), at(part[-1]), part))
+            last = cur
+        # Resume at the last timestamp pair: what follows it is decoded again in the next window.
+        advance = n_samples if single_ending else (toks[last - 1] - tb) * 320
+        if advance <= 0:
+            advance = n_samples
+    else:
+        ts = [t for t in toks if t >= tb]
+        end = at(ts[-1]) if ts and ts[-1] != tb else offset + dur
+        segs.append(seg(offset, end, toks))
+        advance = n_samples
+    return [s for s in segs if s.text.strip()], min(advance, n_samples)
 
 
 def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = None, timestamps: bool = False, *,
@@ -199,6 +216,8 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
     bytes), greedy. ``language`` (a code such as ``"en"``) is detected on multilingual models
     when None; English-only models take None or ``"en"``. ``timestamps`` applies whisper's
     timestamp rules and gives one segment per timestamped stretch (else one per window).
+    Audio longer than 30 s is always decoded with timestamps, in 30 s windows that follow
+    them (the next window starts at the last complete segment's end), as whisper does.
     ``max_new_tokens`` caps each window's tokens (default: half the decoder's context).
     A window is dropped as silence, as whisper drops it, when its no-speech probability is
     above ``no_speech_threshold`` and its average log-probability below ``logprob_threshold``.
@@ -215,26 +234,31 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
     limit = model.n_ctx // 2 if max_new_tokens is None else int(max_new_tokens)
     if limit <= 0:
         raise ValueError("max_new_tokens must be positive")
+    use_ts = timestamps or x.size > WINDOW_SAMPLES
     with model._lock:
-        rows = encode_audio_rows(model.encoder, x, full_window=True)
-        per = rows.shape[0] // max(1, -(-x.size // WINDOW_SAMPLES))
         segs: List[Segment] = []
         lang = language
-        for w in range(0, x.size, WINDOW_SAMPLES):
-            k = w // WINDOW_SAMPLES
-            model.decoder.set_encoder(rows[k * per:(k + 1) * per])
+        seek = 0
+        while seek < x.size:
+            # A short tail (< 0.02 s, one timestamp step) holds nothing to decode.
+            if seek > 0 and x.size - seek < 320:
+                break
+            xs = x[seek:seek + WINDOW_SAMPLES]
+            model.decoder.set_encoder(encode_audio_rows(model.encoder, xs, full_window=True))
             if model.multilingual and lang is None:
                 lang = _detect_language(model)
-            prompt = model.prompt(lang, timestamps)
+            prompt = model.prompt(lang, use_ts)
             toks, sum_lp, no_speech = model.decoder.greedy(
                 prompt, model.suppress, model.begin_suppress, model.eot, min(limit, model.n_ctx - len(prompt)),
-                no_timestamps=model.notimestamps, timestamp_begin=model.timestamp_begin if timestamps else 0,
+                no_timestamps=model.notimestamps, timestamp_begin=model.timestamp_begin if use_ts else 0,
                 no_speech_id=model.no_speech)
-            dur = min(WINDOW_SAMPLES, x.size - w) / 16000
             if (no_speech_threshold is not None and no_speech > no_speech_threshold
                     and (logprob_threshold is None or sum_lp / (len(toks) + 1) < logprob_threshold)):
+                seek += xs.size
                 continue
-            segs += _segments(model, toks, w / 16000, dur, timestamps)
+            found, advance = _split(model, toks, seek / 16000, xs.size, use_ts)
+            segs += found
+            seek += advance
     text = "".join(s.text for s in segs).strip()
     return Transcript(text, segs, lang if model.multilingual else "en")
 
