@@ -147,3 +147,40 @@ def test_long_clip_follows_timestamps(model, ct2, monkeypatch):
         ref = [i for i in _ct2_tokens(ct2, x[w0:w0 + 30 * 16000], model.prompt(None, True)) if i < model.eot]
         ours = [i for s in t.segments if w0 / 16000 <= s.start < w1 / 16000 for i in s.tokens]
         assert ours and ref[:len(ours)] == ours, (w0, w1)
+
+
+class _Recorder:
+    """The model's decoder, recording each window's prompt and greedy tokens."""
+
+    def __init__(self, dec):
+        self._dec, self.calls = dec, []
+
+    def __getattr__(self, name):
+        return getattr(self._dec, name)
+
+    def greedy(self, prompt, *a, **kw):
+        r = self._dec.greedy(prompt, *a, **kw)
+        self.calls.append((list(prompt), list(r[0])))
+        return r
+
+
+def test_long_clip_conditioned_on_previous_text(asr_gguf, ct2, monkeypatch):
+    """With condition_on_previous_text, each window's prompt is <|startofprev|>, the text kept
+    so far, then the usual prompt; the tokens equal CTranslate2's under the same prompt."""
+    import dasllama.asr as asr
+
+    model = d.load_asr_model(asr_gguf)
+    rec = model.decoder = _Recorder(model.decoder)
+    windows = []
+    real = asr.encode_audio_rows
+    monkeypatch.setattr(asr, "encode_audio_rows", lambda enc, xs, **kw: (windows.append(xs), real(enc, xs, **kw))[1])
+    x = np.concatenate([np.concatenate([speak(s), np.zeros(16000, np.float32)]) for s in (JFK, CLIPS["numbers"]) * 3])
+    assert len(x) > 35 * 16000
+    t = d.transcribe(model, x, condition_on_previous_text=True)
+    assert len(rec.calls) == len(windows) >= 2
+    assert rec.calls[0][0] == [50257]
+    for i, ((prompt, ours), xs) in enumerate(zip(rec.calls, windows)):
+        if i:
+            assert prompt[0] == 50360 and prompt[-1] == 50257  # <|startofprev|> ... <|startoftranscript|>
+        assert ours == [j for j in _ct2_tokens(ct2, xs, prompt) if j != model.eot], i
+    assert t.text.count("Americans") == 3

@@ -340,11 +340,13 @@ void WhisperDecoder::step_logits_rules(float* lg, const GreedyOptions& o, const 
   if (ts_logprob > text_logprob) std::fill(lg, lg + tb, kNegInf);
 }
 
-GreedyResult WhisperDecoder::greedy(const GreedyOptions& o, int32_t no_speech_id) {
+GreedyResult WhisperDecoder::greedy(const GreedyOptions& o, int32_t no_speech_id, int sot_index) {
   const WhisperDecoderConfig& c = cfg_;
   if (o.prompt.empty()) throw std::invalid_argument("whisper decoder: empty prompt");
   if ((int64_t)o.prompt.size() + o.max_new > c.n_ctx)
     throw std::invalid_argument("whisper decoder: prompt + max_new exceeds the context of " + std::to_string(c.n_ctx));
+  if (sot_index < 0 || sot_index >= (int)o.prompt.size())
+    throw std::invalid_argument("whisper decoder: sot_index outside the prompt");
   if (o.timestamp_begin > 0 && (o.timestamp_begin >= c.vocab || o.eot < 0 || o.eot >= o.timestamp_begin))
     throw std::invalid_argument("whisper decoder: timestamp_begin out of range");
   GreedyResult r;
@@ -352,10 +354,10 @@ GreedyResult WhisperDecoder::greedy(const GreedyOptions& o, int32_t no_speech_id
   const int64_t np_ = (int64_t)o.prompt.size();
   if (no_speech_id >= 0 && no_speech_id < c.vocab) {
     // The no-speech probability is read where whisper reads it: the distribution after
-    // <|startoftranscript|> (the prompt's first token), before any suppression.
+    // <|startoftranscript|>, before any suppression.
     std::vector<float> all((size_t)(np_ * c.vocab));
     forward(o.prompt.data(), np_, 0, true, all.data());
-    const float* l0 = all.data();
+    const float* l0 = all.data() + (size_t)sot_index * c.vocab;
     const float mx = *std::max_element(l0, l0 + c.vocab);
     double z = 0;
     for (int i = 0; i < c.vocab; ++i) z += std::exp((double)l0[i] - mx);

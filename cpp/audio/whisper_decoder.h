@@ -56,7 +56,9 @@ class WhisperDecoder {
   // Feeds n tokens at positions [pos0, pos0 + n) (the cache keeps rows < pos0 from earlier
   // calls) and writes the logits of the last token, or of all n with all_logits, into out.
   void forward(const int32_t* ids, int64_t n, int64_t pos0, bool all_logits, float* out);
-  GreedyResult greedy(const GreedyOptions& o, int32_t no_speech_id = -1);
+  // no_speech_id >= 0: also the probability of that token after prompt[sot_index]
+  // (<|startoftranscript|>, which follows <|startofprev|> and earlier text when conditioned).
+  GreedyResult greedy(const GreedyOptions& o, int32_t no_speech_id = -1, int sot_index = 0);
 
  private:
   struct Layer {

@@ -67,7 +67,7 @@ void bind_asr(py::module_& m) {
           "greedy",
           [](WhisperDecoder& d, std::vector<int32_t> prompt, std::vector<int32_t> suppress,
              std::vector<int32_t> suppress_begin, int32_t eot, int max_new, int32_t no_timestamps,
-             int32_t timestamp_begin, int max_initial_timestamp, int32_t no_speech_id) {
+             int32_t timestamp_begin, int max_initial_timestamp, int32_t no_speech_id, int sot_index) {
             audio::GreedyOptions o;
             o.prompt = std::move(prompt);
             o.suppress = std::move(suppress);
@@ -80,13 +80,13 @@ void bind_asr(py::module_& m) {
             audio::GreedyResult r;
             {
               py::gil_scoped_release rel;
-              r = d.greedy(o, no_speech_id);
+              r = d.greedy(o, no_speech_id, sot_index);
             }
             return py::make_tuple(r.tokens, r.sum_logprob, r.no_speech_prob);
           },
           py::arg("prompt"), py::arg("suppress"), py::arg("suppress_begin"), py::arg("eot"), py::arg("max_new"),
           py::arg("no_timestamps") = -1, py::arg("timestamp_begin") = 0, py::arg("max_initial_timestamp") = 50,
-          py::arg("no_speech_id") = -1,
+          py::arg("no_speech_id") = -1, py::arg("sot_index") = 0,
           "Greedy tokens after the prompt (without the end of text), their summed log-probability, and the "
           "no-speech probability.");
 }

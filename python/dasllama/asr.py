@@ -79,6 +79,7 @@ class ASRModel:
             raise UnsupportedModelError(f"{path}: whisper metadata missing ({e})") from None
         self.transcribe_id, self.translate_id = sp.get("transcribe", -1), sp.get("translate", -1)
         self.timestamp_begin, self.no_speech = sp.get("timestamp_begin", self.notimestamps + 1), sp.get("no_speech", -1)
+        self.sot_prev = sp.get("sot_prev", -1)
         self.suppress = [int(i) for i in meta.get("whisper.suppress_tokens", [])]
         self.begin_suppress = [int(i) for i in meta.get("whisper.begin_suppress_tokens", [])]
         self.multilingual = bool(meta.get("whisper.multilingual", False))
@@ -176,7 +177,7 @@ def _split(model: ASRModel, toks: List[int], offset: float, n_samples: int, time
     tb, dur = model.timestamp_begin, n_samples / 16000
     if not timestamps:
         text = model.decode(toks)
-        return ([Segment(offset, offset + dur, text, list(toks))] if text.strip() else []), n_samples
+        return ([Segment(offset, offset + dur, text, list(toks))] if text.strip() else []), n_samples, list(toks)
     is_ts = [t >= tb for t in toks]
 
     def at(t):
@@ -199,19 +200,21 @@ def _split(model: ASRModel, toks: List[int], offset: float, n_samples: int, time
             last = cur
         # Resume at the last timestamp pair: what follows it is decoded again in the next window.
         advance = n_samples if single_ending else (toks[last - 1] - tb) * 320
+        kept = list(toks) if single_ending else toks[:last]
         if advance <= 0:
             advance = n_samples
     else:
         ts = [t for t in toks if t >= tb]
         end = at(ts[-1]) if ts and ts[-1] != tb else offset + dur
         segs.append(seg(offset, end, toks))
-        advance = n_samples
-    return [s for s in segs if s.text.strip()], min(advance, n_samples)
+        advance, kept = n_samples, list(toks)
+    return [s for s in segs if s.text.strip()], min(advance, n_samples), kept
 
 
 def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = None, timestamps: bool = False, *,
                max_new_tokens: Optional[int] = None, no_speech_threshold: Optional[float] = 0.6,
-               logprob_threshold: Optional[float] = -1.0) -> Transcript:
+               logprob_threshold: Optional[float] = -1.0, condition_on_previous_text: bool = False,
+               progress: bool = False) -> Transcript:
     """The words spoken in ``audio`` (a float32 16 kHz mono array, a path, or an audio file's
     bytes), greedy. ``language`` (a code such as ``"en"``) is detected on multilingual models
     when None; English-only models take None or ``"en"``. ``timestamps`` applies whisper's
@@ -221,6 +224,10 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
     ``max_new_tokens`` caps each window's tokens (default: half the decoder's context).
     A window is dropped as silence, as whisper drops it, when its no-speech probability is
     above ``no_speech_threshold`` and its average log-probability below ``logprob_threshold``.
+    ``condition_on_previous_text`` puts the text kept so far (after <|startofprev|>, at most
+    half the context) before each window's prompt, as whisper's transcribe does by default;
+    it is off here because without temperature fallback a greedy loop can then repeat itself.
+    ``progress`` shows a bar (seconds of audio) on clips longer than one window.
     """
     if not isinstance(model, ASRModel):
         raise TypeError("transcribe takes an ASRModel (load_asr_model)")
@@ -231,14 +238,22 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
         raise ValueError(f"this model is English-only; got language {language!r}")
     if language is not None and model.multilingual and language not in model.languages:
         raise ValueError(f"unknown language {language!r}")
+    if condition_on_previous_text and model.sot_prev < 0:
+        raise ValueError("this model has no <|startofprev|> token to condition on previous text")
     limit = model.n_ctx // 2 if max_new_tokens is None else int(max_new_tokens)
     if limit <= 0:
         raise ValueError("max_new_tokens must be positive")
     use_ts = timestamps or x.size > WINDOW_SAMPLES
+    bar = None
+    if progress and x.size > WINDOW_SAMPLES:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=round(x.size / 16000, 1), unit="s", desc="transcribe", leave=False)
     with model._lock:
         segs: List[Segment] = []
         lang = language
         seek = 0
+        history: List[int] = []  # tokens kept so far (timestamps included), for conditioning
         while seek < x.size:
             # A short tail (< 0.02 s, one timestamp step) holds nothing to decode.
             if seek > 0 and x.size - seek < 320:
@@ -248,17 +263,28 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
             if model.multilingual and lang is None:
                 lang = _detect_language(model)
             prompt = model.prompt(lang, use_ts)
+            sot_index = 0
+            if condition_on_previous_text and history:
+                prev = [model.sot_prev] + history[-(model.n_ctx // 2 - 1):]
+                prompt, sot_index = prev + prompt, len(prev)
             toks, sum_lp, no_speech = model.decoder.greedy(
                 prompt, model.suppress, model.begin_suppress, model.eot, min(limit, model.n_ctx - len(prompt)),
                 no_timestamps=model.notimestamps, timestamp_begin=model.timestamp_begin if use_ts else 0,
-                no_speech_id=model.no_speech)
+                no_speech_id=model.no_speech, sot_index=sot_index)
             if (no_speech_threshold is not None and no_speech > no_speech_threshold
                     and (logprob_threshold is None or sum_lp / (len(toks) + 1) < logprob_threshold)):
                 seek += xs.size
+                if bar is not None:
+                    bar.update(round(xs.size / 16000, 1))
                 continue
-            found, advance = _split(model, toks, seek / 16000, xs.size, use_ts)
+            found, advance, kept = _split(model, toks, seek / 16000, xs.size, use_ts)
             segs += found
+            history += kept
             seek += advance
+            if bar is not None:
+                bar.update(round(advance / 16000, 1))
+    if bar is not None:
+        bar.close()
     text = "".join(s.text for s in segs).strip()
     return Transcript(text, segs, lang if model.multilingual else "en")
 

@@ -212,7 +212,8 @@ def _cmd_transcribe(args) -> int:
 
     model = load_asr_model(args.model, n_threads=args.threads, device=args.device)
     for f in args.files:
-        t = transcribe(model, f, language=args.language, timestamps=args.timestamps or args.format in ("srt", "vtt"))
+        t = transcribe(model, f, language=args.language, timestamps=args.timestamps or args.format in ("srt", "vtt"),
+                       progress=sys.stderr.isatty())
         if len(args.files) > 1 and args.format == "txt":
             sys.stdout.write(f"{f}: ")
         sys.stdout.write(format_transcript(t, args.format))
