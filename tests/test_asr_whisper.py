@@ -113,10 +113,22 @@ def test_cli_transcribe(asr_gguf, tmp_path, capsys):
     assert srt.startswith("1\n00:00:00,000 --> ") and "fellow Americans" in srt
 
 
-def test_registry_name_converts_on_first_use(ct2_dir):
+def test_registry_name_converts_on_first_use(ct2_dir, tmp_path, monkeypatch):
+    import shutil
+
+    # A private cache holding a copy of the pulled directory: the shared one stays as pulled.
+    home = tmp_path / "home"
+    shutil.copytree(ct2_dir, home / "whisper-tiny.en")
+    monkeypatch.setenv("DASLLAMA_HOME", str(home))
     p = d.resolve_asr_model("whisper-tiny.en", progress=False)
-    assert p == os.path.join(ct2_dir, "model.asr.gguf") and os.path.isfile(p)
-    assert d.resolve_asr_model("whisper-tiny.en") == p  # cached
+    assert p == str(home / "asr" / "whisper-tiny.en.gguf") and os.path.isfile(p)
+    mtime = os.path.getmtime(p)
+    assert d.resolve_asr_model("whisper-tiny.en") == p and os.path.getmtime(p) == mtime  # converted once
+    assert sorted(x.name for x in (home / "whisper-tiny.en").iterdir()) == sorted(os.listdir(ct2_dir))
+    # A CTranslate2 directory of the user's converts into the cache, not beside its files.
+    q = d.resolve_asr_model(home / "whisper-tiny.en", progress=False)
+    assert os.path.dirname(q) == str(home / "asr") and q != p
+    assert d.load_asr_model(q).decoder.config["vocab"] == 51864
 
 
 def test_long_clip_follows_timestamps(model, ct2, monkeypatch):

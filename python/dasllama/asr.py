@@ -126,34 +126,40 @@ class ASRModel:
 
 def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
     """The ASR GGUF for a GGUF path, a CTranslate2 whisper directory or a registry name
-    (``whisper-tiny.en``, pulled first): directories are converted on first use, into
-    ``<dir>/model.asr.gguf``, and again whenever their model.bin is newer."""
+    (``whisper-tiny.en``, pulled first). Directories are converted on first use, and again
+    whenever their model.bin is newer, into the cache (``<home>/asr/``), never beside the
+    source: the hub's directories hold only their artifacts."""
+    import hashlib
+
     from . import hub
 
     s = os.fspath(name_or_path)
     if os.path.isfile(s):
         return s
+    name = None
     if not os.path.isdir(s):
         if s.endswith(".gguf") or os.sep in s:
             raise FileNotFoundError(f"no such model file: {s}")
-        s = os.fspath(hub.resolve(s))
+        name, s = s, os.fspath(hub.resolve(s))
         if os.path.isfile(s):
             return s
     binf = os.path.join(s, "model.bin")
     if not os.path.isfile(binf):
         raise FileNotFoundError(f"{s}: neither a GGUF nor a CTranslate2 whisper directory (no model.bin)")
-    out = os.path.join(s, "model.asr.gguf")
-    if not os.path.isfile(out) or os.path.getmtime(out) < os.path.getmtime(binf):
+    key = name or f"{os.path.basename(os.path.abspath(s))}-{hashlib.sha1(os.path.abspath(s).encode()).hexdigest()[:10]}"
+    out = hub.home() / "asr" / f"{key}.gguf"
+    if not out.is_file() or out.stat().st_mtime < os.path.getmtime(binf):
         from .convert_asr import convert_ct2_whisper_asr
 
+        out.parent.mkdir(parents=True, exist_ok=True)
         convert_ct2_whisper_asr(s, out, progress=progress)
-    return out
+    return os.fspath(out)
 
 
 def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = None) -> ASRModel:
     """A whisper model from the GGUF ``dasllama convert`` writes (encoder, decoder, tokenizer),
     or from a CTranslate2 whisper directory or registry name (``whisper-tiny.en``), converted
-    on first use (see :func:`resolve_asr_model`). ``device`` as for
+    on first use into the cache (see :func:`resolve_asr_model`). ``device`` as for
     :func:`~dasllama.load_model` (the mel front end stays on the CPU)."""
     from .llm import resolve_device
 
