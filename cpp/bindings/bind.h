@@ -16,6 +16,7 @@ void bind_kernels(py::module_& m);
 void bind_kv(py::module_& m);
 void bind_audio(py::module_& m);
 void bind_vision(py::module_& m);
+void bind_asr(py::module_& m);
 void bind_backend(py::module_& m);
 // A DeviceInfo as a dict (system_info, Model.device).
 py::dict device_dict(const DeviceInfo& d);

@@ -13,5 +13,6 @@ PYBIND11_MODULE(_core, m) {
   dl::py_bind::bind_kernels(m);
   dl::py_bind::bind_audio(m);
   dl::py_bind::bind_vision(m);
+  dl::py_bind::bind_asr(m);
   dl::py_bind::bind_backend(m);
 }

@@ -42,6 +42,7 @@ from .vision import (
     load_vision_embedder,
     vision_probe_family,
 )
+from .asr import ASRModel, Segment, Transcript, format_transcript, load_asr_model, resolve_asr_model, transcribe
 from .llm import (
     BatchWorkspace,
     KVDtype,
@@ -142,6 +143,7 @@ from .chat import (
 from ._version import __version__
 
 __all__ = [
+    "ASRModel", "Segment", "Transcript", "format_transcript", "load_asr_model", "resolve_asr_model", "transcribe",
     "KVDtype", "Model", "ModelConfig", "QuantMode", "SamplingParams", "Session", "Stats",
     "BatchWorkspace", "create_batch_workspace", "eval_batch", "create_session", "decode", "embed", "encode", "eval", "eval_embd", "generate", "load_model",
     "piece", "sample", "set_seed", "stats", "stream_generate",

@@ -196,9 +196,27 @@ def _cmd_quantize(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from .convert import convert_ct2_whisper
+    if args.encoder_only:
+        from .convert import convert_ct2_whisper
 
-    print(convert_ct2_whisper(hub.resolve(args.src), args.dst))
+        print(convert_ct2_whisper(hub.resolve(args.src), args.dst))
+    else:
+        from .convert_asr import convert_ct2_whisper_asr
+
+        print(convert_ct2_whisper_asr(hub.resolve(args.src), args.dst))
+    return 0
+
+
+def _cmd_transcribe(args) -> int:
+    from .asr import format_transcript, load_asr_model, transcribe
+
+    model = load_asr_model(args.model, n_threads=args.threads, device=args.device)
+    for f in args.files:
+        t = transcribe(model, f, language=args.language, timestamps=args.timestamps or args.format in ("srt", "vtt"),
+                       progress=sys.stderr.isatty())
+        if len(args.files) > 1 and args.format == "txt":
+            sys.stdout.write(f"{f}: ")
+        sys.stdout.write(format_transcript(t, args.format))
     return 0
 
 
@@ -520,10 +538,22 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("dst")
     sp.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0 or q4_1")
     sp.set_defaults(func=_cmd_quantize)
-    sp = sub.add_parser("convert", help="a whisper CTranslate2 model's encoder -> whisper-encoder mmproj GGUF")
+    sp = sub.add_parser("convert", help="a whisper CTranslate2 model -> one GGUF: encoder (an mmproj audio chat reads), "
+                                         "decoder, tokenizer and special-token ids")
     sp.add_argument("src", metavar="DIR|NAME", help="CTranslate2 model directory, or a registry name (whisper-tiny.en)")
     sp.add_argument("dst")
+    sp.add_argument("--encoder-only", action="store_true", help="only the encoder (a whisper-encoder mmproj)")
     sp.set_defaults(func=_cmd_convert)
+    sp = sub.add_parser("transcribe", help="speech to text with a whisper model (greedy)")
+    sp.add_argument("files", nargs="+", metavar="FILE", help="audio files (WAV / FLAC / MP3 / OGG)")
+    sp.add_argument("--model", default="whisper-tiny.en",
+                    help="ASR GGUF, CTranslate2 whisper directory or registry name (converted on first use)")
+    sp.add_argument("--language", default=None, help="language code (multilingual models; default: detected)")
+    sp.add_argument("--timestamps", action="store_true", help="timestamped segments (implied by srt / vtt)")
+    sp.add_argument("--format", choices=["txt", "srt", "vtt", "json"], default="txt")
+    sp.add_argument("--threads", type=int, default=0)
+    _add_device(sp)
+    sp.set_defaults(func=_cmd_transcribe)
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)")
     sp.add_argument("--model", default=None,
                     help="GGUF path, registry name, hf:ORG/REPO[:QUANT|/FILE.gguf] or ollama:NAME[:TAG]")

@@ -160,14 +160,31 @@ def convert_ct2_whisper(src: Union[str, os.PathLike], dst: Union[str, os.PathLik
     if v["__spec__"] != "WhisperSpec":
         raise DasllamaError(f"{binf}: a {v['__spec__']}, not a whisper model")
 
+    meta, tensors = convert_ct2_whisper_tensors(v, str(binf))
+    dst = Path(dst)
+    tmp = dst.with_name(dst.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_string("general.name", f"whisper encoder from {binf.parent.name}")
+    for k, (kind, val) in meta.items():
+        getattr(w, f"add_{kind}")(k, val)
+    for name, a in _progress(tensors, "convert whisper encoder", progress):
+        w.add_tensor(name, np.ascontiguousarray(a))
+    return _finish(w, tmp, dst)
+
+
+def convert_ct2_whisper_tensors(v: dict, name: str):
+    """The whisper-encoder mmproj's metadata ({key: (kind, value)}) and tensors [(name, array)]
+    from CTranslate2-named variables (also used by convert_asr for whole models)."""
     def get(name):
         if f"encoder/{name}" not in v:
-            raise DasllamaError(f"{binf}: missing encoder/{name}")
+            raise DasllamaError(f"{name}: missing encoder/{name}")
         a = v[f"encoder/{name}"]
         scale = v.get(f"encoder/{name}_scale")
         if a.dtype == np.int8:  # CTranslate2 int8: w = q / scale, one scale per output row
             if scale is None:
-                raise DasllamaError(f"{binf}: int8 encoder/{name} without a scale")
+                raise DasllamaError(f"{name}: int8 encoder/{name} without a scale")
             a = (a.astype(np.float32) / scale.reshape(-1, *([1] * (a.ndim - 1)))).astype(np.float16)
         return a
 
@@ -181,30 +198,13 @@ def convert_ct2_whisper(src: Union[str, os.PathLike], dst: Union[str, os.PathLik
     dim, n_mel = c1w.shape[0], c1w.shape[1]
     heads = int(np.asarray(v.get("encoder/num_heads", 0)).reshape(-1)[0]) if "encoder/num_heads" in v else 0
     if heads <= 0 or dim % heads:
-        raise DasllamaError(f"{binf}: encoder/num_heads {heads} does not divide width {dim}")
+        raise DasllamaError(f"{name}: encoder/num_heads {heads} does not divide width {dim}")
     n_layers = 0
     while f"encoder/layer_{n_layers}/self_attention/linear_0/weight" in v:
         n_layers += 1
     ffn = get("layer_0/ffn/linear_0/weight").shape[0] if n_layers else 0
     if n_layers == 0:
-        raise DasllamaError(f"{binf}: no encoder layers")
-
-    dst = Path(dst)
-    tmp = dst.with_name(dst.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_string("general.name", f"whisper encoder from {binf.parent.name}")
-    w.add_bool("clip.has_vision_encoder", False)
-    w.add_bool("clip.has_audio_encoder", True)
-    w.add_string("clip.projector_type", "whisper")
-    w.add_uint32("clip.audio.projection_dim", dim)
-    w.add_uint32("clip.audio.embedding_length", dim)
-    w.add_uint32("clip.audio.feed_forward_length", ffn)
-    w.add_uint32("clip.audio.block_count", n_layers)
-    w.add_uint32("clip.audio.attention.head_count", heads)
-    w.add_uint32("clip.audio.num_mel_bins", n_mel)
-    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+        raise DasllamaError(f"{name}: no encoder layers")
 
     tensors = [
         ("a.conv1d.1.weight", c1w.astype(np.float16)), ("a.conv1d.1.bias", f32(get("conv1/bias"))[:, None]),
@@ -216,7 +216,7 @@ def convert_ct2_whisper(src: Union[str, os.PathLike], dst: Union[str, os.PathLik
         p = f"layer_{il}/"
         qkv, qkv_b = get(p + "self_attention/linear_0/weight"), f32(get(p + "self_attention/linear_0/bias"))
         if qkv.shape != (3 * dim, dim) or qkv_b.shape != (3 * dim,):
-            raise DasllamaError(f"{binf}: layer {il} fused QKV has shape {qkv.shape}")
+            raise DasllamaError(f"{name}: layer {il} fused QKV has shape {qkv.shape}")
         b = f"a.blk.{il}."
         tensors += [
             (b + "attn_q.weight", mat(qkv[:dim])), (b + "attn_q.bias", qkv_b[:dim]),
@@ -235,6 +235,11 @@ def convert_ct2_whisper(src: Union[str, os.PathLike], dst: Union[str, os.PathLik
         ]
         if np.any(qkv_b[dim:2 * dim] != 0):
             tensors.append((b + "attn_k.bias", qkv_b[dim:2 * dim]))
-    for name, a in _progress(tensors, "convert whisper encoder", progress):
-        w.add_tensor(name, np.ascontiguousarray(a))
-    return _finish(w, tmp, dst)
+    meta = {
+        "clip.has_vision_encoder": ("bool", False), "clip.has_audio_encoder": ("bool", True),
+        "clip.projector_type": ("string", "whisper"), "clip.audio.projection_dim": ("uint32", dim),
+        "clip.audio.embedding_length": ("uint32", dim), "clip.audio.feed_forward_length": ("uint32", ffn),
+        "clip.audio.block_count": ("uint32", n_layers), "clip.audio.attention.head_count": ("uint32", heads),
+        "clip.audio.num_mel_bins": ("uint32", n_mel), "clip.audio.attention.layer_norm_epsilon": ("float32", 1e-5),
+    }
+    return meta, tensors

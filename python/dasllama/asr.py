@@ -1,0 +1,323 @@
+"""Speech recognition: whisper models (encoder + decoder + tokenizer in one GGUF, as
+``dasllama convert`` writes them) and ``transcribe``. Not audio chat (``audio.py`` and the
+chat layer): this decodes text with whisper's own decoder.
+
+Greedy decoding with whisper's prompt (start of transcript, language and task on
+multilingual models, then no-timestamps or the timestamp rules) and its token suppression;
+the decode loop runs in C++ (``_core.WhisperDecoder.greedy``). Audio longer than 30 s is cut
+into consecutive 30 s windows decoded independently (no timestamp-driven seeking and no
+temperature fallback yet). A model may be shared by threads; decodes on one model are
+serialized.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+import numpy as np
+
+from . import _core
+from ._core import UnsupportedModelError
+from .audio import AudioEmbedder, encode_audio_rows
+from .audio_io import AudioInput, load_audio
+
+PathLike = Union[str, "os.PathLike[str]"]
+WINDOW_SAMPLES = 30 * 16000
+TIME_PRECISION = 0.02  # seconds per timestamp token
+
+
+@dataclass
+class Segment:
+    """A stretch of the transcript: start and end in seconds from the clip's start."""
+    start: float
+    end: float
+    text: str
+    tokens: List[int] = field(default_factory=list)
+
+
+@dataclass
+class Transcript:
+    text: str
+    segments: List[Segment]
+    language: Optional[str] = None
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level alphabet inverted: the printable char each byte was mapped to -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _byte_decoder()
+
+
+class ASRModel:
+    """A whisper model for transcription: the encoder, the decoder and the vocabulary."""
+
+    def __init__(self, path: str, n_threads: int, device: str):
+        from .gguf import GGUFFile
+
+        if not _core.WhisperDecoder.probe(path):
+            raise UnsupportedModelError(
+                f"{path}: no whisper decoder in this file (an encoder-only mmproj?); convert the whole model with "
+                "`dasllama convert` (dasllama.convert_asr)")
+        meta = GGUFFile(path).metadata
+        try:
+            self.tokens: List[str] = list(meta["tokenizer.ggml.tokens"])
+            sp = {k.split(".")[-1]: int(v) for k, v in meta.items() if k.startswith("whisper.token.")}
+            self.eot, self.sot, self.notimestamps = sp["eot"], sp["sot"], sp["notimestamps"]
+        except KeyError as e:
+            raise UnsupportedModelError(f"{path}: whisper metadata missing ({e})") from None
+        self.transcribe_id, self.translate_id = sp.get("transcribe", -1), sp.get("translate", -1)
+        self.timestamp_begin, self.no_speech = sp.get("timestamp_begin", self.notimestamps + 1), sp.get("no_speech", -1)
+        self.sot_prev = sp.get("sot_prev", -1)
+        self.suppress = [int(i) for i in meta.get("whisper.suppress_tokens", [])]
+        self.begin_suppress = [int(i) for i in meta.get("whisper.begin_suppress_tokens", [])]
+        self.multilingual = bool(meta.get("whisper.multilingual", False))
+        self.languages = {str(c): int(i) for c, i in zip(meta.get("whisper.languages", []),
+                                                          meta.get("whisper.language_tokens", []))}
+        self.encoder = AudioEmbedder(_core.AudioEncoder(path, n_threads, device))
+        self.decoder = _core.WhisperDecoder(path, n_threads, device)
+        c = self.decoder.config
+        if self.encoder.proj_dim != c["dim"]:
+            raise UnsupportedModelError(f"{path}: encoder rows of {self.encoder.proj_dim} for a decoder of {c['dim']}")
+        if len(self.tokens) != c["vocab"]:
+            raise UnsupportedModelError(f"{path}: {len(self.tokens)} tokens for an embedding of {c['vocab']} rows")
+        self.n_ctx: int = c["n_ctx"]
+        self.path = path
+        self._lock = threading.Lock()
+
+    def decode(self, ids) -> str:
+        """Text of token ids; special tokens (end of text and above) are dropped."""
+        b = bytearray()
+        for i in ids:
+            if 0 <= int(i) < self.eot:
+                b += bytes(_BYTES.get(ch, 32) for ch in self.tokens[int(i)])
+        return b.decode("utf-8", "replace")
+
+    def prompt(self, language: Optional[str], timestamps: bool, task: str = "transcribe") -> List[int]:
+        """Whisper's forced prompt."""
+        p = [self.sot]
+        if self.multilingual:
+            if language is None or language not in self.languages:
+                raise ValueError(f"unknown language {language!r}; this model knows {sorted(self.languages)}")
+            tid = self.transcribe_id if task == "transcribe" else self.translate_id
+            if tid < 0:
+                raise ValueError(f"this model has no {task} token")
+            p += [self.languages[language], tid]
+        if not timestamps:
+            p.append(self.notimestamps)
+        return p
+
+    def __repr__(self) -> str:
+        c = self.decoder.config
+        return (f"ASRModel(layers={self.encoder.n_layers}+{c['n_layers']}, dim={c['dim']}, vocab={c['vocab']}, "
+                f"multilingual={self.multilingual}, path={os.path.basename(self.path)!r})")
+
+
+def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
+    """The ASR GGUF for a GGUF path, a CTranslate2 whisper directory or a registry name
+    (``whisper-tiny.en``, pulled first). Directories are converted on first use, and again
+    whenever their model.bin is newer, into the cache (``<home>/asr/``), never beside the
+    source: the hub's directories hold only their artifacts."""
+    import hashlib
+
+    from . import hub
+
+    s = os.fspath(name_or_path)
+    if os.path.isfile(s):
+        return s
+    name = None
+    if not os.path.isdir(s):
+        if s.endswith(".gguf") or os.sep in s:
+            raise FileNotFoundError(f"no such model file: {s}")
+        name, s = s, os.fspath(hub.resolve(s))
+        if os.path.isfile(s):
+            return s
+    binf = os.path.join(s, "model.bin")
+    if not os.path.isfile(binf):
+        raise FileNotFoundError(f"{s}: neither a GGUF nor a CTranslate2 whisper directory (no model.bin)")
+    key = name or f"{os.path.basename(os.path.abspath(s))}-{hashlib.sha1(os.path.abspath(s).encode()).hexdigest()[:10]}"
+    out = hub.home() / "asr" / f"{key}.gguf"
+    if not out.is_file() or out.stat().st_mtime < os.path.getmtime(binf):
+        from .convert_asr import convert_ct2_whisper_asr
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert_ct2_whisper_asr(s, out, progress=progress)
+    return os.fspath(out)
+
+
+def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = None) -> ASRModel:
+    """A whisper model from the GGUF ``dasllama convert`` writes (encoder, decoder, tokenizer),
+    or from a CTranslate2 whisper directory or registry name (``whisper-tiny.en``), converted
+    on first use into the cache (see :func:`resolve_asr_model`). ``device`` as for
+    :func:`~dasllama.load_model` (the mel front end stays on the CPU)."""
+    from .llm import resolve_device
+
+    return ASRModel(resolve_asr_model(path), int(n_threads), resolve_device(device))
+
+
+def _detect_language(model: ASRModel) -> Optional[str]:
+    """The language whose token is likeliest after <|startoftranscript|> (the encoder set)."""
+    if not model.multilingual or not model.languages:
+        return None
+    lg = model.decoder.forward(np.array([model.sot], np.int32), 0, False)[0]
+    codes = list(model.languages)
+    ids = np.array([model.languages[c] for c in codes])
+    return codes[int(np.argmax(lg[ids]))]
+
+
+def _split(model: ASRModel, toks: List[int], offset: float, n_samples: int, timestamps: bool):
+    """A window's segments and how many samples to advance, as whisper's transcribe cuts them:
+    text between consecutive timestamp pairs; a window that ends in a single timestamp (or has
+    no pair) is consumed whole, else the next window starts at the last timestamp."""
+    tb, dur = model.timestamp_begin, n_samples / 16000
+    if not timestamps:
+        text = model.decode(toks)
+        return ([Segment(offset, offset + dur, text, list(toks))] if text.strip() else []), n_samples, list(toks)
+    is_ts = [t >= tb for t in toks]
+
+    def at(t):
+        return offset + (t - tb) * TIME_PRECISION
+
+    def seg(start, end, part):
+        text_ids = [t for t in part if t < tb]
+        return Segment(start, end, model.decode(text_ids), text_ids)
+
+    single_ending = len(toks) >= 2 and not is_ts[-2] and is_ts[-1]
+    cuts = [i for i in range(1, len(toks)) if is_ts[i - 1] and is_ts[i]]  # inside each timestamp pair
+    segs: List[Segment] = []
+    if cuts:
+        if single_ending:
+            cuts.append(len(toks))
+        last = 0
+        for cur in cuts:
+            part = toks[last:cur]
+            segs.append(seg(at(part[0]), at(part[-1]), part))
+            last = cur
+        # Resume at the last timestamp pair: what follows it is decoded again in the next window.
+        advance = n_samples if single_ending else (toks[last - 1] - tb) * 320
+        kept = list(toks) if single_ending else toks[:last]
+        if advance <= 0:
+            advance = n_samples
+    else:
+        ts = [t for t in toks if t >= tb]
+        end = at(ts[-1]) if ts and ts[-1] != tb else offset + dur
+        segs.append(seg(offset, end, toks))
+        advance, kept = n_samples, list(toks)
+    return [s for s in segs if s.text.strip()], min(advance, n_samples), kept
+
+
+def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = None, timestamps: bool = False, *,
+               max_new_tokens: Optional[int] = None, no_speech_threshold: Optional[float] = 0.6,
+               logprob_threshold: Optional[float] = -1.0, condition_on_previous_text: bool = False,
+               progress: bool = False) -> Transcript:
+    """The words spoken in ``audio`` (a float32 16 kHz mono array, a path, or an audio file's
+    bytes), greedy. ``language`` (a code such as ``"en"``) is detected on multilingual models
+    when None; English-only models take None or ``"en"``. ``timestamps`` applies whisper's
+    timestamp rules and gives one segment per timestamped stretch (else one per window).
+    Audio longer than 30 s is always decoded with timestamps, in 30 s windows that follow
+    them (the next window starts at the last complete segment's end), as whisper does.
+    ``max_new_tokens`` caps each window's tokens (default: half the decoder's context).
+    A window is dropped as silence, as whisper drops it, when its no-speech probability is
+    above ``no_speech_threshold`` and its average log-probability below ``logprob_threshold``.
+    ``condition_on_previous_text`` puts the text kept so far (after <|startofprev|>, at most
+    half the context) before each window's prompt, as whisper's transcribe does by default;
+    it is off here because without temperature fallback a greedy loop can then repeat itself.
+    ``progress`` shows a bar (seconds of audio) on clips longer than one window.
+    """
+    if not isinstance(model, ASRModel):
+        raise TypeError("transcribe takes an ASRModel (load_asr_model)")
+    x = load_audio(audio)
+    if x.size == 0:
+        raise ValueError("audio clip is empty")
+    if not model.multilingual and language not in (None, "en"):
+        raise ValueError(f"this model is English-only; got language {language!r}")
+    if language is not None and model.multilingual and language not in model.languages:
+        raise ValueError(f"unknown language {language!r}")
+    if condition_on_previous_text and model.sot_prev < 0:
+        raise ValueError("this model has no <|startofprev|> token to condition on previous text")
+    limit = model.n_ctx // 2 if max_new_tokens is None else int(max_new_tokens)
+    if limit <= 0:
+        raise ValueError("max_new_tokens must be positive")
+    use_ts = timestamps or x.size > WINDOW_SAMPLES
+    bar = None
+    if progress and x.size > WINDOW_SAMPLES:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=round(x.size / 16000, 1), unit="s", desc="transcribe", leave=False)
+    with model._lock:
+        segs: List[Segment] = []
+        lang = language
+        seek = 0
+        history: List[int] = []  # tokens kept so far (timestamps included), for conditioning
+        while seek < x.size:
+            # A short tail (< 0.02 s, one timestamp step) holds nothing to decode.
+            if seek > 0 and x.size - seek < 320:
+                break
+            xs = x[seek:seek + WINDOW_SAMPLES]
+            model.decoder.set_encoder(encode_audio_rows(model.encoder, xs, full_window=True))
+            if model.multilingual and lang is None:
+                lang = _detect_language(model)
+            prompt = model.prompt(lang, use_ts)
+            sot_index = 0
+            if condition_on_previous_text and history:
+                prev = [model.sot_prev] + history[-(model.n_ctx // 2 - 1):]
+                prompt, sot_index = prev + prompt, len(prev)
+            toks, sum_lp, no_speech = model.decoder.greedy(
+                prompt, model.suppress, model.begin_suppress, model.eot, min(limit, model.n_ctx - len(prompt)),
+                no_timestamps=model.notimestamps, timestamp_begin=model.timestamp_begin if use_ts else 0,
+                no_speech_id=model.no_speech, sot_index=sot_index)
+            if (no_speech_threshold is not None and no_speech > no_speech_threshold
+                    and (logprob_threshold is None or sum_lp / (len(toks) + 1) < logprob_threshold)):
+                seek += xs.size
+                if bar is not None:
+                    bar.update(round(xs.size / 16000, 1))
+                continue
+            found, advance, kept = _split(model, toks, seek / 16000, xs.size, use_ts)
+            segs += found
+            history += kept
+            seek += advance
+            if bar is not None:
+                bar.update(round(advance / 16000, 1))
+    if bar is not None:
+        bar.close()
+    text = "".join(s.text for s in segs).strip()
+    return Transcript(text, segs, lang if model.multilingual else "en")
+
+
+def _stamp(t: float, sep: str) -> str:
+    ms = int(round(t * 1000))
+    return f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+
+
+def format_transcript(t: Transcript, fmt: str = "txt") -> str:
+    """The transcript as plain text, SubRip (srt), WebVTT (vtt) or JSON."""
+    if fmt == "txt":
+        return t.text + "\n"
+    if fmt == "srt":
+        return "".join(f"{i}\n{_stamp(s.start, ',')} --> {_stamp(s.end, ',')}\n{s.text.strip()}\n\n"
+                       for i, s in enumerate(t.segments, 1))
+    if fmt == "vtt":
+        return "WEBVTT\n\n" + "".join(f"{_stamp(s.start, '.')} --> {_stamp(s.end, '.')}\n{s.text.strip()}\n\n"
+                                        for s in t.segments)
+    if fmt == "json":
+        import json
+
+        return json.dumps({"text": t.text, "language": t.language,
+                           "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text,
+                                         "tokens": s.tokens} for s in t.segments]}, ensure_ascii=False) + "\n"
+    raise ValueError(f"unknown format {fmt!r}: txt, srt, vtt or json")
+
+
+__all__ = ["ASRModel", "Segment", "Transcript", "format_transcript", "load_asr_model", "resolve_asr_model",
+           "transcribe"]
