@@ -56,16 +56,12 @@ def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) ->
         assert e <= 1e-12, f"a ragged step's session against itself alone: NMSE {e:.3g}"
 
 
-def moe_family(tmp_dir: str, name: str, device: str) -> None:
-    """A mixture-of-experts family (tests/oracles/moe.py's random file: routing, matmul_id, moe_sum;
-    gpt-oss's MXFP4 experts, sinks and clamped SwiGLU) on the device: all-row logits of the f32 and
-    q8_0 files in fp32 mode against the CPU in fp32 mode and a few greedy tokens alike, then the
-    paged / prefix-cache / ragged-batch checks. The q8_0 file in the default q8 mode too: a device
-    rounds activations for fewer matmuls than the CPU's q8 mode does (CUDA for its split dense
-    layouts, not for expert stacks), so its logits must be no farther from fp32 than the CPU's q8
-    mode's are."""
-    import moe as M  # tests/oracles/moe.py
-
+def family_logits(path_of, name: str, device: str) -> None:
+    """A family's random files on the device: all-row logits of the f32 and q8_0 files in fp32
+    mode against the CPU in fp32 mode and a few greedy tokens alike; the q8_0 file in the default
+    q8 mode too. A device rounds activations for fewer matmuls than the CPU's q8 mode does (CUDA
+    for its split dense layouts, not for expert stacks or the recurrent ops), so its logits must
+    be no farther from fp32 than the CPU's q8 mode's are. path_of(ft) writes the file."""
     ids = [1] + np.random.default_rng(5).integers(3, 512, 30).tolist()
 
     def run(path, mode, dev):
@@ -80,7 +76,7 @@ def moe_family(tmp_dir: str, name: str, device: str) -> None:
         return rows, toks
 
     for ft in ("f32", "q8_0"):
-        path = M.random_gguf(name, f"{tmp_dir}/{name}-{ft}.gguf", ft)
+        path = path_of(ft)
         ref_rows, ref_toks = run(path, d.QuantMode.fp32, "cpu")
         dev_rows, dev_toks = run(path, d.QuantMode.fp32, device)
         e = nmse(dev_rows, ref_rows)
@@ -91,34 +87,30 @@ def moe_family(tmp_dir: str, name: str, device: str) -> None:
             dev_q8 = nmse(run(path, d.QuantMode.q8, device)[0], ref_rows)
             assert cpu_q8 > LOGIT_BAR, "the CPU's q8 mode should round activations"
             assert dev_q8 <= cpu_q8, f"{name} q8 mode on {device}: NMSE {dev_q8:.3g} > the CPU's {cpu_q8:.3g}"
-        paged_prefix_cache_and_ragged_batch(path, device, ids)
+
+
+def moe_family(tmp_dir: str, name: str, device: str) -> None:
+    """A mixture-of-experts family (tests/oracles/moe.py's random file: routing, matmul_id, moe_sum;
+    gpt-oss's MXFP4 experts, sinks and clamped SwiGLU) on the device: family_logits, then the
+    paged / prefix-cache / ragged-batch checks on each file."""
+    import moe as M  # tests/oracles/moe.py
+
+    ids = [1] + np.random.default_rng(5).integers(3, 512, 30).tolist()
+    family_logits(lambda ft: M.random_gguf(name, f"{tmp_dir}/{name}-{ft}.gguf", ft), name, device)
+    for ft in ("f32", "q8_0"):
+        paged_prefix_cache_and_ragged_batch(f"{tmp_dir}/{name}-{ft}.gguf", device, ids)
 
 
 def hybrid_family(tmp_dir: str, name: str, device: str) -> None:
     """A hybrid family (tests/oracles/hybrid.py's random Qwen3.5 file: conv1d_causal, delta_rule,
-    the output-gated attention) on the device: all-row logits of the f32 file (fp32 mode) and of the
-    q8_0 file (default mode) against the CPU in fp32 mode, greedy tokens alike; then a prefix-cache
+    the output-gated attention) on the device: family_logits; then a prefix-cache
     hit (pages and the state snapshot at their end) against the cold prompt, and a ragged step
     (sessions with their own recurrent states) against each session alone."""
     import hybrid as H  # tests/oracles/hybrid.py
 
     ids = [1] + np.random.default_rng(5).integers(3, 512, 30).tolist()
-    for ft, mode in (("f32", d.QuantMode.fp32), ("q8_0", d.QuantMode.q8)):
-        path = H.random_gguf(name, f"{tmp_dir}/{name}-{ft}.gguf", ft)
-        runs = []
-        for model in (d.load_model(path, d.QuantMode.fp32), d.load_model(path, mode, device=device)):
-            s = d.create_session(model, d.KVDtype.f32, n_ctx=64)
-            d.eval(model, s, ids, all_logits=True)
-            rows = np.array(s.logits)
-            toks = []
-            for _ in range(6):
-                toks.append(int(np.argmax(np.asarray(s.logits).reshape(-1, 512)[-1])))
-                d.eval(model, s, [toks[-1]])
-            runs.append((rows, toks))
-        (ref_rows, ref_toks), (dev_rows, dev_toks) = runs
-        e = nmse(dev_rows, ref_rows)
-        assert e <= LOGIT_BAR, f"{name} {ft} on {device}: NMSE {e:.3g}"
-        assert dev_toks == ref_toks, f"{name} {ft} on {device}: greedy tokens differ"
+    family_logits(lambda ft: H.random_gguf(name, f"{tmp_dir}/{name}-{ft}.gguf", ft), name, device)
+    path = f"{tmp_dir}/{name}-q8_0.gguf"
     m = d.load_model(path, d.QuantMode.fp32, device=device)
     pool = d.create_kv_pool(m, page_rows=8)
     cache = d.create_prefix_cache()
