@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "core/errors.h"
+#include "encoder/tensors.h"
 #include "quant/quant.h"
 #include "quant/types.h"
 
@@ -16,78 +17,18 @@ namespace dl::audio {
 
 namespace {
 
-std::string shape_str(const gguf::TensorInfo& t) {
-  std::string s;
-  for (auto d : t.ne) s += (s.empty() ? "" : "x") + std::to_string(d);
-  return s;
-}
-
-const gguf::TensorInfo& need(const gguf::File& f, const std::string& name) {
-  const gguf::TensorInfo* t = f.find_tensor(name);
-  if (!t) throw UnsupportedModelError("audio tower: missing tensor '" + name + "'");
-  return *t;
-}
-
-// A 1-D parameter (bias, norm) of exactly n elements, whatever its nominal shape.
+constexpr const char* kWhat = "audio tower";
+using encoder::meta_int;
+using encoder::shape_str;
+const gguf::TensorInfo& need(const gguf::File& f, const std::string& name) { return encoder::need(f, name, kWhat); }
 std::vector<float> vec(const gguf::File& f, const std::string& name, int64_t n, bool required = true) {
-  const gguf::TensorInfo* t = f.find_tensor(name);
-  if (!t) {
-    if (required) throw UnsupportedModelError("audio tower: missing tensor '" + name + "'");
-    return {};
-  }
-  if (t->n_elements() != n)
-    throw UnsupportedModelError("audio tower: tensor '" + name + "' has shape " + shape_str(*t) + ", expected " +
-                                std::to_string(n) + " elements");
-  const TypeTraits* tt = type_traits(t->type);
-  if (!tt || !tt->dequantizable || n % tt->block_size != 0)
-    throw UnsupportedModelError("audio tower: tensor '" + name + "' has unsupported type " + (tt ? tt->name : "?"));
-  std::vector<float> v((size_t)n);
-  dequantize_row(t->type, f.tensor_data(*t), v.data(), n);
-  return v;
+  return encoder::vec(f, name, n, kWhat, required);
 }
-
-// A matrix of `rows` rows of `cols` (either -1: any). A 3-D conv kernel [k, c_in, c_out]
-// reads as c_out rows of k * c_in, which is the im2col order below.
 Weight mat(const gguf::File& f, const std::string& name, int64_t rows, int64_t cols, bool required = true) {
-  const gguf::TensorInfo* t = f.find_tensor(name);
-  if (!t) {
-    if (required) throw UnsupportedModelError("audio tower: missing tensor '" + name + "'");
-    return {};
-  }
-  int64_t r = 0, c = 0;
-  if (t->ne.size() == 2) {
-    c = t->ne[0];
-    r = t->ne[1];
-  } else if (t->ne.size() == 3) {
-    c = t->ne[0] * t->ne[1];
-    r = t->ne[2];
-  }
-  if (r <= 0 || c <= 0 || (rows >= 0 && r != rows) || (cols >= 0 && c != cols))
-    throw UnsupportedModelError("audio tower: tensor '" + name + "' has shape " + shape_str(*t) + ", expected " +
-                                (cols >= 0 ? std::to_string(cols) : "*") + "x" +
-                                (rows >= 0 ? std::to_string(rows) : "*"));
-  const TypeTraits* tt = type_traits(t->type);
-  if (!tt || !tt->dequantizable || c % tt->block_size != 0)
-    throw UnsupportedModelError("audio tower: tensor '" + name + "' has unsupported type " + (tt ? tt->name : "?") +
-                                " for rows of " + std::to_string(c));
-  Weight w;
-  w.type = t->type;
-  w.rows = r;
-  w.cols = c;
-  w.row_bytes = (size_t)type_nbytes(t->type, c);
-  w.host = f.tensor_data(*t);
-  return w;
+  return encoder::mat(f, name, rows, cols, kWhat, required);
 }
 
 std::string blk(int il, const char* s) { return "a.blk." + std::to_string(il) + "." + s; }
-
-int meta_int(const gguf::File& f, const std::string& key, int def) {
-  const gguf::Value* v = f.find(key);
-  if (!v) return def;
-  const int64_t x = v->as_int();
-  if (x < 0 || x > (1 << 20)) throw GGUFError("metadata '" + key + "' out of range: " + std::to_string(x));
-  return (int)x;
-}
 
 }  // namespace
 
@@ -219,29 +160,9 @@ void AudioEncoder::load_weights() {
   if (n_layers == 0) throw UnsupportedModelError("audio tower: no encoder blocks (a.blk.0.attn_q.weight)");
   c.n_layers = n_layers;
   layers_.resize(n_layers);
-  for (int il = 0; il < n_layers; ++il) {
-    EncoderLayer& L = layers_[il];
-    L.ln1_w = upload_vec(*backend_, vec(f, blk(il, "ln1.weight"), d), "audio tower");
-    L.ln1_b = upload_vec(*backend_, vec(f, blk(il, "ln1.bias"), d), "audio tower");
-    L.ln2_w = upload_vec(*backend_, vec(f, blk(il, "ln2.weight"), d), "audio tower");
-    L.ln2_b = upload_vec(*backend_, vec(f, blk(il, "ln2.bias"), d), "audio tower");
-    L.wq = mat(f, blk(il, "attn_q.weight"), d, d);
-    L.wk = mat(f, blk(il, "attn_k.weight"), d, d);
-    L.wv = mat(f, blk(il, "attn_v.weight"), d, d);
-    L.wo = mat(f, blk(il, "attn_out.weight"), d, d);
-    L.bq = upload_vec(*backend_, vec(f, blk(il, "attn_q.bias"), d), "audio tower");
-    L.bk = upload_vec(*backend_, vec(f, blk(il, "attn_k.bias"), d, false), "audio tower");  // whisper has none
-    L.bv = upload_vec(*backend_, vec(f, blk(il, "attn_v.bias"), d), "audio tower");
-    L.bo = upload_vec(*backend_, vec(f, blk(il, "attn_out.bias"), d), "audio tower");
-    L.w_up = mat(f, blk(il, "ffn_up.weight"), il == 0 ? -1 : c.ffn_dim, d);
-    if (il == 0) {
-      if (L.w_up.rows > 1 << 18) throw UnsupportedModelError("audio tower: ffn width out of range");
-      c.ffn_dim = (int)L.w_up.rows;
-    }
-    L.w_down = mat(f, blk(il, "ffn_down.weight"), d, c.ffn_dim);
-    L.b_up = upload_vec(*backend_, vec(f, blk(il, "ffn_up.bias"), c.ffn_dim), "audio tower");
-    L.b_down = upload_vec(*backend_, vec(f, blk(il, "ffn_down.bias"), d), "audio tower");
-  }
+  int64_t ffn = -1;  // the first block's width, then every block's
+  for (int il = 0; il < n_layers; ++il) layers_[il] = encoder::load_layer(*backend_, f, blk(il, ""), d, ffn, kWhat);
+  c.ffn_dim = (int)ffn;
   if (f.find_tensor(blk(n_layers, "ln1.weight")) || f.find_tensor(blk(n_layers + 1, "attn_q.weight")))
     throw UnsupportedModelError("audio tower: block " + std::to_string(n_layers) + " is incomplete");
 

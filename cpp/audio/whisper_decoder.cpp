@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "core/errors.h"
+#include "encoder/tensors.h"
 #include "quant/quant.h"
 #include "quant/types.h"
 
@@ -15,48 +16,16 @@ namespace dl::audio {
 
 namespace {
 
-std::string shape_str(const gguf::TensorInfo& t) {
-  std::string s;
-  for (auto d : t.ne) s += (s.empty() ? "" : "x") + std::to_string(d);
-  return s;
-}
-
 const char* kWhat = "whisper decoder";
-
-// A 1-D parameter of exactly n elements (empty when absent and not required).
+using encoder::shape_str;
 std::vector<float> vec(const gguf::File& f, const std::string& name, int64_t n, bool required = true) {
-  const gguf::TensorInfo* t = f.find_tensor(name);
-  if (!t) {
-    if (required) throw UnsupportedModelError("whisper decoder: missing tensor '" + name + "'");
-    return {};
-  }
-  const TypeTraits* tt = type_traits(t->type);
-  if (t->n_elements() != n || !tt || !tt->dequantizable || n % tt->block_size != 0)
-    throw UnsupportedModelError("whisper decoder: tensor '" + name + "' has shape " + shape_str(*t) + " or type " +
-                                (tt ? tt->name : "?") + ", expected " + std::to_string(n) + " floats");
-  std::vector<float> v((size_t)n);
-  dequantize_row(t->type, f.tensor_data(*t), v.data(), n);
-  return v;
+  return encoder::vec(f, name, n, kWhat, required);
 }
-
-// A matrix of `rows` rows of `cols` (rows -1: any).
+// A matrix of `rows` rows (-1: any) of `cols`, computed with f32 activations: the references
+// run in float32.
 Weight mat(const gguf::File& f, const std::string& name, int64_t rows, int64_t cols) {
-  const gguf::TensorInfo* t = f.find_tensor(name);
-  if (!t) throw UnsupportedModelError("whisper decoder: missing tensor '" + name + "'");
-  if (t->ne.size() != 2 || t->ne[0] != cols || t->ne[1] <= 0 || (rows >= 0 && t->ne[1] != rows))
-    throw UnsupportedModelError("whisper decoder: tensor '" + name + "' has shape " + shape_str(*t) + ", expected " +
-                                std::to_string(cols) + "x" + (rows >= 0 ? std::to_string(rows) : "*"));
-  const TypeTraits* tt = type_traits(t->type);
-  if (!tt || !tt->dequantizable || cols % tt->block_size != 0)
-    throw UnsupportedModelError("whisper decoder: tensor '" + name + "' has unsupported type " +
-                                (tt ? tt->name : "?"));
-  Weight w;
-  w.type = t->type;
-  w.rows = t->ne[1];
-  w.cols = cols;
-  w.row_bytes = (size_t)type_nbytes(t->type, cols);
-  w.host = f.tensor_data(*t);
-  w.exact = true;  // f32 activations: the references run in float32
+  Weight w = encoder::mat(f, name, rows, cols, kWhat);
+  w.exact = true;
   return w;
 }
 
@@ -117,22 +86,13 @@ void WhisperDecoder::load_weights() {
   c.n_layers = n_layers;
   layers_.resize(n_layers);
   auto up = [&](const std::vector<float>& v) { return upload_vec(be, v, kWhat); };
+  int64_t ffn = -1;  // the first block's width, then every block's
   for (int il = 0; il < n_layers; ++il) {
     Layer& L = layers_[il];
-    L.ln1_w = up(vec(f, blk(il, "ln1.weight"), d));
-    L.ln1_b = up(vec(f, blk(il, "ln1.bias"), d));
+    static_cast<encoder::Layer&>(L) = encoder::load_layer(be, f, blk(il, ""), d, ffn, kWhat);
+    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_up, &L.w_down}) w->exact = true;  // as mat() below
     L.lnx_w = up(vec(f, blk(il, "ln_cross.weight"), d));
     L.lnx_b = up(vec(f, blk(il, "ln_cross.bias"), d));
-    L.ln2_w = up(vec(f, blk(il, "ln2.weight"), d));
-    L.ln2_b = up(vec(f, blk(il, "ln2.bias"), d));
-    L.wq = mat(f, blk(il, "attn_q.weight"), d, d);
-    L.wk = mat(f, blk(il, "attn_k.weight"), d, d);
-    L.wv = mat(f, blk(il, "attn_v.weight"), d, d);
-    L.wo = mat(f, blk(il, "attn_out.weight"), d, d);
-    L.bq = up(vec(f, blk(il, "attn_q.bias"), d));
-    L.bk = up(vec(f, blk(il, "attn_k.bias"), d, false));  // whisper's keys have no bias
-    L.bv = up(vec(f, blk(il, "attn_v.bias"), d));
-    L.bo = up(vec(f, blk(il, "attn_out.bias"), d));
     L.xq = mat(f, blk(il, "cross_q.weight"), d, d);
     L.xk = mat(f, blk(il, "cross_k.weight"), d, d);
     L.xv = mat(f, blk(il, "cross_v.weight"), d, d);
@@ -141,15 +101,8 @@ void WhisperDecoder::load_weights() {
     L.xbk = up(vec(f, blk(il, "cross_k.bias"), d, false));
     L.xbv = up(vec(f, blk(il, "cross_v.bias"), d));
     L.xbo = up(vec(f, blk(il, "cross_out.bias"), d));
-    L.w_up = mat(f, blk(il, "ffn_up.weight"), il == 0 ? -1 : c.ffn_dim, d);
-    if (il == 0) {
-      if (L.w_up.rows > 1 << 18) throw UnsupportedModelError("whisper decoder: ffn width out of range");
-      c.ffn_dim = (int)L.w_up.rows;
-    }
-    L.w_down = mat(f, blk(il, "ffn_down.weight"), d, c.ffn_dim);
-    L.b_up = up(vec(f, blk(il, "ffn_up.bias"), c.ffn_dim));
-    L.b_down = up(vec(f, blk(il, "ffn_down.bias"), d));
   }
+  c.ffn_dim = (int)ffn;
   std::vector<Weight*> mats = {&tok_out_};
   for (Layer& L : layers_)
     for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.xq, &L.xk, &L.xv, &L.xo, &L.w_up, &L.w_down}) mats.push_back(w);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "encoder/blocks.h"
 #include "gguf/gguf.h"
 
 namespace dl::audio {
@@ -61,9 +62,9 @@ class WhisperDecoder {
   GreedyResult greedy(const GreedyOptions& o, int32_t no_speech_id = -1, int sot_index = 0);
 
  private:
-  struct Layer {
-    Vec ln1_w, ln1_b, lnx_w, lnx_b, ln2_w, ln2_b, bq, bk, bv, bo, xbq, xbk, xbv, xbo, b_up, b_down;
-    Weight wq, wk, wv, wo, xq, xk, xv, xo, w_up, w_down;
+  struct Layer : encoder::Layer {  // the encoder block's weights, plus cross-attention's
+    Vec lnx_w, lnx_b, xbq, xbk, xbv, xbo;
+    Weight xq, xk, xv, xo;
   };
   WhisperDecoder() = default;
   void load_weights();

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "core/errors.h"
+#include "encoder/tensors.h"
 #include "quant/quant.h"
 #include "quant/types.h"
 
@@ -17,67 +18,17 @@ namespace dl::vision {
 
 namespace {
 
-std::string shape_str(const gguf::TensorInfo& t) {
-  std::string s;
-  for (auto d : t.ne) s += (s.empty() ? "" : "x") + std::to_string(d);
-  return s;
-}
-
-const TypeTraits* float_type(const gguf::TensorInfo& t, int64_t cols) {
-  const TypeTraits* tt = type_traits(t.type);
-  if (!tt || !tt->dequantizable || cols % tt->block_size != 0)
-    throw UnsupportedModelError("vision tower: tensor '" + t.name + "' has unsupported type " + (tt ? tt->name : "?"));
-  return tt;
-}
-
+constexpr const char* kWhat = "vision tower";
+using encoder::meta_int;
+using encoder::shape_str;
 std::vector<float> vec(const gguf::File& f, const std::string& name, int64_t n, bool required = true) {
-  const gguf::TensorInfo* t = f.find_tensor(name);
-  if (!t) {
-    if (required) throw UnsupportedModelError("vision tower: missing tensor '" + name + "'");
-    return {};
-  }
-  if (t->n_elements() != n)
-    throw UnsupportedModelError("vision tower: tensor '" + name + "' has shape " + shape_str(*t) + ", expected " +
-                                std::to_string(n) + " elements");
-  float_type(*t, n);
-  std::vector<float> v((size_t)n);
-  dequantize_row(t->type, f.tensor_data(*t), v.data(), n);
-  return v;
+  return encoder::vec(f, name, n, kWhat, required);
 }
-
-// A matrix of `rows` rows of `cols` (-1: any); a tensor of more dims reads its last dim as
-// rows and the others, flattened, as columns (the patch conv [p, p, 3, dim]).
 Weight mat(const gguf::File& f, const std::string& name, int64_t rows, int64_t cols) {
-  const gguf::TensorInfo* t = f.find_tensor(name);
-  if (!t) throw UnsupportedModelError("vision tower: missing tensor '" + name + "'");
-  if (t->ne.size() < 2 || t->ne.size() > 4)
-    throw UnsupportedModelError("vision tower: tensor '" + name + "' has shape " + shape_str(*t));
-  int64_t c = 1;
-  for (size_t i = 0; i + 1 < t->ne.size(); ++i) c *= t->ne[i];
-  const int64_t r = t->ne.back();
-  if (r <= 0 || c <= 0 || r > (1 << 20) || c > (1 << 20) || (rows >= 0 && r != rows) || (cols >= 0 && c != cols))
-    throw UnsupportedModelError("vision tower: tensor '" + name + "' has shape " + shape_str(*t) + ", expected " +
-                                (cols >= 0 ? std::to_string(cols) : "*") + "x" +
-                                (rows >= 0 ? std::to_string(rows) : "*"));
-  float_type(*t, c);
-  Weight w;
-  w.type = t->type;
-  w.rows = r;
-  w.cols = c;
-  w.row_bytes = (size_t)type_nbytes(t->type, c);
-  w.host = f.tensor_data(*t);
-  return w;
+  return encoder::mat(f, name, rows, cols, kWhat);
 }
 
 std::string blk(int il, const char* s) { return "v.blk." + std::to_string(il) + "." + s; }
-
-int meta_int(const gguf::File& f, const std::string& key, int def) {
-  const gguf::Value* v = f.find(key);
-  if (!v) return def;
-  const int64_t x = v->as_int();
-  if (x < 0 || x > (1 << 20)) throw GGUFError("metadata '" + key + "' out of range: " + std::to_string(x));
-  return (int)x;
-}
 
 std::optional<std::string> projector_type(const gguf::File& f) {
   if (f.find("clip.vision.projector_type")) return f.get_string("clip.vision.projector_type");
@@ -201,27 +152,10 @@ void VisionEncoder::load_weights() {
   if (n_layers == 0) throw UnsupportedModelError("vision tower: no encoder blocks (v.blk.0.attn_q.weight)");
   c.n_layers = n_layers;
   layers_.resize(n_layers);
-  auto up = [&](const std::string& name, int64_t n) { return upload_vec(*backend_, vec(f, name, n), "vision tower"); };
-  for (int il = 0; il < n_layers; ++il) {
-    VitLayer& L = layers_[il];
-    L.ln1_w = up(blk(il, "ln1.weight"), d);
-    L.ln1_b = up(blk(il, "ln1.bias"), d);
-    L.ln2_w = up(blk(il, "ln2.weight"), d);
-    L.ln2_b = up(blk(il, "ln2.bias"), d);
-    L.wq = mat(f, blk(il, "attn_q.weight"), d, d);
-    L.wk = mat(f, blk(il, "attn_k.weight"), d, d);
-    L.wv = mat(f, blk(il, "attn_v.weight"), d, d);
-    L.wo = mat(f, blk(il, "attn_out.weight"), d, d);
-    L.bq = up(blk(il, "attn_q.bias"), d);
-    L.bk = up(blk(il, "attn_k.bias"), d);
-    L.bv = up(blk(il, "attn_v.bias"), d);
-    L.bo = up(blk(il, "attn_out.bias"), d);
-    L.w_up = mat(f, blk(il, "ffn_up.weight"), il == 0 ? -1 : c.ffn_dim, d);
-    if (il == 0) c.ffn_dim = (int)L.w_up.rows;
-    L.w_down = mat(f, blk(il, "ffn_down.weight"), d, c.ffn_dim);
-    L.b_up = up(blk(il, "ffn_up.bias"), c.ffn_dim);
-    L.b_down = up(blk(il, "ffn_down.bias"), d);
-  }
+  auto up = [&](const std::string& name, int64_t n) { return upload_vec(*backend_, vec(f, name, n), kWhat); };
+  int64_t ffn = -1;  // the first block's width, then every block's
+  for (int il = 0; il < n_layers; ++il) layers_[il] = encoder::load_layer(*backend_, f, blk(il, ""), d, ffn, kWhat);
+  c.ffn_dim = (int)ffn;
   if (f.find_tensor(blk(n_layers, "ln1.weight")) || f.find_tensor(blk(n_layers + 1, "attn_q.weight")))
     throw UnsupportedModelError("vision tower: block " + std::to_string(n_layers) + " is incomplete");
 
@@ -239,7 +173,7 @@ void VisionEncoder::load_weights() {
         throw UnsupportedModelError("vision tower: mm.input_projection.weight must be [" + std::to_string(d) +
                                     "][text width]" + (t ? ", got " + shape_str(*t) : ", missing"));
       const int64_t D = t->ne[0];
-      float_type(*t, D);
+      encoder::check_float_type(*t, D, kWhat);
       std::vector<float> src((size_t)(D * d));
       dequantize_row(t->type, f.tensor_data(*t), src.data(), D * d);
       auto owned = std::make_shared<std::vector<uint8_t>>((size_t)(D * d) * 4);
