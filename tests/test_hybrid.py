@@ -19,6 +19,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dasllama as d  # noqa: E402
+import _family as F  # noqa: E402
 from dasllama.chat import turns  # noqa: E402
 import torch  # noqa: E402  (the oracle; never skipped)
 
@@ -34,25 +35,6 @@ def hybrid_models(tmp_path_factory, smollm2_path):
     out = str(tmp_path_factory.mktemp("hybrid-gguf"))
     tok = M.tokenizer(str(smollm2_path))
     return {name: H.build(name, tok, out) for name in H.FAMILIES}
-
-
-def _ids(n, vocab, seed=0):
-    return [1] + np.random.default_rng(seed).integers(3, vocab, n - 1).tolist()
-
-
-def _ours_logits(model, ids, kv=d.KVDtype.f32):
-    s = d.create_session(model, kv, n_ctx=len(ids) + 8)
-    d.eval(model, s, ids, all_logits=True)
-    return np.array(s.logits).reshape(len(ids), -1)
-
-
-def _prefill_decode(model, s, ids, n_first):
-    d.eval(model, s, ids[:n_first], all_logits=True)
-    out = [np.array(s.logits).reshape(n_first, -1)]
-    for t in ids[n_first:]:
-        d.eval(model, s, [t])
-        out.append(np.array(s.logits)[None])
-    return np.concatenate(out)
 
 
 def test_converter_layout(hybrid_models):
@@ -77,8 +59,8 @@ def test_fp32_logits_match_transformers(hybrid_models, name):
     hf, paths = hybrid_models[name]
     m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
     assert m.arch == name
-    ids = _ids(41, hf.config.vocab_size)
-    a, b = _ours_logits(m, ids), M.hf_logits(hf, ids)
+    ids = F.ids(41, hf.config.vocab_size)
+    a, b = F.ours_logits(m, ids), M.hf_logits(hf, ids)
     err = float(np.abs(a - b).max())
     print(f"{name}: max |Δlogit| {err:.2e} (|logit| up to {np.abs(b).max():.2f})")
     assert err < FP32_BAR
@@ -92,12 +74,12 @@ def test_every_isa(hybrid_models, isa):
     d.set_isa(isa)
     try:
         hf, paths = hybrid_models["qwen35"]
-        ids = _ids(25, hf.config.vocab_size, seed=4)
+        ids = F.ids(25, hf.config.vocab_size, seed=4)
         m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
-        assert float(np.abs(_ours_logits(m, ids) - M.hf_logits(hf, ids)).max()) < FP32_BAR, isa
+        assert float(np.abs(F.ours_logits(m, ids) - M.hf_logits(hf, ids)).max()) < FP32_BAR, isa
         q = d.load_model(paths["q8_0"])
-        flat = _prefill_decode(q, d.create_session(q, d.KVDtype.f32, n_ctx=64), ids, 3)
-        assert np.array_equal(flat, _ours_logits(q, ids)), isa
+        flat = F.prefill_decode(q, d.create_session(q, d.KVDtype.f32, n_ctx=64), ids, 3)
+        assert np.array_equal(flat, F.ours_logits(q, ids)), isa
     finally:
         d.set_isa(before)
 
@@ -106,7 +88,7 @@ def test_every_isa(hybrid_models, isa):
 def test_fp32_greedy_tokens_match_transformers(hybrid_models, name):
     hf, paths = hybrid_models[name]
     m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
-    prompt = _ids(9, hf.config.vocab_size, seed=1)
+    prompt = F.ids(9, hf.config.vocab_size, seed=1)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
@@ -123,11 +105,11 @@ def test_decode_paged_and_flat_equal_one_prefill(hybrid_models, name, mode, ft):
     of 4 rows (the recurrent layers take no pages: the pool's geometry has the attention layers only)."""
     hf, paths = hybrid_models[name]
     m = d.load_model(paths[ft], mode=mode)
-    ids = _ids(33, hf.config.vocab_size, seed=2)
-    one = _ours_logits(m, ids)
-    flat = _prefill_decode(m, d.create_session(m, d.KVDtype.f32, n_ctx=64), ids, 5)
+    ids = F.ids(33, hf.config.vocab_size, seed=2)
+    one = F.ours_logits(m, ids)
+    flat = F.prefill_decode(m, d.create_session(m, d.KVDtype.f32, n_ctx=64), ids, 5)
     pool = d.create_kv_pool(m, page_rows=4, kv_dtype=d.KVDtype.f32, max_pages=32)
-    paged = _prefill_decode(m, d.create_session(m, pool), ids, 5)
+    paged = F.prefill_decode(m, d.create_session(m, pool), ids, 5)
     assert np.array_equal(flat, one)
     assert np.array_equal(paged, one)
 
@@ -137,27 +119,7 @@ def test_batched_equals_alone(hybrid_models, mode, ft):
     """Sessions stepped together (one prefilling chunks in the same steps) keep their own recurrent
     state: each gets its own logits, bitwise."""
     hf, paths = hybrid_models["qwen35"]
-    m = d.load_model(paths[ft], mode=mode)
-    V = hf.config.vocab_size
-    prompts = [_ids(n, V, seed=10 + n) for n in (3, 7, 12)]
-    late = _ids(20, V, seed=99)
-    chunks = [late[i:i + 6] for i in range(0, len(late), 6)]
-    pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32)
-    ss = [d.create_session(m, pool) for _ in range(4)]
-    for s, p in zip(ss, prompts):
-        d.eval(m, s, p)
-    ws = d.create_batch_workspace(m)
-    for step in range(len(chunks) + 3):
-        group = [int(np.argmax(s.logits)) for s in ss[:3]]
-        group.append(chunks[step] if step < len(chunks) else int(np.argmax(ss[3].logits)))
-        ref = []
-        for s, t in zip(ss, group):
-            c = d.create_session(m, d.KVDtype.f32, n_ctx=64)
-            d.eval(m, c, list(s.history) + ([t] if isinstance(t, int) else list(t)))
-            ref.append(np.array(c.logits))
-        d.eval_batch(m, ws, ss, group)
-        for s, r in zip(ss, ref):
-            assert np.array_equal(np.array(s.logits), r)
+    F.batched_equals_alone(d.load_model(paths[ft], mode=mode), hf.config.vocab_size)
 
 
 def test_rewind_only_where_state_is_kept(hybrid_models):
@@ -165,7 +127,7 @@ def test_rewind_only_where_state_is_kept(hybrid_models):
     put; elsewhere it says so, and rewind_point names where it can go."""
     hf, paths = hybrid_models["qwen35"]
     m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
-    ids = _ids(12, hf.config.vocab_size, seed=5)
+    ids = F.ids(12, hf.config.vocab_size, seed=5)
     s = d.create_session(m, d.KVDtype.f32, n_ctx=32)
     d.eval(m, s, ids)
     assert s.rewind_point(12) == 12 and s.rewind_point(7) == 0
@@ -174,7 +136,7 @@ def test_rewind_only_where_state_is_kept(hybrid_models):
     assert s.n_past == 12
     s.truncate(0)
     d.eval(m, s, ids)
-    assert np.array_equal(np.array(s.logits), _ours_logits(m, ids)[-1])
+    assert np.array_equal(np.array(s.logits), F.ours_logits(m, ids)[-1])
 
 
 # -- the recurrent state in the prefix cache and across chat turns --------------------------------------
@@ -192,14 +154,14 @@ def test_prefix_cache_hit_restores_the_state(hybrid_models):
     hf, paths = hybrid_models["qwen35"]
     m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
     V = hf.config.vocab_size
-    prompt = _ids(30, V, seed=7)
+    prompt = F.ids(30, V, seed=7)
     pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32, max_pages=64)
     cache = d.create_prefix_cache()
     a = d.create_session(m, pool)
     d.eval(m, a, prompt)
     d.prefix_insert(cache, pool, a, a.history)
     assert cache.states_held == 1  # the boundary at 24 (the prefill's end, 30, is not a page's)
-    longer = prompt + _ids(9, V, seed=8)[1:]
+    longer = prompt + F.ids(9, V, seed=8)[1:]
     b = d.create_session(m, pool)
     assert d.prefix_attach(cache, pool, b, longer) == 24
     d.eval(m, b, longer[24:])
@@ -222,7 +184,7 @@ def test_snapshot_budget(hybrid_models):
     cache.max_states = 2
     for seed in range(4):
         s = d.create_session(m, pool)
-        d.eval(m, s, _ids(10, hf.config.vocab_size, seed=20 + seed))
+        d.eval(m, s, F.ids(10, hf.config.vocab_size, seed=20 + seed))
         d.prefix_insert(cache, pool, s, s.history)
         d.release_kv_pages(s)
         assert cache.states_held == min(seed + 1, 2)
@@ -275,7 +237,7 @@ def test_truncate_to_a_snapshot(hybrid_models):
     does when a reply re-renders differently) and continues as a cold prefill would."""
     hf, paths = hybrid_models["qwen35"]
     m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
-    ids = _ids(14, hf.config.vocab_size, seed=11)
+    ids = F.ids(14, hf.config.vocab_size, seed=11)
     s = d.create_session(m, d.KVDtype.f32, n_ctx=40)
     d.eval(m, s, ids)
     for t in (5, 6, 7):
@@ -373,7 +335,7 @@ def test_batched_prefill_snapshots_for_the_cache(hybrid_models):
     hf, paths = hybrid_models["qwen35"]
     m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
     V = hf.config.vocab_size
-    prompt, other = _ids(30, V, seed=12), _ids(5, V, seed=13)
+    prompt, other = F.ids(30, V, seed=12), F.ids(5, V, seed=13)
     pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32)
     cache = d.create_prefix_cache()
     a, b = d.create_session(m, pool), d.create_session(m, pool)

@@ -25,6 +25,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dasllama as d  # noqa: E402
+import _family as F  # noqa: E402
 from dasllama.chat import turns  # noqa: E402
 import torch  # noqa: E402,F401  (the oracle; never skipped)
 
@@ -43,32 +44,13 @@ def moe_models(tmp_path_factory, smollm2_path):
     return {name: M.build(name, tok, out) for name in FAMILIES}
 
 
-def _ids(n, vocab, seed=0):
-    return [1] + np.random.default_rng(seed).integers(3, vocab, n - 1).tolist()
-
-
-def _ours_logits(model, ids, kv=d.KVDtype.f32):
-    s = d.create_session(model, kv, n_ctx=len(ids) + 8)
-    d.eval(model, s, ids, all_logits=True)
-    return np.array(s.logits).reshape(len(ids), -1)
-
-
-def _prefill_decode(model, s, ids, n_first):
-    d.eval(model, s, ids[:n_first], all_logits=True)
-    out = [np.array(s.logits).reshape(n_first, -1)]
-    for t in ids[n_first:]:
-        d.eval(model, s, [t])
-        out.append(np.array(s.logits)[None])
-    return np.concatenate(out)
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_fp32_logits_match_transformers(moe_models, name):
     hf, paths = moe_models[name]
     m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
     assert m.arch == name
-    ids = _ids(41, hf.config.vocab_size)
-    a, b = _ours_logits(m, ids), M.hf_logits(hf, ids)
+    ids = F.ids(41, hf.config.vocab_size)
+    a, b = F.ours_logits(m, ids), M.hf_logits(hf, ids)
     err = float(np.abs(a - b).max())
     print(f"{name}: max |Δlogit| {err:.2e} (|logit| up to {np.abs(b).max():.2f})")
     assert err < FP32_BAR
@@ -84,12 +66,12 @@ def test_every_isa(moe_models, isa):
     try:
         for name in FAMILIES:
             hf, paths = moe_models[name]
-            ids = _ids(25, hf.config.vocab_size, seed=4)
+            ids = F.ids(25, hf.config.vocab_size, seed=4)
             m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
-            assert float(np.abs(_ours_logits(m, ids) - M.hf_logits(hf, ids)).max()) < FP32_BAR, (isa, name)
+            assert float(np.abs(F.ours_logits(m, ids) - M.hf_logits(hf, ids)).max()) < FP32_BAR, (isa, name)
             q = d.load_model(paths["q8_0"])
-            flat = _prefill_decode(q, d.create_session(q, d.KVDtype.f32, n_ctx=64), ids, 3)
-            assert np.array_equal(flat, _ours_logits(q, ids)), (isa, name)
+            flat = F.prefill_decode(q, d.create_session(q, d.KVDtype.f32, n_ctx=64), ids, 3)
+            assert np.array_equal(flat, F.ours_logits(q, ids)), (isa, name)
     finally:
         d.set_isa(before)
 
@@ -98,7 +80,7 @@ def test_every_isa(moe_models, isa):
 def test_fp32_greedy_tokens_match_transformers(moe_models, name):
     hf, paths = moe_models[name]
     m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
-    prompt = _ids(9, hf.config.vocab_size, seed=1)
+    prompt = F.ids(9, hf.config.vocab_size, seed=1)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
@@ -116,11 +98,11 @@ def test_decode_paged_and_flat_equal_one_prefill(moe_models, name, mode, ft):
     expert), bitwise, flat and through pages of 4 rows."""
     hf, paths = moe_models[name]
     m = d.load_model(paths[ft], mode=mode)
-    ids = _ids(33, hf.config.vocab_size, seed=2)
-    one = _ours_logits(m, ids)
-    flat = _prefill_decode(m, d.create_session(m, d.KVDtype.f32, n_ctx=64), ids, 5)
+    ids = F.ids(33, hf.config.vocab_size, seed=2)
+    one = F.ours_logits(m, ids)
+    flat = F.prefill_decode(m, d.create_session(m, d.KVDtype.f32, n_ctx=64), ids, 5)
     pool = d.create_kv_pool(m, page_rows=4, kv_dtype=d.KVDtype.f32, max_pages=32)
-    paged = _prefill_decode(m, d.create_session(m, pool), ids, 5)
+    paged = F.prefill_decode(m, d.create_session(m, pool), ids, 5)
     assert np.array_equal(flat, one)
     assert np.array_equal(paged, one)
 
@@ -131,27 +113,7 @@ def test_batched_equals_alone(moe_models, name, mode, ft):
     """Sessions stepped together (one prefilling a chunk in the same steps, so experts see tokens of
     several sessions at once) give each session's own logits, bitwise."""
     hf, paths = moe_models[name]
-    m = d.load_model(paths[ft], mode=mode)
-    V = hf.config.vocab_size
-    prompts = [_ids(n, V, seed=10 + n) for n in (3, 7, 12)]
-    late = _ids(20, V, seed=99)
-    chunks = [late[i:i + 6] for i in range(0, len(late), 6)]
-    pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32)
-    ss = [d.create_session(m, pool) for _ in range(4)]
-    for s, p in zip(ss, prompts):
-        d.eval(m, s, p)
-    ws = d.create_batch_workspace(m)
-    for step in range(len(chunks) + 3):
-        group = [int(np.argmax(s.logits)) for s in ss[:3]]
-        group.append(chunks[step] if step < len(chunks) else int(np.argmax(ss[3].logits)))
-        ref = []
-        for s, t in zip(ss, group):
-            c = d.create_session(m, d.KVDtype.f32, n_ctx=64)
-            d.eval(m, c, list(s.history) + ([t] if isinstance(t, int) else list(t)))
-            ref.append(np.array(c.logits))
-        d.eval_batch(m, ws, ss, group)
-        for s, r in zip(ss, ref):
-            assert np.array_equal(np.array(s.logits), r)
+    F.batched_equals_alone(d.load_model(paths[ft], mode=mode), hf.config.vocab_size)
 
 
 def test_gpt_oss_mxfp4_in_place_q8(moe_models):
@@ -175,8 +137,8 @@ def test_gpt_oss_mxfp4_in_place_q8(moe_models):
         if "_exps" in t.name:
             assert t.tensor_type == GT.MXFP4, t.name
     assert m._m.weight_bytes == want
-    ids = _ids(41, hf.config.vocab_size)
-    a, b = _ours_logits(m, ids), M.hf_logits(hf, ids)
+    ids = F.ids(41, hf.config.vocab_size)
+    a, b = F.ours_logits(m, ids), M.hf_logits(hf, ids)
     err = np.abs(a - b).max(1)
     print(f"q8: per-row max |Δlogit| median {np.median(err):.3g}, max {err.max():.3g}; "
           f"top-1 agreement {(a.argmax(1) == b.argmax(1)).mean():.3f}")
