@@ -134,7 +134,7 @@ float* WhisperDecoder::buf(int i, int64_t floats) {
 
 void WhisperDecoder::set_encoder(const float* rows, int64_t n_enc) {
   if (n_enc <= 0 || n_enc > (1 << 16)) throw std::invalid_argument("whisper decoder: encoder rows out of range");
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   Backend& be = *backend_;
   const int64_t d = cfg_.dim;
   float* enc = buf(B_ENC, n_enc * d);
@@ -155,6 +155,7 @@ void WhisperDecoder::set_encoder(const float* rows, int64_t n_enc) {
 }
 
 void WhisperDecoder::forward(const int32_t* ids, int64_t n, int64_t pos0, bool all_logits, float* out) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   const WhisperDecoderConfig& c = cfg_;
   if (n_enc_ == 0) throw std::logic_error("whisper decoder: set_encoder first");
   if (n <= 0 || pos0 < 0 || pos0 + n > c.n_ctx)
@@ -294,6 +295,7 @@ void WhisperDecoder::step_logits_rules(float* lg, const GreedyOptions& o, const 
 }
 
 GreedyResult WhisperDecoder::greedy(const GreedyOptions& o, int32_t no_speech_id, int sot_index) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   const WhisperDecoderConfig& c = cfg_;
   if (o.prompt.empty()) throw std::invalid_argument("whisper decoder: empty prompt");
   if ((int64_t)o.prompt.size() + o.max_new > c.n_ctx)

@@ -74,7 +74,9 @@ class WhisperDecoder {
   std::shared_ptr<gguf::File> file_;
   std::shared_ptr<Backend> backend_;
   WhisperDecoderConfig cfg_;
-  std::mutex mu_;  // one decode at a time: the caches and scratch below are shared
+  // One call at a time (set_encoder, forward, greedy, which calls forward): the caches and
+  // scratch below are shared.
+  std::recursive_mutex mu_;
   Weight tok_rows_, tok_out_;  // the one table: read by get_rows, and as the tied output matmul
   Vec pos_emb_, out_w_, out_b_;
   std::vector<Layer> layers_;
