@@ -37,6 +37,8 @@ __device__ __forceinline__ float kv_elem(const uint8_t* r, int d) {
 template <int KT, int NI>
 __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok,
                                                      int splits, float* __restrict__ part) {
+  pdl_wait();
+  pdl_trigger();
   const int s = blockIdx.x, h = blockIdx.y;
   const int64_t z = blockIdx.z;
   const AttnArgs a = dargs ? dargs[z / maxtok] : a0;
@@ -155,6 +157,8 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs
 // One block per (head, token): merges the splits' partial states.
 __global__ void attn_combine_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok, int splits,
                                const float* __restrict__ part) {
+  pdl_wait();
+  pdl_trigger();
   const int h = blockIdx.x;
   const int64_t z = blockIdx.y;
   const AttnArgs a = dargs ? dargs[z / maxtok] : a0;
@@ -211,11 +215,15 @@ __device__ __forceinline__ void kv_store_row(const KVView& kv, int64_t first, co
 
 __global__ void kv_store_k(KVView kv, int64_t first, const float* __restrict__ k, const float* __restrict__ v,
                            int64_t src_stride, int64_t dim) {
+  pdl_wait();
+  pdl_trigger();
   kv_store_row(kv, first, k, v, src_stride, dim);
 }
 
 // Several sessions' stores in one launch: descriptor blockIdx.z, row blockIdx.x.
 __global__ void kv_store_group_k(const KVStoreDesc* __restrict__ d, int64_t src_stride, int64_t dim) {
+  pdl_wait();
+  pdl_trigger();
   const KVStoreDesc& e = d[blockIdx.z];
   if ((int64_t)blockIdx.x >= e.n) return;
   const KVView kv = e.kv;
@@ -227,14 +235,14 @@ void launch_kt(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t row
                cudaStream_t st) {
   const dim3 grid((unsigned)splits, (unsigned)a.n_heads, (unsigned)rows);
   if (a.head_dim <= 64)
-    attn_k<KT, 2><<<grid, WARPS * 32, 0, st>>>(a, dargs, maxtok, splits, part);
+    launch(attn_k<KT, 2>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part);
   else if (a.head_dim <= 128)
-    attn_k<KT, 4><<<grid, WARPS * 32, 0, st>>>(a, dargs, maxtok, splits, part);
+    launch(attn_k<KT, 4>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part);
   else
-    attn_k<KT, 8><<<grid, WARPS * 32, 0, st>>>(a, dargs, maxtok, splits, part);
+    launch(attn_k<KT, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part);
 }
 
-void launch(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* scratch,
+void launch_attn(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* scratch,
             cudaStream_t st) {
   switch (a.kv.type) {
     case KVType::f32: launch_kt<0>(a, dargs, maxtok, rows, splits, scratch, st); break;
@@ -244,7 +252,7 @@ void launch(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, 
   }
   check_launch("attention");
   if (splits > 1) {
-    attn_combine_k<<<dim3((unsigned)a.n_heads, (unsigned)rows), 128, 0, st>>>(a, dargs, maxtok, splits, scratch);
+    launch(attn_combine_k, dim3((unsigned)a.n_heads, (unsigned)rows), 128, 0, st, a, dargs, maxtok, splits, scratch);
     check_launch("attention combine");
   }
 }
@@ -286,13 +294,13 @@ void attn_check(const AttnArgs& a) {
 void attention(const AttnArgs& a, int splits, float* scratch, cudaStream_t st) {
   attn_check(a);
   if (a.n_tok <= 0 || a.n_heads <= 0) return;
-  launch(a, nullptr, 1, a.n_tok, splits, scratch, st);
+  launch_attn(a, nullptr, 1, a.n_tok, splits, scratch, st);
 }
 
 void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
                      cudaStream_t st) {
   if (count <= 0 || maxtok <= 0 || shape.n_heads <= 0) return;
-  launch(shape, dargs, maxtok, (int64_t)count * maxtok, splits, scratch, st);
+  launch_attn(shape, dargs, maxtok, (int64_t)count * maxtok, splits, scratch, st);
 }
 
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
@@ -300,14 +308,14 @@ void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, i
   if (n <= 0) return;
   if (kv.type == KVType::q8_0 && dim % 32 != 0)
     throw Error("cuda kv_store: q8_0 rows need dim a multiple of 32, not " + std::to_string(dim));
-  kv_store_k<<<dim3((unsigned)n, 2), 256, 0, st>>>(kv, first, k, v, src_stride, dim);
+  launch(kv_store_k, dim3((unsigned)n, 2), 256, 0, st, kv, first, k, v, src_stride, dim);
   check_launch("kv_store");
 }
 
 void kv_store_group(const KVStoreDesc* d, int count, int64_t max_n, int64_t src_stride, int64_t dim,
                     cudaStream_t st) {
   if (count <= 0 || max_n <= 0) return;
-  kv_store_group_k<<<dim3((unsigned)max_n, 2, (unsigned)count), 256, 0, st>>>(d, src_stride, dim);
+  launch(kv_store_group_k, dim3((unsigned)max_n, 2, (unsigned)count), 256, 0, st, d, src_stride, dim);
   check_launch("kv_store group");
 }
 

@@ -358,8 +358,23 @@ class CudaBackend final : public Backend {
             const RopeParams& p) override {
     use();
     if (p.n_rot > head_dim) throw Error("cuda rope: n_rot " + std::to_string(p.n_rot) + " > head_dim");
+    // K right after Q at the same positions: one launch for both (the recorded Q op is
+    // replaced).
+    const RopeRec& r = rope_;
+    if (rec_ && kvq_.empty() && r.at + 1 == ops_.size() && r.n_tok == n_tok && r.head_dim == head_dim &&
+        r.pos == pos && same_rope(r.p, p) &&
+        (x + n_tok * stride <= r.x || r.x + r.n_tok * r.stride <= x)) {  // disjoint: one pass, no races
+      float* x1 = r.x;
+      const int64_t s1 = r.stride;
+      const int h1 = r.n_heads;
+      ops_.back() = [=](cudaStream_t s) { cuda::rope2(x1, s1, h1, x, stride, n_heads, n_tok, head_dim, pos, p, s); };
+      sig1(Tag::rope), sig1(x), sig1(stride), sig1(n_heads);
+      rope_.at = SIZE_MAX;
+      return;
+    }
     op(Tag::rope, [=](cudaStream_t s) { cuda::rope(x, n_tok, stride, n_heads, head_dim, pos, p, s); }, x, n_tok,
        stride, n_heads, head_dim, pos, p.neox, p.n_rot, p.base, p.freq_scale, p.freq_factors, p.inv_freq, p.mscale);
+    if (rec_) rope_ = RopeRec{ops_.size() - 1, x, n_tok, stride, n_heads, head_dim, pos, p};
   }
   void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
                 int64_t dim) override {
@@ -426,6 +441,7 @@ class CudaBackend final : public Backend {
     use();
     op(Tag::glu, [=](cudaStream_t s) { cuda::glu(gate, gs, up, us, out, n_rows, dim, act, s); }, gate, gs, up, us, out,
        n_rows, dim, act);
+    if (rec_) glu_ = GluRec{ops_.size() - 1, gate, gs, up, us, out, n_rows, dim, act};
   }
   void add(float* y, const float* x, int64_t n) override {
     use();
@@ -558,7 +574,18 @@ class CudaBackend final : public Backend {
     }
     if (!cuda::gemv_staged_fits(j)) return false;
     max_rows_ = std::max(max_rows_, s.n);
-    if (q8) {
+    const GluRec& g = glu_;
+    if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
+        g.dim == j.cols) {
+      // The GLU just recorded makes this input: it quantizes in the same pass.
+      const float *gate = g.gate, *up = g.up;
+      const int64_t gs = g.gs, us = g.us, n = s.n, cols = j.cols;
+      float* out = g.out;
+      const int act = cuda::act_code(g.act);
+      ops_.back() = [=](cudaStream_t st) { cuda::glu_quantize(gate, gs, up, us, act, out, n, cols, qb, st); };
+      sig1(Tag::quant), sig1(qb);
+      glu_.at = SIZE_MAX;
+    } else if (q8) {
       const float* x = s.x;
       const int64_t n = s.n, cols = j.cols;
       const bool norm = s.norm;
@@ -631,7 +658,32 @@ class CudaBackend final : public Backend {
     clear_step();
     free_deferred();
   }
+  // The last rope recorded in this step, which a second one may join.
+  struct RopeRec {
+    size_t at = SIZE_MAX;  // its index in ops_
+    float* x = nullptr;
+    int64_t n_tok = 0, stride = 0;
+    int n_heads = 0, head_dim = 0;
+    const int32_t* pos = nullptr;
+    RopeParams p{};
+  } rope_;
+  static bool same_rope(const RopeParams& a, const RopeParams& b) {
+    return a.neox == b.neox && a.n_rot == b.n_rot && a.base == b.base && a.freq_scale == b.freq_scale &&
+           a.freq_factors == b.freq_factors && a.inv_freq == b.inv_freq && a.mscale == b.mscale;
+  }
+  // The last GLU recorded in this step, whose output the next matmul may quantize.
+  struct GluRec {
+    size_t at = SIZE_MAX;
+    const float* gate = nullptr;
+    int64_t gs = 0;
+    const float* up = nullptr;
+    int64_t us = 0;
+    float* out = nullptr;
+    int64_t n_rows = 0, dim = 0;
+    Act act = Act::silu;
+  } glu_;
   void clear_step() {
+    rope_.at = SIZE_MAX, glu_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
   }

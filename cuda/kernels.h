@@ -48,6 +48,14 @@ inline size_t qact_bytes(int64_t n, int64_t cols) { return (size_t)(n * cols + n
 // 32 at q: as the CPU's A8 rows (d = amax / 127, q = rint(x * 127 / amax)). Fills j's xq/xd/xs.
 void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const float* norm_w, float eps, void* q,
                   cudaStream_t st);
+// An activation as the kernels' int code (act.cuh's glu_value).
+inline int act_code(Act a) {
+  return a == Act::silu ? 0 : a == Act::gelu_tanh ? 1 : a == Act::swiglu_oai ? 2 : 3;
+}
+// The GLU (act as glu's int code) into out and, in the same pass, its q8 form into q (as
+// quantize_act lays it out).
+void glu_quantize(const float* gate, int64_t gs, const float* up, int64_t us, int act, float* out, int64_t n,
+                  int64_t cols, void* q, cudaStream_t st);
 void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols);
 // Whether j can run on the staged GEMV (n <= 32, cols % 8 == 0, rows 4-byte aligned;
 // 16-byte for float types), and the launch (first_block is filled there).
@@ -92,6 +100,9 @@ void layer_norm(const float* x, const float* w, const float* b, float* y, int64_
                 cudaStream_t st);
 void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos, const RopeParams& p,
           cudaStream_t st);
+// Two tensors at the same positions (Q and K of a layer) in one launch.
+void rope2(float* x, int64_t stride, int n_heads, float* x2, int64_t stride2, int n_heads2, int64_t n_tok,
+           int head_dim, const int32_t* pos, const RopeParams& p, cudaStream_t st);
 void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim, Act act,
          cudaStream_t st);
 void add(float* y, const float* x, int64_t n, cudaStream_t st);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "act.cuh"
 #include "common.cuh"
 #include "dequant.cuh"
 #include "kernels.h"
@@ -29,6 +30,8 @@ template <uint32_t T, int NT>
 __global__ void __launch_bounds__(128) gemv_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows, int64_t cols,
                                               const float* __restrict__ x, int n, float* __restrict__ y, bool wvec,
                                               bool xvec) {
+  pdl_wait();
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int64_t r = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
   if (r >= rows) return;
@@ -68,6 +71,8 @@ template <uint32_t T>
 __global__ void __launch_bounds__(256) gemm_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows, int64_t cols,
                                               const float* __restrict__ x, int64_t n, float* __restrict__ y, bool wvec,
                                               bool xvec) {
+  pdl_wait();
+  pdl_trigger();
   __shared__ float Ws[BK][BM + 4];
   __shared__ float Xs[BK][BN + 4];
   const int tid = threadIdx.x;
@@ -186,6 +191,8 @@ __device__ __forceinline__ void stage_wait() {
 
 template <uint32_t T, int NT, int VEC>
 __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int CE = Chunk<T>::ce, CB = chunk_bytes<T>();
   __shared__ __align__(16) uint8_t sm[SW][2][CB];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -259,6 +266,8 @@ __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
 template <uint32_t T>
 __global__ void get_rows_k(const uint8_t* __restrict__ W, size_t rb, int64_t cols, const int32_t* __restrict__ ids,
                            float* __restrict__ out, bool wvec) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t i = blockIdx.x;
   const uint8_t* row = W + (int64_t)ids[i] * rb;
   float* o = out + i * cols;
@@ -279,6 +288,8 @@ __global__ void __launch_bounds__(128) gemv_id_k(const uint8_t* __restrict__ W, 
                                                  const int32_t* __restrict__ ids, int64_t p0,
                                                  const float* __restrict__ bias, float* __restrict__ y, bool wvec,
                                                  bool xvec) {
+  pdl_wait();
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int64_t r = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
   if (r >= R) return;
@@ -313,6 +324,8 @@ __global__ void __launch_bounds__(128) gemv_id_grouped_k(const uint8_t* __restri
                                                          const int32_t* __restrict__ ids, int64_t n_pairs,
                                                          const float* __restrict__ bias, float* __restrict__ y,
                                                          bool wvec, bool xvec) {
+  pdl_wait();
+  pdl_trigger();
   __shared__ int plist[kIdMaxPairs];
   __shared__ int cnt;
   const int e = blockIdx.y;
@@ -405,11 +418,30 @@ __device__ __forceinline__ int unit_group(const uint4& q, int h, float v[8]) {
   }
 }
 
+// One round of a direct GEMV's loads: U units of each of R rows (of `left` rows still in
+// the matrix), with their block scales; units past ue and rows past the end load zeros.
+template <uint32_t T, int U, int R>
+__device__ __forceinline__ void load_units(const uint8_t* base, size_t rb, int64_t left, int64_t cols, int64_t u0,
+                                           int64_t ue, uint4 (&q)[U][R], float (&d)[U][R]) {
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t u = u0 + 32 * k;
+      const bool ok = u < ue && r < left;
+      const uint8_t* row = base + r * rb;
+      q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
+      d[k][r] = ok ? unit_scale<T>(row, cols, u) : 0.f;
+    }
+}
+
 // The block's 8 warps form 8 / KS groups of R rows; the KS warps of a group split the
 // row's units, and their partial sums meet in shared memory. KS grows with the row length
 // so that short rows still give every lane two units, and long rows many warps.
 template <uint32_t T, int NT, int R>
 __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int UE = Unit<T>::e, U = 2;
   constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
   __shared__ float red[SW][R + 1][NT];
@@ -430,19 +462,15 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r][t] = 0.f;
   }
-  for (int64_t u0 = ub + lane; r0 < rows && u0 < ue; u0 += 32 * U) {
-    uint4 q[U][R];
-    float d[U][R];
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int64_t u = u0 + 32 * k;
-        const bool ok = u < ue && r0 + r < rows;
-        const uint8_t* row = base + r * rb;
-        q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
-        d[k][r] = ok ? unit_scale<T>(row, cols, u) : 0.f;
-      }
+  uint4 q[U][R];
+  float d[U][R];
+  // The weights are constant: the first round is in flight before the wait for x.
+  const int64_t u_first = ub + lane;
+  if (r0 < rows && u_first < ue) load_units<T, U, R>(base, rb, rows - r0, cols, u_first, ue, q, d);
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t u0 = u_first; r0 < rows && u0 < ue; u0 += 32 * U) {
+    if (u0 != u_first) load_units<T, U, R>(base, rb, rows - r0, cols, u0, ue, q, d);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int64_t u = u0 + 32 * k;
@@ -509,6 +537,20 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   }
 }
 
+// One lane's value of a 32-block into the A8 form: amax over the warp, d = amax / 127,
+// q = rint(v * (127 / amax)), and the block's quant sum (q4_0's offset term).
+__device__ __forceinline__ void quant_store(float v, int lane, int64_t at, int64_t blk, int8_t* xq, float* xd,
+                                            int32_t* xs) {
+  const float amax = warp_max(fabsf(v));
+  int q = 0;
+  if (amax > 0.f) q = max(-127, min(127, (int)rintf(__fmul_rn(v, 127.f / amax))));
+  xq[at] = (int8_t)q;
+  int qs = q;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
+  if (lane == 0) xd[blk] = amax / 127.f, xs[blk] = qs;
+}
+
 // ---- Quantized activations (q8 mode): the CPU's A8 rounding, then int8 dot products -----
 // Blocks of (token row, 8 quant blocks): each block sums the row's squares itself (the
 // row is a few kilobytes, read from L2) so no pass waits for another; the RMS scale as
@@ -517,6 +559,8 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
 __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ x, int64_t cols, bool norm,
                                                       const float* __restrict__ nw, float eps, int8_t* __restrict__ xq,
                                                       float* __restrict__ xd, int32_t* __restrict__ xs) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.y;
   const float* xr = x + t * cols;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -539,14 +583,25 @@ __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ 
   const int64_t i = b * 32 + lane;
   float v = xr[i];
   if (norm) v = nw ? __fmul_rn(v, sc) * nw[i] : v * sc;
-  const float amax = warp_max(fabsf(v));
-  int q = 0;
-  if (amax > 0.f) q = max(-127, min(127, (int)rintf(__fmul_rn(v, 127.f / amax))));
-  xq[t * cols + i] = (int8_t)q;
-  int qs = q;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
-  if (lane == 0) xd[t * nb + b] = amax / 127.f, xs[t * nb + b] = qs;
+  quant_store(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
+}
+
+// The down projection's input in q8 mode: the GLU (written out as the glu op does) and its
+// quantization in one pass, a warp per 32-block.
+__global__ void __launch_bounds__(256) glu_quantize_k(const float* __restrict__ gate, int64_t gs,
+                                                      const float* __restrict__ up, int64_t us, int act, float* out,
+                                                      int64_t cols, int8_t* __restrict__ xq, float* __restrict__ xd,
+                                                      int32_t* __restrict__ xs) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
+  if (b >= nb) return;
+  const int64_t i = b * 32 + lane;
+  const float v = glu_value(act, gate[t * gs + i], up[t * us + i]);
+  out[t * cols + i] = v;
+  quant_store(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
 }
 
 // The direct kernel's shape with int8 dot products: a 16-byte unit is 16 q8_0 weights (4
@@ -556,6 +611,8 @@ __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ 
 // quarter occupancy, too few loads in flight to reach the memory's bandwidth.
 template <uint32_t T, int NT, int R>
 __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j, int ks) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int UE = Unit<T>::e, U = 2;
   __shared__ float red[SW][R][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -573,19 +630,15 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j,
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
-  for (int64_t u0 = ub + lane; r0 < rows && u0 < ue; u0 += 32 * U) {
-    uint4 q[U][R];
-    float d[U][R];
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int64_t u = u0 + 32 * k;
-        const bool ok = u < ue && r0 + r < rows;
-        const uint8_t* row = base + r * rb;
-        q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
-        d[k][r] = ok ? unit_scale<T>(row, cols, u) : 0.f;
-      }
+  uint4 q[U][R];
+  float d[U][R];
+  // The weights are constant: the first round is in flight before the wait for x.
+  const int64_t u_first = ub + lane;
+  if (r0 < rows && u_first < ue) load_units<T, U, R>(base, rb, rows - r0, cols, u_first, ue, q, d);
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t u0 = u_first; r0 < rows && u0 < ue; u0 += 32 * U) {
+    if (u0 != u_first) load_units<T, U, R>(base, rb, rows - r0, cols, u0, ue, q, d);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int64_t u = u0 + 32 * k;
@@ -649,10 +702,10 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j,
 template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1) gemv_q8_k<T, 1, 4><<<grid, SW * 32, 0, st>>>(j, ks);
-  else if (j.n <= 4) gemv_q8_k<T, 4, 4><<<grid, SW * 32, 0, st>>>(j, ks);
-  else if (j.n <= 8) gemv_q8_k<T, 8, 4><<<grid, SW * 32, 0, st>>>(j, ks);
-  else gemv_q8_k<T, 16, 2><<<grid, SW * 32, 0, st>>>(j, ks);
+  if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks);
+  else if (j.n <= 4) launch(gemv_q8_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks);
+  else if (j.n <= 8) launch(gemv_q8_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks);
+  else launch(gemv_q8_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks);
 }
 
 // Warps splitting a row of nu units (a power of two <= 8; each lane two units at least).
@@ -664,10 +717,10 @@ int direct_ks(int64_t nu) {
 template <uint32_t T>
 void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1) gemv_direct_k<T, 1, 4><<<grid, SW * 32, 0, st>>>(j, ks);
-  else if (j.n <= 4) gemv_direct_k<T, 4, 4><<<grid, SW * 32, 0, st>>>(j, ks);
-  else if (j.n <= 8) gemv_direct_k<T, 8, 4><<<grid, SW * 32, 0, st>>>(j, ks);
-  else gemv_direct_k<T, 16, 2><<<grid, SW * 32, 0, st>>>(j, ks);
+  if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks);
+  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks);
+  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks);
+  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks);
 }
 // Rows a warp group of the direct kernel takes for n tokens (as launch_direct picks).
 int direct_rows(int n) { return n <= 8 ? 4 : 2; }
@@ -678,10 +731,10 @@ int unit_elems(uint32_t t) { return t == T_Q8_0S ? 16 : t == T_Q4_0S ? 32 : 8; }
 template <uint32_t T, int VEC>
 void launch_staged(const GemvJob& j, cudaStream_t st) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1) gemv_staged_k<T, 1, VEC><<<grid, SW * 32, 0, st>>>(j);
-  else if (j.n <= 4) gemv_staged_k<T, 4, VEC><<<grid, SW * 32, 0, st>>>(j);
-  else if (j.n <= 8) gemv_staged_k<T, 8, VEC><<<grid, SW * 32, 0, st>>>(j);
-  else gemv_staged_k<T, 16, VEC><<<grid, SW * 32, 0, st>>>(j);
+  if (j.n == 1) launch(gemv_staged_k<T, 1, VEC>, grid, SW * 32, 0, st, j);
+  else if (j.n <= 4) launch(gemv_staged_k<T, 4, VEC>, grid, SW * 32, 0, st, j);
+  else if (j.n <= 8) launch(gemv_staged_k<T, 8, VEC>, grid, SW * 32, 0, st, j);
+  else launch(gemv_staged_k<T, 16, VEC>, grid, SW * 32, 0, st, j);
 }
 
 template <uint32_t T>
@@ -698,13 +751,13 @@ void run_matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t 
     const dim3 grid((unsigned)ceil_div(m.rows, 4));
     const int nn = (int)n;
     if (n == 1)
-      gemv_k<T, 1><<<grid, 128, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
+      launch(gemv_k<T, 1>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
     else if (n == 2)
-      gemv_k<T, 2><<<grid, 128, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
+      launch(gemv_k<T, 2>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
     else if (n <= 4)
-      gemv_k<T, 4><<<grid, 128, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
+      launch(gemv_k<T, 4>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
     else
-      gemv_k<T, 8><<<grid, 128, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
+      launch(gemv_k<T, 8>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, nn, y, wvec, xvec);
   } else if (n <= 64) {
     // Batched decode: the GEMV over 16 tokens at a time reads W once per 16 rows of x,
     // where the 64x64 tile would do 64-wide f32 work per block for a few real tokens.
@@ -712,12 +765,12 @@ void run_matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t 
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
       const float* xc = x + t0 * m.cols;
       const bool xv = m.cols % 8 == 0 && aligned16(xc);
-      gemv_k<T, 16><<<grid, 128, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, xc, (int)std::min<int64_t>(16, n - t0),
+      launch(gemv_k<T, 16>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, xc, (int)std::min<int64_t>(16, n - t0),
                                          y + t0 * m.rows, wvec, xv);
     }
   } else {
     const dim3 grid((unsigned)ceil_div(m.rows, BM), (unsigned)ceil_div(n, BN));
-    gemm_k<T><<<grid, 256, 0, st>>>(m.w, m.row_bytes, m.rows, m.cols, x, n, y, wvec, xvec);
+    launch(gemm_k<T>, grid, 256, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, n, y, wvec, xvec);
   }
 }
 
@@ -737,9 +790,20 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   if (cols % 32 != 0) throw Error("cuda quantize_act: cols must be a multiple of 32");
   GemvJob j;
   point_qact(j, q, n, cols);
-  quantize_act_k<<<dim3((unsigned)ceil_div(cols / 32, 8), (unsigned)n), 256, 0, st>>>(x, cols, norm, norm_w, eps, const_cast<int8_t*>(j.xq),
+  launch(quantize_act_k, dim3((unsigned)ceil_div(cols / 32, 8), (unsigned)n), 256, 0, st, x, cols, norm, norm_w, eps, const_cast<int8_t*>(j.xq),
                                              const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
   check_launch("quantize_act");
+}
+
+void glu_quantize(const float* gate, int64_t gs, const float* up, int64_t us, int act, float* out, int64_t n,
+                  int64_t cols, void* q, cudaStream_t st) {
+  if (n <= 0) return;
+  if (cols % 32 != 0) throw Error("cuda glu_quantize: cols must be a multiple of 32");
+  GemvJob j;
+  point_qact(j, q, n, cols);
+  launch(glu_quantize_k, dim3((unsigned)ceil_div(cols / 32, 8), (unsigned)n), 256, 0, st, gate, gs, up, us, act, out,
+         cols, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
+  check_launch("glu_quantize");
 }
 
 // The layouts gemv_staged launches (its switches below list exactly these).
@@ -840,7 +904,7 @@ void matmul_id(const Mat& m, int64_t R, const float* x, int64_t x_div, const int
     switch (m.type) {
 #define DL_CASE(T)                                                                                                \
   case T:                                                                                                         \
-    gemv_id_grouped_k<T><<<grid, 128, 0, st>>>(m.w, m.row_bytes, R, m.cols, x, x_div, ids, n_pairs, bias, y, wvec, \
+    launch(gemv_id_grouped_k<T>, grid, 128, 0, st, m.w, m.row_bytes, R, m.cols, x, x_div, ids, n_pairs, bias, y, wvec, \
                                                xvec);                                                             \
     break;
       DL_CUDA_TYPES(DL_CASE)
@@ -855,7 +919,7 @@ void matmul_id(const Mat& m, int64_t R, const float* x, int64_t x_div, const int
     switch (m.type) {
 #define DL_CASE(T)                                                                                              \
   case T:                                                                                                       \
-    gemv_id_k<T><<<grid, 128, 0, st>>>(m.w, m.row_bytes, R, m.cols, x, x_div, ids, p0, bias, y, wvec, xvec); \
+    launch(gemv_id_k<T>, grid, 128, 0, st, m.w, m.row_bytes, R, m.cols, x, x_div, ids, p0, bias, y, wvec, xvec); \
     break;
       DL_CUDA_TYPES(DL_CASE)
 #undef DL_CASE
@@ -870,7 +934,7 @@ void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStrea
   const bool wvec = m.cols % 8 == 0 && m.row_bytes % 16 == 0 && ((uintptr_t)m.w & 15) == 0;
   switch (m.type) {
 #define DL_CASE(T) \
-  case T: get_rows_k<T><<<(unsigned)n, 128, 0, st>>>(m.w, m.row_bytes, m.cols, ids, out, wvec); break;
+  case T: launch(get_rows_k<T>, (unsigned)n, 128, 0, st, m.w, m.row_bytes, m.cols, ids, out, wvec); break;
     DL_CUDA_LAYOUTS(DL_CASE)
 #undef DL_CASE
     default: throw UnsupportedModelError("cuda: no get_rows kernel for weight type id " + std::to_string(m.type));

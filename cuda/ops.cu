@@ -1,8 +1,12 @@
 // Row and elementwise ops of the CUDA backend: norms (double accumulation, as the CPU),
 // RoPE (angles in double), GLU, adds and scales, and the audio towers' im2col / pooling.
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
+#include "act.cuh"
 #include "common.cuh"
 #include "kernels.h"
 
@@ -27,6 +31,8 @@ __device__ double block_sum(double v) {
 }
 
 __global__ void rms_norm_k(const float* x, const float* __restrict__ w, float* y, int64_t dim, float eps) {
+  pdl_wait();
+  pdl_trigger();
   const float* xr = x + blockIdx.x * dim;
   float* yr = y + blockIdx.x * dim;
   double ss = 0;
@@ -38,6 +44,8 @@ __global__ void rms_norm_k(const float* x, const float* __restrict__ w, float* y
 
 __global__ void layer_norm_k(const float* x, const float* __restrict__ w, const float* __restrict__ b, float* y,
                              int64_t dim, float eps) {
+  pdl_wait();
+  pdl_trigger();
   const float* xr = x + blockIdx.x * dim;
   float* yr = y + blockIdx.x * dim;
   double mean = 0;
@@ -75,22 +83,28 @@ __device__ __forceinline__ void rope_pair(float* v, int i, int half, bool neox, 
 }
 
 // One block per token: each pair's angle once into shared memory, then a thread per
-// (head, pair).
+// (head, pair). A second tensor at the same positions (K beside Q) rides along.
 constexpr int kRopeMaxHalf = 256;
-__global__ void rope_tok_k(float* x, int64_t stride, int n_heads, int head_dim, const int32_t* pos, RopeParams p) {
+__global__ void rope_tok_k(float* x, int64_t stride, int n_heads, float* x2, int64_t stride2, int n_heads2,
+                           int head_dim, const int32_t* pos, RopeParams p) {
+  pdl_wait();
+  pdl_trigger();
   __shared__ float cs[2][kRopeMaxHalf];
   const int half = p.n_rot / 2;
   const int64_t t = blockIdx.x;
   for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cs(p, pos[t], i, &cs[0][i], &cs[1][i]);
   __syncthreads();
-  for (int idx = threadIdx.x; idx < n_heads * half; idx += blockDim.x) {
+  for (int idx = threadIdx.x; idx < (n_heads + n_heads2) * half; idx += blockDim.x) {
     const int h = idx / half, i = idx % half;
-    rope_pair(x + t * stride + (int64_t)h * head_dim, i, half, p.neox, cs[0][i], cs[1][i]);
+    float* v = h < n_heads ? x + t * stride + (int64_t)h * head_dim : x2 + t * stride2 + (int64_t)(h - n_heads) * head_dim;
+    rope_pair(v, i, half, p.neox, cs[0][i], cs[1][i]);
   }
 }
 // Any rotary width: a thread per (token, pair), walking the heads.
 __global__ void rope_any_k(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,
                            RopeParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int half = p.n_rot / 2;
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= n_tok * half) return;
@@ -101,45 +115,48 @@ __global__ void rope_any_k(float* x, int64_t n_tok, int64_t stride, int n_heads,
   for (int h = 0; h < n_heads; ++h) rope_pair(x + t * stride + (int64_t)h * head_dim, i, half, p.neox, c, s);
 }
 
-__device__ __forceinline__ float silu(float x) {
-  const float e = expf(-fabsf(x));
-  return (x >= 0.f ? x : x * e) / (1.f + e);
-}
-__device__ __forceinline__ float swiglu_oai(float gate, float up) {
-  const float g = fminf(gate, 7.f), u = fminf(fmaxf(up, -7.f), 7.f);
-  const float z = 1.702f * g;
-  const float e = expf(-fabsf(z));
-  return g * ((z >= 0.f ? 1.f : e) / (1.f + e)) * (u + 1.f);
-}
-__device__ __forceinline__ float gelu_tanh(float x) {
-  return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
-
 __global__ void glu_k(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows,
                       int64_t dim, int act) {
+  pdl_wait();
+  pdl_trigger();
   for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n_rows * dim;
        idx += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = idx / dim, i = idx % dim;
-    const float g = gate[r * gs + i];
-    out[idx] = act == 2   ? swiglu_oai(g, up[r * us + i])
-               : act == 3 ? up[r * us + i] / (1.f + expf(-g))
-                          : (act == 0 ? silu(g) : gelu_tanh(g)) * up[r * us + i];
+    out[idx] = glu_value(act, gate[r * gs + i], up[r * us + i]);
   }
 }
 
 #define DL_GRID_LOOP(n) \
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
 
-__global__ void add_k(float* y, const float* x, int64_t n) { DL_GRID_LOOP(n) y[i] += x[i]; }
+__global__ void add_k(float* y, const float* x, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
+  DL_GRID_LOOP(n) y[i] += x[i];
+}
 __global__ void add_bias_k(float* y, const float* b, int64_t n_rows, int64_t dim) {
+  pdl_wait();
+  pdl_trigger();
   DL_GRID_LOOP(n_rows * dim) y[i] += b[i % dim];
 }
-__global__ void scale_k(float* y, float s, int64_t n) { DL_GRID_LOOP(n) y[i] *= s; }
-__global__ void softcap_k(float* y, float cap, int64_t n) { DL_GRID_LOOP(n) y[i] = cap * tanhf(y[i] / cap); }
+__global__ void scale_k(float* y, float s, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
+  DL_GRID_LOOP(n) y[i] *= s;
+}
+__global__ void softcap_k(float* y, float cap, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
+  DL_GRID_LOOP(n) y[i] = cap * tanhf(y[i] / cap);
+}
 __global__ void gelu_erf_k(float* y, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
   DL_GRID_LOOP(n) y[i] = 0.5f * y[i] * (1.f + erff(y[i] * 0.70710678118654752f));
 }
 __global__ void copy_rows_k(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t width) {
+  pdl_wait();
+  pdl_trigger();
   DL_GRID_LOOP(rows * width) {
     const int64_t r = i / width, c = i % width;
     dst[r * ds + c] = src[r * ss + c];
@@ -148,6 +165,8 @@ __global__ void copy_rows_k(float* dst, int64_t ds, const float* src, int64_t ss
 // out[t][c*k + j] = x(c, t*stride + j - pad), 0 outside [0, T); rows_layout: x is [T][C], else [C][x_stride].
 __global__ void im2col_k(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad,
                          float* out, int64_t T_out, bool rows_layout) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t w = C * k;
   DL_GRID_LOOP(T_out * w) {
     const int64_t t = i / w, ck = i % w, c = ck / k;
@@ -157,6 +176,8 @@ __global__ void im2col_k(const float* x, int64_t x_stride, int64_t C, int64_t T,
   }
 }
 __global__ void avg_pool_k(const float* x, int64_t n_rows, int64_t dim, int k, float* out, int64_t n_out) {
+  pdl_wait();
+  pdl_trigger();
   DL_GRID_LOOP(n_out * dim) {
     const int64_t r = i / dim, d = i % dim;
     const int64_t r0 = r * k, r1 = min(n_rows, r0 + k);
@@ -170,13 +191,13 @@ __global__ void avg_pool_k(const float* x, int64_t n_rows, int64_t dim, int k, f
 
 void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps, cudaStream_t st) {
   if (n_rows <= 0) return;
-  rms_norm_k<<<(unsigned)n_rows, TPB, 0, st>>>(x, w, y, dim, eps);
+  launch(rms_norm_k, (unsigned)n_rows, TPB, 0, st, x, w, y, dim, eps);
   check_launch("rms_norm");
 }
 void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim, float eps,
                 cudaStream_t st) {
   if (n_rows <= 0) return;
-  layer_norm_k<<<(unsigned)n_rows, TPB, 0, st>>>(x, w, b, y, dim, eps);
+  launch(layer_norm_k, (unsigned)n_rows, TPB, 0, st, x, w, b, y, dim, eps);
   check_launch("layer_norm");
 }
 void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos, const RopeParams& p,
@@ -185,74 +206,84 @@ void rope(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, co
   if (n <= 0) return;
   if (p.n_rot > head_dim) throw Error("cuda rope: n_rot " + std::to_string(p.n_rot) + " > head_dim");
   if (p.n_rot / 2 <= kRopeMaxHalf)
-    rope_tok_k<<<(unsigned)n_tok, 256, 0, st>>>(x, stride, n_heads, head_dim, pos, p);
+    launch(rope_tok_k, (unsigned)n_tok, 256, 0, st, x, stride, n_heads, (float*)nullptr, (int64_t)0, 0, head_dim, pos,
+           p);
   else
-    rope_any_k<<<(unsigned)ceil_div(n, 128), 128, 0, st>>>(x, n_tok, stride, n_heads, head_dim, pos, p);
+    launch(rope_any_k, (unsigned)ceil_div(n, 128), 128, 0, st, x, n_tok, stride, n_heads, head_dim, pos, p);
+  check_launch("rope");
+}
+void rope2(float* x, int64_t stride, int n_heads, float* x2, int64_t stride2, int n_heads2, int64_t n_tok,
+           int head_dim, const int32_t* pos, const RopeParams& p, cudaStream_t st) {
+  if (p.n_rot / 2 > kRopeMaxHalf) {
+    rope(x, n_tok, stride, n_heads, head_dim, pos, p, st);
+    return rope(x2, n_tok, stride2, n_heads2, head_dim, pos, p, st);
+  }
+  if (n_tok * (p.n_rot / 2) <= 0) return;
+  if (p.n_rot > head_dim) throw Error("cuda rope: n_rot " + std::to_string(p.n_rot) + " > head_dim");
+  launch(rope_tok_k, (unsigned)n_tok, 256, 0, st, x, stride, n_heads, x2, stride2, n_heads2, head_dim, pos, p);
   check_launch("rope");
 }
 void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim, Act act,
          cudaStream_t st) {
   if (n_rows * dim <= 0) return;
-  glu_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(gate, gs, up, us, out, n_rows, dim,
-                                                      act == Act::silu        ? 0
-                                                      : act == Act::gelu_tanh ? 1
-                                                      : act == Act::swiglu_oai ? 2
-                                                                               : 3);
+  launch(glu_k, grid_for(n_rows * dim), TPB, 0, st, gate, gs, up, us, out, n_rows, dim, act_code(act));
   check_launch("glu");
 }
 void add(float* y, const float* x, int64_t n, cudaStream_t st) {
   if (n <= 0) return;
-  add_k<<<grid_for(n), TPB, 0, st>>>(y, x, n);
+  launch(add_k, grid_for(n), TPB, 0, st, y, x, n);
   check_launch("add");
 }
 void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim, cudaStream_t st) {
   if (n_rows * dim <= 0) return;
-  add_bias_k<<<grid_for(n_rows * dim), TPB, 0, st>>>(y, b, n_rows, dim);
+  launch(add_bias_k, grid_for(n_rows * dim), TPB, 0, st, y, b, n_rows, dim);
   check_launch("add_bias");
 }
 void scale(float* y, float s, int64_t n, cudaStream_t st) {
   if (n <= 0) return;
-  scale_k<<<grid_for(n), TPB, 0, st>>>(y, s, n);
+  launch(scale_k, grid_for(n), TPB, 0, st, y, s, n);
   check_launch("scale");
 }
 void softcap(float* y, float cap, int64_t n, cudaStream_t st) {
   if (n <= 0) return;
-  softcap_k<<<grid_for(n), TPB, 0, st>>>(y, cap, n);
+  launch(softcap_k, grid_for(n), TPB, 0, st, y, cap, n);
   check_launch("softcap");
 }
 void gelu_erf(float* y, int64_t n, cudaStream_t st) {
   if (n <= 0) return;
-  gelu_erf_k<<<grid_for(n), TPB, 0, st>>>(y, n);
+  launch(gelu_erf_k, grid_for(n), TPB, 0, st, y, n);
   check_launch("gelu_erf");
 }
 void copy_rows(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t width, cudaStream_t st) {
   if (rows * width <= 0) return;
-  copy_rows_k<<<grid_for(rows * width), TPB, 0, st>>>(dst, ds, src, ss, rows, width);
+  launch(copy_rows_k, grid_for(rows * width), TPB, 0, st, dst, ds, src, ss, rows, width);
   check_launch("copy_rows");
 }
 void im2col_1d(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad, float* out,
                int64_t T_out, cudaStream_t st) {
   if (T_out * C * k <= 0) return;
-  im2col_k<<<grid_for(T_out * C * k), TPB, 0, st>>>(x, x_stride, C, T, k, stride, pad, out, T_out, false);
+  launch(im2col_k, grid_for(T_out * C * k), TPB, 0, st, x, x_stride, C, T, k, stride, pad, out, T_out, false);
   check_launch("im2col_1d");
 }
 void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pad, float* out, int64_t T_out,
                  cudaStream_t st) {
   if (T_out * C * k <= 0) return;
-  im2col_k<<<grid_for(T_out * C * k), TPB, 0, st>>>(x, C, C, T, k, stride, pad, out, T_out, true);
+  launch(im2col_k, grid_for(T_out * C * k), TPB, 0, st, x, C, C, T, k, stride, pad, out, T_out, true);
   check_launch("im2col_rows");
 }
 void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out, cudaStream_t st) {
   if (n_rows <= 0 || dim <= 0) return;
   if (k <= 0) throw Error("cuda avg_pool_rows: k must be positive");
   const int64_t n_out = ceil_div(n_rows, k);
-  avg_pool_k<<<grid_for(n_out * dim), TPB, 0, st>>>(x, n_rows, dim, k, out, n_out);
+  launch(avg_pool_k, grid_for(n_out * dim), TPB, 0, st, x, n_rows, dim, k, out, n_out);
   check_launch("avg_pool_rows");
 }
 
 // One thread per token: the CPU's moe_route_row step for step (expf, f32).
 __global__ void moe_route_k(const float* __restrict__ lg, int64_t n, int E, int k, int gate, bool norm,
                             int32_t* __restrict__ ids, float* __restrict__ w) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n) return;
   const float* l = lg + t * E;
@@ -288,6 +319,8 @@ __global__ void moe_route_k(const float* __restrict__ lg, int64_t n, int E, int 
 
 __global__ void moe_sum_k(const float* __restrict__ y, const float* __restrict__ w, int64_t n, int k, int64_t dim,
                           float* __restrict__ out) {
+  pdl_wait();
+  pdl_trigger();
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n * dim; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t t = i / dim, d = i % dim;
     float acc = 0.f;
@@ -300,14 +333,33 @@ void moe_route(const float* logits, int64_t n, int n_expert, int k, int gate, bo
                cudaStream_t st) {
   if (n <= 0) return;
   if (k < 1 || k > n_expert) throw Error("cuda moe_route: k must be in [1, n_expert]");
-  moe_route_k<<<(unsigned)ceil_div(n, 64), 64, 0, st>>>(logits, n, n_expert, k, gate, norm, ids, w);
+  launch(moe_route_k, (unsigned)ceil_div(n, 64), 64, 0, st, logits, n, n_expert, k, gate, norm, ids, w);
   check_launch("moe_route");
 }
 
 void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out, cudaStream_t st) {
   if (n * dim <= 0) return;
-  moe_sum_k<<<grid_for(n * dim), TPB, 0, st>>>(y, w, n, k, dim, out);
+  launch(moe_sum_k, grid_for(n * dim), TPB, 0, st, y, w, n, k, dim, out);
   check_launch("moe_sum");
+}
+
+bool pdl_on() {
+  static const bool off = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_PDL");
+    return e && (std::strcmp(e, "0") == 0 || std::strcmp(e, "off") == 0);
+  }();
+  if (off) return false;
+  static std::atomic<int8_t> known[64];  // per device: 0 not asked yet, 1 yes, -1 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int8_t k = known[dev].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    k = major >= 9 ? 1 : -1;
+    known[dev].store(k, std::memory_order_relaxed);
+  }
+  return k > 0;
 }
 
 }  // namespace dl::cuda

@@ -13,6 +13,8 @@ namespace {
 // of the channel is made.
 __global__ void conv1d_causal_k(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C,
                                 const float* __restrict__ w, int k, int silu, float* y) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t S = k - 1;
@@ -36,6 +38,8 @@ __global__ void conv1d_causal_k(float* state, const float* x, int64_t x_stride, 
 // One block per value head; thread j owns column j of the head's state (dk x dv), read and
 // written in global memory (coalesced across j). The norms of q and k in double, as the CPU.
 __global__ void delta_rule_k(DeltaRuleArgs a) {
+  pdl_wait();
+  pdl_trigger();
   const int h = blockIdx.x;
   const int kh = a.grouped ? h / (a.n_v_heads / a.n_k_heads) : h % a.n_k_heads;
   const int64_t dk = a.dk, dv = a.dv;
@@ -82,13 +86,13 @@ __global__ void delta_rule_k(DeltaRuleArgs a) {
 void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w, int k,
                    bool silu, float* y, cudaStream_t st) {
   if (n <= 0 || C <= 0) return;
-  conv1d_causal_k<<<(unsigned)ceil_div(C, 128), 128, 0, st>>>(state, x, x_stride, n, C, w, k, silu ? 1 : 0, y);
+  launch(conv1d_causal_k, (unsigned)ceil_div(C, 128), 128, 0, st, state, x, x_stride, n, C, w, k, silu ? 1 : 0, y);
   check_launch("conv1d_causal");
 }
 
 void delta_rule(const DeltaRuleArgs& a, cudaStream_t st) {
   if (a.n <= 0) return;
-  delta_rule_k<<<(unsigned)a.n_v_heads, 128, 0, st>>>(a);
+  launch(delta_rule_k, (unsigned)a.n_v_heads, 128, 0, st, a);
   check_launch("delta_rule");
 }
 
