@@ -233,3 +233,78 @@ def test_gpt_oss_reasoning_and_calls_split(oss_chat):
     assert [(c.name, json.loads(c.args)) for c in r.calls] == [("get_weather", {"city": "Paris"})]
     for t in ("<|return|>", "<|call|>"):
         assert d.encode(m, t, parse_special=True)[0] in m.eog_ids
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Colors of the rainbow:"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_served_completions_equal_the_library(moe_models, name):
+    """Each family behind the OpenAI-compatible server, driven by the OpenAI SDK: four concurrent
+    greedy completions on two streams (batched steps, a queue) equal the library's greedy generation
+    of each prompt alone, which the tests above tie to transformers."""
+    import threading
+
+    import openai
+    from starlette.testclient import TestClient
+
+    from dasllama.server import create_app
+
+    m = d.load_model(moe_models[name][1]["q8_0"])
+    want = []
+    for p in PROMPTS:
+        s = d.create_session(m, n_ctx=256)
+        out = []
+        d.generate(m, s, d.encode(m, p), d.SamplingParams(), 12, lambda i, piece: out.append(piece))
+        want.append("".join(out))
+    app = create_app(m, streams=2, ctx=256)
+    got = [None] * len(PROMPTS)
+    try:
+        with TestClient(app) as c:
+            cl = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=c, max_retries=0)
+
+            def ask(i):
+                r = cl.completions.create(model="m", prompt=PROMPTS[i], max_tokens=12, temperature=0)
+                got[i] = r.choices[0].text
+
+            ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+    finally:
+        app.state.engine.stop()
+    assert got == want
+
+
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_gpt_oss_served_with_reasoning_effort(oss_chat, effort):
+    """The OpenAI SDK's reasoning_effort reaches gpt-oss's template: the served prompt is token for
+    token transformers' apply_chat_template with that effort; a value outside OpenAI's set is a 400."""
+    import openai
+    from starlette.testclient import TestClient
+
+    from dasllama.server import create_app
+
+    m, tok = oss_chat
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    want = _hf_ids(tok, msgs, add_generation_prompt=True, reasoning_effort=effort)
+    app = create_app(m, streams=1, ctx=512)
+    seen, real = [], app.state.engine.submit
+
+    def spy(job):  # the prompt ids the engine is given
+        seen.append(list(job.prompt))
+        return real(job)
+
+    app.state.engine.submit = spy
+    try:
+        with TestClient(app) as c:
+            cl = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=c, max_retries=0)
+            r = cl.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0,
+                                           reasoning_effort=effort)
+            assert seen == [want] and r.usage.prompt_tokens == len(want)
+            assert f"Reasoning: {effort}" in d.decode(m, seen[0])
+            with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+                cl.chat.completions.create(model="m", messages=msgs, max_tokens=1, reasoning_effort="extreme")
+    finally:
+        app.state.engine.stop()

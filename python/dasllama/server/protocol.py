@@ -21,6 +21,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
 def bad(message: str, param: Optional[str] = None) -> APIError:
     return APIError(400, message, param=param)
 
@@ -277,6 +280,13 @@ def parse_chat(body: Dict[str, Any], limits: Limits) -> GenRequest:
         r.template_kwargs = dict(kw)
         if r.enable_thinking is None and isinstance(kw.get("enable_thinking"), bool):
             r.enable_thinking = kw["enable_thinking"]
+    # OpenAI's own knob; templates that read it (gpt-oss's Harmony) take it as a variable, as
+    # llama-server does. chat_template_kwargs names it explicitly and wins.
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+        r.template_kwargs.setdefault("reasoning_effort", effort)
     return r
 
 
