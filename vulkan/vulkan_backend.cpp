@@ -642,14 +642,57 @@ class VulkanBackend final : public Backend {
     if (served_type(type)) return type;
     return cols % 32 == 0 ? (uint32_t)GGMLType::Q8_0 : (uint32_t)GGMLType::F32;
   }
-  void load_weight(Weight& w, WeightUse) override {  // matmul and get_rows read the same bytes
+  // matmul and get_rows read the same bytes: the file's, or for dense q8_0 matrices the split
+  // layout (a row's quants, then its f16 scales, rows 16-byte aligned), whose 8-byte groups a
+  // subgroup reads in aligned, adjacent loads where q8_0's 34-byte blocks need 2-byte reads.
+  // DASLLAMA_VULKAN_SPLIT=0 keeps the file's layout (for A/B runs).
+  void load_weight(Weight& w, WeightUse) override {
     if (!w.host) throw Error("vulkan load_weight: the weight has no host bytes");
     if (!served_type(w.type)) throw UnsupportedModelError("vulkan: no shader for weight type id " + std::to_string(w.type));
-    const size_t n = (size_t)w.rows * w.row_bytes;
-    BufferPtr b = alloc(n, "weight");
-    upload(b->data(), w.host, n);  // staged: the host bytes may go once this returns
+    const bool split = split_on() && w.type == (uint32_t)GGMLType::Q8_0 && w.expert_rows == 0 && w.cols % 32 == 0;
+    if (!split) {
+      const size_t n = (size_t)w.rows * w.row_bytes;
+      BufferPtr b = alloc(n, "weight");
+      upload(b->data(), w.host, n);  // staged: the host bytes may go once this returns
+      w.data = static_cast<const uint8_t*>(b->data());
+      w.resident = std::move(b);
+      return;
+    }
+    const size_t rb = split_row_bytes(w.cols);
+    BufferPtr b = alloc((size_t)w.rows * rb, "weight");
+    const int64_t nb = w.cols / 32;
+    const int64_t slab = std::max<int64_t>(1, (int64_t)(8u << 20) / (int64_t)rb);
+    std::vector<uint8_t> tmp((size_t)(std::min(slab, w.rows) * (int64_t)rb), 0);
+    for (int64_t r0 = 0; r0 < w.rows; r0 += slab) {
+      const int64_t nr = std::min(slab, w.rows - r0);
+      for (int64_t r = 0; r < nr; ++r) {
+        const uint8_t* src = w.host + (size_t)(r0 + r) * w.row_bytes;
+        uint8_t* dst = tmp.data() + (size_t)r * rb;
+        for (int64_t bi = 0; bi < nb; ++bi) {
+          std::memcpy(dst + bi * 32, src + bi * 34 + 2, 32);
+          std::memcpy(dst + w.cols + bi * 2, src + bi * 34, 2);
+        }
+      }
+      upload(static_cast<uint8_t*>(b->data()) + (size_t)r0 * rb, tmp.data(), (size_t)nr * rb);
+    }
     w.data = static_cast<const uint8_t*>(b->data());
     w.resident = std::move(b);
+    w.packed_for = kSplitLayout;
+  }
+  static constexpr int kSplitLayout = 0x5C0;  // Weight::packed_for of a split matrix
+  static constexpr uint32_t kQ8Split = 40;     // its shader type (dequant.glsl's T_Q8_0S)
+  static size_t split_row_bytes(int64_t cols) { return ((size_t)cols + (size_t)cols / 16 + 15) & ~size_t(15); }
+  static bool split_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_SPLIT");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
+  // The layout a shader reads a weight in: its type id and row stride.
+  static uint32_t lay_type(const Weight& w) { return w.packed_for == kSplitLayout ? kQ8Split : w.type; }
+  static uint64_t lay_rb(const Weight& w) {
+    return w.packed_for == kSplitLayout ? split_row_bytes(w.cols) : (uint64_t)w.row_bytes;
   }
   bool supports(Op op, uint32_t type) const override {
     switch (op) {
@@ -670,10 +713,10 @@ class VulkanBackend final : public Backend {
     struct {
       uint64_t w, x, y, row_bytes;
       uint32_t rows, cols, n, pad;
-    } pc{A(w.data), A(x), A(y), w.row_bytes, (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
+    } pc{A(w.data), A(x), A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
     if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
     if (c_->subgroup && n > kTileMin) {  // prefill: 64 x 64 output tiles through shared memory
-      const std::string sh = "matmul_tile_" + std::to_string(w.type);
+      const std::string sh = "matmul_tile_" + std::to_string(lay_type(w));
       c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 63) / 64), (uint32_t)((n + 63) / 64));
       return;
     }
@@ -683,7 +726,7 @@ class VulkanBackend final : public Backend {
       matmul_sg(ws, ys, 1, x, n);
       return;
     }
-    const std::string sh = "matmul_" + std::to_string(w.type);
+    const std::string sh = "matmul_" + std::to_string(lay_type(w));
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
@@ -710,7 +753,7 @@ class VulkanBackend final : public Backend {
     bool one = c_->subgroup && count >= 1 && count <= 3 && n > 0 && n <= kTileMin;
     for (int i = 0; one && i < count; ++i) {
       check_w(*ws[i]);
-      one = ws[i]->type == ws[0]->type && ws[i]->cols == ws[0]->cols && ws[i]->row_bytes == ws[0]->row_bytes &&
+      one = lay_type(*ws[i]) == lay_type(*ws[0]) && ws[i]->cols == ws[0]->cols && lay_rb(*ws[i]) == lay_rb(*ws[0]) &&
             ws[i]->rows > 0;
     }
     return one;
@@ -732,10 +775,11 @@ class VulkanBackend final : public Backend {
       b[i] = (uint32_t)((ws[i]->rows + 3) / 4);
       blocks += b[i];
     }
-    pc.x = A(x), pc.row_bytes = ws[0]->row_bytes, pc.cols = (uint32_t)ws[0]->cols, pc.n = (uint32_t)n;
+    pc.x = A(x), pc.row_bytes = lay_rb(*ws[0]), pc.cols = (uint32_t)ws[0]->cols, pc.n = (uint32_t)n;
     pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
-    auto it = sg_names_.find(ws[0]->type);
-    if (it == sg_names_.end()) it = sg_names_.emplace(ws[0]->type, "matmul_sg_" + std::to_string(ws[0]->type)).first;
+    const uint32_t t = lay_type(*ws[0]);
+    auto it = sg_names_.find(t);
+    if (it == sg_names_.end()) it = sg_names_.emplace(t, "matmul_sg_" + std::to_string(t)).first;
     c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
   }
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
@@ -745,8 +789,8 @@ class VulkanBackend final : public Backend {
     struct {
       uint64_t w, ids, out, row_bytes;
       uint32_t cols, id_base;
-    } pc{A(w.data), A(ids), A(out), w.row_bytes, (uint32_t)w.cols, 0};
-    const std::string sh = "get_rows_" + std::to_string(w.type);
+    } pc{A(w.data), A(ids), A(out), lay_rb(w), (uint32_t)w.cols, 0};
+    const std::string sh = "get_rows_" + std::to_string(lay_type(w));
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.id_base = (uint32_t)i0;
       c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0));

@@ -13,6 +13,8 @@
 #define T_Q6_K 14
 #define T_BF16 30
 #define T_MXFP4 39
+// Not a file type: q8_0 in this backend's split layout (vulkan_backend.cpp, load_weight).
+#define T_Q8_0S 40
 
 void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint e0 = g * 8u;
@@ -39,6 +41,15 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint w0 = rd32(q), w1 = rd32(q + 4u);
   [[unroll]] for (uint i = 0u; i < 4u; ++i) {
     precise float a = float(sbyte(w0, i)) * d, c = float(sbyte(w1, i)) * d;
+    v[i] = a, v[i + 4u] = c;
+  }
+#elif TYPE == T_Q8_0S
+  // A row's cols quants (group g: one aligned 8-byte load, adjacent lanes adjacent bytes),
+  // then its f16 scales: the values of q8_0's blocks, without their 34-byte stride.
+  const float d = h2f(rd16(row + uint64_t(cols) + uint64_t(g >> 2) * 2u));
+  const uvec2 w = U2(row + uint64_t(g) * 8u).v[0];
+  [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+    precise float a = float(sbyte(w.x, i)) * d, c = float(sbyte(w.y, i)) * d;
     v[i] = a, v[i + 4u] = c;
   }
 #elif TYPE == T_MXFP4
