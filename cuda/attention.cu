@@ -29,14 +29,42 @@ __device__ __forceinline__ float kv_elem(const uint8_t* r, int d) {
   }
 }
 
+// Merges the splits' partial states of (row z, head h) into the output: run by the split
+// that finished last, so its reads go past L1 (__ldcg) to what the other blocks wrote.
+__device__ void combine_splits(const AttnArgs& a, int64_t t, int64_t z, int h, int splits,
+                               const float* __restrict__ part) {
+  const int hd = a.head_dim;
+  const float* p = part + (z * a.n_heads + h) * splits * (int64_t)(hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(p + s * (hd + 2)));
+  if (a.sinks) M = fmaxf(M, a.sinks[h]);
+  float L = a.sinks ? expf(a.sinks[h] - M) : 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = __ldcg(p + s * (hd + 2));
+    if (ms != -INFINITY) L += __ldcg(p + s * (hd + 2) + 1) * expf(ms - M);
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  float* o = a.out + t * a.out_stride + (int64_t)h * hd;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float v = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float ms = __ldcg(p + s * (hd + 2));
+      if (ms != -INFINITY) v += __ldcg(p + s * (hd + 2) + 2 + d) * expf(ms - M);
+    }
+    o[d] = v * inv;
+  }
+}
+
 // One block per (split, query head, row z). Lane holds dims lane + 32 i (i < NI) of q
 // and of its running output; warps take KB keys at a time from the split's range.
-// splits == 1 writes the normalized output; else (m, l, acc[hd]) partials to `part`.
+// splits == 1 writes the normalized output; else (m, l, acc[hd]) partials to `part`, and
+// the split that finishes last (counted in cnt[z][h], left at 0 again) merges them: no
+// second launch.
 // A group (dargs set: sessions' args in device memory, so a replayed graph sees each
 // step's n_kv) maps row z to session z / maxtok, token z % maxtok; else z is the token of a0.
 template <int KT, int NI>
 __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok,
-                                                     int splits, float* __restrict__ part) {
+                                                     int splits, float* __restrict__ part, int* __restrict__ cnt) {
   pdl_wait();
   pdl_trigger();
   const int s = blockIdx.x, h = blockIdx.y;
@@ -151,38 +179,18 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs
       for (int w = 0; w < WARPS; ++w) v += sm_acc[w][d] * f[w];
       p[2 + d] = v;
     }
-  }
-}
-
-// One block per (head, token): merges the splits' partial states.
-__global__ void attn_combine_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok, int splits,
-                               const float* __restrict__ part) {
-  pdl_wait();
-  pdl_trigger();
-  const int h = blockIdx.x;
-  const int64_t z = blockIdx.y;
-  const AttnArgs a = dargs ? dargs[z / maxtok] : a0;
-  const int64_t t = dargs ? z % maxtok : z;
-  if (t >= a.n_tok) return;
-  const int hd = a.head_dim;
-  const float* p = part + (z * a.n_heads + h) * splits * (int64_t)(hd + 2);
-  float M = -INFINITY;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, p[s * (hd + 2)]);
-  if (a.sinks) M = fmaxf(M, a.sinks[h]);
-  float L = a.sinks ? expf(a.sinks[h] - M) : 0.f;
-  for (int s = 0; s < splits; ++s) {
-    const float ms = p[s * (hd + 2)];
-    if (ms != -INFINITY) L += p[s * (hd + 2) + 1] * expf(ms - M);
-  }
-  const float inv = L > 0.f ? 1.f / L : 0.f;
-  float* o = a.out + t * a.out_stride + (int64_t)h * hd;
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float v = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float ms = p[s * (hd + 2)];
-      if (ms != -INFINITY) v += p[s * (hd + 2) + 2 + d] * expf(ms - M);
+    __shared__ bool last;
+    __threadfence();  // this block's partials are visible before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int* c = cnt + z * a.n_heads + h;
+      last = atomicAdd(c, 1) == splits - 1;
+      if (last) *c = 0;
     }
-    o[d] = v * inv;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    combine_splits(a, t, z, h, splits, part);
   }
 }
 
@@ -231,30 +239,27 @@ __global__ void kv_store_group_k(const KVStoreDesc* __restrict__ d, int64_t src_
 }
 
 template <int KT>
-void launch_kt(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* part,
+void launch_kt(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* part, int* cnt,
                cudaStream_t st) {
   const dim3 grid((unsigned)splits, (unsigned)a.n_heads, (unsigned)rows);
   if (a.head_dim <= 64)
-    launch(attn_k<KT, 2>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part);
+    launch(attn_k<KT, 2>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt);
   else if (a.head_dim <= 128)
-    launch(attn_k<KT, 4>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part);
+    launch(attn_k<KT, 4>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt);
   else
-    launch(attn_k<KT, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part);
+    launch(attn_k<KT, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt);
 }
 
 void launch_attn(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* scratch,
-            cudaStream_t st) {
+                 int* cnt, cudaStream_t st) {
+  if (splits > 1 && !cnt) throw Error("cuda attention: split partials need their counters");
   switch (a.kv.type) {
-    case KVType::f32: launch_kt<0>(a, dargs, maxtok, rows, splits, scratch, st); break;
-    case KVType::f16: launch_kt<1>(a, dargs, maxtok, rows, splits, scratch, st); break;
-    case KVType::q8_0: launch_kt<8>(a, dargs, maxtok, rows, splits, scratch, st); break;
+    case KVType::f32: launch_kt<0>(a, dargs, maxtok, rows, splits, scratch, cnt, st); break;
+    case KVType::f16: launch_kt<1>(a, dargs, maxtok, rows, splits, scratch, cnt, st); break;
+    case KVType::q8_0: launch_kt<8>(a, dargs, maxtok, rows, splits, scratch, cnt, st); break;
     default: throw UnsupportedModelError("cuda attention: unknown KV type");
   }
   check_launch("attention");
-  if (splits > 1) {
-    launch(attn_combine_k, dim3((unsigned)a.n_heads, (unsigned)rows), 128, 0, st, a, dargs, maxtok, splits, scratch);
-    check_launch("attention combine");
-  }
 }
 
 }  // namespace
@@ -291,16 +296,16 @@ void attn_check(const AttnArgs& a) {
     throw UnsupportedModelError("cuda attention: unknown KV type");
 }
 
-void attention(const AttnArgs& a, int splits, float* scratch, cudaStream_t st) {
+void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cudaStream_t st) {
   attn_check(a);
   if (a.n_tok <= 0 || a.n_heads <= 0) return;
-  launch_attn(a, nullptr, 1, a.n_tok, splits, scratch, st);
+  launch_attn(a, nullptr, 1, a.n_tok, splits, scratch, counters, st);
 }
 
 void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
-                     cudaStream_t st) {
+                     int* counters, cudaStream_t st) {
   if (count <= 0 || maxtok <= 0 || shape.n_heads <= 0) return;
-  launch_attn(shape, dargs, maxtok, (int64_t)count * maxtok, splits, scratch, st);
+  launch_attn(shape, dargs, maxtok, (int64_t)count * maxtok, splits, scratch, counters, st);
 }
 
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,

@@ -127,6 +127,7 @@ class CudaBackend final : public Backend {
     for (Cached& c : cache_) cudaGraphExecDestroy(c.exec);
     scratch_.reset();
     qact_.reset();
+    counters_.reset();
     dblob_.reset();
     cudaStreamDestroy(st_);
   }
@@ -396,9 +397,10 @@ class CudaBackend final : public Backend {
     if (a.n_tok <= 0 || a.n_heads <= 0) return;
     const int splits = cuda::attn_splits(a, prop_.multiProcessorCount);
     float* scratch = scratch_for(cuda::attn_scratch_floats(a, splits));
+    int* cnt = splits > 1 ? counters_for((size_t)a.n_tok * a.n_heads) : nullptr;
     // Its args are baked into the launch, not the signature: a step with one runs directly.
     if (rec_) no_graph_ = true;
-    op(Tag::attention, [=](cudaStream_t s) { cuda::attention(a, splits, scratch, s); });
+    op(Tag::attention, [=](cudaStream_t s) { cuda::attention(a, splits, scratch, cnt, s); });
   }
   void attention_multi(const AttnArgs* a, int count) override {
     use();
@@ -425,6 +427,7 @@ class CudaBackend final : public Backend {
     const int splits = cuda::attn_splits(total, a[0].n_heads, max_kv, prop_.multiProcessorCount);
     const size_t floats = splits <= 1 ? 0 : (size_t)slots * a[0].n_heads * splits * (a[0].head_dim + 2);
     float* scratch = scratch_for(floats);
+    int* counters = splits > 1 ? counters_for((size_t)slots * a[0].n_heads) : nullptr;
     const size_t off = blob_put(a, sizeof(AttnArgs) * count);
     const AttnArgs shape = a[0];
     const int cnt = count, mt = (int)maxtok;
@@ -432,9 +435,9 @@ class CudaBackend final : public Backend {
         Tag::attention_group,
         [=](cudaStream_t s) {
           const auto* d = reinterpret_cast<const AttnArgs*>(static_cast<uint8_t*>(dblob_->data()) + off);
-          cuda::attention_group(shape, d, cnt, mt, splits, scratch, s);
+          cuda::attention_group(shape, d, cnt, mt, splits, scratch, counters, s);
         },
-        cnt, mt, shape.n_heads, shape.head_dim, shape.kv.type, splits, scratch, off);
+        cnt, mt, shape.n_heads, shape.head_dim, shape.kv.type, splits, scratch, counters, off);
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
@@ -798,10 +801,23 @@ class CudaBackend final : public Backend {
     return static_cast<float*>(scratch_->data());
   }
 
+  // Attention's per-(row, head) split counters: zeroed when (re)allocated, and each
+  // attention leaves them zero. Grown like scratch_for.
+  int* counters_for(size_t n) {
+    if (!counters_ || counters_->size() < n * sizeof(int)) {
+      if (counters_) check(cudaStreamSynchronize(st_), "attention counters");
+      counters_.reset();
+      const size_t bytes = (n + n / 2) * sizeof(int);
+      counters_ = alloc(bytes, "attention counters");
+      check(cudaMemsetAsync(counters_->data(), 0, bytes, st_), "attention counters");
+    }
+    return static_cast<int*>(counters_->data());
+  }
+
   int dev_;
   cudaDeviceProp prop_{};
   cudaStream_t st_ = nullptr;
-  BufferPtr scratch_, qact_;
+  BufferPtr scratch_, qact_, counters_;
   // The step being recorded.
   bool graphs_;
   int group_;

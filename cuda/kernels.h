@@ -72,17 +72,18 @@ void moe_route(const float* logits, int64_t n, int n_expert, int k, int gate, bo
 void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out, cudaStream_t st);
 
 // Attention: splits of the key range per (query, head) (flash-decoding) and the
-// scratch floats they need; split > 1 needs that scratch.
+// scratch floats they need; split > 1 needs that scratch, and rows * n_heads counters
+// (ints, zero before the first call; each call leaves them zero).
 int attn_splits(const AttnArgs& a, int n_sm);
 int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm);
 size_t attn_scratch_floats(const AttnArgs& a, int splits);
 void attn_check(const AttnArgs& a);  // throws what attention() would refuse
-void attention(const AttnArgs& a, int splits, float* scratch, cudaStream_t st);
+void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cudaStream_t st);
 // count sessions' attentions in one launch: their args in device memory (dargs), all
 // with shape's n_heads, head_dim and KV type; rows z = session * maxtok + token; the
 // scratch holds count * maxtok rows of partials.
 void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
-                     cudaStream_t st);
+                     int* counters, cudaStream_t st);
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
               int64_t dim, cudaStream_t st);
 // One session's store for kv_store_group (in device memory).
