@@ -119,7 +119,7 @@ class SimReplica:
 
 
 def simulate(trace: Trace, keys_of, n_rep: int, policy: str, rate_per_replica: float, streams: int,
-             budget: int, period: float, seed: int = 1) -> Dict[str, float]:
+             budget: int, period: float, seed: int = 1, n_conv: Optional[int] = None) -> Dict[str, float]:
     rng = random.Random(seed)
     reps = [SimReplica(streams, budget) for _ in range(n_rep)]
     aff = AffinityPolicy(max_load=2 * streams, memory_s=2 * period, clock=lambda: now)
@@ -133,7 +133,8 @@ def simulate(trace: Trace, keys_of, n_rep: int, policy: str, rate_per_replica: f
         heapq.heappush(ev, (t, seq, kind, payload))
 
     t = 0.0
-    for c in range(len(trace.convs)):
+    n_conv = n_conv or len(trace.convs)
+    for c in range(n_conv):
         t += rng.expovariate(rate_per_replica * n_rep)
         push(t, "turn", (c, 0))
     for r in range(n_rep):
@@ -142,7 +143,7 @@ def simulate(trace: Trace, keys_of, n_rep: int, policy: str, rate_per_replica: f
     prompt_w = cached_w = 0
     encodes = clips = 0
     ttft: List[float] = []
-    pending = len(trace.convs)
+    pending = n_conv
 
     def start(r: int, req) -> None:
         rep = reps[r]
@@ -237,22 +238,24 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     ap.add_argument("--conversations", type=int, default=4000)
+    ap.add_argument("--per-replica", type=int, default=250,
+                    help="at least this many conversations per replica (so the trace outlasts its ramp)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--budget", type=int, default=200_000, help="cache budget per replica, in characters")
-    ap.add_argument("--rate", type=float, default=0.06, help="new conversations per second per replica")
+    ap.add_argument("--rate", type=float, default=0.4, help="new conversations per second per replica")
     ap.add_argument("--period", type=float, default=1.0, help="seconds between replica reports")
     args = ap.parse_args(argv)
     t0 = time.time()
-    trace = Trace(args.conversations)
+    trace = Trace(max(args.conversations, args.per_replica * max(args.replicas)))
     book = KeyBook(trace)
-    n_req = sum(book.n.values())
-    print(f"trace: {args.conversations} conversations, {n_req} requests; keys in {time.time() - t0:.1f} s")
-    print("| replicas | policy | hit rate | imbalance (max/mean work) | TTFT mean s | TTFT p99 s | clip encodes per clip turn |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(f"trace: {len(trace.convs)} conversations; keys in {time.time() - t0:.1f} s")
+    print("| replicas | conversations | policy | hit rate | imbalance (max/mean work) | TTFT mean s | TTFT p99 s | clip encodes per clip turn |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for n in args.replicas:
+        n_conv = max(args.conversations, args.per_replica * n)
         for pol in ("affinity", "least-loaded", "round-robin"):
-            r = simulate(trace, book, n, pol, args.rate, args.streams, args.budget, args.period)
-            print(f"| {n} | {pol} | {r['hit']:.3f} | {r['imbalance']:.2f} | {r['ttft_mean']:.2f} | "
+            r = simulate(trace, book, n, pol, args.rate, args.streams, args.budget, args.period, n_conv=n_conv)
+            print(f"| {n} | {n_conv} | {pol} | {r['hit']:.3f} | {r['imbalance']:.2f} | {r['ttft_mean']:.2f} | "
                   f"{r['ttft_p99']:.2f} | {r['encodes_per_clip_turn']:.2f} |", flush=True)
     print(f"({time.time() - t0:.0f} s)")
 

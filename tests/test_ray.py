@@ -145,7 +145,8 @@ def _wait(cond, timeout, what):
 @pytest.fixture(scope="module")
 def cluster():
     # Logical CPUs: four single-thread replicas at 0.5 each; the machine's cores are shared anyway.
-    ray.init(num_cpus=4, include_dashboard=False, namespace="dasllama-test", log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, namespace="dasllama-test", log_to_driver=False,
+             object_store_memory=200 << 20)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -289,6 +290,8 @@ def test_a_killed_replica_loses_no_other_request_and_recovers(text_app):
     for t in threads:
         t.join(timeout=900)
     assert all(not t.is_alive() for t in threads)
+    print("killed", busy["replica"], "with", busy["active_streams"], "streams running;",
+          {q[:14]: r[:2] for q, r in results.items()})
     for i, q in enumerate(questions):
         res = results[q]
         if res[0] == "ok":
@@ -310,6 +313,35 @@ def test_a_killed_replica_loses_no_other_request_and_recovers(text_app):
     r = retrying.chat.completions.create(model="m", messages=[{"role": "user", "content": questions[0]}],
                                          temperature=0, max_tokens=40)
     assert r.choices[0].message.content == want[questions[0]]
+
+
+def test_scale_down_drains_the_leaving_replica(text_app, smollm2_path):
+    """Down to one replica while requests run: the leaving replica finishes what it has (no client retries)."""
+    base, model, oai = text_app["base"], text_app["model"], text_app["oai"]
+    questions = [f"List {i + 3} animals that live in the sea." for i in range(4)]
+    want = {q: reference(model, [{"role": "user", "content": q}], 32) for q in questions}
+    results = {}
+
+    def ask(q):
+        try:
+            r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": q}], temperature=0,
+                                            max_tokens=32)
+            results[q] = r.choices[0].message.content
+        except Exception as e:  # noqa: BLE001 - recorded, fails below
+            results[q] = repr(e)
+
+    threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+    for t in threads:
+        t.start()
+    _wait(lambda: sum(m["active_streams"] for m in _per_replica("text").values()) >= 2, 300, "requests running")
+    serve.run(build_app(smollm2_path, replicas=1, replica_cpus=0.5, streams=2, ctx=1024, n_threads=1,
+                        stats_period_s=0.5, health_check_period_s=2.0),
+              name="text", route_prefix="/text")
+    for t in threads:
+        t.join(timeout=900)
+    assert results == want
+    _wait(lambda: len(_per_replica("text")) == 1, 120, "one replica left on the board")
+    assert _metrics(base, "")["replicas"] == 1
 
 
 # ---- audio: a resent clip runs no second encode --------------------------------------------------------------
