@@ -139,6 +139,7 @@ class EngineReplica:
         self.engine = self.app.state.engine
         self.report = KeyReport()
         self._inflight: Dict[str, int] = {}
+        self._lock = threading.Lock()  # the report is written by requests and read by the stats call
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.pid = os.getpid()
         self.board = _board()
@@ -159,9 +160,10 @@ class EngineReplica:
     async def http(self, req: Dict[str, Any]):
         """Run one forwarded request through the app: yields (status, headers) first, then body chunks."""
         keys: Keys = req.get("route") or _NO_KEYS
-        tag = self.report.add(keys) if keys.keys else ""
-        if tag:
-            self._inflight[tag] = self._inflight.get(tag, 0) + 1
+        with self._lock:
+            tag = self.report.add(keys) if keys.keys else ""
+            if tag:
+                self._inflight[tag] = self._inflight.get(tag, 0) + 1
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in req["headers"]
                    if k.lower() != "x-dasllama-cache-tag"]
         if tag:
@@ -211,9 +213,10 @@ class EngineReplica:
             if not task.done():
                 task.cancel()
             if tag:
-                self._inflight[tag] -= 1
-                if not self._inflight[tag]:
-                    del self._inflight[tag]
+                with self._lock:
+                    self._inflight[tag] -= 1
+                    if not self._inflight[tag]:
+                        del self._inflight[tag]
             if status == 200 and tag:
                 self._note_reply(keys, tag, req, b"".join(chunks))
             try:
@@ -230,19 +233,23 @@ class EngineReplica:
         except (ValueError, KeyError, IndexError, TypeError):
             return
         if isinstance(text, str) and isinstance(body, dict):
-            self.report.add(reply_keys(keys, body, text), tag=tag)
+            with self._lock:
+                self.report.add(reply_keys(keys, body, text), tag=tag)
 
     def record_routing_stats(self) -> Dict[str, Any]:
         """What the router reads every stats period: the keys still cached, and the load."""
         from .. import kv
 
         rows = self.engine.pool.page_rows
-        live: Dict[str, float] = {t: 1.0 for t in self._inflight}
-        for c in kv.prefix_chain_list(self.engine.cache):
-            if c.preview and c.tokens > 0:
-                live[c.preview] = max(live.get(c.preview, 0.0), min(1.0, c.live_pages * rows / c.tokens))
+        chains = kv.prefix_chain_list(self.engine.cache)
+        with self._lock:
+            live: Dict[str, float] = {t: 1.0 for t in self._inflight}
+            for c in chains:
+                if c.preview and c.tokens > 0:
+                    live[c.preview] = max(live.get(c.preview, 0.0), min(1.0, c.live_pages * rows / c.tokens))
+            keys = self.report.snapshot(live)
         m = self.engine.metrics()
-        return {"keys": encode_keys(self.report.snapshot(live)), "load": m["queue_depth"] + m["active_streams"]}
+        return {"keys": encode_keys(keys), "load": m["queue_depth"] + m["active_streams"]}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; an engine whose thread has stopped gets the replica replaced."""

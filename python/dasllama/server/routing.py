@@ -144,6 +144,7 @@ class KeyReport:
     def __init__(self, max_keys: int = 4096):
         self.max_keys = max_keys
         self._by_tag: "collections.OrderedDict[str, Keys]" = collections.OrderedDict()
+        self._seen: set = set()  # tags a snapshot found live
 
     def add(self, keys: Keys, tag: Optional[str] = None) -> str:
         tag = tag or keys.tag()
@@ -151,7 +152,7 @@ class KeyReport:
             self._by_tag[tag] = keys
             self._by_tag.move_to_end(tag)
             while len(self._by_tag) > self.max_keys:
-                self._by_tag.popitem(last=False)
+                self._seen.discard(self._by_tag.popitem(last=False)[0])
         return tag
 
     def snapshot(self, live: Optional[Dict[str, float]] = None) -> List[int]:
@@ -173,9 +174,13 @@ class KeyReport:
                     out.append(key)
             if len(out) >= self.max_keys:
                 break
-        if live is not None:  # forget donations the cache has let go of
-            for tag in [t for t in self._by_tag if live.get(t, 0.0) <= 0.0]:
+        if live is not None:
+            # Forget donations the cache held and has let go of; one not seen yet (a request between its
+            # reply and its donation) waits for the next snapshot, or for max_keys to push it out.
+            for tag in [t for t in self._by_tag if live.get(t, 0.0) <= 0.0 and t in self._seen]:
                 del self._by_tag[tag]
+                self._seen.discard(tag)
+            self._seen |= {t for t in self._by_tag if live.get(t, 0.0) > 0.0}
         return out[:self.max_keys]
 
 
