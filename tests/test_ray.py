@@ -320,6 +320,28 @@ def test_a_killed_replica_loses_no_other_request_and_recovers(text_app):
     assert r.choices[0].message.content == want[questions[0]]
 
 
+def test_a_stream_whose_replica_dies_ends_with_a_retryable_error(text_app):
+    base = text_app["base"]
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=600)
+    raw = oai.chat.completions.with_streaming_response.create(
+        model="m", messages=[{"role": "user", "content": "Count from 1 to 200, one number a line."}],
+        temperature=0, max_tokens=400, stream=True)
+    with raw as resp:
+        home = resp.headers["x-dasllama-replica"]
+        chunks = resp.iter_lines()
+        first = next(ln for ln in chunks if ln.startswith("data:"))  # the stream is running
+        assert '"choices"' in first
+        victim = _per_replica("text")[home]
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+        rest = [ln for ln in chunks if ln.startswith("data:")]
+    import json
+
+    last = json.loads(rest[-1][len("data:"):])
+    assert last["error"]["code"] == "replica_unavailable" and "retry" in last["error"]["message"]
+    _wait(lambda: (lambda x: x if len(x) == 2 and home not in x else None)(_per_replica("text")), 600,
+          "the replica's replacement")
+
+
 def test_scale_down_drains_the_leaving_replica(text_app, smollm2_path):
     """Down to one replica while requests run: the leaving replica finishes what it has (no client retries)."""
     base, model, oai = text_app["base"], text_app["model"], text_app["oai"]
