@@ -129,6 +129,13 @@ def test_key_report_keeps_what_the_cache_still_holds():
     assert decode_keys(encode_keys(k1.keys)) == list(k1.keys)
 
 
+def test_cli_ray_flags_need_ray():
+    from dasllama import cli
+
+    assert cli.main(["serve", "--replicas", "2"]) == 2
+    assert cli.main(["serve", "--ray", "--replicas", "0"]) == 2
+
+
 # ---- a local Ray cluster ---------------------------------------------------------------------------------
 
 def _free_port():
@@ -236,10 +243,16 @@ def test_later_turns_hit_their_affine_replica_and_equal_greedy(text_app):
 def test_streaming_through_the_ingress_equals_greedy(text_app):
     oai, model = text_app["oai"], text_app["model"]
     msgs = [{"role": "user", "content": "Tell me a fact about owls."}]
-    parts = [c.choices[0].delta.content or "" for c in
-             oai.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=12, stream=True)
-             if c.choices]
+    raw = oai.chat.completions.with_raw_response.create(model="m", messages=msgs, temperature=0, max_tokens=12,
+                                                        stream=True)
+    parts = [c.choices[0].delta.content or "" for c in raw.parse() if c.choices]
     assert "".join(parts) == reference(model, msgs, 12)
+    # the next turn goes home and finds the streamed reply in the cache too
+    msgs += [{"role": "assistant", "content": "".join(parts)}, {"role": "user", "content": "Another one?"}]
+    raw2 = oai.chat.completions.with_raw_response.create(model="m", messages=msgs, temperature=0, max_tokens=12)
+    assert raw2.headers["x-dasllama-replica"] == raw.headers["x-dasllama-replica"]
+    assert raw2.parse().choices[0].message.content == reference(model, msgs, 12)
+    assert raw2.parse().usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_metrics_aggregate_the_replicas_pools(text_app):

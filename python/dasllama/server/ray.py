@@ -190,7 +190,7 @@ class EngineReplica:
 
         task = asyncio.ensure_future(self.app(scope, receive, send))
         task.add_done_callback(lambda _t: out.put_nowait(None))
-        status, chunks = 500, []
+        status, chunks, kept = 500, [], 0
         try:
             while True:
                 msg = await out.get()
@@ -204,8 +204,9 @@ class EngineReplica:
                 elif msg["type"] == "http.response.body":
                     piece = msg.get("body", b"")
                     if piece:
-                        if status == 200 and len(chunks) < 64:
+                        if status == 200 and kept < (1 << 20):  # enough for the reply's keys
                             chunks.append(piece)
+                            kept += len(piece)
                         yield piece
             task.result()
         finally:
@@ -225,12 +226,17 @@ class EngineReplica:
                 pass
 
     def _note_reply(self, keys: Keys, tag: str, req: Dict[str, Any], raw: bytes) -> None:
-        # A plain chat reply: its pages were donated with the prompt's, so the next turn (which sends the
-        # reply back as an assistant message) matches past it.
+        # A chat reply's pages were donated with the prompt's, so the next turn (which sends the reply
+        # back as an assistant message) matches past it: its keys join the donation's.
+        body = body_of(req.get("body", b""))
         try:
-            text = json.loads(raw)["choices"][0]["message"]["content"]
-            body = body_of(req.get("body", b""))
-        except (ValueError, KeyError, IndexError, TypeError):
+            if raw.startswith(b"data:"):  # a stream: the deltas' text
+                text = "".join(
+                    (json.loads(ln[5:]).get("choices") or [{}])[0].get("delta", {}).get("content") or ""
+                    for ln in raw.split(b"\n") if ln.startswith(b"data:") and ln[5:].strip() != b"[DONE]")
+            else:
+                text = json.loads(raw)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             return
         if isinstance(text, str) and isinstance(body, dict):
             with self._lock:
