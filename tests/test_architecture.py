@@ -211,3 +211,37 @@ def test_no_family_tests_in_python():
             if hit:
                 bad.append(f"{name}:{node.lineno} {hit}")
     assert not bad, "family names tested in the Python package: " + ", ".join(bad)
+
+
+# -- optional dependencies stay behind their extras -------------------------------------------------------
+# The library never imports its server (only the CLI does), and only dasllama.server.ray imports Ray.
+
+def _third_party_imports(path):
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_only_the_ray_module_imports_ray():
+    users = [name for name, (path, _) in _modules().items() if path is not None and "ray" in _third_party_imports(path)]
+    assert users == ["dasllama.server.ray"], users
+
+
+def test_the_library_never_imports_its_server():
+    graph = _graph()
+    top = ("dasllama.server", "dasllama.cli", "dasllama.__main__")  # the layers above the library
+    bad = [f"{m} -> {t}" for m, ts in graph.items() if not m.startswith(top)
+           for t in ts if t.startswith("dasllama.server")]
+    assert not bad, bad
+    # and at run time: importing the library loads neither the HTTP stack nor Ray
+    import subprocess
+    import sys
+
+    code = ("import sys, dasllama, dasllama.chat, dasllama.llm; "
+            "print(sorted(m for m in ('ray', 'starlette', 'uvicorn', 'dasllama.server') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

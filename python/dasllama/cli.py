@@ -492,11 +492,28 @@ def _cmd_serve(args) -> int:
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
-    serve(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port,
-          mmproj=_mmproj_arg(args) if args.mmproj else None, streams=args.streams,
-          ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
-          kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages, device=args.device,
-          chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None)
+    kw = dict(mmproj=_mmproj_arg(args) if args.mmproj else None, streams=args.streams,
+              ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
+              kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages, device=args.device,
+              chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None)
+    if not args.ray:
+        if args.replicas is not None or args.ray_address or args.replica_cpus is not None or args.replica_gpus:
+            print("--replicas, --ray-address, --replica-cpus and --replica-gpus need --ray", file=sys.stderr)
+            return 2
+        serve(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port, **kw)
+        return 0
+    try:
+        from .server.ray import serve_ray
+    except ImportError:
+        print("dasllama serve --ray needs the ray extra: pip install 'dasllama[ray]'", file=sys.stderr)
+        return 2
+    replicas = 2 if args.replicas is None else args.replicas
+    if replicas < 1:
+        print("--replicas must be >= 1", file=sys.stderr)
+        return 2
+    serve_ray(args.model or hub.DEFAULT_MODEL, host=args.host, port=args.port, ray_address=args.ray_address,
+              replicas=replicas, replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
+              replica_gpus=args.replica_gpus, **kw)
     return 0
 
 
@@ -571,6 +588,13 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the model's")
     sp.add_argument("--threads", type=int, default=0)
     _add_device(sp)
+    sp.add_argument("--ray", action="store_true",
+                    help="replicas on Ray Serve behind one endpoint, routed to keep their caches warm (ray extra)")
+    sp.add_argument("--replicas", type=int, default=None, help="with --ray: engine replicas (default 2)")
+    sp.add_argument("--ray-address", default=None,
+                    help="with --ray: an existing cluster (e.g. auto or ray://HOST:10001; default: start a local one)")
+    sp.add_argument("--replica-cpus", type=float, default=None, help="with --ray: CPUs Ray reserves per replica (1)")
+    sp.add_argument("--replica-gpus", type=float, default=0.0, help="with --ray: GPUs per replica (0)")
     sp.set_defaults(func=_cmd_serve)
     sp = sub.add_parser("info", help="CPU features, kernel ISA and backends")
     sp.set_defaults(func=_cmd_info)

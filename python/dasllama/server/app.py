@@ -95,6 +95,7 @@ async def run_job(request: Request, r: GenRequest, prompt: List[int], kind: str,
 
     job = Job(prompt=prompt, params=_sampling(r), max_tokens=r.max_tokens, on_event=on_event, stop=r.stop,
               stop_ids=set(stop_ids), seed=r.sampling.seed, media_chat=media,
+              tag=request.headers.get("x-dasllama-cache-tag", "")[:64],
               deadline=(time.monotonic() + r.timeout_s) if r.timeout_s else None)
     st.engine.submit(job)
     reply = Reply.new(kind, st.name)

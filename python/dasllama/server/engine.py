@@ -48,6 +48,7 @@ class Job:
     seed: Optional[int] = None
     deadline: Optional[float] = None     # time.monotonic() limit
     media_chat: object = None            # a renderer whose spans the prompt's negative ids name (audio)
+    tag: str = ""                        # labels its donation to the prefix cache (a router's prefix key)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -122,6 +123,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def alive(self) -> bool:
+        """Whether the engine thread runs (a health check's question)."""
+        return self._thread is not None and self._thread.is_alive()
 
     # ---- API for the HTTP side ---------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -332,7 +337,7 @@ class Engine:
         hist = s.s.history if donate else []
         if hist:
             try:
-                kv.prefix_insert(self.cache, self.pool, s.s, hist)
+                kv.prefix_insert(self.cache, self.pool, s.s, hist, preview=s.job.tag)
             except Exception:  # noqa: BLE001 - caching is an optimization: never fail a reply over it
                 pass
         kv.release_kv_pages(s.s)
