@@ -117,4 +117,51 @@ void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScr
   for (int64_t i = 0; i < (int64_t)nm * total; ++i) out[i] = (std::max(out[i], floor) + 4.f) / 4.f;
 }
 
+void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out,
+                  int64_t stride) {
+  const int64_t F = n / kHop;
+  if (n <= kNFFT / 2) throw std::invalid_argument("audio clip is shorter than half a window (200 samples)");
+  if (stride < F) throw std::invalid_argument("mel stride is shorter than the clip's frames");
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
+  const int nm = bank.n_mel;
+  auto sample = [&](int64_t i) -> float {
+    if (i < 0) i = -i;  // reflect about the first sample
+    if (i >= n) i = 2 * (n - 1) - i;  // and about the last (n > 200 here, so once is enough)
+    return x[i];
+  };
+  s.frames.resize((size_t)kChunkFrames * kNFFT);
+  s.spec.resize((size_t)kChunkFrames * 2 * kBins);
+  s.power.resize((size_t)kChunkFrames * kBins);
+  s.mel.resize((size_t)kChunkFrames * nm);
+  float mx = -INFINITY;
+  for (int64_t t0 = 0; t0 < F; t0 += kChunkFrames) {
+    const int64_t cnt = std::min<int64_t>(kChunkFrames, F - t0);
+    for (int64_t t = 0; t < cnt; ++t) {
+      float* fr = s.frames.data() + t * kNFFT;
+      const int64_t start = (t0 + t) * kHop - kNFFT / 2;
+      for (int i = 0; i < kNFFT; ++i) fr[i] = sample(start + i);
+    }
+    be.matmul(bank.dft, s.frames.data(), cnt, s.spec.data());
+    for (int64_t t = 0; t < cnt; ++t) {
+      const float* sp = s.spec.data() + t * 2 * kBins;
+      float* pw = s.power.data() + t * kBins;
+      for (int k = 0; k < kBins; ++k) pw[k] = sp[k] * sp[k] + sp[kBins + k] * sp[kBins + k];
+    }
+    be.matmul(bank.filters, s.power.data(), cnt, s.mel.data());
+    for (int64_t t = 0; t < cnt; ++t)
+      for (int m = 0; m < nm; ++m) {
+        const float v = std::log10(std::max(s.mel[(size_t)t * nm + m], 1e-10f));
+        out[(size_t)m * stride + t0 + t] = v;
+        mx = std::max(mx, v);
+      }
+  }
+  const float floor = mx - 8.f;
+  for (int m = 0; m < nm; ++m) {
+    float* r = out + (size_t)m * stride;
+    for (int64_t t = 0; t < F; ++t) r[t] = (std::max(r[t], floor) + 4.f) / 4.f;
+    for (int64_t t = F; t < stride; ++t) r[t] = 0.f;
+  }
+}
+
 }  // namespace dl::audio

@@ -36,4 +36,12 @@ struct MelScratch {
 // Throws std::invalid_argument on an empty clip or a non-finite sample.
 void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out);
 
+// The clip's own frames, as a feature extractor that pads to the longest clip computes them
+// (Qwen3-ASR's processor): n / kHop frames (the STFT's last dropped), reflect-padded by 200 at
+// both ends of the clip itself, the (max - 8) floor over those frames only. out[m * stride + t]
+// for t < n / kHop, and 0 (the processor's padding value) for the columns up to stride.
+// Throws std::invalid_argument on a clip shorter than one hop or a non-finite sample.
+void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out,
+                  int64_t stride);
+
 }  // namespace dl::audio
