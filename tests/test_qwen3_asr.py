@@ -80,7 +80,7 @@ def test_logits_and_greedy_tokens_match_transformers(built, clip, language):
     ref = g[0, inp["input_ids"].shape[1]:].tolist()
     stop = asr.ids["<|im_end|>"]
     ref = ref[:ref.index(stop)] if stop in ref else ref
-    assert out == ref
+    assert out == ref and len(set(out)) > 4  # a varied run, not one token repeated
     # The turn's last logits, from the chat layer's prefill path.
     s = d.create_session(asr.model, d.KVDtype.f32)
     rows = d.encode_audio_rows(built["tower"], clip)

@@ -47,6 +47,10 @@ def model(tok, seed: int = 0, layers: int = 4):
         for n, p in m.named_parameters():
             if p.ndim == 1:  # norms and biases away from 1 / 0 so a skipped one shows
                 p.copy_((1.0 if "norm" in n and n.endswith("weight") else 0.0) + torch.randn_like(p) * 0.1)
+            elif n.startswith("model.language_model.") and "embed" not in n:
+                # 3x larger in the decoder's layers: with tied embeddings at the common scale the input
+                # token's own row dominates and greedy repeats one token; this way it varies with the audio.
+                p.copy_(torch.randn_like(p) * M.INIT * 3)
             else:
                 p.copy_(torch.randn_like(p) * M.INIT)
         tw = m.model.audio_tower
