@@ -34,7 +34,7 @@ def built(tmp_path_factory, smollm2_path):
     tok = Q.asr_tokenizer(M.tokenizer(str(smollm2_path)))
     m, dec, mm = Q.build(tok, str(tmp))
     return {"hf": m, "tok": tok, "decoder": dec, "mmproj": mm, "dir": tmp,
-            "tower": d.load_audio_tower(mm), "asr": d.load_asr_model(dec)}
+            "tower": d.load_audio_tower(mm), "asr": d.load_asr_model(dec, mode=d.QuantMode.fp32)}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,9 @@ def test_load_errors(built, tmp_path):
     A.write_whisper(A.whisper_encoder(), wh)
     with pytest.raises(d.UnsupportedModelError):
         d.load_asr_model(lone, mmproj=wh)  # a bare encoder: no projector, no prompt
+    # The default is load_model's q8: the same run within q8's error of fp32, on the same turn.
+    q8 = d.load_asr_model(built["decoder"])
+    assert q8.model.mode == d.QuantMode.q8 and q8.tower.family == "qwen3a"
 
 
 def test_cli_transcribe(built, clip, tmp_path):
@@ -134,4 +137,5 @@ def test_cli_transcribe(built, clip, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dasllama", "transcribe", "--model", built["decoder"], str(wav),
                         "--language", "en"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == d.transcribe(built["asr"], clip, language="en").text
+    # The CLI loads as load_asr_model does by default (q8 decoder) and reads the file (16-bit PCM).
+    assert r.stdout.strip() == d.transcribe(d.load_asr_model(built["decoder"]), str(wav), language="en").text

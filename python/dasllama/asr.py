@@ -158,14 +158,14 @@ def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
 
 def _family_modules() -> dict:
     """ASR families beside whisper, as data: a decoder GGUF plus an audio tower, keyed by the
-    tower's family; each module has ``Model(decoder, mmproj, n_threads, device)`` and
+    tower's family; each module has ``Model(decoder, mmproj, n_threads, device, mode)`` and
     ``transcribe(model, samples, language, timestamps, max_new_tokens) -> (text, language, ids)``."""
     from . import asr_qwen3
 
     return {"qwen3a": asr_qwen3}
 
 
-def _load_family(path: str, mmproj: Optional[PathLike], n_threads: int, device: str):
+def _load_family(path: str, mmproj: Optional[PathLike], n_threads: int, device: str, mode):
     """The family model of a decoder GGUF with an audio tower, or None for a whisper file."""
     from .gguf import GGUFFile
 
@@ -186,11 +186,11 @@ def _load_family(path: str, mmproj: Optional[PathLike], n_threads: int, device: 
     if fam not in mods:
         raise UnsupportedModelError(f"{mm}: no transcription prompt for the audio tower family {fam!r} "
                                     f"(served: {', '.join(sorted(mods))}); chat with it instead")
-    return mods[fam].Model(path, mm, n_threads, device)
+    return mods[fam].Model(path, mm, n_threads, device, mode)
 
 
 def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = None,
-                   mmproj: Optional[PathLike] = None):
+                   mmproj: Optional[PathLike] = None, mode=None):
     """A whisper model from the GGUF ``dasllama convert`` writes (encoder, decoder, tokenizer),
     or from a CTranslate2 whisper directory or registry name (``whisper-tiny.en``), converted
     on first use into the cache (see :func:`resolve_asr_model`). ``device`` as for
@@ -198,11 +198,13 @@ def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = N
 
     A decoder GGUF whose audio tower transcribes (Qwen3-ASR: llama.cpp's converter writes the
     decoder and, with ``--mmproj``, the tower) loads too: ``mmproj`` names the tower's file,
-    else the ``*mmproj*.gguf`` holding an audio tower beside the decoder is used."""
+    else the ``*mmproj*.gguf`` holding an audio tower beside the decoder is used; ``mode`` is
+    the decoder's :class:`~dasllama.QuantMode` (default q8, as :func:`~dasllama.load_model`;
+    whisper files ignore it)."""
     from .llm import resolve_device
 
     p, dev = resolve_asr_model(path), resolve_device(device)
-    fam = _load_family(p, mmproj, int(n_threads), dev)
+    fam = _load_family(p, mmproj, int(n_threads), dev, mode)
     return fam if fam is not None else ASRModel(p, int(n_threads), dev)
 
 

@@ -62,7 +62,7 @@ class Qwen3ASRModel:
             raise FileNotFoundError(f"{decoder_path}: no audio mmproj beside it (a *mmproj*.gguf holding an audio "
                                     "tower); pass mmproj=")
         self.tower = load_audio_tower(mm, n_threads, device)
-        self.model = llm.load_model(decoder_path, llm.QuantMode.fp32 if mode is None else mode, n_threads,
+        self.model = llm.load_model(decoder_path, llm.QuantMode.q8 if mode is None else mode, n_threads,
                                     device=device)
         dim = self.model.config.dim
         if self.tower.proj_dim != dim:
