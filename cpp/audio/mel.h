@@ -44,4 +44,20 @@ void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScr
 void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out,
                   int64_t stride);
 
+// NeMo's filterbank front end (FastConformer models: Parakeet, Canary), as transformers'
+// ParakeetFeatureExtractor computes it for one clip: preemphasis 0.97 (y[0] = x[0]), a symmetric
+// Hann of 400 centred in a 512-point DFT, the clip zero-padded by 256 at both ends (torch.stft
+// center=True, constant), power spectrum, Slaney mel over [0, 8 kHz], ln(x + 2^-24); then each mel
+// bin normalized over the clip's valid frames (n / 160 of them): mean, unbiased std + 1e-5.
+// out[m * frames + t] for frames = fbank_frames(n) = 1 + n / 160; frames past the valid ones are 0.
+// Throws std::invalid_argument on a clip shorter than two hops or a non-finite sample.
+struct FbankBank {
+  int n_mel = 0;
+  Weight dft;      // 2 * 257 rows (cos | -sin) of 512, the window folded in
+  Weight filters;  // n_mel rows of 257
+  explicit FbankBank(int n_mel);
+};
+int64_t fbank_frames(int64_t n_samples);
+void nemo_fbank(Backend& be, const FbankBank& bank, const float* x, int64_t n, MelScratch& s, float* out);
+
 }  // namespace dl::audio
