@@ -289,23 +289,29 @@ int64_t AudioEncoder::encode_conv2d(const float* x, int64_t n, AudioScratch& s, 
   float* g1 = buf(B_G1, h1 * w1 * C);
   float* g2 = buf(B_G2, h2 * w2 * C);
   float* g3 = buf(B_Y2, h3 * w3 * C);
-  float* feat = buf(B_P, chunks * w3 * C * h3);
+  // The linear's input rows of a group of chunks at a time: a ten-minute clip's would be 600 x 13
+  // rows of channels x bins (240 MB at Qwen3-ASR's sizes).
+  constexpr int64_t kGroup = 16;
+  float* feat = buf(B_P, std::min(chunks, kGroup) * w3 * C * h3);
   auto conv = [&](const Weight& w, const Vec& b, float* y, int64_t rows) {
     be.matmul(w, xc, rows, y);
     be.add_bias(y, b.data(), rows, C);
     be.gelu_erf(y, rows * C);
   };
-  for (int64_t ci = 0; ci < chunks; ++ci) {
-    be.im2col_2d(mel + ci * W, 1, nm, W, 0, stride, 1, 3, 3, 2, 1, xc, h1, w1);
-    conv(conv1_, conv1_b_, g1, h1 * w1);
-    be.im2col_2d(g1, C, h1, w1, 1, w1 * C, C, 3, 3, 2, 1, xc, h2, w2);
-    conv(conv2_, conv2_b_, g2, h2 * w2);
-    be.im2col_2d(g2, C, h2, w2, 1, w2 * C, C, 3, 3, 2, 1, xc, h3, w3);
-    conv(conv3_, conv3_b_, g3, h3 * w3);
-    be.im2col_2d(g3, C, h3, w3, 1, w3 * C, C, (int)h3, 1, 1, 0, feat + ci * w3 * C * h3, 1, w3);
-  }
   float* h = buf(B_HALL, chunks * w3 * d);
-  be.matmul(conv_out_, feat, chunks * w3, h);
+  for (int64_t g0 = 0; g0 < chunks; g0 += kGroup) {
+    const int64_t gn = std::min(kGroup, chunks - g0);
+    for (int64_t ci = g0; ci < g0 + gn; ++ci) {
+      be.im2col_2d(mel + ci * W, 1, nm, W, 0, stride, 1, 3, 3, 2, 1, xc, h1, w1);
+      conv(conv1_, conv1_b_, g1, h1 * w1);
+      be.im2col_2d(g1, C, h1, w1, 1, w1 * C, C, 3, 3, 2, 1, xc, h2, w2);
+      conv(conv2_, conv2_b_, g2, h2 * w2);
+      be.im2col_2d(g2, C, h2, w2, 1, w2 * C, C, 3, 3, 2, 1, xc, h3, w3);
+      conv(conv3_, conv3_b_, g3, h3 * w3);
+      be.im2col_2d(g3, C, h3, w3, 1, w3 * C, C, (int)h3, 1, 1, 0, feat + (ci - g0) * w3 * C * h3, 1, w3);
+    }
+    be.matmul(conv_out_, feat, gn * w3, h + g0 * w3 * d);
+  }
   for (int64_t ci = 0; ci < chunks; ++ci) be.add(h + ci * w3 * d, pos_emb_.data(), w3 * d);
   // Only the last chunk can be partial, so the clip's positions are the first `total` rows.
   // Attention windows: attn_frames worth of the longest chunk's positions (transformers' cu_seqlens).
