@@ -139,3 +139,14 @@ def test_cli_transcribe(built, clip, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     # The CLI loads as load_asr_model does by default (q8 decoder) and reads the file (16-bit PCM).
     assert r.stdout.strip() == d.transcribe(d.load_asr_model(built["decoder"]), str(wav), language="en").text
+
+
+def test_audio_chat_frames_the_span(built, clip):
+    """The same tower in audio chat: the span between <|audio_start|> and <|audio_end|> (llama.cpp's
+    mtmd framing for qwen3a)."""
+    asr = built["asr"]
+    chat = d.create_chat(asr.model, built["tower"], max_new=1)
+    n = d.add_user_audio(chat, clip)
+    head, tail = d.render_turn_audio(asr.model, chat)
+    assert n == built["tower"].n_rows(len(clip))
+    assert head[-1] == asr.ids["<|audio_start|>"] and tail[0] == asr.ids["<|audio_end|>"]
