@@ -489,6 +489,13 @@ class CudaBackend final : public Backend {
     op(Tag::im2col_rows, [=](cudaStream_t s) { cuda::im2col_rows(x, C, T, k, stride, pad, out, T_out, s); }, x, C, T,
        k, stride, pad, out, T_out);
   }
+  void im2col_2d(const float* x, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh, int64_t sw, int kh, int kw,
+                 int stride, int pad, float* out, int64_t H_out, int64_t W_out) override {
+    use();
+    op(Tag::im2col_2d,
+       [=](cudaStream_t s) { cuda::im2col_2d(x, C, H, W, sc, sh, sw, kh, kw, stride, pad, out, H_out, W_out, s); }, x, C,
+       H, W, sc, sh, sw, kh, kw, stride, pad, out, H_out, W_out);
+  }
   void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) override {
     use();
     if (k <= 0) throw Error("cuda avg_pool_rows: k must be positive");
@@ -542,7 +549,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule
+    conv1d_causal, delta_rule, im2col_2d
   };
   template <class T>
   void sig1(const T& v) {

@@ -116,6 +116,8 @@ void im2col_1d(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, in
                int64_t T_out, cudaStream_t st);
 void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pad, float* out, int64_t T_out,
                  cudaStream_t st);
+void im2col_2d(const float* x, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh, int64_t sw, int kh, int kw,
+               int stride, int pad, float* out, int64_t H_out, int64_t W_out, cudaStream_t st);
 void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out, cudaStream_t st);
 
 // recurrent.cu: gated-DeltaNet layers (see Backend::conv1d_causal / delta_rule).

@@ -175,6 +175,17 @@ __global__ void im2col_k(const float* x, int64_t x_stride, int64_t C, int64_t T,
     out[i] = s < 0 || s >= T ? 0.f : (rows_layout ? x[s * C + c] : x[c * x_stride + s]);
   }
 }
+__global__ void im2col_2d_k(const float* x, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh, int64_t sw,
+                            int kh, int kw, int stride, int pad, float* out, int64_t W_out, int64_t n) {
+  const int64_t width = C * kh * kw;
+  DL_GRID_LOOP(n) {
+    const int64_t p = i / width, q = i % width;
+    const int64_t c = q / (kh * kw);
+    const int r = (int)(q % (kh * kw)), ki = r / kw, kj = r % kw;
+    const int64_t h = p / W_out * stride - pad + ki, w = p % W_out * stride - pad + kj;
+    out[i] = h >= 0 && h < H && w >= 0 && w < W ? x[c * sc + h * sh + w * sw] : 0.f;
+  }
+}
 __global__ void avg_pool_k(const float* x, int64_t n_rows, int64_t dim, int k, float* out, int64_t n_out) {
   pdl_wait();
   pdl_trigger();
@@ -270,6 +281,13 @@ void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pa
   if (T_out * C * k <= 0) return;
   launch(im2col_k, grid_for(T_out * C * k), TPB, 0, st, x, C, C, T, k, stride, pad, out, T_out, true);
   check_launch("im2col_rows");
+}
+void im2col_2d(const float* x, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh, int64_t sw, int kh, int kw,
+               int stride, int pad, float* out, int64_t H_out, int64_t W_out, cudaStream_t st) {
+  const int64_t n = H_out * W_out * C * kh * kw;
+  if (n <= 0) return;
+  im2col_2d_k<<<grid_for(n), TPB, 0, st>>>(x, C, H, W, sc, sh, sw, kh, kw, stride, pad, out, W_out, n);
+  check_launch("im2col_2d");
 }
 void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out, cudaStream_t st) {
   if (n_rows <= 0 || dim <= 0) return;

@@ -486,6 +486,20 @@ def test_copies_and_pooling(backends):
             if 0 <= s < 23:
                 ref[t, j::3] = rows[s]
     check("im2col_rows", run_all(backends, "im2col_rows", rows, 3, 2, 1, 12), ref, 0.0)
+    # im2col_2d against torch's unfold (a conv2d's input columns): channel-major [C][H][W] input,
+    # then the same tensor read through the strides of a row layout [H][W][C], then the transpose
+    # (kh = H, kw = 1) that turns conv rows into per-time-step features.
+    import torch
+
+    img = rng.standard_normal((3, 9, 14)).astype(np.float32)
+    ref = torch.nn.functional.unfold(torch.from_numpy(img)[None], 3, padding=1, stride=2)[0].T.numpy()
+    check("im2col_2d", run_all(backends, "im2col_2d", img.ravel(), 3, 9, 14, 9 * 14, 14, 1, 3, 3, 2, 1, 5, 7),
+          ref, 0.0)
+    hwc = np.ascontiguousarray(img.transpose(1, 2, 0))
+    check("im2col_2d rows", run_all(backends, "im2col_2d", hwc.ravel(), 3, 9, 14, 1, 14 * 3, 3, 3, 3, 2, 1, 5, 7),
+          ref, 0.0)
+    check("im2col_2d transpose", run_all(backends, "im2col_2d", img.ravel(), 3, 9, 14, 9 * 14, 14, 1, 9, 1, 1, 0,
+                                         1, 14), img.reshape(3 * 9, 14).T, 0.0)
 
 
 # ---- the KV store and paged attention ------------------------------------------------------

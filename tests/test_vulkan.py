@@ -108,6 +108,10 @@ def test_audio_tower_and_turn(tmp_path):
     C.audio_tower_and_turn(tmp_path, "vulkan", seconds=2, max_new=8)
 
 
+def test_qwen3_asr_tower_and_transcribe(tmp_path, smollm2_path):
+    C.qwen3_asr_tower_and_transcribe(tmp_path, "vulkan", smollm2_path, max_new=8)
+
+
 def test_subgroup_path_on_lavapipe():
     """GPUs take matmul's subgroup path (and past 32 tokens the tiled one; matmul_id grouped by
     expert past 8 pairs), lavapipe the plain one; forced onto the GPUs' paths here, the op

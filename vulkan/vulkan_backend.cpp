@@ -883,6 +883,22 @@ class VulkanBackend final : public Backend {
     op(8, x, nullptr, out, T_out * C * k,
        {(uint32_t)C, (uint32_t)T, (uint32_t)k, (uint32_t)stride, (uint32_t)pad, (uint32_t)C, 1});
   }
+  void im2col_2d(const float* x, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh, int64_t sw, int kh, int kw,
+                 int stride, int pad, float* out, int64_t H_out, int64_t W_out) override {
+    if (H_out * W_out * C * kh * kw <= 0) return;
+    if (kh > 255 || kw > 255 || stride > 255 || pad > 255 || kh < 1 || kw < 1 || stride < 1 || pad < 0)
+      throw Error("vulkan im2col_2d: kernel, stride and pad must be in [1, 255] ([0, 255] for pad)");
+    for (int64_t v : {C, H, W, sc, sh, sw, W_out})
+      if (v < 0 || v > INT32_MAX) throw Error("vulkan im2col_2d: a size or stride past 2^31");
+    if ((C - 1) * sc + (H - 1) * sh + (W - 1) * sw > INT32_MAX) throw Error("vulkan im2col_2d: input past 2^31 floats");
+    const uint32_t wout = (uint32_t)W_out;
+    float f0;  // W_out rides in f0's bits: the push constants have seven integer slots
+    std::memcpy(&f0, &wout, 4);
+    op(12, x, nullptr, out, H_out * W_out * C * kh * kw,
+       {(uint32_t)C, (uint32_t)H, (uint32_t)W, (uint32_t)sc, (uint32_t)sh, (uint32_t)sw,
+        (uint32_t)kh | (uint32_t)kw << 8 | (uint32_t)stride << 16 | (uint32_t)pad << 24},
+       f0);
+  }
   void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) override {
     if (n_rows <= 0 || dim <= 0) return;
     if (k <= 0) throw Error("vulkan avg_pool_rows: k must be positive");

@@ -36,6 +36,27 @@ double mel_to_hz(double m) {
   return m < 15.0 ? 200.0 * m / 3.0 : 1000.0 * std::exp(logstep * (m - 15.0));
 }
 
+// Triangular Slaney filters of n_mel over bins of an n_fft DFT at 16 kHz, [0, 8 kHz], each scaled
+// by 2 / (its width in Hz) (Slaney's area normalization).
+std::vector<float> slaney_filters(int nm, int bins) {
+  std::vector<double> pts((size_t)nm + 2);
+  const double m0 = hz_to_mel(0.0), m1 = hz_to_mel(kSampleRate / 2.0);
+  for (int i = 0; i < nm + 2; ++i) pts[i] = mel_to_hz(m0 + (m1 - m0) * i / (nm + 1));
+  std::vector<float> f((size_t)nm * bins);
+  for (int m = 0; m < nm; ++m) {
+    const double lo = pts[m], c = pts[m + 1], hi = pts[m + 2];
+    const double enorm = 2.0 / (hi - lo);
+    for (int k = 0; k < bins; ++k) {
+      const double fk = (double)k * (kSampleRate / 2.0) / (bins - 1);
+      const double down = (fk - lo) / (c - lo), up = (hi - fk) / (hi - c);
+      f[(size_t)m * bins + k] = (float)(std::max(0.0, std::min(down, up)) * enorm);
+    }
+  }
+  return f;
+}
+
+constexpr int kFbankFFT = 512, kFbankWin = 400, kFbankBins = kFbankFFT / 2 + 1;
+
 }  // namespace
 
 int64_t mel_chunks(int64_t n) { return std::max<int64_t>(1, (n + kChunkSamples - 1) / kChunkSamples); }
@@ -115,6 +136,117 @@ void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScr
   for (int64_t i = 0; i < (int64_t)nm * total; ++i) mx = std::max(mx, out[i]);
   const float floor = mx - 8.f;
   for (int64_t i = 0; i < (int64_t)nm * total; ++i) out[i] = (std::max(out[i], floor) + 4.f) / 4.f;
+}
+
+FbankBank::FbankBank(int nm) : n_mel(nm) {
+  if (nm <= 0 || nm > 512) throw std::invalid_argument("n_mel must be in [1, 512], got " + std::to_string(nm));
+  // torch.hann_window(400, periodic=False), centred in the 512-point frame (56 zeros each side).
+  const int off = (kFbankFFT - kFbankWin) / 2;
+  std::vector<float> d((size_t)2 * kFbankBins * kFbankFFT, 0.f);
+  for (int k = 0; k < kFbankBins; ++k)
+    for (int i = 0; i < kFbankWin; ++i) {
+      const double w = 0.5 - 0.5 * std::cos(2.0 * M_PI * i / (kFbankWin - 1));
+      const int j = i + off;
+      const double a = 2.0 * M_PI * (double)((int64_t)k * j % kFbankFFT) / kFbankFFT;
+      d[(size_t)k * kFbankFFT + j] = (float)(w * std::cos(a));
+      d[(size_t)(kFbankBins + k) * kFbankFFT + j] = (float)(-w * std::sin(a));
+    }
+  dft = owned_f32(std::move(d), 2 * kFbankBins, kFbankFFT);
+  filters = owned_f32(slaney_filters(nm, kFbankBins), nm, kFbankBins);
+}
+
+int64_t fbank_frames(int64_t n) { return 1 + n / kHop; }
+
+void nemo_fbank(Backend& be, const FbankBank& bank, const float* x, int64_t n, MelScratch& s, float* out) {
+  if (n < 2 * kHop) throw std::invalid_argument("audio clip is shorter than two hops (320 samples)");
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
+  const int nm = bank.n_mel;
+  const int64_t T = fbank_frames(n), valid = n / kHop;
+  auto sample = [&](int64_t i) -> float {  // preemphasized, zero outside the clip
+    if (i < 0 || i >= n) return 0.f;
+    return i == 0 ? x[0] : x[i] - 0.97f * x[i - 1];
+  };
+  s.frames.resize((size_t)kChunkFrames * kFbankFFT);
+  s.spec.resize((size_t)kChunkFrames * 2 * kFbankBins);
+  s.power.resize((size_t)kChunkFrames * kFbankBins);
+  s.mel.resize((size_t)kChunkFrames * nm);
+  for (int64_t t0 = 0; t0 < T; t0 += kChunkFrames) {
+    const int64_t cnt = std::min<int64_t>(kChunkFrames, T - t0);
+    for (int64_t t = 0; t < cnt; ++t) {
+      float* fr = s.frames.data() + t * kFbankFFT;
+      const int64_t start = (t0 + t) * kHop - kFbankFFT / 2;
+      for (int i = 0; i < kFbankFFT; ++i) fr[i] = sample(start + i);
+    }
+    be.matmul(bank.dft, s.frames.data(), cnt, s.spec.data());
+    for (int64_t t = 0; t < cnt; ++t) {
+      const float* sp = s.spec.data() + t * 2 * kFbankBins;
+      float* pw = s.power.data() + t * kFbankBins;
+      for (int k = 0; k < kFbankBins; ++k) pw[k] = sp[k] * sp[k] + sp[kFbankBins + k] * sp[kFbankBins + k];
+    }
+    be.matmul(bank.filters, s.power.data(), cnt, s.mel.data());
+    for (int64_t t = 0; t < cnt; ++t)
+      for (int m = 0; m < nm; ++m)
+        out[(size_t)m * T + t0 + t] = std::log(s.mel[(size_t)t * nm + m] + 5.9604644775390625e-08f);  // 2^-24
+  }
+  for (int m = 0; m < nm; ++m) {
+    float* r = out + (size_t)m * T;
+    double sum = 0;
+    for (int64_t t = 0; t < valid; ++t) sum += r[t];
+    const double mean = sum / valid;
+    double var = 0;
+    for (int64_t t = 0; t < valid; ++t) var += (r[t] - mean) * (r[t] - mean);
+    const double inv = 1.0 / (std::sqrt(var / (valid - 1)) + 1e-5);
+    for (int64_t t = 0; t < valid; ++t) r[t] = (float)((r[t] - mean) * inv);
+    for (int64_t t = valid; t < T; ++t) r[t] = 0.f;
+  }
+}
+
+void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out,
+                  int64_t stride) {
+  const int64_t F = n / kHop;
+  if (n <= kNFFT / 2) throw std::invalid_argument("audio clip is shorter than half a window (200 samples)");
+  if (stride < F) throw std::invalid_argument("mel stride is shorter than the clip's frames");
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
+  const int nm = bank.n_mel;
+  auto sample = [&](int64_t i) -> float {
+    if (i < 0) i = -i;  // reflect about the first sample
+    if (i >= n) i = 2 * (n - 1) - i;  // and about the last (n > 200 here, so once is enough)
+    return x[i];
+  };
+  s.frames.resize((size_t)kChunkFrames * kNFFT);
+  s.spec.resize((size_t)kChunkFrames * 2 * kBins);
+  s.power.resize((size_t)kChunkFrames * kBins);
+  s.mel.resize((size_t)kChunkFrames * nm);
+  float mx = -INFINITY;
+  for (int64_t t0 = 0; t0 < F; t0 += kChunkFrames) {
+    const int64_t cnt = std::min<int64_t>(kChunkFrames, F - t0);
+    for (int64_t t = 0; t < cnt; ++t) {
+      float* fr = s.frames.data() + t * kNFFT;
+      const int64_t start = (t0 + t) * kHop - kNFFT / 2;
+      for (int i = 0; i < kNFFT; ++i) fr[i] = sample(start + i);
+    }
+    be.matmul(bank.dft, s.frames.data(), cnt, s.spec.data());
+    for (int64_t t = 0; t < cnt; ++t) {
+      const float* sp = s.spec.data() + t * 2 * kBins;
+      float* pw = s.power.data() + t * kBins;
+      for (int k = 0; k < kBins; ++k) pw[k] = sp[k] * sp[k] + sp[kBins + k] * sp[kBins + k];
+    }
+    be.matmul(bank.filters, s.power.data(), cnt, s.mel.data());
+    for (int64_t t = 0; t < cnt; ++t)
+      for (int m = 0; m < nm; ++m) {
+        const float v = std::log10(std::max(s.mel[(size_t)t * nm + m], 1e-10f));
+        out[(size_t)m * stride + t0 + t] = v;
+        mx = std::max(mx, v);
+      }
+  }
+  const float floor = mx - 8.f;
+  for (int m = 0; m < nm; ++m) {
+    float* r = out + (size_t)m * stride;
+    for (int64_t t = 0; t < F; ++t) r[t] = (std::max(r[t], floor) + 4.f) / 4.f;
+    for (int64_t t = F; t < stride; ++t) r[t] = 0.f;
+  }
 }
 
 }  // namespace dl::audio

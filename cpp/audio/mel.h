@@ -36,4 +36,28 @@ struct MelScratch {
 // Throws std::invalid_argument on an empty clip or a non-finite sample.
 void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out);
 
+// The clip's own frames, as a feature extractor that pads to the longest clip computes them
+// (Qwen3-ASR's processor): n / kHop frames (the STFT's last dropped), reflect-padded by 200 at
+// both ends of the clip itself, the (max - 8) floor over those frames only. out[m * stride + t]
+// for t < n / kHop, and 0 (the processor's padding value) for the columns up to stride.
+// Throws std::invalid_argument on a clip shorter than one hop or a non-finite sample.
+void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out,
+                  int64_t stride);
+
+// NeMo's filterbank front end (FastConformer models: Parakeet, Canary), as transformers'
+// ParakeetFeatureExtractor computes it for one clip: preemphasis 0.97 (y[0] = x[0]), a symmetric
+// Hann of 400 centred in a 512-point DFT, the clip zero-padded by 256 at both ends (torch.stft
+// center=True, constant), power spectrum, Slaney mel over [0, 8 kHz], ln(x + 2^-24); then each mel
+// bin normalized over the clip's valid frames (n / 160 of them): mean, unbiased std + 1e-5.
+// out[m * frames + t] for frames = fbank_frames(n) = 1 + n / 160; frames past the valid ones are 0.
+// Throws std::invalid_argument on a clip shorter than two hops or a non-finite sample.
+struct FbankBank {
+  int n_mel = 0;
+  Weight dft;      // 2 * 257 rows (cos | -sin) of 512, the window folded in
+  Weight filters;  // n_mel rows of 257
+  explicit FbankBank(int n_mel);
+};
+int64_t fbank_frames(int64_t n_samples);
+void nemo_fbank(Backend& be, const FbankBank& bank, const float* x, int64_t n, MelScratch& s, float* out);
+
 }  // namespace dl::audio

@@ -30,6 +30,10 @@ Weight mat(const gguf::File& f, const std::string& name, int64_t rows, int64_t c
 
 std::string blk(int il, const char* s) { return "a.blk." + std::to_string(il) + "." + s; }
 
+// Length after one k3 s2 p1 convolution (zero stays zero), and after three (the conv2d stem).
+int64_t post1(int64_t l) { return l > 0 ? (l - 1) / 2 + 1 : 0; }
+int64_t post3(int64_t l) { return post1(post1(post1(l))); }
+
 }  // namespace
 
 const std::vector<TowerFamily>& tower_families() {
@@ -43,6 +47,11 @@ const std::vector<TowerFamily>& tower_families() {
       {"ultravox", Projector::ultravox, true, 0},  // stack 8 + RMSNorm + SwiGLU, whole windows
       {"voxtral", Projector::voxtral, true, 0},    // stack 4 + GELU MLP, whole windows
       {"whisper", Projector::none, true, 0},       // a bare encoder: its rows are the output
+      // Qwen3-ASR: the conv2d stem over 100-frame chunks (2 * n_window), attention within windows
+      // of 800 frames (n_window_infer), then Voxtral's GELU MLP with a stack of 1. Neither n_window
+      // is in mmproj files (llama.cpp hard-codes the chunk); these are every release's. Its
+      // processor zero-pads clips to 0.5 s and keeps only the clip's own frames.
+      {"qwen3a", Projector::voxtral, false, 100, Stem::conv2d, 800, 8000},
   };
   return t;
 }
@@ -86,7 +95,7 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
   // once they are known to fit.
   Backend& be = *e->backend_;
   std::vector<Weight*> mats;
-  for (Weight* w : {&e->conv1_, &e->conv2_, &e->fc_, &e->mm1_, &e->mm2_})
+  for (Weight* w : {&e->conv1_, &e->conv2_, &e->conv3_, &e->conv_out_, &e->fc_, &e->mm1_, &e->mm2_})
     if (!w->empty()) mats.push_back(w);
   for (EncoderLayer& L : e->layers_)
     for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_up, &L.w_down}) mats.push_back(w);
@@ -112,7 +121,13 @@ void AudioEncoder::load_weights() {
   c.proj = fam.proj;
   c.full_window_default = fam.full_window_default;
   c.window_frames = fam.window_frames;
+  c.stem = fam.stem;
+  c.attn_frames = fam.attn_frames;
+  c.min_samples = fam.min_samples;
 
+  if (c.stem == Stem::conv2d) {
+    load_conv2d_stem();
+  } else {
   const gguf::TensorInfo& t1 = need(f, "a.conv1d.1.weight");
   if (t1.ne.size() != 3 || t1.ne[0] != 3)
     throw UnsupportedModelError("audio tower: a.conv1d.1.weight has shape " + shape_str(t1) +
@@ -144,6 +159,8 @@ void AudioEncoder::load_weights() {
     for (int64_t r = 0; r < 1500; ++r) dequantize_row(tp.type, f.tensor_data(tp) + r * rb, pe.data() + r * d, d);
     pos_emb_ = upload_vec(*backend_, pe, "audio tower");
   }
+  }  // conv1d stem
+  const int64_t d = c.dim;
   post_w_ = upload_vec(*backend_, vec(f, "a.post_ln.weight", d), "audio tower");
   post_b_ = upload_vec(*backend_, vec(f, "a.post_ln.bias", d), "audio tower");
 
@@ -198,6 +215,122 @@ void AudioEncoder::load_weights() {
   if (c.proj_dim <= 0 || c.proj_dim > 1 << 18) throw UnsupportedModelError("audio tower: projection width out of range");
 }
 
+void AudioEncoder::load_conv2d_stem() {
+  const gguf::File& f = *file_;
+  TowerConfig& c = cfg_;
+  const gguf::TensorInfo& t1 = need(f, "a.conv2d.1.weight");
+  if (t1.ne.size() != 4 || t1.ne[0] != 3 || t1.ne[1] != 3 || t1.ne[2] != 1 || t1.ne[3] <= 0 || t1.ne[3] > 4096)
+    throw UnsupportedModelError("audio tower: a.conv2d.1.weight has shape " + shape_str(t1) +
+                                ", expected a 3x3 kernel from 1 channel");
+  const int64_t C = t1.ne[3];
+  c.conv_channels = (int)C;
+  for (const char* name : {"a.conv2d.2.weight", "a.conv2d.3.weight"}) {
+    const gguf::TensorInfo& t = need(f, name);
+    if (t.ne.size() != 4 || t.ne[0] != 3 || t.ne[1] != 3 || t.ne[2] != C || t.ne[3] != C)
+      throw UnsupportedModelError(std::string("audio tower: ") + name + " has shape " + shape_str(t) + ", expected 3x3x" +
+                                  std::to_string(C) + "x" + std::to_string(C));
+  }
+  conv1_ = mat(f, "a.conv2d.1.weight", C, 9);
+  conv2_ = mat(f, "a.conv2d.2.weight", C, 9 * C);
+  conv3_ = mat(f, "a.conv2d.3.weight", C, 9 * C);
+  conv1_b_ = upload_vec(*backend_, vec(f, "a.conv2d.1.bias", C), kWhat);
+  conv2_b_ = upload_vec(*backend_, vec(f, "a.conv2d.2.bias", C), kWhat);
+  conv3_b_ = upload_vec(*backend_, vec(f, "a.conv2d.3.bias", C), kWhat);
+  c.n_mel = meta_int(f, "clip.audio.num_mel_bins", 0);
+  if (c.n_mel <= 0 || c.n_mel > 512)
+    throw UnsupportedModelError("audio tower: clip.audio.num_mel_bins " + std::to_string(c.n_mel) + " out of range");
+  // The linear reads each time step's channels x remaining mel bins.
+  conv_out_ = mat(f, "a.conv_out.weight", -1, C * post3(c.n_mel));
+  if (conv_out_.rows > 16384) throw UnsupportedModelError("audio tower: a.conv_out.weight is too wide");
+  c.dim = (int)conv_out_.rows;
+  const int64_t d = c.dim, R = post3(c.window_frames);  // positions of one chunk
+  const gguf::TensorInfo& tp = need(f, "a.position_embd.weight");
+  if (tp.ne.size() != 2 || tp.ne[0] != d || tp.ne[1] < R || tp.ne[1] > 1 << 20)
+    throw UnsupportedModelError("audio tower: a.position_embd.weight has shape " + shape_str(tp) + ", expected " +
+                                std::to_string(d) + "x(>= " + std::to_string(R) + ")");
+  c.n_pos = (int)tp.ne[1];
+  const TypeTraits* tt = type_traits(tp.type);
+  if (!tt || !tt->dequantizable || d % tt->block_size != 0)
+    throw UnsupportedModelError("audio tower: a.position_embd.weight has an unsupported type");
+  std::vector<float> pe((size_t)(d * R));
+  const size_t rb = (size_t)type_nbytes(tp.type, d);
+  for (int64_t r = 0; r < R; ++r) dequantize_row(tp.type, f.tensor_data(tp) + r * rb, pe.data() + r * d, d);
+  pos_emb_ = upload_vec(*backend_, pe, kWhat);
+}
+
+int64_t AudioEncoder::conv2d_rows(int64_t n) const {
+  const int64_t F = std::max<int64_t>(n, cfg_.min_samples) / kHop, W = cfg_.window_frames;
+  return F / W * post3(W) + post3(F % W);
+}
+
+int64_t AudioEncoder::encode_conv2d(const float* x, int64_t n, AudioScratch& s, float* out) {
+  Backend& be = *backend_;
+  const TowerConfig& c = cfg_;
+  const int64_t W = c.window_frames, C = c.conv_channels, d = c.dim, nm = c.n_mel;
+  const int64_t total = conv2d_rows(n);
+  std::vector<float> padded;  // the processor's zero padding of a short clip
+  if (n < c.min_samples) {
+    padded.assign((size_t)c.min_samples, 0.f);
+    std::copy(x, x + n, padded.begin());
+    x = padded.data();
+    n = c.min_samples;
+  }
+  const int64_t F = n / kHop, chunks = (F + W - 1) / W, stride = chunks * W;
+  if (total == 0) return 0;
+  s.mel.resize((size_t)(nm * stride));
+  log_mel_clip(*mel_backend_, *mel_, x, n, s.mel_s, s.mel.data(), stride);
+  float* mel = buf(B_MEL, nm * stride);
+  be.upload(mel, s.mel.data(), s.mel.size() * 4);
+  // Each chunk's convs see only its own frames (zeros past its edges and past the clip); the
+  // positions are [mel bin][frame] rows of channels, and the last im2col turns the third conv's
+  // rows into one row per time step of [channel][bin], the order the linear reads.
+  const int64_t h1 = post1(nm), w1 = post1(W), h2 = post1(h1), w2 = post1(w1), h3 = post1(h2), w3 = post1(w2);
+  float* xc = buf(B_X1, std::max(h1 * w1 * 9, h2 * w2 * C * 9));
+  float* g1 = buf(B_G1, h1 * w1 * C);
+  float* g2 = buf(B_G2, h2 * w2 * C);
+  float* g3 = buf(B_Y2, h3 * w3 * C);
+  // The linear's input rows of a group of chunks at a time: a ten-minute clip's would be 600 x 13
+  // rows of channels x bins (240 MB at Qwen3-ASR's sizes).
+  constexpr int64_t kGroup = 16;
+  float* feat = buf(B_P, std::min(chunks, kGroup) * w3 * C * h3);
+  auto conv = [&](const Weight& w, const Vec& b, float* y, int64_t rows) {
+    be.matmul(w, xc, rows, y);
+    be.add_bias(y, b.data(), rows, C);
+    be.gelu_erf(y, rows * C);
+  };
+  float* h = buf(B_HALL, chunks * w3 * d);
+  for (int64_t g0 = 0; g0 < chunks; g0 += kGroup) {
+    const int64_t gn = std::min(kGroup, chunks - g0);
+    for (int64_t ci = g0; ci < g0 + gn; ++ci) {
+      be.im2col_2d(mel + ci * W, 1, nm, W, 0, stride, 1, 3, 3, 2, 1, xc, h1, w1);
+      conv(conv1_, conv1_b_, g1, h1 * w1);
+      be.im2col_2d(g1, C, h1, w1, 1, w1 * C, C, 3, 3, 2, 1, xc, h2, w2);
+      conv(conv2_, conv2_b_, g2, h2 * w2);
+      be.im2col_2d(g2, C, h2, w2, 1, w2 * C, C, 3, 3, 2, 1, xc, h3, w3);
+      conv(conv3_, conv3_b_, g3, h3 * w3);
+      be.im2col_2d(g3, C, h3, w3, 1, w3 * C, C, (int)h3, 1, 1, 0, feat + (ci - g0) * w3 * C * h3, 1, w3);
+    }
+    be.matmul(conv_out_, feat, gn * w3, h + g0 * w3 * d);
+  }
+  for (int64_t ci = 0; ci < chunks; ++ci) be.add(h + ci * w3 * d, pos_emb_.data(), w3 * d);
+  // Only the last chunk can be partial, so the clip's positions are the first `total` rows.
+  // Attention windows: attn_frames worth of the longest chunk's positions (transformers' cu_seqlens).
+  const int64_t longest = F >= W ? w3 : post3(F);
+  const int64_t win = c.attn_frames > 0 ? std::max<int64_t>(1, longest * (c.attn_frames / W)) : total;
+  for (int64_t r0 = 0; r0 < total; r0 += win)
+    blocks_.run(be, layers_, h + r0 * d, std::min(win, total - r0), d, c.n_heads, c.ffn_dim, c.eps, encoder::Gelu::erf);
+  be.layer_norm(h, post_w_.data(), post_b_.data(), h, total, d, c.eps);
+  float* y = buf(B_Y, total * c.proj_hidden);
+  be.matmul(mm1_, h, total, y);
+  if (!mm1_b_.empty()) be.add_bias(y, mm1_b_.data(), total, c.proj_hidden);
+  be.gelu_erf(y, total * c.proj_hidden);
+  float* dev_out = buf(B_OUT, total * c.proj_dim);
+  be.matmul(mm2_, y, total, dev_out);
+  if (!mm2_b_.empty()) be.add_bias(dev_out, mm2_b_.data(), total, c.proj_dim);
+  be.download(out, dev_out, (size_t)(total * c.proj_dim) * 4);
+  return total;
+}
+
 int64_t AudioEncoder::chunk_rows(int64_t L, bool full) const {
   switch (cfg_.proj) {
     case Projector::none: return L;
@@ -215,6 +348,7 @@ int64_t AudioEncoder::clip_frames(int64_t n, bool full) const {
 
 int64_t AudioEncoder::n_rows(int64_t n, bool full) const {
   if (n <= 0) return 0;
+  if (cfg_.stem == Stem::conv2d) return conv2d_rows(n);
   if (cfg_.window_frames) return chunk_rows((clip_frames(n, full) - 1) / 2 + 1, full);
   const int64_t chunks = mel_chunks(n);
   int64_t rows = 0;
@@ -276,6 +410,7 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
     throw std::invalid_argument("output holds " + std::to_string(out_cap) + " floats; the clip makes " +
                                 std::to_string(total_rows) + " rows of " + std::to_string(c.proj_dim));
   std::lock_guard<std::mutex> lock(mu_);
+  if (c.stem == Stem::conv2d) return encode_conv2d(x, n, s, out);
   Backend& be = *backend_;
   const int64_t chunks = mel_chunks(n), frames = chunks * kChunkFrames, d = c.dim;
   s.mel.resize((size_t)(c.n_mel * frames));

@@ -17,6 +17,10 @@
 namespace dl::audio {
 
 enum class Projector { none, qwen2a, ultravox, voxtral };
+// How mel frames become encoder positions: whisper's two 1-D convs (k3 s1, k3 s2) and learned
+// positions, or three 2-D convs (k3 s2 over mel bins and frames, GELU) and a linear over the
+// flattened channels and bins, with sinusoid positions restarting in every chunk (Qwen3-ASR).
+enum class Stem { conv1d, conv2d };
 
 using EncoderLayer = encoder::Layer;
 
@@ -28,6 +32,9 @@ struct TowerFamily {
   Projector proj = Projector::none;
   bool full_window_default = true;  // false: the processor keeps only the clip's rows
   int window_frames = 0;     // > 0: the clip's frames are encoded in chunks of this many mel frames
+  Stem stem = Stem::conv1d;
+  int attn_frames = 0;       // conv2d stem: mel frames per attention window (whole chunks); 0: all
+  int min_samples = 0;       // conv2d stem: shorter clips are zero-padded to this many samples
 };
 const std::vector<TowerFamily>& tower_families();
 const TowerFamily* find_tower_family(const std::string& name);
@@ -42,6 +49,9 @@ struct TowerConfig {
   float eps = 1e-5f;
   bool full_window_default = true;  // false: the family's processor keeps only the clip's rows
   int window_frames = 0;  // qwen2.5o: mel frames per independently encoded chunk (2 * n_window)
+  Stem stem = Stem::conv1d;
+  int conv_channels = 0;  // conv2d stem: channels of its convs
+  int attn_frames = 0, min_samples = 0;  // see TowerFamily
 };
 
 // Caller-owned host buffers of one encode (the mel front end); holds no clip state.
@@ -76,6 +86,12 @@ class AudioEncoder {
   void encode_chunk(const float* mel, int64_t stride, int64_t avail, int64_t S, int64_t L);
   // The qwen2a projector: pairs of h's positions averaged, post-LN, linear, into rows of out.
   void pool_project(const float* h, int64_t rows, float* out);
+  // The conv2d stem's path (Qwen3-ASR): the clip's own mel frames in chunks, each through the
+  // convs and the linear with its own positions, attention within windows of whole chunks,
+  // post-LN, the GELU MLP projector.
+  void load_conv2d_stem();
+  int64_t conv2d_rows(int64_t n) const;
+  int64_t encode_conv2d(const float* x, int64_t n, AudioScratch& s, float* out);
   float* buf(int i, int64_t floats);
   int64_t clip_frames(int64_t n, bool full_window) const;
   int64_t chunk_rows(int64_t L, bool full_window) const;
@@ -86,15 +102,15 @@ class AudioEncoder {
   std::shared_ptr<Backend> mel_backend_;  // the CPU (the same backend when that is the CPU)
   std::unique_ptr<MelBank> mel_;
   std::mutex mu_;  // one encode at a time (the device buffers below are shared)
-  Weight conv1_, conv2_;
-  Vec conv1_b_, conv2_b_, pos_emb_, post_w_, post_b_;
+  Weight conv1_, conv2_, conv3_, conv_out_;
+  Vec conv1_b_, conv2_b_, conv3_b_, pos_emb_, post_w_, post_b_;
   std::vector<EncoderLayer> layers_;
   // projectors
   Weight fc_, mm1_, mm2_;
   Vec fc_b_, mm1_b_, mm2_b_, norm_pre_, norm_mid_;
   // Backend scratch (grown on demand): mel, all positions, im2col, conv1, h, pooled, projector,
   // projector 2, output; the blocks keep their own.
-  enum { B_MEL, B_HALL, B_X1, B_G1, B_H, B_P, B_Y, B_Y2, B_OUT, B_COUNT };
+  enum { B_MEL, B_HALL, B_X1, B_G1, B_H, B_P, B_Y, B_Y2, B_OUT, B_G2, B_COUNT };
   BufferPtr bufs_[B_COUNT];
   encoder::Blocks blocks_;
 };

@@ -58,6 +58,28 @@ void bind_audio(py::module_& m) {
       },
       py::arg("samples"), py::arg("n_mel") = 80);
 
+  m.def(
+      "nemo_fbank",
+      [](const py::object& samples, int n_mel) {
+        Samples x = mono(samples);
+        const int64_t n = x.shape(0);
+        if (n < 2 * audio::kHop) throw py::value_error("audio clip is shorter than two hops (320 samples)");
+        audio::FbankBank bank(n_mel);
+        const int64_t frames = audio::fbank_frames(n);
+        py::array_t<float> out({(int64_t)n_mel, frames});
+        float* o = out.mutable_data();
+        const float* xp = x.data();
+        {
+          py::gil_scoped_release rel;
+          std::unique_lock<std::mutex> lock;
+          Backend& be = shared_backend(lock);
+          audio::MelScratch s;
+          audio::nemo_fbank(be, bank, xp, n, s, o);
+        }
+        return out;
+      },
+      py::arg("samples"), py::arg("n_mel") = 80);
+
   py::class_<audio::AudioScratch, std::shared_ptr<audio::AudioScratch>>(m, "AudioScratch").def(py::init<>());
 
   py::class_<audio::AudioEncoder, std::shared_ptr<audio::AudioEncoder>>(m, "AudioEncoder")

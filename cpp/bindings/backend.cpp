@@ -407,6 +407,18 @@ void bind_backend(py::module_& m) {
         d.be->im2col_rows(xd, C, T, k, stride, pad, y, T_out);
         return d.get(y, {T_out, C * k});
       })
+      .def("im2col_2d", [](Dev& d, const py::object& xo, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh,
+                           int64_t sw, int kh, int kw, int stride, int pad, int64_t H_out, int64_t W_out) {
+        F32 x = f32(xo, "x", 1);  // flat; element (c, h, w) at c * sc + h * sh + w * sw
+        need(C >= 1 && H >= 1 && W >= 1 && sc >= 0 && sh >= 0 && sw >= 0 && kh >= 1 && kw >= 1 && stride >= 1 &&
+                 pad >= 0 && H_out >= 0 && W_out >= 0,
+             "bad conv geometry");
+        need((C - 1) * sc + (H - 1) * sh + (W - 1) * sw < x.shape(0), "strides reach past x");
+        float* xd = d.put(x);
+        float* y = d.poisoned((size_t)(H_out * W_out * C * kh * kw));
+        d.be->im2col_2d(xd, C, H, W, sc, sh, sw, kh, kw, stride, pad, y, H_out, W_out);
+        return d.get(y, {H_out * W_out, C * kh * kw});
+      })
       .def("avg_pool_rows", [](Dev& d, const py::object& xo, int k) {
         F32 x = f32(xo, "x", 2);
         need(k >= 1, "k must be >= 1");

@@ -143,7 +143,12 @@ void bind_model(py::module_& m) {
       .def("decode",
            [](const Model& x, const std::vector<int64_t>& ids, bool special) {
              auto v = ids_from(x, ids);
-             return x.tokenizer().decode(v, special);
+             // Lenient, as the tokenizer's binding: ids that split a character (a random model's
+             // output, a truncated reply) give U+FFFD, not UnicodeDecodeError.
+             const std::string s = x.tokenizer().decode(v, special);
+             PyObject* o = PyUnicode_DecodeUTF8(s.data(), (Py_ssize_t)s.size(), "replace");
+             if (!o) throw py::error_already_set();
+             return py::reinterpret_steal<py::str>(o);
            },
            py::arg("ids"), py::arg("special") = false)
       .def("piece",

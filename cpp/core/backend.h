@@ -282,6 +282,12 @@ class Backend {
   // 1-D convolution input from rows: x is [T][C] (row per frame); same out layout.
   virtual void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pad, float* out,
                            int64_t T_out) = 0;
+  // 2-D convolution input as rows, any layout: element (c, h, w) of x is x[c * sc + h * sh + w * sw];
+  // out[ho * W_out + wo][(c * kh + i) * kw + j] = x(c, ho * stride + i - pad, wo * stride + j - pad),
+  // 0 outside [0, H) x [0, W) (torch's unfold order, so a conv2d weight [Cout][C][kh][kw] is the
+  // matmul's matrix). kh = H, kw = 1, stride 1, pad 0 makes it a transpose ([w][c * H + h]).
+  virtual void im2col_2d(const float* x, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh, int64_t sw, int kh,
+                         int kw, int stride, int pad, float* out, int64_t H_out, int64_t W_out) = 0;
   // out[r] = mean of rows x[r * k .. r * k + k) (a trailing partial group averages what it has).
   virtual void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) = 0;
 

@@ -674,6 +674,22 @@ class CpuBackend final : public Backend {
         }
     });
   }
+  void im2col_2d(const float* x, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh, int64_t sw, int kh, int kw,
+                 int stride, int pad, float* out, int64_t H_out, int64_t W_out) override {
+    const int64_t width = C * kh * kw;
+    pool_.parallel_for(H_out * W_out, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t h0 = p / W_out * stride - pad, w0 = p % W_out * stride - pad;
+        float* o = out + p * width;
+        for (int64_t c = 0; c < C; ++c)
+          for (int i = 0; i < kh; ++i)
+            for (int j = 0; j < kw; ++j) {
+              const int64_t h = h0 + i, w = w0 + j;
+              *o++ = h >= 0 && h < H && w >= 0 && w < W ? x[c * sc + h * sh + w * sw] : 0.f;
+            }
+      }
+    });
+  }
   void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out) override {
     const int64_t n_out = (n_rows + k - 1) / k;
     for (int64_t r = 0; r < n_out; ++r) {

@@ -1,12 +1,16 @@
 // The qwen family: Qwen2/2.5 (q/k/v biases, found from the tensors) and Qwen3 (QK-norm);
 // their mixtures of experts: Qwen2-MoE / Qwen1.5-MoE (softmax router, top-k weights as they
 // are, a shared expert behind a sigmoid gate, found from the tensors) and Qwen3-MoE
-// (softmax router, top-k weights renormalized, no shared expert); the Qwen3.5 and Qwen3-Next hybrids.
+// (softmax router, top-k weights renormalized, no shared expert); the Qwen3.5 and Qwen3-Next hybrids;
+// qwen3vl (Qwen3-ASR's decoder).
 #include "model/arch.h"
 
 namespace dl {
 void register_qwen_family() {
-  for (const char* name : {"qwen2", "qwen3"}) {
+  // qwen3vl: Qwen3's decoder as llama.cpp's converter writes Qwen3-VL and Qwen3-ASR's. Its M-RoPE
+  // gives every section the same position when positions are 1-D (text and audio spans; no vision
+  // tower of this family is served), which is plain neox rope; deepstack inputs come only with images.
+  for (const char* name : {"qwen2", "qwen3", "qwen3vl"}) {
     ArchTraits t;
     t.name = name;
     t.rope = RopeType::neox;

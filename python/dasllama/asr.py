@@ -156,14 +156,56 @@ def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
     return os.fspath(out)
 
 
-def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = None) -> ASRModel:
+def _family_modules() -> dict:
+    """ASR families beside whisper, as data: a decoder GGUF plus an audio tower, keyed by the
+    tower's family; each module has ``Model(decoder, mmproj, n_threads, device, mode)`` and
+    ``transcribe(model, samples, language, timestamps, max_new_tokens) -> (text, language, ids)``."""
+    from . import asr_qwen3
+
+    return {"qwen3a": asr_qwen3}
+
+
+def _load_family(path: str, mmproj: Optional[PathLike], n_threads: int, device: str, mode):
+    """The family model of a decoder GGUF with an audio tower, or None for a whisper file."""
+    from .gguf import GGUFFile
+
+    if _core.WhisperDecoder.probe(path):
+        return None
+    with GGUFFile(path) as g:
+        arch = g.arch
+    if arch not in _core.registered_archs():
+        return None
+    from .asr_qwen3 import find_mmproj
+
+    mm = os.fspath(mmproj) if mmproj is not None else find_mmproj(path)
+    if mm is None:
+        raise FileNotFoundError(f"{path}: a {arch} decoder with no audio mmproj beside it (a *mmproj*.gguf "
+                                "holding an audio tower); pass mmproj=")
+    fam = _core.AudioEncoder.probe_family(mm)
+    mods = _family_modules()
+    if fam not in mods:
+        raise UnsupportedModelError(f"{mm}: no transcription prompt for the audio tower family {fam!r} "
+                                    f"(served: {', '.join(sorted(mods))}); chat with it instead")
+    return mods[fam].Model(path, mm, n_threads, device, mode)
+
+
+def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = None,
+                   mmproj: Optional[PathLike] = None, mode=None):
     """A whisper model from the GGUF ``dasllama convert`` writes (encoder, decoder, tokenizer),
     or from a CTranslate2 whisper directory or registry name (``whisper-tiny.en``), converted
     on first use into the cache (see :func:`resolve_asr_model`). ``device`` as for
-    :func:`~dasllama.load_model` (the mel front end stays on the CPU)."""
+    :func:`~dasllama.load_model` (the mel front end stays on the CPU).
+
+    A decoder GGUF whose audio tower transcribes (Qwen3-ASR: llama.cpp's converter writes the
+    decoder and, with ``--mmproj``, the tower) loads too: ``mmproj`` names the tower's file,
+    else the ``*mmproj*.gguf`` holding an audio tower beside the decoder is used; ``mode`` is
+    the decoder's :class:`~dasllama.QuantMode` (default q8, as :func:`~dasllama.load_model`;
+    whisper files ignore it)."""
     from .llm import resolve_device
 
-    return ASRModel(resolve_asr_model(path), int(n_threads), resolve_device(device))
+    p, dev = resolve_asr_model(path), resolve_device(device)
+    fam = _load_family(p, mmproj, int(n_threads), dev, mode)
+    return fam if fam is not None else ASRModel(p, int(n_threads), dev)
 
 
 def _detect_language(model: ASRModel) -> Optional[str]:
@@ -234,12 +276,20 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
     half the context) before each window's prompt, as whisper's transcribe does by default;
     it is off here because without temperature fallback a greedy loop can then repeat itself.
     ``progress`` shows a bar (seconds of audio) on clips longer than one window.
+
+    A Qwen3-ASR model (see :func:`load_asr_model`) decodes the whole clip greedily in one turn;
+    ``language`` (a code or a name) forces it, else the model names it; it gives no times, so
+    the transcript is one segment spanning the clip; the whisper guards do not apply.
     """
-    if not isinstance(model, ASRModel):
-        raise TypeError("transcribe takes an ASRModel (load_asr_model)")
+    fam = next((m for m in _family_modules().values() if isinstance(model, m.Model)), None)
+    if not isinstance(model, ASRModel) and fam is None:
+        raise TypeError("transcribe takes a model of load_asr_model")
     x = load_audio(audio)
     if x.size == 0:
         raise ValueError("audio clip is empty")
+    if fam is not None:
+        text, lang, toks = fam.transcribe(model, x, language, timestamps, max_new_tokens)
+        return Transcript(text, [Segment(0.0, x.size / 16000, text, toks)] if text else [], lang)
     if not model.multilingual and language not in (None, "en"):
         raise ValueError(f"this model is English-only; got language {language!r}")
     if language is not None and model.multilingual and language not in model.languages:

@@ -40,6 +40,16 @@ def log_mel(samples, n_mel: int = 80) -> np.ndarray:
     return _core.log_mel(_samples(samples), int(n_mel))
 
 
+def nemo_fbank(samples, n_mel: int = 80) -> np.ndarray:
+    """NeMo's normalized log-mel filterbank (FastConformer models such as Parakeet) of 16 kHz mono
+    ``samples``: float32 ``(n_mel, 1 + len // 160)``, as transformers' ParakeetFeatureExtractor
+    gives it for one clip. Preemphasis 0.97, symmetric Hann 400 in a 512-point DFT, zero padding
+    by 256 at both ends, Slaney mel, ln(x + 2^-24), each bin normalized over the clip's
+    ``len // 160`` valid frames (mean, unbiased std + 1e-5); the last frame is 0.
+    """
+    return _core.nemo_fbank(_samples(samples), int(n_mel))
+
+
 def _samples(samples) -> np.ndarray:
     x = np.asarray(samples)
     if x.dtype.kind != "f":  # int16 PCM passed as-is would be 32768x too loud: say so instead
@@ -172,5 +182,5 @@ def encode_audio_rows(embedder: AudioEmbedder, samples, scratch: Optional[AudioS
 
 __all__ = [
     "AudioEmbedder", "AudioState", "AudioTower", "audio_probe_proj_dim", "audio_tower_probe_proj_dim",
-    "encode_audio", "encode_audio_rows", "load_audio_embedder", "load_audio_tower", "log_mel",
+    "encode_audio", "encode_audio_rows", "load_audio_embedder", "load_audio_tower", "log_mel", "nemo_fbank",
 ]

@@ -1,5 +1,5 @@
 // The row and elementwise ops, one pipeline picked by `op`: add, add_bias, scale, softcap,
-// gelu_erf, glu (silu / gelu_tanh / swiglu_oai / sigmoid), copy_rows, im2col (channel-major or row input), avg_pool.
+// gelu_erf, glu (silu / gelu_tanh / swiglu_oai / sigmoid), copy_rows, im2col (channel-major or row input), im2col_2d (any strides), avg_pool.
 // Invocations stride over the output elements.
 #version 450
 #include "common.glsl"
@@ -14,7 +14,7 @@ layout(push_constant, std430) uniform PC {
 
 const uint ADD = 0u, ADD_BIAS = 1u, SCALE = 2u, SOFTCAP = 3u, GELU_ERF = 4u, GLU_SILU = 5u, GLU_GELU = 6u,
            COPY_ROWS = 7u, IM2COL = 8u, AVG_POOL = 9u, GLU_OAI = 10u,
-           GLU_SIGMOID = 11u;
+           GLU_SIGMOID = 11u, IM2COL_2D = 12u;
 
 float silu(float x) {
   const float e = exp(-abs(x));
@@ -69,6 +69,16 @@ void main() {
         const uint t = i / w, ck = i % w, ch = ck / pc.p2, j = ck % pc.p2;
         const int s = int(t * pc.p3 + j) - int(pc.p4);
         C.v[i] = s < 0 || s >= int(pc.p1) ? 0.0f : (pc.p6 != 0u ? A.v[uint(s) * pc.p0 + ch] : A.v[ch * pc.p5 + uint(s)]);
+        break;
+      }
+      case IM2COL_2D: {  // c[p][(ch * kh + i) * kw + j] = x(ch, h, w) at ch * p3 + h * p4 + w * p5; p0 C,
+                         // p1 H, p2 W, p6 kh | kw << 8 | stride << 16 | pad << 24, f0's bits W_out
+        const uint kh = pc.p6 & 255u, kw = (pc.p6 >> 8) & 255u, st = (pc.p6 >> 16) & 255u, pd = pc.p6 >> 24;
+        const uint wout = floatBitsToUint(pc.f0), width = pc.p0 * kh * kw;
+        const uint p = i / width, q = i % width, ch = q / (kh * kw), r = q % (kh * kw);
+        const int h = int((p / wout) * st + r / kw) - int(pd), w = int((p % wout) * st + r % kw) - int(pd);
+        C.v[i] = h < 0 || h >= int(pc.p1) || w < 0 || w >= int(pc.p2) ? 0.0f
+                 : A.v[ch * pc.p3 + uint(h) * pc.p4 + uint(w) * pc.p5];
         break;
       }
       case AVG_POOL: {  // c[r][d] = mean of a rows r*k .. ; p0 n_rows, p1 dim, p2 k

@@ -38,13 +38,14 @@ def sentinel(span_id: int) -> str:
     return f"\u2063dasllama-media-{_NONCE}-{int(span_id)}\u2063"
 
 # Framing per tower family, as llama.cpp's mtmd writes it (tools/mtmd/mtmd.cpp: the audio begin / end
-# strings per projector): qwen2a / qwen2.5o wrap the rows, voxtral opens them, ultravox splices bare.
+# strings per projector): qwen2a / qwen2.5o / qwen3a wrap the rows, voxtral opens them, ultravox splices bare.
 FAMILY_FRAMING = {
     "qwen2a": ("<|audio_bos|>", "<|audio_eos|>"),
     "qwen2.5o": ("<|audio_bos|>", "<|audio_eos|>"),
     "voxtral": ("[BEGIN_AUDIO]", ""),
     "ultravox": ("", ""),
     "whisper": ("", ""),
+    "qwen3a": ("<|audio_start|>", "<|audio_end|>"),
 }
 
 
@@ -70,7 +71,7 @@ def framing_for(model, family: Optional[str], bare: bool) -> Tuple[str, str]:
     if family in FAMILY_FRAMING:
         return FAMILY_FRAMING[family]
     # Pre-encoded rows with no tower: the decoder's own specials say which family it is.
-    for open_, close in (("<|audio_bos|>", "<|audio_eos|>"), ("[BEGIN_AUDIO]", "")):
+    for open_, close in (("<|audio_bos|>", "<|audio_eos|>"), ("<|audio_start|>", "<|audio_end|>"), ("[BEGIN_AUDIO]", "")):
         if len(llm.encode(model, open_, add_special=False, parse_special=True)) == 1:
             return (open_, close)
     return ("", "")
