@@ -6,11 +6,14 @@
 
 namespace dl {
 void register_qwen_family() {
-  for (const char* name : {"qwen2", "qwen3"}) {
+  // qwen2vl: the Qwen2-VL / Qwen2.5-VL text model (a qwen2 whose rope is M-RoPE by sections);
+  // qwen3vl: Qwen3-VL's (a qwen3 with interleaved M-RoPE).
+  for (const char* name : {"qwen2", "qwen3", "qwen2vl", "qwen3vl"}) {
     ArchTraits t;
     t.name = name;
     t.rope = RopeType::neox;
     t.act = FfnAct::silu;
+    t.mrope_interleaved = std::string(name) == "qwen3vl";
     register_arch(t);
   }
   ArchTraits m;
@@ -33,6 +36,7 @@ void register_qwen_family() {
   h.act = FfnAct::silu;
   h.attn_output_gate = true;
   h.ffn_norm_tensor = "post_attention_norm";
+  h.mrope_interleaved = true;
   register_arch(h);
   // Qwen3-Next: the same hybrid with a mixture of experts (softmax router, top-k renormalized, a
   // shared expert behind its sigmoid gate); its value heads stay grouped by key head, and beta and
