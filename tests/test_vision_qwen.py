@@ -1,13 +1,16 @@
-"""The qwen25v tower and M-RoPE image turns against transformers' tiny random Qwen2.5-VL.
+"""The qwen25v and qwen3v towers and M-RoPE image turns against transformers' tiny random Qwen-VLs.
 
-The model is a seeded fp32 Qwen2_5_VLForConditionalGeneration (tests/oracles/vision.py: a 4-block
-window-attention ViT, the patch merger, a 2-layer decoder with M-RoPE sections [2, 3, 3]), turned
-into a decoder GGUF (arch qwen2vl) and an mmproj GGUF by llama.cpp's own convert_hf_to_gguf.py.
-Checked against transformers: the pixel values (Qwen2VLImageProcessorPil on a real photo, llama.cpp's
-test-1.jpeg, with a small pixel budget so it makes a few dozen rows over several attention windows),
-the image rows (``get_image_features``), and the logits of a prompt with an image (the model's
-forward with ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``, which computes its own
-M-RoPE positions: ``get_rope_index``).
+The models are seeded fp32 Qwen2_5_VLForConditionalGeneration (tests/oracles/vision.py: a 4-block
+window-attention ViT, the patch merger, a 2-layer decoder with M-RoPE sections [2, 3, 3]) and
+Qwen3VLForConditionalGeneration (a 4-block ViT with resampled learned positions and two deepstack
+mergers, a 3-layer qwen3 decoder with interleaved M-RoPE taking the deepstack features after its
+first two layers), each turned into a decoder GGUF (arch qwen2vl / qwen3vl) and an mmproj GGUF by
+llama.cpp's own convert_hf_to_gguf.py. Checked against transformers: the pixel values
+(Qwen2VLImageProcessorPil on a real photo, llama.cpp's test-1.jpeg, with a small pixel budget so it
+makes a few dozen rows -- over several attention windows for qwen25v), the image rows and deepstack
+features (``get_image_features``), and the logits of a prompt with an image (the model's forward with
+``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``, which computes its own M-RoPE
+positions: ``get_rope_index``).
 
 Error bars as tests/test_vision.py: pixels 1e-6 (the same PIL resize, one multiply and one divide);
 rows and logits 1e-4 of the reference's largest magnitude (fp32 both sides). The same prompt with
@@ -32,11 +35,22 @@ import vision as V  # noqa: E402
 REL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    m = V.qwen25vl()
-    dec, mm = V.convert_qwen25vl(m, str(tmp_path_factory.mktemp("qwen25v")))
-    return m, dec, mm
+# family -> (model, converter, processor, min / max pixels, patch, decoder arch)
+FAMILIES = {
+    "qwen25v": (V.qwen25vl, V.convert_qwen25vl, V.qwen_image_processor, V.QWEN_MIN_PIXELS, V.QWEN_MAX_PIXELS, 14,
+                "qwen2vl"),
+    "qwen3v": (V.qwen3vl, V.convert_qwen3vl, V.qwen3_image_processor, V.QWEN3_MIN_PIXELS, V.QWEN3_MAX_PIXELS, 16,
+               "qwen3vl"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def built(request, tmp_path_factory):
+    fam = request.param
+    build, convert = FAMILIES[fam][:2]
+    m = build()
+    dec, mm = convert(m, str(tmp_path_factory.mktemp(fam)))
+    return m, dec, mm, fam
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +58,22 @@ def photo():
     return (moe.llama_cpp_dir() / "tools" / "mtmd" / "test-1.jpeg").read_bytes()
 
 
-def _emb(mm):
-    return d.load_vision_embedder(mm, min_pixels=V.QWEN_MIN_PIXELS, max_pixels=V.QWEN_MAX_PIXELS)
+def _emb(mm, fam):
+    lo, hi = FAMILIES[fam][3:5]
+    return d.load_vision_embedder(mm, min_pixels=lo, max_pixels=hi)
 
 
-def _ref_inputs(photo):
+def _ref_inputs(photo, fam):
     from PIL import Image
 
-    out = V.qwen_image_processor()(images=[Image.open(io.BytesIO(photo)).convert("RGB")], return_tensors="pt")
+    out = FAMILIES[fam][2]()(images=[Image.open(io.BytesIO(photo)).convert("RGB")], return_tensors="pt")
     return out["pixel_values"], out["image_grid_thw"]
+
+
+def _split(rows, e):
+    """The tower's rows: the decoder's rows and the deepstack features (None without them)."""
+    return np.ascontiguousarray(rows[:, :e.proj_dim]), (np.ascontiguousarray(rows[:, e.proj_dim:])
+                                                        if e.n_deepstack else None)
 
 
 def _close(ours, ref, what, rel=REL):
@@ -64,62 +85,69 @@ def _close(ours, ref, what, rel=REL):
 
 
 def test_load_detects_family(built):
-    _, dec, mm = built
-    assert d.vision_probe_family(mm) == "qwen25v"
-    e = _emb(mm)
-    assert (e.family, e.mrope, e.non_causal, e.proj_dim, e.n_rows) == ("qwen25v", True, False, 64, 0)
+    _, dec, mm, fam = built
+    assert d.vision_probe_family(mm) == fam
+    e = _emb(mm, fam)
+    n_ds = 2 if fam == "qwen3v" else 0
+    assert (e.family, e.mrope, e.non_causal, e.proj_dim, e.n_rows, e.n_deepstack) == (fam, True, False, 64, 0, n_ds)
     model = d.load_model(dec, d.QuantMode.fp32)
-    assert model.arch == "qwen2vl" and model.config.rope_sections[:3] == (2, 3, 3)
+    assert model.arch == FAMILIES[fam][6] and model.config.rope_sections[:3] == (2, 3, 3)
+    assert model.config.n_deepstack == n_ds
 
 
 def test_pixel_values_match_processor(built, photo):
-    _, _, mm = built
-    e = _emb(mm)
-    ref, grid = _ref_inputs(photo)
+    _, _, mm, fam = built
+    e = _emb(mm, fam)
+    ref, grid = _ref_inputs(photo, fam)
     ours = e.pixel_values(photo)
     gh, gw = int(grid[0, 1]), int(grid[0, 2])
-    assert ours.shape == (3, gh * 14, gw * 14)
+    p = FAMILIES[fam][5]
+    assert ours.shape == (3, gh * p, gw * p)
     assert e.image_grid(photo) == (gh // 2, gw // 2)
     # the processor's own patch layout of our pixels
-    flat, _, _ = V.qwen_image_processor().patchify(ours, patch_size=14, merge_size=2, temporal_patch_size=2)
+    flat, _, _ = FAMILIES[fam][2]().patchify(ours, patch_size=p, merge_size=2, temporal_patch_size=2)
     assert float(np.abs(flat - ref.numpy()).max()) <= 1e-6
 
 
 def test_rows_match_get_image_features(built, photo):
-    m, _, mm = built
-    e = _emb(mm)
-    px, grid = _ref_inputs(photo)
+    m, _, mm, fam = built
+    e = _emb(mm, fam)
+    px, grid = _ref_inputs(photo, fam)
     gh, gw = e.image_grid(photo)
     assert gh > 4 or gw > 4, "the photo must span several 112-pixel windows"
     with torch.no_grad():
-        ref = m.get_image_features(px, grid).pooler_output[0].numpy()
+        o = m.model.get_image_features(px, grid)
     ours = d.encode_image_rows(e, photo)
-    assert ours.shape == (gh * gw, 64)
-    _close(ours, ref, "qwen25v rows")
+    assert ours.shape == (gh * gw, 64 * (1 + e.n_deepstack))
+    rows, deep = _split(ours, e)
+    _close(rows, o.pooler_output[0].numpy(), f"{fam} rows")
+    if e.n_deepstack:
+        for k, feat in enumerate(o.deepstack_features):
+            _close(deep[:, 64 * k:64 * (k + 1)], feat[0].numpy(), f"{fam} deepstack features {k}")
 
 
 def test_image_turn_logits_match_transformers(built, photo):
     """head, <|vision_start|>, the image rows at M-RoPE grid positions, <|vision_end|>, tail: teacher-forced
     logits against transformers' forward, the tail after the image in a later eval (the session carries
     the image's position advance)."""
-    m, dec, mm = built
+    m, dec, mm, fam = built
     model = d.load_model(dec, d.QuantMode.fp32)
-    e = _emb(mm)
+    e = _emb(mm, fam)
     head = [1] + d.encode(model, "ka to ri mu", add_special=False) + [500]
     tail = [501] + d.encode(model, "sen la po qui ver dan el", add_special=False)
     gh, gw = e.image_grid(photo)
     n = gh * gw
     ids = head + [502] * n + tail
-    px, grid = _ref_inputs(photo)
+    px, grid = _ref_inputs(photo, fam)
     with torch.no_grad():
         out = m(input_ids=torch.tensor([ids]), pixel_values=px, image_grid_thw=grid,
                 mm_token_type_ids=torch.tensor([[1 if t == 502 else 0 for t in ids]]))
     ref = out.logits[0].numpy()
 
-    rows = d.encode_image_rows(e, photo)
+    rows, deep = _split(d.encode_image_rows(e, photo), e)
     s = d.create_session(model, d.KVDtype.f32)
     d.eval(model, s, head)
-    d.eval_embd_span_mrope(model, s, rows, n, 0, n, (gh, gw))
+    d.eval_embd_span_mrope(model, s, rows, n, 0, n, (gh, gw), deepstack=deep)
     _close(np.asarray(s.logits).reshape(-1), ref[len(head) + n - 1], "logits of the last image row")
     assert s.rope_marks == [(len(head) + n, max(gh, gw) - n)]
     d.eval(model, s, tail, all_logits=True)
@@ -129,7 +157,11 @@ def test_image_turn_logits_match_transformers(built, photo):
     # Plain positions for the image rows (eval_embd_span, causal): far off transformers.
     s2 = d.create_session(model, d.KVDtype.f32)
     d.eval(model, s2, head)
-    d.eval_embd_span(model, s2, rows, n, 0, 0)
+    if deep is None:
+        d.eval_embd_span(model, s2, rows, n, 0, 0)
+    else:  # the image as one 1 x n row instead of its grid, the deepstack features kept
+        d.eval_embd_span_mrope(model, s2, rows, n, 0, n, (1, n), deepstack=deep)
+        s2.rope_marks = []
     d.eval(model, s2, tail, all_logits=True)
     plain = np.asarray(s2.logits).reshape(len(tail), -1)
     ref_t = ref[len(head) + n:]
@@ -138,7 +170,11 @@ def test_image_turn_logits_match_transformers(built, photo):
     # One call: head, image and tail rows as one body.
     s3 = d.create_session(model, d.KVDtype.f32)
     body = d.media_body_rows(model, None, head, rows, n, model.config.dim, tail)
-    d.eval_embd_span_mrope(model, s3, body, len(ids), len(head), len(head) + n, (gh, gw))
+    body_deep = None
+    if deep is not None:
+        body_deep = np.zeros((len(ids), deep.shape[1]), np.float32)
+        body_deep[len(head):len(head) + n] = deep
+    d.eval_embd_span_mrope(model, s3, body, len(ids), len(head), len(head) + n, (gh, gw), deepstack=body_deep)
     _close(np.asarray(s3.logits).reshape(-1), ref[-1], "logits of a one-call body")
     # Rewinding past the image drops its mark.
     s.truncate(len(head) + 1)
@@ -146,7 +182,7 @@ def test_image_turn_logits_match_transformers(built, photo):
 
 
 def test_a_span_that_is_not_its_grid_is_refused(built):
-    _, dec, mm = built
+    _, dec, mm, _ = built
     model = d.load_model(dec, d.QuantMode.fp32)
     s = d.create_session(model, d.KVDtype.f32)
     rows = np.zeros((6, model.config.dim), np.float32)
@@ -159,8 +195,8 @@ def test_a_span_that_is_not_its_grid_is_refused(built):
 
 @pytest.fixture(scope="module")
 def pair(built):
-    _, dec, mm = built
-    return d.load_model(dec), _emb(mm)
+    _, dec, mm, fam = built
+    return d.load_model(dec), _emb(mm, fam)
 
 
 def test_image_chat_equals_the_rows_spliced_by_hand(pair, photo):
@@ -173,14 +209,19 @@ def test_image_chat_equals_the_rows_spliced_by_hand(pair, photo):
     reply = d.respond(model, chat, d.SamplingParams())
 
     s = d.create_session(model, d.KVDtype.f32)
-    rows = d.encode_image_rows(e, photo)
+    rows, deep = _split(d.encode_image_rows(e, photo), e)
     body = d.media_body_rows(model, s, head, rows, n, model.config.dim, tail[:-1])
-    d.eval_embd_span_mrope(model, s, body, body.shape[0], len(head), len(head) + n, e.image_grid(photo))
-    toks = []
-    d.generate(model, s, tail[-1:], d.SamplingParams(), 6, lambda t, p: toks.append(t) or True,
-               stop_ids=list(d.effective_stop_ids(chat)))
-    # (decode drops the leading space of the first SentencePiece piece; the streamed reply keeps it)
-    assert reply.lstrip() == d.decode(model, [t for t in toks if t not in d.effective_stop_ids(chat)]).lstrip()
+    body_deep = None
+    if deep is not None:
+        body_deep = np.zeros((body.shape[0], deep.shape[1]), np.float32)
+        body_deep[len(head):len(head) + n] = deep
+    d.eval_embd_span_mrope(model, s, body, body.shape[0], len(head), len(head) + n, e.image_grid(photo),
+                           deepstack=body_deep)
+    stops = set(d.effective_stop_ids(chat))
+    pieces = []
+    d.generate(model, s, tail[-1:], d.SamplingParams(), 6,
+               lambda t, p: pieces.append("" if t in stops else p) or True, stop_ids=list(stops))
+    assert reply.strip() == "".join(pieces).strip()
 
 
 @pytest.mark.parametrize("page_rows", [1, 16])

@@ -41,6 +41,7 @@ void bind_vision(py::module_& m) {
                                d["non_causal"] = c.non_causal;
                                d["mrope"] = c.mrope;
                                d["n_wa_pattern"] = c.n_wa_pattern;
+                               d["n_deepstack"] = c.n_deepstack;
                                d["window"] = c.window;
                                d["image_size"] = c.image_size;
                                d["patch_size"] = c.patch;

@@ -83,7 +83,10 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
     mrope_first_ = grid->first, mrope_gw_ = grid->w;
   struct Reset {
     Model* m;
-    ~Reset() { m->span_pos_lo_ = m->span_pos_hi_ = m->mrope_lo_ = m->mrope_hi_ = 0; }
+    ~Reset() {
+      m->span_pos_lo_ = m->span_pos_hi_ = m->mrope_lo_ = m->mrope_hi_ = 0;
+      m->deep_chunk_ = nullptr;
+    }
   } reset{this};
   for (int64_t i = 0; i < n;) {
     int64_t m = std::min(max_chunk_, n - i);
@@ -94,6 +97,7 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
       if (!(span && i + cut > span_lo && i + cut < span_hi)) m = cut;
     }
     const Run run{&s, 0, m, all_logits || i + m == n};
+    deep_chunk_ = grid && grid->deep ? grid->deep + i * cfg_.n_deepstack * cfg_.dim : nullptr;
     const int64_t rows =
         forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits);
     if (rows > 0)
@@ -105,7 +109,7 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
 }
 
 void Model::forward_mrope(Session& s, const float* embd, int64_t n, const int32_t* media_ids, int64_t lo, int64_t hi,
-                          int grid_h, int grid_w, bool non_causal, int64_t first_row) {
+                          int grid_h, int grid_w, bool non_causal, int64_t first_row, const float* deep) {
   if (!cfg_.mrope)
     throw Error("eval_embd_span_mrope: the model has no M-RoPE sections (rope.dimension_sections)");
   if (lo < 0 || hi < lo || hi > n)
@@ -127,6 +131,7 @@ void Model::forward_mrope(Session& s, const float* embd, int64_t n, const int32_
   const int64_t delta = s.rope_delta(start);
   MropeGrid g;
   g.lo = lo, g.hi = hi, g.base = start + delta, g.first = first_row, g.w = grid_w;
+  g.deep = cfg_.n_deepstack > 0 ? deep : nullptr;
   const bool ends = first_row + (hi - lo) == cells;
   if (ends) {
     const int64_t end = s.n_past_ + hi;
@@ -337,6 +342,17 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
     embd_dev_ = scratch(embd_, n * D, "embedding rows");
     be.upload(embd_dev_, embd, (size_t)(n * D) * 4);
   }
+  // Deepstack rows, layer-major ([layer][row][dim]) so each layer's add is one contiguous run.
+  const int K = deep_chunk_ ? c.n_deepstack : 0;
+  float* deep = nullptr;
+  if (K > 0) {
+    deep_host_.resize((size_t)(K * n * D));
+    for (int64_t r = 0; r < n; ++r)
+      for (int l = 0; l < K; ++l)
+        std::memcpy(deep_host_.data() + ((size_t)l * n + r) * D, deep_chunk_ + (r * K + l) * D, (size_t)D * 4);
+    deep = scratch(deep_, K * n * D, "deepstack rows");
+    be.upload(deep, deep_host_.data(), deep_host_.size() * 4);
+  }
   stage_step(runs, n_runs, tokens, n);
   float* x = scratch(x_, n * D, "activations");
   be.begin_step();
@@ -353,6 +369,7 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
     else
       attention_block(il, runs, n_runs, n);
     ffn_block(il, n);
+    if (il < K) be.add(x, deep + (int64_t)il * n * D, n * D);
   }
   for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
   const int64_t rows = logits_block(runs, n_runs, n, all_logits);

@@ -174,6 +174,8 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
     if (sum <= 0 || sum > c.n_rot / 2) throw GGUFError("metadata: rope.dimension_sections exceed the rotary pairs");
     c.mrope = true;
   }
+  c.n_deepstack = get_int_or(f, key(c, "n_deepstack_layers"), 0);
+  if (c.n_deepstack < 0 || c.n_deepstack > c.n_layers) throw GGUFError("metadata: n_deepstack_layers out of range");
   c.rope_base_swa = get_float_or(f, key(c, "rope.freq_base_swa"), t.default_rope_base_swa);
   if (c.rope_base_swa <= 0) c.rope_base_swa = c.rope_base;
   c.rope_freq_scale_swa = t.swa_rope_scaled ? c.rope_freq_scale : 1.f;

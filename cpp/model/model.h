@@ -24,6 +24,9 @@ namespace dl {
 struct MropeGrid {
   int64_t lo = 0, hi = 0, base = 0, first = 0;  // first: the grid row of row lo
   int w = 1;
+  // Deepstack inputs (n_deepstack > 0): per row of the call, n_deepstack x dim floats added to
+  // the residual stream after decoder layers 0.. n_deepstack - 1; null: none.
+  const float* deep = nullptr;
 };
 
 struct ModelConfig {
@@ -41,6 +44,9 @@ struct ModelConfig {
   // row's temporal, height and width position (text rows: all three equal, i.e. plain rope).
   bool mrope = false;
   int rope_sections[4] = {0, 0, 0, 0};
+  // Deepstack (n_deepstack_layers): image rows carry features for the first n decoder layers'
+  // outputs as well (Qwen3-VL), added to the residual stream after each of them.
+  int n_deepstack = 0;
   // attention
   int sliding_window = 0;
   std::vector<uint8_t> layer_is_swa;
@@ -142,7 +148,7 @@ class Model : public std::enable_shared_from_this<Model> {
   // first_row: the span continues an image whose first first_row rows are already in the
   // session (a prefix cache attach that ended inside it); the mark is added when its last row is in.
   void forward_mrope(Session& s, const float* embd, int64_t n, const int32_t* media_ids, int64_t lo, int64_t hi,
-                     int grid_h, int grid_w, bool non_causal, int64_t first_row = 0);
+                     int grid_h, int grid_w, bool non_causal, int64_t first_row = 0, const float* deep = nullptr);
 
   // One decode step for B distinct sessions: row b evaluates tokens[b] at
   // sessions[b]'s position; the weights are read once for all rows.
@@ -243,6 +249,9 @@ class Model : public std::enable_shared_from_this<Model> {
   int mrope_gw_ = 1;
   bool mrope_step_ = false;
   const int32_t* pos_hw_dev_ = nullptr;
+  const float* deep_chunk_ = nullptr;  // this chunk's deepstack rows (host, n_deepstack x dim each), or null
+  std::vector<float> deep_host_;
+  BufferPtr deep_;
   // Whether a sliding layer's attention over the span must go row by row (the span ends at or past
   // the window, so keys before the span fall out of its last row's window but not of earlier rows').
   bool span_window_split(bool swa, int n_runs, int64_t span_last) const {

@@ -68,6 +68,10 @@ const std::vector<VisionFamily>& vision_families() {
       // 112-pixel windows but in every n_wa_pattern-th block), then the merger (RMSNorm, 2x2
       // patches as one row, GELU MLP); its rows are causal in the decoder, at M-RoPE grid positions.
       {"qwen25v", "qwen2.5vl_merger", Projector::qwen25, false, true},
+      // Qwen3-VL: a ViT at the image's own size (LayerNorm blocks, 2-D rope, learned positions
+      // resampled to the image, full attention), the merger, and deepstack mergers after some
+      // blocks whose rows feed the decoder's first layers; M-RoPE (interleaved) in the decoder.
+      {"qwen3v", "qwen3vl_merger", Projector::qwen3, false, true},
   };
   return t;
 }
@@ -105,8 +109,10 @@ std::shared_ptr<VisionEncoder> VisionEncoder::load(const std::string& path, cons
   for (VitLayer& L : e->layers_)
     for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_up, &L.w_down}) mats.push_back(w);
   for (QwenLayer& L : e->qlayers_)
-    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) mats.push_back(w);
+    for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
+      if (!w->empty()) mats.push_back(w);
   if (!e->mm0_.empty()) mats.push_back(&e->mm0_), mats.push_back(&e->mm2_);
+  for (DeepstackMerger& m : e->deepstack_) mats.push_back(&m.fc1), mats.push_back(&m.fc2);
   size_t total = 0;
   for (Weight* w : mats) {
     if (!be.supports(Op::matmul, w->type)) {
@@ -126,7 +132,7 @@ void VisionEncoder::load_weights() {
   VisionConfig& c = cfg_;
   for (const VisionFamily& fam : vision_families())
     if (c.family == fam.name) c.proj = fam.proj, c.non_causal = fam.non_causal, c.mrope = fam.mrope;
-  if (c.proj == Projector::qwen25) return load_qwen25();
+  if (c.proj == Projector::qwen25 || c.proj == Projector::qwen3) return load_qwen25();
 
   const gguf::TensorInfo* tp = f.find_tensor("v.patch_embd.weight");
   if (!tp) throw UnsupportedModelError("vision tower: missing tensor 'v.patch_embd.weight'");
@@ -210,6 +216,7 @@ void VisionEncoder::load_weights() {
 void VisionEncoder::load_qwen25() {
   const gguf::File& f = *file_;
   VisionConfig& c = cfg_;
+  const bool q3 = c.proj == Projector::qwen3;
   // The Conv3d over two frames of one image is two 2-D kernels (the converter splits it:
   // weight and weight.1) applied to the same pixels: one kernel, their sum.
   const gguf::TensorInfo* tp = f.find_tensor("v.patch_embd.weight");
@@ -239,12 +246,12 @@ void VisionEncoder::load_qwen25() {
     patch_.owned = owned;
     patch_.host = owned->data();
   }
-  patch_b_ = upload_vec(*backend_, vec(f, "v.patch_embd.bias", d, false), kWhat);
+  patch_b_ = upload_vec(*backend_, vec(f, "v.patch_embd.bias", d, q3), kWhat);
   c.merge = meta_int(f, "clip.vision.spatial_merge_size", 2);
   if (c.merge != 2) throw UnsupportedModelError("vision tower: a spatial merge of " + std::to_string(c.merge) +
-                                                " (the Qwen2.5-VL merger takes 2 x 2 patches)");
+                                                " (the Qwen-VL mergers take 2 x 2 patches)");
   c.image_size = meta_int(f, "clip.vision.image_size", 0);  // informative: any size is taken
-  c.n_wa_pattern = meta_int(f, "clip.vision.n_wa_pattern", 0);
+  c.n_wa_pattern = q3 ? 0 : meta_int(f, "clip.vision.n_wa_pattern", 0);
   c.window = meta_int(f, "clip.vision.window_size", 112);
   if (c.window < c.patch * c.merge)
     throw UnsupportedModelError("vision tower: a window of " + std::to_string(c.window) + " pixels is under one merged patch");
@@ -252,15 +259,43 @@ void VisionEncoder::load_qwen25() {
   if (c.n_heads <= 0 || d % c.n_heads != 0 || (d / c.n_heads) % 4 != 0)
     throw UnsupportedModelError("vision tower: clip.vision.attention.head_count " + std::to_string(c.n_heads) +
                                 " does not split the width " + std::to_string(d) + " into heads of a multiple of 4");
-  // Qwen2-VL's processor normalizes by CLIP's mean and std (when the file states none).
-  const float clip_mean[3] = {0.48145466f, 0.4578275f, 0.40821073f}, clip_std[3] = {0.26862954f, 0.26130258f, 0.27577711f};
-  std::memcpy(c.mean, clip_mean, sizeof c.mean);
-  std::memcpy(c.std, clip_std, sizeof c.std);
+  if (!q3) {
+    // Qwen2-VL's processor normalizes by CLIP's mean and std (when the file states none).
+    const float clip_mean[3] = {0.48145466f, 0.4578275f, 0.40821073f}, clip_std[3] = {0.26862954f, 0.26130258f, 0.27577711f};
+    std::memcpy(c.mean, clip_mean, sizeof c.mean);
+    std::memcpy(c.std, clip_std, sizeof c.std);
+  }
   read_norm_meta(f, c);
+  if (q3) {
+    const gguf::TensorInfo& tpos = encoder::need(f, "v.position_embd.weight", kWhat);
+    const int64_t P = tpos.ne.size() == 2 ? tpos.ne[1] : 0;
+    c.pos_side = (int)std::lround(std::sqrt((double)P));
+    if (tpos.ne.size() != 2 || tpos.ne[0] != d || P < 1 || (int64_t)c.pos_side * c.pos_side != P)
+      throw UnsupportedModelError("vision tower: v.position_embd.weight must be " + std::to_string(d) +
+                                  " x a square number of positions, got " + shape_str(tpos));
+    pos_table_ = vec(f, "v.position_embd.weight", d * P);
+  }
+  load_qwen_layers(q3);
+  c.n_rows = 0;
+  // 2-D rope over each head: pairs [0, hd/4) turn by the patch's row, [hd/4, hd/2) by its column,
+  // each axis with frequencies theta^(-2j / (hd/2)) (transformers' axial rope for Qwen-VL ViTs).
+  const int hd = (int)(d / c.n_heads), q4 = hd / 4;
+  for (int a = 0; a < 2; ++a) {
+    std::vector<double> tab((size_t)(hd / 2), 0.0);
+    for (int j = 0; j < q4; ++j) tab[(size_t)(a * q4 + j)] = std::pow((double)c.rope_theta, -2.0 * j / (hd / 2));
+    rope_tab_[a] = backend_->alloc(tab.size() * sizeof(double), "vision tower");
+    backend_->upload(rope_tab_[a]->data(), tab.data(), tab.size() * sizeof(double));
+  }
+}
 
+void VisionEncoder::load_qwen_layers(bool q3) {
+  const gguf::File& f = *file_;
+  VisionConfig& c = cfg_;
+  const int64_t d = c.dim;
   int n_layers = 0;
-  while (f.find_tensor(blk(n_layers, "attn_q.weight"))) ++n_layers;
-  if (n_layers == 0) throw UnsupportedModelError("vision tower: no encoder blocks (v.blk.0.attn_q.weight)");
+  const char* probe = q3 ? "attn_qkv.weight" : "attn_q.weight";
+  while (f.find_tensor(blk(n_layers, probe))) ++n_layers;
+  if (n_layers == 0) throw UnsupportedModelError(std::string("vision tower: no encoder blocks (v.blk.0.") + probe + ")");
   c.n_layers = n_layers;
   auto up = [&](const std::string& name, int64_t n) { return upload_vec(*backend_, vec(f, name, n), kWhat); };
   qlayers_.resize(n_layers);
@@ -270,26 +305,46 @@ void VisionEncoder::load_qwen25() {
     auto w = [&](const char* s) { return blk(il, s); };
     L.ln1 = up(w("ln1.weight"), d);
     L.ln2 = up(w("ln2.weight"), d);
-    L.wq = mat(f, w("attn_q.weight"), d, d);
-    L.wk = mat(f, w("attn_k.weight"), d, d);
-    L.wv = mat(f, w("attn_v.weight"), d, d);
+    if (q3) {
+      L.ln1_b = up(w("ln1.bias"), d);
+      L.ln2_b = up(w("ln2.bias"), d);
+      // The fused QKV: its three row blocks as three matrices over the same file rows.
+      const Weight qkv = mat(f, w("attn_qkv.weight"), 3 * d, d);
+      Weight* parts[3] = {&L.wq, &L.wk, &L.wv};
+      for (int i = 0; i < 3; ++i) {
+        *parts[i] = qkv;
+        parts[i]->rows = d;
+        parts[i]->host = static_cast<const uint8_t*>(qkv.host) + (size_t)i * d * qkv.row_bytes;
+      }
+      const std::vector<float> b = vec(f, w("attn_qkv.bias"), 3 * d);
+      Vec* bs[3] = {&L.bq, &L.bk, &L.bv};
+      for (int i = 0; i < 3; ++i)
+        *bs[i] = upload_vec(*backend_, std::vector<float>(b.begin() + i * d, b.begin() + (i + 1) * d), kWhat);
+    } else {
+      L.wq = mat(f, w("attn_q.weight"), d, d);
+      L.wk = mat(f, w("attn_k.weight"), d, d);
+      L.wv = mat(f, w("attn_v.weight"), d, d);
+      L.bq = up(w("attn_q.bias"), d);
+      L.bk = up(w("attn_k.bias"), d);
+      L.bv = up(w("attn_v.bias"), d);
+    }
     L.wo = mat(f, w("attn_out.weight"), d, d);
-    L.bq = up(w("attn_q.bias"), d);
-    L.bk = up(w("attn_k.bias"), d);
-    L.bv = up(w("attn_v.bias"), d);
     L.bo = up(w("attn_out.bias"), d);
-    const gguf::TensorInfo& tg = encoder::need(f, w("ffn_gate.weight"), kWhat);
-    if (F < 0) F = tg.ne.size() == 2 ? tg.ne[1] : 0;
-    if (F <= 0 || F > (1 << 18)) throw UnsupportedModelError("vision tower: " + w("ffn_gate.weight") + " has shape " + shape_str(tg));
-    L.w_gate = mat(f, w("ffn_gate.weight"), F, d);
+    const gguf::TensorInfo& tu = encoder::need(f, w("ffn_up.weight"), kWhat);
+    if (F < 0) F = tu.ne.size() == 2 ? tu.ne[1] : 0;
+    if (F <= 0 || F > (1 << 18)) throw UnsupportedModelError("vision tower: " + w("ffn_up.weight") + " has shape " + shape_str(tu));
+    if (!q3) {
+      L.w_gate = mat(f, w("ffn_gate.weight"), F, d);
+      L.b_gate = up(w("ffn_gate.bias"), F);
+    }
     L.w_up = mat(f, w("ffn_up.weight"), F, d);
     L.w_down = mat(f, w("ffn_down.weight"), d, F);
-    L.b_gate = up(w("ffn_gate.bias"), F);
     L.b_up = up(w("ffn_up.bias"), F);
     L.b_down = up(w("ffn_down.bias"), d);
   }
   c.ffn_dim = (int)F;
-  post_w_ = up("v.post_ln.weight", d);  // the merger's ln_q (RMSNorm)
+  post_w_ = up("v.post_ln.weight", d);  // the merger's norm (RMSNorm for Qwen2.5-VL, LayerNorm for Qwen3-VL)
+  if (q3) post_b_ = up("v.post_ln.bias", d);
   const gguf::TensorInfo& t2 = encoder::need(f, "mm.2.weight", kWhat);
   if (t2.ne.size() != 2 || t2.ne[0] != 4 * d || t2.ne[1] < 1 || t2.ne[1] > (1 << 18))
     throw UnsupportedModelError("vision tower: mm.2.weight must be [" + std::to_string(4 * d) + "][text width], got " +
@@ -299,15 +354,24 @@ void VisionEncoder::load_qwen25() {
   mm0_b_ = up("mm.0.bias", 4 * d);
   mm2_ = mat(f, "mm.2.weight", c.proj_dim, 4 * d);
   mm2_b_ = up("mm.2.bias", c.proj_dim);
-  c.n_rows = 0;
-  // 2-D rope over each head: pairs [0, hd/4) turn by the patch's row, [hd/4, hd/2) by its column,
-  // each axis with frequencies theta^(-2j / (hd/2)) (transformers' axial rope for Qwen2.5-VL).
-  const int hd = (int)(d / c.n_heads), q4 = hd / 4;
-  for (int a = 0; a < 2; ++a) {
-    std::vector<double> tab((size_t)(hd / 2), 0.0);
-    for (int j = 0; j < q4; ++j) tab[(size_t)(a * q4 + j)] = std::pow((double)c.rope_theta, -2.0 * j / (hd / 2));
-    rope_tab_[a] = backend_->alloc(tab.size() * sizeof(double), "vision tower");
-    backend_->upload(rope_tab_[a]->data(), tab.data(), tab.size() * sizeof(double));
+  if (q3) {
+    for (int il = 0; il < n_layers; ++il) {
+      const std::string pre = "v.deepstack." + std::to_string(il) + ".";
+      if (!f.find_tensor(pre + "fc1.weight")) continue;
+      DeepstackMerger m;
+      m.layer = il;
+      m.norm_w = up(pre + "norm.weight", 4 * d);
+      m.norm_b = up(pre + "norm.bias", 4 * d);
+      m.fc1 = mat(f, pre + "fc1.weight", 4 * d, 4 * d);
+      m.b1 = up(pre + "fc1.bias", 4 * d);
+      m.fc2 = mat(f, pre + "fc2.weight", c.proj_dim, 4 * d);
+      m.b2 = up(pre + "fc2.bias", c.proj_dim);
+      deepstack_.push_back(std::move(m));
+    }
+    c.n_deepstack = (int)deepstack_.size();
+    std::vector<float> one((size_t)F, 1.f);
+    ones_ = backend_->alloc((size_t)F * 4, kWhat);
+    backend_->upload(ones_->data(), one.data(), (size_t)F * 4);
   }
 }
 
@@ -330,10 +394,10 @@ int64_t VisionEncoder::encode_hw(const float* pixels, int height, int width, flo
   if (height < unit || width < unit || height % unit || width % unit || (int64_t)height * width > (int64_t)1 << 26)
     throw std::invalid_argument("the " + c.family + " tower takes sides that are multiples of " + std::to_string(unit) +
                                 " pixels, not " + std::to_string(height) + " x " + std::to_string(width));
-  const int64_t rows = (int64_t)(height / unit) * (width / unit);
-  if (rows * c.proj_dim > out_cap)
+  const int64_t rows = (int64_t)(height / unit) * (width / unit), width_out = (int64_t)c.proj_dim * (1 + c.n_deepstack);
+  if (rows * width_out > out_cap)
     throw std::invalid_argument("output holds " + std::to_string(out_cap) + " floats; the image makes " +
-                                std::to_string(rows) + " rows of " + std::to_string(c.proj_dim));
+                                std::to_string(rows) + " rows of " + std::to_string(width_out));
   std::lock_guard<std::mutex> lock(mu_);
   return encode_qwen25(pixels, height, width, out);
 }
@@ -344,10 +408,11 @@ int64_t VisionEncoder::encode_qwen25(const float* pixels, int H, int W, float* o
   const int64_t p = c.patch, d = c.dim, K = 3 * p * p, F = c.ffn_dim;
   const int64_t gh = H / p, gw = W / p, mh = gh / 2, mw = gw / 2, U = mh * mw, L = 4 * U;
   const int hd = (int)(d / c.n_heads);
+  const bool q3 = c.proj == Projector::qwen3;
   // Merged units (2x2 patches) in window order: windows of ws x ws units, row-major over the
   // image, units row-major inside each (edge windows smaller); `order` lists the raster unit of
   // each slot, `wins` each window's first slot.
-  const int64_t ws = c.window / (p * c.merge);
+  const int64_t ws = q3 ? std::max(mh, mw) : c.window / (p * c.merge);  // Qwen3-VL: no windows, raster order
   std::vector<int64_t> order, wins;
   for (int64_t wy = 0; wy < mh; wy += ws)
     for (int64_t wx = 0; wx < mw; wx += ws) {
@@ -379,6 +444,40 @@ int64_t VisionEncoder::encode_qwen25(const float* pixels, int H, int W, float* o
   float* h = buf(B_H, L * d);
   be.matmul(patch_, x, L, h);
   if (!patch_b_.empty()) be.add_bias(h, patch_b_.data(), L, d);
+  if (q3) {
+    // The learned position grid resampled to the image's patch grid: bilinear with aligned corners
+    // (source = index (side - 1) / (size - 1)), as transformers' Qwen3-VL interpolates it.
+    const int64_t S = c.pos_side;
+    std::vector<float>& pe = patches_host_;
+    pe.assign((size_t)(L * d), 0.f);
+    auto taps = [&](int64_t i, int64_t size, int64_t t[2], double w[2]) {
+      const double src = (double)i * (double)(S - 1) / (double)std::max<int64_t>(size - 1, 1);
+      const double fl = std::floor(src);
+      for (int k = 0; k < 2; ++k) {
+        t[k] = std::min<int64_t>(std::max<int64_t>((int64_t)fl + k, 0), S - 1);
+        w[k] = std::max(0.0, 1.0 - std::fabs(src - fl - k));
+      }
+    };
+    for (int64_t r = 0; r < L; ++r) {
+      int64_t ty[2], tx[2];
+      double wy[2], wx[2];
+      taps(pos[(size_t)r], gh, ty, wy);
+      taps(pos[(size_t)(L + r)], gw, tx, wx);
+      float* dst = pe.data() + r * d;
+      for (int a = 0; a < 2; ++a)
+        for (int b = 0; b < 2; ++b) {
+          const float wgt = (float)(wy[a] * wx[b]);
+          if (wgt == 0.f) continue;
+          const float* src = pos_table_.data() + (ty[a] * S + tx[b]) * d;
+          for (int64_t j = 0; j < d; ++j) dst[j] += wgt * src[j];
+        }
+    }
+    float* dpe = buf(B_PE, L * d);
+    be.upload(dpe, pe.data(), pe.size() * 4);
+    be.add(h, dpe, L * d);
+  }
+  float* ds_out = q3 && c.n_deepstack > 0 ? buf(B_DS, (int64_t)c.n_deepstack * U * c.proj_dim) : nullptr;
+  size_t next_ds = 0;
 
   float* xn = buf(B_XN, L * d);
   float* q = buf(B_Q, L * d);
@@ -397,7 +496,10 @@ int64_t VisionEncoder::encode_qwen25(const float* pixels, int H, int W, float* o
   for (int il = 0; il < c.n_layers; ++il) {
     const QwenLayer& Ly = qlayers_[il];
     const bool full = c.n_wa_pattern <= 0 || (il + 1) % c.n_wa_pattern == 0;
-    be.rms_norm(h, Ly.ln1.data(), xn, L, d, c.eps);
+    if (q3)
+      be.layer_norm(h, Ly.ln1.data(), Ly.ln1_b.data(), xn, L, d, c.eps);
+    else
+      be.rms_norm(h, Ly.ln1.data(), xn, L, d, c.eps);
     const Weight* wsx[3] = {&Ly.wq, &Ly.wk, &Ly.wv};
     float* ys[3] = {q, kv, kv + L * d};
     be.matmul_multi(wsx, ys, 3, xn, L);
@@ -441,19 +543,42 @@ int64_t VisionEncoder::encode_qwen25(const float* pixels, int H, int W, float* o
     be.matmul(Ly.wo, att, L, g);
     be.add_bias(g, Ly.bo.data(), L, d);
     be.add(h, g, L * d);
-    be.rms_norm(h, Ly.ln2.data(), xn, L, d, c.eps);
-    const Weight* wgu[2] = {&Ly.w_gate, &Ly.w_up};
-    float* ygu[2] = {g, u};
-    be.matmul_multi(wgu, ygu, 2, xn, L);
-    be.add_bias(g, Ly.b_gate.data(), L, F);
-    be.add_bias(u, Ly.b_up.data(), L, F);
-    be.glu(g, F, u, F, u, L, F, Act::silu);
+    if (q3) {  // GELU(tanh) MLP: the GLU op against a row of ones
+      be.layer_norm(h, Ly.ln2.data(), Ly.ln2_b.data(), xn, L, d, c.eps);
+      be.matmul(Ly.w_up, xn, L, u);
+      be.add_bias(u, Ly.b_up.data(), L, F);
+      be.glu(u, F, static_cast<const float*>(ones_->data()), 0, u, L, F, Act::gelu_tanh);
+    } else {  // SiLU-gated MLP
+      be.rms_norm(h, Ly.ln2.data(), xn, L, d, c.eps);
+      const Weight* wgu[2] = {&Ly.w_gate, &Ly.w_up};
+      float* ygu[2] = {g, u};
+      be.matmul_multi(wgu, ygu, 2, xn, L);
+      be.add_bias(g, Ly.b_gate.data(), L, F);
+      be.add_bias(u, Ly.b_up.data(), L, F);
+      be.glu(g, F, u, F, u, L, F, Act::silu);
+    }
     be.matmul(Ly.w_down, u, L, xn);
     be.add_bias(xn, Ly.b_down.data(), L, d);
     be.add(h, xn, L * d);
+    if (next_ds < deepstack_.size() && deepstack_[next_ds].layer == il) {
+      // A deepstack merger: a unit's four patches as one row of 4d, LayerNorm over it, GELU MLP.
+      const DeepstackMerger& m = deepstack_[next_ds];
+      float* m0 = buf(B_P, U * 4 * d);
+      be.layer_norm(h, m.norm_w.data(), m.norm_b.data(), m0, U, 4 * d, c.eps);
+      be.matmul(m.fc1, m0, U, xn);
+      be.add_bias(xn, m.b1.data(), U, 4 * d);
+      be.gelu_erf(xn, U * 4 * d);
+      float* dst = ds_out + (int64_t)next_ds * U * c.proj_dim;
+      be.matmul(m.fc2, xn, U, dst);
+      be.add_bias(dst, m.b2.data(), U, c.proj_dim);
+      ++next_ds;
+    }
   }
   // The merger: RMSNorm per patch, a unit's four patches as one row of 4d, Linear, GELU, Linear.
-  be.rms_norm(h, post_w_.data(), h, L, d, c.eps);
+  if (q3)
+    be.layer_norm(h, post_w_.data(), post_b_.data(), h, L, d, c.eps);
+  else
+    be.rms_norm(h, post_w_.data(), h, L, d, c.eps);
   float* m0 = buf(B_P, U * 4 * d);
   be.matmul(mm0_, h, U, m0);
   be.add_bias(m0, mm0_b_.data(), U, 4 * d);
@@ -461,10 +586,14 @@ int64_t VisionEncoder::encode_qwen25(const float* pixels, int H, int W, float* o
   float* dev_out = buf(B_OUT, U * c.proj_dim);
   be.matmul(mm2_, m0, U, dev_out);
   be.add_bias(dev_out, mm2_b_.data(), U, c.proj_dim);
-  patches_host_.resize((size_t)(U * c.proj_dim));
-  be.download(patches_host_.data(), dev_out, patches_host_.size() * 4);
-  for (int64_t slot = 0; slot < U; ++slot)  // back to raster order
-    std::memcpy(out + order[slot] * c.proj_dim, patches_host_.data() + slot * c.proj_dim, (size_t)c.proj_dim * 4);
+  // Rows back in raster order, each [merger | deepstack 0 | deepstack 1 ...] (llama.cpp's concat).
+  const int64_t P = c.proj_dim, n_ds = (int64_t)deepstack_.size(), Wd = P * (1 + n_ds);
+  patches_host_.resize((size_t)(U * P * (1 + n_ds)));
+  be.download(patches_host_.data(), dev_out, (size_t)(U * P) * 4);
+  if (n_ds) be.download(patches_host_.data() + U * P, ds_out, (size_t)(n_ds * U * P) * 4);
+  for (int64_t slot = 0; slot < U; ++slot)
+    for (int64_t k = 0; k <= n_ds; ++k)
+      std::memcpy(out + order[slot] * Wd + k * P, patches_host_.data() + (k * U + slot) * P, (size_t)P * 4);
   return U;
 }
 

@@ -16,7 +16,7 @@
 
 namespace dl::vision {
 
-enum class Projector { gemma3, qwen25 };
+enum class Projector { gemma3, qwen25, qwen3 };
 
 // One vision family as data (vision/tower.cpp's vision_families is the only place a family
 // name is written): the projector, and whether its rows attend each other in the decoder.
@@ -40,6 +40,8 @@ struct VisionConfig {
   int proj_dim = 0;    // width of the rows encode() writes
   int n_rows = 0;      // rows per image (a fixed-size tower; 0: the image's size decides)
   int n_wa_pattern = 0;  // qwen25: block il attends its whole image when (il + 1) % n == 0, else its window
+  int n_deepstack = 0;   // qwen3: deepstack mergers (each adds proj_dim to a row: rows are proj_dim x (1 + n) wide)
+  int pos_side = 0;      // qwen3: the learned position grid's side (resampled to each image's)
   int window = 112;      // qwen25: the attention window's side in pixels
   float rope_theta = 10000.f;
   float eps = 1e-6f;
@@ -48,10 +50,18 @@ struct VisionConfig {
 
 using VitLayer = encoder::Layer;
 
-// A Qwen2.5-VL ViT block: RMSNorms, biased Q/K/V/out, SiLU-gated MLP with biases.
+// A Qwen-VL ViT block: Qwen2.5-VL's RMSNorms and SiLU-gated MLP, or Qwen3-VL's LayerNorms (with
+// biases) and GELU(tanh) MLP (no gate); biased Q/K/V/out both (Qwen3-VL's QKV fused in the file).
 struct QwenLayer {
-  Vec ln1, ln2, bq, bk, bv, bo, b_gate, b_up, b_down;
+  Vec ln1, ln2, ln1_b, ln2_b, bq, bk, bv, bo, b_gate, b_up, b_down;
   Weight wq, wk, wv, wo, w_gate, w_up, w_down;
+};
+
+// Qwen3-VL's deepstack merger after a block: LayerNorm over a merged row (4 patches), GELU MLP.
+struct DeepstackMerger {
+  int layer = 0;
+  Vec norm_w, norm_b, b1, b2;
+  Weight fc1, fc2;
 };
 
 class VisionEncoder {
@@ -75,6 +85,7 @@ class VisionEncoder {
   VisionEncoder() = default;
   void load_weights();
   void load_qwen25();
+  void load_qwen_layers(bool qwen3);
   float* buf(int i, int64_t floats);
   int64_t encode_qwen25(const float* pixels, int H, int W, float* out);
 
@@ -86,11 +97,14 @@ class VisionEncoder {
   Vec patch_b_, pos_emb_, post_w_, post_b_, soft_norm_;
   std::vector<VitLayer> layers_;
   std::vector<QwenLayer> qlayers_;
+  std::vector<DeepstackMerger> deepstack_;
+  std::vector<float> pos_table_;  // qwen3: the learned positions (pos_side^2 x dim), resampled on the host
+  BufferPtr ones_;
   Weight mm0_, mm2_;
   Vec mm0_b_, mm2_b_;
   BufferPtr rope_tab_[2], page0_;  // qwen25: the h and w axes' pair frequencies (0 on the other axis' pairs)
   std::vector<float> patches_host_;
-  enum { B_X, B_H, B_P, B_P2, B_OUT, B_XN, B_Q, B_KV, B_A, B_G, B_U, B_POS, B_COUNT };
+  enum { B_X, B_H, B_P, B_P2, B_OUT, B_XN, B_Q, B_KV, B_A, B_G, B_U, B_POS, B_DS, B_PE, B_COUNT };
   BufferPtr bufs_[B_COUNT];
   encoder::Blocks blocks_;
 };

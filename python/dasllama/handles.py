@@ -54,6 +54,8 @@ class ModelConfig:
     final_softcap: float
     # M-RoPE sections (rope.dimension_sections; empty for plain rope): image rows take grid positions
     rope_sections: tuple = ()
+    # Deepstack layers (Qwen3-VL): image rows also carry features added after the first n layers
+    n_deepstack: int = 0
 
 
 class Model:

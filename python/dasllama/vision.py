@@ -5,7 +5,9 @@ Files are llama.cpp-layout mmproj GGUFs (``clip.vision.*`` keys, ``v.*`` / ``mm.
 llama.cpp's ``convert_hf_to_gguf.py --mmproj`` writes them. Families: ``gemma3v`` (Gemma-3's
 SigLIP tower with its pooled projector; its rows are one non-causal span in the decoder) and
 ``qwen25v`` (Qwen2.5-VL's window-attention ViT at the image's own size, then the patch merger; its
-rows are causal and take M-RoPE grid positions in the decoder: ``eval_embd_span_mrope``).
+rows are causal and take M-RoPE grid positions in the decoder: ``eval_embd_span_mrope``) and
+``qwen3v`` (Qwen3-VL's ViT with resampled learned positions and deepstack mergers, whose features
+the decoder adds after its first layers; interleaved M-RoPE).
 
 Images are decoded with Pillow (the optional extra ``dasllama[vision]``): JPEG, PNG, WebP, GIF
 (first frame), EXIF orientation applied. Each family's preprocessing follows its transformers
@@ -38,6 +40,9 @@ MAX_IMAGE_BYTES = 64 << 20
 # Qwen2-VL's image processor defaults (its preprocessor_config's min_pixels / max_pixels).
 QWEN_MIN_PIXELS = 56 * 56
 QWEN_MAX_PIXELS = 28 * 28 * 1280
+# Qwen3-VL's (its preprocessor_config's size: shortest_edge / longest_edge).
+QWEN3_MIN_PIXELS = 65536
+QWEN3_MAX_PIXELS = 16777216
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -190,13 +195,18 @@ class VisionEmbedder:
         self.n_rows: int = c["n_rows"]  # rows per image (0: the image's size decides, see image_grid)
         self.non_causal: bool = c["non_causal"]  # the rows attend each other in the decoder
         self.mrope: bool = c["mrope"]  # the rows take M-RoPE grid positions (eval_embd_span_mrope)
+        # Deepstack mergers (qwen3v): each row carries n_deepstack more proj_dim-wide features after its
+        # first proj_dim, for the decoder's first layers (eval_embd_span_mrope's deepstack)
+        self.n_deepstack: int = c["n_deepstack"]
+        self.row_width: int = self.proj_dim * (1 + self.n_deepstack)
         self.patch_size: int = c["patch_size"]
         self.merge: int = c["merge"]
         self.image_mean = tuple(c["image_mean"])
         self.image_std = tuple(c["image_std"])
         # A variable-size tower's pixel budget (Qwen2-VL's processor defaults unless given).
-        self.min_pixels: int = int(min_pixels) if min_pixels is not None else QWEN_MIN_PIXELS
-        self.max_pixels: int = int(max_pixels) if max_pixels is not None else QWEN_MAX_PIXELS
+        q3 = self.family == "qwen3v"
+        self.min_pixels: int = int(min_pixels) if min_pixels is not None else (QWEN3_MIN_PIXELS if q3 else QWEN_MIN_PIXELS)
+        self.max_pixels: int = int(max_pixels) if max_pixels is not None else (QWEN3_MAX_PIXELS if q3 else QWEN_MAX_PIXELS)
         if self.mrope and not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"min_pixels {self.min_pixels} and max_pixels {self.max_pixels} make no range")
         self.path: str = enc.path
@@ -296,10 +306,11 @@ def encode_image(embedder: VisionEmbedder, scratch: Optional[VisionState], img, 
 
 
 def encode_image_rows(embedder: VisionEmbedder, img, scratch: Optional[VisionState] = None) -> np.ndarray:
-    """``encode_image`` into a fresh float32 array of shape ``(rows, proj_dim)`` (the image's
-    ``image_rows``: ``n_rows`` for a fixed-size tower)."""
+    """``encode_image`` into a fresh float32 array of shape ``(rows, row_width)`` (the image's
+    ``image_rows``: ``n_rows`` for a fixed-size tower; ``row_width`` is ``proj_dim`` but for deepstack
+    towers, whose rows carry the deepstack features after it)."""
     img = load_image_rgb(img)
-    out = np.empty((embedder.image_rows(img), embedder.proj_dim), np.float32)
+    out = np.empty((embedder.image_rows(img), embedder.row_width), np.float32)
     n = encode_image(embedder, scratch, img, "", out)
     return out[:n]
 

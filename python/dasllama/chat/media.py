@@ -52,9 +52,10 @@ FAMILY_FRAMING = {
 # image token expands to "\n\n<start_of_image>" + rows + "<end_of_image>\n\n").
 IMAGE_FRAMING = {
     "gemma3v": ("\n\n<start_of_image>", "<end_of_image>\n\n"),
-    # Qwen2.5-VL's template writes <|vision_start|><|image_pad|><|vision_end|>; the processor
-    # expands the pad to the image's rows.
+    # Qwen2.5-VL's and Qwen3-VL's templates write <|vision_start|><|image_pad|><|vision_end|>; the
+    # processor expands the pad to the image's rows.
     "qwen25v": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen3v": ("<|vision_start|>", "<|vision_end|>"),
 }
 
 
@@ -230,7 +231,9 @@ def prefill(model, session, spans: Dict[int, Span], ids: List[int], counters: Di
     if all(t >= 0 for t in ids):
         llm.eval(model, session, ids)
         return
-    body = body_rows(model, spans, ids, counters)
+    K = model.config.n_deepstack
+    deep = np.zeros((len(ids), K * model.config.dim), np.float32) if K else None
+    body = body_rows(model, spans, ids, counters, deep)
     # One call per non-causal or M-RoPE span (the decoder takes one per call): each call ends where a
     # span ends. An M-RoPE span the call starts inside of (a prefix attach ended in it) goes on from
     # its grid row.
@@ -249,7 +252,8 @@ def prefill(model, session, spans: Dict[int, Span], ids: List[int], counters: Di
                 llm.eval_embd(model, session, body[start:lo], lo - start, ids=ids[start:lo])
                 start = lo
             llm.eval_embd_span_mrope(model, session, body[start:i], i - start, lo - start, i - start, sp.grid,
-                                     ids=ids[start:i], non_causal=sp.non_causal, first_row=r0)
+                                     ids=ids[start:i], non_causal=sp.non_causal, first_row=r0,
+                                     deepstack=deep[start:i] if deep is not None else None)
         else:
             llm.eval_embd_span(model, session, body[start:i], i - start, lo - start, i - start, ids=ids[start:i])
         start = i
@@ -257,7 +261,10 @@ def prefill(model, session, spans: Dict[int, Span], ids: List[int], counters: Di
         llm.eval_embd(model, session, body[start:], len(ids) - start, ids=ids[start:])
 
 
-def body_rows(model, spans: Dict[int, Span], ids: List[int], counters: Dict[str, int]) -> np.ndarray:
+def body_rows(model, spans: Dict[int, Span], ids: List[int], counters: Dict[str, int],
+              deep: Optional[np.ndarray] = None) -> np.ndarray:
+    """The rows ``ids`` name (dim wide); a deepstack tower's extra features (its rows past dim) go into
+    ``deep`` when given (zeros elsewhere)."""
     index = _media_index(spans)
     D = model.config.dim
     body = np.empty((len(ids), D), np.float32)
@@ -279,7 +286,9 @@ def body_rows(model, spans: Dict[int, Span], ids: List[int], counters: Dict[str,
                 if h is None or h[0] is not sp or h[1] != r0 + j - i:
                     break
                 j += 1
-            body[i:j] = rows[r0:r0 + (j - i)]
+            body[i:j] = rows[r0:r0 + (j - i), :D]
+            if deep is not None and rows.shape[1] > D:
+                deep[i:j] = rows[r0:r0 + (j - i), D:]
             counters["media_rows_prefilled"] += j - i
         i = j
     return body

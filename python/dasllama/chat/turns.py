@@ -596,6 +596,9 @@ def add_user_image(chat: ChatSession, image, text: str = "") -> int:
     if e.mrope and not chat.model.config.rope_sections:
         raise ValueError(f"the {e.family} tower's rows take M-RoPE positions, but the {chat.model.arch} "
                          "decoder has no rope.dimension_sections: this mmproj belongs to another model")
+    if e.n_deepstack != chat.model.config.n_deepstack:
+        raise ValueError(f"the {e.family} tower makes {e.n_deepstack} deepstack features a row but the decoder "
+                         f"takes {chat.model.config.n_deepstack}: this mmproj belongs to another model")
     sp = _new_span(chat, e.image_key(img), n, open_, close, is_image=True, source=(e, img))
     sp.non_causal = bool(e.non_causal)
     sp.grid = tuple(grid) if e.mrope else None
