@@ -255,3 +255,62 @@ def test_second_question_on_an_image_runs_no_encoder_and_no_image_prefill(pair, 
     gh, gw = e.image_grid(photo)
     assert b.session.rope_marks == cold.session.rope_marks
     assert [dl for _, dl in cold.session.rope_marks] == [max(gh, gw) - n]
+
+
+# -- the server and the CLI (the embedder's default pixel budget, as they load it) ----------------------------
+
+def test_server_image_turn_equals_the_library_chat(built, photo):
+    """An image_url turn through the server (its engine's batched decode, M-RoPE marks restored on attach) is
+    the library chat's greedy reply; a resent conversation runs no encoder and prefills no image rows."""
+    import base64
+
+    from starlette.testclient import TestClient
+
+    from dasllama.server import create_app
+
+    _, dec, mm, _ = built
+    model = d.load_model(dec, d.QuantMode.fp32)
+    ch = d.create_chat(model, d.load_vision_embedder(mm), max_new=6, kv_dtype=d.KVDtype.f32)
+    d.add_user_image(ch, photo, "ka to ri")
+    want = d.respond(model, ch, d.SamplingParams())
+
+    app = create_app(model, mmproj=mm, streams=2, ctx=1024, kv_dtype=d.KVDtype.f32)
+    url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+
+    def metric(client, key):
+        for ln in client.get("/metrics").text.splitlines():
+            if ln.startswith(f"dasllama_{key} "):
+                return float(ln.split()[1])
+
+    try:
+        with TestClient(app) as client:
+            msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "ka to ri"}]}]
+            r1 = client.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 6})
+            assert r1.status_code == 200, r1.text
+            assert r1.json()["choices"][0]["message"]["content"] == want
+            enc, rows = metric(client, "image_encodes_total"), metric(client, "media_rows_prefilled_total")
+            msgs += [{"role": "assistant", "content": want}, {"role": "user", "content": "mu sen"}]
+            r2 = client.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 6})
+            assert r2.status_code == 200, r2.text
+            assert metric(client, "image_encodes_total") == enc
+            assert metric(client, "media_rows_prefilled_total") == rows
+            d.add_user(ch, "mu sen")
+            assert r2.json()["choices"][0]["message"]["content"] == d.respond(model, ch, d.SamplingParams())
+    finally:
+        app.state.engine.stop()
+
+
+def test_cli_chat_with_an_image(built, photo, tmp_path, capsys):
+    from dasllama.cli import main
+
+    _, dec, mm, _ = built
+    jpg = tmp_path / "photo.jpg"
+    jpg.write_bytes(photo)
+    assert main(["chat", "ka to ri", "--model", dec, "--mmproj", mm, "--image", str(jpg), "--max-tokens", "4",
+                 "--mode", "fp32", "-q"]) == 0
+    out = capsys.readouterr().out
+    model = d.load_model(dec, d.QuantMode.fp32)
+    chat = d.create_chat(model, d.load_vision_embedder(mm), max_new=4)
+    d.add_user_image(chat, photo, "ka to ri")
+    assert out == d.respond(model, chat) + "\n"
