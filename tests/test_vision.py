@@ -551,3 +551,14 @@ def test_server_remote_image_urls_behind_the_switch(built, photo, image_host):
             assert ask(image_host + "/photo.jpg").status_code == 200
     finally:
         app.state.engine.stop()
+
+
+def test_mrope_calls_need_a_model_with_sections(built):
+    """eval_embd_span_mrope on a decoder without rope.dimension_sections is a clear error, the session unmoved."""
+    _, dec, _ = built
+    model = d.load_model(dec, d.QuantMode.fp32)
+    s = d.create_session(model, d.KVDtype.f32)
+    rows = np.zeros((4, model.config.dim), np.float32)
+    with pytest.raises(ValueError, match="M-RoPE"):
+        d.eval_embd_span_mrope(model, s, rows, 4, 0, 4, (2, 2))
+    assert s.n_past == 0 and model.config.rope_sections == ()

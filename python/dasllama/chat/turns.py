@@ -374,7 +374,8 @@ def create_chat_renderer(model: Model, system: str = "", max_new: int = 256, tow
 def prefill_media_body(model: Model, session: Session, chat: ChatSession, ids: List[int]) -> Dict[str, int]:
     """Prefill ``ids`` -- a slice of a rendered prompt of ``chat`` (tokens and its spans' media ids) --
     at ``session``'s position in one call, encoding a span's clip only if its rows are needed (through
-    the tower-output cache). For schedulers: render with a renderer chat, ``prefix_attach`` the prompt,
+    the tower-output cache). For schedulers: render with a renderer chat, ``prefix_attach`` the prompt
+    (with an M-RoPE model, then ``session.rope_marks = media.rope_marks(chat.spans, prompt[:matched])``),
     then prefill ``ids[matched:]`` here. Returns this call's counters (rows, media rows, encodes)."""
     _same(model, chat)
     llm.check_session(model, session)
