@@ -1,7 +1,7 @@
 """Vision benchmarks: the encode time of one image through a Gemma-3-shaped SigLIP tower, and the
 time to first token of an image turn, cold and as a second question about the same image.
 
-    python benchmarks/bench_vision.py [--threads 2] [--reps 3] [--layers 27] [--device cpu]
+    python benchmarks/bench_vision.py [--threads 2] [--reps 3] [--layers 27] [--device cpu] [--encode-only]
 
 Tower: Gemma-3's vision shape (SigLIP-so400m: 896 px, 14 px patches -> 4096 patches, width 1152,
 16 heads, MLP 4304, 27 blocks; pooled 4 x 4 -> 256 rows) with random f16 weights written in
@@ -107,28 +107,35 @@ def main():
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--torch", action="store_true")
+    ap.add_argument("--encode-only", action="store_true", help="time the tower alone (no decoder, no TTFT)")
     args = ap.parse_args()
 
     import dasllama as d
     from dasllama import hub
     from dasllama.chat import media as M
 
-    dec = str(hub.pull("gemma3-270m"))
-    model = d.load_model(dec, n_threads=args.threads, device=args.device)
+    model = None
+    if not args.encode_only:
+        dec = str(hub.pull("gemma3-270m"))
+        model = d.load_model(dec, n_threads=args.threads, device=args.device)
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, (768, 1024, 3), dtype=np.uint8)
     with tempfile.TemporaryDirectory() as tmp:
-        mm = write_mmproj(os.path.join(tmp, "mmproj-gemma3-shape.gguf"), args.layers, model.config.dim)
+        mm = write_mmproj(os.path.join(tmp, "mmproj-gemma3-shape.gguf"), args.layers,
+                          model.config.dim if model is not None else 640)
         e = d.load_vision_embedder(mm, n_threads=args.threads, device=args.device)
         print(e)
-        d.encode_image_rows(e, img)  # warm up (allocations)
+        if args.reps > 1:
+            d.encode_image_rows(e, img)  # warm up (allocations)
         t_enc = best(lambda: d.encode_image_rows(e, img), args.reps)
-        t_pre = best(lambda: e.pixel_values(img), args.reps)
+        t_pre = best(lambda: e.pixel_values(img), max(args.reps, 3))
         print(f"encode one image ({args.layers} blocks, 4096 patches -> {e.n_rows} rows) on {args.device}: "
               f"{t_enc * 1e3:.0f} ms (of which preprocessing {t_pre * 1e3:.1f} ms)")
         if args.torch:
             print(f"transformers SigLIP + projector, fp32, {args.threads or 'default'} threads: "
                   f"{torch_encode_time(args) * 1e3:.0f} ms")
+        if args.encode_only:
+            return
 
         def ttft(chat):
             t = time.perf_counter()

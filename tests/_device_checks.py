@@ -221,3 +221,43 @@ def vision_tower_and_turn(tmp_path, device: str, max_new: int) -> None:
         replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
     assert nmse(logits[device], logits["cpu"]) <= LOGIT_BAR
     assert replies[device] == replies["cpu"]
+
+
+def qwen_vision_tower_and_turn(tmp_path, device: str, family: str, max_new: int) -> None:
+    """A Qwen2.5-VL (window attention) or Qwen3-VL (deepstack) tower's rows, the teacher-forced logits
+    of an image prompt (its rows at M-RoPE grid positions, the position advance carried to the text
+    after it) and a whole greedy image chat turn, equal to the CPU's. The files come from llama.cpp's
+    converter (tests/oracles/vision.py)."""
+    import vision as V  # tests/oracles/vision.py
+
+    if family == "qwen25v":
+        dec, mm = V.convert_qwen25vl(V.qwen25vl(), str(tmp_path))
+        lo, hi = V.QWEN_MIN_PIXELS, V.QWEN_MAX_PIXELS
+    else:
+        dec, mm = V.convert_qwen3vl(V.qwen3vl(), str(tmp_path))
+        lo, hi = V.QWEN3_MIN_PIXELS, V.QWEN3_MAX_PIXELS
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (200, 290, 3), dtype=np.uint8)  # several 112-pixel windows for qwen25v
+    embs = {dev: d.load_vision_embedder(mm, device=dev, min_pixels=lo, max_pixels=hi) for dev in ("cpu", device)}
+    rows = {dev: d.encode_image_rows(e, img) for dev, e in embs.items()}
+    assert nmse(rows[device], rows["cpu"]) <= 1e-9
+    e = embs["cpu"]
+    grid = e.image_grid(img)
+    n, P = rows["cpu"].shape[0], e.proj_dim
+    main = np.ascontiguousarray(rows["cpu"][:, :P])
+    deep = np.ascontiguousarray(rows["cpu"][:, P:]) if e.n_deepstack else None
+    logits, replies = {}, {}
+    for dev in ("cpu", device):
+        m = d.load_model(dec, d.QuantMode.fp32, device=dev)
+        head = [1] + d.encode(m, "ka to ri", add_special=False) + [500]
+        tail = [501] + d.encode(m, "mu sen la po", add_special=False)
+        s = d.create_session(m, d.KVDtype.f32)
+        d.eval(m, s, head)
+        d.eval_embd_span_mrope(m, s, main, n, 0, n, grid, deepstack=deep)
+        d.eval(m, s, tail, all_logits=True)
+        logits[dev] = np.array(s.logits)
+        chat = d.create_chat(m, embs[dev], max_new=max_new)
+        d.add_user_image(chat, img, "ka to ri")
+        replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
+    assert nmse(logits[device], logits["cpu"]) <= LOGIT_BAR
+    assert replies[device] == replies["cpu"]

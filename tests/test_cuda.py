@@ -123,3 +123,8 @@ def test_audio_tower_and_turn(tmp_path):
 
 def test_vision_tower_and_turn(tmp_path):
     C.vision_tower_and_turn(tmp_path, "cuda", max_new=24)
+
+
+@pytest.mark.parametrize("family", ["qwen25v", "qwen3v"])
+def test_qwen_vision_tower_and_turn(tmp_path, family):
+    C.qwen_vision_tower_and_turn(tmp_path, "cuda", family, max_new=24)

@@ -455,3 +455,110 @@ def test_example_runs(built, photo, tmp_path, capsys):
     assert main([dec, mm, str(jpg), "ka to ri"]) == 0
     out = capsys.readouterr().out
     assert "second chat:" in out and "'encodes': 0" in out.split("second chat:")[1]
+
+
+# -- remote image URLs (off unless the operator allows them) --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def image_host(photo):
+    """A local HTTP server: the photo, a 404, a body over the limit (declared and undeclared), a slow body and
+    a redirect to a file: URL."""
+    import http.server
+    import threading
+    import time
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path == "/photo.jpg":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(photo)))
+                self.end_headers()
+                self.wfile.write(photo)
+            elif self.path == "/huge.jpg":  # declared over the limit
+                self.send_response(200)
+                self.send_header("Content-Length", str(10 << 20))
+                self.end_headers()
+            elif self.path == "/endless.jpg":  # no length, more bytes than the limit
+                self.send_response(200)
+                self.end_headers()
+                try:
+                    for _ in range(64):
+                        self.wfile.write(b"\0" * (64 << 10))
+                except OSError:
+                    pass
+            elif self.path == "/slow.jpg":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(photo)))
+                self.end_headers()
+                try:
+                    self.wfile.write(photo[:100])
+                    self.wfile.flush()
+                    time.sleep(3)
+                    self.wfile.write(photo[100:])
+                except OSError:
+                    pass
+            elif self.path == "/to-file":
+                self.send_response(302)
+                self.send_header("Location", "file:///etc/passwd")
+                self.end_headers()
+            else:
+                self.send_error(404)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_server_remote_image_urls_behind_the_switch(built, photo, image_host):
+    """--allow-remote-media: an http(s) image_url is fetched and answered as the same image inline; 404s, bodies
+    over the byte limit (declared or not), a transfer past the time limit and a redirect off http(s) are 400s
+    naming the host, and the server goes on."""
+    from starlette.testclient import TestClient
+
+    from dasllama.server import create_app
+    from dasllama.server.protocol import Limits
+
+    _, dec, mm = built
+    model = d.load_model(dec, d.QuantMode.fp32)
+    app = create_app(model, mmproj=mm, streams=1, ctx=1024, kv_dtype=d.KVDtype.f32,
+                     limits=Limits(allow_remote_media=True, remote_timeout_s=1.0, max_media_bytes=1 << 20))
+    try:
+        with TestClient(app) as client:
+            def ask(url, text="ka to ri"):
+                return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}],
+                    "temperature": 0, "max_tokens": 4})
+
+            inline = ask(_data_url(photo))
+            remote = ask(image_host + "/photo.jpg")
+            assert inline.status_code == remote.status_code == 200, remote.text
+            assert remote.json()["choices"][0]["message"]["content"] == inline.json()["choices"][0]["message"]["content"]
+            for path, word in [("/missing.jpg", "404"), ("/huge.jpg", "over the limit"),
+                               ("/endless.jpg", "over the limit"), ("/slow.jpg", "within 1 s"),
+                               ("/to-file", "file:")]:
+                r = ask(image_host + path)
+                assert r.status_code == 400, (path, r.text)
+                msg = r.json()["error"]["message"]
+                assert word in msg and "127.0.0.1" in msg, (path, msg)
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "ftp://127.0.0.1/x.jpg"}}]}], "max_tokens": 2})
+            assert r.status_code == 400 and "not ftp" in r.json()["error"]["message"]
+            assert ask(image_host + "/photo.jpg").status_code == 200
+    finally:
+        app.state.engine.stop()
+
+
+def test_mrope_calls_need_a_model_with_sections(built):
+    """eval_embd_span_mrope on a decoder without rope.dimension_sections is a clear error, the session unmoved."""
+    _, dec, _ = built
+    model = d.load_model(dec, d.QuantMode.fp32)
+    s = d.create_session(model, d.KVDtype.f32)
+    rows = np.zeros((4, model.config.dim), np.float32)
+    with pytest.raises(ValueError, match="M-RoPE"):
+        d.eval_embd_span_mrope(model, s, rows, 4, 0, 4, (2, 2))
+    assert s.n_past == 0 and model.config.rope_sections == ()

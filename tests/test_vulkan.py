@@ -134,3 +134,8 @@ def test_subgroup_path_on_lavapipe():
 
 def test_vision_tower_and_turn(tmp_path):
     C.vision_tower_and_turn(tmp_path, "vulkan", max_new=8)
+
+
+@pytest.mark.parametrize("family", ["qwen25v", "qwen3v"])
+def test_qwen_vision_tower_and_turn(tmp_path, family):
+    C.qwen_vision_tower_and_turn(tmp_path, "vulkan", family, max_new=8)

@@ -60,6 +60,8 @@ py::dict config_dict(const Model& m) {
   d["vocab_size"] = c.vocab_size;
   d["seq_len"] = c.seq_len;
   d["norm_eps"] = c.norm_eps;
+  d["n_deepstack"] = c.n_deepstack;
+  d["rope_sections"] = c.mrope ? std::vector<int>(c.rope_sections, c.rope_sections + 4) : std::vector<int>{};
   d["n_rot"] = c.n_rot;
   d["rope_base"] = c.rope_base;
   d["rope_base_swa"] = c.rope_base_swa;
@@ -203,6 +205,16 @@ void bind_model(py::module_& m) {
       .def_property_readonly("n_ctx", &Session::n_ctx)
       .def_property_readonly("kv_dtype", [](const Session& s) { return (int)s.kv_type(); })
       .def_property_readonly("history", [](const Session& s) { return s.history; })
+      // M-RoPE marks [(position, delta)]: settable to restore them after a prefix attach.
+      .def_property(
+          "rope_marks", [](const Session& s) { return s.rope_marks; },
+          [](Session& s, const std::vector<std::pair<int64_t, int64_t>>& v) {
+            for (size_t i = 0; i < v.size(); ++i)
+              if (v[i].first < 0 || v[i].first > s.n_past() || (i > 0 && v[i].first <= v[i - 1].first) ||
+                  v[i].first + v[i].second < 0)
+                throw py::value_error("rope_marks: ascending positions within the session, rope positions >= 0");
+            s.rope_marks = v;
+          })
       .def_property_readonly("logits",
                              [](py::object self) {
                                Session& s = self.cast<Session&>();
@@ -288,6 +300,42 @@ void bind_model(py::module_& m) {
         },
         py::arg("session"), py::arg("embd"), py::arg("npos"), py::arg("ids") = std::vector<int64_t>{},
         py::arg("span_lo") = 0, py::arg("span_hi") = 0);
+  m.def("eval_embd_mrope",
+        [](Session& s, py::array_t<float, py::array::c_style | py::array::forcecast> embd, int64_t npos,
+           const std::vector<int64_t>& ids, int64_t lo, int64_t hi, int grid_h, int grid_w, bool non_causal,
+           int64_t first_row, std::optional<py::array_t<float, py::array::c_style | py::array::forcecast>> deep) {
+          const int64_t D = s.model().config().dim;
+          const int K = s.model().config().n_deepstack;
+          const float* dp = nullptr;
+          if (deep) {
+            if (K == 0) throw py::value_error("eval_embd_span_mrope: the model takes no deepstack rows");
+            if (deep->size() != npos * K * D)
+              throw py::value_error("deepstack holds " + std::to_string(deep->size()) + " floats; npos x " +
+                                    std::to_string(K) + " x dim = " + std::to_string(npos * K * D));
+            dp = deep->data();
+          }
+          if (npos < 0 || embd.size() < npos * D)
+            throw py::value_error("embd holds " + std::to_string(embd.size()) + " floats; npos x dim = " +
+                                  std::to_string(npos * D));
+          std::vector<int32_t> mid;
+          if (!ids.empty()) {
+            if ((int64_t)ids.size() != npos)
+              throw py::value_error("eval_embd_span_mrope: " + std::to_string(ids.size()) + " ids for " +
+                                    std::to_string(npos) + " rows");
+            for (int64_t v : ids) {
+              if (v >= s.model().config().vocab_size || v < INT32_MIN)
+                throw py::value_error("eval_embd_span_mrope: row ids are negative media ids or token ids below the vocab size");
+              mid.push_back((int32_t)v);
+            }
+          }
+          const float* p = embd.data();
+          py::gil_scoped_release rel;
+          s.model().forward_mrope(s, p, npos, mid.empty() ? nullptr : mid.data(), lo, hi, grid_h, grid_w, non_causal,
+                                  first_row, dp);
+        },
+        py::arg("session"), py::arg("embd"), py::arg("npos"), py::arg("ids"), py::arg("span_lo"), py::arg("span_hi"),
+        py::arg("grid_h"), py::arg("grid_w"), py::arg("non_causal") = false, py::arg("first_row") = 0,
+        py::arg("deep") = py::none());
   m.def("sample", [](Session& s, py::object params) {
     if (s.logits.empty()) throw py::value_error("sample: no logits yet (eval first)");
     SamplingParams p = params_from(params);

@@ -39,6 +39,10 @@ void bind_vision(py::module_& m) {
                                py::dict d;
                                d["family"] = c.family;
                                d["non_causal"] = c.non_causal;
+                               d["mrope"] = c.mrope;
+                               d["n_wa_pattern"] = c.n_wa_pattern;
+                               d["n_deepstack"] = c.n_deepstack;
+                               d["window"] = c.window;
                                d["image_size"] = c.image_size;
                                d["patch_size"] = c.patch;
                                d["dim"] = c.dim;
@@ -66,6 +70,21 @@ void bind_vision(py::module_& m) {
             const int64_t n = x.size();
             py::gil_scoped_release rel;
             return e.encode(xp, n, o, cap);
+          },
+          py::arg("pixels"), py::arg("out"))
+      .def(
+          "encode_hw",
+          [](vision::VisionEncoder& e, const py::object& pixels, py::array out) {
+            Pixels x = Pixels::ensure(pixels);
+            if (!x || x.ndim() != 3 || x.shape(0) != 3) throw py::value_error("pixels must be a float array 3 x H x W");
+            if (!out.dtype().is(py::dtype::of<float>()) || !(out.flags() & py::array::c_style) || !out.writeable())
+              throw py::value_error("out must be a writable C-contiguous float32 array");
+            float* o = static_cast<float*>(out.mutable_data());
+            const int64_t cap = out.size();
+            const float* xp = x.data();
+            const int H = (int)x.shape(1), W = (int)x.shape(2);
+            py::gil_scoped_release rel;
+            return e.encode_hw(xp, H, W, o, cap);
           },
           py::arg("pixels"), py::arg("out"));
 }

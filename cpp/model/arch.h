@@ -49,6 +49,9 @@ struct ArchTraits {
   // Gated-DeltaNet value heads grouped by key head (head h reads key head h / (n_v / n_k)), as
   // Qwen3-Next files keep them; otherwise tiled (h % n_k), as the converter writes Qwen3.5.
   bool ssm_v_grouped = false;
+  // M-RoPE sections interleaved over the pairs (t h w t h w ..., Qwen3-VL) rather than one run
+  // per axis (t..t h..h w..w, Qwen2-VL / 2.5-VL).
+  bool mrope_interleaved = false;
 };
 
 // A control token that closes a turn in a chat format (ChatML's <|im_end|>, ...). A

@@ -42,7 +42,7 @@ void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
 }
 
 void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
-                    const int32_t* media_ids, int64_t span_lo, int64_t span_hi) {
+                    const int32_t* media_ids, int64_t span_lo, int64_t span_hi, const MropeGrid* grid) {
   if (n <= 0) return;
   if (span_lo < 0 || span_hi < span_lo || span_hi > n)
     throw Error("non-causal span [" + std::to_string(span_lo) + ", " + std::to_string(span_hi) +
@@ -78,9 +78,15 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   // boundary inside it is not split at).
   const bool span = span_lo < span_hi;
   span_pos_lo_ = s.n_past_ + span_lo, span_pos_hi_ = span ? s.n_past_ + span_hi : span_pos_lo_;
+  if (grid)
+    mrope_lo_ = s.n_past_ + grid->lo, mrope_hi_ = s.n_past_ + grid->hi, mrope_base_ = grid->base,
+    mrope_first_ = grid->first, mrope_gw_ = grid->w;
   struct Reset {
     Model* m;
-    ~Reset() { m->span_pos_lo_ = m->span_pos_hi_ = 0; }
+    ~Reset() {
+      m->span_pos_lo_ = m->span_pos_hi_ = m->mrope_lo_ = m->mrope_hi_ = 0;
+      m->deep_chunk_ = nullptr;
+    }
   } reset{this};
   for (int64_t i = 0; i < n;) {
     int64_t m = std::min(max_chunk_, n - i);
@@ -91,6 +97,7 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
       if (!(span && i + cut > span_lo && i + cut < span_hi)) m = cut;
     }
     const Run run{&s, 0, m, all_logits || i + m == n};
+    deep_chunk_ = grid && grid->deep ? grid->deep + i * cfg_.n_deepstack * cfg_.dim : nullptr;
     const int64_t rows =
         forward_chunk(&run, 1, tokens ? tokens + i : nullptr, embd ? embd + i * cfg_.dim : nullptr, m, all_logits);
     if (rows > 0)
@@ -99,6 +106,45 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
     if (snap && (s.n_past_ == boundary || (i == n && n > 1))) s.snapshot();
   }
   for (int64_t i = 0; i < n; ++i) s.history.push_back(tokens ? tokens[i] : media_ids ? media_ids[i] : -1);
+}
+
+void Model::forward_mrope(Session& s, const float* embd, int64_t n, const int32_t* media_ids, int64_t lo, int64_t hi,
+                          int grid_h, int grid_w, bool non_causal, int64_t first_row, const float* deep) {
+  if (!cfg_.mrope)
+    throw Error("eval_embd_span_mrope: the model has no M-RoPE sections (rope.dimension_sections)");
+  if (lo < 0 || hi < lo || hi > n)
+    throw Error("M-RoPE span [" + std::to_string(lo) + ", " + std::to_string(hi) + ") is not within the call's " +
+                std::to_string(n) + " rows");
+  const int64_t cells = (int64_t)grid_h * grid_w;
+  if (grid_h < 1 || grid_w < 1 || first_row < 0 || first_row + (hi - lo) > cells || (first_row > 0 && lo != 0) ||
+      first_row > s.n_past_)
+    throw Error("M-RoPE span of " + std::to_string(hi - lo) + " rows from grid row " + std::to_string(first_row) +
+                " does not fit a " + std::to_string(grid_h) + " x " + std::to_string(grid_w) + " grid");
+  if (s.n_past_ + n > s.n_ctx_) {
+    forward(s, nullptr, embd, n, false, media_ids);  // throws the usual overflow error
+    return;
+  }
+  // The image starts first_row rows back; its top-left takes the rope position its first row
+  // would have had, and rows after it continue at that + max(grid).
+  const int64_t start = s.n_past_ + lo - first_row;
+  const auto marks = s.rope_marks;
+  const int64_t delta = s.rope_delta(start);
+  MropeGrid g;
+  g.lo = lo, g.hi = hi, g.base = start + delta, g.first = first_row, g.w = grid_w;
+  g.deep = cfg_.n_deepstack > 0 ? deep : nullptr;
+  const bool ends = first_row + (hi - lo) == cells;
+  if (ends) {
+    const int64_t end = s.n_past_ + hi;
+    while (!s.rope_marks.empty() && s.rope_marks.back().first >= end) s.rope_marks.pop_back();
+    s.rope_marks.emplace_back(end, delta + std::max(grid_h, grid_w) - cells);
+  }
+  try {
+    forward(s, nullptr, embd, n, false, media_ids, non_causal ? lo : 0, non_causal ? hi : 0, &g);
+  } catch (...) {
+    s.rope_marks = marks;
+    while (!s.rope_marks.empty() && s.rope_marks.back().first > s.n_past_) s.rope_marks.pop_back();
+    throw;
+  }
 }
 
 std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
@@ -223,9 +269,40 @@ void Model::stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64
   if (tokens) h.insert(h.end(), tokens, tokens + n);
   const size_t pos_at = h.size();
   h.resize(pos_at + (size_t)n);
-  for (int ri = 0; ri < n_runs; ++ri)
-    for (int64_t i = 0; i < runs[ri].n_rows; ++i)
-      h[pos_at + (size_t)(runs[ri].first_row + i)] = (int32_t)(runs[ri].s->n_past_ + i);
+  // Rope positions (t's under M-RoPE): a row's cache position plus its session's rope delta
+  // (nonzero after an M-RoPE image), the image rows at their grid's t position.
+  bool shifted = false;
+  mrope_step_ = false;
+  for (int ri = 0; ri < n_runs; ++ri) {
+    const Session& s = *runs[ri].s;
+    for (int64_t i = 0; i < runs[ri].n_rows; ++i) {
+      const int64_t p = s.n_past_ + i;
+      int64_t r = p;
+      if (p >= mrope_lo_ && p < mrope_hi_ && n_runs == 1) {
+        r = mrope_base_;
+        mrope_step_ = true;
+      } else if (!s.rope_marks.empty()) {
+        r = p + s.rope_delta(p);
+      }
+      shifted |= r != p;
+      h[pos_at + (size_t)(runs[ri].first_row + i)] = (int32_t)r;
+    }
+  }
+  size_t hw_at = pos_at;
+  if (mrope_step_) {  // then h's and w's rows (equal to t's but for the image's)
+    hw_at = h.size();
+    h.resize(hw_at + 2 * (size_t)n);
+    for (size_t i = 0; i < (size_t)n; ++i) {
+      const int64_t p = runs[0].s->n_past_ + (int64_t)i;
+      int32_t ph = h[pos_at + i], pw = ph;
+      if (p >= mrope_lo_ && p < mrope_hi_) {
+        const int64_t k = p - mrope_lo_ + mrope_first_;
+        ph = (int32_t)(mrope_base_ + k / mrope_gw_), pw = (int32_t)(mrope_base_ + k % mrope_gw_);
+      }
+      h[hw_at + i] = ph;
+      h[hw_at + (size_t)n + i] = pw;
+    }
+  }
   std::vector<size_t> table_at((size_t)n_runs);
   for (int ri = 0; ri < n_runs; ++ri) {
     const std::vector<int32_t>& ids = runs[ri].s->kv_->page_ids();
@@ -233,19 +310,24 @@ void Model::stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64
     h.insert(h.end(), ids.begin(), ids.end());
   }
   // A non-causal span in this step (forward's, one run): its rows mask by the span's last position.
+  // Attention masks by cache positions: rope's when they are the same.
   size_t mask_at = pos_at;
-  if (span_pos_hi_ > span_pos_lo_ && n_runs == 1) {
+  const bool span = span_pos_hi_ > span_pos_lo_ && n_runs == 1;
+  if (span || shifted) {
     mask_at = h.size();
     h.resize(mask_at + (size_t)n);
-    for (size_t i = 0; i < (size_t)n; ++i) {
-      const int32_t p = h[pos_at + i];
-      h[mask_at + i] = p >= span_pos_lo_ && p < span_pos_hi_ ? (int32_t)(span_pos_hi_ - 1) : p;
-    }
+    for (int ri = 0; ri < n_runs; ++ri)
+      for (int64_t i = 0; i < runs[ri].n_rows; ++i) {
+        const int64_t p = runs[ri].s->n_past_ + i;
+        h[mask_at + (size_t)(runs[ri].first_row + i)] =
+            span && p >= span_pos_lo_ && p < span_pos_hi_ ? (int32_t)(span_pos_hi_ - 1) : (int32_t)p;
+      }
   }
   int32_t* dev = reinterpret_cast<int32_t*>(scratch(meta_, (int64_t)h.size(), "step metadata"));
   backend_->upload(dev, h.data(), h.size() * 4);
   tokens_dev_ = tokens ? dev : nullptr;
   pos_dev_ = dev + pos_at;
+  pos_hw_dev_ = dev + hw_at;
   mask_pos_dev_ = dev + mask_at;
   run_pages_.resize((size_t)n_runs);
   for (int ri = 0; ri < n_runs; ++ri) run_pages_[(size_t)ri] = dev + table_at[(size_t)ri];
@@ -259,6 +341,17 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
   if (embd) {  // embedding rows from the host: uploaded with the step's other host data, before the step
     embd_dev_ = scratch(embd_, n * D, "embedding rows");
     be.upload(embd_dev_, embd, (size_t)(n * D) * 4);
+  }
+  // Deepstack rows, layer-major ([layer][row][dim]) so each layer's add is one contiguous run.
+  const int K = deep_chunk_ ? c.n_deepstack : 0;
+  float* deep = nullptr;
+  if (K > 0) {
+    deep_host_.resize((size_t)(K * n * D));
+    for (int64_t r = 0; r < n; ++r)
+      for (int l = 0; l < K; ++l)
+        std::memcpy(deep_host_.data() + ((size_t)l * n + r) * D, deep_chunk_ + (r * K + l) * D, (size_t)D * 4);
+    deep = scratch(deep_, K * n * D, "deepstack rows");
+    be.upload(deep, deep_host_.data(), deep_host_.size() * 4);
   }
   stage_step(runs, n_runs, tokens, n);
   float* x = scratch(x_, n * D, "activations");
@@ -276,6 +369,7 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
     else
       attention_block(il, runs, n_runs, n);
     ffn_block(il, n);
+    if (il < K) be.add(x, deep + (int64_t)il * n * D, n * D);
   }
   for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
   const int64_t rows = logits_block(runs, n_runs, n, all_logits);
@@ -339,8 +433,20 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   rp.mscale = c.rope_mscale;
   rp.base = swa ? c.rope_base_swa : c.rope_base;
   rp.freq_scale = swa ? c.rope_freq_scale_swa : c.rope_freq_scale;
-  be.rope(q, n, q_dim, c.n_heads, (int)hd, pos_dev_, rp);
-  be.rope(k, n, kv_dim, c.n_kv_heads, (int)hd, pos_dev_, rp);
+  if (mrope_step_) {
+    // M-RoPE over image rows: one rope per axis, each turning only its section's pairs (the
+    // others' frequency is 0: cos 1, sin 0), at that axis' positions.
+    rp.freq_factors = nullptr;  // folded into the tables
+    for (int a = 0; a < 3; ++a) {
+      rp.inv_freq = static_cast<const double*>(mrope_inv_freq_[a]->data());
+      const int32_t* pa = a == 0 ? pos_dev_ : pos_hw_dev_ + (a - 1) * n;
+      be.rope(q, n, q_dim, c.n_heads, (int)hd, pa, rp);
+      be.rope(k, n, kv_dim, c.n_kv_heads, (int)hd, pa, rp);
+    }
+  } else {
+    be.rope(q, n, q_dim, c.n_heads, (int)hd, pos_dev_, rp);
+    be.rope(k, n, kv_dim, c.n_kv_heads, (int)hd, pos_dev_, rp);
+  }
 
   // Each session's rows write its own cache and attend over it, through its block
   // table; the attentions of all sessions go to the backend together.

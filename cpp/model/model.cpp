@@ -161,6 +161,21 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
     throw UnsupportedModelError("rope scaling '" + c.rope_scaling + "' is not supported yet");
   }
   const ArchTraits& t = *m->traits_;
+  if (const gguf::Value* sec = f.get_array(key(c, "rope.dimension_sections"))) {
+    if (sec->size() < 3 || sec->size() > 4) throw GGUFError("metadata: rope.dimension_sections must hold 3 or 4 values");
+    int sum = 0;
+    for (size_t i = 0; i < sec->size(); ++i) {
+      const int64_t v = (*sec)[i].as_int();
+      if (v < 0 || v > c.n_rot) throw GGUFError("metadata: rope.dimension_sections out of range");
+      c.rope_sections[i] = (int)v;
+      sum += (int)v;
+    }
+    // Sections cover rotary pairs; a file whose sections do not is one we cannot place.
+    if (sum <= 0 || sum > c.n_rot / 2) throw GGUFError("metadata: rope.dimension_sections exceed the rotary pairs");
+    c.mrope = true;
+  }
+  c.n_deepstack = get_int_or(f, key(c, "n_deepstack_layers"), 0);
+  if (c.n_deepstack < 0 || c.n_deepstack > c.n_layers) throw GGUFError("metadata: n_deepstack_layers out of range");
   c.rope_base_swa = get_float_or(f, key(c, "rope.freq_base_swa"), t.default_rope_base_swa);
   if (c.rope_base_swa <= 0) c.rope_base_swa = c.rope_base;
   c.rope_freq_scale_swa = t.swa_rope_scaled ? c.rope_freq_scale : 1.f;
@@ -381,6 +396,28 @@ void Model::load_weights() {
   if (!c.rope_inv_freq.empty()) {
     rope_inv_freq_ = backend_->alloc(c.rope_inv_freq.size() * sizeof(double), "model weights");
     backend_->upload(rope_inv_freq_->data(), c.rope_inv_freq.data(), c.rope_inv_freq.size() * sizeof(double));
+  }
+  if (c.mrope) {
+    // Pair i's axis, as ggml's rope_multi assigns it (sector = i mod the sections' sum): by runs
+    // (t, then h, then w, then a 4th that ropes as t here: images are 2-D) or interleaved.
+    const int half = c.n_rot / 2, *S = c.rope_sections, sum = S[0] + S[1] + S[2] + S[3];
+    std::vector<double> tab[3];
+    for (auto& v : tab) v.assign((size_t)half, 0.0);
+    for (int i = 0; i < half; ++i) {
+      const int sec = i % sum;
+      int axis = 0;
+      if (traits_->mrope_interleaved)
+        axis = sec % 3 == 1 && sec < 3 * S[1] ? 1 : sec % 3 == 2 && sec < 3 * S[2] ? 2 : 0;
+      else
+        axis = sec < S[0] ? 0 : sec < S[0] + S[1] ? 1 : sec < S[0] + S[1] + S[2] ? 2 : 0;
+      double fr = std::pow((double)c.rope_base, -2.0 * i / c.n_rot);
+      if (!rf.empty()) fr /= rf[(size_t)i];
+      tab[axis][(size_t)i] = c.rope_inv_freq.empty() ? fr : c.rope_inv_freq[(size_t)i];
+    }
+    for (int a = 0; a < 3; ++a) {
+      mrope_inv_freq_[a] = backend_->alloc((size_t)half * sizeof(double), "model weights");
+      backend_->upload(mrope_inv_freq_[a]->data(), tab[a].data(), (size_t)half * sizeof(double));
+    }
   }
 
   layers_.resize(c.n_layers);

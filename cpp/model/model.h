@@ -19,6 +19,16 @@
 
 namespace dl {
 
+// An M-RoPE image inside a forward call: rows [lo, hi) of the call, grid w wide, top-left at
+// rope position base.
+struct MropeGrid {
+  int64_t lo = 0, hi = 0, base = 0, first = 0;  // first: the grid row of row lo
+  int w = 1;
+  // Deepstack inputs (n_deepstack > 0): per row of the call, n_deepstack x dim floats added to
+  // the residual stream after decoder layers 0.. n_deepstack - 1; null: none.
+  const float* deep = nullptr;
+};
+
 struct ModelConfig {
   std::string arch;
   int dim = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, head_dim_v = 0;
@@ -30,6 +40,13 @@ struct ModelConfig {
   std::string rope_scaling = "none";
   std::vector<double> rope_inv_freq;  // YaRN: per-pair frequencies (empty: from the base)
   float rope_mscale = 1.f;            // YaRN: cos/sin scale
+  // M-RoPE (rope.dimension_sections): rotary pairs split into sections that rope by an image
+  // row's temporal, height and width position (text rows: all three equal, i.e. plain rope).
+  bool mrope = false;
+  int rope_sections[4] = {0, 0, 0, 0};
+  // Deepstack (n_deepstack_layers): image rows carry features for the first n decoder layers'
+  // outputs as well (Qwen3-VL), added to the residual stream after each of them.
+  int n_deepstack = 0;
   // attention
   int sliding_window = 0;
   std::vector<uint8_t> layer_is_swa;
@@ -122,7 +139,16 @@ class Model : public std::enable_shared_from_this<Model> {
   // Rows [span_lo, span_hi) of the call (span_lo < span_hi) are one non-causal span: each of
   // them attends every row of the span (an image's rows, gemma vision); the rest stay causal.
   void forward(Session& s, const int32_t* tokens, const float* embd, int64_t n, bool all_logits,
-               const int32_t* media_ids = nullptr, int64_t span_lo = 0, int64_t span_hi = 0);
+               const int32_t* media_ids = nullptr, int64_t span_lo = 0, int64_t span_hi = 0,
+               const struct MropeGrid* grid = nullptr);
+  // forward for a model with M-RoPE: rows [lo, hi) of the call are an image merged to a
+  // grid_h x grid_w grid (row-major), roped at (t, h, w) = (p, p + y, p + x) from the rope position
+  // p the first of them would take; later rows continue at p + max(grid_h, grid_w), which the
+  // session keeps (Session::rope_marks). non_causal: the rows also form one non-causal span.
+  // first_row: the span continues an image whose first first_row rows are already in the
+  // session (a prefix cache attach that ended inside it); the mark is added when its last row is in.
+  void forward_mrope(Session& s, const float* embd, int64_t n, const int32_t* media_ids, int64_t lo, int64_t hi,
+                     int grid_h, int grid_w, bool non_causal, int64_t first_row = 0, const float* deep = nullptr);
 
   // One decode step for B distinct sessions: row b evaluates tokens[b] at
   // sessions[b]'s position; the weights are read once for all rows.
@@ -196,6 +222,9 @@ class Model : public std::enable_shared_from_this<Model> {
   Weight tok_embd_, output_;
   Vec output_norm_, rope_freqs_;
   BufferPtr rope_inv_freq_;  // YaRN's per-pair frequencies (double), on the backend
+  // M-RoPE: per axis (t, h, w) the pair frequencies of its section, 0 elsewhere (double, on the
+  // backend): an image row is three ropes, one per axis, each turning only its own pairs.
+  BufferPtr mrope_inv_freq_[3];
   std::vector<LayerWeights> layers_;
 
   // Backend scratch for one chunk of up to max_chunk_ rows (grown on demand).
@@ -213,6 +242,16 @@ class Model : public std::enable_shared_from_this<Model> {
   // the rows of a non-causal span, which see up to the span's last position.
   const int32_t* mask_pos_dev_ = nullptr;
   int64_t span_pos_lo_ = 0, span_pos_hi_ = 0;  // the current forward's span, in session positions
+  // The current forward's M-RoPE image rows (session positions [lo, hi), a gh x gw grid, row-major,
+  // at rope position base for its top-left) and whether this step holds any of them (then the
+  // step's h and w positions follow pos_dev_'s t positions).
+  int64_t mrope_lo_ = 0, mrope_hi_ = 0, mrope_base_ = 0, mrope_first_ = 0;
+  int mrope_gw_ = 1;
+  bool mrope_step_ = false;
+  const int32_t* pos_hw_dev_ = nullptr;
+  const float* deep_chunk_ = nullptr;  // this chunk's deepstack rows (host, n_deepstack x dim each), or null
+  std::vector<float> deep_host_;
+  BufferPtr deep_;
   // Whether a sliding layer's attention over the span must go row by row (the span ends at or past
   // the window, so keys before the span fall out of its last row's window but not of earlier rows').
   bool span_window_split(bool swa, int n_runs, int64_t span_last) const {

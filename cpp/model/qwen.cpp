@@ -2,19 +2,21 @@
 // their mixtures of experts: Qwen2-MoE / Qwen1.5-MoE (softmax router, top-k weights as they
 // are, a shared expert behind a sigmoid gate, found from the tensors) and Qwen3-MoE
 // (softmax router, top-k weights renormalized, no shared expert); the Qwen3.5 and Qwen3-Next hybrids;
-// qwen3vl (Qwen3-ASR's decoder).
+// the Qwen2.5-VL / Qwen3-VL text models (M-RoPE), whose qwen3vl also carries Qwen3-ASR's decoder.
 #include "model/arch.h"
 
 namespace dl {
 void register_qwen_family() {
-  // qwen3vl: Qwen3's decoder as llama.cpp's converter writes Qwen3-VL and Qwen3-ASR's. Its M-RoPE
-  // gives every section the same position when positions are 1-D (text and audio spans; no vision
-  // tower of this family is served), which is plain neox rope; deepstack inputs come only with images.
-  for (const char* name : {"qwen2", "qwen3", "qwen3vl"}) {
+  // qwen2vl: the Qwen2-VL / Qwen2.5-VL text model (a qwen2 whose rope is M-RoPE by sections);
+  // qwen3vl: Qwen3-VL's (a qwen3 with interleaved M-RoPE), which llama.cpp's converter also writes
+  // for Qwen3-ASR's decoder: with 1-D positions (text and audio spans) every section turns with the
+  // same position, which is plain neox rope.
+  for (const char* name : {"qwen2", "qwen3", "qwen2vl", "qwen3vl"}) {
     ArchTraits t;
     t.name = name;
     t.rope = RopeType::neox;
     t.act = FfnAct::silu;
+    t.mrope_interleaved = std::string(name) == "qwen3vl";
     register_arch(t);
   }
   ArchTraits m;
@@ -37,6 +39,7 @@ void register_qwen_family() {
   h.act = FfnAct::silu;
   h.attn_output_gate = true;
   h.ffn_norm_tensor = "post_attention_norm";
+  h.mrope_interleaved = true;
   register_arch(h);
   // Qwen3-Next: the same hybrid with a mixture of experts (softmax router, top-k renormalized, a
   // shared expert behind its sigmoid gate); its value heads stay grouped by key head, and beta and

@@ -95,6 +95,7 @@ void Session::truncate(int64_t n) {
     while (!snaps_.empty() && snaps_.back().first > n) snaps_.pop_back();
   n_past_ = n;
   history.resize((size_t)n);
+  while (!rope_marks.empty() && rope_marks.back().first > n) rope_marks.pop_back();
   // Pages past n go back; a shared page n falls in is copied on the next write.
   kv_->truncate(n);
 }
@@ -105,6 +106,7 @@ void Session::release_pages() {
   reset_recurrent();
   n_past_ = 0;
   history.clear();
+  rope_marks.clear();
   logits.clear();
 }
 
@@ -140,6 +142,7 @@ int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>
 void Session::set_attached(int64_t n, const int32_t* ids) {
   n_past_ = n;
   history.assign(ids, ids + n);
+  rope_marks.clear();
   logits.clear();
 }
 

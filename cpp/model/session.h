@@ -54,6 +54,17 @@ class Session {
 
   std::vector<float> logits;      // [n_vocab] of the last row (or [n][n_vocab] with all_logits)
   std::vector<int32_t> history;   // tokens evaluated so far (media rows as negative ids)
+  // M-RoPE position marks, ascending: (p, delta) says rows at positions >= p rope at their
+  // position + delta (the last mark at or before a row wins; none: delta 0). An image's rows take
+  // a grid of positions and advance the rope position by max(grid_h, grid_w), not by its rows;
+  // forward_mrope adds the mark, truncate drops the marks past the new end, and a caller that
+  // attaches a cached prefix restores the ones inside it.
+  std::vector<std::pair<int64_t, int64_t>> rope_marks;
+  int64_t rope_delta(int64_t pos) const {
+    for (auto it = rope_marks.rbegin(); it != rope_marks.rend(); ++it)
+      if (it->first <= pos) return it->second;
+    return 0;
+  }
   GenStats stats;
   Rng rng;
   std::vector<float> sample_scratch;

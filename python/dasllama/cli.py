@@ -489,13 +489,18 @@ def _cmd_serve(args) -> int:
         print("dasllama serve needs the server extra: pip install 'dasllama[server]'", file=sys.stderr)
         return 2
     from .llm import KVDtype
+    from .server.protocol import Limits
 
+    if args.allow_remote_media and args.remote_timeout <= 0:
+        print("error: --remote-timeout must be positive", file=sys.stderr)
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     kw = dict(mmproj=_mmproj_arg(args) if args.mmproj else None, streams=args.streams,
               ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
               kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages, device=args.device,
-              chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None)
+              chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None,
+              limits=Limits(allow_remote_media=bool(args.allow_remote_media), remote_timeout_s=args.remote_timeout))
     if not args.ray:
         if args.replicas is not None or args.ray_address or args.replica_cpus is not None or args.replica_gpus:
             print("--replicas, --ray-address, --replica-cpus and --replica-gpus need --ray", file=sys.stderr)
@@ -574,7 +579,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)")
     sp.add_argument("--model", default=None,
                     help="GGUF path, registry name, hf:ORG/REPO[:QUANT|/FILE.gguf] or ollama:NAME[:TAG]")
-    sp.add_argument("--mmproj", default=None, help="audio tower GGUF (llama.cpp mmproj layout), or auto")
+    sp.add_argument("--mmproj", default=None, help="audio or vision tower GGUF (llama.cpp mmproj layout), or auto")
     sp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     sp.add_argument("--port", type=int, default=8080)
     sp.add_argument("--streams", type=int, default=4, help="sessions decoded together")
@@ -586,6 +591,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="KV pages the prefix cache may keep across requests (0: the streams' contexts)")
     sp.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
     sp.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the model's")
+    sp.add_argument("--allow-remote-media", action="store_true",
+                    help="fetch http(s) image_url parts (off: only data: URLs; the server then reaches any host "
+                         "a client names)")
+    sp.add_argument("--remote-timeout", type=float, default=10.0, metavar="S",
+                    help="seconds a remote image may take to arrive (with --allow-remote-media)")
     sp.add_argument("--threads", type=int, default=0)
     _add_device(sp)
     sp.add_argument("--ray", action="store_true",

@@ -9,7 +9,7 @@ import enum
 import functools
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -52,6 +52,10 @@ class ModelConfig:
     sliding_window: int
     attn_softcap: float
     final_softcap: float
+    # M-RoPE sections (rope.dimension_sections; empty for plain rope): image rows take grid positions
+    rope_sections: tuple = ()
+    # Deepstack layers (Qwen3-VL): image rows also carry features added after the first n layers
+    n_deepstack: int = 0
 
 
 class Model:
@@ -61,7 +65,9 @@ class Model:
         self._m = core
         self.path = path
         self.mode = mode
-        self.config = ModelConfig(**core.config)
+        cfg = dict(core.config)
+        cfg["rope_sections"] = tuple(cfg.get("rope_sections", ()))
+        self.config = ModelConfig(**cfg)
         self.arch = self.config.arch
 
     @property
@@ -113,6 +119,17 @@ class Session:
     @property
     def n_past(self) -> int:
         return self._s.n_past
+
+    @property
+    def rope_marks(self) -> List[Tuple[int, int]]:
+        """M-RoPE position marks ``[(position, delta)]``: rows at or after a mark rope at their position plus
+        its delta (an image advances the rope position by max(grid_h, grid_w), not by its rows). Set after a
+        prefix cache attach to restore those of the images inside the attached prefix."""
+        return [tuple(m) for m in self._s.rope_marks]
+
+    @rope_marks.setter
+    def rope_marks(self, marks) -> None:
+        self._s.rope_marks = [(int(p), int(dl)) for p, dl in marks]
 
     @property
     def n_ctx(self) -> int:

@@ -230,6 +230,50 @@ def eval_embd_span(model: Model, session: Session, embd: np.ndarray, npos: int, 
     _core.eval_embd(session._s, x, int(npos), [int(i) for i in ids] if ids is not None else [], lo, hi)
 
 
+def eval_embd_span_mrope(model: Model, session: Session, embd: np.ndarray, npos: int, span_lo: int, span_hi: int,
+                         grid, ids: Optional[Sequence[int]] = None, non_causal: bool = False,
+                         first_row: int = 0, deepstack: Optional[np.ndarray] = None) -> None:
+    """eval_embd_span's M-RoPE twin (Qwen-VL decoders, whose file carries ``rope.dimension_sections``):
+    rows ``[span_lo, span_hi)`` are an image merged to ``grid = (grid_h, grid_w)`` (row-major), roped at
+    (t, h, w) = (p, p + y, p + x) from the rope position p its first row would take; every later row --
+    in this call and in the session's later evals -- continues at p + max(grid_h, grid_w), which the
+    session tracks (``session.rope_marks``). Image rows stay causal, as transformers' Qwen-VL runs them,
+    unless ``non_causal``. ``first_row`` > 0 (with ``span_lo`` 0): the call continues an image whose first
+    rows the session already holds (a prefix attach that ended inside it). ``deepstack`` (a Qwen3-VL
+    decoder: ``config.n_deepstack`` > 0): float32 ``(npos, n_deepstack * dim)``, each row's features for
+    the first decoder layers' outputs (zeros for text rows; the tower's rows past the first ``dim``).
+    Raises ValueError on a model without M-RoPE."""
+    check_session(model, session)
+    if not model.config.rope_sections:
+        raise ValueError(f"eval_embd_span_mrope: the {model.arch} model has no M-RoPE sections "
+                         "(rope.dimension_sections); use eval_embd_span")
+    x = _rows(model, embd, npos)
+    lo, hi = int(span_lo), int(span_hi)
+    if not 0 <= lo <= hi <= int(npos):
+        raise ValueError(f"span [{lo}, {hi}) is not within the {int(npos)} rows")
+    try:
+        gh, gw = (int(g) for g in grid)
+    except (TypeError, ValueError):
+        raise ValueError(f"grid must be (grid_h, grid_w), got {grid!r}") from None
+    first = int(first_row)
+    if gh < 1 or gw < 1 or first < 0 or (first == 0 and gh * gw != hi - lo) or first + hi - lo > gh * gw:
+        raise ValueError(f"the span holds {hi - lo} rows from grid row {first}, which do not fit a {gh} x {gw} grid")
+    deep = None
+    if deepstack is not None:
+        k = model.config.n_deepstack
+        deep = np.asarray(deepstack)
+        if deep.dtype != np.float32:
+            raise TypeError(f"deepstack rows must be float32, got dtype {deep.dtype}")
+        if k == 0:
+            raise ValueError(f"the {model.arch} model takes no deepstack rows")
+        if deep.size != int(npos) * k * model.config.dim:
+            raise ValueError(f"deepstack holds {deep.size} floats; npos x n_deepstack x dim = "
+                             f"{int(npos) * k * model.config.dim}")
+        deep = np.ascontiguousarray(deep).reshape(-1)
+    _core.eval_embd_mrope(session._s, x, int(npos), [int(i) for i in ids] if ids is not None else [], lo, hi,
+                          gh, gw, bool(non_causal), first, deep)
+
+
 def _rows(model: Model, embd, npos: int) -> np.ndarray:
     x = np.asarray(embd)
     if x.dtype != np.float32:

@@ -103,3 +103,127 @@ def image_processor():
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     return Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+
+
+# -- Qwen2.5-VL ------------------------------------------------------------------------------------------------
+
+QWEN_SPECIALS = {500: "<|vision_start|>", 501: "<|vision_end|>", 502: "<|image_pad|>", 503: "<|im_start|>",
+                 504: "<|im_end|>"}
+QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# A small processor budget so a photo becomes a few dozen rows: 28 x 28 pixels per row.
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 40
+
+
+def qwen25vl(seed: int = 0):
+    """A seeded fp32 Qwen2_5_VLForConditionalGeneration: a 4-block window-attention ViT (blocks 1 and 3 full, the
+    usual 112-pixel windows, so a photo of > 4 merged rows a side is cut into several), the patch merger,
+    and a 2-layer decoder with M-RoPE sections [2, 3, 3] over its 8 rotary pairs."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+        # depth >= 3: the converter maps the merger's mlp.2 through its block-number table
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=64,
+                           fullatt_block_indexes=[1, 3], hidden_act="silu"),
+        image_token_id=502, video_token_id=505, vision_start_token_id=500, vision_end_token_id=501)
+    torch.manual_seed(seed)
+    m = Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in m.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, 0.08)
+    for c in (m.config, m.config.text_config, m.config.vision_config):
+        c._attn_implementation = "eager"
+    return m.float().eval()
+
+
+def convert_qwen25vl(model, out_dir: str):
+    """(decoder GGUF, mmproj GGUF) of a Qwen2.5-VL model, both from llama.cpp's converter."""
+    import audio
+
+    hf = os.path.join(out_dir, "qwen25vl-hf")
+    model.save_pretrained(hf)
+    Path(hf, "tokenizer.model").write_bytes(audio.chat_vocab_proto(QWEN_SPECIALS))
+    Path(hf, "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": QWEN_TEMPLATE}))
+    Path(hf, "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": QWEN_MIN_PIXELS, "max_pixels": QWEN_MAX_PIXELS,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
+    dec = _convert(hf, os.path.join(out_dir, "qwen25vl.gguf"))
+    mm = _convert(hf, os.path.join(out_dir, "mmproj-qwen25vl.gguf"), "--mmproj")
+    return dec, mm
+
+
+def qwen_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
+
+
+# -- Qwen3-VL --------------------------------------------------------------------------------------------------
+
+# Qwen3-VL's processor: 16-pixel patches merged 2 x 2 (32 pixels a row), mean = std = 0.5.
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 40
+
+
+def qwen3vl(seed: int = 0):
+    """A seeded fp32 Qwen3VLForConditionalGeneration: a 4-block ViT (learned 8 x 8 position grid, resampled
+    to each image), deepstack mergers after blocks 1 and 2 (fed to decoder layers 0 and 1), the merger, and
+    a 3-layer qwen3 decoder with interleaved M-RoPE sections [2, 3, 3] over its 8 rotary pairs."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    cfg = Qwen3VLConfig(
+        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                           num_position_embeddings=64, deepstack_visual_indexes=[1, 2],
+                           hidden_act="gelu_pytorch_tanh"),
+        image_token_id=502, video_token_id=505, vision_start_token_id=500, vision_end_token_id=501)
+    torch.manual_seed(seed)
+    m = Qwen3VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in m.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, 0.08)
+    for c in (m.config, m.config.text_config, m.config.vision_config):
+        c._attn_implementation = "eager"
+    return m.float().eval()
+
+
+def convert_qwen3vl(model, out_dir: str):
+    """(decoder GGUF, mmproj GGUF) of a Qwen3-VL model, both from llama.cpp's converter."""
+    import audio
+
+    hf = os.path.join(out_dir, "qwen3vl-hf")
+    model.save_pretrained(hf)
+    Path(hf, "tokenizer.model").write_bytes(audio.chat_vocab_proto(QWEN_SPECIALS))
+    Path(hf, "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": QWEN_TEMPLATE}))
+    Path(hf, "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2,
+        "merge_size": 2, "size": {"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    dec = _convert(hf, os.path.join(out_dir, "qwen3vl.gguf"))
+    mm = _convert(hf, os.path.join(out_dir, "mmproj-qwen3vl.gguf"), "--mmproj")
+    return dec, mm
+
+
+def qwen3_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS, patch_size=16,
+                                    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])

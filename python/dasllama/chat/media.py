@@ -53,6 +53,10 @@ FAMILY_FRAMING = {
 # image token expands to "\n\n<start_of_image>" + rows + "<end_of_image>\n\n").
 IMAGE_FRAMING = {
     "gemma3v": ("\n\n<start_of_image>", "<end_of_image>\n\n"),
+    # Qwen2.5-VL's and Qwen3-VL's templates write <|vision_start|><|image_pad|><|vision_end|>; the
+    # processor expands the pad to the image's rows.
+    "qwen25v": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen3v": ("<|vision_start|>", "<|vision_end|>"),
 }
 
 
@@ -90,6 +94,7 @@ class Span:
     rows: Optional[np.ndarray] = None  # pre-encoded rows (add_user_audio_rows), else fetched by `source`
     source: Optional[Tuple[object, object]] = None  # (embedder, samples or image): encoded on demand
     non_causal: bool = False  # the rows attend each other whole in the decoder (gemma vision)
+    grid: Optional[Tuple[int, int]] = None  # M-RoPE: the rows as a (grid_h, grid_w) grid (qwen vision)
 
     @property
     def ids(self) -> List[int]:
@@ -227,25 +232,40 @@ def prefill(model, session, spans: Dict[int, Span], ids: List[int], counters: Di
     if all(t >= 0 for t in ids):
         llm.eval(model, session, ids)
         return
-    body = body_rows(model, spans, ids, counters)
-    # One call per non-causal span (the decoder takes one per call): each call ends where a span ends.
+    K = model.config.n_deepstack
+    deep = np.zeros((len(ids), K * model.config.dim), np.float32) if K else None
+    body = body_rows(model, spans, ids, counters, deep)
+    # One call per non-causal or M-RoPE span (the decoder takes one per call): each call ends where a
+    # span ends. An M-RoPE span the call starts inside of (a prefix attach ended in it) goes on from
+    # its grid row.
     index = _media_index(spans)
     start = i = 0
     while i < len(ids):
         hit = index.get(ids[i]) if ids[i] < 0 else None
-        if hit is None or not hit[0].non_causal:
+        if hit is None or not (hit[0].non_causal or hit[0].grid):
             i += 1
             continue
-        sp, lo = hit[0], i
+        sp, lo, r0 = hit[0], i, hit[1]
         while i < len(ids) and ids[i] < 0 and (index.get(ids[i]) or (None,))[0] is sp:
             i += 1
-        llm.eval_embd_span(model, session, body[start:i], i - start, lo - start, i - start, ids=ids[start:i])
+        if sp.grid:
+            if r0 > 0 and lo > start:  # text before a continued image: its own call first
+                llm.eval_embd(model, session, body[start:lo], lo - start, ids=ids[start:lo])
+                start = lo
+            llm.eval_embd_span_mrope(model, session, body[start:i], i - start, lo - start, i - start, sp.grid,
+                                     ids=ids[start:i], non_causal=sp.non_causal, first_row=r0,
+                                     deepstack=deep[start:i] if deep is not None else None)
+        else:
+            llm.eval_embd_span(model, session, body[start:i], i - start, lo - start, i - start, ids=ids[start:i])
         start = i
     if start < len(ids):
         llm.eval_embd(model, session, body[start:], len(ids) - start, ids=ids[start:])
 
 
-def body_rows(model, spans: Dict[int, Span], ids: List[int], counters: Dict[str, int]) -> np.ndarray:
+def body_rows(model, spans: Dict[int, Span], ids: List[int], counters: Dict[str, int],
+              deep: Optional[np.ndarray] = None) -> np.ndarray:
+    """The rows ``ids`` name (dim wide); a deepstack tower's extra features (its rows past dim) go into
+    ``deep`` when given (zeros elsewhere)."""
     index = _media_index(spans)
     D = model.config.dim
     body = np.empty((len(ids), D), np.float32)
@@ -267,10 +287,36 @@ def body_rows(model, spans: Dict[int, Span], ids: List[int], counters: Dict[str,
                 if h is None or h[0] is not sp or h[1] != r0 + j - i:
                     break
                 j += 1
-            body[i:j] = rows[r0:r0 + (j - i)]
+            body[i:j] = rows[r0:r0 + (j - i), :D]
+            if deep is not None and rows.shape[1] > D:
+                deep[i:j] = rows[r0:r0 + (j - i), D:]
             counters["media_rows_prefilled"] += j - i
         i = j
     return body
+
+
+def rope_marks(spans: Dict[int, Span], ids: List[int]) -> List[Tuple[int, int]]:
+    """The M-RoPE marks a session holding ``ids`` carries (Session.rope_marks): one after each whole
+    M-RoPE image span, the rope position advance so far; restored after a prefix cache attach."""
+    index = _media_index(spans)
+    marks: List[Tuple[int, int]] = []
+    delta = 0
+    i = 0
+    while i < len(ids):
+        hit = index.get(ids[i]) if ids[i] < 0 else None
+        if hit is None or not hit[0].grid or hit[1] != 0:
+            i += 1
+            continue
+        sp = hit[0]
+        j = i
+        while j < len(ids) and ids[j] < 0 and (index.get(ids[j]) or (None,))[0] is sp:
+            j += 1
+        if j - i == sp.n:
+            gh, gw = sp.grid
+            delta += max(gh, gw) - sp.n
+            marks.append((j, delta))
+        i = j
+    return marks
 
 
 def _media_index(spans: Dict[int, Span]) -> Dict[int, Tuple[Span, int]]:

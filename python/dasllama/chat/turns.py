@@ -223,6 +223,8 @@ def _attach(chat: ChatSession, ids: List[int]) -> None:
         return
     n = kv.prefix_attach(chat.cache, chat.pool, chat.session, ids)
     chat.media_stats["rows_attached"] += n
+    if n and chat.model.config.rope_sections:  # M-RoPE images inside the attached prefix
+        chat.session.rope_marks = media.rope_marks(chat.spans, ids[:n])
 
 
 def _donate(chat: ChatSession) -> None:
@@ -372,7 +374,8 @@ def create_chat_renderer(model: Model, system: str = "", max_new: int = 256, tow
 def prefill_media_body(model: Model, session: Session, chat: ChatSession, ids: List[int]) -> Dict[str, int]:
     """Prefill ``ids`` -- a slice of a rendered prompt of ``chat`` (tokens and its spans' media ids) --
     at ``session``'s position in one call, encoding a span's clip only if its rows are needed (through
-    the tower-output cache). For schedulers: render with a renderer chat, ``prefix_attach`` the prompt,
+    the tower-output cache). For schedulers: render with a renderer chat, ``prefix_attach`` the prompt
+    (with an M-RoPE model, then ``session.rope_marks = media.rope_marks(chat.spans, prompt[:matched])``),
     then prefill ``ids[matched:]`` here. Returns this call's counters (rows, media rows, encodes)."""
     _same(model, chat)
     llm.check_session(model, session)
@@ -589,12 +592,21 @@ def add_user_image(chat: ChatSession, image, text: str = "") -> int:
         raise ValueError("this chat has no vision embedder: create it with create_chat(model, embedder)")
     img = load_image_rgb(image)
     open_, close = media.IMAGE_FRAMING.get(e.family, ("", ""))
-    sp = _new_span(chat, e.image_key(img), e.n_rows, open_, close, is_image=True, source=(e, img))
+    grid = e.image_grid(img)
+    n = grid[0] * grid[1]
+    if e.mrope and not chat.model.config.rope_sections:
+        raise ValueError(f"the {e.family} tower's rows take M-RoPE positions, but the {chat.model.arch} "
+                         "decoder has no rope.dimension_sections: this mmproj belongs to another model")
+    if e.n_deepstack != chat.model.config.n_deepstack:
+        raise ValueError(f"the {e.family} tower makes {e.n_deepstack} deepstack features a row but the decoder "
+                         f"takes {chat.model.config.n_deepstack}: this mmproj belongs to another model")
+    sp = _new_span(chat, e.image_key(img), n, open_, close, is_image=True, source=(e, img))
     sp.non_causal = bool(e.non_causal)
+    sp.grid = tuple(grid) if e.mrope else None
     _queue_head(chat, sp)
     if text:
         add_user(chat, text)
-    return e.n_rows
+    return n
 
 
 def render_turn_image(model: Model, chat: ChatSession):

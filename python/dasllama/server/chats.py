@@ -64,6 +64,7 @@ class Chats:
             c.template = self.template
         self._options(c, r)
         seconds = 0.0
+        fetched = sum(len(p.data) for p in list(r.images) + list(r.audio))  # the request's inline media
         for i, m in enumerate(msgs):
             role = m["role"]
             if role == "user":
@@ -80,6 +81,11 @@ class Chats:
                     except ValueError as e:
                         raise bad(f"input_audio: {e}", "messages") from None
                 for im in m.get("_images", []):
+                    if im.url:  # a remote image (allow_remote_media): its bytes join the request's media budget
+                        from .remote import fetch_image
+
+                        im.data = fetch_image(im.url, self.limits, self.limits.max_media_bytes - fetched)
+                        fetched += len(im.data)
                     try:
                         img = load_image_rgb(im.data, max_pixels=self.limits.max_image_pixels)
                         chat.add_user_image(c, img)

@@ -215,6 +215,10 @@ class Engine:
     def _start(self, s: _Slot, job: Job) -> None:
         kv.release_kv_pages(s.s)
         keep = kv.prefix_attach(self.cache, self.pool, s.s, job.prompt)  # whole pages, one token short at most
+        if keep and job.media_chat is not None and self.model.config.rope_sections:
+            from ..chat import media  # M-RoPE images inside the attached prefix: their position advance
+
+            s.s.rope_marks = media.rope_marks(job.media_chat.spans, job.prompt[:keep])
         s.job, s.cached, s.n_gen = job, keep, 0
         s.text, s.sent = "", 0
         s.dec.reset()

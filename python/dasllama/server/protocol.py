@@ -38,6 +38,9 @@ class Limits:
     max_audio_seconds: float = 600.0
     max_images: int = 8                  # image_url parts per request
     max_image_pixels: int = 32 << 20     # per image (width x height, read from the header before decoding)
+    # http(s) image URLs: fetched by the server only when the operator allows it (server/remote.py)
+    allow_remote_media: bool = False
+    remote_timeout_s: float = 10.0       # per fetch: connect, each read and the whole transfer
     max_stop: int = 16
     max_embedding_inputs: int = 256
 
@@ -62,7 +65,8 @@ class AudioPart:
 
 @dataclass
 class ImagePart:
-    data: bytes  # the image file's bytes (from a data: URL)
+    data: bytes  # the image file's bytes (from a data: URL; empty for a remote one until fetched)
+    url: str = ""  # a remote http(s) URL, fetched when the conversation is built (allow_remote_media)
 
 
 @dataclass
@@ -186,7 +190,13 @@ def _decode_image_part(part: Dict[str, Any], i: int, limits: Limits, budget: Lis
         raise bad(f"messages[{i}]: an image_url part needs an 'image_url' object with a string 'url'", "messages")
     head, comma, data = url.partition(",")
     if not head.lower().startswith("data:"):
-        scheme = url.split(":", 1)[0][:16] if ":" in url else "a bare path"
+        scheme = url.split(":", 1)[0][:16].lower() if ":" in url else "a bare path"
+        if limits.allow_remote_media and scheme in ("http", "https"):
+            if len(url) > 8192:
+                raise bad(f"messages[{i}]: the image URL is over 8192 characters", "messages")
+            return ImagePart(b"", url)  # fetched off the event loop, with the rest of the conversation
+        if limits.allow_remote_media:
+            raise bad(f"messages[{i}]: image_url must be a data: URL or an http(s) URL, not {scheme}", "messages")
         raise bad(f"messages[{i}]: image_url must be a data: URL (base64); remote URLs ({scheme}) are off "
                   "on this server", "messages")
     if not comma or not head.lower().endswith(";base64"):
