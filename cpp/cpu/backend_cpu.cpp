@@ -637,7 +637,7 @@ class CpuBackend final : public Backend {
   }
   void gelu_erf(float* y, int64_t n) override {
     pool_.parallel_for(n, 4096, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) y[i] = 0.5f * y[i] * (1.f + std::erf(y[i] * 0.70710678118654752f));
+      cpu::kernels().gelu_erf_f32(y + lo, hi - lo);
     });
   }
 
