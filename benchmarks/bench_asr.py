@@ -8,7 +8,7 @@ Both sides read the same pulled CTranslate2 files (``dasllama pull whisper-tiny.
 of a 30 s window (``encode_audio_rows``), CTranslate2 is ``Whisper.encode`` of
 WhisperFeatureExtractor's features (mel not counted on its side). Transcription: greedy, beam 1,
 whisper's fallback schedule, condition_on_previous_text off, no VAD, on speech eSpeak NG speaks
-(tests/oracles/asr_script.py): one sentence (5.6 s) and eight sentences (about 48 s). Best of
+(tests/oracles/asr_script.py): one sentence (5.6 s) and eight sentences (41 s). Best of
 ``--reps`` per pipeline.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ SENTENCES = [
 
 
 def long_clip(sentences=SENTENCES, pause_s: float = 0.6) -> np.ndarray:
-    """The sentences one after another with a pause after each: about 48 s."""
+    """The sentences one after another with a pause after each: about 41 s."""
     pause = np.zeros(int(pause_s * 16000), np.float32)
     return np.concatenate([np.concatenate([speak(s), pause]) for s in sentences])
 
