@@ -60,6 +60,23 @@ def _ct2_tokens(ct2, x, prompt):
     return ct2.generate(sv, [prompt], beam_size=1, max_length=448)[0].sequences_ids[0]
 
 
+def _fw_windows(x):
+    """faster-whisper's features of the whole clip (its own extractor: normalized over the clip),
+    and a function giving frames [seek, seek + size) zero-padded to 3000, as its transcribe cuts them."""
+    from faster_whisper.audio import pad_or_trim
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    f = FeatureExtractor()(x)
+    return f.shape[-1] - 1, lambda seek, size: pad_or_trim(f[:, seek:seek + size])[None].astype(np.float32)
+
+
+def _ct2_tokens_feats(ct2, feats, prompt):
+    import ctranslate2
+
+    sv = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats))
+    return ct2.generate(sv, [prompt], beam_size=1, max_length=448)[0].sequences_ids[0]
+
+
 def test_converted_whole_model(model, asr_gguf):
     c = model.decoder.config
     assert (c["dim"], c["n_layers"], c["n_heads"], c["n_ctx"], c["vocab"]) == (384, 4, 6, 448, 51864)
@@ -81,11 +98,18 @@ def test_tokens_equal_ctranslate2(model, ct2, clip, timestamps):
                                       no_timestamps=model.notimestamps,
                                       timestamp_begin=model.timestamp_begin if timestamps else 0)
     assert ours == ref
+    # transcribe cuts windows from the whole clip's features, zero-padded past its end, as
+    # whisper's and faster-whisper's transcribe do: CTranslate2 on faster-whisper's features.
+    n, window = _fw_windows(x)
+    ref = _ct2_tokens_feats(ct2, window(0, n), prompt)
     t = d.transcribe(model, x, timestamps=timestamps)
     assert t.text == model.decode([i for i in ref if i < model.eot]).strip()
     if timestamps:
         assert len(t.segments) >= 1
-        assert all(0 <= s.start < s.end <= len(x) / 16000 + 0.02 for s in t.segments)
+        # Every boundary is one of CTranslate2's timestamps (which may pass the clip's end a
+        # little: the window past it is zero-padded features, as faster-whisper's also is).
+        stamps = {round((i - model.timestamp_begin) * 0.02, 2) for i in ref if i >= model.timestamp_begin}
+        assert all(0 <= s.start < s.end and {round(s.start, 2), round(s.end, 2)} <= stamps for s in t.segments)
 
 
 def test_hard_clips_do_not_crash(model):
@@ -133,7 +157,8 @@ def test_registry_name_converts_on_first_use(ct2_dir, tmp_path, monkeypatch):
 
 def test_long_clip_follows_timestamps(model, ct2, monkeypatch):
     """A 50 s clip: windows follow the timestamps (the second starts where the first window's
-    last complete segment ended), and the second window's text is CTranslate2's on that window."""
+    last complete segment ended), and each window's kept text is CTranslate2's on that window
+    of faster-whisper's features."""
     sentences = [JFK, CLIPS["numbers"],
                  "We choose to go to the moon in this decade, not because it is easy, but because it is hard.",
                  "Four score and seven years ago our fathers brought forth on this continent a new nation."]
@@ -142,22 +167,23 @@ def test_long_clip_follows_timestamps(model, ct2, monkeypatch):
     assert len(x) > 45 * 16000
     import dasllama.asr as asr
 
-    windows = []  # the samples of each window the encoder is given
-    real = asr.encode_audio_rows
-    monkeypatch.setattr(asr, "encode_audio_rows", lambda enc, xs, **kw: (windows.append(len(xs)), real(enc, xs, **kw))[1])
-    t = d.transcribe(model, x)
+    windows = []  # (first frame, frames) of each window the encoder is given
+    real = asr._window_mel
+    monkeypatch.setattr(asr, "_window_mel", lambda mel, seek, size: (windows.append((seek, size)),
+                                                                      real(mel, seek, size))[1])
+    t = d.transcribe(model, x, temperature=0.0)  # greedy only: CTranslate2's greedy is the reference
     starts = [s.start for s in t.segments]
     assert starts == sorted(starts) and all(s.end <= len(x) / 16000 + 0.02 for s in t.segments)
     for word in ("Americans", "moon", "seven years"):
         assert t.text.count(word) == 2, (word, t.text)
-    assert len(windows) >= 2 and windows[0] == 30 * 16000
-    starts = [len(x) - n for n in windows[1:]]
-    assert starts == sorted(starts) and all(0 < s_ < len(x) and s_ % 320 == 0 for s_ in starts)
+    n, window = _fw_windows(x)
+    assert len(windows) >= 2 and windows[0] == (0, 3000)
+    seeks = [w[0] for w in windows]
+    assert seeks == sorted(seeks) and all(s_ % 2 == 0 for s_ in seeks) and windows[-1][0] + windows[-1][1] == n
     # Each window's kept text (its complete timestamp pairs) starts CTranslate2's decode of that window.
-    bounds = [0] + starts + [len(x)]
-    for w0, w1 in zip(bounds, bounds[1:]):
-        ref = [i for i in _ct2_tokens(ct2, x[w0:w0 + 30 * 16000], model.prompt(None, True)) if i < model.eot]
-        ours = [i for s in t.segments if w0 / 16000 <= s.start < w1 / 16000 for i in s.tokens]
+    for (w0, size), w1 in zip(windows, seeks[1:] + [n]):
+        ref = [i for i in _ct2_tokens_feats(ct2, window(w0, size), model.prompt(None, True)) if i < model.eot]
+        ours = [i for s in t.segments if w0 / 100 <= s.start < w1 / 100 for i in s.tokens]
         assert ours and ref[:len(ours)] == ours, (w0, w1)
 
 
@@ -184,15 +210,17 @@ def test_long_clip_conditioned_on_previous_text(asr_gguf, ct2, monkeypatch):
     model = d.load_asr_model(asr_gguf)
     rec = model.decoder = _Recorder(model.decoder)
     windows = []
-    real = asr.encode_audio_rows
-    monkeypatch.setattr(asr, "encode_audio_rows", lambda enc, xs, **kw: (windows.append(xs), real(enc, xs, **kw))[1])
+    real = asr._window_mel
+    monkeypatch.setattr(asr, "_window_mel", lambda mel, seek, size: (windows.append((seek, size)),
+                                                                      real(mel, seek, size))[1])
     x = np.concatenate([np.concatenate([speak(s), np.zeros(16000, np.float32)]) for s in (JFK, CLIPS["numbers"]) * 3])
     assert len(x) > 35 * 16000
-    t = d.transcribe(model, x, condition_on_previous_text=True)
+    t = d.transcribe(model, x, condition_on_previous_text=True, temperature=0.0)
+    _, window = _fw_windows(x)
     assert len(rec.calls) == len(windows) >= 2
     assert rec.calls[0][0] == [50257]
-    for i, ((prompt, ours), xs) in enumerate(zip(rec.calls, windows)):
+    for i, ((prompt, ours), (seek, size)) in enumerate(zip(rec.calls, windows)):
         if i:
             assert prompt[0] == 50360 and prompt[-1] == 50257  # <|startofprev|> ... <|startoftranscript|>
-        assert ours == [j for j in _ct2_tokens(ct2, xs, prompt) if j != model.eot], i
+        assert ours == [j for j in _ct2_tokens_feats(ct2, window(seek, size), prompt) if j != model.eot], i
     assert t.text.count("Americans") == 3

@@ -22,7 +22,7 @@ Weight owned_f32(std::vector<float> v, int64_t rows, int64_t cols) {
   w.row_bytes = (size_t)cols * 4;
   w.owned = std::make_shared<std::vector<uint8_t>>(v.size() * 4);
   std::memcpy(w.owned->data(), v.data(), v.size() * 4);
-  w.data = w.owned->data();
+  w.host = w.data = w.owned->data();
   return w;
 }
 
@@ -58,6 +58,11 @@ std::vector<float> slaney_filters(int nm, int bins) {
 constexpr int kFbankFFT = 512, kFbankWin = 400, kFbankBins = kFbankFFT / 2 + 1;
 
 }  // namespace
+
+void MelBank::prepare(Backend& be) {
+  be.load_weight(dft, WeightUse::matmul);
+  be.load_weight(filters, WeightUse::matmul);
+}
 
 int64_t mel_chunks(int64_t n) { return std::max<int64_t>(1, (n + kChunkSamples - 1) / kChunkSamples); }
 

@@ -24,6 +24,8 @@ struct MelBank {
   Weight dft;      // 2 * kBins rows (cos | -sin) of kNFFT
   Weight filters;  // n_mel rows of kBins
   explicit MelBank(int n_mel);
+  // Hands both matrices to the backend that runs log_mel (the CPU packs them for its matmul).
+  void prepare(Backend& be);
 };
 
 struct MelScratch {

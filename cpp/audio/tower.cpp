@@ -111,6 +111,7 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
   be.check_fits(total, "audio tower weights");
   for (Weight* w : mats) be.load_weight(*w, WeightUse::matmul);
   e->mel_ = std::make_unique<MelBank>(e->cfg_.n_mel);
+  e->mel_->prepare(*e->mel_backend_);
   return e;
 }
 
@@ -400,6 +401,26 @@ void AudioEncoder::pool_project(const float* h, int64_t rows, float* out) {
   be.layer_norm(p, post_w_.data(), post_b_.data(), p, rows, d, c.eps);
   be.matmul(fc_, p, rows, out);
   be.add_bias(out, fc_b_.data(), rows, c.proj_dim);
+}
+
+int64_t AudioEncoder::encode_mel_window(const float* mel_host, float* out, int64_t out_cap) {
+  const TowerConfig& c = cfg_;
+  if (c.proj != Projector::none || c.window_frames)
+    throw std::invalid_argument("audio tower: mel windows are for bare whisper encoders, not the " + c.family +
+                                " tower");
+  const int64_t L = kChunkFrames / 2, d = c.dim;
+  if (L * d > out_cap)
+    throw std::invalid_argument("output holds " + std::to_string(out_cap) + " floats; a window makes " +
+                                std::to_string(L) + " rows of " + std::to_string(d));
+  std::lock_guard<std::mutex> lock(mu_);
+  Backend& be = *backend_;
+  float* mel = buf(B_MEL, c.n_mel * kChunkFrames);
+  be.upload(mel, mel_host, (size_t)(c.n_mel * kChunkFrames) * 4);
+  encode_chunk(mel, kChunkFrames, kChunkFrames, kChunkFrames, L);
+  float* dev_out = buf(B_OUT, L * d);
+  be.layer_norm(static_cast<float*>(bufs_[B_H]->data()), post_w_.data(), post_b_.data(), dev_out, L, d, c.eps);
+  be.download(out, dev_out, (size_t)(L * d) * 4);
+  return L;
 }
 
 int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch& s, float* out, int64_t out_cap) {

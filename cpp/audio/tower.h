@@ -74,6 +74,11 @@ class AudioEncoder {
   int64_t n_rows(int64_t n_samples, bool full_window) const;
   // 16 kHz mono -> n_rows(n) x proj_dim floats into out (room for out_cap floats).
   int64_t encode(const float* x, int64_t n, bool full_window, AudioScratch& s, float* out, int64_t out_cap);
+  // One 30 s window of log-mel features the caller made (n_mel x kChunkFrames, host,
+  // row-major) -> kChunkFrames / 2 rows of dim into out: whisper's transcribe feeds windows
+  // cut from the whole clip's features (normalized over the clip, zero-padded past its end),
+  // which no sample window reproduces. Bare encoders only (no projector: family "whisper").
+  int64_t encode_mel_window(const float* mel, float* out, int64_t out_cap);
   Backend& backend() { return *backend_; }
   const std::shared_ptr<Backend>& backend_ptr() const { return backend_; }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <stdexcept>
 
 #include "core/errors.h"
@@ -302,6 +303,8 @@ GreedyResult WhisperDecoder::greedy(const GreedyOptions& o, int32_t no_speech_id
     throw std::invalid_argument("whisper decoder: prompt + max_new exceeds the context of " + std::to_string(c.n_ctx));
   if (sot_index < 0 || sot_index >= (int)o.prompt.size())
     throw std::invalid_argument("whisper decoder: sot_index outside the prompt");
+  if (!(o.temperature >= 0) || !std::isfinite(o.temperature))
+    throw std::invalid_argument("whisper decoder: temperature must be finite and >= 0");
   if (o.timestamp_begin > 0 && (o.timestamp_begin >= c.vocab || o.eot < 0 || o.eot >= o.timestamp_begin))
     throw std::invalid_argument("whisper decoder: timestamp_begin out of range");
   GreedyResult r;
@@ -322,6 +325,8 @@ GreedyResult WhisperDecoder::greedy(const GreedyOptions& o, int32_t no_speech_id
     forward(o.prompt.data(), np_, 0, false, lg.data());
   }
   int64_t pos = np_;
+  std::mt19937_64 rng(o.seed);
+  std::vector<double> probs;
   for (int step = 0; step < o.max_new; ++step) {
     for (int32_t t : o.suppress)
       if (t >= 0 && t < c.vocab) lg[(size_t)t] = kNegInf;
@@ -329,12 +334,28 @@ GreedyResult WhisperDecoder::greedy(const GreedyOptions& o, int32_t no_speech_id
       for (int32_t t : o.suppress_begin)
         if (t >= 0 && t < c.vocab) lg[(size_t)t] = kNegInf;
     if (o.timestamp_begin > 0) step_logits_rules(lg.data(), o, r.tokens);
-    const int32_t best = (int32_t)(std::max_element(lg.begin(), lg.end()) - lg.begin());
+    const int32_t top = (int32_t)(std::max_element(lg.begin(), lg.end()) - lg.begin());
+    const float mx = lg[(size_t)top];
+    int32_t best = top;
+    if (o.temperature > 0) {
+      // Categorical over softmax(logits / T); suppressed tokens (-inf) get weight 0. The
+      // uniform draw is mapped by hand (not std::discrete_distribution, whose algorithm is
+      // the library's) so a seed gives the same tokens on every platform.
+      probs.resize(lg.size());
+      double zt = 0;
+      for (size_t i = 0; i < lg.size(); ++i) zt += (probs[i] = std::exp(((double)lg[i] - mx) / o.temperature));
+      const double u = (double)(rng() >> 11) * (1.0 / 9007199254740992.0) * zt;
+      double acc = 0;
+      for (size_t i = 0; i < lg.size(); ++i) {
+        acc += probs[i];
+        if (probs[i] > 0) best = (int32_t)i;  // the last token of nonzero weight, should rounding run out
+        if (u < acc && probs[i] > 0) break;
+      }
+    }
     {
-      const float mx = lg[(size_t)best];
       double z = 0;
       for (float v : lg) z += std::exp((double)v - mx);
-      r.sum_logprob -= std::log(z);
+      r.sum_logprob += (double)lg[(size_t)best] - mx - std::log(z);
     }
     if (best == o.eot) break;
     r.tokens.push_back(best);

@@ -4,7 +4,7 @@
 // window by set_encoder), GELU MLP, final LN, and the output tied to the embedding. It
 // reads the d.* tensors and whisper.decoder.* keys `dasllama convert` writes beside the
 // encoder's a.* tensors; it composes the Backend ops the encoder uses (no op of its own).
-// Greedy decoding with whisper's suppression and timestamp rules runs here, per token.
+// Greedy (or seeded sampled) decoding with whisper's suppression and timestamp rules runs here, per token.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -34,11 +34,17 @@ struct GreedyOptions {
   int32_t timestamp_begin = 0;  // > 0: apply the timestamp rules (tokens >= this are timestamps)
   int max_initial_timestamp = 50;  // the first timestamp is at most this index (1.0 s at 0.02 s)
   int max_new = 0;
+  // > 0: sample each token from softmax(logits / temperature) (after suppression and the
+  // timestamp rules) instead of taking the argmax, with a generator seeded by `seed`, so a
+  // call is reproducible (whisper's temperature fallback).
+  float temperature = 0;
+  uint64_t seed = 0;
 };
 
 struct GreedyResult {
   std::vector<int32_t> tokens;  // generated, without the prompt or the end of text
-  double sum_logprob = 0;       // of the generated tokens (end of text included), after suppression
+  double sum_logprob = 0;       // of the generated tokens (end of text included), after suppression,
+                                // from the untempered logits (as whisper sums them)
   float no_speech_prob = 0;     // P(no_speech_id) after the prompt's first token (<|startoftranscript|>)
 };
 

@@ -67,7 +67,8 @@ void bind_asr(py::module_& m) {
           "greedy",
           [](WhisperDecoder& d, std::vector<int32_t> prompt, std::vector<int32_t> suppress,
              std::vector<int32_t> suppress_begin, int32_t eot, int max_new, int32_t no_timestamps,
-             int32_t timestamp_begin, int max_initial_timestamp, int32_t no_speech_id, int sot_index) {
+             int32_t timestamp_begin, int max_initial_timestamp, int32_t no_speech_id, int sot_index,
+             float temperature, uint64_t seed) {
             audio::GreedyOptions o;
             o.prompt = std::move(prompt);
             o.suppress = std::move(suppress);
@@ -77,6 +78,8 @@ void bind_asr(py::module_& m) {
             o.no_timestamps = no_timestamps;
             o.timestamp_begin = timestamp_begin;
             o.max_initial_timestamp = max_initial_timestamp;
+            o.temperature = temperature;
+            o.seed = seed;
             audio::GreedyResult r;
             {
               py::gil_scoped_release rel;
@@ -86,8 +89,9 @@ void bind_asr(py::module_& m) {
           },
           py::arg("prompt"), py::arg("suppress"), py::arg("suppress_begin"), py::arg("eot"), py::arg("max_new"),
           py::arg("no_timestamps") = -1, py::arg("timestamp_begin") = 0, py::arg("max_initial_timestamp") = 50,
-          py::arg("no_speech_id") = -1, py::arg("sot_index") = 0,
-          "Greedy tokens after the prompt (without the end of text), their summed log-probability, and the "
+          py::arg("no_speech_id") = -1, py::arg("sot_index") = 0, py::arg("temperature") = 0.f,
+          py::arg("seed") = 0,
+          "Greedy tokens (sampled at temperature > 0, from a generator seeded by seed) after the prompt (without the end of text), their summed log-probability, and the "
           "no-speech probability.");
 }
 

@@ -51,6 +51,7 @@ void bind_audio(py::module_& m) {
           py::gil_scoped_release rel;
           std::unique_lock<std::mutex> lock;
           Backend& be = shared_backend(lock);
+          bank.prepare(be);
           audio::MelScratch s;
           audio::log_mel(be, bank, xp, n, s, o);
         }
@@ -138,7 +139,26 @@ void bind_audio(py::module_& m) {
             py::gil_scoped_release rel;
             return e.encode(xp, n, full, s, o, cap);
           },
-          py::arg("samples"), py::arg("full_window"), py::arg("scratch"), py::arg("out"));
+          py::arg("samples"), py::arg("full_window"), py::arg("scratch"), py::arg("out"))
+      .def(
+          "encode_mel_window",
+          [](audio::AudioEncoder& e, py::array_t<float, py::array::c_style | py::array::forcecast> mel) {
+            const audio::TowerConfig& c = e.config();
+            if (mel.ndim() != 2 || mel.shape(0) != c.n_mel || mel.shape(1) != audio::kChunkFrames)
+              throw py::value_error("mel must be (" + std::to_string(c.n_mel) + ", " +
+                                    std::to_string(audio::kChunkFrames) + ") float32");
+            py::array_t<float> out({(int64_t)audio::kChunkFrames / 2, (int64_t)c.dim});
+            float* o = out.mutable_data();
+            const float* m = mel.data();
+            const int64_t cap = out.size();
+            {
+              py::gil_scoped_release rel;
+              e.encode_mel_window(m, o, cap);
+            }
+            return out;
+          },
+          py::arg("mel"),
+          "The encoder rows (1500 x dim, post-LN) of one 30 s window of log-mel features (n_mel x 3000).");
 }
 
 }  // namespace dl::py_bind

@@ -235,7 +235,9 @@ class CpuBackend final : public Backend {
     for (int i = 0; i < same; ++i) total_rows += grp[i]->rows;
     // Multiples of 16: the kernels' 4-row tiles and the packed layouts' 16-row groups.
     // Decode takes multiples of 64 rows (four packed groups: independent chains for the kernel).
-    const int64_t min_chunk = n <= 8 ? 4 * cpu::kPackRowAlign : cpu::kPackRowAlign;
+    // Prefill takes at least two groups: the packed f32 / f16 kernel then tiles 32 rows x 12
+    // tokens (fewer loads per FMA than 16 x 16); every output's arithmetic is the same either way.
+    const int64_t min_chunk = n <= 8 ? 4 * cpu::kPackRowAlign : 2 * cpu::kPackRowAlign;
     int64_t chunk = std::max<int64_t>(min_chunk, total_rows / (16 * pool_.size()) / min_chunk * min_chunk);
     // A decode step's output matrix: chunks short enough that the thread finishing last
     // leaves the other a few microseconds of waiting, not a 1536-row chunk's worth.
@@ -637,7 +639,7 @@ class CpuBackend final : public Backend {
   }
   void gelu_erf(float* y, int64_t n) override {
     pool_.parallel_for(n, 4096, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) y[i] = 0.5f * y[i] * (1.f + std::erf(y[i] * 0.70710678118654752f));
+      cpu::kernels().gelu_erf_f32(y + lo, hi - lo);
     });
   }
 

@@ -96,6 +96,8 @@ struct KernelTable {
   void (*attn_combine)(const float* part, int64_t n_chunks, int hd, const float* sink, float* out) = nullptr;
   // out = act(gate) * up; act 0: SiLU, 1: GELU (tanh form). out may alias up.
   void (*glu_f32)(const float* gate, const float* up, float* out, int64_t n, int act) = nullptr;
+  // y = 0.5 y (1 + erf(y / sqrt 2)) in place (the exact GELU), with a branch-free erf.
+  void (*gelu_erf_f32)(float* y, int64_t n) = nullptr;
   size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;
   // f16 KV cache rows to f32 (exact for finite values).
   void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n) = nullptr;

@@ -17,12 +17,18 @@
 //   q6_K  Q[64][16][4]    chunk j: elements 4j..4j+3 of each row as bytes (q, 0..63, unpacked at
 //                         load: 30% more bytes than the file, no per-token unpacking), then
 //                         int8 sc[16][16], f16 d[16], 32 pad bytes: 4416 bytes
+// f32 and f16 (f32 activations) in groups of 16 rows: P[k][16] (element kk of each row, lane = row),
+// in the file's element type. One weight load (f16: plus one conversion) and one broadcast
+// activation per FMA tile advance 16 rows of up to 16 tokens; every output is one FMA chain
+// over k in order, whatever the tile, so decode and prefill give the same bits.
 // One broadcast of 4 activation bytes and one VNNI product advance 16 rows at once, and the
 // 16 outputs of a group land in one register: no unpack buffer, no horizontal sums. Decode and
 // prefill run the same per-output arithmetic (block by block, in order), so a token gets the
 // same bits whichever way it is evaluated.
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -468,9 +474,93 @@ inline size_t k_rec(uint32_t wtype) {
   }
 }
 
+// ---- f32 / f16: 16-row groups of P[k][16] ----------------------------------------------------------
+inline size_t fp_esize(uint32_t wtype) {
+  switch ((GGMLType)wtype) {
+    case GGMLType::F32: return 4;
+    case GGMLType::F16: return 2;
+    default: return 0;
+  }
+}
+
+// G groups (16 G rows) x T tokens: acc[g][t] holds rows 16(g0+g).. of token t0+t.
+template <bool H, int G, int T>
+void fp_tile(const MatmulArgs& a, int64_t g0, int64_t t0) {
+  const int64_t k = a.k;
+  const size_t gstride = (size_t)k * 16;  // elements per group
+  __m512 acc[G][T];
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
+  const float* X[T];
+  for (int t = 0; t < T; ++t)
+    X[t] = reinterpret_cast<const float*>(static_cast<const uint8_t*>(a.act) + (size_t)(t0 + t) * a.act_row_bytes);
+  if constexpr (H) {
+    const uint16_t* P = static_cast<const uint16_t*>(a.wpack) + (size_t)g0 * gstride;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      __m512 w[G];
+      for (int g = 0; g < G; ++g)
+        w[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + g * gstride + kk * 16)));
+      for (int t = 0; t < T; ++t) {
+        const __m512 x = _mm512_set1_ps(X[t][kk]);
+        for (int g = 0; g < G; ++g) acc[g][t] = _mm512_fmadd_ps(x, w[g], acc[g][t]);
+      }
+    }
+  } else {
+    const float* P = static_cast<const float*>(a.wpack) + (size_t)g0 * gstride;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      __m512 w[G];
+      for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_ps(P + g * gstride + kk * 16);
+      for (int t = 0; t < T; ++t) {
+        const __m512 x = _mm512_set1_ps(X[t][kk]);
+        for (int g = 0; g < G; ++g) acc[g][t] = _mm512_fmadd_ps(x, w[g], acc[g][t]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t r = (g0 + g) * 16;
+    const int64_t left = a.rows - r;  // padding rows of the last group are not stored
+    const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, acc[g][t]);
+  }
+}
+
+using FpTileFn = void (*)(const MatmulArgs&, int64_t, int64_t);
+
+// Tokens per tile for G groups: G * T accumulators + G weights + 1 broadcast within 32 registers.
+template <int G>
+constexpr int fp_max_t() { return G == 1 ? 16 : G == 2 ? 12 : 6; }
+
+template <bool H, int G, size_t... I>
+constexpr std::array<FpTileFn, sizeof...(I)> fp_row(std::index_sequence<I...>) {
+  return {&fp_tile<H, G, (int)I + 1>...};
+}
+
+template <bool H, int G>
+void fp_groups(const MatmulArgs& a, int64_t g0) {
+  static constexpr auto fns = fp_row<H, G>(std::make_index_sequence<fp_max_t<G>()>{});
+  constexpr int64_t TM = fp_max_t<G>();
+  for (int64_t t0 = 0; t0 < a.n_tok; t0 += TM) fns[(size_t)(std::min(TM, a.n_tok - t0) - 1)](a, g0, t0);
+}
+
+template <bool H>
+void fp_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  const int64_t g_end = (r1 + 15) / 16;
+  // Few tokens (decode): four groups at once, for independent FMA chains; else two.
+  const int64_t gmax = a.n_tok <= 4 ? 4 : 2;
+  for (int64_t g = r0 / 16; g < g_end;) {
+    switch (std::min(gmax, g_end - g)) {
+      case 4: fp_groups<H, 4>(a, g); g += 4; break;
+      case 3: fp_groups<H, 3>(a, g); g += 3; break;
+      case 2: fp_groups<H, 2>(a, g); g += 2; break;
+      default: fp_groups<H, 1>(a, g); g += 1; break;
+    }
+  }
+}
+
 }  // namespace
 
 size_t pack_bytes(uint32_t wtype, int64_t rows, int64_t k) {
+  if (const size_t es = fp_esize(wtype)) return rows <= 0 || k <= 0 ? 0 : (size_t)((rows + 15) / 16) * (size_t)k * 16 * es;
   if (const size_t rec = k_rec(wtype)) {
     if (k % QK_K != 0 || rows <= 0) return 0;
     return (size_t)((rows + kRowsPerGroup - 1) / kRowsPerGroup) * (size_t)(k / QK_K) * rec;
@@ -482,6 +572,23 @@ size_t pack_bytes(uint32_t wtype, int64_t rows, int64_t k) {
 
 void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, int64_t k, int64_t g0, int64_t g1,
                void* out) {
+  if (const size_t es = fp_esize(wtype)) {
+    // Transposed per group: element kk of row l at [kk][l]; padding rows are zeros.
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* o = static_cast<uint8_t*>(out) + (size_t)g * (size_t)k * 16 * es;
+      for (int l = 0; l < kRowsPerGroup; ++l) {
+        const int64_t r = g * kRowsPerGroup + l;
+        const uint8_t* row = static_cast<const uint8_t*>(w) + (size_t)r * row_bytes;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          if (r < rows)
+            std::memcpy(o + ((size_t)kk * 16 + l) * es, row + (size_t)kk * es, es);
+          else
+            std::memset(o + ((size_t)kk * 16 + l) * es, 0, es);
+        }
+      }
+    }
+    return;
+  }
   if (const size_t rec = k_rec(wtype)) {
     const int64_t nsb = k / QK_K;
     for (int64_t g = g0; g < g1; ++g) {
@@ -564,6 +671,8 @@ bool matmul_packed(const MatmulArgs& a, int64_t r0, int64_t r1) {
     case GGMLType::Q5_0: packed_rows<GGMLType::Q5_0>(a, r0, r1); return true;
     case GGMLType::Q4_K: k_rows<Q4KTile>(a, r0, r1); return true;
     case GGMLType::Q6_K: k_rows<Q6KTile>(a, r0, r1); return true;
+    case GGMLType::F32: fp_rows<false>(a, r0, r1); return true;
+    case GGMLType::F16: fp_rows<true>(a, r0, r1); return true;
     default: return false;
   }
 }

@@ -21,6 +21,10 @@ void glu_f32(const float* gate, const float* up, float* out, int64_t n, int act)
     for (int64_t i = 0; i < n; ++i) out[i] = gelu_tanh(gate[i]) * up[i];
 }
 
+void gelu_erf_f32(float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = gelu_erf(y[i]);
+}
+
 // The converting instruction where the ISA has one: exact for every finite half and
 // infinity, and (unlike the auto-vectorized select form) indifferent to where the row
 // starts; signaling NaNs come out quiet, which a KV cache never holds.

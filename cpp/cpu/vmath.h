@@ -55,6 +55,27 @@ inline float tanh_f(float y) {
   return y < 0.f ? -t : t;
 }
 
+// erf(x) = 1 - erfc(|x|) with sign: erfc from Numerical Recipes' Chebyshev fit
+// (t = 1 / (1 + |x| / 2), fractional error < 1.2e-7), so |error| < 1.2e-7 everywhere.
+inline float erf_f(float x) {
+  const float z = std::fabs(x);
+  const float t = 1.f / (1.f + 0.5f * z);
+  float p = 0.17087277f;
+  p = p * t - 0.82215223f;
+  p = p * t + 1.48851587f;
+  p = p * t - 1.13520398f;
+  p = p * t + 0.27886807f;
+  p = p * t - 0.18628806f;
+  p = p * t + 0.09678418f;
+  p = p * t + 0.37409196f;
+  p = p * t + 1.00002368f;
+  p = p * t - 1.26551223f;
+  const float r = 1.f - t * exp_neg(-z * z + p);
+  return x < 0.f ? -r : r;
+}
+
+inline float gelu_erf(float x) { return 0.5f * x * (1.f + erf_f(x * 0.70710678118654752f)); }
+
 inline float gelu_tanh(float x) {
   return 0.5f * x * (1.f + tanh_f(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }

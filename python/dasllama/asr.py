@@ -2,30 +2,35 @@
 ``dasllama convert`` writes them) and ``transcribe``. Not audio chat (``audio.py`` and the
 chat layer): this decodes text with whisper's own decoder.
 
-Greedy decoding with whisper's prompt (start of transcript, language and task on
-multilingual models, then no-timestamps or the timestamp rules) and its token suppression;
-the decode loop runs in C++ (``_core.WhisperDecoder.greedy``). Audio longer than 30 s is cut
-into consecutive 30 s windows decoded independently (no timestamp-driven seeking and no
-temperature fallback yet). A model may be shared by threads; decodes on one model are
-serialized.
+Decoding follows whisper's transcribe (and faster-whisper's): whisper's prompt (start of
+transcript, language and task on multilingual models, then no-timestamps or the timestamp
+rules) and its token suppression, greedy at temperature 0 with the temperature fallback
+(0.2, 0.4, ... sampled, seeded, best of 5) when a window's text compresses too well or its
+average log-probability is too low, and the no-speech skip; the decode loop runs in C++
+(``_core.WhisperDecoder.greedy``). Audio longer than 30 s runs in 30 s windows that follow
+the timestamps. A model may be shared by threads; decodes on one model are serialized.
 """
 from __future__ import annotations
 
 import os
 import threading
+import zlib
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
 from ._core import UnsupportedModelError
-from .audio import AudioEmbedder, encode_audio_rows
+from .audio import AudioEmbedder, encode_mel_window
 from .audio_io import AudioInput, load_audio
 
 PathLike = Union[str, "os.PathLike[str]"]
 WINDOW_SAMPLES = 30 * 16000
+WINDOW_FRAMES = 3000  # mel frames per 30 s window
+FRAME = 0.01  # seconds per mel frame
 TIME_PRECISION = 0.02  # seconds per timestamp token
+FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # whisper's and faster-whisper's default schedule
 
 
 @dataclass
@@ -35,6 +40,12 @@ class Segment:
     end: float
     text: str
     tokens: List[int] = field(default_factory=list)
+    # How the window that gave this segment was decoded (whisper's verbose output).
+    seek: float = 0.0              # the window's start, in seconds
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
 
 
 @dataclass
@@ -42,6 +53,7 @@ class Transcript:
     text: str
     segments: List[Segment]
     language: Optional[str] = None
+    duration: float = 0.0  # of the audio, in seconds
 
 
 def _byte_decoder() -> dict:
@@ -218,14 +230,15 @@ def _detect_language(model: ASRModel) -> Optional[str]:
     return codes[int(np.argmax(lg[ids]))]
 
 
-def _split(model: ASRModel, toks: List[int], offset: float, n_samples: int, timestamps: bool):
-    """A window's segments and how many samples to advance, as whisper's transcribe cuts them:
-    text between consecutive timestamp pairs; a window that ends in a single timestamp (or has
-    no pair) is consumed whole, else the next window starts at the last timestamp."""
-    tb, dur = model.timestamp_begin, n_samples / 16000
+def _split(model: ASRModel, toks: List[int], seek: int, size: int, timestamps: bool):
+    """A window's segments and how many mel frames to advance, as whisper's transcribe cuts
+    them (``seek``, ``size``: the window's first frame and its frames of audio): text between
+    consecutive timestamp pairs; a window that ends in a single timestamp (or has no pair) is
+    consumed whole, else the next window starts at the last timestamp."""
+    tb, offset, dur = model.timestamp_begin, seek * FRAME, size * FRAME
     if not timestamps:
         text = model.decode(toks)
-        return ([Segment(offset, offset + dur, text, list(toks))] if text.strip() else []), n_samples, list(toks)
+        return ([Segment(offset, offset + dur, text, list(toks))] if text.strip() else []), size, list(toks)
     is_ts = [t >= tb for t in toks]
 
     def at(t):
@@ -247,35 +260,127 @@ def _split(model: ASRModel, toks: List[int], offset: float, n_samples: int, time
             segs.append(seg(at(part[0]), at(part[-1]), part))
             last = cur
         # Resume at the last timestamp pair: what follows it is decoded again in the next window.
-        advance = n_samples if single_ending else (toks[last - 1] - tb) * 320
+        advance = size if single_ending else (toks[last - 1] - tb) * 2
         kept = list(toks) if single_ending else toks[:last]
-        if advance <= 0:
-            advance = n_samples
+        if advance <= 0:  # a window that would not move: consumed whole instead of looping
+            advance = size
     else:
         ts = [t for t in toks if t >= tb]
         end = at(ts[-1]) if ts and ts[-1] != tb else offset + dur
         segs.append(seg(offset, end, toks))
-        advance, kept = n_samples, list(toks)
-    return [s for s in segs if s.text.strip()], min(advance, n_samples), kept
+        advance, kept = size, list(toks)
+    return [s for s in segs if s.text.strip() and s.start != s.end], advance, kept
+
+
+def _window_mel(mel: np.ndarray, seek: int, size: int) -> np.ndarray:
+    """Frames [seek, seek + size) of the clip's features, zero-padded to a 30 s window (as
+    whisper's transcribe pads them: zeros of the normalized log-mel, not the mel of silence)."""
+    w = np.zeros((mel.shape[0], WINDOW_FRAMES), np.float32)
+    w[:, :size] = mel[:, seek:seek + size]
+    return w
+
+
+def _encode_window(model: ASRModel, window: np.ndarray) -> np.ndarray:
+    """Encoder rows of one window of features."""
+    return encode_mel_window(model.encoder, window)
+
+
+def compression_ratio(text: str) -> float:
+    """Whisper's repetition measure: UTF-8 bytes over their zlib-compressed size."""
+    b = text.encode("utf-8")
+    return len(b) / len(zlib.compress(b)) if b else 0.0
+
+
+@dataclass
+class _Decoded:
+    tokens: List[int]
+    sum_logprob: float
+    no_speech_prob: float
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+
+
+def _temperatures(temperature) -> tuple:
+    ts = (float(temperature),) if isinstance(temperature, (int, float)) else tuple(float(t) for t in temperature)
+    if not ts or any(not (0.0 <= t <= 2.0) for t in ts):
+        raise ValueError(f"temperature must be a number or a non-empty sequence of numbers in [0, 2], got {temperature!r}")
+    return ts
+
+
+def _decode_with_fallback(model: "ASRModel", prompt: List[int], sot_index: int, max_new: int, use_ts: bool,
+                          temps: tuple, best_of: int, seed: int, window: int, compression_ratio_threshold,
+                          logprob_threshold, no_speech_threshold) -> _Decoded:
+    """One window, as faster-whisper's generate_with_fallback decodes it: each temperature in
+    turn until the text neither compresses above the threshold nor averages a log-probability
+    below it (or the window looks like silence); when every temperature fails, the result of
+    the highest average log-probability, preferring those under the compression threshold.
+    Temperature 0 is greedy; above it, ``best_of`` seeded samples of which the likeliest per
+    token is kept."""
+    def run(t: float, s: int):
+        toks, slp, ns = model.decoder.greedy(
+            prompt, model.suppress, model.begin_suppress, model.eot, max_new,
+            no_timestamps=model.notimestamps, timestamp_begin=model.timestamp_begin if use_ts else 0,
+            no_speech_id=model.no_speech, sot_index=sot_index, temperature=t, seed=s)
+        return list(toks), float(slp), float(ns)
+
+    results: List[_Decoded] = []
+    under_cr: List[_Decoded] = []
+    for ti, t in enumerate(temps):
+        if t > 0:
+            # A seed per (call, window, temperature, candidate): the same call gives the same text.
+            cands = [run(t, (seed * 1000003 + window * 64 + ti * 8 + k) & 0xFFFFFFFFFFFFFFFF) for k in range(best_of)]
+            toks, slp, ns = max(cands, key=lambda c: c[1] / max(len(c[0]), 1))
+        else:
+            toks, slp, ns = run(0.0, 0)
+        avg = slp / (len(toks) + 1)
+        r = _Decoded(toks, slp, ns, t, avg, compression_ratio(model.decode(toks).strip()))
+        results.append(r)
+        fallback = False
+        if compression_ratio_threshold is not None:
+            if r.compression_ratio > compression_ratio_threshold:
+                fallback = True  # too repetitive
+            else:
+                under_cr.append(r)
+        if logprob_threshold is not None and avg < logprob_threshold:
+            fallback = True
+        if (no_speech_threshold is not None and ns > no_speech_threshold and logprob_threshold is not None
+                and avg < logprob_threshold):
+            fallback = False  # silence: skipped by the caller, not retried
+        if not fallback:
+            return r
+    best = max(under_cr or results, key=lambda r: r.avg_logprob)
+    best.temperature = temps[-1]  # as faster-whisper reports it (it drives the prompt reset)
+    return best
 
 
 def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = None, timestamps: bool = False, *,
-               max_new_tokens: Optional[int] = None, no_speech_threshold: Optional[float] = 0.6,
-               logprob_threshold: Optional[float] = -1.0, condition_on_previous_text: bool = False,
-               progress: bool = False) -> Transcript:
+               temperature: Union[float, Sequence[float]] = FALLBACK_TEMPERATURES,
+               compression_ratio_threshold: Optional[float] = 2.4, logprob_threshold: Optional[float] = -1.0,
+               no_speech_threshold: Optional[float] = 0.6, best_of: int = 5, seed: int = 0,
+               condition_on_previous_text: bool = False, prompt_reset_on_temperature: float = 0.5,
+               max_new_tokens: Optional[int] = None, progress: bool = False) -> Transcript:
     """The words spoken in ``audio`` (a float32 16 kHz mono array, a path, or an audio file's
-    bytes), greedy. ``language`` (a code such as ``"en"``) is detected on multilingual models
+    bytes). ``language`` (a code such as ``"en"``) is detected on multilingual models
     when None; English-only models take None or ``"en"``. ``timestamps`` applies whisper's
     timestamp rules and gives one segment per timestamped stretch (else one per window).
     Audio longer than 30 s is always decoded with timestamps, in 30 s windows that follow
     them (the next window starts at the last complete segment's end), as whisper does.
-    ``max_new_tokens`` caps each window's tokens (default: half the decoder's context).
-    A window is dropped as silence, as whisper drops it, when its no-speech probability is
-    above ``no_speech_threshold`` and its average log-probability below ``logprob_threshold``.
+
+    Each window is decoded greedily at ``temperature[0]`` (0) and again at the next
+    temperature while its text's :func:`compression_ratio` is above
+    ``compression_ratio_threshold`` or its average log-probability below
+    ``logprob_threshold`` (a single number: that temperature only; sampling draws ``best_of``
+    candidates from generators seeded by ``seed``, so the same call gives the same text).
+    A window is dropped as silence when its no-speech probability is above
+    ``no_speech_threshold`` and its average log-probability not above ``logprob_threshold``.
     ``condition_on_previous_text`` puts the text kept so far (after <|startofprev|>, at most
-    half the context) before each window's prompt, as whisper's transcribe does by default;
-    it is off here because without temperature fallback a greedy loop can then repeat itself.
-    ``progress`` shows a bar (seconds of audio) on clips longer than one window.
+    half the context, and forgotten after a window decoded above
+    ``prompt_reset_on_temperature``) before each window's prompt, as whisper does by default
+    (off here, as faster-whisper's users often set it: a greedy loop can repeat itself).
+    ``max_new_tokens`` caps each window's tokens (default: half the decoder's context).
+    ``progress`` shows a bar (seconds of audio, on stderr) on clips longer than one window.
+    Thresholds of None turn their check off, as in whisper.
 
     A Qwen3-ASR model (see :func:`load_asr_model`) decodes the whole clip greedily in one turn;
     ``language`` (a code or a name) forces it, else the model names it; it gives no times, so
@@ -284,12 +389,18 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
     fam = next((m for m in _family_modules().values() if isinstance(model, m.Model)), None)
     if not isinstance(model, ASRModel) and fam is None:
         raise TypeError("transcribe takes a model of load_asr_model")
+    if fam is not None:
+        x = load_audio(audio)
+        if x.size == 0:
+            raise ValueError("audio clip is empty")
+        text, lang, toks = fam.transcribe(model, x, language, timestamps, max_new_tokens)
+        return Transcript(text, [Segment(0.0, x.size / 16000, text, toks)] if text else [], lang)
+    temps = _temperatures(temperature)
+    if int(best_of) < 1:
+        raise ValueError("best_of must be at least 1")
     x = load_audio(audio)
     if x.size == 0:
         raise ValueError("audio clip is empty")
-    if fam is not None:
-        text, lang, toks = fam.transcribe(model, x, language, timestamps, max_new_tokens)
-        return Transcript(text, [Segment(0.0, x.size / 16000, text, toks)] if text else [], lang)
     if not model.multilingual and language not in (None, "en"):
         raise ValueError(f"this model is English-only; got language {language!r}")
     if language is not None and model.multilingual and language not in model.languages:
@@ -300,22 +411,24 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
     if limit <= 0:
         raise ValueError("max_new_tokens must be positive")
     use_ts = timestamps or x.size > WINDOW_SAMPLES
+    # The whole clip's features, normalized over the clip, cut into windows of frames: as
+    # whisper's and faster-whisper's transcribe feed the encoder.
+    mel = _core.log_mel(x, model.encoder.n_mel)
+    content = x.size // 160  # frames of audio
     bar = None
     if progress and x.size > WINDOW_SAMPLES:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=round(x.size / 16000, 1), unit="s", desc="transcribe", leave=False)
+        bar = tqdm(total=round(content * FRAME, 2), unit="s", desc="transcribe", leave=False)
     with model._lock:
         segs: List[Segment] = []
         lang = language
         seek = 0
-        history: List[int] = []  # tokens kept so far (timestamps included), for conditioning
-        while seek < x.size:
-            # A short tail (< 0.02 s, one timestamp step) holds nothing to decode.
-            if seek > 0 and x.size - seek < 320:
-                break
-            xs = x[seek:seek + WINDOW_SAMPLES]
-            model.decoder.set_encoder(encode_audio_rows(model.encoder, xs, full_window=True))
+        window = 0
+        history: List[int] = []  # tokens kept since the last prompt reset (timestamps included)
+        while seek < content:
+            size = min(WINDOW_FRAMES, content - seek)
+            model.decoder.set_encoder(_encode_window(model, _window_mel(mel, seek, size)))
             if model.multilingual and lang is None:
                 lang = _detect_language(model)
             prompt = model.prompt(lang, use_ts)
@@ -323,26 +436,27 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
             if condition_on_previous_text and history:
                 prev = [model.sot_prev] + history[-(model.n_ctx // 2 - 1):]
                 prompt, sot_index = prev + prompt, len(prev)
-            toks, sum_lp, no_speech = model.decoder.greedy(
-                prompt, model.suppress, model.begin_suppress, model.eot, min(limit, model.n_ctx - len(prompt)),
-                no_timestamps=model.notimestamps, timestamp_begin=model.timestamp_begin if use_ts else 0,
-                no_speech_id=model.no_speech, sot_index=sot_index)
-            if (no_speech_threshold is not None and no_speech > no_speech_threshold
-                    and (logprob_threshold is None or sum_lp / (len(toks) + 1) < logprob_threshold)):
-                seek += xs.size
-                if bar is not None:
-                    bar.update(round(xs.size / 16000, 1))
-                continue
-            found, advance, kept = _split(model, toks, seek / 16000, xs.size, use_ts)
-            segs += found
-            history += kept
+            r = _decode_with_fallback(model, prompt, sot_index, min(limit, model.n_ctx - len(prompt)), use_ts,
+                                      temps, int(best_of), int(seed), window, compression_ratio_threshold,
+                                      logprob_threshold, no_speech_threshold)
+            window += 1
+            if (no_speech_threshold is not None and r.no_speech_prob > no_speech_threshold
+                    and not (logprob_threshold is not None and r.avg_logprob > logprob_threshold)):
+                advance = size
+            else:
+                found, advance, kept = _split(model, r.tokens, seek, size, use_ts)
+                for sg in found:
+                    sg.seek, sg.temperature, sg.avg_logprob = seek * FRAME, r.temperature, r.avg_logprob
+                    sg.compression_ratio, sg.no_speech_prob = r.compression_ratio, r.no_speech_prob
+                segs += found
+                history = [] if r.temperature > prompt_reset_on_temperature else history + kept
             seek += advance
             if bar is not None:
-                bar.update(round(advance / 16000, 1))
+                bar.update(round(advance * FRAME, 2))
     if bar is not None:
         bar.close()
     text = "".join(s.text for s in segs).strip()
-    return Transcript(text, segs, lang if model.multilingual else "en")
+    return Transcript(text, segs, lang if model.multilingual else "en", duration=x.size / 16000)
 
 
 def _stamp(t: float, sep: str) -> str:
@@ -369,5 +483,5 @@ def format_transcript(t: Transcript, fmt: str = "txt") -> str:
     raise ValueError(f"unknown format {fmt!r}: txt, srt, vtt or json")
 
 
-__all__ = ["ASRModel", "Segment", "Transcript", "format_transcript", "load_asr_model", "resolve_asr_model",
+__all__ = ["ASRModel", "Segment", "Transcript", "compression_ratio", "format_transcript", "load_asr_model", "resolve_asr_model",
            "transcribe"]

@@ -180,7 +180,17 @@ def encode_audio_rows(embedder: AudioEmbedder, samples, scratch: Optional[AudioS
     return out[:n]
 
 
+def encode_mel_window(embedder: AudioEmbedder, mel) -> np.ndarray:
+    """Encoder rows ``(1500, dim)`` of one 30 s window of log-mel features ``(n_mel, 3000)``
+    the caller cut (see :func:`log_mel`), for bare whisper encoders: speech recognition feeds
+    windows of the whole clip's features, zero-padded past its end, as whisper's transcribe does."""
+    if not isinstance(embedder, AudioEmbedder):
+        raise TypeError("encode_mel_window takes an AudioEmbedder")
+    return embedder._enc.encode_mel_window(np.ascontiguousarray(mel, dtype=np.float32))
+
+
 __all__ = [
     "AudioEmbedder", "AudioState", "AudioTower", "audio_probe_proj_dim", "audio_tower_probe_proj_dim",
-    "encode_audio", "encode_audio_rows", "load_audio_embedder", "load_audio_tower", "log_mel", "nemo_fbank",
+    "encode_audio", "encode_audio_rows", "encode_mel_window", "load_audio_embedder", "load_audio_tower",
+    "log_mel", "nemo_fbank",
 ]

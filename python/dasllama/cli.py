@@ -499,6 +499,7 @@ def _cmd_serve(args) -> int:
     kw = dict(mmproj=_mmproj_arg(args) if args.mmproj else None, streams=args.streams,
               ctx=args.ctx, api_key=args.api_key, chunk=args.chunk, max_queue=args.queue,
               kv_dtype=KVDtype[args.kv_dtype], n_threads=args.threads, cache_pages=args.cache_pages, device=args.device,
+              asr_model=args.asr_model,
               chat_template=open(args.chat_template, encoding="utf-8").read() if args.chat_template else None,
               limits=Limits(allow_remote_media=bool(args.allow_remote_media), remote_timeout_s=args.remote_timeout))
     if not args.ray:
@@ -566,7 +567,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("dst")
     sp.add_argument("--encoder-only", action="store_true", help="only the encoder (a whisper-encoder mmproj)")
     sp.set_defaults(func=_cmd_convert)
-    sp = sub.add_parser("transcribe", help="speech to text with a whisper model (greedy)")
+    sp = sub.add_parser("transcribe", help="speech to text with a whisper model (greedy + whisper's fallback)")
     sp.add_argument("files", nargs="+", metavar="FILE", help="audio files (WAV / FLAC / MP3 / OGG)")
     sp.add_argument("--model", default="whisper-tiny.en",
                     help="ASR GGUF, CTranslate2 whisper directory or registry name (converted on first use)")
@@ -580,6 +581,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default=None,
                     help="GGUF path, registry name, hf:ORG/REPO[:QUANT|/FILE.gguf] or ollama:NAME[:TAG]")
     sp.add_argument("--mmproj", default=None, help="audio or vision tower GGUF (llama.cpp mmproj layout), or auto")
+    sp.add_argument("--asr-model", default=None, metavar="NAME|PATH",
+                    help="also serve POST /v1/audio/transcriptions with this whisper model (e.g. whisper-tiny.en)")
     sp.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     sp.add_argument("--port", type=int, default=8080)
     sp.add_argument("--streams", type=int, default=4, help="sessions decoded together")

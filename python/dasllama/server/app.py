@@ -25,14 +25,15 @@ from ..llm import KVDtype, SamplingParams
 from . import responses, sse
 from .chats import Chats
 from .engine import Engine, Job
-from .protocol import APIError, GenRequest, Limits, bad, parse_chat, parse_completion, parse_embeddings
+from .protocol import APIError, GenRequest, Limits, bad, parse_chat, parse_completion, parse_embeddings, read_body
 from .responses import Reply
+from .transcriptions import transcriptions
 
 
 @dataclass
 class AppState:
     """What the handlers serve from (``app.state.server``): the model, its tower, the engine, the
-    per-request renderers, the limits, the served name and the API key."""
+    per-request renderers, the limits, the served name, the API key and the ASR model."""
 
     model: llm.Model
     tower: Any
@@ -41,6 +42,8 @@ class AppState:
     limits: Limits
     name: str
     api_key: Optional[str] = None
+    asr: Any = None                 # the speech recognition model (dasllama.asr.ASRModel), if served
+    asr_name: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -62,18 +65,9 @@ def _error(e: APIError) -> JSONResponse:
 
 async def read_json(request: Request, lim: Limits) -> Any:
     """The body as JSON, refused past ``lim.max_body_bytes`` before it is all read."""
-    n = request.headers.get("content-length")
-    if n is not None and not n.isdigit():
-        raise bad(f"bad Content-Length {n[:32]!r}")
-    if n is not None and int(n) > lim.max_body_bytes:
-        raise APIError(413, f"the body is over the {lim.max_body_bytes} byte limit")
-    buf = bytearray()
-    async for piece in request.stream():
-        buf += piece
-        if len(buf) > lim.max_body_bytes:
-            raise APIError(413, f"the body is over the {lim.max_body_bytes} byte limit")
+    buf = await read_body(request, lim)
     try:
-        return json.loads(bytes(buf))
+        return json.loads(buf)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the body is not valid JSON: {e}") from None
 
@@ -180,8 +174,9 @@ async def embeddings(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     st = _state(request)
-    return JSONResponse({"object": "list", "data": [{"id": st.name, "object": "model", "created": st.created,
-                                                     "owned_by": "dasllama"}]})
+    names = [st.name] + ([st.asr_name] if st.asr is not None else [])
+    return JSONResponse({"object": "list", "data": [{"id": n, "object": "model", "created": st.created,
+                                                     "owned_by": "dasllama"} for n in names]})
 
 
 async def health(request: Request) -> Response:
@@ -244,6 +239,7 @@ ROUTES = [
     Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
     Route("/v1/completions", guarded(completions), methods=["POST"]),
     Route("/v1/embeddings", guarded(embeddings), methods=["POST"]),
+    Route("/v1/audio/transcriptions", guarded(transcriptions), methods=["POST"]),
     Route("/v1/models", guarded(models), methods=["GET"]),
     Route("/metrics", guarded(metrics), methods=["GET"]),
     Route("/health", health, methods=["GET"]),
@@ -254,11 +250,15 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
                streams: int = 4, ctx: int = 0, api_key: Optional[str] = None, chunk: int = 256,
                max_queue: int = 0, kv_dtype: KVDtype = KVDtype.f16, n_threads: int = 0, cache_pages: int = 0,
                model_name: Optional[str] = None, limits: Optional[Limits] = None,
-               chat_template: Optional[str] = None, device: Optional[str] = None) -> Starlette:
+               chat_template: Optional[str] = None, device: Optional[str] = None,
+               asr_model: Any = None) -> Starlette:
     """An ASGI app serving ``model`` (a hub name, a GGUF path or a loaded :class:`~dasllama.Model`).
 
     ``chat_template`` (Jinja source) replaces the model's own. ``device`` places a model (and tower)
-    loaded here, as for :func:`~dasllama.load_model`; a loaded model's tower goes where it is. Mount the app in another Starlette/FastAPI
+    loaded here, as for :func:`~dasllama.load_model`; a loaded model's tower goes where it is.
+    ``asr_model`` (a whisper registry name, a GGUF or CTranslate2 path, or a loaded
+    :class:`~dasllama.asr.ASRModel`) serves ``POST /v1/audio/transcriptions``; its name is listed by
+    ``/v1/models`` beside the chat model's. Mount the app in another Starlette/FastAPI
     app or run it with uvicorn. The engine thread starts here;
     ``app.state.engine.stop()`` ends it (the ``dasllama serve`` command does so at shutdown).
     """
@@ -283,9 +283,16 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
     lim = limits or Limits()
     engine = Engine(m, streams=streams, n_ctx=ctx, kv_dtype=kv_dtype, chunk=chunk, max_queue=max_queue,
                     cache_pages=cache_pages).start()
+    asr_m = asr_name = None
+    if asr_model is not None:
+        from ..asr import ASRModel, load_asr_model
+
+        asr_m = asr_model if isinstance(asr_model, ASRModel) else load_asr_model(asr_model, n_threads=n_threads,
+                                                                                   device=device)
+        asr_name = (asr_model if isinstance(asr_model, str) else asr_m.path).rsplit("/", 1)[-1]
     app = Starlette(routes=ROUTES, exception_handlers={404: not_found, 405: not_found})
     app.state.server = AppState(model=m, tower=tower, engine=engine, chats=Chats(m, chat_template, tower, lim, vision=vision),
-                                limits=lim, name=name, api_key=api_key)
+                                limits=lim, name=name, api_key=api_key, asr=asr_m, asr_name=asr_name)
     app.state.engine = engine
     app.state.model = m
     return app

@@ -328,3 +328,18 @@ def parse_embeddings(body: Dict[str, Any], limits: Limits):
     if fmt not in ("float", "base64"):
         raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     return x, fmt
+
+
+async def read_body(request: Any, lim: Limits) -> bytes:
+    """The body's bytes, refused past ``lim.max_body_bytes`` before it is all read."""
+    n = request.headers.get("content-length")
+    if n is not None and not n.isdigit():
+        raise bad(f"bad Content-Length {n[:32]!r}")
+    if n is not None and int(n) > lim.max_body_bytes:
+        raise APIError(413, f"the body is over the {lim.max_body_bytes} byte limit")
+    buf = bytearray()
+    async for piece in request.stream():
+        buf += piece
+        if len(buf) > lim.max_body_bytes:
+            raise APIError(413, f"the body is over the {lim.max_body_bytes} byte limit")
+    return bytes(buf)

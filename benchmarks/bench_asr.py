@@ -1,0 +1,93 @@
+"""Speech recognition: whisper tiny.en encoder time against CTranslate2's, and whole transcriptions
+(real-time factor, word error rate) against faster-whisper's, interleaved rep by rep in one run.
+
+    python benchmarks/bench_asr.py [--threads 2] [--reps 3]
+
+Both sides read the same pulled CTranslate2 files (``dasllama pull whisper-tiny.en``; ours through
+``dasllama convert``), in float32, with the same thread count. Encoder: ours is mel (C++) + encoder
+of a 30 s window (``encode_audio_rows``), CTranslate2 is ``Whisper.encode`` of
+WhisperFeatureExtractor's features (mel not counted on its side). Transcription: greedy, beam 1,
+whisper's fallback schedule, condition_on_previous_text off, no VAD, on speech eSpeak NG speaks
+(tests/oracles/asr_script.py): one sentence (5.6 s) and eight sentences (41 s). Best of
+``--reps`` per pipeline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "oracles"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+
+    import ctranslate2
+    from faster_whisper import WhisperModel
+    from transformers import WhisperFeatureExtractor
+
+    import dasllama as d
+    from dasllama import cli, hub
+    from asr_script import SENTENCES, long_clip, wer
+    from speech import speak
+
+    ct2_dir = str(hub.pull("whisper-tiny.en"))
+    tmp = tempfile.mkdtemp()
+    gguf = os.path.join(tmp, "whisper-tiny.en.gguf")
+    cli.main(["convert", "whisper-tiny.en", gguf])
+    model = d.load_asr_model(gguf, n_threads=args.threads)
+    ct2 = ctranslate2.models.Whisper(ct2_dir, device="cpu", compute_type="float32", intra_threads=args.threads)
+    fw = WhisperModel(ct2_dir, device="cpu", compute_type="float32", cpu_threads=args.threads)
+
+    # -- encoder of one 30 s window ----------------------------------------------------------------
+    x30 = np.resize(speak(SENTENCES[0]), 30 * 16000).astype(np.float32)
+    feats = WhisperFeatureExtractor()(x30, sampling_rate=16000, return_tensors="np").input_features
+    sv = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats))
+    ours_enc, ct2_enc = [], []
+    d.encode_audio_rows(model.encoder, x30, full_window=True)  # warm-up both
+    ct2.encode(sv)
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        d.encode_audio_rows(model.encoder, x30, full_window=True)
+        ours_enc.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ct2.encode(sv)
+        ct2_enc.append(time.perf_counter() - t)
+    print(f"encoder 30 s window, {args.threads} threads: dasllama (mel + encoder) {min(ours_enc) * 1e3:.1f} ms, "
+          f"CTranslate2 (encoder) {min(ct2_enc) * 1e3:.1f} ms, ratio {min(ct2_enc) / min(ours_enc):.2f}x")
+
+    # -- whole transcriptions --------------------------------------------------------------------------
+    settings = dict(compression_ratio_threshold=2.4, no_speech_threshold=0.6, condition_on_previous_text=False)
+    clips = {"one sentence": (speak(SENTENCES[0]), SENTENCES[0]),
+             "eight sentences": (long_clip(), " ".join(SENTENCES))}
+    print("| clip | seconds | dasllama s | dasllama RTF | faster-whisper s | faster-whisper RTF | WER ours | "
+          "WER faster-whisper | same text |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, (x, script) in clips.items():
+        dur = len(x) / 16000
+        ours_t, fw_t = [], []
+        ours_text = fw_text = ""
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            ours_text = d.transcribe(model, x, logprob_threshold=-1.0, **settings).text
+            ours_t.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            segs, _ = fw.transcribe(x, language="en", beam_size=1, best_of=5, vad_filter=False,
+                                    log_prob_threshold=-1.0, **settings)
+            fw_text = "".join(s.text for s in segs).strip()
+            fw_t.append(time.perf_counter() - t)
+        a, b = min(ours_t), min(fw_t)
+        print(f"| {name} | {dur:.1f} | {a:.2f} | {a / dur:.3f} | {b:.2f} | {b / dur:.3f} | "
+              f"{wer(ours_text, script):.3f} | {wer(fw_text, script):.3f} | {ours_text == fw_text} |")
+
+
+if __name__ == "__main__":
+    main()
