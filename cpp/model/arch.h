@@ -49,6 +49,13 @@ struct ArchTraits {
   // Gated-DeltaNet value heads grouped by key head (head h reads key head h / (n_v / n_k)), as
   // Qwen3-Next files keep them; otherwise tiled (h % n_k), as the converter writes Qwen3.5.
   bool ssm_v_grouped = false;
+  // Attention scores are not scaled (the QK norms carry the scale: gemma4); else 1/sqrt(head_dim).
+  bool attn_unscaled = false;
+  // Values go through an RMS norm without weights before the cache (gemma4).
+  bool v_norm = false;
+  // rope_freqs (per-pair divisors) apply to the global layers only; sliding layers rope plainly
+  // (gemma4's proportional rope on its full-attention layers).
+  bool rope_freqs_global_only = false;
 };
 
 // A control token that closes a turn in a chat format (ChatML's <|im_end|>, ...). A

@@ -53,11 +53,11 @@ def qwen3next(vocab: int) -> torch.nn.Module:
 FAMILIES = {"qwen35": qwen35, "qwen3next": qwen3next}
 
 
-def convert(hf_dir: str, out: str, outtype: str) -> str:
+def convert(hf_dir: str, out: str, outtype: str, extra=("--no-mtp",)) -> str:
     src = M.llama_cpp_dir()
     env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), hf_dir, "--outfile", out,
-                        "--outtype", outtype, "--no-mtp"], env=env, capture_output=True, text=True)
+                        "--outtype", outtype, *extra], env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{r.stderr[-4000:]}")
     return out
