@@ -105,3 +105,93 @@ def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
     model.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
     return model, {t: H.convert(hf_dir, os.path.join(out_dir, f"gemma4-{name}-{t}.gguf"), t, ()) for t in outtypes}
+
+
+# ---- network-free files for the device tests ---------------------------------------------------
+
+def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str:
+    """A small random Gemma-4 file of a shape above, with the converter's names, shapes and keys (as the
+    converter-made files carry them; keys written by name, since an installed gguf-py may predate the
+    family) and export.py's 512-token SPM vocabulary: for the device tests, which compare a device with
+    the CPU (itself held to transformers above) where neither PyPI nor the converter is reachable."""
+    import gguf
+    import numpy as np
+
+    import export as E
+
+    assert name in FAMILIES
+    es = name == "eseries"
+    rng = np.random.default_rng(seed)
+    D, H, V, L, P = 64, 4, E.VOCAB, 6, 8
+    swa = [True, True, False] * 2
+    kvh = [2] * L if es else [2 if s else 1 for s in swa]
+    hd = [16 if s else 32 for s in swa]
+    ff = [96] * 4 + [192] * 2 if es else [96] * L
+    shared = 2 if es else 0
+    w = gguf.GGUFWriter(path, "gemma4")
+    a = "gemma4."
+    w.add_uint32(a + "block_count", L)
+    w.add_uint32(a + "context_length", 512)
+    w.add_uint32(a + "embedding_length", D)
+    w.add_array(a + "feed_forward_length", ff) if es else w.add_uint32(a + "feed_forward_length", 96)
+    w.add_uint32(a + "attention.head_count", H)
+    w.add_uint32(a + "attention.head_count_kv", 2) if es else w.add_array(a + "attention.head_count_kv", kvh)
+    w.add_float32(a + "rope.freq_base", 1e6)
+    w.add_float32(a + "rope.freq_base_swa", 1e4)
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_uint32(a + "attention.key_length", 32)
+    w.add_uint32(a + "attention.value_length", 32)
+    w.add_uint32(a + "attention.key_length_swa", 16)
+    w.add_uint32(a + "attention.value_length_swa", 16)
+    w.add_float32(a + "final_logit_softcapping", 30.0)
+    w.add_uint32(a + "attention.sliding_window", 8)
+    w.add_uint32(a + "attention.shared_kv_layers", shared)
+    w.add_uint32(a + "embedding_length_per_layer_input", P if es else 0)
+    w.add_array(a + "attention.sliding_window_pattern", swa)
+    w.add_uint32(a + "rope.dimension_count", 32)
+    w.add_uint32(a + "rope.dimension_count_swa", 16)
+    E._add_spm_vocab(w, E.spm_model_proto())
+    qt = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[ftype]
+
+    def mat(tname, *shape, scale=INIT):
+        x = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if qt == gguf.GGMLQuantizationType.F32 or shape[-1] % 32:
+            w.add_tensor(tname, x)
+        else:
+            w.add_tensor(tname, gguf.quants.quantize(x, qt), raw_dtype=qt)
+
+    def vec(tname, *shape, base=1.0, scale=0.1):
+        w.add_tensor(tname, (base + rng.standard_normal(shape) * scale).astype(np.float32))
+
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * 4 + [1e30] * 12, dtype=np.float32))
+    mat("token_embd.weight", V, D, scale=1.0)
+    vec("output_norm.weight", D)
+    if es:
+        mat("per_layer_token_embd.weight", V, L * P, scale=1.0)
+        mat("per_layer_model_proj.weight", L * P, D)
+        vec("per_layer_proj_norm.weight", P)
+    for il in range(L):
+        b = f"blk.{il}."
+        for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            vec(b + n + ".weight", D)
+        w.add_tensor(b + "layer_output_scale.weight", rng.uniform(0.6, 1.4, 1).astype(np.float32))
+        mat(b + "attn_q.weight", H * hd[il], D)
+        vec(b + "attn_q_norm.weight", hd[il])
+        if il < L - shared:
+            mat(b + "attn_k.weight", kvh[il] * hd[il], D)
+            vec(b + "attn_k_norm.weight", hd[il])
+            if es or swa[il]:
+                mat(b + "attn_v.weight", kvh[il] * hd[il], D)
+        mat(b + "attn_output.weight", D, H * hd[il])
+        mat(b + "ffn_gate.weight", ff[il], D)
+        mat(b + "ffn_up.weight", ff[il], D)
+        mat(b + "ffn_down.weight", D, ff[il])
+        if es:
+            mat(b + "inp_gate.weight", P, D)
+            mat(b + "proj.weight", D, P)
+            vec(b + "post_norm.weight", D)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
