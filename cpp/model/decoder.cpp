@@ -542,6 +542,10 @@ void Model::ffn_block(int il, int64_t n) {
   float* o = static_cast<float*>(ffn_->data());
   float* gate = scratch(gate_, n * 2 * F, "activations");
   float* up = scratch(up_, n * F, "activations");
+  if (!L.ffn_pre_norm_2.empty()) {
+    parallel_moe_ffn(il, n);
+    return;
+  }
   if (!L.router.empty()) {  // a mixture of experts reads the normed rows (xn) itself
     be.rms_norm(x, L.ffn_norm.data(), xn, n, D, c.norm_eps);
     moe_block(il, n);
@@ -606,6 +610,65 @@ void Model::moe_block(int il, int64_t n) {
   be.moe_route(lg + n * E, n, 1, 1, MoeGate::sigmoid, false, ids + P, w + P);
   be.moe_sum(sd, w + P, n, 1, D, so);
   be.add(o, so, n * D);
+}
+
+// gemma4's MoE layer: a dense MLP and the experts side by side on the residual x, each through its
+// own norms, summed, post-normed and added. The router reads x normed by its own weight; the k
+// weights (softmax, renormalized) take a per-expert scale; the experts' gate and up are one stack.
+void Model::parallel_moe_ffn(int il, int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const LayerWeights& L = layers_[il];
+  const int64_t D = c.dim, Fd = c.l_ffn_dim[il], E = c.n_expert, F = c.expert_ffn_dim;
+  const int k = c.n_expert_used;
+  const int64_t P = n * k;
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : traits_->act == FfnAct::gelu_tanh ? Act::gelu_tanh : Act::swiglu_oai;
+  float* x = static_cast<float*>(x_->data());
+  float* xn = static_cast<float*>(xn_->data());
+  float* o = static_cast<float*>(ffn_->data());
+  // The dense MLP, into o.
+  float* gate = scratch(gate_, std::max(n * Fd, P * 2 * F), "activations");
+  float* up = scratch(up_, std::max(n * Fd, P * F), "activations");
+  MatmulStep gu;
+  gu.x = x, gu.n = n, gu.xn = xn;
+  gu.norm = true, gu.norm_w = L.ffn_norm.data(), gu.eps = c.norm_eps;
+  gu.count = 2, gu.w[0] = &L.w_gate, gu.w[1] = &L.w_up, gu.y[0] = gate, gu.y[1] = up;
+  be.matmul_step(gu);
+  be.glu(gate, Fd, up, Fd, up, n, Fd, act);
+  be.matmul(L.w_down, up, n, o);
+  be.rms_norm(o, L.ffn_post_norm_1.data(), o, n, D, c.norm_eps);
+  // The experts, into o2.
+  float* lg = scratch(moe_logits_, n * E, "activations");
+  int32_t* ids = reinterpret_cast<int32_t*>(scratch(moe_ids_, P, "activations"));
+  float* w = scratch(moe_w_, 2 * P, "activations");
+  float* yd = scratch(moe_y_, P * D, "activations");
+  float* r = scratch(moe_x_, 2 * n * D, "activations");
+  float* o2 = r + n * D;
+  be.rms_norm(x, L.router_in_norm.empty() ? nullptr : L.router_in_norm.data(), r, n, D, c.norm_eps);
+  be.matmul(L.router, r, n, lg);
+  be.moe_route(lg, n, (int)E, k, traits_->moe_gate, c.moe_norm_topk, ids, w);
+  if (!L.exp_scale.empty()) {
+    // w[p] *= scale[ids[p]]: the scales gathered by expert id, then moe_sum as an elementwise
+    // product (P rows of one pair of width 1).
+    float* sc = w + P;
+    be.get_rows(L.exp_scale, ids, P, sc);
+    be.moe_sum(sc, w, P, 1, 1, w);
+  }
+  be.rms_norm(x, L.ffn_pre_norm_2.data(), xn, n, D, c.norm_eps);
+  if (!L.gate_up_exps.empty()) {
+    be.matmul_id(L.gate_up_exps, xn, k, ids, P, nullptr, gate);  // per pair [gate | up], 2F wide
+    be.glu(gate, 2 * F, gate + F, 2 * F, up, P, F, act);
+  } else {
+    be.matmul_id(L.gate_exps, xn, k, ids, P, nullptr, gate);
+    be.matmul_id(L.up_exps, xn, k, ids, P, nullptr, up);
+    be.glu(gate, F, up, F, up, P, F, act);
+  }
+  be.matmul_id(L.down_exps, up, 1, ids, P, nullptr, yd);
+  be.moe_sum(yd, w, n, k, D, o2);
+  be.rms_norm(o2, L.ffn_post_norm_2.data(), o2, n, D, c.norm_eps);
+  be.add(o, o2, n * D);
+  if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
+  be.add(x, o, n * D);
 }
 
 // Final norm and logits: of every row, or of the last row of each run that wants them.

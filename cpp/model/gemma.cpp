@@ -45,6 +45,10 @@ void register_gemma_family() {
   g4.attn_unscaled = true;
   g4.v_norm = true;
   g4.rope_freqs_global_only = true;
+  // The 26B-A4B's experts: softmax router, top-k renormalized (then a per-expert scale, and a dense
+  // MLP beside them: found from the tensors).
+  g4.moe_gate = MoeGate::softmax;
+  g4.moe_norm_topk = true;
   register_arch(g4);
 }
 }  // namespace dl

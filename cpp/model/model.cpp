@@ -537,8 +537,11 @@ void Model::load_weights() {
       // A mixture-of-experts layer; the shared expert and the biases are found from the tensors.
       const int64_t E = c.n_expert, F = c.expert_ffn_dim;
       L.router_b = upload(load_vector(b("ffn_gate_inp"), false, E));
-      L.gate_exps = load_experts(n("ffn_gate_exps"), true, E, F, c.dim);
-      L.up_exps = load_experts(n("ffn_up_exps"), true, E, F, c.dim);
+      L.gate_up_exps = load_experts(n("ffn_gate_up_exps"), false, E, 2 * F, c.dim);
+      if (L.gate_up_exps.empty()) {
+        L.gate_exps = load_experts(n("ffn_gate_exps"), true, E, F, c.dim);
+        L.up_exps = load_experts(n("ffn_up_exps"), true, E, F, c.dim);
+      }
       L.down_exps = load_experts(n("ffn_down_exps"), true, E, c.dim, F);
       L.gate_exps_b = upload(load_vector(b("ffn_gate_exps"), false, E * F));
       L.up_exps_b = upload(load_vector(b("ffn_up_exps"), false, E * F));
@@ -549,7 +552,26 @@ void Model::load_weights() {
         L.up_shexp = load_matrix(n("ffn_up_shexp"), true, c.shexp_ffn_dim, c.dim);
         L.down_shexp = load_matrix(n("ffn_down_shexp"), true, c.dim, c.shexp_ffn_dim);
       }
-      continue;
+      // gemma4: the router reads its own norm of the residual (a weight of scale / sqrt(dim)), the
+      // routing weights take a per-expert scale, and a dense MLP runs beside the experts.
+      const std::string pre = "blk." + std::to_string(il) + ".";
+      std::vector<float> rs = load_vector(pre + "ffn_gate_inp.scale", false, c.dim);
+      if (!rs.empty()) {
+        for (float& v : rs) v /= std::sqrt((float)c.dim);
+        L.router_in_norm = upload(rs);
+      }
+      std::vector<float> es = load_vector(pre + "ffn_down_exps.scale", false, E);
+      if (!es.empty()) {
+        L.exp_scale.type = (uint32_t)GGMLType::F32;
+        L.exp_scale.rows = E, L.exp_scale.cols = 1, L.exp_scale.row_bytes = 4;
+        L.exp_scale.owned = std::make_shared<std::vector<uint8_t>>((size_t)E * 4);
+        std::memcpy(L.exp_scale.owned->data(), es.data(), (size_t)E * 4);
+        L.exp_scale.host = L.exp_scale.owned->data();
+      }
+      L.ffn_pre_norm_2 = upload(load_vector(n("pre_ffw_norm_2"), false, c.dim));
+      if (L.ffn_pre_norm_2.empty()) continue;
+      L.ffn_post_norm_1 = upload(load_vector(n("post_ffw_norm_1"), true, c.dim));
+      L.ffn_post_norm_2 = upload(load_vector(n("post_ffw_norm_2"), true, c.dim));
     }
     L.w_gate = load_matrix(n("ffn_gate"), false, F, c.dim);
     if (L.w_gate.empty()) {
@@ -579,7 +601,7 @@ std::vector<Weight*> Model::matrices() {
     for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wqkv, &L.wo, &L.w_gate, &L.w_up, &L.w_gate_up, &L.w_down, &L.router,
                       &L.gate_exps, &L.up_exps, &L.down_exps, &L.gate_shexp, &L.up_shexp, &L.down_shexp,
                       &L.router_shexp, &L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta, &L.ssm_ba, &L.ssm_out,
-                      &L.ple_gate, &L.ple_proj})
+                      &L.ple_gate, &L.ple_proj, &L.gate_up_exps})
       if (!w->empty()) mats.push_back(w);
   if (!ple_model_proj_.empty()) mats.push_back(&ple_model_proj_);
   return mats;
@@ -624,6 +646,8 @@ void Model::make_resident() {
     backend_->load_weight(tok_embd_, WeightUse::rows);
   }
   if (!ple_embd_.empty()) backend_->load_weight(ple_embd_, WeightUse::rows);
+  for (LayerWeights& L : layers_)
+    if (!L.exp_scale.empty()) backend_->load_weight(L.exp_scale, WeightUse::rows);
 }
 
 }  // namespace dl

@@ -65,6 +65,11 @@ struct LayerWeights {
   // mixture of experts: the router, the expert stacks (with biases where the family has
   // them) and an optional shared expert behind its own sigmoid gate (a 1-row matrix)
   Weight router, gate_exps, up_exps, down_exps, gate_shexp, up_shexp, down_shexp, router_shexp;
+  // gemma4's MoE layers: experts' gate and up as one stack ([gate | up] per expert), a per-expert
+  // scale of the routing weights (a 1-column table read by expert id), the router's input norm
+  // (its scale over sqrt(dim)), and the norms around the dense MLP that runs beside the experts.
+  Weight gate_up_exps, exp_scale;
+  Vec router_in_norm, ffn_pre_norm_2, ffn_post_norm_1, ffn_post_norm_2;
   Vec router_b, gate_exps_b, up_exps_b, down_exps_b;
   // a gated-DeltaNet layer: the qkv and z (output gate) projections, the per-head gate logits
   // (alpha: decay, beta: write strength), the conv, A, dt bias, the gated norm, the output
@@ -172,6 +177,7 @@ class Model : public std::enable_shared_from_this<Model> {
   // A stack of n_expert matrices of rows x cols (a 3-D tensor), as one matrix of matmul_id.
   Weight load_experts(const std::string& name, bool required, int64_t n_expert, int64_t rows, int64_t cols);
   void moe_block(int il, int64_t n);
+  void parallel_moe_ffn(int il, int64_t n);
   std::vector<float> load_vector(const std::string& name, bool required, int64_t n = -1);
   Vec upload(const std::vector<float>& v) { return upload_vec(*backend_, v, "model weights"); }
   // A chunk of rows: runs of consecutive rows, each belonging to one session.
@@ -218,7 +224,7 @@ class Model : public std::enable_shared_from_this<Model> {
   // Backend scratch for one chunk of up to max_chunk_ rows (grown on demand).
   int64_t max_chunk_ = 256;
   BufferPtr x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, logits_, embd_;
-  BufferPtr moe_logits_, moe_ids_, moe_w_, moe_y_, moe_sh_;
+  BufferPtr moe_logits_, moe_ids_, moe_w_, moe_y_, moe_sh_, moe_x_;
   BufferPtr qgate_, ssm_x_, ssm_ab_, ssm_o_;
   BufferPtr ple_, ple_tmp_, ple_ids_;
   float* embd_dev_ = nullptr;

@@ -4,7 +4,9 @@ Two shapes: ``dense`` as the 31B is built (sliding layers of head_dim 16 with tw
 layers of head_dim 32 with one kv head and no V projection -- attention_k_eq_v -- proportional rope
 on a quarter of the global head) and ``eseries`` as E2B / E4B are (per-layer embeddings, the last two
 layers reading the KV of the last earlier layer of their kind, a double-wide FFN in those layers).
-Both soft-cap their logits and scale each layer's output by a random layer_scalar.
+A third, ``moe``, is the dense one with experts beside each layer's MLP, as the 26B-A4B is (a router
+with its own input norm, a per-expert scale, the experts' gate and up as one stack). All soft-cap
+their logits and scale each layer's output by a random layer_scalar.
 
 The vocabulary is a small BPE trained here in the SentencePiece style Gemma's tokenizer has
 (spaces as "\u2581", byte fallback), wrapped in transformers' GemmaTokenizer with Gemma-4's control
@@ -66,7 +68,7 @@ def tokenizer():
     return tok
 
 
-def _config(vocab: int, eseries: bool):
+def _config(vocab: int, eseries: bool, moe: bool = False):
     from transformers import Gemma4TextConfig
 
     kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -81,21 +83,24 @@ def _config(vocab: int, eseries: bool):
     else:
         kw.update(hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
                   num_kv_shared_layers=0)
+    if moe:  # as the 26B-A4B: experts beside the dense MLP in every layer
+        kw.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
     return Gemma4TextConfig(**kw)
 
 
-def _model(vocab: int, eseries: bool) -> torch.nn.Module:
+def _model(vocab: int, eseries: bool, moe: bool = False) -> torch.nn.Module:
     from transformers import Gemma4ForCausalLM
 
     torch.manual_seed(0)
-    m = M._seeded(Gemma4ForCausalLM(_config(vocab, eseries)))
+    m = M._seeded(Gemma4ForCausalLM(_config(vocab, eseries, moe)))
     with torch.no_grad():  # layer_scalar is a buffer (ones): random, so a skipped scale shows
         for layer in m.model.layers:
             layer.layer_scalar.uniform_(0.6, 1.4)
     return m
 
 
-FAMILIES = {"dense": lambda v: _model(v, False), "eseries": lambda v: _model(v, True)}
+FAMILIES = {"dense": lambda v: _model(v, False), "eseries": lambda v: _model(v, True),
+            "moe": lambda v: _model(v, False, True)}
 
 
 def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
@@ -119,7 +124,7 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
 
     import export as E
 
-    assert name in FAMILIES
+    assert name in ("dense", "eseries")
     es = name == "eseries"
     rng = np.random.default_rng(seed)
     D, H, V, L, P = 64, 4, E.VOCAB, 6, 8
