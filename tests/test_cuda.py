@@ -113,7 +113,7 @@ def test_hybrid_families(tmp_path, name):
     C.hybrid_family(str(tmp_path), name, "cuda")
 
 
-@pytest.mark.parametrize("name", ["dense", "eseries"])
+@pytest.mark.parametrize("name", ["dense", "eseries", "moe"])
 def test_gemma4_shapes(tmp_path, name):
     C.gemma4_family(str(tmp_path), name, "cuda")
 

@@ -124,8 +124,8 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
 
     import export as E
 
-    assert name in ("dense", "eseries")
-    es = name == "eseries"
+    assert name in FAMILIES
+    es, moe = name == "eseries", name == "moe"
     rng = np.random.default_rng(seed)
     D, H, V, L, P = 64, 4, E.VOCAB, 6, 8
     swa = [True, True, False] * 2
@@ -155,6 +155,10 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
     w.add_array(a + "attention.sliding_window_pattern", swa)
     w.add_uint32(a + "rope.dimension_count", 32)
     w.add_uint32(a + "rope.dimension_count_swa", 16)
+    if moe:
+        w.add_uint32(a + "expert_count", 4)
+        w.add_uint32(a + "expert_used_count", 2)
+        w.add_uint32(a + "expert_feed_forward_length", 32)
     E._add_spm_vocab(w, E.spm_model_proto())
     qt = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}[ftype]
 
@@ -191,6 +195,14 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
         mat(b + "ffn_gate.weight", ff[il], D)
         mat(b + "ffn_up.weight", ff[il], D)
         mat(b + "ffn_down.weight", D, ff[il])
+        if moe:
+            w.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((4, D)) * 0.5).astype(np.float32))
+            vec(b + "ffn_gate_inp.scale", D)
+            mat(b + "ffn_gate_up_exps.weight", 4, 64, D)
+            mat(b + "ffn_down_exps.weight", 4, D, 32)
+            vec(b + "ffn_down_exps.scale", 4)
+            for n in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                vec(b + n + ".weight", D)
         if es:
             mat(b + "inp_gate.weight", P, D)
             mat(b + "proj.weight", D, P)
