@@ -208,6 +208,19 @@ def test_chat_template_matches_transformers(gemma4_models, thinking):
     assert _whole(m, chat) == _hf_ids(tok, msgs, **kw)
 
 
+def test_generation_stops(gemma4_models):
+    """A model turn ends at <turn|> (end of generation for the model, as llama.cpp has it) and a chat
+    also stops at <|tool_response> (the template's pause after a tool call)."""
+    tok, models = gemma4_models
+    m = d.load_model(models["dense"][1]["f32"], mode=d.QuantMode.fp32)
+    turn_end, tool_resp = tok.convert_tokens_to_ids(["<turn|>", "<|tool_response>"])
+    assert turn_end in m.eog_ids
+    chat = d.create_chat_renderer(m)
+    d.add_user(chat, "hi")
+    d.render_turn(m, chat)
+    assert {turn_end, tool_resp} <= set(chat.stop_ids)
+
+
 def test_reply_parsers():
     """Gemma-4's wire formats: the thought span as reasoning, <|tool_call>call:NAME{...}<tool_call|> as calls
     with <|"|>-quoted strings, numbers, booleans, lists and nested objects; a malformed call stays content."""

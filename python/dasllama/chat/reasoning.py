@@ -89,6 +89,13 @@ def stop_words(fmt: Optional[str], close: str) -> List[str]:
     return words
 
 
+def stop_tokens(fmt: Optional[str]) -> List[str]:
+    """Texts that stop generation when the vocabulary has them as one token, visible or not: Gemma-4's
+    model turn pauses at <|tool_response> after a call (the converter keeps it visible, so it is no
+    control token llama.cpp-style end-of-generation would catch)."""
+    return ["<|tool_response>"] if fmt == "channel" else []
+
+
 def think_stream(fmt: Optional[str], thinking: bool, prompt: str) -> ThinkStream:
     """The splitter for a reply to ``prompt`` (the rendered generation prompt): armed only when the turn
     thinks, else a pass-through stream."""
