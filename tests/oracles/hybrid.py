@@ -69,10 +69,28 @@ def qwen35moe(vocab: int) -> torch.nn.Module:
 FAMILIES = {"qwen35": qwen35, "qwen3next": qwen3next, "qwen35moe": qwen35moe}
 
 
-def convert(hf_dir: str, out: str, outtype: str, extra=("--no-mtp",)) -> str:
+# transformers maps Qwen3.5-MoE configs to its Qwen3_5Tokenizer, which rebuilds the pre-tokenizer of
+# the borrowed SmolLM2 tokenizer into one whose hash the converter does not know: the converter's
+# pre-tokenizer check then reads the directory's own tokenizer.json (as it does for Qwen3.5 dense).
+_OWN_TOKENIZER_JSON = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+import conversion.base as B
+from transformers import PreTrainedTokenizerFast
+orig = B.TextModel.get_vocab_base_pre
+B.TextModel.get_vocab_base_pre = lambda self, tok: orig(
+    self, PreTrainedTokenizerFast(tokenizer_file=str(self.dir_model / "tokenizer.json")))
+script = sys.argv[1] + "/convert_hf_to_gguf.py"
+sys.argv = [script] + sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(hf_dir: str, out: str, outtype: str, extra=("--no-mtp",), own_tokenizer_json: bool = False) -> str:
     src = M.llama_cpp_dir()
     env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), hf_dir, "--outfile", out,
+    head = ["-c", _OWN_TOKENIZER_JSON, str(src)] if own_tokenizer_json else [str(src / "convert_hf_to_gguf.py")]
+    r = subprocess.run([sys.executable, *head, hf_dir, "--outfile", out,
                         "--outtype", outtype, *extra], env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{r.stderr[-4000:]}")
@@ -85,7 +103,8 @@ def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
     hf_dir = os.path.join(out_dir, name + "-hf")
     model.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
-    return model, {t: convert(hf_dir, os.path.join(out_dir, f"{name}-{t}.gguf"), t) for t in outtypes}
+    return model, {t: convert(hf_dir, os.path.join(out_dir, f"{name}-{t}.gguf"), t,
+                              own_tokenizer_json=name == "qwen35moe") for t in outtypes}
 
 
 # ---- network-free files for the device tests ---------------------------------------------------
