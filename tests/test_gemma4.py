@@ -116,6 +116,33 @@ def test_batched_equals_alone(gemma4_models, name):
     F.batched_equals_alone(d.load_model(paths["q8_0"]), hf.config.vocab_size)
 
 
+@pytest.mark.parametrize("name", ["eseries", "dense"])
+def test_prefix_cache_hit_equals_cold_prefill(gemma4_models, name):
+    """A donated prefill's full pages attached by a longer prompt: its tail's logits equal a cold
+    prefill's bitwise (the sharing layers read the attached pages of the layers they share)."""
+    _, models = gemma4_models
+    hf, paths = models[name]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    V = hf.config.vocab_size
+    prompt = F.ids(30, V, seed=7)
+    pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32, max_pages=64)
+    cache = d.create_prefix_cache()
+    a = d.create_session(m, pool)
+    d.eval(m, a, prompt)
+    d.prefix_insert(cache, pool, a, a.history)
+    longer = prompt + F.ids(9, V, seed=8)[1:]
+    b = d.create_session(m, pool)
+    assert d.prefix_attach(cache, pool, b, longer) == 24
+    d.eval(m, b, longer[24:])
+    cold = d.create_session(m, d.KVDtype.f32, n_ctx=64)
+    d.eval(m, cold, longer)
+    assert np.array_equal(np.array(b.logits), np.array(cold.logits))
+    for s in (a, b):
+        d.release_kv_pages(s)
+    d.prefix_release(cache, pool)
+    assert pool.stats().used == 0
+
+
 def test_shared_kv_layers_take_no_pool_rows(gemma4_models):
     """The E-series model's 6 layers keep 4 caches: a page holds rows of 4 layers, K and V, each row as
     wide as the widest cached layer (the global layers' 2 x 32); the dense model's 6 layers keep 6."""
