@@ -640,7 +640,7 @@ void Model::parallel_moe_ffn(int il, int64_t n) {
   // The experts, into o2.
   float* lg = scratch(moe_logits_, n * E, "activations");
   int32_t* ids = reinterpret_cast<int32_t*>(scratch(moe_ids_, P, "activations"));
-  float* w = scratch(moe_w_, 2 * P, "activations");
+  float* w = scratch(moe_w_, 3 * P, "activations");
   float* yd = scratch(moe_y_, P * D, "activations");
   float* r = scratch(moe_x_, 2 * n * D, "activations");
   float* o2 = r + n * D;
@@ -648,11 +648,12 @@ void Model::parallel_moe_ffn(int il, int64_t n) {
   be.matmul(L.router, r, n, lg);
   be.moe_route(lg, n, (int)E, k, traits_->moe_gate, c.moe_norm_topk, ids, w);
   if (!L.exp_scale.empty()) {
-    // w[p] *= scale[ids[p]]: the scales gathered by expert id, then moe_sum as an elementwise
-    // product (P rows of one pair of width 1).
+    // w[p] * scale[ids[p]]: the scales gathered by expert id, then moe_sum as an elementwise
+    // product (P rows of one pair of width 1), into its own buffer (no op here writes its input).
     float* sc = w + P;
     be.get_rows(L.exp_scale, ids, P, sc);
-    be.moe_sum(sc, w, P, 1, 1, w);
+    be.moe_sum(sc, w, P, 1, 1, w + 2 * P);
+    w += 2 * P;
   }
   be.rms_norm(x, L.ffn_pre_norm_2.data(), xn, n, D, c.norm_eps);
   if (!L.gate_up_exps.empty()) {
