@@ -152,8 +152,9 @@ def test_no_private_module_names_from_outside():
 CPP_ROOTS = [ROOT.parents[1] / d for d in ("cpp", "cuda", "vulkan")]
 REGISTRY_FILES = {"cpp/model/arch.cpp", "cpp/model/llama.cpp", "cpp/model/qwen.cpp", "cpp/model/gemma.cpp",
                   "cpp/model/phi.cpp"}
-# tokenizer.ggml.model "llama" names the SentencePiece vocabulary format, not the architecture.
-NOT_FAMILIES = {"cpp/tokenizer/": {"llama"}}
+# tokenizer.ggml.model "llama" names the SentencePiece vocabulary format, not the architecture; "gemma4"
+# names the SentencePiece-style BPE vocabulary (merges given) that Gemma-4's files carry.
+NOT_FAMILIES = {"cpp/tokenizer/": {"llama", "gemma4"}}
 
 
 def _family_words():

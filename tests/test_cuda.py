@@ -108,9 +108,14 @@ def test_moe_families(tmp_path, name):
     C.moe_family(str(tmp_path), name, "cuda")
 
 
-@pytest.mark.parametrize("name", ["qwen35", "qwen3next"])
+@pytest.mark.parametrize("name", ["qwen35", "qwen3next", "qwen35moe"])
 def test_hybrid_families(tmp_path, name):
     C.hybrid_family(str(tmp_path), name, "cuda")
+
+
+@pytest.mark.parametrize("name", ["dense", "eseries", "moe"])
+def test_gemma4_shapes(tmp_path, name):
+    C.gemma4_family(str(tmp_path), name, "cuda")
 
 
 def test_errors_leave_the_process_usable(files):

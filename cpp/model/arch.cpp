@@ -36,6 +36,7 @@ const std::vector<TurnEnd>& turn_end_tokens() {
   static const std::vector<TurnEnd> t = {
       {"<|im_end|>", "ChatML (Qwen, SmolLM)"},
       {"<end_of_turn>", "Gemma"},
+      {"<turn|>", "Gemma 4"},
       {"<|eot_id|>", "Llama 3"},
       {"<|eom_id|>", "Llama 3 (tool call)"},
       {"<|end|>", "Phi-3, harmony (gpt-oss)"},

@@ -52,6 +52,13 @@ struct ArchTraits {
   // M-RoPE sections interleaved over the pairs (t h w t h w ..., Qwen3-VL) rather than one run
   // per axis (t..t h..h w..w, Qwen2-VL / 2.5-VL).
   bool mrope_interleaved = false;
+  // Attention scores are not scaled (the QK norms carry the scale: gemma4); else 1/sqrt(head_dim).
+  bool attn_unscaled = false;
+  // Values go through an RMS norm without weights before the cache (gemma4).
+  bool v_norm = false;
+  // rope_freqs (per-pair divisors) apply to the global layers only; sliding layers rope plainly
+  // (gemma4's proportional rope on its full-attention layers).
+  bool rope_freqs_global_only = false;
 };
 
 // A control token that closes a turn in a chat format (ChatML's <|im_end|>, ...). A

@@ -363,18 +363,56 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
   } else {
     be.copy(x, embd_dev_, (size_t)(n * D) * 4);
   }
+  if (c.ple_dim > 0) ple_inputs(n);
   for (int il = 0; il < c.n_layers; ++il) {
     if (c.rec_slot[il] >= 0)
       recurrent_block(il, runs, n_runs, n);
     else
       attention_block(il, runs, n_runs, n);
     ffn_block(il, n);
+    const LayerWeights& L = layers_[il];
+    if (c.ple_dim > 0) {
+      // x += post_norm(proj(gelu(gate x) * this layer's per-layer input))
+      const int64_t P = c.ple_dim;
+      float* g = scratch(ple_tmp_, n * std::max<int64_t>(P, D), "activations");
+      float* o = static_cast<float*>(ffn_->data());
+      be.matmul(L.ple_gate, x, n, g);
+      be.glu(g, P, static_cast<const float*>(ple_->data()) + il * P, (int64_t)c.n_layers * P, g, n, P, Act::gelu_tanh);
+      project_residual(L.ple_proj, Vec{}, L.ple_post_norm, g, n, o);
+    }
+    if (L.out_scale != 1.f) be.scale(x, L.out_scale, n * D);
     if (il < K) be.add(x, deep + (int64_t)il * n * D, n * D);
   }
   for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
   const int64_t rows = logits_block(runs, n_runs, n, all_logits);
   be.end_step();
   return rows;
+}
+
+// The per-layer inputs of a chunk's rows (gemma4 E-series), n x (n_layers x ple_dim) into ple_:
+// (norm(proj(x) / sqrt(dim)) + table(token) * sqrt(ple_dim)) / sqrt(2), per layer's slice, from
+// the scaled input embeddings x. Embedding rows (media) take the padding token's table row
+// (id 0), as llama.cpp does.
+void Model::ple_inputs(int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const int64_t D = c.dim, P = c.ple_dim, W = (int64_t)c.n_layers * P;
+  const float* x = static_cast<const float*>(x_->data());
+  float* pl = scratch(ple_, n * W, "activations");
+  float* tb = scratch(ple_tmp_, n * std::max(W, D), "activations");
+  be.matmul(ple_model_proj_, x, n, pl);
+  be.scale(pl, 1.f / std::sqrt((float)D), n * W);
+  be.rms_norm(pl, ple_proj_norm_.data(), pl, n * c.n_layers, P, c.norm_eps);
+  const int32_t* ids = tokens_dev_;
+  if (!ids) {
+    int32_t* z = reinterpret_cast<int32_t*>(scratch(ple_ids_, n, "step metadata"));
+    be.zero(z, (size_t)n * 4);
+    ids = z;
+  }
+  be.get_rows(ple_embd_, ids, n, tb);
+  be.scale(tb, std::sqrt((float)P), n * W);
+  be.add(pl, tb, n * W);
+  be.scale(pl, 1.f / std::sqrt(2.f), n * W);
 }
 
 // Norm, QKV, RoPE, the KV store and attention through each session's block table, the
@@ -384,8 +422,11 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   Backend& be = *backend_;
   const LayerWeights& L = layers_[il];
   const bool swa = c.layer_is_swa[il];
-  const int64_t D = c.dim, hd = c.head_dim;
-  const int64_t q_dim = (int64_t)c.n_heads * hd, kv_dim = (int64_t)c.n_kv_heads * hd;
+  const int64_t D = c.dim, hd = c.l_head_dim[il];
+  const int n_kv_heads = c.l_kv_heads[il];
+  const int64_t q_dim = (int64_t)c.n_heads * hd, kv_dim = (int64_t)n_kv_heads * hd;
+  // A layer that shares an earlier layer's KV (gemma4 E-series) projects only its queries.
+  const bool own_kv = c.kv_src[il] == il;
   // An output-gated query projection makes [q | gate] per head: 2 q_dim wide, split below.
   const bool gated = traits_->attn_output_gate;
   const int64_t q_rows = gated ? 2 * q_dim : q_dim;
@@ -402,7 +443,11 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   MatmulStep qkv;
   qkv.x = x, qkv.n = n, qkv.xn = xn;
   qkv.norm = true, qkv.norm_w = L.attn_norm.data(), qkv.eps = c.norm_eps;
-  if (!L.wqkv.empty()) {
+  if (!own_kv) {
+    qkv.count = 1, qkv.w[0] = &L.wq, qkv.y[0] = qdst;
+    be.matmul_step(qkv);
+    if (!L.bq.empty()) be.add_bias(qdst, L.bq.data(), n, q_rows);
+  } else if (!L.wqkv.empty()) {
     qkv.count = 1, qkv.w[0] = &L.wqkv, qkv.y[0] = o;
     be.matmul_step(qkv);
     const int64_t w = q_rows + 2 * kv_dim;
@@ -410,10 +455,12 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     be.copy_rows(k, kv_dim, o + q_rows, w, n, kv_dim);
     be.copy_rows(v, kv_dim, o + q_rows + kv_dim, w, n, kv_dim);
   } else {
-    qkv.count = 3;
+    // No V projection: the values are the keys' projection (before the key norm and rope).
+    qkv.count = L.wv.empty() ? 2 : 3;
     qkv.w[0] = &L.wq, qkv.w[1] = &L.wk, qkv.w[2] = &L.wv;
     qkv.y[0] = qdst, qkv.y[1] = k, qkv.y[2] = v;
     be.matmul_step(qkv);
+    if (L.wv.empty()) be.copy(v, k, (size_t)(n * kv_dim) * 4);
     if (!L.bq.empty()) be.add_bias(qdst, L.bq.data(), n, q_rows);
     if (!L.bk.empty()) be.add_bias(k, L.bk.data(), n, kv_dim);
     if (!L.bv.empty()) be.add_bias(v, L.bv.data(), n, kv_dim);
@@ -424,11 +471,12 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     be.copy_rows(gate, hd, qg + hd, 2 * hd, n * c.n_heads, hd);
   }
   if (!L.q_norm.empty()) be.rms_norm(q, L.q_norm.data(), q, n * c.n_heads, hd, c.norm_eps);
-  if (!L.k_norm.empty()) be.rms_norm(k, L.k_norm.data(), k, n * c.n_kv_heads, hd, c.norm_eps);
+  if (!L.k_norm.empty()) be.rms_norm(k, L.k_norm.data(), k, n * n_kv_heads, hd, c.norm_eps);
+  if (own_kv && traits_->v_norm) be.rms_norm(v, nullptr, v, n * n_kv_heads, hd, c.norm_eps);
   RopeParams rp;
   rp.neox = traits_->rope == RopeType::neox;
-  rp.n_rot = c.n_rot;
-  rp.freq_factors = rope_freqs_.data();
+  rp.n_rot = c.l_n_rot[il];
+  rp.freq_factors = swa && traits_->rope_freqs_global_only ? nullptr : rope_freqs_.data();
   rp.inv_freq = rope_inv_freq_ ? static_cast<const double*>(rope_inv_freq_->data()) : nullptr;
   rp.mscale = c.rope_mscale;
   rp.base = swa ? c.rope_base_swa : c.rope_base;
@@ -441,11 +489,11 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
       rp.inv_freq = static_cast<const double*>(mrope_inv_freq_[a]->data());
       const int32_t* pa = a == 0 ? pos_dev_ : pos_hw_dev_ + (a - 1) * n;
       be.rope(q, n, q_dim, c.n_heads, (int)hd, pa, rp);
-      be.rope(k, n, kv_dim, c.n_kv_heads, (int)hd, pa, rp);
+      if (own_kv) be.rope(k, n, kv_dim, n_kv_heads, (int)hd, pa, rp);
     }
   } else {
     be.rope(q, n, q_dim, c.n_heads, (int)hd, pos_dev_, rp);
-    be.rope(k, n, kv_dim, c.n_kv_heads, (int)hd, pos_dev_, rp);
+    if (own_kv) be.rope(k, n, kv_dim, n_kv_heads, (int)hd, pos_dev_, rp);
   }
 
   // Each session's rows write its own cache and attend over it, through its block
@@ -465,7 +513,7 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     view.v_off = kv.v_off(c.kv_slot[il]);
     view.row_bytes = kv.geometry().row_bytes;
     view.type = s.kv_type_;
-    be.kv_store(view, s.n_past_, k + r0 * kv_dim, v + r0 * kv_dim, nr, kv_dim, kv_dim);
+    if (own_kv) be.kv_store(view, s.n_past_, k + r0 * kv_dim, v + r0 * kv_dim, nr, kv_dim, kv_dim);
     AttnArgs& a = attn_args_[(size_t)ri];
     a = AttnArgs{};
     a.q = q + r0 * q_dim;
@@ -474,11 +522,11 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.n_tok = nr;
     a.n_kv = s.n_past_ + nr;
     a.n_heads = c.n_heads;
-    a.n_kv_heads = c.n_kv_heads;
+    a.n_kv_heads = n_kv_heads;
     a.head_dim = (int)hd;
     a.q_pos = mask_pos_dev_ + r0;
     a.window = swa ? c.sliding_window : 0;
-    a.scale = c.attn_scale;
+    a.scale = c.attn_scale > 0 ? c.attn_scale : 1.f / std::sqrt((float)hd);
     a.softcap = c.attn_softcap;
     a.sinks = L.attn_sinks.data();
     a.out = att + r0 * q_dim;
@@ -593,13 +641,17 @@ void Model::ffn_block(int il, int64_t n) {
   const ModelConfig& c = cfg_;
   Backend& be = *backend_;
   const LayerWeights& L = layers_[il];
-  const int64_t D = c.dim, F = c.ffn_dim;
+  const int64_t D = c.dim, F = c.l_ffn_dim[il];
   const Act act = traits_->act == FfnAct::silu ? Act::silu : traits_->act == FfnAct::gelu_tanh ? Act::gelu_tanh : Act::swiglu_oai;
   float* x = static_cast<float*>(x_->data());
   float* xn = static_cast<float*>(xn_->data());
   float* o = static_cast<float*>(ffn_->data());
   float* gate = scratch(gate_, n * 2 * F, "activations");
   float* up = scratch(up_, n * F, "activations");
+  if (!L.ffn_pre_norm_2.empty()) {
+    parallel_moe_ffn(il, n);
+    return;
+  }
   if (!L.router.empty()) {  // a mixture of experts reads the normed rows (xn) itself
     be.rms_norm(x, L.ffn_norm.data(), xn, n, D, c.norm_eps);
     moe_block(il, n);
@@ -664,6 +716,66 @@ void Model::moe_block(int il, int64_t n) {
   be.moe_route(lg + n * E, n, 1, 1, MoeGate::sigmoid, false, ids + P, w + P);
   be.moe_sum(sd, w + P, n, 1, D, so);
   be.add(o, so, n * D);
+}
+
+// gemma4's MoE layer: a dense MLP and the experts side by side on the residual x, each through its
+// own norms, summed, post-normed and added. The router reads x normed by its own weight; the k
+// weights (softmax, renormalized) take a per-expert scale; the experts' gate and up are one stack.
+void Model::parallel_moe_ffn(int il, int64_t n) {
+  const ModelConfig& c = cfg_;
+  Backend& be = *backend_;
+  const LayerWeights& L = layers_[il];
+  const int64_t D = c.dim, Fd = c.l_ffn_dim[il], E = c.n_expert, F = c.expert_ffn_dim;
+  const int k = c.n_expert_used;
+  const int64_t P = n * k;
+  const Act act = traits_->act == FfnAct::silu ? Act::silu : traits_->act == FfnAct::gelu_tanh ? Act::gelu_tanh : Act::swiglu_oai;
+  float* x = static_cast<float*>(x_->data());
+  float* xn = static_cast<float*>(xn_->data());
+  float* o = static_cast<float*>(ffn_->data());
+  // The dense MLP, into o.
+  float* gate = scratch(gate_, std::max(n * Fd, P * 2 * F), "activations");
+  float* up = scratch(up_, std::max(n * Fd, P * F), "activations");
+  MatmulStep gu;
+  gu.x = x, gu.n = n, gu.xn = xn;
+  gu.norm = true, gu.norm_w = L.ffn_norm.data(), gu.eps = c.norm_eps;
+  gu.count = 2, gu.w[0] = &L.w_gate, gu.w[1] = &L.w_up, gu.y[0] = gate, gu.y[1] = up;
+  be.matmul_step(gu);
+  be.glu(gate, Fd, up, Fd, up, n, Fd, act);
+  be.matmul(L.w_down, up, n, o);
+  be.rms_norm(o, L.ffn_post_norm_1.data(), o, n, D, c.norm_eps);
+  // The experts, into o2.
+  float* lg = scratch(moe_logits_, n * E, "activations");
+  int32_t* ids = reinterpret_cast<int32_t*>(scratch(moe_ids_, P, "activations"));
+  float* w = scratch(moe_w_, 3 * P, "activations");
+  float* yd = scratch(moe_y_, P * D, "activations");
+  float* r = scratch(moe_x_, 2 * n * D, "activations");
+  float* o2 = r + n * D;
+  be.rms_norm(x, L.router_in_norm.empty() ? nullptr : L.router_in_norm.data(), r, n, D, c.norm_eps);
+  be.matmul(L.router, r, n, lg);
+  be.moe_route(lg, n, (int)E, k, traits_->moe_gate, c.moe_norm_topk, ids, w);
+  if (!L.exp_scale.empty()) {
+    // w[p] * scale[ids[p]]: the scales gathered by expert id, then moe_sum as an elementwise
+    // product (P rows of one pair of width 1), into its own buffer (no op here writes its input).
+    float* sc = w + P;
+    be.get_rows(L.exp_scale, ids, P, sc);
+    be.moe_sum(sc, w, P, 1, 1, w + 2 * P);
+    w += 2 * P;
+  }
+  be.rms_norm(x, L.ffn_pre_norm_2.data(), xn, n, D, c.norm_eps);
+  if (!L.gate_up_exps.empty()) {
+    be.matmul_id(L.gate_up_exps, xn, k, ids, P, nullptr, gate);  // per pair [gate | up], 2F wide
+    be.glu(gate, 2 * F, gate + F, 2 * F, up, P, F, act);
+  } else {
+    be.matmul_id(L.gate_exps, xn, k, ids, P, nullptr, gate);
+    be.matmul_id(L.up_exps, xn, k, ids, P, nullptr, up);
+    be.glu(gate, F, up, F, up, P, F, act);
+  }
+  be.matmul_id(L.down_exps, up, 1, ids, P, nullptr, yd);
+  be.moe_sum(yd, w, n, k, D, o2);
+  be.rms_norm(o2, L.ffn_post_norm_2.data(), o2, n, D, c.norm_eps);
+  be.add(o, o2, n * D);
+  if (!L.ffn_post_norm.empty()) be.rms_norm(o, L.ffn_post_norm.data(), o, n, D, c.norm_eps);
+  be.add(x, o, n * D);
 }
 
 // Final norm and logits: of every row, or of the last row of each run that wants them.

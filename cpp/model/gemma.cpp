@@ -31,5 +31,24 @@ void register_gemma_family() {
   g3.swa_rope_scaled = false;
   g3.attn_scale_dim_over_heads_at_layers = {62};  // Gemma-3-27B
   register_arch(g3);
+
+  // Gemma-4: what changes from Gemma-3 is read from the file where it can be -- per-layer head
+  // dims (key_length / key_length_swa), kv heads, FFN widths and rope dims, the sliding-layer
+  // pattern as an array, a global layer without attn_v (its values are its keys' projection),
+  // per-layer output scales, the E-series' per-layer embeddings and KV shared across layers
+  // (shared_kv_layers). As traits: unscaled attention scores, values RMS-normed without
+  // weights, and rope_freqs (proportional rope) on the global layers only.
+  ArchTraits g4 = g3;
+  g4.name = "gemma4";
+  g4.default_rope_base_swa = 10000.f;
+  g4.attn_scale_dim_over_heads_at_layers = {};
+  g4.attn_unscaled = true;
+  g4.v_norm = true;
+  g4.rope_freqs_global_only = true;
+  // The 26B-A4B's experts: softmax router, top-k renormalized (then a per-expert scale, and a dense
+  // MLP beside them: found from the tensors).
+  g4.moe_gate = MoeGate::softmax;
+  g4.moe_norm_topk = true;
+  register_arch(g4);
 }
 }  // namespace dl

@@ -29,6 +29,27 @@ int get_int_or(const gguf::File& f, const std::string& k, int def) {
   return (int)x;
 }
 
+// A key that is one value for every layer or an array of one per layer (gemma4's head_count_kv,
+// feed_forward_length); def where absent.
+std::vector<int> get_ints_per_layer(const gguf::File& f, const std::string& k, int n_layers, int def) {
+  std::vector<int> out((size_t)n_layers, def);
+  const gguf::Value* v = f.find(k);
+  if (!v) return out;
+  if (v->type != gguf::ValueType::ARRAY) {
+    std::fill(out.begin(), out.end(), get_int_or(f, k, def));
+    return out;
+  }
+  if (v->size() != (size_t)n_layers)
+    throw GGUFError("metadata '" + k + "' has " + std::to_string(v->size()) + " values for " +
+                    std::to_string(n_layers) + " layers");
+  for (int il = 0; il < n_layers; ++il) {
+    const int64_t x = v->at((size_t)il).as_int();
+    if (x < 0 || x > (1 << 30)) throw GGUFError("metadata '" + k + "' out of range: " + std::to_string(x));
+    out[(size_t)il] = (int)x;
+  }
+  return out;
+}
+
 float get_float_or(const gguf::File& f, const std::string& k, float def) {
   auto v = f.get_float(k);
   return v ? (float)*v : def;
@@ -114,19 +135,15 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
   c.n_heads = get_int_or(f, key(c, "attention.head_count"), 0);
   if (c.dim <= 0 || c.n_layers <= 0 || c.n_heads <= 0)
     throw GGUFError("metadata: embedding_length, block_count and attention.head_count must be positive");
-  c.n_kv_heads = get_int_or(f, key(c, "attention.head_count_kv"), c.n_heads);
+  const std::vector<int> kv_heads = get_ints_per_layer(f, key(c, "attention.head_count_kv"), c.n_layers, c.n_heads);
   c.head_dim = get_int_or(f, key(c, "attention.key_length"), c.dim / c.n_heads);
   c.head_dim_v = get_int_or(f, key(c, "attention.value_length"), c.head_dim);
-  if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || c.head_dim <= 0 || c.head_dim_v != c.head_dim)
-    throw UnsupportedModelError("unsupported head layout: heads " + std::to_string(c.n_heads) + ", kv heads " +
-                                std::to_string(c.n_kv_heads) + ", head dims " + std::to_string(c.head_dim) + "/" +
-                                std::to_string(c.head_dim_v));
-  c.ffn_dim = get_int_or(f, key(c, "feed_forward_length"), 0);
+  c.l_ffn_dim = get_ints_per_layer(f, key(c, "feed_forward_length"), c.n_layers, 0);
+  c.ffn_dim = *std::max_element(c.l_ffn_dim.begin(), c.l_ffn_dim.end());
   c.seq_len = get_int_or(f, key(c, "context_length"), 2048);
   c.norm_eps = get_float_or(f, key(c, "attention.layer_norm_rms_epsilon"), 1e-5f);
   c.rope_base = get_float_or(f, key(c, "rope.freq_base"), 10000.f);
   c.n_rot = get_int_or(f, key(c, "rope.dimension_count"), c.head_dim);
-  if (c.n_rot <= 0 || c.n_rot > c.head_dim || c.n_rot % 2) throw GGUFError("metadata: bad rope.dimension_count");
   auto scaling = f.get_string(key(c, "rope.scaling.type"));
   c.rope_scaling = scaling ? *scaling : "none";
   if (c.rope_scaling == "linear") {
@@ -180,16 +197,52 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
   if (c.rope_base_swa <= 0) c.rope_base_swa = c.rope_base;
   c.rope_freq_scale_swa = t.swa_rope_scaled ? c.rope_freq_scale : 1.f;
   c.sliding_window = get_int_or(f, key(c, "attention.sliding_window"), t.default_sliding_window);
-  int pattern = get_int_or(f, key(c, "attention.sliding_window_pattern"), t.swa_pattern);
   c.layer_is_swa.assign(c.n_layers, 0);
-  if (c.sliding_window > 0 && pattern > 0)
-    for (int il = 0; il < c.n_layers; ++il) c.layer_is_swa[il] = (il % pattern) < (pattern - 1);
+  if (const gguf::Value* v = f.find(key(c, "attention.sliding_window_pattern")); v && v->type == gguf::ValueType::ARRAY) {
+    // A flag per layer (gemma4).
+    if (v->size() != (size_t)c.n_layers)
+      throw GGUFError("metadata: attention.sliding_window_pattern must have a flag per layer");
+    for (int il = 0; il < c.n_layers; ++il) {
+      const gguf::Value e = v->at((size_t)il);
+      c.layer_is_swa[il] = c.sliding_window > 0 && (e.type == gguf::ValueType::BOOL ? e.as_bool() : e.as_int() != 0);
+    }
+  } else {
+    int pattern = get_int_or(f, key(c, "attention.sliding_window_pattern"), t.swa_pattern);
+    if (c.sliding_window > 0 && pattern > 0)
+      for (int il = 0; il < c.n_layers; ++il) c.layer_is_swa[il] = (il % pattern) < (pattern - 1);
+  }
+  // Per-layer head dims, kv heads and rope dims: the sliding layers' own where the file gives them
+  // (key_length_swa, rope.dimension_count_swa), else the model's.
+  {
+    const int hd_swa = get_int_or(f, key(c, "attention.key_length_swa"), c.head_dim);
+    const int hdv_swa = get_int_or(f, key(c, "attention.value_length_swa"), hd_swa);
+    const int rot_swa = get_int_or(f, key(c, "rope.dimension_count_swa"), c.n_rot == c.head_dim ? hd_swa : c.n_rot);
+    c.l_head_dim.resize(c.n_layers), c.l_kv_heads = kv_heads, c.l_n_rot.resize(c.n_layers);
+    c.n_kv_heads = 0;
+    int max_hd = 0;
+    for (int il = 0; il < c.n_layers; ++il) {
+      const bool swa = c.layer_is_swa[il];
+      const int hd = swa ? hd_swa : c.head_dim, hdv = swa ? hdv_swa : c.head_dim_v;
+      const int kvh = kv_heads[il], rot = swa ? rot_swa : c.n_rot;
+      if (kvh <= 0 || c.n_heads % kvh != 0 || hd <= 0 || hdv != hd)
+        throw UnsupportedModelError("unsupported head layout: heads " + std::to_string(c.n_heads) + ", kv heads " +
+                                    std::to_string(kvh) + ", head dims " + std::to_string(hd) + "/" +
+                                    std::to_string(hdv) + " (layer " + std::to_string(il) + ")");
+      if (rot <= 0 || rot > hd || rot % 2) throw GGUFError("metadata: bad rope.dimension_count");
+      c.l_head_dim[il] = hd, c.l_n_rot[il] = rot;
+      c.n_kv_heads = std::max(c.n_kv_heads, kvh);
+      max_hd = std::max(max_hd, hd);
+    }
+    c.head_dim = c.head_dim_v = max_hd;
+  }
   c.attn_softcap = get_float_or(f, key(c, "attn_logit_softcapping"), t.default_attn_softcap);
   c.final_softcap = get_float_or(f, key(c, "final_logit_softcapping"), t.default_final_softcap);
   const auto& big = t.attn_scale_dim_over_heads_at_layers;
-  c.attn_scale = std::find(big.begin(), big.end(), c.n_layers) != big.end()
-                     ? 1.f / std::sqrt((float)(c.dim / c.n_heads))
-                     : 1.f / std::sqrt((float)c.head_dim);
+  // 0: 1/sqrt of each layer's head dim (decoder.cpp).
+  c.attn_scale = t.attn_unscaled ? 1.f
+                 : std::find(big.begin(), big.end(), c.n_layers) != big.end() ? 1.f / std::sqrt((float)(c.dim / c.n_heads))
+                                                                                : 0.f;
+  c.ple_dim = get_int_or(f, key(c, "embedding_length_per_layer_input"), 0);
 
   c.n_expert = get_int_or(f, key(c, "expert_count"), 0);
   c.n_expert_used = get_int_or(f, key(c, "expert_used_count"), 0);
@@ -237,8 +290,25 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
     for (int il = 0; il < c.n_layers; ++il)
       if (rec[(size_t)il]) c.rec_slot[(size_t)il] = c.n_rec_layers++;
   }
+  // The last shared_kv_layers layers keep no cache: each attends over the last earlier layer of its
+  // kind (sliding or global) that keeps one.
+  const int n_shared = get_int_or(f, key(c, "attention.shared_kv_layers"), 0);
+  if (n_shared >= c.n_layers) throw GGUFError("metadata: attention.shared_kv_layers must leave a layer with a cache");
+  c.kv_src.resize(c.n_layers);
+  for (int il = 0; il < c.n_layers; ++il) {
+    c.kv_src[il] = il;
+    if (il < c.n_layers - n_shared) continue;
+    int src = -1;
+    for (int j = c.n_layers - n_shared - 1; j >= 0 && src < 0; --j)
+      if (c.layer_is_swa[j] == c.layer_is_swa[il] && c.rec_slot[j] < 0) src = j;
+    if (src < 0 || c.l_head_dim[src] != c.l_head_dim[il] || c.l_kv_heads[src] != c.l_kv_heads[il])
+      throw UnsupportedModelError("layer " + std::to_string(il) + " shares KV but no earlier layer of its kind has it");
+    c.kv_src[il] = src;
+  }
   for (int il = 0; il < c.n_layers; ++il)
-    if (c.rec_slot[(size_t)il] < 0) c.kv_slot[(size_t)il] = c.n_kv_layers++;
+    if (c.rec_slot[(size_t)il] < 0) c.kv_slot[(size_t)il] = c.kv_src[il] == il ? c.n_kv_layers++ : -2;
+  for (int il = 0; il < c.n_layers; ++il)
+    if (c.kv_slot[(size_t)il] == -2) c.kv_slot[(size_t)il] = c.kv_slot[(size_t)c.kv_src[il]];
 
   m->load_weights();  // shapes and types checked, sizes known; nothing resident yet
   if (dry_run) return m;
@@ -372,7 +442,6 @@ Weight Model::load_experts(const std::string& name, bool required, int64_t n_exp
 
 void Model::load_weights() {
   const ModelConfig& c = cfg_;
-  const int64_t q_dim = (int64_t)c.n_heads * c.head_dim, kv_dim = (int64_t)c.n_kv_heads * c.head_dim;
   // The embedding table stays in its file format: rows are decoded on lookup.
   const gguf::TensorInfo* te = file_->find_tensor("token_embd.weight");
   if (!te) throw UnsupportedModelError("missing tensor 'token_embd.weight'");
@@ -390,6 +459,25 @@ void Model::load_weights() {
   output_norm_ = upload(load_vector("output_norm.weight", true, c.dim));
   output_ = load_matrix("output.weight", false, c.vocab_size, c.dim);
   if (output_.empty()) output_ = load_matrix("token_embd.weight", true, c.vocab_size, c.dim);  // tied
+  if (c.ple_dim > 0) {
+    // Per-layer embeddings: a table read by rows as the token table is, and the projection of the
+    // input embedding to n_layers x ple_dim.
+    const int64_t W = (int64_t)c.n_layers * c.ple_dim;
+    const gguf::TensorInfo* tp = file_->find_tensor("per_layer_token_embd.weight");
+    if (!tp) throw UnsupportedModelError("missing tensor 'per_layer_token_embd.weight'");
+    if (tp->ne.size() != 2 || tp->ne[0] != W || tp->ne[1] != c.vocab_size)
+      throw UnsupportedModelError("per_layer_token_embd.weight: bad shape");
+    const TypeTraits* pt = type_traits(tp->type);
+    if (!pt || !pt->dequantizable || !backend_->supports(Op::get_rows, tp->type))
+      throw UnsupportedModelError("per_layer_token_embd.weight: unsupported type");
+    ple_embd_.type = tp->type;
+    ple_embd_.cols = W;
+    ple_embd_.rows = c.vocab_size;
+    ple_embd_.host = file_->tensor_data(*tp);
+    ple_embd_.row_bytes = (size_t)type_nbytes(tp->type, W);
+    ple_model_proj_ = load_matrix("per_layer_model_proj.weight", true, W, c.dim);
+    ple_proj_norm_ = upload(load_vector("per_layer_proj_norm.weight", true, c.ple_dim));
+  }
   std::vector<float> rf = load_vector("rope_freqs.weight", false, c.n_rot / 2);
   if (rf.empty()) rf = load_vector("rope_factors_short.weight", false, c.n_rot / 2);
   rope_freqs_ = upload(rf);
@@ -423,6 +511,9 @@ void Model::load_weights() {
   layers_.resize(c.n_layers);
   for (int il = 0; il < c.n_layers; ++il) {
     LayerWeights& L = layers_[il];
+    const int64_t hd = c.l_head_dim[il], q_dim = (int64_t)c.n_heads * hd, kv_dim = (int64_t)c.l_kv_heads[il] * hd;
+    const int64_t F = c.l_ffn_dim[il];
+    const bool own_kv = c.kv_src[il] == il;
     auto n = [&](const char* s) { return "blk." + std::to_string(il) + "." + s + ".weight"; };
     auto b = [&](const char* s) { return "blk." + std::to_string(il) + "." + s + ".bias"; };
     L.attn_norm = upload(load_vector(n("attn_norm"), true, c.dim));
@@ -445,17 +536,21 @@ void Model::load_weights() {
       L.ssm_norm = upload(load_vector(n("ssm_norm"), true, c.ssm_dv));
     } else {
     const int64_t q_rows = traits_->attn_output_gate ? 2 * q_dim : q_dim;
-    L.wqkv = load_matrix(n("attn_qkv"), false, q_rows + 2 * kv_dim, c.dim);
+    L.wqkv = own_kv ? load_matrix(n("attn_qkv"), false, q_rows + 2 * kv_dim, c.dim) : Weight{};
     if (L.wqkv.empty()) {
+      // A layer that shares an earlier layer's KV has no K or V projection; a gemma4 global layer
+      // may have no attn_v (its values are its keys' projection).
       L.wq = load_matrix(n("attn_q"), true, q_rows, c.dim);
-      L.wk = load_matrix(n("attn_k"), true, kv_dim, c.dim);
-      L.wv = load_matrix(n("attn_v"), true, kv_dim, c.dim);
+      if (own_kv) {
+        L.wk = load_matrix(n("attn_k"), true, kv_dim, c.dim);
+        L.wv = load_matrix(n("attn_v"), !traits_->v_norm, kv_dim, c.dim);
+      }
       L.bq = upload(load_vector(b("attn_q"), false, q_rows));
       L.bk = upload(load_vector(b("attn_k"), false, kv_dim));
       L.bv = upload(load_vector(b("attn_v"), false, kv_dim));
     }
-    L.q_norm = upload(load_vector(n("attn_q_norm"), false, c.head_dim));
-    L.k_norm = upload(load_vector(n("attn_k_norm"), false, c.head_dim));
+    L.q_norm = upload(load_vector(n("attn_q_norm"), false, hd));
+    if (own_kv) L.k_norm = upload(load_vector(n("attn_k_norm"), false, hd));
     L.wo = load_matrix(n("attn_output"), true, c.dim, q_dim);
     L.bo = upload(load_vector(b("attn_output"), false, c.dim));
     L.attn_sinks = upload(load_vector(n("attn_sinks"), false, c.n_heads));
@@ -465,13 +560,25 @@ void Model::load_weights() {
       L.attn_post_norm = upload(load_vector(n("post_attention_norm"), false, c.dim));
     L.ffn_norm = upload(load_vector(n(ffn_norm.c_str()), true, c.dim));
     L.ffn_post_norm = upload(load_vector(n("post_ffw_norm"), false, c.dim));
+    {
+      const std::vector<float> sc = load_vector(n("layer_output_scale"), false, 1);
+      if (!sc.empty()) L.out_scale = sc[0];
+    }
+    if (c.ple_dim > 0) {
+      L.ple_gate = load_matrix(n("inp_gate"), true, c.ple_dim, c.dim);
+      L.ple_proj = load_matrix(n("proj"), true, c.dim, c.ple_dim);
+      L.ple_post_norm = upload(load_vector(n("post_norm"), true, c.dim));
+    }
     if (c.n_expert > 0) L.router = load_matrix(n("ffn_gate_inp"), false, c.n_expert, c.dim);
     if (!L.router.empty()) {
       // A mixture-of-experts layer; the shared expert and the biases are found from the tensors.
       const int64_t E = c.n_expert, F = c.expert_ffn_dim;
       L.router_b = upload(load_vector(b("ffn_gate_inp"), false, E));
-      L.gate_exps = load_experts(n("ffn_gate_exps"), true, E, F, c.dim);
-      L.up_exps = load_experts(n("ffn_up_exps"), true, E, F, c.dim);
+      L.gate_up_exps = load_experts(n("ffn_gate_up_exps"), false, E, 2 * F, c.dim);
+      if (L.gate_up_exps.empty()) {
+        L.gate_exps = load_experts(n("ffn_gate_exps"), true, E, F, c.dim);
+        L.up_exps = load_experts(n("ffn_up_exps"), true, E, F, c.dim);
+      }
       L.down_exps = load_experts(n("ffn_down_exps"), true, E, c.dim, F);
       L.gate_exps_b = upload(load_vector(b("ffn_gate_exps"), false, E * F));
       L.up_exps_b = upload(load_vector(b("ffn_up_exps"), false, E * F));
@@ -482,15 +589,34 @@ void Model::load_weights() {
         L.up_shexp = load_matrix(n("ffn_up_shexp"), true, c.shexp_ffn_dim, c.dim);
         L.down_shexp = load_matrix(n("ffn_down_shexp"), true, c.dim, c.shexp_ffn_dim);
       }
-      continue;
+      // gemma4: the router reads its own norm of the residual (a weight of scale / sqrt(dim)), the
+      // routing weights take a per-expert scale, and a dense MLP runs beside the experts.
+      const std::string pre = "blk." + std::to_string(il) + ".";
+      std::vector<float> rs = load_vector(pre + "ffn_gate_inp.scale", false, c.dim);
+      if (!rs.empty()) {
+        for (float& v : rs) v /= std::sqrt((float)c.dim);
+        L.router_in_norm = upload(rs);
+      }
+      std::vector<float> es = load_vector(pre + "ffn_down_exps.scale", false, E);
+      if (!es.empty()) {
+        L.exp_scale.type = (uint32_t)GGMLType::F32;
+        L.exp_scale.rows = E, L.exp_scale.cols = 1, L.exp_scale.row_bytes = 4;
+        L.exp_scale.owned = std::make_shared<std::vector<uint8_t>>((size_t)E * 4);
+        std::memcpy(L.exp_scale.owned->data(), es.data(), (size_t)E * 4);
+        L.exp_scale.host = L.exp_scale.owned->data();
+      }
+      L.ffn_pre_norm_2 = upload(load_vector(n("pre_ffw_norm_2"), false, c.dim));
+      if (L.ffn_pre_norm_2.empty()) continue;
+      L.ffn_post_norm_1 = upload(load_vector(n("post_ffw_norm_1"), true, c.dim));
+      L.ffn_post_norm_2 = upload(load_vector(n("post_ffw_norm_2"), true, c.dim));
     }
-    L.w_gate = load_matrix(n("ffn_gate"), false, c.ffn_dim, c.dim);
+    L.w_gate = load_matrix(n("ffn_gate"), false, F, c.dim);
     if (L.w_gate.empty()) {
-      L.w_gate_up = load_matrix(n("ffn_up"), true, 2 * (int64_t)c.ffn_dim, c.dim);  // phi3: gate | up
+      L.w_gate_up = load_matrix(n("ffn_up"), true, 2 * F, c.dim);  // phi3: gate | up
     } else {
-      L.w_up = load_matrix(n("ffn_up"), true, c.ffn_dim, c.dim);
+      L.w_up = load_matrix(n("ffn_up"), true, F, c.dim);
     }
-    L.w_down = load_matrix(n("ffn_down"), true, c.dim, c.ffn_dim);
+    L.w_down = load_matrix(n("ffn_down"), true, c.dim, F);
   }
 
   // Everything fits, or nothing is made resident: the sizes are known before any copy.
@@ -501,6 +627,7 @@ void Model::load_weights() {
   size_t total = tied_same ? 0 : (size_t)tok_embd_.rows * tok_embd_.row_bytes;
   for (const Weight* w : mats)
     total += (size_t)w->rows * (size_t)type_nbytes(backend_->weight_type(w->type, w->cols, mode_), w->cols);
+  if (!ple_embd_.empty()) total += (size_t)ple_embd_.rows * ple_embd_.row_bytes;
   weight_bytes_ = total;
   embd_bytes_ = tied_same ? 0 : (size_t)tok_embd_.rows * tok_embd_.row_bytes;
 }
@@ -510,8 +637,10 @@ std::vector<Weight*> Model::matrices() {
   for (LayerWeights& L : layers_)
     for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wqkv, &L.wo, &L.w_gate, &L.w_up, &L.w_gate_up, &L.w_down, &L.router,
                       &L.gate_exps, &L.up_exps, &L.down_exps, &L.gate_shexp, &L.up_shexp, &L.down_shexp,
-                      &L.router_shexp, &L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta, &L.ssm_ba, &L.ssm_out})
+                      &L.router_shexp, &L.ssm_qkv, &L.ssm_z, &L.ssm_alpha, &L.ssm_beta, &L.ssm_ba, &L.ssm_out,
+                      &L.ple_gate, &L.ple_proj, &L.gate_up_exps})
       if (!w->empty()) mats.push_back(w);
+  if (!ple_model_proj_.empty()) mats.push_back(&ple_model_proj_);
   return mats;
 }
 
@@ -553,6 +682,9 @@ void Model::make_resident() {
   } else {
     backend_->load_weight(tok_embd_, WeightUse::rows);
   }
+  if (!ple_embd_.empty()) backend_->load_weight(ple_embd_, WeightUse::rows);
+  for (LayerWeights& L : layers_)
+    if (!L.exp_scale.empty()) backend_->load_weight(L.exp_scale, WeightUse::rows);
 }
 
 }  // namespace dl

@@ -64,6 +64,14 @@ struct ModelConfig {
   int ssm_conv_k = 0, ssm_nk = 0, ssm_nv = 0, ssm_dk = 0, ssm_dv = 0;
   int64_t ssm_conv_dim = 0;    // the conv's channels: q and k (nk dk each), v (nv dv)
   int64_t rec_state_floats = 0;  // one layer's state: the conv's (k-1) x conv_dim rows, then nv x dk x dv
+  // Per-layer shapes, filled for every family (uniform for most; gemma4's sliding and global
+  // layers differ in head dim, kv heads and rope dims, its later layers may have a wider FFN).
+  // head_dim, n_kv_heads, ffn_dim above are the largest of them (scratch, cache row width).
+  std::vector<int> l_head_dim, l_kv_heads, l_n_rot, l_ffn_dim;
+  // The layer whose cache layer il attends over: itself, or an earlier layer of its kind whose
+  // KV it shares (gemma4's shared_kv_layers: they store nothing, the pool keeps no rows for them).
+  std::vector<int> kv_src;
+  int ple_dim = 0;  // per-layer embedding width (gemma4 E-series), 0: none
 };
 
 struct LayerWeights {
@@ -74,11 +82,20 @@ struct LayerWeights {
   // mixture of experts: the router, the expert stacks (with biases where the family has
   // them) and an optional shared expert behind its own sigmoid gate (a 1-row matrix)
   Weight router, gate_exps, up_exps, down_exps, gate_shexp, up_shexp, down_shexp, router_shexp;
+  // gemma4's MoE layers: experts' gate and up as one stack ([gate | up] per expert), a per-expert
+  // scale of the routing weights (a 1-column table read by expert id), the router's input norm
+  // (its scale over sqrt(dim)), and the norms around the dense MLP that runs beside the experts.
+  Weight gate_up_exps, exp_scale;
+  Vec router_in_norm, ffn_pre_norm_2, ffn_post_norm_1, ffn_post_norm_2;
   Vec router_b, gate_exps_b, up_exps_b, down_exps_b;
   // a gated-DeltaNet layer: the qkv and z (output gate) projections, the per-head gate logits
   // (alpha: decay, beta: write strength), the conv, A, dt bias, the gated norm, the output
   Weight ssm_qkv, ssm_z, ssm_alpha, ssm_beta, ssm_ba, ssm_out;  // ssm_ba: beta and alpha interleaved
   Vec ssm_conv, ssm_a, ssm_dt, ssm_norm;
+  // per-layer embeddings (gemma4 E-series): gate and projection, the projection's post-norm
+  Weight ple_gate, ple_proj;
+  Vec ple_post_norm;
+  float out_scale = 1.f;  // the layer's output scaled by this (gemma4's layer_output_scale)
 };
 
 class Session;
@@ -186,6 +203,7 @@ class Model : public std::enable_shared_from_this<Model> {
   // A stack of n_expert matrices of rows x cols (a 3-D tensor), as one matrix of matmul_id.
   Weight load_experts(const std::string& name, bool required, int64_t n_expert, int64_t rows, int64_t cols);
   void moe_block(int il, int64_t n);
+  void parallel_moe_ffn(int il, int64_t n);
   std::vector<float> load_vector(const std::string& name, bool required, int64_t n = -1);
   Vec upload(const std::vector<float>& v) { return upload_vec(*backend_, v, "model weights"); }
   // A chunk of rows: runs of consecutive rows, each belonging to one session.
@@ -220,6 +238,11 @@ class Model : public std::enable_shared_from_this<Model> {
   std::mutex mu_;
 
   Weight tok_embd_, output_;
+  // Per-layer embeddings (gemma4 E-series): a token table of n_layers x ple_dim per token, the
+  // projection of the input embedding to the same width and its norm.
+  Weight ple_embd_, ple_model_proj_;
+  Vec ple_proj_norm_;
+  void ple_inputs(int64_t n);  // fills ple_ with the rows' per-layer inputs
   Vec output_norm_, rope_freqs_;
   BufferPtr rope_inv_freq_;  // YaRN's per-pair frequencies (double), on the backend
   // M-RoPE: per axis (t, h, w) the pair frequencies of its section, 0 elsewhere (double, on the
@@ -230,8 +253,9 @@ class Model : public std::enable_shared_from_this<Model> {
   // Backend scratch for one chunk of up to max_chunk_ rows (grown on demand).
   int64_t max_chunk_ = 256;
   BufferPtr x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, logits_, embd_;
-  BufferPtr moe_logits_, moe_ids_, moe_w_, moe_y_, moe_sh_;
+  BufferPtr moe_logits_, moe_ids_, moe_w_, moe_y_, moe_sh_, moe_x_;
   BufferPtr qgate_, ssm_x_, ssm_ab_, ssm_o_;
+  BufferPtr ple_, ple_tmp_, ple_ids_;
   float* embd_dev_ = nullptr;
   // Per-step host data, uploaded at once: token ids, positions, then each run's block table.
   std::vector<int32_t> meta_host_;

@@ -44,6 +44,13 @@ void register_qwen_family() {
   // Qwen3-Next: the same hybrid with a mixture of experts (softmax router, top-k renormalized, a
   // shared expert behind its sigmoid gate); its value heads stay grouped by key head, and beta and
   // alpha come as one interleaved projection (ssm_ba).
+  // Qwen3.5-MoE: Qwen3.5's hybrid (separate beta and alpha, value heads tiled by the converter) with
+  // Qwen3-Next's mixture of experts (softmax router, top-k renormalized, a gated shared expert).
+  ArchTraits hm = h;
+  hm.name = "qwen35moe";
+  hm.moe_gate = MoeGate::softmax;
+  hm.moe_norm_topk = true;
+  register_arch(hm);
   h.name = "qwen3next";
   h.moe_gate = MoeGate::softmax;
   h.moe_norm_topk = true;

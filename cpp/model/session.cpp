@@ -12,10 +12,19 @@ namespace dl {
 KVGeometry Model::kv_geometry(KVType t) const {
   KVGeometry g;
   g.n_layers = cfg_.n_kv_layers;  // recurrent layers keep no KV
-  g.kv_dim = (int64_t)cfg_.n_kv_heads * cfg_.head_dim;
+  // One row width for every cached layer: the widest (gemma4's global and sliding layers differ;
+  // a narrower layer uses the front of its rows).
+  g.kv_dim = 0;
+  bool q8_ok = true;
+  for (int il = 0; il < cfg_.n_layers; ++il) {
+    if (cfg_.kv_slot[il] < 0 || cfg_.kv_src[il] != il) continue;
+    const int64_t d = (int64_t)cfg_.l_kv_heads[il] * cfg_.l_head_dim[il];
+    g.kv_dim = std::max(g.kv_dim, d);
+    q8_ok = q8_ok && d % 32 == 0 && cfg_.l_head_dim[il] % 32 == 0;
+  }
+  if (g.kv_dim == 0) g.kv_dim = (int64_t)cfg_.n_kv_heads * cfg_.head_dim;  // no attention layer
   g.type = t;
-  if (t == KVType::q8_0 && (g.kv_dim % 32 != 0 || cfg_.head_dim % 32 != 0))
-    throw Error("q8_0 KV needs head_size and kv_dim to be multiples of 32");
+  if (t == KVType::q8_0 && !q8_ok) throw Error("q8_0 KV needs head_size and kv_dim to be multiples of 32");
   g.row_bytes = kv_row_bytes(t, g.kv_dim);
   return g;
 }

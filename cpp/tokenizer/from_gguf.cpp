@@ -53,7 +53,7 @@ std::shared_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& f, bool spm_ge
   c.pad = id("tokenizer.ggml.padding_token_id");
   // A SentencePiece vocabulary adds BOS and a space prefix unless the file says otherwise
   // (llama.cpp's defaults, which transformers follows).
-  const bool spm = c.model == "llama";
+  const bool spm = c.model == "llama" || c.model == "gemma4";
   c.add_bos = f.get_bool("tokenizer.ggml.add_bos_token").value_or(spm);
   c.add_eos = f.get_bool("tokenizer.ggml.add_eos_token").value_or(false);
   c.add_space_prefix = f.get_bool("tokenizer.ggml.add_space_prefix").value_or(spm);

@@ -118,8 +118,10 @@ Tokenizer::Tokenizer(TokenizerConfig cfg)
       add_space_prefix_(cfg.add_space_prefix) {
   const size_t n = cfg.tokens.size();
   if (model_ == "gpt2") byte_level_ = true;
-  else if (model_ != "llama")
-    throw UnsupportedModelError("tokenizer model '" + model_ + "' is not supported (gpt2, llama)");
+  // "gemma4": SentencePiece-style pieces ("▁" for space, <0xXX> byte tokens) merged by the file's
+  // merges -- the SPM path below, with merges given rather than derived from scores.
+  else if (model_ != "llama" && model_ != "gemma4")
+    throw UnsupportedModelError("tokenizer model '" + model_ + "' is not supported (gpt2, llama, gemma4)");
   if (n == 0) throw Error("tokenizer: empty vocabulary");
   if (n > (size_t)INT32_MAX) throw Error("tokenizer: vocabulary too large");
   if (!cfg.scores.empty() && cfg.scores.size() != n)

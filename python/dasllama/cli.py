@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -196,7 +197,12 @@ def _cmd_quantize(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    if args.encoder_only:
+    from . import llama2c
+
+    if llama2c.is_llama2c(args.src):
+        tok = args.tokenizer or os.path.join(os.path.dirname(os.path.abspath(args.src)), "tokenizer.bin")
+        print(llama2c.convert_llama2c(args.src, tok, args.dst))
+    elif args.encoder_only:
         from .convert import convert_ct2_whisper
 
         print(convert_ct2_whisper(hub.resolve(args.src), args.dst))
@@ -562,9 +568,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--type", default="q8_0", help="f32, f16, bf16, q8_0, q4_0 or q4_1")
     sp.set_defaults(func=_cmd_quantize)
     sp = sub.add_parser("convert", help="a whisper CTranslate2 model -> one GGUF: encoder (an mmproj audio chat reads), "
-                                         "decoder, tokenizer and special-token ids")
-    sp.add_argument("src", metavar="DIR|NAME", help="CTranslate2 model directory, or a registry name (whisper-tiny.en)")
+                                         "decoder, tokenizer and special-token ids; or a llama2.c .bin checkpoint "
+                                         "and its tokenizer.bin -> a llama GGUF")
+    sp.add_argument("src", metavar="DIR|NAME|BIN", help="CTranslate2 model directory, a registry name (whisper-tiny.en), "
+                                                        "or a llama2.c checkpoint (.bin)")
     sp.add_argument("dst")
+    sp.add_argument("--tokenizer", default=None, help="llama2.c: the tokenizer.bin (default: beside the checkpoint)")
     sp.add_argument("--encoder-only", action="store_true", help="only the encoder (a whisper-encoder mmproj)")
     sp.set_defaults(func=_cmd_convert)
     sp = sub.add_parser("transcribe", help="speech to text with a whisper model (greedy + whisper's fallback)")

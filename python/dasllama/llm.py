@@ -54,7 +54,8 @@ def resolve_device(device: Optional[str]) -> str:
 
 def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 0,
                device: Optional[str] = None) -> Model:
-    """Load a model and its tokenizer from a GGUF file or a hub name.
+    """Load a model and its tokenizer from a GGUF file, a llama2.c ``.bin`` checkpoint (with
+    ``tokenizer.bin`` beside it; converted to GGUF in the cache on first use) or a hub name.
 
     ``mode`` picks the weights: ``fp32`` dequantizes everything (the reference),
     ``q8`` (default) requantizes float weights to q8_0 and keeps quantized planes,
@@ -66,7 +67,9 @@ def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 
     that is not built, not present or too small raises :class:`~dasllama.DeviceError` before
     anything is allocated on it.
     """
-    p = str(hub.resolve(path))
+    from . import llama2c
+
+    p = llama2c.cached_gguf(path) if llama2c.is_llama2c(path) else str(hub.resolve(path))
     mode = QuantMode(mode)
     return Model(_core.Model(p, int(mode), resolve_device(device), int(n_threads)), p, mode)
 

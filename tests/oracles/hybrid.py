@@ -1,5 +1,6 @@
 """Tiny random hybrid models (transformers, fp32) turned into GGUF by llama.cpp's own converter:
-Qwen3.5 dense (gated-DeltaNet layers between output-gated full-attention layers) and Qwen3-Next
+Qwen3.5 dense (gated-DeltaNet layers between output-gated full-attention layers), Qwen3.5-MoE (the same
+with Qwen3-Next's experts and gated shared expert, beta and alpha apart) and Qwen3-Next
 (the same with a mixture of experts and a shared expert; its value heads stay grouped by key head
 in the file, and beta / alpha come as one interleaved projection).
 
@@ -50,14 +51,47 @@ def qwen3next(vocab: int) -> torch.nn.Module:
     return M._seeded(Qwen3NextForCausalLM(cfg))
 
 
-FAMILIES = {"qwen35": qwen35, "qwen3next": qwen3next}
+def qwen35moe(vocab: int) -> torch.nn.Module:
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5MoeTextConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                               full_attention_interval=2, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                               max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=INIT,
+                               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    assert cfg.layer_types == ["linear_attention", "full_attention"] * 2
+    return M._seeded(Qwen3_5MoeForCausalLM(cfg))
 
 
-def convert(hf_dir: str, out: str, outtype: str) -> str:
+FAMILIES = {"qwen35": qwen35, "qwen3next": qwen3next, "qwen35moe": qwen35moe}
+
+
+# transformers maps Qwen3.5-MoE configs to its Qwen3_5Tokenizer, which rebuilds the pre-tokenizer of
+# the borrowed SmolLM2 tokenizer into one whose hash the converter does not know: the converter's
+# pre-tokenizer check then reads the directory's own tokenizer.json (as it does for Qwen3.5 dense).
+_OWN_TOKENIZER_JSON = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+import conversion.base as B
+from transformers import PreTrainedTokenizerFast
+orig = B.TextModel.get_vocab_base_pre
+B.TextModel.get_vocab_base_pre = lambda self, tok: orig(
+    self, PreTrainedTokenizerFast(tokenizer_file=str(self.dir_model / "tokenizer.json")))
+script = sys.argv[1] + "/convert_hf_to_gguf.py"
+sys.argv = [script] + sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(hf_dir: str, out: str, outtype: str, extra=("--no-mtp",), own_tokenizer_json: bool = False) -> str:
     src = M.llama_cpp_dir()
     env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), hf_dir, "--outfile", out,
-                        "--outtype", outtype, "--no-mtp"], env=env, capture_output=True, text=True)
+    head = ["-c", _OWN_TOKENIZER_JSON, str(src)] if own_tokenizer_json else [str(src / "convert_hf_to_gguf.py")]
+    r = subprocess.run([sys.executable, *head, hf_dir, "--outfile", out,
+                        "--outtype", outtype, *extra], env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{r.stderr[-4000:]}")
     return out
@@ -69,7 +103,8 @@ def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
     hf_dir = os.path.join(out_dir, name + "-hf")
     model.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
-    return model, {t: convert(hf_dir, os.path.join(out_dir, f"{name}-{t}.gguf"), t) for t in outtypes}
+    return model, {t: convert(hf_dir, os.path.join(out_dir, f"{name}-{t}.gguf"), t,
+                              own_tokenizer_json=name == "qwen35moe") for t in outtypes}
 
 
 # ---- network-free files for the device tests ---------------------------------------------------
@@ -86,7 +121,8 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
     import export as E
 
     assert name in FAMILIES
-    moe = name == "qwen3next"  # experts and a shared expert; beta and alpha as one ssm_ba
+    moe = name != "qwen35"  # experts and a shared expert
+    ba = name == "qwen3next"  # beta and alpha as one ssm_ba
     rng = np.random.default_rng(seed)
     D, H, KVH, hd, F, V = 64, 4, 2, 16, 128, E.VOCAB
     nk, nv, dk, dv, K = 2, 4, 16, 16, 4
@@ -141,7 +177,7 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
         if r:
             mat(b + "attn_qkv.weight", C, D)
             mat(b + "attn_gate.weight", nv * dv, D)
-            if moe:
+            if ba:
                 mat(b + "ssm_ba.weight", 2 * nv, D)
             else:
                 mat(b + "ssm_alpha.weight", nv, D)

@@ -1,8 +1,9 @@
 """Reasoning (reference §17.1.12): the thinking toggle, stop ids, and the reasoning/content splitter.
 
 Pure formats over a template, the vocabulary and text: no chat state (turns.py holds that).
-Two reply formats: the <think>...</think> pair (Qwen3, DeepSeek-R1 distills) and gpt-oss Harmony
-channels (analysis = reasoning, final / commentary = content). The splitter is one marker machine
+Three reply formats: the <think>...</think> pair (Qwen3, DeepSeek-R1 distills), gpt-oss Harmony
+channels (analysis = reasoning, final / commentary = content), and the <|channel>thought ... <channel|>
+span (Gemma-4, "channel"). The splitter is one marker machine
 for both; it holds back a possible partial marker at the end of each piece, so any chunking of a
 reply splits the same way. Tool-call formats live in tools.py.
 """
@@ -26,6 +27,13 @@ _HARMONY_MARKERS: Dict[str, Optional[str]] = {
     "<|channel|>commentary<|message|>": CONTENT,
     "<|start|>assistant": DROP, "<|end|>": DROP, "<|return|>": DROP, "<|call|>": DROP,
 }
+
+# <|channel>thought\n ... <channel|>: the reasoning span; what follows the close is the answer.
+_CHANNEL_MARKERS: Dict[str, Optional[str]] = {"<|channel>thought": REASONING, "<channel|>": CONTENT}
+
+
+def _markers(fmt: Optional[str]) -> Dict[str, Optional[str]]:
+    return dict(_CHANNEL_MARKERS if fmt == "channel" else _THINK_MARKERS)
 
 
 @dataclass
@@ -51,9 +59,11 @@ class ThinkStream:
 
 
 def think_format(model, template: str) -> Optional[str]:
-    """'harmony', 'think' or None: which reasoning format the template / vocabulary speaks."""
+    """'harmony', 'channel', 'think' or None: which reasoning format the template / vocabulary speaks."""
     if "<|channel|>" in template:
         return "harmony"
+    if "<|channel>" in template:
+        return "channel"
     if THINK_OPEN in template or THINK_CLOSE in template:
         return "think"
     if model is not None and len(llm.encode(model, THINK_CLOSE, add_special=False, parse_special=True)) == 1:
@@ -79,11 +89,20 @@ def stop_words(fmt: Optional[str], close: str) -> List[str]:
     return words
 
 
+def stop_tokens(fmt: Optional[str]) -> List[str]:
+    """Texts that stop generation when the vocabulary has them as one token, visible or not: Gemma-4's
+    model turn pauses at <|tool_response> after a call (the converter keeps it visible, so it is no
+    control token llama.cpp-style end-of-generation would catch)."""
+    return ["<|tool_response>"] if fmt == "channel" else []
+
+
 def think_stream(fmt: Optional[str], thinking: bool, prompt: str) -> ThinkStream:
     """The splitter for a reply to ``prompt`` (the rendered generation prompt): armed only when the turn
     thinks, else a pass-through stream."""
     if fmt == "harmony":
         return ThinkStream(markers=dict(_HARMONY_MARKERS), state=CONTENT)
+    if fmt == "channel":  # armed either way: with thinking off the prompt closes an empty span, a reply may still open one
+        return ThinkStream(markers=_markers(fmt), state=CONTENT)
     if fmt is None or not thinking:
         return ThinkStream()  # thinking off: the empty think block is in the prompt, the reply is content
     # An R1-style generation prompt opens <think> itself: the reply starts inside the reasoning.
@@ -157,5 +176,5 @@ def split_text(fmt: Optional[str], ts: ThinkStream, reply: str) -> ThinkSplit:
     if fmt is None:
         return ThinkSplit("", reply)
     if not ts.markers:  # thinking off: still split a reply that thinks anyway
-        ts = ThinkStream(markers=dict(_THINK_MARKERS))
+        ts = ThinkStream(markers=_markers(fmt))
     return think_drain(ts, reply)

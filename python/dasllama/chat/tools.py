@@ -6,6 +6,7 @@ Wire formats, picked from the template's own markers:
            call such as brave_search.call(query="...") / python code           (Llama-3.1 / 3.2 / 3.3)
   mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "..."}], or [TOOL_CALLS]name[ARGS]{...}
   harmony  <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+  dsl      <|tool_call>call:NAME{key:<|"|>text<|"|>,n:3,flag:true,list:[...],obj:{...}}<tool_call|>  (Gemma-4)
 Malformed call text stays in the content: parsing a model's reply never raises. Pure formats: the
 chat-level calls (set_tools, parse_calls, ...) are in turns.py.
 """
@@ -42,6 +43,8 @@ def tool_format(template: str) -> Optional[str]:
     """The wire format the template speaks (see above), or None."""
     if "<|channel|>" in template:
         return "harmony"
+    if "<|tool_call>" in template:
+        return "dsl"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -250,6 +253,69 @@ def _parse_harmony(reply: str) -> ToolReply:
     return ToolReply("\n".join(r.strip() for r in reasoning), "\n".join(c.strip() for c in content).strip(), calls)
 
 
+_DSL_Q = '<|"|>'
+_DSL_CALL = re.compile(r"<\|tool_call>call:([\w.\-]+)(\{.*?\})<tool_call\|>", re.S)
+
+
+class _DslError(ValueError):
+    pass
+
+
+def _dsl_value(t: str, i: int):
+    """One value of the call grammar at t[i:]: a <|"|>-quoted string, {key:value,...}, [v,...], true / false /
+    null, or a number (JSON's). Returns (value, next index)."""
+    while i < len(t) and t[i] in " \n\t":
+        i += 1
+    if t.startswith(_DSL_Q, i):
+        j = t.find(_DSL_Q, i + len(_DSL_Q))
+        if j < 0:
+            raise _DslError("unclosed string")
+        return t[i + len(_DSL_Q):j], j + len(_DSL_Q)
+    if t.startswith("{", i):
+        out, i = {}, i + 1
+        while True:
+            while i < len(t) and t[i] in " \n\t,":
+                i += 1
+            if t.startswith("}", i):
+                return out, i + 1
+            j = t.find(":", i)
+            if j < 0 or "}" in t[i:j]:
+                raise _DslError("key without value")
+            key = t[i:j].strip()
+            if key.startswith(_DSL_Q) and key.endswith(_DSL_Q):
+                key = key[len(_DSL_Q):-len(_DSL_Q)]
+            out[key], i = _dsl_value(t, j + 1)
+    if t.startswith("[", i):
+        out, i = [], i + 1
+        while True:
+            while i < len(t) and t[i] in " \n\t,":
+                i += 1
+            if t.startswith("]", i):
+                return out, i + 1
+            v, i = _dsl_value(t, i)
+            out.append(v)
+    m = re.compile(r"true|false|null|-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?").match(t, i)
+    if not m:
+        raise _DslError(f"bad value at {i}")
+    return json.loads(m.group(0)), m.end()
+
+
+def _parse_dsl(content: str):
+    calls, keep, last = [], [], 0
+    for m in _DSL_CALL.finditer(content):
+        try:
+            args, end = _dsl_value(m.group(2), 0)
+            if end != len(m.group(2)):
+                raise _DslError("trailing text")
+        except (_DslError, ValueError, RecursionError):
+            continue  # malformed: stays in the content
+        keep.append(content[last:m.start()])
+        last = m.end()
+        calls.append(ToolCall(m.group(1), json.dumps(args, ensure_ascii=False)))
+    keep.append(content[last:])
+    return "".join(keep).strip() if calls else content, calls
+
+
 def parse_reply(fmt: Optional[str], reply: str, split: Optional[ThinkSplit] = None) -> ToolReply:
     """Classify a complete reply per the wire format ``fmt``: reasoning, content, and the calls with their
     arguments as JSON object text. ``split`` is the reply's reasoning split (not used by Harmony, whose
@@ -264,4 +330,6 @@ def parse_reply(fmt: Optional[str], reply: str, split: Optional[ThinkSplit] = No
         content, calls = _parse_llama3(content)
     elif fmt == "mistral":
         content, calls = _parse_mistral(content)
+    elif fmt == "dsl":
+        content, calls = _parse_dsl(content)
     return ToolReply(split.reasoning, content, calls)

@@ -121,6 +121,10 @@ def _template_stops(chat: ChatSession) -> List[int]:
         # A control token decodes to nothing: the close text opens with a special, generation stops there.
         if ids and llm.decode(chat.model, ids[:1]) == "":
             out.append(ids[0])
+    for w in reasoning.stop_tokens(chat._think_fmt):
+        ids = llm.encode(chat.model, w, add_special=False, parse_special=True)
+        if len(ids) == 1:
+            out.append(ids[0])
     return out
 
 
