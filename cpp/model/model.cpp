@@ -180,16 +180,17 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
   const ArchTraits& t = *m->traits_;
   if (const gguf::Value* sec = f.get_array(key(c, "rope.dimension_sections"))) {
     if (sec->size() < 3 || sec->size() > 4) throw GGUFError("metadata: rope.dimension_sections must hold 3 or 4 values");
-    int sum = 0;
+    int64_t sum = 0;
     for (size_t i = 0; i < sec->size(); ++i) {
       const int64_t v = (*sec)[i].as_int();
-      if (v < 0 || v > c.n_rot) throw GGUFError("metadata: rope.dimension_sections out of range");
+      if (v < 0 || v > (int64_t)1 << 20) throw GGUFError("metadata: rope.dimension_sections out of range");
       c.rope_sections[i] = (int)v;
-      sum += (int)v;
+      sum += v;
     }
-    // Sections cover rotary pairs; a file whose sections do not is one we cannot place.
-    if (sum <= 0 || sum > c.n_rot / 2) throw GGUFError("metadata: rope.dimension_sections exceed the rotary pairs");
-    c.mrope = true;
+    // Sections that do not fit the rotary pairs (Qwen3.5's default [11, 11, 10] written into a
+    // narrower model) cannot place image rows; text rows are unaffected (one position for every
+    // section is plain rope, as llama.cpp runs them), so such a file loads without M-RoPE.
+    c.mrope = sum > 0 && sum <= c.n_rot / 2;
   }
   c.n_deepstack = get_int_or(f, key(c, "n_deepstack_layers"), 0);
   if (c.n_deepstack < 0 || c.n_deepstack > c.n_layers) throw GGUFError("metadata: n_deepstack_layers out of range");
