@@ -17,6 +17,7 @@
 #include "core/errors.h"
 #include "dequant.cuh"
 #include "kernels.h"
+#include "quant/quant.h"
 #include "quant/types.h"
 
 namespace dl {
@@ -231,21 +232,11 @@ class CudaBackend final : public Backend {
     if (!srb) {
       check(cudaMemcpyAsync(b->data(), w.host, (size_t)w.rows * rb, cudaMemcpyHostToDevice, st_), "load_weight");
     } else {
-      const bool q8 = w.type == (uint32_t)GGMLType::Q8_0;
-      const int64_t nb = w.cols / 32, qb = q8 ? 32 : 16, qs_row = nb * qb;
       const int64_t slab = std::max<int64_t>(1, (int64_t)(8u << 20) / (int64_t)rb);
       std::vector<uint8_t> tmp((size_t)(std::min(slab, w.rows) * (int64_t)rb), 0);
       for (int64_t r0 = 0; r0 < w.rows; r0 += slab) {
         const int64_t nr = std::min(slab, w.rows - r0);
-        for (int64_t r = 0; r < nr; ++r) {
-          const uint8_t* src = w.host + (size_t)(r0 + r) * w.row_bytes;
-          uint8_t* dst = tmp.data() + (size_t)r * rb;
-          for (int64_t bi = 0; bi < nb; ++bi) {
-            const uint8_t* blk = src + bi * (2 + qb);
-            std::memcpy(dst + bi * qb, blk + 2, (size_t)qb);
-            std::memcpy(dst + qs_row + bi * 2, blk, 2);
-          }
-        }
+        split_rows(w.type, w.host + (size_t)r0 * w.row_bytes, w.row_bytes, w.cols, nr, tmp.data());
         // On st_ and waited for, since tmp is refilled next. (Not cudaMemcpy: that runs on the
         // legacy stream, which st_ does not wait for, and from pageable memory it may return
         // before the bytes land, so kernels on st_ read the buffer before it is filled.)

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "quant/quant.h"
 
 namespace dl::cuda {
 
@@ -203,12 +204,7 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
 #define DL_CUDA_LAYOUTS(X) DL_CUDA_TYPES(X) X(T_Q8_0S) X(T_Q4_0S)
 
 // Bytes of a row of `cols` in this backend's split layout of `type` (0: none).
-inline size_t split_row_bytes(uint32_t type, int64_t cols) {
-  if (cols % 32 != 0) return 0;
-  const int64_t qs = type == T_Q8_0 ? cols : type == T_Q4_0 ? cols / 2 : -1;
-  if (qs < 0) return 0;
-  return (size_t)((qs + cols / 32 * 2 + 15) / 16 * 16);
-}
+inline size_t split_row_bytes(uint32_t type, int64_t cols) { return dl::split_row_bytes(type, cols); }
 
 inline bool served_type(uint32_t t) {
   switch (t) {

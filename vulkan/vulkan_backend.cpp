@@ -29,6 +29,7 @@
 
 #include "core/errors.h"
 #include "loader.h"
+#include "quant/quant.h"
 #include "quant/types.h"
 
 namespace dl {
@@ -658,21 +659,13 @@ class VulkanBackend final : public Backend {
       w.resident = std::move(b);
       return;
     }
-    const size_t rb = split_row_bytes(w.cols);
+    const size_t rb = split_row_bytes(w.type, w.cols);
     BufferPtr b = alloc((size_t)w.rows * rb, "weight");
-    const int64_t nb = w.cols / 32;
     const int64_t slab = std::max<int64_t>(1, (int64_t)(8u << 20) / (int64_t)rb);
     std::vector<uint8_t> tmp((size_t)(std::min(slab, w.rows) * (int64_t)rb), 0);
     for (int64_t r0 = 0; r0 < w.rows; r0 += slab) {
       const int64_t nr = std::min(slab, w.rows - r0);
-      for (int64_t r = 0; r < nr; ++r) {
-        const uint8_t* src = w.host + (size_t)(r0 + r) * w.row_bytes;
-        uint8_t* dst = tmp.data() + (size_t)r * rb;
-        for (int64_t bi = 0; bi < nb; ++bi) {
-          std::memcpy(dst + bi * 32, src + bi * 34 + 2, 32);
-          std::memcpy(dst + w.cols + bi * 2, src + bi * 34, 2);
-        }
-      }
+      split_rows(w.type, w.host + (size_t)r0 * w.row_bytes, w.row_bytes, w.cols, nr, tmp.data());
       upload(static_cast<uint8_t*>(b->data()) + (size_t)r0 * rb, tmp.data(), (size_t)nr * rb);
     }
     w.data = static_cast<const uint8_t*>(b->data());
@@ -681,7 +674,6 @@ class VulkanBackend final : public Backend {
   }
   static constexpr int kSplitLayout = 0x5C0;  // Weight::packed_for of a split matrix
   static constexpr uint32_t kQ8Split = 40;     // its shader type (dequant.glsl's T_Q8_0S)
-  static size_t split_row_bytes(int64_t cols) { return ((size_t)cols + (size_t)cols / 16 + 15) & ~size_t(15); }
   static bool split_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_SPLIT");
@@ -692,7 +684,7 @@ class VulkanBackend final : public Backend {
   // The layout a shader reads a weight in: its type id and row stride.
   static uint32_t lay_type(const Weight& w) { return w.packed_for == kSplitLayout ? kQ8Split : w.type; }
   static uint64_t lay_rb(const Weight& w) {
-    return w.packed_for == kSplitLayout ? split_row_bytes(w.cols) : (uint64_t)w.row_bytes;
+    return w.packed_for == kSplitLayout ? split_row_bytes(w.type, w.cols) : (uint64_t)w.row_bytes;
   }
   bool supports(Op op, uint32_t type) const override {
     switch (op) {

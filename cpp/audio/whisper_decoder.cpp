@@ -193,15 +193,7 @@ void WhisperDecoder::forward(const int32_t* ids, int64_t n, int64_t pos0, bool a
     AttnArgs a;
     a.q = q;
     a.q_stride = d;
-    a.kv.base = base;
-    a.kv.pages = static_cast<const int32_t*>(page0_->data());
-    a.kv.n_pages = 1;
-    a.kv.page_shift = 62;
-    a.kv.page_bytes = (size_t)(2 * rows_cap * d) * 4;
-    a.kv.k_off = 0;
-    a.kv.v_off = (size_t)(rows_cap * d) * 4;
-    a.kv.row_bytes = (size_t)d * 4;
-    a.kv.type = KVType::f32;
+    a.kv = encoder::flat_kv(base, rows_cap, d, static_cast<const int32_t*>(page0_->data()));
     a.n_tok = n;
     a.n_kv = n_kv;
     a.n_heads = a.n_kv_heads = c.n_heads;

@@ -50,15 +50,7 @@ void Blocks::run(Backend& be, const std::vector<Layer>& layers, float* h, int64_
     AttnArgs a;
     a.q = q;
     a.q_stride = d;
-    a.kv.base = reinterpret_cast<uint8_t*>(kv);
-    a.kv.pages = static_cast<const int32_t*>(page0_->data());
-    a.kv.n_pages = 1;
-    a.kv.page_shift = 62;
-    a.kv.page_bytes = (size_t)(2 * L * d) * 4;
-    a.kv.k_off = 0;
-    a.kv.v_off = (size_t)(L * d) * 4;
-    a.kv.row_bytes = (size_t)d * 4;
-    a.kv.type = KVType::f32;
+    a.kv = flat_kv(kv, L, d, static_cast<const int32_t*>(page0_->data()));
     a.n_tok = L;
     a.n_kv = L;
     a.n_heads = a.n_kv_heads = n_heads;

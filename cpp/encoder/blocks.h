@@ -17,6 +17,23 @@ struct Layer {
 
 enum class Gelu { erf, tanh };
 
+// A one-page f32 cache over `rows` K rows of `width` floats followed by as many V rows, at
+// base (page0: a backend block table {0}): how a tower's or decoder's own K|V buffer is
+// handed to the paged attention op.
+inline KVView flat_kv(void* base, int64_t rows, int64_t width, const int32_t* page0) {
+  KVView kv;
+  kv.base = static_cast<uint8_t*>(base);
+  kv.pages = page0;
+  kv.n_pages = 1;
+  kv.page_shift = 62;
+  kv.page_bytes = (size_t)(2 * rows * width) * 4;
+  kv.k_off = 0;
+  kv.v_off = (size_t)(rows * width) * 4;
+  kv.row_bytes = (size_t)width * 4;
+  kv.type = KVType::f32;
+  return kv;
+}
+
 // Backend scratch (grown on demand) of one run of blocks, and the constant inputs of its
 // attention: a one-page block table {0} and the all-see-all positions.
 class Blocks {

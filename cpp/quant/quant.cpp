@@ -214,4 +214,27 @@ void quantize_row(uint32_t type, const float* src, void* dst, int64_t n) {
   }
 }
 
+size_t split_row_bytes(uint32_t type, int64_t cols) {
+  if (cols <= 0 || cols % 32 != 0) return 0;
+  const int64_t qs = type == (uint32_t)GGMLType::Q8_0 ? cols : type == (uint32_t)GGMLType::Q4_0 ? cols / 2 : -1;
+  if (qs < 0) return 0;
+  return (size_t)((qs + cols / 32 * 2 + 15) / 16 * 16);
+}
+
+void split_rows(uint32_t type, const uint8_t* src, size_t src_rb, int64_t cols, int64_t rows, uint8_t* dst) {
+  const size_t rb = split_row_bytes(type, cols);
+  if (rb == 0) throw Error("split_rows: no split layout for type " + type_name(type));
+  const int64_t nb = cols / 32, qb = type == (uint32_t)GGMLType::Q8_0 ? 32 : 16, qs_row = nb * qb;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* s = src + (size_t)r * src_rb;
+    uint8_t* d = dst + (size_t)r * rb;
+    std::memset(d + qs_row + nb * 2, 0, rb - (size_t)(qs_row + nb * 2));  // the padding
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = s + b * (2 + qb);
+      std::memcpy(d + b * qb, blk + 2, (size_t)qb);
+      std::memcpy(d + qs_row + b * 2, blk, 2);
+    }
+  }
+}
+
 }  // namespace dl

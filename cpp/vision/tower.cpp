@@ -520,15 +520,7 @@ int64_t VisionEncoder::encode_qwen25(const float* pixels, int H, int W, float* o
       AttnArgs a;
       a.q = q + r0 * d;
       a.q_stride = d;
-      a.kv.base = reinterpret_cast<uint8_t*>(kv + r0 * d);
-      a.kv.pages = static_cast<const int32_t*>(page0_->data());
-      a.kv.n_pages = 1;
-      a.kv.page_shift = 62;
-      a.kv.page_bytes = (size_t)(2 * L * d) * 4;
-      a.kv.k_off = 0;
-      a.kv.v_off = (size_t)(L * d) * 4;
-      a.kv.row_bytes = (size_t)d * 4;
-      a.kv.type = KVType::f32;
+      a.kv = encoder::flat_kv(kv + r0 * d, L, d, static_cast<const int32_t*>(page0_->data()));
       a.n_tok = r1 - r0;
       a.n_kv = r1 - r0;
       a.n_heads = a.n_kv_heads = c.n_heads;
