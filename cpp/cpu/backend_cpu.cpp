@@ -286,7 +286,11 @@ class CpuBackend final : public Backend {
     const cpu::KernelTable& kt = cpu::kernels();
     // A stack of experts packs only when every expert starts on a packed row group.
     const bool split = w.expert_rows > 0 && w.expert_rows % cpu::kPackRowAlign != 0;
-    const size_t n = off || split ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
+    // f32 / f16 pack only where their bytes stay readable (the file's mapping, a tower's own
+    // copy): a converted copy (fp32 mode's) is freed once packed, and only the packing ISA has
+    // an f32 / f16 packed kernel, so a later set_isa would find nothing to read.
+    const bool fp = w.type == (uint32_t)GGMLType::F32 || w.type == (uint32_t)GGMLType::F16;
+    const size_t n = off || split || (fp && w.owned) ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
     if (n == 0) return;
     std::shared_ptr<void> owner = pack_alloc(n);
     void* p = owner.get();
