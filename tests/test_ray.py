@@ -282,8 +282,10 @@ def test_a_killed_replica_loses_no_other_request_and_recovers(text_app):
     base, model = text_app["base"], text_app["model"]
     before = _per_replica("text")
     assert len(before) == 2
-    questions = [f"Count from {i} to {i + 20}, one number a line." for i in range(8)]
-    want = {q: reference(model, [{"role": "user", "content": q}], 40) for q in questions}
+    # Replies long enough (160 tokens, 4 a stream) that a replica is still generating when its
+    # board entry (posted every second) is read: on a quiet machine 40-token replies all ended first.
+    questions = [f"Count from {i} to {i + 200}, one number a line." for i in range(8)]
+    want = {q: reference(model, [{"role": "user", "content": q}], 160) for q in questions}
     retrying = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=6, timeout=600)
     once = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=600)
     results = {}
@@ -292,7 +294,7 @@ def test_a_killed_replica_loses_no_other_request_and_recovers(text_app):
         client = retrying if i % 2 == 0 else once
         try:
             r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": q}],
-                                               temperature=0, max_tokens=40)
+                                               temperature=0, max_tokens=160)
             results[q] = ("ok", r.choices[0].message.content)
         except openai.APIStatusError as e:
             results[q] = ("status", e.status_code, e.response.headers.get("retry-after"), e.message)
