@@ -54,6 +54,21 @@ def test_what_does_not_fit_is_refused(smollm2_path):
     d.eval(m, s, [1, 2, 3])
 
 
+
+def test_import_loads_only_what_text_needs():
+    # numpy (~16 MB resident) and OpenSSL (hashlib, ~4 MB) count in every program's peak RSS:
+    # a program that only generates text loads neither; the media, ASR and chat parts load on
+    # first use, and their names still resolve.
+    code = ("import sys, dasllama as d; print(sorted(m for m in ('numpy', '_hashlib', 'dasllama.audio', "
+            "'dasllama.vision', 'dasllama.asr', 'dasllama.chat') if m in sys.modules)); "
+            "print(d.ChatSession.__module__, d.load_audio.__module__, d.chat.render_prompt.__module__, "
+            "'transcribe' in dir(d))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]", out[0]
+    assert out[1] == "dasllama.chat.turns dasllama.audio_io dasllama.chat.template True", out[1]
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        d.not_a_name  # noqa: B018
+
 TOKENIZER_PROBE = """
 import sys
 from dasllama import _core

@@ -295,10 +295,11 @@ class CpuBackend final : public Backend {
     std::shared_ptr<void> owner = pack_alloc(n);
     void* p = owner.get();
     const int64_t groups = (w.rows + cpu::kPackRowAlign - 1) / cpu::kPackRowAlign;
-    // Slices of ~8 MiB of the source; a mapped source gives its pages back after each, so
-    // packing a large table (a tied output) never holds it twice.
+    // Slices of ~2 MiB of the source; a mapped source gives its pages back after each, so
+    // packing a large table (a tied output) never holds it twice, and the load's peak is the
+    // packed weights plus one slice of file pages.
     const size_t group_src = (size_t)cpu::kPackRowAlign * w.row_bytes;
-    const int64_t slice = w.host_mapped ? std::max<int64_t>(64, (int64_t)((size_t(8) << 20) / group_src)) : groups;
+    const int64_t slice = w.host_mapped ? std::max<int64_t>(16, (int64_t)((size_t(2) << 20) / group_src)) : groups;
     for (int64_t g0 = 0; g0 < groups; g0 += slice) {
       const int64_t g1 = std::min(groups, g0 + slice);
       pool_.parallel_for(g1 - g0, 64, [&](int64_t lo, int64_t hi) {
@@ -514,7 +515,11 @@ class CpuBackend final : public Backend {
         const int64_t local = task - first[(size_t)i];
         const int64_t blk = local / c.per_block;
         // This task's query heads: the KV head's group, or one head of it.
-        const int h0 = c.split_keys ? (int)(local / c.n_chunks) * group
+        // Split over keys, tasks go chunk by chunk, every KV head of a chunk in turn: the heads'
+        // slices interleave in each cache row, so one thread then streams whole rows (what the
+        // hardware prefetcher fetches past a head's slice is the next head's, read next from
+        // cache), not a head's slice of every row with the rest fetched and thrown away.
+        const int h0 = c.split_keys ? (int)(local % c.per_block % a.n_kv_heads) * group
                        : split_heads ? (int)(local % c.per_block) : (int)(local % c.per_block) * group;
         const int kvh = h0 / group;
         cpu::AttnBlock b;
@@ -563,7 +568,7 @@ class CpuBackend final : public Backend {
         b.out = a.out + t0 * a.out_stride + (int64_t)h0 * hd;
         b.out_stride = a.out_stride;
         if (c.split_keys) {  // this KV head's rows, one chunk: [kv head][row][chunk] partials
-          const int64_t ch = local % c.n_chunks;
+          const int64_t ch = local % c.per_block / a.n_kv_heads;
           b.part = part.data() + c.part_off + (size_t)(((int64_t)(h0 / group) * a.n_tok * group * c.n_chunks + ch) *
                                                        (hd + 2));
           b.part_stride = c.n_chunks * (hd + 2);
@@ -937,22 +942,56 @@ class CpuBackend final : public Backend {
 
   // Packed weights are carved from arenas of 2 MiB pages where the kernel allows it:
   // decode streams every weight once per token, and on 4 KiB pages a model's small
-  // matrices cost a TLB miss every 4 KiB. A weight's owner shares its arena.
+  // matrices cost a TLB miss every 4 KiB. A weight's owner shares its arena. A matrix of a
+  // quarter arena or more gets a block of its own size (the open arena stays open for the
+  // small ones), and an arena left for a new one gives back the pages past its last weight:
+  // otherwise the huge page it ends in, or a tail, stays resident unused.
   std::shared_ptr<void> pack_alloc(size_t n) {
     n = (n + 63) / 64 * 64;
+    if (n >= kArena / 4 && !(arena_ && arena_used_ + n <= arena_size_)) return huge_block(n);
     if (!arena_ || arena_used_ + n > arena_size_) {
-      arena_size_ = std::max<size_t>(kArena, (n + kHugePage - 1) / kHugePage * kHugePage);
-      void* a = std::aligned_alloc(kHugePage, arena_size_);
-      if (!a) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-      madvise(a, arena_size_, MADV_HUGEPAGE);  // advice only: failure leaves small pages
-#endif
-      arena_ = std::shared_ptr<void>(a, std::free);
+      release_arena_tail();
+      arena_size_ = kArena;
+      arena_ = huge_block(arena_size_);
       arena_used_ = 0;
     }
     void* p = static_cast<uint8_t*>(arena_.get()) + arena_used_;
     arena_used_ += n;
     return std::shared_ptr<void>(arena_, p);
+  }
+
+  // n bytes (rounded up to whole pages) aligned to a huge page, with huge pages advised.
+  static std::shared_ptr<void> huge_block(size_t n) {
+#if defined(__linux__)
+    static const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t len = (n + pg - 1) / pg * pg;
+    // Over-map by a huge page, then unmap the unaligned head and the tail: the block ends
+    // where its data does, so no huge page reaches past it.
+    void* raw = mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) throw std::bad_alloc();
+    const uintptr_t b = (uintptr_t)raw, a = (b + kHugePage - 1) & ~(uintptr_t)(kHugePage - 1);
+    if (a > b) munmap(raw, a - b);
+    if (b + len + kHugePage > a + len) munmap((void*)(a + len), b + len + kHugePage - (a + len));
+#if defined(MADV_HUGEPAGE)
+    madvise((void*)a, len, MADV_HUGEPAGE);  // advice only: failure leaves small pages
+#endif
+    return std::shared_ptr<void>((void*)a, [len](void* p) { munmap(p, len); });
+#else
+    const size_t len = (n + kHugePage - 1) / kHugePage * kHugePage;
+    void* a = std::aligned_alloc(kHugePage, len);
+    if (!a) throw std::bad_alloc();
+    return std::shared_ptr<void>(a, std::free);
+#endif
+  }
+
+  void release_arena_tail() {
+#if defined(__linux__)
+    if (!arena_) return;
+    static const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t lo = ((uintptr_t)arena_.get() + arena_used_ + pg - 1) & ~(pg - 1);
+    const uintptr_t hi = (uintptr_t)arena_.get() + arena_size_;
+    if (hi > lo) madvise((void*)lo, hi - lo, MADV_DONTNEED);
+#endif
   }
 
   struct AttnCall {

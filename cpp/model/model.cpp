@@ -315,6 +315,9 @@ std::shared_ptr<Model> Model::open(const std::string& path, QuantMode mode, cons
   if (dry_run) return m;
   // The tokenizer before the weights: its build's temporaries then never sit on top of them.
   m->tokenizer_ = load_tokenizer(f);
+  // The header and metadata (the vocabulary's strings) are parsed and copied: their pages go
+  // back now, not after the weights are resident (they would add to the load's peak).
+  f.release(f.base(), (size_t)f.data_offset());
   m->make_resident();
   // End of generation: the declared ids plus the control tokens chat formats close turns with.
   for (const char* k : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"})

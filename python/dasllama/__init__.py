@@ -18,31 +18,6 @@ from ._core import (
 from . import quant
 from ._system import get_isa, set_isa, system_info
 from . import hub
-from .audio import (
-    AudioEmbedder,
-    AudioState,
-    AudioTower,
-    audio_probe_proj_dim,
-    audio_tower_probe_proj_dim,
-    encode_audio,
-    encode_audio_rows,
-    load_audio_embedder,
-    load_audio_tower,
-    log_mel,
-)
-from .audio_io import load_audio
-from .vision import (
-    ImageError,
-    VisionEmbedder,
-    VisionImage,
-    VisionState,
-    encode_image,
-    encode_image_rows,
-    load_image_rgb,
-    load_vision_embedder,
-    vision_probe_family,
-)
-from .asr import ASRModel, Segment, Transcript, format_transcript, load_asr_model, resolve_asr_model, transcribe
 from .llm import (
     BatchWorkspace,
     KVDtype,
@@ -92,54 +67,55 @@ from .kv import (
     release_kv_pages,
 )
 
-from . import chat
-from .chat import (
-    ChatSession,
-    LlmCaps,
-    TemplateError,
-    ThinkSplit,
-    ThinkStream,
-    ToolCall,
-    ToolReply,
-    add_assistant,
-    add_assistant_calls,
-    add_tool_results,
-    add_user,
-    add_user_audio,
-    add_user_audio_rows,
-    add_user_image,
-    add_user_span,
-    audio_cache_stats,
-    media_cache_stats,
-    audio_span_bare,
-    caps,
-    create_chat,
-    create_chat_renderer,
-    default_template,
-    effective_stop_ids,
-    load_transcript,
-    make_think_stream,
-    parse_calls,
-    render_assistant,
-    render_assistant_calls,
-    render_close,
-    render_messages,
-    render_prompt,
-    render_turn,
-    render_turn_audio,
-    render_turn_image,
-    prefill_media_body,
-    reset,
-    respond,
-    save_transcript,
-    set_thinking,
-    set_tools,
-    split_reasoning,
-    stream_respond,
-    think_drain,
-    think_feed,
-    think_finish,
-)
+# The media towers, ASR and the chat layer load on first use (PEP 562): a program that only
+# generates text does not pay their modules' (and their imports') memory.
+_LAZY = {
+    "audio": (
+        "AudioEmbedder", "AudioState", "AudioTower", "audio_probe_proj_dim", "audio_tower_probe_proj_dim",
+        "encode_audio", "encode_audio_rows", "load_audio_embedder", "load_audio_tower", "log_mel"
+    ),
+    "audio_io": (
+        "load_audio",
+    ),
+    "vision": (
+        "ImageError", "VisionEmbedder", "VisionImage", "VisionState", "encode_image", "encode_image_rows",
+        "load_image_rgb", "load_vision_embedder", "vision_probe_family"
+    ),
+    "chat": (
+        "ChatSession", "LlmCaps", "TemplateError", "ThinkSplit", "ThinkStream", "ToolCall", "ToolReply",
+        "add_assistant", "add_assistant_calls", "add_tool_results", "add_user", "add_user_audio",
+        "add_user_audio_rows", "add_user_image", "add_user_span", "audio_cache_stats", "media_cache_stats",
+        "audio_span_bare", "caps", "create_chat", "create_chat_renderer", "default_template",
+        "effective_stop_ids", "load_transcript", "make_think_stream", "parse_calls", "render_assistant",
+        "render_assistant_calls", "render_close", "render_messages", "render_prompt", "render_turn",
+        "render_turn_audio", "render_turn_image", "prefill_media_body", "reset", "respond", "save_transcript",
+        "set_thinking", "set_tools", "split_reasoning", "stream_respond", "think_drain", "think_feed",
+        "think_finish"
+    ),
+    "asr": (
+        "ASRModel", "Segment", "Transcript", "format_transcript", "load_asr_model", "resolve_asr_model",
+        "transcribe"
+    ),
+}
+_LAZY_NAMES = {n: m for m, ns in _LAZY.items() for n in ns}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:  # the submodule itself (dasllama.chat)
+        return importlib.import_module(f".{name}", __name__)
+    mod = _LAZY_NAMES.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_NAMES) | set(_LAZY))
+
 
 from ._version import __version__
 

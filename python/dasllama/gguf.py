@@ -24,16 +24,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Tuple
 
-import numpy as np
-
 from . import _core
 from ._core import GGUFError
 
 __all__ = ["GGUFFile", "GGUFError", "TensorInfo"]
 
 # ggml types with a plain numpy dtype, for typed views (bf16 has none: viewed as uint16).
-_TYPED = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64,
-          30: np.uint16}
+_TYPED = {0: "float32", 1: "float16", 24: "int8", 25: "int16", 26: "int32", 27: "int64", 28: "float64", 30: "uint16"}
 
 
 @dataclass(frozen=True)
@@ -111,6 +108,8 @@ class GGUFFile:
         dt = _TYPED.get(info.type)
         if dt is None:
             raise ValueError(f"tensor {name!r} has block type {info.type_name}; no typed view (use dequantize)")
+        import numpy as np  # here: `import dasllama` does not load numpy
+
         return raw.view(np.dtype(dt).newbyteorder("<")).reshape(info.shape)
 
     def dequantize(self, name: str) -> np.ndarray:

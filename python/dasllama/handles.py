@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 
 from . import _core
 

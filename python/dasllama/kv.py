@@ -26,7 +26,6 @@ matches. -1 is an anonymous row (no key) and is never cached.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import List, Sequence, Union
 
 from . import _core
@@ -106,6 +105,8 @@ def media_ids(key: Union[bytes, str], n: int) -> List[int]:
     negligible probability, and the prefix cache compares ids on every hit anyway."""
     if n < 0:
         raise ValueError("n must be >= 0")
+    import hashlib  # here: hashlib loads OpenSSL (~4 MB resident), and only media spans need it
+
     k = key.encode("utf-8") if isinstance(key, str) else bytes(key)
     root = hashlib.blake2b(k, digest_size=32, person=b"dasllama-media").digest()
     out = []

@@ -9,9 +9,8 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Callable, Iterator, List, Optional, Sequence, Union
-
-import numpy as np
 
 from . import _core, hub
 from .handles import KVDtype, KVPool, Model, ModelConfig, QuantMode, Session  # noqa: F401 - re-exported
@@ -155,7 +154,7 @@ def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
     flat: List[int] = []
     counts: List[int] = []
     for t in tokens:
-        if isinstance(t, (int, np.integer)):
+        if isinstance(t, Integral):
             flat.append(int(t))
             counts.append(1)
         else:
@@ -278,6 +277,8 @@ def eval_embd_span_mrope(model: Model, session: Session, embd: np.ndarray, npos:
 
 
 def _rows(model: Model, embd, npos: int) -> np.ndarray:
+    import numpy as np  # here, not at import: a text-only program need not load numpy
+
     x = np.asarray(embd)
     if x.dtype != np.float32:
         raise TypeError(f"embedding rows must be float32, got dtype {x.dtype}")
@@ -294,6 +295,8 @@ def embed_text_rows(model: Model, tokens: Sequence[int], out: Optional[np.ndarra
                     offset: int = 0) -> np.ndarray:
     """The embedding rows ``eval`` would prefill for ``tokens``: float32 ``(len(tokens), dim)``
     (with gemma's sqrt(dim) scale). With ``out`` they are written into it from row ``offset``."""
+    import numpy as np  # here, not at import: a text-only program need not load numpy
+
     rows = model._m.embed_tokens([int(t) for t in tokens])
     if out is None:
         return rows
@@ -308,6 +311,8 @@ def media_body_rows(model: Model, session: Optional[Session], head: Sequence[int
     ``rows`` (``dim`` wide, which must be the model's width), then ``tail``'s text rows:
     float32 ``(len(head) + n + len(tail), dim)``. ``session`` is unused (kept for the reference's
     signature: a per-layer-input family would record ids on it). Prefill with :func:`eval_embd_body`."""
+    import numpy as np  # here, not at import: a text-only program need not load numpy
+
     if session is not None:
         check_session(model, session)
     if int(dim) != model.config.dim:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-import numpy as np
 
 from . import _core
 
@@ -55,6 +54,8 @@ def type_info(qtype: QType) -> TypeInfo:
 
 def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
     """Raw bytes of type ``qtype`` (last dim in bytes) to float32 (last dim in elements)."""
+    import numpy as np  # here, not at import: a text-only program need not load numpy
+
     info = type_info(qtype)
     raw = np.ascontiguousarray(data)
     if raw.ndim == 0:
@@ -70,6 +71,8 @@ def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
 
 def quantize(array: np.ndarray, qtype: QType) -> np.ndarray:
     """Floats (last dim in elements) to raw bytes of type ``qtype`` (last dim in bytes)."""
+    import numpy as np  # here, not at import: a text-only program need not load numpy
+
     info = type_info(qtype)
     x = np.ascontiguousarray(array, dtype=np.float32)
     if x.ndim == 0:
