@@ -96,8 +96,11 @@ bool graphs_enabled() {
 
 // Several sessions' KV stores (bit 2) of a batched step in one launch: DASLLAMA_CUDA_GROUP=2,
 // default off. Grouped attention (bit 1) stays masked off whatever the variable says: it
-// gave wrong logits for every session after the first in the ragged-batch test (cause not
-// found yet). A single session's store and attention always take the device-args path,
+// gave wrong logits for every session after the first in the ragged-batch test, and (H200,
+// eighth session, .prof/grp.py) in a plain batch of one-token decodes too, with the split
+// count forced to 1 and compute-sanitizer clean: cause not found yet. Per-session launches
+// cost batched decode most of its time (B=16: 2,111 t/s, 3,472 with the wrong grouping).
+// A single session's store and attention always take the device-args path,
 // which lets decode steps replay a graph.
 int group_mask() {
   const char* e = std::getenv("DASLLAMA_CUDA_GROUP");
@@ -552,7 +555,7 @@ class CudaBackend final : public Backend {
   // false when its weights or sizes do not fit that kernel.
   bool staged(const MatmulStep& s) {
     use();
-    if (s.n < 1 || s.n > 32) return false;  // the staged GEMV's range (kStagedMax in matmul.cu)
+    if (s.n < 1) return false;
     cuda::GemvJob j;
     std::memset(static_cast<void*>(&j), 0, sizeof j);  // padding too: the job's bytes are the signature
     const cuda::Mat m0 = mat(*s.w[0]);
@@ -567,13 +570,16 @@ class CudaBackend final : public Backend {
     // q8 mode on the split layouts: activations quantized once (normed on the way), then
     // int8 dot products, as the CPU's quantized matmuls do.
     const bool q8 = !s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0;
+    // From mma_min_ tokens on, q8 matmuls run on tensor cores (the GEMV turns compute-bound).
+    const bool mma = q8 && s.n >= mma_min_ && prop_.major >= 8;
+    if (!mma && s.n > 32) return false;  // the staged GEMV's range (kStagedMax in matmul.cu)
     void* qb = nullptr;
     if (q8) {
       j.x = nullptr, j.norm = false, j.norm_w = nullptr;
       qb = qact_for(cuda::qact_bytes(s.n, j.cols));
       cuda::point_qact(j, qb, s.n, j.cols);
     }
-    if (!cuda::gemv_staged_fits(j)) return false;
+    if (mma ? !cuda::mma_q8_fits(j) : !cuda::gemv_staged_fits(j)) return false;
     max_rows_ = std::max(max_rows_, s.n);
     const GluRec& g = glu_;
     if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
@@ -596,14 +602,15 @@ class CudaBackend final : public Backend {
          nw, eps, qb);
     }
     if (!rec_) {
-      cuda::gemv_staged(j, st_);
+      mma ? cuda::mma_q8(j, st_) : cuda::gemv_staged(j, st_);
       return true;
     }
     flush_kv();
-    sig1(Tag::gemv);
+    sig1(Tag::gemv), sig1(mma);
     const auto* p = reinterpret_cast<const uint8_t*>(&j);
     sig_.insert(sig_.end(), p, p + sizeof j);
-    ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
+    if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
+    else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
     return true;
   }
   // Runs f now, or (inside a step) records it with its arguments' bytes.
@@ -814,6 +821,12 @@ class CudaBackend final : public Backend {
 
   int dev_;
   cudaDeviceProp prop_{};
+  // Tokens from which q8 matmuls take the int8 mma kernel (DASLLAMA_CUDA_MMA_MIN; 0: never).
+  int64_t mma_min_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_MMA_MIN");
+    const long v = e ? std::atol(e) : 8;
+    return v > 0 ? (int64_t)v : INT64_MAX;
+  }();
   cudaStream_t st_ = nullptr;
   BufferPtr scratch_, qact_, counters_;
   // The step being recorded.

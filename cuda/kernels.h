@@ -61,6 +61,10 @@ void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols);
 // 16-byte for float types), and the launch (first_block is filled there).
 bool gemv_staged_fits(const GemvJob& j);
 void gemv_staged(GemvJob j, cudaStream_t st);
+// The q8-mode matmul on tensor cores (sm_80 on): j with quantized activations (xq set) over
+// T_Q8_0S / T_Q4_0S weights, any n; for batched decode and prefill.
+bool mma_q8_fits(const GemvJob& j);
+void mma_q8(const GemvJob& j, cudaStream_t st);
 // y[t][r] = sum_k W[r][k] x[t][k], t < n.
 void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st);
 void get_rows(const Mat& m, const int32_t* ids, int64_t n, float* out, cudaStream_t st);

@@ -170,7 +170,7 @@ def q8_backends():
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("n", [1, 7, 20])
+@pytest.mark.parametrize("n", [1, 7, 20, 100])
 def test_matmul_q8_mode(q8_backends, wtype, n):
     """Weights loaded as in q8 mode: a backend either quantizes the activations to 8-bit
     blocks of 32 with the CPU's rounding (act_blocks.h), and then equals the CPU's matmul up
