@@ -597,3 +597,28 @@ def test_paged_attention(backends, kv, case):
             np.testing.assert_array_equal(pages[pid, 1, :cnt], vb[r], err_msg=f"kv_store V on {d}")
     ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap)
     check(f"attention {kv}", {d: o for d, (o, _) in res.items()}, ref, F32_DOT)
+
+
+@pytest.mark.parametrize("kv", list(KV_TYPES))
+def test_paged_attention_multi(backends, kv):
+    """One step's attentions over several sessions, as eval_batch issues them (a prefill beside
+    decodes at other depths, each session on its own pages): every session equals the float64
+    reference over its own rows."""
+    rng = np.random.default_rng(41)
+    H, KVH, hd, P, pool = 4, 2, 32, 16, 16
+    spec = [(10, 9), (17, 1), (24, 1), (0, 3), (40, 1)]  # (rows already cached, new rows)
+    ids = rng.permutation(pool).astype(np.int32)
+    sessions, at = [], 0
+    for past, new in spec:
+        n_kv = past + new
+        n_pages = -(-n_kv // P)
+        sessions.append((rng.standard_normal((new, H * hd)).astype(np.float32),
+                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32),
+                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32), ids[at:at + n_pages]))
+        at += n_pages
+    scale = 1 / math.sqrt(hd)
+    outs = {d: b.paged_attention_multi(sessions, H, KVH, hd, KV_TYPES[kv], P, pool, scale) for d, b in backends.items()}
+    for i, (q, k, v, _) in enumerate(sessions):
+        q_pos = np.arange(k.shape[0] - q.shape[0], k.shape[0])
+        ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, 0, scale, 0.0)
+        check(f"attention_multi {kv}, session {i} of {len(spec)}", {d: o[i] for d, o in outs.items()}, ref, F32_DOT)

@@ -496,7 +496,86 @@ void bind_backend(py::module_& m) {
         return py::make_tuple(out, raw);
       }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_pos"), py::arg("n_heads"), py::arg("n_kv_heads"),
          py::arg("head_dim"), py::arg("kv_type"), py::arg("page_rows"), py::arg("page_ids"), py::arg("n_pool_pages"),
-         py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("store_chunk"), py::arg("sinks") = py::none());
+         py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("store_chunk"), py::arg("sinks") = py::none())
+      // Several sessions of one step, as eval_batch issues them: each session's rows before
+      // n_past are in its pages already; inside one begin_step / end_step each stores its new
+      // rows and attention_multi runs every session's queries together. A session is
+      // (q [n_tok][H hd], k and v [n_past + n_tok][KVH hd], page_ids); its queries sit at
+      // n_past..n_past + n_tok - 1. Returns each session's output.
+      .def("paged_attention_multi", [](Dev& d, const py::list& sessions, int n_heads, int n_kv_heads, int head_dim,
+                                       int kv_type, int page_rows, int n_pool_pages, float scale) {
+        need(kv_type == 0 || kv_type == 1 || kv_type == 8, "kv_type must be 0 (f32), 1 (f16) or 8 (q8_0)");
+        need(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0, "bad head layout");
+        need(kv_type != 8 || head_dim % 32 == 0, "a q8_0 cache needs head_dim a multiple of 32");
+        need(n_pool_pages >= 1 && !sessions.empty(), "bad pool or no sessions");
+        int shift = 0;
+        while ((1 << shift) < page_rows) ++shift;
+        if (page_rows < 1 || (1 << shift) != page_rows) throw py::value_error("page_rows must be a power of two");
+        const int64_t kv_dim = (int64_t)n_kv_heads * head_dim, q_dim = (int64_t)n_heads * head_dim;
+        KVView kv;
+        kv.type = (KVType)kv_type;
+        kv.row_bytes = kv_row_bytes(kv.type, kv_dim);
+        kv.page_shift = shift;
+        kv.v_off = (size_t)page_rows * kv.row_bytes;
+        kv.page_bytes = 2 * kv.v_off;
+        BufferPtr pool = d.be->alloc(kv.page_bytes * (size_t)n_pool_pages, "harness pool");
+        d.be->zero(pool->data(), kv.page_bytes * (size_t)n_pool_pages);
+        kv.base = static_cast<uint8_t*>(pool->data());
+        std::vector<bool> used((size_t)n_pool_pages, false);
+        std::vector<AttnArgs> args;
+        std::vector<const float*> ks, vs;
+        std::vector<int64_t> past;
+        for (const py::handle& h : sessions) {
+          const py::tuple t = py::cast<py::tuple>(h);
+          need(t.size() == 4, "a session is (q, k, v, page_ids)");
+          F32 q = f32(t[0], "q", 2), k = f32(t[1], "k", 2), v = f32(t[2], "v", 2);
+          const I32 ids = I32::ensure(t[3]);
+          need((bool)ids, "page_ids must be int32");
+          const int64_t n_tok = q.shape(0), n_kv = k.shape(0);
+          need(q.shape(1) == q_dim && k.shape(1) == kv_dim && v.shape(0) == n_kv && v.shape(1) == kv_dim &&
+                   n_tok >= 1 && n_tok <= n_kv, "a session's shapes");
+          need(ids.size() * page_rows >= n_kv, "a session has too few pages");
+          for (int64_t i = 0; i < ids.size(); ++i) {
+            const int32_t id = ids.data()[i];
+            need(id >= 0 && id < n_pool_pages && !used[(size_t)id], "page ids must be in the pool and not shared");
+            used[(size_t)id] = true;
+          }
+          std::vector<int32_t> pos((size_t)n_tok);
+          for (int64_t i = 0; i < n_tok; ++i) pos[(size_t)i] = (int32_t)(n_kv - n_tok + i);
+          AttnArgs a;
+          a.kv = kv;
+          a.kv.pages = d.put(ids.data(), (size_t)ids.size());
+          a.kv.n_pages = ids.size();
+          a.q = d.put(q);
+          a.q_stride = q_dim;
+          a.n_tok = n_tok, a.n_kv = n_kv;
+          a.n_heads = n_heads, a.n_kv_heads = n_kv_heads, a.head_dim = head_dim;
+          a.q_pos = d.put(pos.data(), pos.size());
+          a.scale = scale;
+          a.out = d.poisoned((size_t)(n_tok * q_dim));
+          a.out_stride = q_dim;
+          args.push_back(a);
+          ks.push_back(d.put(k)), vs.push_back(d.put(v)), past.push_back(n_kv - n_tok);
+        }
+        const size_t n = args.size();
+        for (size_t i = 0; i < n; ++i)  // the cache as earlier steps left it
+          if (past[i] > 0) d.be->kv_store(args[i].kv, 0, ks[i], vs[i], past[i], kv_dim, kv_dim);
+        d.be->begin_step();
+        for (size_t i = 0; i < n; ++i)
+          d.be->kv_store(args[i].kv, past[i], ks[i] + past[i] * kv_dim, vs[i] + past[i] * kv_dim, args[i].n_tok, kv_dim,
+                         kv_dim);
+        d.be->attention_multi(args.data(), (int)n);
+        d.be->end_step();
+        py::list outs;
+        for (size_t i = 0; i < n; ++i) {
+          py::array_t<float> o({args[i].n_tok, q_dim});
+          d.be->download(o.mutable_data(), args[i].out, (size_t)o.size() * 4);
+          outs.append(o);
+        }
+        d.keep.clear();
+        return outs;
+      }, py::arg("sessions"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("kv_type"),
+         py::arg("page_rows"), py::arg("n_pool_pages"), py::arg("scale"));
 }
 
 }  // namespace dl::py_bind
