@@ -387,6 +387,23 @@ def test_server_image_turn_equals_the_library_chat(vision_app, photo):
     d.add_user(ch, "mu sen")
     assert r2.json()["choices"][0]["message"]["content"] == d.respond(model, ch, d.SamplingParams())
 
+    # Another conversation about the same image (16-row pages, the image ending mid-page), the tower-output
+    # cache emptied: attached from the prefix cache, no encoder, no image row; the library's cold reply.
+    from dasllama.chat import media as M
+
+    M.ROW_CACHE.clear()
+    r3 = client.post("/v1/chat/completions", json={"messages": [_img_msg(photo, "po qui ver")], "temperature": 0,
+                                                   "max_tokens": 6})
+    assert r3.status_code == 200, r3.text
+    assert _metric(client, "image_encodes_total") == enc
+    assert _metric(client, "media_rows_prefilled_total") == rows
+    cold = d.create_chat(model, d.load_vision_embedder(vision_app["mmproj"]), max_new=6, kv_dtype=d.KVDtype.f32)
+    d.add_user_image(cold, photo, "po qui ver")
+    from dasllama.chat.turns import prompt_ids
+
+    assert _image_end(prompt_ids(cold)) % 16 != 0
+    assert r3.json()["choices"][0]["message"]["content"] == d.respond(model, cold, d.SamplingParams())
+
 
 def test_server_bad_images_are_400_and_the_server_goes_on(vision_app, photo):
     client = vision_app["client"]
