@@ -241,8 +241,31 @@ def vision_tower_and_turn(tmp_path, device: str, max_new: int) -> None:
         chat = d.create_chat(m, d.load_vision_embedder(mm, device=dev), max_new=max_new)
         d.add_user_image(chat, img, "ka to ri")
         replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
+        if dev == device:
+            _image_second_question(m, d.load_vision_embedder(mm, device=dev), img, max_new)
     assert nmse(logits[device], logits["cpu"]) <= LOGIT_BAR
     assert replies[device] == replies["cpu"]
+
+
+def _image_second_question(m, emb, img, max_new: int) -> None:
+    """On the device: a second conversation about the same image over a 16-row-page pool and prefix cache,
+    the tower-output cache emptied first. The image (ending mid-page) is attached whole -- its last page
+    in part, copied on the device before the new question is written -- so no encoder runs and no image
+    row is prefilled, and the reply is the device's cold one."""
+    from dasllama.chat import media as M
+
+    pool, cache = d.create_kv_pool(m, page_rows=16, kv_dtype=d.KVDtype.f32), d.create_prefix_cache()
+    a = d.create_chat(m, emb, max_new=max_new, pool=pool, cache=cache)
+    d.add_user_image(a, img, "ka to ri")
+    d.respond(m, a, d.SamplingParams(temp=0))
+    M.ROW_CACHE.clear()
+    b = d.create_chat(m, emb, max_new=max_new, pool=pool, cache=cache)
+    d.add_user_image(b, img, "mu sen la")
+    got = d.respond(m, b, d.SamplingParams(temp=0))
+    assert b.media_stats["encodes"] == 0 and b.media_stats["media_rows_prefilled"] == 0, b.media_stats
+    cold = d.create_chat(m, emb, max_new=max_new, kv_dtype=d.KVDtype.f32)
+    d.add_user_image(cold, img, "mu sen la")
+    assert got == d.respond(m, cold, d.SamplingParams(temp=0))
 
 
 def qwen_vision_tower_and_turn(tmp_path, device: str, family: str, max_new: int) -> None:
@@ -281,5 +304,7 @@ def qwen_vision_tower_and_turn(tmp_path, device: str, family: str, max_new: int)
         chat = d.create_chat(m, embs[dev], max_new=max_new)
         d.add_user_image(chat, img, "ka to ri")
         replies[dev] = d.respond(m, chat, d.SamplingParams(temp=0))
+        if dev == device:
+            _image_second_question(m, embs[dev], img, max_new)
     assert nmse(logits[device], logits["cpu"]) <= LOGIT_BAR
     assert replies[device] == replies["cpu"]

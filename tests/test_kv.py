@@ -351,6 +351,68 @@ def test_threads_share_one_pool_and_cache(mq8):
     assert pool.stats().free == pool.stats().total
 
 
+def test_media_span_ending_mid_page_is_attached_whole(m32):
+    """A page whose first rows hold media rows is hit in part (copy-on-write), and a session's last,
+    partly filled page is donated when it holds media rows: a clip ending mid-page is attached whole.
+    A partial page of text only is not (the whole-page contract stays for text)."""
+    P = 16
+    pool = d.create_kv_pool(m32, page_rows=P, kv_dtype=d.KVDtype.f32)
+    cache = d.create_prefix_cache()
+    head = d.encode(m32, "Listen to this:")
+    ids = d.media_ids(b"clip-mid", 9)
+    rows = m32._m.embed_tokens(list(range(300, 309)))
+    end = len(head) + len(ids)
+    assert end % P != 0
+
+    def run(s, tail):
+        d.eval(m32, s, head)
+        d.eval_embd(m32, s, rows, len(ids), ids=ids)
+        d.eval(m32, s, tail)
+
+    def cold_logits(tail):
+        f = d.create_session(m32, d.KVDtype.f32)
+        run(f, tail)
+        return f.logits
+
+    # The donor's whole history is one partial page: it is kept, and hit in part by another question.
+    short = d.encode(m32, " Who?", add_special=False)
+    assert end + len(short) < P
+    a = d.create_session(m32, pool)
+    run(a, short)
+    held = d.prefix_held_groups(cache)
+    d.prefix_insert(cache, pool, a, a.history)
+    assert d.prefix_held_groups(cache) == held + 1
+    other = d.encode(m32, " What was said here?", add_special=False)
+    b = d.create_session(m32, pool)
+    n = d.prefix_attach(cache, pool, b, head + ids + other)
+    assert end <= n < P  # through the clip, into the shared text after it
+    assert b.history == (head + ids + other)[:n]
+    d.eval(m32, b, (head + ids + other)[n:])
+    assert _same(b.logits, cold_logits(other))
+    # The donor goes on writing its page: a copy of it, the cached page unchanged for the next hit.
+    d.eval(m32, a, d.encode(m32, " And then a much longer question about it all?", add_special=False))
+    c = d.create_session(m32, pool)
+    n = d.prefix_attach(cache, pool, c, head + ids + other)
+    assert end <= n < P
+    d.eval(m32, c, (head + ids + other)[n:])
+    assert _same(c.logits, cold_logits(other))
+    # Donated again with that page now full: the full page supersedes the partial one.
+    for s in (b, c):
+        d.release_kv_pages(s)
+    held = d.prefix_held_groups(cache)
+    d.prefix_insert(cache, pool, a, a.history)
+    assert d.prefix_held_groups(cache) == held - 1 + a.n_past // P
+    # Text only: a page shared in part is not hit, whole pages only.
+    t = d.encode(m32, "The quick brown fox jumps over the lazy dog and runs far away into the woods, where "
+                      "it finds a river, a bridge, an old mill and a field of tall yellow grass by the hills.")
+    assert len(t) >= 2 * P  # the page past the first is full and cached
+    e = d.create_session(m32, pool)
+    d.eval(m32, e, t)
+    d.prefix_insert(cache, pool, e, e.history)
+    g = d.create_session(m32, pool)
+    assert d.prefix_attach(cache, pool, g, t[:P + 3] + [7, 8, 9]) == P
+
+
 def test_media_ids_and_cached_media_span(m32):
     ids = d.media_ids(b"clip-1", 12)
     assert ids == d.media_ids(b"clip-1", 12) and ids != d.media_ids(b"clip-2", 12)

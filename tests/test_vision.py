@@ -173,9 +173,19 @@ def test_image_chat_equals_the_rows_spliced_by_hand(pair, photo):
     assert M.ROW_CACHE.stats()["image_encodes"] >= 1
 
 
-@pytest.mark.parametrize("page_rows", [1, 16])
+def _image_end(ids):
+    """The position after a prompt's last image row (media rows carry negative ids)."""
+    return max(i for i, t in enumerate(ids) if t < 0) + 1
+
+
+@pytest.mark.parametrize("page_rows", [1, 16, 256])
 def test_second_question_on_an_image_runs_no_encoder_and_no_image_prefill(pair, photo, page_rows):
+    """Another conversation about the same image attaches the image whole, also where it ends mid-page
+    (16: in a page the first chat filled; 256: in the first chat's one, partly filled page): no encoder
+    (the tower-output cache is emptied first, so any image row to prefill would need it), no image row
+    prefilled, and the reply is a cold run's."""
     from dasllama.chat import media as M
+    from dasllama.chat.turns import prompt_ids
 
     model, e = pair
     pool = d.create_kv_pool(model, page_rows=page_rows)
@@ -183,19 +193,23 @@ def test_second_question_on_an_image_runs_no_encoder_and_no_image_prefill(pair, 
     M.ROW_CACHE.clear()
     a = d.create_chat(model, e, max_new=6, pool=pool, cache=cache)
     n = d.add_user_image(a, photo, "ka to ri")
+    end = _image_end(prompt_ids(a))
+    assert page_rows == 1 or end % page_rows != 0  # the case under test: the image ends mid-page
+    if page_rows == 16:
+        assert len(prompt_ids(a)) > (end // 16 + 1) * 16  # that page is full when the first chat donates
+    if page_rows == 256:
+        assert len(prompt_ids(a)) + 6 < 256  # the first chat's whole history is one partial page
     d.respond(model, a)
     assert a.media_stats["encodes"] == 1 and a.media_stats["media_rows_prefilled"] == n
     enc0 = d.media_cache_stats()["image_encodes"]
 
     # The same image (decoded again from the same bytes) in another conversation.
+    M.ROW_CACHE.clear()
     b = d.create_chat(model, e, max_new=6, pool=pool, cache=cache)
     d.add_user_image(b, photo, "mu sen la")
     reply = d.respond(model, b)
-    assert b.media_stats["rows_attached"] > 0 and b.media_stats["encodes"] == 0
-    if page_rows == 1:
-        assert b.media_stats["media_rows_prefilled"] == 0
-    else:
-        assert b.media_stats["media_rows_prefilled"] < page_rows
+    assert b.media_stats["rows_attached"] >= end and b.media_stats["encodes"] == 0
+    assert b.media_stats["media_rows_prefilled"] == 0
     assert d.media_cache_stats()["image_encodes"] == enc0
 
     # A second question in the same chat: the image is in the KV already.
@@ -210,7 +224,7 @@ def test_second_question_on_an_image_runs_no_encoder_and_no_image_prefill(pair, 
     assert d.respond(model, cold) == reply
 
 
-def test_image_inputs_and_bad_images(pair, photo):
+def test_image_inputs_and_bad_images(pair, photo, tmp_path):
     from PIL import Image
 
     model, e = pair
@@ -226,6 +240,23 @@ def test_image_inputs_and_bad_images(pair, photo):
             d.add_user_image(chat, b)
     with pytest.raises(d.ImageError, match="over the limit"):
         d.load_image_rgb(_png(np.zeros((64, 64, 3), np.uint8)), max_pixels=1000)
+    # Samples wider than 8 bits (a 16-bit grayscale PNG, a float image): Pillow's RGB conversion would clip
+    # them, so they are refused by name.
+    wide = Image.fromarray(np.full((6, 8), 40000, np.uint16))
+    buf = io.BytesIO()
+    wide.save(buf, "PNG")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode.startswith("I")
+    for b in (buf.getvalue(), wide, Image.fromarray(np.full((6, 8), 0.5, np.float32))):
+        with pytest.raises(d.ImageError, match="wider than 8 bits"):
+            d.add_user_image(chat, b)
+    # Every other mode Pillow opens converts to RGB: palette, gray + alpha, CMYK, 1-bit.
+    for mode in ("P", "LA", "CMYK", "1", "L"):
+        assert d.load_image_rgb(Image.new(mode, (8, 6))).rgb.shape == (6, 8, 3)
+    # A path and the file's bytes are the same image.
+    jpg = tmp_path / "photo.jpg"
+    jpg.write_bytes(photo)
+    np.testing.assert_array_equal(d.encode_image_rows(e, str(jpg)), want)
+    np.testing.assert_array_equal(d.encode_image_rows(e, jpg), want)
     with pytest.raises(FileNotFoundError):
         d.add_user_image(chat, "/no/such/image.png")
     with pytest.raises(TypeError):
@@ -355,6 +386,23 @@ def test_server_image_turn_equals_the_library_chat(vision_app, photo):
     assert _metric(client, "media_rows_prefilled_total") == rows
     d.add_user(ch, "mu sen")
     assert r2.json()["choices"][0]["message"]["content"] == d.respond(model, ch, d.SamplingParams())
+
+    # Another conversation about the same image (16-row pages, the image ending mid-page), the tower-output
+    # cache emptied: attached from the prefix cache, no encoder, no image row; the library's cold reply.
+    from dasllama.chat import media as M
+
+    M.ROW_CACHE.clear()
+    r3 = client.post("/v1/chat/completions", json={"messages": [_img_msg(photo, "po qui ver")], "temperature": 0,
+                                                   "max_tokens": 6})
+    assert r3.status_code == 200, r3.text
+    assert _metric(client, "image_encodes_total") == enc
+    assert _metric(client, "media_rows_prefilled_total") == rows
+    cold = d.create_chat(model, d.load_vision_embedder(vision_app["mmproj"]), max_new=6, kv_dtype=d.KVDtype.f32)
+    d.add_user_image(cold, photo, "po qui ver")
+    from dasllama.chat.turns import prompt_ids
+
+    assert _image_end(prompt_ids(cold)) % 16 != 0
+    assert r3.json()["choices"][0]["message"]["content"] == d.respond(model, cold, d.SamplingParams())
 
 
 def test_server_bad_images_are_400_and_the_server_goes_on(vision_app, photo):

@@ -59,7 +59,9 @@ std::pair<std::vector<int32_t>, int64_t> PrefixCache::match_locked(const int32_t
     const uint64_t k = prefix_page_key(key, pid, P);
     auto it = map_.find(k);
     // A hash hit is only a hit when the ids are the same and the chain links up.
-    if (it == map_.end() || it->second.parent != key || !std::equal(pid, pid + P, it->second.ids.begin())) break;
+    if (it == map_.end() || it->second.parent != key || (int64_t)it->second.ids.size() != P ||
+        !std::equal(pid, pid + P, it->second.ids.begin()))
+      break;
     pages.push_back(it->second.page);
     deepest_chain = it->second.chain;
     key = k;
@@ -70,11 +72,36 @@ std::pair<std::vector<int32_t>, int64_t> PrefixCache::match_locked(const int32_t
     pages.resize(with_state);
     *state = found;
   }
-  if (pages.empty()) return {pages, 0};
+  // Past the whole pages: a cached page (or donated partial page) whose first ids the prompt
+  // shares, when that shared part holds a media row. A media row cannot be prefilled again
+  // without its encoder's output, and an image ends mid-page as often as not; text rows just
+  // prefill. Not for a recurrent state, which is kept only at page ends.
+  const int64_t full = (int64_t)pages.size();
+  int64_t part = 0;
+  Entry* part_e = nullptr;
+  if (!state && full * P < n - 1) {
+    const int32_t* rest = ids + full * P;
+    const int64_t m = std::min<int64_t>(P, n - full * P);
+    for (auto& kv : map_) {
+      Entry& e = kv.second;
+      if (e.parent != key || e.depth != (int32_t)full) continue;
+      const int64_t lim = std::min<int64_t>(m, (int64_t)e.ids.size());
+      int64_t c = 0;
+      while (c < lim && rest[c] == e.ids[(size_t)c]) ++c;
+      if (c > part) part = c, part_e = &e;
+    }
+    if (part_e && std::none_of(rest, rest + part, [](int32_t t) { return t < 0; })) part = 0, part_e = nullptr;
+  }
+  if (pages.empty() && !part_e) return {pages, 0};
   ++tick_;
+  if (part_e) {
+    pages.push_back(part_e->page);
+    part_e->last_used = tick_;
+    deepest_chain = part_e->chain;
+  }
   // Touch the matched path so its pages are the most recently used.
   key = kRootKey;
-  for (size_t p = 0; p < pages.size(); ++p) {
+  for (size_t p = 0; p < (size_t)full; ++p) {
     key = prefix_page_key(key, ids + (int64_t)p * P, P);
     map_[key].last_used = tick_;
   }
@@ -82,7 +109,7 @@ std::pair<std::vector<int32_t>, int64_t> PrefixCache::match_locked(const int32_t
     ++chains_[(size_t)deepest_chain].hits;
     chains_[(size_t)deepest_chain].last_hit = tick_;
   }
-  const int64_t matched = std::min<int64_t>((int64_t)pages.size() * P, n - 1);
+  const int64_t matched = std::min<int64_t>(full * P + part, n - 1);
   // The cap may leave the last page unused: then it is not attached at all.
   pages.resize((size_t)((matched + P - 1) / P));
   return {pages, matched};
@@ -92,13 +119,21 @@ void PrefixCache::insert_locked(const int32_t* ids, int64_t n, const std::vector
                                 const std::string& preview, const std::vector<StateAt>* states) {
   const int64_t P = pool_->page_rows();
   const int64_t full = std::min<int64_t>(n / P, (int64_t)page_ids.size());
-  if (full <= 0) return;
+  // The last, partly filled page goes in too when it holds a media row (match_locked's partial
+  // hit); the session copies it before its next write there, as for any shared page.
+  const int64_t tail = n - full * P;
+  const int32_t* tid = ids + full * P;
+  const bool donate_tail = tail > 0 && full < (int64_t)page_ids.size() && (!states || states->empty()) &&
+                           std::any_of(tid, tid + tail, [](int32_t t) { return t < -1; }) &&
+                           std::find(tid, tid + tail, -1) == tid + tail;
+  if (full <= 0 && !donate_tail) return;
   ++tick_;
   Chain ch;
   ch.born = tick_;
   ch.preview = preview;
   const int64_t chain_id = (int64_t)chains_.size();
   uint64_t key = kRootKey;
+  int64_t done = 0;  // whole pages in the chain
   for (int64_t p = 0; p < full; ++p) {
     const int32_t* pid = ids + p * P;
     // An anonymous embedding row (-1: no content key) cannot be matched again.
@@ -108,7 +143,9 @@ void PrefixCache::insert_locked(const int32_t* ids, int64_t n, const std::vector
     if (it != map_.end()) {
       // Already cached (this session attached it, or another donated the same
       // ids); a key with other ids is a hash collision: stop the chain there.
-      if (it->second.parent != key || !std::equal(pid, pid + P, it->second.ids.begin())) break;
+      if (it->second.parent != key || (int64_t)it->second.ids.size() != P ||
+          !std::equal(pid, pid + P, it->second.ids.begin()))
+        break;
       it->second.last_used = tick_;
     } else {
       Entry e;
@@ -123,6 +160,7 @@ void PrefixCache::insert_locked(const int32_t* ids, int64_t n, const std::vector
       pool_->set_cached_locked(e.page, true);
       if (p > 0) ++map_[key].children;
       map_.emplace(k, std::move(e));
+      drop_covered_partials_locked(key, (int32_t)p, pid, P, k);
     }
     if (states) {
       Entry& e = map_[k];
@@ -131,6 +169,34 @@ void PrefixCache::insert_locked(const int32_t* ids, int64_t n, const std::vector
     }
     ch.keys.push_back(k);
     key = k;
+    done = p + 1;
+  }
+  if (donate_tail && done == full) {
+    const uint64_t k = prefix_page_key(key, tid, tail);
+    auto it = map_.find(k);
+    const int32_t page = page_ids[(size_t)full];
+    if (it != map_.end()) {
+      const Entry& e = it->second;
+      if (e.parent == key && e.ids.size() == (size_t)tail && std::equal(tid, tid + tail, e.ids.begin())) {
+        it->second.last_used = tick_;
+        ch.keys.push_back(k);
+      }
+    } else if (!pool_->cached_locked(page) && !covered_locked(key, (int32_t)full, tid, tail)) {
+      Entry e;
+      e.parent = key;
+      e.page = page;
+      e.depth = (int32_t)full;
+      e.chain = chain_id;
+      e.last_used = tick_;
+      e.ids.assign(tid, tid + tail);
+      pool_->incref_locked(page);
+      pool_->set_cached_locked(page, true);
+      if (full > 0) ++map_[key].children;
+      map_.emplace(k, std::move(e));
+      ++partials_;
+      drop_covered_partials_locked(key, (int32_t)full, tid, tail, k);
+      ch.keys.push_back(k);
+    }
   }
   if (!ch.keys.empty()) chains_.push_back(std::move(ch));
   // Donation records whose pages are all gone say nothing any more.
@@ -151,6 +217,33 @@ void PrefixCache::insert_locked(const int32_t* ids, int64_t n, const std::vector
   }
   enforce_budget_locked();
   enforce_states_locked();
+}
+
+bool PrefixCache::covered_locked(uint64_t parent, int32_t depth, const int32_t* ids, int64_t m) const {
+  for (const auto& kv : map_) {
+    const Entry& e = kv.second;
+    if (e.parent == parent && e.depth == depth && (int64_t)e.ids.size() >= m &&
+        std::equal(ids, ids + m, e.ids.begin()))
+      return true;
+  }
+  return false;
+}
+
+void PrefixCache::drop_covered_partials_locked(uint64_t parent, int32_t depth, const int32_t* ids, int64_t m,
+                                               uint64_t except) {
+  // A partial page whose ids start the new page's is never the better hit: it goes once
+  // nobody but the cache holds it.
+  if (partials_ == 0) return;
+  const int64_t P = pool_->page_rows();
+  for (auto it = map_.begin(); it != map_.end();) {
+    const Entry& e = it->second;
+    auto next = std::next(it);
+    if (it->first != except && (int64_t)e.ids.size() < P && (int64_t)e.ids.size() <= m && e.parent == parent &&
+        e.depth == depth && e.children == 0 && pool_->refcount(e.page) == 1 &&
+        std::equal(e.ids.begin(), e.ids.end(), ids))
+      drop_locked(it);
+    it = next;
+  }
 }
 
 void PrefixCache::enforce_states_locked() {
@@ -179,6 +272,7 @@ void PrefixCache::drop_locked(std::unordered_map<uint64_t, Entry>::iterator it) 
     auto par = map_.find(e.parent);
     if (par != map_.end()) --par->second.children;
   }
+  if ((int64_t)e.ids.size() < pool_->page_rows()) --partials_;
   pool_->set_cached_locked(e.page, false);
   pool_->decref_locked(e.page);
   map_.erase(it);
@@ -215,6 +309,7 @@ void PrefixCache::release() {
   }
   map_.clear();
   chains_.clear();
+  partials_ = 0;
 }
 
 int64_t PrefixCache::held() const {
@@ -230,8 +325,11 @@ std::vector<PrefixChainInfo> PrefixCache::chains() const {
   const int64_t P = pool_->page_rows();
   for (const Chain& c : chains_) {
     PrefixChainInfo i;
-    i.tokens = (int64_t)c.keys.size() * P;
-    for (uint64_t k : c.keys) i.live_pages += map_.count(k);
+    for (uint64_t k : c.keys) {
+      auto it = map_.find(k);
+      i.tokens += it != map_.end() ? (int64_t)it->second.ids.size() : P;
+      i.live_pages += it != map_.end();
+    }
     if (i.live_pages == 0) continue;
     i.hits = c.hits;
     i.born = c.born;

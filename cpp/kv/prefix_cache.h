@@ -1,7 +1,9 @@
 // The prefix cache over one KV pool: full pages keyed by a chained hash of the
 // previous page's key and the page's ids (tokens, or negative media ids), the ids
 // verified on every hit, least recently used unreferenced leaves evicted past the
-// budget or when the pool runs short. Knows pages and ids, not models.
+// budget or when the pool runs short. A page is also hit in part, and a session's last
+// partly filled page is kept, where that part holds media rows (an image or clip ending
+// mid-page must not be prefilled again). Knows pages and ids, not models.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -25,8 +27,9 @@ class PrefixCache {
 
   // Binds the cache to `pool` on first use; a cache serves one pool.
   void bind(const std::shared_ptr<KVPool>& pool);
-  // Pages of the longest cached page-aligned prefix of `ids` (one token short of
-  // it at most: the caller prefills at least one row). Returns (pages, matched).
+  // Pages of the longest cached page-aligned prefix of `ids`, plus the first rows of one more
+  // page where they hold a media row (one token short of it at most: the caller prefills at
+  // least one row, and copies a shared last page before writing it). Returns (pages, matched).
   // The pages are not yet referenced by the caller; call under the pool lock.
   // With `state` (a model whose recurrent layers keep a state beside the KV), only a prefix
   // ending on a page that carries a state snapshot matches, and *state is that snapshot.
@@ -67,6 +70,9 @@ class PrefixCache {
     std::string preview;
   };
   void drop_locked(std::unordered_map<uint64_t, Entry>::iterator it);
+  // A child of `parent` at `depth` whose ids start with ids[0, m).
+  bool covered_locked(uint64_t parent, int32_t depth, const int32_t* ids, int64_t m) const;
+  void drop_covered_partials_locked(uint64_t parent, int32_t depth, const int32_t* ids, int64_t m, uint64_t except);
   void enforce_budget_locked();
   void enforce_states_locked();
 
@@ -76,6 +82,7 @@ class PrefixCache {
   std::unordered_map<uint64_t, Entry> map_;
   std::vector<Chain> chains_;
   int64_t tick_ = 0;
+  int64_t partials_ = 0;  // entries of fewer than page_rows ids
 };
 
 // The chained page key: a hash of the previous page's key and this page's ids.

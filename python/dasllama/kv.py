@@ -3,8 +3,8 @@
 A :class:`KVPool` owns fixed pages of ``page_rows`` positions for all layers;
 sessions made over it (``create_session(model, pool)``) hold a block table and
 take pages as they grow. A :class:`PrefixCache` keeps finished sessions' full
-pages keyed by a chained hash of the page ids, so a later prompt with the same
-prefix attaches them instead of prefilling::
+pages keyed by a chained hash of the page ids (and a last partial page holding media
+rows), so a later prompt with the same prefix attaches them instead of prefilling::
 
     pool = create_kv_pool(model, page_rows=64)
     cache = create_prefix_cache()
@@ -65,9 +65,11 @@ def prefix_attach(cache: PrefixCache, pool: KVPool, session: Session, prompt: Se
     """Attach the longest cached prefix of ``prompt`` to a fresh paged session of ``pool``.
 
     Matched pages join the session's block table and ``n_past`` moves past them, so the
-    caller prefills only ``prompt[matched:]``. Returns the matched count: whole pages, capped
-    one token short of the prompt (the tail is never empty, so the tail's eval gives logits).
-    Ids are verified on every hit, not only hashed.
+    caller prefills only ``prompt[matched:]``. Returns the matched count: whole pages, plus
+    the first rows of one more page where those hold media rows (an image or clip that ends
+    mid-page is attached whole; the shared page is copied before the session writes to it),
+    capped one token short of the prompt (the tail is never empty, so the tail's eval gives
+    logits). Ids are verified on every hit, not only hashed.
     """
     _pool_of(pool, session)
     return _core.prefix_attach(cache._c, pool._p, session._s, [int(t) for t in prompt])
@@ -75,7 +77,8 @@ def prefix_attach(cache: PrefixCache, pool: KVPool, session: Session, prompt: Se
 
 def prefix_insert(cache: PrefixCache, pool: KVPool, session: Session, tokens: Sequence[int],
                   preview: str = "") -> None:
-    """Donate the session's full pages to the cache. ``tokens`` is the session's evaluated history
+    """Donate the session's full pages to the cache, and its last, partly filled page when that holds
+    media rows (the session copies it before writing there again). ``tokens`` is the session's evaluated history
     (``session.history``; checked against it); only the first ``n_past`` rows exist. The donated
     pages survive :func:`release_kv_pages`. ``preview`` labels the chain in :func:`prefix_chain_list`."""
     _pool_of(pool, session)

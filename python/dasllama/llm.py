@@ -262,7 +262,7 @@ def eval_embd_span_mrope(model: Model, session: Session, embd: np.ndarray, npos:
         raise ValueError(f"the span holds {hi - lo} rows from grid row {first}, which do not fit a {gh} x {gw} grid")
     deep = None
     if deepstack is not None:
-        import numpy as np  # lazily, as _rows does
+        import numpy as np  # here, not at import: a text-only program need not load numpy
 
         k = model.config.n_deepstack
         deep = np.asarray(deepstack)

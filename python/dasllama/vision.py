@@ -157,6 +157,11 @@ def load_image_rgb(src, max_pixels: Optional[int] = None) -> VisionImage:
             raise ImageError(f"the image is empty ({w}x{h})")
         if w * h > limit:  # checked on the header, before any pixel is decoded
             raise ImageError(f"the image has {w}x{h} pixels, over the limit of {limit}")
+        if im.mode in ("I", "F") or im.mode.startswith("I;"):
+            # Pillow's convert("RGB") clips 16-bit and integer samples at 255 and truncates floats: the
+            # picture would come out near white or black. Refused rather than silently wrong.
+            raise ImageError(f"the image's mode {im.mode!r} has samples wider than 8 bits "
+                             "(16-bit, 32-bit or float grayscale); convert it to 8-bit RGB first")
         try:
             if getattr(im, "n_frames", 1) > 1:
                 im.seek(0)

@@ -214,7 +214,8 @@ class Engine:
 
     def _start(self, s: _Slot, job: Job) -> None:
         kv.release_kv_pages(s.s)
-        keep = kv.prefix_attach(self.cache, self.pool, s.s, job.prompt)  # whole pages, one token short at most
+        # whole pages (and a page's part holding media rows), one token short at most
+        keep = kv.prefix_attach(self.cache, self.pool, s.s, job.prompt)
         if keep and job.media_chat is not None and self.model.config.rope_sections:
             from ..chat import media  # M-RoPE images inside the attached prefix: their position advance
 
