@@ -532,8 +532,11 @@ class CudaBackend final : public Backend {
     use();
     if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)
       throw Error("cuda delta_rule: bad head layout");
-    op(Tag::delta_rule, [=](cudaStream_t s) { cuda::delta_rule(a, s); }, a.state, a.q, a.k, a.v, a.qkv_stride, a.alpha,
-       a.beta, a.ab_stride, a.A, a.dt_bias, a.n, a.n_k_heads, a.n_v_heads, a.dk, a.dv, a.grouped, a.l2_eps, a.out, a.out_stride);
+    DeltaRuleArgs b = a;
+    b.chunked = a.chunked && cuda::delta_chunk_fits(a.dk);  // else token by token (the same rule)
+    op(Tag::delta_rule, [=](cudaStream_t s) { cuda::delta_rule(b, s); }, b.state, b.q, b.k, b.v, b.qkv_stride, b.alpha,
+       b.beta, b.ab_stride, b.A, b.dt_bias, b.n, b.n_k_heads, b.n_v_heads, b.dk, b.dv, b.grouped, b.chunked, b.l2_eps,
+       b.out, b.out_stride);
   }
 
  private:

@@ -391,6 +391,37 @@ def test_delta_rule(backends, nk, nv, dk, dv, n, grouped):
             be.conv1d_causal(np.zeros((2, 5), np.float32), np.zeros((1, 5), np.float32), np.zeros((5, 4), np.float32), True)
 
 
+# Chunk-boundary lengths of the chunked form (chunks of 64 tokens), and a Qwen3.5-sized head.
+@pytest.mark.parametrize("nk,nv,dk,dv,n,grouped", [(2, 4, 32, 32, 1, False), (2, 4, 32, 32, 63, False),
+                                                   (2, 4, 32, 32, 64, True), (2, 4, 32, 32, 65, False),
+                                                   (1, 3, 16, 40, 200, False), (1, 2, 128, 128, 130, True)])
+def test_delta_rule_chunked(backends, nk, nv, dk, dv, n, grouped):
+    """The chunked form (the prefill's: chunks of 64 tokens, a triangular solve within each, the
+    state passed between them) from a carried state: its outputs and the state it leaves against
+    the float64 token-by-token reference at F32_DOT, and against the CPU's recurrent op; a second
+    call continues from the state the first left."""
+    rng = np.random.default_rng(1000 + nv * dk + n)
+    st = (rng.standard_normal((nv, dk, dv)) * 0.3).astype(np.float32)
+    qkv = rng.standard_normal((n, 2 * nk * dk + nv * dv)).astype(np.float32)
+    alpha = rng.standard_normal((n, nv)).astype(np.float32)
+    beta = rng.standard_normal((n, nv)).astype(np.float32)
+    A = -rng.uniform(0.1, 4, nv).astype(np.float32)
+    dt = rng.standard_normal(nv).astype(np.float32) - 2  # some slow decays, so the state carries
+    outs = {b: be.delta_rule(st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped, True) for b, be in backends.items()}
+    out, S = delta_ref(st, qkv, alpha, beta, A, dt, nk, grouped=grouped)
+    check(f"delta_rule chunked {nk}/{nv} {dk}x{dv} n={n}", {b: o[0] for b, o in outs.items()}, out, F32_DOT)
+    check(f"delta_rule chunked state {nk}/{nv} {dk}x{dv} n={n}", {b: o[1] for b, o in outs.items()}, S, F32_DOT)
+    o, s = backends["cpu"].delta_rule(st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped)  # the recurrent op
+    for name in backends:
+        assert nmse(outs[name][0], o) <= F32_DOT and nmse(outs[name][1], s) <= F32_DOT, name
+    h = n // 2
+    if h:  # split in two calls: the second starts from the state the first leaves
+        for name, be in backends.items():
+            o1, s1 = be.delta_rule(st, qkv[:h], alpha[:h], beta[:h], A, dt, nk, 1e-6, grouped, True)
+            o2, s2 = be.delta_rule(s1, qkv[h:], alpha[h:], beta[h:], A, dt, nk, 1e-6, grouped, True)
+            assert nmse(np.concatenate([o1, o2]), out) <= F32_DOT and nmse(s2, S) <= F32_DOT, name
+
+
 # ---- mixture of experts: routing, the gathered expert matmul, the weighted sum ---------------
 
 

@@ -923,6 +923,10 @@ class VulkanBackend final : public Backend {
                    1, (uint32_t)a.n, (uint32_t)a.qkv_stride, (uint32_t)a.ab_stride, (uint32_t)a.n_k_heads,
                    (uint32_t)a.dk, (uint32_t)a.dv, (uint32_t)a.out_stride,
                    a.grouped ? (uint32_t)(a.n_v_heads / a.n_k_heads) : 0u, a.l2_eps};
+    if (a.chunked && a.dk <= 128) {  // the shader's shared state tile holds dk <= 128; beyond, token by token
+      c_->dispatch("delta_chunk", &pc, sizeof pc, (uint32_t)a.n_v_heads, (uint32_t)((a.dv + 15) / 16));
+      return;
+    }
     c_->dispatch("recurrent", &pc, sizeof pc, (uint32_t)a.n_v_heads);
   }
 
