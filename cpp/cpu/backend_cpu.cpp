@@ -19,7 +19,6 @@
 #include "core/backend.h"
 #include "core/errors.h"
 #include "core/threadpool.h"
-#include "cpu/delta_chunked.h"
 #include "cpu/kernels.h"
 #include "quant/blocks.h"
 #include "quant/quant.h"
@@ -745,7 +744,7 @@ class CpuBackend final : public Backend {
     if (a.chunked) {  // heads are independent: a head's chunks run in order on one thread
       pool_.parallel_for(a.n_v_heads, 1, [&](int64_t lo, int64_t hi) {
         thread_local cpu::DeltaScratch sc;  // the pool's threads live as long as the backend's
-        for (int64_t h = lo; h < hi; ++h) cpu::delta_chunked_head(a, h, sc);
+        for (int64_t h = lo; h < hi; ++h) cpu::kernels().delta_chunked_head(a, h, sc);
       });
       return;
     }

@@ -8,25 +8,33 @@
 // which is transformers' torch_chunk_gated_delta_rule with its (I + M)^-1 applied to the
 // right-hand side directly. Every exponent is <= 0. Apart from the solve, each step is a
 // small matmul (mm_acc).
-#include "cpu/delta_chunked.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-namespace dl::cpu {
+#include "core/backend.h"
+#include "cpu/isa_kernels.h"
+
+namespace dl::cpu::DL_ISA {
 namespace {
 
-// C[M][N] += A[M][K] B[K][N], all row-major with the given strides. The 4 x 8 tile of C is
-// held in vector registers (GCC / Clang vector types: SSE2 or NEON at the baseline), written
+// C[M][N] += A[M][K] B[K][N], all row-major with the given strides. A 4 x 2-vector tile of C
+// is held in registers (GCC / Clang vector types, as wide as this ISA's registers), written out
 // explicitly: with runtime strides the compiler leaves a plain-array tile in memory.
-typedef float v4 __attribute__((vector_size(16)));
-inline v4 ld4(const float* p) {
-  v4 v;
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#elif defined(__AVX2__)
+constexpr int VW = 8;
+#else
+constexpr int VW = 4;  // SSE2, NEON
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+inline vf ld(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void st4(float* p, v4 v) { std::memcpy(p, &v, sizeof v); }
+inline void st(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 void mm_acc(const float* __restrict__ A, int64_t lda, const float* __restrict__ B, int64_t ldb, float* __restrict__ C,
             int64_t ldc, int64_t M, int64_t K, int64_t N) {
@@ -35,20 +43,22 @@ void mm_acc(const float* __restrict__ A, int64_t lda, const float* __restrict__ 
     const float* a0 = A + m * lda;
     float* c0 = C + m * ldc;
     int64_t j = 0;
-    for (; j + 8 <= N; j += 8) {
-      v4 x0 = ld4(c0 + j), y0 = ld4(c0 + j + 4), x1 = ld4(c0 + ldc + j), y1 = ld4(c0 + ldc + j + 4);
-      v4 x2 = ld4(c0 + 2 * ldc + j), y2 = ld4(c0 + 2 * ldc + j + 4);
-      v4 x3 = ld4(c0 + 3 * ldc + j), y3 = ld4(c0 + 3 * ldc + j + 4);
+    for (; j + 2 * VW <= N; j += 2 * VW) {
+      float* c1 = c0 + ldc;
+      float* c2 = c1 + ldc;
+      float* c3 = c2 + ldc;
+      vf x0 = ld(c0 + j), y0 = ld(c0 + j + VW), x1 = ld(c1 + j), y1 = ld(c1 + j + VW);
+      vf x2 = ld(c2 + j), y2 = ld(c2 + j + VW), x3 = ld(c3 + j), y3 = ld(c3 + j + VW);
       for (int64_t k = 0; k < K; ++k) {
-        const v4 b0 = ld4(B + k * ldb + j), b1 = ld4(B + k * ldb + j + 4);
+        const vf b0 = ld(B + k * ldb + j), b1 = ld(B + k * ldb + j + VW);
         const float s0 = a0[k], s1 = a0[lda + k], s2 = a0[2 * lda + k], s3 = a0[3 * lda + k];
         x0 += s0 * b0, y0 += s0 * b1;
         x1 += s1 * b0, y1 += s1 * b1;
         x2 += s2 * b0, y2 += s2 * b1;
         x3 += s3 * b0, y3 += s3 * b1;
       }
-      st4(c0 + j, x0), st4(c0 + j + 4, y0), st4(c0 + ldc + j, x1), st4(c0 + ldc + j + 4, y1);
-      st4(c0 + 2 * ldc + j, x2), st4(c0 + 2 * ldc + j + 4, y2), st4(c0 + 3 * ldc + j, x3), st4(c0 + 3 * ldc + j + 4, y3);
+      st(c0 + j, x0), st(c0 + j + VW, y0), st(c1 + j, x1), st(c1 + j + VW, y1);
+      st(c2 + j, x2), st(c2 + j + VW, y2), st(c3 + j, x3), st(c3 + j + VW, y3);
     }
     for (; j < N; ++j)
       for (int r = 0; r < 4; ++r) {
@@ -149,4 +159,4 @@ void delta_chunked_head(const DeltaRuleArgs& a, int64_t h, DeltaScratch& scratch
   }
 }
 
-}  // namespace dl::cpu
+}  // namespace dl::cpu::DL_ISA
