@@ -398,8 +398,8 @@ def test_delta_rule(backends, nk, nv, dk, dv, n, grouped):
 def test_delta_rule_chunked(backends, nk, nv, dk, dv, n, grouped):
     """The chunked form (the prefill's: chunks of 64 tokens, a triangular solve within each, the
     state passed between them) from a carried state: its outputs and the state it leaves against
-    the float64 token-by-token reference at F32_DOT, and against the CPU's recurrent op; a second
-    call continues from the state the first left."""
+    the float64 token-by-token reference at F32_DOT, and against the CPU's recurrent op; the CPU's
+    kernel in every ISA variant; a second call continues from the state the first left."""
     rng = np.random.default_rng(1000 + nv * dk + n)
     st = (rng.standard_normal((nv, dk, dv)) * 0.3).astype(np.float32)
     qkv = rng.standard_normal((n, 2 * nk * dk + nv * dv)).astype(np.float32)
@@ -414,6 +414,14 @@ def test_delta_rule_chunked(backends, nk, nv, dk, dv, n, grouped):
     o, s = backends["cpu"].delta_rule(st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped)  # the recurrent op
     for name in backends:
         assert nmse(outs[name][0], o) <= F32_DOT and nmse(outs[name][1], s) <= F32_DOT, name
+    before = dasllama.get_isa()
+    try:  # the CPU's kernel in every ISA variant this machine runs
+        for isa in dasllama.system_info()["isa_supported"]:
+            dasllama.set_isa(isa)
+            o, s = backends["cpu"].delta_rule(st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped, True)
+            assert nmse(o, out) <= F32_DOT and nmse(s, S) <= F32_DOT, isa
+    finally:
+        dasllama.set_isa(before)
     h = n // 2
     if h:  # split in two calls: the second starts from the state the first leaves
         for name, be in backends.items():
