@@ -362,7 +362,8 @@ def delta_ref(state, qkv, alpha, beta, A, dt, nk, eps=1e-6, grouped=False):
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv,n,grouped", [(2, 4, 16, 16, 7, False), (2, 4, 16, 16, 5, True),
-                                                   (1, 1, 32, 8, 1, False), (2, 2, 8, 80, 3, False)])
+                                                   (1, 1, 32, 8, 1, False), (2, 2, 8, 80, 3, False),
+                                                   (1, 1, 128, 128, 130, False)])
 def test_delta_rule(backends, nk, nv, dk, dv, n, grouped):
     """The gated delta rule from a carried state: the outputs and the state it leaves; one call
     over n tokens equals n calls of one token (the decode step), to the bar."""
@@ -391,10 +392,12 @@ def test_delta_rule(backends, nk, nv, dk, dv, n, grouped):
             be.conv1d_causal(np.zeros((2, 5), np.float32), np.zeros((1, 5), np.float32), np.zeros((5, 4), np.float32), True)
 
 
-# Chunk-boundary lengths of the chunked form (chunks of 64 tokens), and a Qwen3.5-sized head.
+# Chunk-boundary lengths of the chunked form (chunks of 64 tokens), and Qwen3.5-sized heads (700
+# tokens: past the loop bound lavapipe puts on one shader invocation, so the dispatch is cut).
 @pytest.mark.parametrize("nk,nv,dk,dv,n,grouped", [(2, 4, 32, 32, 1, False), (2, 4, 32, 32, 63, False),
                                                    (2, 4, 32, 32, 64, True), (2, 4, 32, 32, 65, False),
-                                                   (1, 3, 16, 40, 200, False), (1, 2, 128, 128, 130, True)])
+                                                   (1, 3, 16, 40, 200, False), (1, 2, 128, 128, 130, True),
+                                                   (1, 1, 128, 128, 700, False)])
 def test_delta_rule_chunked(backends, nk, nv, dk, dv, n, grouped):
     """The chunked form (the prefill's: chunks of 64 tokens, a triangular solve within each, the
     state passed between them) from a carried state: its outputs and the state it leaves against
