@@ -535,8 +535,18 @@ class CudaBackend final : public Backend {
     use();
     if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)
       throw Error("cuda delta_rule: bad head layout");
-    op(Tag::delta_rule, [=](cudaStream_t s) { cuda::delta_rule(a, s); }, a.state, a.q, a.k, a.v, a.qkv_stride, a.alpha,
-       a.beta, a.ab_stride, a.A, a.dt_bias, a.n, a.n_k_heads, a.n_v_heads, a.dk, a.dv, a.grouped, a.l2_eps, a.out, a.out_stride);
+    DeltaRuleArgs b = a;
+    // The chunked kernel (delta_chunk_k) has only been compiled, never run on a GPU: token by
+    // token (the same rule) unless DASLLAMA_CUDA_DELTA_CHUNKED=1, until the op harness
+    // (test_delta_rule_chunked) has held it to the reference on a device.
+    static const bool chunked_on = [] {
+      const char* e = std::getenv("DASLLAMA_CUDA_DELTA_CHUNKED");
+      return e && std::strcmp(e, "1") == 0;
+    }();
+    b.chunked = chunked_on && a.chunked && cuda::delta_chunk_fits(a.dk);
+    op(Tag::delta_rule, [=](cudaStream_t s) { cuda::delta_rule(b, s); }, b.state, b.q, b.k, b.v, b.qkv_stride, b.alpha,
+       b.beta, b.ab_stride, b.A, b.dt_bias, b.n, b.n_k_heads, b.n_v_heads, b.dk, b.dv, b.grouped, b.chunked, b.l2_eps,
+       b.out, b.out_stride);
   }
 
  private:

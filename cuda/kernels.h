@@ -128,5 +128,9 @@ void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* ou
 void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w, int k,
                    bool silu, float* y, cudaStream_t st);
 void delta_rule(const DeltaRuleArgs& a, cudaStream_t st);
+// Whether the chunked form's shared memory (q, k of a chunk, a state tile) fits for this dk.
+// Whether the chunked form's shared memory (q, k of a chunk, a state tile) fits for this dk on
+// the current device; when it does, the kernel is allowed that much.
+bool delta_chunk_fits(int64_t dk);
 
 }  // namespace dl::cuda

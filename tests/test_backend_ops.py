@@ -362,7 +362,8 @@ def delta_ref(state, qkv, alpha, beta, A, dt, nk, eps=1e-6, grouped=False):
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv,n,grouped", [(2, 4, 16, 16, 7, False), (2, 4, 16, 16, 5, True),
-                                                   (1, 1, 32, 8, 1, False), (2, 2, 8, 80, 3, False)])
+                                                   (1, 1, 32, 8, 1, False), (2, 2, 8, 80, 3, False),
+                                                   (1, 1, 128, 128, 130, False)])
 def test_delta_rule(backends, nk, nv, dk, dv, n, grouped):
     """The gated delta rule from a carried state: the outputs and the state it leaves; one call
     over n tokens equals n calls of one token (the decode step), to the bar."""
@@ -389,6 +390,47 @@ def test_delta_rule(backends, nk, nv, dk, dv, n, grouped):
             be.delta_rule(st, qkv[:, 1:], alpha, beta, A, dt, nk, 1e-6)  # a short qkv row
         with pytest.raises(ValueError):
             be.conv1d_causal(np.zeros((2, 5), np.float32), np.zeros((1, 5), np.float32), np.zeros((5, 4), np.float32), True)
+
+
+# Chunk-boundary lengths of the chunked form (chunks of 64 tokens), and Qwen3.5-sized heads (700
+# tokens: past the loop bound lavapipe puts on one shader invocation, so the dispatch is cut).
+@pytest.mark.parametrize("nk,nv,dk,dv,n,grouped", [(2, 4, 32, 32, 1, False), (2, 4, 32, 32, 63, False),
+                                                   (2, 4, 32, 32, 64, True), (2, 4, 32, 32, 65, False),
+                                                   (1, 3, 16, 40, 200, False), (1, 2, 128, 128, 130, True),
+                                                   (1, 1, 128, 128, 700, False)])
+def test_delta_rule_chunked(backends, nk, nv, dk, dv, n, grouped):
+    """The chunked form (the prefill's: chunks of 64 tokens, a triangular solve within each, the
+    state passed between them) from a carried state: its outputs and the state it leaves against
+    the float64 token-by-token reference at F32_DOT, and against the CPU's recurrent op; the CPU's
+    kernel in every ISA variant; a second call continues from the state the first left."""
+    rng = np.random.default_rng(1000 + nv * dk + n)
+    st = (rng.standard_normal((nv, dk, dv)) * 0.3).astype(np.float32)
+    qkv = rng.standard_normal((n, 2 * nk * dk + nv * dv)).astype(np.float32)
+    alpha = rng.standard_normal((n, nv)).astype(np.float32)
+    beta = rng.standard_normal((n, nv)).astype(np.float32)
+    A = -rng.uniform(0.1, 4, nv).astype(np.float32)
+    dt = rng.standard_normal(nv).astype(np.float32) - 2  # some slow decays, so the state carries
+    outs = {b: be.delta_rule(st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped, True) for b, be in backends.items()}
+    out, S = delta_ref(st, qkv, alpha, beta, A, dt, nk, grouped=grouped)
+    check(f"delta_rule chunked {nk}/{nv} {dk}x{dv} n={n}", {b: o[0] for b, o in outs.items()}, out, F32_DOT)
+    check(f"delta_rule chunked state {nk}/{nv} {dk}x{dv} n={n}", {b: o[1] for b, o in outs.items()}, S, F32_DOT)
+    o, s = backends["cpu"].delta_rule(st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped)  # the recurrent op
+    for name in backends:
+        assert nmse(outs[name][0], o) <= F32_DOT and nmse(outs[name][1], s) <= F32_DOT, name
+    before = dasllama.get_isa()
+    try:  # the CPU's kernel in every ISA variant this machine runs
+        for isa in dasllama.system_info()["isa_supported"]:
+            dasllama.set_isa(isa)
+            o, s = backends["cpu"].delta_rule(st, qkv, alpha, beta, A, dt, nk, 1e-6, grouped, True)
+            assert nmse(o, out) <= F32_DOT and nmse(s, S) <= F32_DOT, isa
+    finally:
+        dasllama.set_isa(before)
+    h = n // 2
+    if h:  # split in two calls: the second starts from the state the first leaves
+        for name, be in backends.items():
+            o1, s1 = be.delta_rule(st, qkv[:h], alpha[:h], beta[:h], A, dt, nk, 1e-6, grouped, True)
+            o2, s2 = be.delta_rule(s1, qkv[h:], alpha[h:], beta[h:], A, dt, nk, 1e-6, grouped, True)
+            assert nmse(np.concatenate([o1, o2]), out) <= F32_DOT and nmse(s2, S) <= F32_DOT, name
 
 
 # ---- mixture of experts: routing, the gathered expert matmul, the weighted sum ---------------

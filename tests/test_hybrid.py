@@ -5,7 +5,7 @@ written to GGUF by llama.cpp's own convert_hf_to_gguf.py (--no-mtp).
 fp32 mode on the f32 file is held to the HF model in fp32 (eager attention; its chunked delta rule
 for a prefill, its recurrent step for decode in generate). The recurrent layers' state lives in the
 session beside the KV: decode steps equal one prefill bitwise (the delta rule runs token by token in
-both), paged equals flat, a batched step (sessions prefilling and decoding together) equals each
+both: a prefill takes the chunked form only for runs of 64 rows or more, checked on its own), paged equals flat, a batched step (sessions prefilling and decoding together) equals each
 session alone, and a session rewinds only where its recurrent state is kept.
 """
 from __future__ import annotations
@@ -64,6 +64,23 @@ def test_fp32_logits_match_transformers(hybrid_models, name):
     err = float(np.abs(a - b).max())
     print(f"{name}: max |Δlogit| {err:.2e} (|logit| up to {np.abs(b).max():.2f})")
     assert err < FP32_BAR
+
+
+@pytest.mark.parametrize("name", list(H.FAMILIES))
+def test_chunked_prefill_matches_transformers(hybrid_models, name):
+    """A prefill of 150 tokens runs the delta rule in its chunked form (runs of 64 rows or more: two
+    whole chunks and a partial one), as transformers' own prefill does: fp32 logits held to it. Decode
+    steps after a 100-token (chunked) prefill agree with one prefill to the same bar, not bitwise (the
+    two forms round differently)."""
+    hf, paths = hybrid_models[name]
+    m = d.load_model(paths["f32"], mode=d.QuantMode.fp32)
+    ids = F.ids(150, hf.config.vocab_size, seed=11)
+    one = F.ours_logits(m, ids)
+    err = float(np.abs(one - M.hf_logits(hf, ids)).max())
+    print(f"{name}: chunked prefill max |Δlogit| {err:.2e}")
+    assert err < FP32_BAR
+    steps = F.prefill_decode(m, d.create_session(m, d.KVDtype.f32, n_ctx=160), ids[:106], 100)
+    assert float(np.abs(steps - one[:106]).max()) < FP32_BAR
 
 
 @pytest.mark.parametrize("isa", d.system_info()["isa_supported"])

@@ -251,6 +251,9 @@ class Ctx {
 
   DeviceInfo info() const { return describe(a_, pd_, index_, used_); }
   std::string where() const { return "vulkan:" + std::to_string(index_) + " (" + props_.deviceName + ")"; }
+  // A CPU implementation (lavapipe): llvmpipe bounds the loop iterations one shader invocation
+  // runs (about 2^16 in all), so a long sequential shader is cut into several dispatches there.
+  bool software() const { return props_.deviceType == VK_PHYSICAL_DEVICE_TYPE_CPU; }
 
   void check_fits(size_t bytes, const char* what) const {
     const DeviceInfo d = info();
@@ -923,7 +926,23 @@ class VulkanBackend final : public Backend {
                    1, (uint32_t)a.n, (uint32_t)a.qkv_stride, (uint32_t)a.ab_stride, (uint32_t)a.n_k_heads,
                    (uint32_t)a.dk, (uint32_t)a.dv, (uint32_t)a.out_stride,
                    a.grouped ? (uint32_t)(a.n_v_heads / a.n_k_heads) : 0u, a.l2_eps};
-    c_->dispatch("recurrent", &pc, sizeof pc, (uint32_t)a.n_v_heads);
+    // The state is carried in memory from one dispatch to the next, so the tokens may be cut into
+    // spans (on lavapipe; see Ctx::software): of two chunks, or of tokens whose loops stay under
+    // 2^14 iterations an invocation for the token-by-token shader.
+    const bool chunked = a.chunked && a.dk <= 128;  // the shared state tile holds dk <= 128; beyond, token by token
+    const int64_t per_token = (int64_t)a.dk * (1 + 2 * ((a.dv + 63) / 64));
+    const int64_t span = !c_->software() ? a.n : chunked ? 2 * kDeltaChunk : std::max<int64_t>(1, 16384 / per_token);
+    for (int64_t t0 = 0; t0 < a.n; t0 += span) {
+      RecurrentPC p = pc;
+      const uint64_t rows = (uint64_t)t0 * (uint64_t)a.qkv_stride * 4, ab = (uint64_t)t0 * (uint64_t)a.ab_stride * 4;
+      p.q += rows, p.k += rows, p.v += rows, p.alpha += ab, p.beta += ab;
+      p.out += (uint64_t)t0 * (uint64_t)a.out_stride * 4;
+      p.n = (uint32_t)std::min(span, a.n - t0);
+      if (chunked)
+        c_->dispatch("delta_chunk", &p, sizeof p, (uint32_t)a.n_v_heads, (uint32_t)((a.dv + 15) / 16));
+      else
+        c_->dispatch("recurrent", &p, sizeof p, (uint32_t)a.n_v_heads);
+    }
   }
 
   // ---- mixture of experts ----

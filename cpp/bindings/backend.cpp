@@ -326,10 +326,10 @@ void bind_backend(py::module_& m) {
         return py::make_tuple(d.get(y, {n, C}), st_out);
       })
       // qkv rows [n][2 nk dk + nv dv]; alpha, beta [n][nv]; A, dt_bias [nv]; state [nv][dk][dv].
-      // Returns (out [n][nv dv], the new state).
+      // Returns (out [n][nv dv], the new state). chunked: the prefill's chunked form.
       .def("delta_rule", [](Dev& d, const py::object& so, const py::object& qo, const py::object& ao,
                             const py::object& bo, const py::object& Ao, const py::object& dto, int nk, float eps,
-                            bool grouped) {
+                            bool grouped, bool chunked) {
         F32 st = f32(so, "state", 3), qkv = f32(qo, "qkv", 2), al = f32(ao, "alpha", 2), be = f32(bo, "beta", 2);
         F32 A = f32(Ao, "A", 1), dt = f32(dto, "dt_bias", 1);
         const int64_t nv = st.shape(0), dk = st.shape(1), dv = st.shape(2), n = qkv.shape(0);
@@ -352,6 +352,7 @@ void bind_backend(py::module_& m) {
         a.n_k_heads = nk, a.n_v_heads = (int)nv, a.dk = (int)dk, a.dv = (int)dv;
         a.l2_eps = eps;
         a.grouped = grouped;
+        a.chunked = chunked;
         float* out = d.poisoned((size_t)(n * nv * dv));
         a.out = out;
         a.out_stride = nv * dv;
@@ -360,7 +361,7 @@ void bind_backend(py::module_& m) {
         d.be->download(st_out.mutable_data(), a.state, (size_t)st_out.size() * 4);
         return py::make_tuple(d.get(out, {n, nv * dv}), st_out);
       }, py::arg("state"), py::arg("qkv"), py::arg("alpha"), py::arg("beta"), py::arg("A"), py::arg("dt_bias"),
-         py::arg("nk"), py::arg("eps"), py::arg("grouped") = false)
+         py::arg("nk"), py::arg("eps"), py::arg("grouped") = false, py::arg("chunked") = false)
       .def("moe_sum", [](Dev& d, const py::object& yo, const py::object& wo) {
         F32 w = f32(wo, "w", 2);
         const int64_t n = w.shape(0), k = w.shape(1);

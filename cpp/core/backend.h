@@ -156,6 +156,13 @@ enum class Act { silu, gelu_tanh, swiglu_oai, sigmoid };
 //   g = A[h] * softplus(alpha[t][h] + dt_bias[h]), beta = sigmoid(beta_logit[t][h]);
 //   S = S * exp(g);  S += k (x) ((v - S^T k) * beta);  out = S^T q,
 // with S [n_v_heads][dk][dv] the state (read and updated in place).
+// `chunked` asks for the same result in the chunked form for a prefill (as transformers'
+// torch_chunk_gated_delta_rule and FLA's chunked kernels): the tokens in chunks of
+// kDeltaChunk, each chunk's rows solved together (the WY form: a unit lower-triangular
+// solve within the chunk, then matmuls against the state), the state passed from chunk to
+// chunk. Equal to the token-by-token rule up to f32 rounding, not bitwise; a backend may
+// run it token by token where the chunked form does not fit (it says so where it does).
+constexpr int kDeltaChunk = 64;
 struct DeltaRuleArgs {
   float* state = nullptr;
   const float* q = nullptr;  // rows of qkv_stride floats: q at q, k at k, v at v (one row per token)
@@ -170,6 +177,7 @@ struct DeltaRuleArgs {
   int64_t n = 0;
   int n_k_heads = 0, n_v_heads = 0, dk = 0, dv = 0;
   bool grouped = false;
+  bool chunked = false;
   float l2_eps = 1e-6f;
   float* out = nullptr;  // [n][n_v_heads * dv], out_stride apart
   int64_t out_stride = 0;

@@ -741,6 +741,13 @@ class CpuBackend final : public Backend {
     if (a.n <= 0) return;
     if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)
       throw Error("delta_rule: bad head layout");
+    if (a.chunked) {  // heads are independent: a head's chunks run in order on one thread
+      pool_.parallel_for(a.n_v_heads, 1, [&](int64_t lo, int64_t hi) {
+        thread_local cpu::DeltaScratch sc;  // the pool's threads live as long as the backend's
+        for (int64_t h = lo; h < hi; ++h) cpu::kernels().delta_chunked_head(a, h, sc);
+      });
+      return;
+    }
     const int64_t dk = a.dk, dv = a.dv;
     pool_.parallel_for(a.n_v_heads, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> q((size_t)dk), k((size_t)dk), kv((size_t)dv);

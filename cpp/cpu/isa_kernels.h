@@ -28,6 +28,9 @@ void attn_combine(const float* part, int64_t n_chunks, int hd, const float* sink
 void glu_f32(const float* gate, const float* up, float* out, int64_t n, int act);
 void gelu_erf_f32(float* y, int64_t n);
 void f16_to_f32(const uint16_t* src, float* dst, int64_t n);
+
+// delta_isa.cpp
+void delta_chunked_head(const DeltaRuleArgs& a, int64_t h, DeltaScratch& scratch);
 void f32_to_f16(const float* src, uint16_t* dst, int64_t n);
 size_t attn_block_scratch(int64_t n_rows, int group, int head_dim, int64_t n_kv);
 

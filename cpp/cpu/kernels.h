@@ -3,11 +3,21 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "core/cpu_features.h"
 #include "cpu/act_blocks.h"  // act_row_bytes(act_type, k): the size of one activation row
 
+namespace dl {
+struct DeltaRuleArgs;
+}
+
 namespace dl::cpu {
+
+// Scratch of the chunked delta rule, one per thread, grown on first use.
+struct DeltaScratch {
+  std::vector<float> buf;
+};
 
 // One matmul y[t][r] = sum_k W[r][k] * x[t][k] over weight rows [r0, r1).
 // W is row-major in its own block format (wtype), each row w_row_bytes long.
@@ -103,6 +113,9 @@ struct KernelTable {
   void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n) = nullptr;
   // f32 to f16 cache rows, rounding to nearest even.
   void (*f32_to_f16)(const float* src, uint16_t* dst, int64_t n) = nullptr;
+  // The gated delta rule's chunked form (DeltaRuleArgs::chunked) for value head h over all a.n
+  // tokens, updating its state (delta_isa.cpp).
+  void (*delta_chunked_head)(const DeltaRuleArgs& a, int64_t h, DeltaScratch& scratch) = nullptr;
 };
 
 // The table for the active ISA (dl::active_isa()).

@@ -19,6 +19,7 @@ void fill_table(KernelTable& t) {
   t.attn_block_scratch = &attn_block_scratch;
   t.pack_bytes = &pack_bytes;
   t.pack_rows = &pack_rows;
+  t.delta_chunked_head = &delta_chunked_head;
 }
 
 }  // namespace dl::cpu::DL_ISA

@@ -609,6 +609,9 @@ void Model::recurrent_block(int il, const Run* runs, int n_runs, int64_t n) {
     a.n = nr;
     a.n_k_heads = c.ssm_nk, a.n_v_heads = c.ssm_nv, a.dk = c.ssm_dk, a.dv = c.ssm_dv;
     a.grouped = traits_->ssm_v_grouped;
+    // A run of a whole chunk or more (a prefill) takes the chunked form; shorter runs (decode,
+    // short prompts and tails) go token by token, so they match decode steps bitwise.
+    a.chunked = nr >= kDeltaChunk;
     a.out = out + r0 * inner;
     a.out_stride = inner;
     be.delta_rule(a);
