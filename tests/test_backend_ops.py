@@ -305,6 +305,7 @@ def test_elementwise(backends):
     oai = g / (1 + np.exp(-1.702 * g)) * (u + 1)
     check("glu swiglu_oai", run_all(backends, "glu", x * 4, y * 4, 2), oai, EXACT)
     check("glu sigmoid", run_all(backends, "glu", x, y, 3), y64 / (1 + np.exp(-x64)), EXACT)
+    check("glu relu", run_all(backends, "glu", x, y, 4), np.maximum(x64, 0) * y64, EXACT)
 
 
 # ---- recurrent (gated DeltaNet) layers: the causal conv with its state, the gated delta rule --

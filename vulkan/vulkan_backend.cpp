@@ -853,7 +853,7 @@ class VulkanBackend final : public Backend {
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
-    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : 11, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : act == Act::sigmoid ? 11 : 13, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
   }
   void add(float* y, const float* x, int64_t n) override { op(0, y, x, nullptr, n, {}); }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {

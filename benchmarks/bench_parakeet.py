@@ -1,0 +1,84 @@
+"""CPU encode time of a FastConformer CTC encoder (Parakeet CTC) on random weights, ours against
+transformers' ParakeetForCTC (torch) on the same features and threads.
+
+Two shapes: a tiny one (d 64, 2 blocks) and parakeet-ctc-0.6b's block shape (d 1024, 8 heads, ffn
+4096, conv kernel 9, stem channels 256, 128 mel bins) with fewer blocks (--layers, default 4; the
+release has 24: encode time is about linear in the blocks). Times are the median of --reps runs
+after a warm-up, of the features -> CTC logits (the front end excluded on both sides).
+
+    python benchmarks/bench_parakeet.py --seconds 10 --threads 2 --layers 4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def build(tmp: Path, name: str, enc: dict, vocab: int):
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import ParakeetCTCConfig, ParakeetForCTC, ParakeetTokenizer
+
+    from dasllama.convert_ctc import convert_hf_parakeet_ctc
+
+    torch.manual_seed(0)
+    m = ParakeetForCTC(ParakeetCTCConfig(vocab_size=vocab, pad_token_id=vocab - 1, encoder_config=enc)).eval()
+    src = tmp / name
+    m.save_pretrained(src)
+    pieces = [("<unk>", 0.0)] + [(f"\u2581w{i}", -1.0) for i in range(vocab - 2)]
+    ParakeetTokenizer(tokenizer_object=Tokenizer(models.Unigram(pieces, unk_id=0)), unk_token="<unk>",
+                      pad_token="<pad>").save_pretrained(src)
+    return m, convert_hf_parakeet_ctc(src, tmp / f"{name}.gguf", progress=False)
+
+
+def timed(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    import torch
+
+    import dasllama as d
+
+    torch.set_num_threads(a.threads)
+    shapes = {
+        "tiny": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                      subsampling_conv_channels=64, num_mel_bins=128), 33),
+        f"0.6b-shaped x{a.layers} blocks": (dict(hidden_size=1024, num_hidden_layers=a.layers, num_attention_heads=8,
+                                                 intermediate_size=4096, subsampling_conv_channels=256,
+                                                 num_mel_bins=128), 1025),
+    }
+    frames = int(a.seconds * 100)
+    feat = np.random.default_rng(0).standard_normal((128, frames)).astype(np.float32)
+    print(f"{a.seconds:g} s of features ({frames} frames), {a.threads} threads, median of {a.reps}")
+    with tempfile.TemporaryDirectory() as td:
+        for name, (enc, vocab) in shapes.items():
+            m, path = build(Path(td), name.split()[0], enc, vocab)
+            ours = d.load_asr_model(path, n_threads=a.threads)
+            x = torch.from_numpy(feat.T.copy())[None]
+            t_ours = timed(lambda: ours.encoder.encode_features(feat), a.reps)
+            with torch.no_grad():
+                t_ref = timed(lambda: m(input_features=x), a.reps)
+            print(f"{name:28s} ours {t_ours * 1000:8.1f} ms   transformers {t_ref * 1000:8.1f} ms   "
+                  f"ratio {t_ref / t_ours:5.2f}x   RTF ours {t_ours / a.seconds:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Parakeet CTC (a FastConformer encoder and a CTC head) against transformers' ParakeetForCTC on
+tiny random models, converted by our own writer (``dasllama.convert_ctc``: llama.cpp's converter has
+no layout for this model).
+
+- The encoder's rows and the CTC logits equal the model's on the same features (no attention mask:
+  every frame is the clip's), for lengths from one frame to 25 s (the stem's tiled convs run on the
+  long ones): within 1e-5 of the peak |value| (f32; observed ~1e-6).
+- Greedy CTC ids equal ``generate``'s (argmax, the processor's attention mask) merged and without
+  the blank, and ``transcribe``'s text equals the processor's ``batch_decode`` of those ids, on an
+  eSpeak clip, noise and a 0.1 s clip; with silu and relu activations.
+- A malformed file raises our errors.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dasllama as d
+from dasllama import _core
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
+from speech import speak  # noqa: E402
+
+torch = pytest.importorskip("torch")
+SR = 16000
+PIECES = ["<unk>", "\u2581the", "\u2581a", "s", "\u2581cat", "\u2581dog", "ing", "\u2581qu", "ick", "\u2581b", "r",
+          "own", "\u2581f", "o", "x", "\u2581j", "u", "m", "p", "\u2581over", "\u2581l", "azy", "e", "t", "\u2581",
+          "h", "i", "n", "\u2581is", "d", "c", "k"]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import ParakeetTokenizer
+
+    tk = Tokenizer(models.Unigram([(p, -1.0 - 0.1 * i) for i, p in enumerate(PIECES)], unk_id=0))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    tok = ParakeetTokenizer(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>")
+    assert tok.pad_token_id == len(PIECES)
+    return tok
+
+
+def _model(act: str, seed: int):
+    from transformers import ParakeetCTCConfig, ParakeetForCTC
+
+    torch.manual_seed(seed)
+    enc = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, conv_kernel_size=9,
+               subsampling_factor=8, subsampling_conv_channels=64, num_mel_bins=128, hidden_act=act)
+    m = ParakeetForCTC(ParakeetCTCConfig(vocab_size=len(PIECES) + 1, pad_token_id=len(PIECES), encoder_config=enc))
+    m.eval()
+    # Weights of unit-scale activations (the default init's 0.02 leaves the attention's terms tiny),
+    # and batch-norm statistics that are not the identity, so every folded term matters.
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight") or "norm_" in n and n.endswith(".weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 1 or n.endswith("bias_u") or n.endswith("bias_v"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / np.sqrt(p[0].numel()))
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.BatchNorm1d):
+                mod.running_mean.copy_(0.3 * torch.randn_like(mod.running_mean))
+                mod.running_var.copy_(0.5 + torch.rand_like(mod.running_var))
+    return m
+
+
+@pytest.fixture(scope="module", params=["silu", "relu"])
+def built(request, tmp_path_factory):
+    from transformers import ParakeetFeatureExtractor, ParakeetProcessor
+
+    from dasllama.convert_ctc import convert_hf_parakeet_ctc
+
+    root = tmp_path_factory.mktemp(f"parakeet-{request.param}")
+    m = _model(request.param, seed=1 if request.param == "silu" else 2)
+    tok = _tokenizer()
+    src = root / "hf"
+    m.save_pretrained(src)
+    tok.save_pretrained(src)
+    out = convert_hf_parakeet_ctc(src, root / "parakeet.gguf", progress=False)
+    proc = ParakeetProcessor(feature_extractor=ParakeetFeatureExtractor(feature_size=128), tokenizer=tok)
+    return {"model": m, "proc": proc, "src": src, "gguf": str(out), "asr": d.load_asr_model(out, n_threads=2)}
+
+
+@pytest.fixture(scope="module")
+def clip():
+    return speak("The quick brown fox jumps over the lazy dog.")
+
+
+def _near(ours, ref, bar=1e-5):
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    err = float(np.abs(ours - ref).max())
+    assert err <= bar * float(np.abs(ref).max()), err
+
+
+@pytest.mark.parametrize("frames", [1, 9, 100, 2501])
+def test_rows_and_logits_match_transformers(built, frames):
+    x = np.random.default_rng(frames).standard_normal((128, frames)).astype(np.float32)
+    with torch.no_grad():
+        r = built["model"](input_features=torch.from_numpy(x.T.copy())[None], output_hidden_states=True)
+        enc = built["model"].encoder(input_features=torch.from_numpy(x.T.copy())[None]).last_hidden_state[0].numpy()
+    hid, lg = built["asr"].encoder.encode_features(x, hidden=True)
+    _near(hid, enc)
+    _near(lg, r.logits[0].numpy())
+
+
+@pytest.mark.parametrize("which", ["speech", "noise", "short"])
+def test_greedy_ids_and_text_match_generate(built, clip, which):
+    x = {"speech": clip, "noise": np.random.default_rng(3).standard_normal(SR * 2).astype(np.float32) * 0.3,
+         "short": clip[SR // 2: SR // 2 + 1600]}[which]
+    proc, m, asr = built["proc"], built["model"], built["asr"]
+    inputs = proc(x, sampling_rate=SR, return_tensors="pt")
+    with torch.no_grad():
+        seq = m.generate(**inputs)[0].tolist()
+    blank = m.config.pad_token_id
+    want_ids = [t for t, _ in itertools.groupby(seq) if t != blank]
+    want_text = proc.batch_decode([seq], skip_special_tokens=True)[0]
+    t = d.transcribe(asr, x)
+    got_ids = [i for s in t.segments for i in s.tokens]
+    assert got_ids == want_ids
+    assert t.text == want_text
+    if which == "speech":
+        assert len(set(want_ids)) >= 3, "the random model should say something on speech"
+        assert t.segments[0].end == pytest.approx(x.size / SR)
+
+
+def test_greedy_ctc_rule():
+    from dasllama.asr_ctc import greedy_ctc
+
+    lg = np.full((9, 4), -1.0, np.float32)
+    for r, c in enumerate([3, 1, 1, 3, 1, 2, 2, 3, 3]):
+        lg[r, c] = 1.0
+    assert greedy_ctc(lg, 3) == [1, 1, 2]
+    assert greedy_ctc(lg[:0], 3) == []
+
+
+def test_config_and_silence(built):
+    c = built["asr"].encoder.config
+    assert (c["dim"], c["n_layers"], c["n_heads"], c["subsampling_convs"], c["blank"]) == (64, 2, 4, 3, len(PIECES))
+    assert c["activation"] == built["model"].config.encoder_config.hidden_act
+    t = d.transcribe(built["asr"], np.zeros(100, np.float32))  # under two hops: no frames
+    assert t.text == "" and t.segments == []
+    with pytest.raises(ValueError):
+        d.transcribe(built["asr"], np.zeros(SR, np.float32), language="en")
+
+
+def test_malformed_files(built, tmp_path):
+    src = built["gguf"]
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read()[: os.path.getsize(src) // 2])
+    with pytest.raises(d.DasllamaError):
+        d.load_asr_model(cut)
+    # A tensor missing: rewrite the file without one block tensor.
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(tmp_path / "missing.gguf"), "fastconformer_ctc")
+    for f in r.fields.values():
+        if f.name.startswith("fastconformer_ctc.") or f.name.startswith("tokenizer."):
+            v = f.contents()
+            if isinstance(v, list):
+                w.add_array(f.name, v)
+            elif isinstance(v, str):
+                w.add_string(f.name, v)
+            elif isinstance(v, float):
+                w.add_float32(f.name, v)
+            else:
+                w.add_uint32(f.name, int(v))
+    for t in r.tensors:
+        if t.name != "blk.1.conv_dw.weight":
+            w.add_tensor(t.name, np.array(t.data).reshape([int(x) for x in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(d.UnsupportedModelError, match="conv_dw"):
+        d.load_asr_model(tmp_path / "missing.gguf")
+    other = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "llama")
+    other.add_tensor("x", np.zeros((2, 2), np.float32))
+    other.write_header_to_file()
+    other.write_kv_data_to_file()
+    other.write_tensors_to_file()
+    other.close()
+    assert not _core.ConformerCTC.probe(str(tmp_path / "other.gguf"))
+    with pytest.raises(d.UnsupportedModelError, match="FastConformer"):
+        _core.ConformerCTC(str(tmp_path / "other.gguf"))
+
+
+def test_cli_convert_and_transcribe(built, clip, tmp_path):
+    import soundfile as sf
+
+    out = tmp_path / "cli.gguf"
+    r = subprocess.run([sys.executable, "-m", "dasllama", "convert", str(built["src"]), str(out)], capture_output=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    wav = tmp_path / "c.wav"
+    sf.write(wav, clip, SR)
+    r = subprocess.run([sys.executable, "-m", "dasllama", "transcribe", "--model", str(out), str(wav)],
+                       capture_output=True, timeout=600)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    assert r.stdout.decode("utf-8") == d.transcribe(built["asr"], str(wav)).text + "\n"
