@@ -206,3 +206,29 @@ def test_cli_convert_and_transcribe(built, clip, tmp_path):
                        capture_output=True, timeout=600)
     assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
     assert r.stdout.decode("utf-8") == d.transcribe(built["asr"], str(wav)).text + "\n"
+
+
+_DEV = d.system_info()["devices"]
+
+
+def _present(backend):
+    info = _DEV.get(backend, {})
+    return pytest.mark.skipif(not info.get("devices"), reason=f"no {backend} device here: "
+                              + (info.get("error") or "none found"))
+
+
+@pytest.mark.parametrize("device", [pytest.param("vulkan", marks=_present("vulkan")),
+                                    pytest.param("cuda", marks=_present("cuda"))])
+def test_on_device(built, clip, device):
+    """The same encoder on a device backend (heads of d + head_dim = 80 fit its attention kernels):
+    logits within 1e-4 of the peak of transformers', greedy ids equal generate's."""
+    dev = d.load_asr_model(built["gguf"], n_threads=2, device=device)
+    x = np.random.default_rng(7).standard_normal((128, 777)).astype(np.float32)
+    with torch.no_grad():
+        ref = built["model"](input_features=torch.from_numpy(x.T.copy())[None]).logits[0].numpy()
+    _near(dev.encoder.encode_features(x)[1], ref, 1e-4)
+    inputs = built["proc"](clip, sampling_rate=SR, return_tensors="pt")
+    with torch.no_grad():
+        seq = built["model"].generate(**inputs)[0].tolist()
+    want = [t for t, _ in itertools.groupby(seq) if t != built["model"].config.pad_token_id]
+    assert [i for s in d.transcribe(dev, clip).segments for i in s.tokens] == want
