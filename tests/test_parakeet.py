@@ -232,3 +232,10 @@ def test_on_device(built, clip, device):
         seq = built["model"].generate(**inputs)[0].tolist()
     want = [t for t, _ in itertools.groupby(seq) if t != built["model"].config.pad_token_id]
     assert [i for s in d.transcribe(dev, clip).segments for i in s.tokens] == want
+
+
+def test_transformers_directory_converts_on_first_use(built, clip, tmp_path, monkeypatch):
+    monkeypatch.setenv("DASLLAMA_HOME", str(tmp_path / "home"))
+    m = d.load_asr_model(built["src"], n_threads=2)
+    assert str(m.path).startswith(str(tmp_path / "home"))
+    assert d.transcribe(m, clip).text == d.transcribe(built["asr"], clip).text

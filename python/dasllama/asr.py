@@ -137,8 +137,8 @@ class ASRModel:
 
 
 def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
-    """The ASR GGUF for a GGUF path, a CTranslate2 whisper directory or a registry name
-    (``whisper-tiny.en``, pulled first). Directories are converted on first use, and again
+    """The ASR GGUF for a GGUF path, a CTranslate2 whisper directory, a transformers
+    ParakeetForCTC directory or a registry name (``whisper-tiny.en``, pulled first). Directories are converted on first use, and again
     whenever their model.bin is newer, into the cache (``<home>/asr/``), never beside the
     source: the hub's directories hold only their artifacts."""
     import hashlib
@@ -155,16 +155,22 @@ def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
         name, s = s, os.fspath(hub.resolve(s))
         if os.path.isfile(s):
             return s
-    binf = os.path.join(s, "model.bin")
+    from .convert_ctc import convert_hf_parakeet_ctc, is_hf_parakeet_ctc
+
+    if is_hf_parakeet_ctc(s):  # a transformers ParakeetForCTC directory
+        binf, convert = os.path.join(s, "model.safetensors"), convert_hf_parakeet_ctc
+    else:
+        from .convert_asr import convert_ct2_whisper_asr
+
+        binf, convert = os.path.join(s, "model.bin"), convert_ct2_whisper_asr
     if not os.path.isfile(binf):
-        raise FileNotFoundError(f"{s}: neither a GGUF nor a CTranslate2 whisper directory (no model.bin)")
+        raise FileNotFoundError(f"{s}: neither a GGUF, a CTranslate2 whisper directory (no model.bin) nor a "
+                                "transformers ParakeetForCTC directory")
     key = name or f"{os.path.basename(os.path.abspath(s))}-{hashlib.sha1(os.path.abspath(s).encode()).hexdigest()[:10]}"
     out = hub.home() / "asr" / f"{key}.gguf"
     if not out.is_file() or out.stat().st_mtime < os.path.getmtime(binf):
-        from .convert_asr import convert_ct2_whisper_asr
-
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert_ct2_whisper_asr(s, out, progress=progress)
+        convert(s, out, progress=progress)
     return os.fspath(out)
 
 
