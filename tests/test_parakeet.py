@@ -239,3 +239,28 @@ def test_transformers_directory_converts_on_first_use(built, clip, tmp_path, mon
     m = d.load_asr_model(built["src"], n_threads=2)
     assert str(m.path).startswith(str(tmp_path / "home"))
     assert d.transcribe(m, clip).text == d.transcribe(built["asr"], clip).text
+
+
+def test_server_transcriptions(built, clip, smollm2_path):
+    """POST /v1/audio/transcriptions with a loaded CTC model: the text transcribe gives on the file."""
+    import io
+
+    import soundfile as sf
+    from starlette.testclient import TestClient
+
+    from dasllama.server import create_app
+
+    b = io.BytesIO()
+    sf.write(b, clip, SR, format="WAV", subtype="PCM_16")
+    app = create_app(d.load_model(smollm2_path), streams=1, ctx=256, asr_model=built["asr"])
+    try:
+        with TestClient(app) as c:
+            r = c.post("/v1/audio/transcriptions", files={"file": ("c.wav", b.getvalue(), "audio/wav")},
+                       data={"model": "parakeet", "response_format": "json"})
+            bad = c.post("/v1/audio/transcriptions", files={"file": ("c.wav", b.getvalue(), "audio/wav")},
+                         data={"model": "parakeet", "language": "de"})
+    finally:
+        app.state.engine.stop()
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == d.transcribe(built["asr"], b.getvalue()).text
+    assert bad.status_code == 400 and "language" in bad.text
