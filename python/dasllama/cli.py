@@ -581,10 +581,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--outtype", default="f32", choices=("f32", "f16"),
                     help="a transformers ParakeetForCTC directory: the matrices' type")
     sp.set_defaults(func=_cmd_convert)
-    sp = sub.add_parser("transcribe", help="speech to text with a whisper model (greedy + whisper's fallback)")
+    sp = sub.add_parser("transcribe", help="speech to text: whisper (greedy + whisper's fallback), Qwen3-ASR or "
+                                            "Parakeet CTC (greedy CTC)")
     sp.add_argument("files", nargs="+", metavar="FILE", help="audio files (WAV / FLAC / MP3 / OGG)")
     sp.add_argument("--model", default="whisper-tiny.en",
-                    help="ASR GGUF, CTranslate2 whisper directory or registry name (converted on first use)")
+                    help="ASR GGUF, CTranslate2 whisper directory, transformers ParakeetForCTC directory or "
+                         "registry name (converted on first use)")
     sp.add_argument("--language", default=None, help="language code (multilingual models; default: detected)")
     sp.add_argument("--timestamps", action="store_true", help="timestamped segments (implied by srt / vtt)")
     sp.add_argument("--format", choices=["txt", "srt", "vtt", "json"], default="txt")
