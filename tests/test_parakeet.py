@@ -264,3 +264,28 @@ def test_server_transcriptions(built, clip, smollm2_path):
     assert r.status_code == 200, r.text
     assert r.json()["text"] == d.transcribe(built["asr"], b.getvalue()).text
     assert bad.status_code == 400 and "language" in bad.text
+
+
+def test_f16_matrices(built, tmp_path):
+    """--outtype f16: the matrices in f16 (the oracle's rounded through f16 the same way), the
+    vectors and the folded convs in f32; logits within 1e-4 of the peak."""
+    from dasllama.convert_ctc import convert_hf_parakeet_ctc
+
+    m = built["model"]
+    out = convert_hf_parakeet_ctc(built["src"], tmp_path / "f16.gguf", progress=False, outtype="f16")
+    from dasllama.gguf import GGUFFile
+
+    with GGUFFile(out) as g:
+        assert g.tensor("blk.0.ffn1_up.weight", typed=True).dtype == np.float16
+        assert g.tensor("blk.0.conv_dw.weight", typed=True).dtype == np.float32
+    ref_model = type(m)(m.config).eval()
+    ref_model.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        for n, p in ref_model.named_parameters():
+            if n.startswith("encoder.layers.") and p.dim() >= 2 and "depthwise" not in n or n in (
+                    "encoder.subsampling.linear.weight", "ctc_head.weight"):
+                p.copy_(p.half().float())
+    x = np.random.default_rng(5).standard_normal((128, 400)).astype(np.float32)
+    with torch.no_grad():
+        ref = ref_model(input_features=torch.from_numpy(x.T.copy())[None]).logits[0].numpy()
+    _near(d.load_asr_model(out, n_threads=2).encoder.encode_features(x)[1], ref, 1e-4)
