@@ -3,8 +3,10 @@ transformers' ParakeetForCTC (torch) on the same features and threads.
 
 Two shapes: a tiny one (d 64, 2 blocks) and parakeet-ctc-0.6b's block shape (d 1024, 8 heads, ffn
 4096, conv kernel 9, stem channels 256, 128 mel bins) with fewer blocks (--layers, default 4; the
-release has 24: encode time is about linear in the blocks). Times are the median of --reps runs
-after a warm-up, of the features -> CTC logits (the front end excluded on both sides).
+release has 24: encode time is about linear in the blocks). --outtype f16 stores our matrices in
+f16 (the convert option); torch runs f32 either way. Times are the median of --reps runs
+(interleaved, ours then torch, after a warm-up each) of the features -> CTC logits (the front
+end excluded on both sides).
 
     python benchmarks/bench_parakeet.py --seconds 10 --threads 2 --layers 4
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 
-def build(tmp: Path, name: str, enc: dict, vocab: int):
+def build(tmp: Path, name: str, enc: dict, vocab: int, outtype: str):
     import torch
     from tokenizers import Tokenizer, models
     from transformers import ParakeetCTCConfig, ParakeetForCTC, ParakeetTokenizer
@@ -33,17 +35,21 @@ def build(tmp: Path, name: str, enc: dict, vocab: int):
     pieces = [("<unk>", 0.0)] + [(f"\u2581w{i}", -1.0) for i in range(vocab - 2)]
     ParakeetTokenizer(tokenizer_object=Tokenizer(models.Unigram(pieces, unk_id=0)), unk_token="<unk>",
                       pad_token="<pad>").save_pretrained(src)
-    return m, convert_hf_parakeet_ctc(src, tmp / f"{name}.gguf", progress=False)
+    return m, convert_hf_parakeet_ctc(src, tmp / f"{name}.gguf", progress=False, outtype=outtype)
 
 
-def timed(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def timed(fns, reps):
+    """Median seconds of each fn, run interleaved rep by rep after one warm-up each (the machine
+    may be shared: interleaving gives both sides the same load)."""
+    for fn in fns:
         fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    ts = [[] for _ in fns]
+    for _ in range(reps):
+        for t, fn in zip(ts, fns):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in ts]
 
 
 def main():
@@ -52,6 +58,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--outtype", default="f32", choices=("f32", "f16"), help="our file's matrices (torch: f32)")
     a = ap.parse_args()
     import torch
 
@@ -67,15 +74,15 @@ def main():
     }
     frames = int(a.seconds * 100)
     feat = np.random.default_rng(0).standard_normal((128, frames)).astype(np.float32)
-    print(f"{a.seconds:g} s of features ({frames} frames), {a.threads} threads, median of {a.reps}")
+    print(f"{a.seconds:g} s of features ({frames} frames), {a.threads} threads, median of {a.reps}, "
+          f"our matrices {a.outtype}")
     with tempfile.TemporaryDirectory() as td:
         for name, (enc, vocab) in shapes.items():
-            m, path = build(Path(td), name.split()[0], enc, vocab)
+            m, path = build(Path(td), name.split()[0], enc, vocab, a.outtype)
             ours = d.load_asr_model(path, n_threads=a.threads)
             x = torch.from_numpy(feat.T.copy())[None]
-            t_ours = timed(lambda: ours.encoder.encode_features(feat), a.reps)
             with torch.no_grad():
-                t_ref = timed(lambda: m(input_features=x), a.reps)
+                t_ours, t_ref = timed([lambda: ours.encoder.encode_features(feat), lambda: m(input_features=x)], a.reps)
             print(f"{name:28s} ours {t_ours * 1000:8.1f} ms   transformers {t_ref * 1000:8.1f} ms   "
                   f"ratio {t_ref / t_ours:5.2f}x   RTF ours {t_ours / a.seconds:.4f}")
 

@@ -321,7 +321,13 @@ void ConformerCTC::attention(const ConformerLayer& Ly, float* h, int64_t L) {
   a.scale = 1.f / std::sqrt((float)hd);
   a.out = att;
   a.out_stride = W;
-  be.attention(a);
+  try {
+    be.attention(a);
+  } catch (const UnsupportedModelError& e) {  // a device's head width limit: say why the heads are this wide
+    throw UnsupportedModelError(std::string(kWhat) + ": the relative-position attention runs as heads of d_model + "
+                                "head_dim = " + std::to_string(E) + " floats (see conformer.h); " + e.what() +
+                                ": run this model on the CPU");
+  }
   be.copy_rows(q, hd, att + d, E, L * H, hd);  // each head's value part
   be.matmul(Ly.wo, q, L, o);
   if (!Ly.bo.empty()) be.add_bias(o, Ly.bo.data(), L, d);
