@@ -150,21 +150,16 @@ def test_config_and_silence(built):
         d.transcribe(built["asr"], np.zeros(SR, np.float32), language="en")
 
 
-def test_malformed_files(built, tmp_path):
-    src = built["gguf"]
-    cut = tmp_path / "cut.gguf"
-    with open(src, "rb") as f:
-        cut.write_bytes(f.read()[: os.path.getsize(src) // 2])
-    with pytest.raises(d.DasllamaError):
-        d.load_asr_model(cut)
-    # A tensor missing: rewrite the file without one block tensor.
+def _rewrite(src, dst, meta=None, drop=()):
+    """src's metadata (with `meta` overriding keys) and tensors (less `drop`) rewritten to dst by gguf-py."""
     import gguf
 
+    meta = dict(meta or {})
     r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(tmp_path / "missing.gguf"), "fastconformer_ctc")
+    w = gguf.GGUFWriter(str(dst), "fastconformer_ctc")
     for f in r.fields.values():
         if f.name.startswith("fastconformer_ctc.") or f.name.startswith("tokenizer."):
-            v = f.contents()
+            v = meta.pop(f.name, f.contents())
             if isinstance(v, list):
                 w.add_array(f.name, v)
             elif isinstance(v, str):
@@ -174,14 +169,26 @@ def test_malformed_files(built, tmp_path):
             else:
                 w.add_uint32(f.name, int(v))
     for t in r.tensors:
-        if t.name != "blk.1.conv_dw.weight":
+        if t.name not in drop:
             w.add_tensor(t.name, np.array(t.data).reshape([int(x) for x in reversed(t.shape)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return str(dst)
+
+
+def test_malformed_files(built, tmp_path):
+    import gguf
+
+    src = built["gguf"]
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read()[: os.path.getsize(src) // 2])
+    with pytest.raises(d.DasllamaError):
+        d.load_asr_model(cut)
     with pytest.raises(d.UnsupportedModelError, match="conv_dw"):
-        d.load_asr_model(tmp_path / "missing.gguf")
+        d.load_asr_model(_rewrite(src, tmp_path / "missing.gguf", drop={"blk.1.conv_dw.weight"}))
     other = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "llama")
     other.add_tensor("x", np.zeros((2, 2), np.float32))
     other.write_header_to_file()
@@ -191,6 +198,22 @@ def test_malformed_files(built, tmp_path):
     assert not _core.ConformerCTC.probe(str(tmp_path / "other.gguf"))
     with pytest.raises(d.UnsupportedModelError, match="FastConformer"):
         _core.ConformerCTC(str(tmp_path / "other.gguf"))
+
+
+A = "fastconformer_ctc."
+
+
+@pytest.mark.parametrize("meta", [
+    {A + "attention.head_count": 3}, {A + "attention.head_count": 0}, {A + "subsampling.conv_count": 2},
+    {A + "subsampling.conv_count": 4}, {A + "conv_kernel_size": 8}, {A + "conv_kernel_size": 7},
+    {A + "num_mel_bins": 80}, {A + "block_count": 1}, {A + "block_count": 3}, {A + "blank_id": 99},
+    {A + "embedding_length": 32}, {A + "activation": "tanh"}, {A + "input_scale": -1.0},
+    {"tokenizer.ggml.tokens": ["a", "b"]},
+], ids=lambda m: "-".join(f"{k.split('.')[-1]}={v if not isinstance(v, list) else len(v)}" for k, v in m.items()))
+def test_inconsistent_metadata_is_refused(built, tmp_path, meta):
+    """Metadata that disagrees with the tensors (or is out of range) raises our errors at load."""
+    with pytest.raises(d.DasllamaError):
+        d.load_asr_model(_rewrite(built["gguf"], tmp_path / "bad.gguf", meta=meta))
 
 
 def test_cli_convert_and_transcribe(built, clip, tmp_path):
