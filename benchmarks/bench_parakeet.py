@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--outtype", default="f32", choices=("f32", "f16"), help="our file's matrices (torch: f32)")
+    ap.add_argument("--split", action="store_true",
+                    help="ours only: 1 block against --layers blocks of the 0.6b shape, to split the stem from a block")
     a = ap.parse_args()
     import torch
 
@@ -74,6 +76,17 @@ def main():
     }
     frames = int(a.seconds * 100)
     feat = np.random.default_rng(0).standard_normal((128, frames)).astype(np.float32)
+    if a.split:
+        big = dict(hidden_size=1024, num_attention_heads=8, intermediate_size=4096, subsampling_conv_channels=256,
+                   num_mel_bins=128)
+        with tempfile.TemporaryDirectory() as td:
+            ms = [d.load_asr_model(build(Path(td), f"l{n}", dict(big, num_hidden_layers=n), 1025, a.outtype)[1],
+                                   n_threads=a.threads) for n in (1, a.layers)]
+            t1, tn = timed([lambda m=m: m.encoder.encode_features(feat) for m in ms], a.reps)
+        per = (tn - t1) / (a.layers - 1)
+        print(f"1 block {t1 * 1000:.0f} ms, {a.layers} blocks {tn * 1000:.0f} ms: a block {per * 1000:.0f} ms, "
+              f"stem + head {(t1 - per) * 1000:.0f} ms, 24 blocks ~{(t1 + 23 * per) * 1000:.0f} ms")
+        return
     print(f"{a.seconds:g} s of features ({frames} frames), {a.threads} threads, median of {a.reps}, "
           f"our matrices {a.outtype}")
     with tempfile.TemporaryDirectory() as td:
