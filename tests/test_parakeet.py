@@ -3,8 +3,8 @@ tiny random models, converted by our own writer (``dasllama.convert_ctc``: llama
 no layout for this model).
 
 - The encoder's rows and the CTC logits equal the model's on the same features (no attention mask:
-  every frame is the clip's), for lengths from one frame to 25 s (the stem's tiled convs run on the
-  long ones): within 1e-5 of the peak |value| (f32; observed ~1e-6).
+  every frame is the clip's), for lengths from one frame to 25 s (the stem's convs run in 3 tiles of
+  output rows on the last two, odd and even): within 1e-5 of the peak |value| (f32; observed ~7e-7).
 - Greedy CTC ids equal ``generate``'s (argmax, the processor's attention mask) merged and without
   the blank, and ``transcribe``'s text equals the processor's ``batch_decode`` of those ids, on an
   eSpeak clip, noise and a 0.1 s clip; with silu and relu activations.
@@ -99,7 +99,7 @@ def _near(ours, ref, bar=1e-5):
     assert err <= bar * float(np.abs(ref).max()), err
 
 
-@pytest.mark.parametrize("frames", [1, 9, 100, 2501])
+@pytest.mark.parametrize("frames", [1, 9, 100, 1998, 2501])
 def test_rows_and_logits_match_transformers(built, frames):
     x = np.random.default_rng(frames).standard_normal((128, frames)).astype(np.float32)
     with torch.no_grad():

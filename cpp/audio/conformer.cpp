@@ -203,47 +203,66 @@ void ConformerCTC::act(float* y, int64_t rows, int64_t dim) {
   }
 }
 
+// Output rows [r0, r0 + n) of a 3x3 stride-2 pad-1 conv (weight w, bias b, then ReLU) into dst
+// (rows of W_out positions of w.rows channels). The input is element (c, h, w) at
+// x[c * sc + (h - x_row0) * sh + w * sw] for its rows h in [x_row0, H): a caller may hold only the
+// rows the outputs read. im2col runs from output row r0 - 1 when r0 > 0 (so that its window's
+// first input row is real, not padding) into scratch, and that row is dropped.
+void ConformerCTC::conv_rows(const float* x, int64_t x_row0, int64_t C_in, int64_t H, int64_t W, int64_t sc,
+                             int64_t sh, int64_t sw, const Weight& w, const Vec& b, int64_t r0, int64_t n, float* dst) {
+  Backend& be = *backend_;
+  const int64_t Wo = post1(W), Co = w.rows;
+  const int64_t base = r0 == 0 ? 0 : 2 * r0 - 2, lead = r0 == 0 ? 0 : 1;
+  float* xc = buf(B_X, (n + lead) * Wo * 9 * C_in);
+  be.im2col_2d(x + (base - x_row0) * sh, C_in, H - base, W, sc, sh, sw, 3, 3, 2, 1, xc, n + lead, Wo);
+  if (lead) {
+    float* y = buf(B_FLAT, (n + 1) * Wo * Co);
+    be.matmul(w, xc, (n + 1) * Wo, y);
+    be.copy(dst, y + Wo * Co, (size_t)(n * Wo * Co) * 4);
+  } else {
+    be.matmul(w, xc, n * Wo, dst);
+  }
+  be.add_bias(dst, b.data(), n * Wo, Co);
+  be.glu(dst, Co, ones_.data(), 0, dst, n * Wo, Co, Act::relu);
+}
+
 void ConformerCTC::stem(const float* feat, int64_t frames, float* h) {
   Backend& be = *backend_;
   const ConformerConfig& c = cfg_;
-  const int64_t C = c.sub_channels, d = c.dim;
+  const int64_t C = c.sub_channels, d = c.dim, nm = c.n_mel;
   // Positions are [time][bin] rows of channels; the first conv reads the features [bin][frame].
-  int64_t Ht = post1(frames), Wb = post1(c.n_mel);
-  float* x = buf(B_X, Ht * Wb * 9);
-  be.im2col_2d(feat, 1, frames, c.n_mel, 0, 1, frames, 3, 3, 2, 1, x, Ht, Wb);
-  float* g = buf(B_G0, Ht * Wb * C);
-  be.matmul(sub_w_[0], x, Ht * Wb, g);
-  be.add_bias(g, sub_b_[0].data(), Ht * Wb, C);
-  be.glu(g, C, ones_.data(), 0, g, Ht * Wb, C, Act::relu);
+  // Each conv runs in tiles of output rows: a 9C-wide im2col row per position would be 9x the
+  // activations. The first conv's rows (the widest: half the frames x half the bins x C) are
+  // made per tile of the second's, never all at once.
+  const int64_t H0 = post1(frames), W0 = post1(nm);
+  int64_t Ht = H0, Wb = W0;
   int cur = B_G0;
-  for (int k = 1; k < c.sub_convs; ++k) {
+  if (c.sub_convs == 1) {
+    conv_rows(feat, 0, 1, frames, nm, 0, 1, frames, sub_w_[0], sub_b_[0], 0, H0, buf(B_G0, H0 * W0 * C));
+  } else {
+    const int64_t H1 = post1(H0), W1 = post1(W0);
+    const int64_t tile = std::max<int64_t>(1, (int64_t)(4 << 20) / (W1 * 9 * C));
+    float* g1 = buf(B_G1, H1 * W1 * C);
+    for (int64_t r0 = 0; r0 < H1; r0 += tile) {
+      const int64_t n = std::min(tile, H1 - r0);
+      const int64_t s0 = r0 == 0 ? 0 : 2 * r0 - 2, e0 = std::min(H0, 2 * (r0 + n));  // conv0 rows read
+      float* g0 = buf(B_G0, (e0 - s0) * W0 * C);
+      conv_rows(feat, 0, 1, frames, nm, 0, 1, frames, sub_w_[0], sub_b_[0], s0, e0 - s0, g0);
+      conv_rows(g0, s0, C, H0, W0, 1, W0 * C, C, sub_w_[1], sub_b_[1], r0, n, g1 + r0 * W1 * C);
+    }
+    Ht = H1, Wb = W1, cur = B_G1;
+  }
+  for (int k = 2; k < c.sub_convs; ++k) {
     const int64_t Hn = post1(Ht), Wn = post1(Wb);
     const int nxt = cur == B_G0 ? B_G1 : B_G0;
     float* gn = buf(nxt, Hn * Wn * C);
-    g = static_cast<float*>(bufs_[cur]->data());
-    // im2col in tiles of output rows (a 9C-wide row per position would be 9x the activations).
-    // A later tile starts one output row early (its window's first input row is then real, not
-    // padding) and drops that row: the matmul goes to scratch, the tile's rows are copied out.
+    const float* g = static_cast<float*>(bufs_[cur]->data());
     const int64_t tile = std::max<int64_t>(1, (int64_t)(4 << 20) / (Wn * 9 * C));
-    float* xt = buf(B_X, (tile + 1) * Wn * 9 * C);
-    float* yt = buf(B_FLAT, (tile + 1) * Wn * C);
-    for (int64_t r0 = 0; r0 < Hn; r0 += tile) {
-      const int64_t n = std::min(tile, Hn - r0);
-      if (r0 == 0) {
-        be.im2col_2d(g, C, Ht, Wb, 1, Wb * C, C, 3, 3, 2, 1, xt, n, Wn);
-        be.matmul(sub_w_[k], xt, n * Wn, gn);
-      } else {
-        const int64_t base = 2 * r0 - 2;
-        be.im2col_2d(g + base * Wb * C, C, Ht - base, Wb, 1, Wb * C, C, 3, 3, 2, 1, xt, n + 1, Wn);
-        be.matmul(sub_w_[k], xt, (n + 1) * Wn, yt);
-        be.copy(gn + r0 * Wn * C, yt + Wn * C, (size_t)(n * Wn * C) * 4);
-      }
-    }
-    be.add_bias(gn, sub_b_[k].data(), Hn * Wn, C);
-    be.glu(gn, C, ones_.data(), 0, gn, Hn * Wn, C, Act::relu);
+    for (int64_t r0 = 0; r0 < Hn; r0 += tile)
+      conv_rows(g, 0, C, Ht, Wb, 1, Wb * C, C, sub_w_[k], sub_b_[k], r0, std::min(tile, Hn - r0), gn + r0 * Wn * C);
     Ht = Hn, Wb = Wn, cur = nxt;
   }
-  g = static_cast<float*>(bufs_[cur]->data());
+  const float* g = static_cast<float*>(bufs_[cur]->data());
   // Each time step's [channel][bin] row (torch's transpose(1, 2).reshape), then the linear.
   float* flat = buf(B_FLAT, Ht * C * Wb);
   be.im2col_2d(g, C, Wb, Ht, 1, C, Wb * C, (int)Wb, 1, 1, 0, flat, 1, Ht);

@@ -78,6 +78,8 @@ class ConformerCTC {
   void attention(const ConformerLayer& Ly, float* h, int64_t L);
   void conv_module(const ConformerLayer& Ly, float* h, int64_t L);
   void stem(const float* feat, int64_t frames, float* h);
+  void conv_rows(const float* x, int64_t x_row0, int64_t C_in, int64_t H, int64_t W, int64_t sc, int64_t sh,
+                 int64_t sw, const Weight& w, const Vec& b, int64_t r0, int64_t n, float* dst);
 
   std::shared_ptr<gguf::File> file_;
   ConformerConfig cfg_;
