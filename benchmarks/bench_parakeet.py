@@ -4,7 +4,7 @@ transformers' ParakeetForCTC (torch) on the same features and threads.
 Two shapes: a tiny one (d 64, 2 blocks) and parakeet-ctc-0.6b's block shape (d 1024, 8 heads, ffn
 4096, conv kernel 9, stem channels 256, 128 mel bins) with fewer blocks (--layers, default 4; the
 release has 24: encode time is about linear in the blocks). --outtype f16 stores our matrices in
-f16 (the convert option); torch runs f32 either way. Times are the median of --reps runs
+f16 (the convert option), q8_0 requantizes them (`dasllama quantize`); torch runs f32 either way. Times are the median of --reps runs
 (interleaved, ours then torch, after a warm-up each) of the features -> CTC logits (the front
 end excluded on both sides).
 
@@ -35,6 +35,11 @@ def build(tmp: Path, name: str, enc: dict, vocab: int, outtype: str):
     pieces = [("<unk>", 0.0)] + [(f"\u2581w{i}", -1.0) for i in range(vocab - 2)]
     ParakeetTokenizer(tokenizer_object=Tokenizer(models.Unigram(pieces, unk_id=0)), unk_token="<unk>",
                       pad_token="<pad>").save_pretrained(src)
+    if outtype == "q8_0":  # dasllama quantize over the f32 file (the converter writes f32 / f16)
+        from dasllama.convert import requantize
+
+        f32 = convert_hf_parakeet_ctc(src, tmp / f"{name}-f32.gguf", progress=False)
+        return m, requantize(f32, tmp / f"{name}.gguf", "q8_0", progress=False)
     return m, convert_hf_parakeet_ctc(src, tmp / f"{name}.gguf", progress=False, outtype=outtype)
 
 
@@ -58,7 +63,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--outtype", default="f32", choices=("f32", "f16"), help="our file's matrices (torch: f32)")
+    ap.add_argument("--outtype", default="f32", choices=("f32", "f16", "q8_0"),
+                    help="our file's matrices (torch: f32); q8_0 through dasllama quantize")
     ap.add_argument("--split", action="store_true",
                     help="ours only: 1 block against --layers blocks of the 0.6b shape, to split the stem from a block")
     a = ap.parse_args()
