@@ -109,29 +109,15 @@ void ConformerCTC::load_weights() {
   };
   auto m = [&](const std::string& name, int64_t rows, int64_t cols) { return encoder::mat(f, name, rows, cols, kWhat); };
 
-  // The stem: conv 0 from one channel, then depthwise + pointwise pairs of C channels.
-  int64_t bins = post1(c.n_mel);
-  sub_w_.push_back(m("sub.conv.0.weight", C, 9));
-  sub_b_.push_back(up("sub.conv.0.bias", C));
-  sub_dw_.resize(1);
-  sub_dw_b_.resize(1);
-  for (int k = 1; k < c.sub_convs; ++k) {
-    const std::string ks = std::to_string(k);
-    const std::vector<float> dw = encoder::vec(f, "sub.dw." + ks + ".weight", 9 * C, kWhat);
-    std::array<Vec, 3> rows;
-    for (int i = 0; i < 3; ++i) {  // kernel row i (a time offset): taps over the bins, [C][3]
-      std::vector<float> t((size_t)(3 * C));
-      for (int64_t ch = 0; ch < C; ++ch)
-        for (int j = 0; j < 3; ++j) t[(size_t)(ch * 3 + j)] = dw[(size_t)(ch * 9 + i * 3 + j)];
-      rows[i] = upload_vec(be, t, kWhat);
-    }
-    sub_dw_.push_back(rows);
-    sub_dw_b_.push_back(up("sub.dw." + ks + ".bias", C));
-    sub_w_.push_back(m("sub.pw." + ks + ".weight", C, C));
-    sub_b_.push_back(up("sub.pw." + ks + ".bias", C));
+  // The stem: conv 0 from one channel, then dense convs of C channels (folded pairs).
+  int64_t bins = c.n_mel;
+  for (int k = 0; k < c.sub_convs; ++k) {
+    const std::string p = "sub.conv." + std::to_string(k) + ".";
+    sub_w_.push_back(m(p + "weight", C, 9 * (k == 0 ? 1 : C)));
+    sub_b_.push_back(up(p + "bias", C));
     bins = post1(bins);
   }
-  if (f.find_tensor("sub.dw." + std::to_string(std::max(1, c.sub_convs)) + ".weight"))
+  if (encoder::mat(f, "sub.conv." + std::to_string(c.sub_convs) + ".weight", -1, -1, kWhat, false).host)
     throw UnsupportedModelError(std::string(kWhat) + ": more stem convs than subsampling.conv_count");
   c.sub_bins = (int)bins;
   sub_out_ = m("sub.out.weight", d, C * bins);
@@ -240,60 +226,14 @@ void ConformerCTC::conv_rows(const float* x, int64_t x_row0, int64_t C_in, int64
   be.glu(dst, Co, ones_.data(), 0, dst, n * Wo, Co, Act::relu);
 }
 
-namespace {
-// Bins per padded row of the depthwise pass: at least one zero column (no wrap between rows), and
-// even, so that stepping 2 positions through the flat rows stays on even bins.
-int64_t padded_bins(int64_t W) { return W + 1 + ((W + 1) & 1); }
-// Output rows per tile of a depthwise + pointwise pair: its four (2n + 1)-row scratch grids in ~32 MB.
-int64_t dw_tile(int64_t W, int64_t C) { return std::max<int64_t>(1, ((int64_t)(2 << 20) / (padded_bins(W) * C) - 1) / 2); }
-}  // namespace
-
-// Output rows [r0, r0 + n) of a depthwise 3x3 stride-2 pad-1 conv (stem pair k), its bias, the
-// pointwise conv, its bias and ReLU, into dst (rows of post1(W) positions of C). Input rows h in
-// [x_row0, H) at x + (h - x_row0) * W * C, [bin][channel] each. The 2n + 1 input rows the tile
-// reads (from 2 r0 - 1; zeros outside [0, H)) go to a grid of padded_bins(W) positions per row
-// (zero columns between rows); conv1d_causal along that flat grid with kernel row i's taps gives
-// every position's horizontal sum (at the next position: the op's outputs lag by one); the three
-// sums over the rows above, at and below each centre add up to the 3x3 conv, sampled at even rows
-// and bins.
-void ConformerCTC::dw_pw_rows(const float* x, int64_t x_row0, int64_t H, int64_t W, int k, int64_t r0, int64_t n,
-                              float* dst) {
-  Backend& be = *backend_;
-  const int64_t C = cfg_.sub_channels, Wp = padded_bins(W), Wo = post1(W), R = 2 * n + 1, base = 2 * r0 - 1;
-  const int64_t a = std::max<int64_t>(0, base), b = std::min(H, base + R);
-  float* P = buf(B_SP, R * Wp * C);
-  be.zero(P, (size_t)(R * Wp * C) * 4);
-  if (b > a) be.copy_rows(P + (a - base) * Wp * C, Wp * C, x + (a - x_row0) * W * C, W * C, b - a, W * C);
-  float* st = buf(B_ST, 2 * C);
-  float* Y[3] = {buf(B_SY0, R * Wp * C), buf(B_SY1, R * Wp * C), buf(B_SY2, R * Wp * C)};
-  for (int i = 0; i < 3; ++i) {
-    be.zero(st, (size_t)(2 * C) * 4);
-    be.conv1d_causal(st, P, C, R * Wp, C, sub_dw_[k][i].data(), 3, false, Y[i]);
-  }
-  // Centres at grid rows 1 .. R - 2 (the last position, a zero column, left out): row j's sum is
-  // Y0 at row j - 1, Y1 at j and Y2 at j + 1, each one position on.
-  const int64_t len = (R - 2) * Wp - 1;
-  float* acc = Y[1] + (Wp + 1) * C;
-  be.add(acc, Y[0] + C, len * C);
-  be.add(acc, Y[2] + (2 * Wp + 1) * C, len * C);
-  // Even positions (even bins: Wp is even), then output row o = the first Wo of block o (grid row 2o + 1).
-  float* S = buf(B_SS, ((len + 1) / 2) * C);
-  be.copy_rows(S, C, acc, 2 * C, (len + 1) / 2, C);
-  float* D = buf(B_SD, n * Wo * C);
-  be.copy_rows(D, Wo * C, S, Wp * C, n, Wo * C);
-  be.add_bias(D, sub_dw_b_[k].data(), n * Wo, C);
-  be.matmul(sub_w_[k], D, n * Wo, dst);
-  be.add_bias(dst, sub_b_[k].data(), n * Wo, C);
-  be.glu(dst, C, ones_.data(), 0, dst, n * Wo, C, Act::relu);
-}
-
 void ConformerCTC::stem(const float* feat, int64_t frames, float* h) {
   Backend& be = *backend_;
   const ConformerConfig& c = cfg_;
   const int64_t C = c.sub_channels, d = c.dim, nm = c.n_mel;
   // Positions are [time][bin] rows of channels; the first conv reads the features [bin][frame].
-  // Each conv runs in tiles of output rows; the first conv's rows (the widest: half the frames x
-  // half the bins x C) are made per tile of the second's, never all at once.
+  // Each conv runs in tiles of output rows: a 9C-wide im2col row per position would be 9x the
+  // activations. The first conv's rows (the widest: half the frames x half the bins x C) are
+  // made per tile of the second's, never all at once.
   const int64_t H0 = post1(frames), W0 = post1(nm);
   int64_t Ht = H0, Wb = W0;
   int cur = B_G0;
@@ -301,14 +241,14 @@ void ConformerCTC::stem(const float* feat, int64_t frames, float* h) {
     conv_rows(feat, 0, 1, frames, nm, 0, 1, frames, sub_w_[0], sub_b_[0], 0, H0, buf(B_G0, H0 * W0 * C));
   } else {
     const int64_t H1 = post1(H0), W1 = post1(W0);
-    const int64_t tile = dw_tile(W0, C);
+    const int64_t tile = std::max<int64_t>(1, (int64_t)(4 << 20) / (W1 * 9 * C));
     float* g1 = buf(B_G1, H1 * W1 * C);
     for (int64_t r0 = 0; r0 < H1; r0 += tile) {
       const int64_t n = std::min(tile, H1 - r0);
-      const int64_t s0 = std::max<int64_t>(0, 2 * r0 - 1), e0 = std::min(H0, 2 * (r0 + n));  // conv0 rows read
+      const int64_t s0 = r0 == 0 ? 0 : 2 * r0 - 2, e0 = std::min(H0, 2 * (r0 + n));  // conv0 rows read
       float* g0 = buf(B_G0, (e0 - s0) * W0 * C);
       conv_rows(feat, 0, 1, frames, nm, 0, 1, frames, sub_w_[0], sub_b_[0], s0, e0 - s0, g0);
-      dw_pw_rows(g0, s0, H0, W0, 1, r0, n, g1 + r0 * W1 * C);
+      conv_rows(g0, s0, C, H0, W0, 1, W0 * C, C, sub_w_[1], sub_b_[1], r0, n, g1 + r0 * W1 * C);
     }
     Ht = H1, Wb = W1, cur = B_G1;
   }
@@ -317,8 +257,9 @@ void ConformerCTC::stem(const float* feat, int64_t frames, float* h) {
     const int nxt = cur == B_G0 ? B_G1 : B_G0;
     float* gn = buf(nxt, Hn * Wn * C);
     const float* g = static_cast<float*>(bufs_[cur]->data());
-    const int64_t tile = dw_tile(Wb, C);
-    for (int64_t r0 = 0; r0 < Hn; r0 += tile) dw_pw_rows(g, 0, Ht, Wb, k, r0, std::min(tile, Hn - r0), gn + r0 * Wn * C);
+    const int64_t tile = std::max<int64_t>(1, (int64_t)(4 << 20) / (Wn * 9 * C));
+    for (int64_t r0 = 0; r0 < Hn; r0 += tile)
+      conv_rows(g, 0, C, Ht, Wb, 1, Wb * C, C, sub_w_[k], sub_b_[k], r0, std::min(tile, Hn - r0), gn + r0 * Wn * C);
     Ht = Hn, Wb = Wn, cur = nxt;
   }
   const float* g = static_cast<float*>(bufs_[cur]->data());

@@ -3,9 +3,8 @@
 // "fastconformer_ctc", tensors sub.* / blk.* / ctc.*; docs/speech.md has the layout).
 //
 // The NeMo filterbank front end, a conv2d subsampling stem (a 3x3 stride-2 conv, then
-// depthwise 3x3 stride-2 + pointwise pairs, ReLU after each; the depthwise conv as three
-// conv1d_causal passes along the bins, one per kernel row, summed over shifted time rows and
-// sampled at stride 2), a linear to the model width, then conformer blocks: FFN/2, relative-position MHSA,
+// depthwise + pointwise pairs folded at conversion into dense 3x3 stride-2 convs, ReLU after
+// each), a linear to the model width, then conformer blocks: FFN/2, relative-position MHSA,
 // the conv module, FFN/2, LayerNorm. All on the Backend ops:
 //  - relative-position attention (Transformer-XL's (q + u) k^T + rel_shift((q + v) p^T)) as one
 //    attention whose heads are [pos | content]: keys [rope_j(1, 0, ...) | k], queries
@@ -14,7 +13,6 @@
 //  - the conv module's 'same' depthwise conv as conv1d_causal over the rows followed by
 //    (k - 1) / 2 zero rows, its batch norm folded into the weights at conversion.
 #pragma once
-#include <array>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -80,7 +78,6 @@ class ConformerCTC {
   void attention(const ConformerLayer& Ly, float* h, int64_t L);
   void conv_module(const ConformerLayer& Ly, float* h, int64_t L);
   void stem(const float* feat, int64_t frames, float* h);
-  void dw_pw_rows(const float* x, int64_t x_row0, int64_t H, int64_t W, int k, int64_t r0, int64_t n, float* dst);
   void conv_rows(const float* x, int64_t x_row0, int64_t C_in, int64_t H, int64_t W, int64_t sc, int64_t sh,
                  int64_t sw, const Weight& w, const Vec& b, int64_t r0, int64_t n, float* dst);
 
@@ -89,16 +86,14 @@ class ConformerCTC {
   std::shared_ptr<Backend> backend_, fbank_backend_;
   std::unique_ptr<FbankBank> fbank_;
   std::mutex mu_;
-  std::vector<Weight> sub_w_;  // conv 0 (dense, from one channel), then each pair's pointwise conv
+  std::vector<Weight> sub_w_;
   std::vector<Vec> sub_b_;
-  std::vector<std::array<Vec, 3>> sub_dw_;  // each pair's depthwise 3x3 kernel as 3 rows of [C][3] taps
-  std::vector<Vec> sub_dw_b_;
   Weight sub_out_, ctc_;
   Vec sub_out_b_, ctc_b_, ones_;
   std::vector<ConformerLayer> layers_;
   enum {
     B_FEAT, B_X, B_G0, B_G1, B_FLAT, B_H, B_XN, B_U, B_O, B_Q, B_QV, B_T, B_PB, B_QX, B_KV, B_ATT, B_Y2, B_GL, B_DW,
-    B_ST, B_POS, B_QPOS, B_PAGE, B_LOG, B_SP, B_SY0, B_SY1, B_SY2, B_SS, B_SD, B_COUNT
+    B_ST, B_POS, B_QPOS, B_PAGE, B_LOG, B_COUNT
   };
   BufferPtr bufs_[B_COUNT];
 };

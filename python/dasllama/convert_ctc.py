@@ -8,8 +8,8 @@ written with gguf-py's ``GGUFWriter``:
   ``conv_kernel_size``, ``subsampling.channels``, ``subsampling.conv_count`` (stride-2 convs),
   ``num_mel_bins``, ``input_scale`` (sqrt(d) when the config scales the stem's rows),
   ``activation`` (``hidden_act``), ``layer_norm_epsilon``, ``blank_id`` (the pad token);
-- ``sub.conv.0`` (the 3x3 stride-2 conv from one channel), ``sub.dw.{k}`` / ``sub.pw.{k}`` (each
-  depthwise 3x3 stride-2 + pointwise pair after it), ``sub.out`` (the linear);
+- ``sub.conv.{k}`` (3x3 stride-2 convs; each depthwise + pointwise pair after the first conv
+  folded into one dense conv), ``sub.out`` (the linear);
 - per block ``ffn1_*`` / ``ffn2_*`` (norm, up, down), ``attn_norm``, ``attn_{q,k,v,out}``,
   ``attn_bias_u`` / ``attn_bias_v``, ``attn_pos`` (``relative_k_proj`` per head as [d] rows of
   head_dim, its sinusoid pairs turned from (sin, cos) to (cos, -sin): see cpp/audio/conformer.h),
@@ -50,8 +50,8 @@ def _tokens(d: Path, vocab: int, blank: int) -> Tuple[List[str], List[int]]:
 
 def convert_hf_parakeet_ctc(src: PathLike, dst: PathLike, progress: bool = True, outtype: str = "f32") -> Path:
     """Write ``dst`` from a transformers ``ParakeetForCTC`` directory (config.json,
-    model.safetensors, tokenizer.json). ``outtype`` f32 or f16 (the matrices; vectors, the
-    depthwise kernels and the first conv stay f32)."""
+    model.safetensors, tokenizer.json). ``outtype`` f32 or f16 (the matrices; vectors and the
+    folded depthwise kernels stay f32)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -85,10 +85,9 @@ def convert_hf_parakeet_ctc(src: PathLike, dst: PathLike, progress: bool = True,
         raise DasllamaError(f"{d}: stem convs do not pair as depthwise + pointwise")
     for k in range((len(conv) - 1) // 2):
         (dw, dwb), (pw, pwb) = conv[1 + 2 * k], conv[2 + 2 * k]
-        if dw.shape[1:] != (1, 3, 3) or pw.shape[2:] != (1, 1):
-            raise DasllamaError(f"{d}: stem pair {k + 1} is not a depthwise 3x3 and a pointwise conv")
-        tensors += [(f"sub.dw.{k + 1}.weight", dw[:, 0]), (f"sub.dw.{k + 1}.bias", dwb),
-                    (f"sub.pw.{k + 1}.weight", mat(pw[:, :, 0, 0])), (f"sub.pw.{k + 1}.bias", pwb)]
+        p = pw[:, :, 0, 0]
+        w = p[:, :, None, None] * dw[None, :, 0, :, :]  # [out][in][3][3]
+        tensors += [(f"sub.conv.{k + 1}.weight", w), (f"sub.conv.{k + 1}.bias", p @ dwb + pwb)]
     n_convs = 1 + (len(conv) - 1) // 2
     tensors += [("sub.out.weight", mat(sd["encoder.subsampling.linear.weight"])),
                 ("sub.out.bias", sd["encoder.subsampling.linear.bias"])]
