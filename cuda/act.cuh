@@ -18,9 +18,10 @@ __device__ __forceinline__ float swiglu_oai(float gate, float up) {
 __device__ __forceinline__ float gelu_tanh(float x) {
   return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
-// act: 0 silu, 1 gelu_tanh, 2 gpt-oss's clamped SwiGLU, 3 sigmoid (Act's order).
+// act: 0 silu, 1 gelu_tanh, 2 gpt-oss's clamped SwiGLU, 3 sigmoid, 4 relu (Act's order).
 __device__ __forceinline__ float glu_value(int act, float g, float u) {
-  return act == 2 ? swiglu_oai(g, u) : act == 3 ? u / (1.f + expf(-g)) : (act == 0 ? silu(g) : gelu_tanh(g)) * u;
+  return act == 2 ? swiglu_oai(g, u) : act == 3 ? u / (1.f + expf(-g)) : act == 4 ? fmaxf(g, 0.f) * u
+                                                                     : (act == 0 ? silu(g) : gelu_tanh(g)) * u;
 }
 
 }  // namespace dl::cuda

@@ -50,7 +50,7 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
                   cudaStream_t st);
 // An activation as the kernels' int code (act.cuh's glu_value).
 inline int act_code(Act a) {
-  return a == Act::silu ? 0 : a == Act::gelu_tanh ? 1 : a == Act::swiglu_oai ? 2 : 3;
+  return a == Act::silu ? 0 : a == Act::gelu_tanh ? 1 : a == Act::swiglu_oai ? 2 : a == Act::sigmoid ? 3 : 4;
 }
 // The GLU (act as glu's int code) into out and, in the same pass, its q8 form into q (as
 // quantize_act lays it out).

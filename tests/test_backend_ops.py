@@ -305,6 +305,7 @@ def test_elementwise(backends):
     oai = g / (1 + np.exp(-1.702 * g)) * (u + 1)
     check("glu swiglu_oai", run_all(backends, "glu", x * 4, y * 4, 2), oai, EXACT)
     check("glu sigmoid", run_all(backends, "glu", x, y, 3), y64 / (1 + np.exp(-x64)), EXACT)
+    check("glu relu", run_all(backends, "glu", x, y, 4), np.maximum(x64, 0) * y64, EXACT)
 
 
 # ---- recurrent (gated DeltaNet) layers: the causal conv with its state, the gated delta rule --
@@ -320,10 +321,11 @@ def conv_ref(state, x, w, silu):
     return y, u[len(u) - (k - 1):]
 
 
-@pytest.mark.parametrize("k,n", [(4, 1), (4, 9), (2, 3), (4, 2)])
+@pytest.mark.parametrize("k,n", [(4, 1), (4, 9), (2, 3), (4, 2), (3, 20000)])
 def test_conv1d_causal(backends, k, n):
     """One call over n rows, from a carried state; the state it leaves is the last k-1 rows (a
-    sequence shorter than the state keeps part of the old one)."""
+    sequence shorter than the state keeps part of the old one). 20000 rows: a conformer stem's
+    depthwise pass over a flat grid (lavapipe stopped one invocation's rows at 13107)."""
     rng = np.random.default_rng(k * 10 + n)
     C = 70
     st = rng.standard_normal((k - 1, C)).astype(np.float32)

@@ -856,7 +856,7 @@ class VulkanBackend final : public Backend {
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
-    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : 11, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : act == Act::sigmoid ? 11 : 13, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
   }
   void add(float* y, const float* x, int64_t n) override { op(0, y, x, nullptr, n, {}); }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {
@@ -912,9 +912,16 @@ class VulkanBackend final : public Backend {
     if (n <= 0 || C <= 0) return;
     if ((n + k) * std::max<int64_t>(C, x_stride) > INT32_MAX) throw Error("vulkan conv1d_causal: more than 2^31 elements");
     Lock g(c_->mu);
-    RecurrentPC pc{A(state), A(x), A(w), 0, 0, 0, 0, 0, A(y), 0, (uint32_t)n, (uint32_t)x_stride, (uint32_t)C,
-                   (uint32_t)k, silu ? 1u : 0u, 0, 0, 0, 0.f};
-    c_->dispatch("recurrent", &pc, sizeof pc, (uint32_t)((C + 63) / 64));
+    // An invocation runs one channel over the rows. Lavapipe leaves an invocation's rows from
+    // ~13k on unwritten (seen: from row 13107 whatever the channels), so a long sequence goes in
+    // chunks, one dispatch each, the state carried from one to the next as the op defines it.
+    constexpr int64_t kChunk = 4096;
+    for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+      const int64_t m = std::min(kChunk, n - t0);
+      RecurrentPC pc{A(state), A(x + t0 * x_stride), A(w), 0, 0, 0, 0, 0, A(y + t0 * C), 0, (uint32_t)m,
+                     (uint32_t)x_stride, (uint32_t)C, (uint32_t)k, silu ? 1u : 0u, 0, 0, 0, 0.f};
+      c_->dispatch("recurrent", &pc, sizeof pc, (uint32_t)((C + 63) / 64));
+    }
   }
   void delta_rule(const DeltaRuleArgs& a) override {
     if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)

@@ -252,7 +252,7 @@ void bind_backend(py::module_& m) {
         float* gd = d.put(g);
         float* ud = d.put(u);
         float* y = d.poisoned((size_t)(r * c));
-        need(act >= 0 && act <= 3, "act must be 0 (silu), 1 (gelu_tanh), 2 (swiglu_oai) or 3 (sigmoid)");
+        need(act >= 0 && act <= 4, "act must be 0 (silu), 1 (gelu_tanh), 2 (swiglu_oai), 3 (sigmoid) or 4 (relu)");
         d.be->glu(gd, c, ud, c, y, r, c, (Act)act);
         return d.get(y, {r, c});
       })

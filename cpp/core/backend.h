@@ -146,7 +146,8 @@ struct AttnArgs {
 
 // swiglu_oai: gpt-oss's clamped SwiGLU, g = min(gate, 7), u = clamp(up, -7, 7),
 // out = g * sigmoid(1.702 g) * (u + 1). sigmoid: out = sigmoid(gate) * up (an output gate).
-enum class Act { silu, gelu_tanh, swiglu_oai, sigmoid };
+// relu: max(gate, 0) * up (a plain ReLU against a row of ones: conformer stems and FFNs).
+enum class Act { silu, gelu_tanh, swiglu_oai, sigmoid, relu };
 
 // The gated delta rule of one sequence (a gated-DeltaNet layer: Qwen3.5, Qwen3-Next), run
 // token by token from a carried state. For token t and value head h (its key head h % n_k_heads

@@ -602,7 +602,7 @@ class CpuBackend final : public Backend {
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    const int a = act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : act == Act::swiglu_oai ? 2 : 3;
+    const int a = act == Act::silu ? 0 : act == Act::gelu_tanh ? 1 : act == Act::swiglu_oai ? 2 : act == Act::sigmoid ? 3 : 4;
     auto rows = [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) kt.glu_f32(gate + r * gs, up + r * us, out + r * dim, dim, a);
     };

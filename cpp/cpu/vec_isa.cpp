@@ -17,6 +17,8 @@ void glu_f32(const float* gate, const float* up, float* out, int64_t n, int act)
     for (int64_t i = 0; i < n; ++i) out[i] = swiglu_oai(gate[i], up[i]);
   else if (act == 3)
     for (int64_t i = 0; i < n; ++i) out[i] = sigmoid(gate[i]) * up[i];
+  else if (act == 4)
+    for (int64_t i = 0; i < n; ++i) out[i] = (gate[i] > 0.f ? gate[i] : 0.f) * up[i];
   else
     for (int64_t i = 0; i < n; ++i) out[i] = gelu_tanh(gate[i]) * up[i];
 }

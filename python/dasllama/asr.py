@@ -137,8 +137,8 @@ class ASRModel:
 
 
 def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
-    """The ASR GGUF for a GGUF path, a CTranslate2 whisper directory or a registry name
-    (``whisper-tiny.en``, pulled first). Directories are converted on first use, and again
+    """The ASR GGUF for a GGUF path, a CTranslate2 whisper directory, a transformers
+    ParakeetForCTC directory or a registry name (``whisper-tiny.en``, pulled first). Directories are converted on first use, and again
     whenever their model.bin is newer, into the cache (``<home>/asr/``), never beside the
     source: the hub's directories hold only their artifacts."""
     import hashlib
@@ -155,16 +155,22 @@ def resolve_asr_model(name_or_path: PathLike, progress: bool = True) -> str:
         name, s = s, os.fspath(hub.resolve(s))
         if os.path.isfile(s):
             return s
-    binf = os.path.join(s, "model.bin")
+    from .convert_ctc import convert_hf_parakeet_ctc, is_hf_parakeet_ctc
+
+    if is_hf_parakeet_ctc(s):  # a transformers ParakeetForCTC directory
+        binf, convert = os.path.join(s, "model.safetensors"), convert_hf_parakeet_ctc
+    else:
+        from .convert_asr import convert_ct2_whisper_asr
+
+        binf, convert = os.path.join(s, "model.bin"), convert_ct2_whisper_asr
     if not os.path.isfile(binf):
-        raise FileNotFoundError(f"{s}: neither a GGUF nor a CTranslate2 whisper directory (no model.bin)")
+        raise FileNotFoundError(f"{s}: neither a GGUF, a CTranslate2 whisper directory (no model.bin) nor a "
+                                "transformers ParakeetForCTC directory")
     key = name or f"{os.path.basename(os.path.abspath(s))}-{hashlib.sha1(os.path.abspath(s).encode()).hexdigest()[:10]}"
     out = hub.home() / "asr" / f"{key}.gguf"
     if not out.is_file() or out.stat().st_mtime < os.path.getmtime(binf):
-        from .convert_asr import convert_ct2_whisper_asr
-
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert_ct2_whisper_asr(s, out, progress=progress)
+        convert(s, out, progress=progress)
     return os.fspath(out)
 
 
@@ -212,10 +218,17 @@ def load_asr_model(path: PathLike, n_threads: int = 0, device: Optional[str] = N
     decoder and, with ``--mmproj``, the tower) loads too: ``mmproj`` names the tower's file,
     else the ``*mmproj*.gguf`` holding an audio tower beside the decoder is used; ``mode`` is
     the decoder's :class:`~dasllama.QuantMode` (default q8, as :func:`~dasllama.load_model`;
-    whisper files ignore it)."""
+    whisper files ignore it).
+
+    A FastConformer CTC GGUF (Parakeet CTC, written by :func:`dasllama.convert_ctc.convert_hf_parakeet_ctc`
+    or ``dasllama convert`` from a transformers ``ParakeetForCTC`` directory) loads as a CTC model."""
     from .llm import resolve_device
 
     p, dev = resolve_asr_model(path), resolve_device(device)
+    if _core.ConformerCTC.probe(p):
+        from .asr_ctc import CTCModel
+
+        return CTCModel(p, int(n_threads), dev)
     fam = _load_family(p, mmproj, int(n_threads), dev, mode)
     return fam if fam is not None else ASRModel(p, int(n_threads), dev)
 
@@ -382,11 +395,17 @@ def transcribe(model: ASRModel, audio: AudioInput, language: Optional[str] = Non
     ``progress`` shows a bar (seconds of audio, on stderr) on clips longer than one window.
     Thresholds of None turn their check off, as in whisper.
 
+    A FastConformer CTC model (Parakeet CTC, see :mod:`dasllama.convert_ctc`) takes each 80 ms
+    row's likeliest class, merges repeats and drops the blank (greedy CTC); it names no language
+    and gives no times: one segment spanning the clip.
+
     A Qwen3-ASR model (see :func:`load_asr_model`) decodes the whole clip greedily in one turn;
     ``language`` (a code or a name) forces it, else the model names it; it gives no times, so
     the transcript is one segment spanning the clip; the whisper guards do not apply.
     """
-    fam = next((m for m in _family_modules().values() if isinstance(model, m.Model)), None)
+    from . import asr_ctc
+
+    fam = next((m for m in (*_family_modules().values(), asr_ctc) if isinstance(model, m.Model)), None)
     if not isinstance(model, ASRModel) and fam is None:
         raise TypeError("transcribe takes a model of load_asr_model")
     if fam is not None:

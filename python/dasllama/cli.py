@@ -197,11 +197,13 @@ def _cmd_quantize(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from . import llama2c
+    from . import convert_ctc, llama2c
 
     if llama2c.is_llama2c(args.src):
         tok = args.tokenizer or os.path.join(os.path.dirname(os.path.abspath(args.src)), "tokenizer.bin")
         print(llama2c.convert_llama2c(args.src, tok, args.dst))
+    elif convert_ctc.is_hf_parakeet_ctc(args.src):
+        print(convert_ctc.convert_hf_parakeet_ctc(args.src, args.dst, outtype=args.outtype))
     elif args.encoder_only:
         from .convert import convert_ct2_whisper
 
@@ -569,17 +571,22 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=_cmd_quantize)
     sp = sub.add_parser("convert", help="a whisper CTranslate2 model -> one GGUF: encoder (an mmproj audio chat reads), "
                                          "decoder, tokenizer and special-token ids; or a llama2.c .bin checkpoint "
-                                         "and its tokenizer.bin -> a llama GGUF")
+                                         "and its tokenizer.bin -> a llama GGUF; or a transformers ParakeetForCTC "
+                                         "directory -> a FastConformer CTC GGUF")
     sp.add_argument("src", metavar="DIR|NAME|BIN", help="CTranslate2 model directory, a registry name (whisper-tiny.en), "
                                                         "or a llama2.c checkpoint (.bin)")
     sp.add_argument("dst")
     sp.add_argument("--tokenizer", default=None, help="llama2.c: the tokenizer.bin (default: beside the checkpoint)")
     sp.add_argument("--encoder-only", action="store_true", help="only the encoder (a whisper-encoder mmproj)")
+    sp.add_argument("--outtype", default="f32", choices=("f32", "f16"),
+                    help="a transformers ParakeetForCTC directory: the matrices' type")
     sp.set_defaults(func=_cmd_convert)
-    sp = sub.add_parser("transcribe", help="speech to text with a whisper model (greedy + whisper's fallback)")
+    sp = sub.add_parser("transcribe", help="speech to text: whisper (greedy + whisper's fallback), Qwen3-ASR or "
+                                            "Parakeet CTC (greedy CTC)")
     sp.add_argument("files", nargs="+", metavar="FILE", help="audio files (WAV / FLAC / MP3 / OGG)")
     sp.add_argument("--model", default="whisper-tiny.en",
-                    help="ASR GGUF, CTranslate2 whisper directory or registry name (converted on first use)")
+                    help="ASR GGUF, CTranslate2 whisper directory, transformers ParakeetForCTC directory or "
+                         "registry name (converted on first use)")
     sp.add_argument("--language", default=None, help="language code (multilingual models; default: detected)")
     sp.add_argument("--timestamps", action="store_true", help="timestamped segments (implied by srt / vtt)")
     sp.add_argument("--format", choices=["txt", "srt", "vtt", "json"], default="txt")

@@ -14,7 +14,7 @@ layout(push_constant, std430) uniform PC {
 
 const uint ADD = 0u, ADD_BIAS = 1u, SCALE = 2u, SOFTCAP = 3u, GELU_ERF = 4u, GLU_SILU = 5u, GLU_GELU = 6u,
            COPY_ROWS = 7u, IM2COL = 8u, AVG_POOL = 9u, GLU_OAI = 10u,
-           GLU_SIGMOID = 11u, IM2COL_2D = 12u;
+           GLU_SIGMOID = 11u, IM2COL_2D = 12u, GLU_RELU = 13u;
 
 float silu(float x) {
   const float e = exp(-abs(x));
@@ -51,6 +51,11 @@ void main() {
       case GLU_SIGMOID: {  // an output gate: sigmoid(a) * b, layout as GLU_SILU
         const uint r = i / pc.p0, k = i % pc.p0;
         C.v[i] = B.v[r * pc.p2 + k] / (1.0f + exp(-A.v[r * pc.p1 + k]));
+        break;
+      }
+      case GLU_RELU: {  // max(a, 0) * b, layout as GLU_SILU
+        const uint r = i / pc.p0, k = i % pc.p0;
+        C.v[i] = max(A.v[r * pc.p1 + k], 0.0f) * B.v[r * pc.p2 + k];
         break;
       }
       case GLU_OAI: {  // gpt-oss's clamped SwiGLU, layout as GLU_SILU

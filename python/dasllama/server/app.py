@@ -6,6 +6,8 @@ chat layer (chat/shaping.py).
 """
 from __future__ import annotations
 
+import os
+
 import asyncio
 import base64
 import json
@@ -256,8 +258,8 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
 
     ``chat_template`` (Jinja source) replaces the model's own. ``device`` places a model (and tower)
     loaded here, as for :func:`~dasllama.load_model`; a loaded model's tower goes where it is.
-    ``asr_model`` (a whisper registry name, a GGUF or CTranslate2 path, or a loaded
-    :class:`~dasllama.asr.ASRModel`) serves ``POST /v1/audio/transcriptions``; its name is listed by
+    ``asr_model`` (a whisper registry name, a GGUF or CTranslate2 path, or a model
+    :func:`~dasllama.load_asr_model` gave: whisper, Qwen3-ASR, Parakeet CTC) serves ``POST /v1/audio/transcriptions``; its name is listed by
     ``/v1/models`` beside the chat model's. Mount the app in another Starlette/FastAPI
     app or run it with uvicorn. The engine thread starts here;
     ``app.state.engine.stop()`` ends it (the ``dasllama serve`` command does so at shutdown).
@@ -285,11 +287,12 @@ def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj
                     cache_pages=cache_pages).start()
     asr_m = asr_name = None
     if asr_model is not None:
-        from ..asr import ASRModel, load_asr_model
+        from ..asr import load_asr_model
 
-        asr_m = asr_model if isinstance(asr_model, ASRModel) else load_asr_model(asr_model, n_threads=n_threads,
-                                                                                   device=device)
-        asr_name = (asr_model if isinstance(asr_model, str) else asr_m.path).rsplit("/", 1)[-1]
+        # A name or a path loads; anything else is a model load_asr_model gave (whisper, Qwen3-ASR, CTC).
+        named = isinstance(asr_model, (str, os.PathLike))
+        asr_m = load_asr_model(asr_model, n_threads=n_threads, device=device) if named else asr_model
+        asr_name = os.fspath(asr_model if named else asr_m.path).rsplit("/", 1)[-1]
     app = Starlette(routes=ROUTES, exception_handlers={404: not_found, 405: not_found})
     app.state.server = AppState(model=m, tower=tower, engine=engine, chats=Chats(m, chat_template, tower, lim, vision=vision),
                                 limits=lim, name=name, api_key=api_key, asr=asr_m, asr_name=asr_name)
