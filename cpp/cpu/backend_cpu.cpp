@@ -397,7 +397,7 @@ class CpuBackend final : public Backend {
   // per call for the whole layer by all threads.
   void attention_multi(const AttnArgs* args, int count) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    constexpr int64_t rb = 16;
+    constexpr int64_t rb = 32;
     int64_t blocks = 0, decode_tasks = 0;
     for (int i = 0; i < count; ++i) {
       blocks += ((args[i].n_tok + rb - 1) / rb) * args[i].n_kv_heads;
