@@ -171,21 +171,17 @@ inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int
     }
     for (int c = 0; c < NV; ++c) v[c] = load16(vr + 16 * c);
   };
-  bool all = nr == RR;
-  for (int i = 0; i < RR; ++i) all = all && lo[i] == jmin && hi[i] == jmax;
-  if (all) {
-    // Every row sees every key (a chunk wholly before a prefill block): no per-row tests,
-    // whose compares and branches would take ports the FMAs need. Same sums, same order.
-    for (int64_t j = jmin; j < jmax; ++j) {
-      __m512 v[NV];
-      load(j, v);
-      for (int i = 0; i < RR; ++i) {
-        const __m512 p = _mm512_set1_ps(s[i][j]);
-        for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
-      }
-    }
-  } else {
-    for (int64_t j = jmin; j < jmax; ++j) {
+  // Keys every row of the group sees, [jall_lo, jall_hi): no per-row tests there, whose
+  // compares and branches would take ports the FMAs need (a chunk wholly before a prefill
+  // block is all of it; the block's own chunk most of it). Same sums in the same order.
+  int64_t jall_lo = jmin, jall_hi = jmax;
+  for (int i = 0; i < RR; ++i) {
+    jall_lo = std::max(jall_lo, lo[i]);
+    jall_hi = std::min(jall_hi, hi[i]);
+  }
+  if (nr < RR || jall_lo >= jall_hi) jall_lo = jall_hi = jmax;
+  auto checked = [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
       __m512 v[NV];
       load(j, v);
       for (int i = 0; i < RR; ++i) {
@@ -194,7 +190,17 @@ inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int
         for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
       }
     }
+  };
+  checked(jmin, jall_lo);
+  for (int64_t j = jall_lo; j < jall_hi; ++j) {
+    __m512 v[NV];
+    load(j, v);
+    for (int i = 0; i < RR; ++i) {
+      const __m512 p = _mm512_set1_ps(s[i][j]);
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+    }
   }
+  checked(jall_hi, jmax);
   for (int i = 0; i < nr; ++i)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o[i] + dc + 16 * c, acc[i][c]);
 }
