@@ -388,7 +388,8 @@ class CpuBackend final : public Backend {
 
   void attention(const AttnArgs& a) override { attention_multi(&a, 1); }
 
-  // Tasks are (session, block of 16 query rows, KV head), all in one dispatch; with
+  // Tasks are (session, block of 32 query rows, KV head), all in one dispatch (32 rows: a
+  // block transposes each K tile and converts each V row once for twice the rows of 16); with
   // fewer such tasks than 4 per thread (one session's decode step over a few KV heads)
   // each query head of a group is its own task, so the threads share the work evenly.
   // Every row's arithmetic is the same either way. f32 and f16 caches are read where
