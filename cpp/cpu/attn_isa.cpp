@@ -161,7 +161,7 @@ inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int
   __m512 acc[RR][NV];
   for (int i = 0; i < RR; ++i)
     for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int64_t j = jmin; j < jmax; ++j) {
+  auto load = [&](int64_t j, __m512* v) {
     const E* vr = vrow(j) + dc;
     // Rows come from pages far apart in memory; ask for one a few keys ahead. (Rows of one
     // page are evenly spaced: the hardware prefetcher follows them, and the hints cost more.)
@@ -169,14 +169,38 @@ inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int
       const char* pf = reinterpret_cast<const char*>(vrow(j + 8) + dc);
       for (int l = 0; l < NV * 16 * (int)sizeof(E); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
     }
-    __m512 v[NV];
     for (int c = 0; c < NV; ++c) v[c] = load16(vr + 16 * c);
+  };
+  // Keys every row of the group sees, [jall_lo, jall_hi): no per-row tests there, whose
+  // compares and branches would take ports the FMAs need (a chunk wholly before a prefill
+  // block is all of it; the block's own chunk most of it). Same sums in the same order.
+  int64_t jall_lo = jmin, jall_hi = jmax;
+  for (int i = 0; i < RR; ++i) {
+    jall_lo = std::max(jall_lo, lo[i]);
+    jall_hi = std::min(jall_hi, hi[i]);
+  }
+  if (nr < RR || jall_lo >= jall_hi) jall_lo = jall_hi = jmax;
+  auto checked = [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      __m512 v[NV];
+      load(j, v);
+      for (int i = 0; i < RR; ++i) {
+        if (j < lo[i] || j >= hi[i]) continue;
+        const __m512 p = _mm512_set1_ps(s[i][j]);
+        for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+      }
+    }
+  };
+  checked(jmin, jall_lo);
+  for (int64_t j = jall_lo; j < jall_hi; ++j) {
+    __m512 v[NV];
+    load(j, v);
     for (int i = 0; i < RR; ++i) {
-      if (j < lo[i] || j >= hi[i]) continue;
       const __m512 p = _mm512_set1_ps(s[i][j]);
       for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
     }
   }
+  checked(jall_hi, jmax);
   for (int i = 0; i < nr; ++i)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o[i] + dc + 16 * c, acc[i][c]);
 }
@@ -217,6 +241,15 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
   float* Kt = S + nqg * nj;        // [hd][16] one transposed K tile
   float* cbuf = Kt + hd * 16;      // [hd] one converted f16 K row or V segment
   constexpr int TJ = 16;
+  // Query row addresses, worked out once here: a division by G per row and pass cost about
+  // as much as the pass's FMAs.
+  constexpr int64_t kQRows = 256;
+  const float* qrows[kQRows];
+  for (int64_t r = 0, t = 0, h = 0; r < std::min(nqg, kQRows); ++r) {
+    qrows[r] = b.q + t * b.q_stride + h * hd;
+    if (++h == G) h = 0, ++t;
+  }
+  auto qrow = [&](int64_t r) { return r < kQRows ? qrows[r] : b.q + (r / G) * b.q_stride + (r % G) * hd; };
 #if defined(__AVX512F__)
   // A few query rows (a decode step): score K rows where they lie, no transposed tile.
   if (hd % 16 == 0 && nqg <= 4) {
@@ -229,7 +262,7 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
         for (int l = 0; l < hd * (int)sizeof(E); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
       }
       for (int64_t r = 0; r < nqg; ++r) {
-        const __m512 sc = score_direct(b.q + (r / G) * b.q_stride + (r % G) * hd, rows, hd);
+        const __m512 sc = score_direct(qrow(r), rows, hd);
         _mm512_mask_storeu_ps(S + r * nj + jb, (__mmask16)((1u << tj) - 1), sc);
       }
     }
@@ -253,10 +286,7 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
     constexpr int QR = 4;
     for (int64_t r0 = 0; r0 < nqg; r0 += QR) {
       const float* q[QR];
-      for (int i = 0; i < QR; ++i) {
-        const int64_t r = std::min(r0 + i, nqg - 1);
-        q[i] = b.q + (r / G) * b.q_stride + (r % G) * hd;
-      }
+      for (int i = 0; i < QR; ++i) q[i] = qrow(std::min(r0 + i, nqg - 1));
       float acc[QR][TJ];
 #if defined(__AVX512F__)
       if (hd % 16 == 0)
@@ -299,14 +329,21 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
     } else {
       for (int64_t j = lo; j < hi; ++j) s[j] *= b.scale;
     }
+    // The max is exact in any order.
+    float mx = -INFINITY;
+    int64_t j = lo;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; j + TJ <= hi; j += TJ) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    mx = _mm512_reduce_max_ps(mv);
+#else
     float mxl[TJ];
     std::fill(mxl, mxl + TJ, -INFINITY);
-    int64_t j = lo;
     for (; j + TJ <= hi; j += TJ)
       for (int e = 0; e < TJ; ++e) mxl[e] = mxl[e] > s[j + e] ? mxl[e] : s[j + e];
-    float mx = -INFINITY;
-    for (; j < hi; ++j) mx = std::max(mx, s[j]);
     for (int e = 0; e < TJ; ++e) mx = std::max(mx, mxl[e]);
+#endif
+    for (; j < hi; ++j) mx = std::max(mx, s[j]);
     pr[0] = mx;
     if (hi == lo) {
       pr[1] = 0.f;
@@ -323,12 +360,13 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
   // Values: four rows at a time share each V row they read (and its conversion from
   // f16); each output element still sums its row's keys in key order.
   constexpr int RR = 4;
-  for (int64_t r0 = 0; r0 < nqg; r0 += RR) {
-    const int nr = (int)std::min<int64_t>(RR, nqg - r0);
-    int64_t lo[RR], hi[RR];
-    const float* s[RR];
-    float* o[RR];
-    int64_t jmin = nj, jmax = 0;
+  int64_t lo[RR], hi[RR];
+  const float* s[RR];
+  float* o[RR];
+  int64_t jmin, jmax;
+  auto rows_of = [&](int64_t r0, int nr) {
+    jmin = nj;
+    jmax = 0;
     for (int i = 0; i < RR; ++i) {
       const int64_t r = r0 + std::min(i, nr - 1);
       range(r, lo[i], hi[i]);
@@ -338,6 +376,50 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
       s[i] = S + r * nj;
       o[i] = part + r * part_stride + 2;
     }
+  };
+#if defined(__AVX512F__)
+  if constexpr (sizeof(E) == 2) {
+    if (hd % 16 == 0 && nqg > RR) {
+      // Many row groups (a prefill block) each read every V row of the chunk: 64 columns of
+      // the chunk's rows are converted to f32 once (exact, so the sums are the same bits),
+      // then every group reads them as contiguous f32 rows: no conversion, page lookup or
+      // prefetch per group and key.
+      int64_t ulo = nj, uhi = 0;
+      for (int64_t r = 0; r < nqg; ++r) {
+        int64_t l, h;
+        range(r, l, h);
+        if (h > l) {
+          ulo = std::min(ulo, l);
+          uhi = std::max(uhi, h);
+        }
+      }
+      float* vf = cbuf + hd;  // [nj][w]
+      for (int dc = 0; dc < hd;) {
+        const int w = hd - dc >= 64 ? 64 : 16;
+        for (int64_t j = ulo; j < uhi; ++j) {
+          const E* src = vrow(j_lo + j) + dc;
+          for (int c = 0; c < w; c += 16) _mm512_storeu_ps(vf + j * w + c, load16(src + c));
+        }
+        auto vf_row = [&](int64_t j) { return (const float*)vf + j * w; };
+        for (int64_t r0 = 0; r0 < nqg; r0 += RR) {
+          const int nr = (int)std::min<int64_t>(RR, nqg - r0);
+          rows_of(r0, nr);
+          float* od[RR];
+          for (int i = 0; i < RR; ++i) od[i] = o[i] + dc;
+          if (w == 64)
+            accumulate_v<float, RR, 4>(vf_row, jmin, jmax, lo, hi, s, od, nr, 0, false);
+          else
+            accumulate_v<float, RR, 1>(vf_row, jmin, jmax, lo, hi, s, od, nr, 0, false);
+        }
+        dc += w;
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t r0 = 0; r0 < nqg; r0 += RR) {
+    const int nr = (int)std::min<int64_t>(RR, nqg - r0);
+    rows_of(r0, nr);
     int dc = 0;
     auto vr_of = [&](int64_t j) { return vrow(j_lo + j); };
 #if defined(__AVX512F__)
@@ -435,11 +517,11 @@ void attn_combine(const float* part, int64_t n_chunks, int hd, const float* sink
 }
 
 size_t attn_block_scratch(int64_t n_rows, int group, int head_dim, int64_t n_kv) {
-  // Scores of one chunk, a K tile and a converted row, then (whole attention) every chunk's
-  // partials.
+  // Scores of one chunk, a K tile, a converted row and 64 converted columns of a chunk's V
+  // rows, then (whole attention) every chunk's partials.
   const int64_t nqg = n_rows * group;
   const int64_t n_chunks = n_kv > 0 ? (n_kv + kAttnChunk - 1) / kAttnChunk + 1 : 0;
-  return (size_t)(nqg * kAttnChunk + (int64_t)head_dim * 17 + nqg * n_chunks * (head_dim + 2));
+  return (size_t)(nqg * kAttnChunk + (int64_t)head_dim * 17 + kAttnChunk * 64 + nqg * n_chunks * (head_dim + 2));
 }
 
 }  // namespace dl::cpu::DL_ISA

@@ -388,7 +388,8 @@ class CpuBackend final : public Backend {
 
   void attention(const AttnArgs& a) override { attention_multi(&a, 1); }
 
-  // Tasks are (session, block of 16 query rows, KV head), all in one dispatch; with
+  // Tasks are (session, block of 32 query rows, KV head), all in one dispatch (32 rows: a
+  // block transposes each K tile and converts each V row once for twice the rows of 16); with
   // fewer such tasks than 4 per thread (one session's decode step over a few KV heads)
   // each query head of a group is its own task, so the threads share the work evenly.
   // Every row's arithmetic is the same either way. f32 and f16 caches are read where
@@ -397,7 +398,7 @@ class CpuBackend final : public Backend {
   // per call for the whole layer by all threads.
   void attention_multi(const AttnArgs* args, int count) override {
     const cpu::KernelTable& kt = cpu::kernels();
-    constexpr int64_t rb = 16;
+    constexpr int64_t rb = 32;
     int64_t blocks = 0, decode_tasks = 0;
     for (int i = 0; i < count; ++i) {
       blocks += ((args[i].n_tok + rb - 1) / rb) * args[i].n_kv_heads;
