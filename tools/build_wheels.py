@@ -246,7 +246,8 @@ def main(argv=None) -> int:
 
     dist = Path(args.out).resolve()
     build = ROOT / "build"
-    raw = build / "wheels-raw"
+    # Per kind of run, so that a CUDA build and a CPU build can run side by side.
+    raw = build / ("wheels-raw-cuda" if args.cuda else "wheels-raw-" + "-".join(args.arch))
     for d in (dist, raw):
         d.mkdir(parents=True, exist_ok=True)
     for old in raw.glob("*.whl"):
