@@ -123,14 +123,18 @@ def py_include(py: Path, arch: str, ver: str, build: Path) -> Path:
         return inc
     # Cross: the same headers, minus pyconfig.h's x86 inline-assembly switches.
     dst = build / "pyinclude" / f"{arch}-{ver}"
+    text = (inc / "pyconfig.h").read_text()
+    for macro in ("HAVE_GCC_ASM_FOR_X64", "HAVE_GCC_ASM_FOR_X87", "HAVE_GCC_ASM_FOR_MC68881"):
+        text += f"\n#undef {macro}"
+    text += "\n"
+    cfg = dst / "pyconfig.h"
+    # Made once: fresh copies would look newer than every bindings object and rebuild them all.
+    if cfg.exists() and cfg.read_text() == text:
+        return dst
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(inc, dst, symlinks=True)
-    cfg = dst / "pyconfig.h"
-    text = cfg.read_text()
-    for macro in ("HAVE_GCC_ASM_FOR_X64", "HAVE_GCC_ASM_FOR_X87", "HAVE_GCC_ASM_FOR_MC68881"):
-        text += f"\n#undef {macro}"
-    cfg.write_text(text + "\n")
+    cfg.write_text(text)
     return dst
 
 
@@ -145,7 +149,7 @@ def build_sdist(dist: Path, tools_py: Path) -> Path:
 
 
 def unpack(sdist: Path, build: Path, name: str = "dasllama") -> Path:
-    """The sdist, unpacked at a fixed place; unchanged files keep their times, so builds stay incremental.
+    """The sdist, unpacked at a fixed place; only changed files are rewritten, so builds stay incremental.
 
     A `name` other than dasllama renames the distribution (the CUDA wheel): the package inside
     is still `dasllama`."""
@@ -170,7 +174,10 @@ def unpack(sdist: Path, build: Path, name: str = "dasllama") -> Path:
         if rel in have and dst.read_bytes() == (new / rel).read_bytes():
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(new / rel, dst)
+        # A plain copy, stamped now: the sdist stores one fixed old time for every file, so
+        # keeping it would leave a changed source older than its object and not rebuilt.
+        shutil.copyfile(new / rel, dst)
+        shutil.copymode(new / rel, dst)
     shutil.rmtree(tmp)
     return final
 
@@ -246,7 +253,8 @@ def main(argv=None) -> int:
 
     dist = Path(args.out).resolve()
     build = ROOT / "build"
-    raw = build / "wheels-raw"
+    # Per kind of run, so that a CUDA build and a CPU build can run side by side.
+    raw = build / ("wheels-raw-cuda" if args.cuda else "wheels-raw-" + "-".join(args.arch))
     for d in (dist, raw):
         d.mkdir(parents=True, exist_ok=True)
     for old in raw.glob("*.whl"):
