@@ -214,9 +214,38 @@ def run_mtmd(binary, dec, mm, image_path, threads, question):
     return {"encode_ms": sum(enc), "image_decode_ms": sum(dec_ms), "wall_s": wall, "log": log}
 
 
-def qwen_main(args):
+def ttft_rounds(model, e, img, reps):
+    """Best time to first token over `reps` rounds: an image turn cold, a follow-up in the same
+    chat, and the same image in a new conversation over the prefix cache (which must run no
+    encoder and prefill no image rows). Returns (cold, second, same) in seconds."""
     import dasllama as d
     from dasllama.chat import media as M
+
+    def ttft(chat):
+        t = time.perf_counter()
+        chat.max_new = 1
+        d.respond(model, chat)
+        return time.perf_counter() - t
+
+    cold, second, same = [], [], []
+    for _ in range(reps):
+        M.ROW_CACHE.clear()
+        pool = d.create_kv_pool(model, page_rows=16)
+        cache = d.create_prefix_cache()
+        a = d.create_chat(model, e, pool=pool, cache=cache)
+        d.add_user_image(a, img, "Describe this picture.")
+        cold.append(ttft(a))
+        d.add_user(a, "What colours are in it?")
+        same.append(ttft(a))
+        b = d.create_chat(model, e, pool=pool, cache=cache)
+        d.add_user_image(b, img, "What is in the picture?")
+        second.append(ttft(b))
+        assert b.media_stats["encodes"] == 0 and b.media_stats["media_rows_prefilled"] == 0, b.media_stats
+    return min(cold), min(second), min(same)
+
+
+def qwen_main(args):
+    import dasllama as d
 
     rng = np.random.default_rng(0)
     w, h = (int(x) for x in args.image.split("x"))
@@ -240,29 +269,10 @@ def qwen_main(args):
             return
         model = d.load_model(dec, n_threads=args.threads, device=args.device)
 
-        def ttft(chat):
-            t = time.perf_counter()
-            chat.max_new = 1
-            d.respond(model, chat)
-            return time.perf_counter() - t
-
-        cold, second, same = [], [], []
-        for _ in range(args.reps):
-            M.ROW_CACHE.clear()
-            pool = d.create_kv_pool(model, page_rows=16)
-            cache = d.create_prefix_cache()
-            a = d.create_chat(model, e, pool=pool, cache=cache)
-            d.add_user_image(a, img, "Describe this picture.")
-            cold.append(ttft(a))
-            d.add_user(a, "What colours are in it?")
-            same.append(ttft(a))
-            b = d.create_chat(model, e, pool=pool, cache=cache)
-            d.add_user_image(b, img, "What is in the picture?")
-            second.append(ttft(b))
-            assert b.media_stats["encodes"] == 0 and b.media_stats["media_rows_prefilled"] == 0, b.media_stats
-        print(f"TTFT {args.family} ({args.dec_layers}-layer decoder) + image, cold: {min(cold) * 1e3:.0f} ms; "
-              f"second question, new conversation (prefix cache): {min(second) * 1e3:.0f} ms; "
-              f"follow-up in the same chat: {min(same) * 1e3:.0f} ms")
+        cold, second, same = ttft_rounds(model, e, img, args.reps)
+        print(f"TTFT {args.family} ({args.dec_layers}-layer decoder) + image, cold: {cold * 1e3:.0f} ms; "
+              f"second question, new conversation (prefix cache): {second * 1e3:.0f} ms; "
+              f"follow-up in the same chat: {same * 1e3:.0f} ms")
         if args.mtmd:
             from PIL import Image
 
@@ -303,7 +313,6 @@ def main():
 
     import dasllama as d
     from dasllama import hub
-    from dasllama.chat import media as M
 
     model = None
     if not args.encode_only:
@@ -328,28 +337,9 @@ def main():
         if args.encode_only:
             return
 
-        def ttft(chat):
-            t = time.perf_counter()
-            chat.max_new = 1
-            d.respond(model, chat)
-            return time.perf_counter() - t
-
-        cold, second, same = [], [], []
-        for _ in range(args.reps):
-            M.ROW_CACHE.clear()
-            pool = d.create_kv_pool(model, page_rows=16)
-            cache = d.create_prefix_cache()
-            a = d.create_chat(model, e, pool=pool, cache=cache)
-            d.add_user_image(a, img, "Describe this picture.")
-            cold.append(ttft(a))
-            d.add_user(a, "What colours are in it?")
-            same.append(ttft(a))
-            b = d.create_chat(model, e, pool=pool, cache=cache)
-            d.add_user_image(b, img, "What is in the picture?")
-            second.append(ttft(b))
-            assert b.media_stats["encodes"] == 0
-        print(f"TTFT Gemma-3-270M + image, cold: {min(cold) * 1e3:.0f} ms; second question, new conversation "
-              f"(prefix cache): {min(second) * 1e3:.0f} ms; follow-up in the same chat: {min(same) * 1e3:.0f} ms")
+        cold, second, same = ttft_rounds(model, e, img, args.reps)
+        print(f"TTFT Gemma-3-270M + image, cold: {cold * 1e3:.0f} ms; second question, new conversation "
+              f"(prefix cache): {second * 1e3:.0f} ms; follow-up in the same chat: {same * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
