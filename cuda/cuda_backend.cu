@@ -98,7 +98,10 @@ bool graphs_enabled() {
 // default off. Grouped attention (bit 1) stays masked off whatever the variable says: it
 // gave wrong logits for every session after the first in the ragged-batch test, and (H200,
 // eighth session, .prof/grp.py) in a plain batch of one-token decodes too, with the split
-// count forced to 1 and compute-sanitizer clean: cause not found yet. Per-session launches
+// count forced to 1 and compute-sanitizer clean; the op harness reproduces it
+// (test_paged_attention_multi with bit 1 let through: session 1 of 5 NMSE 1.05) with graphs
+// off and with dependent launches off, and host and device agree on AttnArgs' layout (ninth
+// session): cause not found yet. Per-session launches
 // cost batched decode most of its time (B=16: 2,111 t/s, 3,472 with the wrong grouping).
 // A single session's store and attention always take the device-args path,
 // which lets decode steps replay a graph.
@@ -132,6 +135,7 @@ class CudaBackend final : public Backend {
     scratch_.reset();
     qact_.reset();
     counters_.reset();
+    bar_.reset();
     dblob_.reset();
     cudaStreamDestroy(st_);
   }
@@ -433,6 +437,86 @@ class CudaBackend final : public Backend {
         },
         cnt, mt, shape.n_heads, shape.head_dim, shape.kv.type, splits, scratch, counters, off);
   }
+  // A plain dense layer's one-token decode step as one persistent kernel (cuda/fused.cu), in
+  // q8 mode on the split q8_0 / q4_0 layouts, inside a recorded step. Its output equals the
+  // op-by-op path's bit for bit, but on the H200 it decodes slower so far (Llama-1B Q8_0: 570
+  // t/s against 683, RESULTS.md): opt-in with DASLLAMA_CUDA_FUSED=1 until it pays.
+  bool decode_layer(const DecodeLayer& l) override {
+    use();
+    const char* e = std::getenv("DASLLAMA_CUDA_FUSED");
+    if (!rec_ || !e || std::strcmp(e, "1") != 0 || prop_.major < 8) return false;
+    const AttnArgs& a = l.attn;
+    const Weight* ws[7] = {l.wq, l.wk, l.wv, l.wo, l.gate, l.up, l.down};
+    uint32_t type = 0;
+    for (int i = 0; i < 7; ++i) {
+      if (!ws[i]->data || ws[i]->exact) return false;
+      const uint32_t t = mat(*ws[i]).type;
+      if (i > 0 && t != type) return false;
+      type = t;
+    }
+    const int64_t q_dim = (int64_t)a.n_heads * a.head_dim, kv_dim = (int64_t)a.n_kv_heads * a.head_dim;
+    if (!cuda::fused_layer_fits(type, a.head_dim, a.kv.type, l.dim, q_dim)) return false;
+    const int64_t F = l.gate->rows;
+    if (a.n_tok != 1 || a.n_kv < 1 || a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0 || a.sinks ||
+        a.q_stride != q_dim || a.out_stride != q_dim || l.rope.n_rot <= 0 || l.rope.n_rot > a.head_dim ||
+        l.rope.n_rot % 2 != 0 || l.dim % 32 != 0 || q_dim % 32 != 0 || F % 32 != 0)
+      return false;
+    if (l.wq->cols != l.dim || l.wq->rows != q_dim || l.wk->rows != kv_dim || l.wv->rows != kv_dim ||
+        l.wk->cols != l.dim || l.wv->cols != l.dim || l.wo->cols != q_dim || l.wo->rows != l.dim ||
+        l.gate->cols != l.dim || l.up->cols != l.dim || l.up->rows != F || l.down->cols != F ||
+        l.down->rows != l.dim)
+      return false;
+    cuda::attn_check(a);
+    cuda::FusedLayerArgs f;
+    std::memset(static_cast<void*>(&f), 0, sizeof f);  // padding too: its bytes are the signature
+    f.x = l.x, f.dim = l.dim, f.q_dim = q_dim, f.kv_dim = kv_dim, f.ffn = F;
+    f.attn_norm = l.attn_norm, f.ffn_norm = l.ffn_norm, f.eps = l.eps, f.act = cuda::act_code(l.act);
+    auto job = [&](cuda::GemvJob& j, int count, const Weight* const* w, float* const* y, bool acc) {
+      for (int i = 0; i < count; ++i) {
+        const cuda::Mat m = mat(*w[i]);
+        j.w[i] = m.w, j.rb[i] = m.row_bytes, j.rows[i] = m.rows, j.y[i] = y[i];
+      }
+      j.type = type, j.count = count, j.cols = w[0]->cols, j.n = 1, j.accumulate = acc;
+      return cuda::gemv_q8_plan(j);
+    };
+    float* q = const_cast<float*>(a.q);  // the layer's own scratch: rope turns it in place
+    float* const qkv_y[3] = {q, l.k, l.v};
+    float* const gu_y[2] = {l.gate_out, l.up_out};
+    f.ks_qkv = job(f.qkv, 3, ws, qkv_y, false);
+    f.ks_o = job(f.o, 1, ws + 3, &f.x, true);
+    f.ks_gu = job(f.gu, 2, ws + 4, gu_y, false);
+    f.ks_down = job(f.down, 1, ws + 6, &f.x, true);
+    f.q = q, f.k = l.k, f.v = l.v, f.att = a.out, f.gate = l.gate_out, f.up = l.up_out;
+    f.h = qact_for(cuda::qact_bytes(1, F));
+    cuda::point_qact(f.down, f.h, 1, F);
+    f.rope = l.rope, f.pos = l.pos;
+    f.splits = cuda::attn_splits(a, prop_.multiProcessorCount);
+    f.part = scratch_for(cuda::attn_scratch_floats(a, f.splits));
+    f.cnt = f.splits > 1 ? counters_for((size_t)a.n_heads) : nullptr;
+    if (!bar_) {
+      bar_ = alloc(256, "grid barrier");
+      check(cudaMemsetAsync(bar_->data(), 0, 256, st_), "grid barrier");
+    }
+    f.bar = static_cast<unsigned*>(bar_->data());
+    // Tuning knobs for A/B runs: blocks per SM (default: as many as fit), L2 prefetch (default on).
+    const char* bps = std::getenv("DASLLAMA_CUDA_FUSED_BPS");
+    f.blocks_per_sm = bps ? std::atoi(bps) : 0;
+    const char* pf = std::getenv("DASLLAMA_CUDA_FUSED_PF");
+    f.prefetch = !(pf && std::strcmp(pf, "0") == 0);
+    flush_kv();
+    const size_t off = blob_put(&a, sizeof a);  // n_kv and the block table change every step
+    sig1(Tag::fused_layer), sig1(off), sig1((int)a.kv.type), sig1(a.head_dim);
+    const auto* p = reinterpret_cast<const uint8_t*>(&f);
+    sig_.insert(sig_.end(), p, p + sizeof f);
+    const int hd = a.head_dim;
+    const KVType kt = a.kv.type;
+    ops_.emplace_back([=](cudaStream_t st) {
+      cuda::FusedLayerArgs g = f;
+      g.attn = reinterpret_cast<const AttnArgs*>(static_cast<uint8_t*>(dblob_->data()) + off);
+      cuda::fused_layer(g, type, hd, kt, st);
+    });
+    return true;
+  }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
     use();
@@ -536,12 +620,12 @@ class CudaBackend final : public Backend {
     if (a.n_k_heads <= 0 || a.n_v_heads % a.n_k_heads != 0 || a.dk <= 0 || a.dv <= 0)
       throw Error("cuda delta_rule: bad head layout");
     DeltaRuleArgs b = a;
-    // The chunked kernel (delta_chunk_k) has only been compiled, never run on a GPU: token by
-    // token (the same rule) unless DASLLAMA_CUDA_DELTA_CHUNKED=1, until the op harness
-    // (test_delta_rule_chunked) has held it to the reference on a device.
+    // The chunked form (delta_chunk_k) for prefills: held to the reference by the op harness
+    // on the H200 (ninth session), 2.4-2.7x the token-by-token kernel at 512-2048 tokens
+    // (bench_hybrid.py --op). DASLLAMA_CUDA_DELTA_CHUNKED=0 keeps the token-by-token rule.
     static const bool chunked_on = [] {
       const char* e = std::getenv("DASLLAMA_CUDA_DELTA_CHUNKED");
-      return e && std::strcmp(e, "1") == 0;
+      return !(e && std::strcmp(e, "0") == 0);
     }();
     b.chunked = chunked_on && a.chunked && cuda::delta_chunk_fits(a.dk);
     op(Tag::delta_rule, [=](cudaStream_t s) { cuda::delta_rule(b, s); }, b.state, b.q, b.k, b.v, b.qkv_stride, b.alpha,
@@ -553,7 +637,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule, im2col_2d
+    conv1d_causal, delta_rule, im2col_2d, fused_layer
   };
   template <class T>
   void sig1(const T& v) {
@@ -839,6 +923,7 @@ class CudaBackend final : public Backend {
   }();
   cudaStream_t st_ = nullptr;
   BufferPtr scratch_, qact_, counters_;
+  BufferPtr bar_;  // the fused layer's grid-barrier counters
   // The step being recorded.
   bool graphs_;
   int group_;

@@ -57,6 +57,9 @@ inline int act_code(Act a) {
 void glu_quantize(const float* gate, int64_t gs, const float* up, int64_t us, int act, float* out, int64_t n,
                   int64_t cols, void* q, cudaStream_t st);
 void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols);
+// The q8 GEMV's blocks for j (one token; fills first_block, as gemv_staged would) and the
+// warps that split a row (its ks).
+int gemv_q8_plan(GemvJob& j);
 // Whether j can run on the staged GEMV (n <= 32, cols % 8 == 0, rows 4-byte aligned;
 // 16-byte for float types), and the launch (first_block is filled there).
 bool gemv_staged_fits(const GemvJob& j);
@@ -123,6 +126,37 @@ void im2col_rows(const float* x, int64_t C, int64_t T, int k, int stride, int pa
 void im2col_2d(const float* x, int64_t C, int64_t H, int64_t W, int64_t sc, int64_t sh, int64_t sw, int kh, int kw,
                int stride, int pad, float* out, int64_t H_out, int64_t W_out, cudaStream_t st);
 void avg_pool_rows(const float* x, int64_t n_rows, int64_t dim, int k, float* out, cudaStream_t st);
+
+// fused.cu: a one-token decode step of a whole dense layer in q8 mode (Backend::decode_layer)
+// as one persistent kernel whose phases meet at grid-wide barriers.
+struct FusedLayerArgs {
+  float* x = nullptr;
+  int64_t dim = 0, q_dim = 0, kv_dim = 0, ffn = 0;
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  float eps = 0.f;
+  int act = 0;  // act_code
+  // The four GEMVs, planned (gemv_q8_plan); the kernel points qkv, o and gu at the
+  // activations it quantizes into shared memory, down at h (global).
+  GemvJob qkv, o, gu, down;
+  int ks_qkv = 0, ks_o = 0, ks_gu = 0, ks_down = 0;
+  float *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *gate = nullptr, *up = nullptr;
+  void* h = nullptr;  // the GLU's q8 form (qact_bytes(1, ffn))
+  RopeParams rope;
+  const int32_t* pos = nullptr;
+  const AttnArgs* attn = nullptr;  // device memory: this step's attention (n_kv, pages, q_pos)
+  int splits = 1;
+  float* part = nullptr;
+  int* cnt = nullptr;
+  unsigned* bar = nullptr;  // two counters, zero between launches
+  int blocks_per_sm = 0;    // 0: as many as fit
+  bool prefetch = true;     // O, gate/up and down weights into L2 during the latency-bound phases
+};
+// Whether the fused kernel takes this layer (weights' type, head size, KV type; the rows it
+// rounds into shared memory are at most 2048 wide).
+bool fused_layer_fits(uint32_t type, int head_dim, KVType kv, int64_t dim, int64_t q_dim);
+// The kernel's launch; f.attn is read when it runs.
+void fused_layer(const FusedLayerArgs& f, uint32_t type, int head_dim, KVType kv, cudaStream_t st);
 
 // recurrent.cu: gated-DeltaNet layers (see Backend::conv1d_causal / delta_rule).
 void conv1d_causal(float* state, const float* x, int64_t x_stride, int64_t n, int64_t C, const float* w, int k,

@@ -9,6 +9,7 @@
 #include "act.cuh"
 #include "common.cuh"
 #include "kernels.h"
+#include "rope.cuh"
 
 namespace dl::cuda {
 namespace {
@@ -64,22 +65,6 @@ __global__ void layer_norm_k(const float* x, const float* __restrict__ w, const 
     if (b) v += b[i];
     yr[i] = v;
   }
-}
-
-// The angle of pair i at position `pos`, in double (long positions keep their precision).
-__device__ __forceinline__ void rope_cs(const RopeParams& p, int64_t pos, int i, float* c, float* s) {
-  double inv = p.inv_freq ? p.inv_freq[i] : pow((double)p.base, -2.0 * i / p.n_rot);
-  if (p.freq_factors) inv /= p.freq_factors[i];
-  const double theta = (double)pos * p.freq_scale * inv;
-  double sd, cd;
-  sincos(theta, &sd, &cd);
-  *c = __fmul_rn((float)cd, p.mscale), *s = __fmul_rn((float)sd, p.mscale);
-}
-__device__ __forceinline__ void rope_pair(float* v, int i, int half, bool neox, float c, float s) {
-  const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-  const float a = v[i0], b = v[i1];
-  v[i0] = __fmul_rn(a, c) - __fmul_rn(b, s);
-  v[i1] = __fmul_rn(a, s) + __fmul_rn(b, c);
 }
 
 // One block per token: each pair's angle once into shared memory, then a thread per

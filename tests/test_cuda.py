@@ -98,6 +98,53 @@ def _greedy(m, s, prompt, n):
     return toks
 
 
+def _llama_file(tmp, hidden, heads, kv_heads, ffn, layers=2):
+    """A random Llama of these sizes as the exporter writes it (f32), requantized to q8_0 and q4_0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    build = E._seeded(lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=E.VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=E.INIT, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, attn_implementation="eager")))
+    f32 = str(tmp / f"llama-{hidden}-{heads}-f32.gguf")
+    E.write_gguf(E.FAMILIES["llama"], build(), f32, "f32", E.spm_model_proto())
+    out = {}
+    for ft in ("q8_0", "q4_0"):
+        out[ft] = str(tmp / f"llama-{hidden}-{heads}-{ft}.gguf")
+        requantize(f32, out[ft], ft)
+    return out
+
+
+def _decode_steps(path, kv, fused, monkeypatch, n_prompt=40, n_steps=150):
+    """Per decode step's logits (greedy from a random prompt) on a paged session of 16-row pages."""
+    monkeypatch.setenv("DASLLAMA_CUDA_FUSED", "1" if fused else "0")
+    m = d.load_model(path, device="cuda")
+    s = d.create_session(m, d.KVPool(m, page_rows=16, kv_dtype=kv))
+    d.eval(m, s, [1] + np.random.default_rng(5).integers(3, E.VOCAB, n_prompt - 1).tolist())
+    out = []
+    for _ in range(n_steps):
+        d.eval(m, s, [int(np.argmax(s.logits))])
+        out.append(np.array(s.logits))
+    return np.stack(out), m._m.fused_layers
+
+
+@pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
+def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
+    """Decode steps whose layers run as one fused kernel each (cuda/fused.cu) give the op-by-op
+    kernels' logits bit for bit: head sizes 32, 64 and 128, q8_0 and q4_0 weights, a paged cache
+    whose attention splits grow with the context (40 to 190 rows)."""
+    shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
+              "hd128": _llama_file(tmp_path, 512, 4, 2, 1536)}
+    for name, paths in shapes.items():
+        for ft in ("q8_0", "q4_0"):
+            want, n_off = _decode_steps(paths[ft], kv, False, monkeypatch)
+            got, n_on = _decode_steps(paths[ft], kv, True, monkeypatch)
+            assert n_off == 0 and n_on == 150 * 2, (name, ft, n_off, n_on)  # every step's layers fused
+            assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: fused logits differ, max " \
+                f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
+
+
 def test_paged_prefix_cache_and_ragged_batch(files):
     prompt = [1] + np.random.default_rng(3).integers(3, E.VOCAB, 70).tolist()
     C.paged_prefix_cache_and_ragged_batch(files["qwen3"]["q8_0"], "cuda", prompt)

@@ -210,6 +210,28 @@ struct MatmulStep {
   float* residual = nullptr;  // count 1 only
 };
 
+// One token of one session through a whole dense pre-norm decoder layer, for a backend that
+// runs it as one fused pass:
+//   x += wo * attention(rope(wq * norm(x)), rope(wk * norm(x)) and wv * norm(x) stored at the
+//   cache row attn.n_kv - 1);  x += down * act_glu(gate * norm2(x), up * norm2(x)),
+// with the same results as those ops one by one (the model runs them so wherever
+// decode_layer returns false). attn.q / attn.out and k, v, gate_out, up_out are the layer's
+// scratch rows; rope positions are pos[0] (backend memory).
+struct DecodeLayer {
+  float* x = nullptr;
+  int64_t dim = 0;
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  float eps = 0.f;
+  const Weight *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+  const Weight *gate = nullptr, *up = nullptr, *down = nullptr;
+  Act act = Act::silu;
+  RopeParams rope;
+  const int32_t* pos = nullptr;
+  AttnArgs attn;
+  float *k = nullptr, *v = nullptr, *gate_out = nullptr, *up_out = nullptr;
+};
+
 // What a weight is read by: matmul kernels, or get_rows (an embedding table).
 enum class WeightUse { matmul, rows };
 
@@ -252,6 +274,9 @@ class Backend {
   virtual void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) = 0;
   // See MatmulStep; the default runs rms_norm, matmul_multi and add.
   virtual void matmul_step(const MatmulStep& s);
+  // See DecodeLayer: true when the backend ran (or recorded) the layer, false to have the
+  // model run it op by op.
+  virtual bool decode_layer(const DecodeLayer& l) { (void)l; return false; }
   // Rows of table w for ids (backend memory; checked in range by the caller), dequantized to f32.
   virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
   // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.

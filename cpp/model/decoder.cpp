@@ -365,6 +365,7 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
   }
   if (c.ple_dim > 0) ple_inputs(n);
   for (int il = 0; il < c.n_layers; ++il) {
+    if (decode_layer(il, runs, n_runs, n)) continue;
     if (c.rec_slot[il] >= 0)
       recurrent_block(il, runs, n_runs, n);
     else
@@ -417,6 +418,87 @@ void Model::ple_inputs(int64_t n) {
 
 // Norm, QKV, RoPE, the KV store and attention through each session's block table, the
 // output projection and the residual add.
+RopeParams Model::rope_params(int il) const {
+  const ModelConfig& c = cfg_;
+  const bool swa = c.layer_is_swa[il];
+  RopeParams rp;
+  rp.neox = traits_->rope == RopeType::neox;
+  rp.n_rot = c.l_n_rot[il];
+  rp.freq_factors = swa && traits_->rope_freqs_global_only ? nullptr : rope_freqs_.data();
+  rp.inv_freq = rope_inv_freq_ ? static_cast<const double*>(rope_inv_freq_->data()) : nullptr;
+  rp.mscale = c.rope_mscale;
+  rp.base = swa ? c.rope_base_swa : c.rope_base;
+  rp.freq_scale = swa ? c.rope_freq_scale_swa : c.rope_freq_scale;
+  return rp;
+}
+
+// Run ri's attention at layer il: its queries (rows of q from its first row) against its own
+// cache through its block table, out into att's rows.
+AttnArgs Model::attn_args(int il, const Run& run, int ri, const float* q, float* att) const {
+  const ModelConfig& c = cfg_;
+  const Session& s = *run.s;
+  const BlockTable& kv = *s.kv_;
+  const int64_t hd = c.l_head_dim[il], q_dim = (int64_t)c.n_heads * hd;
+  const bool swa = c.layer_is_swa[il];
+  AttnArgs a;
+  a.kv.base = kv.base();
+  a.kv.pages = run_pages_[(size_t)ri];
+  a.kv.n_pages = kv.n_pages();
+  a.kv.page_shift = kv.page_shift();
+  a.kv.page_bytes = kv.page_bytes();
+  a.kv.k_off = kv.k_off(c.kv_slot[il]);
+  a.kv.v_off = kv.v_off(c.kv_slot[il]);
+  a.kv.row_bytes = kv.geometry().row_bytes;
+  a.kv.type = s.kv_type_;
+  a.q = q + run.first_row * q_dim;
+  a.q_stride = q_dim;
+  a.n_tok = run.n_rows;
+  a.n_kv = s.n_past_ + run.n_rows;
+  a.n_heads = c.n_heads;
+  a.n_kv_heads = c.l_kv_heads[il];
+  a.head_dim = (int)hd;
+  a.q_pos = mask_pos_dev_ + run.first_row;
+  a.window = swa ? c.sliding_window : 0;
+  a.scale = c.attn_scale > 0 ? c.attn_scale : 1.f / std::sqrt((float)hd);
+  a.softcap = c.attn_softcap;
+  a.sinks = layers_[il].attn_sinks.data();
+  a.out = att + run.first_row * q_dim;
+  a.out_stride = q_dim;
+  return a;
+}
+
+// A one-token decode step of one session through a plain dense layer (pre-norm attention
+// with its own K/V, no biases, per-head norms, gates, post norms or sinks; a gate/up GLU FFN)
+// goes to the backend whole, where it can fuse it (Backend::decode_layer).
+bool Model::decode_layer(int il, const Run* runs, int n_runs, int64_t n) {
+  const ModelConfig& c = cfg_;
+  const LayerWeights& L = layers_[il];
+  if (n != 1 || n_runs != 1 || mrope_step_ || span_pos_hi_ > span_pos_lo_ || deep_chunk_ || c.ple_dim > 0) return false;
+  if (c.rec_slot[il] >= 0 || c.kv_src[il] != il || traits_->attn_output_gate || traits_->v_norm) return false;
+  if (!L.wqkv.empty() || L.wv.empty() || !L.bq.empty() || !L.bk.empty() || !L.bv.empty() || !L.bo.empty() ||
+      !L.q_norm.empty() || !L.k_norm.empty() || !L.attn_post_norm.empty() || !L.attn_sinks.empty() ||
+      !L.router.empty() || !L.ffn_pre_norm_2.empty() || !L.ffn_post_norm.empty() || !L.w_gate_up.empty() ||
+      L.out_scale != 1.f || L.w_gate.empty() || traits_->act == FfnAct::swiglu_oai)
+    return false;
+  DecodeLayer d;
+  d.x = static_cast<float*>(x_->data());
+  d.dim = c.dim;
+  d.attn_norm = L.attn_norm.data(), d.ffn_norm = L.ffn_norm.data(), d.eps = c.norm_eps;
+  d.wq = &L.wq, d.wk = &L.wk, d.wv = &L.wv, d.wo = &L.wo;
+  d.gate = &L.w_gate, d.up = &L.w_up, d.down = &L.w_down;
+  d.act = traits_->act == FfnAct::silu ? Act::silu : Act::gelu_tanh;
+  d.rope = rope_params(il);
+  d.pos = pos_dev_;
+  const int64_t hd = c.l_head_dim[il], q_dim = (int64_t)c.n_heads * hd, kv_dim = (int64_t)c.l_kv_heads[il] * hd;
+  const int64_t F = c.l_ffn_dim[il];
+  d.attn = attn_args(il, runs[0], 0, scratch(q_, q_dim, "activations"), scratch(attn_, q_dim, "activations"));
+  d.k = scratch(k_, kv_dim, "activations"), d.v = scratch(v_, kv_dim, "activations");
+  d.gate_out = scratch(gate_, 2 * F, "activations"), d.up_out = scratch(up_, F, "activations");
+  if (!backend_->decode_layer(d)) return false;
+  ++fused_layers_;
+  return true;
+}
+
 void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   const ModelConfig& c = cfg_;
   Backend& be = *backend_;
@@ -473,14 +555,7 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   if (!L.q_norm.empty()) be.rms_norm(q, L.q_norm.data(), q, n * c.n_heads, hd, c.norm_eps);
   if (!L.k_norm.empty()) be.rms_norm(k, L.k_norm.data(), k, n * n_kv_heads, hd, c.norm_eps);
   if (own_kv && traits_->v_norm) be.rms_norm(v, nullptr, v, n * n_kv_heads, hd, c.norm_eps);
-  RopeParams rp;
-  rp.neox = traits_->rope == RopeType::neox;
-  rp.n_rot = c.l_n_rot[il];
-  rp.freq_factors = swa && traits_->rope_freqs_global_only ? nullptr : rope_freqs_.data();
-  rp.inv_freq = rope_inv_freq_ ? static_cast<const double*>(rope_inv_freq_->data()) : nullptr;
-  rp.mscale = c.rope_mscale;
-  rp.base = swa ? c.rope_base_swa : c.rope_base;
-  rp.freq_scale = swa ? c.rope_freq_scale_swa : c.rope_freq_scale;
+  RopeParams rp = rope_params(il);
   if (mrope_step_) {
     // M-RoPE over image rows: one rope per axis, each turning only its section's pairs (the
     // others' frequency is 0: cos 1, sin 0), at that axis' positions.
@@ -500,37 +575,11 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
   // table; the attentions of all sessions go to the backend together.
   attn_args_.resize((size_t)n_runs);
   for (int ri = 0; ri < n_runs; ++ri) {
-    Session& s = *runs[ri].s;
-    const BlockTable& kv = *s.kv_;
+    const Session& s = *runs[ri].s;
     const int64_t r0 = runs[ri].first_row, nr = runs[ri].n_rows;
-    KVView view;
-    view.base = kv.base();
-    view.pages = run_pages_[(size_t)ri];
-    view.n_pages = kv.n_pages();
-    view.page_shift = kv.page_shift();
-    view.page_bytes = kv.page_bytes();
-    view.k_off = kv.k_off(c.kv_slot[il]);
-    view.v_off = kv.v_off(c.kv_slot[il]);
-    view.row_bytes = kv.geometry().row_bytes;
-    view.type = s.kv_type_;
-    if (own_kv) be.kv_store(view, s.n_past_, k + r0 * kv_dim, v + r0 * kv_dim, nr, kv_dim, kv_dim);
     AttnArgs& a = attn_args_[(size_t)ri];
-    a = AttnArgs{};
-    a.q = q + r0 * q_dim;
-    a.q_stride = q_dim;
-    a.kv = view;
-    a.n_tok = nr;
-    a.n_kv = s.n_past_ + nr;
-    a.n_heads = c.n_heads;
-    a.n_kv_heads = n_kv_heads;
-    a.head_dim = (int)hd;
-    a.q_pos = mask_pos_dev_ + r0;
-    a.window = swa ? c.sliding_window : 0;
-    a.scale = c.attn_scale > 0 ? c.attn_scale : 1.f / std::sqrt((float)hd);
-    a.softcap = c.attn_softcap;
-    a.sinks = L.attn_sinks.data();
-    a.out = att + r0 * q_dim;
-    a.out_stride = q_dim;
+    a = attn_args(il, runs[ri], ri, q, att);
+    if (own_kv) be.kv_store(a.kv, s.n_past_, k + r0 * kv_dim, v + r0 * kv_dim, nr, kv_dim, kv_dim);
   }
   // A sliding layer over a non-causal span that ends at or past the window: a span row at p sees
   // keys (p - window, p] and the whole span, so each row's window reaches back from the span's

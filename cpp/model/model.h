@@ -118,6 +118,8 @@ int64_t generate(Model& m, Session& s, const std::vector<int32_t>& prompt, const
 
 class Model : public std::enable_shared_from_this<Model> {
  public:
+  // Layers a backend ran fused (Backend::decode_layer) since load: tests check the path is taken.
+  int64_t fused_layers() const { return fused_layers_; }
   // device: "cpu", "cuda", "cuda:N" (see make_backend). Throws GGUFError /
   // UnsupportedModelError / DeviceError (before any device memory is taken) / dl::Error.
   static std::shared_ptr<Model> load(const std::string& path, QuantMode mode, const std::string& device,
@@ -191,6 +193,7 @@ class Model : public std::enable_shared_from_this<Model> {
   std::vector<float> embed_mean(const std::vector<int32_t>& tokens);
 
  private:
+  int64_t fused_layers_ = 0;
   Model() = default;
   static std::shared_ptr<Model> open(const std::string& path, QuantMode mode, const std::string& device,
                                      int n_threads, bool dry_run);
@@ -219,6 +222,9 @@ class Model : public std::enable_shared_from_this<Model> {
   // The blocks of a layer, each a seam a backend could take over whole.
   void stage_step(const Run* runs, int n_runs, const int32_t* tokens, int64_t n);
   void attention_block(int il, const Run* runs, int n_runs, int64_t n);
+  bool decode_layer(int il, const Run* runs, int n_runs, int64_t n);
+  RopeParams rope_params(int il) const;
+  AttnArgs attn_args(int il, const Run& run, int ri, const float* q, float* att) const;
   void recurrent_block(int il, const Run* runs, int n_runs, int64_t n);
   void ffn_block(int il, int64_t n);
   void project_residual(const Weight& w, const Vec& bias, const Vec& post_norm, const float* in, int64_t n, float* o);

@@ -1,0 +1,200 @@
+// The q8-mode GEMV's pieces, shared by the standalone kernels (matmul.cu) and the fused
+// decoder layer (fused.cu): 16-byte weight units of the direct layouts, the A8 rounding of an
+// activation block, and the body of one block of gemv_q8_k.
+#pragma once
+#include <cstdint>
+
+#include "common.cuh"
+#include "dequant.cuh"
+#include "kernels.h"
+
+namespace dl::cuda {
+
+constexpr int SW = 8;  // warps per block of the GEMV kernels
+
+// ---- Direct GEMV: layouts whose rows are 16-byte aligned (f16, bf16, split q8_0 / q4_0) --
+// A warp takes R consecutive rows; each lane loads 16-byte units straight from global
+// memory (U units of each row in flight), so the x values it reads serve R rows. The
+// block scale multiplies a partial sum of 8 products (quants converted exactly).
+template <uint32_t T> struct Unit { static constexpr int e = 8; };  // elements per 16 bytes
+template <> struct Unit<T_Q8_0S> { static constexpr int e = 16; };
+template <> struct Unit<T_Q4_0S> { static constexpr int e = 32; };
+
+template <uint32_t T>
+__device__ __forceinline__ float unit_scale(const uint8_t* row, int64_t cols, int64_t u) {
+  if constexpr (T == T_Q8_0S) return h2f(ld16(row + cols + (u >> 1) * 2));
+  else if constexpr (T == T_Q4_0S) return h2f(ld16(row + cols / 2 + u * 2));
+  else return 1.f;
+}
+// Group h (8 elements) of a loaded unit, as the integers or floats it holds, and the
+// offset of its first element inside the unit.
+template <uint32_t T>
+__device__ __forceinline__ int unit_group(const uint4& q, int h, float v[8]) {
+  if constexpr (T == T_F16 || T == T_BF16) {
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (T == T_F16) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+      } else {
+        v[2 * i] = __uint_as_float(w[i] << 16), v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      }
+    }
+    return 0;
+  } else if constexpr (T == T_Q8_0S) {
+    const uint32_t a = h ? q.z : q.x, b = h ? q.w : q.y;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = sf((int8_t)((i < 4 ? a : b) >> (8 * (i & 3))));
+    return 8 * h;
+  } else {  // T_Q4_0S: groups 0, 1 the low nibbles of bytes 0-7, 8-15; groups 2, 3 the high ones
+    const uint32_t a = (h & 1) ? q.z : q.x, b = (h & 1) ? q.w : q.y;
+    const int sh = (h >> 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = sf((int)(((i < 4 ? a : b) >> (8 * (i & 3) + sh)) & 0xF) - 8);
+    return 8 * h;
+  }
+}
+
+// One round of a direct GEMV's loads: U units of each of R rows (of `left` rows still in
+// the matrix), with their block scales; units past ue and rows past the end load zeros.
+template <uint32_t T, int U, int R>
+__device__ __forceinline__ void load_units(const uint8_t* base, size_t rb, int64_t left, int64_t cols, int64_t u0,
+                                           int64_t ue, uint4 (&q)[U][R], float (&d)[U][R]) {
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t u = u0 + 32 * k;
+      const bool ok = u < ue && r < left;
+      const uint8_t* row = base + r * rb;
+      q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
+      d[k][r] = ok ? unit_scale<T>(row, cols, u) : 0.f;
+    }
+}
+
+// One lane's value of a 32-block into the A8 form: amax over the warp, d = amax / 127,
+// q = rint(v * (127 / amax)), and the block's quant sum (q4_0's offset term).
+__device__ __forceinline__ void quant_store(float v, int lane, int64_t at, int64_t blk, int8_t* xq, float* xd,
+                                            int32_t* xs) {
+  const float amax = warp_max(fabsf(v));
+  int q = 0;
+  if (amax > 0.f) q = max(-127, min(127, (int)rintf(__fmul_rn(v, 127.f / amax))));
+  xq[at] = (int8_t)q;
+  int qs = q;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
+  if (lane == 0) xd[blk] = amax / 127.f, xs[blk] = qs;
+}
+
+// Where the GEMV reads its quantized activations: through the read-only path (written by an
+// earlier kernel), from shared memory, or from L2 (written earlier in the same kernel by other
+// blocks, so L1 may hold stale lines).
+enum class XLoad { nc, shared, l2 };
+template <XLoad L, class V>
+__device__ __forceinline__ V xload(const V* p) {
+  if constexpr (L == XLoad::nc) return __ldg(p);
+  else if constexpr (L == XLoad::l2) return __ldcg(p);
+  else return *p;
+}
+
+// Block `bid` of the q8-mode GEMV over job j (gemv_q8_k's grid): the block's 8 warps form 8 / ks
+// groups of R rows; the ks warps of a group split the row's 16-byte units, and their partial
+// sums meet in shared memory. A unit is 16 q8_0 weights (4 dp4a against the token's quants) or
+// a whole q4_0 block (8 dp4a, less 8 * its quant sum); per unit, the integer sum times the
+// weight and activation scales. wait() runs once the first round of weights is in flight (the
+// weights are constant; x may not be ready before it). Every output is the same sum in the same
+// order whichever kernel runs the block.
+// U units of each row are in flight per lane (any U gives the same sums: each lane adds its
+// units in increasing order).
+template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait>
+__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int64_t bid, Wait wait) {
+  constexpr int UE = Unit<T>::e;
+  __shared__ float red[SW][R][NT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = warp / ks, part = warp % ks, groups = SW / ks;
+  int mi = 0;
+  while (mi + 1 < j.count && bid >= j.first_block[mi + 1]) ++mi;
+  const int64_t rows = j.rows[mi];
+  const int64_t r0 = ((bid - j.first_block[mi]) * groups + group) * R;
+  const int64_t cols = j.cols, nu = cols / UE, nb = cols / 32;
+  const int64_t per = (nu + ks - 1) / ks, ub = part * per, ue = ub + per < nu ? ub + per : nu;
+  const size_t rb = j.rb[mi];
+  const uint8_t* base = j.w[mi] + (r0 < rows ? r0 : rows - 1) * rb;
+  float acc[R][NT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  uint4 q[U][R];
+  float d[U][R];
+  const int64_t u_first = ub + lane;
+  if (r0 < rows && u_first < ue) load_units<T, U, R>(base, rb, rows - r0, cols, u_first, ue, q, d);
+  wait();
+  for (int64_t u0 = u_first; r0 < rows && u0 < ue; u0 += 32 * U) {
+    if (u0 != u_first) load_units<T, U, R>(base, rb, rows - r0, cols, u0, ue, q, d);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t u = u0 + 32 * k;
+      if (u >= ue) break;
+      const int64_t b = T == T_Q8_0S ? u >> 1 : u;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t >= j.n) continue;
+        const int8_t* xr = j.xq + t * cols + u * UE;
+        const float dx = xload<XL>(j.xd + t * nb + b);
+        if constexpr (T == T_Q8_0S) {
+          const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr));
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            int s = __dp4a((int)q[k][r].x, xa.x, 0);
+            s = __dp4a((int)q[k][r].y, xa.y, s);
+            s = __dp4a((int)q[k][r].z, xa.z, s);
+            s = __dp4a((int)q[k][r].w, xa.w, s);
+            acc[r][t] += (float)s * __fmul_rn(d[k][r], dx);
+          }
+        } else {
+          const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr)),
+                     xb = xload<XL>(reinterpret_cast<const int4*>(xr) + 1);
+          const int off = 8 * xload<XL>(j.xs + t * nb + b);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint4 w = q[k][r];
+            int s = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa.x, 0);
+            s = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa.y, s);
+            s = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa.z, s);
+            s = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa.w, s);
+            s = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb.x, s);
+            s = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb.y, s);
+            s = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb.z, s);
+            s = __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb.w, s);
+            acc[r][t] += (float)(s - off) * __fmul_rn(d[k][r], dx);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = warp_sum(acc[r][t]);
+      if (lane == 0) red[warp][r][t] = s;
+    }
+  __syncthreads();
+  if (part == 0 && r0 < rows) {
+    float* y = j.y[mi];
+    for (int idx = lane; idx < R * NT; idx += 32) {
+      const int r = idx / NT, t = idx % NT;
+      if (t >= j.n || r0 + r >= rows) continue;
+      float s = 0.f;
+      for (int p = 0; p < ks; ++p) s += red[warp + p][r][t];
+      // The residual is read from L2: in the fused layer other blocks wrote it in this kernel.
+      if (j.accumulate) y[t * rows + r0 + r] = __ldcg(y + t * rows + r0 + r) + s;
+      else y[t * rows + r0 + r] = s;
+    }
+  }
+  __syncthreads();  // red is free again (the fused layer runs several blocks in one)
+}
+
+}  // namespace dl::cuda

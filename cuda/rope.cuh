@@ -1,0 +1,30 @@
+// Rotary embedding's device pieces, shared by the rope kernels (ops.cu) and the fused decoder
+// layer (fused.cu).
+#pragma once
+#include <cstdint>
+
+#include "common.cuh"
+#include "core/backend.h"
+
+namespace dl::cuda {
+
+// The angle of pair i at position `pos`, in double (long positions keep their precision).
+__device__ __forceinline__ void rope_cs(const RopeParams& p, int64_t pos, int i, float* c, float* s) {
+  double inv = p.inv_freq ? p.inv_freq[i] : pow((double)p.base, -2.0 * i / p.n_rot);
+  if (p.freq_factors) inv /= p.freq_factors[i];
+  const double theta = (double)pos * p.freq_scale * inv;
+  double sd, cd;
+  sincos(theta, &sd, &cd);
+  *c = __fmul_rn((float)cd, p.mscale), *s = __fmul_rn((float)sd, p.mscale);
+}
+// The rotation of one pair (a, b) by the angle whose cosine and sine are c, s.
+__device__ __forceinline__ void rope_rot(float a, float b, float c, float s, float* o0, float* o1) {
+  *o0 = __fmul_rn(a, c) - __fmul_rn(b, s);
+  *o1 = __fmul_rn(a, s) + __fmul_rn(b, c);
+}
+__device__ __forceinline__ void rope_pair(float* v, int i, int half, bool neox, float c, float s) {
+  const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+  rope_rot(v[i0], v[i1], c, s, &v[i0], &v[i1]);
+}
+
+}  // namespace dl::cuda
