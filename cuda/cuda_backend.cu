@@ -503,6 +503,8 @@ class CudaBackend final : public Backend {
     f.blocks_per_sm = bps ? std::atoi(bps) : 0;
     const char* pf = std::getenv("DASLLAMA_CUDA_FUSED_PF");
     f.prefetch = !(pf && std::strcmp(pf, "0") == 0);
+    const char* tr = std::getenv("DASLLAMA_CUDA_FUSED_TRACE");
+    f.trace = tr ? std::atoi(tr) : -1;
     flush_kv();
     const size_t off = blob_put(&a, sizeof a);  // n_kv and the block table change every step
     sig1(Tag::fused_layer), sig1(off), sig1((int)a.kv.type), sig1(a.head_dim);
@@ -637,7 +639,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule, im2col_2d, fused_layer
+    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x
   };
   template <class T>
   void sig1(const T& v) {
@@ -686,6 +688,22 @@ class CudaBackend final : public Backend {
       ops_.back() = [=](cudaStream_t st) { cuda::glu_quantize(gate, gs, up, us, act, out, n, cols, qb, st); };
       sig1(Tag::quant), sig1(qb);
       glu_.at = SIZE_MAX;
+    } else if (q8 && !mma && qx_ && cuda::gemv_q8_x_fits(j)) {
+      // One decode token: each GEMV block rounds its input itself (one launch, not two).
+      const float* x = s.x;
+      const bool norm = s.norm;
+      const float* nw = s.norm ? s.norm_w : nullptr;
+      const float eps = s.eps;
+      if (!rec_) {
+        cuda::gemv_q8_x(j, x, norm, nw, eps, st_);
+        return true;
+      }
+      flush_kv();
+      sig1(Tag::gemv_x), sig1(x), sig1(norm), sig1(nw), sig1(eps);
+      const auto* p = reinterpret_cast<const uint8_t*>(&j);
+      sig_.insert(sig_.end(), p, p + sizeof j);
+      ops_.emplace_back([j, x, norm, nw, eps](cudaStream_t st) { cuda::gemv_q8_x(j, x, norm, nw, eps, st); });
+      return true;
     } else if (q8) {
       const float* x = s.x;
       const int64_t n = s.n, cols = j.cols;
@@ -915,6 +933,11 @@ class CudaBackend final : public Backend {
 
   int dev_;
   cudaDeviceProp prop_{};
+  // One token's q8 GEMVs round their own input (DASLLAMA_CUDA_QX=0: a quantize launch first).
+  bool qx_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_QX");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
   // Tokens from which q8 matmuls take the int8 mma kernel (DASLLAMA_CUDA_MMA_MIN; 0: never).
   int64_t mma_min_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_MMA_MIN");

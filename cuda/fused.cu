@@ -16,6 +16,7 @@
 // code in the same order as the separate kernels (gemv_q8.cuh, attn.cuh, rope.cuh), so the
 // layer's output equals the op-by-op path bit for bit (tests/test_cuda.py holds it to that).
 #include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include "act.cuh"
@@ -28,12 +29,18 @@
 namespace dl::cuda {
 namespace {
 
-constexpr int FT = 256;  // threads per block
+constexpr int FT = SW * 32;  // threads per block (quant_smem's)
 constexpr int kUnits = 2;  // 16-byte weight units per row in flight per lane (4 spills at two blocks an SM)
 
 // All blocks of the grid meet here (every block is resident: the grid is sized by occupancy,
 // and the next kernel is let in only after the last barrier). bar[0] counts arrivals over the
 // launch; the k-th barrier waits for k * gridDim.x.
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __device__ __forceinline__ void grid_sync(unsigned* bar, unsigned& target) {
   target += gridDim.x;
   __syncthreads();
@@ -44,45 +51,6 @@ __device__ __forceinline__ void grid_sync(unsigned* bar, unsigned& target) {
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
     } while (v < target);
-  }
-  __syncthreads();
-}
-
-// x (cols <= kQuantMax floats, RMS-normed times nw when norm) into q8 blocks in shared memory,
-// by the whole block. Thread (warp w, lane l) holds elements 32 (w + 8 k) + l: the strided
-// order of quantize_act_k's sum of squares (double; warp sums, then the 8 warps in order) and
-// lane l of block w + 8 k for its rounding (quant_store), from one read of x.
-constexpr int kQuantMax = 8 * FT;  // 16 per thread spilled (the first weights are live across it)
-__device__ __forceinline__ void quant_smem(const float* x, int64_t cols, bool norm, const float* nw, float eps,
-                                           int8_t* xq, float* xd, int32_t* xs, double* red) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float v[kQuantMax / FT];
-#pragma unroll
-  for (int k = 0; k < kQuantMax / FT; ++k) {
-    const int64_t i = threadIdx.x + (int64_t)k * FT;
-    v[k] = i < cols ? __ldcg(x + i) : 0.f;
-  }
-  float sc = 1.f;
-  if (norm) {
-    double ss = 0;
-#pragma unroll
-    for (int k = 0; k < kQuantMax / FT; ++k)
-      if (threadIdx.x + (int64_t)k * FT < cols) ss += (double)v[k] * v[k];
-    ss = warp_sum_d(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    double tot = 0;
-#pragma unroll
-    for (int w = 0; w < FT / 32; ++w) tot += red[w];
-    sc = (float)(1.0 / sqrt(tot / cols + eps));
-  }
-#pragma unroll
-  for (int k = 0; k < kQuantMax / FT; ++k) {
-    const int64_t b = warp + (int64_t)k * (FT / 32), i = b * 32 + lane;
-    if (b >= cols / 32) break;  // uniform over the warp
-    float y = v[k];
-    if (norm) y = nw ? __fmul_rn(y, sc) * nw[i] : y * sc;
-    quant_store(y, lane, i, b, xq, xd, xs);
   }
   __syncthreads();
 }
@@ -123,6 +91,15 @@ __global__ void __launch_bounds__(FT, 2) fused_layer_k(FusedLayerArgs f) {
   int32_t* ss = reinterpret_cast<int32_t*>(smem + maxc + maxc / 32 * 4);
   unsigned target = 0;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // DASLLAMA_CUDA_FUSED_TRACE=P: block 0 prints when each phase's barrier let it through, at
+  // rope position P (where the time goes; thread 0's clock, the barriers align the blocks).
+  uint64_t ts[8] = {};
+  int nts = 0;
+  const bool trace = f.trace >= 0 && blockIdx.x == 0 && tid == 0;
+  auto stamp = [&] {
+    if (trace && nts < 8) ts[nts++] = now_ns();
+  };
+  stamp();
 
   // A: norm + rounding of x, Q/K/V. The previous kernel's writes (x, the barrier's reset)
   // are waited for after this block's first weights are in flight.
@@ -130,10 +107,11 @@ __global__ void __launch_bounds__(FT, 2) fused_layer_k(FusedLayerArgs f) {
   j.xq = sq, j.xd = sd, j.xs = ss;
   gemv_phase<T, XLoad::shared>(j, f.ks_qkv, [&] {
     pdl_wait();
-    quant_smem(f.x, f.dim, true, f.attn_norm, f.eps, sq, sd, ss, red);
+    quant_smem<XLoad::l2>(f.x, f.dim, true, f.attn_norm, f.eps, sq, sd, ss, red);
   });
   const AttnArgs a = *f.attn;
   grid_sync(f.bar, target);
+  stamp();
 
   // B1: a block per KV head: rope of its query heads and its key, then its K and V slices into
   // the cache row n_kv - 1 (the key after its rope).
@@ -159,6 +137,7 @@ __global__ void __launch_bounds__(FT, 2) fused_layer_k(FusedLayerArgs f) {
   }
   if (f.prefetch) prefetch_l2(f.o), prefetch_l2(f.gu);
   grid_sync(f.bar, target);
+  stamp();
 
   // B2: attention items (split, head), two at a time per block on named barriers 1 and 2.
   {
@@ -173,7 +152,8 @@ __global__ void __launch_bounds__(FT, 2) fused_layer_k(FusedLayerArgs f) {
   // C: rounding of the attention's output, O added into x.
   gemv_phase<T, XLoad::shared>(j, f.ks_o, [&] {
     grid_sync(f.bar, target);
-    quant_smem(f.att, f.q_dim, false, nullptr, 0.f, sq, sd, ss, red);
+    stamp();
+    quant_smem<XLoad::l2>(f.att, f.q_dim, false, nullptr, 0.f, sq, sd, ss, red);
   });
 
   // D: norm + rounding of x, gate and up.
@@ -181,9 +161,11 @@ __global__ void __launch_bounds__(FT, 2) fused_layer_k(FusedLayerArgs f) {
   j.xq = sq, j.xd = sd, j.xs = ss;
   gemv_phase<T, XLoad::shared>(j, f.ks_gu, [&] {
     grid_sync(f.bar, target);
-    quant_smem(f.x, f.dim, true, f.ffn_norm, f.eps, sq, sd, ss, red);
+    stamp();
+    quant_smem<XLoad::l2>(f.x, f.dim, true, f.ffn_norm, f.eps, sq, sd, ss, red);
   });
   grid_sync(f.bar, target);
+  stamp();
 
   // D2: the GLU and its q8 form (global: every block of E reads all of it).
   if (f.prefetch) prefetch_l2(f.down);
@@ -201,8 +183,15 @@ __global__ void __launch_bounds__(FT, 2) fused_layer_k(FusedLayerArgs f) {
   // kernel may be scheduled from here on.
   gemv_phase<T, XLoad::l2>(f.down, f.ks_down, [&] {
     grid_sync(f.bar, target);
+    stamp();
     pdl_trigger();
   });
+  if (trace && f.pos[0] == f.trace) {
+    const uint64_t end = now_ns();
+    printf("fused layer (%u blocks) at %d, us: A %.2f B1 %.2f B2 %.2f C %.2f D %.2f D2 %.2f E %.2f\n", gridDim.x,
+           f.trace, (ts[1] - ts[0]) * 1e-3, (ts[2] - ts[1]) * 1e-3, (ts[3] - ts[2]) * 1e-3, (ts[4] - ts[3]) * 1e-3,
+           (ts[5] - ts[4]) * 1e-3, (ts[6] - ts[5]) * 1e-3, (end - ts[6]) * 1e-3);
+  }
 
   // The last block out resets the counters for the next launch (which waits for this grid).
   if (tid == 0) {
@@ -242,7 +231,8 @@ void launch_kv(const FusedLayerArgs& f, int head_dim, KVType kv, cudaStream_t st
 }  // namespace
 
 bool fused_layer_fits(uint32_t type, int head_dim, KVType kv, int64_t dim, int64_t q_dim) {
-  return dim <= kQuantMax && q_dim <= kQuantMax && (type == T_Q8_0S || type == T_Q4_0S) && head_dim > 0 && head_dim <= 128 && head_dim % 2 == 0 &&
+  return dim <= kQuantMax && q_dim <= kQuantMax && (type == T_Q8_0S || type == T_Q4_0S) && head_dim > 0 &&
+         head_dim <= 128 && head_dim % 2 == 0 &&
          (kv == KVType::f32 || kv == KVType::f16 || kv == KVType::q8_0);
 }
 

@@ -197,4 +197,47 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int64_t 
   __syncthreads();  // red is free again (the fused layer runs several blocks in one)
 }
 
+// Widest row the GEMVs round into shared memory themselves (8 values a thread: 16 spilled
+// where the first weights are live across the rounding).
+constexpr int kQuantMax = 8 * SW * 32;
+
+// x (cols <= kQuantMax floats, RMS-normed times nw when norm) into q8 blocks in shared memory,
+// by the whole block of SW warps (x read as XL says). Thread (warp w, lane l) holds elements 32 (w + 8 k) + l: the strided
+// order of quantize_act_k's sum of squares (double; warp sums, then the 8 warps in order) and
+// lane l of block w + 8 k for its rounding (quant_store), from one read of x.
+template <XLoad XL>
+__device__ __forceinline__ void quant_smem(const float* x, int64_t cols, bool norm, const float* nw, float eps,
+                                           int8_t* xq, float* xd, int32_t* xs, double* red) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float v[kQuantMax / (SW * 32)];
+#pragma unroll
+  for (int k = 0; k < kQuantMax / (SW * 32); ++k) {
+    const int64_t i = threadIdx.x + (int64_t)k * (SW * 32);
+    v[k] = i < cols ? xload<XL>(x + i) : 0.f;
+  }
+  float sc = 1.f;
+  if (norm) {
+    double ss = 0;
+#pragma unroll
+    for (int k = 0; k < kQuantMax / (SW * 32); ++k)
+      if (threadIdx.x + (int64_t)k * (SW * 32) < cols) ss += (double)v[k] * v[k];
+    ss = warp_sum_d(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    double tot = 0;
+#pragma unroll
+    for (int w = 0; w < (SW * 32) / 32; ++w) tot += red[w];
+    sc = (float)(1.0 / sqrt(tot / cols + eps));
+  }
+#pragma unroll
+  for (int k = 0; k < kQuantMax / (SW * 32); ++k) {
+    const int64_t b = warp + (int64_t)k * ((SW * 32) / 32), i = b * 32 + lane;
+    if (b >= cols / 32) break;  // uniform over the warp
+    float y = v[k];
+    if (norm) y = nw ? __fmul_rn(y, sc) * nw[i] : y * sc;
+    quant_store(y, lane, i, b, xq, xd, xs);
+  }
+  __syncthreads();
+}
+
 }  // namespace dl::cuda

@@ -60,6 +60,12 @@ void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols);
 // The q8 GEMV's blocks for j (one token; fills first_block, as gemv_staged would) and the
 // warps that split a row (its ks).
 int gemv_q8_plan(GemvJob& j);
+// One token's q8 GEMV that rounds its own input x (RMS-normed times norm_w when norm) in each
+// block, instead of a quantize_act launch before it; for matrices of at most kQuantBlocksMax
+// blocks and cols <= 2048. Results equal quantize_act + gemv_staged's bit for bit.
+constexpr int64_t kQuantBlocksMax = 1024;
+bool gemv_q8_x_fits(const GemvJob& j);
+void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* norm_w, float eps, cudaStream_t st);
 // Whether j can run on the staged GEMV (n <= 32, cols % 8 == 0, rows 4-byte aligned;
 // 16-byte for float types), and the launch (first_block is filled there).
 bool gemv_staged_fits(const GemvJob& j);
@@ -151,6 +157,7 @@ struct FusedLayerArgs {
   unsigned* bar = nullptr;  // two counters, zero between launches
   int blocks_per_sm = 0;    // 0: as many as fit
   bool prefetch = true;     // O, gate/up and down weights into L2 during the latency-bound phases
+  int trace = -1;           // >= 0: print the phases' times at this rope position
 };
 // Whether the fused kernel takes this layer (weights' type, head size, KV type; the rows it
 // rounds into shared memory are at most 2048 wide).

@@ -545,6 +545,24 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j,
   gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, blockIdx.x, [] {});
 }
 
+// gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
+// (RMS-normed times nw when norm) into its shared memory as quantize_act_k would, while its
+// first weights are in flight, so a decode matmul is one launch, not two.
+template <uint32_t T>
+__global__ void __launch_bounds__(SW * 32, 3) gemv_q8_x_k(GemvJob j, int ks, const float* __restrict__ x, bool norm,
+                                                          const float* __restrict__ nw, float eps) {
+  __shared__ __align__(16) int8_t sq[kQuantMax];
+  __shared__ float sd[kQuantMax / 32];
+  __shared__ int32_t ss[kQuantMax / 32];
+  __shared__ double red[SW];
+  j.xq = sq, j.xd = sd, j.xs = ss;
+  gemv_q8_block<T, 1, 4, XLoad::shared>(j, ks, blockIdx.x, [&] {
+    pdl_wait();
+    pdl_trigger();
+    quant_smem<XLoad::nc>(x, j.cols, norm, nw, eps, sq, sd, ss, red);
+  });
+}
+
 template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st) {
   const unsigned grid = (unsigned)j.first_block[j.count];
@@ -623,6 +641,22 @@ void run_matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t 
 }  // namespace
 
 bool matmul_type_ok(uint32_t type) { return served_type(type); }
+
+bool gemv_q8_x_fits(const GemvJob& j) {
+  if (j.n != 1 || j.cols > kQuantMax || j.cols % 32 != 0 || (j.type != T_Q8_0S && j.type != T_Q4_0S)) return false;
+  GemvJob p = j;
+  // Past a few blocks per SM the blocks' repeated rounding costs more than the launch it saves.
+  return gemv_q8_plan(p) >= 1 && p.first_block[p.count] <= kQuantBlocksMax;
+}
+
+void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* nw, float eps, cudaStream_t st) {
+  if (!gemv_q8_x_fits(j)) throw Error("cuda: a matmul the rounding GEMV does not take");
+  const int ks = gemv_q8_plan(j);
+  const unsigned grid = (unsigned)j.first_block[j.count];
+  if (j.type == T_Q8_0S) launch(gemv_q8_x_k<T_Q8_0S>, grid, SW * 32, 0, st, j, ks, x, norm, nw, eps);
+  else launch(gemv_q8_x_k<T_Q4_0S>, grid, SW * 32, 0, st, j, ks, x, norm, nw, eps);
+  check_launch("gemv_q8_x");
+}
 
 int gemv_q8_plan(GemvJob& j) {
   const int ks = direct_ks(j.cols / unit_elems(j.type));

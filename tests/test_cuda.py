@@ -116,9 +116,10 @@ def _llama_file(tmp, hidden, heads, kv_heads, ffn, layers=2):
     return out
 
 
-def _decode_steps(path, kv, fused, monkeypatch, n_prompt=40, n_steps=150):
+def _decode_steps(path, kv, env, monkeypatch, n_prompt=40, n_steps=150):
     """Per decode step's logits (greedy from a random prompt) on a paged session of 16-row pages."""
-    monkeypatch.setenv("DASLLAMA_CUDA_FUSED", "1" if fused else "0")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     m = d.load_model(path, device="cuda")
     s = d.create_session(m, d.KVPool(m, page_rows=16, kv_dtype=kv))
     d.eval(m, s, [1] + np.random.default_rng(5).integers(3, E.VOCAB, n_prompt - 1).tolist())
@@ -131,18 +132,22 @@ def _decode_steps(path, kv, fused, monkeypatch, n_prompt=40, n_steps=150):
 
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
 def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
-    """Decode steps whose layers run as one fused kernel each (cuda/fused.cu) give the op-by-op
-    kernels' logits bit for bit: head sizes 32, 64 and 128, q8_0 and q4_0 weights, a paged cache
-    whose attention splits grow with the context (40 to 190 rows)."""
+    """Decode steps give the op-by-op kernels' logits bit for bit when each GEMV rounds its own
+    input (DASLLAMA_CUDA_QX, on by default) and when each layer runs as one fused kernel
+    (cuda/fused.cu): head sizes 32, 64 and 128, q8_0 and q4_0 weights, a paged cache whose
+    attention splits grow with the context (40 to 190 rows)."""
     shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
               "hd128": _llama_file(tmp_path, 512, 4, 2, 1536)}
     for name, paths in shapes.items():
         for ft in ("q8_0", "q4_0"):
-            want, n_off = _decode_steps(paths[ft], kv, False, monkeypatch)
-            got, n_on = _decode_steps(paths[ft], kv, True, monkeypatch)
-            assert n_off == 0 and n_on == 150 * 2, (name, ft, n_off, n_on)  # every step's layers fused
-            assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: fused logits differ, max " \
-                f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
+            want, n_off = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_FUSED": "0", "DASLLAMA_CUDA_QX": "0"},
+                                        monkeypatch)
+            for env in ({"DASLLAMA_CUDA_QX": "1"}, {"DASLLAMA_CUDA_FUSED": "1"}):
+                got, n_on = _decode_steps(paths[ft], kv, env, monkeypatch)
+                fused = env.get("DASLLAMA_CUDA_FUSED") == "1"
+                assert n_off == 0 and n_on == (150 * 2 if fused else 0), (name, ft, env, n_off, n_on)
+                assert np.array_equal(got, want), f"{name} {ft} kv {kv.name} {env}: logits differ, max " \
+                    f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
 
 
 def test_paged_prefix_cache_and_ragged_batch(files):
