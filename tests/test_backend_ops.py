@@ -101,7 +101,7 @@ def make_weight(rng, name: str, rows: int, cols: int):
 
 @pytest.mark.parametrize("wtype", MATMUL_TYPES)
 @pytest.mark.parametrize("rows,cols,n", [(64, 256, 1), (67, 512, 3), (40, 512, 12), (130, 256, 17), (256, 1024, 64),
-                                         (33, 2048, 300)])
+                                         (33, 2048, 300), (37, 4096, 1), (21, 8192, 9)])
 def test_matmul(backends, wtype, rows, cols, n):
     rng = np.random.default_rng(rows * 7 + cols + n)
     raw, w = make_weight(rng, wtype, rows, cols)
@@ -588,6 +588,7 @@ ATTN_CASES = [
     (1, 1000, 8, 8, 128, 64, 0, 50.0, 256),
     (17, 700, 4, 2, 256, 16, 128, 0.0, 17),
     (1, 2050, 16, 4, 64, 16, 512, 0.0, 100),
+    (3, 4100, 4, 1, 64, 64, 0, 0.0, 1000),  # decode over a long context: a device may split the keys
 ]
 
 

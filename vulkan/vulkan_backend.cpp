@@ -11,9 +11,14 @@
 // maxMemoryAllocationCount (4096) are still far above what a model makes.
 //
 // Order: everything (transfers from host staging included) is recorded into one command buffer
-// in issue order, each command followed by a full memory barrier; the buffer is submitted and
-// waited for at download(), sync() and when the staging memory fills. So upload() never reorders
-// with recorded ops, and begin_step / end_step need do nothing.
+// in issue order; the buffer is submitted and waited for at download(), sync() and when the
+// staging memory fills. So upload() never reorders with recorded ops, and begin_step / end_step
+// need do nothing. A memory barrier goes before a command only when it touches bytes that a
+// command since the last barrier wrote (or writes bytes one read): each op names the address
+// ranges it reads and writes (Ctx::uses), and one that names none is ordered against everything
+// on both sides. Independent neighbours (rope of q and of k, uploads at load) then overlap on the
+// device instead of draining the pipeline between them. DASLLAMA_VULKAN_BARRIERS=all puts one
+// after every command again (the old stream, for A/B runs).
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -173,6 +178,11 @@ class Ctx {
     a.vkGetPhysicalDeviceProperties(pd, &props_);
     a.vkGetPhysicalDeviceMemoryProperties(pd, &mprops_);
     subgroup = use_subgroup(a, pd, props_);
+    VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+    VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+    p2.pNext = &sp;
+    a.vkGetPhysicalDeviceProperties2(pd, &p2);
+    subgroup_size = std::max<uint32_t>(1, sp.subgroupSize);
     uint32_t nq = 0;
     a.vkGetPhysicalDeviceQueueFamilyProperties(pd, &nq, nullptr);
     std::vector<VkQueueFamilyProperties> qs(nq);
@@ -248,6 +258,7 @@ class Ctx {
   static constexpr uint32_t kPush = 128;  // the push-constant size every device guarantees
   std::recursive_mutex mu;
   bool subgroup = false;  // matmul and matmul_id take the subgroup path
+  uint32_t subgroup_size = 32;
 
   DeviceInfo info() const { return describe(a_, pd_, index_, used_); }
   std::string where() const { return "vulkan:" + std::to_string(index_) + " (" + props_.deviceName + ")"; }
@@ -286,11 +297,28 @@ class Ctx {
   }
 
   // ---- the command stream ----
+  // The ranges the next command reads and writes (its dependencies); kWhole: the allocation
+  // holding the address. A command recorded without them is ordered against everything.
+  static constexpr uint64_t kWhole = ~uint64_t(0);
+  struct Use {
+    uint64_t addr, bytes;
+    bool write;
+  };
+  void uses(std::initializer_list<Use> u) {
+    next_.clear();
+    for (const Use& x : u)
+      if (x.addr && x.bytes) next_.push_back(x);
+    if (next_.empty()) next_.push_back({0, 0, false});  // touches nothing (still "named")
+  }
+
+  void forget_uses() { next_.clear(); }
+
   void upload(uint64_t dst, const void* src, size_t bytes) {
     const uint8_t* s = static_cast<const uint8_t*>(src);
     while (bytes) {
       auto [buf, off, take] = stage(bytes);
       std::memcpy(static_cast<uint8_t*>(buf->a.host) + off, s, take);
+      uses({{dst, take, true}});
       copy_from(buf->a.buf, off, dst, take);
       dst += take, s += take, bytes -= take;
     }
@@ -305,22 +333,26 @@ class Ctx {
       auto [sb, soff] = locate(src, bytes);
       VkBufferCopy c{soff, 0, bytes};
       begin();
+      uses({{src, bytes, false}});
+      order();
       f_.vkCmdCopyBuffer(cmd_, sb, readback_.buf, 1, &c);
-      barrier();
+      barrier();  // the copy before the host reads
     }
     flush();
     if (bytes) std::memcpy(dst, readback_.host, bytes);
   }
   void copy(uint64_t dst, uint64_t src, size_t bytes) {
     auto [sb, soff] = locate(src, bytes);
+    uses({{src, bytes, false}, {dst, bytes, true}});
     copy_from(sb, soff, dst, bytes);
   }
   void zero(uint64_t dst, size_t bytes) {
     auto [db, doff] = locate(dst, bytes);
     if (doff % 4 == 0 && bytes % 4 == 0) {
       begin();
+      uses({{dst, bytes, true}});
+      order();
       f_.vkCmdFillBuffer(cmd_, db, doff, bytes, 0);
-      barrier();
     } else {
       std::vector<uint8_t> z(bytes, 0);
       upload(dst, z.data(), bytes);
@@ -328,14 +360,20 @@ class Ctx {
   }
   void dispatch(const char* shader, const void* push, size_t push_bytes, uint32_t gx, uint32_t gy = 1,
                 uint32_t gz = 1) {
-    if (!gx || !gy || !gz) return;
-    if (push_bytes > kPush) throw Error("vulkan: push constants too large for " + std::string(shader));
-    const VkPipeline p = pipeline(shader);
+    if (!gx || !gy || !gz) return next_.clear();
+    VkPipeline p;
+    try {
+      if (push_bytes > kPush) throw Error("vulkan: push constants too large for " + std::string(shader));
+      p = pipeline(shader);
+    } catch (...) {
+      next_.clear();  // not meant for whatever is recorded next
+      throw;
+    }
     begin();
+    order();
     if (p != bound_) f_.vkCmdBindPipeline(cmd_, VK_PIPELINE_BIND_POINT_COMPUTE, p), bound_ = p;
     f_.vkCmdPushConstants(cmd_, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, (uint32_t)push_bytes, push);
     f_.vkCmdDispatch(cmd_, gx, gy, gz);
-    barrier();
     if (qpool_) stamp(shader);
   }
   // Submits what is recorded and waits; frees what died meanwhile and the staging space.
@@ -390,8 +428,8 @@ class Ctx {
     auto [db, doff] = locate(dst, bytes);
     VkBufferCopy c{soff, doff, bytes};
     begin();
+    order();
     f_.vkCmdCopyBuffer(cmd_, sb, db, 1, &c);
-    barrier();
   }
   std::pair<VkBuffer, size_t> locate(uint64_t addr, size_t bytes) const {
     auto it = live_.upper_bound(addr);
@@ -408,6 +446,8 @@ class Ctx {
     vcheck(f_.vkBeginCommandBuffer(cmd_, &bi), "vkBeginCommandBuffer");
     open_ = true;
     bound_ = VK_NULL_HANDLE;
+    pending_.clear();  // the submit before ordered everything
+    pending_all_ = false;
     if (qpool_) {
       f_.vkCmdResetQueryPool(cmd_, qpool_, 0, kQueries);
       stamped_.clear();
@@ -452,7 +492,41 @@ class Ctx {
       std::fprintf(stderr, "  %-22s %10.3f ms %8llu calls %9.2f us/call\n", e.first.c_str(), e.second.first * 1e-6,
                    (unsigned long long)e.second.second, e.second.first * 1e-3 / (double)e.second.second);
   }
-  // Every command sees all writes before it: simple, and the ops depend on each other anyway.
+  // Before recording a command: a barrier if it depends on a command since the last one (its
+  // uses, taken from next_, against pending_), then its uses join pending_.
+  void order() {
+    static const bool all = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_BARRIERS");
+      return e && std::strcmp(e, "all") == 0;
+    }();
+    const bool named = !next_.empty();
+    for (Use& u : next_)
+      if (u.bytes == kWhole) {
+        auto it = live_.upper_bound(u.addr);
+        if (it == live_.begin()) {
+          u.bytes = 0;
+          continue;
+        }
+        --it;
+        u.addr = it->first, u.bytes = it->second.size;
+      }
+    bool dep = all || pending_all_ || (!named && !pending_.empty()) || pending_.size() > 256;
+    for (size_t i = 0; !dep && i < next_.size(); ++i)
+      for (const Use& p : pending_)
+        if ((next_[i].write || p.write) && next_[i].addr < p.addr + p.bytes && p.addr < next_[i].addr + next_[i].bytes) {
+          dep = true;
+          break;
+        }
+    if (dep) {
+      barrier();
+      pending_.clear();
+      pending_all_ = false;
+    }
+    if (!named) pending_all_ = true;
+    for (const Use& u : next_)
+      if (u.bytes) pending_.push_back(u);
+    next_.clear();
+  }
   void barrier() {
     VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
     mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
@@ -567,6 +641,8 @@ class Ctx {
   Alloc readback_;
   size_t used_ = 0;
   bool open_ = false;
+  std::vector<Use> next_, pending_;  // the next command's uses; those since the last barrier
+  bool pending_all_ = false;         // a command since the last barrier named no uses
 };
 
 class VkBuf final : public Buffer {
@@ -598,6 +674,7 @@ class VulkanBackend final : public Backend {
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     rope_tables_.clear();
+    attn_part_.reset();
     try {
       c_->flush();
     } catch (...) {
@@ -646,14 +723,15 @@ class VulkanBackend final : public Backend {
     if (served_type(type)) return type;
     return cols % 32 == 0 ? (uint32_t)GGMLType::Q8_0 : (uint32_t)GGMLType::F32;
   }
-  // matmul and get_rows read the same bytes: the file's, or for dense q8_0 matrices the split
-  // layout (a row's quants, then its f16 scales, rows 16-byte aligned), whose 8-byte groups a
-  // subgroup reads in aligned, adjacent loads where q8_0's 34-byte blocks need 2-byte reads.
+  // matmul and get_rows read the same bytes: the file's, or for dense q8_0 / q4_0 matrices the
+  // split layout (a row's quants, then its f16 scales, rows 16-byte aligned), whose 16-byte
+  // units a subgroup reads in aligned, adjacent loads where 34- / 18-byte blocks need 2-byte reads.
   // DASLLAMA_VULKAN_SPLIT=0 keeps the file's layout (for A/B runs).
   void load_weight(Weight& w, WeightUse) override {
     if (!w.host) throw Error("vulkan load_weight: the weight has no host bytes");
     if (!served_type(w.type)) throw UnsupportedModelError("vulkan: no shader for weight type id " + std::to_string(w.type));
-    const bool split = split_on() && w.type == (uint32_t)GGMLType::Q8_0 && w.expert_rows == 0 && w.cols % 32 == 0;
+    const bool split = split_on() && (w.type == (uint32_t)GGMLType::Q8_0 || w.type == (uint32_t)GGMLType::Q4_0) &&
+                       w.expert_rows == 0 && w.cols % 32 == 0;
     if (!split) {
       const size_t n = (size_t)w.rows * w.row_bytes;
       BufferPtr b = alloc(n, "weight");
@@ -676,7 +754,23 @@ class VulkanBackend final : public Backend {
     w.packed_for = kSplitLayout;
   }
   static constexpr int kSplitLayout = 0x5C0;  // Weight::packed_for of a split matrix
-  static constexpr uint32_t kQ8Split = 40;     // its shader type (dequant.glsl's T_Q8_0S)
+  static constexpr uint32_t kQ8Split = 40, kQ4Split = 41;  // their shader types (dequant.glsl's T_Q8_0S, T_Q4_0S)
+  // DASLLAMA_VULKAN_GEMV=0: decode matmuls on matmul.comp's subgroup path (for A/B runs).
+  static bool gemv_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_GEMV");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
+  // DASLLAMA_VULKAN_ATTN_SPLIT=0: decode attention unsplit over keys (for A/B runs).
+  static bool attn_split_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_SPLIT");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
   static bool split_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_SPLIT");
@@ -685,7 +779,10 @@ class VulkanBackend final : public Backend {
     return on;
   }
   // The layout a shader reads a weight in: its type id and row stride.
-  static uint32_t lay_type(const Weight& w) { return w.packed_for == kSplitLayout ? kQ8Split : w.type; }
+  static uint32_t lay_type(const Weight& w) {
+    if (w.packed_for != kSplitLayout) return w.type;
+    return w.type == (uint32_t)GGMLType::Q8_0 ? kQ8Split : kQ4Split;
+  }
   static uint64_t lay_rb(const Weight& w) {
     return w.packed_for == kSplitLayout ? split_row_bytes(w.type, w.cols) : (uint64_t)w.row_bytes;
   }
@@ -710,7 +807,12 @@ class VulkanBackend final : public Backend {
       uint32_t rows, cols, n, pad;
     } pc{A(w.data), A(x), A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
     if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
-    if (c_->subgroup && n > kTileMin) {  // prefill: 64 x 64 output tiles through shared memory
+    const auto use = [&] {
+      c_->uses({{A(w.data), Ctx::kWhole, false}, {A(x), (uint64_t)(n * w.cols * 4), false},
+                {A(y), (uint64_t)(n * w.rows * 4), true}});
+    };
+    if (c_->subgroup && n > kTileMin) {
+      use();  // prefill: 64 x 64 output tiles through shared memory
       const std::string sh = "matmul_tile_" + std::to_string(lay_type(w));
       c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 63) / 64), (uint32_t)((n + 63) / 64));
       return;
@@ -722,6 +824,7 @@ class VulkanBackend final : public Backend {
       return;
     }
     const std::string sh = "matmul_" + std::to_string(lay_type(w));
+    use();
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
@@ -762,19 +865,39 @@ class VulkanBackend final : public Backend {
       uint32_t rows[3];
       uint32_t cols, n, b0, b1, flags;
       float eps;
+      uint32_t ks, rpw;  // gemv.comp only
     } pc{};
     pc.norm_w = norm ? A(norm_w) : 0, pc.flags = (norm ? 1u : 0u) | (accumulate ? 2u : 0u), pc.eps = eps;
     uint32_t blocks = 0, b[3] = {0, 0, 0};
     for (int i = 0; i < count; ++i) {
       pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
-      b[i] = (uint32_t)((ws[i]->rows + 3) / 4);
-      blocks += b[i];
     }
     pc.x = A(x), pc.row_bytes = lay_rb(*ws[0]), pc.cols = (uint32_t)ws[0]->cols, pc.n = (uint32_t)n;
-    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
     const uint32_t t = lay_type(*ws[0]);
-    auto it = sg_names_.find(t);
-    if (it == sg_names_.end()) it = sg_names_.emplace(t, "matmul_sg_" + std::to_string(t)).first;
+    // gemv.comp where the weights come in 16-byte units and every address it reads that way is
+    // 16-byte aligned: a subgroup per 4 rows, ks subgroups a row (see its head).
+    const uint32_t ue = t == kQ8Split ? 16 : t == kQ4Split ? 32 : (t == 1 || t == 30) ? 8 : 0;
+    bool direct = ue && gemv_on() && pc.cols % ue == 0 && pc.row_bytes % 16 == 0 && pc.x % 16 == 0 && pc.norm_w % 16 == 0;
+    for (int i = 0; direct && i < count; ++i) direct = pc.w[i] % 16 == 0;
+    uint32_t rpw = 4;
+    if (direct) {
+      const uint32_t S = c_->subgroup_size, nsg = std::max<uint32_t>(1, 128 / S), nu = pc.cols / ue;
+      uint32_t ks = 1;
+      while (ks < nsg && nu >= ks * 4 * S) ks *= 2;  // each part keeps two units a lane at least
+      pc.ks = ks, pc.rpw = rpw = nsg / ks * 4;
+    }
+    blocks = 0;
+    for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + rpw - 1) / rpw);
+    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
+    const uint64_t xb = (uint64_t)(n * ws[0]->cols * 4);
+    auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+    c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
+              {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
+              {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
+    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u);
+    auto it = sg_names_.find(key);
+    if (it == sg_names_.end())
+      it = sg_names_.emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") + std::to_string(t)).first;
     c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
   }
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
@@ -788,6 +911,8 @@ class VulkanBackend final : public Backend {
     const std::string sh = "get_rows_" + std::to_string(lay_type(w));
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.id_base = (uint32_t)i0;
+      c_->uses({{A(w.data), Ctx::kWhole, false}, {A(ids), (uint64_t)n * 4, false},
+                {A(out), (uint64_t)(n * w.cols * 4), true}});
       c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0));
     }
   }
@@ -811,6 +936,8 @@ class VulkanBackend final : public Backend {
       float freq_scale, mscale;
     } pc{A(x), A(pos), inv, A(p.freq_factors), (uint32_t)n_tok, (uint32_t)stride, (uint32_t)n_heads,
          (uint32_t)head_dim, (uint32_t)p.n_rot, p.neox ? 1u : 0u, p.freq_scale, p.mscale};
+    c_->uses({{A(x), (uint64_t)(((n_tok - 1) * stride + (int64_t)n_heads * head_dim) * 4), true},
+              {A(pos), (uint64_t)n_tok * 4, false}, {inv, Ctx::kWhole, false}, {A(p.freq_factors), Ctx::kWhole, false}});
     c_->dispatch("rope", &pc, sizeof pc, groups(n, 64));
   }
   void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
@@ -828,6 +955,9 @@ class VulkanBackend final : public Backend {
          (int32_t)kv.type, 0};
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.row_base = (int32_t)i0;
+      const uint64_t src = (uint64_t)(((n - 1) * src_stride + dim) * 4);
+      c_->uses({{A(kv.base), Ctx::kWhole, true}, {A(kv.pages), Ctx::kWhole, false}, {A(k), src, false},
+                {A(v), src, false}});
       c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), 2);
     }
   }
@@ -844,28 +974,74 @@ class VulkanBackend final : public Backend {
     if (a.n_tok > kMaxGroups) throw Error("vulkan attention: more than 65535 query rows in one call");
     Lock g(c_->mu);
     struct {
-      uint64_t q, base, pages, q_pos, out, sinks;
+      uint64_t q, base, pages, q_pos, out, sinks, part;
       uint32_t page_bytes, k_off, v_off, row_bytes;
       int32_t q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
       float scale, softcap;
-    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), (uint32_t)a.kv.page_bytes,
+      int32_t split;
+    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), 0, (uint32_t)a.kv.page_bytes,
          (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes, (int32_t)a.q_stride,
          (int32_t)a.out_stride, (int32_t)a.n_kv, a.n_heads, a.n_kv_heads, a.head_dim, a.kv.page_shift, a.window,
-         (int32_t)a.kv.type, a.scale, a.softcap};
-    c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
+         (int32_t)a.kv.type, a.scale, a.softcap, 0};
+    const int64_t hd = (int64_t)a.n_heads * a.head_dim;
+    const uint64_t out_bytes = (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4);
+    // Decode over a long context: a workgroup per (head, token) leaves most of a GPU idle, so
+    // the keys are split (about 128 a split, at most 32 splits) and attention_merge joins them.
+    int32_t n_split = 1;
+    if (a.n_tok <= 4 && a.n_kv > 128 && attn_split_on()) {
+      const int64_t ns = std::min<int64_t>(32, (a.n_kv + 127) / 128);
+      pc.split = (int32_t)(((a.n_kv + ns - 1) / ns + 63) / 64 * 64);
+      n_split = (int32_t)((a.n_kv + pc.split - 1) / pc.split);
+      const size_t need = (size_t)a.n_tok * a.n_heads * n_split * (a.head_dim + 2) * 4;
+      if (!attn_part_ || attn_part_->size() < need) attn_part_ = alloc(std::max<size_t>(need, 1 << 20), "attention splits");
+      pc.part = A(attn_part_->data());
+    }
+    c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false},
+              n_split > 1 ? Ctx::Use{pc.part, Ctx::kWhole, true} : Ctx::Use{A(a.out), out_bytes, true},
+              {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
+              {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
+    if (n_split == 1) return;
+    struct {
+      uint64_t part, out, sinks;
+      int32_t out_stride, n_heads, head_dim, n_split;
+    } mp{pc.part, A(a.out), A(a.sinks), (int32_t)a.out_stride, a.n_heads, a.head_dim, n_split};
+    c_->uses({{pc.part, Ctx::kWhole, false}, {A(a.out), out_bytes, true}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    c_->dispatch("attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
+    if (n_rows <= 0 || dim <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(gate), (uint64_t)(((n_rows - 1) * gs + dim) * 4), false},
+              {A(up), (uint64_t)(((n_rows - 1) * us + dim) * 4), false}, {A(out), (uint64_t)(n_rows * dim * 4), true}});
     op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : act == Act::sigmoid ? 11 : 13, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
   }
-  void add(float* y, const float* x, int64_t n) override { op(0, y, x, nullptr, n, {}); }
+  void add(float* y, const float* x, int64_t n) override {
+    if (n <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(y), (uint64_t)n * 4, true}, {A(x), (uint64_t)n * 4, false}});
+    op(0, y, x, nullptr, n, {});
+  }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {
+    if (n_rows <= 0 || dim <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(y), (uint64_t)(n_rows * dim * 4), true}, {A(b), (uint64_t)dim * 4, false}});
     op(1, y, b, nullptr, n_rows * dim, {(uint32_t)dim});
   }
-  void scale(float* y, float s, int64_t n) override { op(2, y, nullptr, nullptr, n, {}, s); }
+  void scale(float* y, float s, int64_t n) override {
+    if (n <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(y), (uint64_t)n * 4, true}});
+    op(2, y, nullptr, nullptr, n, {}, s);
+  }
   void softcap(float* y, float cap, int64_t n) override { op(3, y, nullptr, nullptr, n, {}, cap); }
   void gelu_erf(float* y, int64_t n) override { op(4, y, nullptr, nullptr, n, {}); }
   void copy_rows(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t width) override {
+    if (rows <= 0 || width <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(src), (uint64_t)(((rows - 1) * ss + width) * 4), false},
+              {A(dst), (uint64_t)(((rows - 1) * ds + width) * 4), true}});
     op(7, src, nullptr, dst, rows * width, {(uint32_t)width, (uint32_t)ds, (uint32_t)ss});
   }
   void im2col_1d(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad, float* out,
@@ -1018,6 +1194,8 @@ class VulkanBackend final : public Backend {
     } pc{A(x), A(w), A(b), A(y), (uint32_t)dim, mode, 0, eps};
     for (int64_t r0 = 0; r0 < n_rows; r0 += kMaxGroups) {
       pc.row_base = (uint32_t)r0;
+      c_->uses({{A(x), (uint64_t)(n_rows * dim * 4), false}, {A(w), (uint64_t)dim * 4, false},
+                {A(b), (uint64_t)dim * 4, false}, {A(y), (uint64_t)(n_rows * dim * 4), true}});
       c_->dispatch("norm", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n_rows - r0));
     }
   }
@@ -1025,7 +1203,10 @@ class VulkanBackend final : public Backend {
   void op(uint32_t code, const float* a, const float* b, float* c, int64_t n, std::initializer_list<uint32_t> p,
           float f0 = 0.f) {
     if (n <= 0) return;
-    if (n > INT32_MAX) throw Error("vulkan: an elementwise op over more than 2^31 elements");
+    if (n > INT32_MAX) {
+      c_->forget_uses();
+      throw Error("vulkan: an elementwise op over more than 2^31 elements");
+    }
     Lock g(c_->mu);
     struct {
       uint64_t a, b, c;
@@ -1053,6 +1234,7 @@ class VulkanBackend final : public Backend {
 
   std::shared_ptr<Ctx> c_;
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
+  BufferPtr attn_part_;  // attention's per-split partials (grown as needed)
   std::unordered_map<uint32_t, std::string> sg_names_;  // matmul_sg_<type>
 };
 

@@ -3,15 +3,20 @@
 // probabilities update a running softmax (max m, sum l) and each invocation's output dims.
 // KV rows are read through the block table (once per key, kept in shared memory for the V
 // pass); GQA maps head h to kv head h / (H / KVH).
+// Split over keys (decode over a long context: few (head, token) pairs, many keys): workgroup
+// z takes keys [z * split, (z + 1) * split) and writes its unnormalized (m, l, acc) to part;
+// attention_merge.comp joins the splits (and the sink). split == 0: one workgroup, all keys.
 #version 450
 #include "common.glsl"
 
 layout(local_size_x = 64) in;
 layout(push_constant, std430) uniform PC {
   uint64_t q, base, pages, q_pos, out_, sinks;  // sinks: a logit per head joining the denominator, or 0
+  uint64_t part;                                // split: (m, l, acc[head_dim]) per (token, head, split)
   uint page_bytes, k_off, v_off, row_bytes;
   int q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
   float scale, softcap;
+  int split;
 } pc;
 
 shared float qs[256];
@@ -90,8 +95,10 @@ void main() {
   F32 qr = F32(pc.q + (uint64_t(t) * uint64_t(pc.q_stride) + uint64_t(h * hd)) * 4u);
   for (int d = tid; d < hd; d += 64) qs[d] = qr.v[d];
   const int pos = I32(pc.q_pos).v[t];
-  const int hi = min(pc.n_kv, pos + 1);
-  const int lo = pc.window > 0 ? max(0, pos - pc.window + 1) : 0;
+  int hi = min(pc.n_kv, pos + 1);
+  int lo = pc.window > 0 ? max(0, pos - pc.window + 1) : 0;
+  const int z = int(gl_WorkGroupID.z);
+  if (pc.split > 0) lo = max(lo, z * pc.split), hi = min(hi, (z + 1) * pc.split);
   const uint head_off = pc.kvtype == 0 ? uint(kvh * hd * 4) : pc.kvtype == 1 ? uint(kvh * hd * 2)
                                                                              : uint(kvh * (hd / 32) * 34);
   const uint koff = pc.k_off + head_off, voff = pc.v_off + head_off;
@@ -137,6 +144,16 @@ void main() {
     }
     m = mx;
     barrier();  // sc and rowb are rewritten by the next chunk
+  }
+  if (pc.split > 0) {
+    const int nz = int(gl_NumWorkGroups.z);
+    F32 pr = F32(pc.part + uint64_t(((t * pc.n_heads + h) * nz + z) * (hd + 2)) * 4u);
+    if (tid == 0) pr.v[0] = m, pr.v[1] = l;
+    for (int i = 0; i < 4; ++i) {
+      const int d = tid + 64 * i;
+      if (d < hd) pr.v[2 + d] = acc[i];
+    }
+    return;
   }
   if (pc.sinks != 0ul) {
     const float sink = F32(pc.sinks).v[h], mx = max(m, sink);

@@ -10,6 +10,7 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer U32 { uint v
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer F64 { double v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4 { vec4 v[]; };  // 16-aligned only
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4U { uvec4 v[]; };  // 16-aligned only
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2 { uvec2 v[]; };  // 8-aligned only
 
 // Packed formats sit at 1- or 2-byte alignment: read the covering 32-bit words.
