@@ -221,6 +221,7 @@ class Ctx {
     cai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
     cai.commandBufferCount = 1;
     vcheck(f_.vkAllocateCommandBuffers(dev_, &cai, &cmd_), "vkAllocateCommandBuffers");
+    cb_ = cmd_;
     VkFenceCreateInfo fci{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
     vcheck(f_.vkCreateFence(dev_, &fci, nullptr, &fence_), "vkCreateFence");
     VkPushConstantRange pcr{VK_SHADER_STAGE_COMPUTE_BIT, 0, kPush};
@@ -241,6 +242,9 @@ class Ctx {
       flush();
     } catch (...) {
     }
+    if (std::getenv("DASLLAMA_VULKAN_PROFILE") || std::getenv("DASLLAMA_VULKAN_STEPS"))
+      std::fprintf(stderr, "vulkan steps: %llu replayed, %llu recorded\n", (unsigned long long)replays_[0],
+                   (unsigned long long)replays_[1]);
     if (qpool_) {
       print_profile();
       f_.vkDestroyQueryPool(dev_, qpool_, nullptr);
@@ -289,7 +293,9 @@ class Ctx {
     auto it = live_.find(addr);
     if (it == live_.end()) return;
     used_ -= it->second.size;
-    if (open_)
+    if (rec_)
+      rec_grave_.push_back(it->second);  // a kept command may use it
+    else if (open_)
       grave_.push_back(it->second);
     else
       destroy(it->second);
@@ -319,11 +325,12 @@ class Ctx {
       auto [buf, off, take] = stage(bytes);
       std::memcpy(static_cast<uint8_t*>(buf->a.host) + off, s, take);
       uses({{dst, take, true}});
-      copy_from(buf->a.buf, off, dst, take);
+      copy_from(buf->a.buf, off, dst, take, true);  // staged data: now (before the step's kept commands)
       dst += take, s += take, bytes -= take;
     }
   }
   void download(void* dst, uint64_t src, size_t bytes) {
+    if (rec_) drop_step();  // no download inside a step: the step was abandoned
     if (bytes) {
       if (readback_.size < bytes) {
         flush();  // the old readback buffer may be in the recorded stream
@@ -349,8 +356,17 @@ class Ctx {
   void zero(uint64_t dst, size_t bytes) {
     auto [db, doff] = locate(dst, bytes);
     if (doff % 4 == 0 && bytes % 4 == 0) {
-      begin();
       uses({{dst, bytes, true}});
+      if (rec_) {
+        Rec r;
+        r.dst = db, r.copy = VkBufferCopy{0, doff, bytes};
+        resolve(next_);
+        r.uses.swap(next_);
+        recs_.push_back(std::move(r));
+        uncacheable_ = true;
+        return;
+      }
+      begin();
       order();
       f_.vkCmdFillBuffer(cmd_, db, doff, bytes, 0);
     } else {
@@ -369,12 +385,134 @@ class Ctx {
       next_.clear();  // not meant for whatever is recorded next
       throw;
     }
+    if (rec_) {  // inside a step: kept for end_step
+      Rec r;
+      r.p = p, r.g[0] = gx, r.g[1] = gy, r.g[2] = gz;
+      r.push.assign(static_cast<const uint8_t*>(push), static_cast<const uint8_t*>(push) + push_bytes);
+      resolve(next_);
+      r.uses.swap(next_);
+      sig_put(&p, sizeof p), sig_put(r.g, sizeof r.g), sig_put(push, push_bytes);
+      for (const Use& u : r.uses) sig_put(&u.addr, 8), sig_put(&u.bytes, 8), sig_put(&u.write, 1);
+      const uint32_t end = 0xffffffffu;
+      sig_put(&end, 4);
+      recs_.push_back(std::move(r));
+      return;
+    }
     begin();
     order();
-    if (p != bound_) f_.vkCmdBindPipeline(cmd_, VK_PIPELINE_BIND_POINT_COMPUTE, p), bound_ = p;
-    f_.vkCmdPushConstants(cmd_, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, (uint32_t)push_bytes, push);
-    f_.vkCmdDispatch(cmd_, gx, gy, gz);
+    record_dispatch(p, push, (uint32_t)push_bytes, gx, gy, gz);
     if (qpool_) stamp(shader);
+  }
+  void record_dispatch(VkPipeline p, const void* push, uint32_t push_bytes, uint32_t gx, uint32_t gy, uint32_t gz) {
+    if (p != bound_) f_.vkCmdBindPipeline(cb_, VK_PIPELINE_BIND_POINT_COMPUTE, p), bound_ = p;
+    f_.vkCmdPushConstants(cb_, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, push_bytes, push);
+    f_.vkCmdDispatch(cb_, gx, gy, gz);
+  }
+
+  // ---- steps: recorded once, replayed while their signature repeats ----
+  // Between begin_step and end_step, dispatches are kept (pipeline, push constants, grid, uses);
+  // their bytes are the step's signature. end_step records them into a secondary command buffer
+  // kept under that signature, or finds the one an equal step recorded, and executes it from the
+  // primary stream: a decode step is recorded once and then costs the host one command. Values
+  // that change every decode step (attention's n_kv, the KV store's first row) are not in the
+  // push constants: step_arg() hands out a slot of a small device array, uploaded before the
+  // step runs, and the shaders read it there. A step with a copy or fill (commands naming
+  // VkBuffers, which may die) runs once, directly. DASLLAMA_VULKAN_REPLAY=0: no recording.
+  void begin_step() {
+    drop_step();
+    if (!replay_on() || qpool_) return;
+    if (!args_) args_ = alloc(kArgSlots * 4, "step arguments");
+    rec_ = true;
+  }
+  uint64_t args_addr() const { return rec_ ? args_ : 0; }
+  // v as a push-constant field: a slot reference (negative) inside a recorded step, else v.
+  int32_t step_arg(int32_t v) {
+    if (!rec_ || v < 0 || step_args_.size() >= kArgSlots) return v;
+    step_args_.push_back(v);
+    return -(int32_t)step_args_.size();
+  }
+  void end_step() {
+    if (!rec_) return;
+    rec_ = false;
+    std::vector<Rec> recs;
+    recs.swap(recs_);
+    for (auto& g : rec_grave_) grave_.push_back(g);
+    rec_grave_.clear();
+    if (recs.empty()) return drop_step();
+    if (!step_args_.empty()) upload(args_, step_args_.data(), step_args_.size() * 4);
+    if (uncacheable_) {  // directly into the primary stream
+      for (Rec& r : recs) {
+        next_ = std::move(r.uses);
+        begin();
+        order();
+        if (r.p)
+          record_dispatch(r.p, r.push.data(), (uint32_t)r.push.size(), r.g[0], r.g[1], r.g[2]);
+        else if (r.src)
+          f_.vkCmdCopyBuffer(cb_, r.src, r.dst, 1, &r.copy);
+        else
+          f_.vkCmdFillBuffer(cb_, r.dst, r.copy.dstOffset, r.copy.size, 0);
+      }
+      return drop_step();
+    }
+    Step* hit = nullptr;
+    for (Step& st : steps_)
+      if (st.sig == sig_) hit = &st;
+    ++replays_[hit ? 0 : 1];
+    if (!hit) {
+      if (steps_.size() < kMaxSteps) {
+        steps_.emplace_back();
+        hit = &steps_.back();
+        VkCommandBufferAllocateInfo cai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
+        cai.commandPool = pool_;
+        cai.level = VK_COMMAND_BUFFER_LEVEL_SECONDARY;
+        cai.commandBufferCount = 1;
+        vcheck(f_.vkAllocateCommandBuffers(dev_, &cai, &hit->cb), "vkAllocateCommandBuffers");
+      } else {
+        hit = &steps_[0];
+        for (Step& st : steps_)
+          if (st.used < hit->used) hit = &st;
+        flush();  // the open stream may execute the one replaced
+        vcheck(f_.vkResetCommandBuffer(hit->cb, 0), "vkResetCommandBuffer");
+      }
+      hit->sig = sig_;
+      VkCommandBufferInheritanceInfo ii{VK_STRUCTURE_TYPE_COMMAND_BUFFER_INHERITANCE_INFO};
+      VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+      bi.flags = VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT;
+      bi.pInheritanceInfo = &ii;
+      vcheck(f_.vkBeginCommandBuffer(hit->cb, &bi), "vkBeginCommandBuffer");
+      // The primary's barrier before the execute orders everything before it.
+      cb_ = hit->cb, bound_ = VK_NULL_HANDLE, pending_.clear(), pending_all_ = false;
+      try {
+        for (Rec& r : recs) {
+          next_ = std::move(r.uses);
+          order();
+          record_dispatch(r.p, r.push.data(), (uint32_t)r.push.size(), r.g[0], r.g[1], r.g[2]);
+        }
+        cb_ = cmd_;
+        vcheck(f_.vkEndCommandBuffer(hit->cb), "vkEndCommandBuffer");
+      } catch (...) {
+        cb_ = cmd_;
+        hit->sig.clear();
+        f_.vkResetCommandBuffer(hit->cb, 0);
+        drop_step();
+        throw;
+      }
+    }
+    hit->used = ++clock_;
+    begin();
+    barrier();
+    f_.vkCmdExecuteCommands(cmd_, 1, &hit->cb);
+    bound_ = VK_NULL_HANDLE, pending_.clear(), pending_all_ = true;  // the step's commands: unknown here
+    drop_step();
+  }
+  // Forgets a recording (a step abandoned by an exception, or one that has been issued).
+  void drop_step() {
+    if (rec_) {
+      for (auto& g : rec_grave_) grave_.push_back(g);
+      rec_grave_.clear();
+    }
+    rec_ = false, uncacheable_ = false;
+    recs_.clear(), sig_.clear(), step_args_.clear();
   }
   // Submits what is recorded and waits; frees what died meanwhile and the staging space.
   void flush() {
@@ -423,10 +561,19 @@ class Ctx {
     staging_.push_back({make(kChunk, true, "upload staging"), 0});
     return stage(want);
   }
-  void copy_from(VkBuffer sb, size_t soff, uint64_t dst, size_t bytes) {
-    if (!bytes) return;
+  void copy_from(VkBuffer sb, size_t soff, uint64_t dst, size_t bytes, bool staged = false) {
+    if (!bytes) return next_.clear();
     auto [db, doff] = locate(dst, bytes);
     VkBufferCopy c{soff, doff, bytes};
+    if (rec_ && !staged) {  // a device copy inside a step: kept in order with its dispatches
+      Rec r;
+      r.src = sb, r.dst = db, r.copy = c;
+      resolve(next_);
+      r.uses.swap(next_);
+      recs_.push_back(std::move(r));
+      uncacheable_ = true;
+      return;
+    }
     begin();
     order();
     f_.vkCmdCopyBuffer(cmd_, sb, db, 1, &c);
@@ -500,16 +647,7 @@ class Ctx {
       return e && std::strcmp(e, "all") == 0;
     }();
     const bool named = !next_.empty();
-    for (Use& u : next_)
-      if (u.bytes == kWhole) {
-        auto it = live_.upper_bound(u.addr);
-        if (it == live_.begin()) {
-          u.bytes = 0;
-          continue;
-        }
-        --it;
-        u.addr = it->first, u.bytes = it->second.size;
-      }
+    resolve(next_);
     bool dep = all || pending_all_ || (!named && !pending_.empty()) || pending_.size() > 256;
     for (size_t i = 0; !dep && i < next_.size(); ++i)
       for (const Use& p : pending_)
@@ -527,13 +665,36 @@ class Ctx {
       if (u.bytes) pending_.push_back(u);
     next_.clear();
   }
+  void resolve(std::vector<Use>& us) const {
+    for (Use& u : us)
+      if (u.bytes == kWhole) {
+        auto it = live_.upper_bound(u.addr);
+        if (it == live_.begin()) {
+          u.bytes = 0;
+          continue;
+        }
+        --it;
+        u.addr = it->first, u.bytes = it->second.size;
+      }
+  }
+  void sig_put(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    sig_.insert(sig_.end(), b, b + n);
+  }
+  static bool replay_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_REPLAY");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
   void barrier() {
     VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
     mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
     mb.dstAccessMask =
         VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
     const VkPipelineStageFlags st = VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT;
-    f_.vkCmdPipelineBarrier(cmd_, st, st, 0, 1, &mb, 0, nullptr, 0, nullptr);
+    f_.vkCmdPipelineBarrier(cb_, st, st, 0, 1, &mb, 0, nullptr, 0, nullptr);
   }
   uint32_t mem_type(uint32_t bits, VkMemoryPropertyFlags want) const {
     for (uint32_t i = 0; i < mprops_.memoryTypeCount; ++i)
@@ -643,6 +804,29 @@ class Ctx {
   bool open_ = false;
   std::vector<Use> next_, pending_;  // the next command's uses; those since the last barrier
   bool pending_all_ = false;         // a command since the last barrier named no uses
+  VkCommandBuffer cb_ = VK_NULL_HANDLE;  // where commands are recorded: cmd_, or a step's
+  // A kept command of the step being recorded: a dispatch (p set), a copy (src set) or a fill.
+  struct Rec {
+    VkPipeline p = VK_NULL_HANDLE;
+    std::vector<uint8_t> push;
+    uint32_t g[3] = {0, 0, 0};
+    VkBuffer src = VK_NULL_HANDLE, dst = VK_NULL_HANDLE;
+    VkBufferCopy copy{};
+    std::vector<Use> uses;
+  };
+  struct Step {
+    std::vector<uint8_t> sig;
+    VkCommandBuffer cb = VK_NULL_HANDLE;
+    uint64_t used = 0;
+  };
+  static constexpr size_t kMaxSteps = 8, kArgSlots = 4096;
+  bool rec_ = false, uncacheable_ = false;
+  std::vector<Rec> recs_;
+  std::vector<uint8_t> sig_;
+  std::vector<int32_t> step_args_;
+  std::vector<Alloc> rec_grave_;
+  std::vector<Step> steps_;
+  uint64_t args_ = 0, clock_ = 0, replays_[2] = {0, 0};  // replays_: hits, recordings
 };
 
 class VkBuf final : public Buffer {
@@ -713,7 +897,16 @@ class VulkanBackend final : public Backend {
   }
   void sync() override {
     Lock g(c_->mu);
+    c_->drop_step();  // no sync inside a step: one still recording was abandoned
     c_->flush();
+  }
+  void begin_step() override {
+    Lock g(c_->mu);
+    c_->begin_step();
+  }
+  void end_step() override {
+    Lock g(c_->mu);
+    c_->end_step();
   }
 
   // ---- weights ----
@@ -947,12 +1140,12 @@ class VulkanBackend final : public Backend {
       throw Error("vulkan kv_store: q8_0 rows need dim a multiple of 32, not " + std::to_string(dim));
     Lock g(c_->mu);
     struct {
-      uint64_t base, pages, k, v;
+      uint64_t base, pages, k, v, args;
       uint32_t page_bytes, k_off, v_off, row_bytes;
       int32_t first, src_stride, dim, page_shift, kvtype, row_base;
-    } pc{A(kv.base), A(kv.pages), A(k), A(v), (uint32_t)kv.page_bytes, (uint32_t)kv.k_off, (uint32_t)kv.v_off,
-         (uint32_t)kv.row_bytes, (int32_t)first, (int32_t)src_stride, (int32_t)dim, kv.page_shift,
-         (int32_t)kv.type, 0};
+    } pc{A(kv.base), A(kv.pages), A(k), A(v), c_->args_addr(), (uint32_t)kv.page_bytes, (uint32_t)kv.k_off,
+         (uint32_t)kv.v_off, (uint32_t)kv.row_bytes, c_->step_arg((int32_t)first), (int32_t)src_stride, (int32_t)dim,
+         kv.page_shift, (int32_t)kv.type, 0};
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.row_base = (int32_t)i0;
       const uint64_t src = (uint64_t)(((n - 1) * src_stride + dim) * 4);
@@ -973,16 +1166,22 @@ class VulkanBackend final : public Backend {
                                   std::to_string(a.head_dim));
     if (a.n_tok > kMaxGroups) throw Error("vulkan attention: more than 65535 query rows in one call");
     Lock g(c_->mu);
+    if (a.n_heads > 65535 || a.n_kv_heads > 65535 || a.kv.page_shift < 0 || a.kv.page_shift > 63)
+      throw Error("vulkan attention: head counts past 65535 or a page shift past 63");
     struct {
-      uint64_t q, base, pages, q_pos, out, sinks, part;
+      uint64_t q, base, pages, q_pos, out, sinks, part, args;
       uint32_t page_bytes, k_off, v_off, row_bytes;
-      int32_t q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
+      int32_t q_stride, out_stride, n_kv;
+      uint32_t heads, shape;
+      int32_t window;
       float scale, softcap;
       int32_t split;
-    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), 0, (uint32_t)a.kv.page_bytes,
-         (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes, (int32_t)a.q_stride,
-         (int32_t)a.out_stride, (int32_t)a.n_kv, a.n_heads, a.n_kv_heads, a.head_dim, a.kv.page_shift, a.window,
-         (int32_t)a.kv.type, a.scale, a.softcap, 0};
+    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), 0, c_->args_addr(),
+         (uint32_t)a.kv.page_bytes, (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes,
+         (int32_t)a.q_stride, (int32_t)a.out_stride, c_->step_arg((int32_t)a.n_kv),
+         (uint32_t)a.n_heads | (uint32_t)a.n_kv_heads << 16,
+         (uint32_t)a.head_dim | (uint32_t)a.kv.page_shift << 16 | (uint32_t)a.kv.type << 24, a.window, a.scale,
+         a.softcap, 0};
     const int64_t hd = (int64_t)a.n_heads * a.head_dim;
     const uint64_t out_bytes = (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4);
     // Decode over a long context: a workgroup per (head, token) leaves most of a GPU idle, so

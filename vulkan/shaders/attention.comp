@@ -13,18 +13,29 @@ layout(local_size_x = 64) in;
 layout(push_constant, std430) uniform PC {
   uint64_t q, base, pages, q_pos, out_, sinks;  // sinks: a logit per head joining the denominator, or 0
   uint64_t part;                                // split: (m, l, acc[head_dim]) per (token, head, split)
+  uint64_t args;                                // n_kv_ < 0: n_kv is args[-n_kv_ - 1] (a replayed step's value)
   uint page_bytes, k_off, v_off, row_bytes;
-  int q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
+  int q_stride, out_stride, n_kv_;
+  uint heads;   // n_heads | n_kv_heads << 16
+  uint shape;   // head_dim | page_shift << 16 | kvtype << 24
+  int window;
   float scale, softcap;
   int split;
 } pc;
+
+#define NH int(pc.heads & 0xffffu)
+#define NKVH int(pc.heads >> 16)
+#define HD int(pc.shape & 0xffffu)
+#define PSHIFT int((pc.shape >> 16) & 0xffu)
+#define KVTYPE int(pc.shape >> 24)
+#define NKV (pc.n_kv_ >= 0 ? pc.n_kv_ : I32(pc.args).v[-pc.n_kv_ - 1])
 
 shared float qs[256];
 shared float sc[64];
 
 float kv_elem(uint64_t r, int d) {
-  if (pc.kvtype == 0) return F32(r).v[d];
-  if (pc.kvtype == 1) return h2f(rd16(r + uint64_t(d) * 2u));
+  if (KVTYPE == 0) return F32(r).v[d];
+  if (KVTYPE == 1) return h2f(rd16(r + uint64_t(d) * 2u));
   const uint64_t b = r + uint64_t(d >> 5) * 34u;
   return float(sbyte(rd8(b + 2u + uint(d & 31)), 0u)) * h2f(rd16(b));
 }
@@ -32,9 +43,9 @@ float kv_elem(uint64_t r, int d) {
 // q . (key row at kr): whole words per load where the row's alignment allows, 16 dims a pass
 // with their loads issued together (a loop of unknown length is not pipelined for us).
 float kv_dot(uint64_t kr) {
-  const int hd = pc.head_dim;
+  const int hd = HD;
   float p = 0.0f;
-  if (pc.kvtype == 0) {
+  if (KVTYPE == 0) {
     if ((kr & 15ul) == 0ul && hd % 16 == 0) {
       V4 r = V4(kr);
       for (int d = 0; d < hd; d += 16) {
@@ -50,7 +61,7 @@ float kv_dot(uint64_t kr) {
     } else {
       for (int d = 0; d < hd; ++d) p += qs[d] * F32(kr).v[d];
     }
-  } else if (pc.kvtype == 1) {
+  } else if (KVTYPE == 1) {
     if ((kr & 3ul) == 0ul && hd % 16 == 0) {
       U32 r = U32(kr);
       for (int d = 0; d < hd; d += 16) {
@@ -81,8 +92,8 @@ float kv_dot(uint64_t kr) {
 // The start of key j's row (before the K / V offsets), through the block table.
 uint64_t kv_base(int j) {
   const int64_t jj = int64_t(j);
-  const int64_t page = int64_t(I32(pc.pages).v[uint(jj >> pc.page_shift)]);
-  const int64_t mask = (int64_t(1) << pc.page_shift) - 1;
+  const int64_t page = int64_t(I32(pc.pages).v[uint(jj >> PSHIFT)]);
+  const int64_t mask = (int64_t(1) << PSHIFT) - 1;
   return pc.base + uint64_t(page) * pc.page_bytes + uint64_t(jj & mask) * pc.row_bytes;
 }
 
@@ -90,16 +101,16 @@ shared uint64_t rowb[64];  // the chunk's row starts, looked up once per key (by
 
 void main() {
   const int h = int(gl_WorkGroupID.x), t = int(gl_WorkGroupID.y), tid = int(gl_LocalInvocationID.x);
-  const int hd = pc.head_dim;
-  const int kvh = h / (pc.n_heads / pc.n_kv_heads);
+  const int hd = HD;
+  const int kvh = h / (NH / NKVH);
   F32 qr = F32(pc.q + (uint64_t(t) * uint64_t(pc.q_stride) + uint64_t(h * hd)) * 4u);
   for (int d = tid; d < hd; d += 64) qs[d] = qr.v[d];
   const int pos = I32(pc.q_pos).v[t];
-  int hi = min(pc.n_kv, pos + 1);
+  int hi = min(NKV, pos + 1);
   int lo = pc.window > 0 ? max(0, pos - pc.window + 1) : 0;
   const int z = int(gl_WorkGroupID.z);
   if (pc.split > 0) lo = max(lo, z * pc.split), hi = min(hi, (z + 1) * pc.split);
-  const uint head_off = pc.kvtype == 0 ? uint(kvh * hd * 4) : pc.kvtype == 1 ? uint(kvh * hd * 2)
+  const uint head_off = KVTYPE == 0 ? uint(kvh * hd * 4) : KVTYPE == 1 ? uint(kvh * hd * 2)
                                                                              : uint(kvh * (hd / 32) * 34);
   const uint koff = pc.k_off + head_off, voff = pc.v_off + head_off;
   float acc[4] = float[4](0.0f, 0.0f, 0.0f, 0.0f);  // dims tid + 64 i
@@ -147,7 +158,7 @@ void main() {
   }
   if (pc.split > 0) {
     const int nz = int(gl_NumWorkGroups.z);
-    F32 pr = F32(pc.part + uint64_t(((t * pc.n_heads + h) * nz + z) * (hd + 2)) * 4u);
+    F32 pr = F32(pc.part + uint64_t(((t * NH + h) * nz + z) * (hd + 2)) * 4u);
     if (tid == 0) pr.v[0] = m, pr.v[1] = l;
     for (int i = 0; i < 4; ++i) {
       const int d = tid + 64 * i;
