@@ -29,6 +29,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -294,7 +295,7 @@ class Ctx {
     if (it == live_.end()) return;
     used_ -= it->second.size;
     if (rec_)
-      rec_grave_.push_back(it->second);  // a kept command may use it
+      rec_grave_.push_back(it->second);  // (from any thread: a kept command may use it)  // a kept command may use it
     else if (open_)
       grave_.push_back(it->second);
     else
@@ -330,7 +331,7 @@ class Ctx {
     }
   }
   void download(void* dst, uint64_t src, size_t bytes) {
-    if (rec_) drop_step();  // no download inside a step: the step was abandoned
+    if (recording()) drop_step();  // no download inside a step: the step was abandoned
     if (bytes) {
       if (readback_.size < bytes) {
         flush();  // the old readback buffer may be in the recorded stream
@@ -357,7 +358,7 @@ class Ctx {
     auto [db, doff] = locate(dst, bytes);
     if (doff % 4 == 0 && bytes % 4 == 0) {
       uses({{dst, bytes, true}});
-      if (rec_) {
+      if (recording()) {
         Rec r;
         r.dst = db, r.copy = VkBufferCopy{0, doff, bytes};
         resolve(next_);
@@ -385,7 +386,7 @@ class Ctx {
       next_.clear();  // not meant for whatever is recorded next
       throw;
     }
-    if (rec_) {  // inside a step: kept for end_step
+    if (recording()) {  // inside a step: kept for end_step
       Rec r;
       r.p = p, r.g[0] = gx, r.g[1] = gy, r.g[2] = gz;
       r.push.assign(static_cast<const uint8_t*>(push), static_cast<const uint8_t*>(push) + push_bytes);
@@ -418,21 +419,25 @@ class Ctx {
   // push constants: step_arg() hands out a slot of a small device array, uploaded before the
   // step runs, and the shaders read it there. A step with a copy or fill (commands naming
   // VkBuffers, which may die) runs once, directly. DASLLAMA_VULKAN_REPLAY=0: no recording.
+  // One recording at a time, by the thread that began it: another thread's ops (a second model
+  // would have its own backend, but nothing forbids sharing one) go straight into the stream.
   void begin_step() {
+    if (rec_ && !recording()) return;
     drop_step();
     if (!replay_on() || qpool_) return;
     if (!args_) args_ = alloc(kArgSlots * 4, "step arguments");
-    rec_ = true;
+    rec_ = true, rec_tid_ = std::this_thread::get_id();
   }
-  uint64_t args_addr() const { return rec_ ? args_ : 0; }
+  bool recording() const { return rec_ && rec_tid_ == std::this_thread::get_id(); }
+  uint64_t args_addr() const { return recording() ? args_ : 0; }
   // v as a push-constant field: a slot reference (negative) inside a recorded step, else v.
   int32_t step_arg(int32_t v) {
-    if (!rec_ || v < 0 || step_args_.size() >= kArgSlots) return v;
+    if (!recording() || v < 0 || step_args_.size() >= kArgSlots) return v;
     step_args_.push_back(v);
     return -(int32_t)step_args_.size();
   }
   void end_step() {
-    if (!rec_) return;
+    if (!recording()) return;
     rec_ = false;
     std::vector<Rec> recs;
     recs.swap(recs_);
@@ -565,7 +570,7 @@ class Ctx {
     if (!bytes) return next_.clear();
     auto [db, doff] = locate(dst, bytes);
     VkBufferCopy c{soff, doff, bytes};
-    if (rec_ && !staged) {  // a device copy inside a step: kept in order with its dispatches
+    if (recording() && !staged) {  // a device copy inside a step: kept in order with its dispatches
       Rec r;
       r.src = sb, r.dst = db, r.copy = c;
       resolve(next_);
@@ -821,6 +826,7 @@ class Ctx {
   };
   static constexpr size_t kMaxSteps = 8, kArgSlots = 4096;
   bool rec_ = false, uncacheable_ = false;
+  std::thread::id rec_tid_;
   std::vector<Rec> recs_;
   std::vector<uint8_t> sig_;
   std::vector<int32_t> step_args_;
@@ -897,7 +903,7 @@ class VulkanBackend final : public Backend {
   }
   void sync() override {
     Lock g(c_->mu);
-    c_->drop_step();  // no sync inside a step: one still recording was abandoned
+    if (c_->recording()) c_->drop_step();  // no sync inside a step: this thread abandoned its recording
     c_->flush();
   }
   void begin_step() override {
