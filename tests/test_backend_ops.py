@@ -113,6 +113,18 @@ def test_matmul(backends, wtype, rows, cols, n):
     check(f"matmul {wtype} {rows}x{cols} n={n}", outs, x.astype(np.float64) @ w.T, F32_DOT, cpu_bar)
 
 
+@pytest.mark.parametrize("wtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("cols,n", [(200, 1), (100, 3), (200, 70), (100, 40)])
+def test_matmul_odd_width(backends, wtype, cols, n):
+    """Float rows that end mid-vector (cols not a multiple of 16 or of 8): decode and prefill."""
+    rng = np.random.default_rng(cols + n)
+    raw, w = make_weight(rng, wtype, 131, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    outs = run_all(backends, "matmul", raw, int(T[wtype.upper()]), 131, cols, x)
+    check(f"matmul {wtype} 131x{cols} n={n}", outs, x.astype(np.float64) @ w.T, F32_DOT,
+          F32_DOT if wtype == "f32" else ACT_QUANT)
+
+
 def test_matmul_multi(backends):
     rng = np.random.default_rng(5)
     parts = [make_weight(rng, "q8_0", r, 512) for r in (64, 16, 16)]

@@ -954,6 +954,14 @@ class VulkanBackend final : public Backend {
   }
   static constexpr int kSplitLayout = 0x5C0;  // Weight::packed_for of a split matrix
   static constexpr uint32_t kQ8Split = 40, kQ4Split = 41;  // their shader types (dequant.glsl's T_Q8_0S, T_Q4_0S)
+  // DASLLAMA_VULKAN_GEMM=0: prefill on matmul_tile.comp's 64 x 64 tiles (for A/B runs).
+  static bool gemm_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_GEMM");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
   // DASLLAMA_VULKAN_GEMV=0: decode matmuls on matmul.comp's subgroup path (for A/B runs).
   static bool gemv_on() {
     static const bool on = [] {
@@ -1010,10 +1018,12 @@ class VulkanBackend final : public Backend {
       c_->uses({{A(w.data), Ctx::kWhole, false}, {A(x), (uint64_t)(n * w.cols * 4), false},
                 {A(y), (uint64_t)(n * w.rows * 4), true}});
     };
-    if (c_->subgroup && n > kTileMin) {
-      use();  // prefill: 64 x 64 output tiles through shared memory
-      const std::string sh = "matmul_tile_" + std::to_string(lay_type(w));
-      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 63) / 64), (uint32_t)((n + 63) / 64));
+    if (c_->subgroup && n > kTileMin) {  // prefill: output tiles through shared memory
+      use();
+      const bool g = gemm_on();  // 128 rows x 64 tokens (gemm.comp), else 64 x 64 (matmul_tile.comp)
+      const std::string sh = (g ? "gemm_" : "matmul_tile_") + std::to_string(lay_type(w));
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + (g ? 127 : 63)) / (g ? 128 : 64)),
+                   (uint32_t)((n + 63) / 64));
       return;
     }
     if (c_->subgroup) {  // a subgroup per row, 4 rows per workgroup
