@@ -970,14 +970,16 @@ class VulkanBackend final : public Backend {
     }();
     return on;
   }
-  // DASLLAMA_VULKAN_ATTN_SPLIT=0: decode attention unsplit over keys (for A/B runs).
-  static bool attn_split_on() {
-    static const bool on = [] {
+  // DASLLAMA_VULKAN_ATTN_SPLIT=0: decode attention unsplit over keys; =dispatch: split, joined
+  // by a second dispatch (attention_merge.comp) instead of the last split (for A/B runs).
+  static int attn_split_mode() {
+    static const int mode = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_SPLIT");
-      return !(e && std::strcmp(e, "0") == 0);
+      return !e || !*e ? 1 : std::strcmp(e, "0") == 0 ? 0 : std::strcmp(e, "dispatch") == 0 ? 2 : 1;
     }();
-    return on;
+    return mode;
   }
+  static constexpr int64_t kPartCounters = 65536;  // attention.comp's kCounters
   static bool split_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_SPLIT");
@@ -1200,23 +1202,30 @@ class VulkanBackend final : public Backend {
          a.softcap, 0};
     const int64_t hd = (int64_t)a.n_heads * a.head_dim;
     const uint64_t out_bytes = (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4);
-    // Decode over a long context: a workgroup per (head, token) leaves most of a GPU idle, so
-    // the keys are split (about 128 a split, at most 32 splits) and attention_merge joins them.
+    // Decode: a workgroup per (head, token) walks its keys 64 at a time, serially, while most
+    // of a GPU idles, so past 64 keys they are split (64 a split up to 4096 keys, at most 64
+    // splits) and the last split of each (token, head) to finish joins them (attention.comp).
     int32_t n_split = 1;
-    if (a.n_tok <= 4 && a.n_kv > 128 && attn_split_on()) {
-      const int64_t ns = std::min<int64_t>(32, (a.n_kv + 127) / 128);
-      pc.split = (int32_t)(((a.n_kv + ns - 1) / ns + 63) / 64 * 64);
-      n_split = (int32_t)((a.n_kv + pc.split - 1) / pc.split);
-      const size_t need = (size_t)a.n_tok * a.n_heads * n_split * (a.head_dim + 2) * 4;
-      if (!attn_part_ || attn_part_->size() < need) attn_part_ = alloc(std::max<size_t>(need, 1 << 20), "attention splits");
+    const int mode = attn_split_mode();
+    if (a.n_tok <= 4 && a.n_kv > 64 && mode && (int64_t)a.n_tok * a.n_heads * 4 <= kPartCounters) {
+      const int64_t ns = std::min<int64_t>(64, (a.n_kv + 63) / 64);
+      const int64_t len = ((a.n_kv + ns - 1) / ns + 63) / 64 * 64;
+      n_split = (int32_t)((a.n_kv + len - 1) / len);
+      pc.split = mode == 2 ? -(int32_t)len : (int32_t)len;
+      const size_t need = kPartCounters + (size_t)a.n_tok * a.n_heads * n_split * (a.head_dim + 2) * 4;
+      if (!attn_part_ || attn_part_->size() < need) {
+        attn_part_.reset();
+        attn_part_ = alloc(std::max<size_t>(need, 2 << 20), "attention splits");
+        c_->zero(A(attn_part_->data()), kPartCounters);  // the counters start (and are left) at 0
+      }
       pc.part = A(attn_part_->data());
     }
     c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false},
-              n_split > 1 ? Ctx::Use{pc.part, Ctx::kWhole, true} : Ctx::Use{A(a.out), out_bytes, true},
+              {n_split > 1 ? pc.part : 0, Ctx::kWhole, true}, {pc.split >= 0 ? A(a.out) : 0, out_bytes, true},
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
     c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
-    if (n_split == 1) return;
+    if (pc.split >= 0) return;
     struct {
       uint64_t part, out, sinks;
       int32_t out_stride, n_heads, head_dim, n_split;

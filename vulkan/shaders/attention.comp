@@ -3,13 +3,18 @@
 // probabilities update a running softmax (max m, sum l) and each invocation's output dims.
 // KV rows are read through the block table (once per key, kept in shared memory for the V
 // pass); GQA maps head h to kv head h / (H / KVH).
-// Split over keys (decode over a long context: few (head, token) pairs, many keys): workgroup
-// z takes keys [z * split, (z + 1) * split) and writes its unnormalized (m, l, acc) to part;
-// attention_merge.comp joins the splits (and the sink). split == 0: one workgroup, all keys.
+// Split over keys (decode: few (head, token) pairs, many keys): workgroup z takes keys
+// [z * S, (z + 1) * S), S = |split|, and writes its unnormalized (m, l, acc) to part (after
+// kCounters bytes of counters). split > 0: the last of a (token, head)'s workgroups to finish
+// (a counter per pair, left at 0 again) joins them and writes the output, so the split costs
+// no second dispatch; split < 0: attention_merge.comp joins them. split == 0: no split.
 #version 450
 #include "common.glsl"
 
 layout(local_size_x = 64) in;
+// The splits' partials as other workgroups see them: coherent (not from a stale cache).
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer PartF { float v[]; };
+const uint kCounters = 65536u;  // bytes of counters before the partials (the host's kPartCounters)
 layout(push_constant, std430) uniform PC {
   uint64_t q, base, pages, q_pos, out_, sinks;  // sinks: a logit per head joining the denominator, or 0
   uint64_t part;                                // split: (m, l, acc[head_dim]) per (token, head, split)
@@ -97,7 +102,8 @@ uint64_t kv_base(int j) {
   return pc.base + uint64_t(page) * pc.page_bytes + uint64_t(jj & mask) * pc.row_bytes;
 }
 
-shared uint64_t rowb[64];  // the chunk's row starts, looked up once per key (by the scoring lane)
+shared uint64_t rowb[64];
+shared bool last;  // this workgroup joins the splits  // the chunk's row starts, looked up once per key (by the scoring lane)
 
 void main() {
   const int h = int(gl_WorkGroupID.x), t = int(gl_WorkGroupID.y), tid = int(gl_LocalInvocationID.x);
@@ -109,7 +115,8 @@ void main() {
   int hi = min(NKV, pos + 1);
   int lo = pc.window > 0 ? max(0, pos - pc.window + 1) : 0;
   const int z = int(gl_WorkGroupID.z);
-  if (pc.split > 0) lo = max(lo, z * pc.split), hi = min(hi, (z + 1) * pc.split);
+  const int S = abs(pc.split);
+  if (S > 0) lo = max(lo, z * S), hi = min(hi, (z + 1) * S);
   const uint head_off = KVTYPE == 0 ? uint(kvh * hd * 4) : KVTYPE == 1 ? uint(kvh * hd * 2)
                                                                              : uint(kvh * (hd / 32) * 34);
   const uint koff = pc.k_off + head_off, voff = pc.v_off + head_off;
@@ -133,12 +140,12 @@ void main() {
     const float corr = exp(m - mx);  // 0 on the first chunk (m = -inf)
     l *= corr;
     for (int i = 0; i < 4; ++i) acc[i] *= corr;
-    // Four keys a pass, their V loads issued together; the sums run key by key as before.
+    // Eight keys a pass, their V loads issued together; the sums run key by key as before.
     int k = 0;
-    for (; k < cnt; k += 4) {
-      const int nk = min(4, cnt - k);
-      float pk[4], ev[4][4];
-      [[unroll]] for (int u = 0; u < 4; ++u) {
+    for (; k < cnt; k += 8) {
+      const int nk = min(8, cnt - k);
+      float pk[8], ev[8][4];
+      [[unroll]] for (int u = 0; u < 8; ++u) {
         pk[u] = 0.0f;
         if (u < nk) pk[u] = exp(sc[k + u] - mx);
         const uint64_t vr = rowb[k + min(u, nk - 1)] + voff;
@@ -147,7 +154,7 @@ void main() {
           ev[u][i] = d < hd && u < nk ? kv_elem(vr, d) : 0.0f;
         }
       }
-      [[unroll]] for (int u = 0; u < 4; ++u) {
+      [[unroll]] for (int u = 0; u < 8; ++u) {
         if (u >= nk) break;
         l += pk[u];
         [[unroll]] for (int i = 0; i < 4; ++i) acc[i] += pk[u] * ev[u][i];
@@ -156,15 +163,47 @@ void main() {
     m = mx;
     barrier();  // sc and rowb are rewritten by the next chunk
   }
-  if (pc.split > 0) {
+  if (S > 0) {
     const int nz = int(gl_NumWorkGroups.z);
-    F32 pr = F32(pc.part + uint64_t(((t * NH + h) * nz + z) * (hd + 2)) * 4u);
+    const uint64_t mine = pc.part + kCounters + uint64_t((t * NH + h) * nz) * uint64_t(hd + 2) * 4u;
+    PartF pr = PartF(mine + uint64_t(z * (hd + 2)) * 4u);
     if (tid == 0) pr.v[0] = m, pr.v[1] = l;
     for (int i = 0; i < 4; ++i) {
       const int d = tid + 64 * i;
       if (d < hd) pr.v[2 + d] = acc[i];
     }
-    return;
+    if (pc.split < 0) return;  // attention_merge.comp joins them
+    // The partials out before the count; the last workgroup of (t, h) reads all of them.
+    memoryBarrierBuffer();
+    barrier();
+    if (tid == 0) {
+      U32 cnt = U32(pc.part);
+      const uint done = atomicAdd(cnt.v[t * NH + h], 1u);
+      last = done == uint(nz - 1);
+      if (last) cnt.v[t * NH + h] = 0u;  // every split has counted: ready for the next call
+    }
+    barrier();
+    if (!last) return;
+    memoryBarrierBuffer();
+    m = uintBitsToFloat(0xff800000u);
+    for (int s2 = 0; s2 < nz; ++s2) {
+      PartF p = PartF(mine + uint64_t(s2 * (hd + 2)) * 4u);
+      if (p.v[1] > 0.0f) m = max(m, p.v[0]);
+    }
+    l = 0.0f;
+    for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+    for (int s2 = 0; s2 < nz; ++s2) {
+      PartF p = PartF(mine + uint64_t(s2 * (hd + 2)) * 4u);
+      const float ls = p.v[1];
+      if (!(ls > 0.0f)) continue;
+      const float w = exp(p.v[0] - m);
+      l += ls * w;
+      for (int i = 0; i < 4; ++i) {
+        const int d = tid + 64 * i;
+        if (d < hd) acc[i] += p.v[2 + d] * w;
+      }
+    }
+    // No visible key in any split: m stays -inf, l 0, as unsplit.
   }
   if (pc.sinks != 0ul) {
     const float sink = F32(pc.sinks).v[h], mx = max(m, sink);
