@@ -427,8 +427,17 @@ class Ctx {
     if (!replay_on() || qpool_) return;
     if (!args_) args_ = alloc(kArgSlots * 4, "step arguments");
     rec_ = true, rec_tid_ = std::this_thread::get_id();
+    ++serial_;
   }
   bool recording() const { return rec_ && rec_tid_ == std::this_thread::get_id(); }
+  // The kept commands so far and the signature's length (a fusion may take back the last one).
+  size_t kept() const { return recs_.size(); }
+  size_t sig_bytes() const { return sig_.size(); }
+  uint64_t step_serial() const { return serial_; }
+  void unkeep_last(size_t sig_bytes) {
+    recs_.pop_back();
+    sig_.resize(sig_bytes);
+  }
   uint64_t args_addr() const { return recording() ? args_ : 0; }
   // v as a push-constant field: a slot reference (negative) inside a recorded step, else v.
   int32_t step_arg(int32_t v) {
@@ -832,7 +841,7 @@ class Ctx {
   std::vector<int32_t> step_args_;
   std::vector<Alloc> rec_grave_;
   std::vector<Step> steps_;
-  uint64_t args_ = 0, clock_ = 0, replays_[2] = {0, 0};  // replays_: hits, recordings
+  uint64_t args_ = 0, clock_ = 0, replays_[2] = {0, 0}, serial_ = 0;  // replays_: hits, recordings
 };
 
 class VkBuf final : public Buffer {
@@ -865,6 +874,7 @@ class VulkanBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     rope_tables_.clear();
     attn_part_.reset();
+    glu_cnt_.reset();
     try {
       c_->flush();
     } catch (...) {
@@ -1100,16 +1110,49 @@ class VulkanBackend final : public Backend {
     blocks = 0;
     for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + rpw - 1) / rpw);
     pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
+    // The glu just kept makes x (ffn down in a recorded step): x is computed from its gate and
+    // up on the way and the glu's dispatch is taken back (gemv.comp, GLU).
+    const Glu gl = glu_;
+    glu_ = Glu{};
+    const bool fuse = direct && gl.valid && count == 1 && !norm && n <= 8 && fuse_glu_on() && c_->recording() &&
+                      gl.serial == c_->step_serial() && gl.kept == c_->kept() && gl.out == pc.x && gl.n_rows == n &&
+                      gl.dim == (int64_t)pc.cols && gl.gate % 16 == 0 && gl.up % 16 == 0 && gl.gs % 4 == 0 &&
+                      gl.us % 4 == 0;
     const uint64_t xb = (uint64_t)(n * ws[0]->cols * 4);
-    auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
-    c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
-              {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
-              {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
-    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u);
+    if (fuse) {
+      c_->unkeep_last(gl.sig0);
+      if (!glu_cnt_) {
+        glu_cnt_ = alloc(256, "glu counter");
+        c_->zero(A(glu_cnt_->data()), 256);  // left at 0 by every dispatch that counts on it
+      }
+      pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.norm_w = A(glu_cnt_->data());
+      pc.y[1] = (uint64_t)(uint32_t)gl.gs | (uint64_t)(uint32_t)gl.us << 32, pc.y[2] = gl.code;
+      c_->uses({{gl.gate, (uint64_t)(((n - 1) * gl.gs + gl.dim) * 4), false},
+                {gl.up, (uint64_t)(((n - 1) * gl.us + gl.dim) * 4), false}, {gl.out, xb, true},
+                {pc.w[0], Ctx::kWhole, false}, {pc.y[0], (uint64_t)(n * ws[0]->rows * 4), true},
+                {pc.norm_w, 256, true}});
+    } else {
+      auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+      c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
+                {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
+                {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
+    }
+    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u);
     auto it = sg_names_.find(key);
     if (it == sg_names_.end())
-      it = sg_names_.emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") + std::to_string(t)).first;
+      it = sg_names_
+               .emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") +
+                                 std::string(fuse ? "glu_" : "") + std::to_string(t))
+               .first;
     c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
+  }
+  // DASLLAMA_VULKAN_FUSE_GLU=0: the glu before ffn down stays its own dispatch (for A/B runs).
+  static bool fuse_glu_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_GLU");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
   }
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
     if (n <= 0) return;
@@ -1239,7 +1282,14 @@ class VulkanBackend final : public Backend {
     Lock g(c_->mu);
     c_->uses({{A(gate), (uint64_t)(((n_rows - 1) * gs + dim) * 4), false},
               {A(up), (uint64_t)(((n_rows - 1) * us + dim) * 4), false}, {A(out), (uint64_t)(n_rows * dim * 4), true}});
-    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : act == Act::sigmoid ? 11 : 13, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    const uint32_t code =
+        act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : act == Act::sigmoid ? 11 : 13;
+    const size_t sig0 = c_->sig_bytes();
+    op(code, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    // Kept for the matmul that may read out next (matmul_sg folds this dispatch into it).
+    glu_ = Glu{};
+    if (c_->recording() && (code == 5 || code == 6 || code == 13))
+      glu_ = Glu{true, c_->step_serial(), c_->kept(), sig0, A(gate), A(up), A(out), gs, us, n_rows, dim, code};
   }
   void add(float* y, const float* x, int64_t n) override {
     if (n <= 0) return;
@@ -1457,7 +1507,17 @@ class VulkanBackend final : public Backend {
   }
 
   std::shared_ptr<Ctx> c_;
+  // The step's last glu, while it is the last kept command (see matmul_sg).
+  struct Glu {
+    bool valid = false;
+    uint64_t serial = 0;
+    size_t kept = 0, sig0 = 0;
+    uint64_t gate = 0, up = 0, out = 0;
+    int64_t gs = 0, us = 0, n_rows = 0, dim = 0;
+    uint32_t code = 0;
+  } glu_;
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
+  BufferPtr glu_cnt_;  // gemv.comp's GLU counter
   BufferPtr attn_part_;  // attention's per-split partials (grown as needed)
   std::unordered_map<uint32_t, std::string> sg_names_;  // matmul_sg_<type>
 };

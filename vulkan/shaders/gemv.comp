@@ -10,6 +10,12 @@
 // Same push constants and fusions as matmul.comp's SG path (up to three weights against one x,
 // x RMS-normed on the way, the result added into y), plus ks and rpw.
 // Compiled per TYPE and per NT (tokens a pass: 1 for decode, 8 otherwise).
+// With -DGLU (one weight, no norm) x is act(gate) * up, computed on the way from the GLU's
+// inputs (a step's glu followed by the matmul that reads its output: ffn down): one dispatch
+// and one barrier less. The GLU's output is still written, by the last workgroup to finish
+// (a counter at norm_w, left at 0 again): out may be up itself, which every workgroup reads.
+// Its fields ride in unused slots: w[1] up, w[2] the GLU's out, y[1] the gate and up row
+// strides (low, high 32 bits), y[2] the activation (ops.comp's op code), norm_w the counter.
 #version 450
 #include "common.glsl"
 #include "dequant.glsl"
@@ -33,6 +39,10 @@ const uint UE = 16u;
 const uint UE = 32u;
 #else
 const uint UE = 8u;
+#endif
+#ifdef GLU
+shared bool glu_last;
+float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu_tanh(g) : max(g, 0.0f); }
 #endif
 const uint MAXSG = 32u;  // 128 invocations over subgroups of 4 or more
 shared float red[MAXSG][R + 1u][NT];
@@ -99,6 +109,9 @@ void main() {
       ss[t] = 0.0f;
       [[unroll]] for (uint r = 0u; r < R; ++r) acc[r][t] = 0.0f;
     }
+#ifdef GLU
+    const uint gs = uint(pc.y[1]), us = uint(pc.y[1] >> 32), act = uint(pc.y[2]);
+#endif
     if (live) {
       uint64_t row[R];
       [[unroll]] for (uint r = 0u; r < R; ++r) row[r] = wbase + uint64_t(min(r0 + r, rows - 1u)) * rb;
@@ -127,8 +140,20 @@ void main() {
             }
             [[unroll]] for (uint t = 0u; t < NT; ++t) {
               if (t >= nt) break;
+#ifdef GLU
+              V4 gr = V4(pc.x + (uint64_t(t0 + t) * gs + e) * 4u), ur = V4(pc.w[1] + (uint64_t(t0 + t) * us + e) * 4u);
+              vec4 xa, xb;
+              {
+                const vec4 g0 = gr.v[0], g1 = gr.v[1], u0 = ur.v[0], u1 = ur.v[1];
+                [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                  xa[i] = glu_act(act, g0[i]) * u0[i];
+                  xb[i] = glu_act(act, g1[i]) * u1[i];
+                }
+              }
+#else
               V4 xr = V4(pc.x + (uint64_t(t0 + t) * pc.cols + e) * 4u);
               vec4 xa = xr.v[0], xb = xr.v[1];
+#endif
               if (norm) {
                 ss[t] += dot(xa, xa) + dot(xb, xb);
                 xa *= nw0, xb *= nw1;
@@ -186,4 +211,22 @@ void main() {
       }
     }
   }
+#ifdef GLU
+  // Every workgroup has read its gate and up (its sums are out): the last one writes the GLU.
+  barrier();
+  if (gl_LocalInvocationIndex == 0u) {
+    U32 cnt = U32(pc.norm_w);
+    glu_last = atomicAdd(cnt.v[0], 1u) == gl_NumWorkGroups.x * gl_NumWorkGroups.y - 1u;
+    if (glu_last) cnt.v[0] = 0u;
+  }
+  barrier();
+  if (glu_last) {
+    const uint gs = uint(pc.y[1]), us = uint(pc.y[1] >> 32), act = uint(pc.y[2]);
+    F32 gr = F32(pc.x), ur = F32(pc.w[1]), o = F32(pc.w[2]);
+    for (uint i = gl_LocalInvocationIndex; i < pc.n * pc.cols; i += gl_WorkGroupSize.x) {
+      const uint t = i / pc.cols, k = i % pc.cols;
+      o.v[i] = glu_act(act, gr.v[t * gs + k]) * ur.v[t * us + k];
+    }
+  }
+#endif
 }
