@@ -656,14 +656,22 @@ def test_paged_attention(backends, kv, case):
     check(f"attention {kv}", {d: o for d, (o, _) in res.items()}, ref, F32_DOT)
 
 
+MULTI_SPECS = {  # (rows already cached, new rows) per session; the pool's pages
+    "short": ([(10, 9), (17, 1), (24, 1), (0, 3), (40, 1)], 16),
+    # decodes deep enough that a device splits their keys, in one step (concurrent splits)
+    "deep": ([(100, 1), (200, 1), (70, 2), (0, 3), (300, 1), (129, 4)], 64),
+}
+
+
 @pytest.mark.parametrize("kv", list(KV_TYPES))
-def test_paged_attention_multi(backends, kv):
+@pytest.mark.parametrize("depth", list(MULTI_SPECS))
+def test_paged_attention_multi(backends, kv, depth):
     """One step's attentions over several sessions, as eval_batch issues them (a prefill beside
     decodes at other depths, each session on its own pages): every session equals the float64
     reference over its own rows."""
     rng = np.random.default_rng(41)
-    H, KVH, hd, P, pool = 4, 2, 32, 16, 16
-    spec = [(10, 9), (17, 1), (24, 1), (0, 3), (40, 1)]  # (rows already cached, new rows)
+    spec, pool = MULTI_SPECS[depth]
+    H, KVH, hd, P = 4, 2, 32, 16
     ids = rng.permutation(pool).astype(np.int32)
     sessions, at = [], 0
     for past, new in spec:

@@ -310,6 +310,7 @@ class Ctx {
   struct Use {
     uint64_t addr, bytes;
     bool write;
+    bool shared = false;  // a write other shared writes may overlap (disjoint rows: KV stores)
   };
   void uses(std::initializer_list<Use> u) {
     next_.clear();
@@ -393,7 +394,7 @@ class Ctx {
       resolve(next_);
       r.uses.swap(next_);
       sig_put(&p, sizeof p), sig_put(r.g, sizeof r.g), sig_put(push, push_bytes);
-      for (const Use& u : r.uses) sig_put(&u.addr, 8), sig_put(&u.bytes, 8), sig_put(&u.write, 1);
+      for (const Use& u : r.uses) sig_put(&u.addr, 8), sig_put(&u.bytes, 8), sig_put(&u.write, 1), sig_put(&u.shared, 1);
       const uint32_t end = 0xffffffffu;
       sig_put(&end, 4);
       recs_.push_back(std::move(r));
@@ -665,7 +666,8 @@ class Ctx {
     bool dep = all || pending_all_ || (!named && !pending_.empty()) || pending_.size() > 256;
     for (size_t i = 0; !dep && i < next_.size(); ++i)
       for (const Use& p : pending_)
-        if ((next_[i].write || p.write) && next_[i].addr < p.addr + p.bytes && p.addr < next_[i].addr + next_[i].bytes) {
+        if ((next_[i].write || p.write) && !(next_[i].shared && p.shared) && next_[i].addr < p.addr + p.bytes &&
+            p.addr < next_[i].addr + next_[i].bytes) {
           dep = true;
           break;
         }
@@ -874,6 +876,7 @@ class VulkanBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     rope_tables_.clear();
     attn_part_.reset();
+    attn_cnt_.reset();
     glu_cnt_.reset();
     try {
       c_->flush();
@@ -918,6 +921,7 @@ class VulkanBackend final : public Backend {
   }
   void begin_step() override {
     Lock g(c_->mu);
+    part_at_ = cnt_at_ = 0;
     c_->begin_step();
   }
   void end_step() override {
@@ -989,7 +993,7 @@ class VulkanBackend final : public Backend {
     }();
     return mode;
   }
-  static constexpr int64_t kPartCounters = 65536;  // attention.comp's kCounters
+  static constexpr int64_t kCntSlots = 16384;  // attention split counters
   static bool split_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_SPLIT");
@@ -1210,7 +1214,9 @@ class VulkanBackend final : public Backend {
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.row_base = (int32_t)i0;
       const uint64_t src = (uint64_t)(((n - 1) * src_stride + dim) * 4);
-      c_->uses({{A(kv.base), Ctx::kWhole, true}, {A(kv.pages), Ctx::kWhole, false}, {A(k), src, false},
+      // Stores of one step write disjoint rows (other sessions' pages, other positions; q8_0 /
+      // f16 bytes through word atomics): they may run together, ordered only against readers.
+      c_->uses({{A(kv.base), Ctx::kWhole, true, true}, {A(kv.pages), Ctx::kWhole, false}, {A(k), src, false},
                 {A(v), src, false}});
       c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), 2);
     }
@@ -1230,14 +1236,14 @@ class VulkanBackend final : public Backend {
     if (a.n_heads > 65535 || a.n_kv_heads > 65535 || a.kv.page_shift < 0 || a.kv.page_shift > 63)
       throw Error("vulkan attention: head counts past 65535 or a page shift past 63");
     struct {
-      uint64_t q, base, pages, q_pos, out, sinks, part, args;
+      uint64_t q, base, pages, q_pos, out, sinks, part, args, cnt;
       uint32_t page_bytes, k_off, v_off, row_bytes;
       int32_t q_stride, out_stride, n_kv;
       uint32_t heads, shape;
       int32_t window;
       float scale, softcap;
       int32_t split;
-    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), 0, c_->args_addr(),
+    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), 0, c_->args_addr(), 0,
          (uint32_t)a.kv.page_bytes, (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes,
          (int32_t)a.q_stride, (int32_t)a.out_stride, c_->step_arg((int32_t)a.n_kv),
          (uint32_t)a.n_heads | (uint32_t)a.n_kv_heads << 16,
@@ -1250,21 +1256,37 @@ class VulkanBackend final : public Backend {
     // splits) and the last split of each (token, head) to finish joins them (attention.comp).
     int32_t n_split = 1;
     const int mode = attn_split_mode();
-    if (a.n_tok <= 4 && a.n_kv > 64 && mode && (int64_t)a.n_tok * a.n_heads * 4 <= kPartCounters) {
+    size_t part_bytes = 0, cnt_bytes = 0;
+    if (a.n_tok <= 4 && a.n_kv > 64 && mode && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
       const int64_t ns = std::min<int64_t>(64, (a.n_kv + 63) / 64);
       const int64_t len = ((a.n_kv + ns - 1) / ns + 63) / 64 * 64;
       n_split = (int32_t)((a.n_kv + len - 1) / len);
       pc.split = mode == 2 ? -(int32_t)len : (int32_t)len;
-      const size_t need = kPartCounters + (size_t)a.n_tok * a.n_heads * n_split * (a.head_dim + 2) * 4;
-      if (!attn_part_ || attn_part_->size() < need) {
+      // Each call takes the next region of a ring of partials and of counters, so the calls of
+      // one step (a batch's sessions) do not wait for each other; a step starts both rings at 0,
+      // so a replayed step's addresses repeat. Wrapping onto a region still in use orders the
+      // calls (their uses overlap), never corrupts them.
+      part_bytes = ((size_t)a.n_tok * a.n_heads * n_split * (a.head_dim + 2) * 4 + 255) & ~size_t(255);
+      if (!attn_part_ || attn_part_->size() < part_bytes) {
         attn_part_.reset();
-        attn_part_ = alloc(std::max<size_t>(need, 2 << 20), "attention splits");
-        c_->zero(A(attn_part_->data()), kPartCounters);  // the counters start (and are left) at 0
+        attn_part_ = alloc(std::max<size_t>(part_bytes, 16 << 20), "attention splits");
+        part_at_ = 0;
       }
-      pc.part = A(attn_part_->data());
+      if (part_at_ + part_bytes > attn_part_->size()) part_at_ = 0;
+      pc.part = A(attn_part_->data()) + part_at_;
+      part_at_ += part_bytes;
+      if (!attn_cnt_) {
+        attn_cnt_ = alloc(kCntSlots * 4, "attention split counters");
+        c_->zero(A(attn_cnt_->data()), kCntSlots * 4);  // the counters start (and are left) at 0
+      }
+      const size_t slots = ((size_t)a.n_tok * a.n_heads + 63) & ~size_t(63);
+      if (cnt_at_ + slots > (size_t)kCntSlots) cnt_at_ = 0;
+      pc.cnt = A(attn_cnt_->data()) + cnt_at_ * 4;
+      cnt_at_ += slots;
+      cnt_bytes = slots * 4;
     }
-    c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false},
-              {n_split > 1 ? pc.part : 0, Ctx::kWhole, true}, {pc.split >= 0 ? A(a.out) : 0, out_bytes, true},
+    c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false}, {pc.part, part_bytes, true},
+              {pc.split > 0 ? pc.cnt : 0, cnt_bytes, true}, {pc.split >= 0 ? A(a.out) : 0, out_bytes, true},
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
     c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
@@ -1273,7 +1295,7 @@ class VulkanBackend final : public Backend {
       uint64_t part, out, sinks;
       int32_t out_stride, n_heads, head_dim, n_split;
     } mp{pc.part, A(a.out), A(a.sinks), (int32_t)a.out_stride, a.n_heads, a.head_dim, n_split};
-    c_->uses({{pc.part, Ctx::kWhole, false}, {A(a.out), out_bytes, true}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    c_->uses({{pc.part, part_bytes, false}, {A(a.out), out_bytes, true}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
     c_->dispatch("attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
@@ -1518,7 +1540,8 @@ class VulkanBackend final : public Backend {
   } glu_;
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's GLU counter
-  BufferPtr attn_part_;  // attention's per-split partials (grown as needed)
+  BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
+  size_t part_at_ = 0, cnt_at_ = 0;  // the rings' next regions (bytes, slots); 0 at a step's start
   std::unordered_map<uint32_t, std::string> sg_names_;  // matmul_sg_<type>
 };
 

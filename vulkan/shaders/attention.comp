@@ -4,21 +4,21 @@
 // KV rows are read through the block table (once per key, kept in shared memory for the V
 // pass); GQA maps head h to kv head h / (H / KVH).
 // Split over keys (decode: few (head, token) pairs, many keys): workgroup z takes keys
-// [z * S, (z + 1) * S), S = |split|, and writes its unnormalized (m, l, acc) to part (after
-// kCounters bytes of counters). split > 0: the last of a (token, head)'s workgroups to finish
-// (a counter per pair, left at 0 again) joins them and writes the output, so the split costs
-// no second dispatch; split < 0: attention_merge.comp joins them. split == 0: no split.
+// [z * S, (z + 1) * S), S = |split|, and writes its unnormalized (m, l, acc) to part.
+// split > 0: the last of a (token, head)'s workgroups to finish (a counter per pair at cnt,
+// left at 0 again) joins them and writes the output, so the split costs no second dispatch;
+// split < 0: attention_merge.comp joins them. split == 0: no split.
 #version 450
 #include "common.glsl"
 
 layout(local_size_x = 64) in;
 // The splits' partials as other workgroups see them: coherent (not from a stale cache).
 layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer PartF { float v[]; };
-const uint kCounters = 65536u;  // bytes of counters before the partials (the host's kPartCounters)
 layout(push_constant, std430) uniform PC {
   uint64_t q, base, pages, q_pos, out_, sinks;  // sinks: a logit per head joining the denominator, or 0
   uint64_t part;                                // split: (m, l, acc[head_dim]) per (token, head, split)
   uint64_t args;                                // n_kv_ < 0: n_kv is args[-n_kv_ - 1] (a replayed step's value)
+  uint64_t cnt;                                 // split > 0: a counter per (token, head)
   uint page_bytes, k_off, v_off, row_bytes;
   int q_stride, out_stride, n_kv_;
   uint heads;   // n_heads | n_kv_heads << 16
@@ -165,7 +165,7 @@ void main() {
   }
   if (S > 0) {
     const int nz = int(gl_NumWorkGroups.z);
-    const uint64_t mine = pc.part + kCounters + uint64_t((t * NH + h) * nz) * uint64_t(hd + 2) * 4u;
+    const uint64_t mine = pc.part + uint64_t((t * NH + h) * nz) * uint64_t(hd + 2) * 4u;
     PartF pr = PartF(mine + uint64_t(z * (hd + 2)) * 4u);
     if (tid == 0) pr.v[0] = m, pr.v[1] = l;
     for (int i = 0; i < 4; ++i) {
@@ -177,7 +177,7 @@ void main() {
     memoryBarrierBuffer();
     barrier();
     if (tid == 0) {
-      U32 cnt = U32(pc.part);
+      U32 cnt = U32(pc.cnt);
       const uint done = atomicAdd(cnt.v[t * NH + h], 1u);
       last = done == uint(nz - 1);
       if (last) cnt.v[t * NH + h] = 0u;  // every split has counted: ready for the next call

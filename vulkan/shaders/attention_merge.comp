@@ -13,7 +13,7 @@ layout(push_constant, std430) uniform PC {
 void main() {
   const int h = int(gl_WorkGroupID.x), t = int(gl_WorkGroupID.y), tid = int(gl_LocalInvocationID.x);
   const int hd = pc.head_dim, ns = pc.n_split;
-  const uint64_t base = pc.part + 65536u + uint64_t((t * pc.n_heads + h) * ns) * uint64_t(hd + 2) * 4u;  // past the counters
+  const uint64_t base = pc.part + uint64_t((t * pc.n_heads + h) * ns) * uint64_t(hd + 2) * 4u;
   float mx = uintBitsToFloat(0xff800000u);
   for (int s = 0; s < ns; ++s) {
     F32 p = F32(base + uint64_t(s * (hd + 2)) * 4u);
