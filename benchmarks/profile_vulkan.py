@@ -10,7 +10,10 @@ the configurations so a noisy machine hits them alike; medians are printed. Run 
 The default configurations: everything on; then one switch off at a time (REPLAY=0: every step
 recorded into the stream; BARRIERS=all: a barrier after every command; GEMV=0: matmul.comp's
 subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head, token); GEMM=0: matmul_tile.comp
-in prefill). --ctx 2048 makes the attention split matter. Per-shader GPU time: run one
+in prefill; FUSE_GLU=0: the glu before ffn down its own dispatch; MERGE=dispatch: attention's
+splits joined by a second dispatch), and "old": all of them off, the stream before this work
+(but for the q4_0 split layout, which DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
+2048 makes the attention split matter more. Per-shader GPU time: run one
 configuration with DASLLAMA_VULKAN_PROFILE=1 set (it records every step, so no replay there).
 """
 from __future__ import annotations
@@ -33,6 +36,10 @@ CONFIGS = {
     "GEMV=0": {"DASLLAMA_VULKAN_GEMV": "0"},
     "ATTN_SPLIT=0": {"DASLLAMA_VULKAN_ATTN_SPLIT": "0"},
     "GEMM=0": {"DASLLAMA_VULKAN_GEMM": "0"},
+    "FUSE_GLU=0": {"DASLLAMA_VULKAN_FUSE_GLU": "0"},
+    "MERGE=dispatch": {"DASLLAMA_VULKAN_ATTN_SPLIT": "dispatch"},
+    "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
+            "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0"},
 }
 
 

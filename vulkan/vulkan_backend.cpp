@@ -12,13 +12,17 @@
 //
 // Order: everything (transfers from host staging included) is recorded into one command buffer
 // in issue order; the buffer is submitted and waited for at download(), sync() and when the
-// staging memory fills. So upload() never reorders with recorded ops, and begin_step / end_step
-// need do nothing. A memory barrier goes before a command only when it touches bytes that a
+// staging memory fills. So upload() never reorders with recorded ops. A memory barrier goes before a command only when it touches bytes that a
 // command since the last barrier wrote (or writes bytes one read): each op names the address
 // ranges it reads and writes (Ctx::uses), and one that names none is ordered against everything
 // on both sides. Independent neighbours (rope of q and of k, uploads at load) then overlap on the
 // device instead of draining the pipeline between them. DASLLAMA_VULKAN_BARRIERS=all puts one
 // after every command again (the old stream, for A/B runs).
+//
+// Steps: the commands between begin_step and end_step are kept and recorded into a secondary
+// command buffer, cached under the step's signature, so a decode step is recorded once and then
+// replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
+// _GEMV, _GEMM, _ATTN_SPLIT, _FUSE_GLU, _SPLIT (benchmarks/profile_vulkan.py runs them).
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -295,7 +299,7 @@ class Ctx {
     if (it == live_.end()) return;
     used_ -= it->second.size;
     if (rec_)
-      rec_grave_.push_back(it->second);  // (from any thread: a kept command may use it)  // a kept command may use it
+      rec_grave_.push_back(it->second);  // a kept command may use it (whichever thread releases)
     else if (open_)
       grave_.push_back(it->second);
     else
@@ -371,7 +375,7 @@ class Ctx {
       begin();
       order();
       f_.vkCmdFillBuffer(cmd_, db, doff, bytes, 0);
-    } else {
+    } else {  // (inside a step this runs before the step's kept commands: no op zeroes so)
       std::vector<uint8_t> z(bytes, 0);
       upload(dst, z.data(), bytes);
     }
@@ -616,8 +620,9 @@ class Ctx {
       f_.vkCmdWriteTimestamp(cmd_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, qpool_, 0);
     }
   }
-  // DASLLAMA_VULKAN_PROFILE=1: a timestamp after each dispatch's barrier, so the gap between two
-  // is what that dispatch cost the serialized stream (its run and the wait behind it); summed by
+  // DASLLAMA_VULKAN_PROFILE=1: a timestamp after each dispatch, every command behind a barrier
+  // and no step recorded for replay (see order, begin_step), so the gap between two stamps is
+  // what that dispatch cost the serialized stream (its run and the wait behind it); summed by
   // shader and printed to stderr when the device closes. Dispatches past kQueries per submit go
   // unmeasured (counted as such).
   void stamp(const char* shader) {
@@ -663,7 +668,8 @@ class Ctx {
     }();
     const bool named = !next_.empty();
     resolve(next_);
-    bool dep = all || pending_all_ || (!named && !pending_.empty()) || pending_.size() > 256;
+    // Profiling stamps each command after a barrier, so that its gap is its own cost.
+    bool dep = all || qpool_ || pending_all_ || (!named && !pending_.empty()) || pending_.size() > 256;
     for (size_t i = 0; !dep && i < next_.size(); ++i)
       for (const Use& p : pending_)
         if ((next_[i].write || p.write) && !(next_[i].shared && p.shared) && next_[i].addr < p.addr + p.bytes &&
