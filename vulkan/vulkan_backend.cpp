@@ -423,7 +423,8 @@ class Ctx {
   // that change every decode step (attention's n_kv, the KV store's first row) are not in the
   // push constants: step_arg() hands out a slot of a small device array, uploaded before the
   // step runs, and the shaders read it there. A step with a copy or fill (commands naming
-  // VkBuffers, which may die) runs once, directly. DASLLAMA_VULKAN_REPLAY=0: no recording.
+  // VkBuffers, which may die) or over more than kReplayRows rows runs once, from the primary
+  // stream. DASLLAMA_VULKAN_REPLAY=0: no recording.
   // One recording at a time, by the thread that began it: another thread's ops (a second model
   // would have its own backend, but nothing forbids sharing one) go straight into the stream.
   void begin_step() {
@@ -435,6 +436,12 @@ class Ctx {
     ++serial_;
   }
   bool recording() const { return rec_ && rec_tid_ == std::this_thread::get_id(); }
+  // A step over more than kReplayRows token rows (a prefill chunk) rarely repeats: it runs from
+  // the primary stream, not kept among the cached steps (where it would push decode out).
+  static constexpr int64_t kReplayRows = 64;
+  void note_rows(int64_t n) {
+    if (n > kReplayRows && recording()) uncacheable_ = true;
+  }
   // The kept commands so far and the signature's length (a fusion may take back the last one).
   size_t kept() const { return recs_.size(); }
   size_t sig_bytes() const { return sig_.size(); }
@@ -1031,6 +1038,7 @@ class VulkanBackend final : public Backend {
     if (n <= 0 || w.rows <= 0) return;
     check_w(w);
     Lock g(c_->mu);
+    c_->note_rows(n);
     struct {
       uint64_t w, x, y, row_bytes;
       uint32_t rows, cols, n, pad;
