@@ -101,7 +101,7 @@ def make_weight(rng, name: str, rows: int, cols: int):
 
 @pytest.mark.parametrize("wtype", MATMUL_TYPES)
 @pytest.mark.parametrize("rows,cols,n", [(64, 256, 1), (67, 512, 3), (40, 512, 12), (130, 256, 17), (256, 1024, 64),
-                                         (33, 2048, 300)])
+                                         (33, 2048, 300), (37, 4096, 1), (21, 8192, 9)])
 def test_matmul(backends, wtype, rows, cols, n):
     rng = np.random.default_rng(rows * 7 + cols + n)
     raw, w = make_weight(rng, wtype, rows, cols)
@@ -111,6 +111,18 @@ def test_matmul(backends, wtype, rows, cols, n):
     assert "cpu" in outs
     cpu_bar = F32_DOT if wtype == "f32" else ACT_QUANT
     check(f"matmul {wtype} {rows}x{cols} n={n}", outs, x.astype(np.float64) @ w.T, F32_DOT, cpu_bar)
+
+
+@pytest.mark.parametrize("wtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("cols,n", [(200, 1), (100, 3), (200, 70), (100, 40)])
+def test_matmul_odd_width(backends, wtype, cols, n):
+    """Float rows that end mid-vector (cols not a multiple of 16 or of 8): decode and prefill."""
+    rng = np.random.default_rng(cols + n)
+    raw, w = make_weight(rng, wtype, 131, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    outs = run_all(backends, "matmul", raw, int(T[wtype.upper()]), 131, cols, x)
+    check(f"matmul {wtype} 131x{cols} n={n}", outs, x.astype(np.float64) @ w.T, F32_DOT,
+          F32_DOT if wtype == "f32" else ACT_QUANT)
 
 
 def test_matmul_multi(backends):
@@ -588,6 +600,7 @@ ATTN_CASES = [
     (1, 1000, 8, 8, 128, 64, 0, 50.0, 256),
     (17, 700, 4, 2, 256, 16, 128, 0.0, 17),
     (1, 2050, 16, 4, 64, 16, 512, 0.0, 100),
+    (3, 4100, 4, 1, 64, 64, 0, 0.0, 1000),  # decode over a long context: a device may split the keys
 ]
 
 
@@ -643,14 +656,22 @@ def test_paged_attention(backends, kv, case):
     check(f"attention {kv}", {d: o for d, (o, _) in res.items()}, ref, F32_DOT)
 
 
+MULTI_SPECS = {  # (rows already cached, new rows) per session; the pool's pages
+    "short": ([(10, 9), (17, 1), (24, 1), (0, 3), (40, 1)], 16),
+    # decodes deep enough that a device splits their keys, in one step (concurrent splits)
+    "deep": ([(100, 1), (200, 1), (70, 2), (0, 3), (300, 1), (129, 4)], 64),
+}
+
+
 @pytest.mark.parametrize("kv", list(KV_TYPES))
-def test_paged_attention_multi(backends, kv):
+@pytest.mark.parametrize("depth", list(MULTI_SPECS))
+def test_paged_attention_multi(backends, kv, depth):
     """One step's attentions over several sessions, as eval_batch issues them (a prefill beside
     decodes at other depths, each session on its own pages): every session equals the float64
     reference over its own rows."""
     rng = np.random.default_rng(41)
-    H, KVH, hd, P, pool = 4, 2, 32, 16, 16
-    spec = [(10, 9), (17, 1), (24, 1), (0, 3), (40, 1)]  # (rows already cached, new rows)
+    spec, pool = MULTI_SPECS[depth]
+    H, KVH, hd, P = 4, 2, 32, 16
     ids = rng.permutation(pool).astype(np.int32)
     sessions, at = [], 0
     for past, new in spec:

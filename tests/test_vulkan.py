@@ -85,6 +85,24 @@ def test_kv_types(tiny, kv):
     assert e <= LOGIT_BAR, f"kv {kv.name}: NMSE {e:.3g}"
 
 
+def test_decode_steps_replayed(tiny):
+    """A 70-token prefill (a step the backend runs once), then token-by-token decode (steps it
+    records once and replays, with n_kv and the store's row read from the device; attention
+    splits its keys past 64 and the step is recorded again as their count grows) against the
+    CPU's teacher-forced logits over the same ids."""
+    ids = [1] + np.random.default_rng(4).integers(3, E.VOCAB, 229).tolist()
+    ref = teacher_forced(tiny["q8_0"], "cpu", ids, d.KVDtype.f16)[69:]
+    m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
+    s = d.create_session(m, d.KVDtype.f16, n_ctx=len(ids))
+    d.eval(m, s, ids[:70])
+    got = [np.array(s.logits).reshape(-1)]
+    for t in ids[70:]:
+        d.eval(m, s, [t])
+        got.append(np.array(s.logits).reshape(-1))
+    e = nmse(np.stack(got), ref)
+    assert e <= LOGIT_BAR, f"decode steps: NMSE {e:.3g} against the CPU"
+
+
 def test_paged_prefix_cache_and_ragged_batch(tiny):
     prompt = [1] + np.random.default_rng(3).integers(3, E.VOCAB, 40).tolist()
     C.paged_prefix_cache_and_ragged_batch(tiny["q8_0"], "vulkan", prompt)

@@ -24,7 +24,7 @@ namespace dl::vk {
   X(vkCmdBindPipeline) X(vkCmdPushConstants) X(vkCmdDispatch) X(vkCmdPipelineBarrier)                  \
   X(vkCmdCopyBuffer) X(vkCmdFillBuffer) X(vkQueueSubmit) X(vkCreateFence) X(vkDestroyFence)            \
   X(vkWaitForFences) X(vkResetFences) X(vkCreateQueryPool) X(vkDestroyQueryPool) X(vkCmdResetQueryPool)  \
-  X(vkCmdWriteTimestamp) X(vkGetQueryPoolResults)
+  X(vkCmdWriteTimestamp) X(vkGetQueryPoolResults) X(vkCmdExecuteCommands) X(vkFreeCommandBuffers)
 
 // The loader, one instance per process (made on first use, kept to exit).
 struct Api {

@@ -11,9 +11,18 @@
 // maxMemoryAllocationCount (4096) are still far above what a model makes.
 //
 // Order: everything (transfers from host staging included) is recorded into one command buffer
-// in issue order, each command followed by a full memory barrier; the buffer is submitted and
-// waited for at download(), sync() and when the staging memory fills. So upload() never reorders
-// with recorded ops, and begin_step / end_step need do nothing.
+// in issue order; the buffer is submitted and waited for at download(), sync() and when the
+// staging memory fills. So upload() never reorders with recorded ops. A memory barrier goes before a command only when it touches bytes that a
+// command since the last barrier wrote (or writes bytes one read): each op names the address
+// ranges it reads and writes (Ctx::uses), and one that names none is ordered against everything
+// on both sides. Independent neighbours (rope of q and of k, uploads at load) then overlap on the
+// device instead of draining the pipeline between them. DASLLAMA_VULKAN_BARRIERS=all puts one
+// after every command again (the old stream, for A/B runs).
+//
+// Steps: the commands between begin_step and end_step are kept and recorded into a secondary
+// command buffer, cached under the step's signature, so a decode step is recorded once and then
+// replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
+// _GEMV, _GEMM, _ATTN_SPLIT, _FUSE_GLU, _SPLIT (benchmarks/profile_vulkan.py runs them).
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -24,6 +33,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -173,6 +183,11 @@ class Ctx {
     a.vkGetPhysicalDeviceProperties(pd, &props_);
     a.vkGetPhysicalDeviceMemoryProperties(pd, &mprops_);
     subgroup = use_subgroup(a, pd, props_);
+    VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+    VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+    p2.pNext = &sp;
+    a.vkGetPhysicalDeviceProperties2(pd, &p2);
+    subgroup_size = std::max<uint32_t>(1, sp.subgroupSize);
     uint32_t nq = 0;
     a.vkGetPhysicalDeviceQueueFamilyProperties(pd, &nq, nullptr);
     std::vector<VkQueueFamilyProperties> qs(nq);
@@ -211,6 +226,7 @@ class Ctx {
     cai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
     cai.commandBufferCount = 1;
     vcheck(f_.vkAllocateCommandBuffers(dev_, &cai, &cmd_), "vkAllocateCommandBuffers");
+    cb_ = cmd_;
     VkFenceCreateInfo fci{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
     vcheck(f_.vkCreateFence(dev_, &fci, nullptr, &fence_), "vkCreateFence");
     VkPushConstantRange pcr{VK_SHADER_STAGE_COMPUTE_BIT, 0, kPush};
@@ -231,6 +247,9 @@ class Ctx {
       flush();
     } catch (...) {
     }
+    if (std::getenv("DASLLAMA_VULKAN_PROFILE") || std::getenv("DASLLAMA_VULKAN_STEPS"))
+      std::fprintf(stderr, "vulkan steps: %llu replayed, %llu recorded\n", (unsigned long long)replays_[0],
+                   (unsigned long long)replays_[1]);
     if (qpool_) {
       print_profile();
       f_.vkDestroyQueryPool(dev_, qpool_, nullptr);
@@ -248,6 +267,7 @@ class Ctx {
   static constexpr uint32_t kPush = 128;  // the push-constant size every device guarantees
   std::recursive_mutex mu;
   bool subgroup = false;  // matmul and matmul_id take the subgroup path
+  uint32_t subgroup_size = 32;
 
   DeviceInfo info() const { return describe(a_, pd_, index_, used_); }
   std::string where() const { return "vulkan:" + std::to_string(index_) + " (" + props_.deviceName + ")"; }
@@ -278,7 +298,9 @@ class Ctx {
     auto it = live_.find(addr);
     if (it == live_.end()) return;
     used_ -= it->second.size;
-    if (open_)
+    if (rec_)
+      rec_grave_.push_back(it->second);  // a kept command may use it (whichever thread releases)
+    else if (open_)
       grave_.push_back(it->second);
     else
       destroy(it->second);
@@ -286,16 +308,35 @@ class Ctx {
   }
 
   // ---- the command stream ----
+  // The ranges the next command reads and writes (its dependencies); kWhole: the allocation
+  // holding the address. A command recorded without them is ordered against everything.
+  static constexpr uint64_t kWhole = ~uint64_t(0);
+  struct Use {
+    uint64_t addr, bytes;
+    bool write;
+    bool shared = false;  // a write other shared writes may overlap (disjoint rows: KV stores)
+  };
+  void uses(std::initializer_list<Use> u) {
+    next_.clear();
+    for (const Use& x : u)
+      if (x.addr && x.bytes) next_.push_back(x);
+    if (next_.empty()) next_.push_back({0, 0, false});  // touches nothing (still "named")
+  }
+
+  void forget_uses() { next_.clear(); }
+
   void upload(uint64_t dst, const void* src, size_t bytes) {
     const uint8_t* s = static_cast<const uint8_t*>(src);
     while (bytes) {
       auto [buf, off, take] = stage(bytes);
       std::memcpy(static_cast<uint8_t*>(buf->a.host) + off, s, take);
-      copy_from(buf->a.buf, off, dst, take);
+      uses({{dst, take, true}});
+      copy_from(buf->a.buf, off, dst, take, true);  // staged data: now (before the step's kept commands)
       dst += take, s += take, bytes -= take;
     }
   }
   void download(void* dst, uint64_t src, size_t bytes) {
+    if (recording()) drop_step();  // no download inside a step: the step was abandoned
     if (bytes) {
       if (readback_.size < bytes) {
         flush();  // the old readback buffer may be in the recorded stream
@@ -305,38 +346,199 @@ class Ctx {
       auto [sb, soff] = locate(src, bytes);
       VkBufferCopy c{soff, 0, bytes};
       begin();
+      uses({{src, bytes, false}});
+      order();
       f_.vkCmdCopyBuffer(cmd_, sb, readback_.buf, 1, &c);
-      barrier();
+      barrier();  // the copy before the host reads
     }
     flush();
     if (bytes) std::memcpy(dst, readback_.host, bytes);
   }
   void copy(uint64_t dst, uint64_t src, size_t bytes) {
     auto [sb, soff] = locate(src, bytes);
+    uses({{src, bytes, false}, {dst, bytes, true}});
     copy_from(sb, soff, dst, bytes);
   }
   void zero(uint64_t dst, size_t bytes) {
     auto [db, doff] = locate(dst, bytes);
     if (doff % 4 == 0 && bytes % 4 == 0) {
+      uses({{dst, bytes, true}});
+      if (recording()) {
+        Rec r;
+        r.dst = db, r.copy = VkBufferCopy{0, doff, bytes};
+        resolve(next_);
+        r.uses.swap(next_);
+        recs_.push_back(std::move(r));
+        uncacheable_ = true;
+        return;
+      }
       begin();
+      order();
       f_.vkCmdFillBuffer(cmd_, db, doff, bytes, 0);
-      barrier();
-    } else {
+    } else {  // (inside a step this runs before the step's kept commands: no op zeroes so)
       std::vector<uint8_t> z(bytes, 0);
       upload(dst, z.data(), bytes);
     }
   }
   void dispatch(const char* shader, const void* push, size_t push_bytes, uint32_t gx, uint32_t gy = 1,
                 uint32_t gz = 1) {
-    if (!gx || !gy || !gz) return;
-    if (push_bytes > kPush) throw Error("vulkan: push constants too large for " + std::string(shader));
-    const VkPipeline p = pipeline(shader);
+    if (!gx || !gy || !gz) return next_.clear();
+    VkPipeline p;
+    try {
+      if (push_bytes > kPush) throw Error("vulkan: push constants too large for " + std::string(shader));
+      p = pipeline(shader);
+    } catch (...) {
+      next_.clear();  // not meant for whatever is recorded next
+      throw;
+    }
+    if (recording()) {  // inside a step: kept for end_step
+      Rec r;
+      r.p = p, r.g[0] = gx, r.g[1] = gy, r.g[2] = gz;
+      r.push.assign(static_cast<const uint8_t*>(push), static_cast<const uint8_t*>(push) + push_bytes);
+      resolve(next_);
+      r.uses.swap(next_);
+      sig_put(&p, sizeof p), sig_put(r.g, sizeof r.g), sig_put(push, push_bytes);
+      for (const Use& u : r.uses) sig_put(&u.addr, 8), sig_put(&u.bytes, 8), sig_put(&u.write, 1), sig_put(&u.shared, 1);
+      const uint32_t end = 0xffffffffu;
+      sig_put(&end, 4);
+      recs_.push_back(std::move(r));
+      return;
+    }
     begin();
-    if (p != bound_) f_.vkCmdBindPipeline(cmd_, VK_PIPELINE_BIND_POINT_COMPUTE, p), bound_ = p;
-    f_.vkCmdPushConstants(cmd_, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, (uint32_t)push_bytes, push);
-    f_.vkCmdDispatch(cmd_, gx, gy, gz);
-    barrier();
+    order();
+    record_dispatch(p, push, (uint32_t)push_bytes, gx, gy, gz);
     if (qpool_) stamp(shader);
+  }
+  void record_dispatch(VkPipeline p, const void* push, uint32_t push_bytes, uint32_t gx, uint32_t gy, uint32_t gz) {
+    if (p != bound_) f_.vkCmdBindPipeline(cb_, VK_PIPELINE_BIND_POINT_COMPUTE, p), bound_ = p;
+    f_.vkCmdPushConstants(cb_, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, push_bytes, push);
+    f_.vkCmdDispatch(cb_, gx, gy, gz);
+  }
+
+  // ---- steps: recorded once, replayed while their signature repeats ----
+  // Between begin_step and end_step, dispatches are kept (pipeline, push constants, grid, uses);
+  // their bytes are the step's signature. end_step records them into a secondary command buffer
+  // kept under that signature, or finds the one an equal step recorded, and executes it from the
+  // primary stream: a decode step is recorded once and then costs the host one command. Values
+  // that change every decode step (attention's n_kv, the KV store's first row) are not in the
+  // push constants: step_arg() hands out a slot of a small device array, uploaded before the
+  // step runs, and the shaders read it there. A step with a copy or fill (commands naming
+  // VkBuffers, which may die) or over more than kReplayRows rows runs once, from the primary
+  // stream. DASLLAMA_VULKAN_REPLAY=0: no recording.
+  // One recording at a time, by the thread that began it: another thread's ops (a second model
+  // would have its own backend, but nothing forbids sharing one) go straight into the stream.
+  void begin_step() {
+    if (rec_ && !recording()) return;
+    drop_step();
+    if (!replay_on() || qpool_) return;
+    if (!args_) args_ = alloc(kArgSlots * 4, "step arguments");
+    rec_ = true, rec_tid_ = std::this_thread::get_id();
+    ++serial_;
+  }
+  bool recording() const { return rec_ && rec_tid_ == std::this_thread::get_id(); }
+  // A step over more than kReplayRows token rows (a prefill chunk) rarely repeats: it runs from
+  // the primary stream, not kept among the cached steps (where it would push decode out).
+  static constexpr int64_t kReplayRows = 64;
+  void note_rows(int64_t n) {
+    if (n > kReplayRows && recording()) uncacheable_ = true;
+  }
+  // The kept commands so far and the signature's length (a fusion may take back the last one).
+  size_t kept() const { return recs_.size(); }
+  size_t sig_bytes() const { return sig_.size(); }
+  uint64_t step_serial() const { return serial_; }
+  void unkeep_last(size_t sig_bytes) {
+    recs_.pop_back();
+    sig_.resize(sig_bytes);
+  }
+  uint64_t args_addr() const { return recording() ? args_ : 0; }
+  // v as a push-constant field: a slot reference (negative) inside a recorded step, else v.
+  int32_t step_arg(int32_t v) {
+    if (!recording() || v < 0 || step_args_.size() >= kArgSlots) return v;
+    step_args_.push_back(v);
+    return -(int32_t)step_args_.size();
+  }
+  void end_step() {
+    if (!recording()) return;
+    rec_ = false;
+    std::vector<Rec> recs;
+    recs.swap(recs_);
+    for (auto& g : rec_grave_) grave_.push_back(g);
+    rec_grave_.clear();
+    if (recs.empty()) return drop_step();
+    if (!step_args_.empty()) upload(args_, step_args_.data(), step_args_.size() * 4);
+    if (uncacheable_) {  // directly into the primary stream
+      for (Rec& r : recs) {
+        next_ = std::move(r.uses);
+        begin();
+        order();
+        if (r.p)
+          record_dispatch(r.p, r.push.data(), (uint32_t)r.push.size(), r.g[0], r.g[1], r.g[2]);
+        else if (r.src)
+          f_.vkCmdCopyBuffer(cb_, r.src, r.dst, 1, &r.copy);
+        else
+          f_.vkCmdFillBuffer(cb_, r.dst, r.copy.dstOffset, r.copy.size, 0);
+      }
+      return drop_step();
+    }
+    Step* hit = nullptr;
+    for (Step& st : steps_)
+      if (st.sig == sig_) hit = &st;
+    ++replays_[hit ? 0 : 1];
+    if (!hit) {
+      if (steps_.size() < kMaxSteps) {
+        steps_.emplace_back();
+        hit = &steps_.back();
+        VkCommandBufferAllocateInfo cai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
+        cai.commandPool = pool_;
+        cai.level = VK_COMMAND_BUFFER_LEVEL_SECONDARY;
+        cai.commandBufferCount = 1;
+        vcheck(f_.vkAllocateCommandBuffers(dev_, &cai, &hit->cb), "vkAllocateCommandBuffers");
+      } else {
+        hit = &steps_[0];
+        for (Step& st : steps_)
+          if (st.used < hit->used) hit = &st;
+        flush();  // the open stream may execute the one replaced
+        vcheck(f_.vkResetCommandBuffer(hit->cb, 0), "vkResetCommandBuffer");
+      }
+      hit->sig = sig_;
+      VkCommandBufferInheritanceInfo ii{VK_STRUCTURE_TYPE_COMMAND_BUFFER_INHERITANCE_INFO};
+      VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+      bi.flags = VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT;
+      bi.pInheritanceInfo = &ii;
+      vcheck(f_.vkBeginCommandBuffer(hit->cb, &bi), "vkBeginCommandBuffer");
+      // The primary's barrier before the execute orders everything before it.
+      cb_ = hit->cb, bound_ = VK_NULL_HANDLE, pending_.clear(), pending_all_ = false;
+      try {
+        for (Rec& r : recs) {
+          next_ = std::move(r.uses);
+          order();
+          record_dispatch(r.p, r.push.data(), (uint32_t)r.push.size(), r.g[0], r.g[1], r.g[2]);
+        }
+        cb_ = cmd_;
+        vcheck(f_.vkEndCommandBuffer(hit->cb), "vkEndCommandBuffer");
+      } catch (...) {
+        cb_ = cmd_;
+        hit->sig.clear();
+        f_.vkResetCommandBuffer(hit->cb, 0);
+        drop_step();
+        throw;
+      }
+    }
+    hit->used = ++clock_;
+    begin();
+    barrier();
+    f_.vkCmdExecuteCommands(cmd_, 1, &hit->cb);
+    bound_ = VK_NULL_HANDLE, pending_.clear(), pending_all_ = true;  // the step's commands: unknown here
+    drop_step();
+  }
+  // Forgets a recording (a step abandoned by an exception, or one that has been issued).
+  void drop_step() {
+    if (rec_) {
+      for (auto& g : rec_grave_) grave_.push_back(g);
+      rec_grave_.clear();
+    }
+    rec_ = false, uncacheable_ = false;
+    recs_.clear(), sig_.clear(), step_args_.clear();
   }
   // Submits what is recorded and waits; frees what died meanwhile and the staging space.
   void flush() {
@@ -385,13 +587,22 @@ class Ctx {
     staging_.push_back({make(kChunk, true, "upload staging"), 0});
     return stage(want);
   }
-  void copy_from(VkBuffer sb, size_t soff, uint64_t dst, size_t bytes) {
-    if (!bytes) return;
+  void copy_from(VkBuffer sb, size_t soff, uint64_t dst, size_t bytes, bool staged = false) {
+    if (!bytes) return next_.clear();
     auto [db, doff] = locate(dst, bytes);
     VkBufferCopy c{soff, doff, bytes};
+    if (recording() && !staged) {  // a device copy inside a step: kept in order with its dispatches
+      Rec r;
+      r.src = sb, r.dst = db, r.copy = c;
+      resolve(next_);
+      r.uses.swap(next_);
+      recs_.push_back(std::move(r));
+      uncacheable_ = true;
+      return;
+    }
     begin();
+    order();
     f_.vkCmdCopyBuffer(cmd_, sb, db, 1, &c);
-    barrier();
   }
   std::pair<VkBuffer, size_t> locate(uint64_t addr, size_t bytes) const {
     auto it = live_.upper_bound(addr);
@@ -408,14 +619,17 @@ class Ctx {
     vcheck(f_.vkBeginCommandBuffer(cmd_, &bi), "vkBeginCommandBuffer");
     open_ = true;
     bound_ = VK_NULL_HANDLE;
+    pending_.clear();  // the submit before ordered everything
+    pending_all_ = false;
     if (qpool_) {
       f_.vkCmdResetQueryPool(cmd_, qpool_, 0, kQueries);
       stamped_.clear();
       f_.vkCmdWriteTimestamp(cmd_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, qpool_, 0);
     }
   }
-  // DASLLAMA_VULKAN_PROFILE=1: a timestamp after each dispatch's barrier, so the gap between two
-  // is what that dispatch cost the serialized stream (its run and the wait behind it); summed by
+  // DASLLAMA_VULKAN_PROFILE=1: a timestamp after each dispatch, every command behind a barrier
+  // and no step recorded for replay (see order, begin_step), so the gap between two stamps is
+  // what that dispatch cost the serialized stream (its run and the wait behind it); summed by
   // shader and printed to stderr when the device closes. Dispatches past kQueries per submit go
   // unmeasured (counted as such).
   void stamp(const char* shader) {
@@ -452,14 +666,64 @@ class Ctx {
       std::fprintf(stderr, "  %-22s %10.3f ms %8llu calls %9.2f us/call\n", e.first.c_str(), e.second.first * 1e-6,
                    (unsigned long long)e.second.second, e.second.first * 1e-3 / (double)e.second.second);
   }
-  // Every command sees all writes before it: simple, and the ops depend on each other anyway.
+  // Before recording a command: a barrier if it depends on a command since the last one (its
+  // uses, taken from next_, against pending_), then its uses join pending_.
+  void order() {
+    static const bool all = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_BARRIERS");
+      return e && std::strcmp(e, "all") == 0;
+    }();
+    const bool named = !next_.empty();
+    resolve(next_);
+    // Profiling stamps each command after a barrier, so that its gap is its own cost.
+    bool dep = all || qpool_ || pending_all_ || (!named && !pending_.empty()) || pending_.size() > 256;
+    for (size_t i = 0; !dep && i < next_.size(); ++i)
+      for (const Use& p : pending_)
+        if ((next_[i].write || p.write) && !(next_[i].shared && p.shared) && next_[i].addr < p.addr + p.bytes &&
+            p.addr < next_[i].addr + next_[i].bytes) {
+          dep = true;
+          break;
+        }
+    if (dep) {
+      barrier();
+      pending_.clear();
+      pending_all_ = false;
+    }
+    if (!named) pending_all_ = true;
+    for (const Use& u : next_)
+      if (u.bytes) pending_.push_back(u);
+    next_.clear();
+  }
+  void resolve(std::vector<Use>& us) const {
+    for (Use& u : us)
+      if (u.bytes == kWhole) {
+        auto it = live_.upper_bound(u.addr);
+        if (it == live_.begin()) {
+          u.bytes = 0;
+          continue;
+        }
+        --it;
+        u.addr = it->first, u.bytes = it->second.size;
+      }
+  }
+  void sig_put(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    sig_.insert(sig_.end(), b, b + n);
+  }
+  static bool replay_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_REPLAY");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
   void barrier() {
     VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
     mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
     mb.dstAccessMask =
         VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
     const VkPipelineStageFlags st = VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT;
-    f_.vkCmdPipelineBarrier(cmd_, st, st, 0, 1, &mb, 0, nullptr, 0, nullptr);
+    f_.vkCmdPipelineBarrier(cb_, st, st, 0, 1, &mb, 0, nullptr, 0, nullptr);
   }
   uint32_t mem_type(uint32_t bits, VkMemoryPropertyFlags want) const {
     for (uint32_t i = 0; i < mprops_.memoryTypeCount; ++i)
@@ -567,6 +831,32 @@ class Ctx {
   Alloc readback_;
   size_t used_ = 0;
   bool open_ = false;
+  std::vector<Use> next_, pending_;  // the next command's uses; those since the last barrier
+  bool pending_all_ = false;         // a command since the last barrier named no uses
+  VkCommandBuffer cb_ = VK_NULL_HANDLE;  // where commands are recorded: cmd_, or a step's
+  // A kept command of the step being recorded: a dispatch (p set), a copy (src set) or a fill.
+  struct Rec {
+    VkPipeline p = VK_NULL_HANDLE;
+    std::vector<uint8_t> push;
+    uint32_t g[3] = {0, 0, 0};
+    VkBuffer src = VK_NULL_HANDLE, dst = VK_NULL_HANDLE;
+    VkBufferCopy copy{};
+    std::vector<Use> uses;
+  };
+  struct Step {
+    std::vector<uint8_t> sig;
+    VkCommandBuffer cb = VK_NULL_HANDLE;
+    uint64_t used = 0;
+  };
+  static constexpr size_t kMaxSteps = 8, kArgSlots = 4096;
+  bool rec_ = false, uncacheable_ = false;
+  std::thread::id rec_tid_;
+  std::vector<Rec> recs_;
+  std::vector<uint8_t> sig_;
+  std::vector<int32_t> step_args_;
+  std::vector<Alloc> rec_grave_;
+  std::vector<Step> steps_;
+  uint64_t args_ = 0, clock_ = 0, replays_[2] = {0, 0}, serial_ = 0;  // replays_: hits, recordings
 };
 
 class VkBuf final : public Buffer {
@@ -598,6 +888,9 @@ class VulkanBackend final : public Backend {
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     rope_tables_.clear();
+    attn_part_.reset();
+    attn_cnt_.reset();
+    glu_cnt_.reset();
     try {
       c_->flush();
     } catch (...) {
@@ -636,7 +929,17 @@ class VulkanBackend final : public Backend {
   }
   void sync() override {
     Lock g(c_->mu);
+    if (c_->recording()) c_->drop_step();  // no sync inside a step: this thread abandoned its recording
     c_->flush();
+  }
+  void begin_step() override {
+    Lock g(c_->mu);
+    part_at_ = cnt_at_ = 0;
+    c_->begin_step();
+  }
+  void end_step() override {
+    Lock g(c_->mu);
+    c_->end_step();
   }
 
   // ---- weights ----
@@ -646,14 +949,15 @@ class VulkanBackend final : public Backend {
     if (served_type(type)) return type;
     return cols % 32 == 0 ? (uint32_t)GGMLType::Q8_0 : (uint32_t)GGMLType::F32;
   }
-  // matmul and get_rows read the same bytes: the file's, or for dense q8_0 matrices the split
-  // layout (a row's quants, then its f16 scales, rows 16-byte aligned), whose 8-byte groups a
-  // subgroup reads in aligned, adjacent loads where q8_0's 34-byte blocks need 2-byte reads.
+  // matmul and get_rows read the same bytes: the file's, or for dense q8_0 / q4_0 matrices the
+  // split layout (a row's quants, then its f16 scales, rows 16-byte aligned), whose 16-byte
+  // units a subgroup reads in aligned, adjacent loads where 34- / 18-byte blocks need 2-byte reads.
   // DASLLAMA_VULKAN_SPLIT=0 keeps the file's layout (for A/B runs).
   void load_weight(Weight& w, WeightUse) override {
     if (!w.host) throw Error("vulkan load_weight: the weight has no host bytes");
     if (!served_type(w.type)) throw UnsupportedModelError("vulkan: no shader for weight type id " + std::to_string(w.type));
-    const bool split = split_on() && w.type == (uint32_t)GGMLType::Q8_0 && w.expert_rows == 0 && w.cols % 32 == 0;
+    const bool split = split_on() && (w.type == (uint32_t)GGMLType::Q8_0 || w.type == (uint32_t)GGMLType::Q4_0) &&
+                       w.expert_rows == 0 && w.cols % 32 == 0;
     if (!split) {
       const size_t n = (size_t)w.rows * w.row_bytes;
       BufferPtr b = alloc(n, "weight");
@@ -676,7 +980,33 @@ class VulkanBackend final : public Backend {
     w.packed_for = kSplitLayout;
   }
   static constexpr int kSplitLayout = 0x5C0;  // Weight::packed_for of a split matrix
-  static constexpr uint32_t kQ8Split = 40;     // its shader type (dequant.glsl's T_Q8_0S)
+  static constexpr uint32_t kQ8Split = 40, kQ4Split = 41;  // their shader types (dequant.glsl's T_Q8_0S, T_Q4_0S)
+  // DASLLAMA_VULKAN_GEMM=0: prefill on matmul_tile.comp's 64 x 64 tiles (for A/B runs).
+  static bool gemm_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_GEMM");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
+  // DASLLAMA_VULKAN_GEMV=0: decode matmuls on matmul.comp's subgroup path (for A/B runs).
+  static bool gemv_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_GEMV");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+  }
+  // DASLLAMA_VULKAN_ATTN_SPLIT=0: decode attention unsplit over keys; =dispatch: split, joined
+  // by a second dispatch (attention_merge.comp) instead of the last split (for A/B runs).
+  static int attn_split_mode() {
+    static const int mode = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_SPLIT");
+      return !e || !*e ? 1 : std::strcmp(e, "0") == 0 ? 0 : std::strcmp(e, "dispatch") == 0 ? 2 : 1;
+    }();
+    return mode;
+  }
+  static constexpr int64_t kCntSlots = 16384;  // attention split counters
   static bool split_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_SPLIT");
@@ -685,7 +1015,10 @@ class VulkanBackend final : public Backend {
     return on;
   }
   // The layout a shader reads a weight in: its type id and row stride.
-  static uint32_t lay_type(const Weight& w) { return w.packed_for == kSplitLayout ? kQ8Split : w.type; }
+  static uint32_t lay_type(const Weight& w) {
+    if (w.packed_for != kSplitLayout) return w.type;
+    return w.type == (uint32_t)GGMLType::Q8_0 ? kQ8Split : kQ4Split;
+  }
   static uint64_t lay_rb(const Weight& w) {
     return w.packed_for == kSplitLayout ? split_row_bytes(w.type, w.cols) : (uint64_t)w.row_bytes;
   }
@@ -705,14 +1038,22 @@ class VulkanBackend final : public Backend {
     if (n <= 0 || w.rows <= 0) return;
     check_w(w);
     Lock g(c_->mu);
+    c_->note_rows(n);
     struct {
       uint64_t w, x, y, row_bytes;
       uint32_t rows, cols, n, pad;
     } pc{A(w.data), A(x), A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
     if ((n + 7) / 8 > kMaxGroups) throw Error("vulkan matmul: more than 524280 rows of x in one call");
-    if (c_->subgroup && n > kTileMin) {  // prefill: 64 x 64 output tiles through shared memory
-      const std::string sh = "matmul_tile_" + std::to_string(lay_type(w));
-      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 63) / 64), (uint32_t)((n + 63) / 64));
+    const auto use = [&] {
+      c_->uses({{A(w.data), Ctx::kWhole, false}, {A(x), (uint64_t)(n * w.cols * 4), false},
+                {A(y), (uint64_t)(n * w.rows * 4), true}});
+    };
+    if (c_->subgroup && n > kTileMin) {  // prefill: output tiles through shared memory
+      use();
+      const bool g = gemm_on();  // 128 rows x 64 tokens (gemm.comp), else 64 x 64 (matmul_tile.comp)
+      const std::string sh = (g ? "gemm_" : "matmul_tile_") + std::to_string(lay_type(w));
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + (g ? 127 : 63)) / (g ? 128 : 64)),
+                   (uint32_t)((n + 63) / 64));
       return;
     }
     if (c_->subgroup) {  // a subgroup per row, 4 rows per workgroup
@@ -722,6 +1063,7 @@ class VulkanBackend final : public Backend {
       return;
     }
     const std::string sh = "matmul_" + std::to_string(lay_type(w));
+    use();
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
@@ -762,20 +1104,73 @@ class VulkanBackend final : public Backend {
       uint32_t rows[3];
       uint32_t cols, n, b0, b1, flags;
       float eps;
+      uint32_t ks, rpw;  // gemv.comp only
     } pc{};
     pc.norm_w = norm ? A(norm_w) : 0, pc.flags = (norm ? 1u : 0u) | (accumulate ? 2u : 0u), pc.eps = eps;
     uint32_t blocks = 0, b[3] = {0, 0, 0};
     for (int i = 0; i < count; ++i) {
       pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
-      b[i] = (uint32_t)((ws[i]->rows + 3) / 4);
-      blocks += b[i];
     }
     pc.x = A(x), pc.row_bytes = lay_rb(*ws[0]), pc.cols = (uint32_t)ws[0]->cols, pc.n = (uint32_t)n;
-    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
     const uint32_t t = lay_type(*ws[0]);
-    auto it = sg_names_.find(t);
-    if (it == sg_names_.end()) it = sg_names_.emplace(t, "matmul_sg_" + std::to_string(t)).first;
+    // gemv.comp where the weights come in 16-byte units and every address it reads that way is
+    // 16-byte aligned: a subgroup per 4 rows, ks subgroups a row (see its head).
+    const uint32_t ue = t == kQ8Split ? 16 : t == kQ4Split ? 32 : (t == 1 || t == 30) ? 8 : 0;
+    bool direct = ue && gemv_on() && pc.cols % ue == 0 && pc.row_bytes % 16 == 0 && pc.x % 16 == 0 && pc.norm_w % 16 == 0;
+    for (int i = 0; direct && i < count; ++i) direct = pc.w[i] % 16 == 0;
+    uint32_t rpw = 4;
+    if (direct) {
+      const uint32_t S = c_->subgroup_size, nsg = std::max<uint32_t>(1, 128 / S), nu = pc.cols / ue;
+      uint32_t ks = 1;
+      while (ks < nsg && nu >= ks * 4 * S) ks *= 2;  // each part keeps two units a lane at least
+      pc.ks = ks, pc.rpw = rpw = nsg / ks * 4;
+    }
+    blocks = 0;
+    for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + rpw - 1) / rpw);
+    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
+    // The glu just kept makes x (ffn down in a recorded step): x is computed from its gate and
+    // up on the way and the glu's dispatch is taken back (gemv.comp, GLU).
+    const Glu gl = glu_;
+    glu_ = Glu{};
+    const bool fuse = direct && gl.valid && count == 1 && !norm && n <= 8 && fuse_glu_on() && c_->recording() &&
+                      gl.serial == c_->step_serial() && gl.kept == c_->kept() && gl.out == pc.x && gl.n_rows == n &&
+                      gl.dim == (int64_t)pc.cols && gl.gate % 16 == 0 && gl.up % 16 == 0 && gl.gs % 4 == 0 &&
+                      gl.us % 4 == 0;
+    const uint64_t xb = (uint64_t)(n * ws[0]->cols * 4);
+    if (fuse) {
+      c_->unkeep_last(gl.sig0);
+      if (!glu_cnt_) {
+        glu_cnt_ = alloc(256, "glu counter");
+        c_->zero(A(glu_cnt_->data()), 256);  // left at 0 by every dispatch that counts on it
+      }
+      pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.norm_w = A(glu_cnt_->data());
+      pc.y[1] = (uint64_t)(uint32_t)gl.gs | (uint64_t)(uint32_t)gl.us << 32, pc.y[2] = gl.code;
+      c_->uses({{gl.gate, (uint64_t)(((n - 1) * gl.gs + gl.dim) * 4), false},
+                {gl.up, (uint64_t)(((n - 1) * gl.us + gl.dim) * 4), false}, {gl.out, xb, true},
+                {pc.w[0], Ctx::kWhole, false}, {pc.y[0], (uint64_t)(n * ws[0]->rows * 4), true},
+                {pc.norm_w, 256, true}});
+    } else {
+      auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+      c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
+                {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
+                {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
+    }
+    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u);
+    auto it = sg_names_.find(key);
+    if (it == sg_names_.end())
+      it = sg_names_
+               .emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") +
+                                 std::string(fuse ? "glu_" : "") + std::to_string(t))
+               .first;
     c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
+  }
+  // DASLLAMA_VULKAN_FUSE_GLU=0: the glu before ffn down stays its own dispatch (for A/B runs).
+  static bool fuse_glu_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_GLU");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
   }
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
     if (n <= 0) return;
@@ -788,6 +1183,8 @@ class VulkanBackend final : public Backend {
     const std::string sh = "get_rows_" + std::to_string(lay_type(w));
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.id_base = (uint32_t)i0;
+      c_->uses({{A(w.data), Ctx::kWhole, false}, {A(ids), (uint64_t)n * 4, false},
+                {A(out), (uint64_t)(n * w.cols * 4), true}});
       c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0));
     }
   }
@@ -811,6 +1208,8 @@ class VulkanBackend final : public Backend {
       float freq_scale, mscale;
     } pc{A(x), A(pos), inv, A(p.freq_factors), (uint32_t)n_tok, (uint32_t)stride, (uint32_t)n_heads,
          (uint32_t)head_dim, (uint32_t)p.n_rot, p.neox ? 1u : 0u, p.freq_scale, p.mscale};
+    c_->uses({{A(x), (uint64_t)(((n_tok - 1) * stride + (int64_t)n_heads * head_dim) * 4), true},
+              {A(pos), (uint64_t)n_tok * 4, false}, {inv, Ctx::kWhole, false}, {A(p.freq_factors), Ctx::kWhole, false}});
     c_->dispatch("rope", &pc, sizeof pc, groups(n, 64));
   }
   void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
@@ -820,14 +1219,19 @@ class VulkanBackend final : public Backend {
       throw Error("vulkan kv_store: q8_0 rows need dim a multiple of 32, not " + std::to_string(dim));
     Lock g(c_->mu);
     struct {
-      uint64_t base, pages, k, v;
+      uint64_t base, pages, k, v, args;
       uint32_t page_bytes, k_off, v_off, row_bytes;
       int32_t first, src_stride, dim, page_shift, kvtype, row_base;
-    } pc{A(kv.base), A(kv.pages), A(k), A(v), (uint32_t)kv.page_bytes, (uint32_t)kv.k_off, (uint32_t)kv.v_off,
-         (uint32_t)kv.row_bytes, (int32_t)first, (int32_t)src_stride, (int32_t)dim, kv.page_shift,
-         (int32_t)kv.type, 0};
+    } pc{A(kv.base), A(kv.pages), A(k), A(v), c_->args_addr(), (uint32_t)kv.page_bytes, (uint32_t)kv.k_off,
+         (uint32_t)kv.v_off, (uint32_t)kv.row_bytes, c_->step_arg((int32_t)first), (int32_t)src_stride, (int32_t)dim,
+         kv.page_shift, (int32_t)kv.type, 0};
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.row_base = (int32_t)i0;
+      const uint64_t src = (uint64_t)(((n - 1) * src_stride + dim) * 4);
+      // Stores of one step write disjoint rows (other sessions' pages, other positions; q8_0 /
+      // f16 bytes through word atomics): they may run together, ordered only against readers.
+      c_->uses({{A(kv.base), Ctx::kWhole, true, true}, {A(kv.pages), Ctx::kWhole, false}, {A(k), src, false},
+                {A(v), src, false}});
       c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), 2);
     }
   }
@@ -843,29 +1247,111 @@ class VulkanBackend final : public Backend {
                                   std::to_string(a.head_dim));
     if (a.n_tok > kMaxGroups) throw Error("vulkan attention: more than 65535 query rows in one call");
     Lock g(c_->mu);
+    if (a.n_heads > 65535 || a.n_kv_heads > 65535 || a.kv.page_shift < 0 || a.kv.page_shift > 63)
+      throw Error("vulkan attention: head counts past 65535 or a page shift past 63");
     struct {
-      uint64_t q, base, pages, q_pos, out, sinks;
+      uint64_t q, base, pages, q_pos, out, sinks, part, args, cnt;
       uint32_t page_bytes, k_off, v_off, row_bytes;
-      int32_t q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
+      int32_t q_stride, out_stride, n_kv;
+      uint32_t heads, shape;
+      int32_t window;
       float scale, softcap;
-    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), (uint32_t)a.kv.page_bytes,
-         (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes, (int32_t)a.q_stride,
-         (int32_t)a.out_stride, (int32_t)a.n_kv, a.n_heads, a.n_kv_heads, a.head_dim, a.kv.page_shift, a.window,
-         (int32_t)a.kv.type, a.scale, a.softcap};
-    c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
+      int32_t split;
+    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), 0, c_->args_addr(), 0,
+         (uint32_t)a.kv.page_bytes, (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes,
+         (int32_t)a.q_stride, (int32_t)a.out_stride, c_->step_arg((int32_t)a.n_kv),
+         (uint32_t)a.n_heads | (uint32_t)a.n_kv_heads << 16,
+         (uint32_t)a.head_dim | (uint32_t)a.kv.page_shift << 16 | (uint32_t)a.kv.type << 24, a.window, a.scale,
+         a.softcap, 0};
+    const int64_t hd = (int64_t)a.n_heads * a.head_dim;
+    const uint64_t out_bytes = (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4);
+    // Decode: a workgroup per (head, token) walks its keys 64 at a time, serially, while most
+    // of a GPU idles, so past 64 keys they are split (64 a split up to 4096 keys, at most 64
+    // splits) and the last split of each (token, head) to finish joins them (attention.comp).
+    int32_t n_split = 1;
+    const int mode = attn_split_mode();
+    size_t part_bytes = 0, cnt_bytes = 0;
+    if (a.n_tok <= 4 && a.n_kv > 64 && mode && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
+      const int64_t ns = std::min<int64_t>(64, (a.n_kv + 63) / 64);
+      const int64_t len = ((a.n_kv + ns - 1) / ns + 63) / 64 * 64;
+      n_split = (int32_t)((a.n_kv + len - 1) / len);
+      pc.split = mode == 2 ? -(int32_t)len : (int32_t)len;
+      // Each call takes the next region of a ring of partials and of counters, so the calls of
+      // one step (a batch's sessions) do not wait for each other; a step starts both rings at 0,
+      // so a replayed step's addresses repeat. Wrapping onto a region still in use orders the
+      // calls (their uses overlap), never corrupts them.
+      part_bytes = ((size_t)a.n_tok * a.n_heads * n_split * (a.head_dim + 2) * 4 + 255) & ~size_t(255);
+      if (!attn_part_ || attn_part_->size() < part_bytes) {
+        attn_part_.reset();
+        attn_part_ = alloc(std::max<size_t>(part_bytes, 16 << 20), "attention splits");
+        part_at_ = 0;
+      }
+      if (part_at_ + part_bytes > attn_part_->size()) part_at_ = 0;
+      pc.part = A(attn_part_->data()) + part_at_;
+      part_at_ += part_bytes;
+      if (!attn_cnt_) {
+        attn_cnt_ = alloc(kCntSlots * 4, "attention split counters");
+        c_->zero(A(attn_cnt_->data()), kCntSlots * 4);  // the counters start (and are left) at 0
+      }
+      const size_t slots = ((size_t)a.n_tok * a.n_heads + 63) & ~size_t(63);
+      if (cnt_at_ + slots > (size_t)kCntSlots) cnt_at_ = 0;
+      pc.cnt = A(attn_cnt_->data()) + cnt_at_ * 4;
+      cnt_at_ += slots;
+      cnt_bytes = slots * 4;
+    }
+    c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false}, {pc.part, part_bytes, true},
+              {pc.split > 0 ? pc.cnt : 0, cnt_bytes, true}, {pc.split >= 0 ? A(a.out) : 0, out_bytes, true},
+              {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
+              {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
+    if (pc.split >= 0) return;
+    struct {
+      uint64_t part, out, sinks;
+      int32_t out_stride, n_heads, head_dim, n_split;
+    } mp{pc.part, A(a.out), A(a.sinks), (int32_t)a.out_stride, a.n_heads, a.head_dim, n_split};
+    c_->uses({{pc.part, part_bytes, false}, {A(a.out), out_bytes, true}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    c_->dispatch("attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
-    op(act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : act == Act::sigmoid ? 11 : 13, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    if (n_rows <= 0 || dim <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(gate), (uint64_t)(((n_rows - 1) * gs + dim) * 4), false},
+              {A(up), (uint64_t)(((n_rows - 1) * us + dim) * 4), false}, {A(out), (uint64_t)(n_rows * dim * 4), true}});
+    const uint32_t code =
+        act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : act == Act::sigmoid ? 11 : 13;
+    const size_t sig0 = c_->sig_bytes();
+    op(code, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
+    // Kept for the matmul that may read out next (matmul_sg folds this dispatch into it).
+    glu_ = Glu{};
+    if (c_->recording() && (code == 5 || code == 6 || code == 13))
+      glu_ = Glu{true, c_->step_serial(), c_->kept(), sig0, A(gate), A(up), A(out), gs, us, n_rows, dim, code};
   }
-  void add(float* y, const float* x, int64_t n) override { op(0, y, x, nullptr, n, {}); }
+  void add(float* y, const float* x, int64_t n) override {
+    if (n <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(y), (uint64_t)n * 4, true}, {A(x), (uint64_t)n * 4, false}});
+    op(0, y, x, nullptr, n, {});
+  }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {
+    if (n_rows <= 0 || dim <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(y), (uint64_t)(n_rows * dim * 4), true}, {A(b), (uint64_t)dim * 4, false}});
     op(1, y, b, nullptr, n_rows * dim, {(uint32_t)dim});
   }
-  void scale(float* y, float s, int64_t n) override { op(2, y, nullptr, nullptr, n, {}, s); }
+  void scale(float* y, float s, int64_t n) override {
+    if (n <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(y), (uint64_t)n * 4, true}});
+    op(2, y, nullptr, nullptr, n, {}, s);
+  }
   void softcap(float* y, float cap, int64_t n) override { op(3, y, nullptr, nullptr, n, {}, cap); }
   void gelu_erf(float* y, int64_t n) override { op(4, y, nullptr, nullptr, n, {}); }
   void copy_rows(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t width) override {
+    if (rows <= 0 || width <= 0) return;
+    Lock g(c_->mu);
+    c_->uses({{A(src), (uint64_t)(((rows - 1) * ss + width) * 4), false},
+              {A(dst), (uint64_t)(((rows - 1) * ds + width) * 4), true}});
     op(7, src, nullptr, dst, rows * width, {(uint32_t)width, (uint32_t)ds, (uint32_t)ss});
   }
   void im2col_1d(const float* x, int64_t x_stride, int64_t C, int64_t T, int k, int stride, int pad, float* out,
@@ -1018,6 +1504,8 @@ class VulkanBackend final : public Backend {
     } pc{A(x), A(w), A(b), A(y), (uint32_t)dim, mode, 0, eps};
     for (int64_t r0 = 0; r0 < n_rows; r0 += kMaxGroups) {
       pc.row_base = (uint32_t)r0;
+      c_->uses({{A(x), (uint64_t)(n_rows * dim * 4), false}, {A(w), (uint64_t)dim * 4, false},
+                {A(b), (uint64_t)dim * 4, false}, {A(y), (uint64_t)(n_rows * dim * 4), true}});
       c_->dispatch("norm", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n_rows - r0));
     }
   }
@@ -1025,7 +1513,10 @@ class VulkanBackend final : public Backend {
   void op(uint32_t code, const float* a, const float* b, float* c, int64_t n, std::initializer_list<uint32_t> p,
           float f0 = 0.f) {
     if (n <= 0) return;
-    if (n > INT32_MAX) throw Error("vulkan: an elementwise op over more than 2^31 elements");
+    if (n > INT32_MAX) {
+      c_->forget_uses();
+      throw Error("vulkan: an elementwise op over more than 2^31 elements");
+    }
     Lock g(c_->mu);
     struct {
       uint64_t a, b, c;
@@ -1052,7 +1543,19 @@ class VulkanBackend final : public Backend {
   }
 
   std::shared_ptr<Ctx> c_;
+  // The step's last glu, while it is the last kept command (see matmul_sg).
+  struct Glu {
+    bool valid = false;
+    uint64_t serial = 0;
+    size_t kept = 0, sig0 = 0;
+    uint64_t gate = 0, up = 0, out = 0;
+    int64_t gs = 0, us = 0, n_rows = 0, dim = 0;
+    uint32_t code = 0;
+  } glu_;
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
+  BufferPtr glu_cnt_;  // gemv.comp's GLU counter
+  BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
+  size_t part_at_ = 0, cnt_at_ = 0;  // the rings' next regions (bytes, slots); 0 at a step's start
   std::unordered_map<uint32_t, std::string> sg_names_;  // matmul_sg_<type>
 };
 

@@ -3,23 +3,44 @@
 // probabilities update a running softmax (max m, sum l) and each invocation's output dims.
 // KV rows are read through the block table (once per key, kept in shared memory for the V
 // pass); GQA maps head h to kv head h / (H / KVH).
+// Split over keys (decode: few (head, token) pairs, many keys): workgroup z takes keys
+// [z * S, (z + 1) * S), S = |split|, and writes its unnormalized (m, l, acc) to part.
+// split > 0: the last of a (token, head)'s workgroups to finish (a counter per pair at cnt,
+// left at 0 again) joins them and writes the output, so the split costs no second dispatch;
+// split < 0: attention_merge.comp joins them. split == 0: no split.
 #version 450
 #include "common.glsl"
 
 layout(local_size_x = 64) in;
+// The splits' partials as other workgroups see them: coherent (not from a stale cache).
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer PartF { float v[]; };
 layout(push_constant, std430) uniform PC {
   uint64_t q, base, pages, q_pos, out_, sinks;  // sinks: a logit per head joining the denominator, or 0
+  uint64_t part;                                // split: (m, l, acc[head_dim]) per (token, head, split)
+  uint64_t args;                                // n_kv_ < 0: n_kv is args[-n_kv_ - 1] (a replayed step's value)
+  uint64_t cnt;                                 // split > 0: a counter per (token, head)
   uint page_bytes, k_off, v_off, row_bytes;
-  int q_stride, out_stride, n_kv, n_heads, n_kv_heads, head_dim, page_shift, window, kvtype;
+  int q_stride, out_stride, n_kv_;
+  uint heads;   // n_heads | n_kv_heads << 16
+  uint shape;   // head_dim | page_shift << 16 | kvtype << 24
+  int window;
   float scale, softcap;
+  int split;
 } pc;
+
+#define NH int(pc.heads & 0xffffu)
+#define NKVH int(pc.heads >> 16)
+#define HD int(pc.shape & 0xffffu)
+#define PSHIFT int((pc.shape >> 16) & 0xffu)
+#define KVTYPE int(pc.shape >> 24)
+#define NKV (pc.n_kv_ >= 0 ? pc.n_kv_ : I32(pc.args).v[-pc.n_kv_ - 1])
 
 shared float qs[256];
 shared float sc[64];
 
 float kv_elem(uint64_t r, int d) {
-  if (pc.kvtype == 0) return F32(r).v[d];
-  if (pc.kvtype == 1) return h2f(rd16(r + uint64_t(d) * 2u));
+  if (KVTYPE == 0) return F32(r).v[d];
+  if (KVTYPE == 1) return h2f(rd16(r + uint64_t(d) * 2u));
   const uint64_t b = r + uint64_t(d >> 5) * 34u;
   return float(sbyte(rd8(b + 2u + uint(d & 31)), 0u)) * h2f(rd16(b));
 }
@@ -27,9 +48,9 @@ float kv_elem(uint64_t r, int d) {
 // q . (key row at kr): whole words per load where the row's alignment allows, 16 dims a pass
 // with their loads issued together (a loop of unknown length is not pipelined for us).
 float kv_dot(uint64_t kr) {
-  const int hd = pc.head_dim;
+  const int hd = HD;
   float p = 0.0f;
-  if (pc.kvtype == 0) {
+  if (KVTYPE == 0) {
     if ((kr & 15ul) == 0ul && hd % 16 == 0) {
       V4 r = V4(kr);
       for (int d = 0; d < hd; d += 16) {
@@ -45,7 +66,7 @@ float kv_dot(uint64_t kr) {
     } else {
       for (int d = 0; d < hd; ++d) p += qs[d] * F32(kr).v[d];
     }
-  } else if (pc.kvtype == 1) {
+  } else if (KVTYPE == 1) {
     if ((kr & 3ul) == 0ul && hd % 16 == 0) {
       U32 r = U32(kr);
       for (int d = 0; d < hd; d += 16) {
@@ -76,23 +97,27 @@ float kv_dot(uint64_t kr) {
 // The start of key j's row (before the K / V offsets), through the block table.
 uint64_t kv_base(int j) {
   const int64_t jj = int64_t(j);
-  const int64_t page = int64_t(I32(pc.pages).v[uint(jj >> pc.page_shift)]);
-  const int64_t mask = (int64_t(1) << pc.page_shift) - 1;
+  const int64_t page = int64_t(I32(pc.pages).v[uint(jj >> PSHIFT)]);
+  const int64_t mask = (int64_t(1) << PSHIFT) - 1;
   return pc.base + uint64_t(page) * pc.page_bytes + uint64_t(jj & mask) * pc.row_bytes;
 }
 
-shared uint64_t rowb[64];  // the chunk's row starts, looked up once per key (by the scoring lane)
+shared uint64_t rowb[64];
+shared bool last;  // this workgroup joins the splits  // the chunk's row starts, looked up once per key (by the scoring lane)
 
 void main() {
   const int h = int(gl_WorkGroupID.x), t = int(gl_WorkGroupID.y), tid = int(gl_LocalInvocationID.x);
-  const int hd = pc.head_dim;
-  const int kvh = h / (pc.n_heads / pc.n_kv_heads);
+  const int hd = HD;
+  const int kvh = h / (NH / NKVH);
   F32 qr = F32(pc.q + (uint64_t(t) * uint64_t(pc.q_stride) + uint64_t(h * hd)) * 4u);
   for (int d = tid; d < hd; d += 64) qs[d] = qr.v[d];
   const int pos = I32(pc.q_pos).v[t];
-  const int hi = min(pc.n_kv, pos + 1);
-  const int lo = pc.window > 0 ? max(0, pos - pc.window + 1) : 0;
-  const uint head_off = pc.kvtype == 0 ? uint(kvh * hd * 4) : pc.kvtype == 1 ? uint(kvh * hd * 2)
+  int hi = min(NKV, pos + 1);
+  int lo = pc.window > 0 ? max(0, pos - pc.window + 1) : 0;
+  const int z = int(gl_WorkGroupID.z);
+  const int S = abs(pc.split);
+  if (S > 0) lo = max(lo, z * S), hi = min(hi, (z + 1) * S);
+  const uint head_off = KVTYPE == 0 ? uint(kvh * hd * 4) : KVTYPE == 1 ? uint(kvh * hd * 2)
                                                                              : uint(kvh * (hd / 32) * 34);
   const uint koff = pc.k_off + head_off, voff = pc.v_off + head_off;
   float acc[4] = float[4](0.0f, 0.0f, 0.0f, 0.0f);  // dims tid + 64 i
@@ -115,12 +140,12 @@ void main() {
     const float corr = exp(m - mx);  // 0 on the first chunk (m = -inf)
     l *= corr;
     for (int i = 0; i < 4; ++i) acc[i] *= corr;
-    // Four keys a pass, their V loads issued together; the sums run key by key as before.
+    // Eight keys a pass, their V loads issued together; the sums run key by key as before.
     int k = 0;
-    for (; k < cnt; k += 4) {
-      const int nk = min(4, cnt - k);
-      float pk[4], ev[4][4];
-      [[unroll]] for (int u = 0; u < 4; ++u) {
+    for (; k < cnt; k += 8) {
+      const int nk = min(8, cnt - k);
+      float pk[8], ev[8][4];
+      [[unroll]] for (int u = 0; u < 8; ++u) {
         pk[u] = 0.0f;
         if (u < nk) pk[u] = exp(sc[k + u] - mx);
         const uint64_t vr = rowb[k + min(u, nk - 1)] + voff;
@@ -129,7 +154,7 @@ void main() {
           ev[u][i] = d < hd && u < nk ? kv_elem(vr, d) : 0.0f;
         }
       }
-      [[unroll]] for (int u = 0; u < 4; ++u) {
+      [[unroll]] for (int u = 0; u < 8; ++u) {
         if (u >= nk) break;
         l += pk[u];
         [[unroll]] for (int i = 0; i < 4; ++i) acc[i] += pk[u] * ev[u][i];
@@ -137,6 +162,48 @@ void main() {
     }
     m = mx;
     barrier();  // sc and rowb are rewritten by the next chunk
+  }
+  if (S > 0) {
+    const int nz = int(gl_NumWorkGroups.z);
+    const uint64_t mine = pc.part + uint64_t((t * NH + h) * nz) * uint64_t(hd + 2) * 4u;
+    PartF pr = PartF(mine + uint64_t(z * (hd + 2)) * 4u);
+    if (tid == 0) pr.v[0] = m, pr.v[1] = l;
+    for (int i = 0; i < 4; ++i) {
+      const int d = tid + 64 * i;
+      if (d < hd) pr.v[2 + d] = acc[i];
+    }
+    if (pc.split < 0) return;  // attention_merge.comp joins them
+    // The partials out before the count; the last workgroup of (t, h) reads all of them.
+    memoryBarrierBuffer();
+    barrier();
+    if (tid == 0) {
+      U32 cnt = U32(pc.cnt);
+      const uint done = atomicAdd(cnt.v[t * NH + h], 1u);
+      last = done == uint(nz - 1);
+      if (last) cnt.v[t * NH + h] = 0u;  // every split has counted: ready for the next call
+    }
+    barrier();
+    if (!last) return;
+    memoryBarrierBuffer();
+    m = uintBitsToFloat(0xff800000u);
+    for (int s2 = 0; s2 < nz; ++s2) {
+      PartF p = PartF(mine + uint64_t(s2 * (hd + 2)) * 4u);
+      if (p.v[1] > 0.0f) m = max(m, p.v[0]);
+    }
+    l = 0.0f;
+    for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+    for (int s2 = 0; s2 < nz; ++s2) {
+      PartF p = PartF(mine + uint64_t(s2 * (hd + 2)) * 4u);
+      const float ls = p.v[1];
+      if (!(ls > 0.0f)) continue;
+      const float w = exp(p.v[0] - m);
+      l += ls * w;
+      for (int i = 0; i < 4; ++i) {
+        const int d = tid + 64 * i;
+        if (d < hd) acc[i] += p.v[2 + d] * w;
+      }
+    }
+    // No visible key in any split: m stays -inf, l 0, as unsplit.
   }
   if (pc.sinks != 0ul) {
     const float sink = F32(pc.sinks).v[h], mx = max(m, sink);

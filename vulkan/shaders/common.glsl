@@ -10,6 +10,7 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer U32 { uint v
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer F64 { double v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4 { vec4 v[]; };  // 16-aligned only
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4U { uvec4 v[]; };  // 16-aligned only
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2 { uvec2 v[]; };  // 8-aligned only
 
 // Packed formats sit at 1- or 2-byte alignment: read the covering 32-bit words.
@@ -69,6 +70,12 @@ float tanh_safe(float x) {
   const float e = exp(-2.0f * ax);
   return sign(x) * (1.0f - e) / (1.0f + e);
 }
+// The GLU activations (ops.comp, and gemv.comp computing its input from gate and up).
+float silu(float x) {
+  const float e = exp(-abs(x));
+  return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+float gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh_safe(0.7978845608028654f * (x + 0.044715f * x * x * x))); }
 // erf (Abramowitz-Stegun 7.1.26 is too coarse): a W. J. Cody-style rational form is long,
 // so erf(x) = 1 - erfc(x) with erfc from the Numerical Recipes Chebyshev fit (|rel err| < 1.2e-7).
 float erf_f(float x) {

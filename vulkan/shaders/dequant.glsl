@@ -13,8 +13,9 @@
 #define T_Q6_K 14
 #define T_BF16 30
 #define T_MXFP4 39
-// Not a file type: q8_0 in this backend's split layout (vulkan_backend.cpp, load_weight).
+// Not file types: q8_0 and q4_0 in this backend's split layout (vulkan_backend.cpp, load_weight).
 #define T_Q8_0S 40
+#define T_Q4_0S 41
 
 void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint e0 = g * 8u;
@@ -51,6 +52,17 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   [[unroll]] for (uint i = 0u; i < 4u; ++i) {
     precise float a = float(sbyte(w.x, i)) * d, c = float(sbyte(w.y, i)) * d;
     v[i] = a, v[i + 4u] = c;
+  }
+#elif TYPE == T_Q4_0S
+  // A row's cols / 2 quant bytes (block b's 16 bytes: elements 0-15 the low nibbles, 16-31 the
+  // high ones), then its f16 scales. Group g: 8 bytes at one aligned load, one nibble each.
+  const uint o = (g & 3u) * 8u;
+  const float d = h2f(rd16(row + uint64_t(cols / 2u) + uint64_t(g >> 2) * 2u));
+  const uvec2 w = U2(row + uint64_t(g >> 2) * 16u + uint64_t(o & 15u)).v[0];
+  const uint sh = (o >> 4) * 4u;
+  [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+    const int n = int(((i < 4u ? w.x : w.y) >> ((i & 3u) * 8u + sh)) & 0xFu);
+    v[i] = d * float(n - 8);
   }
 #elif TYPE == T_MXFP4
   // e2m1 doubled ({0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign) times the e8m0 scale halved.

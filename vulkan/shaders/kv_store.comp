@@ -7,9 +7,11 @@
 layout(local_size_x = 64) in;
 layout(push_constant, std430) uniform PC {
   uint64_t base, pages, k, v;
+  uint64_t args;  // first < 0: the first row is args[-first - 1] (a replayed step's value)
   uint page_bytes, k_off, v_off, row_bytes;
-  int first, src_stride, dim, page_shift, kvtype, row_base;
+  int first_, src_stride, dim, page_shift, kvtype, row_base;
 } pc;
+int first_row() { return pc.first_ >= 0 ? pc.first_ : I32(pc.args).v[-pc.first_ - 1]; }
 
 shared float amax[64];
 
@@ -29,7 +31,7 @@ void main() {
   const int i = pc.row_base + int(gl_WorkGroupID.x), tid = int(gl_LocalInvocationID.x);
   const bool is_v = gl_WorkGroupID.y == 1u;
   F32 src = F32((is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u);
-  const uint64_t dst = kv_row(is_v ? pc.v_off : pc.k_off, pc.first + i);
+  const uint64_t dst = kv_row(is_v ? pc.v_off : pc.k_off, first_row() + i);
   if (pc.kvtype == 0) {
     for (int e = tid; e < pc.dim; e += 64) F32(dst).v[e] = src.v[e];
   } else if (pc.kvtype == 1) {

@@ -16,17 +16,12 @@ const uint ADD = 0u, ADD_BIAS = 1u, SCALE = 2u, SOFTCAP = 3u, GELU_ERF = 4u, GLU
            COPY_ROWS = 7u, IM2COL = 8u, AVG_POOL = 9u, GLU_OAI = 10u,
            GLU_SIGMOID = 11u, IM2COL_2D = 12u, GLU_RELU = 13u;
 
-float silu(float x) {
-  const float e = exp(-abs(x));
-  return (x >= 0.0f ? x : x * e) / (1.0f + e);
-}
 float swiglu_oai(float gate, float up) {
   const float g = min(gate, 7.0f), u = clamp(up, -7.0f, 7.0f);
   const float z = 1.702f * g;
   const float e = exp(-abs(z));
   return g * ((z >= 0.0f ? 1.0f : e) / (1.0f + e)) * (u + 1.0f);
 }
-float gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh_safe(0.7978845608028654f * (x + 0.044715f * x * x * x))); }
 
 void main() {
   F32 A = F32(pc.a), B = F32(pc.b), C = F32(pc.c);

@@ -1,0 +1,110 @@
+"""Vulkan decode and prefill A/B: the backend's switches, each in its own process, interleaved.
+
+Each configuration (a set of DASLLAMA_VULKAN_* variables) loads the same random-weight model
+(bench_cuda.py's shapes), prefills --ctx tokens, then times --steps single-token decode steps
+(host wall time per step, which waits for the logits) and a pp512 prefill. Rounds alternate
+the configurations so a noisy machine hits them alike; medians are printed. Run on the GPU:
+
+    python benchmarks/profile_vulkan.py --shape llama1b --type q8_0 --rounds 3
+
+The default configurations: everything on; then one switch off at a time (REPLAY=0: every step
+recorded into the stream; BARRIERS=all: a barrier after every command; GEMV=0: matmul.comp's
+subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head, token); GEMM=0: matmul_tile.comp
+in prefill; FUSE_GLU=0: the glu before ffn down its own dispatch; MERGE=dispatch: attention's
+splits joined by a second dispatch), and "old": all of them off, the stream before this work
+(but for the q4_0 split layout, which DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
+2048 makes the attention split matter more. Per-shader GPU time: run one
+configuration with DASLLAMA_VULKAN_PROFILE=1 set (it records every step, so no replay there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_cuda import SHAPES, write_model
+
+CONFIGS = {
+    "all on": {},
+    "REPLAY=0": {"DASLLAMA_VULKAN_REPLAY": "0"},
+    "BARRIERS=all": {"DASLLAMA_VULKAN_BARRIERS": "all"},
+    "GEMV=0": {"DASLLAMA_VULKAN_GEMV": "0"},
+    "ATTN_SPLIT=0": {"DASLLAMA_VULKAN_ATTN_SPLIT": "0"},
+    "GEMM=0": {"DASLLAMA_VULKAN_GEMM": "0"},
+    "FUSE_GLU=0": {"DASLLAMA_VULKAN_FUSE_GLU": "0"},
+    "MERGE=dispatch": {"DASLLAMA_VULKAN_ATTN_SPLIT": "dispatch"},
+    "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
+            "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0"},
+}
+
+
+def child(path: str, device: str, ctx: int, steps: int, pp: int) -> dict:
+    import dasllama as d
+
+    m = d.load_model(path, device=device)
+    s = d.create_session(m, n_ctx=ctx + steps + 8)
+    d.eval(m, s, [3 + i % 1000 for i in range(ctx)])
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        d.eval(m, s, [5 + i % 1000])
+        times.append(time.perf_counter() - t)
+    out = {"step_ms": statistics.median(times[2:] if steps > 4 else times) * 1e3}
+    if pp:
+        best = 1e9
+        for _ in range(3):
+            s = d.create_session(m, n_ctx=pp + 8)
+            t = time.perf_counter()
+            d.eval(m, s, [3 + i % 1000 for i in range(pp)])
+            best = min(best, time.perf_counter() - t)
+        out["pp_tps"] = pp / best
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama1b", choices=sorted(SHAPES))
+    ap.add_argument("--type", default="q8_0")
+    ap.add_argument("--device", default="vulkan")
+    ap.add_argument("--ctx", type=int, default=16, help="prompt tokens before the timed steps")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--pp", type=int, default=512, help="prefill length timed (0: none)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="names from: " + ", ".join(CONFIGS))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.device, args.ctx, args.steps, args.pp)))
+        return
+    names = [c for c in args.configs.split(",") if c]
+    for c in names:
+        if c not in CONFIGS:
+            sys.exit(f"unknown configuration {c!r}")
+    res = {c: [] for c in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "m.gguf")
+        write_model(path, args.shape, args.type)
+        for r in range(args.rounds):
+            for c in names:
+                env = dict(os.environ, **CONFIGS[c])
+                p = subprocess.run([sys.executable, __file__, "--child", path, "--device", args.device, "--ctx",
+                                    str(args.ctx), "--steps", str(args.steps), "--pp", str(args.pp)],
+                                   env=env, capture_output=True, text=True)
+                if p.returncode != 0:
+                    sys.exit(f"{c}: failed\n{p.stderr[-3000:]}")
+                res[c].append(json.loads(p.stdout.strip().splitlines()[-1]))
+                print(f"round {r} {c:13s} {res[c][-1]}", flush=True)
+    print(f"\n{args.shape} {args.type} on {args.device}, ctx {args.ctx}, medians of {args.rounds} rounds:")
+    for c in names:
+        step = statistics.median(x["step_ms"] for x in res[c])
+        pp = f"  pp{args.pp} {statistics.median(x['pp_tps'] for x in res[c]):8.0f} t/s" if args.pp else ""
+        print(f"  {c:13s} decode {step:7.3f} ms/step ({1e3 / step:6.0f} t/s){pp}")
+
+
+if __name__ == "__main__":
+    main()
