@@ -689,7 +689,7 @@ class CudaBackend final : public Backend {
       sig1(Tag::quant), sig1(qb);
       glu_.at = SIZE_MAX;
     } else if (q8 && !mma && qx_ && cuda::gemv_q8_x_fits(j)) {
-      // One decode token: each GEMV block rounds its input itself (one launch, not two).
+      // One decode token: each GEMV block rounds its input itself (one launch, not two; opt-in).
       const float* x = s.x;
       const bool norm = s.norm;
       const float* nw = s.norm ? s.norm_w : nullptr;
@@ -933,10 +933,12 @@ class CudaBackend final : public Backend {
 
   int dev_;
   cudaDeviceProp prop_{};
-  // One token's q8 GEMVs round their own input (DASLLAMA_CUDA_QX=0: a quantize launch first).
+  // One token's q8 GEMVs round their own input (DASLLAMA_CUDA_QX=1). Off: on the H200 every
+  // block's own rounding cost more than the launch it saves (Llama-1B Q8_0 decode 708 -> 510
+  // t/s, RESULTS.md), so a quantize launch comes first.
   bool qx_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_QX");
-    return !(e && std::strcmp(e, "0") == 0);
+    return e && std::strcmp(e, "1") == 0;
   }();
   // Tokens from which q8 matmuls take the int8 mma kernel (DASLLAMA_CUDA_MMA_MIN; 0: never).
   int64_t mma_min_ = [] {

@@ -62,7 +62,8 @@ void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols);
 int gemv_q8_plan(GemvJob& j);
 // One token's q8 GEMV that rounds its own input x (RMS-normed times norm_w when norm) in each
 // block, instead of a quantize_act launch before it; for matrices of at most kQuantBlocksMax
-// blocks and cols <= 2048. Results equal quantize_act + gemv_staged's bit for bit.
+// blocks and cols <= 2048. Results equal quantize_act + gemv_staged's bit for bit; slower on
+// the H200 so far (DASLLAMA_CUDA_QX=1 only).
 constexpr int64_t kQuantBlocksMax = 1024;
 bool gemv_q8_x_fits(const GemvJob& j);
 void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* norm_w, float eps, cudaStream_t st);

@@ -133,7 +133,7 @@ def _decode_steps(path, kv, env, monkeypatch, n_prompt=40, n_steps=150):
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
 def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
     """Decode steps give the op-by-op kernels' logits bit for bit when each GEMV rounds its own
-    input (DASLLAMA_CUDA_QX, on by default) and when each layer runs as one fused kernel
+    input (DASLLAMA_CUDA_QX=1) and when each layer runs as one fused kernel
     (cuda/fused.cu): head sizes 32, 64 and 128, q8_0 and q4_0 weights, a paged cache whose
     attention splits grow with the context (40 to 190 rows)."""
     shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),

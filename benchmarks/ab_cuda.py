@@ -1,0 +1,56 @@
+"""A/B of CUDA backend switches on bench_cuda.py's measurements, interleaved on one machine.
+
+    python benchmarks/ab_cuda.py --shapes llama1b,smollm135m --types q8_0,q4_0 \
+        DASLLAMA_CUDA_FUSED=0 DASLLAMA_CUDA_FUSED=1,DASLLAMA_CUDA_FUSED_PF=0
+
+Each random-weight file (bench_cuda.py's shapes) is written once; every setting (comma-separated
+VAR=VALUE pairs, applied on top of the environment; the backend reads them when a model loads)
+then runs bench_cuda's pp512 / tg256 / batched decode in turn, for --rounds rounds, so a machine's
+drift hits them alike. The best of the rounds is printed per setting.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_cuda as B  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama1b")
+    ap.add_argument("--types", default="q8_0")
+    ap.add_argument("--batches", default="", help="batched decode sizes (llama1b only), e.g. 4,16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("settings", nargs="+", help="VAR=VALUE[,VAR=VALUE...]")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    base = dict(os.environ)
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes.split(","):
+            for ft in args.types.split(","):
+                path = os.path.join(tmp, f"{shape}-{ft}.gguf")
+                B.write_model(path, shape, ft)
+                best: dict = {}
+                for _ in range(args.rounds):
+                    for st in args.settings:
+                        os.environ.clear()
+                        os.environ.update(base)
+                        os.environ.update(kv.split("=", 1) for kv in st.split(",") if kv)
+                        r = B.bench(path, "cuda", batches if shape == "llama1b" else [])
+                        for k, v in r.items():
+                            if k != "weight_bytes":
+                                best[(st, k)] = max(best.get((st, k), 0.0), v)
+                for st in args.settings:
+                    row = " ".join(f"{k}={v:.0f}" for (s, k), v in best.items() if s == st)
+                    print(f"{shape} {ft} [{st}]: {row}", flush=True)
+                os.remove(path)
+    os.environ.clear()
+    os.environ.update(base)
+
+
+if __name__ == "__main__":
+    main()
