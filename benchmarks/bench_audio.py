@@ -2,6 +2,7 @@
 first token of an audio turn, cold and as a second question about the same clip through the prefix cache.
 
     python benchmarks/bench_audio.py [--threads 2] [--reps 3]
+    python benchmarks/bench_audio.py --device cuda [--shape llama1b]   # a GPU home: TTFT rows only
 
 Encoder: whisper tiny.en (``dasllama pull whisper-tiny.en``, converted by ``dasllama convert``) for
 ours and CTranslate2 (fp32, its own Whisper.encode); transformers runs a WhisperEncoder of the same
@@ -13,6 +14,10 @@ TTFT: SmolLM2-135M-Instruct (q8) hears 750 rows (Qwen2-Audio's count for a 30 s 
 pre-encoded rows; "cold" prefills the whole turn, "second question" is a new conversation over the
 same pool and prefix cache whose span is attached. The tiny random Qwen2-Audio pair of the tests
 measures the whole path including its tower (encode + splice + prefill).
+
+With --device (cuda, vulkan): no download (GPU machines may have no network), so the 750-row turn
+goes to a random-weight q8_0 decoder of one of bench_cuda.py's shapes (Llama-3.2-1B's by default)
+and the tiny Qwen2-Audio pair runs its tower and decoder on the device.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "oracles"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def best(fn, reps):
@@ -117,34 +123,48 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu, or a GPU home (TTFT rows only, random-weight decoders)")
+    ap.add_argument("--shape", default="llama1b", help="with --device: bench_cuda.py's decoder shape")
     args = ap.parse_args()
     import dasllama as d
 
+    dev = None if args.device == "cpu" else args.device
     x = clip30()
     with tempfile.TemporaryDirectory() as tmp:
-        print("| pipeline | stage | 30 s clip, ms |\n| --- | --- | --- |")
-        for who, what, t in encoder_rows(args, x, tmp):
-            print(f"| {who} | {what} | {t * 1e3:.1f} |")
+        if not dev:
+            print("| pipeline | stage | 30 s clip, ms |\n| --- | --- | --- |")
+            for who, what, t in encoder_rows(args, x, tmp):
+                print(f"| {who} | {what} | {t * 1e3:.1f} |")
 
         print("\n| decoder | rows | cold TTFT ms | second question TTFT ms | media rows prefilled (2nd) |")
         print("| --- | --- | --- | --- | --- |")
-        m = d.load_model("smollm2-135m-instruct", n_threads=args.threads)
+        if dev:
+            import bench_cuda
+
+            path = os.path.join(tmp, f"{args.shape}-q8_0.gguf")
+            bench_cuda.write_model(path, args.shape, "q8_0")
+            m = d.load_model(path, n_threads=args.threads, device=dev)
+            label = f"random {args.shape} q8_0 on {dev}"
+        else:
+            m = d.load_model("smollm2-135m-instruct", n_threads=args.threads)
+            label = "SmolLM2-135M q8"
         rows = np.random.default_rng(0).standard_normal((750, m.config.dim)).astype(np.float32) * 0.05
         c, w, media = ttft(m, lambda pool, cache: d.create_chat(m, max_new=4, pool=pool, cache=cache),
                            lambda ch, q: (d.add_user_audio_rows(m, ch, rows, 750), d.add_user(ch, q)),
                            "Who is speaking?", args.reps)
-        print(f"| SmolLM2-135M q8 | 750 (pre-encoded) | {c * 1e3:.1f} | {w * 1e3:.1f} | {media} |")
+        print(f"| {label} | 750 (pre-encoded) | {c * 1e3:.1f} | {w * 1e3:.1f} | {media} |")
 
         import audio as A
 
         hfm = A.qwen2_audio()
         mm = A.write_qwen2_audio(hfm, os.path.join(tmp, "mm.gguf"))
         dec = A.write_decoder(hfm, os.path.join(tmp, "dec.gguf"))
-        tm = d.load_model(dec, n_threads=args.threads)
-        tower = d.load_audio_tower(mm, n_threads=args.threads)
+        tm = d.load_model(dec, n_threads=args.threads, device=dev)
+        tower = d.load_audio_tower(mm, n_threads=args.threads, device=dev)
         c, w, media = ttft(tm, lambda pool, cache: d.create_chat(tm, tower, max_new=4, pool=pool, cache=cache),
                            lambda ch, q: d.add_user_audio(ch, x, q), "Who is speaking?", args.reps)
-        print(f"| tiny Qwen2-Audio (tower + decoder) | {tower.n_rows(len(x))} (encoded) | {c * 1e3:.1f} | "
+        where = f" on {dev}" if dev else ""
+        print(f"| tiny Qwen2-Audio (tower + decoder{where}) | {tower.n_rows(len(x))} (encoded) | {c * 1e3:.1f} | "
               f"{w * 1e3:.1f} | {media} |")
 
 
