@@ -32,25 +32,30 @@ namespace {
 constexpr int FT = SW * 32;  // threads per block (quant_smem's)
 constexpr int kUnits = 2;  // 16-byte weight units per row in flight per lane (4 spills at two blocks an SM)
 
-// All blocks of the grid meet here (every block is resident: the grid is sized by occupancy,
-// and the next kernel is let in only after the last barrier). bar[0] counts arrivals over the
-// launch; the k-th barrier waits for k * gridDim.x.
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
 
+// All blocks of the grid meet here (every block is resident: the grid is sized by occupancy,
+// and the next kernel is let in only after the last barrier). bar[0] counts arrivals over the
+// launch; the k-th barrier waits for k * gridDim.x. Thread 0 arrives with a release add and
+// polls with relaxed loads and a short sleep (the ninth session's first form, a fence, an atomic
+// and a tight ld.acquire loop, cost several microseconds a barrier at 264 blocks), then a
+// fence makes what the other blocks wrote before arriving visible; the block barrier passes it on.
 __device__ __forceinline__ void grid_sync(unsigned* bar, unsigned& target) {
   target += gridDim.x;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(bar, 1u);
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar) : "memory");
     unsigned v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
-    } while (v < target);
+    for (;;) {
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
+      if (v >= target) break;
+      __nanosleep(40);
+    }
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
   }
   __syncthreads();
 }
