@@ -142,6 +142,10 @@ struct AttnArgs {
   const float* sinks = nullptr;
   float* out = nullptr;  // [n_tok][n_heads * head_dim]
   int64_t out_stride = 0;
+  // An encoder's bidirectional rows (every q_pos >= n_kv - 1) that no decode step will read:
+  // the backend may sum in another order than its decode path (the CPU's blocked dense kernel),
+  // so these rows need not be the bits a step of one row would give. Decoders leave it false.
+  bool any_order = false;
 };
 
 // swiglu_oai: gpt-oss's clamped SwiGLU, g = min(gate, 7), u = clamp(up, -7, 7),

@@ -235,9 +235,14 @@ class CpuBackend final : public Backend {
     for (int i = 0; i < same; ++i) total_rows += grp[i]->rows;
     // Multiples of 16: the kernels' 4-row tiles and the packed layouts' 16-row groups.
     // Decode takes multiples of 64 rows (four packed groups: independent chains for the kernel).
-    // Prefill takes at least two groups: the packed f32 / f16 kernel then tiles 32 rows x 12
-    // tokens (fewer loads per FMA than 16 x 16); every output's arithmetic is the same either way.
-    const int64_t min_chunk = n <= 8 ? 4 * cpu::kPackRowAlign : 2 * cpu::kPackRowAlign;
+    // Prefill takes at least two groups, four for packed f32 / f16 weights: their kernel then
+    // tiles 64 rows x 6 tokens (fewer loads per FMA than 32 x 12 or 16 x 16); every output's
+    // arithmetic is the same either way.
+    bool fp_packed = true;
+    for (int i = 0; i < same; ++i)
+      fp_packed &= grp[i]->packed != nullptr &&
+                   (grp[i]->type == (uint32_t)GGMLType::F32 || grp[i]->type == (uint32_t)GGMLType::F16);
+    const int64_t min_chunk = n <= 8 || fp_packed ? 4 * cpu::kPackRowAlign : 2 * cpu::kPackRowAlign;
     int64_t chunk = std::max<int64_t>(min_chunk, total_rows / (16 * pool_.size()) / min_chunk * min_chunk);
     // A decode step's output matrix: chunks short enough that the thread finishing last
     // leaves the other a few microseconds of waiting, not a 1536-row chunk's worth.
@@ -388,6 +393,67 @@ class CpuBackend final : public Backend {
 
   void attention(const AttnArgs& a) override { attention_multi(&a, 1); }
 
+  // An encoder's rows (any_order) in one f32 page, every row seeing every key: the blocked
+  // dense kernel, where the ISA has one.
+  bool dense_ok(const AttnArgs& a) const {
+    const cpu::KernelTable& kt = cpu::kernels();
+    if (!a.any_order || !kt.dense_attn_rows || a.kv.type != KVType::f32 || a.kv.n_pages != 1 ||
+        ((a.n_kv - 1) >> std::min(a.kv.page_shift, 62)) != 0 || a.window != 0 || a.softcap != 0.f || a.sinks ||
+        a.head_dim % 16 != 0 || a.n_tok < 16 || a.n_kv < 1)
+      return false;
+    for (int64_t t = 0; t < a.n_tok; ++t)
+      if (a.q_pos[t] < a.n_kv - 1) return false;
+    return true;
+  }
+
+  // Every KV head's K packed once into transposed 64-key blocks (all threads), then tasks of
+  // (query head, 48 rows) in head order, so a thread's heads keep their K tiles and V rows
+  // in its cache.
+  void attention_dense(const AttnArgs& a) {
+    const cpu::KernelTable& kt = cpu::kernels();
+    const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads;
+    const uint8_t* page = a.kv.base + (size_t)a.kv.pages[0] * a.kv.page_bytes;
+    const float* K = reinterpret_cast<const float*>(page + a.kv.k_off);
+    const float* V = reinterpret_cast<const float*>(page + a.kv.v_off);
+    const int64_t kv_stride = (int64_t)(a.kv.row_bytes / 4);
+    const int64_t nblocks = (a.n_kv + 63) / 64;  // the kernel's 64-key blocks
+    const size_t head_floats = (size_t)nblocks * hd * 64;
+    dense_kt_.resize(head_floats * (size_t)a.n_kv_heads);
+    float* ktp = dense_kt_.data();
+    pool_.parallel_for(a.n_kv_heads * nblocks, 2, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi;) {
+        const int64_t h = i / nblocks, t0 = i % nblocks, t1 = std::min(nblocks, t0 + (hi - i));
+        kt.dense_attn_pack_k(K + h * hd, kv_stride, a.n_kv, hd, t0, t1, ktp + (size_t)h * head_floats);
+        i += t1 - t0;
+      }
+    });
+    constexpr int64_t rb = 48;
+    const int64_t nblk = (a.n_tok + rb - 1) / rb;
+    pool_.parallel_for((int64_t)a.n_heads * nblk, 1, [&](int64_t lo, int64_t hi) {
+      thread_local std::vector<float> scratch;
+      for (int64_t task = lo; task < hi; ++task) {
+        const int h = (int)(task / nblk);
+        const int64_t t0 = task % nblk * rb;
+        const int kvh = h / group;
+        cpu::DenseAttn d;
+        d.n_rows = std::min(rb, a.n_tok - t0);
+        d.q = a.q + t0 * a.q_stride + (int64_t)h * hd;
+        d.q_stride = a.q_stride;
+        d.kt = ktp + (size_t)kvh * head_floats;
+        d.v = V + (int64_t)kvh * hd;
+        d.v_stride = kv_stride;
+        d.n_kv = a.n_kv;
+        d.head_dim = hd;
+        d.scale = a.scale;
+        d.out = a.out + t0 * a.out_stride + (int64_t)h * hd;
+        d.out_stride = a.out_stride;
+        scratch.resize(kt.dense_attn_scratch(d.n_rows, a.n_kv, hd));
+        d.scratch = scratch.data();
+        kt.dense_attn_rows(d);
+      }
+    });
+  }
+
   // Tasks are (session, block of 32 query rows, KV head), all in one dispatch (32 rows: a
   // block transposes each K tile and converts each V row once for twice the rows of 16); with
   // fewer such tasks than 4 per thread (one session's decode step over a few KV heads)
@@ -398,6 +464,7 @@ class CpuBackend final : public Backend {
   // per call for the whole layer by all threads.
   void attention_multi(const AttnArgs* args, int count) override {
     const cpu::KernelTable& kt = cpu::kernels();
+    if (count == 1 && dense_ok(args[0])) return attention_dense(args[0]);
     constexpr int64_t rb = 32;
     int64_t blocks = 0, decode_tasks = 0;
     for (int i = 0; i < count; ++i) {
@@ -1032,6 +1099,7 @@ class CpuBackend final : public Backend {
   std::vector<cpu::MatmulArgs> moe_args_;
   std::vector<float> moe_y_;
   std::vector<float> kv_f32_;
+  std::vector<float> dense_kt_;  // attention_dense's packed K tiles, every KV head
 };
 
 }  // namespace
