@@ -220,15 +220,27 @@ class CpuBackend final : public Backend {
       }
     }
     const int64_t arb = (int64_t)cpu::act_row_bytes(at, k);
-    act_.resize((size_t)(arb * n));
-    uint8_t* act = act_.data();
-    auto quant = [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) kt.quantize_act(at, x + t * k, act + t * arb, k);
-    };
-    if (n * k <= 16384)
-      quant(0, n);  // a few rows: cheaper here than a dispatch
-    else
-      pool_.parallel_for(n, 1, quant);
+    // f32 activations are read where they lie unless an output overlaps them (a copy would
+    // be a pass over x for nothing: 9 MB per whisper FFN down projection).
+    bool in_place = at == (uint32_t)GGMLType::F32 && arb == k * 4;
+    const uintptr_t x0 = (uintptr_t)x, x1 = (uintptr_t)(x + n * k);
+    for (int i = 0; i < same && in_place; ++i) {
+      const uintptr_t y0 = (uintptr_t)gy[i], y1 = (uintptr_t)(gy[i] + n * grp[i]->rows);
+      in_place = y1 <= x0 || y0 >= x1;
+    }
+    const uint8_t* act = reinterpret_cast<const uint8_t*>(x);
+    if (!in_place) {
+      act_.resize((size_t)(arb * n));
+      uint8_t* dst = act_.data();
+      act = dst;
+      auto quant = [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; ++t) kt.quantize_act(at, x + t * k, dst + t * arb, k);
+      };
+      if (n * k <= 16384)
+        quant(0, n);  // a few rows: cheaper here than a dispatch
+      else
+        pool_.parallel_for(n, 1, quant);
+    }
     // Rows in chunks (a multiple of the kernels' 4-row tiles) over all weights: about
     // 16 per thread, so a big matrix is not cut into thousands of counter grabs.
     int64_t total_rows = 0;
@@ -292,10 +304,10 @@ class CpuBackend final : public Backend {
     // A stack of experts packs only when every expert starts on a packed row group.
     const bool split = w.expert_rows > 0 && w.expert_rows % cpu::kPackRowAlign != 0;
     // f32 / f16 pack only where their bytes stay readable (the file's mapping, a tower's own
-    // copy): a converted copy (fp32 mode's) is freed once packed, and only the packing ISA has
+    // copy, an owner's kept table): a converted copy (fp32 mode's) is freed once packed, and only the packing ISA has
     // an f32 / f16 packed kernel, so a later set_isa would find nothing to read.
     const bool fp = w.type == (uint32_t)GGMLType::F32 || w.type == (uint32_t)GGMLType::F16;
-    const size_t n = off || split || (fp && w.owned) ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
+    const size_t n = off || split || (fp && w.owned && !w.host_kept) ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
     if (n == 0) return;
     std::shared_ptr<void> owner = pack_alloc(n);
     void* p = owner.get();
