@@ -43,9 +43,10 @@ inline __m512 exp_neg16(__m512 x) {
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
-// Scores of kRows query rows (packed qp[d][kRows]) against one block of 64 keys (kt[d][64]):
-// one pointer each, so no row address waits in a spilled register.
-inline void score_tile(const float* qp, const float* kt, int hd, float* const* s, int nr) {
+// Scores of kRows query rows (packed qp[d][kRows], scaled) against one block of 64 keys
+// (kt[d][64]): one pointer each, so no row address waits in a spilled register. The block's
+// first `valid` keys are real: their maxima join each row's running max (rmax[r][16]).
+inline void score_tile(const float* qp, const float* kt, int hd, float* const* s, int nr, int64_t valid, float* rmax) {
   __m512 acc[kRows][4];
   for (int r = 0; r < kRows; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -57,8 +58,14 @@ inline void score_tile(const float* qp, const float* kt, int hd, float* const* s
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(x, k[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < nr; ++r)
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s[r] + 16 * v, acc[r][v]);
+  for (int r = 0; r < nr; ++r) {
+    __m512 m = _mm512_loadu_ps(rmax + 16 * r);
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_ps(s[r] + 16 * v, acc[r][v]);
+      if (valid > 16 * v) m = _mm512_mask_max_ps(m, tail_mask(valid - 16 * v), m, acc[r][v]);
+    }
+    _mm512_storeu_ps(rmax + 16 * r, m);
+  }
 }
 
 // o[r][0 .. 16 NV) (+)= sum over keys j in [j0, j1) of p[r][j] * V[j][0 .. 16 NV); the last key
@@ -110,7 +117,7 @@ void dense_attn_pack_k(const float* k, int64_t k_stride, int64_t n_kv, int hd, i
 
 size_t dense_attn_scratch(int64_t n_rows, int64_t n_kv, int hd) {
   const int64_t npad = (n_kv + kKeyBlk - 1) / kKeyBlk * kKeyBlk;
-  return (size_t)(n_rows * npad + n_rows + (n_rows + kRows) * hd + 16);
+  return (size_t)(n_rows * npad + n_rows + (n_rows + kRows) * hd + (n_rows + kRows) * 16 + 16);
 }
 
 void dense_attn_rows(const DenseAttn& a) {
@@ -119,7 +126,9 @@ void dense_attn_rows(const DenseAttn& a) {
   const int64_t npad = (nkv + kKeyBlk - 1) / kKeyBlk * kKeyBlk;
   float* S = a.scratch;        // [nr][npad] scores, then probabilities
   float* inv = S + nr * npad;  // [nr] 1 / softmax denominators
-  float* qp = inv + nr;        // [row tile][hd][kRows] the query rows, interleaved
+  float* qp = inv + nr;        // [row tile][hd][kRows] the query rows, interleaved and scaled
+  float* rmax = qp + (nr + kRows) * hd;  // [nr][16] each row's running max, lane by lane
+  for (int64_t i = 0; i < nr * 16; i += 16) _mm512_storeu_ps(rmax + i, _mm512_set1_ps(-INFINITY));
   // Row r of a tile beyond the block repeats the block's last row (computed, not stored).
   auto rows_of = [&](int64_t r0, float** s, float** o, int& n) {
     n = (int)std::min<int64_t>(kRows, nr - r0);
@@ -134,7 +143,7 @@ void dense_attn_rows(const DenseAttn& a) {
     float* t = qp + r0 * hd;
     for (int r = 0; r < kRows; ++r) {
       const float* q = a.q + (r0 + std::min(r, n - 1)) * a.q_stride;
-      for (int d = 0; d < hd; ++d) t[d * kRows + r] = q[d];
+      for (int d = 0; d < hd; ++d) t[d * kRows + r] = q[d] * a.scale;
     }
   }
   // Scores: a block of 64 keys' K (16 KB at hd 64) stays in L1 while every row tile reads it.
@@ -145,21 +154,13 @@ void dense_attn_rows(const DenseAttn& a) {
       int n;
       rows_of(r0, s, nullptr, n);
       for (int r = 0; r < kRows; ++r) s[r] += j0;
-      score_tile(qp + r0 * hd, kt, hd, s, n);
+      score_tile(qp + r0 * hd, kt, hd, s, n, nkv - j0, rmax + r0 * 16);
     }
   }
-  // Softmax of each row over its n_kv keys.
-  const __m512 scale = _mm512_set1_ps(a.scale);
+  // Softmax of each row over its n_kv keys (the scores are scaled, their max known).
   for (int64_t r = 0; r < nr; ++r) {
     float* s = S + r * npad;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < nkv; j += 16) {
-      const __mmask16 m = tail_mask(nkv - j);
-      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), scale);
-      _mm512_mask_storeu_ps(s + j, m, x);
-      mx = _mm512_mask_max_ps(mx, m, mx, x);
-    }
-    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(rmax + 16 * r)));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < nkv; j += 16) {
       const __mmask16 m = tail_mask(nkv - j);
