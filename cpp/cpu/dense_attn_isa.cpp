@@ -43,10 +43,14 @@ inline __m512 exp_neg16(__m512 x) {
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
-// Scores of kRows query rows (packed qp[d][kRows], scaled) against one block of 64 keys
-// (kt[d][64]): one pointer each, so no row address waits in a spilled register. The block's
-// first `valid` keys are real: their maxima join each row's running max (rmax[r][16]).
-inline void score_tile(const float* qp, const float* kt, int hd, float* const* s, int nr, int64_t valid, float* rmax) {
+// Scores of kRows query rows (copied and scaled, qp[r][hd]) against one block of 64 keys
+// (kt[d][64]). HD: head_dim when fixed at compile time (64: the rows are constant offsets from
+// one pointer, none waits in a spilled register), 0 for any other. The block's first `valid`
+// keys are real: their maxima join each row's running max (rmax[r][16]).
+template <int HD>
+inline void score_tile(const float* qp, const float* kt, int hd_rt, float* const* s, int nr, int64_t valid,
+                       float* rmax) {
+  const int hd = HD ? HD : hd_rt;
   __m512 acc[kRows][4];
   for (int r = 0; r < kRows; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -54,7 +58,7 @@ inline void score_tile(const float* qp, const float* kt, int hd, float* const* s
     __m512 k[4];
     for (int v = 0; v < 4; ++v) k[v] = _mm512_loadu_ps(kt + d * kKeyBlk + 16 * v);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 x = _mm512_set1_ps(qp[d * kRows + r]);
+      const __m512 x = _mm512_set1_ps(qp[r * hd + d]);
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(x, k[v], acc[r][v]);
     }
   }
@@ -126,7 +130,7 @@ void dense_attn_rows(const DenseAttn& a) {
   const int64_t npad = (nkv + kKeyBlk - 1) / kKeyBlk * kKeyBlk;
   float* S = a.scratch;        // [nr][npad] scores, then probabilities
   float* inv = S + nr * npad;  // [nr] 1 / softmax denominators
-  float* qp = inv + nr;        // [row tile][hd][kRows] the query rows, interleaved and scaled
+  float* qp = inv + nr;        // [row tile][kRows][hd] the query rows, scaled
   float* rmax = qp + (nr + kRows) * hd;  // [nr][16] each row's running max, lane by lane
   for (int64_t i = 0; i < nr * 16; i += 16) _mm512_storeu_ps(rmax + i, _mm512_set1_ps(-INFINITY));
   // Row r of a tile beyond the block repeats the block's last row (computed, not stored).
@@ -141,9 +145,10 @@ void dense_attn_rows(const DenseAttn& a) {
   for (int64_t r0 = 0; r0 < nr; r0 += kRows) {
     const int n = (int)std::min<int64_t>(kRows, nr - r0);
     float* t = qp + r0 * hd;
+    const __m512 sc = _mm512_set1_ps(a.scale);
     for (int r = 0; r < kRows; ++r) {
       const float* q = a.q + (r0 + std::min(r, n - 1)) * a.q_stride;
-      for (int d = 0; d < hd; ++d) t[d * kRows + r] = q[d] * a.scale;
+      for (int d = 0; d < hd; d += 16) _mm512_storeu_ps(t + r * hd + d, _mm512_mul_ps(_mm512_loadu_ps(q + d), sc));
     }
   }
   // Scores: a block of 64 keys' K (16 KB at hd 64) stays in L1 while every row tile reads it.
@@ -154,7 +159,10 @@ void dense_attn_rows(const DenseAttn& a) {
       int n;
       rows_of(r0, s, nullptr, n);
       for (int r = 0; r < kRows; ++r) s[r] += j0;
-      score_tile(qp + r0 * hd, kt, hd, s, n, nkv - j0, rmax + r0 * 16);
+      if (hd == 64)
+        score_tile<64>(qp + r0 * hd, kt, hd, s, n, nkv - j0, rmax + r0 * 16);
+      else
+        score_tile<0>(qp + r0 * hd, kt, hd, s, n, nkv - j0, rmax + r0 * 16);
     }
   }
   // Softmax of each row over its n_kv keys (the scores are scaled, their max known).
