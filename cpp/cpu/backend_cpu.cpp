@@ -692,12 +692,26 @@ class CpuBackend final : public Backend {
       pool_.parallel_for(n_rows, 4, rows);
   }
 
+  // Elementwise: large calls (an encoder's 1500 rows) are shared by the threads, small ones
+  // (a decode step's) stay on the caller, cheaper than a dispatch.
   void add(float* y, const float* x, int64_t n) override {
-    for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+    auto part = [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) y[i] += x[i];
+    };
+    if (n <= 65536)
+      part(0, n);
+    else
+      pool_.parallel_for(n, 16384, part);
   }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {
-    for (int64_t r = 0; r < n_rows; ++r)
-      for (int64_t i = 0; i < dim; ++i) y[r * dim + i] += b[i];
+    auto rows = [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r)
+        for (int64_t i = 0; i < dim; ++i) y[r * dim + i] += b[i];
+    };
+    if (n_rows * dim <= 65536)
+      rows(0, n_rows);
+    else
+      pool_.parallel_for(n_rows, std::max<int64_t>(1, 16384 / dim), rows);
   }
   void scale(float* y, float s, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) y[i] *= s;
