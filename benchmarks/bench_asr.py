@@ -1,15 +1,18 @@
 """Speech recognition: whisper tiny.en encoder time against CTranslate2's, and whole transcriptions
 (real-time factor, word error rate) against faster-whisper's, interleaved rep by rep in one run.
 
-    python benchmarks/bench_asr.py [--threads 2] [--reps 3]
+    python benchmarks/bench_asr.py [--threads 2] [--reps 3] [--encoder-only] [--core DIR]
 
 Both sides read the same pulled CTranslate2 files (``dasllama pull whisper-tiny.en``; ours through
 ``dasllama convert``), in float32, with the same thread count. Encoder: ours is mel (C++) + encoder
-of a 30 s window (``encode_audio_rows``), CTranslate2 is ``Whisper.encode`` of
-WhisperFeatureExtractor's features (mel not counted on its side). Transcription: greedy, beam 1,
+of a 30 s window (``encode_audio_rows`` with a reused ``AudioState``, as a caller encoding
+repeatedly passes one; CTranslate2 keeps its own buffers cached), CTranslate2 is
+``Whisper.encode`` of WhisperFeatureExtractor's features (mel not counted on its side). Transcription: greedy, beam 1,
 whisper's fallback schedule, condition_on_previous_text off, no VAD, on speech eSpeak NG speaks
 (tests/oracles/asr_script.py): one sentence (5.6 s) and eight sentences (41 s). Best of
-``--reps`` per pipeline.
+``--reps`` per pipeline. ``--encoder-only`` skips the transcriptions; ``--core DIR`` loads
+``dasllama._core`` from DIR (another build's extension, same Python files): an A/B of two
+builds runs this script alternately with and without it.
 """
 from __future__ import annotations
 
@@ -28,7 +31,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--encoder-only", action="store_true")
+    ap.add_argument("--core", default=None)
     args = ap.parse_args()
+    if args.core:
+        import importlib.util
+        import glob
+
+        path = glob.glob(os.path.join(args.core, "_core.*.so"))[0]
+        spec = importlib.util.spec_from_file_location("dasllama._core", path)
+        core = importlib.util.module_from_spec(spec)
+        sys.modules["dasllama._core"] = core
+        spec.loader.exec_module(core)
 
     import ctranslate2
     from faster_whisper import WhisperModel
@@ -52,17 +66,21 @@ def main() -> None:
     feats = WhisperFeatureExtractor()(x30, sampling_rate=16000, return_tensors="np").input_features
     sv = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats))
     ours_enc, ct2_enc = [], []
-    d.encode_audio_rows(model.encoder, x30, full_window=True)  # warm-up both
+    state = d.AudioState()
+    d.encode_audio_rows(model.encoder, x30, state, full_window=True)  # warm-up both
     ct2.encode(sv)
     for _ in range(args.reps):
         t = time.perf_counter()
-        d.encode_audio_rows(model.encoder, x30, full_window=True)
+        d.encode_audio_rows(model.encoder, x30, state, full_window=True)
         ours_enc.append(time.perf_counter() - t)
         t = time.perf_counter()
         ct2.encode(sv)
         ct2_enc.append(time.perf_counter() - t)
     print(f"encoder 30 s window, {args.threads} threads: dasllama (mel + encoder) {min(ours_enc) * 1e3:.1f} ms, "
-          f"CTranslate2 (encoder) {min(ct2_enc) * 1e3:.1f} ms, ratio {min(ct2_enc) / min(ours_enc):.2f}x")
+          f"CTranslate2 (encoder) {min(ct2_enc) * 1e3:.1f} ms, ratio {min(ct2_enc) / min(ours_enc):.2f}x "
+          f"(load average {' '.join(open('/proc/loadavg').read().split()[:3])})", flush=True)
+    if args.encoder_only:
+        return
 
     # -- whole transcriptions --------------------------------------------------------------------------
     settings = dict(compression_ratio_threshold=2.4, no_speech_threshold=0.6, condition_on_previous_text=False)

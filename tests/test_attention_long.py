@@ -101,3 +101,47 @@ def test_decode_equals_prefill_bitwise(shape, kv, restore_isa):
         # A short prefill (a few rows: the decode path's scoring) against the long one.
         few = run(be, q[36:39], k[:int(q_pos[38]) + 1], v[:int(q_pos[38]) + 1], q_pos[36:39], H, KVH, hd, kv, window)
         np.testing.assert_array_equal(few, full[36:39], err_msg=f"{isa} rows 36..38")
+
+
+# Encoder shapes (every row sees every key, any_order): whisper tiny's 6 x 64, the tiny ASR model's
+# 4 x 16, a head_dim that is not a multiple of 64, grouped heads, and key counts off the kernel's
+# 64-key blocks. The CPU runs its blocked dense kernel there (another summation order than the
+# paged kernel's), so the bar is numpy's float64 result, as for the decoder's.
+DENSE = [(6, 6, 64, 1500), (4, 4, 16, 1500), (4, 4, 80, 37), (8, 2, 64, 200), (6, 6, 64, 16)]
+
+
+@pytest.mark.parametrize("shape", DENSE, ids=lambda c: str(c))
+def test_encoder_attention_matches_numpy(shape, restore_isa):
+    H, KVH, hd, n = shape
+    rng = np.random.default_rng(n + hd)
+    k = rng.standard_normal((n, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n, KVH * hd)).astype(np.float32)
+    q = (rng.standard_normal((n, H * hd)) * 2).astype(np.float32)
+    q_pos = np.full(n, n - 1)
+    ref = reference(q, stored(k, "f32"), stored(v, "f32"), q_pos, H, KVH, hd, 0, 1 / math.sqrt(hd))
+    be = _core.Backend("cpu")
+    page = 1 << (n - 1).bit_length()  # one page, as the encoder's own K|V buffer
+    for isa in ISAS:
+        dasllama.set_isa(isa)
+        out = be.paged_attention(q, k, v, q_pos.astype(np.int32), H, KVH, hd, 0, page, np.zeros(1, np.int32), 1, 0,
+                                 1 / math.sqrt(hd), 0.0, n, any_order=True)[0].astype(np.float64)
+        err = np.mean((out - ref) ** 2) / np.mean(ref ** 2)
+        assert err < 1e-9, (isa, err)
+
+
+def test_any_order_causal_rows_take_the_paged_kernel(restore_isa):
+    """any_order on rows that do not all see every key (causal): the dense kernel must not take them."""
+    H, KVH, hd, n = 6, 6, 64, 300
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((n, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n, KVH * hd)).astype(np.float32)
+    q = rng.standard_normal((n, H * hd)).astype(np.float32)
+    q_pos = np.arange(n)
+    be = _core.Backend("cpu")
+    for isa in ISAS:
+        dasllama.set_isa(isa)
+        args = (q, k, v, q_pos.astype(np.int32), H, KVH, hd, 0, 512, np.zeros(1, np.int32), 1, 0, 1 / math.sqrt(hd),
+                0.0, n)
+        a = be.paged_attention(*args, any_order=True)[0]
+        b = be.paged_attention(*args)[0]
+        assert np.array_equal(a, b), isa

@@ -23,6 +23,7 @@ Weight owned_f32(std::vector<float> v, int64_t rows, int64_t cols) {
   w.owned = std::make_shared<std::vector<uint8_t>>(v.size() * 4);
   std::memcpy(w.owned->data(), v.data(), v.size() * 4);
   w.host = w.data = w.owned->data();
+  w.host_kept = true;  // the bank keeps its tables: the CPU packs them (the DFT is most of the mel's work)
   return w;
 }
 

@@ -435,7 +435,7 @@ void bind_backend(py::module_& m) {
       .def("paged_attention", [](Dev& d, const py::object& qo, const py::object& ko, const py::object& vo,
                                  const I32& q_pos, int n_heads, int n_kv_heads, int head_dim, int kv_type,
                                  int page_rows, const I32& page_ids, int n_pool_pages, int window, float scale,
-                                 float softcap, int64_t store_chunk, const py::object& sinks_o) {
+                                 float softcap, int64_t store_chunk, const py::object& sinks_o, bool any_order) {
         F32 q = f32(qo, "q", 2), k = f32(ko, "k", 2), v = f32(vo, "v", 2);
         F32 sinks;
         if (!sinks_o.is_none()) {
@@ -490,6 +490,7 @@ void bind_backend(py::module_& m) {
         a.sinks = sinks_o.is_none() ? nullptr : d.put(sinks);
         a.out = d.poisoned((size_t)(n_tok * n_heads * head_dim));
         a.out_stride = (int64_t)n_heads * head_dim;
+        a.any_order = any_order;
         d.be->attention(a);
         py::array_t<uint8_t> raw((int64_t)(kv.page_bytes * (size_t)n_pool_pages));
         d.be->download(raw.mutable_data(), pool->data(), (size_t)raw.size());
@@ -497,7 +498,8 @@ void bind_backend(py::module_& m) {
         return py::make_tuple(out, raw);
       }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_pos"), py::arg("n_heads"), py::arg("n_kv_heads"),
          py::arg("head_dim"), py::arg("kv_type"), py::arg("page_rows"), py::arg("page_ids"), py::arg("n_pool_pages"),
-         py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("store_chunk"), py::arg("sinks") = py::none())
+         py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("store_chunk"), py::arg("sinks") = py::none(),
+         py::arg("any_order") = false)
       // Several sessions of one step, as eval_batch issues them: each session's rows before
       // n_past are in its pages already; inside one begin_step / end_step each stores its new
       // rows and attention_multi runs every session's queries together. A session is

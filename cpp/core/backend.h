@@ -78,6 +78,9 @@ struct Weight {
   // Set by load_weight when the backend never reads w.host again (it reads its own copy):
   // the loader may then drop those bytes (free a converted copy, release mapped pages).
   bool host_done = false;
+  // Set by an owner that keeps `owned` for the weight's whole life and never frees it on
+  // host_done (the mel bank's tables): an owned f32 / f16 matrix may then pack as well.
+  bool host_kept = false;
   // Set by the loader when host lies in a read-only file mapping: a backend copying it may
   // drop its pages as it goes (a later read only faults them in again), so a load never
   // holds a matrix twice.
@@ -142,6 +145,10 @@ struct AttnArgs {
   const float* sinks = nullptr;
   float* out = nullptr;  // [n_tok][n_heads * head_dim]
   int64_t out_stride = 0;
+  // An encoder's bidirectional rows (every q_pos >= n_kv - 1) that no decode step will read:
+  // the backend may sum in another order than its decode path (the CPU's blocked dense kernel),
+  // so these rows need not be the bits a step of one row would give. Decoders leave it false.
+  bool any_order = false;
 };
 
 // swiglu_oai: gpt-oss's clamped SwiGLU, g = min(gate, 7), u = clamp(up, -7, 7),

@@ -220,24 +220,41 @@ class CpuBackend final : public Backend {
       }
     }
     const int64_t arb = (int64_t)cpu::act_row_bytes(at, k);
-    act_.resize((size_t)(arb * n));
-    uint8_t* act = act_.data();
-    auto quant = [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) kt.quantize_act(at, x + t * k, act + t * arb, k);
-    };
-    if (n * k <= 16384)
-      quant(0, n);  // a few rows: cheaper here than a dispatch
-    else
-      pool_.parallel_for(n, 1, quant);
+    // f32 activations are read where they lie unless an output overlaps them (a copy would
+    // be a pass over x for nothing: 9 MB per whisper FFN down projection).
+    bool in_place = at == (uint32_t)GGMLType::F32 && arb == k * 4;
+    const uintptr_t x0 = (uintptr_t)x, x1 = (uintptr_t)(x + n * k);
+    for (int i = 0; i < same && in_place; ++i) {
+      const uintptr_t y0 = (uintptr_t)gy[i], y1 = (uintptr_t)(gy[i] + n * grp[i]->rows);
+      in_place = y1 <= x0 || y0 >= x1;
+    }
+    const uint8_t* act = reinterpret_cast<const uint8_t*>(x);
+    if (!in_place) {
+      act_.resize((size_t)(arb * n));
+      uint8_t* dst = act_.data();
+      act = dst;
+      auto quant = [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; ++t) kt.quantize_act(at, x + t * k, dst + t * arb, k);
+      };
+      if (n * k <= 16384)
+        quant(0, n);  // a few rows: cheaper here than a dispatch
+      else
+        pool_.parallel_for(n, 1, quant);
+    }
     // Rows in chunks (a multiple of the kernels' 4-row tiles) over all weights: about
     // 16 per thread, so a big matrix is not cut into thousands of counter grabs.
     int64_t total_rows = 0;
     for (int i = 0; i < same; ++i) total_rows += grp[i]->rows;
     // Multiples of 16: the kernels' 4-row tiles and the packed layouts' 16-row groups.
     // Decode takes multiples of 64 rows (four packed groups: independent chains for the kernel).
-    // Prefill takes at least two groups: the packed f32 / f16 kernel then tiles 32 rows x 12
-    // tokens (fewer loads per FMA than 16 x 16); every output's arithmetic is the same either way.
-    const int64_t min_chunk = n <= 8 ? 4 * cpu::kPackRowAlign : 2 * cpu::kPackRowAlign;
+    // Prefill takes at least two groups, four for packed f32 / f16 weights: their kernel then
+    // tiles 64 rows x 6 tokens (fewer loads per FMA than 32 x 12 or 16 x 16); every output's
+    // arithmetic is the same either way.
+    bool fp_packed = true;
+    for (int i = 0; i < same; ++i)
+      fp_packed &= grp[i]->packed != nullptr &&
+                   (grp[i]->type == (uint32_t)GGMLType::F32 || grp[i]->type == (uint32_t)GGMLType::F16);
+    const int64_t min_chunk = n <= 8 || fp_packed ? 4 * cpu::kPackRowAlign : 2 * cpu::kPackRowAlign;
     int64_t chunk = std::max<int64_t>(min_chunk, total_rows / (16 * pool_.size()) / min_chunk * min_chunk);
     // A decode step's output matrix: chunks short enough that the thread finishing last
     // leaves the other a few microseconds of waiting, not a 1536-row chunk's worth.
@@ -287,10 +304,10 @@ class CpuBackend final : public Backend {
     // A stack of experts packs only when every expert starts on a packed row group.
     const bool split = w.expert_rows > 0 && w.expert_rows % cpu::kPackRowAlign != 0;
     // f32 / f16 pack only where their bytes stay readable (the file's mapping, a tower's own
-    // copy): a converted copy (fp32 mode's) is freed once packed, and only the packing ISA has
+    // copy, an owner's kept table): a converted copy (fp32 mode's) is freed once packed, and only the packing ISA has
     // an f32 / f16 packed kernel, so a later set_isa would find nothing to read.
     const bool fp = w.type == (uint32_t)GGMLType::F32 || w.type == (uint32_t)GGMLType::F16;
-    const size_t n = off || split || (fp && w.owned) ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
+    const size_t n = off || split || (fp && w.owned && !w.host_kept) ? 0 : kt.pack_bytes(w.type, w.rows, w.cols);
     if (n == 0) return;
     std::shared_ptr<void> owner = pack_alloc(n);
     void* p = owner.get();
@@ -388,6 +405,67 @@ class CpuBackend final : public Backend {
 
   void attention(const AttnArgs& a) override { attention_multi(&a, 1); }
 
+  // An encoder's rows (any_order) in one f32 page, every row seeing every key: the blocked
+  // dense kernel, where the ISA has one.
+  bool dense_ok(const AttnArgs& a) const {
+    const cpu::KernelTable& kt = cpu::kernels();
+    if (!a.any_order || !kt.dense_attn_rows || a.kv.type != KVType::f32 || a.kv.n_pages != 1 ||
+        ((a.n_kv - 1) >> std::min(a.kv.page_shift, 62)) != 0 || a.window != 0 || a.softcap != 0.f || a.sinks ||
+        a.head_dim % 16 != 0 || a.n_tok < 16 || a.n_kv < 1)
+      return false;
+    for (int64_t t = 0; t < a.n_tok; ++t)
+      if (a.q_pos[t] < a.n_kv - 1) return false;
+    return true;
+  }
+
+  // Every KV head's K packed once into transposed 64-key blocks (all threads), then tasks of
+  // (query head, 48 rows) in head order, so a thread's heads keep their K tiles and V rows
+  // in its cache.
+  void attention_dense(const AttnArgs& a) {
+    const cpu::KernelTable& kt = cpu::kernels();
+    const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads;
+    const uint8_t* page = a.kv.base + (size_t)a.kv.pages[0] * a.kv.page_bytes;
+    const float* K = reinterpret_cast<const float*>(page + a.kv.k_off);
+    const float* V = reinterpret_cast<const float*>(page + a.kv.v_off);
+    const int64_t kv_stride = (int64_t)(a.kv.row_bytes / 4);
+    const int64_t nblocks = (a.n_kv + 63) / 64;  // the kernel's 64-key blocks
+    const size_t head_floats = (size_t)nblocks * hd * 64;
+    dense_kt_.resize(head_floats * (size_t)a.n_kv_heads);
+    float* ktp = dense_kt_.data();
+    pool_.parallel_for(a.n_kv_heads * nblocks, 2, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi;) {
+        const int64_t h = i / nblocks, t0 = i % nblocks, t1 = std::min(nblocks, t0 + (hi - i));
+        kt.dense_attn_pack_k(K + h * hd, kv_stride, a.n_kv, hd, t0, t1, ktp + (size_t)h * head_floats);
+        i += t1 - t0;
+      }
+    });
+    constexpr int64_t rb = 48;
+    const int64_t nblk = (a.n_tok + rb - 1) / rb;
+    pool_.parallel_for((int64_t)a.n_heads * nblk, 1, [&](int64_t lo, int64_t hi) {
+      thread_local std::vector<float> scratch;
+      for (int64_t task = lo; task < hi; ++task) {
+        const int h = (int)(task / nblk);
+        const int64_t t0 = task % nblk * rb;
+        const int kvh = h / group;
+        cpu::DenseAttn d;
+        d.n_rows = std::min(rb, a.n_tok - t0);
+        d.q = a.q + t0 * a.q_stride + (int64_t)h * hd;
+        d.q_stride = a.q_stride;
+        d.kt = ktp + (size_t)kvh * head_floats;
+        d.v = V + (int64_t)kvh * hd;
+        d.v_stride = kv_stride;
+        d.n_kv = a.n_kv;
+        d.head_dim = hd;
+        d.scale = a.scale;
+        d.out = a.out + t0 * a.out_stride + (int64_t)h * hd;
+        d.out_stride = a.out_stride;
+        scratch.resize(kt.dense_attn_scratch(d.n_rows, a.n_kv, hd));
+        d.scratch = scratch.data();
+        kt.dense_attn_rows(d);
+      }
+    });
+  }
+
   // Tasks are (session, block of 32 query rows, KV head), all in one dispatch (32 rows: a
   // block transposes each K tile and converts each V row once for twice the rows of 16); with
   // fewer such tasks than 4 per thread (one session's decode step over a few KV heads)
@@ -398,6 +476,7 @@ class CpuBackend final : public Backend {
   // per call for the whole layer by all threads.
   void attention_multi(const AttnArgs* args, int count) override {
     const cpu::KernelTable& kt = cpu::kernels();
+    if (count == 1 && dense_ok(args[0])) return attention_dense(args[0]);
     constexpr int64_t rb = 32;
     int64_t blocks = 0, decode_tasks = 0;
     for (int i = 0; i < count; ++i) {
@@ -613,12 +692,26 @@ class CpuBackend final : public Backend {
       pool_.parallel_for(n_rows, 4, rows);
   }
 
+  // Elementwise: large calls (an encoder's 1500 rows) are shared by the threads, small ones
+  // (a decode step's) stay on the caller, cheaper than a dispatch.
   void add(float* y, const float* x, int64_t n) override {
-    for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+    auto part = [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) y[i] += x[i];
+    };
+    if (n <= 65536)
+      part(0, n);
+    else
+      pool_.parallel_for(n, 16384, part);
   }
   void add_bias(float* y, const float* b, int64_t n_rows, int64_t dim) override {
-    for (int64_t r = 0; r < n_rows; ++r)
-      for (int64_t i = 0; i < dim; ++i) y[r * dim + i] += b[i];
+    auto rows = [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r)
+        for (int64_t i = 0; i < dim; ++i) y[r * dim + i] += b[i];
+    };
+    if (n_rows * dim <= 65536)
+      rows(0, n_rows);
+    else
+      pool_.parallel_for(n_rows, std::max<int64_t>(1, 16384 / dim), rows);
   }
   void scale(float* y, float s, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) y[i] *= s;
@@ -632,11 +725,20 @@ class CpuBackend final : public Backend {
       for (int64_t r = lo; r < hi; ++r) {
         const float* xr = x + r * dim;
         float* yr = y + r * dim;
-        // Two passes in double: the mean first, so the variance does not cancel.
-        double mean = 0, var = 0;
-        for (int64_t i = 0; i < dim; ++i) mean += xr[i];
-        mean /= dim;
-        for (int64_t i = 0; i < dim; ++i) var += ((double)xr[i] - mean) * ((double)xr[i] - mean);
+        // Two passes in double: the mean first, so the variance does not cancel. Eight lanes
+        // each (as rms_norm): one chain of dim dependent adds per pass cost more than the rest
+        // of an encoder's norms.
+        double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8)
+          for (int l = 0; l < 8; ++l) lane[l] += xr[i + l];
+        for (; i < dim; ++i) lane[i % 8] += xr[i];
+        const double mean = (((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]))) / dim;
+        for (int l = 0; l < 8; ++l) lane[l] = 0;
+        for (i = 0; i + 8 <= dim; i += 8)
+          for (int l = 0; l < 8; ++l) lane[l] += ((double)xr[i + l] - mean) * ((double)xr[i + l] - mean);
+        for (; i < dim; ++i) lane[i % 8] += ((double)xr[i] - mean) * ((double)xr[i] - mean);
+        const double var = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
         const double inv = 1.0 / std::sqrt(var / dim + eps);
         for (int64_t i = 0; i < dim; ++i) {
           float v = (float)(((double)xr[i] - mean) * inv);
@@ -1032,6 +1134,7 @@ class CpuBackend final : public Backend {
   std::vector<cpu::MatmulArgs> moe_args_;
   std::vector<float> moe_y_;
   std::vector<float> kv_f32_;
+  std::vector<float> dense_kt_;  // attention_dense's packed K tiles, every KV head
 };
 
 }  // namespace

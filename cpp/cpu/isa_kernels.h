@@ -34,6 +34,11 @@ void delta_chunked_head(const DeltaRuleArgs& a, int64_t h, DeltaScratch& scratch
 void f32_to_f16(const float* src, uint16_t* dst, int64_t n);
 size_t attn_block_scratch(int64_t n_rows, int group, int head_dim, int64_t n_kv);
 
+// dense_attn_isa.cpp
+void dense_attn_pack_k(const float* k, int64_t k_stride, int64_t n_kv, int hd, int64_t b0, int64_t b1, float* kt);
+size_t dense_attn_scratch(int64_t n_rows, int64_t n_kv, int hd);
+void dense_attn_rows(const DenseAttn& a);
+
 // packed_isa.cpp
 size_t pack_bytes(uint32_t wtype, int64_t rows, int64_t k);
 void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, int64_t k, int64_t g0, int64_t g1,

@@ -68,6 +68,23 @@ struct AttnBlock {
   int64_t c_lo = 0, c_hi = 0;
 };
 
+// Dense attention of one head for an encoder (AttnArgs::any_order; dense_attn_isa.cpp): rows
+// [0, n_rows) of q (each row's head slice at q + r * q_stride) against all n_kv keys, K packed
+// by dense_attn_pack_k into kt, V rows at v + j * v_stride; out rows at out + r * out_stride.
+struct DenseAttn {
+  const float* q = nullptr;
+  int64_t q_stride = 0;
+  const float* kt = nullptr;
+  const float* v = nullptr;
+  int64_t v_stride = 0;
+  int64_t n_rows = 0, n_kv = 0;
+  int head_dim = 0;
+  float scale = 1.f;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  float* scratch = nullptr;  // dense_attn_scratch(n_rows, n_kv) floats
+};
+
 // Keys per chunk of the softmax: every row's keys are summed in chunks at multiples of this
 // many keys, then the chunks are combined in order, however the work was split.
 constexpr int64_t kAttnChunk = 512;
@@ -109,6 +126,13 @@ struct KernelTable {
   // y = 0.5 y (1 + erf(y / sqrt 2)) in place (the exact GELU), with a branch-free erf.
   void (*gelu_erf_f32)(float* y, int64_t n) = nullptr;
   size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;
+  // Dense (encoder) attention, or null where the ISA has none (the paged kernel serves then):
+  // one head's K rows (k + j * k_stride, head_dim a multiple of 16) packed as transposed blocks
+  // [b0, b1) of 64 keys (head_dim x 64 floats each), and one block of rows against them.
+  void (*dense_attn_pack_k)(const float* k, int64_t k_stride, int64_t n_kv, int head_dim, int64_t b0, int64_t b1,
+                            float* kt) = nullptr;
+  void (*dense_attn_rows)(const DenseAttn& a) = nullptr;
+  size_t (*dense_attn_scratch)(int64_t n_rows, int64_t n_kv, int head_dim) = nullptr;
   // f16 KV cache rows to f32 (exact for finite values).
   void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n) = nullptr;
   // f32 to f16 cache rows, rounding to nearest even.

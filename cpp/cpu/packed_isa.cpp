@@ -528,7 +528,7 @@ using FpTileFn = void (*)(const MatmulArgs&, int64_t, int64_t);
 
 // Tokens per tile for G groups: G * T accumulators + G weights + 1 broadcast within 32 registers.
 template <int G>
-constexpr int fp_max_t() { return G == 1 ? 16 : G == 2 ? 12 : 6; }
+constexpr int fp_max_t() { return G == 1 ? 16 : G == 2 ? 12 : G == 3 ? 8 : 6; }
 
 template <bool H, int G, size_t... I>
 constexpr std::array<FpTileFn, sizeof...(I)> fp_row(std::index_sequence<I...>) {
@@ -545,8 +545,9 @@ void fp_groups(const MatmulArgs& a, int64_t g0) {
 template <bool H>
 void fp_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   const int64_t g_end = (r1 + 15) / 16;
-  // Few tokens (decode): four groups at once, for independent FMA chains; else two.
-  const int64_t gmax = a.n_tok <= 4 ? 4 : 2;
+  // Four groups at once: independent FMA chains for decode; for prefill, 4 groups x 6 tokens
+  // load 10 values per 24 FMAs where 2 x 12 load 14 (measured ~10% faster on Zen 4, f16 and f32).
+  const int64_t gmax = 4;
   for (int64_t g = r0 / 16; g < g_end;) {
     switch (std::min(gmax, g_end - g)) {
       case 4: fp_groups<H, 4>(a, g); g += 4; break;

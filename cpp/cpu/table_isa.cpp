@@ -20,6 +20,11 @@ void fill_table(KernelTable& t) {
   t.pack_bytes = &pack_bytes;
   t.pack_rows = &pack_rows;
   t.delta_chunked_head = &delta_chunked_head;
+#if defined(__AVX512F__)
+  t.dense_attn_pack_k = &dense_attn_pack_k;
+  t.dense_attn_rows = &dense_attn_rows;
+  t.dense_attn_scratch = &dense_attn_scratch;
+#endif
 }
 
 }  // namespace dl::cpu::DL_ISA

@@ -59,6 +59,7 @@ void Blocks::run(Backend& be, const std::vector<Layer>& layers, float* h, int64_
     a.scale = 1.f / std::sqrt((float)hd);
     a.out = att;
     a.out_stride = d;
+    a.any_order = true;
     be.attention(a);
     be.matmul(Ly.wo, att, L, o);
     be.add_bias(o, Ly.bo.data(), L, d);
