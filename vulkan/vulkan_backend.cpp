@@ -717,12 +717,15 @@ class Ctx {
     }();
     return on;
   }
+  // Inside a step's secondary buffer every command is a dispatch: compute to compute only.
   void barrier() {
+    const bool dispatches = cb_ != cmd_;
     VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
-    mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
-    mb.dstAccessMask =
-        VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
-    const VkPipelineStageFlags st = VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT;
+    mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | (dispatches ? 0 : VK_ACCESS_TRANSFER_WRITE_BIT);
+    mb.dstAccessMask = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT |
+                       (dispatches ? 0 : VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT);
+    const VkPipelineStageFlags st =
+        VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | (dispatches ? 0 : VK_PIPELINE_STAGE_TRANSFER_BIT);
     f_.vkCmdPipelineBarrier(cb_, st, st, 0, 1, &mb, 0, nullptr, 0, nullptr);
   }
   uint32_t mem_type(uint32_t bits, VkMemoryPropertyFlags want) const {
