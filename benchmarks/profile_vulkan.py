@@ -10,11 +10,13 @@ the configurations so a noisy machine hits them alike; medians are printed. Run 
 The default configurations: everything on; then one switch off at a time (REPLAY=0: every step
 recorded into the stream; BARRIERS=all: a barrier after every command; GEMV=0: matmul.comp's
 subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head, token); GEMM=0: matmul_tile.comp
-in prefill; FUSE_GLU=0: the glu before ffn down its own dispatch; MERGE=dispatch: attention's
+in prefill; FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the keys' rope
+its own dispatch before the KV store; MERGE=dispatch: attention's
 splits joined by a second dispatch), and "old": all of them off, the stream before this work
 (but for the q4_0 split layout, which DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
 2048 makes the attention split matter more. Per-shader GPU time: run one
-configuration with DASLLAMA_VULKAN_PROFILE=1 set (it records every step, so no replay there).
+configuration with DASLLAMA_VULKAN_PROFILE=1 set (each command behind a barrier and no replay
+there; the children's stderr, where the profile is printed, passes through).
 """
 from __future__ import annotations
 
@@ -37,9 +39,11 @@ CONFIGS = {
     "ATTN_SPLIT=0": {"DASLLAMA_VULKAN_ATTN_SPLIT": "0"},
     "GEMM=0": {"DASLLAMA_VULKAN_GEMM": "0"},
     "FUSE_GLU=0": {"DASLLAMA_VULKAN_FUSE_GLU": "0"},
+    "FUSE_ROPE=0": {"DASLLAMA_VULKAN_FUSE_ROPE": "0"},
     "MERGE=dispatch": {"DASLLAMA_VULKAN_ATTN_SPLIT": "dispatch"},
     "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
-            "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0"},
+            "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0",
+            "DASLLAMA_VULKAN_FUSE_ROPE": "0"},
 }
 
 
@@ -94,9 +98,9 @@ def main() -> None:
                 env = dict(os.environ, **CONFIGS[c])
                 p = subprocess.run([sys.executable, __file__, "--child", path, "--device", args.device, "--ctx",
                                     str(args.ctx), "--steps", str(args.steps), "--pp", str(args.pp)],
-                                   env=env, capture_output=True, text=True)
+                                   env=env, stdout=subprocess.PIPE, text=True)  # stderr passes (the profile)
                 if p.returncode != 0:
-                    sys.exit(f"{c}: failed\n{p.stderr[-3000:]}")
+                    sys.exit(f"{c}: failed (its stderr above)")
                 res[c].append(json.loads(p.stdout.strip().splitlines()[-1]))
                 print(f"round {r} {c:13s} {res[c][-1]}", flush=True)
     print(f"\n{args.shape} {args.type} on {args.device}, ctx {args.ctx}, medians of {args.rounds} rounds:")

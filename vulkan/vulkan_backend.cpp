@@ -22,7 +22,7 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _ATTN_SPLIT, _FUSE_GLU, _SPLIT (benchmarks/profile_vulkan.py runs them).
+// _GEMV, _GEMM, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT (benchmarks/profile_vulkan.py runs them).
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -717,12 +717,15 @@ class Ctx {
     }();
     return on;
   }
+  // Inside a step's secondary buffer every command is a dispatch: compute to compute only.
   void barrier() {
+    const bool dispatches = cb_ != cmd_;
     VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
-    mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
-    mb.dstAccessMask =
-        VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
-    const VkPipelineStageFlags st = VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT;
+    mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | (dispatches ? 0 : VK_ACCESS_TRANSFER_WRITE_BIT);
+    mb.dstAccessMask = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT |
+                       (dispatches ? 0 : VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT);
+    const VkPipelineStageFlags st =
+        VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | (dispatches ? 0 : VK_PIPELINE_STAGE_TRANSFER_BIT);
     f_.vkCmdPipelineBarrier(cb_, st, st, 0, 1, &mb, 0, nullptr, 0, nullptr);
   }
   uint32_t mem_type(uint32_t bits, VkMemoryPropertyFlags want) const {
@@ -1210,7 +1213,13 @@ class VulkanBackend final : public Backend {
          (uint32_t)head_dim, (uint32_t)p.n_rot, p.neox ? 1u : 0u, p.freq_scale, p.mscale};
     c_->uses({{A(x), (uint64_t)(((n_tok - 1) * stride + (int64_t)n_heads * head_dim) * 4), true},
               {A(pos), (uint64_t)n_tok * 4, false}, {inv, Ctx::kWhole, false}, {A(p.freq_factors), Ctx::kWhole, false}});
+    const size_t sig0 = c_->sig_bytes();
     c_->dispatch("rope", &pc, sizeof pc, groups(n, 64));
+    // Kept for a KV store of exactly these rows next (kv_store folds this dispatch into it).
+    rope_ = Rope{};
+    if (c_->recording() && p.n_rot < 65536 && (int64_t)n_heads * head_dim <= 4096)
+      rope_ = Rope{true, c_->step_serial(), c_->kept(), sig0, A(x), A(pos), inv, A(p.freq_factors), n_tok, stride,
+                   n_heads, head_dim, (uint32_t)p.n_rot | (p.neox ? 1u << 16 : 0u), p.freq_scale, p.mscale};
   }
   void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
                 int64_t dim) override {
@@ -1219,21 +1228,43 @@ class VulkanBackend final : public Backend {
       throw Error("vulkan kv_store: q8_0 rows need dim a multiple of 32, not " + std::to_string(dim));
     Lock g(c_->mu);
     struct {
-      uint64_t base, pages, k, v, args;
+      uint64_t base, pages, k, v, args, pos, inv, factors;
       uint32_t page_bytes, k_off, v_off, row_bytes;
       int32_t first, src_stride, dim, page_shift, kvtype, row_base;
-    } pc{A(kv.base), A(kv.pages), A(k), A(v), c_->args_addr(), (uint32_t)kv.page_bytes, (uint32_t)kv.k_off,
-         (uint32_t)kv.v_off, (uint32_t)kv.row_bytes, c_->step_arg((int32_t)first), (int32_t)src_stride, (int32_t)dim,
-         kv.page_shift, (int32_t)kv.type, 0};
+      uint32_t rope, head_dim;
+      float freq_scale, mscale;
+    } pc{A(kv.base), A(kv.pages), A(k), A(v), c_->args_addr(), 0, 0, 0, (uint32_t)kv.page_bytes,
+         (uint32_t)kv.k_off, (uint32_t)kv.v_off, (uint32_t)kv.row_bytes, c_->step_arg((int32_t)first),
+         (int32_t)src_stride, (int32_t)dim, kv.page_shift, (int32_t)kv.type, 0, 0, 0, 0.f, 0.f};
+    // The step's last kept command is the rope of exactly these keys: the store rotates them
+    // itself (and writes them back rotated) and the rope's dispatch is taken back, so the store
+    // runs beside the queries' rope instead of after a barrier behind the keys'.
+    const Rope r = rope_;
+    rope_ = Rope{};
+    if (r.valid && fuse_rope_on() && c_->recording() && r.serial == c_->step_serial() && r.kept == c_->kept() &&
+        r.x == A(k) && r.n_tok == n && r.stride == src_stride && (int64_t)r.n_heads * r.head_dim == dim) {
+      c_->unkeep_last(r.sig0);
+      pc.pos = r.pos, pc.inv = r.inv, pc.factors = r.factors, pc.rope = r.rot, pc.head_dim = (uint32_t)r.head_dim;
+      pc.freq_scale = r.freq_scale, pc.mscale = r.mscale;
+    }
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.row_base = (int32_t)i0;
       const uint64_t src = (uint64_t)(((n - 1) * src_stride + dim) * 4);
       // Stores of one step write disjoint rows (other sessions' pages, other positions; q8_0 /
       // f16 bytes through word atomics): they may run together, ordered only against readers.
-      c_->uses({{A(kv.base), Ctx::kWhole, true, true}, {A(kv.pages), Ctx::kWhole, false}, {A(k), src, false},
-                {A(v), src, false}});
+      c_->uses({{A(kv.base), Ctx::kWhole, true, true}, {A(kv.pages), Ctx::kWhole, false},
+                {A(k), src, pc.rope != 0}, {A(v), src, false}, {pc.pos, (uint64_t)n * 4, false},
+                {pc.inv, Ctx::kWhole, false}, {pc.factors, Ctx::kWhole, false}});
       c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), 2);
     }
+  }
+  // DASLLAMA_VULKAN_FUSE_ROPE=0: the keys' rope stays its own dispatch (for A/B runs).
+  static bool fuse_rope_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_ROPE");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
   }
   void attention(const AttnArgs& a) override {
     if (a.n_tok <= 0 || a.n_heads <= 0) return;
@@ -1552,6 +1583,17 @@ class VulkanBackend final : public Backend {
     int64_t gs = 0, us = 0, n_rows = 0, dim = 0;
     uint32_t code = 0;
   } glu_;
+  // The step's last rope, while it is the last kept command (see kv_store).
+  struct Rope {
+    bool valid = false;
+    uint64_t serial = 0;
+    size_t kept = 0, sig0 = 0;
+    uint64_t x = 0, pos = 0, inv = 0, factors = 0;
+    int64_t n_tok = 0, stride = 0;
+    int n_heads = 0, head_dim = 0;
+    uint32_t rot = 0;
+    float freq_scale = 1.f, mscale = 1.f;
+  } rope_;
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's GLU counter
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)

@@ -70,6 +70,21 @@ float tanh_safe(float x) {
   const float e = exp(-2.0f * ax);
   return sign(x) * (1.0f - e) / (1.0f + e);
 }
+// RoPE's cos and sin (times mscale) for pair i at position p (rope.comp, and kv_store.comp when
+// it rotates keys as it stores them): the angle p * freq_scale * inv_freq[i] (/ factors[i]) in
+// double (inv_freq from a table the host computes in double: GLSL has no double pow), reduced
+// to [-pi, pi] in double, then f32 cos / sin: long positions keep their precision.
+void rope_cs(uint64_t inv_freq, uint64_t factors, uint i, int p, float freq_scale, float mscale, out float c,
+             out float s) {
+  double inv = F64(inv_freq).v[i];
+  if (factors != 0ul) inv /= double(F32(factors).v[i]);
+  const double theta = double(p) * double(freq_scale) * inv;
+  const double two_pi = 6.283185307179586476925lf;
+  const float r = float(theta - floor(theta / two_pi + 0.5lf) * two_pi);
+  precise float cc = cos(r) * mscale;
+  precise float ss = sin(r) * mscale;
+  c = cc, s = ss;
+}
 // The GLU activations (ops.comp, and gemv.comp computing its input from gate and up).
 float silu(float x) {
   const float e = exp(-abs(x));

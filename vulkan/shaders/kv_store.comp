@@ -8,9 +8,17 @@ layout(local_size_x = 64) in;
 layout(push_constant, std430) uniform PC {
   uint64_t base, pages, k, v;
   uint64_t args;  // first < 0: the first row is args[-first - 1] (a replayed step's value)
+  uint64_t pos, inv_freq, factors;  // rope != 0: rope.comp's, for K rows rotated on the way
   uint page_bytes, k_off, v_off, row_bytes;
   int first_, src_stride, dim, page_shift, kvtype, row_base;
+  uint rope;  // n_rot | neox << 16, or 0
+  uint head_dim;
+  float freq_scale, mscale;
 } pc;
+// With rope set, a K row is rotated (as rope.comp would, in place) before it is stored: the
+// step's rope of the keys folded in (vulkan_backend.cpp, kv_store). The rotated row is also
+// written back, leaving k as the rope would have.
+shared float rowk[4096];
 int first_row() { return pc.first_ >= 0 ? pc.first_ : I32(pc.args).v[-pc.first_ - 1]; }
 
 shared float amax[64];
@@ -31,18 +39,39 @@ void main() {
   const int i = pc.row_base + int(gl_WorkGroupID.x), tid = int(gl_LocalInvocationID.x);
   const bool is_v = gl_WorkGroupID.y == 1u;
   F32 src = F32((is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u);
+  const bool rot = !is_v && pc.rope != 0u;  // uniform in the workgroup
+  if (rot) {
+    for (int e = tid; e < pc.dim; e += 64) rowk[e] = src.v[e];
+    barrier();
+    const uint n_rot = pc.rope & 0xffffu, half_ = n_rot / 2u, hd = pc.head_dim;
+    const uint pairs = uint(pc.dim) / hd * half_;
+    const int p = I32(pc.pos).v[i];
+    for (uint idx = uint(tid); idx < pairs; idx += 64u) {
+      const uint h = idx / half_, j = idx % half_;
+      float c, s;
+      rope_cs(pc.inv_freq, pc.factors, j, p, pc.freq_scale, pc.mscale, c, s);
+      const uint i0 = h * hd + ((pc.rope >> 16) != 0u ? j : 2u * j);
+      const uint i1 = h * hd + ((pc.rope >> 16) != 0u ? j + half_ : 2u * j + 1u);
+      const float a = rowk[i0], b = rowk[i1];
+      precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
+      rowk[i0] = ac - bs;
+      rowk[i1] = as_ + bc;
+    }
+    barrier();
+    for (int e = tid; e < pc.dim; e += 64) src.v[e] = rowk[e];
+  }
   const uint64_t dst = kv_row(is_v ? pc.v_off : pc.k_off, first_row() + i);
   if (pc.kvtype == 0) {
-    for (int e = tid; e < pc.dim; e += 64) F32(dst).v[e] = src.v[e];
+    for (int e = tid; e < pc.dim; e += 64) F32(dst).v[e] = rot ? rowk[e] : src.v[e];
   } else if (pc.kvtype == 1) {
-    for (int e = tid; e < pc.dim; e += 64) wr16(dst + uint64_t(e) * 2u, f2h(src.v[e]));
+    for (int e = tid; e < pc.dim; e += 64) wr16(dst + uint64_t(e) * 2u, f2h(rot ? rowk[e] : src.v[e]));
   } else {
     // Two 32-blocks per pass: invocations 0..31 and 32..63.
     const int lane = tid & 31, half_ = tid >> 5;
     for (int b0 = 0; b0 < pc.dim / 32; b0 += 2) {
       const int b = b0 + half_;
       const bool ok = b < pc.dim / 32;
-      const float x = ok ? src.v[b * 32 + lane] : 0.0f;
+      const float x = ok ? (rot ? rowk[b * 32 + lane] : src.v[b * 32 + lane]) : 0.0f;
       amax[tid] = abs(x);
       barrier();
       float mx = 0.0f;

@@ -1,6 +1,4 @@
-// In-place RoPE: an invocation per (token, pair). The angle is pos * freq_scale * inv_freq in
-// double (inv_freq from a table the host computes in double: GLSL has no double pow), reduced
-// to [-pi, pi] in double, then f32 cos/sin: long positions keep their precision.
+// In-place RoPE: an invocation per (token, pair); cos and sin from common.glsl's rope_cs.
 #version 450
 #extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
 #include "common.glsl"
@@ -16,13 +14,8 @@ void main() {
   const uint half_ = pc.n_rot / 2u;
   for (uint idx = gl_GlobalInvocationID.x; idx < pc.n_tok * half_; idx += gl_NumWorkGroups.x * 64u) {
   const uint t = idx / half_, i = idx % half_;
-  double inv = F64(pc.inv_freq).v[i];
-  if (pc.factors != 0ul) inv /= double(F32(pc.factors).v[i]);
-  const double theta = double(I32(pc.pos).v[t]) * double(pc.freq_scale) * inv;
-  const double two_pi = 6.283185307179586476925lf;
-  const float r = float(theta - floor(theta / two_pi + 0.5lf) * two_pi);
-  precise float c = cos(r) * pc.mscale;
-  precise float s = sin(r) * pc.mscale;
+  float c, s;
+  rope_cs(pc.inv_freq, pc.factors, i, I32(pc.pos).v[t], pc.freq_scale, pc.mscale, c, s);
   const uint i0 = pc.neox != 0u ? i : 2u * i, i1 = pc.neox != 0u ? i + half_ : 2u * i + 1u;
   for (uint h = 0u; h < pc.n_heads; ++h) {
     F32 v = F32(pc.x + (uint64_t(t) * pc.stride + h * pc.head_dim) * 4u);
