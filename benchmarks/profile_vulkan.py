@@ -7,10 +7,11 @@ the configurations so a noisy machine hits them alike; medians are printed. Run 
 
     python benchmarks/profile_vulkan.py --shape llama1b --type q8_0 --rounds 3
 
-The default configurations: everything on; then one switch off at a time (REPLAY=0: every step
+The default configurations: everything on (but gemm.comp, opt-in); then one switch flipped at a
+time (REPLAY=0: every step
 recorded into the stream; BARRIERS=all: a barrier after every command; GEMV=0: matmul.comp's
-subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head, token); GEMM=0: matmul_tile.comp
-in prefill; FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the keys' rope
+subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head, token); GEMM=1: gemm.comp (128 x 64
+tiles) in prefill, not matmul_tile.comp's 64 x 64; FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the keys' rope
 its own dispatch before the KV store; MERGE=dispatch: attention's
 splits joined by a second dispatch), and "old": all of them off, the stream before this work
 (but for the q4_0 split layout, which DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
@@ -37,7 +38,7 @@ CONFIGS = {
     "BARRIERS=all": {"DASLLAMA_VULKAN_BARRIERS": "all"},
     "GEMV=0": {"DASLLAMA_VULKAN_GEMV": "0"},
     "ATTN_SPLIT=0": {"DASLLAMA_VULKAN_ATTN_SPLIT": "0"},
-    "GEMM=0": {"DASLLAMA_VULKAN_GEMM": "0"},
+    "GEMM=1": {"DASLLAMA_VULKAN_GEMM": "1"},
     "FUSE_GLU=0": {"DASLLAMA_VULKAN_FUSE_GLU": "0"},
     "FUSE_ROPE=0": {"DASLLAMA_VULKAN_FUSE_ROPE": "0"},
     "MERGE=dispatch": {"DASLLAMA_VULKAN_ATTN_SPLIT": "dispatch"},

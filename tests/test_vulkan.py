@@ -153,6 +153,11 @@ def test_subgroup_path_on_lavapipe():
                         "-k", "matmul or paged or moe"],
                        env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    # Prefill's 128 x 64 GEMM (opt-in: slower than the 64 x 64 tiles on the H200) holds too.
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(here, "test_backend_ops.py"), "-k", "matmul"],
+                       env=dict(env, DASLLAMA_VULKAN_GEMM="1"), capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 def test_vision_tower_and_turn(tmp_path):

@@ -984,11 +984,13 @@ class VulkanBackend final : public Backend {
   }
   static constexpr int kSplitLayout = 0x5C0;  // Weight::packed_for of a split matrix
   static constexpr uint32_t kQ8Split = 40, kQ4Split = 41;  // their shader types (dequant.glsl's T_Q8_0S, T_Q4_0S)
-  // DASLLAMA_VULKAN_GEMM=0: prefill on matmul_tile.comp's 64 x 64 tiles (for A/B runs).
+  // DASLLAMA_VULKAN_GEMM=1: prefill on gemm.comp's 128 x 64 tiles. Off by default: on the H200
+  // (NVIDIA's driver) it measured pp512 5,937 t/s against matmul_tile.comp's 6,781 (Llama-1B
+  // Q8_0, profile_vulkan.py, ninth session); test_subgroup_path_on_lavapipe keeps it correct.
   static bool gemm_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_GEMM");
-      return !(e && std::strcmp(e, "0") == 0);
+      return e && std::strcmp(e, "1") == 0;
     }();
     return on;
   }
