@@ -8,13 +8,13 @@ the configurations so a noisy machine hits them alike; medians are printed. Run 
     python benchmarks/profile_vulkan.py --shape llama1b --type q8_0 --rounds 3
 
 The default configurations: everything on (but gemm.comp, opt-in); then one switch flipped at a
-time (REPLAY=0: every step
-recorded into the stream; BARRIERS=all: a barrier after every command; GEMV=0: matmul.comp's
-subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head, token); GEMM=1: gemm.comp (128 x 64
-tiles) in prefill, not matmul_tile.comp's 64 x 64; FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the keys' rope
-its own dispatch before the KV store; MERGE=dispatch: attention's
-splits joined by a second dispatch), and "old": all of them off, the stream before this work
-(but for the q4_0 split layout, which DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
+time (REPLAY=0: every step recorded into the stream; BARRIERS=all: a barrier after every
+command; GEMV=0: matmul.comp's subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head,
+token); GEMM=1: gemm.comp (128 x 64 tiles) in prefill, not matmul_tile.comp's 64 x 64;
+FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the keys' rope its own
+dispatch before the KV store; MERGE=dispatch: attention's splits joined by a second dispatch),
+and "old": all of them off, the stream before this work (but for the q4_0 split layout, which
+DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
 2048 makes the attention split matter more. Per-shader GPU time: run one
 configuration with DASLLAMA_VULKAN_PROFILE=1 set (each command behind a barrier and no replay
 there; the children's stderr, where the profile is printed, passes through).
