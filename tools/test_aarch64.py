@@ -14,9 +14,9 @@ installed with pip into build/aarch64-site-<ver>, so nothing there was compiled 
 wheel itself.
 
 Checks, each under `-cpu max` (NEON, dot product, fp16, i8mm) unless said:
-  * system_info() names arch aarch64; with `-cpu max` and `-cpu neoverse-n1` the active ISA
-    is "neon" (its sdot kernels), and with `-cpu cortex-a53` (NEON but no dot product) it is
-    "baseline";
+  * system_info() names arch aarch64; with `-cpu max` (i8mm) the active ISA is "i8mm" (its
+    smmla kernels), with `-cpu neoverse-n1` (dot product, no i8mm) "neon" (its sdot kernels), and
+    with `-cpu cortex-a53` (NEON but no dot product) "baseline";
   * the kernel, quantization and backend-op tests, which compare every supported ISA with
     gguf-py and numpy (dequantization bit-exact, matmul, attention).
 Needs Debian's qemu-user (apt-get install qemu-user) and network access to the package registries.
@@ -82,8 +82,8 @@ def sysroot(ver: str) -> Path:
             continue
         ext = ".sources" if src.endswith(".sources") else ".list"
         (apt / "parts" / f"{i:02d}{ext}").write_text(text.replace(host, suite))
-    opts = [f"-oDir::Etc::SourceList=/dev/null", f"-oDir::Etc::SourceParts={apt / 'parts'}",
-            f"-oDir::Etc::Preferences=/dev/null", f"-oDir::Etc::PreferencesParts={apt / 'prefs'}",
+    opts = ["-oDir::Etc::SourceList=/dev/null", f"-oDir::Etc::SourceParts={apt / 'parts'}",
+            "-oDir::Etc::Preferences=/dev/null", f"-oDir::Etc::PreferencesParts={apt / 'prefs'}",
             f"-oDir::State={apt / 'state'}", f"-oDir::State::status={apt / 'status'}",
             f"-oDir::Cache={apt / 'cache'}", "-oAPT::Architecture=arm64", "-oAPT::Architectures::=arm64",
             "-qq"]
@@ -138,8 +138,9 @@ def test_one(ver: str, wheel: Path, qemu: str, pytest_args: list[str]) -> None:
              "i['cpu']['features'])")
     # max: NEON, dot product, fp16, i8mm; neoverse-n1: dot product and fp16, no i8mm (Graviton2);
     # cortex-a53: NEON only (Raspberry Pi 3), which the baseline variant serves.
-    for cpu, want in (("max", "neon"), ("neoverse-n1", "neon"), ("cortex-a53", "baseline")):
-        out = qpy(cpu, "-c", check + f"; assert i['cpu']['arch'] == 'aarch64' and i['isa_active'] == {want!r}, i",
+    for cpu, want in (("max", "i8mm"), ("neoverse-n1", "neon"), ("cortex-a53", "baseline")):
+        out = qpy(cpu, "-c", check + f"; assert i['cpu']['arch'] == 'aarch64' and i['isa_active'] == {want!r}, i"
+                  f"; assert i['cpu']['features']['i8mm'] == {cpu == 'max'}, i",
                   capture_output=True, text=True)
         log(f"-cpu {cpu}: {out.stdout.strip()}")
     # A timed test means nothing under emulation (it checks native speed).
