@@ -59,7 +59,7 @@ def test_system_info_names_this_machine():
     assert "baseline" in info["isa_compiled"]
     # The best ISA the CPU runs is the one picked, unless DASLLAMA_ISA forces another.
     if not os.environ.get("DASLLAMA_ISA"):
-        order = [i for i in ("baseline", "neon", "avx2", "avx512") if i in info["isa_supported"]]
+        order = [i for i in ("baseline", "neon", "i8mm", "avx2", "avx512") if i in info["isa_supported"]]
         assert info["isa_active"] == order[-1]
 
 

@@ -198,6 +198,34 @@ def test_decode_equals_prefill_bitwise(name, restore_isa):
                                                   err_msg=f"{isa} packed={packed} k={k} n={n}")
 
 
+@pytest.mark.skipif(not {"neon", "i8mm"} <= set(ISAS),
+                    reason="needs an arm64 CPU with i8mm (tools/test_aarch64.py runs it under qemu -cpu max)")
+@pytest.mark.parametrize("name", A8_TYPES)
+def test_i8mm_equals_neon_bitwise(name, restore_isa):
+    """The i8mm variant's smmla tiles (pairs of rows x pairs of tokens) form the same exact integer
+    block sums as the neon variant's sdot and the same float operations in the same order, so the two
+    give the same bits: odd row and token counts (a row paired with itself, a token left to sdot),
+    padded block counts, zero and outlier activations, and a thread split."""
+    rng = np.random.default_rng(zlib.crc32(b"i8mm" + name.encode()))
+    for k in (32, 96, 576):
+        for rows in (1, 2, 3, 7):
+            raw = random_weights(rng, name, rows, k)
+            x = rng.standard_normal((11, k)).astype(np.float32)
+            x[1] = 0
+            x[2, 5] = 1e4
+            for n in (2, 3, 5, 8, 11):
+                dasllama.set_isa("neon")
+                want = matmul(raw, name, k, x[:n])
+                dasllama.set_isa("i8mm")
+                np.testing.assert_array_equal(matmul(raw, name, k, x[:n]), want, err_msg=f"k={k} rows={rows} n={n}")
+    raw = random_weights(rng, name, 45, 1024)
+    x = rng.standard_normal((9, 1024)).astype(np.float32)
+    dasllama.set_isa("neon")
+    want = matmul(raw, name, 1024, x, 1)
+    dasllama.set_isa("i8mm")
+    np.testing.assert_array_equal(matmul(raw, name, 1024, x, 3), want)
+
+
 def test_bad_input_raises():
     rng = np.random.default_rng(0)
     raw = random_weights(rng, "q4_0", 4, 64)

@@ -84,6 +84,7 @@ def toolchain(arch: str, out: Path) -> Path:
         'set(HAS_FLTO OFF CACHE BOOL "")',
         # zig takes features as -mcpu=CPU+feature (its -march parser reads armv8.2-a as a CPU name).
         'set(DASLLAMA_NEON_FLAGS "-mcpu=generic+v8_2a+dotprod+fullfp16" CACHE STRING "")',
+        'set(DASLLAMA_I8MM_FLAGS "-mcpu=generic+v8_2a+dotprod+fullfp16+i8mm" CACHE STRING "")',
     ]
     if arch != os.uname().machine:
         lines += ["set(CMAKE_SYSTEM_NAME Linux)", f"set(CMAKE_SYSTEM_PROCESSOR {arch})"]

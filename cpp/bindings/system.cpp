@@ -63,7 +63,7 @@ void bind_system(py::module_& m) {
     return d;
   }, "CPU features, kernel ISAs and backends of this build.");
   m.def("set_isa", [](const std::string& name) { set_active_isa(parse_isa(name)); },
-        "Force the kernel ISA (baseline, avx2, avx512, neon); raises if it cannot run here.");
+        "Force the kernel ISA (baseline, avx2, avx512, neon, i8mm); raises if it cannot run here.");
   m.def("get_isa", [] { return std::string(isa_name(active_isa())); });
 }
 

@@ -17,6 +17,10 @@
 #if defined(__aarch64__) && defined(__linux__)
 #include <asm/hwcap.h>
 #include <sys/auxv.h>
+// Older kernel headers lack it; the bit is the kernel's ABI (Linux 5.10+ sets it).
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
 #endif
 
 namespace dl {
@@ -92,10 +96,7 @@ CpuFeatures detect() {
   unsigned long hw2 = getauxval(AT_HWCAP2);
   f.dotprod = hw & HWCAP_ASIMDDP;
   f.fp16 = hw & HWCAP_FPHP;
-#ifdef HWCAP2_I8MM
   f.i8mm = hw2 & HWCAP2_I8MM;
-#endif
-  (void)hw2;
 #elif defined(__APPLE__)
   f.dotprod = true;
   f.fp16 = true;
@@ -122,14 +123,15 @@ const char* isa_name(Isa isa) {
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
     case Isa::neon: return "neon";
+    case Isa::i8mm: return "i8mm";
   }
   return "?";
 }
 
 Isa parse_isa(const std::string& name) {
-  for (Isa i : {Isa::baseline, Isa::avx2, Isa::avx512, Isa::neon})
+  for (Isa i : {Isa::baseline, Isa::avx2, Isa::avx512, Isa::neon, Isa::i8mm})
     if (name == isa_name(i)) return i;
-  throw Error("unknown ISA '" + name + "' (expected baseline, avx2, avx512 or neon)");
+  throw Error("unknown ISA '" + name + "' (expected baseline, avx2, avx512, neon or i8mm)");
 }
 
 std::vector<Isa> isas_compiled() {
@@ -142,6 +144,9 @@ std::vector<Isa> isas_compiled() {
 #endif
 #ifdef DL_HAVE_ISA_NEON
   v.push_back(Isa::neon);
+#endif
+#ifdef DL_HAVE_ISA_I8MM
+  v.push_back(Isa::i8mm);  // after neon: the best supported one is picked
 #endif
   return v;
 }
@@ -158,6 +163,7 @@ bool isa_supported(Isa isa) {
       return f.avx2 && f.fma && f.f16c && f.bmi2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq &&
              f.avx512vnni;
     case Isa::neon: return f.neon && f.dotprod && f.fp16;
+    case Isa::i8mm: return f.neon && f.dotprod && f.fp16 && f.i8mm;
   }
   return false;
 }

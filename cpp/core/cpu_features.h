@@ -17,7 +17,9 @@ struct CpuFeatures {
 
 const CpuFeatures& cpu_features();
 
-enum class Isa { baseline = 0, avx2 = 1, avx512 = 2, neon = 3 };
+// neon: ARMv8.2 dot product and fp16 (sdot); i8mm: the same plus the int8 matrix multiply
+// (smmla, ARMv8.6; e.g. Graviton3, not Graviton2 or the Raspberry Pi 5).
+enum class Isa { baseline = 0, avx2 = 1, avx512 = 2, neon = 3, i8mm = 4 };
 
 const char* isa_name(Isa isa);
 // ISAs this build compiled kernels for.

@@ -9,7 +9,7 @@
 namespace dl::cpu {
 
 namespace {
-std::array<KernelTable, 4> g_tables;
+std::array<KernelTable, 5> g_tables;  // indexed by Isa
 std::once_flag g_once;
 
 // quant/'s dequantize_row runs the active ISA's decoders once the tables exist (same bits).
@@ -33,6 +33,9 @@ void build() {
 #endif
 #ifdef DL_HAVE_ISA_NEON
       case Isa::neon: neon::fill_table(t); break;
+#endif
+#ifdef DL_HAVE_ISA_I8MM
+      case Isa::i8mm: i8mm::fill_table(t); break;
 #endif
       default: break;
     }

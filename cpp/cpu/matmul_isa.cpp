@@ -460,9 +460,107 @@ void unpack_row_k(const void* w, int64_t k, uint8_t* out) {
 // ---- tile kernels -------------------------------------------------------------------------------
 // R unpacked weight rows x T activation rows -> out[r][t].
 
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+// smmla (the 'i8mm' variant): one instruction multiplies two weight rows' 8 bytes (a 2x8 int8
+// tile) by two tokens' 8 bytes into a 2x2 int32 tile, so four give a block of 32 for a pair of
+// rows and a pair of tokens, and no per-output horizontal sum is needed. R rows go in pairs (an
+// odd last row is paired with itself), T is even. The block sums are exact integers, equal to
+// the sdot path's, and each output then takes the sdot path's float operations in the same order
+// (one lane each), so the two give the same bits: a token decoded alone (sdot) equals itself
+// inside a prefill batch (smmla), and this variant equals 'neon' bit for bit.
+template <int R, int T, bool Wide>
+void tile_a_mmla(const uint8_t* const* U, const uint8_t* const* A, int64_t kp, float (*out)[4]) {
+  static_assert(T % 2 == 0, "tokens go in pairs");
+  constexpr int RP = (R + 1) / 2, TP = T / 2;
+  const int64_t nb = kp / 32;
+  // Lanes of a 2x2 tile: (r0, t0) (r0, t1) (r1, t0) (r1, t1).
+  float32x4_t acc[RP][TP];
+  for (int i = 0; i < RP; ++i)
+    for (int j = 0; j < TP; ++j) acc[i][j] = vdupq_n_f32(0.0f);
+  const int8x16_t x80 = vdupq_n_s8(-128);
+  const int32x4_t zero = vdupq_n_s32(0);
+  for (int64_t b = 0; b < nb; ++b) {
+    int8x16_t qa[TP][4];  // chunk c: [t0 bytes 8c..8c+7 | t1 bytes 8c..8c+7]
+    float32x4_t da[TP], sa[TP];  // [t0, t1, t0, t1]
+    for (int j = 0; j < TP; ++j) {
+      const int8_t* q0 = reinterpret_cast<const int8_t*>(A[2 * j]) + b * 32;
+      const int8_t* q1 = reinterpret_cast<const int8_t*>(A[2 * j + 1]) + b * 32;
+      const int64x2_t a0 = vreinterpretq_s64_s8(vld1q_s8(q0)), a1 = vreinterpretq_s64_s8(vld1q_s8(q0 + 16));
+      const int64x2_t b0 = vreinterpretq_s64_s8(vld1q_s8(q1)), b1 = vreinterpretq_s64_s8(vld1q_s8(q1 + 16));
+      qa[j][0] = vreinterpretq_s8_s64(vzip1q_s64(a0, b0));
+      qa[j][1] = vreinterpretq_s8_s64(vzip2q_s64(a0, b0));
+      qa[j][2] = vreinterpretq_s8_s64(vzip1q_s64(a1, b1));
+      qa[j][3] = vreinterpretq_s8_s64(vzip2q_s64(a1, b1));
+      const float* f0 = reinterpret_cast<const float*>(A[2 * j] + kp);
+      const float* f1 = reinterpret_cast<const float*>(A[2 * j + 1] + kp);
+      const float d2[2] = {f0[b], f1[b]}, s2[2] = {f0[nb + b], f1[nb + b]};
+      const float32x2_t dv = vld1_f32(d2), sv = vld1_f32(s2);
+      da[j] = vcombine_f32(dv, dv);
+      sa[j] = vcombine_f32(sv, sv);
+    }
+    for (int i = 0; i < RP; ++i) {
+      const uint8_t* u0p = U[2 * i] + b * 32;
+      const uint8_t* u1p = U[std::min(2 * i + 1, R - 1)] + b * 32;
+      int8x16_t u0a = vreinterpretq_s8_u8(vld1q_u8(u0p)), u0b = vreinterpretq_s8_u8(vld1q_u8(u0p + 16));
+      int8x16_t u1a = vreinterpretq_s8_u8(vld1q_u8(u1p)), u1b = vreinterpretq_s8_u8(vld1q_u8(u1p + 16));
+      if (Wide) {
+        u0a = veorq_s8(u0a, x80);
+        u0b = veorq_s8(u0b, x80);
+        u1a = veorq_s8(u1a, x80);
+        u1b = veorq_s8(u1b, x80);
+      }
+      const int64x2_t p0 = vreinterpretq_s64_s8(u0a), p1 = vreinterpretq_s64_s8(u0b);
+      const int64x2_t q0 = vreinterpretq_s64_s8(u1a), q1 = vreinterpretq_s64_s8(u1b);
+      const int8x16_t w0 = vreinterpretq_s8_s64(vzip1q_s64(p0, q0)), w1 = vreinterpretq_s8_s64(vzip2q_s64(p0, q0));
+      const int8x16_t w2 = vreinterpretq_s8_s64(vzip1q_s64(p1, q1)), w3 = vreinterpretq_s8_s64(vzip2q_s64(p1, q1));
+      // Per row: dw and the offset, exactly as the sdot path forms them.
+      const float* dx0 = reinterpret_cast<const float*>(U[2 * i] + kp);
+      const float* dx1 = reinterpret_cast<const float*>(U[std::min(2 * i + 1, R - 1)] + kp);
+      const float dw0 = dx0[b * 8], dw1 = dx1[b * 8];
+      const float off0 = Wide ? dx0[nb * 8 + b] + 128.0f * dw0 : dx0[nb * 8 + b];
+      const float off1 = Wide ? dx1[nb * 8 + b] + 128.0f * dw1 : dx1[nb * 8 + b];
+      const float dw4[4] = {dw0, dw0, dw1, dw1}, off4[4] = {off0, off0, off1, off1};
+      const float32x4_t dw = vld1q_f32(dw4), off = vld1q_f32(off4);
+      for (int j = 0; j < TP; ++j) {
+        int32x4_t s = vmmlaq_s32(zero, w0, qa[j][0]);
+        s = vmmlaq_s32(s, w1, qa[j][1]);
+        s = vmmlaq_s32(s, w2, qa[j][2]);
+        s = vmmlaq_s32(s, w3, qa[j][3]);
+        // acc += (float)sum * (dw * da) + off * sa, lane by lane (no fused multiply-add: fp-contract=off).
+        acc[i][j] = vaddq_f32(acc[i][j], vaddq_f32(vmulq_f32(vcvtq_f32_s32(s), vmulq_f32(dw, da[j])),
+                                                   vmulq_f32(off, sa[j])));
+      }
+    }
+  }
+  for (int i = 0; i < RP; ++i)
+    for (int j = 0; j < TP; ++j) {
+      float v[4];
+      vst1q_f32(v, acc[i][j]);
+      out[2 * i][2 * j] = v[0];
+      out[2 * i][2 * j + 1] = v[1];
+      if (2 * i + 1 < R) {
+        out[2 * i + 1][2 * j] = v[2];
+        out[2 * i + 1][2 * j + 1] = v[3];
+      }
+    }
+}
+#endif
+
+
 // Wide: u spans 0..255 (q8_0, iq4_nl); AVX2's maddubs would saturate, so it uses the sign trick there.
 template <int R, int T, bool Wide>
 void tile_a(const uint8_t* const* U, const uint8_t* const* A, int64_t kp, float (*out)[4]) {
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+  if constexpr (T >= 2) {
+    tile_a_mmla<R, T & ~1, Wide>(U, A, kp, out);
+    if constexpr (T % 2 == 1) {  // the odd token through sdot (the same bits)
+      float last[4][4];
+      tile_a<R, 1, Wide>(U, A + (T - 1), kp, last);
+      for (int r = 0; r < R; ++r) out[r][T - 1] = last[r][0];
+    }
+    return;
+  }
+#endif
   const int64_t nb = kp / 32;
 #if defined(__AVX512F__)
   __m512 acc[R][T];
@@ -804,8 +902,11 @@ struct TileK {
   };
 };
 
-// Tokens per tile: AVX-512 has 32 registers for the R x T accumulators, AVX2 16.
+// Tokens per tile: AVX-512 has 32 registers for the R x T accumulators, AVX2 16. i8mm's 4 x 4
+// tile keeps 4 accumulators, 8 activation and 4 weight vectors of its 32 registers.
 #if defined(__AVX512F__)
+constexpr int kTileTokA = 4, kTileTokK = 2;
+#elif defined(__ARM_FEATURE_MATMUL_INT8)
 constexpr int kTileTokA = 4, kTileTokK = 2;
 #else
 constexpr int kTileTokA = 2, kTileTokK = 2;

@@ -19,7 +19,7 @@ def system_info() -> dict:
 
 
 def set_isa(name: str) -> None:
-    """Force the CPU kernel ISA (``baseline``, ``avx2``, ``avx512``, ``neon``).
+    """Force the CPU kernel ISA (``baseline``, ``avx2``, ``avx512``, ``neon``, ``i8mm``).
 
     The environment variable ``DASLLAMA_ISA`` does the same at start-up.
     Raises :class:`dasllama.DasllamaError` if this build or CPU cannot run it.
