@@ -542,11 +542,16 @@ def test_copies_and_pooling(backends):
             if 0 <= s < 23:
                 ref[t, j::3] = rows[s]
     check("im2col_rows", run_all(backends, "im2col_rows", rows, 3, 2, 1, 12), ref, 0.0)
+
+
+def test_im2col_2d(backends):
+    """im2col_2d against torch's unfold (its reference: skipped where torch has no wheel, as on
+    the emulated aarch64 runs)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
     # im2col_2d against torch's unfold (a conv2d's input columns): channel-major [C][H][W] input,
     # then the same tensor read through the strides of a row layout [H][W][C], then the transpose
     # (kh = H, kw = 1) that turns conv rows into per-time-step features.
-    import torch
-
     img = rng.standard_normal((3, 9, 14)).astype(np.float32)
     ref = torch.nn.functional.unfold(torch.from_numpy(img)[None], 3, padding=1, stride=2)[0].T.numpy()
     check("im2col_2d", run_all(backends, "im2col_2d", img.ravel(), 3, 9, 14, 9 * 14, 14, 1, 3, 3, 2, 1, 5, 7),
