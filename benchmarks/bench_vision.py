@@ -194,6 +194,50 @@ def qwen_files(family, layers, dec_layers, workdir):
     return dec, mm
 
 
+def gemma_files(layers, dec_layers, workdir):
+    """(decoder GGUF, mmproj GGUF) of a random Gemma-3 model: the SigLIP tower at its real shape,
+    a Gemma-3-270M-shaped decoder (``dec_layers`` of its 18), llama.cpp's converter. For machines
+    that cannot pull the hub's gemma3-270m (``--random-decoder``)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracles"))
+    import vision as V
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tag = f"gemma3v-L{layers}-D{dec_layers}"
+    dec, mm = os.path.join(workdir, f"{tag}.gguf"), os.path.join(workdir, f"mmproj-{tag}.gguf")
+    if os.path.exists(dec) and os.path.exists(mm):
+        return dec, mm
+    cfg = Gemma3Config(
+        text_config=dict(vocab_size=512, hidden_size=640, intermediate_size=2048, num_hidden_layers=dec_layers,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, query_pre_attn_scalar=256,
+                         layer_types=[("full_attention" if i % 6 == 5 else "sliding_attention")
+                                      for i in range(dec_layers)]),
+        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=layers, num_attention_heads=16,
+                           image_size=896, patch_size=14, layer_norm_eps=1e-6, vision_use_head=False),
+        mm_tokens_per_image=256, boi_token_index=500, eoi_token_index=501, image_token_index=502)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg).half()
+    hf = V.save_hf(model, os.path.join(workdir, f"{tag}-hf"))
+    del model
+    pp = json.loads(Path(hf, "preprocessor_config.json").read_text())
+    pp.update(size={"height": 896, "width": 896}, image_seq_length=256)
+    Path(hf, "preprocessor_config.json").write_text(json.dumps(pp))
+    from moe import llama_cpp_dir
+
+    src = llama_cpp_dir()
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), HF_HUB_OFFLINE="1")
+    for out, extra in ((dec, []), (mm, ["--mmproj"])):
+        r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), hf, "--outfile", out + ".part",
+                            "--outtype", "f16", *extra], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-3000:]}")
+        os.replace(out + ".part", out)
+    return dec, mm
+
+
 def run_mtmd(binary, dec, mm, image_path, threads, question):
     """llama-mtmd-cli on the same files: its own encode / decode times (ms) and the image's tokens."""
     cmd = [binary, "-m", dec, "--mmproj", mm, "--image", image_path, "-p", question, "-n", "1",
@@ -255,7 +299,8 @@ def qwen_main(args):
     os.makedirs(workdir, exist_ok=True)
     try:
         t = time.perf_counter()
-        dec, mm = qwen_files(args.family, args.layers, args.dec_layers, workdir)
+        dec, mm = (gemma_files(args.layers, args.dec_layers, workdir) if args.family == "gemma3v" else
+                   qwen_files(args.family, args.layers, args.dec_layers, workdir))
         print(f"files ready in {time.perf_counter() - t:.0f} s: {dec}, {mm}")
         e = d.load_vision_embedder(mm, n_threads=args.threads, device=args.device)
         print(e, f"image {w}x{h} -> {e.image_rows(img)} rows (grid {e.image_grid(img)})")
@@ -305,9 +350,13 @@ def main():
     ap.add_argument("--image", default="448x448", help="qwen: the random image's WxH")
     ap.add_argument("--workdir", default=None, help="qwen: keep (and reuse) the converted files here")
     ap.add_argument("--mtmd", default=None, help="qwen: llama-mtmd-cli to run on the same files")
+    ap.add_argument("--random-decoder", action="store_true",
+                    help="gemma3v: a converter-made random Gemma-3-270M-shaped decoder and tower (no network)")
     args = ap.parse_args()
-    if args.family != "gemma3v":
-        if args.layers == 27:  # the default is Gemma-3's depth: a Qwen tower's own then
+    if args.family != "gemma3v" or args.random_decoder:
+        if args.family == "gemma3v" and args.dec_layers == 4:
+            args.dec_layers = 18  # Gemma-3-270M's depth: small enough to run whole
+        if args.family != "gemma3v" and args.layers == 27:  # the default is Gemma-3's depth: a Qwen tower's own then
             args.layers = QWEN_SHAPES[args.family]["vision"]["depth"]
         return qwen_main(args)
 

@@ -3,6 +3,7 @@ timeline (kernels, gaps, copies), read from CUPTI through torch's profiler, whic
 every kernel of the process, ours included. Run on the GPU machine:
 
     python benchmarks/profile_cuda.py --shape llama1b --type q8_0 [--steps 32] [--trace out.json]
+    python benchmarks/profile_cuda.py --shape llama1b --type q8_0 --prefill 512 --steps 4   # prefills
 
 Prints, per decode step: host wall time, GPU span (first kernel start to last end), the
 sum of kernel times, the gaps between them, and the kernels grouped by name.
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=16, help="prompt tokens before the profiled steps")
     ap.add_argument("--trace", default=None, help="write a chrome trace here")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="profile prefills of this many tokens (one a 'step') instead of decode steps")
     args = ap.parse_args()
 
     import torch
@@ -38,15 +41,24 @@ def main() -> None:
         path = os.path.join(tmp, "m.gguf")
         write_model(path, args.shape, args.type)
         m = d.load_model(path, device="cuda")
-        s = d.create_session(m, n_ctx=args.ctx + 3 * args.steps + 64)
-        d.eval(m, s, list(range(3, 3 + args.ctx)))
-        for _ in range(args.steps):  # warm: graphs captured
-            d.eval(m, s, [5])
+        if args.prefill:
+            prompt = list(range(3, 3 + args.prefill))
+
+            def step():
+                d.eval(m, d.create_session(m, n_ctx=args.prefill + 16), prompt)
+        else:
+            s = d.create_session(m, n_ctx=args.ctx + 3 * args.steps + 64)
+            d.eval(m, s, list(range(3, 3 + args.ctx)))
+
+            def step():
+                d.eval(m, s, [5])
+        for _ in range(min(args.steps, 4) if args.prefill else args.steps):  # warm: graphs captured
+            step()
         wall = []
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 t = time.perf_counter()
-                d.eval(m, s, [5])
+                step()
                 wall.append(time.perf_counter() - t)
         if args.trace:
             prof.export_chrome_trace(args.trace)
@@ -66,7 +78,7 @@ def main() -> None:
     gaps = []
     for (a0, b0, _), (a1, b1, _) in zip(kernels, kernels[1:]):
         gaps.append(a1 - b0)
-    small = [g for g in gaps if g < 200]  # within a step (us); larger ones are between steps
+    small = [g for g in gaps if g < 200] or [0.0]  # within a step (us); larger ones are between steps
     print(f"GPU per step: span {span / 1e3:.3f} ms, kernels busy {busy / 1e3:.3f} ms, "
           f"in-step gaps {sum(small) / args.steps / 1e3:.3f} ms (median gap {statistics.median(small):.2f} us), "
           f"between-step gaps {sum(g for g in gaps if g >= 200) / args.steps / 1e3:.3f} ms")
