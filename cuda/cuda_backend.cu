@@ -393,6 +393,11 @@ class CudaBackend final : public Backend {
     use();
     cuda::attn_check(a);
     if (a.n_tok <= 0 || a.n_heads <= 0) return;
+    if (a.n_tok >= flash_min_ && cuda::flash_fits(a, (int)prop_.sharedMemPerBlockOptin)) {
+      if (rec_) no_graph_ = true;  // its args are baked into the launch, as below
+      op(Tag::attention, [=](cudaStream_t s) { cuda::flash_attention(a, s); });
+      return;
+    }
     const int splits = cuda::attn_splits(a, prop_.multiProcessorCount);
     float* scratch = scratch_for(cuda::attn_scratch_floats(a, splits));
     int* cnt = splits > 1 ? counters_for((size_t)a.n_tok * a.n_heads) : nullptr;
@@ -944,6 +949,13 @@ class CudaBackend final : public Backend {
   int64_t mma_min_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_MMA_MIN");
     const long v = e ? std::atol(e) : 8;
+    return v > 0 ? (int64_t)v : INT64_MAX;
+  }();
+  // Query rows from which attention takes the tiled kernel (flash.cu; DASLLAMA_CUDA_FLASH_MIN,
+  // 0: never): below, the row-per-block kernel with key splits keeps more blocks busy.
+  int64_t flash_min_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_FLASH_MIN");
+    const long v = e ? std::atol(e) : 16;
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
   cudaStream_t st_ = nullptr;

@@ -98,6 +98,10 @@ void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cud
 // scratch holds count * maxtok rows of partials.
 void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
                      int* counters, cudaStream_t st);
+// flash.cu: attention of many query rows (prefill, encoders) in key tiles shared by a block's
+// rows; one launch, no splits. Fits: head_dim <= 256 and the tiles' shared memory on the device.
+bool flash_fits(const AttnArgs& a, int max_smem_optin);
+void flash_attention(const AttnArgs& a, cudaStream_t st);
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
               int64_t dim, cudaStream_t st);
 // One session's store for kv_store_group (in device memory).

@@ -3,6 +3,8 @@
 // matmul_id over stacks of experts (a warp per row and pair for decode, pairs gathered per expert
 // for prefill).
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "act.cuh"
@@ -382,9 +384,8 @@ constexpr int64_t kStagedMax = 32;
 // row's units, and their partial sums meet in shared memory. KS grows with the row length
 // so that short rows still give every lane two units, and long rows many warps.
 template <uint32_t T, int NT, int R>
-__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks) {
-  pdl_wait();
-  pdl_trigger();
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early) {
+  if (!early) pdl_wait(), pdl_trigger();
   constexpr int UE = Unit<T>::e, U = 2;
   constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
   __shared__ float red[SW][R + 1][NT];
@@ -410,8 +411,7 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   // The weights are constant: the first round is in flight before the wait for x.
   const int64_t u_first = ub + lane;
   if (r0 < rows && u_first < ue) load_units<T, U, R>(base, rb, rows - r0, cols, u_first, ue, q, d);
-  pdl_wait();
-  pdl_trigger();
+  if (early) pdl_wait(), pdl_trigger();
   for (int64_t u0 = u_first; r0 < rows && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) load_units<T, U, R>(base, rb, rows - r0, cols, u0, ue, q, d);
 #pragma unroll
@@ -539,10 +539,11 @@ __global__ void __launch_bounds__(256) glu_quantize_k(const float* __restrict__ 
 // Four blocks an SM (64 registers) for up to 4 tokens: the profile showed 2 blocks, a
 // quarter occupancy, too few loads in flight to reach the memory's bandwidth.
 template <uint32_t T, int NT, int R>
-__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j, int ks) {
-  pdl_wait();
-  pdl_trigger();
-  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, blockIdx.x, [] {});
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j, int ks, bool early) {
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, blockIdx.x, [early] {
+    if (early) pdl_wait(), pdl_trigger();
+  });
 }
 
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
@@ -563,13 +564,23 @@ __global__ void __launch_bounds__(SW * 32, 3) gemv_q8_x_k(GemvJob j, int ks, con
   });
 }
 
+// Whether the GEMVs issue their first weight loads before waiting for the kernel before them
+// (the weights are constant; DASLLAMA_CUDA_EARLY=0: wait first, as before the tenth session).
+bool pdl_early() {
+  static const bool on = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_EARLY");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
 template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks);
-  else if (j.n <= 4) launch(gemv_q8_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks);
-  else if (j.n <= 8) launch(gemv_q8_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks);
-  else launch(gemv_q8_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks);
+  if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n <= 4) launch(gemv_q8_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n <= 8) launch(gemv_q8_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else launch(gemv_q8_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
 }
 
 // Warps splitting a row of nu units (a power of two <= 8; each lane two units at least).
@@ -581,10 +592,10 @@ int direct_ks(int64_t nu) {
 template <uint32_t T>
 void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks);
-  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks);
-  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks);
-  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks);
+  if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
 }
 // Rows a warp group of the direct kernel takes for n tokens (as launch_direct picks).
 int direct_rows(int n) { return n <= 8 ? 4 : 2; }

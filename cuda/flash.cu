@@ -1,0 +1,211 @@
+// Prefill attention, tiled (flash-attention's form in f32): a block takes BR query rows of one
+// head and walks the keys BC at a time. Each key tile is read from the paged cache once for all
+// BR rows (dequantized into shared memory), where the row-per-block decode kernel (attn.cuh)
+// reads every key again for every row: at 512 rows and more that re-reading was the whole cost.
+// Scores and outputs stay f32 FMAs (the harness's f32 bar); only the order of the sums differs
+// from the decode kernel's.
+#include <algorithm>
+#include <cmath>
+
+#include "attn.cuh"
+#include "common.cuh"
+#include "kernels.h"
+
+namespace dl::cuda {
+namespace {
+
+// HD: head_dim rounded up to 64 / 96 / 128 / 256 (zero padded). 128 threads as 8 row groups (ty)
+// x 16 key / column lanes (tx): a thread scores RT rows x CT keys of a tile and accumulates RT
+// rows x HD / 16 output columns (tx + 16 c, so a half-warp reads 16 consecutive V floats).
+// Tiles sized for 2-3 blocks an SM (75-107 KB of shared memory past 64).
+template <int HD> struct FlashShape {
+  static constexpr int BR = HD <= 128 ? 64 : 32, BC = HD <= 64 ? 64 : 32, RT = BR / 8, CT = BC / 16, OC = HD / 16;
+  static constexpr int KS = BC + 4;  // Kt / Ps row stride: float4-aligned
+  static constexpr int smem_floats = HD * BR + HD * KS + BC * HD + BR * KS;
+};
+
+template <int KT, int HD>
+__global__ void __launch_bounds__(128) flash_k(AttnArgs a) {
+  using S = FlashShape<HD>;
+  constexpr int BR = S::BR, BC = S::BC, RT = S::RT, CT = S::CT, OC = S::OC, KS = S::KS;
+  extern __shared__ __align__(16) float fsm[];
+  float* Qt = fsm;              // [HD][BR]: Q transposed
+  float* Kt = Qt + HD * BR;     // [HD][KS]: the tile's keys transposed
+  float* Vs = Kt + HD * KS;     // [BC][HD]
+  float* Ps = Vs + BC * HD;     // [BR][KS]: the tile's probabilities
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int h = blockIdx.y, hd = a.head_dim;
+  const int64_t t0 = (int64_t)blockIdx.x * BR;
+  const int kvh = h / (a.n_heads / a.n_kv_heads);
+  const size_t head_off = KT == 0 ? (size_t)kvh * hd * 4 : KT == 1 ? (size_t)kvh * hd * 2 : (size_t)kvh * (hd / 32) * 34;
+  const size_t koff = a.kv.k_off + head_off, voff = a.kv.v_off + head_off;
+
+  // The block's key range: the union of its rows' (window, causal) ranges.
+  int64_t lo = INT64_MAX, hi = 0;
+  int64_t pos[RT];
+  for (int64_t r = 0; r < BR; ++r) {
+    if (t0 + r >= a.n_tok) break;
+    const int64_t p = a.q_pos[t0 + r];
+    hi = max(hi, min(a.n_kv, p + 1));
+    lo = min(lo, a.window > 0 ? max(int64_t(0), p - a.window + 1) : int64_t(0));
+  }
+#pragma unroll
+  for (int i = 0; i < RT; ++i) {
+    const int64_t t = t0 + ty * RT + i;
+    pos[i] = t < a.n_tok ? a.q_pos[t] : -1;  // -1: a padding row, every key masked
+  }
+  for (int idx = tid; idx < HD * BR; idx += 128) {
+    const int r = idx / HD, d = idx % HD;
+    const int64_t t = t0 + r;
+    Qt[d * BR + r] = t < a.n_tok && d < hd ? a.q[t * a.q_stride + (int64_t)h * hd + d] : 0.f;
+  }
+  float o[RT][OC], m[RT], l[RT];
+#pragma unroll
+  for (int i = 0; i < RT; ++i) {
+    m[i] = -INFINITY, l[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < OC; ++c) o[i][c] = 0.f;
+  }
+  const int64_t first = lo >= hi ? hi : lo - lo % BC;
+  for (int64_t j0 = first; j0 < hi; j0 += BC) {
+    __syncthreads();  // the previous tile's Kt / Vs / Ps are read
+    for (int idx = tid; idx < BC * HD; idx += 128) {
+      const int j = idx / HD, d = idx % HD;
+      float kv = 0.f, vv = 0.f;
+      if (j0 + j < hi && d < hd) {
+        kv = kv_elem<KT>(kv_row(a.kv, koff, j0 + j), d);
+        vv = kv_elem<KT>(kv_row(a.kv, voff, j0 + j), d);
+      }
+      Kt[d * KS + j] = kv;
+      Vs[j * HD + d] = vv;
+    }
+    __syncthreads();
+    float s[RT][CT];
+#pragma unroll
+    for (int i = 0; i < RT; ++i)
+#pragma unroll
+      for (int c = 0; c < CT; ++c) s[i][c] = 0.f;
+#pragma unroll 4
+    for (int d = 0; d < HD; ++d) {
+      float q[RT], k[CT];
+#pragma unroll
+      for (int i = 0; i < RT; i += 4) *reinterpret_cast<float4*>(q + i) = *reinterpret_cast<const float4*>(Qt + d * BR + ty * RT + i);
+      if constexpr (CT == 4) *reinterpret_cast<float4*>(k) = *reinterpret_cast<const float4*>(Kt + d * KS + tx * CT);
+      else *reinterpret_cast<float2*>(k) = *reinterpret_cast<const float2*>(Kt + d * KS + tx * CT);
+#pragma unroll
+      for (int i = 0; i < RT; ++i)
+#pragma unroll
+        for (int c = 0; c < CT; ++c) s[i][c] = fmaf(q[i], k[c], s[i][c]);
+    }
+    // Online softmax per row; a row's 16 tx lanes are one half-warp.
+#pragma unroll
+    for (int i = 0; i < RT; ++i) {
+      const int64_t p = pos[i];
+      const int64_t rlo = a.window > 0 ? p - a.window + 1 : INT64_MIN;
+      float mx = m[i];
+#pragma unroll
+      for (int c = 0; c < CT; ++c) {
+        const int64_t j = j0 + tx * CT + c;
+        const bool ok = j < hi && j <= p && j >= rlo;
+        float v = a.softcap > 0.f ? a.softcap * tanhf(s[i][c] * a.scale / a.softcap) : s[i][c] * a.scale;
+        s[i][c] = ok ? v : -INFINITY;
+        mx = fmaxf(mx, s[i][c]);
+      }
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float corr = mx == -INFINITY ? 1.f : expf(m[i] - mx);  // m = -inf before any key: 0
+      m[i] = mx;
+      l[i] *= corr;
+#pragma unroll
+      for (int c = 0; c < OC; ++c) o[i][c] *= corr;
+      float pv[CT];
+#pragma unroll
+      for (int c = 0; c < CT; ++c) {
+        pv[c] = s[i][c] == -INFINITY ? 0.f : expf(s[i][c] - mx);
+        l[i] += pv[c];
+      }
+      if constexpr (CT == 4) *reinterpret_cast<float4*>(Ps + (ty * RT + i) * KS + tx * CT) = *reinterpret_cast<float4*>(pv);
+      else *reinterpret_cast<float2*>(Ps + (ty * RT + i) * KS + tx * CT) = *reinterpret_cast<float2*>(pv);
+    }
+    __syncthreads();
+    const int jn = (int)min((int64_t)BC, hi - j0);
+    for (int j = 0; j < jn; ++j) {
+      float v[OC];
+#pragma unroll
+      for (int c = 0; c < OC; ++c) v[c] = Vs[j * HD + tx + 16 * c];
+#pragma unroll
+      for (int i = 0; i < RT; ++i) {
+        const float p = Ps[(ty * RT + i) * KS + j];
+#pragma unroll
+        for (int c = 0; c < OC; ++c) o[i][c] = fmaf(p, v[c], o[i][c]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < RT; ++i) {
+    const int64_t t = t0 + ty * RT + i;
+    float L = l[i];
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+    if (t >= a.n_tok) continue;
+    float f = 1.f;
+    if (a.sinks) {  // the sink joins the denominator: rescale to the joint max
+      const float sink = a.sinks[h], M2 = fmaxf(m[i], sink);
+      f = m[i] == -INFINITY ? 0.f : expf(m[i] - M2);
+      L = L * f + expf(sink - M2);
+    }
+    const float inv = L > 0.f ? f / L : 0.f;
+    float* out = a.out + t * a.out_stride + (int64_t)h * hd;
+#pragma unroll
+    for (int c = 0; c < OC; ++c) {
+      const int d = tx + 16 * c;
+      if (d < hd) out[d] = o[i][c] * inv;
+    }
+  }
+}
+
+template <int KT, int HD>
+void launch_flash(const AttnArgs& a, cudaStream_t st) {
+  using S = FlashShape<HD>;
+  const size_t smem = S::smem_floats * sizeof(float);
+  static bool set = [&] {
+    return cudaFuncSetAttribute(flash_k<KT, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ==
+           cudaSuccess;
+  }();
+  if (!set) throw DeviceError("cuda flash attention: the device refuses " + std::to_string(smem) + " bytes of shared memory");
+  const dim3 grid((unsigned)ceil_div(a.n_tok, S::BR), (unsigned)a.n_heads);
+  flash_k<KT, HD><<<grid, 128, smem, st>>>(a);
+  check_launch("flash attention");
+}
+
+template <int KT>
+void launch_flash_kt(const AttnArgs& a, cudaStream_t st) {
+  if (a.head_dim <= 64) launch_flash<KT, 64>(a, st);
+  else if (a.head_dim <= 96) launch_flash<KT, 96>(a, st);
+  else if (a.head_dim <= 128) launch_flash<KT, 128>(a, st);
+  else launch_flash<KT, 256>(a, st);
+}
+
+}  // namespace
+
+bool flash_fits(const AttnArgs& a, int max_smem_optin) {
+  const int hd = a.head_dim;
+  const size_t smem = (hd <= 64    ? FlashShape<64>::smem_floats
+                       : hd <= 96  ? FlashShape<96>::smem_floats
+                       : hd <= 128 ? FlashShape<128>::smem_floats
+                                   : FlashShape<256>::smem_floats) * sizeof(float);
+  return hd > 0 && hd <= 256 && smem <= (size_t)max_smem_optin && a.n_tok <= 65535LL * 32;
+}
+
+void flash_attention(const AttnArgs& a, cudaStream_t st) {
+  attn_check(a);
+  if (a.n_tok <= 0 || a.n_heads <= 0) return;
+  switch (a.kv.type) {
+    case KVType::f32: launch_flash_kt<0>(a, st); break;
+    case KVType::f16: launch_flash_kt<1>(a, st); break;
+    case KVType::q8_0: launch_flash_kt<8>(a, st); break;
+    default: throw UnsupportedModelError("cuda attention: unknown KV type");
+  }
+}
+
+}  // namespace dl::cuda
