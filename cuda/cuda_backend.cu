@@ -407,7 +407,8 @@ class CudaBackend final : public Backend {
   }
   void attention_multi(const AttnArgs* a, int count) override {
     use();
-    if (!rec_ || count <= 0 || (count > 1 && !(group_ & 1))) {
+    // A prefill's rows take the tiled kernel (attention() picks it), not the row-per-block group.
+    if (!rec_ || count <= 0 || (count > 1 && !(group_ & 1)) || (count == 1 && a[0].n_tok >= flash_min_)) {
       for (int i = 0; i < count; ++i) attention(a[i]);
       return;
     }
