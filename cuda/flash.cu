@@ -6,8 +6,6 @@
 // from the decode kernel's.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string>
 
 #include "attn.cuh"
 #include "common.cuh"
@@ -19,17 +17,16 @@ namespace {
 // HD: head_dim rounded up to 64 / 96 / 128 / 256 (zero padded). 128 threads as 8 row groups (ty)
 // x 16 key / column lanes (tx): a thread scores RT rows x CT keys of a tile and accumulates RT
 // rows x HD / 16 output columns (tx + 16 c, so a half-warp reads 16 consecutive V floats).
-// Tiles sized for 2-3 blocks an SM (50-107 KB of shared memory past 64). R64: 64 query rows a
-// block (head sizes up to 128) where there are rows enough to fill the SMs, else 32.
-template <int HD, bool R64 = (HD <= 128)> struct FlashShape {
-  static constexpr int BR = R64 ? 64 : 32, BC = HD <= 64 ? 64 : 32, RT = BR / 8, CT = BC / 16, OC = HD / 16;
+// Tiles sized for 2-3 blocks an SM (75-107 KB of shared memory past 64).
+template <int HD> struct FlashShape {
+  static constexpr int BR = HD <= 128 ? 64 : 32, BC = HD <= 64 ? 64 : 32, RT = BR / 8, CT = BC / 16, OC = HD / 16;
   static constexpr int KS = BC + 4;  // Kt / Ps row stride: float4-aligned
   static constexpr int smem_floats = HD * BR + HD * KS + BC * HD + BR * KS;
 };
 
-template <int KT, int HD, bool R64>
+template <int KT, int HD>
 __global__ void __launch_bounds__(128) flash_k(AttnArgs a) {
-  using S = FlashShape<HD, R64>;
+  using S = FlashShape<HD>;
   constexpr int BR = S::BR, BC = S::BC, RT = S::RT, CT = S::CT, OC = S::OC, KS = S::KS;
   extern __shared__ __align__(16) float fsm[];
   float* Qt = fsm;              // [HD][BR]: Q transposed
@@ -167,45 +164,26 @@ __global__ void __launch_bounds__(128) flash_k(AttnArgs a) {
   }
 }
 
-template <int KT, int HD, bool R64>
+template <int KT, int HD>
 void launch_flash(const AttnArgs& a, cudaStream_t st) {
-  using S = FlashShape<HD, R64>;
+  using S = FlashShape<HD>;
   const size_t smem = S::smem_floats * sizeof(float);
   static bool set = [&] {
-    return cudaFuncSetAttribute(flash_k<KT, HD, R64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ==
+    return cudaFuncSetAttribute(flash_k<KT, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ==
            cudaSuccess;
   }();
   if (!set) throw DeviceError("cuda flash attention: the device refuses " + std::to_string(smem) + " bytes of shared memory");
   const dim3 grid((unsigned)ceil_div(a.n_tok, S::BR), (unsigned)a.n_heads);
-  flash_k<KT, HD, R64><<<grid, 128, smem, st>>>(a);
+  flash_k<KT, HD><<<grid, 128, smem, st>>>(a);
   check_launch("flash attention");
-}
-
-// 64-row blocks only where they make two waves over the SMs (a 256-row chunk of a 32-head
-// model makes 128: one wave, the causal rows' blocks of unequal length); DASLLAMA_CUDA_FLASH_BR
-// = 32 / 64 forces one.
-bool rows64(const AttnArgs& a) {
-  static const int force = [] {
-    const char* e = std::getenv("DASLLAMA_CUDA_FLASH_BR");
-    return e ? std::atoi(e) : 0;
-  }();
-  if (force) return force == 64;
-  static const int n_sm = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n > 0 ? n : 1;
-  }();
-  return ceil_div(a.n_tok, 64) * a.n_heads >= 2 * n_sm;
 }
 
 template <int KT>
 void launch_flash_kt(const AttnArgs& a, cudaStream_t st) {
-  const bool r64 = rows64(a);
-  if (a.head_dim <= 64) r64 ? launch_flash<KT, 64, true>(a, st) : launch_flash<KT, 64, false>(a, st);
-  else if (a.head_dim <= 96) r64 ? launch_flash<KT, 96, true>(a, st) : launch_flash<KT, 96, false>(a, st);
-  else if (a.head_dim <= 128) r64 ? launch_flash<KT, 128, true>(a, st) : launch_flash<KT, 128, false>(a, st);
-  else launch_flash<KT, 256, false>(a, st);
+  if (a.head_dim <= 64) launch_flash<KT, 64>(a, st);
+  else if (a.head_dim <= 96) launch_flash<KT, 96>(a, st);
+  else if (a.head_dim <= 128) launch_flash<KT, 128>(a, st);
+  else launch_flash<KT, 256>(a, st);
 }
 
 }  // namespace
