@@ -160,6 +160,21 @@ def test_subgroup_path_on_lavapipe():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
+def test_tiled_attention_on_lavapipe():
+    """Prefill rows take the tiled attention (flash.comp) only when asked (encoders' rows take it
+    by default); forced onto decoders' prefills here, the op harness's attention cases (several
+    row tiles, windows, softcaps, sinks, every KV type; float64 numpy and the CPU) and the
+    device's end-to-end turns hold."""
+    import subprocess
+
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
+                        "-k", "(attention or greedy or kv_types or vision_tower or audio_tower) and not tiled"],
+                       env=dict(os.environ, DASLLAMA_VULKAN_FLASH="1"), capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
 def test_vision_tower_and_turn(tmp_path):
     C.vision_tower_and_turn(tmp_path, "vulkan", max_new=8)
 

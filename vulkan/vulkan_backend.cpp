@@ -268,6 +268,7 @@ class Ctx {
   std::recursive_mutex mu;
   bool subgroup = false;  // matmul and matmul_id take the subgroup path
   uint32_t subgroup_size = 32;
+  uint32_t max_shared() const { return props_.limits.maxComputeSharedMemorySize; }
 
   DeviceInfo info() const { return describe(a_, pd_, index_, used_); }
   std::string where() const { return "vulkan:" + std::to_string(index_) + " (" + props_.deviceName + ")"; }
@@ -1282,6 +1283,8 @@ class VulkanBackend final : public Backend {
     Lock g(c_->mu);
     if (a.n_heads > 65535 || a.n_kv_heads > 65535 || a.kv.page_shift < 0 || a.kv.page_shift > 63)
       throw Error("vulkan attention: head counts past 65535 or a page shift past 63");
+    if (a.n_tok >= 16 && a.head_dim <= 128 && c_->max_shared() >= 32768 && (a.any_order ? flash_mode() : flash_mode() == 2))
+      return flash(a);
     struct {
       uint64_t q, base, pages, q_pos, out, sinks, part, args, cnt;
       uint32_t page_bytes, k_off, v_off, row_bytes;
@@ -1344,6 +1347,44 @@ class VulkanBackend final : public Backend {
     } mp{pc.part, A(a.out), A(a.sinks), (int32_t)a.out_stride, a.n_heads, a.head_dim, n_split};
     c_->uses({{pc.part, part_bytes, false}, {A(a.out), out_bytes, true}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
     c_->dispatch("attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
+  }
+  // Attention of 16 rows and more (head sizes up to 128) in key tiles shared by a workgroup's
+  // rows (flash.comp): 1 for an encoder's rows (any_order: no decode step reads them, so they
+  // need not be the bits the row-per-workgroup kernel gives), 2 for decoders' prefill rows too
+  // (DASLLAMA_VULKAN_FLASH=1; opt-in: a decoder's rows then depend on how its tokens were split
+  // into calls, 2e-11 apart on lavapipe, and it is not yet measured on a GPU), 0 never
+  // (DASLLAMA_VULKAN_FLASH=0).
+  static int flash_mode() {
+    static const int mode = [] {
+      const char* e = std::getenv("DASLLAMA_VULKAN_FLASH");
+      return !e ? 1 : std::strcmp(e, "1") == 0 ? 2 : std::strcmp(e, "0") == 0 ? 0 : 1;
+    }();
+    return mode;
+  }
+  void flash(const AttnArgs& a) {
+    struct {
+      uint64_t q, base, pages, q_pos, out, sinks, args;
+      uint32_t page_bytes, k_off, v_off, row_bytes;
+      int32_t q_stride, out_stride, n_kv;
+      uint32_t heads, shape;
+      int32_t window;
+      float scale, softcap;
+      int32_t n_tok;
+    } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), c_->args_addr(),
+         (uint32_t)a.kv.page_bytes, (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes,
+         (int32_t)a.q_stride, (int32_t)a.out_stride, c_->step_arg((int32_t)a.n_kv),
+         (uint32_t)a.n_heads | (uint32_t)a.n_kv_heads << 16,
+         (uint32_t)a.head_dim | (uint32_t)a.kv.page_shift << 16 | (uint32_t)a.kv.type << 24, a.window, a.scale,
+         a.softcap, (int32_t)a.n_tok};
+    const int64_t hd = (int64_t)a.n_heads * a.head_dim;
+    const bool small = a.head_dim <= 64;
+    const int64_t br = small ? 32 : 16;  // flash.comp's BR
+    c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false},
+              {A(a.out), (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4), true},
+              {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
+              {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    c_->dispatch(small ? "flash_64" : "flash_128", &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br),
+                 (uint32_t)a.n_heads);
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {

@@ -10,6 +10,7 @@
 // split < 0: attention_merge.comp joins them. split == 0: no split.
 #version 450
 #include "common.glsl"
+#include "kv.glsl"
 
 layout(local_size_x = 64) in;
 // The splits' partials as other workgroups see them: coherent (not from a stale cache).
@@ -38,12 +39,7 @@ layout(push_constant, std430) uniform PC {
 shared float qs[256];
 shared float sc[64];
 
-float kv_elem(uint64_t r, int d) {
-  if (KVTYPE == 0) return F32(r).v[d];
-  if (KVTYPE == 1) return h2f(rd16(r + uint64_t(d) * 2u));
-  const uint64_t b = r + uint64_t(d >> 5) * 34u;
-  return float(sbyte(rd8(b + 2u + uint(d & 31)), 0u)) * h2f(rd16(b));
-}
+float kv_elem(uint64_t r, int d) { return kv_value(r, d, KVTYPE); }
 
 // q . (key row at kr): whole words per load where the row's alignment allows, 16 dims a pass
 // with their loads issued together (a loop of unknown length is not pipelined for us).
@@ -95,12 +91,7 @@ float kv_dot(uint64_t kr) {
 }
 
 // The start of key j's row (before the K / V offsets), through the block table.
-uint64_t kv_base(int j) {
-  const int64_t jj = int64_t(j);
-  const int64_t page = int64_t(I32(pc.pages).v[uint(jj >> PSHIFT)]);
-  const int64_t mask = (int64_t(1) << PSHIFT) - 1;
-  return pc.base + uint64_t(page) * pc.page_bytes + uint64_t(jj & mask) * pc.row_bytes;
-}
+uint64_t kv_base(int j) { return kv_row_at(pc.base, pc.pages, pc.page_bytes, pc.row_bytes, PSHIFT, j); }
 
 shared uint64_t rowb[64];
 shared bool last;  // this workgroup joins the splits  // the chunk's row starts, looked up once per key (by the scoring lane)
