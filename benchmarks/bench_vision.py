@@ -142,13 +142,27 @@ QWEN_SHAPES = {
 }
 
 
+def convert_pair(hf, dec, mm):
+    """The decoder and mmproj GGUFs (f16) of a saved transformers model, by llama.cpp's converter."""
+    import moe
+
+    src = moe.llama_cpp_dir()
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), HF_HUB_OFFLINE="1")
+    for out, extra in ((dec, []), (mm, ["--mmproj"])):
+        r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), hf, "--outfile", out + ".part",
+                            "--outtype", "f16", *extra], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-3000:]}")
+        os.replace(out + ".part", out)
+    return dec, mm
+
+
 def qwen_files(family, layers, dec_layers, workdir):
     """(decoder GGUF, mmproj GGUF) of a random Qwen-VL model at the real shapes, by llama.cpp's converter."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracles"))
     import audio
-    import moe
     import vision as V
 
     tag = f"{family}-L{layers}-D{dec_layers}"
@@ -183,15 +197,7 @@ def qwen_files(family, layers, dec_layers, workdir):
         pp.update(patch_size=16, size={"shortest_edge": 65536, "longest_edge": 16777216},
                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     Path(hf, "preprocessor_config.json").write_text(json.dumps(pp))
-    src = moe.llama_cpp_dir()
-    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), HF_HUB_OFFLINE="1")
-    for out, extra in ((dec, []), (mm, ["--mmproj"])):
-        r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), hf, "--outfile", out + ".part",
-                            "--outtype", "f16", *extra], env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-3000:]}")
-        os.replace(out + ".part", out)
-    return dec, mm
+    return convert_pair(hf, dec, mm)
 
 
 def gemma_files(layers, dec_layers, workdir):
@@ -225,17 +231,7 @@ def gemma_files(layers, dec_layers, workdir):
     pp = json.loads(Path(hf, "preprocessor_config.json").read_text())
     pp.update(size={"height": 896, "width": 896}, image_seq_length=256)
     Path(hf, "preprocessor_config.json").write_text(json.dumps(pp))
-    from moe import llama_cpp_dir
-
-    src = llama_cpp_dir()
-    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), HF_HUB_OFFLINE="1")
-    for out, extra in ((dec, []), (mm, ["--mmproj"])):
-        r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), hf, "--outfile", out + ".part",
-                            "--outtype", "f16", *extra], env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-3000:]}")
-        os.replace(out + ".part", out)
-    return dec, mm
+    return convert_pair(hf, dec, mm)
 
 
 def run_mtmd(binary, dec, mm, image_path, threads, question):
