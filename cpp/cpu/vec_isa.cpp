@@ -24,7 +24,14 @@ void glu_f32(const float* gate, const float* up, float* out, int64_t n, int act)
 }
 
 void gelu_erf_f32(float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = gelu_erf(y[i]);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, gelu_erf16(_mm512_maskz_loadu_ps(m, y + i)));
+  }
+#endif
+  for (; i < n; ++i) y[i] = gelu_erf(y[i]);
 }
 
 // The converting instruction where the ISA has one: exact for every finite half and
