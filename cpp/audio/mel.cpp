@@ -1,4 +1,5 @@
-// The whisper log-mel front end: framing here, the DFT and the mel filters as backend matmuls.
+// The whisper log-mel front end (framing, FFT power spectra, mel filters, log, all here on the host)
+// and NeMo's filterbank (its DFT and filters as backend matmuls).
 #include "audio/mel.h"
 
 #include <algorithm>
@@ -60,44 +61,58 @@ constexpr int kFbankFFT = 512, kFbankWin = 400, kFbankBins = kFbankFFT / 2 + 1;
 
 }  // namespace
 
-void MelBank::prepare(Backend& be) {
-  be.load_weight(dft, WeightUse::matmul);
-  be.load_weight(filters, WeightUse::matmul);
-}
-
 int64_t mel_chunks(int64_t n) { return std::max<int64_t>(1, (n + kChunkSamples - 1) / kChunkSamples); }
 
 MelBank::MelBank(int nm) : n_mel(nm) {
   if (nm <= 0 || nm > 512) throw std::invalid_argument("n_mel must be in [1, 512], got " + std::to_string(nm));
-  // The DFT in double, rounded once to f32; the periodic Hann window folded into it.
-  std::vector<float> d((size_t)2 * kBins * kNFFT);
-  for (int k = 0; k < kBins; ++k)
-    for (int i = 0; i < kNFFT; ++i) {
-      const double w = 0.5 - 0.5 * std::cos(2.0 * M_PI * i / kNFFT);
-      const double a = 2.0 * M_PI * (double)((int64_t)k * i % kNFFT) / kNFFT;
-      d[(size_t)k * kNFFT + i] = (float)(w * std::cos(a));
-      d[(size_t)(kBins + k) * kNFFT + i] = (float)(-w * std::sin(a));
-    }
-  dft = owned_f32(std::move(d), 2 * kBins, kNFFT);
-  // Triangular filters between n_mel + 2 points evenly spaced in mel over [0, 8 kHz],
-  // each scaled by 2 / (its width in Hz) (Slaney's area normalization).
-  std::vector<double> pts((size_t)nm + 2);
-  const double m0 = hz_to_mel(0.0), m1 = hz_to_mel(kSampleRate / 2.0);
-  for (int i = 0; i < nm + 2; ++i) pts[i] = mel_to_hz(m0 + (m1 - m0) * i / (nm + 1));
-  std::vector<float> f((size_t)nm * kBins);
+  window.resize(kNFFT);
+  for (int i = 0; i < kNFFT; ++i) window[i] = (float)(0.5 - 0.5 * std::cos(2.0 * M_PI * i / kNFFT));
+  filters = slaney_filters(nm, kBins);
+  lo.assign(nm, 0);
+  hi.assign(nm, 0);
   for (int m = 0; m < nm; ++m) {
-    const double lo = pts[m], c = pts[m + 1], hi = pts[m + 2];
-    const double enorm = 2.0 / (hi - lo);
-    for (int k = 0; k < kBins; ++k) {
-      const double fk = (double)k * (kSampleRate / 2.0) / (kBins - 1);
-      const double down = (fk - lo) / (c - lo), up = (hi - fk) / (hi - c);
-      f[(size_t)m * kBins + k] = (float)(std::max(0.0, std::min(down, up)) * enorm);
-    }
+    const float* f = filters.data() + (size_t)m * kBins;
+    int a = 0, b = kBins;
+    while (a < kBins && f[a] == 0.f) ++a;
+    while (b > a && f[b - 1] == 0.f) --b;
+    lo[m] = a, hi[m] = b;
   }
-  filters = owned_f32(std::move(f), nm, kBins);
 }
 
-void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out) {
+namespace {
+
+// out[m * stride + t] = the mel power (before the log) of frames t in [0, frames), frame t being
+// padded[t * kHop + i], i < kNFFT: windowed, FFT power spectra 16 frames at a time, then each
+// filter over its nonzero bins.
+void mel_power(const MelBank& bank, const float* padded, int64_t frames, MelScratch& s, float* out, int64_t stride) {
+  constexpr int L = kFFTLanes;
+  s.spec.resize((size_t)kNFFT * L + bank.fft.work_floats());
+  s.power.resize((size_t)kBins * L);
+  float* xl = s.spec.data();
+  float* work = xl + (size_t)kNFFT * L;
+  float* pw = s.power.data();
+  const float* win = bank.window.data();
+  for (int64_t t0 = 0; t0 < frames; t0 += L) {
+    const int cnt = (int)std::min<int64_t>(L, frames - t0);
+    for (int l = 0; l < L; ++l) {  // lanes past the last frame repeat it (computed, not stored)
+      const float* fr = padded + (t0 + std::min(l, cnt - 1)) * kHop;
+      for (int i = 0; i < kNFFT; ++i) xl[i * L + l] = fr[i] * win[i];
+    }
+    bank.fft.power(xl, work, pw);
+    for (int m = 0; m < bank.n_mel; ++m) {
+      const float* f = bank.filters.data() + (size_t)m * kBins;
+      float acc[L] = {};
+      for (int k = bank.lo[m]; k < bank.hi[m]; ++k)
+        for (int l = 0; l < L; ++l) acc[l] += f[k] * pw[k * L + l];
+      float* o = out + (size_t)m * stride + t0;
+      for (int l = 0; l < cnt; ++l) o[l] = acc[l];
+    }
+  }
+}
+
+}  // namespace
+
+void log_mel(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out) {
   if (n <= 0) throw std::invalid_argument("audio clip is empty");
   for (int64_t i = 0; i < n; ++i)
     if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
@@ -108,38 +123,20 @@ void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScr
     if (i >= padded) i = 2 * (padded - 1) - i;
     return i < n ? x[i] : 0.f;
   };
-  s.frames.resize((size_t)kChunkFrames * kNFFT);
-  s.spec.resize((size_t)kChunkFrames * 2 * kBins);
-  s.power.resize((size_t)kChunkFrames * kBins);
-  s.mel.resize((size_t)kChunkFrames * nm);
-  for (int64_t c = 0; c < n_chunks; ++c) {
-    const int64_t t0 = c * kChunkFrames;
-    // A frame wholly past the clip is all zeros: skip its matmul rows (log10(1e-10) below).
-    int64_t live = 0;
-    for (int64_t t = 0; t < kChunkFrames; ++t) {
-      const int64_t start = (t0 + t) * kHop - kNFFT / 2;
-      if (start >= n && start + kNFFT - 1 < padded) break;
-      float* fr = s.frames.data() + t * kNFFT;
-      for (int i = 0; i < kNFFT; ++i) fr[i] = sample(start + i);
-      live = t + 1;
-    }
-    if (live > 0) {
-      be.matmul(bank.dft, s.frames.data(), live, s.spec.data());
-      for (int64_t t = 0; t < live; ++t) {
-        const float* sp = s.spec.data() + t * 2 * kBins;
-        float* pw = s.power.data() + t * kBins;
-        for (int k = 0; k < kBins; ++k) pw[k] = sp[k] * sp[k] + sp[kBins + k] * sp[kBins + k];
-      }
-      be.matmul(bank.filters, s.power.data(), live, s.mel.data());
-    }
-    for (int64_t t = 0; t < kChunkFrames; ++t)
-      for (int m = 0; m < nm; ++m) {
-        const float v = t < live ? s.mel[(size_t)t * nm + m] : 0.f;
-        out[(size_t)m * total + t0 + t] = std::log10(std::max(v, 1e-10f));
-      }
-  }
+  // The signal frame t reads from: samples from -kNFFT / 2 on, the clip itself copied.
+  const int64_t len = total * kHop + kNFFT, off = kNFFT / 2;
+  s.frames.resize((size_t)len);
+  float* pb = s.frames.data();
+  const int64_t mid = std::min(n, len - off);
+  for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
+  std::memcpy(pb + off, x, (size_t)mid * 4);
+  for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
+  mel_power(bank, pb, total, s, out, total);
   float mx = -INFINITY;
-  for (int64_t i = 0; i < (int64_t)nm * total; ++i) mx = std::max(mx, out[i]);
+  for (int64_t i = 0; i < (int64_t)nm * total; ++i) {
+    out[i] = std::log10(std::max(out[i], 1e-10f));
+    mx = std::max(mx, out[i]);
+  }
   const float floor = mx - 8.f;
   for (int64_t i = 0; i < (int64_t)nm * total; ++i) out[i] = (std::max(out[i], floor) + 4.f) / 4.f;
 }
@@ -208,8 +205,7 @@ void nemo_fbank(Backend& be, const FbankBank& bank, const float* x, int64_t n, M
   }
 }
 
-void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out,
-                  int64_t stride) {
+void log_mel_clip(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out, int64_t stride) {
   const int64_t F = n / kHop;
   if (n <= kNFFT / 2) throw std::invalid_argument("audio clip is shorter than half a window (200 samples)");
   if (stride < F) throw std::invalid_argument("mel stride is shorter than the clip's frames");
@@ -221,31 +217,21 @@ void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, M
     if (i >= n) i = 2 * (n - 1) - i;  // and about the last (n > 200 here, so once is enough)
     return x[i];
   };
-  s.frames.resize((size_t)kChunkFrames * kNFFT);
-  s.spec.resize((size_t)kChunkFrames * 2 * kBins);
-  s.power.resize((size_t)kChunkFrames * kBins);
-  s.mel.resize((size_t)kChunkFrames * nm);
+  const int64_t len = F * kHop + kNFFT, off = kNFFT / 2;
+  s.frames.resize((size_t)len);
+  float* pb = s.frames.data();
+  const int64_t mid = std::min(n, len - off);
+  for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
+  std::memcpy(pb + off, x, (size_t)mid * 4);
+  for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
+  mel_power(bank, pb, F, s, out, stride);
   float mx = -INFINITY;
-  for (int64_t t0 = 0; t0 < F; t0 += kChunkFrames) {
-    const int64_t cnt = std::min<int64_t>(kChunkFrames, F - t0);
-    for (int64_t t = 0; t < cnt; ++t) {
-      float* fr = s.frames.data() + t * kNFFT;
-      const int64_t start = (t0 + t) * kHop - kNFFT / 2;
-      for (int i = 0; i < kNFFT; ++i) fr[i] = sample(start + i);
+  for (int m = 0; m < nm; ++m) {
+    float* r = out + (size_t)m * stride;
+    for (int64_t t = 0; t < F; ++t) {
+      r[t] = std::log10(std::max(r[t], 1e-10f));
+      mx = std::max(mx, r[t]);
     }
-    be.matmul(bank.dft, s.frames.data(), cnt, s.spec.data());
-    for (int64_t t = 0; t < cnt; ++t) {
-      const float* sp = s.spec.data() + t * 2 * kBins;
-      float* pw = s.power.data() + t * kBins;
-      for (int k = 0; k < kBins; ++k) pw[k] = sp[k] * sp[k] + sp[kBins + k] * sp[kBins + k];
-    }
-    be.matmul(bank.filters, s.power.data(), cnt, s.mel.data());
-    for (int64_t t = 0; t < cnt; ++t)
-      for (int m = 0; m < nm; ++m) {
-        const float v = std::log10(std::max(s.mel[(size_t)t * nm + m], 1e-10f));
-        out[(size_t)m * stride + t0 + t] = v;
-        mx = std::max(mx, v);
-      }
   }
   const float floor = mx - 8.f;
   for (int m = 0; m < nm; ++m) {

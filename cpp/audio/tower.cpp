@@ -80,7 +80,6 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
                                                  int n_threads) {
   std::shared_ptr<AudioEncoder> e(new AudioEncoder());
   e->backend_ = make_backend(device, n_threads);
-  e->mel_backend_ = std::string(e->backend_->name()) == "cpu" ? e->backend_ : make_cpu_backend(n_threads);
   e->file_ = gguf::File::open(path);
   e->cfg_.family = probe_family(*e->file_);
   if (e->cfg_.family.empty()) {
@@ -111,7 +110,6 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
   be.check_fits(total, "audio tower weights");
   for (Weight* w : mats) be.load_weight(*w, WeightUse::matmul);
   e->mel_ = std::make_unique<MelBank>(e->cfg_.n_mel);
-  e->mel_->prepare(*e->mel_backend_);
   return e;
 }
 
@@ -279,7 +277,7 @@ int64_t AudioEncoder::encode_conv2d(const float* x, int64_t n, AudioScratch& s, 
   const int64_t F = n / kHop, chunks = (F + W - 1) / W, stride = chunks * W;
   if (total == 0) return 0;
   s.mel.resize((size_t)(nm * stride));
-  log_mel_clip(*mel_backend_, *mel_, x, n, s.mel_s, s.mel.data(), stride);
+  log_mel_clip(*mel_, x, n, s.mel_s, s.mel.data(), stride);
   float* mel = buf(B_MEL, nm * stride);
   be.upload(mel, s.mel.data(), s.mel.size() * 4);
   // Each chunk's convs see only its own frames (zeros past its edges and past the clip); the
@@ -435,7 +433,7 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
   Backend& be = *backend_;
   const int64_t chunks = mel_chunks(n), frames = chunks * kChunkFrames, d = c.dim;
   s.mel.resize((size_t)(c.n_mel * frames));
-  log_mel(*mel_backend_, *mel_, x, n, s.mel_s, s.mel.data());
+  log_mel(*mel_, x, n, s.mel_s, s.mel.data());
   float* mel = buf(B_MEL, c.n_mel * frames);
   be.upload(mel, s.mel.data(), s.mel.size() * 4);
   float* dev_out = buf(B_OUT, total_rows * c.proj_dim);
