@@ -372,17 +372,20 @@ void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t avail,
   // conv1 (k3 s1 p1) over frames [0, S): im2col rows [ch * 3 + k] = mel[ch][t + k - 1].
   float* x1 = buf(B_X1, std::max(S * 3 * nm, L * 3 * d));
   be.im2col_1d(mel, stride, nm, avail, 3, 1, 1, x1, S);
+  // Each conv's bias and GELU are applied as its matmul stores.
+  MatmulEpilogue e;
+  e.gelu_erf = true;
   float* g1 = buf(B_G1, S * d);
-  be.matmul(conv1_, x1, S, g1);
-  be.add_bias(g1, conv1_b_.data(), S, d);
-  be.gelu_erf(g1, S * d);
+  const Weight* w1[1] = {&conv1_};
+  e.bias = conv1_b_.data();
+  be.matmul_multi_ex(w1, &g1, 1, x1, S, &e);
   // conv2 (k3 s2 p1): output t reads conv1 rows 2t - 1 .. 2t + 1 (zero outside the window).
   float* x2 = x1;
   be.im2col_rows(g1, d, S, 3, 2, 1, x2, L);
   float* h = buf(B_H, L * d);
-  be.matmul(conv2_, x2, L, h);
-  be.add_bias(h, conv2_b_.data(), L, d);
-  be.gelu_erf(h, L * d);
+  const Weight* w2[1] = {&conv2_};
+  e.bias = conv2_b_.data();
+  be.matmul_multi_ex(w2, &h, 1, x2, L, &e);
   be.add(h, pos_emb_.data(), L * d);
 
   blocks_.run(be, layers_, h, L, d, c.n_heads, c.ffn_dim, c.eps, encoder::Gelu::erf);

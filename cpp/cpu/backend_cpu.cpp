@@ -197,6 +197,14 @@ class CpuBackend final : public Backend {
   // Several weights over the same activations: one quantization of x and one
   // parallel pass over all their rows (QKV, gate|up), so decode pays one dispatch.
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
+    matmul_multi_ex(ws, ys, count, x, n, nullptr);
+  }
+
+  // The epilogue runs inside each row chunk's task: in the packed f32 / f16 kernel's registers,
+  // or (other kernels) over the chunk's outputs right after they are written, while they are
+  // still in cache. Either way the values are add_bias's and then gelu_erf's.
+  void matmul_multi_ex(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n,
+                       const MatmulEpilogue* eps) override {
     const cpu::KernelTable& kt = cpu::kernels();
     const int64_t k = ws[0]->cols;
     const uint32_t at = kt.act_type(ws[0]->type);
@@ -211,12 +219,14 @@ class CpuBackend final : public Backend {
     int same = 0;
     const Weight* grp[8];
     float* gy[8];
+    MatmulEpilogue ge[8];
     for (int i = 0; i < count; ++i) {
       if (kt.act_type(ws[i]->type) == at && same < 8) {
         grp[same] = ws[i];
+        ge[same] = eps ? eps[i] : MatmulEpilogue{};
         gy[same++] = ys[i];
       } else {
-        matmul_multi(&ws[i], &ys[i], 1, x, n);
+        matmul_multi_ex(&ws[i], &ys[i], 1, x, n, eps ? &eps[i] : nullptr);
       }
     }
     const int64_t arb = (int64_t)cpu::act_row_bytes(at, k);
@@ -261,6 +271,7 @@ class CpuBackend final : public Backend {
     if (n <= 8) chunk = std::min<int64_t>(chunk, 4 * min_chunk);
     int64_t first[9];
     cpu::MatmulArgs args[8];
+    bool in_kernel[8] = {};
     first[0] = 0;
     for (int i = 0; i < same; ++i) {
       const Weight& w = *grp[i];
@@ -276,14 +287,26 @@ class CpuBackend final : public Backend {
       a.y_stride = w.rows;
       a.rows = w.rows;
       a.wpack = (w.packed != nullptr && w.packed_for == (int)kt.isa) ? w.packed : nullptr;
+      in_kernel[i] = a.wpack != nullptr && (w.type == (uint32_t)GGMLType::F32 || w.type == (uint32_t)GGMLType::F16);
+      if (in_kernel[i]) {
+        a.bias = ge[i].bias;
+        a.gelu = ge[i].gelu_erf;
+      }
       first[i + 1] = first[i] + (w.rows + chunk - 1) / chunk;
     }
     pool_.parallel_for(first[same], 1, [&](int64_t lo, int64_t hi) {
       for (int64_t c = lo; c < hi; ++c) {
         int i = 0;
         while (c >= first[i + 1]) ++i;
-        const int64_t r0 = (c - first[i]) * chunk;
-        kt.matmul_rows(args[i], r0, std::min(grp[i]->rows, r0 + chunk));
+        const int64_t r0 = (c - first[i]) * chunk, r1 = std::min(grp[i]->rows, r0 + chunk);
+        kt.matmul_rows(args[i], r0, r1);
+        if (!in_kernel[i] && (ge[i].bias || ge[i].gelu_erf))
+          for (int64_t t = 0; t < n; ++t) {
+            float* yr = gy[i] + t * grp[i]->rows + r0;
+            if (ge[i].bias)
+              for (int64_t r = 0; r < r1 - r0; ++r) yr[r] += ge[i].bias[r0 + r];
+            if (ge[i].gelu_erf) kt.gelu_erf_f32(yr, r1 - r0);
+          }
       }
     });
   }

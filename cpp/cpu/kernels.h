@@ -35,6 +35,10 @@ struct MatmulArgs {
   int64_t y_stride = 0;  // floats between consecutive tokens' outputs
   int64_t rows = 0;      // rows of the whole matrix
   const void* wpack = nullptr;  // the same matrix in this ISA's packed layout (pack_rows), or null
+  // The epilogue (Backend::matmul_multi_ex) as the output is stored: y += bias[r], then the exact
+  // GELU. Only the packed f32 / f16 kernel reads these; the backend applies them after any other.
+  const float* bias = nullptr;
+  bool gelu = false;
 };
 
 // Attention of n_rows query rows (each with `group` heads of head_dim, laid out
