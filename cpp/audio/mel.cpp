@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/threadpool.h"
 #include "quant/types.h"
 
 namespace dl::audio {
@@ -81,38 +82,47 @@ MelBank::MelBank(int nm) : n_mel(nm) {
 
 namespace {
 
-// out[m * stride + t] = the mel power (before the log) of frames t in [0, frames), frame t being
+// out[m * stride + t] = log10(max(mel power, 1e-10)) of frames t in [0, frames), frame t being
 // padded[t * kHop + i], i < kNFFT: windowed, FFT power spectra 16 frames at a time, then each
-// filter over its nonzero bins.
-void mel_power(const MelBank& bank, const float* padded, int64_t frames, MelScratch& s, float* out, int64_t stride) {
+// filter over its nonzero bins. Groups of 16 frames go to the pool's threads, when there is one.
+void log_mel_power(const MelBank& bank, const float* padded, int64_t frames, float* out, int64_t stride,
+                   ThreadPool* pool) {
   constexpr int L = kFFTLanes;
-  s.spec.resize((size_t)kNFFT * L + bank.fft.work_floats());
-  s.power.resize((size_t)kBins * L);
-  float* xl = s.spec.data();
-  float* work = xl + (size_t)kNFFT * L;
-  float* pw = s.power.data();
-  const float* win = bank.window.data();
-  for (int64_t t0 = 0; t0 < frames; t0 += L) {
-    const int cnt = (int)std::min<int64_t>(L, frames - t0);
-    for (int l = 0; l < L; ++l) {  // lanes past the last frame repeat it (computed, not stored)
-      const float* fr = padded + (t0 + std::min(l, cnt - 1)) * kHop;
-      for (int i = 0; i < kNFFT; ++i) xl[i * L + l] = fr[i] * win[i];
+  auto groups = [&](int64_t g0, int64_t g1) {
+    thread_local std::vector<float> scratch;  // frames in lanes, the FFT's work, power
+    scratch.resize((size_t)kNFFT * L + bank.fft.work_floats() + (size_t)kBins * L);
+    float* xl = scratch.data();
+    float* work = xl + (size_t)kNFFT * L;
+    float* pw = work + bank.fft.work_floats();
+    const float* win = bank.window.data();
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t t0 = g * L;
+      const int cnt = (int)std::min<int64_t>(L, frames - t0);
+      for (int l = 0; l < L; ++l) {  // lanes past the last frame repeat it (computed, not stored)
+        const float* fr = padded + (t0 + std::min(l, cnt - 1)) * kHop;
+        for (int i = 0; i < kNFFT; ++i) xl[i * L + l] = fr[i] * win[i];
+      }
+      bank.fft.power(xl, work, pw);
+      for (int m = 0; m < bank.n_mel; ++m) {
+        const float* f = bank.filters.data() + (size_t)m * kBins;
+        float acc[L] = {};
+        for (int k = bank.lo[m]; k < bank.hi[m]; ++k)
+          for (int l = 0; l < L; ++l) acc[l] += f[k] * pw[k * L + l];
+        float* o = out + (size_t)m * stride + t0;
+        for (int l = 0; l < cnt; ++l) o[l] = std::log10(std::max(acc[l], 1e-10f));
+      }
     }
-    bank.fft.power(xl, work, pw);
-    for (int m = 0; m < bank.n_mel; ++m) {
-      const float* f = bank.filters.data() + (size_t)m * kBins;
-      float acc[L] = {};
-      for (int k = bank.lo[m]; k < bank.hi[m]; ++k)
-        for (int l = 0; l < L; ++l) acc[l] += f[k] * pw[k * L + l];
-      float* o = out + (size_t)m * stride + t0;
-      for (int l = 0; l < cnt; ++l) o[l] = acc[l];
-    }
-  }
+  };
+  const int64_t n_groups = (frames + L - 1) / L;
+  if (pool && pool->size() > 1)
+    pool->parallel_for(n_groups, 4, groups);
+  else
+    groups(0, n_groups);
 }
 
 }  // namespace
 
-void log_mel(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out) {
+void log_mel(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out, ThreadPool* pool) {
   if (n <= 0) throw std::invalid_argument("audio clip is empty");
   for (int64_t i = 0; i < n; ++i)
     if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
@@ -131,12 +141,9 @@ void log_mel(const MelBank& bank, const float* x, int64_t n, MelScratch& s, floa
   for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
   std::memcpy(pb + off, x, (size_t)mid * 4);
   for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
-  mel_power(bank, pb, total, s, out, total);
+  log_mel_power(bank, pb, total, out, total, pool);
   float mx = -INFINITY;
-  for (int64_t i = 0; i < (int64_t)nm * total; ++i) {
-    out[i] = std::log10(std::max(out[i], 1e-10f));
-    mx = std::max(mx, out[i]);
-  }
+  for (int64_t i = 0; i < (int64_t)nm * total; ++i) mx = std::max(mx, out[i]);
   const float floor = mx - 8.f;
   for (int64_t i = 0; i < (int64_t)nm * total; ++i) out[i] = (std::max(out[i], floor) + 4.f) / 4.f;
 }
@@ -205,7 +212,8 @@ void nemo_fbank(Backend& be, const FbankBank& bank, const float* x, int64_t n, M
   }
 }
 
-void log_mel_clip(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out, int64_t stride) {
+void log_mel_clip(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out, int64_t stride,
+                  ThreadPool* pool) {
   const int64_t F = n / kHop;
   if (n <= kNFFT / 2) throw std::invalid_argument("audio clip is shorter than half a window (200 samples)");
   if (stride < F) throw std::invalid_argument("mel stride is shorter than the clip's frames");
@@ -224,15 +232,10 @@ void log_mel_clip(const MelBank& bank, const float* x, int64_t n, MelScratch& s,
   for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
   std::memcpy(pb + off, x, (size_t)mid * 4);
   for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
-  mel_power(bank, pb, F, s, out, stride);
+  log_mel_power(bank, pb, F, out, stride, pool);
   float mx = -INFINITY;
-  for (int m = 0; m < nm; ++m) {
-    float* r = out + (size_t)m * stride;
-    for (int64_t t = 0; t < F; ++t) {
-      r[t] = std::log10(std::max(r[t], 1e-10f));
-      mx = std::max(mx, r[t]);
-    }
-  }
+  for (int m = 0; m < nm; ++m)
+    for (int64_t t = 0; t < F; ++t) mx = std::max(mx, out[(size_t)m * stride + t]);
   const float floor = mx - 8.f;
   for (int m = 0; m < nm; ++m) {
     float* r = out + (size_t)m * stride;

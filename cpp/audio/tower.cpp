@@ -277,7 +277,7 @@ int64_t AudioEncoder::encode_conv2d(const float* x, int64_t n, AudioScratch& s, 
   const int64_t F = n / kHop, chunks = (F + W - 1) / W, stride = chunks * W;
   if (total == 0) return 0;
   s.mel.resize((size_t)(nm * stride));
-  log_mel_clip(*mel_, x, n, s.mel_s, s.mel.data(), stride);
+  log_mel_clip(*mel_, x, n, s.mel_s, s.mel.data(), stride, be.host_threads());
   float* mel = buf(B_MEL, nm * stride);
   be.upload(mel, s.mel.data(), s.mel.size() * 4);
   // Each chunk's convs see only its own frames (zeros past its edges and past the clip); the
@@ -436,7 +436,7 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
   Backend& be = *backend_;
   const int64_t chunks = mel_chunks(n), frames = chunks * kChunkFrames, d = c.dim;
   s.mel.resize((size_t)(c.n_mel * frames));
-  log_mel(*mel_, x, n, s.mel_s, s.mel.data());
+  log_mel(*mel_, x, n, s.mel_s, s.mel.data(), be.host_threads());
   float* mel = buf(B_MEL, c.n_mel * frames);
   be.upload(mel, s.mel.data(), s.mel.size() * 4);
   float* dev_out = buf(B_OUT, total_rows * c.proj_dim);

@@ -30,6 +30,8 @@
 
 namespace dl {
 
+class ThreadPool;
+
 // How a model's weights and activations are computed (the CPU's policy; a device
 // backend may keep more precision, never less).
 enum class QuantMode { fp32 = 0, q8 = 1, q4_0 = 2 };
@@ -275,6 +277,10 @@ class Backend {
   // sets w.data (and w.resident / w.packed where it keeps a copy).
   virtual void load_weight(Weight& w, WeightUse use) = 0;
   virtual bool supports(Op op, uint32_t type) const = 0;
+
+  // The host threads the backend runs its own work on (the CPU's pool), for host-side work between
+  // ops (the mel front end) to share rather than start more threads; null where it has none.
+  virtual ThreadPool* host_threads() { return nullptr; }
 
   // ---- steps ---------------------------------------------------------------
   virtual void begin_step() {}

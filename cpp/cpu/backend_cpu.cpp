@@ -136,6 +136,7 @@ void moe_route_row(const float* l, int n_expert, int k, MoeGate gate, bool norm,
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int n) : pool_(n > 0 ? n : default_threads()) { cpu::kernels(); }
+  ThreadPool* host_threads() override { return &pool_; }
   const char* name() const override { return "cpu"; }
   DeviceInfo info() const override {
     DeviceInfo d;
