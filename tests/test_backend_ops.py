@@ -135,7 +135,7 @@ def test_matmul_multi(backends):
 
 
 @pytest.mark.parametrize("wtype", ["f32", "f16", "q8_0"])
-@pytest.mark.parametrize("n", [1, 7, 40])
+@pytest.mark.parametrize("n", [1, 7, 40, 400])  # 400: the CPU's packed prefill in blocks of 96 tokens
 def test_matmul_epilogue(backends, wtype, n):
     """matmul_multi_ex: a bias and the exact GELU applied as the outputs are stored (in the packed
     f32 / f16 kernel's registers on the CPU, after the kernel for other formats) against float64

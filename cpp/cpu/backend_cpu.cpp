@@ -295,6 +295,28 @@ class CpuBackend final : public Backend {
       }
       first[i + 1] = first[i] + (w.rows + chunk - 1) / chunk;
     }
+    // Packed f32 / f16 weights over many tokens: tasks are blocks of kTokBlk tokens through every
+    // row, so a block's activations stay in L2 while the weights stream past them (a row chunk
+    // over all tokens re-reads every activation row from L3, chunk after chunk). Each output is
+    // the same FMA chain either way.
+    constexpr int64_t kTokBlk = 96;
+    bool tok_blocks = fp_packed && n >= 4 * kTokBlk;
+    for (int i = 0; i < same; ++i) tok_blocks &= in_kernel[i];
+    if (tok_blocks) {
+      pool_.parallel_for((n + kTokBlk - 1) / kTokBlk, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t b = lo; b < hi; ++b) {
+          const int64_t t0 = b * kTokBlk;
+          for (int i = 0; i < same; ++i) {
+            cpu::MatmulArgs a = args[i];
+            a.act = act + t0 * arb;
+            a.n_tok = std::min(kTokBlk, n - t0);
+            a.y = gy[i] + t0 * grp[i]->rows;
+            kt.matmul_rows(a, 0, grp[i]->rows);
+          }
+        }
+      });
+      return;
+    }
     pool_.parallel_for(first[same], 1, [&](int64_t lo, int64_t hi) {
       for (int64_t c = lo; c < hi; ++c) {
         int i = 0;
