@@ -767,32 +767,9 @@ class CpuBackend final : public Backend {
   }
   void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim,
                   float eps) override {
+    const cpu::KernelTable& kt = cpu::kernels();
     pool_.parallel_for(n_rows, 8, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r) {
-        const float* xr = x + r * dim;
-        float* yr = y + r * dim;
-        // Two passes in double: the mean first, so the variance does not cancel. Eight lanes
-        // each (as rms_norm): one chain of dim dependent adds per pass cost more than the rest
-        // of an encoder's norms.
-        double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8)
-          for (int l = 0; l < 8; ++l) lane[l] += xr[i + l];
-        for (; i < dim; ++i) lane[i % 8] += xr[i];
-        const double mean = (((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]))) / dim;
-        for (int l = 0; l < 8; ++l) lane[l] = 0;
-        for (i = 0; i + 8 <= dim; i += 8)
-          for (int l = 0; l < 8; ++l) lane[l] += ((double)xr[i + l] - mean) * ((double)xr[i + l] - mean);
-        for (; i < dim; ++i) lane[i % 8] += ((double)xr[i] - mean) * ((double)xr[i] - mean);
-        const double var = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-        const double inv = 1.0 / std::sqrt(var / dim + eps);
-        for (int64_t i = 0; i < dim; ++i) {
-          float v = (float)(((double)xr[i] - mean) * inv);
-          if (w) v *= w[i];
-          if (b) v += b[i];
-          yr[i] = v;
-        }
-      }
+      for (int64_t r = lo; r < hi; ++r) kt.layer_norm_row(x + r * dim, w, b, y + r * dim, dim, eps);
     });
   }
   void gelu_erf(float* y, int64_t n) override {

@@ -129,6 +129,10 @@ struct KernelTable {
   void (*glu_f32)(const float* gate, const float* up, float* out, int64_t n, int act) = nullptr;
   // y = 0.5 y (1 + erf(y / sqrt 2)) in place (the exact GELU), with a branch-free erf.
   void (*gelu_erf_f32)(float* y, int64_t n) = nullptr;
+  // One row of layer_norm: y = (x - mean) / sqrt(var + eps) * w + b (w, b may be null), the mean and
+  // variance summed in double over eight lanes (lane l takes elements l, l + 8, ...), the same bits
+  // on every ISA. y may alias x.
+  void (*layer_norm_row)(const float* x, const float* w, const float* b, float* y, int64_t dim, float eps) = nullptr;
   size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;
   // Dense (encoder) attention, or null where the ISA has none (the paged kernel serves then):
   // one head's K rows (k + j * k_stride, head_dim a multiple of 16) packed as transposed blocks
