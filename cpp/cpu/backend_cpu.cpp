@@ -299,17 +299,21 @@ class CpuBackend final : public Backend {
     // row, so a block's activations stay in L2 while the weights stream past them (a row chunk
     // over all tokens re-reads every activation row from L3, chunk after chunk). Each output is
     // the same FMA chain either way.
-    constexpr int64_t kTokBlk = 96;
+    // The blocks (about kTokBlk tokens, a count that is a multiple of the threads) split the
+    // kernel's 6-token tiles evenly, so the threads' first shares end together.
+    constexpr int64_t kTokBlk = 96, kTile = 6;
     bool tok_blocks = fp_packed && n >= 4 * kTokBlk;
     for (int i = 0; i < same; ++i) tok_blocks &= in_kernel[i];
     if (tok_blocks) {
-      pool_.parallel_for((n + kTokBlk - 1) / kTokBlk, 1, [&](int64_t lo, int64_t hi) {
+      const int64_t nth = pool_.size(), tiles = (n + kTile - 1) / kTile;
+      const int64_t nb = std::max<int64_t>(1, ((n + kTokBlk / 2) / kTokBlk + nth - 1) / nth * nth);
+      pool_.parallel_for(nb, 1, [&](int64_t lo, int64_t hi) {
         for (int64_t b = lo; b < hi; ++b) {
-          const int64_t t0 = b * kTokBlk;
-          for (int i = 0; i < same; ++i) {
+          const int64_t t0 = b * tiles / nb * kTile, t1 = std::min(n, (b + 1) * tiles / nb * kTile);
+          for (int i = 0; i < same && t1 > t0; ++i) {
             cpu::MatmulArgs a = args[i];
             a.act = act + t0 * arb;
-            a.n_tok = std::min(kTokBlk, n - t0);
+            a.n_tok = t1 - t0;
             a.y = gy[i] + t0 * grp[i]->rows;
             kt.matmul_rows(a, 0, grp[i]->rows);
           }
