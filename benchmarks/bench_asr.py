@@ -1,7 +1,7 @@
 """Speech recognition: whisper tiny.en encoder time against CTranslate2's, and whole transcriptions
 (real-time factor, word error rate) against faster-whisper's, interleaved rep by rep in one run.
 
-    python benchmarks/bench_asr.py [--threads 2] [--reps 3] [--encoder-only] [--core DIR]
+    python benchmarks/bench_asr.py [--threads 2] [--reps 3] [--encoder-only] [--core DIR] [--cpu-time]
 
 Both sides read the same pulled CTranslate2 files (``dasllama pull whisper-tiny.en``; ours through
 ``dasllama convert``), in float32, with the same thread count. Encoder: ours is mel (C++) + encoder
@@ -12,7 +12,9 @@ whisper's fallback schedule, condition_on_previous_text off, no VAD, on speech e
 (tests/oracles/asr_script.py): one sentence (5.6 s) and eight sentences (41 s). Best of
 ``--reps`` per pipeline. ``--encoder-only`` skips the transcriptions; ``--core DIR`` loads
 ``dasllama._core`` from DIR (another build's extension, same Python files): an A/B of two
-builds runs this script alternately with and without it.
+builds runs this script alternately with and without it. ``--cpu-time`` also reports each side's
+process CPU time per encode (``time.process_time``, median of the reps): with ``--threads 1`` the
+steadiest measure on a shared machine, where wall times follow the other workers' load.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--encoder-only", action="store_true")
     ap.add_argument("--core", default=None)
+    ap.add_argument("--cpu-time", action="store_true")
     args = ap.parse_args()
     if args.core:
         import importlib.util
@@ -65,20 +68,26 @@ def main() -> None:
     x30 = np.resize(speak(SENTENCES[0]), 30 * 16000).astype(np.float32)
     feats = WhisperFeatureExtractor()(x30, sampling_rate=16000, return_tensors="np").input_features
     sv = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats))
-    ours_enc, ct2_enc = [], []
+    ours_enc, ct2_enc, ours_cpu, ct2_cpu = [], [], [], []
     state = d.AudioState()
     d.encode_audio_rows(model.encoder, x30, state, full_window=True)  # warm-up both
     ct2.encode(sv)
     for _ in range(args.reps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         d.encode_audio_rows(model.encoder, x30, state, full_window=True)
         ours_enc.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        ours_cpu.append(time.process_time() - c)
+        t, c = time.perf_counter(), time.process_time()
         ct2.encode(sv)
         ct2_enc.append(time.perf_counter() - t)
+        ct2_cpu.append(time.process_time() - c)
     print(f"encoder 30 s window, {args.threads} threads: dasllama (mel + encoder) {min(ours_enc) * 1e3:.1f} ms, "
           f"CTranslate2 (encoder) {min(ct2_enc) * 1e3:.1f} ms, ratio {min(ct2_enc) / min(ours_enc):.2f}x "
           f"(load average {' '.join(open('/proc/loadavg').read().split()[:3])})", flush=True)
+    if args.cpu_time:
+        a, b = float(np.median(ours_cpu)), float(np.median(ct2_cpu))
+        print(f"  CPU time per encode (median of {args.reps}): dasllama {a * 1e3:.1f} ms, CTranslate2 {b * 1e3:.1f} ms, "
+              f"ratio {b / a:.2f}x", flush=True)
     if args.encoder_only:
         return
 

@@ -134,6 +134,38 @@ def test_matmul_multi(backends):
     check("matmul_multi", outs, ref, F32_DOT, ACT_QUANT)
 
 
+@pytest.mark.parametrize("wtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("n", [1, 7, 40, 400])  # 400: the CPU's packed prefill in blocks of 96 tokens
+def test_matmul_epilogue(backends, wtype, n):
+    """matmul_multi_ex: a bias and the exact GELU applied as the outputs are stored (in the packed
+    f32 / f16 kernel's registers on the CPU, after the kernel for other formats) against float64
+    numpy, and equal to the same backend's plain ops (matmul, add_bias, gelu_erf): bit for bit on
+    the CPU, where they run the same arithmetic in another order of passes."""
+    rng = np.random.default_rng(29 + n)
+    qt = int(T[wtype.upper()])
+    rows, cols = 131, 256  # 131: a last packed group of 3 rows
+    raw, w = make_weight(rng, wtype, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    b = rng.standard_normal(rows).astype(np.float32) * 2
+    erf = np.vectorize(math.erf)
+    lin = x.astype(np.float64) @ w.T
+    for name, bias, gelu in [("bias", b, False), ("bias+gelu", b, True), ("gelu", None, True)]:
+        pre = lin + (b.astype(np.float64) if bias is not None else 0.0)
+        ref = 0.5 * pre * (1 + erf(pre / math.sqrt(2))) if gelu else pre
+        outs = {}
+        for d, be in backends.items():
+            if not be.supports("matmul", qt):
+                continue
+            for packed in ([True, False] if d == "cpu" else [True]):
+                got, plain = be.matmul_ex(raw, qt, rows, cols, x, bias, gelu, packed)
+                if d == "cpu":
+                    assert np.array_equal(got, plain), f"matmul_ex {name} {wtype} n={n}: not its plain ops"
+                else:
+                    assert nmse(got, plain) <= EXACT, f"matmul_ex {name} {wtype} n={n} on {d}: not its plain ops"
+                outs[d] = got
+        check(f"matmul_ex {name} {wtype} n={n}", outs, ref, F32_DOT, F32_DOT if wtype == "f32" else ACT_QUANT)
+
+
 def rms_rows(x, w=None, eps=1e-5):
     x = x.astype(np.float64)
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)

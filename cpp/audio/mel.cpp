@@ -1,4 +1,5 @@
-// The whisper log-mel front end: framing here, the DFT and the mel filters as backend matmuls.
+// The whisper log-mel front end (framing, FFT power spectra, mel filters, log, all here on the host)
+// and NeMo's filterbank (its DFT and filters as backend matmuls).
 #include "audio/mel.h"
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/threadpool.h"
 #include "quant/types.h"
 
 namespace dl::audio {
@@ -60,44 +62,67 @@ constexpr int kFbankFFT = 512, kFbankWin = 400, kFbankBins = kFbankFFT / 2 + 1;
 
 }  // namespace
 
-void MelBank::prepare(Backend& be) {
-  be.load_weight(dft, WeightUse::matmul);
-  be.load_weight(filters, WeightUse::matmul);
-}
-
 int64_t mel_chunks(int64_t n) { return std::max<int64_t>(1, (n + kChunkSamples - 1) / kChunkSamples); }
 
 MelBank::MelBank(int nm) : n_mel(nm) {
   if (nm <= 0 || nm > 512) throw std::invalid_argument("n_mel must be in [1, 512], got " + std::to_string(nm));
-  // The DFT in double, rounded once to f32; the periodic Hann window folded into it.
-  std::vector<float> d((size_t)2 * kBins * kNFFT);
-  for (int k = 0; k < kBins; ++k)
-    for (int i = 0; i < kNFFT; ++i) {
-      const double w = 0.5 - 0.5 * std::cos(2.0 * M_PI * i / kNFFT);
-      const double a = 2.0 * M_PI * (double)((int64_t)k * i % kNFFT) / kNFFT;
-      d[(size_t)k * kNFFT + i] = (float)(w * std::cos(a));
-      d[(size_t)(kBins + k) * kNFFT + i] = (float)(-w * std::sin(a));
-    }
-  dft = owned_f32(std::move(d), 2 * kBins, kNFFT);
-  // Triangular filters between n_mel + 2 points evenly spaced in mel over [0, 8 kHz],
-  // each scaled by 2 / (its width in Hz) (Slaney's area normalization).
-  std::vector<double> pts((size_t)nm + 2);
-  const double m0 = hz_to_mel(0.0), m1 = hz_to_mel(kSampleRate / 2.0);
-  for (int i = 0; i < nm + 2; ++i) pts[i] = mel_to_hz(m0 + (m1 - m0) * i / (nm + 1));
-  std::vector<float> f((size_t)nm * kBins);
+  window.resize(kNFFT);
+  for (int i = 0; i < kNFFT; ++i) window[i] = (float)(0.5 - 0.5 * std::cos(2.0 * M_PI * i / kNFFT));
+  filters = slaney_filters(nm, kBins);
+  lo.assign(nm, 0);
+  hi.assign(nm, 0);
   for (int m = 0; m < nm; ++m) {
-    const double lo = pts[m], c = pts[m + 1], hi = pts[m + 2];
-    const double enorm = 2.0 / (hi - lo);
-    for (int k = 0; k < kBins; ++k) {
-      const double fk = (double)k * (kSampleRate / 2.0) / (kBins - 1);
-      const double down = (fk - lo) / (c - lo), up = (hi - fk) / (hi - c);
-      f[(size_t)m * kBins + k] = (float)(std::max(0.0, std::min(down, up)) * enorm);
-    }
+    const float* f = filters.data() + (size_t)m * kBins;
+    int a = 0, b = kBins;
+    while (a < kBins && f[a] == 0.f) ++a;
+    while (b > a && f[b - 1] == 0.f) --b;
+    lo[m] = a, hi[m] = b;
   }
-  filters = owned_f32(std::move(f), nm, kBins);
 }
 
-void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out) {
+namespace {
+
+// out[m * stride + t] = log10(max(mel power, 1e-10)) of frames t in [0, frames), frame t being
+// padded[t * kHop + i], i < kNFFT: windowed, FFT power spectra 16 frames at a time, then each
+// filter over its nonzero bins. Groups of 16 frames go to the pool's threads, when there is one.
+void log_mel_power(const MelBank& bank, const float* padded, int64_t frames, float* out, int64_t stride,
+                   ThreadPool* pool) {
+  constexpr int L = kFFTLanes;
+  auto groups = [&](int64_t g0, int64_t g1) {
+    thread_local std::vector<float> scratch;  // frames in lanes, the FFT's work, power
+    scratch.resize((size_t)kNFFT * L + bank.fft.work_floats() + (size_t)kBins * L);
+    float* xl = scratch.data();
+    float* work = xl + (size_t)kNFFT * L;
+    float* pw = work + bank.fft.work_floats();
+    const float* win = bank.window.data();
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t t0 = g * L;
+      const int cnt = (int)std::min<int64_t>(L, frames - t0);
+      for (int l = 0; l < L; ++l) {  // lanes past the last frame repeat it (computed, not stored)
+        const float* fr = padded + (t0 + std::min(l, cnt - 1)) * kHop;
+        for (int i = 0; i < kNFFT; ++i) xl[i * L + l] = fr[i] * win[i];
+      }
+      bank.fft.power(xl, work, pw);
+      for (int m = 0; m < bank.n_mel; ++m) {
+        const float* f = bank.filters.data() + (size_t)m * kBins;
+        float acc[L] = {};
+        for (int k = bank.lo[m]; k < bank.hi[m]; ++k)
+          for (int l = 0; l < L; ++l) acc[l] += f[k] * pw[k * L + l];
+        float* o = out + (size_t)m * stride + t0;
+        for (int l = 0; l < cnt; ++l) o[l] = std::log10(std::max(acc[l], 1e-10f));
+      }
+    }
+  };
+  const int64_t n_groups = (frames + L - 1) / L;
+  if (pool && pool->size() > 1)
+    pool->parallel_for(n_groups, 4, groups);
+  else
+    groups(0, n_groups);
+}
+
+}  // namespace
+
+void log_mel(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out, ThreadPool* pool) {
   if (n <= 0) throw std::invalid_argument("audio clip is empty");
   for (int64_t i = 0; i < n; ++i)
     if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
@@ -108,36 +133,15 @@ void log_mel(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScr
     if (i >= padded) i = 2 * (padded - 1) - i;
     return i < n ? x[i] : 0.f;
   };
-  s.frames.resize((size_t)kChunkFrames * kNFFT);
-  s.spec.resize((size_t)kChunkFrames * 2 * kBins);
-  s.power.resize((size_t)kChunkFrames * kBins);
-  s.mel.resize((size_t)kChunkFrames * nm);
-  for (int64_t c = 0; c < n_chunks; ++c) {
-    const int64_t t0 = c * kChunkFrames;
-    // A frame wholly past the clip is all zeros: skip its matmul rows (log10(1e-10) below).
-    int64_t live = 0;
-    for (int64_t t = 0; t < kChunkFrames; ++t) {
-      const int64_t start = (t0 + t) * kHop - kNFFT / 2;
-      if (start >= n && start + kNFFT - 1 < padded) break;
-      float* fr = s.frames.data() + t * kNFFT;
-      for (int i = 0; i < kNFFT; ++i) fr[i] = sample(start + i);
-      live = t + 1;
-    }
-    if (live > 0) {
-      be.matmul(bank.dft, s.frames.data(), live, s.spec.data());
-      for (int64_t t = 0; t < live; ++t) {
-        const float* sp = s.spec.data() + t * 2 * kBins;
-        float* pw = s.power.data() + t * kBins;
-        for (int k = 0; k < kBins; ++k) pw[k] = sp[k] * sp[k] + sp[kBins + k] * sp[kBins + k];
-      }
-      be.matmul(bank.filters, s.power.data(), live, s.mel.data());
-    }
-    for (int64_t t = 0; t < kChunkFrames; ++t)
-      for (int m = 0; m < nm; ++m) {
-        const float v = t < live ? s.mel[(size_t)t * nm + m] : 0.f;
-        out[(size_t)m * total + t0 + t] = std::log10(std::max(v, 1e-10f));
-      }
-  }
+  // The signal frame t reads from: samples from -kNFFT / 2 on, the clip itself copied.
+  const int64_t len = total * kHop + kNFFT, off = kNFFT / 2;
+  s.frames.resize((size_t)len);
+  float* pb = s.frames.data();
+  const int64_t mid = std::min(n, len - off);
+  for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
+  std::memcpy(pb + off, x, (size_t)mid * 4);
+  for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
+  log_mel_power(bank, pb, total, out, total, pool);
   float mx = -INFINITY;
   for (int64_t i = 0; i < (int64_t)nm * total; ++i) mx = std::max(mx, out[i]);
   const float floor = mx - 8.f;
@@ -208,8 +212,8 @@ void nemo_fbank(Backend& be, const FbankBank& bank, const float* x, int64_t n, M
   }
 }
 
-void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out,
-                  int64_t stride) {
+void log_mel_clip(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out, int64_t stride,
+                  ThreadPool* pool) {
   const int64_t F = n / kHop;
   if (n <= kNFFT / 2) throw std::invalid_argument("audio clip is shorter than half a window (200 samples)");
   if (stride < F) throw std::invalid_argument("mel stride is shorter than the clip's frames");
@@ -221,32 +225,17 @@ void log_mel_clip(Backend& be, const MelBank& bank, const float* x, int64_t n, M
     if (i >= n) i = 2 * (n - 1) - i;  // and about the last (n > 200 here, so once is enough)
     return x[i];
   };
-  s.frames.resize((size_t)kChunkFrames * kNFFT);
-  s.spec.resize((size_t)kChunkFrames * 2 * kBins);
-  s.power.resize((size_t)kChunkFrames * kBins);
-  s.mel.resize((size_t)kChunkFrames * nm);
+  const int64_t len = F * kHop + kNFFT, off = kNFFT / 2;
+  s.frames.resize((size_t)len);
+  float* pb = s.frames.data();
+  const int64_t mid = std::min(n, len - off);
+  for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
+  std::memcpy(pb + off, x, (size_t)mid * 4);
+  for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
+  log_mel_power(bank, pb, F, out, stride, pool);
   float mx = -INFINITY;
-  for (int64_t t0 = 0; t0 < F; t0 += kChunkFrames) {
-    const int64_t cnt = std::min<int64_t>(kChunkFrames, F - t0);
-    for (int64_t t = 0; t < cnt; ++t) {
-      float* fr = s.frames.data() + t * kNFFT;
-      const int64_t start = (t0 + t) * kHop - kNFFT / 2;
-      for (int i = 0; i < kNFFT; ++i) fr[i] = sample(start + i);
-    }
-    be.matmul(bank.dft, s.frames.data(), cnt, s.spec.data());
-    for (int64_t t = 0; t < cnt; ++t) {
-      const float* sp = s.spec.data() + t * 2 * kBins;
-      float* pw = s.power.data() + t * kBins;
-      for (int k = 0; k < kBins; ++k) pw[k] = sp[k] * sp[k] + sp[kBins + k] * sp[kBins + k];
-    }
-    be.matmul(bank.filters, s.power.data(), cnt, s.mel.data());
-    for (int64_t t = 0; t < cnt; ++t)
-      for (int m = 0; m < nm; ++m) {
-        const float v = std::log10(std::max(s.mel[(size_t)t * nm + m], 1e-10f));
-        out[(size_t)m * stride + t0 + t] = v;
-        mx = std::max(mx, v);
-      }
-  }
+  for (int m = 0; m < nm; ++m)
+    for (int64_t t = 0; t < F; ++t) mx = std::max(mx, out[(size_t)m * stride + t]);
   const float floor = mx - 8.f;
   for (int m = 0; m < nm; ++m) {
     float* r = out + (size_t)m * stride;

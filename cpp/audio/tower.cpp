@@ -80,7 +80,6 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
                                                  int n_threads) {
   std::shared_ptr<AudioEncoder> e(new AudioEncoder());
   e->backend_ = make_backend(device, n_threads);
-  e->mel_backend_ = std::string(e->backend_->name()) == "cpu" ? e->backend_ : make_cpu_backend(n_threads);
   e->file_ = gguf::File::open(path);
   e->cfg_.family = probe_family(*e->file_);
   if (e->cfg_.family.empty()) {
@@ -111,7 +110,6 @@ std::shared_ptr<AudioEncoder> AudioEncoder::load(const std::string& path, const 
   be.check_fits(total, "audio tower weights");
   for (Weight* w : mats) be.load_weight(*w, WeightUse::matmul);
   e->mel_ = std::make_unique<MelBank>(e->cfg_.n_mel);
-  e->mel_->prepare(*e->mel_backend_);
   return e;
 }
 
@@ -279,7 +277,7 @@ int64_t AudioEncoder::encode_conv2d(const float* x, int64_t n, AudioScratch& s, 
   const int64_t F = n / kHop, chunks = (F + W - 1) / W, stride = chunks * W;
   if (total == 0) return 0;
   s.mel.resize((size_t)(nm * stride));
-  log_mel_clip(*mel_backend_, *mel_, x, n, s.mel_s, s.mel.data(), stride);
+  log_mel_clip(*mel_, x, n, s.mel_s, s.mel.data(), stride, be.host_threads());
   float* mel = buf(B_MEL, nm * stride);
   be.upload(mel, s.mel.data(), s.mel.size() * 4);
   // Each chunk's convs see only its own frames (zeros past its edges and past the clip); the
@@ -374,17 +372,20 @@ void AudioEncoder::encode_chunk(const float* mel, int64_t stride, int64_t avail,
   // conv1 (k3 s1 p1) over frames [0, S): im2col rows [ch * 3 + k] = mel[ch][t + k - 1].
   float* x1 = buf(B_X1, std::max(S * 3 * nm, L * 3 * d));
   be.im2col_1d(mel, stride, nm, avail, 3, 1, 1, x1, S);
+  // Each conv's bias and GELU are applied as its matmul stores.
+  MatmulEpilogue e;
+  e.gelu_erf = true;
   float* g1 = buf(B_G1, S * d);
-  be.matmul(conv1_, x1, S, g1);
-  be.add_bias(g1, conv1_b_.data(), S, d);
-  be.gelu_erf(g1, S * d);
+  const Weight* w1[1] = {&conv1_};
+  e.bias = conv1_b_.data();
+  be.matmul_multi_ex(w1, &g1, 1, x1, S, &e);
   // conv2 (k3 s2 p1): output t reads conv1 rows 2t - 1 .. 2t + 1 (zero outside the window).
   float* x2 = x1;
   be.im2col_rows(g1, d, S, 3, 2, 1, x2, L);
   float* h = buf(B_H, L * d);
-  be.matmul(conv2_, x2, L, h);
-  be.add_bias(h, conv2_b_.data(), L, d);
-  be.gelu_erf(h, L * d);
+  const Weight* w2[1] = {&conv2_};
+  e.bias = conv2_b_.data();
+  be.matmul_multi_ex(w2, &h, 1, x2, L, &e);
   be.add(h, pos_emb_.data(), L * d);
 
   blocks_.run(be, layers_, h, L, d, c.n_heads, c.ffn_dim, c.eps, encoder::Gelu::erf);
@@ -435,7 +436,7 @@ int64_t AudioEncoder::encode(const float* x, int64_t n, bool full, AudioScratch&
   Backend& be = *backend_;
   const int64_t chunks = mel_chunks(n), frames = chunks * kChunkFrames, d = c.dim;
   s.mel.resize((size_t)(c.n_mel * frames));
-  log_mel(*mel_backend_, *mel_, x, n, s.mel_s, s.mel.data());
+  log_mel(*mel_, x, n, s.mel_s, s.mel.data(), be.host_threads());
   float* mel = buf(B_MEL, c.n_mel * frames);
   be.upload(mel, s.mel.data(), s.mel.size() * 4);
   float* dev_out = buf(B_OUT, total_rows * c.proj_dim);

@@ -104,7 +104,6 @@ class AudioEncoder {
   std::shared_ptr<gguf::File> file_;
   TowerConfig cfg_;
   std::shared_ptr<Backend> backend_;
-  std::shared_ptr<Backend> mel_backend_;  // the CPU (the same backend when that is the CPU)
   std::unique_ptr<MelBank> mel_;
   std::mutex mu_;  // one encode at a time (the device buffers below are shared)
   Weight conv1_, conv2_, conv3_, conv_out_;

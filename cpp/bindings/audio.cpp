@@ -49,11 +49,8 @@ void bind_audio(py::module_& m) {
         const float* xp = x.data();
         {
           py::gil_scoped_release rel;
-          std::unique_lock<std::mutex> lock;
-          Backend& be = shared_backend(lock);
-          bank.prepare(be);
           audio::MelScratch s;
-          audio::log_mel(be, bank, xp, n, s, o);
+          audio::log_mel(bank, xp, n, s, o);
         }
         return out;
       },

@@ -150,6 +150,54 @@ void bind_backend(py::module_& m) {
         d.be->matmul_multi(wp.data(), yp.data(), (int)ws.size(), xd, n);
         return d.get(y, {n * total});
       })
+      // A matmul with its epilogue (matmul_multi_ex), and the same weight through the plain ops
+      // (matmul, add_bias, gelu_erf) for comparison. packed: f32 / f16 weights take the CPU's packed
+      // layout (as a model's mapped weights do; the harness's own copies otherwise stay unpacked).
+      .def("matmul_ex", [](Dev& d, const py::array& wb, uint32_t type, int64_t rows, int64_t cols, const py::object& xo,
+                           const py::object& bo, bool gelu, bool packed) {
+        F32 x = f32(xo, "x", 2);
+        need(x.shape(1) == cols && x.shape(0) > 0, "x must be [n, cols], n > 0");
+        need(rows > 0 && cols > 0, "rows and cols must be positive");
+        need(d.be->supports(Op::matmul, type), "this backend has no matmul for the weight type");
+        F32 b;
+        if (!bo.is_none()) {
+          b = f32(bo, "bias", 1);
+          need(b.shape(0) == rows, "bias must hold one float per row");
+        }
+        const int64_t n = x.shape(0);
+        Weight w;
+        {
+          const TypeTraits* tt = type_traits(type);
+          const int64_t rb = type_nbytes(type, cols);
+          if (!tt || rb < 0 || wb.nbytes() != rows * rb) throw py::value_error("weight bytes do not match rows x cols");
+          w.type = type, w.rows = rows, w.cols = cols, w.row_bytes = (size_t)rb;
+          w.owned = std::make_shared<std::vector<uint8_t>>((const uint8_t*)wb.data(), (const uint8_t*)wb.data() + wb.nbytes());
+          w.host = w.owned->data();
+          w.host_kept = packed;  // the copy lives as long as w: an f32 / f16 matrix may pack
+          w.exact = d.exact;
+          d.be->load_weight(w, WeightUse::matmul);
+        }
+        float* xd = d.put(x);
+        float* bd = bo.is_none() ? nullptr : d.put(b);
+        float* y = d.poisoned((size_t)(n * rows));
+        float* y2 = d.poisoned((size_t)(n * rows));
+        MatmulEpilogue e;
+        e.bias = bd;
+        e.gelu_erf = gelu;
+        const Weight* wp[1] = {&w};
+        {
+          py::gil_scoped_release nogil;
+          d.be->matmul_multi_ex(wp, &y, 1, xd, n, &e);
+          d.be->matmul(w, xd, n, y2);
+          if (bd) d.be->add_bias(y2, bd, n, rows);
+          if (gelu) d.be->gelu_erf(y2, n * rows);
+        }
+        py::array_t<float> plain({n, rows});
+        d.be->download(plain.mutable_data(), y2, (size_t)(n * rows) * 4);
+        return py::make_tuple(d.get(y, {n, rows}), plain);
+      },
+      py::arg("w"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("bias") = py::none(),
+      py::arg("gelu") = false, py::arg("packed") = true)
       // A fused matmul stage: the (normed) x through 1-3 weights, or into a residual.
       .def("matmul_step", [](Dev& d, const std::vector<py::array>& wbs, uint32_t type, const std::vector<int64_t>& rows,
                              int64_t cols, const py::object& xo, bool norm, const py::object& nwo, float eps,

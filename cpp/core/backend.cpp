@@ -28,6 +28,15 @@ size_t kv_row_bytes(KVType t, int64_t dim) {
 
 // The CPU's policy: fp32 dequantizes everything (the reference); q8 / q4_0 requantize
 // float matrices (whose rows are whole 32-blocks) and keep quantized planes as they are.
+void Backend::matmul_multi_ex(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n,
+                              const MatmulEpilogue* eps) {
+  matmul_multi(ws, ys, count, x, n);
+  for (int i = 0; eps && i < count; ++i) {
+    if (eps[i].bias) add_bias(ys[i], eps[i].bias, n, ws[i]->rows);
+    if (eps[i].gelu_erf) gelu_erf(ys[i], n * ws[i]->rows);
+  }
+}
+
 void Backend::matmul_step(const MatmulStep& s) {
   if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
     throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");

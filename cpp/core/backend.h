@@ -30,6 +30,8 @@
 
 namespace dl {
 
+class ThreadPool;
+
 // How a model's weights and activations are computed (the CPU's policy; a device
 // backend may keep more precision, never less).
 enum class QuantMode { fp32 = 0, q8 = 1, q4_0 = 2 };
@@ -204,6 +206,12 @@ enum class MoeGate { softmax = 0, sigmoid = 1, softmax_topk = 2 };
 // The default composes the plain ops: the normed rows go to xn (n * cols floats the
 // caller provides), and with a residual y[0] is scratch. A fusing backend may leave xn
 // and that scratch unwritten.
+// What a matmul does to each of its outputs before storing it (Backend::matmul_multi_ex).
+struct MatmulEpilogue {
+  const float* bias = nullptr;  // backend memory, one float per weight row: y[t][r] += bias[r]; null: none
+  bool gelu_erf = false;        // then y = gelu_erf(y), as the gelu_erf op computes it
+};
+
 struct MatmulStep {
   const float* x = nullptr;
   int64_t n = 0;
@@ -270,6 +278,10 @@ class Backend {
   virtual void load_weight(Weight& w, WeightUse use) = 0;
   virtual bool supports(Op op, uint32_t type) const = 0;
 
+  // The host threads the backend runs its own work on (the CPU's pool), for host-side work between
+  // ops (the mel front end) to share rather than start more threads; null where it has none.
+  virtual ThreadPool* host_threads() { return nullptr; }
+
   // ---- steps ---------------------------------------------------------------
   virtual void begin_step() {}
   virtual void end_step() {}
@@ -279,6 +291,11 @@ class Backend {
   virtual void matmul(const Weight& w, const float* x, int64_t n, float* y) = 0;
   // count weights with the same cols over the same x: ys[i] = x * ws[i]^T (count <= 8).
   virtual void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) = 0;
+  // matmul_multi, then for each i the epilogue eps[i] (a bias, the exact GELU) on ys[i]; eps null:
+  // none. The default runs add_bias and gelu_erf after the matmuls; a backend may apply them as it
+  // stores the outputs (the values must be those of the ops one after another).
+  virtual void matmul_multi_ex(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n,
+                               const MatmulEpilogue* eps);
   // See MatmulStep; the default runs rms_norm, matmul_multi and add.
   virtual void matmul_step(const MatmulStep& s);
   // See DecodeLayer: true when the backend ran (or recorded) the layer, false to have the

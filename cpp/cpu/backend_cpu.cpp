@@ -136,6 +136,7 @@ void moe_route_row(const float* l, int n_expert, int k, MoeGate gate, bool norm,
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int n) : pool_(n > 0 ? n : default_threads()) { cpu::kernels(); }
+  ThreadPool* host_threads() override { return &pool_; }
   const char* name() const override { return "cpu"; }
   DeviceInfo info() const override {
     DeviceInfo d;
@@ -197,6 +198,14 @@ class CpuBackend final : public Backend {
   // Several weights over the same activations: one quantization of x and one
   // parallel pass over all their rows (QKV, gate|up), so decode pays one dispatch.
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
+    matmul_multi_ex(ws, ys, count, x, n, nullptr);
+  }
+
+  // The epilogue runs inside each row chunk's task: in the packed f32 / f16 kernel's registers,
+  // or (other kernels) over the chunk's outputs right after they are written, while they are
+  // still in cache. Either way the values are add_bias's and then gelu_erf's.
+  void matmul_multi_ex(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n,
+                       const MatmulEpilogue* eps) override {
     const cpu::KernelTable& kt = cpu::kernels();
     const int64_t k = ws[0]->cols;
     const uint32_t at = kt.act_type(ws[0]->type);
@@ -211,12 +220,14 @@ class CpuBackend final : public Backend {
     int same = 0;
     const Weight* grp[8];
     float* gy[8];
+    MatmulEpilogue ge[8];
     for (int i = 0; i < count; ++i) {
       if (kt.act_type(ws[i]->type) == at && same < 8) {
         grp[same] = ws[i];
+        ge[same] = eps ? eps[i] : MatmulEpilogue{};
         gy[same++] = ys[i];
       } else {
-        matmul_multi(&ws[i], &ys[i], 1, x, n);
+        matmul_multi_ex(&ws[i], &ys[i], 1, x, n, eps ? &eps[i] : nullptr);
       }
     }
     const int64_t arb = (int64_t)cpu::act_row_bytes(at, k);
@@ -261,6 +272,7 @@ class CpuBackend final : public Backend {
     if (n <= 8) chunk = std::min<int64_t>(chunk, 4 * min_chunk);
     int64_t first[9];
     cpu::MatmulArgs args[8];
+    bool in_kernel[8] = {};
     first[0] = 0;
     for (int i = 0; i < same; ++i) {
       const Weight& w = *grp[i];
@@ -276,14 +288,52 @@ class CpuBackend final : public Backend {
       a.y_stride = w.rows;
       a.rows = w.rows;
       a.wpack = (w.packed != nullptr && w.packed_for == (int)kt.isa) ? w.packed : nullptr;
+      in_kernel[i] = a.wpack != nullptr && (w.type == (uint32_t)GGMLType::F32 || w.type == (uint32_t)GGMLType::F16);
+      if (in_kernel[i]) {
+        a.bias = ge[i].bias;
+        a.gelu = ge[i].gelu_erf;
+      }
       first[i + 1] = first[i] + (w.rows + chunk - 1) / chunk;
+    }
+    // Packed f32 / f16 weights over many tokens: tasks are blocks of kTokBlk tokens through every
+    // row, so a block's activations stay in L2 while the weights stream past them (a row chunk
+    // over all tokens re-reads every activation row from L3, chunk after chunk). Each output is
+    // the same FMA chain either way.
+    // The blocks (about kTokBlk tokens, a count that is a multiple of the threads) split the
+    // kernel's 6-token tiles evenly, so the threads' first shares end together.
+    constexpr int64_t kTokBlk = 96, kTile = 6;
+    bool tok_blocks = fp_packed && n >= 4 * kTokBlk;
+    for (int i = 0; i < same; ++i) tok_blocks &= in_kernel[i];
+    if (tok_blocks) {
+      const int64_t nth = pool_.size(), tiles = (n + kTile - 1) / kTile;
+      const int64_t nb = std::max<int64_t>(1, ((n + kTokBlk / 2) / kTokBlk + nth - 1) / nth * nth);
+      pool_.parallel_for(nb, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t b = lo; b < hi; ++b) {
+          const int64_t t0 = b * tiles / nb * kTile, t1 = std::min(n, (b + 1) * tiles / nb * kTile);
+          for (int i = 0; i < same && t1 > t0; ++i) {
+            cpu::MatmulArgs a = args[i];
+            a.act = act + t0 * arb;
+            a.n_tok = t1 - t0;
+            a.y = gy[i] + t0 * grp[i]->rows;
+            kt.matmul_rows(a, 0, grp[i]->rows);
+          }
+        }
+      });
+      return;
     }
     pool_.parallel_for(first[same], 1, [&](int64_t lo, int64_t hi) {
       for (int64_t c = lo; c < hi; ++c) {
         int i = 0;
         while (c >= first[i + 1]) ++i;
-        const int64_t r0 = (c - first[i]) * chunk;
-        kt.matmul_rows(args[i], r0, std::min(grp[i]->rows, r0 + chunk));
+        const int64_t r0 = (c - first[i]) * chunk, r1 = std::min(grp[i]->rows, r0 + chunk);
+        kt.matmul_rows(args[i], r0, r1);
+        if (!in_kernel[i] && (ge[i].bias || ge[i].gelu_erf))
+          for (int64_t t = 0; t < n; ++t) {
+            float* yr = gy[i] + t * grp[i]->rows + r0;
+            if (ge[i].bias)
+              for (int64_t r = 0; r < r1 - r0; ++r) yr[r] += ge[i].bias[r0 + r];
+            if (ge[i].gelu_erf) kt.gelu_erf_f32(yr, r1 - r0);
+          }
       }
     });
   }
@@ -721,32 +771,9 @@ class CpuBackend final : public Backend {
   }
   void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim,
                   float eps) override {
+    const cpu::KernelTable& kt = cpu::kernels();
     pool_.parallel_for(n_rows, 8, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r) {
-        const float* xr = x + r * dim;
-        float* yr = y + r * dim;
-        // Two passes in double: the mean first, so the variance does not cancel. Eight lanes
-        // each (as rms_norm): one chain of dim dependent adds per pass cost more than the rest
-        // of an encoder's norms.
-        double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8)
-          for (int l = 0; l < 8; ++l) lane[l] += xr[i + l];
-        for (; i < dim; ++i) lane[i % 8] += xr[i];
-        const double mean = (((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]))) / dim;
-        for (int l = 0; l < 8; ++l) lane[l] = 0;
-        for (i = 0; i + 8 <= dim; i += 8)
-          for (int l = 0; l < 8; ++l) lane[l] += ((double)xr[i + l] - mean) * ((double)xr[i + l] - mean);
-        for (; i < dim; ++i) lane[i % 8] += ((double)xr[i] - mean) * ((double)xr[i] - mean);
-        const double var = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-        const double inv = 1.0 / std::sqrt(var / dim + eps);
-        for (int64_t i = 0; i < dim; ++i) {
-          float v = (float)(((double)xr[i] - mean) * inv);
-          if (w) v *= w[i];
-          if (b) v += b[i];
-          yr[i] = v;
-        }
-      }
+      for (int64_t r = lo; r < hi; ++r) kt.layer_norm_row(x + r * dim, w, b, y + r * dim, dim, eps);
     });
   }
   void gelu_erf(float* y, int64_t n) override {

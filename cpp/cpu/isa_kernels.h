@@ -27,6 +27,9 @@ void attn_block(const AttnBlock& b);
 void attn_combine(const float* part, int64_t n_chunks, int hd, const float* sink, float* out);
 void glu_f32(const float* gate, const float* up, float* out, int64_t n, int act);
 void gelu_erf_f32(float* y, int64_t n);
+
+// vec_isa.cpp
+void layer_norm_row(const float* x, const float* w, const float* b, float* y, int64_t dim, float eps);
 void f16_to_f32(const uint16_t* src, float* dst, int64_t n);
 
 // delta_isa.cpp

@@ -35,6 +35,10 @@ struct MatmulArgs {
   int64_t y_stride = 0;  // floats between consecutive tokens' outputs
   int64_t rows = 0;      // rows of the whole matrix
   const void* wpack = nullptr;  // the same matrix in this ISA's packed layout (pack_rows), or null
+  // The epilogue (Backend::matmul_multi_ex) as the output is stored: y += bias[r], then the exact
+  // GELU. Only the packed f32 / f16 kernel reads these; the backend applies them after any other.
+  const float* bias = nullptr;
+  bool gelu = false;
 };
 
 // Attention of n_rows query rows (each with `group` heads of head_dim, laid out
@@ -125,6 +129,10 @@ struct KernelTable {
   void (*glu_f32)(const float* gate, const float* up, float* out, int64_t n, int act) = nullptr;
   // y = 0.5 y (1 + erf(y / sqrt 2)) in place (the exact GELU), with a branch-free erf.
   void (*gelu_erf_f32)(float* y, int64_t n) = nullptr;
+  // One row of layer_norm: y = (x - mean) / sqrt(var + eps) * w + b (w, b may be null), the mean and
+  // variance summed in double over eight lanes (lane l takes elements l, l + 8, ...), the same bits
+  // on every ISA. y may alias x.
+  void (*layer_norm_row)(const float* x, const float* w, const float* b, float* y, int64_t dim, float eps) = nullptr;
   size_t (*attn_block_scratch)(int64_t n_rows, int group, int head_dim, int64_t n_kv) = nullptr;
   // Dense (encoder) attention, or null where the ISA has none (the paged kernel serves then):
   // one head's K rows (k + j * k_stride, head_dim a multiple of 16) packed as transposed blocks

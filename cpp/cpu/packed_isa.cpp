@@ -37,6 +37,7 @@
 #include "cpu/act_blocks.h"
 #include "cpu/isa_kernels.h"
 #include "cpu/kernels.h"
+#include "cpu/vmath.h"
 #include "quant/blocks.h"
 #include "quant/dequant_impl.h"
 #include "quant/types.h"
@@ -520,7 +521,14 @@ void fp_tile(const MatmulArgs& a, int64_t g0, int64_t t0) {
     const int64_t r = (g0 + g) * 16;
     const int64_t left = a.rows - r;  // padding rows of the last group are not stored
     const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, acc[g][t]);
+    // The epilogue in registers: the same roundings as add_bias then gelu_erf over stored rows.
+    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(m, a.bias + r) : _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) {
+      __m512 v = acc[g][t];
+      if (a.bias) v = _mm512_add_ps(v, b);
+      if (a.gelu) v = gelu_erf16(v);
+      _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r, m, v);
+    }
   }
 }
 

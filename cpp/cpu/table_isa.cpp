@@ -14,6 +14,7 @@ void fill_table(KernelTable& t) {
   t.attn_combine = &attn_combine;
   t.glu_f32 = &glu_f32;
   t.gelu_erf_f32 = &gelu_erf_f32;
+  t.layer_norm_row = &layer_norm_row;
   t.f16_to_f32 = &f16_to_f32;
   t.f32_to_f16 = &f32_to_f16;
   t.attn_block_scratch = &attn_block_scratch;

@@ -39,14 +39,24 @@ void Blocks::run(Backend& be, const std::vector<Layer>& layers, float* h, int64_
   float* att = buf(be, B_A, L * d);
   float* o = buf(be, B_O, L * d);
   float* u = buf(be, B_U, L * F);
+  // One matmul with its bias (and the exact GELU) applied as the outputs are stored.
+  auto linear = [&](const Weight& w, const float* x, float* y, const Vec& b, bool gelu) {
+    const Weight* ws[1] = {&w};
+    float* ys[1] = {y};
+    MatmulEpilogue e;
+    e.bias = b.data();
+    e.gelu_erf = gelu;
+    be.matmul_multi_ex(ws, ys, 1, x, L, &e);
+  };
   for (const Layer& Ly : layers) {
     be.layer_norm(h, Ly.ln1_w.data(), Ly.ln1_b.data(), xn, L, d, eps);
     const Weight* ws[3] = {&Ly.wq, &Ly.wk, &Ly.wv};
     float* ys[3] = {q, kv, kv + L * d};
-    be.matmul_multi(ws, ys, 3, xn, L);
-    be.add_bias(q, Ly.bq.data(), L, d);
-    if (!Ly.bk.empty()) be.add_bias(kv, Ly.bk.data(), L, d);
-    be.add_bias(kv + L * d, Ly.bv.data(), L, d);
+    MatmulEpilogue qkv[3];
+    qkv[0].bias = Ly.bq.data();
+    qkv[1].bias = Ly.bk.data();  // null where the family has no K bias (whisper)
+    qkv[2].bias = Ly.bv.data();
+    be.matmul_multi_ex(ws, ys, 3, xn, L, qkv);
     AttnArgs a;
     a.q = q;
     a.q_stride = d;
@@ -61,18 +71,12 @@ void Blocks::run(Backend& be, const std::vector<Layer>& layers, float* h, int64_
     a.out_stride = d;
     a.any_order = true;
     be.attention(a);
-    be.matmul(Ly.wo, att, L, o);
-    be.add_bias(o, Ly.bo.data(), L, d);
+    linear(Ly.wo, att, o, Ly.bo, false);
     be.add(h, o, L * d);
     be.layer_norm(h, Ly.ln2_w.data(), Ly.ln2_b.data(), xn, L, d, eps);
-    be.matmul(Ly.w_up, xn, L, u);
-    be.add_bias(u, Ly.b_up.data(), L, F);
-    if (gelu == Gelu::erf)
-      be.gelu_erf(u, L * F);
-    else
-      be.glu(u, F, static_cast<const float*>(ones_->data()), 0, u, L, F, Act::gelu_tanh);
-    be.matmul(Ly.w_down, u, L, o);
-    be.add_bias(o, Ly.b_down.data(), L, d);
+    linear(Ly.w_up, xn, u, Ly.b_up, gelu == Gelu::erf);
+    if (gelu == Gelu::tanh) be.glu(u, F, static_cast<const float*>(ones_->data()), 0, u, L, F, Act::gelu_tanh);
+    linear(Ly.w_down, u, o, Ly.b_down, false);
     be.add(h, o, L * d);
   }
 }
