@@ -81,6 +81,18 @@ def test_import_loads_only_what_text_needs():
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         d.not_a_name  # noqa: B018
 
+def test_generating_text_loads_only_what_text_needs(smollm2_path):
+    # The same for a whole text program: load a GGUF, eval, sample (what bench_memory.py measures
+    # against llama-simple). A module on the load path that imported numpy at its top (the
+    # llama2.c reader did) put ~16 MB on every text program's peak RSS.
+    code = ("import sys, dasllama as d; m = d.load_model(sys.argv[1], n_threads=1); "
+            "s = d.create_session(m, n_ctx=64); d.eval(m, s, d.encode(m, 'Hello there')); "
+            "d.eval(m, s, [d.sample(s)]); print(sorted(x for x in ('numpy', '_hashlib') if x in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(smollm2_path)], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", out
+
+
 TOKENIZER_PROBE = """
 import sys
 from dasllama import _core

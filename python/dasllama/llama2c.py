@@ -15,13 +15,10 @@ convert-llama2c-to-ggml reads it.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from pathlib import Path
 from typing import Tuple
-
-import numpy as np
 
 from ._core import GGUFError
 
@@ -111,6 +108,7 @@ def read_tokenizer(path, vocab_size: int):
 def convert_llama2c(model_path, tokenizer_path, out_path) -> str:
     """Writes the checkpoint and its tokenizer as one llama GGUF (f32); returns out_path."""
     import gguf
+    import numpy as np
 
     c, shared = read_config(model_path)
     tokens, scores, types = read_tokenizer(tokenizer_path, c["vocab_size"])
@@ -185,6 +183,8 @@ def convert_llama2c(model_path, tokenizer_path, out_path) -> str:
 def cached_gguf(model_path, tokenizer_path=None) -> str:
     """The GGUF of a llama2.c checkpoint in the cache, converted on first use (tokenizer.bin from the
     checkpoint's directory unless given)."""
+    import hashlib
+
     from . import hub
 
     mp = Path(os.fspath(model_path)).resolve()
