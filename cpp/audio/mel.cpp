@@ -120,12 +120,30 @@ void log_mel_power(const MelBank& bank, const float* padded, int64_t frames, flo
     groups(0, n_groups);
 }
 
+void check_finite(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
+}
+
+// The signal that frames 0..frames-1 read (from sample -kNFFT / 2 on) into s.frames: the clip
+// copied, sample(i) for the positions around it (each caller's reflection).
+template <class Sample>
+const float* framed_signal(const float* x, int64_t n, int64_t frames, MelScratch& s, Sample sample) {
+  const int64_t len = frames * kHop + kNFFT, off = kNFFT / 2;
+  s.frames.resize((size_t)len);
+  float* pb = s.frames.data();
+  const int64_t mid = std::min(n, len - off);
+  for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
+  std::memcpy(pb + off, x, (size_t)mid * 4);
+  for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
+  return pb;
+}
+
 }  // namespace
 
 void log_mel(const MelBank& bank, const float* x, int64_t n, MelScratch& s, float* out, ThreadPool* pool) {
   if (n <= 0) throw std::invalid_argument("audio clip is empty");
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
+  check_finite(x, n);
   const int nm = bank.n_mel;
   const int64_t n_chunks = mel_chunks(n), total = n_chunks * kChunkFrames, padded = n_chunks * kChunkSamples;
   auto sample = [&](int64_t i) -> float {
@@ -134,13 +152,7 @@ void log_mel(const MelBank& bank, const float* x, int64_t n, MelScratch& s, floa
     return i < n ? x[i] : 0.f;
   };
   // The signal frame t reads from: samples from -kNFFT / 2 on, the clip itself copied.
-  const int64_t len = total * kHop + kNFFT, off = kNFFT / 2;
-  s.frames.resize((size_t)len);
-  float* pb = s.frames.data();
-  const int64_t mid = std::min(n, len - off);
-  for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
-  std::memcpy(pb + off, x, (size_t)mid * 4);
-  for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
+  const float* pb = framed_signal(x, n, total, s, sample);
   log_mel_power(bank, pb, total, out, total, pool);
   float mx = -INFINITY;
   for (int64_t i = 0; i < (int64_t)nm * total; ++i) mx = std::max(mx, out[i]);
@@ -169,8 +181,7 @@ int64_t fbank_frames(int64_t n) { return 1 + n / kHop; }
 
 void nemo_fbank(Backend& be, const FbankBank& bank, const float* x, int64_t n, MelScratch& s, float* out) {
   if (n < 2 * kHop) throw std::invalid_argument("audio clip is shorter than two hops (320 samples)");
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
+  check_finite(x, n);
   const int nm = bank.n_mel;
   const int64_t T = fbank_frames(n), valid = n / kHop;
   auto sample = [&](int64_t i) -> float {  // preemphasized, zero outside the clip
@@ -217,21 +228,14 @@ void log_mel_clip(const MelBank& bank, const float* x, int64_t n, MelScratch& s,
   const int64_t F = n / kHop;
   if (n <= kNFFT / 2) throw std::invalid_argument("audio clip is shorter than half a window (200 samples)");
   if (stride < F) throw std::invalid_argument("mel stride is shorter than the clip's frames");
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) throw std::invalid_argument("audio sample " + std::to_string(i) + " is not finite");
+  check_finite(x, n);
   const int nm = bank.n_mel;
   auto sample = [&](int64_t i) -> float {
     if (i < 0) i = -i;  // reflect about the first sample
     if (i >= n) i = 2 * (n - 1) - i;  // and about the last (n > 200 here, so once is enough)
     return x[i];
   };
-  const int64_t len = F * kHop + kNFFT, off = kNFFT / 2;
-  s.frames.resize((size_t)len);
-  float* pb = s.frames.data();
-  const int64_t mid = std::min(n, len - off);
-  for (int64_t j = 0; j < off; ++j) pb[j] = sample(j - off);
-  std::memcpy(pb + off, x, (size_t)mid * 4);
-  for (int64_t j = off + mid; j < len; ++j) pb[j] = sample(j - off);
+  const float* pb = framed_signal(x, n, F, s, sample);
   log_mel_power(bank, pb, F, out, stride, pool);
   float mx = -INFINITY;
   for (int m = 0; m < nm; ++m)
