@@ -29,6 +29,19 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "oracles"))
 
 
+def load_core(directory: str) -> None:
+    """Makes ``dasllama._core`` the extension built in ``directory`` (another build, for an A/B);
+    call before importing dasllama."""
+    import glob
+    import importlib.util
+
+    path = glob.glob(os.path.join(directory, "_core.*.so"))[0]
+    spec = importlib.util.spec_from_file_location("dasllama._core", path)
+    core = importlib.util.module_from_spec(spec)
+    sys.modules["dasllama._core"] = core
+    spec.loader.exec_module(core)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -38,14 +51,7 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true")
     args = ap.parse_args()
     if args.core:
-        import importlib.util
-        import glob
-
-        path = glob.glob(os.path.join(args.core, "_core.*.so"))[0]
-        spec = importlib.util.spec_from_file_location("dasllama._core", path)
-        core = importlib.util.module_from_spec(spec)
-        sys.modules["dasllama._core"] = core
-        spec.loader.exec_module(core)
+        load_core(args.core)
 
     import ctranslate2
     from faster_whisper import WhisperModel

@@ -11,10 +11,7 @@ DIR (another build's extension): an A/B runs it alternately with and without.
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import os
-import sys
 import tempfile
 import time
 
@@ -28,11 +25,9 @@ def main() -> None:
     ap.add_argument("--core", default=None)
     args = ap.parse_args()
     if args.core:
-        path = glob.glob(os.path.join(args.core, "_core.*.so"))[0]
-        spec = importlib.util.spec_from_file_location("dasllama._core", path)
-        core = importlib.util.module_from_spec(spec)
-        sys.modules["dasllama._core"] = core
-        spec.loader.exec_module(core)
+        from bench_asr import load_core
+
+        load_core(args.core)
 
     import dasllama as d
     from dasllama import cli
