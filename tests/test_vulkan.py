@@ -173,6 +173,14 @@ def test_tiled_attention_on_lavapipe():
                         "-k", "(attention or greedy or kv_types or vision_tower or audio_tower) and not tiled"],
                        env=dict(os.environ, DASLLAMA_VULKAN_FLASH="1"), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    # ... and the tiled shaders ran (the profile names every shader dispatched): a device whose
+    # shared memory is too small would fall back to the row-per-workgroup kernel silently.
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                        os.path.join(here, "test_backend_ops.py"), "-k", "paged_attention and f16 and (tok130 or tok33)"],
+                       env=dict(os.environ, DASLLAMA_VULKAN_FLASH="1", DASLLAMA_VULKAN_PROFILE="1"),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "flash_64" in r.stdout + r.stderr and "flash_128" in r.stdout + r.stderr, r.stdout[-3000:]
 
 
 def test_vision_tower_and_turn(tmp_path):
