@@ -17,7 +17,7 @@ namespace {
 // HD: head_dim rounded up to 64 / 96 / 128 / 256 (zero padded). 128 threads as 8 row groups (ty)
 // x 16 key / column lanes (tx): a thread scores RT rows x CT keys of a tile and accumulates RT
 // rows x HD / 16 output columns (tx + 16 c, so a half-warp reads 16 consecutive V floats).
-// Tiles sized for 2-3 blocks an SM (75-107 KB of shared memory past 64).
+// Tiles sized for 2-3 blocks an SM (60-107 KB of shared memory).
 template <int HD> struct FlashShape {
   static constexpr int BR = HD <= 128 ? 64 : 32, BC = HD <= 64 ? 64 : 32, RT = BR / 8, CT = BC / 16, OC = HD / 16;
   static constexpr int KS = BC + 4;  // Kt / Ps row stride: float4-aligned
