@@ -5,6 +5,7 @@
 // as the GEMV does. Used for batched decode (a warp per 16 rows, four warps splitting k,
 // the weights streamed once) and prefill (four warps of 16 rows over 64 tokens a block,
 // token tiles of one row block adjacent in the grid so the weights come from L2).
+#include <cstdlib>
 #include <string>
 
 #include "common.cuh"
@@ -164,6 +165,199 @@ __global__ void __launch_bounds__(WM * WK * 32) mma_q8_k(GemvJob j) {
   }
 }
 
+// ---- Prefill: shared-memory tiles ----
+// Past 64 tokens a block takes 64 weight rows x 64 tokens; each stage of KB 32-blocks of k
+// (weights, activations and both sides' block scales) is copied into shared memory with
+// cp.async while the previous stage is computed, and fragments come from it through
+// ldmatrix. Every weight and activation byte is read from L2 once per block, not once per
+// warp and mma. Four warps each own 32 rows x 32 tokens (2 x 4 mma tiles). The per-block
+// scaling is the same expression, in the same order of k, as mma_q8_k's.
+__device__ __forceinline__ void cp_async(void* s, const void* g, int bytes, bool ok) {
+  const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
+  const int src = ok ? bytes : 0;  // 0: nothing is read, the destination is zero-filled
+  if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(g), "r"(src));
+  else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(sa), "l"(g), "r"(src));
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sa), "l"(g), "r"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+constexpr int kTileM = 64, kTileN = 64, kTileKB = 4;
+
+template <uint32_t T>
+__global__ void __launch_bounds__(128) mma_tile_k(GemvJob j) {
+  constexpr bool Q4 = T == T_Q4_0S;
+  constexpr int BM = kTileM, BN = kTileN, KB = kTileKB;
+  constexpr int QB = Q4 ? 16 : 32;      // bytes of one 32-block of a weight row
+  constexpr int AS = KB * QB + 16;      // shared row strides: 16 bytes of padding keep the
+  constexpr int XS = KB * 32 + 16;      // eight rows an ldmatrix reads on distinct banks
+  __shared__ __align__(16) uint8_t sa[2][BM * AS];
+  __shared__ __align__(16) uint8_t sx[2][BN * XS];
+  __shared__ __align__(8) uint16_t sdw[2][BM][KB];
+  __shared__ float sdx[2][BN][KB];
+  __shared__ int sxs[2][Q4 ? BN : 1][KB];
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int wm = warp & 1, wn = warp >> 1;
+  int mi = 0;
+  while (mi + 1 < j.count && (int64_t)blockIdx.y >= j.first_block[mi + 1]) ++mi;
+  const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32, n = j.n;
+  const int64_t r0 = ((int64_t)blockIdx.y - j.first_block[mi]) * BM, t0 = (int64_t)blockIdx.x * BN;
+  const size_t rb = j.rb[mi];
+  const uint8_t* W = j.w[mi];
+  const int64_t soff = Q4 ? cols / 2 : cols;  // the row's f16 block scales follow its quants
+
+  // Rows and tokens past the end read the last one (their sums are not stored); blocks past
+  // nb are zero-filled and skipped.
+  auto load_w = [&](int st, int64_t kb0) {
+    constexpr int CH = KB * QB / 16;
+    for (int i = tid; i < BM * CH; i += 128) {
+      const int r = i / CH, ch = i % CH;
+      const bool ok = kb0 + ch * 16 / QB < nb;
+      const uint8_t* src = W + lmin(r0 + r, rows - 1) * rb + (ok ? kb0 * QB + ch * 16 : 0);
+      cp_async(&sa[st][r * AS + ch * 16], src, 16, ok);
+    }
+    if (tid < BM) cp_async(&sdw[st][tid][0], W + lmin(r0 + tid, rows - 1) * rb + soff + 2 * kb0, 8, true);
+  };
+  auto load_x = [&](int st, int64_t kb0) {
+    for (int i = tid; i < BN * KB * 2; i += 128) {
+      const int t = i / (KB * 2), ch = i % (KB * 2);
+      const bool ok = kb0 + ch / 2 < nb;
+      const int8_t* src = j.xq + lmin(t0 + t, n - 1) * cols + (ok ? kb0 * 32 + ch * 16 : 0);
+      cp_async(&sx[st][t * XS + ch * 16], src, 16, ok);
+    }
+    for (int i = tid; i < BN * KB; i += 128) {
+      const int t = i / KB, u = i % KB;
+      const bool ok = kb0 + u < nb;
+      const int64_t at = lmin(t0 + t, n - 1) * nb + (ok ? kb0 + u : 0);
+      cp_async(&sdx[st][t][u], j.xd + at, 4, ok);
+      if constexpr (Q4) cp_async(&sxs[st][t][u], j.xs + at, 4, ok);
+    }
+  };
+
+  float acc[2][4][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+
+  load_w(0, 0);  // constant: in flight before the wait for the activations
+  pdl_wait();
+  pdl_trigger();
+  load_x(0, 0);
+  cp_commit();
+  const int64_t stages = (nb + KB - 1) / KB;
+  for (int64_t s = 0; s < stages; ++s) {
+    const int st = (int)(s & 1);
+    if (s + 1 < stages) {
+      load_w(st ^ 1, (s + 1) * KB), load_x(st ^ 1, (s + 1) * KB);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < KB; ++u) {
+      if (s * KB + u >= nb) break;
+      uint32_t a[2][4];
+      if constexpr (Q4) {  // one ldmatrix: rows wm*32 + lane's packed block; nibbles are k and k + 16
+        uint32_t q[4];
+        ldsm4(q, &sa[st][(wm * 32 + lane) * AS + u * 16]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const uint32_t lo = q[2 * mt], hi = q[2 * mt + 1];
+          a[mt][0] = lo & 0x0F0F0F0Fu, a[mt][1] = hi & 0x0F0F0F0Fu;
+          a[mt][2] = (lo >> 4) & 0x0F0F0F0Fu, a[mt][3] = (hi >> 4) & 0x0F0F0F0Fu;
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+          ldsm4(a[mt], &sa[st][(wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * AS + u * 32 + (lane >> 4) * 16]);
+      }
+      uint32_t b[4][2];
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t r[4];
+        ldsm4(r, &sx[st][(wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8) * XS + u * 32 + ((lane >> 3) & 1) * 16]);
+        b[2 * np][0] = r[0], b[2 * np][1] = r[1], b[2 * np + 1][0] = r[2], b[2 * np + 1][1] = r[3];
+      }
+      float dw[2][2], dx[4][2];
+      int o[4][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+        dw[mt][0] = h2f(sdw[st][wm * 32 + mt * 16 + g][u]), dw[mt][1] = h2f(sdw[st][wm * 32 + mt * 16 + g + 8][u]);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int t = wn * 32 + nt * 8 + 2 * c;
+        dx[nt][0] = sdx[st][t][u], dx[nt][1] = sdx[st][t + 1][u];
+        if constexpr (Q4) o[nt][0] = 8 * sxs[st][t][u], o[nt][1] = 8 * sxs[st][t + 1][u];
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          int sm[4] = {0, 0, 0, 0};
+          mma_s8(sm, a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1]);
+          if constexpr (Q4) sm[0] -= o[nt][0], sm[1] -= o[nt][1], sm[2] -= o[nt][0], sm[3] -= o[nt][1];
+          acc[mt][nt][0] += (float)sm[0] * __fmul_rn(dw[mt][0], dx[nt][0]);
+          acc[mt][nt][1] += (float)sm[1] * __fmul_rn(dw[mt][0], dx[nt][1]);
+          acc[mt][nt][2] += (float)sm[2] * __fmul_rn(dw[mt][1], dx[nt][0]);
+          acc[mt][nt][3] += (float)sm[3] * __fmul_rn(dw[mt][1], dx[nt][1]);
+        }
+    }
+    __syncthreads();  // this stage's buffers are refilled by the next iteration's copies
+  }
+  float* y = j.y[mi];
+  auto put = [&](int64_t r, int64_t t, float v) {
+    if (r >= rows || t >= n) return;
+    float* p = y + t * rows + r;
+    *p = j.accumulate ? *p + v : v;
+  };
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int64_t r = r0 + wm * 32 + mt * 16 + g, t = t0 + wn * 32 + nt * 8 + 2 * c;
+      put(r, t, acc[mt][nt][0]), put(r, t + 1, acc[mt][nt][1]);
+      put(r + 8, t, acc[mt][nt][2]), put(r + 8, t + 1, acc[mt][nt][3]);
+    }
+}
+
+// Whether the tiles' 8-byte reads of a stage's block scales stay inside every row.
+bool tile_fits(const GemvJob& j) {
+  const int64_t nb = j.cols / 32, q = j.type == T_Q4_0S ? j.cols / 2 : j.cols;
+  for (int i = 0; i < j.count; ++i)
+    if ((int64_t)j.rb[i] < q + 2 * ceil_div(nb, kTileKB) * kTileKB) return false;
+  return true;
+}
+
+bool tiles_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_MMA_TILE");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
+template <uint32_t T>
+void launch_tile(GemvJob j, cudaStream_t st) {
+  int64_t b = 0;
+  for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], kTileM);
+  j.first_block[j.count] = b;
+  const dim3 grid((unsigned)ceil_div(j.n, kTileN), (unsigned)b);
+  launch(mma_tile_k<T>, grid, 128, 0, st, j);
+}
+
 template <uint32_t T, int WM, int WK, int NT>
 void launch_mma(GemvJob j, cudaStream_t st) {
   int64_t b = 0;
@@ -180,6 +374,7 @@ void run_mma(const GemvJob& j, cudaStream_t st) {
   if (j.n <= 16) launch_mma<T, 1, 8, 2>(j, st);
   else if (j.n <= 32) launch_mma<T, 1, 8, 4>(j, st);
   else if (j.n <= 64) launch_mma<T, 1, 8, 8>(j, st);
+  else if (tiles_on() && tile_fits(j)) launch_tile<T>(j, st);
   else launch_mma<T, 4, 1, 8>(j, st);
 }
 

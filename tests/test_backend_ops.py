@@ -182,7 +182,7 @@ def test_matmul_step(backends, wtype, n):
     ACT_QUANT class against numpy: its plain matmul is checked in test_matmul)."""
     rng = np.random.default_rng(17 + n)
     qt = int(T[wtype.upper()])
-    cols, rows = 512, [96, 32, 40]
+    rows = [96, 32, 40]
     parts = [make_weight(rng, wtype, r, cols) for r in rows]
     raws = [p[0] for p in parts]
     x = rng.standard_normal((n, cols)).astype(np.float32) * 3
@@ -214,8 +214,9 @@ def q8_backends():
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("n", [1, 7, 20, 100])
-def test_matmul_q8_mode(q8_backends, wtype, n):
+# (150, 416): several 64-token tiles and 13 blocks of k, not a multiple of a GPU tile's 4.
+@pytest.mark.parametrize("n,cols", [(1, 512), (7, 512), (20, 512), (100, 512), (150, 416)])
+def test_matmul_q8_mode(q8_backends, wtype, n, cols):
     """Weights loaded as in q8 mode: a backend either quantizes the activations to 8-bit
     blocks of 32 with the CPU's rounding (act_blocks.h), and then equals the CPU's matmul up
     to the order of float sums, or keeps them in f32 and equals float64 numpy at the f32
@@ -223,7 +224,7 @@ def test_matmul_q8_mode(q8_backends, wtype, n):
     outputs, and into a residual."""
     rng = np.random.default_rng(29 + n)
     qt = int(T[wtype.upper()])
-    cols, rows = 512, [96, 32, 40]
+    rows = [96, 32, 40]
     parts = [make_weight(rng, wtype, r, cols) for r in rows]
     raws = [p[0] for p in parts]
     x = rng.standard_normal((n, cols)).astype(np.float32)
