@@ -73,6 +73,9 @@ bool gemv_staged_fits(const GemvJob& j);
 void gemv_staged(GemvJob j, cudaStream_t st);
 // The q8-mode matmul on tensor cores (sm_80 on): j with quantized activations (xq set) over
 // T_Q8_0S / T_Q4_0S weights, any n; for batched decode and prefill.
+// Prefill (many tokens) of f16 / bf16 weights on TF32 tensor cores, f32-accurate (mma.cu).
+bool mma_f16_fits(const Mat& m, const float* x, int64_t n);
+void mma_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st);
 bool mma_q8_fits(const GemvJob& j);
 void mma_q8(const GemvJob& j, cudaStream_t st);
 // y[t][r] = sum_k W[r][k] x[t][k], t < n.

@@ -643,6 +643,8 @@ void run_matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t 
       launch(gemv_k<T, 16>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, xc, (int)std::min<int64_t>(16, n - t0),
                                          y + t0 * m.rows, wvec, xv);
     }
+  } else if (mma_f16_fits(m, x, n)) {
+    mma_f16(m, x, n, y, st);
   } else {
     const dim3 grid((unsigned)ceil_div(m.rows, BM), (unsigned)ceil_div(n, BN));
     launch(gemm_k<T>, grid, 256, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, n, y, wvec, xvec);

@@ -32,6 +32,17 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, ui
 #endif
 }
 
+// D = A * B + C with C given apart from D (the tiles pass a constant bias as C).
+__device__ __forceinline__ void mma_s8c(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1, int c0, int c1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c0), "r"(c1));
+#endif
+}
+
 // One 32-block of two rows (g, g+8) as A fragments, and the rows' block scales.
 template <uint32_t T>
 __device__ __forceinline__ void load_a(const uint8_t* r0, const uint8_t* r1, int64_t cols, int64_t b, int c,
@@ -191,20 +202,20 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
-constexpr int kTileM = 64, kTileN = 64, kTileKB = 4;
+constexpr int kTileM = 64, kTileN = 64, kTileKB = 2, kStages = 4;
 
 template <uint32_t T>
-__global__ void __launch_bounds__(128) mma_tile_k(GemvJob j) {
+__global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
   constexpr bool Q4 = T == T_Q4_0S;
-  constexpr int BM = kTileM, BN = kTileN, KB = kTileKB;
+  constexpr int BM = kTileM, BN = kTileN, KB = kTileKB, S = kStages;
   constexpr int QB = Q4 ? 16 : 32;      // bytes of one 32-block of a weight row
   constexpr int AS = KB * QB + 16;      // shared row strides: 16 bytes of padding keep the
   constexpr int XS = KB * 32 + 16;      // eight rows an ldmatrix reads on distinct banks
-  __shared__ __align__(16) uint8_t sa[2][BM * AS];
-  __shared__ __align__(16) uint8_t sx[2][BN * XS];
-  __shared__ __align__(8) uint16_t sdw[2][BM][KB];
-  __shared__ float sdx[2][BN][KB];
-  __shared__ int sxs[2][Q4 ? BN : 1][KB];
+  __shared__ __align__(16) uint8_t sa[S][BM * AS];
+  __shared__ __align__(16) uint8_t sx[S][BN * XS];
+  __shared__ __align__(8) uint16_t sdw[S][BM][KB];
+  __shared__ float sdx[S][BN][KB];
+  __shared__ int sxs[S][Q4 ? BN : 1][KB];
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int wm = warp & 1, wn = warp >> 1;
@@ -226,7 +237,7 @@ __global__ void __launch_bounds__(128) mma_tile_k(GemvJob j) {
       const uint8_t* src = W + lmin(r0 + r, rows - 1) * rb + (ok ? kb0 * QB + ch * 16 : 0);
       cp_async(&sa[st][r * AS + ch * 16], src, 16, ok);
     }
-    if (tid < BM) cp_async(&sdw[st][tid][0], W + lmin(r0 + tid, rows - 1) * rb + soff + 2 * kb0, 8, true);
+    if (tid < BM) cp_async(&sdw[st][tid][0], W + lmin(r0 + tid, rows - 1) * rb + soff + 2 * kb0, 2 * KB, true);
   };
   auto load_x = [&](int st, int64_t kb0) {
     for (int i = tid; i < BN * KB * 2; i += 128) {
@@ -250,23 +261,29 @@ __global__ void __launch_bounds__(128) mma_tile_k(GemvJob j) {
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
 
-  load_w(0, 0);  // constant: in flight before the wait for the activations
+  // S - 1 stages in flight ahead of the one computed. The weights are constant, so the first
+  // stages' copies start before the wait for the activations.
+  const int64_t stages = (nb + KB - 1) / KB;
+#pragma unroll
+  for (int p = 0; p < S - 1; ++p)
+    if (p < stages) load_w(p, p * KB);
   pdl_wait();
   pdl_trigger();
-  load_x(0, 0);
-  cp_commit();
-  const int64_t stages = (nb + KB - 1) / KB;
-  for (int64_t s = 0; s < stages; ++s) {
-    const int st = (int)(s & 1);
-    if (s + 1 < stages) {
-      load_w(st ^ 1, (s + 1) * KB), load_x(st ^ 1, (s + 1) * KB);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    __syncthreads();
 #pragma unroll
+  for (int p = 0; p < S - 1; ++p) {
+    if (p < stages) load_x(p, p * KB);
+    cp_commit();  // one group a stage, empty past the end, so the wait below counts right
+  }
+  for (int64_t s = 0; s < stages; ++s) {
+    const int st = (int)(s % S);
+    cp_wait<S - 2>();
+    __syncthreads();  // stage s is in for every thread; stage s - 1's buffer is free to refill
+    if (s + S - 1 < stages) {
+      const int nx = (int)((s + S - 1) % S);
+      load_w(nx, (s + S - 1) * KB), load_x(nx, (s + S - 1) * KB);
+    }
+    cp_commit();
+#pragma unroll 1
     for (int u = 0; u < KB; ++u) {
       if (s * KB + u >= nb) break;
       uint32_t a[2][4];
@@ -291,6 +308,10 @@ __global__ void __launch_bounds__(128) mma_tile_k(GemvJob j) {
         ldsm4(r, &sx[st][(wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8) * XS + u * 32 + ((lane >> 3) & 1) * 16]);
         b[2 * np][0] = r[0], b[2 * np][1] = r[1], b[2 * np + 1][0] = r[2], b[2 * np + 1][1] = r[3];
       }
+      // The int32 sums leave the mma biased by 1.5 * 2^23 (less 8 * the quant sum for q4_0): as
+      // float bits that is 1.5 * 2^23 + sum exactly (|sum| < 2^22), so one subtraction gives
+      // (float)sum without the quarter-rate integer-to-float conversion.
+      constexpr int kMagic = 0x4B400000;
       float dw[2][2], dx[4][2];
       int o[4][2];
 #pragma unroll
@@ -300,22 +321,22 @@ __global__ void __launch_bounds__(128) mma_tile_k(GemvJob j) {
       for (int nt = 0; nt < 4; ++nt) {
         const int t = wn * 32 + nt * 8 + 2 * c;
         dx[nt][0] = sdx[st][t][u], dx[nt][1] = sdx[st][t + 1][u];
-        if constexpr (Q4) o[nt][0] = 8 * sxs[st][t][u], o[nt][1] = 8 * sxs[st][t + 1][u];
+        if constexpr (Q4) o[nt][0] = kMagic - 8 * sxs[st][t][u], o[nt][1] = kMagic - 8 * sxs[st][t + 1][u];
+        else o[nt][0] = o[nt][1] = kMagic;
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          int sm[4] = {0, 0, 0, 0};
-          mma_s8(sm, a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1]);
-          if constexpr (Q4) sm[0] -= o[nt][0], sm[1] -= o[nt][1], sm[2] -= o[nt][0], sm[3] -= o[nt][1];
-          acc[mt][nt][0] += (float)sm[0] * __fmul_rn(dw[mt][0], dx[nt][0]);
-          acc[mt][nt][1] += (float)sm[1] * __fmul_rn(dw[mt][0], dx[nt][1]);
-          acc[mt][nt][2] += (float)sm[2] * __fmul_rn(dw[mt][1], dx[nt][0]);
-          acc[mt][nt][3] += (float)sm[3] * __fmul_rn(dw[mt][1], dx[nt][1]);
+          int sm[4];
+          mma_s8c(sm, a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1], o[nt][0], o[nt][1]);
+          constexpr float kBias = 12582912.0f;  // 1.5 * 2^23
+          acc[mt][nt][0] += (__int_as_float(sm[0]) - kBias) * __fmul_rn(dw[mt][0], dx[nt][0]);
+          acc[mt][nt][1] += (__int_as_float(sm[1]) - kBias) * __fmul_rn(dw[mt][0], dx[nt][1]);
+          acc[mt][nt][2] += (__int_as_float(sm[2]) - kBias) * __fmul_rn(dw[mt][1], dx[nt][0]);
+          acc[mt][nt][3] += (__int_as_float(sm[3]) - kBias) * __fmul_rn(dw[mt][1], dx[nt][1]);
         }
     }
-    __syncthreads();  // this stage's buffers are refilled by the next iteration's copies
   }
   float* y = j.y[mi];
   auto put = [&](int64_t r, int64_t t, float v) {
@@ -333,7 +354,7 @@ __global__ void __launch_bounds__(128) mma_tile_k(GemvJob j) {
     }
 }
 
-// Whether the tiles' 8-byte reads of a stage's block scales stay inside every row.
+// Whether the tiles' reads of a stage's block scales (2 * KB bytes) stay inside every row.
 bool tile_fits(const GemvJob& j) {
   const int64_t nb = j.cols / 32, q = j.type == T_Q4_0S ? j.cols / 2 : j.cols;
   for (int i = 0; i < j.count; ++i)
@@ -341,12 +362,11 @@ bool tile_fits(const GemvJob& j) {
   return true;
 }
 
+// Read at each launch (prefill only, never inside a captured step), so A/B runs in one
+// process (benchmarks/ab_cuda.py) see each setting.
 bool tiles_on() {
-  static const bool on = [] {
-    const char* e = std::getenv("DASLLAMA_CUDA_MMA_TILE");
-    return !(e && e[0] == '0');
-  }();
-  return on;
+  const char* e = std::getenv("DASLLAMA_CUDA_MMA_TILE");
+  return !(e && e[0] == '0');
 }
 
 template <uint32_t T>
@@ -355,7 +375,133 @@ void launch_tile(GemvJob j, cudaStream_t st) {
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], kTileM);
   j.first_block[j.count] = b;
   const dim3 grid((unsigned)ceil_div(j.n, kTileN), (unsigned)b);
+  // All of the SM's shared memory for blocks (a hint): 4 blocks of 40 KB fit beside L1.
+  static const bool carve = cudaFuncSetAttribute(mma_tile_k<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                 cudaSharedmemCarveoutMaxShared) == cudaSuccess;
+  (void)carve;
   launch(mma_tile_k<T>, grid, 128, 0, st, j);
+}
+
+// ---- Prefill of f16 / bf16 weights: TF32 tensor cores, f32 activations kept ----
+// Such weights are exact in TF32 (at most 11 significant bits, f32's exponent range), and each
+// activation is split as x = hi + lo, both TF32 (lo = x - hi is exact in f32 and loses only
+// its bits past 22 to the second rounding), so two mmas, W * hi + W * lo, give the f32 dot
+// product to about 2^-22 relative (the CPU keeps f32 activations for these weights; an f16 or
+// single-TF32 x would miss the f32 bar by orders of magnitude). The products are exact; the
+// tensor cores sum them in f32. Tiles as mma_tile_k: 64 rows x 64 tokens, four warps of 32 x
+// 32, 32 of k a stage, three stages in flight. The k slots c and c + 4 of an m16n8k8 fragment
+// take elements 2c and 2c + 1 of each group of 8 (the same for A and B), so a thread reads a
+// half2 of weights and a float2 of activations.
+constexpr int kFStages = 3;
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <uint32_t T>
+__global__ void __launch_bounds__(128, 4) mma_f16_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows,
+                                                    int64_t cols, const float* __restrict__ x, int64_t n,
+                                                    float* __restrict__ y) {
+  constexpr int BM = 64, BN = 64, BK = 32, S = kFStages;
+  constexpr int AS = BK * 2 + 16;  // bytes; 20 words a row: a warp's 8 rows x 4 words on distinct banks
+  constexpr int XS = BK + 8;       // floats; 40 words a row: a half-warp's float2 reads on distinct banks
+  __shared__ __align__(16) uint8_t sa[S][BM * AS];
+  __shared__ __align__(16) float sx[S][BN * XS];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int wm = warp & 1, wn = warp >> 1;
+  const int64_t r0 = (int64_t)blockIdx.y * BM, t0 = (int64_t)blockIdx.x * BN;
+  // k past cols is zero-filled (cols % 8 == 0: a 16-byte chunk is wholly in or out).
+  auto load_w = [&](int st, int64_t k0) {
+    for (int i = tid; i < BM * 4; i += 128) {
+      const int r = i >> 2, ch = i & 3;
+      const bool ok = k0 + ch * 8 < cols;
+      cp_async(&sa[st][r * AS + ch * 16], W + lmin(r0 + r, rows - 1) * rb + (ok ? (k0 + ch * 8) * 2 : 0), 16, ok);
+    }
+  };
+  auto load_x = [&](int st, int64_t k0) {
+    for (int i = tid; i < BN * 8; i += 128) {
+      const int t = i >> 3, ch = i & 7;
+      const bool ok = k0 + ch * 4 < cols;
+      cp_async(&sx[st][t * XS + ch * 4], x + lmin(t0 + t, n - 1) * cols + (ok ? k0 + ch * 4 : 0), 16, ok);
+    }
+  };
+  float acc[2][4][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+  const int64_t stages = (cols + BK - 1) / BK;
+#pragma unroll
+  for (int p = 0; p < S - 1; ++p)
+    if (p < stages) load_w(p, p * BK);
+  pdl_wait();
+  pdl_trigger();
+#pragma unroll
+  for (int p = 0; p < S - 1; ++p) {
+    if (p < stages) load_x(p, p * BK);
+    cp_commit();
+  }
+  for (int64_t s = 0; s < stages; ++s) {
+    const int st = (int)(s % S);
+    cp_wait<S - 2>();
+    __syncthreads();
+    if (s + S - 1 < stages) {
+      const int nx = (int)((s + S - 1) % S);
+      load_w(nx, (s + S - 1) * BK), load_x(nx, (s + S - 1) * BK);
+    }
+    cp_commit();
+#pragma unroll
+    for (int kk = 0; kk < BK / 8; ++kk) {
+      uint32_t a[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int r = wm * 32 + mt * 16 + g;
+        const uint32_t h0 = *reinterpret_cast<const uint32_t*>(&sa[st][r * AS + kk * 16 + c * 4]);
+        const uint32_t h1 = *reinterpret_cast<const uint32_t*>(&sa[st][(r + 8) * AS + kk * 16 + c * 4]);
+        if constexpr (T == T_F16) {
+          a[mt][0] = __float_as_uint(h2f((uint16_t)h0)), a[mt][2] = __float_as_uint(h2f((uint16_t)(h0 >> 16)));
+          a[mt][1] = __float_as_uint(h2f((uint16_t)h1)), a[mt][3] = __float_as_uint(h2f((uint16_t)(h1 >> 16)));
+        } else {
+          a[mt][0] = h0 << 16, a[mt][2] = h0 & 0xFFFF0000u, a[mt][1] = h1 << 16, a[mt][3] = h1 & 0xFFFF0000u;
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const float2 v = *reinterpret_cast<const float2*>(&sx[st][(wn * 32 + nt * 8 + g) * XS + kk * 8 + c * 2]);
+        const uint32_t h0 = to_tf32(v.x), h1 = to_tf32(v.y);
+        const uint32_t l0 = to_tf32(v.x - __uint_as_float(h0)), l1 = to_tf32(v.y - __uint_as_float(h1));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_tf32(acc[mt][nt], a[mt], l0, l1);
+          mma_tf32(acc[mt][nt], a[mt], h0, h1);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int64_t r = r0 + wm * 32 + mt * 16 + g, t = t0 + wn * 32 + nt * 8 + 2 * c;
+      if (t < n) {
+        if (r < rows) y[t * rows + r] = acc[mt][nt][0];
+        if (r + 8 < rows) y[t * rows + r + 8] = acc[mt][nt][2];
+      }
+      if (t + 1 < n) {
+        if (r < rows) y[(t + 1) * rows + r] = acc[mt][nt][1];
+        if (r + 8 < rows) y[(t + 1) * rows + r + 8] = acc[mt][nt][3];
+      }
+    }
 }
 
 template <uint32_t T, int WM, int WK, int NT>
@@ -379,6 +525,25 @@ void run_mma(const GemvJob& j, cudaStream_t st) {
 }
 
 }  // namespace
+
+bool mma_f16_fits(const Mat& m, const float* x, int64_t n) {
+  if (m.type != T_F16 && m.type != T_BF16) return false;
+  const char* e = std::getenv("DASLLAMA_CUDA_MMA_F16");  // 0: the f32 FMA tiles (gemm_k)
+  if (e && e[0] == '0') return false;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) !=
+                                                 cudaSuccess || major < 8)
+    return false;
+  return n > 0 && m.cols % 8 == 0 && m.row_bytes % 16 == 0 && ((uintptr_t)m.w & 15) == 0 && ((uintptr_t)x & 15) == 0;
+}
+
+void mma_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {
+  if (!mma_f16_fits(m, x, n)) throw Error("cuda: a matmul the TF32 mma kernel does not take");
+  const dim3 grid((unsigned)ceil_div(n, 64), (unsigned)ceil_div(m.rows, 64));
+  if (m.type == T_F16) launch(mma_f16_k<T_F16>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, n, y);
+  else launch(mma_f16_k<T_BF16>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, n, y);
+  check_launch("matmul (tf32 mma)");
+}
 
 bool mma_q8_fits(const GemvJob& j) {
   if (!j.xq || j.n < 1 || j.count < 1 || j.count > 3 || j.cols <= 0 || j.cols % 32 != 0 || j.norm) return false;

@@ -114,9 +114,10 @@ def test_matmul(backends, wtype, rows, cols, n):
 
 
 @pytest.mark.parametrize("wtype", ["f32", "f16", "bf16"])
-@pytest.mark.parametrize("cols,n", [(200, 1), (100, 3), (200, 70), (100, 40)])
+@pytest.mark.parametrize("cols,n", [(200, 1), (100, 3), (200, 70), (100, 40), (1000, 150)])
 def test_matmul_odd_width(backends, wtype, cols, n):
-    """Float rows that end mid-vector (cols not a multiple of 16 or of 8): decode and prefill."""
+    """Float rows that end mid-vector (cols not a multiple of 16 or of 8): decode and prefill;
+    1000: a GPU tile's last 32 of k cut at 8, over several row and token tiles."""
     rng = np.random.default_rng(cols + n)
     raw, w = make_weight(rng, wtype, 131, cols)
     x = rng.standard_normal((n, cols)).astype(np.float32)

@@ -256,7 +256,7 @@ class Model : public std::enable_shared_from_this<Model> {
   BufferPtr mrope_inv_freq_[3];
   std::vector<LayerWeights> layers_;
 
-  // Backend scratch for one chunk of up to max_chunk_ rows (grown on demand).
+  // Backend scratch for one chunk of up to max_chunk_ rows (grown on demand); set by open.
   int64_t max_chunk_ = 256;
   BufferPtr x_, xn_, q_, k_, v_, attn_, gate_, up_, ffn_, logits_, embd_;
   BufferPtr moe_logits_, moe_ids_, moe_w_, moe_y_, moe_sh_, moe_x_;
