@@ -202,23 +202,36 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
-constexpr int kTileM = 64, kTileN = 64, kTileKB = 2, kStages = 4;
+constexpr int kTileN = 64, kTileKB = 4, kStages = 2;
 
-template <uint32_t T>
-__global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
-  constexpr bool Q4 = T == T_Q4_0S;
-  constexpr int BM = kTileM, BN = kTileN, KB = kTileKB, S = kStages;
-  constexpr int QB = Q4 ? 16 : 32;      // bytes of one 32-block of a weight row
-  constexpr int AS = KB * QB + 16;      // shared row strides: 16 bytes of padding keep the
-  constexpr int XS = KB * 32 + 16;      // eight rows an ldmatrix reads on distinct banks
-  __shared__ __align__(16) uint8_t sa[S][BM * AS];
-  __shared__ __align__(16) uint8_t sx[S][BN * XS];
-  __shared__ __align__(8) uint16_t sdw[S][BM][KB];
-  __shared__ float sdx[S][BN][KB];
-  __shared__ int sxs[S][Q4 ? BN : 1][KB];
+// A stage's shared-memory layout (bytes), BM weight rows x 64 tokens x KB 32-blocks of k.
+template <uint32_t T, int BM>
+struct TileSmem {
+  static constexpr bool Q4 = T == T_Q4_0S;
+  static constexpr int KB = kTileKB, BN = kTileN;
+  static constexpr int QB = Q4 ? 16 : 32;  // bytes of one 32-block of a weight row
+  static constexpr int AS = KB * QB + 16;  // row strides: 16 bytes of padding keep the eight
+  static constexpr int XS = KB * 32 + 16;  // rows an ldmatrix reads on distinct banks
+  static constexpr int A = 0, X = A + BM * AS, DW = X + BN * XS, DX = DW + BM * KB * 2, XSUM = DX + BN * KB * 4;
+  static constexpr int stage = (XSUM + (Q4 ? BN * KB * 4 : 0) + 15) / 16 * 16;
+  static constexpr int bytes = stage * kStages;
+};
 
+template <uint32_t T, int BM>
+__global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_tile_k(GemvJob j) {
+  using L = TileSmem<T, BM>;
+  constexpr bool Q4 = L::Q4;
+  constexpr int BN = L::BN, KB = L::KB, S = kStages, QB = L::QB, AS = L::AS, XS = L::XS, NTH = BM * 2;
+  extern __shared__ __align__(16) uint8_t smem[];
+  auto sa = [&](int st) { return smem + st * L::stage + L::A; };
+  auto sx = [&](int st) { return smem + st * L::stage + L::X; };
+  auto sdw = [&](int st) { return reinterpret_cast<uint16_t*>(smem + st * L::stage + L::DW); };  // [BM][KB]
+  auto sdx = [&](int st) { return reinterpret_cast<float*>(smem + st * L::stage + L::DX); };     // [BN][KB]
+  auto sxs = [&](int st) { return reinterpret_cast<int*>(smem + st * L::stage + L::XSUM); };     // [BN][KB]
+
+  // Warps: BM / 32 along the rows, two along the tokens; each owns 32 rows x 32 tokens.
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int wm = warp & 1, wn = warp >> 1;
+  const int wm = warp % (BM / 32), wn = warp / (BM / 32);
   int mi = 0;
   while (mi + 1 < j.count && (int64_t)blockIdx.y >= j.first_block[mi + 1]) ++mi;
   const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32, n = j.n;
@@ -231,27 +244,28 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
   // nb are zero-filled and skipped.
   auto load_w = [&](int st, int64_t kb0) {
     constexpr int CH = KB * QB / 16;
-    for (int i = tid; i < BM * CH; i += 128) {
+    for (int i = tid; i < BM * CH; i += NTH) {
       const int r = i / CH, ch = i % CH;
       const bool ok = kb0 + ch * 16 / QB < nb;
       const uint8_t* src = W + lmin(r0 + r, rows - 1) * rb + (ok ? kb0 * QB + ch * 16 : 0);
-      cp_async(&sa[st][r * AS + ch * 16], src, 16, ok);
+      cp_async(sa(st) + r * AS + ch * 16, src, 16, ok);
     }
-    if (tid < BM) cp_async(&sdw[st][tid][0], W + lmin(r0 + tid, rows - 1) * rb + soff + 2 * kb0, 2 * KB, true);
+    for (int r = tid; r < BM; r += NTH)
+      cp_async(sdw(st) + r * KB, W + lmin(r0 + r, rows - 1) * rb + soff + 2 * kb0, 2 * KB, true);
   };
   auto load_x = [&](int st, int64_t kb0) {
-    for (int i = tid; i < BN * KB * 2; i += 128) {
+    for (int i = tid; i < BN * KB * 2; i += NTH) {
       const int t = i / (KB * 2), ch = i % (KB * 2);
       const bool ok = kb0 + ch / 2 < nb;
       const int8_t* src = j.xq + lmin(t0 + t, n - 1) * cols + (ok ? kb0 * 32 + ch * 16 : 0);
-      cp_async(&sx[st][t * XS + ch * 16], src, 16, ok);
+      cp_async(sx(st) + t * XS + ch * 16, src, 16, ok);
     }
-    for (int i = tid; i < BN * KB; i += 128) {
+    for (int i = tid; i < BN * KB; i += NTH) {
       const int t = i / KB, u = i % KB;
       const bool ok = kb0 + u < nb;
       const int64_t at = lmin(t0 + t, n - 1) * nb + (ok ? kb0 + u : 0);
-      cp_async(&sdx[st][t][u], j.xd + at, 4, ok);
-      if constexpr (Q4) cp_async(&sxs[st][t][u], j.xs + at, 4, ok);
+      cp_async(sdx(st) + t * KB + u, j.xd + at, 4, ok);
+      if constexpr (Q4) cp_async(sxs(st) + t * KB + u, j.xs + at, 4, ok);
     }
   };
 
@@ -283,13 +297,17 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
       load_w(nx, (s + S - 1) * KB), load_x(nx, (s + S - 1) * KB);
     }
     cp_commit();
+    const uint8_t* A = sa(st);
+    const uint8_t* X = sx(st);
+    const uint16_t* DW = sdw(st);
+    const float* DX = sdx(st);
 #pragma unroll 1
     for (int u = 0; u < KB; ++u) {
       if (s * KB + u >= nb) break;
       uint32_t a[2][4];
       if constexpr (Q4) {  // one ldmatrix: rows wm*32 + lane's packed block; nibbles are k and k + 16
         uint32_t q[4];
-        ldsm4(q, &sa[st][(wm * 32 + lane) * AS + u * 16]);
+        ldsm4(q, A + (wm * 32 + lane) * AS + u * 16);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const uint32_t lo = q[2 * mt], hi = q[2 * mt + 1];
@@ -299,13 +317,13 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
       } else {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
-          ldsm4(a[mt], &sa[st][(wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * AS + u * 32 + (lane >> 4) * 16]);
+          ldsm4(a[mt], A + (wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * AS + u * 32 + (lane >> 4) * 16);
       }
       uint32_t b[4][2];
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         uint32_t r[4];
-        ldsm4(r, &sx[st][(wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8) * XS + u * 32 + ((lane >> 3) & 1) * 16]);
+        ldsm4(r, X + (wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8) * XS + u * 32 + ((lane >> 3) & 1) * 16);
         b[2 * np][0] = r[0], b[2 * np][1] = r[1], b[2 * np + 1][0] = r[2], b[2 * np + 1][1] = r[3];
       }
       // The int32 sums leave the mma biased by 1.5 * 2^23 (less 8 * the quant sum for q4_0): as
@@ -316,13 +334,17 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
       int o[4][2];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
-        dw[mt][0] = h2f(sdw[st][wm * 32 + mt * 16 + g][u]), dw[mt][1] = h2f(sdw[st][wm * 32 + mt * 16 + g + 8][u]);
+        dw[mt][0] = h2f(DW[(wm * 32 + mt * 16 + g) * KB + u]), dw[mt][1] = h2f(DW[(wm * 32 + mt * 16 + g + 8) * KB + u]);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int t = wn * 32 + nt * 8 + 2 * c;
-        dx[nt][0] = sdx[st][t][u], dx[nt][1] = sdx[st][t + 1][u];
-        if constexpr (Q4) o[nt][0] = kMagic - 8 * sxs[st][t][u], o[nt][1] = kMagic - 8 * sxs[st][t + 1][u];
-        else o[nt][0] = o[nt][1] = kMagic;
+        dx[nt][0] = DX[t * KB + u], dx[nt][1] = DX[(t + 1) * KB + u];
+        if constexpr (Q4) {
+          const int* XSUM = sxs(st);
+          o[nt][0] = kMagic - 8 * XSUM[t * KB + u], o[nt][1] = kMagic - 8 * XSUM[(t + 1) * KB + u];
+        } else {
+          o[nt][0] = o[nt][1] = kMagic;
+        }
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -363,23 +385,51 @@ bool tile_fits(const GemvJob& j) {
 }
 
 // Read at each launch (prefill only, never inside a captured step), so A/B runs in one
-// process (benchmarks/ab_cuda.py) see each setting.
+// process (benchmarks/ab_cuda.py) see each setting. DASLLAMA_CUDA_MMA_BM=64 keeps the small
+// tiles everywhere.
 bool tiles_on() {
   const char* e = std::getenv("DASLLAMA_CUDA_MMA_TILE");
   return !(e && e[0] == '0');
 }
+int tile_rows_max() {
+  const char* e = std::getenv("DASLLAMA_CUDA_MMA_BM");
+  return e && std::atoi(e) == 64 ? 64 : 128;
+}
+
+// Sets a kernel's dynamic shared memory limit once (per process: see flash.cu), and asks
+// for the whole carveout as shared memory.
+template <class K>
+void smem_limit(K k, int bytes, const char* what) {
+  const bool ok = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess &&
+                  cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       cudaSharedmemCarveoutMaxShared) == cudaSuccess;
+  if (!ok) throw DeviceError(std::string("cuda ") + what + ": the device refuses " + std::to_string(bytes) +
+                             " bytes of shared memory");
+}
+
+template <uint32_t T, int BM>
+void launch_tile_bm(GemvJob j, int64_t blocks, cudaStream_t st) {
+  int64_t b = 0;
+  for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], BM);
+  j.first_block[j.count] = b;
+  using L = TileSmem<T, BM>;
+  static const bool set = (smem_limit(mma_tile_k<T, BM>, L::bytes, "int8 mma tiles"), true);
+  (void)set;
+  launch(mma_tile_k<T, BM>, dim3((unsigned)blocks, (unsigned)b), BM * 2, L::bytes, st, j);
+}
 
 template <uint32_t T>
-void launch_tile(GemvJob j, cudaStream_t st) {
-  int64_t b = 0;
-  for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], kTileM);
-  j.first_block[j.count] = b;
-  const dim3 grid((unsigned)ceil_div(j.n, kTileN), (unsigned)b);
-  // All of the SM's shared memory for blocks (a hint): 4 blocks of 40 KB fit beside L1.
-  static const bool carve = cudaFuncSetAttribute(mma_tile_k<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                 cudaSharedmemCarveoutMaxShared) == cudaSuccess;
-  (void)carve;
-  launch(mma_tile_k<T>, grid, 128, 0, st, j);
+void launch_tile(const GemvJob& j, cudaStream_t st) {
+  // 128-row tiles read a third fewer bytes from L2 per mma than 64-row ones (it bounds the
+  // small tiles), taken when they still give every SM a block.
+  const int64_t tok = ceil_div(j.n, kTileN);
+  int64_t big = 0;
+  for (int i = 0; i < j.count; ++i) big += ceil_div(j.rows[i], 128);
+  int sms = 132;
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (tile_rows_max() == 128 && big * tok >= sms) launch_tile_bm<T, 128>(j, tok, st);
+  else launch_tile_bm<T, 64>(j, tok, st);
 }
 
 // ---- Prefill of f16 / bf16 weights: TF32 tensor cores, f32 activations kept ----
@@ -408,31 +458,34 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-template <uint32_t T>
-__global__ void __launch_bounds__(128, 4) mma_f16_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows,
-                                                    int64_t cols, const float* __restrict__ x, int64_t n,
-                                                    float* __restrict__ y) {
-  constexpr int BM = 64, BN = 64, BK = 32, S = kFStages;
+template <uint32_t T, int BM>
+__global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_f16_k(const uint8_t* __restrict__ W, size_t rb,
+                                                                   int64_t rows, int64_t cols,
+                                                                   const float* __restrict__ x, int64_t n,
+                                                                   float* __restrict__ y) {
+  constexpr int BN = 64, BK = 32, S = kFStages, NTH = BM * 2;
   constexpr int AS = BK * 2 + 16;  // bytes; 20 words a row: a warp's 8 rows x 4 words on distinct banks
   constexpr int XS = BK + 8;       // floats; 40 words a row: a half-warp's float2 reads on distinct banks
-  __shared__ __align__(16) uint8_t sa[S][BM * AS];
-  __shared__ __align__(16) float sx[S][BN * XS];
+  constexpr int stage = BM * AS + BN * XS * 4;
+  extern __shared__ __align__(16) uint8_t smem[];
+  auto sa = [&](int st) { return smem + st * stage; };
+  auto sx = [&](int st) { return reinterpret_cast<float*>(smem + st * stage + BM * AS); };
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int wm = warp & 1, wn = warp >> 1;
+  const int wm = warp % (BM / 32), wn = warp / (BM / 32);
   const int64_t r0 = (int64_t)blockIdx.y * BM, t0 = (int64_t)blockIdx.x * BN;
   // k past cols is zero-filled (cols % 8 == 0: a 16-byte chunk is wholly in or out).
   auto load_w = [&](int st, int64_t k0) {
-    for (int i = tid; i < BM * 4; i += 128) {
+    for (int i = tid; i < BM * 4; i += NTH) {
       const int r = i >> 2, ch = i & 3;
       const bool ok = k0 + ch * 8 < cols;
-      cp_async(&sa[st][r * AS + ch * 16], W + lmin(r0 + r, rows - 1) * rb + (ok ? (k0 + ch * 8) * 2 : 0), 16, ok);
+      cp_async(sa(st) + r * AS + ch * 16, W + lmin(r0 + r, rows - 1) * rb + (ok ? (k0 + ch * 8) * 2 : 0), 16, ok);
     }
   };
   auto load_x = [&](int st, int64_t k0) {
-    for (int i = tid; i < BN * 8; i += 128) {
+    for (int i = tid; i < BN * 8; i += NTH) {
       const int t = i >> 3, ch = i & 7;
       const bool ok = k0 + ch * 4 < cols;
-      cp_async(&sx[st][t * XS + ch * 4], x + lmin(t0 + t, n - 1) * cols + (ok ? k0 + ch * 4 : 0), 16, ok);
+      cp_async(sx(st) + t * XS + ch * 4, x + lmin(t0 + t, n - 1) * cols + (ok ? k0 + ch * 4 : 0), 16, ok);
     }
   };
   float acc[2][4][4];
@@ -466,8 +519,8 @@ __global__ void __launch_bounds__(128, 4) mma_f16_k(const uint8_t* __restrict__ 
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const int r = wm * 32 + mt * 16 + g;
-        const uint32_t h0 = *reinterpret_cast<const uint32_t*>(&sa[st][r * AS + kk * 16 + c * 4]);
-        const uint32_t h1 = *reinterpret_cast<const uint32_t*>(&sa[st][(r + 8) * AS + kk * 16 + c * 4]);
+        const uint32_t h0 = *reinterpret_cast<const uint32_t*>(sa(st) + r * AS + kk * 16 + c * 4);
+        const uint32_t h1 = *reinterpret_cast<const uint32_t*>(sa(st) + (r + 8) * AS + kk * 16 + c * 4);
         if constexpr (T == T_F16) {
           a[mt][0] = __float_as_uint(h2f((uint16_t)h0)), a[mt][2] = __float_as_uint(h2f((uint16_t)(h0 >> 16)));
           a[mt][1] = __float_as_uint(h2f((uint16_t)h1)), a[mt][3] = __float_as_uint(h2f((uint16_t)(h1 >> 16)));
@@ -477,7 +530,7 @@ __global__ void __launch_bounds__(128, 4) mma_f16_k(const uint8_t* __restrict__ 
       }
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const float2 v = *reinterpret_cast<const float2*>(&sx[st][(wn * 32 + nt * 8 + g) * XS + kk * 8 + c * 2]);
+        const float2 v = *reinterpret_cast<const float2*>(sx(st) + (wn * 32 + nt * 8 + g) * XS + kk * 8 + c * 2);
         const uint32_t h0 = to_tf32(v.x), h1 = to_tf32(v.y);
         const uint32_t l0 = to_tf32(v.x - __uint_as_float(h0)), l1 = to_tf32(v.y - __uint_as_float(h1));
 #pragma unroll
@@ -537,11 +590,31 @@ bool mma_f16_fits(const Mat& m, const float* x, int64_t n) {
   return n > 0 && m.cols % 8 == 0 && m.row_bytes % 16 == 0 && ((uintptr_t)m.w & 15) == 0 && ((uintptr_t)x & 15) == 0;
 }
 
+namespace {
+
+template <uint32_t T, int BM>
+void launch_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {
+  constexpr int bytes = kFStages * (BM * 80 + 64 * 40 * 4);  // mma_f16_k's stages
+  static const bool set = (smem_limit(mma_f16_k<T, BM>, bytes, "tf32 mma tiles"), true);
+  (void)set;
+  const dim3 grid((unsigned)ceil_div(n, 64), (unsigned)ceil_div(m.rows, BM));
+  launch(mma_f16_k<T, BM>, grid, BM * 2, bytes, st, m.w, m.row_bytes, m.rows, m.cols, x, n, y);
+}
+
+template <uint32_t T>
+void run_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {
+  int sms = 132, dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (tile_rows_max() == 128 && ceil_div(m.rows, 128) * ceil_div(n, 64) >= sms) launch_f16<T, 128>(m, x, n, y, st);
+  else launch_f16<T, 64>(m, x, n, y, st);
+}
+
+}  // namespace
+
 void mma_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {
   if (!mma_f16_fits(m, x, n)) throw Error("cuda: a matmul the TF32 mma kernel does not take");
-  const dim3 grid((unsigned)ceil_div(n, 64), (unsigned)ceil_div(m.rows, 64));
-  if (m.type == T_F16) launch(mma_f16_k<T_F16>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, n, y);
-  else launch(mma_f16_k<T_BF16>, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, x, n, y);
+  if (m.type == T_F16) run_f16<T_F16>(m, x, n, y, st);
+  else run_f16<T_BF16>(m, x, n, y, st);
   check_launch("matmul (tf32 mma)");
 }
 

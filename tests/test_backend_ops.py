@@ -183,7 +183,7 @@ def test_matmul_step(backends, wtype, n):
     ACT_QUANT class against numpy: its plain matmul is checked in test_matmul)."""
     rng = np.random.default_rng(17 + n)
     qt = int(T[wtype.upper()])
-    rows = [96, 32, 40]
+    cols, rows = 512, [96, 32, 40]
     parts = [make_weight(rng, wtype, r, cols) for r in rows]
     raws = [p[0] for p in parts]
     x = rng.standard_normal((n, cols)).astype(np.float32) * 3
@@ -247,6 +247,25 @@ def test_matmul_q8_mode(q8_backends, wtype, n, cols):
                 e_cpu, e_f32 = nmse(o, outs["cpu"]), nmse(o, ref)
                 assert min(e_cpu, e_f32) <= F32_DOT, \
                     f"q8 {name} {wtype} n={n} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
+
+
+@pytest.mark.parametrize("wtype", ["f16", "bf16", "q8_0", "q4_0"])
+def test_matmul_large_tiles(backends, q8_backends, wtype):
+    """A prefill wide enough that a GPU takes its larger tiles (128 weight rows a block once
+    there are blocks for every SM: 9 x 16 here), with rows, tokens and k all ending mid-tile.
+    f16 / bf16 as loaded exactly (f32 activations), q8_0 / q4_0 as in q8 mode."""
+    rng = np.random.default_rng(41)
+    rows, cols, n = 1100, 416, 1000
+    raw, w = make_weight(rng, wtype, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.T
+    q8 = wtype in ("q8_0", "q4_0")
+    outs = run_all(q8_backends if q8 else backends, "matmul", raw, int(T[wtype.upper()]), rows, cols, x)
+    for d, o in outs.items():
+        bar = ACT_QUANT if (q8 or d == "cpu") else F32_DOT
+        assert nmse(o, ref) <= bar, f"{wtype} {rows}x{cols} n={n} on {d}: NMSE {nmse(o, ref):.3g}"
+        if q8 and d != "cpu":  # the CPU's rounding of the activations, or f32 ones
+            assert min(nmse(o, outs["cpu"]), nmse(o, ref)) <= F32_DOT, f"{wtype} on {d} against the CPU"
 
 
 @pytest.mark.parametrize("wtype", MATMUL_TYPES)
