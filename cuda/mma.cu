@@ -3,8 +3,9 @@
 // 16-row x 8-token tile, so its int32 sums are the CPU's per-block integer dot products,
 // scaled per block by d_w * d_x (less 8 * the activation's quant sum for q4_0) into f32,
 // as the GEMV does. Used for batched decode (a warp per 16 rows, four warps splitting k,
-// the weights streamed once) and prefill (four warps of 16 rows over 64 tokens a block,
-// token tiles of one row block adjacent in the grid so the weights come from L2).
+// the weights streamed once) and prefill (mma_tile_k: shared-memory tiles of 64 rows x 64
+// tokens, token tiles of one row block adjacent in the grid so the weights come from L2).
+// The prefill of f16 / bf16 weights runs on TF32 mmas here too (mma_f16_k).
 #include <cstdlib>
 #include <string>
 
@@ -182,7 +183,8 @@ __global__ void __launch_bounds__(WM * WK * 32) mma_q8_k(GemvJob j) {
 // cp.async while the previous stage is computed, and fragments come from it through
 // ldmatrix. Every weight and activation byte is read from L2 once per block, not once per
 // warp and mma. Four warps each own 32 rows x 32 tokens (2 x 4 mma tiles). The per-block
-// scaling is the same expression, in the same order of k, as mma_q8_k's.
+// scaling is the same expression, in the same order of k, as mma_q8_k's. (Tried: four stages
+// of 2 blocks, slower on the H200; 128-row tiles, no faster.)
 __device__ __forceinline__ void cp_async(void* s, const void* g, int bytes, bool ok) {
   const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
   const int src = ok ? bytes : 0;  // 0: nothing is read, the destination is zero-filled
@@ -202,36 +204,23 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
-constexpr int kTileN = 64, kTileKB = 4, kStages = 2;
+constexpr int kTileM = 64, kTileN = 64, kTileKB = 4, kStages = 2;
 
-// A stage's shared-memory layout (bytes), BM weight rows x 64 tokens x KB 32-blocks of k.
-template <uint32_t T, int BM>
-struct TileSmem {
-  static constexpr bool Q4 = T == T_Q4_0S;
-  static constexpr int KB = kTileKB, BN = kTileN;
-  static constexpr int QB = Q4 ? 16 : 32;  // bytes of one 32-block of a weight row
-  static constexpr int AS = KB * QB + 16;  // row strides: 16 bytes of padding keep the eight
-  static constexpr int XS = KB * 32 + 16;  // rows an ldmatrix reads on distinct banks
-  static constexpr int A = 0, X = A + BM * AS, DW = X + BN * XS, DX = DW + BM * KB * 2, XSUM = DX + BN * KB * 4;
-  static constexpr int stage = (XSUM + (Q4 ? BN * KB * 4 : 0) + 15) / 16 * 16;
-  static constexpr int bytes = stage * kStages;
-};
+template <uint32_t T>
+__global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
+  constexpr bool Q4 = T == T_Q4_0S;
+  constexpr int BM = kTileM, BN = kTileN, KB = kTileKB, S = kStages;
+  constexpr int QB = Q4 ? 16 : 32;      // bytes of one 32-block of a weight row
+  constexpr int AS = KB * QB + 16;      // shared row strides: 16 bytes of padding keep the
+  constexpr int XS = KB * 32 + 16;      // eight rows an ldmatrix reads on distinct banks
+  __shared__ __align__(16) uint8_t sa[S][BM * AS];
+  __shared__ __align__(16) uint8_t sx[S][BN * XS];
+  __shared__ __align__(8) uint16_t sdw[S][BM][KB];
+  __shared__ float sdx[S][BN][KB];
+  __shared__ int sxs[S][Q4 ? BN : 1][KB];
 
-template <uint32_t T, int BM>
-__global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_tile_k(GemvJob j) {
-  using L = TileSmem<T, BM>;
-  constexpr bool Q4 = L::Q4;
-  constexpr int BN = L::BN, KB = L::KB, S = kStages, QB = L::QB, AS = L::AS, XS = L::XS, NTH = BM * 2;
-  extern __shared__ __align__(16) uint8_t smem[];
-  auto sa = [&](int st) { return smem + st * L::stage + L::A; };
-  auto sx = [&](int st) { return smem + st * L::stage + L::X; };
-  auto sdw = [&](int st) { return reinterpret_cast<uint16_t*>(smem + st * L::stage + L::DW); };  // [BM][KB]
-  auto sdx = [&](int st) { return reinterpret_cast<float*>(smem + st * L::stage + L::DX); };     // [BN][KB]
-  auto sxs = [&](int st) { return reinterpret_cast<int*>(smem + st * L::stage + L::XSUM); };     // [BN][KB]
-
-  // Warps: BM / 32 along the rows, two along the tokens; each owns 32 rows x 32 tokens.
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int wm = warp % (BM / 32), wn = warp / (BM / 32);
+  const int wm = warp & 1, wn = warp >> 1;
   int mi = 0;
   while (mi + 1 < j.count && (int64_t)blockIdx.y >= j.first_block[mi + 1]) ++mi;
   const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32, n = j.n;
@@ -244,28 +233,27 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_tile_k(GemvJob j) 
   // nb are zero-filled and skipped.
   auto load_w = [&](int st, int64_t kb0) {
     constexpr int CH = KB * QB / 16;
-    for (int i = tid; i < BM * CH; i += NTH) {
+    for (int i = tid; i < BM * CH; i += 128) {
       const int r = i / CH, ch = i % CH;
       const bool ok = kb0 + ch * 16 / QB < nb;
       const uint8_t* src = W + lmin(r0 + r, rows - 1) * rb + (ok ? kb0 * QB + ch * 16 : 0);
-      cp_async(sa(st) + r * AS + ch * 16, src, 16, ok);
+      cp_async(&sa[st][r * AS + ch * 16], src, 16, ok);
     }
-    for (int r = tid; r < BM; r += NTH)
-      cp_async(sdw(st) + r * KB, W + lmin(r0 + r, rows - 1) * rb + soff + 2 * kb0, 2 * KB, true);
+    if (tid < BM) cp_async(&sdw[st][tid][0], W + lmin(r0 + tid, rows - 1) * rb + soff + 2 * kb0, 2 * KB, true);
   };
   auto load_x = [&](int st, int64_t kb0) {
-    for (int i = tid; i < BN * KB * 2; i += NTH) {
+    for (int i = tid; i < BN * KB * 2; i += 128) {
       const int t = i / (KB * 2), ch = i % (KB * 2);
       const bool ok = kb0 + ch / 2 < nb;
       const int8_t* src = j.xq + lmin(t0 + t, n - 1) * cols + (ok ? kb0 * 32 + ch * 16 : 0);
-      cp_async(sx(st) + t * XS + ch * 16, src, 16, ok);
+      cp_async(&sx[st][t * XS + ch * 16], src, 16, ok);
     }
-    for (int i = tid; i < BN * KB; i += NTH) {
+    for (int i = tid; i < BN * KB; i += 128) {
       const int t = i / KB, u = i % KB;
       const bool ok = kb0 + u < nb;
       const int64_t at = lmin(t0 + t, n - 1) * nb + (ok ? kb0 + u : 0);
-      cp_async(sdx(st) + t * KB + u, j.xd + at, 4, ok);
-      if constexpr (Q4) cp_async(sxs(st) + t * KB + u, j.xs + at, 4, ok);
+      cp_async(&sdx[st][t][u], j.xd + at, 4, ok);
+      if constexpr (Q4) cp_async(&sxs[st][t][u], j.xs + at, 4, ok);
     }
   };
 
@@ -297,17 +285,13 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_tile_k(GemvJob j) 
       load_w(nx, (s + S - 1) * KB), load_x(nx, (s + S - 1) * KB);
     }
     cp_commit();
-    const uint8_t* A = sa(st);
-    const uint8_t* X = sx(st);
-    const uint16_t* DW = sdw(st);
-    const float* DX = sdx(st);
 #pragma unroll 1
     for (int u = 0; u < KB; ++u) {
       if (s * KB + u >= nb) break;
       uint32_t a[2][4];
       if constexpr (Q4) {  // one ldmatrix: rows wm*32 + lane's packed block; nibbles are k and k + 16
         uint32_t q[4];
-        ldsm4(q, A + (wm * 32 + lane) * AS + u * 16);
+        ldsm4(q, &sa[st][(wm * 32 + lane) * AS + u * 16]);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const uint32_t lo = q[2 * mt], hi = q[2 * mt + 1];
@@ -317,13 +301,13 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_tile_k(GemvJob j) 
       } else {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
-          ldsm4(a[mt], A + (wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * AS + u * 32 + (lane >> 4) * 16);
+          ldsm4(a[mt], &sa[st][(wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * AS + u * 32 + (lane >> 4) * 16]);
       }
       uint32_t b[4][2];
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         uint32_t r[4];
-        ldsm4(r, X + (wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8) * XS + u * 32 + ((lane >> 3) & 1) * 16);
+        ldsm4(r, &sx[st][(wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8) * XS + u * 32 + ((lane >> 3) & 1) * 16]);
         b[2 * np][0] = r[0], b[2 * np][1] = r[1], b[2 * np + 1][0] = r[2], b[2 * np + 1][1] = r[3];
       }
       // The int32 sums leave the mma biased by 1.5 * 2^23 (less 8 * the quant sum for q4_0): as
@@ -334,17 +318,13 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_tile_k(GemvJob j) 
       int o[4][2];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
-        dw[mt][0] = h2f(DW[(wm * 32 + mt * 16 + g) * KB + u]), dw[mt][1] = h2f(DW[(wm * 32 + mt * 16 + g + 8) * KB + u]);
+        dw[mt][0] = h2f(sdw[st][wm * 32 + mt * 16 + g][u]), dw[mt][1] = h2f(sdw[st][wm * 32 + mt * 16 + g + 8][u]);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int t = wn * 32 + nt * 8 + 2 * c;
-        dx[nt][0] = DX[t * KB + u], dx[nt][1] = DX[(t + 1) * KB + u];
-        if constexpr (Q4) {
-          const int* XSUM = sxs(st);
-          o[nt][0] = kMagic - 8 * XSUM[t * KB + u], o[nt][1] = kMagic - 8 * XSUM[(t + 1) * KB + u];
-        } else {
-          o[nt][0] = o[nt][1] = kMagic;
-        }
+        dx[nt][0] = sdx[st][t][u], dx[nt][1] = sdx[st][t + 1][u];
+        if constexpr (Q4) o[nt][0] = kMagic - 8 * sxs[st][t][u], o[nt][1] = kMagic - 8 * sxs[st][t + 1][u];
+        else o[nt][0] = o[nt][1] = kMagic;
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -385,15 +365,10 @@ bool tile_fits(const GemvJob& j) {
 }
 
 // Read at each launch (prefill only, never inside a captured step), so A/B runs in one
-// process (benchmarks/ab_cuda.py) see each setting. DASLLAMA_CUDA_MMA_BM=64 keeps the small
-// tiles everywhere.
+// process (benchmarks/ab_cuda.py) see each setting.
 bool tiles_on() {
   const char* e = std::getenv("DASLLAMA_CUDA_MMA_TILE");
   return !(e && e[0] == '0');
-}
-int tile_rows_max() {
-  const char* e = std::getenv("DASLLAMA_CUDA_MMA_BM");
-  return e && std::atoi(e) == 64 ? 64 : 128;
 }
 
 // Sets a kernel's dynamic shared memory limit once (per process: see flash.cu), and asks
@@ -407,29 +382,17 @@ void smem_limit(K k, int bytes, const char* what) {
                              " bytes of shared memory");
 }
 
-template <uint32_t T, int BM>
-void launch_tile_bm(GemvJob j, int64_t blocks, cudaStream_t st) {
-  int64_t b = 0;
-  for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], BM);
-  j.first_block[j.count] = b;
-  using L = TileSmem<T, BM>;
-  static const bool set = (smem_limit(mma_tile_k<T, BM>, L::bytes, "int8 mma tiles"), true);
-  (void)set;
-  launch(mma_tile_k<T, BM>, dim3((unsigned)blocks, (unsigned)b), BM * 2, L::bytes, st, j);
-}
-
 template <uint32_t T>
-void launch_tile(const GemvJob& j, cudaStream_t st) {
-  // 128-row tiles read a third fewer bytes from L2 per mma than 64-row ones (it bounds the
-  // small tiles), taken when they still give every SM a block.
-  const int64_t tok = ceil_div(j.n, kTileN);
-  int64_t big = 0;
-  for (int i = 0; i < j.count; ++i) big += ceil_div(j.rows[i], 128);
-  int sms = 132;
-  int dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (tile_rows_max() == 128 && big * tok >= sms) launch_tile_bm<T, 128>(j, tok, st);
-  else launch_tile_bm<T, 64>(j, tok, st);
+void launch_tile(GemvJob j, cudaStream_t st) {
+  int64_t b = 0;
+  for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], kTileM);
+  j.first_block[j.count] = b;
+  const dim3 grid((unsigned)ceil_div(j.n, kTileN), (unsigned)b);
+  // All of the SM's shared memory for blocks (a hint): 4 blocks of 40 KB fit beside L1.
+  static const bool carve = cudaFuncSetAttribute(mma_tile_k<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                 cudaSharedmemCarveoutMaxShared) == cudaSuccess;
+  (void)carve;
+  launch(mma_tile_k<T>, grid, 128, 0, st, j);
 }
 
 // ---- Prefill of f16 / bf16 weights: TF32 tensor cores, f32 activations kept ----
@@ -439,7 +402,8 @@ void launch_tile(const GemvJob& j, cudaStream_t st) {
 // product to about 2^-22 relative (the CPU keeps f32 activations for these weights; an f16 or
 // single-TF32 x would miss the f32 bar by orders of magnitude). The products are exact; the
 // tensor cores sum them in f32. Tiles as mma_tile_k: 64 rows x 64 tokens, four warps of 32 x
-// 32, 32 of k a stage, three stages in flight. The k slots c and c + 4 of an m16n8k8 fragment
+// 32, 32 of k a stage, three stages in flight (128-row tiles of eight warps measured no faster
+// on the H200, for this kernel and the int8 one; BM stays a parameter). The k slots c and c + 4 of an m16n8k8 fragment
 // take elements 2c and 2c + 1 of each group of 8 (the same for A and B), so a thread reads a
 // half2 of weights and a float2 of activations.
 constexpr int kFStages = 3;
@@ -601,20 +565,12 @@ void launch_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t 
   launch(mma_f16_k<T, BM>, grid, BM * 2, bytes, st, m.w, m.row_bytes, m.rows, m.cols, x, n, y);
 }
 
-template <uint32_t T>
-void run_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {
-  int sms = 132, dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (tile_rows_max() == 128 && ceil_div(m.rows, 128) * ceil_div(n, 64) >= sms) launch_f16<T, 128>(m, x, n, y, st);
-  else launch_f16<T, 64>(m, x, n, y, st);
-}
-
 }  // namespace
 
 void mma_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {
   if (!mma_f16_fits(m, x, n)) throw Error("cuda: a matmul the TF32 mma kernel does not take");
-  if (m.type == T_F16) run_f16<T_F16>(m, x, n, y, st);
-  else run_f16<T_BF16>(m, x, n, y, st);
+  if (m.type == T_F16) launch_f16<T_F16, 64>(m, x, n, y, st);
+  else launch_f16<T_BF16, 64>(m, x, n, y, st);
   check_launch("matmul (tf32 mma)");
 }
 

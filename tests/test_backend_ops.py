@@ -251,9 +251,8 @@ def test_matmul_q8_mode(q8_backends, wtype, n, cols):
 
 @pytest.mark.parametrize("wtype", ["f16", "bf16", "q8_0", "q4_0"])
 def test_matmul_large_tiles(backends, q8_backends, wtype):
-    """A prefill wide enough that a GPU takes its larger tiles (128 weight rows a block once
-    there are blocks for every SM: 9 x 16 here), with rows, tokens and k all ending mid-tile.
-    f16 / bf16 as loaded exactly (f32 activations), q8_0 / q4_0 as in q8 mode."""
+    """A prefill of many tiles (64 x 64 on a GPU: 18 x 16 here) whose rows, tokens and k all
+    end mid-tile. f16 / bf16 as loaded exactly (f32 activations), q8_0 / q4_0 as in q8 mode."""
     rng = np.random.default_rng(41)
     rows, cols, n = 1100, 416, 1000
     raw, w = make_weight(rng, wtype, rows, cols)
