@@ -295,7 +295,8 @@ class Round:
 
 
 def summarize(server: str, rnd: int, res: List[Result], startup: float) -> Round:
-    good = [r for r in res if r.ok and r.t_first is not None]
+    # Streams cut short (an error, the deadline) still count what they received; ok= says how many finished.
+    good = [r for r in res if r.t_first is not None]
     tokens = sum(r.tokens for r in good)
     if good:
         wall = max(r.t_last for r in good) - min(r.t_send for r in res if r.t_send)
@@ -306,7 +307,7 @@ def summarize(server: str, rnd: int, res: List[Result], startup: float) -> Round
     errs = sorted({r.error for r in res if r.error})
     counts = [r.tokens for r in good] or [0]
     prompts = [r.prompt for r in good if r.prompt is not None]
-    return Round(server, rnd, len(res), len(good), tokens, wall, tokens / wall if good else 0.0,
+    return Round(server, rnd, len(res), sum(r.ok for r in res), tokens, wall, tokens / wall if good else 0.0,
                  pct(ttft, 0.5), pct(ttft, 0.9), max(ttft) if ttft else float("nan"),
                  statistics.median(dec) if dec else float("nan"), startup, min(counts), max(counts),
                  int(statistics.median(prompts)) if prompts else None, errs)
