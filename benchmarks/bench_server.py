@@ -20,7 +20,8 @@ Stdlib only on the client side (http.client, threads), so it runs on a machine w
 
 --ours-cmd and --peer-cmd are templates: {python} {model} {port} {np} (= --clients) {ctx} (per
 stream) {ctx_total} (= np x ctx) {device} {threads}. Every wait has a limit (--start-timeout,
---request-timeout); a server is killed with its process group when its round ends or fails, and
+--request-timeout, --round-timeout) and no round starts that could run past --budget; what was
+measured is printed (and saved to --json) also when the run is stopped; a server is killed with its process group when its round ends or fails, and
 its log (stdout + stderr) is kept in --log-dir and its tail printed when it does not come up.
 """
 from __future__ import annotations
@@ -48,6 +49,13 @@ OURS = ("{python} -m dasllama serve --model {model} --port {port} --streams {np}
 
 def say(*a) -> None:
     print(*a, flush=True)
+
+
+def load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:  # not every sandbox has it
+        return "?"
 
 
 def free_port() -> int:
@@ -398,6 +406,8 @@ def main() -> int:
                     help="processes the client threads are spread over (0: min(8, cores // 2, clients // 8) or 1)")
     ap.add_argument("--connect-slack", type=float, default=2.5,
                     help="seconds the clients have to connect before they all send")
+    ap.add_argument("--budget", type=float, default=3600.0,
+                    help="seconds for the whole run (model writing included): no round starts that could pass it")
     ap.add_argument("--log-dir", default="", help="server logs (default: a temporary folder, kept)")
     ap.add_argument("--json", default="", help="write every round's figures here")
     a = ap.parse_args()
@@ -415,17 +425,31 @@ def main() -> int:
     # A `timeout` around us sends SIGTERM: unwind through the finally blocks, which kill the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+    t_end = time.monotonic() + a.budget
+    start_timeout, round_timeout = a.start_timeout, a.round_timeout
     model = make_model(a)
     say(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} model={model} device={a.device} clients={a.clients} "
         f"max_tokens={a.max_tokens} prompt_words={a.prompt_words} ctx/stream={a.ctx} rounds={a.rounds} "
-        f"cores={os.cpu_count()} load={os.getloadavg()[0]:.2f}")
+        f"cores={os.cpu_count()} load={load()}")
     rounds: List[Round] = []
-    for rnd in range(a.rounds):
-        for name in servers:
-            r = one_round(name, a.ours_cmd if name == "ours" else a.peer_cmd, rnd, model, a)
-            if r is not None:
-                rounds.append(r)
+    try:
+        for rnd in range(a.rounds):
+            for name in servers:
+                left = t_end - time.monotonic()
+                if left < 60:  # a round needs a start, a warm-up and the clients: do not begin one that cannot end
+                    say(f"[{name} r{rnd}] skipped: {left:.0f} s of --budget left")
+                    continue
+                # Every wait of this round ends inside the budget.
+                a.start_timeout, a.round_timeout = min(start_timeout, left - 40), min(round_timeout, (left - 30) / 2)
+                r = one_round(name, a.ours_cmd if name == "ours" else a.peer_cmd, rnd, model, a)
+                if r is not None:
+                    rounds.append(r)
+    finally:  # also on SIGTERM / Ctrl-C: what was measured is printed and saved
+        report(servers, rounds, model, a)
+    return 0 if rounds and all(r.ok == r.clients for r in rounds) else 1
 
+
+def report(servers: List[str], rounds: List[Round], model: str, a) -> None:
     say("\n| server | rounds | aggregate t/s | TTFT p50 ms | TTFT p90 ms | per-client decode t/s | ok |")
     say("| --- | --- | --- | --- | --- | --- | --- |")
     for name in servers:
@@ -439,8 +463,6 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "model": model, "rounds": [r.__dict__ for r in rounds]}, f, indent=1)
-    return 0 if rounds and all(r.ok == r.clients for r in rounds) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
