@@ -21,8 +21,9 @@ Stdlib only on the client side (http.client, threads), so it runs on a machine w
 --ours-cmd and --peer-cmd are templates: {python} {model} {port} {np} (= --clients) {ctx} (per
 stream) {ctx_total} (= np x ctx) {device} {threads}. Every wait has a limit (--start-timeout,
 --request-timeout, --round-timeout) and no round starts that could run past --budget; what was
-measured is printed (and saved to --json) also when the run is stopped; a server is killed with its process group when its round ends or fails, and
-its log (stdout + stderr) is kept in --log-dir and its tail printed when it does not come up.
+measured is printed (and saved to --json) also when the run is stopped. A server is killed with
+its process group when its round ends or fails; its log (stdout + stderr) is kept in --log-dir
+and its tail printed when it does not come up.
 """
 from __future__ import annotations
 
