@@ -142,7 +142,7 @@ class Result:
 def stream_completion(port: int, body: dict, timeout: float, t0: float, deadline: float, res: Result) -> None:
     """POST /v1/completions with stream=true at monotonic time ``t0`` and read its SSE frames into
     ``res``. ``timeout``: per socket read; ``deadline``: when the stream is abandoned. The connection
-    is opened before ``t0``: a listen backlog smaller than the clients (cpp-httplib's and Python's are 5)
+    is opened before ``t0``: a listen backlog smaller than the clients (Python's socketserver keeps 5)
     drops SYNs, and their one-second retransmits would land in the time to first token."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
