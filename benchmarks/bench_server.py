@@ -369,7 +369,7 @@ def make_model(a) -> str:
             return a.model
         from dasllama import hub  # a registry name: resolved (pulled if missing) by the hub
 
-        return str(hub.resolve(a.model))
+        return str(hub.resolve(a.model or hub.DEFAULT_MODEL))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_cuda import write_model  # the random-weight writer in the shapes (needs gguf)
 
@@ -384,7 +384,8 @@ def make_model(a) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="", help="GGUF path or registry name; with --shape: where to write it")
+    ap.add_argument("--model", default="",
+                    help="GGUF path or registry name (default: the hub's default model); with --shape: where to write it")
     ap.add_argument("--shape", default="", help="write a random-weight GGUF of bench_cuda's shape "
                                                 "(llama1b, gemma270m, smollm135m)")
     ap.add_argument("--type", default="q8_0", help="with --shape: f16, q8_0 or q4_0")
