@@ -16,6 +16,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dasllama as d  # noqa: E402
+from dasllama.llm import BatchStepper  # noqa: E402
 
 import torch  # noqa: E402  (the oracle; never skipped)
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -216,6 +217,37 @@ def test_eval_batch_equals_each_session_alone(smollm2_path):
         assert b[:n] == a
     with pytest.raises(d.DasllamaError):
         d.eval_batch(m, ws, [ss[0], ss[0]], [1, 2])
+
+
+def test_stepper_packs_short_prompts_into_one_step(smollm2_path):
+    """Prompts arriving together start in one step while their rows fit the chunk (a queue of
+    short requests is not one step each), a prompt past the chunk's rest goes on in the next
+    step, and every stream's greedy tokens equal its own generation alone."""
+    m = d.load_model(smollm2_path)
+    prompts = ["The cat sat on", "Paris is the capital of", "def main():\n    ", "1, 2, 3, 4, 5, 6, 7,"]
+    ids = [d.encode(m, p) for p in prompts]
+    alone = []
+    for p in prompts:
+        got = []
+        d.generate(m, d.create_session(m, n_ctx=256), p, d.SamplingParams(), 6, lambda i, t: got.append(i))
+        alone.append(got)
+    ss = [d.create_session(m, n_ctx=256) for _ in prompts]
+    first3 = sum(len(x) for x in ids[:3])
+    st = BatchStepper(ss, chunk=first3 + 2)  # the fourth prompt does not fit whole
+    for i, x in enumerate(ids):
+        st.start(i, x, d.SamplingParams(), 6, priority=float(i))
+    events, n_dec = st.step()
+    assert n_dec == 0 and sorted(e[0] for e in events) == [0, 1, 2]
+    assert ss[3].n_past == 2  # the chunk's last two rows went to the fourth
+    got = [[] for _ in prompts]
+    for e in events:
+        got[e[0]].append(e[2])
+    while any(st.active(i) for i in range(len(prompts))):
+        events, _ = st.step()
+        for e in events:
+            if e[1] != BatchStepper.STOP:
+                got[e[0]].append(e[2])
+    assert got == alone
 
 
 @pytest.fixture(scope="module")

@@ -57,18 +57,36 @@ std::vector<StepEvent> Stepper::step(bool prefill, int64_t* n_decoded) {
   tokens_.clear();
   counts_.clear();
   int64_t n_dec = 0;
-  const int p = prefill ? next_prefill() : -1;
-  if (p >= 0) {
-    Session& s = *slots_[p];
-    const Job& j = jobs_[p];
-    const int64_t lo = s.n_past(), hi = std::min<int64_t>((int64_t)j.prompt.size(), lo + chunk_);
-    batch_.push_back(&s);
-    batch_slot_.push_back(p);
-    for (int64_t i = lo; i < hi; ++i)
-      if (j.prompt[i] < 0)  // embedding rows are the caller's to prefill (see next_prefill)
-        throw Error("Stepper: prompt position " + std::to_string(i) + " is a media row; prefill it with step(false)");
-    tokens_.insert(tokens_.end(), j.prompt.begin() + lo, j.prompt.begin() + hi);
-    counts_.push_back(hi - lo);
+  if (prefill) {
+    // Prefill rows up to the chunk, from the streams still prefilling, oldest first: many short
+    // prompts arriving together start in one step, not one step each. The first is next_prefill;
+    // a later one whose remaining prompt holds media rows waits its turn as the first (its
+    // caller prefills those itself).
+    order_.clear();
+    for (int i = 0; i < (int)jobs_.size(); ++i)
+      if (jobs_[i].active && jobs_[i].next_tok < 0) order_.push_back(i);
+    std::stable_sort(order_.begin(), order_.end(),
+                     [&](int a, int b) { return jobs_[a].priority < jobs_[b].priority; });
+    int64_t budget = chunk_;
+    for (size_t k = 0; k < order_.size() && budget > 0; ++k) {
+      const int p = order_[k];
+      Session& s = *slots_[p];
+      const Job& j = jobs_[p];
+      const int64_t lo = s.n_past(), hi = std::min<int64_t>((int64_t)j.prompt.size(), lo + budget);
+      if (k == 0) {
+        for (int64_t i = lo; i < hi; ++i)
+          if (j.prompt[i] < 0)  // embedding rows are the caller's to prefill (see next_prefill)
+            throw Error("Stepper: prompt position " + std::to_string(i) +
+                        " is a media row; prefill it with step(false)");
+      } else if (std::any_of(j.prompt.begin() + lo, j.prompt.end(), [](int32_t t) { return t < 0; })) {
+        continue;
+      }
+      batch_.push_back(&s);
+      batch_slot_.push_back(p);
+      tokens_.insert(tokens_.end(), j.prompt.begin() + lo, j.prompt.begin() + hi);
+      counts_.push_back(hi - lo);
+      budget -= hi - lo;
+    }
   }
   for (int i = 0; i < (int)jobs_.size(); ++i) {
     if (!jobs_[i].active || jobs_[i].next_tok < 0) continue;

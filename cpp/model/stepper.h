@@ -1,5 +1,6 @@
 // The serving step loop: streams over sessions of one model; each step is one ragged forward
-// (a prefill chunk of the oldest prefilling stream + a decode token of every running stream),
+// (up to a chunk of prefill rows, oldest prefilling streams first, + a decode token of every
+// running stream),
 // then a sample and the stop checks per stream. Uses only Model's public API (forward_ragged,
 // the sampler, the tokenizer), so it runs unchanged on any backend. No text, HTTP or caching here.
 #pragma once
@@ -23,7 +24,7 @@ struct StepEvent {
 
 class Stepper {
  public:
-  // Every slot session must be of one model; chunk caps a step's prefill rows.
+  // Every slot session must be of one model; chunk caps a step's prefill rows (all streams').
   Stepper(std::vector<std::shared_ptr<Session>> slots, int64_t chunk);
 
   // A job on slot: the session already holds prompt[:n_past] (attached), the rest is prefilled
@@ -63,6 +64,7 @@ class Stepper {
   std::vector<int> batch_slot_;
   std::vector<int32_t> tokens_;
   std::vector<int64_t> counts_;
+  std::vector<int> order_;
 };
 
 }  // namespace dl

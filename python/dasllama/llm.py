@@ -192,6 +192,10 @@ class BatchStepper:
         """Stop ``slot``'s job (idempotent); its session's pages stay for the caller to donate or release."""
         self._st.end(int(slot))
 
+    def active(self, slot: int) -> bool:
+        """Whether ``slot`` has a job that has not ended."""
+        return bool(self._st.active(int(slot)))
+
     def next_prefill(self) -> int:
         """The slot the next step prefills (-1: none). A caller that prefills it itself (media rows, with
         :func:`eval_embd`) then calls ``step(prefill=False)``."""

@@ -246,7 +246,7 @@ class Engine:
                 self._release(s)
             elif j.deadline is not None and now > j.deadline:
                 self._fail(s, APIError(504, "the request's deadline passed", type="timeout"))
-        # One ragged batch in C++: a prefill chunk of the oldest job still prefilling, a token of every decoder.
+        # One ragged batch in C++: up to a chunk of prefill rows (oldest jobs first), a token of every decoder.
         prefill = True
         p = self.stepper.next_prefill()
         if p >= 0:
