@@ -160,6 +160,30 @@ def test_subgroup_path_on_lavapipe():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
+def test_int8_prefill_on_lavapipe():
+    """q8-mode prefill (past 32 tokens on a GPU's path) rounds the activations to int8 blocks
+    and runs the int8 GEMM (gemm_i8.comp): forced onto the GPUs' paths here, the op harness's
+    q8-mode cases (ragged tiles; float64 numpy and the CPU's q8 sums) hold with the packed dot
+    product where lavapipe has it and with plain bytes, and the profile (which names every
+    shader dispatched) shows the int8 shaders ran (128- and 64-row tiles), not the f32 tiles."""
+    import subprocess
+
+    here = os.path.dirname(__file__)
+    feats = _VK["devices"][0]["features"]
+    dot = "int8 dot" in feats
+    for mode, prefixes in (("1", ("gemm_i8_", "gemm_i8h_") if dot else ("gemm_i8p_", "gemm_i8ph_")),
+                           ("plain", ("gemm_i8p_", "gemm_i8ph_"))):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                            os.path.join(here, "test_backend_ops.py"), "-k", "q8_mode"],
+                           env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_PROFILE="1",
+                                    DASLLAMA_VULKAN_I8=mode), capture_output=True, text=True)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        for sh in ("quant_act",) + tuple(p + t for p in prefixes for t in ("40", "41")):
+            assert sh in out, f"DASLLAMA_VULKAN_I8={mode}: {sh} did not run\n" + out[-3000:]
+        assert "matmul_tile_40" not in out and "matmul_tile_41" not in out, out[-3000:]
+
+
 def test_tiled_attention_on_lavapipe():
     """Prefill rows take the tiled attention (flash.comp) only when asked (encoders' rows take it
     by default); forced onto decoders' prefills here, the op harness's attention cases (several
