@@ -29,6 +29,11 @@ shared float Wd[BM], Xd[BN];
 shared int Cs[8u * 32u * 32u];  // each subgroup's sums, [row][token]
 
 uint s4(uint u) { return (u + 0x78787878u) ^ 0x80808080u; }  // q4_0 nibbles (q + 8) to signed bytes q
+// A block sum as a float, exactly (gemm_i8.comp's i2f: no quarter-rate int-to-float conversion).
+float i2f(int s) {
+  precise float f = intBitsToFloat(0x4B400000 + s) - 12582912.0f;
+  return f;
+}
 
 void put4(uint at, uint w, bool x) {
   [[unroll]] for (uint c = 0u; c < 4u; ++c) {
@@ -100,7 +105,7 @@ void main() {
     const float dx = Xd[ts + lane];
     [[unroll]] for (uint r = 0u; r < 32u; ++r) {
       precise float sc = Wd[rs + r] * dx;
-      acc[r] += float(Cs[sg * 1024u + r * 32u + lane]) * sc;
+      acc[r] += i2f(Cs[sg * 1024u + r * 32u + lane]) * sc;
     }
   }
   const uint t = t0 + ts + lane;

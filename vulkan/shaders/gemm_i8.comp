@@ -45,6 +45,14 @@ shared float Xd[KB][BN];
 // its byte, and flipping bit 7 then gives n - 8.
 uint s4(uint u) { return (u + 0x78787878u) ^ 0x80808080u; }
 
+// A block sum (|s| <= 32 * 127 * 127 < 2^22) as a float, exactly: s added into the mantissa of
+// 1.5 * 2^23, which is then taken off. Two full-rate ops where int-to-float conversion runs at a
+// quarter of the rate on NVIDIA's GPUs, once per output and block.
+float i2f(int s) {
+  precise float f = intBitsToFloat(0x4B400000 + s) - 12582912.0f;
+  return f;
+}
+
 void main() {
   const uint tid = gl_LocalInvocationID.x, tx = tid % 16u, ty = tid / 16u;
   const uint r0 = gl_WorkGroupID.y * BM, t0 = gl_WorkGroupID.x * BN;
@@ -149,7 +157,7 @@ void main() {
       [[unroll]] for (uint i = 0u; i < RM; ++i)
         [[unroll]] for (uint j = 0u; j < 4u; ++j) {
           precise float sc = dw[i] * dx[j];
-          acc[i][j] += float(s[i][j]) * sc;
+          acc[i][j] += i2f(s[i][j]) * sc;
         }
     }
   }
