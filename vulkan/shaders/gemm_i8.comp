@@ -147,9 +147,10 @@ void main() {
         uvec4 a[RM], b[4];
         [[unroll]] for (uint i = 0u; i < RM; ++i) a[i] = Ws[k][tx + 16u * i][h];
         [[unroll]] for (uint j = 0u; j < 4u; ++j) b[j] = Xs[k][ty + 16u * j][h];
-        [[unroll]] for (uint i = 0u; i < RM; ++i)
-          [[unroll]] for (uint j = 0u; j < 4u; ++j)
-            s[i][j] += DOT4(a[i].x, b[j].x) + DOT4(a[i].y, b[j].y) + DOT4(a[i].z, b[j].z) + DOT4(a[i].w, b[j].w);
+        // One chain a sum (each dot product added to it in turn): a dp4a with its accumulator.
+        [[unroll]] for (uint c = 0u; c < 4u; ++c)
+          [[unroll]] for (uint i = 0u; i < RM; ++i)
+            [[unroll]] for (uint j = 0u; j < 4u; ++j) s[i][j] = DOT4(a[i][c], b[j][c]) + s[i][j];
       }
       float dw[RM], dx[4];
       [[unroll]] for (uint i = 0u; i < RM; ++i) dw[i] = Wd[k][tx + 16u * i];
