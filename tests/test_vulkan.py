@@ -190,11 +190,11 @@ def test_int8_prefill_on_lavapipe():
     here = os.path.dirname(__file__)
     feats = _VK["devices"][0]["features"]
     dot = "int8 dot" in feats
-    for mode, prefixes in (("1", ("gemm_i8_", "gemm_i8h_") if dot else ("gemm_i8p_", "gemm_i8ph_")),
-                           ("plain", ("gemm_i8p_", "gemm_i8ph_"))):
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
-                            "-k", "q8_mode and not lavapipe"],
+    for mode, prefixes, files in (
+            ("1", ("gemm_i8_", "gemm_i8h_") if dot else ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py", "test_vulkan.py")),
+            ("plain", ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py",))):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"] +
+                           [os.path.join(here, f) for f in files] + ["-k", "q8_mode and not lavapipe"],
                            env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_PROFILE="1",
                                     DASLLAMA_VULKAN_I8=mode), capture_output=True, text=True)
         out = r.stdout + r.stderr

@@ -152,7 +152,7 @@ bool use_subgroup(const vk::Api& a, VkPhysicalDevice pd, const VkPhysicalDeviceP
 struct I8Caps {
   bool dot = false, coop = false;
 };
-I8Caps i8_caps(const vk::Api& a, VkPhysicalDevice pd) {
+I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
   uint32_t ne = 0;
   a.vkEnumerateDeviceExtensionProperties(pd, nullptr, &ne, nullptr);
   std::vector<VkExtensionProperties> ex(ne);
@@ -187,6 +187,15 @@ I8Caps i8_caps(const vk::Api& a, VkPhysicalDevice pd) {
                 p.DType == VK_COMPONENT_TYPE_SINT32_NV && p.scope == VK_SCOPE_SUBGROUP_NV;
   }
   return c;
+}
+// Asked once a device (describe() runs at every allocation's size check).
+I8Caps i8_caps(const vk::Api& a, VkPhysicalDevice pd) {
+  static std::mutex mu;
+  static std::map<VkPhysicalDevice, I8Caps> seen;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = seen.find(pd);
+  if (it == seen.end()) it = seen.emplace(pd, i8_caps_query(a, pd)).first;
+  return it->second;
 }
 
 DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t used) {
