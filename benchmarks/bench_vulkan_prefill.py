@@ -69,7 +69,7 @@ def main() -> None:
             cells, layer, head = [], 0.0, 0.0
             for name, rows, cols, per in mats:
                 s = statistics.median(t[(name, m)])
-                cells.append(f"{name} {s * 1e3:.3f} ms ({2 * rows * cols * args.n / s / 1e9:.0f} GOP/s)")
+                cells.append(f"{name} {s * 1e3:.3f} ms ({2 * rows * cols * args.n / s / 1e9:.1f} GOP/s)")
                 layer += per * s
                 head += (1 - per) * s
             whole = "" if args.quick else f"; 16 layers + head {16 * layer + head:.2f} ms = " \
