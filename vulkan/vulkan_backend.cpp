@@ -176,7 +176,8 @@ I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
   c.dot = has_dp && dp.shaderIntegerDotProduct;
   auto props = reinterpret_cast<PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV>(
       a.vkGetInstanceProcAddr(a.instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV"));
-  if (has_cm && cm.cooperativeMatrix && f12.shaderInt8 && props) {  // int8 matrices need Int8
+  // int8 matrices need Int8; glslang writes NV cooperative-matrix shaders in the Vulkan memory model.
+  if (has_cm && cm.cooperativeMatrix && f12.shaderInt8 && f12.vulkanMemoryModel && props) {
     uint32_t np = 0;
     props(pd, &np, nullptr);
     std::vector<VkCooperativeMatrixPropertiesNV> ps(np, {VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_NV});
@@ -277,7 +278,7 @@ class Ctx {
     }
     if (ic.coop) {
       cm.cooperativeMatrix = VK_TRUE, cm.pNext = f12.pNext, f12.pNext = &cm;
-      f12.shaderInt8 = VK_TRUE;
+      f12.shaderInt8 = VK_TRUE, f12.vulkanMemoryModel = VK_TRUE;
       exts.push_back(VK_NV_COOPERATIVE_MATRIX_EXTENSION_NAME);
       i8coop = true;
     }
