@@ -1107,12 +1107,13 @@ class VulkanBackend final : public Backend {
     c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
     c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 63) / 64), (uint32_t)n);
   }
-  // y = w x over the activations quant_act just rounded.
-  void gemm_i8(const Weight& w, float* y, int64_t n) {
+  // y = w x over the activations quant_act just rounded; accumulate: y += it (one f32 add, as
+  // the add op does).
+  void gemm_i8(const Weight& w, float* y, int64_t n, bool accumulate = false) {
     struct {
       uint64_t w, xq, xd, y, row_bytes;
-      uint32_t rows, cols, n, pad;
-    } pc{A(w.data), i8_xq_, i8_xd_, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
+      uint32_t rows, cols, n, flags;
+    } pc{A(w.data), i8_xq_, i8_xd_, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, accumulate ? 1u : 0u};
     c_->uses({{A(w.data), Ctx::kWhole, false}, {i8_xq_, (uint64_t)(n * w.cols), false},
               {i8_xd_, (uint64_t)(n * (w.cols / 32) * 4), false}, {A(y), (uint64_t)(n * w.rows * 4), true}});
     const I8Mode m = i8_mode();
@@ -1239,7 +1240,18 @@ class VulkanBackend final : public Backend {
   void matmul_step(const MatmulStep& s) override {
     if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
       throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
-    if (!sg_fits(s.w, s.count, s.n)) return Backend::matmul_step(s);
+    if (!sg_fits(s.w, s.count, s.n)) {
+      // q8-mode prefill into a residual: the int8 GEMM adds its product to it as it stores (the
+      // sums of the add op), one dispatch and one pass over the rows fewer.
+      if (s.residual && !s.norm && c_->subgroup && s.n > kTileMin && i8_fits(*s.w[0], s.x, s.n)) {
+        Lock g(c_->mu);
+        c_->note_rows(s.n);
+        quant_act(s.x, s.n, s.w[0]->cols);
+        gemm_i8(*s.w[0], s.residual, s.n, true);
+        return;
+      }
+      return Backend::matmul_step(s);
+    }
     Lock g(c_->mu);
     // With a residual the product goes straight into it (y[0] and xn are scratch to callers).
     float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};

@@ -19,7 +19,7 @@ layout(local_size_x = 256) in;
 layout(push_constant, std430) uniform PC {
   uint64_t w, xq, xd, y;
   uint64_t row_bytes;
-  uint rows, cols, n, pad_;
+  uint rows, cols, n, flags;  // flags 1: y += the product
 } pc;
 
 const uint BM = 128u, BN = 64u, KS = 48u;  // KS: a row's stride in bytes (32 and 16 of padding)
@@ -112,6 +112,8 @@ void main() {
   if (t < pc.n)
     [[unroll]] for (uint r = 0u; r < 32u; ++r) {
       const uint row = r0 + rs + r;
-      if (row < pc.rows) F32(pc.y + (uint64_t(t) * pc.rows + row) * 4u).v[0] = acc[r];
+      if (row >= pc.rows) continue;
+      F32 yp = F32(pc.y + (uint64_t(t) * pc.rows + row) * 4u);
+      yp.v[0] = (pc.flags & 1u) != 0u ? yp.v[0] + acc[r] : acc[r];
     }
 }

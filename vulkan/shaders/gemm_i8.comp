@@ -30,7 +30,7 @@ layout(local_size_x = 256) in;
 layout(push_constant, std430) uniform PC {
   uint64_t w, xq, xd, y;
   uint64_t row_bytes;
-  uint rows, cols, n, pad_;
+  uint rows, cols, n, flags;  // flags 1: y += the product
 } pc;
 
 const uint BM = 16u * RM, BN = 64u, KB = 2u;  // rows, tokens, 32-blocks a stage
@@ -167,7 +167,9 @@ void main() {
     if (t >= pc.n) continue;
     [[unroll]] for (uint i = 0u; i < RM; ++i) {
       const uint r = r0 + tx + 16u * i;
-      if (r < pc.rows) F32(pc.y + (uint64_t(t) * pc.rows + r) * 4u).v[0] = acc[i][j];
+      if (r >= pc.rows) continue;
+      F32 yp = F32(pc.y + (uint64_t(t) * pc.rows + r) * 4u);
+      yp.v[0] = (pc.flags & 1u) != 0u ? yp.v[0] + acc[i][j] : acc[i][j];
     }
   }
 }
