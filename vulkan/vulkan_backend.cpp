@@ -1092,8 +1092,10 @@ class VulkanBackend final : public Backend {
     return i8_mode() != kI8Off && !w.exact && (t == kQ8Split || t == kQ4Split) && w.cols % 32 == 0 && w.rows > 0 &&
            lay_rb(w) % 16 == 0 && A(w.data) % 16 == 0 && A(x) % 16 == 0 && n <= kMaxGroups;
   }
-  // x's n rows (cols wide) rounded into the int8 scratch: quants [n][cols], then scales [n][cols / 32].
-  void quant_act(const float* x, int64_t n, int64_t cols) {
+  // x's n rows (cols wide) rounded into the int8 scratch: quants [n][cols], then scales [n][cols / 32];
+  // norm: RMS-normed first (times norm_w where given), as rms_norm would have.
+  void quant_act(const float* x, int64_t n, int64_t cols, bool norm = false, const float* norm_w = nullptr,
+                 float eps = 0.f) {
     const size_t qb = ((size_t)(n * cols) + 255) & ~size_t(255), db = (size_t)(n * (cols / 32)) * 4;
     if (!i8_buf_ || i8_buf_->size() < qb + db) {
       i8_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
@@ -1101,10 +1103,12 @@ class VulkanBackend final : public Backend {
     }
     i8_xq_ = A(i8_buf_->data()), i8_xd_ = i8_xq_ + qb;
     struct {
-      uint64_t x, xq, xd;
-      uint32_t cols, n;
-    } pc{A(x), i8_xq_, i8_xd_, (uint32_t)cols, (uint32_t)n};
-    c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
+      uint64_t x, xq, xd, nw;
+      uint32_t cols, n, flags;
+      float eps;
+    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps};
+    c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
+              {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
     c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 63) / 64), (uint32_t)n);
   }
   // y = w x over the activations quant_act just rounded; accumulate: y += it (one f32 add, as
@@ -1241,16 +1245,18 @@ class VulkanBackend final : public Backend {
     if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
       throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
     if (!sg_fits(s.w, s.count, s.n)) {
-      // q8-mode prefill into a residual: the int8 GEMM adds its product to it as it stores (the
-      // sums of the add op), one dispatch and one pass over the rows fewer.
-      if (s.residual && !s.norm && c_->subgroup && s.n > kTileMin && i8_fits(*s.w[0], s.x, s.n)) {
-        Lock g(c_->mu);
-        c_->note_rows(s.n);
-        quant_act(s.x, s.n, s.w[0]->cols);
-        gemm_i8(*s.w[0], s.residual, s.n, true);
-        return;
-      }
-      return Backend::matmul_step(s);
+      // q8-mode prefill: the norm done by the rounding of x (quant_act), a residual added by the
+      // int8 GEMM as it stores (the values of rms_norm and add): two dispatches and passes fewer.
+      bool i8 = c_->subgroup && s.n > kTileMin && (!s.norm || A(s.norm_w) % 4 == 0);
+      for (int i = 0; i8 && i < s.count; ++i) i8 = s.w[i]->cols == s.w[0]->cols && i8_fits(*s.w[i], s.x, s.n);
+      if (!i8) return Backend::matmul_step(s);
+      Lock g(c_->mu);
+      c_->note_rows(s.n);
+      quant_act(s.x, s.n, s.w[0]->cols, s.norm, s.norm_w, s.eps);
+      if (s.residual) return gemm_i8(*s.w[0], s.residual, s.n, true);
+      for (int i = 0; i < s.count; ++i)
+        if (s.w[i]->rows > 0) gemm_i8(*s.w[i], s.y[i], s.n);
+      return;
     }
     Lock g(c_->mu);
     // With a residual the product goes straight into it (y[0] and xn are scratch to callers).
