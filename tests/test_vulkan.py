@@ -184,15 +184,18 @@ def test_int8_prefill_on_lavapipe():
     q8-mode cases (ragged tiles; float64 numpy and the CPU's q8 sums) and a model's q8-mode
     prefill logits (the CPU's q8 mode, since int8 ran) hold with the packed dot
     product where lavapipe has it and with plain bytes, and the profile (which names every
-    shader dispatched) shows the int8 shaders ran (128- and 64-row tiles), not the f32 tiles."""
+    shader dispatched) shows the int8 shaders ran (128- and 64-row tiles), not the f32 tiles;
+    where the device has int8 cooperative matrices (NVIDIA), their variant the same way."""
     import subprocess
 
     here = os.path.dirname(__file__)
     feats = _VK["devices"][0]["features"]
     dot = "int8 dot" in feats
-    for mode, prefixes, files in (
-            ("1", ("gemm_i8_", "gemm_i8h_") if dot else ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py", "test_vulkan.py")),
-            ("plain", ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py",))):
+    runs = [("1", ("gemm_i8_", "gemm_i8h_") if dot else ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py", "test_vulkan.py")),
+            ("plain", ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py",))]
+    if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variant too
+        runs.append(("coop", ("gemm_coop_",), ("test_backend_ops.py", "test_vulkan.py")))
+    for mode, prefixes, files in runs:
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"] +
                            [os.path.join(here, f) for f in files] + ["-k", "q8_mode and not lavapipe"],
                            env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_PROFILE="1",
