@@ -1,10 +1,13 @@
 // Prefill in q8 mode: y[t][r] = sum over 32-blocks b of isum(W[r][b], xq[t][b]) * (dw * dx),
 // the weights (q8_0 / q4_0 in the split layouts, TYPE 40 / 41) and the activations quant_act.comp
 // rounded, both int8. Each block's integer dot product is exact, so the sums are the CPU q8
-// mode's (and CUDA's mma) up to the order of the float adds. A workgroup per 128 rows x 64 tokens;
-// two blocks of k a stage in shared memory as int8 (q4_0's nibbles made signed on the way in),
-// the next stage's global loads issued before this one's math; each invocation a block of 8 rows
-// x 4 tokens, adjacent invocations on adjacent rows (coalesced stores). DOT=1: the packed 4x8
+// mode's (and CUDA's mma) up to the order of the float adds. A workgroup per 16 RM rows x 64
+// tokens (RM 8, or 4 where 128-row tiles would leave a GPU's cores idle), the token tiles of one
+// row tile adjacent in the grid (x) so its weights come from L2; two blocks of k a stage in shared
+// memory as int8 (q4_0's nibbles made signed on the way in), the next stage's global loads issued
+// before this one's math; each invocation a block of RM rows x 4 tokens, adjacent invocations on
+// adjacent rows (coalesced stores); every output's block sums added in the same order whatever
+// the tile, so a row's values do not depend on the tile size chosen. DOT=1: the packed 4x8
 // dot product (SPV_KHR_integer_dot_product, OpSDotKHR) where the device has it, else bytes.
 // Rows and tokens past the end read the last one and are not stored; blocks past the end are 0.
 #version 450
@@ -45,7 +48,7 @@ shared float Xd[KB][BN];
 // its byte, and flipping bit 7 then gives n - 8.
 uint s4(uint u) { return (u + 0x78787878u) ^ 0x80808080u; }
 
-// A block sum (|s| <= 32 * 127 * 127 < 2^22) as a float, exactly: s added into the mantissa of
+// A block sum (|s| <= 32 * 128 * 127 < 2^22) as a float, exactly: s added into the mantissa of
 // 1.5 * 2^23, which is then taken off. Two full-rate ops where int-to-float conversion runs at a
 // quarter of the rate on NVIDIA's GPUs, once per output and block.
 float i2f(int s) {
