@@ -1,7 +1,10 @@
-"""A/B of CUDA backend switches on bench_cuda.py's measurements, interleaved on one machine.
+"""A/B of CUDA (or Vulkan) backend switches on bench_cuda.py's measurements, interleaved on one machine.
 
     python benchmarks/ab_cuda.py --shapes llama1b,smollm135m --types q8_0,q4_0 \
         DASLLAMA_CUDA_FUSED=0 DASLLAMA_CUDA_FUSED=1,DASLLAMA_CUDA_FUSED_PF=0
+    python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 DASLLAMA_VULKAN_I8=0 DASLLAMA_VULKAN_I8=1
+
+(A switch compared this way must be read when a model loads or at each call, not once a process.)
 
 Each random-weight file (bench_cuda.py's shapes) is written once; every setting (comma-separated
 VAR=VALUE pairs, applied on top of the environment; the backend reads them when a model loads)
@@ -24,6 +27,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama1b")
     ap.add_argument("--types", default="q8_0")
     ap.add_argument("--batches", default="", help="batched decode sizes (llama1b only), e.g. 4,16")
+    ap.add_argument("--device", default="cuda", help="cuda or vulkan (cuda:N / vulkan:N)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("settings", nargs="+", help="VAR=VALUE[,VAR=VALUE...]")
     args = ap.parse_args()
@@ -40,7 +44,7 @@ def main() -> None:
                         os.environ.clear()
                         os.environ.update(base)
                         os.environ.update(kv.split("=", 1) for kv in st.split(",") if kv)
-                        r = B.bench(path, "cuda", batches if shape == "llama1b" else [])
+                        r = B.bench(path, args.device, batches if shape == "llama1b" else [])
                         for k, v in r.items():
                             if k != "weight_bytes":
                                 best[(st, k)] = max(best.get((st, k), 0.0), v)

@@ -12,7 +12,10 @@ time (REPLAY=0: every step recorded into the stream; BARRIERS=all: a barrier aft
 command; GEMV=0: matmul.comp's subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head,
 token); GEMM=1: gemm.comp (128 x 64 tiles) in prefill, not matmul_tile.comp's 64 x 64;
 FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the keys' rope its own
-dispatch before the KV store; MERGE=dispatch: attention's splits joined by a second dispatch),
+dispatch before the KV store; MERGE=dispatch: attention's splits joined by a second dispatch;
+I8=0: q8-mode prefill on matmul_tile.comp's f32 tiles, not the int8 GEMM; I8=plain: the int8
+GEMM without the packed dot product; I8=coop: on NV int8 cooperative matrices where present;
+FLASH=1: decoders' prefill attention on flash.comp's key tiles),
 and "old": all of them off, the stream before this work (but for the q4_0 split layout, which
 DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
 2048 makes the attention split matter more. Per-shader GPU time: run one
@@ -42,9 +45,13 @@ CONFIGS = {
     "FUSE_GLU=0": {"DASLLAMA_VULKAN_FUSE_GLU": "0"},
     "FUSE_ROPE=0": {"DASLLAMA_VULKAN_FUSE_ROPE": "0"},
     "MERGE=dispatch": {"DASLLAMA_VULKAN_ATTN_SPLIT": "dispatch"},
+    "I8=0": {"DASLLAMA_VULKAN_I8": "0"},
+    "I8=plain": {"DASLLAMA_VULKAN_I8": "plain"},
+    "I8=coop": {"DASLLAMA_VULKAN_I8": "coop"},
+    "FLASH=1": {"DASLLAMA_VULKAN_FLASH": "1"},
     "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
             "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0",
-            "DASLLAMA_VULKAN_FUSE_ROPE": "0"},
+            "DASLLAMA_VULKAN_FUSE_ROPE": "0", "DASLLAMA_VULKAN_I8": "0"},
 }
 
 

@@ -249,22 +249,43 @@ def test_matmul_q8_mode(q8_backends, wtype, n, cols):
                     f"q8 {name} {wtype} n={n} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
 
 
-@pytest.mark.parametrize("wtype", ["f16", "bf16", "q8_0", "q4_0"])
-def test_matmul_large_tiles(backends, q8_backends, wtype):
-    """A prefill of many tiles (64 x 64 on a GPU: 18 x 16 here) whose rows, tokens and k all
-    end mid-tile. f16 / bf16 as loaded exactly (f32 activations), q8_0 / q4_0 as in q8 mode."""
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("rows,cols,n", [(200, 544, 130), (67, 96, 33), (130, 2080, 70), (8200, 96, 200)])
+def test_matmul_q8_mode_prefill(q8_backends, wtype, rows, cols, n):
+    """q8 mode over many tokens (a GPU's prefill tiles: 64 or, on the largest shape, 128 rows x
+    64 tokens on Vulkan's int8 GEMM) with rows, tokens and 32-blocks that leave every tile edge
+    ragged: one matmul, and
+    three weights over the same x (which may round x once for all). As test_matmul_q8_mode:
+    the CPU's q8 sums up to the order of float adds, or f32's."""
+    rng = np.random.default_rng(rows + cols + n)
+    qt = int(T[wtype.upper()])
+    rs = [rows, 40, 129]
+    parts = [make_weight(rng, wtype, r, cols) for r in rs]
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    cases = [("matmul", "matmul", (parts[0][0], qt, rows, cols, x), x.astype(np.float64) @ parts[0][1].T),
+             ("multi", "matmul_multi", ([p[0] for p in parts], qt, rs, cols, x),
+              np.concatenate([(x.astype(np.float64) @ p[1].T).reshape(-1) for p in parts]))]
+    for name, op, args, ref in cases:
+        outs = run_all(q8_backends, op, *args)
+        for d, o in outs.items():
+            ref_ = ref.reshape(np.shape(o))
+            assert nmse(o, ref_) <= ACT_QUANT, f"q8 {name} {wtype} {rows}x{cols} n={n} on {d}: NMSE {nmse(o, ref_):.3g}"
+            if d != "cpu":
+                e_cpu, e_f32 = nmse(o, outs["cpu"]), nmse(o, ref_)
+                assert min(e_cpu, e_f32) <= F32_DOT, \
+                    f"q8 {name} {wtype} {rows}x{cols} n={n} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
+
+
+@pytest.mark.parametrize("wtype", ["f16", "bf16"])
+def test_matmul_large_tiles(backends, wtype):
+    """f16 / bf16 weights (f32 activations) over many GPU prefill tiles (64 x 64: 18 x 16 here)
+    whose rows and tokens end mid-tile (q8 mode's tiles: test_matmul_q8_mode_prefill)."""
     rng = np.random.default_rng(41)
     rows, cols, n = 1100, 416, 1000
     raw, w = make_weight(rng, wtype, rows, cols)
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    ref = x.astype(np.float64) @ w.T
-    q8 = wtype in ("q8_0", "q4_0")
-    outs = run_all(q8_backends if q8 else backends, "matmul", raw, int(T[wtype.upper()]), rows, cols, x)
-    for d, o in outs.items():
-        bar = ACT_QUANT if (q8 or d == "cpu") else F32_DOT
-        assert nmse(o, ref) <= bar, f"{wtype} {rows}x{cols} n={n} on {d}: NMSE {nmse(o, ref):.3g}"
-        if q8 and d != "cpu":  # the CPU's rounding of the activations, or f32 ones
-            assert min(nmse(o, outs["cpu"]), nmse(o, ref)) <= F32_DOT, f"{wtype} on {d} against the CPU"
+    outs = run_all(backends, "matmul", raw, int(T[wtype.upper()]), rows, cols, x)
+    check(f"matmul {wtype} {rows}x{cols} n={n}", outs, x.astype(np.float64) @ w.T, F32_DOT, ACT_QUANT)
 
 
 @pytest.mark.parametrize("wtype", MATMUL_TYPES)

@@ -146,7 +146,7 @@ def test_subgroup_path_on_lavapipe():
     env = dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1")
     probe = subprocess.run([sys.executable, "-c", "import dasllama as d; print(d.system_info()['devices']"
                             "['vulkan']['devices'][0]['features'])"], env=env, capture_output=True, text=True)
-    assert probe.stdout.strip() == "subgroup matmul", probe.stdout + probe.stderr
+    assert probe.stdout.strip().split(", ")[0] == "subgroup matmul", probe.stdout + probe.stderr
     here = os.path.dirname(__file__)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
@@ -158,6 +158,53 @@ def test_subgroup_path_on_lavapipe():
                         os.path.join(here, "test_backend_ops.py"), "-k", "matmul"],
                        env=dict(env, DASLLAMA_VULKAN_GEMM="1"), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_q8_mode_prefill_logits(tiny):
+    """A 100-token prefill in q8 mode (past the 32 tokens where a GPU's matmuls turn to tiles):
+    all-row logits equal the CPU's in q8 mode (activations rounded to int8 as it rounds them)
+    or, where the device keeps f32 activations (lavapipe's plain path), the CPU's in fp32 mode,
+    up to the order of float sums either way; the two CPU modes are 1e-4 apart."""
+    ids = [1] + np.random.default_rng(8).integers(3, E.VOCAB, 99).tolist()
+
+    def rows(mode, device):
+        m = d.load_model(tiny["q8_0"], mode, device=device)
+        s = d.create_session(m, d.KVDtype.f32, n_ctx=len(ids))
+        d.eval(m, s, ids, all_logits=True)
+        return np.array(s.logits).reshape(len(ids), -1)
+
+    got = rows(d.QuantMode.q8, "vulkan")
+    e8, e32 = nmse(got, rows(d.QuantMode.q8, "cpu")), nmse(got, rows(d.QuantMode.fp32, "cpu"))
+    assert min(e8, e32) <= LOGIT_BAR, f"q8-mode prefill: NMSE {e8:.3g} against the CPU's q8 mode, {e32:.3g} against fp32"
+
+
+def test_int8_prefill_on_lavapipe():
+    """q8-mode prefill (past 32 tokens on a GPU's path) rounds the activations to int8 blocks
+    and runs the int8 GEMM (gemm_i8.comp): forced onto the GPUs' paths here, the op harness's
+    q8-mode cases (ragged tiles; float64 numpy and the CPU's q8 sums) and a model's q8-mode
+    prefill logits (the CPU's q8 mode, since int8 ran) hold with the packed dot
+    product where lavapipe has it and with plain bytes, and the profile (which names every
+    shader dispatched) shows the int8 shaders ran (128- and 64-row tiles), not the f32 tiles;
+    where the device has int8 cooperative matrices (NVIDIA), their variant the same way."""
+    import subprocess
+
+    here = os.path.dirname(__file__)
+    feats = _VK["devices"][0]["features"]
+    dot = "int8 dot" in feats
+    runs = [("1", ("gemm_i8_", "gemm_i8h_") if dot else ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py", "test_vulkan.py")),
+            ("plain", ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py",))]
+    if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variant too
+        runs.append(("coop", ("gemm_coop_",), ("test_backend_ops.py", "test_vulkan.py")))
+    for mode, prefixes, files in runs:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"] +
+                           [os.path.join(here, f) for f in files] + ["-k", "q8_mode and not lavapipe"],
+                           env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_PROFILE="1",
+                                    DASLLAMA_VULKAN_I8=mode), capture_output=True, text=True)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        for sh in ("quant_act",) + tuple(p + t for p in prefixes for t in ("40", "41")):
+            assert sh in out, f"DASLLAMA_VULKAN_I8={mode}: {sh} did not run\n" + out[-3000:]
+        assert "matmul_tile_40" not in out and "matmul_tile_41" not in out, out[-3000:]
 
 
 def test_tiled_attention_on_lavapipe():

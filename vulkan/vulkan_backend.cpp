@@ -22,7 +22,7 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT (benchmarks/profile_vulkan.py runs them).
+// _GEMV, _GEMM, _I8, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT (benchmarks/profile_vulkan.py runs them).
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -146,6 +146,59 @@ bool use_subgroup(const vk::Api& a, VkPhysicalDevice pd, const VkPhysicalDeviceP
   return can && want;
 }
 
+// What the int8 prefill (gemm_i8.comp) may use on a device: the packed 4x8 dot product
+// (VK_KHR_shader_integer_dot_product) and NVIDIA's int8 cooperative matrices (VK_NV_cooperative_matrix
+// with an int8 x int8 -> int32 16 x 8 x 32 subgroup shape: the mma.sync tile CUDA's prefill uses).
+struct I8Caps {
+  bool dot = false, coop = false;
+};
+I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
+  uint32_t ne = 0;
+  a.vkEnumerateDeviceExtensionProperties(pd, nullptr, &ne, nullptr);
+  std::vector<VkExtensionProperties> ex(ne);
+  a.vkEnumerateDeviceExtensionProperties(pd, nullptr, &ne, ex.data());
+  auto has = [&](const char* n) {
+    for (auto& e : ex)
+      if (std::strcmp(e.extensionName, n) == 0) return true;
+    return false;
+  };
+  I8Caps c;
+  VkPhysicalDeviceShaderIntegerDotProductFeaturesKHR dp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES_KHR};
+  VkPhysicalDeviceCooperativeMatrixFeaturesNV cm{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV};
+  VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
+  VkPhysicalDeviceFeatures2 f{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+  f.pNext = &f12;
+  const bool has_dp = has(VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME), has_cm = has(VK_NV_COOPERATIVE_MATRIX_EXTENSION_NAME);
+  void** next = &f12.pNext;
+  if (has_dp) *next = &dp, next = &dp.pNext;
+  if (has_cm) *next = &cm, next = &cm.pNext;
+  a.vkGetPhysicalDeviceFeatures2(pd, &f);
+  c.dot = has_dp && dp.shaderIntegerDotProduct;
+  auto props = reinterpret_cast<PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV>(
+      a.vkGetInstanceProcAddr(a.instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV"));
+  // int8 matrices need Int8; glslang writes NV cooperative-matrix shaders in the Vulkan memory model.
+  if (has_cm && cm.cooperativeMatrix && f12.shaderInt8 && f12.vulkanMemoryModel && props) {
+    uint32_t np = 0;
+    props(pd, &np, nullptr);
+    std::vector<VkCooperativeMatrixPropertiesNV> ps(np, {VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_NV});
+    if (np) props(pd, &np, ps.data());
+    for (auto& p : ps)
+      c.coop |= p.MSize == 16 && p.NSize == 8 && p.KSize == 32 && p.AType == VK_COMPONENT_TYPE_SINT8_NV &&
+                p.BType == VK_COMPONENT_TYPE_SINT8_NV && p.CType == VK_COMPONENT_TYPE_SINT32_NV &&
+                p.DType == VK_COMPONENT_TYPE_SINT32_NV && p.scope == VK_SCOPE_SUBGROUP_NV;
+  }
+  return c;
+}
+// Asked once a device (describe() runs at every allocation's size check).
+I8Caps i8_caps(const vk::Api& a, VkPhysicalDevice pd) {
+  static std::mutex mu;
+  static std::map<VkPhysicalDevice, I8Caps> seen;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = seen.find(pd);
+  if (it == seen.end()) it = seen.emplace(pd, i8_caps_query(a, pd)).first;
+  return it->second;
+}
+
 DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t used) {
   VkPhysicalDeviceDriverProperties drv{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
   VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
@@ -163,6 +216,9 @@ DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t use
   d.free_bytes = d.total_bytes > used ? d.total_bytes - used : 0;
   const uint32_t v = p2.properties.apiVersion;
   d.features = use_subgroup(a, pd, p2.properties) ? "subgroup matmul" : "plain matmul";
+  const I8Caps ic = i8_caps(a, pd);
+  if (ic.dot) d.features += ", int8 dot";
+  if (ic.coop) d.features += ", int8 coopmat";
   d.driver = "Vulkan " + std::to_string(VK_API_VERSION_MAJOR(v)) + "." + std::to_string(VK_API_VERSION_MINOR(v)) +
              "." + std::to_string(VK_API_VERSION_PATCH(v)) + ", " + drv.driverName + " " + drv.driverInfo;
   return d;
@@ -210,8 +266,26 @@ class Ctx {
     f.pNext = &f12;
     f.features.shaderInt64 = VK_TRUE;
     f.features.shaderFloat64 = VK_TRUE;
+    // The int8 prefill's extensions, where the device has them (i8_caps).
+    const I8Caps ic = i8_caps(a, pd);
+    std::vector<const char*> exts;
+    VkPhysicalDeviceShaderIntegerDotProductFeaturesKHR dp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES_KHR};
+    VkPhysicalDeviceCooperativeMatrixFeaturesNV cm{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV};
+    if (ic.dot) {
+      dp.shaderIntegerDotProduct = VK_TRUE, dp.pNext = f12.pNext, f12.pNext = &dp;
+      exts.push_back(VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME);
+      i8dot = true;
+    }
+    if (ic.coop) {
+      cm.cooperativeMatrix = VK_TRUE, cm.pNext = f12.pNext, f12.pNext = &cm;
+      f12.shaderInt8 = VK_TRUE, f12.vulkanMemoryModel = VK_TRUE;
+      exts.push_back(VK_NV_COOPERATIVE_MATRIX_EXTENSION_NAME);
+      i8coop = true;
+    }
     VkDeviceCreateInfo dci{VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO};
     dci.pNext = &f;
+    dci.enabledExtensionCount = (uint32_t)exts.size();
+    dci.ppEnabledExtensionNames = exts.data();
     dci.queueCreateInfoCount = 1;
     dci.pQueueCreateInfos = &qci;
     vcheck(a.vkCreateDevice(pd, &dci, nullptr, &dev_), "vkCreateDevice");
@@ -268,6 +342,7 @@ class Ctx {
   std::recursive_mutex mu;
   bool subgroup = false;  // matmul and matmul_id take the subgroup path
   uint32_t subgroup_size = 32;
+  bool i8dot = false, i8coop = false;  // enabled at device creation (i8_caps)
   uint32_t max_shared() const { return props_.limits.maxComputeSharedMemorySize; }
 
   DeviceInfo info() const { return describe(a_, pd_, index_, used_); }
@@ -892,6 +967,7 @@ class VulkanBackend final : public Backend {
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     rope_tables_.clear();
+    i8_buf_.reset();
     attn_part_.reset();
     attn_cnt_.reset();
     glu_cnt_.reset();
@@ -995,6 +1071,71 @@ class VulkanBackend final : public Backend {
     }();
     return on;
   }
+  // DASLLAMA_VULKAN_I8: q8-mode prefill (past kTileMin tokens, the split q8_0 / q4_0 layouts,
+  // weights not exact) on int8: the activations rounded to 8-bit blocks of 32 as the CPU's q8
+  // mode rounds them (quant_act.comp), then gemm_i8.comp's integer block sums. Unset or 1: the
+  // packed 4x8 dot product where the device has it, else bytes; "plain": bytes; "coop": NVIDIA's
+  // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
+  // 0: the f32 tiles of matmul_tile.comp (as before the eleventh session). Read at each prefill
+  // matmul (not once a process), so benchmarks/ab_cuda.py can switch it between model loads.
+  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop };
+  static I8Mode i8_mode() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_I8");
+    if (!e || !*e || std::strcmp(e, "1") == 0) return kI8Auto;
+    if (std::strcmp(e, "plain") == 0) return kI8Plain;
+    if (std::strcmp(e, "coop") == 0) return kI8Coop;
+    return kI8Off;
+  }
+  bool i8_fits(const Weight& w, const float* x, int64_t n) const {
+    check_w(w);
+    const uint32_t t = lay_type(w);
+    return i8_mode() != kI8Off && !w.exact && (t == kQ8Split || t == kQ4Split) && w.cols % 32 == 0 && w.rows > 0 &&
+           lay_rb(w) % 16 == 0 && A(w.data) % 16 == 0 && A(x) % 16 == 0 && n <= kMaxGroups;
+  }
+  // x's n rows (cols wide) rounded into the int8 scratch: quants [n][cols], then scales [n][cols / 32];
+  // norm: RMS-normed first (times norm_w where given), as rms_norm would have.
+  void quant_act(const float* x, int64_t n, int64_t cols, bool norm = false, const float* norm_w = nullptr,
+                 float eps = 0.f) {
+    const size_t qb = ((size_t)(n * cols) + 255) & ~size_t(255), db = (size_t)(n * (cols / 32)) * 4;
+    if (!i8_buf_ || i8_buf_->size() < qb + db) {
+      i8_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
+      i8_buf_ = alloc(std::max<size_t>(qb + db, 4 << 20), "int8 activations");
+    }
+    i8_xq_ = A(i8_buf_->data()), i8_xd_ = i8_xq_ + qb;
+    struct {
+      uint64_t x, xq, xd, nw;
+      uint32_t cols, n, flags;
+      float eps;
+    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps};
+    c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
+              {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
+    c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 63) / 64), (uint32_t)n);
+  }
+  // y = w x over the activations quant_act just rounded; accumulate: y += it (one f32 add, as
+  // the add op does).
+  void gemm_i8(const Weight& w, float* y, int64_t n, bool accumulate = false) {
+    struct {
+      uint64_t w, xq, xd, y, row_bytes;
+      uint32_t rows, cols, n, flags;
+    } pc{A(w.data), i8_xq_, i8_xd_, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, accumulate ? 1u : 0u};
+    c_->uses({{A(w.data), Ctx::kWhole, false}, {i8_xq_, (uint64_t)(n * w.cols), false},
+              {i8_xd_, (uint64_t)(n * (w.cols / 32) * 4), false}, {A(y), (uint64_t)(n * w.rows * 4), true}});
+    const I8Mode m = i8_mode();
+    const uint32_t t = lay_type(w);
+    const bool q8 = t == kQ8Split;
+    // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
+    const uint32_t nt = (uint32_t)((n + 63) / 64);
+    if (m == kI8Coop && c_->i8coop && c_->subgroup_size == 32) {
+      c_->dispatch(q8 ? "gemm_coop_40" : "gemm_coop_41", &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
+      return;
+    }
+    // 128-row tiles, or 64 where fewer than 256 tiles of 128 would leave a large GPU's cores
+    // without a second workgroup each (attention's projections of a short prefill).
+    const bool dot = m != kI8Plain && c_->i8dot, half = (int64_t)nt * ((w.rows + 127) / 128) < 256;
+    static const char* const names[2][2][2] = {{{"gemm_i8p_41", "gemm_i8ph_41"}, {"gemm_i8_41", "gemm_i8h_41"}},
+                                               {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
+    c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
+  }
   // DASLLAMA_VULKAN_GEMV=0: decode matmuls on matmul.comp's subgroup path (for A/B runs).
   static bool gemv_on() {
     static const bool on = [] {
@@ -1054,6 +1195,11 @@ class VulkanBackend final : public Backend {
       c_->uses({{A(w.data), Ctx::kWhole, false}, {A(x), (uint64_t)(n * w.cols * 4), false},
                 {A(y), (uint64_t)(n * w.rows * 4), true}});
     };
+    if (c_->subgroup && n > kTileMin && i8_fits(w, x, n)) {  // q8-mode prefill: int8 tiles
+      quant_act(x, n, w.cols);
+      gemm_i8(w, y, n);
+      return;
+    }
     if (c_->subgroup && n > kTileMin) {  // prefill: output tiles through shared memory
       use();
       const bool g = gemm_on();  // 128 rows x 64 tokens (gemm.comp), else 64 x 64 (matmul_tile.comp)
@@ -1073,6 +1219,18 @@ class VulkanBackend final : public Backend {
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
+    if (c_->subgroup && n > kTileMin && count > 1) {  // q8-mode prefill: x rounded once for all
+      bool all = true;
+      for (int i = 0; all && i < count; ++i) all = ws[i]->cols == ws[0]->cols && i8_fits(*ws[i], x, n);
+      if (all) {
+        Lock g(c_->mu);
+        c_->note_rows(n);
+        quant_act(x, n, ws[0]->cols);
+        for (int i = 0; i < count; ++i)
+          if (ws[i]->rows > 0) gemm_i8(*ws[i], ys[i], n);
+        return;
+      }
+    }
     if (!sg_fits(ws, count, n)) {
       for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
       return;
@@ -1086,7 +1244,20 @@ class VulkanBackend final : public Backend {
   void matmul_step(const MatmulStep& s) override {
     if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
       throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
-    if (!sg_fits(s.w, s.count, s.n)) return Backend::matmul_step(s);
+    if (!sg_fits(s.w, s.count, s.n)) {
+      // q8-mode prefill: the norm done by the rounding of x (quant_act), a residual added by the
+      // int8 GEMM as it stores (the values of rms_norm and add): two dispatches and passes fewer.
+      bool i8 = c_->subgroup && s.n > kTileMin && (!s.norm || A(s.norm_w) % 4 == 0);
+      for (int i = 0; i8 && i < s.count; ++i) i8 = s.w[i]->cols == s.w[0]->cols && i8_fits(*s.w[i], s.x, s.n);
+      if (!i8) return Backend::matmul_step(s);
+      Lock g(c_->mu);
+      c_->note_rows(s.n);
+      quant_act(s.x, s.n, s.w[0]->cols, s.norm, s.norm_w, s.eps);
+      if (s.residual) return gemm_i8(*s.w[0], s.residual, s.n, true);
+      for (int i = 0; i < s.count; ++i)
+        if (s.w[i]->rows > 0) gemm_i8(*s.w[i], s.y[i], s.n);
+      return;
+    }
     Lock g(c_->mu);
     // With a residual the product goes straight into it (y[0] and xn are scratch to callers).
     float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
@@ -1639,6 +1810,8 @@ class VulkanBackend final : public Backend {
   } rope_;
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's GLU counter
+  BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
+  uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
   size_t part_at_ = 0, cnt_at_ = 0;  // the rings' next regions (bytes, slots); 0 at a step's start
   std::unordered_map<uint32_t, std::string> sg_names_;  // matmul_sg_<type>
