@@ -2,6 +2,7 @@
 (real-time factor, word error rate) against faster-whisper's, interleaved rep by rep in one run.
 
     python benchmarks/bench_asr.py [--threads 2] [--reps 3] [--encoder-only] [--core DIR] [--cpu-time]
+    python benchmarks/bench_asr.py --ours-only --device cuda --model whisper-tiny.en.gguf   # a GPU machine
 
 Both sides read the same pulled CTranslate2 files (``dasllama pull whisper-tiny.en``; ours through
 ``dasllama convert``), in float32, with the same thread count. Encoder: ours is mel (C++) + encoder
@@ -49,24 +50,32 @@ def main() -> None:
     ap.add_argument("--encoder-only", action="store_true")
     ap.add_argument("--core", default=None)
     ap.add_argument("--cpu-time", action="store_true")
+    ap.add_argument("--device", default=None, help="ours on this device (cuda, vulkan); the peers stay on the CPU")
+    ap.add_argument("--model", default=None, help="our whisper GGUF (default: converted from the pulled files)")
+    ap.add_argument("--ours-only", action="store_true",
+                    help="time ours alone (a GPU machine without CTranslate2 or the network)")
     args = ap.parse_args()
     if args.core:
         load_core(args.core)
-
-    import ctranslate2
-    from faster_whisper import WhisperModel
-    from transformers import WhisperFeatureExtractor
 
     import dasllama as d
     from dasllama import cli, hub
     from asr_script import SENTENCES, long_clip, wer
     from speech import speak
 
+    gguf = args.model
+    if gguf is None:
+        gguf = os.path.join(tempfile.mkdtemp(), "whisper-tiny.en.gguf")
+        cli.main(["convert", "whisper-tiny.en", gguf])
+    model = d.load_asr_model(gguf, n_threads=args.threads, device=args.device)
+    if args.ours_only:
+        return ours_only(d, model, speak, SENTENCES, long_clip, wer, args.reps)
+
+    import ctranslate2
+    from faster_whisper import WhisperModel
+    from transformers import WhisperFeatureExtractor
+
     ct2_dir = str(hub.pull("whisper-tiny.en"))
-    tmp = tempfile.mkdtemp()
-    gguf = os.path.join(tmp, "whisper-tiny.en.gguf")
-    cli.main(["convert", "whisper-tiny.en", gguf])
-    model = d.load_asr_model(gguf, n_threads=args.threads)
     ct2 = ctranslate2.models.Whisper(ct2_dir, device="cpu", compute_type="float32", intra_threads=args.threads)
     fw = WhisperModel(ct2_dir, device="cpu", compute_type="float32", cpu_threads=args.threads)
 
@@ -98,7 +107,7 @@ def main() -> None:
         return
 
     # -- whole transcriptions --------------------------------------------------------------------------
-    settings = dict(compression_ratio_threshold=2.4, no_speech_threshold=0.6, condition_on_previous_text=False)
+    settings = SETTINGS
     clips = {"one sentence": (speak(SENTENCES[0]), SENTENCES[0]),
              "eight sentences": (long_clip(), " ".join(SENTENCES))}
     print("| clip | seconds | dasllama s | dasllama RTF | faster-whisper s | faster-whisper RTF | WER ours | "
@@ -120,6 +129,31 @@ def main() -> None:
         a, b = min(ours_t), min(fw_t)
         print(f"| {name} | {dur:.1f} | {a:.2f} | {a / dur:.3f} | {b:.2f} | {b / dur:.3f} | "
               f"{wer(ours_text, script):.3f} | {wer(fw_text, script):.3f} | {ours_text == fw_text} |")
+
+
+SETTINGS = dict(compression_ratio_threshold=2.4, no_speech_threshold=0.6, condition_on_previous_text=False)
+
+
+def ours_only(d, model, speak, sentences, long_clip, wer, reps) -> None:
+    """Our encoder of a 30 s window and the two transcriptions, timed alone (best of reps)."""
+    x30 = np.resize(speak(sentences[0]), 30 * 16000).astype(np.float32)
+    state = d.AudioState()
+    d.encode_audio_rows(model.encoder, x30, state, full_window=True)  # warm-up
+    enc = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        d.encode_audio_rows(model.encoder, x30, state, full_window=True)
+        enc.append(time.perf_counter() - t)
+    print(f"encoder 30 s window (mel + encoder): {min(enc) * 1e3:.1f} ms", flush=True)
+    for name, (x, script) in {"one sentence": (speak(sentences[0]), sentences[0]),
+                              "eight sentences": (long_clip(), " ".join(sentences))}.items():
+        ts, text = [], ""
+        for _ in range(reps):
+            t = time.perf_counter()
+            text = d.transcribe(model, x, logprob_threshold=-1.0, **SETTINGS).text
+            ts.append(time.perf_counter() - t)
+        dur = len(x) / 16000
+        print(f"{name} ({dur:.1f} s): {min(ts):.3f} s, RTF {min(ts) / dur:.4f}, WER {wer(text, script):.3f}", flush=True)
 
 
 if __name__ == "__main__":
