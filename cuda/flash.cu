@@ -6,6 +6,7 @@
 // from the decode kernel's.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "attn.cuh"
 #include "common.cuh"
@@ -18,15 +19,18 @@ namespace {
 // x 16 key / column lanes (tx): a thread scores RT rows x CT keys of a tile and accumulates RT
 // rows x HD / 16 output columns (tx + 16 c, so a half-warp reads 16 consecutive V floats).
 // Tiles sized for 2-3 blocks an SM (60-107 KB of shared memory).
-template <int HD> struct FlashShape {
-  static constexpr int BR = HD <= 128 ? 64 : 32, BC = HD <= 64 ? 64 : 32, RT = BR / 8, CT = BC / 16, OC = HD / 16;
+// BR_ 32 halves a block's rows where 64-row blocks would not fill the GPU twice over (a 512-token
+// prefill of 32 heads: 256 blocks), so the causal last tiles, which walk every key, are half as
+// long and twice as many blocks share the SMs.
+template <int HD, int BR_ = (HD <= 128 ? 64 : 32)> struct FlashShape {
+  static constexpr int BR = BR_, BC = HD <= 64 ? 64 : 32, RT = BR / 8, CT = BC / 16, OC = HD / 16;
   static constexpr int KS = BC + 4;  // Kt / Ps row stride: float4-aligned
   static constexpr int smem_floats = HD * BR + HD * KS + BC * HD + BR * KS;
 };
 
-template <int KT, int HD>
+template <int KT, int HD, int BR_>
 __global__ void __launch_bounds__(128) flash_k(AttnArgs a) {
-  using S = FlashShape<HD>;
+  using S = FlashShape<HD, BR_>;
   constexpr int BR = S::BR, BC = S::BC, RT = S::RT, CT = S::CT, OC = S::OC, KS = S::KS;
   extern __shared__ __align__(16) float fsm[];
   float* Qt = fsm;              // [HD][BR]: Q transposed
@@ -164,18 +168,32 @@ __global__ void __launch_bounds__(128) flash_k(AttnArgs a) {
   }
 }
 
-template <int KT, int HD>
-void launch_flash(const AttnArgs& a, cudaStream_t st) {
-  using S = FlashShape<HD>;
+template <int KT, int HD, int BR>
+void launch_flash_br(const AttnArgs& a, cudaStream_t st) {
+  using S = FlashShape<HD, BR>;
   const size_t smem = S::smem_floats * sizeof(float);
   static bool set = [&] {
-    return cudaFuncSetAttribute(flash_k<KT, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ==
+    return cudaFuncSetAttribute(flash_k<KT, HD, BR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ==
            cudaSuccess;
   }();
   if (!set) throw DeviceError("cuda flash attention: the device refuses " + std::to_string(smem) + " bytes of shared memory");
   const dim3 grid((unsigned)ceil_div(a.n_tok, S::BR), (unsigned)a.n_heads);
-  flash_k<KT, HD><<<grid, 128, smem, st>>>(a);
+  flash_k<KT, HD, BR><<<grid, 128, smem, st>>>(a);
   check_launch("flash attention");
+}
+
+// DASLLAMA_CUDA_FLASH_BR=64 / 32 forces the rows a block takes (head sizes up to 128).
+template <int KT, int HD>
+void launch_flash(const AttnArgs& a, cudaStream_t st) {
+  if constexpr (HD <= 128) {
+    const char* e = std::getenv("DASLLAMA_CUDA_FLASH_BR");
+    const int forced = e ? std::atoi(e) : 0;
+    int sms = 132, dev = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    const bool small = forced ? forced == 32 : ceil_div(a.n_tok, 64) * a.n_heads < 2 * (int64_t)sms;
+    if (small) return launch_flash_br<KT, HD, 32>(a, st);
+  }
+  launch_flash_br<KT, HD, FlashShape<HD>::BR>(a, st);
 }
 
 template <int KT>
