@@ -508,11 +508,14 @@ __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ 
     for (int w = 0; w < 8; ++w) tot += sh[w];
     sc = (float)(1.0 / sqrt(tot / cols + eps));
   }
-  if (b >= nb) return;
-  const int64_t i = b * 32 + lane;
-  float v = xr[i];
-  if (norm) v = nw ? __fmul_rn(v, sc) * nw[i] : v * sc;
-  quant_store(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
+  // A grid one block wide (normed prefill rows) walks all of the row's blocks: the norm's sum
+  // is then formed once a row, not once per 8 blocks (the same sum, the same bits).
+  for (int64_t bb = b; bb < nb; bb += gridDim.x == 1 ? 8 : nb) {
+    const int64_t i = bb * 32 + lane;
+    float v = xr[i];
+    if (norm) v = nw ? __fmul_rn(v, sc) * nw[i] : v * sc;
+    quant_store(v, lane, t * cols + i, t * nb + bb, xq, xd, xs);
+  }
 }
 
 // The down projection's input in q8 mode: the GLU (written out as the glu op does) and its
@@ -692,7 +695,9 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   if (cols % 32 != 0) throw Error("cuda quantize_act: cols must be a multiple of 32");
   GemvJob j;
   point_qact(j, q, n, cols);
-  launch(quantize_act_k, dim3((unsigned)ceil_div(cols / 32, 8), (unsigned)n), 256, 0, st, x, cols, norm, norm_w, eps, const_cast<int8_t*>(j.xq),
+  // Decode keeps its rows' blocks spread over blocks (latency); normed prefill rows take one.
+  const unsigned gx = norm && n >= 16 ? 1u : (unsigned)ceil_div(cols / 32, 8);
+  launch(quantize_act_k, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm, norm_w, eps, const_cast<int8_t*>(j.xq),
                                              const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
   check_launch("quantize_act");
 }
