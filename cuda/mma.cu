@@ -204,6 +204,35 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
+// The tile kernels' copy pipeline, S stages of `step` k units each: stages_begin issues the
+// first S - 1 (their weights before the wait for the activations: weights are constant), one
+// commit group a stage, empty past the end so the waits count right; stage_ready(s) waits for
+// stage s, then refills the buffer stage s - 1 used (every thread is past it) with stage
+// s + S - 1.
+template <int S, class LW, class LX>
+__device__ __forceinline__ void stages_begin(int64_t stages, int64_t step, LW load_w, LX load_x) {
+#pragma unroll
+  for (int p = 0; p < S - 1; ++p)
+    if (p < stages) load_w(p, p * step);
+  pdl_wait();
+  pdl_trigger();
+#pragma unroll
+  for (int p = 0; p < S - 1; ++p) {
+    if (p < stages) load_x(p, p * step);
+    cp_commit();
+  }
+}
+template <int S, class LW, class LX>
+__device__ __forceinline__ void stage_ready(int64_t s, int64_t stages, int64_t step, LW load_w, LX load_x) {
+  cp_wait<S - 2>();
+  __syncthreads();
+  if (s + S - 1 < stages) {
+    const int nx = (int)((s + S - 1) % S);
+    load_w(nx, (s + S - 1) * step), load_x(nx, (s + S - 1) * step);
+  }
+  cp_commit();
+}
+
 constexpr int kTileM = 64, kTileN = 64, kTileKB = 4, kStages = 2;
 
 template <uint32_t T>
@@ -263,28 +292,11 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
 
-  // S - 1 stages in flight ahead of the one computed. The weights are constant, so the first
-  // stages' copies start before the wait for the activations.
   const int64_t stages = (nb + KB - 1) / KB;
-#pragma unroll
-  for (int p = 0; p < S - 1; ++p)
-    if (p < stages) load_w(p, p * KB);
-  pdl_wait();
-  pdl_trigger();
-#pragma unroll
-  for (int p = 0; p < S - 1; ++p) {
-    if (p < stages) load_x(p, p * KB);
-    cp_commit();  // one group a stage, empty past the end, so the wait below counts right
-  }
+  stages_begin<S>(stages, KB, load_w, load_x);
   for (int64_t s = 0; s < stages; ++s) {
     const int st = (int)(s % S);
-    cp_wait<S - 2>();
-    __syncthreads();  // stage s is in for every thread; stage s - 1's buffer is free to refill
-    if (s + S - 1 < stages) {
-      const int nx = (int)((s + S - 1) % S);
-      load_w(nx, (s + S - 1) * KB), load_x(nx, (s + S - 1) * KB);
-    }
-    cp_commit();
+    stage_ready<S>(s, stages, KB, load_w, load_x);
 #pragma unroll 1
     for (int u = 0; u < KB; ++u) {
       if (s * KB + u >= nb) break;
@@ -458,25 +470,10 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_f16_k(const uint8_
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
   const int64_t stages = (cols + BK - 1) / BK;
-#pragma unroll
-  for (int p = 0; p < S - 1; ++p)
-    if (p < stages) load_w(p, p * BK);
-  pdl_wait();
-  pdl_trigger();
-#pragma unroll
-  for (int p = 0; p < S - 1; ++p) {
-    if (p < stages) load_x(p, p * BK);
-    cp_commit();
-  }
+  stages_begin<S>(stages, BK, load_w, load_x);
   for (int64_t s = 0; s < stages; ++s) {
     const int st = (int)(s % S);
-    cp_wait<S - 2>();
-    __syncthreads();
-    if (s + S - 1 < stages) {
-      const int nx = (int)((s + S - 1) % S);
-      load_w(nx, (s + S - 1) * BK), load_x(nx, (s + S - 1) * BK);
-    }
-    cp_commit();
+    stage_ready<S>(s, stages, BK, load_w, load_x);
 #pragma unroll
     for (int kk = 0; kk < BK / 8; ++kk) {
       uint32_t a[2][4];

@@ -240,13 +240,19 @@ def test_matmul_q8_mode(q8_backends, wtype, n, cols):
          res + x.astype(np.float64) @ parts[0][1].T),
     ]
     for name, op, args, ref in cases:
-        outs = run_all(q8_backends, op, *args)
-        for d, o in outs.items():
-            assert nmse(o, ref) <= ACT_QUANT, f"q8 {name} {wtype} n={n} on {d}: NMSE {nmse(o, ref):.3g}"
-            if d != "cpu":
-                e_cpu, e_f32 = nmse(o, outs["cpu"]), nmse(o, ref)
-                assert min(e_cpu, e_f32) <= F32_DOT, \
-                    f"q8 {name} {wtype} n={n} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
+        check_q8(f"q8 {name} {wtype} n={n}", run_all(q8_backends, op, *args), ref)
+
+
+def check_q8(name, outs, ref):
+    """q8 mode's bars: every backend in the ACT_QUANT class against float64; a device backend
+    equal to the CPU's q8 sums up to the order of float adds, or to f32's at the f32 bar."""
+    for d, o in outs.items():
+        ref_ = ref.reshape(np.shape(o))
+        assert nmse(o, ref_) <= ACT_QUANT, f"{name} on {d}: NMSE {nmse(o, ref_):.3g}"
+        if d != "cpu":
+            e_cpu, e_f32 = nmse(o, outs["cpu"]), nmse(o, ref_)
+            assert min(e_cpu, e_f32) <= F32_DOT, \
+                f"{name} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
@@ -266,14 +272,7 @@ def test_matmul_q8_mode_prefill(q8_backends, wtype, rows, cols, n):
              ("multi", "matmul_multi", ([p[0] for p in parts], qt, rs, cols, x),
               np.concatenate([(x.astype(np.float64) @ p[1].T).reshape(-1) for p in parts]))]
     for name, op, args, ref in cases:
-        outs = run_all(q8_backends, op, *args)
-        for d, o in outs.items():
-            ref_ = ref.reshape(np.shape(o))
-            assert nmse(o, ref_) <= ACT_QUANT, f"q8 {name} {wtype} {rows}x{cols} n={n} on {d}: NMSE {nmse(o, ref_):.3g}"
-            if d != "cpu":
-                e_cpu, e_f32 = nmse(o, outs["cpu"]), nmse(o, ref_)
-                assert min(e_cpu, e_f32) <= F32_DOT, \
-                    f"q8 {name} {wtype} {rows}x{cols} n={n} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
+        check_q8(f"q8 {name} {wtype} {rows}x{cols} n={n}", run_all(q8_backends, op, *args), ref)
 
 
 @pytest.mark.parametrize("wtype", ["f16", "bf16"])
