@@ -60,8 +60,8 @@ std::vector<StepEvent> Stepper::step(bool prefill, int64_t* n_decoded) {
   if (prefill) {
     // Prefill rows up to the chunk, from the streams still prefilling, oldest first: many short
     // prompts arriving together start in one step, not one step each. The first is next_prefill;
-    // a later one whose remaining prompt holds media rows waits its turn as the first (its
-    // caller prefills those itself).
+    // a later one with media rows anywhere in its prompt waits its turn as the first (its
+    // caller prefills media turns itself, text runs included).
     order_.clear();
     for (int i = 0; i < (int)jobs_.size(); ++i)
       if (jobs_[i].active && jobs_[i].next_tok < 0) order_.push_back(i);
@@ -78,7 +78,7 @@ std::vector<StepEvent> Stepper::step(bool prefill, int64_t* n_decoded) {
           if (j.prompt[i] < 0)  // embedding rows are the caller's to prefill (see next_prefill)
             throw Error("Stepper: prompt position " + std::to_string(i) +
                         " is a media row; prefill it with step(false)");
-      } else if (std::any_of(j.prompt.begin() + lo, j.prompt.end(), [](int32_t t) { return t < 0; })) {
+      } else if (std::any_of(j.prompt.begin(), j.prompt.end(), [](int32_t t) { return t < 0; })) {
         continue;
       }
       batch_.push_back(&s);
