@@ -246,6 +246,29 @@ def test_q8_mode_rows_alike_at_any_token_count(wtype):
                 f"(max {np.abs(part[k] - full[k][sel]).max():.3g})"
 
 
+def test_q8_mode_ragged_step_past_32_rows(tiny):
+    """q8 mode end to end: two sessions decoding in one step beside a 40-token prefill (a step
+    of 42 rows, past the 32 where a GPU's matmuls turn to the int8 GEMM) get the logits each
+    gets decoding alone (a 1-row step, the GEMV). Run on the GPUs' paths by
+    test_int8_prefill_on_lavapipe."""
+    ids = [1] + np.random.default_rng(5).integers(3, E.VOCAB, 60).tolist()
+    m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+    pool = d.create_kv_pool(m, page_rows=16)
+    ss = [d.create_session(m, pool) for _ in range(3)]
+    alone = []
+    for i, s in enumerate(ss[1:]):
+        d.eval(m, s, ids[:10 + i])
+        t = d.create_session(m, pool)
+        d.eval(m, t, ids[:10 + i])
+        d.eval(m, t, [7])
+        alone.append(np.array(t.logits))
+        d.release_kv_pages(t)
+    d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[:40], 7, 7])
+    for s, want in zip(ss[1:], alone):
+        got = np.array(s.logits)
+        assert np.array_equal(got, want), f"a decode beside a prefill against itself alone: NMSE {nmse(got, want):.3g}"
+
+
 def test_tiled_attention_on_lavapipe():
     """Prefill rows take the tiled attention (flash.comp) only when asked (encoders' rows take it
     by default); forced onto decoders' prefills here, the op harness's attention cases (several
