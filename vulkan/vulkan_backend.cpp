@@ -1078,22 +1078,26 @@ class VulkanBackend final : public Backend {
   // whether or not its step carries a prefill (batched equals alone). Unset or 1: the
   // packed 4x8 dot product where the device has it, else bytes; "plain": bytes; "coop": NVIDIA's
   // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
-  // 0: the f32 tiles of matmul_tile.comp (as before the eleventh session). Read at each prefill
-  // matmul (not once a process), so benchmarks/ab_cuda.py can switch it between model loads.
-  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop };
+  // 0: f32 activations (matmul_tile.comp, gemv.comp; as before the eleventh session);
+  // "prefill": int8 past kTileMin only, f32 GEMV below (a decode A/B only: rows then differ by
+  // the step's size). Read at each matmul (not once a process), so benchmarks/ab_cuda.py can
+  // switch it between model loads.
+  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop, kI8Prefill };
   static I8Mode i8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_I8");
     if (!e || !*e || std::strcmp(e, "1") == 0) return kI8Auto;
     if (std::strcmp(e, "plain") == 0) return kI8Plain;
     if (std::strcmp(e, "coop") == 0) return kI8Coop;
+    if (std::strcmp(e, "prefill") == 0) return kI8Prefill;
     return kI8Off;
   }
   bool i8_fits(const Weight& w, const float* x, int64_t n) const {
     check_w(w);
     const uint32_t t = lay_type(w);
-    return i8_mode() != kI8Off && !w.exact && (t == kQ8Split || t == kQ4Split) && w.cols % 32 == 0 && w.rows > 0 &&
+    const I8Mode m = i8_mode();
+    return m != kI8Off && !w.exact && (t == kQ8Split || t == kQ4Split) && w.cols % 32 == 0 && w.rows > 0 &&
            lay_rb(w) % 16 == 0 && A(w.data) % 16 == 0 && A(x) % 16 == 0 && n <= kMaxGroups &&
-           (n > kTileMin || (w.rows + 7) / 8 <= kMaxGroups);
+           (n > kTileMin || (m != kI8Prefill && (w.rows + 7) / 8 <= kMaxGroups));
   }
   // x's n rows (cols wide) rounded into the int8 scratch: quants [n][cols], then scales [n][cols / 32];
   // norm: RMS-normed first (times norm_w where given), as rms_norm would have.
