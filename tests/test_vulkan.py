@@ -180,7 +180,7 @@ def test_q8_mode_prefill_logits(tiny):
 
 def test_int8_prefill_on_lavapipe():
     """q8-mode prefill (past 32 tokens on a GPU's path) rounds the activations to int8 blocks
-    and runs the int8 GEMM (gemm_i8.comp): forced onto the GPUs' paths here, the op harness's
+    and runs the int8 GEMM (gemm_i8.comp; the int8 GEMV, gemv_i8.comp, up to 32 tokens): forced onto the GPUs' paths here, the op harness's
     q8-mode cases (ragged tiles; float64 numpy and the CPU's q8 sums) and a model's q8-mode
     prefill logits (the CPU's q8 mode, since int8 ran) hold with the packed dot
     product where lavapipe has it and with plain bytes, and the profile (which names every
@@ -191,10 +191,11 @@ def test_int8_prefill_on_lavapipe():
     here = os.path.dirname(__file__)
     feats = _VK["devices"][0]["features"]
     dot = "int8 dot" in feats
-    runs = [("1", ("gemm_i8_", "gemm_i8h_") if dot else ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py", "test_vulkan.py")),
-            ("plain", ("gemm_i8p_", "gemm_i8ph_"), ("test_backend_ops.py",))]
+    runs = [("1", ("gemm_i8_", "gemm_i8h_", "gemv_i8_") if dot else ("gemm_i8p_", "gemm_i8ph_", "gemv_i8p_"),
+             ("test_backend_ops.py", "test_vulkan.py")),
+            ("plain", ("gemm_i8p_", "gemm_i8ph_", "gemv_i8p_"), ("test_backend_ops.py",))]
     if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variant too
-        runs.append(("coop", ("gemm_coop_",), ("test_backend_ops.py", "test_vulkan.py")))
+        runs.append(("coop", ("gemm_coop_", "gemv_i8_"), ("test_backend_ops.py", "test_vulkan.py")))
     for mode, prefixes, files in runs:
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"] +
                            [os.path.join(here, f) for f in files] + ["-k", "q8_mode and not lavapipe"],
@@ -205,6 +206,67 @@ def test_int8_prefill_on_lavapipe():
         for sh in ("quant_act",) + tuple(p + t for p in prefixes for t in ("40", "41")):
             assert sh in out, f"DASLLAMA_VULKAN_I8={mode}: {sh} did not run\n" + out[-3000:]
         assert "matmul_tile_40" not in out and "matmul_tile_41" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
+def test_q8_mode_rows_alike_at_any_token_count(wtype):
+    """Batched equals alone across the 32 tokens where a GPU's q8-mode matmul turns from the
+    GEMV to the int8 GEMM: token rows computed alone (1 token), in a decode-sized batch (20)
+    and inside a 100-token matmul are bit for bit the same, plain, normed (a step's fused RMS
+    norm) and into a residual. Forced onto the GPUs' paths by test_int8_prefill_on_lavapipe,
+    which also checks that the int8 GEMV and GEMM ran; lavapipe's own plain path is held to it
+    too. The values against the CPU and float64 numpy: test_backend_ops.py's q8_mode cases."""
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    dev = "vulkan:%d" % _VK["devices"][0]["index"]
+    be = d._core.Backend(dev, exact=False)
+    rng = np.random.default_rng(71)
+    qt = T[wtype.upper()]
+    rows, cols, n = 200, 2080, 100  # 65 blocks of k: chunk and stage edges ragged
+    raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.5, qt)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    res = rng.standard_normal((n, rows)).astype(np.float32)
+
+    def run(sel):
+        xs = np.ascontiguousarray(x[sel])
+        return {"matmul": np.asarray(be.matmul(raw, int(qt), rows, cols, xs)).reshape(len(xs), rows),
+                "norm": np.asarray(be.matmul_step([raw], int(qt), [rows], cols, xs, True, nw, 1e-6, None)
+                                   ).reshape(len(xs), rows),
+                "residual": np.asarray(be.matmul_step([raw], int(qt), [rows], cols, xs, False, None, 0.0,
+                                                      np.ascontiguousarray(res[sel]))).reshape(len(xs), rows)}
+
+    full = run(slice(0, n))
+    for sel in (slice(37, 38), slice(0, 1), slice(60, 80)):
+        part = run(sel)
+        for k in full:
+            assert np.array_equal(part[k], full[k][sel]), \
+                f"{wtype} {k}: rows {sel.start}..{sel.stop - 1} alone differ from the same rows in {n} tokens " \
+                f"(max {np.abs(part[k] - full[k][sel]).max():.3g})"
+
+
+def test_q8_mode_ragged_step_past_32_rows(tiny):
+    """q8 mode end to end: two sessions decoding in one step beside a 40-token prefill (a step
+    of 42 rows, past the 32 where a GPU's matmuls turn to the int8 GEMM) get the logits each
+    gets decoding alone (a 1-row step, the GEMV). Run on the GPUs' paths by
+    test_int8_prefill_on_lavapipe."""
+    ids = [1] + np.random.default_rng(5).integers(3, E.VOCAB, 60).tolist()
+    m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+    pool = d.create_kv_pool(m, page_rows=16)
+    ss = [d.create_session(m, pool) for _ in range(3)]
+    alone = []
+    for i, s in enumerate(ss[1:]):
+        d.eval(m, s, ids[:10 + i])
+        t = d.create_session(m, pool)
+        d.eval(m, t, ids[:10 + i])
+        d.eval(m, t, [7])
+        alone.append(np.array(t.logits))
+        d.release_kv_pages(t)
+    d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[:40], 7, 7])
+    for s, want in zip(ss[1:], alone):
+        got = np.array(s.logits)
+        assert np.array_equal(got, want), f"a decode beside a prefill against itself alone: NMSE {nmse(got, want):.3g}"
 
 
 def test_tiled_attention_on_lavapipe():

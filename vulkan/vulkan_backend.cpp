@@ -1071,26 +1071,33 @@ class VulkanBackend final : public Backend {
     }();
     return on;
   }
-  // DASLLAMA_VULKAN_I8: q8-mode prefill (past kTileMin tokens, the split q8_0 / q4_0 layouts,
-  // weights not exact) on int8: the activations rounded to 8-bit blocks of 32 as the CPU's q8
-  // mode rounds them (quant_act.comp), then gemm_i8.comp's integer block sums. Unset or 1: the
+  // DASLLAMA_VULKAN_I8: q8-mode matmuls (the split q8_0 / q4_0 layouts, weights not exact, GPUs'
+  // subgroup path) on int8: the activations rounded to 8-bit blocks of 32 as the CPU's q8 mode
+  // rounds them (quant_act.comp), then integer block sums: gemm_i8.comp past kTileMin tokens,
+  // gemv_i8.comp up to it, which add a row's block terms alike, so a session's rows are the same
+  // whether or not its step carries a prefill (batched equals alone). Unset or 1: the
   // packed 4x8 dot product where the device has it, else bytes; "plain": bytes; "coop": NVIDIA's
   // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
-  // 0: the f32 tiles of matmul_tile.comp (as before the eleventh session). Read at each prefill
-  // matmul (not once a process), so benchmarks/ab_cuda.py can switch it between model loads.
-  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop };
+  // 0: f32 activations (matmul_tile.comp, gemv.comp; as before the eleventh session);
+  // "prefill": int8 past kTileMin only, f32 GEMV below (a decode A/B only: rows then differ by
+  // the step's size). Read at each matmul (not once a process), so benchmarks/ab_cuda.py can
+  // switch it between model loads.
+  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop, kI8Prefill };
   static I8Mode i8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_I8");
     if (!e || !*e || std::strcmp(e, "1") == 0) return kI8Auto;
     if (std::strcmp(e, "plain") == 0) return kI8Plain;
     if (std::strcmp(e, "coop") == 0) return kI8Coop;
+    if (std::strcmp(e, "prefill") == 0) return kI8Prefill;
     return kI8Off;
   }
   bool i8_fits(const Weight& w, const float* x, int64_t n) const {
     check_w(w);
     const uint32_t t = lay_type(w);
-    return i8_mode() != kI8Off && !w.exact && (t == kQ8Split || t == kQ4Split) && w.cols % 32 == 0 && w.rows > 0 &&
-           lay_rb(w) % 16 == 0 && A(w.data) % 16 == 0 && A(x) % 16 == 0 && n <= kMaxGroups;
+    const I8Mode m = i8_mode();
+    return m != kI8Off && !w.exact && (t == kQ8Split || t == kQ4Split) && w.cols % 32 == 0 && w.rows > 0 &&
+           lay_rb(w) % 16 == 0 && A(w.data) % 16 == 0 && A(x) % 16 == 0 && n <= kMaxGroups &&
+           (n > kTileMin || (m != kI8Prefill && (w.rows + 7) / 8 <= kMaxGroups));
   }
   // x's n rows (cols wide) rounded into the int8 scratch: quants [n][cols], then scales [n][cols / 32];
   // norm: RMS-normed first (times norm_w where given), as rms_norm would have.
@@ -1123,6 +1130,12 @@ class VulkanBackend final : public Backend {
     const I8Mode m = i8_mode();
     const uint32_t t = lay_type(w);
     const bool q8 = t == kQ8Split;
+    if (n <= kTileMin) {  // decode: 8 rows x 8 tokens a workgroup (gemv_i8.comp)
+      static const char* const gv[2][2] = {{"gemv_i8p_41", "gemv_i8_41"}, {"gemv_i8p_40", "gemv_i8_40"}};
+      c_->dispatch(gv[q8][m != kI8Plain && c_->i8dot], &pc, sizeof pc, (uint32_t)((w.rows + 7) / 8),
+                   (uint32_t)((n + 7) / 8));
+      return;
+    }
     // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
     const uint32_t nt = (uint32_t)((n + 63) / 64);
     if (m == kI8Coop && c_->i8coop && c_->subgroup_size == 32) {
@@ -1195,7 +1208,7 @@ class VulkanBackend final : public Backend {
       c_->uses({{A(w.data), Ctx::kWhole, false}, {A(x), (uint64_t)(n * w.cols * 4), false},
                 {A(y), (uint64_t)(n * w.rows * 4), true}});
     };
-    if (c_->subgroup && n > kTileMin && i8_fits(w, x, n)) {  // q8-mode prefill: int8 tiles
+    if (c_->subgroup && i8_fits(w, x, n)) {  // q8 mode: int8 activations at every token count
       quant_act(x, n, w.cols);
       gemm_i8(w, y, n);
       return;
@@ -1219,7 +1232,7 @@ class VulkanBackend final : public Backend {
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
-    if (c_->subgroup && n > kTileMin && count > 1) {  // q8-mode prefill: x rounded once for all
+    if (c_->subgroup && count > 1) {  // q8 mode: x rounded once for all
       bool all = true;
       for (int i = 0; all && i < count; ++i) all = ws[i]->cols == ws[0]->cols && i8_fits(*ws[i], x, n);
       if (all) {
@@ -1244,12 +1257,11 @@ class VulkanBackend final : public Backend {
   void matmul_step(const MatmulStep& s) override {
     if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
       throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
-    if (!sg_fits(s.w, s.count, s.n)) {
-      // q8-mode prefill: the norm done by the rounding of x (quant_act), a residual added by the
-      // int8 GEMM as it stores (the values of rms_norm and add): two dispatches and passes fewer.
-      bool i8 = c_->subgroup && s.n > kTileMin && (!s.norm || A(s.norm_w) % 4 == 0);
-      for (int i = 0; i8 && i < s.count; ++i) i8 = s.w[i]->cols == s.w[0]->cols && i8_fits(*s.w[i], s.x, s.n);
-      if (!i8) return Backend::matmul_step(s);
+    // q8 mode: the norm done by the rounding of x (quant_act), a residual added by the int8
+    // GEMM / GEMV as it stores (the values of rms_norm and add): two dispatches and passes fewer.
+    bool i8 = c_->subgroup && s.n > 0 && (!s.norm || A(s.norm_w) % 4 == 0);
+    for (int i = 0; i8 && i < s.count; ++i) i8 = s.w[i]->cols == s.w[0]->cols && i8_fits(*s.w[i], s.x, s.n);
+    if (i8) {
       Lock g(c_->mu);
       c_->note_rows(s.n);
       quant_act(s.x, s.n, s.w[0]->cols, s.norm, s.norm_w, s.eps);
@@ -1258,6 +1270,7 @@ class VulkanBackend final : public Backend {
         if (s.w[i]->rows > 0) gemm_i8(*s.w[i], s.y[i], s.n);
       return;
     }
+    if (!sg_fits(s.w, s.count, s.n)) return Backend::matmul_step(s);
     Lock g(c_->mu);
     // With a residual the product goes straight into it (y[0] and xn are scratch to callers).
     float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};

@@ -105,7 +105,8 @@ void main() {
     const float dx = Xd[ts + lane];
     [[unroll]] for (uint r = 0u; r < 32u; ++r) {
       precise float sc = Wd[rs + r] * dx;
-      acc[r] += i2f(Cs[sg * 1024u + r * 32u + lane]) * sc;
+      precise float a = fma(i2f(Cs[sg * 1024u + r * 32u + lane]), sc, acc[r]);  // as gemm_i8.comp's
+      acc[r] = a;
     }
   }
   const uint t = t0 + ts + lane;

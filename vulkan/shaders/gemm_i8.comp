@@ -7,8 +7,10 @@
 // memory as int8 (q4_0's nibbles made signed on the way in), the next stage's global loads issued
 // before this one's math; each invocation a block of RM rows x 4 tokens, adjacent invocations on
 // adjacent rows (coalesced stores); every output's block sums added in the same order whatever
-// the tile, so a row's values do not depend on the tile size chosen. DOT=1: the packed 4x8
-// dot product (SPV_KHR_integer_dot_product, OpSDotKHR) where the device has it, else bytes.
+// the tile (one fused multiply-add a block, in block order, as gemv_i8.comp below 33 tokens), so a
+// row's values do not depend on the tile size chosen nor on how many tokens share the matmul.
+// DOT=1: the packed 4x8 dot product (SPV_KHR_integer_dot_product, OpSDotKHR) where the device
+// has it, else bytes.
 // Rows and tokens past the end read the last one and are not stored; blocks past the end are 0.
 #version 450
 #include "common.glsl"
@@ -161,7 +163,8 @@ void main() {
       [[unroll]] for (uint i = 0u; i < RM; ++i)
         [[unroll]] for (uint j = 0u; j < 4u; ++j) {
           precise float sc = dw[i] * dx[j];
-          acc[i][j] += i2f(s[i][j]) * sc;
+          precise float a = fma(i2f(s[i][j]), sc, acc[i][j]);  // one rounding, as gemv_i8.comp's
+          acc[i][j] = a;
         }
     }
   }
