@@ -170,7 +170,7 @@ inline void score_direct_rows(const float* const* q, const E* const* rows, int h
 // out[i][dc .. dc + 16 NV) = sum over keys j in [lo[i], hi[i]) of s[i][j] * V[j], keys in order.
 // Row j + 1 of a page lies vstride elements after row j; page_end(j) is one past j's page's last key.
 template <typename E, int RR, int NV, class VRow, class PageEnd>
-inline void accumulate_v(const VRow& vrow, const PageEnd& page_end, int64_t vstride, int64_t jmin, int64_t jmax,
+__attribute__((always_inline)) inline void accumulate_v(const VRow& vrow, const PageEnd& page_end, int64_t vstride, int64_t jmin, int64_t jmax,
                          const int64_t* lo, const int64_t* hi, const float* const* s, float* const* o, int nr, int dc,
                          bool paged) {
   __m512 acc[RR][NV];
@@ -457,10 +457,20 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
 #if defined(__AVX512F__)
     const bool paged = b.page_shift < 62;
     auto page_end = [&](int64_t j) { return (((j_lo + j) >> sh) + 1 << sh) - j_lo; };
-    for (; dc + 64 <= hd; dc += 64)
-      accumulate_v<E, RR, 4>(vr_of, page_end, b.kv_stride, jmin, jmax, lo, hi, s, o, nr, dc, paged);
-    for (; dc + 16 <= hd; dc += 16)
-      accumulate_v<E, RR, 1>(vr_of, page_end, b.kv_stride, jmin, jmax, lo, hi, s, o, nr, dc, paged);
+    // As many accumulator rows as there are rows (a decode task's one to three query heads):
+    // no padding rows tested at every key.
+#define DL_ACC_V(R)                                                                                 \
+  for (; dc + 64 <= hd; dc += 64)                                                                  \
+    accumulate_v<E, R, 4>(vr_of, page_end, b.kv_stride, jmin, jmax, lo, hi, s, o, nr, dc, paged); \
+  for (; dc + 16 <= hd; dc += 16)                                                                  \
+    accumulate_v<E, R, 1>(vr_of, page_end, b.kv_stride, jmin, jmax, lo, hi, s, o, nr, dc, paged);
+    switch (nr) {
+      case 1: DL_ACC_V(1) break;
+      case 2: DL_ACC_V(2) break;
+      case 3: DL_ACC_V(3) break;
+      default: DL_ACC_V(RR) break;
+    }
+#undef DL_ACC_V
 #else
     for (; dc + 32 <= hd; dc += 32) accumulate_v_generic<E, RR, 32>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc, cbuf);
     for (; dc + 16 <= hd; dc += 16) accumulate_v_generic<E, RR, 16>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc, cbuf);
