@@ -9,6 +9,7 @@
 #pragma GCC optimize("fp-contract=fast")  // FMA where the ISA has it; results stay within the reference bars
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #if defined(__AVX512F__)
@@ -98,7 +99,7 @@ inline void score_rows_seq(const float* const* q, const float* Kt, int hd, float
 // FMA chain each, from zero); the 16 partials then add as
 //   s_g = (p[4g] + p[4g+2]) + (p[4g+1] + p[4g+3]),  score = (s_0 + s_1) + (s_2 + s_3).
 // score_tile (many query rows, K transposed: partials are vectors over keys) and
-// score_direct (a few rows, K rows as they lie: partials are lanes, reduce16 adds them)
+// score_direct_rows (a few rows, K rows as they lie: partials are lanes, reduce16 adds them)
 // both sum in exactly this order, so a row's scores are the same bits on either path.
 template <int QR>
 inline void score_tile(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
@@ -142,22 +143,36 @@ inline __m512 reduce16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
 }
 
-// Scores of one query row against 16 key rows read where they lie (no transpose).
-template <typename E>
-inline __m512 score_direct(const float* q, const E* const* rows, int hd) {
-  __m512 a[16];
-  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-  for (int c = 0; c < hd; c += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + c);
-    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16(rows[j] + c), a[j]);
+// Scores of NQ query rows against 16 key rows read where they lie (no transpose), into out[i].
+// Each K vector is loaded (and converted from f16) once for all the rows (a decode step's
+// query heads of one KV head); each (row, key) is one FMA chain of lane partials, then reduce16.
+template <typename E, int NQ>
+inline void score_direct_rows(const float* const* q, const E* const* rows, int hd, __m512* out) {
+  __m512 part[NQ][16];
+  for (int j0 = 0; j0 < 16; j0 += 4) {
+    __m512 a[NQ][4];
+    for (int i = 0; i < NQ; ++i)
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+    for (int c = 0; c < hd; c += 16) {
+      __m512 k[4];
+      for (int j = 0; j < 4; ++j) k[j] = load16(rows[j0 + j] + c);
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 qv = _mm512_loadu_ps(q[i] + c);
+        for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(qv, k[j], a[i][j]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      for (int j = 0; j < 4; ++j) part[i][j0 + j] = a[i][j];
   }
-  return reduce16(a);
+  for (int i = 0; i < NQ; ++i) out[i] = reduce16(part[i]);
 }
 
 // out[i][dc .. dc + 16 NV) = sum over keys j in [lo[i], hi[i]) of s[i][j] * V[j], keys in order.
-template <typename E, int RR, int NV, class VRow>
-inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int64_t* lo, const int64_t* hi,
-                         const float* const* s, float* const* o, int nr, int dc, bool paged) {
+// Row j + 1 of a page lies vstride elements after row j; page_end(j) is one past j's page's last key.
+template <typename E, int RR, int NV, class VRow, class PageEnd>
+__attribute__((always_inline)) inline void accumulate_v(const VRow& vrow, const PageEnd& page_end, int64_t vstride, int64_t jmin, int64_t jmax,
+                         const int64_t* lo, const int64_t* hi, const float* const* s, float* const* o, int nr, int dc,
+                         bool paged) {
   __m512 acc[RR][NV];
   for (int i = 0; i < RR; ++i)
     for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
@@ -192,12 +207,22 @@ inline void accumulate_v(const VRow& vrow, int64_t jmin, int64_t jmax, const int
     }
   };
   checked(jmin, jall_lo);
-  for (int64_t j = jall_lo; j < jall_hi; ++j) {
-    __m512 v[NV];
-    load(j, v);
-    for (int i = 0; i < RR; ++i) {
-      const __m512 p = _mm512_set1_ps(s[i][j]);
-      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+  // Page by page, a row pointer stepped by the stride: a page lookup per key took registers
+  // enough that an accumulator was kept on the stack, its FMA chain through a store and load.
+  for (int64_t j = jall_lo; j < jall_hi;) {
+    const int64_t je = std::min(jall_hi, page_end(j));
+    if (paged)  // the next page lies elsewhere in memory: its first rows are asked for now
+      for (int64_t k = je; k < std::min(jmax, je + 8); ++k) {
+        const char* pf = reinterpret_cast<const char*>(vrow(k) + dc);
+        for (int l = 0; l < NV * 16 * (int)sizeof(E); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+      }
+    for (const E* vr = vrow(j) + dc; j < je; ++j, vr += vstride) {
+      __m512 v[NV];
+      for (int c = 0; c < NV; ++c) v[c] = load16(vr + 16 * c);
+      for (int i = 0; i < RR; ++i) {
+        const __m512 p = _mm512_set1_ps(s[i][j]);
+        for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+      }
     }
   }
   checked(jall_hi, jmax);
@@ -261,10 +286,16 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
         const char* pf = reinterpret_cast<const char*>(krow(j_lo + j));
         for (int l = 0; l < hd * (int)sizeof(E); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
       }
-      for (int64_t r = 0; r < nqg; ++r) {
-        const __m512 sc = score_direct(qrow(r), rows, hd);
-        _mm512_mask_storeu_ps(S + r * nj + jb, (__mmask16)((1u << tj) - 1), sc);
+      const float* q[4];
+      for (int64_t r = 0; r < nqg; ++r) q[r] = qrow(r);
+      __m512 sc[4];
+      switch (nqg) {
+        case 1: score_direct_rows<E, 1>(q, rows, hd, sc); break;
+        case 2: score_direct_rows<E, 2>(q, rows, hd, sc); break;
+        case 3: score_direct_rows<E, 3>(q, rows, hd, sc); break;
+        default: score_direct_rows<E, 4>(q, rows, hd, sc); break;
       }
+      for (int64_t r = 0; r < nqg; ++r) _mm512_mask_storeu_ps(S + r * nj + jb, (__mmask16)((1u << tj) - 1), sc[r]);
     }
   } else
 #endif
@@ -401,15 +432,16 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
           for (int c = 0; c < w; c += 16) _mm512_storeu_ps(vf + j * w + c, load16(src + c));
         }
         auto vf_row = [&](int64_t j) { return (const float*)vf + j * w; };
+        auto vf_end = [](int64_t) { return INT64_MAX; };
         for (int64_t r0 = 0; r0 < nqg; r0 += RR) {
           const int nr = (int)std::min<int64_t>(RR, nqg - r0);
           rows_of(r0, nr);
           float* od[RR];
           for (int i = 0; i < RR; ++i) od[i] = o[i] + dc;
           if (w == 64)
-            accumulate_v<float, RR, 4>(vf_row, jmin, jmax, lo, hi, s, od, nr, 0, false);
+            accumulate_v<float, RR, 4>(vf_row, vf_end, w, jmin, jmax, lo, hi, s, od, nr, 0, false);
           else
-            accumulate_v<float, RR, 1>(vf_row, jmin, jmax, lo, hi, s, od, nr, 0, false);
+            accumulate_v<float, RR, 1>(vf_row, vf_end, w, jmin, jmax, lo, hi, s, od, nr, 0, false);
         }
         dc += w;
       }
@@ -424,8 +456,21 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
     auto vr_of = [&](int64_t j) { return vrow(j_lo + j); };
 #if defined(__AVX512F__)
     const bool paged = b.page_shift < 62;
-    for (; dc + 64 <= hd; dc += 64) accumulate_v<E, RR, 4>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc, paged);
-    for (; dc + 16 <= hd; dc += 16) accumulate_v<E, RR, 1>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc, paged);
+    auto page_end = [&](int64_t j) { return (((j_lo + j) >> sh) + 1 << sh) - j_lo; };
+    // As many accumulator rows as there are rows (a decode task's one to three query heads):
+    // no padding rows tested at every key.
+#define DL_ACC_V(R)                                                                                 \
+  for (; dc + 64 <= hd; dc += 64)                                                                  \
+    accumulate_v<E, R, 4>(vr_of, page_end, b.kv_stride, jmin, jmax, lo, hi, s, o, nr, dc, paged); \
+  for (; dc + 16 <= hd; dc += 16)                                                                  \
+    accumulate_v<E, R, 1>(vr_of, page_end, b.kv_stride, jmin, jmax, lo, hi, s, o, nr, dc, paged);
+    switch (nr) {
+      case 1: DL_ACC_V(1) break;
+      case 2: DL_ACC_V(2) break;
+      case 3: DL_ACC_V(3) break;
+      default: DL_ACC_V(RR) break;
+    }
+#undef DL_ACC_V
 #else
     for (; dc + 32 <= hd; dc += 32) accumulate_v_generic<E, RR, 32>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc, cbuf);
     for (; dc + 16 <= hd; dc += 16) accumulate_v_generic<E, RR, 16>(vr_of, jmin, jmax, lo, hi, s, o, nr, dc, cbuf);

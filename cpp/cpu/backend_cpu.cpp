@@ -519,7 +519,7 @@ class CpuBackend final : public Backend {
   // Tasks are (session, block of 32 query rows, KV head), all in one dispatch (32 rows: a
   // block transposes each K tile and converts each V row once for twice the rows of 16); with
   // fewer such tasks than 4 per thread (one session's decode step over a few KV heads)
-  // each query head of a group is its own task, so the threads share the work evenly.
+  // a group's query heads are split over tasks, so the threads share the work evenly.
   // Every row's arithmetic is the same either way. f32 and f16 caches are read where
   // they lie; a q8_0 cache is decoded to f32 first: inside each task for a single
   // block of queries in a batch (each KV head's rows are read by one task), else once
@@ -582,7 +582,20 @@ class CpuBackend final : public Backend {
       c.f16 = a.kv.type == KVType::f16;
       c.kv_stride = (int64_t)(a.kv.row_bytes / (c.f16 ? 2 : 4));
       c.n_blocks = (a.n_tok + rb - 1) / rb;
-      c.per_block = split_heads ? a.n_heads : a.n_kv_heads;
+      // Split by heads, a task takes hpt query heads of one KV head: the most that still gives
+      // every thread a task with the shares within 1.25x of even (one thread: the whole group),
+      // since a task reads and converts its K and V rows once for all its heads.
+      c.hpt = 1;
+      const int group = a.n_heads / a.n_kv_heads;
+      const int64_t nth = pool_.size();
+      for (int d = group; split_heads && d > 1; --d) {
+        const int64_t tasks = c.n_blocks * a.n_kv_heads * (group / d);
+        if (group % d == 0 && tasks >= nth && (tasks + nth - 1) / nth * nth * 4 <= tasks * 5) {
+          c.hpt = d;
+          break;
+        }
+      }
+      c.per_block = split_heads ? a.n_heads / c.hpt : a.n_kv_heads;
       c.task_decode = a.kv.type == KVType::q8_0 && c.n_blocks == 1 && in_task;
       c.split_keys = false;
       if (a.n_tok <= 4 && a.kv.type != KVType::q8_0) {
@@ -650,14 +663,14 @@ class CpuBackend final : public Backend {
         // hardware prefetcher fetches past a head's slice is the next head's, read next from
         // cache), not a head's slice of every row with the rest fetched and thrown away.
         const int h0 = c.split_keys ? (int)(local % c.per_block % a.n_kv_heads) * group
-                       : split_heads ? (int)(local % c.per_block) : (int)(local % c.per_block) * group;
+                       : split_heads ? (int)(local % c.per_block) * c.hpt : (int)(local % c.per_block) * group;
         const int kvh = h0 / group;
         cpu::AttnBlock b;
         const int64_t t0 = blk * rb;
         b.n_rows = std::min(rb, a.n_tok - t0);
         b.q = a.q + t0 * a.q_stride + (int64_t)h0 * hd;
         b.q_stride = a.q_stride;
-        b.group = split_heads && !c.split_keys ? 1 : group;
+        b.group = split_heads && !c.split_keys ? c.hpt : group;
         const uint8_t* dec_page[1];
         if (c.task_decode) {
           // This KV head's slice of every row, decoded to f32 rows of hd.
@@ -1138,6 +1151,7 @@ class CpuBackend final : public Backend {
     size_t k_off, v_off;
     int shift;
     int64_t kv_stride, n_blocks, per_block;
+    int hpt;  // query heads per task when split by heads
     bool f16, task_decode;  // task_decode: decode this task's KV head rows inside the task
     // Split over keys (a decode step over many keys): tasks are (KV head, key chunk), their
     // partials at part_off in attn_part_, n_chunks from chunk c_lo.
