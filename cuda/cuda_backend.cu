@@ -335,6 +335,7 @@ class CudaBackend final : public Backend {
     if (count <= 3 && staged(s)) return;
     for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
   }
+  int64_t fused_ops() const override { return fused_ops_; }
   void matmul_step(const MatmulStep& s) override {
     if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
       throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
@@ -645,7 +646,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x
+    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail
   };
   template <class T>
   void sig1(const T& v) {
@@ -686,12 +687,25 @@ class CudaBackend final : public Backend {
     const GluRec& g = glu_;
     if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
         g.dim == j.cols) {
-      // The GLU just recorded makes this input: it quantizes in the same pass.
+      // The GLU just recorded makes this input: it quantizes in the same pass, and where the
+      // gate / up GEMV right before it allows, in that GEMV's tail (no launch of its own).
       const float *gate = g.gate, *up = g.up;
       const int64_t gs = g.gs, us = g.us, n = s.n, cols = j.cols;
       float* out = g.out;
       const int act = cuda::act_code(g.act);
-      ops_.back() = [=](cudaStream_t st) { cuda::glu_quantize(gate, gs, up, us, act, out, n, cols, qb, st); };
+      cuda::GemvTail t;
+      t.kind = cuda::GemvTail::glu, t.act = act, t.out = out, t.cols = cols, t.q = qb;
+      const GemvRec& r = gemv_;
+      if (tails_ && n == 1 && r.at + 2 == ops_.size() && r.j.count == 2 && r.j.y[0] == gate && r.j.y[1] == up &&
+          (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
+        ops_.pop_back();
+        const cuda::GemvJob rj = r.j;
+        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
+        sig1(Tag::gemv_tail), sig1(t.cnt);
+        gemv_.at = SIZE_MAX, ++fused_ops_;
+      } else {
+        ops_.back() = [=](cudaStream_t st) { cuda::glu_quantize(gate, gs, up, us, act, out, n, cols, qb, st); };
+      }
       sig1(Tag::quant), sig1(qb);
       glu_.at = SIZE_MAX;
     } else if (q8 && !mma && qx_ && cuda::gemv_q8_x_fits(j)) {
@@ -716,8 +730,20 @@ class CudaBackend final : public Backend {
       const bool norm = s.norm;
       const float* nw = s.norm ? s.norm_w : nullptr;
       const float eps = s.eps;
-      op(Tag::quant, [=](cudaStream_t st) { cuda::quantize_act(x, n, cols, norm, nw, eps, qb, st); }, x, n, cols, norm,
-         nw, eps, qb);
+      cuda::GemvTail t;
+      t.kind = cuda::GemvTail::round, t.x = x, t.norm = norm, t.nw = nw, t.eps = eps, t.cols = cols, t.q = qb;
+      const GemvRec& r = gemv_;
+      if (tails_ && rec_ && n == 1 && kvq_.empty() && r.at + 1 == ops_.size() && r.j.count == 1 && r.j.y[0] == x &&
+          (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
+        // The GEMV just recorded wrote x (a residual row): its last block rounds it.
+        const cuda::GemvJob rj = r.j;
+        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
+        sig1(Tag::gemv_tail), sig1(t.cnt), sig1(x), sig1(cols), sig1(norm), sig1(nw), sig1(eps), sig1(qb);
+        gemv_.at = SIZE_MAX, ++fused_ops_;
+      } else {
+        op(Tag::quant, [=](cudaStream_t st) { cuda::quantize_act(x, n, cols, norm, nw, eps, qb, st); }, x, n, cols,
+           norm, nw, eps, qb);
+      }
     }
     if (!rec_) {
       mma ? cuda::mma_q8(j, st_) : cuda::gemv_staged(j, st_);
@@ -729,6 +755,7 @@ class CudaBackend final : public Backend {
     sig_.insert(sig_.end(), p, p + sizeof j);
     if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
     else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
+    if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j};
     return true;
   }
   // Runs f now, or (inside a step) records it with its arguments' bytes.
@@ -808,8 +835,13 @@ class CudaBackend final : public Backend {
     int64_t n_rows = 0, dim = 0;
     Act act = Act::silu;
   } glu_;
+  // The last q8 GEMV recorded in this step, which the rounding (or GLU) after it may join.
+  struct GemvRec {
+    size_t at = SIZE_MAX;
+    cuda::GemvJob j;
+  } gemv_;
   void clear_step() {
-    rope_.at = SIZE_MAX, glu_.at = SIZE_MAX;
+    rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
   }
@@ -937,8 +969,24 @@ class CudaBackend final : public Backend {
     return static_cast<int*>(counters_->data());
   }
 
+  // The GEMV tails' counters: zeroed once, left zeroed by every tail; never reallocated, so a
+  // captured graph's pointer stays good.
+  unsigned* tail_counters() {
+    if (!tailc_) {
+      tailc_ = alloc(cuda::kTailCounters * sizeof(unsigned), "GEMV tail counters");
+      check(cudaMemsetAsync(tailc_->data(), 0, cuda::kTailCounters * sizeof(unsigned), st_), "GEMV tail counters");
+    }
+    return static_cast<unsigned*>(tailc_->data());
+  }
+
   int dev_;
   cudaDeviceProp prop_{};
+  // A one-token q8 GEMV does the rounding (or GLU + rounding) that follows it in its own last
+  // blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS=0: a launch each, as before).
+  bool tails_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
   // One token's q8 GEMVs round their own input (DASLLAMA_CUDA_QX=1). Off: on the H200 every
   // block's own rounding cost more than the launch it saves (Llama-1B Q8_0 decode 708 -> 510
   // t/s, RESULTS.md), so a quantize launch comes first.
@@ -960,7 +1008,8 @@ class CudaBackend final : public Backend {
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
   cudaStream_t st_ = nullptr;
-  BufferPtr scratch_, qact_, counters_;
+  BufferPtr scratch_, qact_, counters_, tailc_;
+  int64_t fused_ops_ = 0;
   BufferPtr bar_;  // the fused layer's grid-barrier counters
   // The step being recorded.
   bool graphs_;

@@ -71,6 +71,28 @@ void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* norm_w, float 
 // 16-byte for float types), and the launch (first_block is filled there).
 bool gemv_staged_fits(const GemvJob& j);
 void gemv_staged(GemvJob j, cudaStream_t st);
+// What a one-token q8 GEMV does once its outputs are written, instead of the launch that would
+// follow it (the same arithmetic, so the same bits):
+//   round: the block that finishes last rounds row x (RMS-normed times nw when norm; x is
+//          usually the GEMV's own residual output) into q, as quantize_act does;
+//   glu:   over gate = y[0], up = y[1] (count 2, equal rows), the block that completes a 32-row
+//          chunk of both writes out = act(gate, up) and its q8 form into q, as glu_quantize does.
+// cnt: zeroed counters (one for round, rows / 32 for glu), left zeroed.
+struct GemvTail {
+  enum Kind : int { none = 0, round = 1, glu = 2 } kind = none;
+  unsigned* cnt = nullptr;
+  const float* x = nullptr;
+  bool norm = false;
+  const float* nw = nullptr;
+  float eps = 0.f;
+  int act = 0;
+  float* out = nullptr;
+  int64_t cols = 0;  // of the rounded row
+  void* q = nullptr;
+};
+constexpr int64_t kTailCounters = 4096;  // glu tails: rows up to 32 times this
+bool gemv_tail_fits(const GemvJob& j, const GemvTail& t);
+void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st);
 // The q8-mode matmul on tensor cores (sm_80 on): j with quantized activations (xq set) over
 // T_Q8_0S / T_Q4_0S weights, any n; for batched decode and prefill.
 // Prefill (many tokens) of f16 / bf16 weights on TF32 tensor cores, f32-accurate (mma.cu).

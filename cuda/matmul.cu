@@ -485,20 +485,22 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
 // row is a few kilobytes, read from L2) so no pass waits for another; the RMS scale as
 // rms_norm_k computes it (double sum), then a warp per 32-block: amax, d = amax / 127,
 // q = rint(x * (127 / amax)), and the quant sum.
-__global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ x, int64_t cols, bool norm,
-                                                      const float* __restrict__ nw, float eps, int8_t* __restrict__ xq,
-                                                      float* __restrict__ xd, int32_t* __restrict__ xs) {
-  pdl_wait();
-  pdl_trigger();
-  const int64_t t = blockIdx.y;
-  const float* xr = x + t * cols;
+// Rounds token row t of x (xr, cols floats) from 32-block b on, every step-th block, with the
+// block's 256 threads (a warp per 32-block). kL2: x was written earlier in this kernel by other
+// blocks, so it is read from L2 (L1 may hold stale lines).
+template <bool kL2>
+__device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool norm, const float* nw, float eps,
+                                          int64_t t, int64_t b, int64_t step, int8_t* xq, float* xd, int32_t* xs) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
+  const int64_t nb = cols / 32;
   float sc = 1.f;
   if (norm) {
     __shared__ double sh[8];
     double ss = 0;
-    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) ss += (double)xr[i] * xr[i];
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+      const float v = kL2 ? __ldcg(xr + i) : __ldg(xr + i);
+      ss += (double)v * v;
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) sh[warp] = ss;
@@ -508,14 +510,25 @@ __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ 
     for (int w = 0; w < 8; ++w) tot += sh[w];
     sc = (float)(1.0 / sqrt(tot / cols + eps));
   }
-  // A grid one block wide (normed prefill rows) walks all of the row's blocks: the norm's sum
-  // is then formed once a row, not once per 8 blocks (the same sum, the same bits).
-  for (int64_t bb = b; bb < nb; bb += gridDim.x == 1 ? 8 : nb) {
+  for (int64_t bb = b; bb < nb; bb += step) {
     const int64_t i = bb * 32 + lane;
-    float v = xr[i];
+    float v = kL2 ? __ldcg(xr + i) : __ldg(xr + i);
     if (norm) v = nw ? __fmul_rn(v, sc) * nw[i] : v * sc;
     quant_store(v, lane, t * cols + i, t * nb + bb, xq, xd, xs);
   }
+}
+
+__global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ x, int64_t cols, bool norm,
+                                                      const float* __restrict__ nw, float eps, int8_t* __restrict__ xq,
+                                                      float* __restrict__ xd, int32_t* __restrict__ xs) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
+  // A grid one block wide (normed prefill rows) walks all of the row's blocks: the norm's sum
+  // is then formed once a row, not once per 8 blocks (the same sum, the same bits).
+  round_row<false>(x + t * cols, cols, norm, nw, eps, t, b, gridDim.x == 1 ? 8 : nb, xq, xd, xs);
 }
 
 // The down projection's input in q8 mode: the GLU (written out as the glu op does) and its
@@ -541,12 +554,51 @@ __global__ void __launch_bounds__(256) glu_quantize_k(const float* __restrict__ 
 // per unit, the integer sum times the weight and activation scales.
 // Four blocks an SM (64 registers) for up to 4 tokens: the profile showed 2 blocks, a
 // quarter occupancy, too few loads in flight to reach the memory's bandwidth.
+// The GemvTail of a one-token gemv_q8_k block (R rows a warp group), after its outputs.
+// Every thread fences its own stores before the block counts itself in, so the block that
+// counts last sees every block's outputs (read from L2).
+template <int R>
+__device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTail& t) {
+  __shared__ int go;
+  int64_t chunk = 0;
+  unsigned* c = t.cnt;
+  unsigned need = gridDim.x;
+  if (t.kind == GemvTail::glu) {
+    const int64_t bid = blockIdx.x, per_block = (SW / ks) * R;
+    const int mi = bid >= j.first_block[1] ? 1 : 0;
+    chunk = (bid - j.first_block[mi]) * per_block / 32;
+    c += chunk, need = 2 * (unsigned)(32 / per_block);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    go = atomicAdd(c, 1u) == need - 1;
+    if (go) atomicExch(c, 0u);  // the last arrival: leave it zeroed for the next launch
+  }
+  __syncthreads();
+  if (!go) return;
+  __threadfence();
+  int8_t* xq = static_cast<int8_t*>(t.q);
+  float* xd = reinterpret_cast<float*>(xq + t.cols);
+  int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
+  if (t.kind == GemvTail::round) {
+    round_row<true>(t.x, t.cols, t.norm, t.nw, t.eps, 0, threadIdx.x >> 5, 8, xq, xd, xs);
+  } else if (threadIdx.x < 32) {  // as glu_quantize_k's warp for this 32-block
+    const int lane = threadIdx.x;
+    const int64_t i = chunk * 32 + lane;
+    const float v = glu_value(t.act, __ldcg(j.y[0] + i), __ldcg(j.y[1] + i));
+    t.out[i] = v;
+    quant_store(v, lane, i, chunk, xq, xd, xs);
+  }
+}
+
 template <uint32_t T, int NT, int R>
-__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j, int ks, bool early) {
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j, int ks, bool early, GemvTail tail) {
   if (!early) pdl_wait(), pdl_trigger();
   gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, blockIdx.x, [early] {
     if (early) pdl_wait(), pdl_trigger();
   });
+  if (NT == 1 && tail.kind != GemvTail::none) gemv_tail<R>(j, ks, tail);
 }
 
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
@@ -578,12 +630,12 @@ bool pdl_early() {
 }
 
 template <uint32_t T>
-void launch_q8(const GemvJob& j, int ks, cudaStream_t st) {
+void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail = GemvTail()) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n <= 4) launch(gemv_q8_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n <= 8) launch(gemv_q8_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else launch(gemv_q8_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n <= 4) launch(gemv_q8_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n <= 8) launch(gemv_q8_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else launch(gemv_q8_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
 }
 
 // Warps splitting a row of nu units (a power of two <= 8; each lane two units at least).
@@ -786,6 +838,28 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
     }
   }
   check_launch("matmul (staged)");
+}
+
+bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
+  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) || !t.cnt || !t.q ||
+      t.cols <= 0 || t.cols % 32 != 0)
+    return false;
+  for (int i = 0; i < j.count; ++i)
+    if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
+  if (t.kind == GemvTail::round) return j.count == 1 && t.x;
+  if (t.kind != GemvTail::glu) return false;
+  // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
+  const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
+  return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
+         t.cols / 32 <= kTailCounters;
+}
+
+void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
+  if (!gemv_tail_fits(j, t)) throw Error("cuda: a GEMV tail the kernel does not take");
+  const int ks = gemv_q8_plan(j);
+  if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(j, ks, st, t);
+  else launch_q8<T_Q4_0S>(j, ks, st, t);
+  check_launch("matmul (tailed)");
 }
 
 void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {

@@ -108,6 +108,7 @@ void bind_model(py::module_& m) {
       .def_property_readonly("device", [](const Model& x) { return device_dict(x.backend().info()); })
       .def_property_readonly("weight_bytes", &Model::weight_bytes)
       .def_property_readonly("fused_layers", &Model::fused_layers)
+      .def_property_readonly("fused_ops", &Model::fused_ops)
       .def_property_readonly("config", &config_dict)
       .def_property_readonly("arch", [](const Model& x) { return x.config().arch; })
       .def_property_readonly("n_threads", [](Model& x) { return x.backend().info().threads; })

@@ -301,6 +301,9 @@ class Backend {
   // See DecodeLayer: true when the backend ran (or recorded) the layer, false to have the
   // model run it op by op.
   virtual bool decode_layer(const DecodeLayer& l) { (void)l; return false; }
+  // Ops a backend ran as part of the op before them since it was made (CUDA's GEMV tails):
+  // tests check a fused path is taken.
+  virtual int64_t fused_ops() const { return 0; }
   // Rows of table w for ids (backend memory; checked in range by the caller), dequantized to f32.
   virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
   // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.

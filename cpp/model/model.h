@@ -120,6 +120,7 @@ class Model : public std::enable_shared_from_this<Model> {
  public:
   // Layers a backend ran fused (Backend::decode_layer) since load: tests check the path is taken.
   int64_t fused_layers() const { return fused_layers_; }
+  int64_t fused_ops() const { return backend_->fused_ops(); }
   // device: "cpu", "cuda", "cuda:N" (see make_backend). Throws GGUFError /
   // UnsupportedModelError / DeviceError (before any device memory is taken) / dl::Error.
   static std::shared_ptr<Model> load(const std::string& path, QuantMode mode, const std::string& device,
