@@ -696,7 +696,7 @@ class CudaBackend final : public Backend {
       cuda::GemvTail t;
       t.kind = cuda::GemvTail::glu, t.act = act, t.out = out, t.cols = cols, t.q = qb;
       const GemvRec& r = gemv_;
-      if (tails_ && n == 1 && r.at + 2 == ops_.size() && r.j.count == 2 && r.j.y[0] == gate && r.j.y[1] == up &&
+      if ((tails_ & 2) && n == 1 && r.at + 2 == ops_.size() && r.j.count == 2 && r.j.y[0] == gate && r.j.y[1] == up &&
           (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
         ops_.pop_back();
         const cuda::GemvJob rj = r.j;
@@ -733,7 +733,7 @@ class CudaBackend final : public Backend {
       cuda::GemvTail t;
       t.kind = cuda::GemvTail::round, t.x = x, t.norm = norm, t.nw = nw, t.eps = eps, t.cols = cols, t.q = qb;
       const GemvRec& r = gemv_;
-      if (tails_ && rec_ && n == 1 && kvq_.empty() && r.at + 1 == ops_.size() && r.j.count == 1 && r.j.y[0] == x &&
+      if ((tails_ & 1) && rec_ && n == 1 && kvq_.empty() && r.at + 1 == ops_.size() && r.j.count == 1 && r.j.y[0] == x &&
           (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
         // The GEMV just recorded wrote x (a residual row): its last block rounds it.
         const cuda::GemvJob rj = r.j;
@@ -982,10 +982,11 @@ class CudaBackend final : public Backend {
   int dev_;
   cudaDeviceProp prop_{};
   // A one-token q8 GEMV does the rounding (or GLU + rounding) that follows it in its own last
-  // blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS=0: a launch each, as before).
-  bool tails_ = [] {
+  // blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS=0: a launch each, as before;
+  // 1: the roundings only, 2: the GLUs only; default 3, both).
+  int tails_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
-    return !(e && std::strcmp(e, "0") == 0);
+    return e ? std::atoi(e) & 3 : 3;
   }();
   // One token's q8 GEMVs round their own input (DASLLAMA_CUDA_QX=1). Off: on the H200 every
   // block's own rounding cost more than the launch it saves (Llama-1B Q8_0 decode 708 -> 510

@@ -554,9 +554,51 @@ __global__ void __launch_bounds__(256) glu_quantize_k(const float* __restrict__ 
 // per unit, the integer sum times the weight and activation scales.
 // Four blocks an SM (64 registers) for up to 4 tokens: the profile showed 2 blocks, a
 // quarter occupancy, too few loads in flight to reach the memory's bandwidth.
+// round_row<true> for one row of cols <= 32 * K with the row held in registers: each thread
+// loads all its values (and norm weights) in one round of L2 reads, where the strided loops
+// would wait on one read per 256 values twice over. The same values in the same order as
+// round_row's loops (thread t takes elements t, t + 256, ...), so the same bits.
+template <int K>
+__device__ __forceinline__ void round_row_regs(const float* xr, int64_t cols, bool norm, const float* nw, float eps,
+                                               int8_t* xq, float* xd, int32_t* xs) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t nb = cols / 32;
+  float v[K], w[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t i = tid + 256 * k;
+    v[k] = i < cols ? __ldcg(xr + i) : 0.f;
+    w[k] = norm && nw && i < cols ? __ldg(nw + i) : 1.f;
+  }
+  float sc = 1.f;
+  if (norm) {
+    __shared__ double sh[8];
+    double ss = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (tid + 256 * k < cols) ss += (double)v[k] * v[k];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) sh[warp] = ss;
+    __syncthreads();
+    double tot = 0;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) tot += sh[q];
+    sc = (float)(1.0 / sqrt(tot / cols + eps));
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t bb = warp + 8 * k;  // warp-uniform
+    if (bb >= nb) break;
+    float x = v[k];
+    if (norm) x = nw ? __fmul_rn(x, sc) * w[k] : x * sc;
+    quant_store(x, lane, bb * 32 + lane, bb, xq, xd, xs);
+  }
+}
+
 // The GemvTail of a one-token gemv_q8_k block (R rows a warp group), after its outputs.
-// Every thread fences its own stores before the block counts itself in, so the block that
-// counts last sees every block's outputs (read from L2).
+// The block counts itself in once its stores are fenced (grid-sync style: the barrier, then
+// one thread's fence and atomic), so the block that counts last sees every block's outputs.
 template <int R>
 __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTail& t) {
   __shared__ int go;
@@ -569,20 +611,21 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
     chunk = (bid - j.first_block[mi]) * per_block / 32;
     c += chunk, need = 2 * (unsigned)(32 / per_block);
   }
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();
     go = atomicAdd(c, 1u) == need - 1;
-    if (go) atomicExch(c, 0u);  // the last arrival: leave it zeroed for the next launch
+    if (go) atomicExch(c, 0u), __threadfence();  // the last arrival: leave it zeroed for the next launch
   }
   __syncthreads();
   if (!go) return;
-  __threadfence();
   int8_t* xq = static_cast<int8_t*>(t.q);
   float* xd = reinterpret_cast<float*>(xq + t.cols);
   int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
   if (t.kind == GemvTail::round) {
-    round_row<true>(t.x, t.cols, t.norm, t.nw, t.eps, 0, threadIdx.x >> 5, 8, xq, xd, xs);
+    if (t.cols <= 2048) round_row_regs<8>(t.x, t.cols, t.norm, t.nw, t.eps, xq, xd, xs);
+    else if (t.cols <= 4096) round_row_regs<16>(t.x, t.cols, t.norm, t.nw, t.eps, xq, xd, xs);
+    else round_row<true>(t.x, t.cols, t.norm, t.nw, t.eps, 0, threadIdx.x >> 5, 8, xq, xd, xs);
   } else if (threadIdx.x < 32) {  // as glu_quantize_k's warp for this 32-block
     const int lane = threadIdx.x;
     const int64_t i = chunk * 32 + lane;
@@ -592,13 +635,13 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
   }
 }
 
-template <uint32_t T, int NT, int R>
+template <uint32_t T, int NT, int R, bool kTail = false>
 __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 4 : 2) gemv_q8_k(GemvJob j, int ks, bool early, GemvTail tail) {
   if (!early) pdl_wait(), pdl_trigger();
   gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, blockIdx.x, [early] {
     if (early) pdl_wait(), pdl_trigger();
   });
-  if (NT == 1 && tail.kind != GemvTail::none) gemv_tail<R>(j, ks, tail);
+  if constexpr (kTail) gemv_tail<R>(j, ks, tail);
 }
 
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
@@ -632,7 +675,8 @@ bool pdl_early() {
 template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail = GemvTail()) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  if (j.n == 1 && tail.kind != GemvTail::none) launch(gemv_q8_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n <= 4) launch(gemv_q8_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n <= 8) launch(gemv_q8_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else launch(gemv_q8_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
