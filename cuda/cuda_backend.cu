@@ -981,12 +981,13 @@ class CudaBackend final : public Backend {
 
   int dev_;
   cudaDeviceProp prop_{};
-  // A one-token q8 GEMV does the rounding (or GLU + rounding) that follows it in its own last
-  // blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS=0: a launch each, as before;
-  // 1: the roundings only, 2: the GLUs only; default 3, both).
+  // A one-token q8 GEMV does the rounding (bit 1) or the GLU + rounding (bit 2) that follows it
+  // in its own last blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS, default 2).
+  // The roundings stay off: on the H200 one block rounding a whole row after the others cost
+  // more than the launch (Llama-1B Q8_0 decode 785 -> 718 t/s, RESULTS.md).
   int tails_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
-    return e ? std::atoi(e) & 3 : 3;
+    return e ? std::atoi(e) & 3 : 2;
   }();
   // One token's q8 GEMVs round their own input (DASLLAMA_CUDA_QX=1). Off: on the H200 every
   // block's own rounding cost more than the launch it saves (Llama-1B Q8_0 decode 708 -> 510

@@ -672,11 +672,27 @@ bool pdl_early() {
   return on;
 }
 
+// Rows a warp group of the direct kernels takes for 2-4 tokens: 4 spills registers under the
+// four-blocks-an-SM bound (DASLLAMA_CUDA_R4=2 for 2 rows, the same sums; an A/B switch).
+// Read at each launch, so ab_cuda.py can switch it in one process.
+int rows4() {
+  const char* e = std::getenv("DASLLAMA_CUDA_R4");
+  return e && std::strcmp(e, "2") == 0 ? 2 : 4;
+}
+// The same for one token (DASLLAMA_CUDA_R1=2): the q8_0 kernel spills there too.
+int rows1() {
+  const char* e = std::getenv("DASLLAMA_CUDA_R1");
+  return e && std::strcmp(e, "2") == 0 ? 2 : 4;
+}
 template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail = GemvTail()) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1 && tail.kind != GemvTail::none) launch(gemv_q8_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
+  if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n == 1 && tl) launch(gemv_q8_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n == 1 && r2) launch(gemv_q8_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n <= 4 && rows4() == 2) launch(gemv_q8_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n <= 4) launch(gemv_q8_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n <= 8) launch(gemv_q8_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else launch(gemv_q8_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -691,13 +707,15 @@ int direct_ks(int64_t nu) {
 template <uint32_t T>
 void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  if (j.n == 1 && rows1() == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
   else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
   else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
   else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
 }
 // Rows a warp group of the direct kernel takes for n tokens (as launch_direct picks).
-int direct_rows(int n) { return n <= 8 ? 4 : 2; }
+int direct_rows(int n) { return n <= 1 ? rows1() : n <= 4 ? rows4() : n <= 8 ? 4 : 2; }
 bool is_direct(uint32_t t) { return t == T_F16 || t == T_BF16 || t == T_Q8_0S || t == T_Q4_0S; }
 int unit_elems(uint32_t t) { return t == T_Q8_0S ? 16 : t == T_Q4_0S ? 32 : 8; }
 
@@ -770,9 +788,9 @@ void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* nw, float eps,
   check_launch("gemv_q8_x");
 }
 
-int gemv_q8_plan(GemvJob& j) {
+int gemv_q8_plan(GemvJob& j, int rows) {
   const int ks = direct_ks(j.cols / unit_elems(j.type));
-  const int64_t per_block = SW / ks * direct_rows(j.n);
+  const int64_t per_block = SW / ks * rows;
   int64_t b = 0;
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
   j.first_block[j.count] = b;
@@ -900,7 +918,7 @@ bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
 
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
   if (!gemv_tail_fits(j, t)) throw Error("cuda: a GEMV tail the kernel does not take");
-  const int ks = gemv_q8_plan(j);
+  const int ks = gemv_q8_plan(j, direct_rows(1));
   if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(j, ks, st, t);
   else launch_q8<T_Q4_0S>(j, ks, st, t);
   check_launch("matmul (tailed)");

@@ -139,7 +139,7 @@ def test_gemv_tails_equal_separate_launches(files, tmp_path, monkeypatch, kv):
     for name, paths in shapes.items():
         for ft in ("q8_0", "q4_0"):
             want, m_off = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": "0"}, monkeypatch)
-            got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": "1"}, monkeypatch)
+            got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": "3"}, monkeypatch)
             assert m_off._m.fused_ops == 0
             # Per decode step and layer: the rounding after O, the GLU's, the next layer's (or the
             # output's) after down; steps replay a captured graph, so count the recorded ones.
