@@ -672,14 +672,15 @@ bool pdl_early() {
   return on;
 }
 
-// Rows a warp group of the direct kernels takes for 2-4 tokens: 4 spills registers under the
-// four-blocks-an-SM bound (DASLLAMA_CUDA_R4=2 for 2 rows, the same sums; an A/B switch).
-// Read at each launch, so ab_cuda.py can switch it in one process.
+// Rows a warp group of the direct kernels takes for 2-4 tokens: 2, since 4 spilled registers
+// under the four-blocks-an-SM bound (H200, Llama-1B Q8_0 B=4: 1,347 -> 1,634 t/s; the same sums
+// either way). DASLLAMA_CUDA_R4=4 for 4; read at each launch, so ab_cuda.py can switch it.
 int rows4() {
   const char* e = std::getenv("DASLLAMA_CUDA_R4");
-  return e && std::strcmp(e, "2") == 0 ? 2 : 4;
+  return e && std::strcmp(e, "4") == 0 ? 4 : 2;
 }
-// The same for one token (DASLLAMA_CUDA_R1=2): the q8_0 kernel spills there too.
+// The same for one token (DASLLAMA_CUDA_R1=2 for 2 rows): 4 spill a little there too, but 2
+// measured slower for q8_0 (779 -> 748 t/s) and faster for q4_0 (862 -> 891), so 4 stay.
 int rows1() {
   const char* e = std::getenv("DASLLAMA_CUDA_R1");
   return e && std::strcmp(e, "2") == 0 ? 2 : 4;
