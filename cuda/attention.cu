@@ -19,9 +19,14 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs
   pdl_trigger();
   __shared__ AttnSmem<NI> sm;
   const int64_t z = blockIdx.z;
-  const AttnArgs a = dargs ? dargs[z / maxtok] : a0;
-  const int64_t t = dargs ? z % maxtok : z;
-  attn_item<KT, NI>(a, t, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm);
+  // Two calls, not one on a selected struct: with `a = dargs ? dargs[i] : a0`, every session
+  // after the first of a group got wrong outputs on the H200 (its args read back right).
+  if (dargs) {
+    const AttnArgs a = dargs[z / maxtok];
+    attn_item<KT, NI>(a, z % maxtok, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm);
+  } else {
+    attn_item<KT, NI>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm);
+  }
 }
 
 __global__ void kv_store_k(KVView kv, int64_t first, const float* __restrict__ k, const float* __restrict__ v,

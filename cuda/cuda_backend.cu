@@ -94,20 +94,16 @@ bool graphs_enabled() {
   return !(e && (std::strcmp(e, "0") == 0 || std::strcmp(e, "off") == 0));
 }
 
-// Several sessions' KV stores (bit 2) of a batched step in one launch: DASLLAMA_CUDA_GROUP=2,
-// default off. Grouped attention (bit 1) stays masked off whatever the variable says: it
-// gave wrong logits for every session after the first in the ragged-batch test, and (H200,
-// eighth session, .prof/grp.py) in a plain batch of one-token decodes too, with the split
-// count forced to 1 and compute-sanitizer clean; the op harness reproduces it
-// (test_paged_attention_multi with bit 1 let through: session 1 of 5 NMSE 1.05) with graphs
-// off and with dependent launches off, and host and device agree on AttnArgs' layout (ninth
-// session): cause not found yet. Per-session launches
-// cost batched decode most of its time (B=16: 2,111 t/s, 3,472 with the wrong grouping).
-// A single session's store and attention always take the device-args path,
-// which lets decode steps replay a graph.
+// A batched step's sessions in one launch each for their attentions (bit 1) and their KV
+// stores (bit 2), their arguments in the step's blob: DASLLAMA_CUDA_GROUP, default 3 (0: a
+// launch per session, baked arguments, no graph). Grouped attention gave wrong outputs for every
+// session after the first until the twelfth session (attention.cu's attn_k now reads the
+// group's arguments on a path of their own); H200, Llama-1B Q8_0, B = 4 / 16 / 64: 1,570 /
+// 2,257 / 2,503 t/s per-session, 2,231 / 3,902 / 4,898 grouped. A single session's store and
+// attention always take the device-args path, which lets decode steps replay a graph.
 int group_mask() {
   const char* e = std::getenv("DASLLAMA_CUDA_GROUP");
-  return (e ? std::atoi(e) : 0) & 2;
+  return (e ? std::atoi(e) : 3) & 3;
 }
 
 // Exec graphs kept (least recently used replaced): decode, a few batch shapes.
