@@ -128,6 +128,7 @@ class CudaBackend final : public Backend {
     drop_recording();
     cudaStreamSynchronize(st_);
     for (Cached& c : cache_) cudaGraphExecDestroy(c.exec);
+    if (pinned_) cudaFreeHost(pinned_);
     scratch_.reset();
     qact_.reset();
     counters_.reset();
@@ -189,6 +190,25 @@ class CudaBackend final : public Backend {
       check(cudaStreamSynchronize(st_), "upload (pinned source)");
     else
       cudaGetLastError();
+  }
+  // Pinned, so a batched step's logits (B x vocab floats) come back in one DMA instead of
+  // through the driver's pageable staging (DASLLAMA_CUDA_PINNED=0: plain memory, for A/B runs).
+  float* host_staging(size_t floats) override {
+    const char* e = std::getenv("DASLLAMA_CUDA_PINNED");
+    if (e && std::strcmp(e, "0") == 0) return Backend::host_staging(floats);
+    if (pinned_floats_ < floats) {
+      use();
+      if (pinned_) check(cudaStreamSynchronize(st_), "host staging"), cudaFreeHost(pinned_), pinned_ = nullptr;
+      pinned_floats_ = 0;
+      const size_t n = floats + floats / 2;
+      if (cudaHostAlloc(reinterpret_cast<void**>(&pinned_), n * sizeof(float), cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();  // no pinned memory to be had: plain memory works, only slower
+        pinned_ = nullptr;
+        return Backend::host_staging(floats);
+      }
+      pinned_floats_ = n;
+    }
+    return pinned_;
   }
   void download(void* dst, const void* src, size_t bytes) override {
     use();
@@ -1008,6 +1028,8 @@ class CudaBackend final : public Backend {
   cudaStream_t st_ = nullptr;
   BufferPtr scratch_, qact_, counters_, tailc_;
   int64_t fused_ops_ = 0;
+  float* pinned_ = nullptr;  // host_staging's buffer
+  size_t pinned_floats_ = 0;
   BufferPtr bar_;  // the fused layer's grid-barrier counters
   // The step being recorded.
   bool graphs_;

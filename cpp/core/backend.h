@@ -267,6 +267,13 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;      // backend -> backend
   virtual void zero(void* dst, size_t bytes) = 0;
   virtual void sync() {}
+  // Host memory for at least `floats` floats that download() fills fastest (CUDA: pinned, so
+  // the copy is one DMA instead of a staged pageable one), owned by the backend and reused:
+  // its contents last until the next call. For a step's downloads of many rows.
+  virtual float* host_staging(size_t floats) {
+    if (staging_.size() < floats) staging_.resize(floats);
+    return staging_.data();
+  }
   // Refuses, before anything is allocated, `bytes` more that would not fit (weights, a pool).
   virtual void check_fits(size_t bytes, const char* what) { (void)bytes, (void)what; }
 
@@ -375,6 +382,9 @@ class Backend {
                          const float* bias, float* y) = 0;
   // out[t][d] = sum_j w[t * k + j] * y[t * k + j][d] over j in order, for t < n.
   virtual void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out) = 0;
+
+ private:
+  std::vector<float> staging_;
 };
 
 size_t kv_row_bytes(KVType t, int64_t dim);

@@ -221,15 +221,14 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     if (runs.empty()) return;
     const int64_t rows =
         forward_chunk(runs.data(), (int)runs.size(), chunk_tokens.data(), nullptr, (int64_t)chunk_tokens.size(), false);
-    // Every session's logits in one download.
-    std::vector<float>& lg = hidden_host_;
-    lg.resize((size_t)(rows * V));
-    if (rows > 0) backend_->download(lg.data(), logits_->data(), lg.size() * 4);
+    // Every session's logits in one download (into the backend's fastest host memory).
+    const float* lg = rows > 0 ? backend_->host_staging((size_t)(rows * V)) : nullptr;
+    if (rows > 0) backend_->download(const_cast<float*>(lg), logits_->data(), (size_t)(rows * V) * 4);
     int64_t k = 0;
     for (const Run& r : runs) {
       for (int64_t i = 0; i < r.n_rows; ++i) r.s->history.push_back(chunk_tokens[r.first_row + i]);
       if (r.want_logits) {
-        r.s->logits.assign(lg.begin() + k * V, lg.begin() + (k + 1) * V);
+        r.s->logits.assign(lg + k * V, lg + (k + 1) * V);
         ++k;
       }
     }
