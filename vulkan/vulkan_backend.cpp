@@ -966,6 +966,8 @@ class VulkanBackend final : public Backend {
   VulkanBackend(const vk::Api& a, VkPhysicalDevice pd, int index) : c_(std::make_shared<Ctx>(a, pd, index)) {}
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
+    if (std::getenv("DASLLAMA_VULKAN_STEPS"))
+      std::fprintf(stderr, "vulkan glu folded into gemv_q: %llu\n", (unsigned long long)fused_glu_);
     rope_tables_.clear();
     i8_buf_.reset();
     attn_part_.reset();
@@ -1149,6 +1151,97 @@ class VulkanBackend final : public Backend {
                                                {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
     c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
   }
+  // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x
+  // itself (RMS norm, or the GLU kept just before, on the way): the output gemv_i8.comp gives,
+  // bit for bit, without quant_act's dispatch and barrier (nor the glu's). Unset or 1: on, the
+  // rows a workgroup picked from the matmul's height; 8, 16 or 32: those rows (for tuning);
+  // 0: quant_act + gemv_i8 as before (for A/B runs). Read at each matmul, as i8_mode().
+  static int gemvq_mode() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_GEMVQ");
+    if (!e || !*e || std::strcmp(e, "1") == 0) return 1;
+    if (std::strcmp(e, "8") == 0 || std::strcmp(e, "16") == 0 || std::strcmp(e, "32") == 0) return std::atoi(e);
+    return 0;
+  }
+  // gemv_q.comp's variants: NT tokens at most, (row, block) pairs a chunk and x's blocks at most.
+  static int gemvq_nt(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : 4; }
+  static uint32_t gemvq_pairs(int nt) { return nt == 1 ? 512 : 256; }
+  static int64_t gemvq_blocks(int nt) { return nt == 1 ? 512 : nt == 2 ? 256 : 96; }
+  // Whether gemv_q takes these (i8_fits already true for each): 1-4 tokens, x within the
+  // variant's shared memory, one layout (type, width, row stride) for all.
+  bool gemvq_fits(const Weight* const* ws, int count, int64_t n) const {
+    if (!gemvq_mode() || n < 1 || n > 4 || count < 1 || count > 3 || c_->max_shared() < 32768) return false;
+    for (int i = 0; i < count; ++i)
+      if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
+          ws[i]->rows <= 0 || lay_rb(*ws[i]) > UINT32_MAX)
+        return false;
+    return ws[0]->cols / 32 <= gemvq_blocks(gemvq_nt(n));
+  }
+  // y[i] = ws[i] x (or += with accumulate) in one gemv_q dispatch, x RMS-normed first with norm;
+  // with the glu kept just before (it made x: ffn down in a recorded step) x is computed from
+  // its gate and up instead and the glu's dispatch is taken back.
+  void gemv_q(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n, bool norm = false,
+              const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false) {
+    struct {
+      uint64_t w[3], y[3];
+      uint64_t x, aux;
+      uint32_t row_bytes;
+      uint32_t rows[3];
+      uint32_t cols, n, b0, b1, flags;
+      float eps;
+      uint32_t rwcb;
+    } pc{};
+    const int nt = gemvq_nt(n);
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) {
+      pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
+      total += ws[i]->rows;
+    }
+    const int64_t cols = ws[0]->cols, nb = cols / 32;
+    pc.x = A(x), pc.aux = norm ? A(norm_w) : 0, pc.row_bytes = (uint32_t)lay_rb(*ws[0]);
+    pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.eps = eps;
+    pc.flags = (norm ? 1u : 0u) | (accumulate ? 2u : 0u);
+    // Rows a workgroup: few where the matmul is short, so that it still spreads over a GPU's
+    // cores; more where it is tall, so that rounding x (each workgroup does) is paid less often.
+    const int mode = gemvq_mode();
+    const uint32_t pairs = gemvq_pairs(nt);
+    uint32_t rw = mode > 1 ? (uint32_t)mode : total >= 32768 ? 32 : total >= 8192 ? 16 : 8;
+    const uint32_t cb = (uint32_t)std::min<int64_t>(pairs / rw, (nb + 3) / 4 * 4);  // a multiple of 4
+    rw = std::min<uint32_t>(32, pairs / cb);
+    pc.rwcb = rw | cb << 8;
+    uint32_t blocks = 0, b[3] = {0, 0, 0};
+    for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + rw - 1) / rw);
+    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
+    const Glu gl = glu_;
+    glu_ = Glu{};
+    const bool fuse = gl.valid && count == 1 && !norm && fuse_glu_on() && c_->recording() &&
+                      gl.serial == c_->step_serial() && gl.kept == c_->kept() && gl.out == pc.x && gl.n_rows == n &&
+                      gl.dim == cols && gl.gate % 16 == 0 && gl.up % 16 == 0 && gl.gs % 4 == 0 && gl.us % 4 == 0 &&
+                      gl.gs <= UINT32_MAX && gl.us <= UINT32_MAX;
+    const uint64_t xb = (uint64_t)(n * cols * 4);
+    if (fuse) {
+      c_->unkeep_last(gl.sig0);
+      if (!glu_cnt_) {
+        glu_cnt_ = alloc(256, "glu counter");
+        c_->zero(A(glu_cnt_->data()), 256);  // left at 0 by every dispatch that counts on it
+      }
+      pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.aux = A(glu_cnt_->data());
+      pc.y[1] = (uint64_t)(uint32_t)gl.gs | (uint64_t)(uint32_t)gl.us << 32;
+      pc.flags |= 4u | gl.code << 8;
+      ++fused_glu_;
+      c_->uses({{gl.gate, (uint64_t)(((n - 1) * gl.gs + gl.dim) * 4), false},
+                {gl.up, (uint64_t)(((n - 1) * gl.us + gl.dim) * 4), false}, {gl.out, xb, true},
+                {pc.w[0], Ctx::kWhole, false}, {pc.y[0], (uint64_t)(n * ws[0]->rows * 4), true}, {pc.aux, 256, true}});
+    } else {
+      auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+      c_->uses({{pc.x, xb, false}, {pc.aux, (uint64_t)cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
+                {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
+                {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
+    }
+    const bool dot = i8_mode() != kI8Plain && c_->i8dot;
+    const std::string sh = std::string(dot ? "gemv_q" : "gemv_qp") + std::to_string(nt) + "_" +
+                           std::to_string(lay_type(*ws[0]));
+    c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks);
+  }
   // DASLLAMA_VULKAN_GEMV=0: decode matmuls on matmul.comp's subgroup path (for A/B runs).
   static bool gemv_on() {
     static const bool on = [] {
@@ -1209,6 +1302,9 @@ class VulkanBackend final : public Backend {
                 {A(y), (uint64_t)(n * w.rows * 4), true}});
     };
     if (c_->subgroup && i8_fits(w, x, n)) {  // q8 mode: int8 activations at every token count
+      const Weight* ws[1] = {&w};
+      float* ys[1] = {y};
+      if (gemvq_fits(ws, 1, n)) return gemv_q(ws, ys, 1, x, n);
       quant_act(x, n, w.cols);
       gemm_i8(w, y, n);
       return;
@@ -1238,6 +1334,7 @@ class VulkanBackend final : public Backend {
       if (all) {
         Lock g(c_->mu);
         c_->note_rows(n);
+        if (gemvq_fits(ws, count, n)) return gemv_q(ws, ys, count, x, n);
         quant_act(x, n, ws[0]->cols);
         for (int i = 0; i < count; ++i)
           if (ws[i]->rows > 0) gemm_i8(*ws[i], ys[i], n);
@@ -1264,6 +1361,10 @@ class VulkanBackend final : public Backend {
     if (i8) {
       Lock g(c_->mu);
       c_->note_rows(s.n);
+      if (gemvq_fits(s.w, s.count, s.n)) {
+        float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
+        return gemv_q(s.w, ys, s.count, s.x, s.n, s.norm, s.norm_w, s.eps, s.residual != nullptr);
+      }
       quant_act(s.x, s.n, s.w[0]->cols, s.norm, s.norm_w, s.eps);
       if (s.residual) return gemm_i8(*s.w[0], s.residual, s.n, true);
       for (int i = 0; i < s.count; ++i)
@@ -1822,7 +1923,8 @@ class VulkanBackend final : public Backend {
     float freq_scale = 1.f, mscale = 1.f;
   } rope_;
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
-  BufferPtr glu_cnt_;  // gemv.comp's GLU counter
+  BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
+  uint64_t fused_glu_ = 0;  // glus folded into gemv_q (DASLLAMA_VULKAN_STEPS=1 prints the count)
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
   uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
