@@ -1118,7 +1118,7 @@ class VulkanBackend final : public Backend {
     } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps};
     c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
               {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
-    c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 63) / 64), (uint32_t)n);
+    c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 255) / 256), (uint32_t)n);
   }
   // y = w x over the activations quant_act just rounded; accumulate: y += it (one f32 add, as
   // the add op does).

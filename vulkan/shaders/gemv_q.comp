@@ -65,7 +65,7 @@ shared uvec4 Xs[NT][2][NBX];        // x's quants: block b's bytes 0-15 at [t][0
 shared vec4 Xd[NT][NBX / 4u];       // their scales (4 blocks a vec4), 0 past the last block
 shared ivec4 Ss[2][NT][SLOT / 4u];  // a chunk's block sums: [buffer][token][row * (cb + 4) + block]
 shared vec4 Ws[2][SLOT / 4u];       // the weight scales of the same (row, block)s
-shared double red[NT][64];          // the RMS norm's partial sums (qact.glsl's order)
+shared double red[256];             // the RMS norm's partial sums (qact.glsl's order)
 shared bool glu_last;
 
 uint s4(uint u) { return (u + 0x78787878u) ^ 0x80808080u; }  // gemm_i8.comp's
@@ -131,15 +131,17 @@ void main() {
   float sc[NT];
   [[unroll]] for (uint t = 0u; t < NT; ++t) sc[t] = 1.0f;
   if (norm) {
-    const uint t = tid / 64u, l = tid % 64u;
-    if (t < NT && t < n) red[t][l] = qa_partial(F32(pc.x + uint64_t(t) * pc.cols * 4u), pc.cols, l);
-    barrier();
-    for (uint h = 32u; h > 0u; h >>= 1) {
-      if (t < NT && t < n && l < h) red[t][l] += red[t][l + h];
+    for (uint t = 0u; t < NT; ++t) {
+      if (t >= n) break;
+      red[tid] = qa_partial(F32(pc.x + uint64_t(t) * pc.cols * 4u), pc.cols, tid);
       barrier();
+      for (uint h = 128u; h > 0u; h >>= 1) {
+        if (tid < h) red[tid] += red[tid + h];
+        barrier();
+      }
+      sc[t] = qa_scale(red[0], pc.cols, pc.eps);
+      barrier();  // red[0] read before the next token's partials
     }
-    [[unroll]] for (uint u = 0u; u < NT; ++u)
-      if (u < n) sc[u] = qa_scale(red[u][0], pc.cols, pc.eps);
   }
   const uint nb4 = (nb + 3u) & ~3u;
   for (uint task = tid; task < n * nb4; task += 256u) {

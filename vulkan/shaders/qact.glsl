@@ -37,12 +37,12 @@ float qa_round(vec4 v[8], out uint w[8]) {
   return float(double(amax) / 127.0lf);
 }
 
-// The RMS scale of a row in one order for every shader that rounds x: lane l of 64 sums the
-// squares of elements l, l + 64, ... in turn (qa_partial), then the 64 partials are added
-// pairwise, red[l] += red[l + h] for h = 32, 16, ..., 1, and red[0] goes to qa_scale.
+// The RMS scale of a row in one order for every shader that rounds x: lane l of 256 sums the
+// squares of elements l, l + 256, ... in turn (qa_partial), then the 256 partials are added
+// pairwise, red[l] += red[l + h] for h = 128, 64, ..., 1, and red[0] goes to qa_scale.
 double qa_partial(F32 xr, uint cols, uint l) {
   double ss = 0.0lf;
-  for (uint i = l; i < cols; i += 64u) ss += double(xr.v[i]) * double(xr.v[i]);
+  for (uint i = l; i < cols; i += 256u) ss += double(xr.v[i]) * double(xr.v[i]);
   return ss;
 }
 float qa_scale(double ss, uint cols, float eps) { return float(1.0lf / sqrt(ss / double(cols) + double(eps))); }

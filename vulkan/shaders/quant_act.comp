@@ -7,7 +7,7 @@
 #include "common.glsl"
 #include "qact.glsl"
 
-layout(local_size_x = 64) in;
+layout(local_size_x = 256) in;
 layout(push_constant, std430) uniform PC {
   uint64_t x, xq, xd;  // f32 [n][cols]; int8 [n][cols]; f32 [n][cols / 32]
   uint64_t nw;         // flags 1: x RMS-normed first (times nw where not 0), as norm.comp does
@@ -15,7 +15,7 @@ layout(push_constant, std430) uniform PC {
   float eps;
 } pc;
 
-shared double red[64];
+shared double red[256];
 
 void main() {
   const uint nb = pc.cols / 32u, b = gl_GlobalInvocationID.x, t = gl_WorkGroupID.y, tid = gl_LocalInvocationID.x;
@@ -23,7 +23,7 @@ void main() {
   if ((pc.flags & 1u) != 0u) {  // the row's scale, each workgroup of the row alike (qact.glsl's order)
     red[tid] = qa_partial(F32(pc.x + uint64_t(t) * pc.cols * 4u), pc.cols, tid);
     barrier();
-    for (uint h = 32u; h > 0u; h >>= 1) {
+    for (uint h = 128u; h > 0u; h >>= 1) {
       if (tid < h) red[tid] += red[tid + h];
       barrier();
     }
