@@ -417,7 +417,7 @@ class Ctx {
       if (readback_.size < bytes) {
         flush();  // the old readback buffer may be in the recorded stream
         destroy(readback_);
-        readback_ = make(std::max<size_t>(bytes, size_t(1) << 20), true, "download staging");
+        readback_ = make(std::max<size_t>(bytes, size_t(1) << 20), true, "download staging", readback_cached());
       }
       auto [sb, soff] = locate(src, bytes);
       VkBufferCopy c{soff, 0, bytes};
@@ -809,7 +809,16 @@ class Ctx {
       if ((bits & (1u << i)) && (mprops_.memoryTypes[i].propertyFlags & want) == want) return i;
     return UINT32_MAX;
   }
-  Alloc make(size_t bytes, bool host, const char* what) {
+  // Downloads land in host-cached memory where the device has it: the host then reads them
+  // (a decode step's logits, 0.5 MB for a 128k vocabulary) at memory speed, where the first
+  // host-visible type (NVIDIA's) is uncached, each read a bus transaction. Uploads keep that
+  // type (written once, in order: write-combining suits them). DASLLAMA_VULKAN_READBACK=uncached:
+  // the first host-visible type for downloads too (for A/B runs; read when the buffer is made).
+  static bool readback_cached() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_READBACK");
+    return !(e && std::strcmp(e, "uncached") == 0);
+  }
+  Alloc make(size_t bytes, bool host, const char* what, bool cached = false) {
     Alloc al;
     al.size = std::max<size_t>(bytes, 4);
     VkBufferCreateInfo bci{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
@@ -823,9 +832,10 @@ class Ctx {
                         vk::result_str(r));
     VkMemoryRequirements req{};
     f_.vkGetBufferMemoryRequirements(dev_, al.buf, &req);
-    uint32_t t = host ? mem_type(req.memoryTypeBits, VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |
-                                                         VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)
-                      : mem_type(req.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+    const VkMemoryPropertyFlags hv = VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
+    uint32_t t = host && cached ? mem_type(req.memoryTypeBits, hv | VK_MEMORY_PROPERTY_HOST_CACHED_BIT) : UINT32_MAX;
+    if (t == UINT32_MAX)
+      t = host ? mem_type(req.memoryTypeBits, hv) : mem_type(req.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
     if (t == UINT32_MAX && !host) t = mem_type(req.memoryTypeBits, 0);
     if (t == UINT32_MAX) {
       f_.vkDestroyBuffer(dev_, al.buf, nullptr);
