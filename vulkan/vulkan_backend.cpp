@@ -1180,11 +1180,14 @@ class VulkanBackend final : public Backend {
   // variant's shared memory, one layout (type, width, row stride) for all.
   bool gemvq_fits(const Weight* const* ws, int count, int64_t n) const {
     if (!gemvq_mode() || n < 1 || n > 4 || count < 1 || count > 3 || c_->max_shared() < 32768) return false;
-    for (int i = 0; i < count; ++i)
+    int64_t groups = 0;  // at 8 rows a workgroup, the fewest gemv_q takes
+    for (int i = 0; i < count; ++i) {
       if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
           ws[i]->rows <= 0 || lay_rb(*ws[i]) > UINT32_MAX)
         return false;
-    return ws[0]->cols / 32 <= gemvq_blocks(gemvq_nt(n));
+      groups += (ws[i]->rows + 7) / 8;
+    }
+    return groups <= kMaxGroups && ws[0]->cols / 32 <= gemvq_blocks(gemvq_nt(n));
   }
   // y[i] = ws[i] x (or += with accumulate) in one gemv_q dispatch, x RMS-normed first with norm;
   // with the glu kept just before (it made x: ffn down in a recorded step) x is computed from
