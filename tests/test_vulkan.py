@@ -208,16 +208,18 @@ def test_int8_prefill_on_lavapipe():
         for sh in ("quant_act",) + tuple(p + t for p in prefixes for t in ("40", "41")):
             assert sh in out, f"DASLLAMA_VULKAN_I8={mode}: {sh} did not run\n" + out[-3000:]
         assert "matmul_tile_40" not in out and "matmul_tile_41" not in out, out[-3000:]
-    # The glu before ffn down folded into gemv_q (recorded steps only, which profiling turns
-    # off): a decode alone against the same rows in a 42-row step (glu, quant_act, gemm_i8).
+    # The glu before ffn down folded into gemv_q and the queries' rope into the KV store
+    # (recorded steps only, which profiling turns off): a decode alone against the same rows in
+    # a 42-row step (glu, quant_act, gemm_i8; rope dispatches).
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                         os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32"],
                        env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1"),
                        capture_output=True, text=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    folded = [int(line.rsplit(":", 1)[1]) for line in out.splitlines() if "glu folded into gemv_q:" in line]
-    assert folded and max(folded) > 0, out[-3000:]
+    folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
+              if "glu folded into gemv_q:" in line]
+    assert folded and max(f[0] for f in folded) > 0 and max(f[1] for f in folded) > 0, out[-3000:]
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])

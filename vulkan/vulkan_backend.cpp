@@ -977,7 +977,8 @@ class VulkanBackend final : public Backend {
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     if (std::getenv("DASLLAMA_VULKAN_STEPS"))
-      std::fprintf(stderr, "vulkan glu folded into gemv_q: %llu\n", (unsigned long long)fused_glu_);
+      std::fprintf(stderr, "vulkan glu folded into gemv_q: %llu; queries' rope folded into kv_store: %llu\n",
+                   (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_);
     rope_tables_.clear();
     i8_buf_.reset();
     attn_part_.reset();
@@ -1516,7 +1517,9 @@ class VulkanBackend final : public Backend {
               {A(pos), (uint64_t)n_tok * 4, false}, {inv, Ctx::kWhole, false}, {A(p.freq_factors), Ctx::kWhole, false}});
     const size_t sig0 = c_->sig_bytes();
     c_->dispatch("rope", &pc, sizeof pc, groups(n, 64));
-    // Kept for a KV store of exactly these rows next (kv_store folds this dispatch into it).
+    // Kept for a KV store of exactly these rows next (kv_store folds this dispatch into it, and
+    // the queries' rope just before it: prev_rope_).
+    prev_rope_ = rope_;
     rope_ = Rope{};
     if (c_->recording() && p.n_rot < 65536 && (int64_t)n_heads * head_dim <= 4096)
       rope_ = Rope{true, c_->step_serial(), c_->kept(), sig0, A(x), A(pos), inv, A(p.freq_factors), n_tok, stride,
@@ -1534,19 +1537,37 @@ class VulkanBackend final : public Backend {
       int32_t first, src_stride, dim, page_shift, kvtype, row_base;
       uint32_t rope, head_dim;
       float freq_scale, mscale;
+      uint64_t q;
     } pc{A(kv.base), A(kv.pages), A(k), A(v), c_->args_addr(), 0, 0, 0, (uint32_t)kv.page_bytes,
          (uint32_t)kv.k_off, (uint32_t)kv.v_off, (uint32_t)kv.row_bytes, c_->step_arg((int32_t)first),
-         (int32_t)src_stride, (int32_t)dim, kv.page_shift, (int32_t)kv.type, 0, 0, 0, 0.f, 0.f};
+         (int32_t)src_stride, (int32_t)dim, kv.page_shift, (int32_t)kv.type, 0, 0, 0, 0.f, 0.f, 0};
     // The step's last kept command is the rope of exactly these keys: the store rotates them
     // itself (and writes them back rotated) and the rope's dispatch is taken back, so the store
-    // runs beside the queries' rope instead of after a barrier behind the keys'.
-    const Rope r = rope_;
-    rope_ = Rope{};
-    if (r.valid && fuse_rope_on() && c_->recording() && r.serial == c_->step_serial() && r.kept == c_->kept() &&
+    // runs without a barrier behind the keys' rope. When the command before that is the
+    // queries' rope at the same positions, it is taken back too and the store's third row of
+    // workgroups rotates the queries (a row a workgroup through shared memory, where rope.comp
+    // walks the heads one after another): one dispatch where there were three.
+    const Rope r = rope_, rq = prev_rope_;
+    rope_ = prev_rope_ = Rope{};
+    const int fold = fuse_rope_mode();
+    uint32_t ny = 2;
+    uint64_t qbytes = 0;
+    if (r.valid && fold && c_->recording() && r.serial == c_->step_serial() && r.kept == c_->kept() &&
         r.x == A(k) && r.n_tok == n && r.stride == src_stride && (int64_t)r.n_heads * r.head_dim == dim) {
       c_->unkeep_last(r.sig0);
       pc.pos = r.pos, pc.inv = r.inv, pc.factors = r.factors, pc.rope = r.rot, pc.head_dim = (uint32_t)r.head_dim;
       pc.freq_scale = r.freq_scale, pc.mscale = r.mscale;
+      qbytes = (uint64_t)(n * rq.n_heads * rq.head_dim * 4);
+      const uint64_t src = (uint64_t)(((n - 1) * src_stride + dim) * 4);
+      const auto apart = [&](uint64_t a, uint64_t ab, uint64_t b, uint64_t bb) { return a + ab <= b || b + bb <= a; };
+      if (fold == 2 && rq.valid && rq.serial == r.serial && rq.kept == c_->kept() && rq.pos == r.pos && rq.inv == r.inv &&
+          rq.factors == r.factors && rq.rot == r.rot && rq.freq_scale == r.freq_scale && rq.mscale == r.mscale &&
+          rq.head_dim == r.head_dim && rq.n_tok == n && rq.stride == (int64_t)rq.n_heads * rq.head_dim &&
+          rq.n_heads < 32768 && n <= kMaxGroups && apart(rq.x, qbytes, A(k), src) && apart(rq.x, qbytes, A(v), src)) {
+        c_->unkeep_last(rq.sig0);
+        pc.q = rq.x, pc.rope |= (uint32_t)rq.n_heads << 17, ny = 3;
+        ++fused_rope_q_;
+      }
     }
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.row_base = (int32_t)i0;
@@ -1555,17 +1576,16 @@ class VulkanBackend final : public Backend {
       // f16 bytes through word atomics): they may run together, ordered only against readers.
       c_->uses({{A(kv.base), Ctx::kWhole, true, true}, {A(kv.pages), Ctx::kWhole, false},
                 {A(k), src, pc.rope != 0}, {A(v), src, false}, {pc.pos, (uint64_t)n * 4, false},
-                {pc.inv, Ctx::kWhole, false}, {pc.factors, Ctx::kWhole, false}});
-      c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), 2);
+                {pc.inv, Ctx::kWhole, false}, {pc.factors, Ctx::kWhole, false}, {pc.q, qbytes, true}});
+      c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), ny);
     }
   }
-  // DASLLAMA_VULKAN_FUSE_ROPE=0: the keys' rope stays its own dispatch (for A/B runs).
-  static bool fuse_rope_on() {
-    static const bool on = [] {
-      const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_ROPE");
-      return !(e && std::strcmp(e, "0") == 0);
-    }();
-    return on;
+  // DASLLAMA_VULKAN_FUSE_ROPE=0: the ropes stay their own dispatches; =k: only the keys' is
+  // folded into the KV store (as before the twelfth session); else both (for A/B runs; read at
+  // each store, so benchmarks/ab_cuda.py can switch it between loads).
+  static int fuse_rope_mode() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_ROPE");
+    return e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "k") == 0 ? 1 : 2;
   }
   void attention(const AttnArgs& a) override {
     if (a.n_tok <= 0 || a.n_heads <= 0) return;
@@ -1934,10 +1954,10 @@ class VulkanBackend final : public Backend {
     int n_heads = 0, head_dim = 0;
     uint32_t rot = 0;
     float freq_scale = 1.f, mscale = 1.f;
-  } rope_;
+  } rope_, prev_rope_;  // prev_rope_: the rope kept just before rope_ (the queries', when rope_ is the keys')
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
-  uint64_t fused_glu_ = 0;  // glus folded into gemv_q (DASLLAMA_VULKAN_STEPS=1 prints the count)
+  uint64_t fused_glu_ = 0, fused_rope_q_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
   uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
