@@ -11,8 +11,8 @@ The default configurations: everything on (but gemm.comp, opt-in); then one swit
 time (REPLAY=0: every step recorded into the stream; BARRIERS=all: a barrier after every
 command; GEMV=0: matmul.comp's subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head,
 token); GEMM=1: gemm.comp (128 x 64 tiles) in prefill, not matmul_tile.comp's 64 x 64;
-FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the keys' rope its own
-dispatch before the KV store; MERGE=dispatch: attention's splits joined by a second dispatch;
+FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the ropes their own
+dispatches before the KV store (=k: only the keys' folded into it, not the queries'); MERGE=dispatch: attention's splits joined by a second dispatch;
 I8=0: q8-mode matmuls on f32 activations (matmul_tile.comp's tiles, gemv.comp), not int8;
 I8=plain: the int8 GEMM / GEMV without the packed dot product; I8=coop: prefill on NV int8
 cooperative matrices where present; I8=prefill: int8 in prefill only, decode on gemv.comp's f32;
@@ -47,6 +47,7 @@ CONFIGS = {
     "GEMM=1": {"DASLLAMA_VULKAN_GEMM": "1"},
     "FUSE_GLU=0": {"DASLLAMA_VULKAN_FUSE_GLU": "0"},
     "FUSE_ROPE=0": {"DASLLAMA_VULKAN_FUSE_ROPE": "0"},
+    "FUSE_ROPE=k": {"DASLLAMA_VULKAN_FUSE_ROPE": "k"},
     "MERGE=dispatch": {"DASLLAMA_VULKAN_ATTN_SPLIT": "dispatch"},
     "I8=0": {"DASLLAMA_VULKAN_I8": "0"},
     "I8=plain": {"DASLLAMA_VULKAN_I8": "plain"},

@@ -22,7 +22,8 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _I8, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT (benchmarks/profile_vulkan.py runs them).
+// _GEMV, _GEMM, _I8, _GEMVQ, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
+// runs them).
 #include "vulkan_backend.h"
 
 #include <algorithm>
