@@ -1166,12 +1166,14 @@ class VulkanBackend final : public Backend {
   // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x
   // itself (RMS norm, or the GLU kept just before, on the way): the output gemv_i8.comp gives,
   // bit for bit, without quant_act's dispatch and barrier (nor the glu's). Unset or 1: on, the
-  // rows a workgroup picked from the matmul's height; 8, 16 or 32: those rows (for tuning);
+  // rows a workgroup picked from the matmul's height; 4, 8, 16 or 32: those rows (for tuning;
+  // 4 only where a row has 128 blocks or more, else 8: 512 pairs a chunk at 1 token);
   // 0: quant_act + gemv_i8 as before (for A/B runs). Read at each matmul, as i8_mode().
   static int gemvq_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_GEMVQ");
     if (!e || !*e || std::strcmp(e, "1") == 0) return 1;
-    if (std::strcmp(e, "8") == 0 || std::strcmp(e, "16") == 0 || std::strcmp(e, "32") == 0) return std::atoi(e);
+    if (std::strcmp(e, "4") == 0 || std::strcmp(e, "8") == 0 || std::strcmp(e, "16") == 0 || std::strcmp(e, "32") == 0)
+      return std::atoi(e);
     return 0;
   }
   // gemv_q.comp's variants: NT tokens at most, (row, block) pairs a chunk and x's blocks at most.
@@ -1182,12 +1184,12 @@ class VulkanBackend final : public Backend {
   // variant's shared memory, one layout (type, width, row stride) for all.
   bool gemvq_fits(const Weight* const* ws, int count, int64_t n) const {
     if (!gemvq_mode() || n < 1 || n > 4 || count < 1 || count > 3 || c_->max_shared() < 32768) return false;
-    int64_t groups = 0;  // at 8 rows a workgroup, the fewest gemv_q takes
+    int64_t groups = 0;  // at 4 rows a workgroup, the fewest gemv_q takes
     for (int i = 0; i < count; ++i) {
       if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
           ws[i]->rows <= 0 || lay_rb(*ws[i]) > UINT32_MAX)
         return false;
-      groups += (ws[i]->rows + 7) / 8;
+      groups += (ws[i]->rows + 3) / 4;
     }
     return groups <= kMaxGroups && ws[0]->cols / 32 <= gemvq_blocks(gemvq_nt(n));
   }
@@ -1220,7 +1222,9 @@ class VulkanBackend final : public Backend {
     const int mode = gemvq_mode();
     const uint32_t pairs = gemvq_pairs(nt);
     uint32_t rw = mode > 1 ? (uint32_t)mode : total >= 32768 ? 32 : total >= 8192 ? 16 : 8;
-    const uint32_t cb = (uint32_t)std::min<int64_t>(pairs / rw, (nb + 3) / 4 * 4);  // a multiple of 4
+    // Blocks a chunk (a multiple of 4, at most 64 but where 4 rows are asked for), then as many
+    // rows as the pairs allow (rw * cb <= pairs, so a term buffer holds rw * (cb + 4) words).
+    const uint32_t cb = (uint32_t)std::min<int64_t>({pairs / rw, rw < 8 ? 128 : 64, (nb + 3) / 4 * 4});
     rw = std::min<uint32_t>(32, pairs / cb);
     pc.rwcb = rw | cb << 8;
     uint32_t blocks = 0, b[3] = {0, 0, 0};
