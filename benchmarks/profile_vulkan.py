@@ -11,12 +11,14 @@ The default configurations: everything on (but gemm.comp, opt-in); then one swit
 time (REPLAY=0: every step recorded into the stream; BARRIERS=all: a barrier after every
 command; GEMV=0: matmul.comp's subgroup path in decode; ATTN_SPLIT=0: one workgroup per (head,
 token); GEMM=1: gemm.comp (128 x 64 tiles) in prefill, not matmul_tile.comp's 64 x 64;
-FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the keys' rope its own
-dispatch before the KV store; MERGE=dispatch: attention's splits joined by a second dispatch;
+FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the ropes their own
+dispatches before the KV store (=k: only the keys' folded into it, not the queries'); MERGE=dispatch: attention's splits joined by a second dispatch;
 I8=0: q8-mode matmuls on f32 activations (matmul_tile.comp's tiles, gemv.comp), not int8;
 I8=plain: the int8 GEMM / GEMV without the packed dot product; I8=coop: prefill on NV int8
 cooperative matrices where present; I8=prefill: int8 in prefill only, decode on gemv.comp's f32;
-FLASH=1: decoders' prefill attention on flash.comp's key tiles),
+FLASH=1: decoders' prefill attention on flash.comp's key tiles; GEMVQ=0: q8-mode decode of 1-4
+tokens on quant_act + gemv_i8, not gemv_q.comp (which rounds x itself, the GLU folded in);
+READBACK=uncached: downloads into the first host-visible memory type, not a host-cached one),
 and "old": all of them off, the stream before this work (but for the q4_0 split layout, which
 DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
 2048 makes the attention split matter more. Per-shader GPU time: run one
@@ -45,12 +47,15 @@ CONFIGS = {
     "GEMM=1": {"DASLLAMA_VULKAN_GEMM": "1"},
     "FUSE_GLU=0": {"DASLLAMA_VULKAN_FUSE_GLU": "0"},
     "FUSE_ROPE=0": {"DASLLAMA_VULKAN_FUSE_ROPE": "0"},
+    "FUSE_ROPE=k": {"DASLLAMA_VULKAN_FUSE_ROPE": "k"},
     "MERGE=dispatch": {"DASLLAMA_VULKAN_ATTN_SPLIT": "dispatch"},
     "I8=0": {"DASLLAMA_VULKAN_I8": "0"},
     "I8=plain": {"DASLLAMA_VULKAN_I8": "plain"},
     "I8=coop": {"DASLLAMA_VULKAN_I8": "coop"},
     "I8=prefill": {"DASLLAMA_VULKAN_I8": "prefill"},
     "FLASH=1": {"DASLLAMA_VULKAN_FLASH": "1"},
+    "GEMVQ=0": {"DASLLAMA_VULKAN_GEMVQ": "0"},
+    "READBACK=uncached": {"DASLLAMA_VULKAN_READBACK": "uncached"},
     "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
             "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0",
             "DASLLAMA_VULKAN_FUSE_ROPE": "0", "DASLLAMA_VULKAN_I8": "0"},

@@ -215,8 +215,9 @@ def q8_backends():
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
-# (150, 416): several 64-token tiles and 13 blocks of k, not a multiple of a GPU tile's 4.
-@pytest.mark.parametrize("n,cols", [(1, 512), (7, 512), (20, 512), (100, 512), (150, 416)])
+# (150, 416): several 64-token tiles and 13 blocks of k, not a multiple of a GPU tile's 4;
+# (2, 288), (3, 1056): Vulkan's 2- and 4-token GEMV with 9 and 33 blocks (ragged chunks).
+@pytest.mark.parametrize("n,cols", [(1, 512), (2, 288), (3, 1056), (7, 512), (20, 512), (100, 512), (150, 416)])
 def test_matmul_q8_mode(q8_backends, wtype, n, cols):
     """Weights loaded as in q8 mode: a backend either quantizes the activations to 8-bit
     blocks of 32 with the CPU's rounding (act_blocks.h), and then equals the CPU's matmul up

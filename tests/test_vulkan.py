@@ -180,7 +180,8 @@ def test_q8_mode_prefill_logits(tiny):
 
 def test_int8_prefill_on_lavapipe():
     """q8-mode prefill (past 32 tokens on a GPU's path) rounds the activations to int8 blocks
-    and runs the int8 GEMM (gemm_i8.comp; the int8 GEMV, gemv_i8.comp, up to 32 tokens): forced onto the GPUs' paths here, the op harness's
+    and runs the int8 GEMM (gemm_i8.comp; the int8 GEMV up to 32 tokens: gemv_q.comp, which
+    rounds x itself, up to 4, gemv_i8.comp past): forced onto the GPUs' paths here, the op harness's
     q8-mode cases (ragged tiles; float64 numpy and the CPU's q8 sums) and a model's q8-mode
     prefill logits (the CPU's q8 mode, since int8 ran) hold with the packed dot
     product where lavapipe has it and with plain bytes, and the profile (which names every
@@ -191,11 +192,12 @@ def test_int8_prefill_on_lavapipe():
     here = os.path.dirname(__file__)
     feats = _VK["devices"][0]["features"]
     dot = "int8 dot" in feats
-    runs = [("1", ("gemm_i8_", "gemm_i8h_", "gemv_i8_") if dot else ("gemm_i8p_", "gemm_i8ph_", "gemv_i8p_"),
-             ("test_backend_ops.py", "test_vulkan.py")),
-            ("plain", ("gemm_i8p_", "gemm_i8ph_", "gemv_i8p_"), ("test_backend_ops.py",))]
+    dots = ("gemm_i8_", "gemm_i8h_", "gemv_i8_", "gemv_q1_", "gemv_q2_", "gemv_q4_")
+    plain = ("gemm_i8p_", "gemm_i8ph_", "gemv_i8p_", "gemv_qp1_", "gemv_qp2_", "gemv_qp4_")
+    runs = [("1", dots if dot else plain, ("test_backend_ops.py", "test_vulkan.py")),
+            ("plain", plain, ("test_backend_ops.py",))]
     if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variant too
-        runs.append(("coop", ("gemm_coop_", "gemv_i8_"), ("test_backend_ops.py", "test_vulkan.py")))
+        runs.append(("coop", ("gemm_coop_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
     for mode, prefixes, files in runs:
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"] +
                            [os.path.join(here, f) for f in files] + ["-k", "q8_mode and not lavapipe"],
@@ -206,13 +208,26 @@ def test_int8_prefill_on_lavapipe():
         for sh in ("quant_act",) + tuple(p + t for p in prefixes for t in ("40", "41")):
             assert sh in out, f"DASLLAMA_VULKAN_I8={mode}: {sh} did not run\n" + out[-3000:]
         assert "matmul_tile_40" not in out and "matmul_tile_41" not in out, out[-3000:]
+    # The glu before ffn down folded into gemv_q and the queries' rope into the KV store
+    # (recorded steps only, which profiling turns off): a decode alone against the same rows in
+    # a 42-row step (glu, quant_act, gemm_i8; rope dispatches).
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                        os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32"],
+                       env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1"),
+                       capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
+              if "glu folded into gemv_q:" in line]
+    assert folded and max(f[0] for f in folded) > 0 and max(f[1] for f in folded) > 0, out[-3000:]
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
 def test_q8_mode_rows_alike_at_any_token_count(wtype):
     """Batched equals alone across the 32 tokens where a GPU's q8-mode matmul turns from the
-    GEMV to the int8 GEMM: token rows computed alone (1 token), in a decode-sized batch (20)
-    and inside a 100-token matmul are bit for bit the same, plain, normed (a step's fused RMS
+    GEMV to the int8 GEMM: token rows computed alone (1 token; gemv_q.comp, which rounds x
+    itself, up to 4), in a decode-sized batch (20) and inside a 100-token matmul are bit for
+    bit the same, plain, normed (a step's fused RMS
     norm) and into a residual. Forced onto the GPUs' paths by test_int8_prefill_on_lavapipe,
     which also checks that the int8 GEMV and GEMM ran; lavapipe's own plain path is held to it
     too. The values against the CPU and float64 numpy: test_backend_ops.py's q8_mode cases."""
@@ -238,7 +253,7 @@ def test_q8_mode_rows_alike_at_any_token_count(wtype):
                                                       np.ascontiguousarray(res[sel]))).reshape(len(xs), rows)}
 
     full = run(slice(0, n))
-    for sel in (slice(37, 38), slice(0, 1), slice(60, 80)):
+    for sel in (slice(37, 38), slice(0, 1), slice(40, 42), slice(50, 53), slice(96, 100), slice(60, 80)):
         part = run(sel)
         for k in full:
             assert np.array_equal(part[k], full[k][sel]), \

@@ -22,7 +22,8 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _I8, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT (benchmarks/profile_vulkan.py runs them).
+// _GEMV, _GEMM, _I8, _GEMVQ, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
+// runs them).
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -417,7 +418,7 @@ class Ctx {
       if (readback_.size < bytes) {
         flush();  // the old readback buffer may be in the recorded stream
         destroy(readback_);
-        readback_ = make(std::max<size_t>(bytes, size_t(1) << 20), true, "download staging");
+        readback_ = make(std::max<size_t>(bytes, size_t(1) << 20), true, "download staging", readback_cached());
       }
       auto [sb, soff] = locate(src, bytes);
       VkBufferCopy c{soff, 0, bytes};
@@ -809,7 +810,16 @@ class Ctx {
       if ((bits & (1u << i)) && (mprops_.memoryTypes[i].propertyFlags & want) == want) return i;
     return UINT32_MAX;
   }
-  Alloc make(size_t bytes, bool host, const char* what) {
+  // Downloads land in host-cached memory where the device has it: the host then reads them
+  // (a decode step's logits, 0.5 MB for a 128k vocabulary) at memory speed, where the first
+  // host-visible type (NVIDIA's) is uncached, each read a bus transaction. Uploads keep that
+  // type (written once, in order: write-combining suits them). DASLLAMA_VULKAN_READBACK=uncached:
+  // the first host-visible type for downloads too (for A/B runs; read when the buffer is made).
+  static bool readback_cached() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_READBACK");
+    return !(e && std::strcmp(e, "uncached") == 0);
+  }
+  Alloc make(size_t bytes, bool host, const char* what, bool cached = false) {
     Alloc al;
     al.size = std::max<size_t>(bytes, 4);
     VkBufferCreateInfo bci{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
@@ -823,9 +833,10 @@ class Ctx {
                         vk::result_str(r));
     VkMemoryRequirements req{};
     f_.vkGetBufferMemoryRequirements(dev_, al.buf, &req);
-    uint32_t t = host ? mem_type(req.memoryTypeBits, VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |
-                                                         VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)
-                      : mem_type(req.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+    const VkMemoryPropertyFlags hv = VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
+    uint32_t t = host && cached ? mem_type(req.memoryTypeBits, hv | VK_MEMORY_PROPERTY_HOST_CACHED_BIT) : UINT32_MAX;
+    if (t == UINT32_MAX)
+      t = host ? mem_type(req.memoryTypeBits, hv) : mem_type(req.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
     if (t == UINT32_MAX && !host) t = mem_type(req.memoryTypeBits, 0);
     if (t == UINT32_MAX) {
       f_.vkDestroyBuffer(dev_, al.buf, nullptr);
@@ -966,6 +977,9 @@ class VulkanBackend final : public Backend {
   VulkanBackend(const vk::Api& a, VkPhysicalDevice pd, int index) : c_(std::make_shared<Ctx>(a, pd, index)) {}
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
+    if (std::getenv("DASLLAMA_VULKAN_STEPS"))
+      std::fprintf(stderr, "vulkan glu folded into gemv_q: %llu; queries' rope folded into kv_store: %llu\n",
+                   (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_);
     rope_tables_.clear();
     i8_buf_.reset();
     attn_part_.reset();
@@ -1116,7 +1130,7 @@ class VulkanBackend final : public Backend {
     } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps};
     c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
               {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
-    c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 63) / 64), (uint32_t)n);
+    c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 255) / 256), (uint32_t)n);
   }
   // y = w x over the activations quant_act just rounded; accumulate: y += it (one f32 add, as
   // the add op does).
@@ -1148,6 +1162,104 @@ class VulkanBackend final : public Backend {
     static const char* const names[2][2][2] = {{{"gemm_i8p_41", "gemm_i8ph_41"}, {"gemm_i8_41", "gemm_i8h_41"}},
                                                {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
     c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
+  }
+  // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x
+  // itself (RMS norm, or the GLU kept just before, on the way): the output gemv_i8.comp gives,
+  // bit for bit, without quant_act's dispatch and barrier (nor the glu's). Unset or 1: on, the
+  // rows a workgroup picked from the matmul's height; 4, 8, 16 or 32: those rows (for tuning;
+  // 4 only where a row has 128 blocks or more, else 8: 512 pairs a chunk at 1 token);
+  // 0: quant_act + gemv_i8 as before (for A/B runs). Read at each matmul, as i8_mode().
+  static int gemvq_mode() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_GEMVQ");
+    if (!e || !*e || std::strcmp(e, "1") == 0) return 1;
+    if (std::strcmp(e, "4") == 0 || std::strcmp(e, "8") == 0 || std::strcmp(e, "16") == 0 || std::strcmp(e, "32") == 0)
+      return std::atoi(e);
+    return 0;
+  }
+  // gemv_q.comp's variants: NT tokens at most, (row, block) pairs a chunk and x's blocks at most.
+  static int gemvq_nt(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : 4; }
+  static uint32_t gemvq_pairs(int nt) { return nt == 1 ? 512 : 256; }
+  static int64_t gemvq_blocks(int nt) { return nt == 1 ? 512 : nt == 2 ? 256 : 96; }
+  // Whether gemv_q takes these (i8_fits already true for each): 1-4 tokens, x within the
+  // variant's shared memory, one layout (type, width, row stride) for all.
+  bool gemvq_fits(const Weight* const* ws, int count, int64_t n) const {
+    if (!gemvq_mode() || n < 1 || n > 4 || count < 1 || count > 3 || c_->max_shared() < 32768) return false;
+    int64_t groups = 0;  // at 4 rows a workgroup, the fewest gemv_q takes
+    for (int i = 0; i < count; ++i) {
+      if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
+          ws[i]->rows <= 0 || lay_rb(*ws[i]) > UINT32_MAX)
+        return false;
+      groups += (ws[i]->rows + 3) / 4;
+    }
+    return groups <= kMaxGroups && ws[0]->cols / 32 <= gemvq_blocks(gemvq_nt(n));
+  }
+  // y[i] = ws[i] x (or += with accumulate) in one gemv_q dispatch, x RMS-normed first with norm;
+  // with the glu kept just before (it made x: ffn down in a recorded step) x is computed from
+  // its gate and up instead and the glu's dispatch is taken back.
+  void gemv_q(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n, bool norm = false,
+              const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false) {
+    struct {
+      uint64_t w[3], y[3];
+      uint64_t x, aux;
+      uint32_t row_bytes;
+      uint32_t rows[3];
+      uint32_t cols, n, b0, b1, flags;
+      float eps;
+      uint32_t rwcb;
+    } pc{};
+    const int nt = gemvq_nt(n);
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) {
+      pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
+      total += ws[i]->rows;
+    }
+    const int64_t cols = ws[0]->cols, nb = cols / 32;
+    pc.x = A(x), pc.aux = norm ? A(norm_w) : 0, pc.row_bytes = (uint32_t)lay_rb(*ws[0]);
+    pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.eps = eps;
+    pc.flags = (norm ? 1u : 0u) | (accumulate ? 2u : 0u);
+    // Rows a workgroup: few where the matmul is short, so that it still spreads over a GPU's
+    // cores; more where it is tall, so that rounding x (each workgroup does) is paid less often.
+    const int mode = gemvq_mode();
+    const uint32_t pairs = gemvq_pairs(nt);
+    uint32_t rw = mode > 1 ? (uint32_t)mode : total >= 32768 ? 32 : total >= 8192 ? 16 : 8;
+    // Blocks a chunk (a multiple of 4, at most 64 but where 4 rows are asked for), then as many
+    // rows as the pairs allow (rw * cb <= pairs, so a term buffer holds rw * (cb + 4) words).
+    const uint32_t cb = (uint32_t)std::min<int64_t>({pairs / rw, rw < 8 ? 128 : 64, (nb + 3) / 4 * 4});
+    rw = std::min<uint32_t>(32, pairs / cb);
+    pc.rwcb = rw | cb << 8;
+    uint32_t blocks = 0, b[3] = {0, 0, 0};
+    for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + rw - 1) / rw);
+    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
+    const Glu gl = glu_;
+    glu_ = Glu{};
+    const bool fuse = gl.valid && count == 1 && !norm && fuse_glu_on() && c_->recording() &&
+                      gl.serial == c_->step_serial() && gl.kept == c_->kept() && gl.out == pc.x && gl.n_rows == n &&
+                      gl.dim == cols && gl.gate % 16 == 0 && gl.up % 16 == 0 && gl.gs % 4 == 0 && gl.us % 4 == 0 &&
+                      gl.gs <= UINT32_MAX && gl.us <= UINT32_MAX;
+    const uint64_t xb = (uint64_t)(n * cols * 4);
+    if (fuse) {
+      c_->unkeep_last(gl.sig0);
+      if (!glu_cnt_) {
+        glu_cnt_ = alloc(256, "glu counter");
+        c_->zero(A(glu_cnt_->data()), 256);  // left at 0 by every dispatch that counts on it
+      }
+      pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.aux = A(glu_cnt_->data());
+      pc.y[1] = (uint64_t)(uint32_t)gl.gs | (uint64_t)(uint32_t)gl.us << 32;
+      pc.flags |= 4u | gl.code << 8;
+      ++fused_glu_;
+      c_->uses({{gl.gate, (uint64_t)(((n - 1) * gl.gs + gl.dim) * 4), false},
+                {gl.up, (uint64_t)(((n - 1) * gl.us + gl.dim) * 4), false}, {gl.out, xb, true},
+                {pc.w[0], Ctx::kWhole, false}, {pc.y[0], (uint64_t)(n * ws[0]->rows * 4), true}, {pc.aux, 256, true}});
+    } else {
+      auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+      c_->uses({{pc.x, xb, false}, {pc.aux, (uint64_t)cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
+                {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
+                {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
+    }
+    const bool dot = i8_mode() != kI8Plain && c_->i8dot;
+    const std::string sh = std::string(dot ? "gemv_q" : "gemv_qp") + std::to_string(nt) + "_" +
+                           std::to_string(lay_type(*ws[0]));
+    c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks);
   }
   // DASLLAMA_VULKAN_GEMV=0: decode matmuls on matmul.comp's subgroup path (for A/B runs).
   static bool gemv_on() {
@@ -1209,6 +1321,9 @@ class VulkanBackend final : public Backend {
                 {A(y), (uint64_t)(n * w.rows * 4), true}});
     };
     if (c_->subgroup && i8_fits(w, x, n)) {  // q8 mode: int8 activations at every token count
+      const Weight* ws[1] = {&w};
+      float* ys[1] = {y};
+      if (gemvq_fits(ws, 1, n)) return gemv_q(ws, ys, 1, x, n);
       quant_act(x, n, w.cols);
       gemm_i8(w, y, n);
       return;
@@ -1238,6 +1353,7 @@ class VulkanBackend final : public Backend {
       if (all) {
         Lock g(c_->mu);
         c_->note_rows(n);
+        if (gemvq_fits(ws, count, n)) return gemv_q(ws, ys, count, x, n);
         quant_act(x, n, ws[0]->cols);
         for (int i = 0; i < count; ++i)
           if (ws[i]->rows > 0) gemm_i8(*ws[i], ys[i], n);
@@ -1264,6 +1380,10 @@ class VulkanBackend final : public Backend {
     if (i8) {
       Lock g(c_->mu);
       c_->note_rows(s.n);
+      if (gemvq_fits(s.w, s.count, s.n)) {
+        float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
+        return gemv_q(s.w, ys, s.count, s.x, s.n, s.norm, s.norm_w, s.eps, s.residual != nullptr);
+      }
       quant_act(s.x, s.n, s.w[0]->cols, s.norm, s.norm_w, s.eps);
       if (s.residual) return gemm_i8(*s.w[0], s.residual, s.n, true);
       for (int i = 0; i < s.count; ++i)
@@ -1402,7 +1522,9 @@ class VulkanBackend final : public Backend {
               {A(pos), (uint64_t)n_tok * 4, false}, {inv, Ctx::kWhole, false}, {A(p.freq_factors), Ctx::kWhole, false}});
     const size_t sig0 = c_->sig_bytes();
     c_->dispatch("rope", &pc, sizeof pc, groups(n, 64));
-    // Kept for a KV store of exactly these rows next (kv_store folds this dispatch into it).
+    // Kept for a KV store of exactly these rows next (kv_store folds this dispatch into it, and
+    // the queries' rope just before it: prev_rope_).
+    prev_rope_ = rope_;
     rope_ = Rope{};
     if (c_->recording() && p.n_rot < 65536 && (int64_t)n_heads * head_dim <= 4096)
       rope_ = Rope{true, c_->step_serial(), c_->kept(), sig0, A(x), A(pos), inv, A(p.freq_factors), n_tok, stride,
@@ -1420,19 +1542,37 @@ class VulkanBackend final : public Backend {
       int32_t first, src_stride, dim, page_shift, kvtype, row_base;
       uint32_t rope, head_dim;
       float freq_scale, mscale;
+      uint64_t q;
     } pc{A(kv.base), A(kv.pages), A(k), A(v), c_->args_addr(), 0, 0, 0, (uint32_t)kv.page_bytes,
          (uint32_t)kv.k_off, (uint32_t)kv.v_off, (uint32_t)kv.row_bytes, c_->step_arg((int32_t)first),
-         (int32_t)src_stride, (int32_t)dim, kv.page_shift, (int32_t)kv.type, 0, 0, 0, 0.f, 0.f};
+         (int32_t)src_stride, (int32_t)dim, kv.page_shift, (int32_t)kv.type, 0, 0, 0, 0.f, 0.f, 0};
     // The step's last kept command is the rope of exactly these keys: the store rotates them
     // itself (and writes them back rotated) and the rope's dispatch is taken back, so the store
-    // runs beside the queries' rope instead of after a barrier behind the keys'.
-    const Rope r = rope_;
-    rope_ = Rope{};
-    if (r.valid && fuse_rope_on() && c_->recording() && r.serial == c_->step_serial() && r.kept == c_->kept() &&
+    // runs without a barrier behind the keys' rope. When the command before that is the
+    // queries' rope at the same positions, it is taken back too and the store's third row of
+    // workgroups rotates the queries (a row a workgroup through shared memory, where rope.comp
+    // walks the heads one after another): one dispatch where there were three.
+    const Rope r = rope_, rq = prev_rope_;
+    rope_ = prev_rope_ = Rope{};
+    const int fold = fuse_rope_mode();
+    uint32_t ny = 2;
+    uint64_t qbytes = 0;
+    if (r.valid && fold && c_->recording() && r.serial == c_->step_serial() && r.kept == c_->kept() &&
         r.x == A(k) && r.n_tok == n && r.stride == src_stride && (int64_t)r.n_heads * r.head_dim == dim) {
       c_->unkeep_last(r.sig0);
       pc.pos = r.pos, pc.inv = r.inv, pc.factors = r.factors, pc.rope = r.rot, pc.head_dim = (uint32_t)r.head_dim;
       pc.freq_scale = r.freq_scale, pc.mscale = r.mscale;
+      qbytes = (uint64_t)(n * rq.n_heads * rq.head_dim * 4);
+      const uint64_t src = (uint64_t)(((n - 1) * src_stride + dim) * 4);
+      const auto apart = [&](uint64_t a, uint64_t ab, uint64_t b, uint64_t bb) { return a + ab <= b || b + bb <= a; };
+      if (fold == 2 && rq.valid && rq.serial == r.serial && rq.kept == c_->kept() && rq.pos == r.pos && rq.inv == r.inv &&
+          rq.factors == r.factors && rq.rot == r.rot && rq.freq_scale == r.freq_scale && rq.mscale == r.mscale &&
+          rq.head_dim == r.head_dim && rq.n_tok == n && rq.stride == (int64_t)rq.n_heads * rq.head_dim &&
+          rq.n_heads < 32768 && n <= kMaxGroups && apart(rq.x, qbytes, A(k), src) && apart(rq.x, qbytes, A(v), src)) {
+        c_->unkeep_last(rq.sig0);
+        pc.q = rq.x, pc.rope |= (uint32_t)rq.n_heads << 17, ny = 3;
+        ++fused_rope_q_;
+      }
     }
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
       pc.row_base = (int32_t)i0;
@@ -1441,17 +1581,16 @@ class VulkanBackend final : public Backend {
       // f16 bytes through word atomics): they may run together, ordered only against readers.
       c_->uses({{A(kv.base), Ctx::kWhole, true, true}, {A(kv.pages), Ctx::kWhole, false},
                 {A(k), src, pc.rope != 0}, {A(v), src, false}, {pc.pos, (uint64_t)n * 4, false},
-                {pc.inv, Ctx::kWhole, false}, {pc.factors, Ctx::kWhole, false}});
-      c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), 2);
+                {pc.inv, Ctx::kWhole, false}, {pc.factors, Ctx::kWhole, false}, {pc.q, qbytes, true}});
+      c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), ny);
     }
   }
-  // DASLLAMA_VULKAN_FUSE_ROPE=0: the keys' rope stays its own dispatch (for A/B runs).
-  static bool fuse_rope_on() {
-    static const bool on = [] {
-      const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_ROPE");
-      return !(e && std::strcmp(e, "0") == 0);
-    }();
-    return on;
+  // DASLLAMA_VULKAN_FUSE_ROPE=0: the ropes stay their own dispatches; =k: only the keys' is
+  // folded into the KV store (as before the twelfth session); else both (for A/B runs; read at
+  // each store, so benchmarks/ab_cuda.py can switch it between loads).
+  static int fuse_rope_mode() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_ROPE");
+    return e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "k") == 0 ? 1 : 2;
   }
   void attention(const AttnArgs& a) override {
     if (a.n_tok <= 0 || a.n_heads <= 0) return;
@@ -1820,9 +1959,10 @@ class VulkanBackend final : public Backend {
     int n_heads = 0, head_dim = 0;
     uint32_t rot = 0;
     float freq_scale = 1.f, mscale = 1.f;
-  } rope_;
+  } rope_, prev_rope_;  // prev_rope_: the rope kept just before rope_ (the queries', when rope_ is the keys')
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
-  BufferPtr glu_cnt_;  // gemv.comp's GLU counter
+  BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
+  uint64_t fused_glu_ = 0, fused_rope_q_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
   uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)

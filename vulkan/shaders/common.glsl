@@ -90,7 +90,13 @@ float silu(float x) {
   const float e = exp(-abs(x));
   return (x >= 0.0f ? x : x * e) / (1.0f + e);
 }
-float gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh_safe(0.7978845608028654f * (x + 0.044715f * x * x * x))); }
+// precise: the same bits in every shader that inlines it (ops.comp's glu, the GEMVs that fold
+// it in), whatever a driver would contract there.
+float gelu_tanh(float x) {
+  precise float inner = x + 0.044715f * x * x * x;
+  precise float y = 0.5f * x * (1.0f + tanh_safe(0.7978845608028654f * inner));
+  return y;
+}
 // erf (Abramowitz-Stegun 7.1.26 is too coarse): a W. J. Cody-style rational form is long,
 // so erf(x) = 1 - erfc(x) with erfc from the Numerical Recipes Chebyshev fit (|rel err| < 1.2e-7).
 float erf_f(float x) {

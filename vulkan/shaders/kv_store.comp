@@ -11,13 +11,15 @@ layout(push_constant, std430) uniform PC {
   uint64_t pos, inv_freq, factors;  // rope != 0: rope.comp's, for K rows rotated on the way
   uint page_bytes, k_off, v_off, row_bytes;
   int first_, src_stride, dim, page_shift, kvtype, row_base;
-  uint rope;  // n_rot | neox << 16, or 0
+  uint rope;  // n_rot | neox << 16 | query heads << 17, or 0
   uint head_dim;
   float freq_scale, mscale;
+  uint64_t q;  // query heads > 0: workgroup y 2 rotates the query rows here (q_stride = heads * head_dim)
 } pc;
 // With rope set, a K row is rotated (as rope.comp would, in place) before it is stored: the
 // step's rope of the keys folded in (vulkan_backend.cpp, kv_store). The rotated row is also
-// written back, leaving k as the rope would have.
+// written back, leaving k as the rope would have. With query heads set too, the queries' rope
+// is folded in as well: workgroups y 2 rotate a query row each, in place, and store nothing.
 shared float rowk[4096];
 int first_row() { return pc.first_ >= 0 ? pc.first_ : I32(pc.args).v[-pc.first_ - 1]; }
 
@@ -37,29 +39,33 @@ float roundf_away(float x) {  // C roundf, in exact steps (as gguf-py's np_round
 
 void main() {
   const int i = pc.row_base + int(gl_WorkGroupID.x), tid = int(gl_LocalInvocationID.x);
-  const bool is_v = gl_WorkGroupID.y == 1u;
-  F32 src = F32((is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u);
+  const bool is_v = gl_WorkGroupID.y == 1u, is_q = gl_WorkGroupID.y == 2u;
+  const int dim = is_q ? int((pc.rope >> 17) * pc.head_dim) : pc.dim;
+  F32 src = F32(is_q ? pc.q + uint64_t(i) * uint64_t(dim) * 4u
+                     : (is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u);
   const bool rot = !is_v && pc.rope != 0u;  // uniform in the workgroup
   if (rot) {
-    for (int e = tid; e < pc.dim; e += 64) rowk[e] = src.v[e];
+    for (int e = tid; e < dim; e += 64) rowk[e] = src.v[e];
     barrier();
     const uint n_rot = pc.rope & 0xffffu, half_ = n_rot / 2u, hd = pc.head_dim;
-    const uint pairs = uint(pc.dim) / hd * half_;
+    const bool neox = ((pc.rope >> 16) & 1u) != 0u;
+    const uint pairs = uint(dim) / hd * half_;
     const int p = I32(pc.pos).v[i];
     for (uint idx = uint(tid); idx < pairs; idx += 64u) {
       const uint h = idx / half_, j = idx % half_;
       float c, s;
       rope_cs(pc.inv_freq, pc.factors, j, p, pc.freq_scale, pc.mscale, c, s);
-      const uint i0 = h * hd + ((pc.rope >> 16) != 0u ? j : 2u * j);
-      const uint i1 = h * hd + ((pc.rope >> 16) != 0u ? j + half_ : 2u * j + 1u);
+      const uint i0 = h * hd + (neox ? j : 2u * j);
+      const uint i1 = h * hd + (neox ? j + half_ : 2u * j + 1u);
       const float a = rowk[i0], b = rowk[i1];
       precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
       rowk[i0] = ac - bs;
       rowk[i1] = as_ + bc;
     }
     barrier();
-    for (int e = tid; e < pc.dim; e += 64) src.v[e] = rowk[e];
+    for (int e = tid; e < dim; e += 64) src.v[e] = rowk[e];
   }
+  if (is_q) return;
   const uint64_t dst = kv_row(is_v ? pc.v_off : pc.k_off, first_row() + i);
   if (pc.kvtype == 0) {
     for (int e = tid; e < pc.dim; e += 64) F32(dst).v[e] = rot ? rowk[e] : src.v[e];
