@@ -181,7 +181,7 @@ def test_q8_mode_prefill_logits(tiny):
 def test_int8_prefill_on_lavapipe():
     """q8-mode prefill (past 32 tokens on a GPU's path) rounds the activations to int8 blocks
     and runs the int8 GEMM (gemm_i8.comp; the int8 GEMV up to 32 tokens: gemv_q.comp, which
-    rounds x itself, up to 4, gemv_i8.comp past): forced onto the GPUs' paths here, the op harness's
+    rounds x itself, up to 4 (opt-in, DASLLAMA_VULKAN_GEMVQ=1), gemv_i8.comp past): forced onto the GPUs' paths here, the op harness's
     q8-mode cases (ragged tiles; float64 numpy and the CPU's q8 sums) and a model's q8-mode
     prefill logits (the CPU's q8 mode, since int8 ran) hold with the packed dot
     product where lavapipe has it and with plain bytes, and the profile (which names every
@@ -202,7 +202,8 @@ def test_int8_prefill_on_lavapipe():
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"] +
                            [os.path.join(here, f) for f in files] + ["-k", "q8_mode and not lavapipe"],
                            env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_PROFILE="1",
-                                    DASLLAMA_VULKAN_I8=mode), capture_output=True, text=True)
+                                    DASLLAMA_VULKAN_I8=mode, DASLLAMA_VULKAN_GEMVQ="1"),
+                           capture_output=True, text=True)
         out = r.stdout + r.stderr
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
         for sh in ("quant_act",) + tuple(p + t for p in prefixes for t in ("40", "41")):
@@ -213,7 +214,8 @@ def test_int8_prefill_on_lavapipe():
     # a 42-row step (glu, quant_act, gemm_i8; rope dispatches).
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                         os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32"],
-                       env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1"),
+                       env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
+                                DASLLAMA_VULKAN_GEMVQ="1"),
                        capture_output=True, text=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]

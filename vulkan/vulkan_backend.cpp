@@ -1165,13 +1165,16 @@ class VulkanBackend final : public Backend {
   }
   // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x
   // itself (RMS norm, or the GLU kept just before, on the way): the output gemv_i8.comp gives,
-  // bit for bit, without quant_act's dispatch and barrier (nor the glu's). Unset or 1: on, the
-  // rows a workgroup picked from the matmul's height; 4, 8, 16 or 32: those rows (for tuning;
-  // 4 only where a row has 128 blocks or more, else 8: 512 pairs a chunk at 1 token);
-  // 0: quant_act + gemv_i8 as before (for A/B runs). Read at each matmul, as i8_mode().
+  // bit for bit, without quant_act's dispatch and barrier (nor the glu's). 1: on, the rows a
+  // workgroup picked from the matmul's height; 4, 8, 16 or 32: those rows (for tuning; 4 only
+  // where a row has 128 blocks or more, else 8: 512 pairs a chunk at 1 token); unset or 0:
+  // quant_act + gemv_i8. Off by default: on the H200 (NVIDIA's driver) Llama-1B Q8_0 decoded
+  // 304 t/s with it against 338 without (RESULTS.md, twelfth session): each workgroup's own
+  // rounding of x costs more than the dispatches it saves. Read at each matmul, as i8_mode().
   static int gemvq_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_GEMVQ");
-    if (!e || !*e || std::strcmp(e, "1") == 0) return 1;
+    if (!e || !*e || std::strcmp(e, "0") == 0) return 0;
+    if (std::strcmp(e, "1") == 0) return 1;
     if (std::strcmp(e, "4") == 0 || std::strcmp(e, "8") == 0 || std::strcmp(e, "16") == 0 || std::strcmp(e, "32") == 0)
       return std::atoi(e);
     return 0;
