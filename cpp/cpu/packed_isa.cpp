@@ -307,11 +307,14 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
     for (int i = 0; i < G; ++i)
       for (int t = 0; t < T; ++t) fs[i][t] = _mm512_setzero_ps();
     for (int s = 0; s < 8; ++s) {
-      // The next super-block's lines stream in while this one computes (decode reads DRAM):
-      // its quant lines 4s..4s+3 now, its tail (5 lines) with the first.
-      for (int i = 0; i < G; ++i) {
-        for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (s * 4 + l) * LS), _MM_HINT_T0);
-        if (s < 5) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + s * 64), _MM_HINT_T0);
+      // Prefill: the next super-block's lines stream in while this one computes, its quant lines
+      // 4s..4s+3 now, its tail (5 lines) with the first. A decode tile reads its columns in address
+      // order and the hardware prefetchers keep up (software prefetches measured 10-30% slower).
+      if constexpr (T > 1) {
+        for (int i = 0; i < G; ++i) {
+          for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (s * 4 + l) * LS), _MM_HINT_T0);
+          if (s < 5) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + s * 64), _MM_HINT_T0);
+        }
       }
       __m512i is[G][T];
       for (int i = 0; i < G; ++i)
@@ -387,9 +390,11 @@ void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
     for (int i = 0; i < G; ++i)
       for (int t = 0; t < T; ++t) fs[i][t] = _mm512_setzero_ps();
     for (int q = 0; q < 16; ++q) {
-      for (int i = 0; i < G; ++i) {  // the next super-block: quant lines 4q..4q+3, the tail with the first 5
-        for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (q * 4 + l) * LS), _MM_HINT_T0);
-        if (q < 5) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + q * 64), _MM_HINT_T0);
+      if constexpr (T > 1) {  // as q4_K: prefill prefetches the next super-block, decode does not
+        for (int i = 0; i < G; ++i) {
+          for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (q * 4 + l) * LS), _MM_HINT_T0);
+          if (q < 5) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + q * 64), _MM_HINT_T0);
+        }
       }
       __m512i is[G][T];
       for (int i = 0; i < G; ++i)
