@@ -315,6 +315,8 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
           for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (s * 4 + l) * LS), _MM_HINT_T0);
           if (s < 5) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + s * 64), _MM_HINT_T0);
         }
+      } else if (s < 5) {
+        for (int i = 0; i < G; ++i) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + s * 64), _MM_HINT_T0);
       }
       __m512i is[G][T];
       for (int i = 0; i < G; ++i)
@@ -395,6 +397,8 @@ void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
           for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (q * 4 + l) * LS), _MM_HINT_T0);
           if (q < 5) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + q * 64), _MM_HINT_T0);
         }
+      } else if (q < 5) {
+        for (int i = 0; i < G; ++i) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + q * 64), _MM_HINT_T0);
       }
       __m512i is[G][T];
       for (int i = 0; i < G; ++i)
