@@ -557,6 +557,8 @@ def test_moe_route(backends, gate, norm, E, k):
     (64, 512, 1, 2, False, False),   # decode: one token's gate/up over its 2 experts (packed on the CPU)
     (24, 512, 5, 3, True, True),     # a down projection (a row per pair); 24 rows: an unpacked stack
     (64, 256, 40, 4, False, True),   # prefill: many tokens share each expert
+    (80, 256, 1, 2, False, False),   # 80 rows: each expert packed on its own (CPU super-groups of 64 rows)
+    (80, 256, 12, 3, False, True),
 ])
 def test_matmul_id(backends, wtype, rows, cols, n, k, per_pair, bias):
     rng = np.random.default_rng(rows + cols + n + k)

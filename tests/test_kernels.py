@@ -184,18 +184,21 @@ def test_decode_equals_prefill_bitwise(name, restore_isa):
     batch (the tiled path): a prefix-cache hit followed by a short tail must reproduce a cold run."""
     rng = np.random.default_rng(11)
     bs = GGML_QUANT_SIZES[gtype(name)][0]
-    for k in (32, 96, 576, 1536, 2048):  # odd block counts and a padded last pair included
+    # 13 rows: one packed group short of 16; 141: two full 64-row super-groups (the decode tile) and
+    # a short one of a single group, with 1 and 3 threads (chunks that start mid-super-group).
+    for k, rows in ((32, 13), (96, 13), (576, 13), (1536, 13), (2048, 13), (256, 141), (576, 141)):
         if k % bs:
             continue
-        raw = random_weights(rng, name, 13, k)
+        raw = random_weights(rng, name, rows, k)
         x = rng.standard_normal((20, k)).astype(np.float32)
         for isa in ISAS:
             dasllama.set_isa(isa)
             for packed in (False, True):
                 full = matmul(raw, name, k, x, packed=packed)
                 for n in (1, 2, 3, 4, 5, 8, 9):  # decode, batched decode, and the switch to the tiled path
-                    np.testing.assert_array_equal(matmul(raw, name, k, x[:n], packed=packed), full[:n],
-                                                  err_msg=f"{isa} packed={packed} k={k} n={n}")
+                    for nt in ((1, 3) if rows > 64 else (1,)):
+                        np.testing.assert_array_equal(matmul(raw, name, k, x[:n], nt, packed=packed), full[:n],
+                                                      err_msg=f"{isa} packed={packed} k={k} rows={rows} n={n} nt={nt}")
 
 
 @pytest.mark.skipif(not {"neon", "i8mm"} <= set(ISAS),

@@ -370,7 +370,20 @@ class CpuBackend final : public Backend {
     for (int64_t g0 = 0; g0 < groups; g0 += slice) {
       const int64_t g1 = std::min(groups, g0 + slice);
       pool_.parallel_for(g1 - g0, 64, [&](int64_t lo, int64_t hi) {
-        kt.pack_rows(w.type, w.data, w.row_bytes, w.rows, w.cols, g0 + lo, g0 + hi, p);
+        if (w.expert_rows == 0) {
+          kt.pack_rows(w.type, w.data, w.row_bytes, w.rows, w.cols, g0 + lo, g0 + hi, p);
+          return;
+        }
+        // An expert is packed as a matrix of its own (the packed layouts group rows across a
+        // matrix from its start; matmul_id reads each expert's from its own offset).
+        const int64_t ge = w.expert_rows / cpu::kPackRowAlign;
+        for (int64_t g = g0 + lo; g < g0 + hi;) {
+          const int64_t e = g / ge, ghi = std::min(g0 + hi, (e + 1) * ge);
+          kt.pack_rows(w.type, w.data + (size_t)(e * w.expert_rows) * w.row_bytes, w.row_bytes, w.expert_rows, w.cols,
+                       g - e * ge, ghi - e * ge,
+                       static_cast<uint8_t*>(p) + kt.pack_bytes(w.type, e * w.expert_rows, w.cols));
+          g = ghi;
+        }
       });
 #if defined(__linux__)
       if (w.host_mapped) {

@@ -1,22 +1,27 @@
 // Repacked weight layouts made once at load (Backend::prepare), and the matmul that reads them.
 //
 // q8_0, q4_0, q4_1 and q5_0 in groups of 16 rows (AVX-512 VNNI only; other ISAs keep the file layout).
-// Per group: the quants of every block column, then their f16 scales (and q4_1's mins), so a
-// group is as many bytes as its 16 file rows:
-//   q8_0  Q[nb][8][16][4]   chunk j: elements 4j..4j+3 of each row (lane = row), as q ^ 0x80 = q + 128
-//   q4    Q[nb][4][16][4]   register c: the file's qs bytes 4c..4c+3 of each row, i.e. elements
+// Per group and block column, 64-byte lines of quants, then a tail of f16 scales (and q4_1's
+// mins), as many bytes as the 16 file rows' blocks:
+//   q8_0  8 lines [16][4]   line j: elements 4j..4j+3 of each row (lane = row), as q ^ 0x80 = q + 128
+//   q4    4 lines [16][4]   line c: the file's qs bytes 4c..4c+3 of each row, i.e. elements
 //                           4c.. in the low nibbles and 16+4c.. in the high nibbles
-//   q5_0  as q4, then qh[16][4] per block column: byte j of a row holds bit 2c = the fifth
-//         bit of element 4c+j, bit 2c+1 = that of element 16+4c+j (register c's byte j)
-//   then  f16 d[nb][16]  (q4_1: and f16 m[nb][16])
-//
-// q4_K and q6_K (K8 activations) in groups of 16 rows, one record per super-block of 256:
-//   q4_K  Q[8][4][16][4]  per sub-block s of 32 the q4 register layout above (its elements in the
-//                         nibbles), then u8 sc[8][16], u8 mn[4][16][2] (sub-blocks 2p, 2p+1 as
-//                         an int16 pair per row for vpdpwssd), f16 d[16], f16 dmin[16]: 2368 bytes
-//   q6_K  Q[64][16][4]    chunk j: elements 4j..4j+3 of each row as bytes (q, 0..63, unpacked at
-//                         load: 30% more bytes than the file, no per-token unpacking), then
-//                         int8 sc[16][16], f16 d[16], 32 pad bytes: 4416 bytes
+//   q5_0  as q4, then line 4 qh[16][4]: byte j of a row holds bit 2c = the fifth bit of element
+//         4c+j, bit 2c+1 = that of element 16+4c+j (line c's byte j)
+//   tail  f16 d[16]  (q4_1: then f16 m[16])
+// q4_K and q6_K (K8 activations) in groups of 16 rows, per super-block of 256:
+//   q4_K  32 lines: line 4s+c is sub-block s in the q4 line layout above (its elements in the
+//         nibbles); tail u8 sc[8][16], u8 mn[4][16][2] (sub-blocks 2p, 2p+1 as an int16 pair per
+//         row for vpdpwssd), f16 d[16], f16 dmin[16] (320 bytes)
+//   q6_K  64 lines: line j holds elements 4j..4j+3 of each row as bytes (q, 0..63, unpacked at
+//         load: 30% more bytes than the file, no per-token unpacking); tail int8 sc[16][16],
+//         f16 d[16], 32 pad bytes (320 bytes)
+// Groups go in super-groups of 4 (64 rows; the matrix's last one may hold fewer, ng): a column
+// (block or super-block) of a super-group is its groups' lines interleaved, line l of its j-th
+// group at (l * ng + j) * 64, then the ng tails (super_pos). A decode tile of 4 groups loads
+// line l of each group, then line l + 1, ...: its weights in address order, one stream. With
+// each group's column apart (the layout before 2026-12-01), one core read the Gemma-3 decode
+// GEMVs at 8-14 GB/s; in address order at 18-23 (benchmarks/bench_decode_gemv.cpp, Zen 4).
 // f32 and f16 (f32 activations) in groups of 16 rows: P[k][16] (element kk of each row, lane = row),
 // in the file's element type. One weight load (f16: plus one conversion) and one broadcast
 // activation per FMA tile advance 16 rows of up to 16 tokens; every output is one FMA chain
@@ -27,6 +32,7 @@
 // same bits whichever way it is evaluated.
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -65,6 +71,29 @@ inline bool fmt_of(uint32_t wtype, Fmt& f) {
   }
 }
 inline size_t group_bytes(const Fmt& f, int64_t nb) { return (size_t)nb * (f.qbytes + 32 + (f.mins ? 32 : 0)); }
+
+// Where group g of a packed matrix lies. A super-group holds 4 groups (fewer at the matrix's
+// end: ng); each block column of it is its groups' quant lines interleaved line by line (line l
+// of its j-th group at (l * ng + j) * 64), then each group's tail (scales, mins). Column b of
+// group g: line l at line0 + b * stride + l * lstride, tail at tail0 + b * stride. A tile's
+// groups lie in one super-group (the callers cut tiles so), so a decode tile of 4 groups reads
+// its weights in address order, one stream.
+constexpr int64_t kSuper = 4;
+struct SuperPos {
+  const uint8_t* line0;
+  const uint8_t* tail0;
+  size_t stride, lstride;
+  int j, ng;
+};
+inline SuperPos super_pos(const void* wpack, int64_t g, int64_t rows, int64_t ncols, int qlines, size_t tail) {
+  const int64_t ngroups = (rows + kRowsPerGroup - 1) / kRowsPerGroup, s = g / kSuper;
+  const int ng = (int)std::min<int64_t>(kSuper, ngroups - s * kSuper), j = (int)(g % kSuper);
+  const size_t rec = (size_t)qlines * 64 + tail;
+  const uint8_t* base = static_cast<const uint8_t*>(wpack) + (size_t)(s * kSuper) * (size_t)ncols * rec;
+  return {base + (size_t)j * 64, base + (size_t)ng * qlines * 64 + (size_t)j * tail, (size_t)ng * rec, (size_t)ng * 64, j, ng};
+}
+// Tiles of up to G groups from g that stay inside one super-group.
+inline bool tile_fits(int64_t g, int G) { return g % kSuper + G <= kSuper; }
 
 // Bit x of every byte of v moved to bit 4 (16-bit shifts: bit 4 of a byte only ever
 // receives a bit of the same byte; the other bits are masked off by the caller).
@@ -107,13 +136,13 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
   const float* da[T];
   const float* sa[T];
   for (int t = 0; t < T; ++t) a8_row(a.act, a.act_row_bytes, t0 + t, kp, A[t], da[t], sa[t]);
+  // Group g + i's block b: quant line l at Q[i] + b * S + l * LS, scales at D[i] + b * S, mins 32 bytes on.
   const uint8_t* Q[G];
-  const uint16_t* D[G];
-  const uint16_t* M[G];
+  const uint8_t* D[G];
+  size_t S = 0, LS = 0;
   for (int i = 0; i < G; ++i) {
-    Q[i] = static_cast<const uint8_t*>(a.wpack) + (size_t)(g + i) * nb * kGB;
-    D[i] = reinterpret_cast<const uint16_t*>(Q[i] + (size_t)nb * kQB);
-    M[i] = D[i] + nb * 16;
+    const SuperPos p = super_pos(a.wpack, g + i, a.rows, nb, kQB / 64, kGB - kQB);
+    Q[i] = p.line0, D[i] = p.tail0, S = p.stride, LS = p.lstride;
   }
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[G][T];
@@ -123,24 +152,22 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
     __m512i is[G][T];
     for (int i = 0; i < G; ++i)
       for (int t = 0; t < T; ++t) is[i][t] = _mm512_setzero_si512();
-    if constexpr (T == 1) {
-      // A decode GEMV streams as fast as memory allows; one line a few blocks ahead
-      // starts each block's stream (heavier prefetching measured slower for q8_0).
-      for (int i = 0; i < G; ++i) _mm_prefetch(reinterpret_cast<const char*>(Q[i] + (b + 4) * kQB), _MM_HINT_T0);
-    } else {
+    // A decode tile (T == 1) reads its super-group's columns in address order, one stream the
+    // hardware prefetchers follow: software prefetches measured no faster.
+    if constexpr (T > 1) {
       // Several tokens per weight: compute and the weight stream must overlap, so every
       // line of the block 32 ahead (and its scales) is requested well before it is used.
       constexpr int64_t kAhead = 32;
       for (int i = 0; i < G; ++i) {
         for (int l = 0; l < kQB / 64; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(Q[i] + (b + kAhead) * kQB + l * 64), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(D[i] + (b + kAhead) * 16), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(Q[i] + (b + kAhead) * S + l * LS), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(D[i] + (b + kAhead) * S), _MM_HINT_T0);
       }
     }
     if constexpr (kQ8) {
       for (int j = 0; j < 8; ++j) {
         __m512i w[G];
-        for (int i = 0; i < G; ++i) w[i] = _mm512_loadu_si512(Q[i] + b * kQB + j * 64);
+        for (int i = 0; i < G; ++i) w[i] = _mm512_loadu_si512(Q[i] + b * S + j * LS);
         for (int t = 0; t < T; ++t) {
           int32_t v;
           std::memcpy(&v, A[t] + b * 32 + j * 4, 4);
@@ -152,11 +179,11 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       // Register c holds elements 4c..4c+3 (low nibbles) and 16+4c.. (high nibbles) of each row.
       __m512i qh[G];
       if constexpr (kQ5)
-        for (int i = 0; i < G; ++i) qh[i] = _mm512_loadu_si512(Q[i] + b * kQB + 256);
+        for (int i = 0; i < G; ++i) qh[i] = _mm512_loadu_si512(Q[i] + b * S + 4 * LS);
       for (int c = 0; c < 4; ++c) {
         __m512i lo[G], hi[G];
         for (int i = 0; i < G; ++i) {
-          const __m512i raw = _mm512_loadu_si512(Q[i] + b * kQB + c * 64);
+          const __m512i raw = _mm512_loadu_si512(Q[i] + b * S + c * LS);
           if constexpr (kQ5) {
             // q5_0's fifth bits (pack_rows): bit 2c / 2c+1 of each byte of qh goes with that byte
             // of register c's low / high nibbles. Moved to bit 4 and masked, then OR'ed onto the
@@ -180,9 +207,9 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       }
     }
     for (int i = 0; i < G; ++i) {
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(D[i] + b * 16)));
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(D[i] + b * S)));
       __m512 mw = _mm512_setzero_ps();
-      if constexpr (kMins) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(M[i] + b * 16)));
+      if constexpr (kMins) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(D[i] + b * S + 32)));
       for (int t = 0; t < T; ++t) {
         acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][t]), _mm512_mul_ps(dw, _mm512_set1_ps(da[t][b])), acc[i][t]);
         if constexpr (kMins)
@@ -212,10 +239,18 @@ void packed_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   // Row ranges start on a group (the backend cuts chunks in multiples of 16).
   int64_t g = r0 / kRowsPerGroup;
   const int64_t g1 = (r1 + kRowsPerGroup - 1) / kRowsPerGroup;
-  if (a.n_tok == 1)
-    for (; g + 4 <= g1; g += 4) packed_groups<W, 4>(a, g, 1);
-  for (; g + 2 <= g1; g += 2) packed_groups<W, 2>(a, g, a.n_tok);
-  for (; g < g1; ++g) packed_groups<W, 1>(a, g, a.n_tok);
+  while (g < g1) {
+    if (a.n_tok == 1 && g + 4 <= g1 && tile_fits(g, 4)) {
+      packed_groups<W, 4>(a, g, 1);
+      g += 4;
+    } else if (g + 2 <= g1 && tile_fits(g, 2)) {
+      packed_groups<W, 2>(a, g, a.n_tok);
+      g += 2;
+    } else {
+      packed_groups<W, 1>(a, g, a.n_tok);
+      g += 1;
+    }
+  }
 }
 
 
@@ -242,8 +277,14 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
   const int64_t nsb = a.k / QK_K;
   const block_q8_K* A[T];
   for (int t = 0; t < T; ++t) A[t] = k8_row(a, t0 + t);
+  // Group g + i's super-block b: quant line l at W[i] + b * S + l * LS, the tail (scales, d) at X[i] + b * S.
   const uint8_t* W[G];
-  for (int i = 0; i < G; ++i) W[i] = static_cast<const uint8_t*>(a.wpack) + (size_t)(g + i) * nsb * kQ4KRec;
+  const uint8_t* X[G];
+  size_t S = 0, LS = 0;
+  for (int i = 0; i < G; ++i) {
+    const SuperPos p = super_pos(a.wpack, g + i, a.rows, nsb, 32, kQ4KRec - 2048);
+    W[i] = p.line0, X[i] = p.tail0, S = p.stride, LS = p.lstride;
+  }
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m256i ones16 = _mm256_set1_epi16(1);
   __m512 acc[G][T];
@@ -260,21 +301,30 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(bp[t]), _mm256_packs_epi32(s8, s8));
     }
     const uint8_t* R[G];
-    for (int i = 0; i < G; ++i) R[i] = W[i] + b * kQ4KRec;
+    const uint8_t* Y[G];
+    for (int i = 0; i < G; ++i) R[i] = W[i] + b * S, Y[i] = X[i] + b * S;
     __m512 fs[G][T];
     for (int i = 0; i < G; ++i)
       for (int t = 0; t < T; ++t) fs[i][t] = _mm512_setzero_ps();
     for (int s = 0; s < 8; ++s) {
-      // The next super-block's record streams in while this one computes (decode reads DRAM).
-      for (int i = 0; i < G; ++i)
-        for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + kQ4KRec + (s * 5 + l) * 64), _MM_HINT_T0);
+      // Prefill: the next super-block's lines stream in while this one computes, its quant lines
+      // 4s..4s+3 now, its tail (5 lines) with the first. A decode tile reads its columns in address
+      // order and the hardware prefetchers keep up (software prefetches measured 10-30% slower).
+      if constexpr (T > 1) {
+        for (int i = 0; i < G; ++i) {
+          for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (s * 4 + l) * LS), _MM_HINT_T0);
+          if (s < 5) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + s * 64), _MM_HINT_T0);
+        }
+      } else if (s < 5) {
+        for (int i = 0; i < G; ++i) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + s * 64), _MM_HINT_T0);
+      }
       __m512i is[G][T];
       for (int i = 0; i < G; ++i)
         for (int t = 0; t < T; ++t) is[i][t] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
         __m512i lo[G], hi[G];
         for (int i = 0; i < G; ++i) {
-          const __m512i raw = _mm512_loadu_si512(R[i] + s * 256 + c * 64);
+          const __m512i raw = _mm512_loadu_si512(R[i] + (s * 4 + c) * LS);
           lo[i] = _mm512_and_si512(raw, m4);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
         }
@@ -284,7 +334,7 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
         }
       }
       for (int i = 0; i < G; ++i) {
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R[i] + 2048 + s * 16))));
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Y[i] + s * 16))));
         for (int t = 0; t < T; ++t) fs[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][t]), sc, fs[i][t]);
       }
     }
@@ -292,11 +342,11 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       __m512i im[T];
       for (int t = 0; t < T; ++t) im[t] = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
-        const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R[i] + 2176 + p * 32)));
+        const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Y[i] + 128 + p * 32)));
         for (int t = 0; t < T; ++t) im[t] = _mm512_dpwssd_epi32(im[t], mn, _mm512_set1_epi32(bp[t][(p >> 1) * 4 + (p & 1)]));
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R[i] + 2304)));
-      const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R[i] + 2336)));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Y[i] + 256)));
+      const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Y[i] + 288)));
       for (int t = 0; t < T; ++t) {
         const __m512 vda = _mm512_set1_ps(da[t]);
         acc[i][t] = _mm512_fmadd_ps(fs[i][t], _mm512_mul_ps(d, vda), acc[i][t]);
@@ -315,8 +365,14 @@ void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
   const int64_t nsb = a.k / QK_K;
   const block_q8_K* A[T];
   for (int t = 0; t < T; ++t) A[t] = k8_row(a, t0 + t);
+  // Group g + i's super-block b: quant line l at W[i] + b * S + l * LS, the tail (scales, d) at X[i] + b * S.
   const uint8_t* W[G];
-  for (int i = 0; i < G; ++i) W[i] = static_cast<const uint8_t*>(a.wpack) + (size_t)(g + i) * nsb * kQ6KRec;
+  const uint8_t* X[G];
+  size_t S = 0, LS = 0;
+  for (int i = 0; i < G; ++i) {
+    const SuperPos p = super_pos(a.wpack, g + i, a.rows, nsb, 64, kQ6KRec - 4096);
+    W[i] = p.line0, X[i] = p.tail0, S = p.stride, LS = p.lstride;
+  }
   __m512 acc[G][T];
   for (int i = 0; i < G; ++i)
     for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -330,31 +386,38 @@ void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       _mm512_store_si512(off[t], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(bs, 5)));
     }
     const uint8_t* R[G];
-    for (int i = 0; i < G; ++i) R[i] = W[i] + b * kQ6KRec;
+    const uint8_t* Y[G];
+    for (int i = 0; i < G; ++i) R[i] = W[i] + b * S, Y[i] = X[i] + b * S;
     __m512 fs[G][T];
     for (int i = 0; i < G; ++i)
       for (int t = 0; t < T; ++t) fs[i][t] = _mm512_setzero_ps();
     for (int q = 0; q < 16; ++q) {
-      for (int i = 0; i < G; ++i)
-        for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + kQ6KRec + (q * 5 + l) * 64), _MM_HINT_T0);
+      if constexpr (T > 1) {  // as q4_K: prefill prefetches the next super-block, decode does not
+        for (int i = 0; i < G; ++i) {
+          for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (q * 4 + l) * LS), _MM_HINT_T0);
+          if (q < 5) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + q * 64), _MM_HINT_T0);
+        }
+      } else if (q < 5) {
+        for (int i = 0; i < G; ++i) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + q * 64), _MM_HINT_T0);
+      }
       __m512i is[G][T];
       for (int i = 0; i < G; ++i)
         for (int t = 0; t < T; ++t) is[i][t] = _mm512_set1_epi32(off[t][q]);
       for (int j = 0; j < 4; ++j) {
         __m512i w[G];
-        for (int i = 0; i < G; ++i) w[i] = _mm512_loadu_si512(R[i] + (q * 4 + j) * 64);
+        for (int i = 0; i < G; ++i) w[i] = _mm512_loadu_si512(R[i] + (q * 4 + j) * LS);
         for (int t = 0; t < T; ++t) {
           const __m512i x = bcast4(A[t][b].qs + q * 16 + j * 4);
           for (int i = 0; i < G; ++i) is[i][t] = _mm512_dpbusd_epi32(is[i][t], w[i], x);
         }
       }
       for (int i = 0; i < G; ++i) {
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R[i] + 4096 + q * 16))));
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Y[i] + q * 16))));
         for (int t = 0; t < T; ++t) fs[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][t]), sc, fs[i][t]);
       }
     }
     for (int i = 0; i < G; ++i) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R[i] + 4352)));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Y[i] + 256)));
       for (int t = 0; t < T; ++t) acc[i][t] = _mm512_fmadd_ps(fs[i][t], _mm512_mul_ps(d, _mm512_set1_ps(da[t])), acc[i][t]);
     }
   }
@@ -383,24 +446,36 @@ template <template <int, int> class Tile>
 void k_rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   int64_t g = r0 / kRowsPerGroup;
   const int64_t g1 = (r1 + kRowsPerGroup - 1) / kRowsPerGroup;
-  if (a.n_tok == 1)
-    for (; g + 4 <= g1; g += 4) k_tokens<Tile, 4, 1>(a, g, 0, 1);
-  for (; g + 2 <= g1; g += 2) k_tokens<Tile, 2, 4>(a, g, 0, a.n_tok);
-  for (; g < g1; ++g) k_tokens<Tile, 1, 8>(a, g, 0, a.n_tok);
+  while (g < g1) {
+    if (a.n_tok == 1 && g + 4 <= g1 && tile_fits(g, 4)) {
+      k_tokens<Tile, 4, 1>(a, g, 0, 1);
+      g += 4;
+    } else if (g + 2 <= g1 && tile_fits(g, 2)) {
+      k_tokens<Tile, 2, 4>(a, g, 0, a.n_tok);
+      g += 2;
+    } else {
+      k_tokens<Tile, 1, 8>(a, g, 0, a.n_tok);
+      g += 1;
+    }
+  }
 }
 
 // Pack time: q4_K in the layout above.
-void pack_q4_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb, uint8_t* out) {
+// Quant line l of super-block b at L + b * stride + l * lstride, its tail at X + b * stride (super_pos).
+void pack_q4_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb, uint8_t* L, uint8_t* X, size_t stride,
+                     size_t lstride) {
   for (int64_t b = 0; b < nsb; ++b) {
-    uint8_t* R = out + b * kQ4KRec;
-    uint16_t* D = reinterpret_cast<uint16_t*>(R + 2304);
+    uint8_t* Lb = L + b * stride;
+    auto line = [&](int l) { return Lb + l * lstride; };
+    uint8_t* T = X + b * stride;  // sc[8][16] at 0, mn at 128, d at 256, dmin at 288
+    uint16_t* D = reinterpret_cast<uint16_t*>(T + 256);
     for (int l = 0; l < kRowsPerGroup; ++l) {
       if (!valid[l]) {  // padding rows: zero quants and scales; their outputs are never stored
         for (int s = 0; s < 8; ++s) {
-          for (int c = 0; c < 4; ++c) std::memset(R + s * 256 + c * 64 + l * 4, 0, 4);
-          R[2048 + s * 16 + l] = 0;
+          for (int c = 0; c < 4; ++c) std::memset(line(s * 4 + c) + l * 4, 0, 4);
+          T[s * 16 + l] = 0;
         }
-        for (int p = 0; p < 4; ++p) R[2176 + p * 32 + l * 2] = R[2176 + p * 32 + l * 2 + 1] = 0;
+        for (int p = 0; p < 4; ++p) T[128 + p * 32 + l * 2] = T[128 + p * 32 + l * 2 + 1] = 0;
         D[l] = D[16 + l] = 0;
         continue;
       }
@@ -414,15 +489,15 @@ void pack_q4_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb,
         const __m256i u = _mm256_and_si256((s & 1) ? _mm256_srli_epi16(q, 4) : q, m4);
         const __m128i v = _mm_or_si128(_mm256_castsi256_si128(u), _mm_slli_epi16(_mm256_extracti128_si256(u, 1), 4));
         // Dwords straight from the register (a 16-byte store read back 4 bytes at a time stalls).
-        _mm_storeu_si32(R + s * 256 + l * 4, v);
-        _mm_storeu_si32(R + s * 256 + 64 + l * 4, _mm_srli_si128(v, 4));
-        _mm_storeu_si32(R + s * 256 + 128 + l * 4, _mm_srli_si128(v, 8));
-        _mm_storeu_si32(R + s * 256 + 192 + l * 4, _mm_srli_si128(v, 12));
-        R[2048 + s * 16 + l] = sc[s];
+        _mm_storeu_si32(line(s * 4) + l * 4, v);
+        _mm_storeu_si32(line(s * 4 + 1) + l * 4, _mm_srli_si128(v, 4));
+        _mm_storeu_si32(line(s * 4 + 2) + l * 4, _mm_srli_si128(v, 8));
+        _mm_storeu_si32(line(s * 4 + 3) + l * 4, _mm_srli_si128(v, 12));
+        T[s * 16 + l] = sc[s];
       }
       for (int p = 0; p < 4; ++p) {
-        R[2176 + p * 32 + l * 2] = mn[2 * p];
-        R[2176 + p * 32 + l * 2 + 1] = mn[2 * p + 1];
+        T[128 + p * 32 + l * 2] = mn[2 * p];
+        T[128 + p * 32 + l * 2 + 1] = mn[2 * p + 1];
       }
       D[l] = blk->d;
       D[16 + l] = blk->dmin;
@@ -430,19 +505,21 @@ void pack_q4_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb,
   }
 }
 
-void pack_q6_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb, uint8_t* out) {
+void pack_q6_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb, uint8_t* L, uint8_t* X, size_t stride,
+                     size_t lstride) {
   // All 16 rows' quants are decoded first, then interleaved: reading back 4 bytes of a row
   // just stored 32 at a time would stall on store forwarding.
   alignas(32) uint8_t U[kRowsPerGroup][256];
   for (int64_t b = 0; b < nsb; ++b) {
-    uint8_t* R = out + b * kQ6KRec;
-    uint16_t* D = reinterpret_cast<uint16_t*>(R + 4352);
-    std::memset(R + 4384, 0, 32);
+    uint8_t* Lb = L + b * stride;
+    uint8_t* T = X + b * stride;  // sc[16][16] at 0, d at 256, 32 pad bytes
+    uint16_t* D = reinterpret_cast<uint16_t*>(T + 256);
+    std::memset(T + 288, 0, 32);
     for (int l = 0; l < kRowsPerGroup; ++l) {
       uint8_t* u = U[l];
       if (!valid[l]) {
         std::memset(u, 0, 256);
-        for (int q = 0; q < 16; ++q) R[4096 + q * 16 + l] = 0;
+        for (int q = 0; q < 16; ++q) T[q * 16 + l] = 0;
         D[l] = 0;
         continue;
       }
@@ -459,11 +536,11 @@ void pack_q6_K_group(const uint8_t* const* rows, const bool* valid, int64_t nsb,
           _mm256_store_si256(reinterpret_cast<__m256i*>(u + h * 128 + s * 32), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
         }
       }
-      for (int q = 0; q < 16; ++q) R[4096 + q * 16 + l] = (uint8_t)blk->scales[q];
+      for (int q = 0; q < 16; ++q) T[q * 16 + l] = (uint8_t)blk->scales[q];
       D[l] = blk->d;
     }
     for (int j = 0; j < 64; ++j)
-      for (int l = 0; l < kRowsPerGroup; ++l) std::memcpy(R + j * 64 + l * 4, U[l] + 4 * j, 4);
+      for (int l = 0; l < kRowsPerGroup; ++l) std::memcpy(Lb + j * lstride + l * 4, U[l] + 4 * j, 4);
   }
 }
 
@@ -608,11 +685,14 @@ void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, in
         valid[l] = r < rows;
         rp[l] = static_cast<const uint8_t*>(w) + (size_t)std::min(r, rows - 1) * row_bytes;
       }
-      uint8_t* o = static_cast<uint8_t*>(out) + (size_t)g * nsb * rec;
+      const int ql = (int)(rec - 320) / 64;  // both records end in a 320-byte tail
+      const SuperPos sp = super_pos(out, g, rows, nsb, ql, 320);
+      uint8_t* L = const_cast<uint8_t*>(sp.line0);
+      uint8_t* X = const_cast<uint8_t*>(sp.tail0);
       if ((GGMLType)wtype == GGMLType::Q4_K)
-        pack_q4_K_group(rp, valid, nsb, o);
+        pack_q4_K_group(rp, valid, nsb, L, X, sp.stride, sp.lstride);
       else
-        pack_q6_K_group(rp, valid, nsb, o);
+        pack_q6_K_group(rp, valid, nsb, L, X, sp.stride, sp.lstride);
     }
     return;
   }
@@ -620,53 +700,60 @@ void pack_rows(uint32_t wtype, const void* w, size_t row_bytes, int64_t rows, in
   if (!fmt_of(wtype, f)) return;
   const int64_t nb = k / 32;
   const bool q8 = (GGMLType)wtype == GGMLType::Q8_0;
+  const size_t gb = group_bytes(f, 1);
   for (int64_t g = g0; g < g1; ++g) {
-    uint8_t* Q = static_cast<uint8_t*>(out) + (size_t)g * group_bytes(f, nb);
-    uint16_t* D = reinterpret_cast<uint16_t*>(Q + (size_t)nb * f.qbytes);
-    uint16_t* M = D + nb * 16;
+    // Block b of this group: quant line l at Qg + b * S + l * LS, scales at Dg + b * S (super_pos).
+    const SuperPos sp = super_pos(out, g, rows, nb, f.qbytes / 64, gb - f.qbytes);
+    uint8_t* Qg = const_cast<uint8_t*>(sp.line0);
+    uint8_t* Dg = const_cast<uint8_t*>(sp.tail0);
+    uint8_t* Mg = Dg + 32;
+    const size_t S = sp.stride, LS = sp.lstride;
     for (int l = 0; l < kRowsPerGroup; ++l) {
       const int64_t r = g * kRowsPerGroup + l;
       const uint8_t* row = static_cast<const uint8_t*>(w) + (size_t)std::min(r, rows - 1) * row_bytes;
       for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* q = Q + b * f.qbytes;
+        uint8_t* q = Qg + b * S;
+        uint16_t* D = reinterpret_cast<uint16_t*>(Dg + b * S);
+        uint16_t* M = reinterpret_cast<uint16_t*>(Mg + b * S);
         if (r >= rows) {  // padding rows: zero scales; their outputs are never stored
-          D[b * 16 + l] = 0;
-          if (f.mins) M[b * 16 + l] = 0;
-          for (int j = 0; j < f.qbytes / 64; ++j) std::memset(q + j * 64 + l * 4, q8 ? 0x80 : 0, 4);
+          D[l] = 0;
+          if (f.mins) M[l] = 0;
+          for (int j = 0; j < f.qbytes / 64; ++j) std::memset(q + j * LS + l * 4, q8 ? 0x80 : 0, 4);
           continue;
         }
         if (q8) {
           const block_q8_0* blk = reinterpret_cast<const block_q8_0*>(row) + b;
-          D[b * 16 + l] = blk->d;
-          for (int j = 0; j < 8; ++j) std::memcpy(q + j * 64 + l * 4, blk->qs + j * 4, 4);
+          D[l] = blk->d;
+          for (int j = 0; j < 8; ++j) std::memcpy(q + j * LS + l * 4, blk->qs + j * 4, 4);
         } else if ((GGMLType)wtype == GGMLType::Q5_0) {
           const block_q5_0* blk = reinterpret_cast<const block_q5_0*>(row) + b;
-          D[b * 16 + l] = blk->d;
-          for (int c = 0; c < 4; ++c) std::memcpy(q + c * 64 + l * 4, blk->qs + c * 4, 4);
+          D[l] = blk->d;
+          for (int c = 0; c < 4; ++c) std::memcpy(q + c * LS + l * 4, blk->qs + c * 4, 4);
           // Byte j of the row's qh word: bit 2c = element 4c+j's fifth bit, bit 2c+1 = element 16+4c+j's.
           uint32_t qh;
           std::memcpy(&qh, blk->qh, 4);
           for (int j = 0; j < 4; ++j)
-            q[256 + l * 4 + j] = (uint8_t)(_pdep_u32(_pext_u32(qh, 0x1111u << j), 0x55) |
+            q[4 * LS + l * 4 + j] = (uint8_t)(_pdep_u32(_pext_u32(qh, 0x1111u << j), 0x55) |
                                            _pdep_u32(_pext_u32(qh, 0x11110000u << j), 0xAA));
         } else if (f.mins) {
           const block_q4_1* blk = reinterpret_cast<const block_q4_1*>(row) + b;
-          D[b * 16 + l] = blk->d;
-          M[b * 16 + l] = blk->m;
-          for (int c = 0; c < 4; ++c) std::memcpy(q + c * 64 + l * 4, blk->qs + c * 4, 4);
+          D[l] = blk->d;
+          M[l] = blk->m;
+          for (int c = 0; c < 4; ++c) std::memcpy(q + c * LS + l * 4, blk->qs + c * 4, 4);
         } else {
           const block_q4_0* blk = reinterpret_cast<const block_q4_0*>(row) + b;
-          D[b * 16 + l] = blk->d;
-          for (int c = 0; c < 4; ++c) std::memcpy(q + c * 64 + l * 4, blk->qs + c * 4, 4);
+          D[l] = blk->d;
+          for (int c = 0; c < 4; ++c) std::memcpy(q + c * LS + l * 4, blk->qs + c * 4, 4);
         }
       }
     }
     if (q8) {  // signed -> unsigned (padding rows end up 0)
       const __m512i x80 = _mm512_set1_epi8(-128);
-      for (int64_t j = 0; j < nb * 8; ++j) {
-        uint8_t* v = Q + j * 64;
-        _mm512_storeu_si512(v, _mm512_xor_si512(_mm512_loadu_si512(v), x80));
-      }
+      for (int64_t b = 0; b < nb; ++b)
+        for (int j = 0; j < 8; ++j) {
+          uint8_t* v = Qg + b * S + j * LS;
+          _mm512_storeu_si512(v, _mm512_xor_si512(_mm512_loadu_si512(v), x80));
+        }
     }
   }
 }
