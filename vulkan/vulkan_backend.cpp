@@ -1235,18 +1235,11 @@ class VulkanBackend final : public Backend {
     pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
     const Glu gl = glu_;
     glu_ = Glu{};
-    const bool fuse = gl.valid && count == 1 && !norm && fuse_glu_on() && c_->recording() &&
-                      gl.serial == c_->step_serial() && gl.kept == c_->kept() && gl.out == pc.x && gl.n_rows == n &&
-                      gl.dim == cols && gl.gate % 16 == 0 && gl.up % 16 == 0 && gl.gs % 4 == 0 && gl.us % 4 == 0 &&
-                      gl.gs <= UINT32_MAX && gl.us <= UINT32_MAX;
+    const bool fuse = glu_makes_x(gl, pc.x, count, norm, n, cols) && gl.gs <= UINT32_MAX && gl.us <= UINT32_MAX;
     const uint64_t xb = (uint64_t)(n * cols * 4);
     if (fuse) {
       c_->unkeep_last(gl.sig0);
-      if (!glu_cnt_) {
-        glu_cnt_ = alloc(256, "glu counter");
-        c_->zero(A(glu_cnt_->data()), 256);  // left at 0 by every dispatch that counts on it
-      }
-      pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.aux = A(glu_cnt_->data());
+      pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.aux = glu_counter();
       pc.y[1] = (uint64_t)(uint32_t)gl.gs | (uint64_t)(uint32_t)gl.us << 32;
       pc.flags |= 4u | gl.code << 8;
       ++fused_glu_;
@@ -1445,18 +1438,11 @@ class VulkanBackend final : public Backend {
     // up on the way and the glu's dispatch is taken back (gemv.comp, GLU).
     const Glu gl = glu_;
     glu_ = Glu{};
-    const bool fuse = direct && gl.valid && count == 1 && !norm && n <= 8 && fuse_glu_on() && c_->recording() &&
-                      gl.serial == c_->step_serial() && gl.kept == c_->kept() && gl.out == pc.x && gl.n_rows == n &&
-                      gl.dim == (int64_t)pc.cols && gl.gate % 16 == 0 && gl.up % 16 == 0 && gl.gs % 4 == 0 &&
-                      gl.us % 4 == 0;
+    const bool fuse = direct && n <= 8 && glu_makes_x(gl, pc.x, count, norm, n, (int64_t)pc.cols);
     const uint64_t xb = (uint64_t)(n * ws[0]->cols * 4);
     if (fuse) {
       c_->unkeep_last(gl.sig0);
-      if (!glu_cnt_) {
-        glu_cnt_ = alloc(256, "glu counter");
-        c_->zero(A(glu_cnt_->data()), 256);  // left at 0 by every dispatch that counts on it
-      }
-      pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.norm_w = A(glu_cnt_->data());
+      pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.norm_w = glu_counter();
       pc.y[1] = (uint64_t)(uint32_t)gl.gs | (uint64_t)(uint32_t)gl.us << 32, pc.y[2] = gl.code;
       c_->uses({{gl.gate, (uint64_t)(((n - 1) * gl.gs + gl.dim) * 4), false},
                 {gl.up, (uint64_t)(((n - 1) * gl.us + gl.dim) * 4), false}, {gl.out, xb, true},
@@ -1952,6 +1938,21 @@ class VulkanBackend final : public Backend {
     int64_t gs = 0, us = 0, n_rows = 0, dim = 0;
     uint32_t code = 0;
   } glu_;
+  // Whether the glu kept just before this matmul makes its x (n rows of cols, no norm, one
+  // matrix, inside the same recorded step) and its gate / up rows can be read in place.
+  bool glu_makes_x(const Glu& gl, uint64_t x, int count, bool norm, int64_t n, int64_t cols) const {
+    return gl.valid && count == 1 && !norm && fuse_glu_on() && c_->recording() && gl.serial == c_->step_serial() &&
+           gl.kept == c_->kept() && gl.out == x && gl.n_rows == n && gl.dim == cols && gl.gate % 16 == 0 &&
+           gl.up % 16 == 0 && gl.gs % 4 == 0 && gl.us % 4 == 0;
+  }
+  // The GEMVs' GLU counter (256 bytes, zeroed once, left at 0 by every dispatch that counts on it).
+  uint64_t glu_counter() {
+    if (!glu_cnt_) {
+      glu_cnt_ = alloc(256, "glu counter");
+      c_->zero(A(glu_cnt_->data()), 256);
+    }
+    return A(glu_cnt_->data());
+  }
   // The step's last rope, while it is the last kept command (see kv_store).
   struct Rope {
     bool valid = false;
