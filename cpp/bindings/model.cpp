@@ -338,6 +338,28 @@ void bind_model(py::module_& m) {
         py::arg("session"), py::arg("embd"), py::arg("npos"), py::arg("ids"), py::arg("span_lo"), py::arg("span_hi"),
         py::arg("grid_h"), py::arg("grid_w"), py::arg("non_causal") = false, py::arg("first_row") = 0,
         py::arg("deep") = py::none());
+  // Draws from given logits, `n` times in one call with one generator (tests check the sampler's
+  // distribution against a reference; not part of the public API).
+  m.def(
+      "sample_logits",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, py::object params, uint64_t seed,
+         int64_t n, std::vector<int32_t> history) {
+        if (logits.ndim() != 1 || logits.size() < 1) throw py::value_error("sample_logits: logits must be 1-D, non-empty");
+        if (n < 1) throw py::value_error("sample_logits: n must be >= 1");
+        SamplingParams p = params_from(params);
+        Rng rng(seed);
+        std::vector<float> scratch;
+        std::vector<int32_t> out((size_t)n);
+        const float* l = logits.data();
+        const int32_t V = (int32_t)logits.size();
+        {
+          py::gil_scoped_release rel;
+          for (auto& t : out) t = sample_token(l, V, p, history, rng, scratch);
+        }
+        return out;
+      },
+      py::arg("logits"), py::arg("params"), py::arg("seed") = 0x5eed, py::arg("n") = 1,
+      py::arg("history") = std::vector<int32_t>());
   m.def("sample", [](Session& s, py::object params) {
     if (s.logits.empty()) throw py::value_error("sample: no logits yet (eval first)");
     SamplingParams p = params_from(params);
