@@ -2,9 +2,11 @@
 // that turns a device string into a backend, and host -> backend helpers.
 #include "core/backend.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "core/errors.h"
+#include "core/threadpool.h"
 #include "quant/blocks.h"
 #include "quant/types.h"
 
@@ -16,6 +18,12 @@
 #endif
 
 namespace dl {
+
+ThreadPool* Backend::host_threads() {
+  // Eight threads at most: the work is copies and samples of a few dozen rows.
+  std::call_once(host_pool_once_, [this] { host_pool_ = std::make_shared<ThreadPool>(std::min(8, default_threads())); });
+  return host_pool_.get();
+}
 
 size_t kv_row_bytes(KVType t, int64_t dim) {
   switch (t) {

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -286,8 +287,9 @@ class Backend {
   virtual bool supports(Op op, uint32_t type) const = 0;
 
   // The host threads the backend runs its own work on (the CPU's pool), for host-side work between
-  // ops (the mel front end) to share rather than start more threads; null where it has none.
-  virtual ThreadPool* host_threads() { return nullptr; }
+  // ops (the mel front end; a batched step's logits and samples) to share rather than start more
+  // threads. A GPU backend runs none of its own: it gets a small pool on first use.
+  virtual ThreadPool* host_threads();
 
   // ---- steps ---------------------------------------------------------------
   virtual void begin_step() {}
@@ -385,6 +387,8 @@ class Backend {
 
  private:
   std::vector<float> staging_;
+  std::once_flag host_pool_once_;
+  std::shared_ptr<ThreadPool> host_pool_;
 };
 
 size_t kv_row_bytes(KVType t, int64_t dim);

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/errors.h"
+#include "core/threadpool.h"
 #include "model/model.h"
 #include "model/session.h"
 
@@ -224,14 +225,21 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     // Every session's logits in one download (into the backend's fastest host memory).
     const float* lg = rows > 0 ? backend_->host_staging((size_t)(rows * V)) : nullptr;
     if (rows > 0) backend_->download(const_cast<float*>(lg), logits_->data(), (size_t)(rows * V) * 4);
-    int64_t k = 0;
+    batch_want_.clear();
     for (const Run& r : runs) {
       for (int64_t i = 0; i < r.n_rows; ++i) r.s->history.push_back(chunk_tokens[r.first_row + i]);
-      if (r.want_logits) {
-        r.s->logits.assign(lg + k * V, lg + (k + 1) * V);
-        ++k;
-      }
+      if (r.want_logits) batch_want_.push_back(r.s);
     }
+    // Each session's row into its own logits: B x vocab floats (32.8 MB at B = 64 for a
+    // 128K vocabulary), copied on the host threads when there are several.
+    auto copy_rows = [&](int64_t lo, int64_t hi) {
+      for (int64_t k = lo; k < hi; ++k) batch_want_[k]->logits.assign(lg + k * V, lg + (k + 1) * V);
+    };
+    ThreadPool* tp = batch_want_.size() >= 4 ? backend_->host_threads() : nullptr;
+    if (tp && tp->size() > 1)
+      tp->parallel_for((int64_t)batch_want_.size(), 1, copy_rows);
+    else
+      copy_rows(0, (int64_t)batch_want_.size());
     runs.clear();
     chunk_tokens.clear();
   };

@@ -294,6 +294,7 @@ class Model : public std::enable_shared_from_this<Model> {
   std::vector<float> hidden_host_;
   std::vector<Run> batch_runs_;          // forward_ragged's chunk being built (reused each step)
   std::vector<int32_t> batch_tokens_;
+  std::vector<Session*> batch_want_;  // the sessions of a chunk that take logits, in row order
 };
 
 }  // namespace dl

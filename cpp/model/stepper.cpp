@@ -4,6 +4,8 @@
 #include <algorithm>
 
 #include "core/errors.h"
+#include "core/backend.h"
+#include "core/threadpool.h"
 #include "model/model.h"
 
 namespace dl {
@@ -105,24 +107,42 @@ std::vector<StepEvent> Stepper::step(bool prefill, int64_t* n_decoded) {
     const int64_t b = e.index;
     throw PoolExhaustedError(e.what(), b >= 0 && b < (int64_t)batch_slot_.size() ? batch_slot_[b] : batch_slot_[0]);
   }
+  to_sample_.clear();
   for (size_t b = 0; b < batch_.size(); ++b) {
     const int slot = batch_slot_[b];
-    Job& j = jobs_[slot];
+    const Job& j = jobs_[slot];
     // A prefilling stream samples once its whole prompt is in the KV.
     if (j.next_tok < 0 && slots_[slot]->n_past() < (int64_t)j.prompt.size()) continue;
-    sampled(slot, out);
+    to_sample_.push_back(slot);
   }
+  // The draws on the host threads (each session has its own generator and scratch, so the same
+  // tokens in any order), then the events in slot order.
+  const int64_t ns = (int64_t)to_sample_.size();
+  drawn_.resize(ns);
+  ThreadPool* tp = ns >= 4 ? batch_[0]->model().backend().host_threads() : nullptr;
+  auto draws = [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) drawn_[k] = draw(to_sample_[k]);
+  };
+  if (tp && tp->size() > 1)
+    tp->parallel_for(ns, 1, draws);
+  else
+    draws(0, ns);
+  for (int64_t k = 0; k < ns; ++k) sampled(to_sample_[k], drawn_[k], out);
   return out;
 }
 
-void Stepper::sampled(int slot, std::vector<StepEvent>& out) {
+int32_t Stepper::draw(int slot) {
+  Session& s = *slots_[slot];
+  const Job& j = jobs_[slot];
+  const int V = s.model().config().vocab_size;
+  if (j.params.seed >= 0) s.rng.reseed((uint64_t)j.params.seed);
+  return sample_token(s.logits.data() + (s.logits.size() - V), V, j.params, s.history, s.rng, s.sample_scratch);
+}
+
+void Stepper::sampled(int slot, int32_t tok, std::vector<StepEvent>& out) {
   Session& s = *slots_[slot];
   Job& j = jobs_[slot];
   Model& m = s.model();
-  const int V = m.config().vocab_size;
-  if (j.params.seed >= 0) s.rng.reseed((uint64_t)j.params.seed);
-  const int32_t tok = sample_token(s.logits.data() + (s.logits.size() - V), V, j.params, s.history, s.rng,
-                                   s.sample_scratch);
   if (m.is_eog(tok) || std::find(j.stop_ids.begin(), j.stop_ids.end(), tok) != j.stop_ids.end()) {
     out.push_back({slot, StepEvent::kStop, tok, {}});
     j.active = false;

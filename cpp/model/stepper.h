@@ -54,7 +54,8 @@ class Stepper {
     int32_t next_tok = -1;  // sampled, not yet evaluated (-1: still prefilling)
   };
   int check(int slot) const;
-  void sampled(int slot, std::vector<StepEvent>& out);
+  int32_t draw(int slot);  // samples slot's next token from its logits
+  void sampled(int slot, int32_t tok, std::vector<StepEvent>& out);
 
   std::vector<std::shared_ptr<Session>> slots_;
   std::vector<Job> jobs_;
@@ -65,6 +66,8 @@ class Stepper {
   std::vector<int32_t> tokens_;
   std::vector<int64_t> counts_;
   std::vector<int> order_;
+  std::vector<int> to_sample_;
+  std::vector<int32_t> drawn_;
 };
 
 }  // namespace dl
