@@ -205,10 +205,14 @@ def prompt_text(rng: random.Random, n: int) -> str:
     return " ".join(f"t{rng.randrange(10, 30000)}" for _ in range(n))
 
 
+# Request fields that choose the sampler (--sampling); greedy unless asked.
+SAMPLING: dict = {"temperature": 0.0}
+
+
 def _request(i: int, max_tokens: int, prompt_words: int, salt: int) -> dict:
     rng = random.Random(salt * 100003 + i)
     # ignore_eos and cache_prompt are llama-server's; ours ignores fields it does not know.
-    return {"prompt": prompt_text(rng, prompt_words), "max_tokens": max_tokens, "temperature": 0.0,
+    return {"prompt": prompt_text(rng, prompt_words), "max_tokens": max_tokens, **SAMPLING,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
             "cache_prompt": False, "seed": i}
 
@@ -393,6 +397,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="ours: --threads (0: its default)")
     ap.add_argument("--clients", type=int, default=64, help="concurrent streams; also the slots of both servers")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--sampling", default="temperature=0",
+                    help="request fields, e.g. temperature=1,top_k=40,top_p=0.95,min_p=0.05 (both servers "
+                         "get the same; give every field, as their defaults differ)")
     ap.add_argument("--prompt-words", type=int, default=16,
                     help="words ' t<k>' per prompt (the random vocabulary makes ~9 tokens of each: prompt= in the output)")
     ap.add_argument("--warmup-tokens", type=int, default=8)
@@ -413,6 +420,10 @@ def main() -> int:
     ap.add_argument("--log-dir", default="", help="server logs (default: a temporary folder, kept)")
     ap.add_argument("--json", default="", help="write every round's figures here")
     a = ap.parse_args()
+    SAMPLING.clear()
+    for kv in filter(None, a.sampling.split(",")):
+        k, _, v = kv.partition("=")
+        SAMPLING[k.strip()] = int(v) if k.strip() == "top_k" else float(v)
     if a.clients < 1 or a.rounds < 1 or a.max_tokens < 2:
         ap.error("--clients and --rounds must be >= 1, --max-tokens >= 2")
     if a.ctx < a.max_tokens + 64:

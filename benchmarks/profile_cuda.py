@@ -4,6 +4,7 @@ every kernel of the process, ours included. Run on the GPU machine:
 
     python benchmarks/profile_cuda.py --shape llama1b --type q8_0 [--steps 32] [--trace out.json]
     python benchmarks/profile_cuda.py --shape llama1b --type q8_0 --prefill 512 --steps 4   # prefills
+    python benchmarks/profile_cuda.py --shape llama1b --type q8_0 --batch 64                # batched steps
 
 Prints, per decode step: host wall time, GPU span (first kernel start to last end), the
 sum of kernel times, the gaps between them, and the kernels grouped by name.
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="write a chrome trace here")
     ap.add_argument("--prefill", type=int, default=0,
                     help="profile prefills of this many tokens (one a 'step') instead of decode steps")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="profile batched decode steps of this many sessions (eval_batch over a KV pool)")
     args = ap.parse_args()
 
     import torch
@@ -46,6 +49,14 @@ def main() -> None:
 
             def step():
                 d.eval(m, d.create_session(m, n_ctx=args.prefill + 16), prompt)
+        elif args.batch:
+            pool = d.create_kv_pool(m, page_rows=16, max_pages=args.batch * ((args.ctx + 3 * args.steps + 64) // 16 + 2))
+            ss = [d.create_session(m, pool) for _ in range(args.batch)]
+            ws = d.create_batch_workspace(m)
+            d.eval_batch(m, ws, ss, [list(range(3, 3 + args.ctx))] * args.batch)
+
+            def step():
+                d.eval_batch(m, ws, ss, [5] * args.batch)
         else:
             s = d.create_session(m, n_ctx=args.ctx + 3 * args.steps + 64)
             d.eval(m, s, list(range(3, 3 + args.ctx)))

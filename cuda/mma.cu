@@ -527,8 +527,22 @@ void launch_mma(GemvJob j, cudaStream_t st) {
   launch(mma_q8_k<T, WM, WK, NT>, grid, WM * WK * 32, 0, st, j);
 }
 
+// From how many tokens, and from how many rows (the job's matrices together), the shared-memory
+// tiles take over from the one-pass warps (DASLLAMA_CUDA_TILE_MIN, default 65 tokens;
+// DASLLAMA_CUDA_TILE_ROWS, default 0). The same sums either way. Read at each launch, so
+// ab_cuda.py can compare settings in one process.
+int64_t env_int(const char* name, int64_t dflt) {
+  const char* e = std::getenv(name);
+  return e && *e ? std::atoll(e) : dflt;
+}
+
 template <uint32_t T>
 void run_mma(const GemvJob& j, cudaStream_t st) {
+  int64_t rows = 0;
+  for (int i = 0; i < j.count; ++i) rows += j.rows[i];
+  if (j.n <= 64 && j.n >= env_int("DASLLAMA_CUDA_TILE_MIN", 65) && rows >= env_int("DASLLAMA_CUDA_TILE_ROWS", 0) &&
+      tiles_on() && tile_fits(j))
+    return launch_tile<T>(j, st);
   // Up to 64 tokens: one pass over the weights, eight warps splitting each row tile's k
   // (16 rows a warp leave too few warps to keep the memory busy otherwise).
   if (j.n <= 16) launch_mma<T, 1, 8, 2>(j, st);
