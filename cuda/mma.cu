@@ -528,9 +528,12 @@ void launch_mma(GemvJob j, cudaStream_t st) {
 }
 
 // From how many tokens, and from how many rows (the job's matrices together), the shared-memory
-// tiles take over from the one-pass warps (DASLLAMA_CUDA_TILE_MIN, default 65 tokens;
-// DASLLAMA_CUDA_TILE_ROWS, default 0). The same sums either way. Read at each launch, so
-// ab_cuda.py can compare settings in one process.
+// tiles take over from the one-pass warps (DASLLAMA_CUDA_TILE_MIN, default 64 tokens;
+// DASLLAMA_CUDA_TILE_ROWS, default 8192 rows). The same sums either way. On the H200, Llama-1B
+// Q8_0 (ab_cuda.py, one call): B=64 10,629 -> 11,682 t/s with tiles for gate/up and the output
+// from 17 tokens; at B=32 they lost (8,482 -> 6,905), and tiles for every matrix lost at both
+// (4,245 / 8,789): a 2048-row matrix is only 32 tiles. Read at each launch, so ab_cuda.py can
+// compare settings in one process.
 int64_t env_int(const char* name, int64_t dflt) {
   const char* e = std::getenv(name);
   return e && *e ? std::atoll(e) : dflt;
@@ -540,7 +543,7 @@ template <uint32_t T>
 void run_mma(const GemvJob& j, cudaStream_t st) {
   int64_t rows = 0;
   for (int i = 0; i < j.count; ++i) rows += j.rows[i];
-  if (j.n <= 64 && j.n >= env_int("DASLLAMA_CUDA_TILE_MIN", 65) && rows >= env_int("DASLLAMA_CUDA_TILE_ROWS", 0) &&
+  if (j.n <= 64 && j.n >= env_int("DASLLAMA_CUDA_TILE_MIN", 64) && rows >= env_int("DASLLAMA_CUDA_TILE_ROWS", 8192) &&
       tiles_on() && tile_fits(j))
     return launch_tile<T>(j, st);
   // Up to 64 tokens: one pass over the weights, eight warps splitting each row tile's k

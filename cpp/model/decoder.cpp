@@ -849,12 +849,20 @@ int64_t Model::logits_block(const Run* runs, int n_runs, int64_t n, bool all_log
     rows = n;
     be.rms_norm(x, output_norm_.data(), xn, n, D, c.norm_eps);
   } else {
+    // The runs' last rows, normed one launch per stretch of adjacent rows (a batch of decode
+    // runs is one stretch): a row's norm does not depend on the rows beside it.
+    int64_t src = 0, dst = 0, len = 0;
+    auto norm = [&] {
+      if (len > 0) be.rms_norm(x + src * D, output_norm_.data(), xn + dst * D, len, D, c.norm_eps);
+      len = 0;
+    };
     for (int ri = 0; ri < n_runs; ++ri) {
       if (!runs[ri].want_logits) continue;
       const int64_t last = runs[ri].first_row + runs[ri].n_rows - 1;
-      be.rms_norm(x + last * D, output_norm_.data(), xn + rows * D, 1, D, c.norm_eps);
-      ++rows;
+      if (len == 0 || last != src + len) norm(), src = last, dst = rows;
+      ++len, ++rows;
     }
+    norm();
   }
   if (rows == 0) return 0;  // a run that continues in the next chunk wants no logits yet
   float* lg = scratch(logits_, rows * c.vocab_size, "logits");
