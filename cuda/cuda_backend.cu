@@ -195,7 +195,7 @@ class CudaBackend final : public Backend {
   // through the driver's pageable staging (DASLLAMA_CUDA_PINNED=0: plain memory, for A/B runs).
   float* host_staging(size_t floats) override {
     const char* e = std::getenv("DASLLAMA_CUDA_PINNED");
-    if (e && std::strcmp(e, "0") == 0) return Backend::host_staging(floats);
+    if ((e && std::strcmp(e, "0") == 0) || pinned_refused_) return Backend::host_staging(floats);
     if (pinned_floats_ < floats) {
       use();
       if (pinned_) check(cudaStreamSynchronize(st_), "host staging"), cudaFreeHost(pinned_), pinned_ = nullptr;
@@ -204,6 +204,7 @@ class CudaBackend final : public Backend {
       if (cudaHostAlloc(reinterpret_cast<void**>(&pinned_), n * sizeof(float), cudaHostAllocDefault) != cudaSuccess) {
         cudaGetLastError();  // no pinned memory to be had: plain memory works, only slower
         pinned_ = nullptr;
+        pinned_refused_ = true;  // and asking again at every step would cost a failed call each time
         return Backend::host_staging(floats);
       }
       pinned_floats_ = n;
@@ -1030,6 +1031,7 @@ class CudaBackend final : public Backend {
   int64_t fused_ops_ = 0;
   float* pinned_ = nullptr;  // host_staging's buffer
   size_t pinned_floats_ = 0;
+  bool pinned_refused_ = false;
   BufferPtr bar_;  // the fused layer's grid-barrier counters
   // The step being recorded.
   bool graphs_;
