@@ -603,7 +603,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8080)
     sp.add_argument("--streams", type=int, default=4, help="sessions decoded together")
     sp.add_argument("--ctx", type=int, default=0, help="context per stream (0: min(model, 4096))")
-    sp.add_argument("--chunk", type=int, default=256, help="prefill chunk: the most a new request delays others")
+    sp.add_argument("--chunk", type=int, default=0,
+                    help="prefill rows a step: the most a new request delays others (0: 256 on the CPU, 1024 on a GPU)")
     sp.add_argument("--queue", type=int, default=0, help="waiting requests before 503 (0: 4 x streams)")
     sp.add_argument("--kv-dtype", choices=["f32", "f16", "q8_0"], default="f16")
     sp.add_argument("--cache-pages", type=int, default=0,

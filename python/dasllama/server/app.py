@@ -249,7 +249,7 @@ ROUTES = [
 
 
 def create_app(model: Union[str, llm.Model] = "smollm2-135m-instruct", *, mmproj: Optional[str] = None,
-               streams: int = 4, ctx: int = 0, api_key: Optional[str] = None, chunk: int = 256,
+               streams: int = 4, ctx: int = 0, api_key: Optional[str] = None, chunk: int = 0,
                max_queue: int = 0, kv_dtype: KVDtype = KVDtype.f16, n_threads: int = 0, cache_pages: int = 0,
                model_name: Optional[str] = None, limits: Optional[Limits] = None,
                chat_template: Optional[str] = None, device: Optional[str] = None,
