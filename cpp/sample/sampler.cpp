@@ -95,9 +95,8 @@ void top_k_ids(const float* l, int32_t n, int32_t k, std::vector<int32_t>& idx) 
 
 // A draw over the whole vocabulary (no top_k): w[i] = exp((l[i] - max) / temp) for every id,
 // top_p's and min_p's cuts as prefixes of the candidates' order, found without sorting the
-// vocabulary: top_p sorts only the ids above a falling weight threshold until they hold the
-// mass it asks for; min_p keeps w >= min_p (the max has w = 1). The CDF walk then goes over the
-// kept ids in id order: the same distribution as a walk in the candidates' order.
+// vocabulary (top_p: below; min_p keeps w >= min_p, the max having w = 1). The CDF walk then
+// goes over the kept ids in id order: the same distribution as a walk in the candidates' order.
 int32_t sample_all(const float* l, int32_t n, const SamplingParams& p, Rng& rng, std::vector<float>& w) {
   const float mx = l[argmax(l, n)];
   w.resize(n);
