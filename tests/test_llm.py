@@ -250,6 +250,35 @@ def test_stepper_packs_short_prompts_into_one_step(smollm2_path):
     assert got == alone
 
 
+def test_stepper_sampled_streams_draw_as_alone(smollm2_path):
+    """Five sampled streams stepped together (their draws made on the host threads at once) give
+    each stream the tokens its own generation gives from the same seed: a session's draws depend
+    only on its logits and its own generator."""
+    m = d.load_model(smollm2_path)
+    prompts = ["Once upon a time", "The weather today", "My favourite food", "In the year 2050", "Dear diary,"]
+    p = d.SamplingParams(temp=0.9, top_p=0.95)
+    alone = []
+    for k, text in enumerate(prompts):
+        s = d.create_session(m, n_ctx=256)
+        d.set_seed(s, 100 + k)
+        got = []
+        d.generate(m, s, text, p, 8, lambda i, t: got.append(i))
+        alone.append(got)
+    ss = [d.create_session(m, n_ctx=256) for _ in prompts]
+    st = BatchStepper(ss, chunk=512)
+    for k, text in enumerate(prompts):
+        d.set_seed(ss[k], 100 + k)
+        st.start(k, d.encode(m, text), p, 8)
+    got = [[] for _ in prompts]
+    while any(st.active(i) for i in range(len(prompts))):
+        events, _ = st.step()
+        for e in events:
+            if e[1] != BatchStepper.STOP:
+                got[e[0]].append(e[2])
+    assert got == alone
+    assert len({tuple(g) for g in got}) == len(prompts)
+
+
 @pytest.fixture(scope="module")
 def smollm2_ref(smollm2_path):
     m = d.load_model(smollm2_path, mode=d.QuantMode.fp32)
