@@ -78,11 +78,14 @@ __device__ __forceinline__ void load_b(const int8_t* xr, int64_t b, int c, uint3
 // A block of WM x WK warps: WM row tiles of 16, each k range split WK ways (partials meet
 // in shared memory); NT token tiles of 8 from token blockIdx.x * 8 NT; blockIdx.y picks the
 // row block (matrix j.first_block[i] on).
-template <uint32_t T, int WM, int WK, int NT>
-__global__ void __launch_bounds__(WM * WK * 32) mma_q8_k(GemvJob j) {
+// MINB = 2 asks for two blocks an SM (128 registers; for 64 tokens the default takes ~240, so one
+// block of 8 warps an SM), with 4 blocks of weights in flight a warp instead of 8: the same bytes
+// in flight an SM, twice the warps to hide the activations' loads (DASLLAMA_CUDA_MMA_MINB=2).
+template <uint32_t T, int WM, int WK, int NT, int MINB = 1>
+__global__ void __launch_bounds__(WM * WK * 32, MINB) mma_q8_k(GemvJob j) {
   pdl_wait();
   pdl_trigger();
-  constexpr int UB = WK > 1 ? 8 : 4;  // blocks whose weights are loaded before their mmas (decode: more in flight)
+  constexpr int UB = WK > 1 && MINB == 1 ? 8 : 4;  // blocks whose weights are loaded before their mmas (decode: more in flight)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int wm = warp % WM, wk = warp / WM;
   int mi = 0;
@@ -94,13 +97,14 @@ __global__ void __launch_bounds__(WM * WK * 32) mma_q8_k(GemvJob j) {
   const uint8_t* wa = j.w[mi] + lmin(r0 + g, rows - 1) * rb;
   const uint8_t* wb = j.w[mi] + lmin(r0 + g + 8, rows - 1) * rb;
   // Token rows past n read the last one (their sums are dropped).
-  const int8_t* xr[NT];
-  int64_t tc[NT][2];
+  // (32-bit offsets: 64-bit pointers and indices for NT = 8 cost 32 registers, the difference
+  // between one and two blocks an SM.)
+  int32_t xo[NT], tc[NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    xr[nt] = j.xq + lmin(t0 + nt * 8 + g, j.n - 1) * cols;
-    tc[nt][0] = lmin(t0 + nt * 8 + 2 * c, j.n - 1) * nb;
-    tc[nt][1] = lmin(t0 + nt * 8 + 2 * c + 1, j.n - 1) * nb;
+    xo[nt] = (int32_t)(lmin(t0 + nt * 8 + g, j.n - 1) * cols);
+    tc[nt][0] = (int32_t)(lmin(t0 + nt * 8 + 2 * c, j.n - 1) * nb);
+    tc[nt][1] = (int32_t)(lmin(t0 + nt * 8 + 2 * c + 1, j.n - 1) * nb);
   }
   const int64_t per = (nb + WK - 1) / WK, kb0 = wk * per, kb1 = lmin(nb, kb0 + per);
   float acc[NT][4];
@@ -125,7 +129,7 @@ __global__ void __launch_bounds__(WM * WK * 32) mma_q8_k(GemvJob j) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         uint32_t x0, x1;
-        load_b<T>(xr[nt], b, c, x0, x1);
+        load_b<T>(j.xq + xo[nt], b, c, x0, x1);
         int s[4] = {0, 0, 0, 0};
         mma_s8(s, a[u][0], a[u][1], a[u][2], a[u][3], x0, x1);
         const float dx0 = __ldg(j.xd + tc[nt][0] + b), dx1 = __ldg(j.xd + tc[nt][1] + b);
@@ -518,13 +522,13 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_f16_k(const uint8_
     }
 }
 
-template <uint32_t T, int WM, int WK, int NT>
+template <uint32_t T, int WM, int WK, int NT, int MINB = 1>
 void launch_mma(GemvJob j, cudaStream_t st) {
   int64_t b = 0;
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], 16 * WM);
   j.first_block[j.count] = b;
   const dim3 grid((unsigned)ceil_div(j.n, 8 * NT), (unsigned)b);
-  launch(mma_q8_k<T, WM, WK, NT>, grid, WM * WK * 32, 0, st, j);
+  launch(mma_q8_k<T, WM, WK, NT, MINB>, grid, WM * WK * 32, 0, st, j);
 }
 
 // From how many tokens, and from how many rows (the job's matrices together), the shared-memory
@@ -549,7 +553,9 @@ void run_mma(const GemvJob& j, cudaStream_t st) {
   // Up to 64 tokens: one pass over the weights, eight warps splitting each row tile's k
   // (16 rows a warp leave too few warps to keep the memory busy otherwise).
   if (j.n <= 16) launch_mma<T, 1, 8, 2>(j, st);
+  else if (j.n <= 32 && env_int("DASLLAMA_CUDA_MMA_MINB", 1) == 2) launch_mma<T, 1, 8, 4, 2>(j, st);
   else if (j.n <= 32) launch_mma<T, 1, 8, 4>(j, st);
+  else if (j.n <= 64 && env_int("DASLLAMA_CUDA_MMA_MINB", 1) == 2) launch_mma<T, 1, 8, 8, 2>(j, st);
   else if (j.n <= 64) launch_mma<T, 1, 8, 8>(j, st);
   else if (tiles_on() && tile_fits(j)) launch_tile<T>(j, st);
   else launch_mma<T, 4, 1, 8>(j, st);
