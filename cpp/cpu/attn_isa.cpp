@@ -469,10 +469,10 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
     auto page_end = [&](int64_t j) { return (((j_lo + j) >> sh) + 1 << sh) - j_lo; };
     // Keys in blocks of 64 KB of V: every 64-column pass over a block after the first reads
     // it from cache, the first having asked for whole rows ahead. Passes over the whole chunk
-    // each read a 128-byte slice of every row from memory (3.7 -> 2.3 ms for the 3 global
+    // each read a 128-byte slice of every row from memory (3.4-4.1 -> 2.2-2.4 ms for the 3 global
     // layers' V at depth 16384). Each output still sums its keys in order, in one chain.
     const int64_t kb_keys = std::max<int64_t>(16, 65536 / (hd * (int64_t)sizeof(E)));
-    const int pf = hd > 64 ? hd * (int)sizeof(E) : 0;
+    const int pf = hd > 64 && nqg <= RR ? hd * (int)sizeof(E) : 0;  // many row groups: later groups read from cache
     for (int64_t kb = jmin;; kb += kb_keys) {
       const int64_t ke = std::min(jmax, kb + kb_keys);
       const bool more = kb > jmin;
