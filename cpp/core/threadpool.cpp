@@ -14,6 +14,20 @@
 
 namespace dl {
 
+namespace {
+// Waiting: pause for a while (a job's next op usually comes within microseconds), then
+// give the core away at every check (sched_yield). On a machine shared with other
+// processes, a waiter that only pauses holds a core that the thread it waits for (or the
+// caller, whose chunks it would take) could run on.
+constexpr int kPauseSpins = 2000, kYieldSpins = 2000;  // then a worker sleeps
+inline void wait_step(int spin) {
+  if (spin < kPauseSpins)
+    DL_PAUSE();
+  else
+    std::this_thread::yield();
+}
+}  // namespace
+
 int default_threads() { return std::max(1, cpu_features().physical_cores); }
 
 ThreadPool::ThreadPool(int n_threads) : n_(std::max(1, n_threads)), regions_(new Region[std::max(1, n_threads)]) {
@@ -70,9 +84,9 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     cv_.notify_all();
   }
   work(0);
-  while (done_.load(std::memory_order_acquire) < n) DL_PAUSE();
+  for (int spin = 0; done_.load(std::memory_order_acquire) < n; ++spin) wait_step(spin);
   open_.store(false);
-  while (in_job_.load() != 0) DL_PAUSE();
+  for (int spin = 0; in_job_.load() != 0; ++spin) wait_step(spin);
 }
 
 void ThreadPool::run(const std::function<void(int, int)>& fn, int n_threads) {
@@ -86,8 +100,8 @@ void ThreadPool::worker(int id) {
   uint64_t seen = epoch_.load();
   while (!stop_.load()) {
     uint64_t e = epoch_.load(std::memory_order_acquire);
-    for (int spin = 0; e == seen && spin < 100000; ++spin) {
-      DL_PAUSE();
+    for (int spin = 0; e == seen && spin < kPauseSpins + kYieldSpins; ++spin) {
+      wait_step(spin);
       e = epoch_.load(std::memory_order_acquire);
     }
     if (e == seen) {
