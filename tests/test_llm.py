@@ -219,6 +219,15 @@ def test_eval_batch_equals_each_session_alone(smollm2_path):
         d.eval_batch(m, ws, [ss[0], ss[0]], [1, 2])
 
 
+def _drain(st, got):
+    """Steps until every stream has ended, appending each stream's tokens to got[slot]."""
+    while any(st.active(i) for i in range(len(got))):
+        events, _ = st.step()
+        for e in events:
+            if e[1] != BatchStepper.STOP:
+                got[e[0]].append(e[2])
+
+
 def test_stepper_packs_short_prompts_into_one_step(smollm2_path):
     """Prompts arriving together start in one step while their rows fit the chunk (a queue of
     short requests is not one step each), a prompt past the chunk's rest goes on in the next
@@ -242,11 +251,7 @@ def test_stepper_packs_short_prompts_into_one_step(smollm2_path):
     got = [[] for _ in prompts]
     for e in events:
         got[e[0]].append(e[2])
-    while any(st.active(i) for i in range(len(prompts))):
-        events, _ = st.step()
-        for e in events:
-            if e[1] != BatchStepper.STOP:
-                got[e[0]].append(e[2])
+    _drain(st, got)
     assert got == alone
 
 
@@ -270,11 +275,7 @@ def test_stepper_sampled_streams_draw_as_alone(smollm2_path):
         d.set_seed(ss[k], 100 + k)
         st.start(k, d.encode(m, text), p, 8)
     got = [[] for _ in prompts]
-    while any(st.active(i) for i in range(len(prompts))):
-        events, _ = st.step()
-        for e in events:
-            if e[1] != BatchStepper.STOP:
-                got[e[0]].append(e[2])
+    _drain(st, got)
     assert got == alone
     assert len({tuple(g) for g in got}) == len(prompts)
 
