@@ -82,6 +82,9 @@ def test_greedy_and_top_k_pick_as_defined():
     # top_k=1 with a temperature is greedy too; top_k=2 draws only the two tied ids.
     assert set(_core.sample_logits(logits, d.SamplingParams(temp=1.0, top_k=1), n=50)) == {17}
     assert set(_core.sample_logits(logits, d.SamplingParams(temp=1.0, top_k=2), n=200)) == {17, 31000}
+    # A temperature whose inverse overflows f32 (a denormal) is greedy, not NaN weights.
+    for k in (0, 40):
+        assert _core.sample_logits(logits, d.SamplingParams(temp=1e-45, top_k=k, top_p=0.9), n=3) == [17, 17, 17]
 
 
 def test_penalties_apply_to_the_history():

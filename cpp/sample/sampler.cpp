@@ -186,7 +186,8 @@ int32_t sample_token(const float* logits, int32_t n, const SamplingParams& p, co
     }
     l = scratch.data();
   }
-  if (p.temp <= 0.f) return argmax(l, n);
+  // A temperature so small that 1 / temp overflows is greedy (its scaled logits would be NaN).
+  if (p.temp <= 0.f || !std::isfinite(1.f / p.temp)) return argmax(l, n);
   thread_local std::vector<float> w;
   if (p.top_k <= 0 || p.top_k >= n) return sample_all(l, n, p, rng, w);
 
