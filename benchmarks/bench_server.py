@@ -423,7 +423,10 @@ def main() -> int:
     SAMPLING.clear()
     for kv in filter(None, a.sampling.split(",")):
         k, _, v = kv.partition("=")
-        SAMPLING[k.strip()] = int(v) if k.strip() == "top_k" else float(v)
+        try:
+            SAMPLING[k.strip()] = int(v) if k.strip() == "top_k" else float(v)
+        except ValueError:
+            ap.error(f"--sampling: {kv!r} is not NAME=NUMBER")
     if a.clients < 1 or a.rounds < 1 or a.max_tokens < 2:
         ap.error("--clients and --rounds must be >= 1, --max-tokens >= 2")
     if a.ctx < a.max_tokens + 64:
