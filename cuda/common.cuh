@@ -41,6 +41,22 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// ---- TF32 tensor cores (sm_80+) ----
+// x rounded to TF32 (10 stored mantissa bits, f32's exponent range), as an mma operand.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
 // ---- Programmatic dependent launch (sm_90+) ----
 // A kernel launched with `launch` may be scheduled while the kernel before it in the
 // stream still runs, so the gap between the two (launch latency, the last wave's tail)

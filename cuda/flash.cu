@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 #include "attn.cuh"
 #include "common.cuh"
@@ -204,6 +205,210 @@ void launch_flash_kt(const AttnArgs& a, cudaStream_t st) {
   else launch_flash<KT, 256>(a, st);
 }
 
+
+// ---- The f16 cache on TF32 tensor cores ----
+// f16 keys and values are exact in TF32; queries and probabilities are split x = hi + lo (both
+// TF32, lo = x - hi) and take two mmas, so scores and outputs keep f32's precision to about
+// 2^-22 (the harness's f32 bar), as mma_f16_k does for f16 weights. A block: 4 warps x 16 query
+// rows of one head, key tiles of BC keys converted to f32 in shared memory, the next tile's
+// loads in flight while this one is scored. The k slots c and c + 4 of an m16n8k8 fragment
+// take elements 2c and 2c + 1 of each group of 8, alike for A and B: a thread reads float2s,
+// and a score tile's accumulator is, as it stands, the probabilities' A fragment for P V.
+// Only the order of the sums differs from flash_k's.
+template <int HD, int BC> struct TcShape {
+  static constexpr int BR = 64;
+  // Row strides (words) that keep the fragment reads free of bank conflicts: float2 reads of
+  // 8 rows need stride = 8 (mod 32), V's scalar reads of rows 2c need 4 (mod 32).
+  static constexpr int QS = HD + 8, KS = HD + 8, VS = HD + 4;
+  static constexpr int U = BC * HD / 8 / 128;  // 16-byte units of K (and of V) a thread loads a tile
+  static constexpr size_t smem = (size_t)(2 * BR * QS + BC * KS + BC * VS) * 4;
+};
+
+template <int HD, int BC>
+__global__ void __launch_bounds__(128) flash_tc_k(AttnArgs a) {
+  using S = TcShape<HD, BC>;
+  constexpr int BR = S::BR, QS = S::QS, KS = S::KS, VS = S::VS, U = S::U, UR = HD / 8;
+  extern __shared__ __align__(16) float fsm[];
+  uint32_t* Qh = reinterpret_cast<uint32_t*>(fsm);
+  uint32_t* Ql = Qh + BR * QS;
+  float* Ks = fsm + 2 * BR * QS;
+  float* Vs = Ks + BC * KS;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.y, hd = a.head_dim;
+  const int64_t t0 = (int64_t)blockIdx.x * BR;
+  const int kvh = h / (a.n_heads / a.n_kv_heads);
+  const size_t koff = a.kv.k_off + (size_t)kvh * hd * 2, voff = a.kv.v_off + (size_t)kvh * hd * 2;
+
+  // The block's key range: the union of its rows' (window, causal) ranges.
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int64_t r = 0; r < BR && t0 + r < a.n_tok; ++r) {
+    const int64_t p = a.q_pos[t0 + r];
+    hi = max(hi, min(a.n_kv, p + 1));
+    lo = min(lo, a.window > 0 ? max(int64_t(0), p - a.window + 1) : int64_t(0));
+  }
+  int64_t pos[2];  // this thread's rows: warp * 16 + g and + 8 (-1: padding, every key masked)
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t t = t0 + warp * 16 + g + 8 * hr;
+    pos[hr] = t < a.n_tok ? a.q_pos[t] : -1;
+  }
+  for (int idx = tid; idx < BR * HD; idx += 128) {
+    const int r = idx / HD, d = idx % HD;
+    const int64_t t = t0 + r;
+    const float x = t < a.n_tok && d < hd ? a.q[t * a.q_stride + (int64_t)h * hd + d] : 0.f;
+    const uint32_t xh = to_tf32(x);
+    Qh[r * QS + d] = xh;
+    Ql[r * QS + d] = to_tf32(x - __uint_as_float(xh));
+  }
+  uint4 kr[U], vr[U];
+  auto load = [&](int64_t j0) {
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int id = tid + 128 * i, j = id / UR, u = id % UR;
+      const bool ok = j0 + j < hi && u * 8 < hd;
+      kr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, koff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
+      vr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, voff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto store = [&]() {
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int id = tid + 128 * i, j = id / UR, u = id % UR;
+      const uint32_t kw[4] = {kr[i].x, kr[i].y, kr[i].z, kr[i].w}, vw[4] = {vr[i].x, vr[i].y, vr[i].z, vr[i].w};
+      float kf[8], vf[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 k2 = __half22float2(*reinterpret_cast<const __half2*>(&kw[e]));
+        const float2 v2 = __half22float2(*reinterpret_cast<const __half2*>(&vw[e]));
+        kf[2 * e] = k2.x, kf[2 * e + 1] = k2.y, vf[2 * e] = v2.x, vf[2 * e + 1] = v2.y;
+      }
+      float4* kd = reinterpret_cast<float4*>(Ks + j * KS + u * 8);
+      float4* vd = reinterpret_cast<float4*>(Vs + j * VS + u * 8);
+      kd[0] = make_float4(kf[0], kf[1], kf[2], kf[3]), kd[1] = make_float4(kf[4], kf[5], kf[6], kf[7]);
+      vd[0] = make_float4(vf[0], vf[1], vf[2], vf[3]), vd[1] = make_float4(vf[4], vf[5], vf[6], vf[7]);
+    }
+  };
+
+  float o[HD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  const int64_t first = lo >= hi ? hi : lo - lo % BC;
+  if (first < hi) load(first);
+  const uint32_t* qh0 = Qh + (warp * 16 + g) * QS + 2 * c;
+  const uint32_t* ql0 = Ql + (warp * 16 + g) * QS + 2 * c;
+  for (int64_t j0 = first; j0 < hi; j0 += BC) {
+    __syncthreads();  // the previous tile is consumed (the first time: Q is stored)
+    store();
+    __syncthreads();
+    if (j0 + BC < hi) load(j0 + BC);
+    float s[BC / 8][4];
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll 4
+    for (int k0 = 0; k0 < HD; k0 += 8) {
+      const uint2 ha = *reinterpret_cast<const uint2*>(qh0 + k0), hb = *reinterpret_cast<const uint2*>(qh0 + 8 * QS + k0);
+      const uint2 la = *reinterpret_cast<const uint2*>(ql0 + k0), lb = *reinterpret_cast<const uint2*>(ql0 + 8 * QS + k0);
+      const uint32_t ah[4] = {ha.x, hb.x, ha.y, hb.y}, al[4] = {la.x, lb.x, la.y, lb.y};
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+        const float2 kk = *reinterpret_cast<const float2*>(Ks + (n * 8 + g) * KS + k0 + 2 * c);
+        mma_tf32(s[n], al, __float_as_uint(kk.x), __float_as_uint(kk.y));
+        mma_tf32(s[n], ah, __float_as_uint(kk.x), __float_as_uint(kk.y));
+      }
+    }
+    // Online softmax: a row's BC scores sit in the 4 lanes of a quad (2 per n-tile each).
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t p = pos[hr];
+      const int64_t rlo = a.window > 0 ? p - a.window + 1 : INT64_MIN;
+      float mx = m[hr];
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t j = j0 + n * 8 + 2 * c + e;
+          const bool ok = j < hi && j <= p && j >= rlo;
+          float& x = s[n][2 * hr + e];
+          const float v = a.softcap > 0.f ? a.softcap * tanhf(x * a.scale / a.softcap) : x * a.scale;
+          x = ok ? v : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float corr = mx == -INFINITY ? 1.f : expf(m[hr] - mx);  // m = -inf before any key: 0
+      m[hr] = mx;
+      l[hr] *= corr;
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) o[n][2 * hr] *= corr, o[n][2 * hr + 1] *= corr;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[n][2 * hr + e];
+          x = x == -INFINITY ? 0.f : expf(x - mx);
+          l[hr] += x;
+        }
+    }
+    // O += P V: the scores' n-tile kk is the A fragment of keys kk * 8 .. + 7.
+#pragma unroll
+    for (int kk = 0; kk < BC / 8; ++kk) {
+      const float pv[4] = {s[kk][0], s[kk][2], s[kk][1], s[kk][3]};
+      uint32_t ph[4], pl[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ph[i] = to_tf32(pv[i]), pl[i] = to_tf32(pv[i] - __uint_as_float(ph[i]));
+      const float* v0 = Vs + (kk * 8 + 2 * c) * VS + g;
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) {
+        const uint32_t b0 = __float_as_uint(v0[n * 8]), b1 = __float_as_uint(v0[VS + n * 8]);
+        mma_tf32(o[n], pl, b0, b1);
+        mma_tf32(o[n], ph, b0, b1);
+      }
+    }
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t t = t0 + warp * 16 + g + 8 * hr;
+    float L = l[hr];
+    L += __shfl_xor_sync(0xffffffffu, L, 1);
+    L += __shfl_xor_sync(0xffffffffu, L, 2);
+    if (t >= a.n_tok) continue;
+    float f = 1.f;
+    if (a.sinks) {  // the sink joins the denominator: rescale to the joint max
+      const float sink = a.sinks[h], M2 = fmaxf(m[hr], sink);
+      f = m[hr] == -INFINITY ? 0.f : expf(m[hr] - M2);
+      L = L * f + expf(sink - M2);
+    }
+    const float inv = L > 0.f ? f / L : 0.f;
+    float* out = a.out + t * a.out_stride + (int64_t)h * hd;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      const int d = n * 8 + 2 * c;
+      if (d < hd) out[d] = o[n][2 * hr] * inv, out[d + 1] = o[n][2 * hr + 1] * inv;
+    }
+  }
+}
+
+// Whether the tensor-core kernel takes this attention: an f16 cache, head sizes up to 128 in
+// whole 16-byte units, every row's slice 16-byte aligned (DASLLAMA_CUDA_FLASH_TC=0: never).
+bool tc_takes(const AttnArgs& a) {
+  const char* e = std::getenv("DASLLAMA_CUDA_FLASH_TC");
+  if (e && std::strcmp(e, "0") == 0) return false;
+  const size_t al = a.kv.k_off | a.kv.v_off | a.kv.row_bytes | a.kv.page_bytes | (size_t)a.head_dim * 2 |
+                    (size_t)(uintptr_t)a.kv.base;
+  return a.kv.type == KVType::f16 && a.head_dim > 0 && a.head_dim <= 128 && a.head_dim % 8 == 0 && al % 16 == 0;
+}
+
+template <int HD, int BC>
+bool launch_tc(const AttnArgs& a, cudaStream_t st) {
+  using S = TcShape<HD, BC>;
+  static const bool set = cudaFuncSetAttribute(flash_tc_k<HD, BC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)S::smem) == cudaSuccess;
+  if (!set) return false;
+  const dim3 grid((unsigned)ceil_div(a.n_tok, S::BR), (unsigned)a.n_heads);
+  flash_tc_k<HD, BC><<<grid, 128, S::smem, st>>>(a);
+  check_launch("flash attention (tf32 mma)");
+  return true;
+}
 }  // namespace
 
 bool flash_fits(const AttnArgs& a, int max_smem_optin) {
@@ -220,7 +425,10 @@ void flash_attention(const AttnArgs& a, cudaStream_t st) {
   if (a.n_tok <= 0 || a.n_heads <= 0) return;
   switch (a.kv.type) {
     case KVType::f32: launch_flash_kt<0>(a, st); break;
-    case KVType::f16: launch_flash_kt<1>(a, st); break;
+    case KVType::f16:
+      if (tc_takes(a) && (a.head_dim <= 64 ? launch_tc<64, 64>(a, st) : launch_tc<128, 32>(a, st))) break;
+      launch_flash_kt<1>(a, st);
+      break;
     case KVType::q8_0: launch_flash_kt<8>(a, st); break;
     default: throw UnsupportedModelError("cuda attention: unknown KV type");
   }

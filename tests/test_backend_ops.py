@@ -685,12 +685,17 @@ ATTN_CASES = [
     # a window and softcap, rows past a tile's end
     (130, 300, 4, 2, 96, 16, 0, 0.0, 130),
     (97, 161, 2, 1, 160, 16, 40, 30.0, 97),
+    # a device's tensor-core tiles (f16 cache): a window and softcap, 4 heads on a KV head, ragged
+    # tiles of both sizes
+    (70, 200, 8, 2, 128, 16, 48, 20.0, 70),
+    (64, 64, 4, 4, 64, 16, 0, 0.0, 64),
 ]
 
 
+@pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("case", [(1, 1000, 8, 2, 64, 16, 0), (33, 70, 8, 2, 64, 16, 16), (1, 5, 4, 4, 64, 16, 0)],
                          ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}".format(*c))
-def test_attention_sinks(backends, case):
+def test_attention_sinks(backends, kv, case):
     """gpt-oss's sinks: a logit per head in each softmax's denominator (decode over many keys,
     where a device splits the keys; a windowed prefill)."""
     n_tok, n_kv, H, KVH, hd, P, window = case
@@ -703,10 +708,10 @@ def test_attention_sinks(backends, case):
     n_pages = -(-n_kv // P)
     page_ids = rng.permutation(n_pages + 2)[:n_pages].astype(np.int32)
     scale = 1 / math.sqrt(hd)
-    outs = {d: b.paged_attention(q, k, v, q_pos, H, KVH, hd, 0, P, page_ids, n_pages + 2, window, scale, 0.0,
-                                 n_kv, sinks=sinks)[0] for d, b in backends.items()}
-    ref = attention_ref(q, k.astype(np.float64), v.astype(np.float64), q_pos, H, KVH, hd, window, scale, 0.0, sinks)
-    check(f"attention with sinks {case}", outs, ref, F32_DOT)
+    outs = {d: b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 2, window, scale,
+                                 0.0, n_kv, sinks=sinks)[0] for d, b in backends.items()}
+    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, 0.0, sinks)
+    check(f"attention with sinks {case} {kv}", outs, ref, F32_DOT)
 
 
 @pytest.mark.parametrize("kv", list(KV_TYPES))
