@@ -96,16 +96,20 @@ __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t 
   }
   float m = -INFINITY, l = 0.f;
   for (int64_t j = j0 + warp * KB; j < j1; j += WARPS * KB) {
-    float sc[KB];
+    // The round's V values are loaded with its keys: the scores do not gate their reads, so
+    // a round waits on the memory once, not twice.
+    float sc[KB], vv[KB][NI];
 #pragma unroll
     for (int b = 0; b < KB; ++b) {
       float p = 0.f;
       if (j + b < j1) {
         const uint8_t* kr = kv_row(a.kv, koff, j + b);
+        const uint8_t* vr = kv_row(a.kv, voff, j + b);
 #pragma unroll
         for (int i = 0; i < NI; ++i) {
           const int d = lane + 32 * i;
           if (d < hd) p += q[i] * kv_elem<KT>(kr, d);
+          vv[b][i] = d < hd ? kv_elem<KT>(vr, d) : 0.f;
         }
       }
       sc[b] = p;
@@ -131,11 +135,10 @@ __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t 
       if (j + b < j1) {
         const float p = expf(sc[b] - mx);
         l += p;
-        const uint8_t* vr = kv_row(a.kv, voff, j + b);
 #pragma unroll
         for (int i = 0; i < NI; ++i) {
           const int d = lane + 32 * i;
-          if (d < hd) acc[i] += p * kv_elem<KT>(vr, d);
+          if (d < hd) acc[i] += p * vv[b][i];
         }
       }
     }
