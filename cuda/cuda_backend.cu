@@ -342,6 +342,12 @@ class CudaBackend final : public Backend {
     if (!cuda::matmul_type_ok(w.type))
       throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(w.type));
     max_rows_ = std::max(max_rows_, n);
+    if (n > 64 && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x split into f16 halves first
+      void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
+      op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16h(m, x, n, y, sc, s); }, m.type, m.w, m.row_bytes, m.rows,
+         m.cols, x, n, y, sc);
+      return;
+    }
     op(Tag::matmul, [=](cudaStream_t s) { cuda::matmul(m, x, n, y, s); }, m.type, m.w, m.row_bytes, m.rows, m.cols, x,
        n, y);
   }
@@ -961,6 +967,15 @@ class CudaBackend final : public Backend {
     }
     return qact_->data();
   }
+  // The f16 prefill's split activations; grown like scratch_for.
+  void* split_for(size_t bytes) {
+    if (!split_ || split_->size() < bytes) {
+      if (split_) check(cudaStreamSynchronize(st_), "activation split");
+      split_.reset();
+      split_ = alloc(bytes + bytes / 2, "activation split");
+    }
+    return split_->data();
+  }
   // Attention's split partials; grown (never shrunk) on demand. Growing frees the old
   // buffer after the stream has drained, since kernels in flight may still read it.
   float* scratch_for(size_t floats) {
@@ -1027,7 +1042,7 @@ class CudaBackend final : public Backend {
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
   cudaStream_t st_ = nullptr;
-  BufferPtr scratch_, qact_, counters_, tailc_;
+  BufferPtr scratch_, qact_, split_, counters_, tailc_;
   int64_t fused_ops_ = 0;
   float* pinned_ = nullptr;  // host_staging's buffer
   size_t pinned_floats_ = 0;

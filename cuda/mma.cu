@@ -508,6 +508,136 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_f16_k(const uint8_
     }
 }
 
+
+// ---- Prefill of f16 weights on f16 tensor cores, f32 activations kept ----
+// f16 weights are exact f16 mma operands. Each token's activations are scaled by a power of two
+// (its largest magnitude to [2^13, 2^14): no overflow, and the small values keep their bits) and
+// split x * s = hi + lo, both f16 (lo = x * s - hi, exact in f32, rounded once more), so two
+// m16n8k16 mmas, W * lo + W * hi, give the f32 dot product to about 2^-22 relative, as the TF32
+// split does, with half the mmas and no conversions in the inner loop; the sums are scaled
+// back by 1 / s (exact). A prep kernel writes hi, lo and 1 / s per token. Tiles as mma_tile_k:
+// 64 rows x 64 tokens, four warps of 32 x 32, 32 of k a stage in three stages, fragments
+// through ldmatrix.
+__global__ void __launch_bounds__(256) f16_split_k(const float* __restrict__ x, int64_t cols, __half* __restrict__ xh,
+                                                   __half* __restrict__ xl, float* __restrict__ inv) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t t = blockIdx.x;
+  const float* xr = x + t * cols;
+  __shared__ float red[8];
+  float amax = 0.f;
+  for (int64_t i = threadIdx.x; i < cols; i += 256) amax = fmaxf(amax, fabsf(xr[i]));
+  amax = warp_max(amax);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  amax = red[0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w]);
+  int e = 0;
+  if (amax > 0.f && amax <= 3.0e38f) frexpf(amax, &e);  // amax < 2^e
+  e = max(-110, min(110, 14 - e));
+  const float sc = ldexpf(1.f, e);
+  for (int64_t i = threadIdx.x; i < cols; i += 256) {
+    const float v = xr[i] * sc;
+    const __half h = __float2half_rn(v);
+    xh[t * cols + i] = h;
+    xl[t * cols + i] = __float2half_rn(v - __half2float(h));
+  }
+  if (threadIdx.x == 0) inv[t] = ldexpf(1.f, -e);
+}
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__global__ void __launch_bounds__(128, 4) mma_f16h_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows,
+                                                     int64_t cols, const __half* __restrict__ xh,
+                                                     const __half* __restrict__ xl, const float* __restrict__ inv,
+                                                     int64_t n, float* __restrict__ y) {
+  constexpr int BM = 64, BN = 64, BK = 32, S = kFStages;
+  constexpr int RS = BK * 2 + 16;  // bytes a row: 80, eight rows an ldmatrix reads on distinct banks
+  __shared__ __align__(16) uint8_t sa[S][BM * RS];
+  __shared__ __align__(16) uint8_t sh[S][BN * RS];
+  __shared__ __align__(16) uint8_t sl[S][BN * RS];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int wm = warp & 1, wn = warp >> 1;
+  const int64_t r0 = (int64_t)blockIdx.y * BM, t0 = (int64_t)blockIdx.x * BN;
+  // k past cols is zero-filled (cols % 8 == 0: a 16-byte chunk is wholly in or out); rows and
+  // tokens past the end read the last one (their sums are not stored).
+  auto load_w = [&](int st, int64_t k0) {
+    for (int i = tid; i < BM * 4; i += 128) {
+      const int r = i >> 2, ch = i & 3;
+      const bool ok = k0 + ch * 8 < cols;
+      cp_async(&sa[st][r * RS + ch * 16], W + lmin(r0 + r, rows - 1) * rb + (ok ? (k0 + ch * 8) * 2 : 0), 16, ok);
+    }
+  };
+  auto load_x = [&](int st, int64_t k0) {
+    for (int i = tid; i < BN * 4; i += 128) {
+      const int t = i >> 2, ch = i & 3;
+      const bool ok = k0 + ch * 8 < cols;
+      const int64_t at = lmin(t0 + t, n - 1) * cols + (ok ? k0 + ch * 8 : 0);
+      cp_async(&sh[st][t * RS + ch * 16], xh + at, 16, ok);
+      cp_async(&sl[st][t * RS + ch * 16], xl + at, 16, ok);
+    }
+  };
+  float acc[2][4][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+  const int64_t stages = (cols + BK - 1) / BK;
+  stages_begin<S>(stages, BK, load_w, load_x);
+  for (int64_t s = 0; s < stages; ++s) {
+    const int st = (int)(s % S);
+    stage_ready<S>(s, stages, BK, load_w, load_x);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      uint32_t a[2][4], bh[4][2], bl[4][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+        ldsm4(a[mt], &sa[st][(wm * 32 + mt * 16 + (lane & 15)) * RS + kk * 32 + (lane >> 4) * 16]);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int off = (wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8) * RS + kk * 32 + ((lane >> 3) & 1) * 16;
+        uint32_t r[4];
+        ldsm4(r, &sh[st][off]);
+        bh[2 * np][0] = r[0], bh[2 * np][1] = r[1], bh[2 * np + 1][0] = r[2], bh[2 * np + 1][1] = r[3];
+        ldsm4(r, &sl[st][off]);
+        bl[2 * np][0] = r[0], bl[2 * np][1] = r[1], bl[2 * np + 1][0] = r[2], bl[2 * np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          mma_f16(acc[mt][nt], a[mt], bl[nt][0], bl[nt][1]);
+          mma_f16(acc[mt][nt], a[mt], bh[nt][0], bh[nt][1]);
+        }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int64_t t = t0 + wn * 32 + nt * 8 + 2 * c;
+    const float i0 = t < n ? inv[t] : 0.f, i1 = t + 1 < n ? inv[t + 1] : 0.f;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int64_t r = r0 + wm * 32 + mt * 16 + g;
+      if (t < n) {
+        if (r < rows) y[t * rows + r] = acc[mt][nt][0] * i0;
+        if (r + 8 < rows) y[t * rows + r + 8] = acc[mt][nt][2] * i0;
+      }
+      if (t + 1 < n) {
+        if (r < rows) y[(t + 1) * rows + r] = acc[mt][nt][1] * i1;
+        if (r + 8 < rows) y[(t + 1) * rows + r + 8] = acc[mt][nt][3] * i1;
+      }
+    }
+  }
+}
+
 template <uint32_t T, int WM, int WK, int NT, int MINB = 1>
 void launch_mma(GemvJob j, cudaStream_t st) {
   int64_t b = 0;
@@ -578,6 +708,26 @@ void mma_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st)
   if (m.type == T_F16) launch_f16<T_F16, 64>(m, x, n, y, st);
   else launch_f16<T_BF16, 64>(m, x, n, y, st);
   check_launch("matmul (tf32 mma)");
+}
+
+bool mma_f16h_fits(const Mat& m, const float* x, int64_t n) {
+  if (m.type != T_F16 || !mma_f16_fits(m, x, n)) return false;
+  const char* e = std::getenv("DASLLAMA_CUDA_F16H");  // 0: the TF32 split (mma_f16_k)
+  return !(e && e[0] == '0');
+}
+
+size_t mma_f16h_scratch(int64_t n, int64_t cols) { return (size_t)n * cols * 4 + (size_t)n * 4; }
+
+void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, cudaStream_t st) {
+  if (!mma_f16h_fits(m, x, n)) throw Error("cuda: a matmul the f16 mma kernel does not take");
+  __half* xh = static_cast<__half*>(scratch);
+  __half* xl = xh + n * m.cols;
+  float* inv = reinterpret_cast<float*>(xl + n * m.cols);
+  launch(f16_split_k, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
+  const dim3 grid((unsigned)ceil_div(n, 64), (unsigned)ceil_div(m.rows, 64));
+  launch(mma_f16h_k, grid, 128, 0, st, m.w, m.row_bytes, m.rows, m.cols, (const __half*)xh, (const __half*)xl,
+         (const float*)inv, n, y);
+  check_launch("matmul (f16 mma)");
 }
 
 bool mma_q8_fits(const GemvJob& j) {

@@ -113,6 +113,28 @@ def test_matmul(backends, wtype, rows, cols, n):
     check(f"matmul {wtype} {rows}x{cols} n={n}", outs, x.astype(np.float64) @ w.T, F32_DOT, cpu_bar)
 
 
+@pytest.mark.parametrize("wtype", ["f16", "bf16"])
+def test_matmul_token_scales(backends, wtype):
+    """Prefill rows of very different magnitudes (1e-12 .. 1e12, a zero row, one outlier) against
+    float weights: each token's outputs keep f32 precision on its own scale (a device that splits
+    activations into halves with a scale per token must pick each token's scale)."""
+    rng = np.random.default_rng(61)
+    rows, cols, n = 70, 512, 80
+    raw, w = make_weight(rng, wtype, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
+    x[3] = 0
+    x[5, 17] = 3e4 * np.abs(x[5]).max()
+    outs = run_all(backends, "matmul", raw, int(T[wtype.upper()]), rows, cols, x)
+    ref = (x.astype(np.float64) @ w.T).reshape(n, rows)
+    for d, o in outs.items():
+        o = np.asarray(o).reshape(n, rows)
+        for t in range(n):
+            bar = F32_DOT if d != "cpu" else ACT_QUANT
+            e = nmse(o[t], ref[t])
+            assert e <= bar, f"matmul {wtype} token {t} (scale {np.abs(x[t]).max():.3g}) on {d}: NMSE {e:.3g}"
+
+
 @pytest.mark.parametrize("wtype", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("cols,n", [(200, 1), (100, 3), (200, 70), (100, 40), (1000, 150)])
 def test_matmul_odd_width(backends, wtype, cols, n):
