@@ -5,7 +5,7 @@
 // as the GEMV does. Used for batched decode (a warp per 16 rows, four warps splitting k,
 // the weights streamed once) and prefill (mma_tile_k: shared-memory tiles of 64 rows x 64
 // tokens, token tiles of one row block adjacent in the grid so the weights come from L2).
-// The prefill of f16 / bf16 weights runs on TF32 mmas here too (mma_f16_k).
+// The prefill of f16 weights runs on f16 mmas here too (mma_f16h_k), of bf16 on TF32 (mma_f16_k).
 #include <cstdlib>
 #include <string>
 
