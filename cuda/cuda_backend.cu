@@ -214,6 +214,16 @@ class CudaBackend final : public Backend {
   void download(void* dst, const void* src, size_t bytes) override {
     use();
     drop_recording();
+    // A large download into other host memory (a decode step's logits: 513 KB for a 128K
+    // vocabulary) lands in the pinned staging buffer in one DMA and is copied from there,
+    // not through the driver's chunked staging of pageable memory.
+    float* stage = bytes >= (64 << 10) && dst != pinned_ ? host_staging((bytes + 3) / 4) : nullptr;
+    if (stage && stage == pinned_) {
+      check(cudaMemcpyAsync(stage, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
+      check(cudaStreamSynchronize(st_), "download (a kernel before it failed)");
+      std::memcpy(dst, stage, bytes);
+      return;
+    }
     if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
     check(cudaStreamSynchronize(st_), "download (a kernel before it failed)");
   }

@@ -67,7 +67,9 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   // Pages first: a full pool refuses here, with the session unchanged.
   s.kv_->prepare_write(s.n_past_, s.n_past_ + n);
   const int64_t V = cfg_.vocab_size;
-  s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
+  // Every element is written below (the last chunk's row, or every chunk's rows): no zero fill
+  // of a vocabulary's floats per decode step unless the size changes.
+  if (s.logits.size() != (size_t)(all_logits ? n * V : V)) s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
   // A model with recurrent layers snapshots their state at the last page boundary the rows
   // cross (the chunk splits there; the prefix cache keeps page-aligned snapshots) and at the
   // end of a prefill (a turn's end, where a chat rewinds to).
