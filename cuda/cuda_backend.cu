@@ -968,34 +968,23 @@ class CudaBackend final : public Backend {
     }();
     return on;
   }
-  // Quantized activations of a matmul; grown like scratch_for.
-  void* qact_for(size_t bytes) {
-    if (!qact_ || qact_->size() < bytes) {
-      if (qact_) check(cudaStreamSynchronize(st_), "activation scratch");
-      qact_.reset();
-      qact_ = alloc(bytes + bytes / 2, "quantized activations");
+  // Quantized activations of a matmul (grown).
+  void* qact_for(size_t bytes) { return grown(qact_, bytes, "quantized activations"); }
+  // The f16 prefill's split activations (grown).
+  void* split_for(size_t bytes) { return grown(split_, bytes, "activation split"); }
+  // b with at least `bytes`: grown (never shrunk) by half again, the old buffer freed once the
+  // stream has drained, since kernels in flight may still read it.
+  void* grown(BufferPtr& b, size_t bytes, const char* what) {
+    if (!b || b->size() < bytes) {
+      if (b) check(cudaStreamSynchronize(st_), what);
+      b.reset();
+      b = alloc(bytes + bytes / 2, what);
     }
-    return qact_->data();
+    return b->data();
   }
-  // The f16 prefill's split activations; grown like scratch_for.
-  void* split_for(size_t bytes) {
-    if (!split_ || split_->size() < bytes) {
-      if (split_) check(cudaStreamSynchronize(st_), "activation split");
-      split_.reset();
-      split_ = alloc(bytes + bytes / 2, "activation split");
-    }
-    return split_->data();
-  }
-  // Attention's split partials; grown (never shrunk) on demand. Growing frees the old
-  // buffer after the stream has drained, since kernels in flight may still read it.
+  // Attention's split partials (grown).
   float* scratch_for(size_t floats) {
-    if (floats == 0) return nullptr;
-    if (!scratch_ || scratch_->size() < floats * 4) {
-      if (scratch_) check(cudaStreamSynchronize(st_), "attention scratch");
-      scratch_.reset();
-      scratch_ = alloc(floats * 4 + (floats * 4) / 2, "attention scratch");
-    }
-    return static_cast<float*>(scratch_->data());
+    return floats == 0 ? nullptr : static_cast<float*>(grown(scratch_, floats * 4, "attention scratch"));
   }
 
   // Attention's per-(row, head) split counters: zeroed when (re)allocated, and each

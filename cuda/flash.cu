@@ -16,6 +16,18 @@
 namespace dl::cuda {
 namespace {
 
+// The factor a row's output sums take: 1 / (its softmax sum), with gpt-oss's sink joining the
+// denominator at the joint max (0 for a row that saw no key and has no sink).
+__device__ __forceinline__ float row_scale(const AttnArgs& a, int h, float m, float L) {
+  float f = 1.f;
+  if (a.sinks) {
+    const float sink = a.sinks[h], M2 = fmaxf(m, sink);
+    f = m == -INFINITY ? 0.f : expf(m - M2);
+    L = L * f + expf(sink - M2);
+  }
+  return L > 0.f ? f / L : 0.f;
+}
+
 // HD: head_dim rounded up to 64 / 96 / 128 / 256 (zero padded). 128 threads as 8 row groups (ty)
 // x 16 key / column lanes (tx): a thread scores RT rows x CT keys of a tile and accumulates RT
 // rows x HD / 16 output columns (tx + 16 c, so a half-warp reads 16 consecutive V floats).
@@ -153,13 +165,7 @@ __global__ void __launch_bounds__(128) flash_k(AttnArgs a) {
 #pragma unroll
     for (int off = 8; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
     if (t >= a.n_tok) continue;
-    float f = 1.f;
-    if (a.sinks) {  // the sink joins the denominator: rescale to the joint max
-      const float sink = a.sinks[h], M2 = fmaxf(m[i], sink);
-      f = m[i] == -INFINITY ? 0.f : expf(m[i] - M2);
-      L = L * f + expf(sink - M2);
-    }
-    const float inv = L > 0.f ? f / L : 0.f;
+    const float inv = row_scale(a, h, m[i], L);
     float* out = a.out + t * a.out_stride + (int64_t)h * hd;
 #pragma unroll
     for (int c = 0; c < OC; ++c) {
@@ -372,13 +378,7 @@ __global__ void __launch_bounds__(128) flash_tc_k(AttnArgs a) {
     L += __shfl_xor_sync(0xffffffffu, L, 1);
     L += __shfl_xor_sync(0xffffffffu, L, 2);
     if (t >= a.n_tok) continue;
-    float f = 1.f;
-    if (a.sinks) {  // the sink joins the denominator: rescale to the joint max
-      const float sink = a.sinks[h], M2 = fmaxf(m[hr], sink);
-      f = m[hr] == -INFINITY ? 0.f : expf(m[hr] - M2);
-      L = L * f + expf(sink - M2);
-    }
-    const float inv = L > 0.f ? f / L : 0.f;
+    const float inv = row_scale(a, h, m[hr], L);
     float* out = a.out + t * a.out_stride + (int64_t)h * hd;
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) {

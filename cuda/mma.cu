@@ -424,6 +424,19 @@ void launch_tile(GemvJob j, cudaStream_t st) {
 // half2 of weights and a float2 of activations.
 constexpr int kFStages = 3;
 
+// A stage's rows r0 .. r0 + BM of an f16 / bf16 matrix, k0 .. k0 + 32 (64 bytes a row, at `stride`
+// bytes apart in shared memory). k past cols is zero-filled (cols % 8 == 0: a 16-byte chunk is
+// wholly in or out); rows past the end read the last one (their sums are not stored).
+template <int BM, int NTH>
+__device__ __forceinline__ void stage_rows16(uint8_t* dst, int stride, const uint8_t* W, size_t rb, int64_t r0,
+                                             int64_t rows, int64_t cols, int64_t k0) {
+  for (int i = threadIdx.x; i < BM * 4; i += NTH) {
+    const int r = i >> 2, ch = i & 3;
+    const bool ok = k0 + ch * 8 < cols;
+    cp_async(dst + r * stride + ch * 16, W + lmin(r0 + r, rows - 1) * rb + (ok ? (k0 + ch * 8) * 2 : 0), 16, ok);
+  }
+}
+
 template <uint32_t T, int BM>
 __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_f16_k(const uint8_t* __restrict__ W, size_t rb,
                                                                    int64_t rows, int64_t cols,
@@ -439,14 +452,7 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_f16_k(const uint8_
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int wm = warp % (BM / 32), wn = warp / (BM / 32);
   const int64_t r0 = (int64_t)blockIdx.y * BM, t0 = (int64_t)blockIdx.x * BN;
-  // k past cols is zero-filled (cols % 8 == 0: a 16-byte chunk is wholly in or out).
-  auto load_w = [&](int st, int64_t k0) {
-    for (int i = tid; i < BM * 4; i += NTH) {
-      const int r = i >> 2, ch = i & 3;
-      const bool ok = k0 + ch * 8 < cols;
-      cp_async(sa(st) + r * AS + ch * 16, W + lmin(r0 + r, rows - 1) * rb + (ok ? (k0 + ch * 8) * 2 : 0), 16, ok);
-    }
-  };
+  auto load_w = [&](int st, int64_t k0) { stage_rows16<BM, NTH>(sa(st), AS, W, rb, r0, rows, cols, k0); };
   auto load_x = [&](int st, int64_t k0) {
     for (int i = tid; i < BN * 8; i += NTH) {
       const int t = i >> 3, ch = i & 7;
@@ -577,15 +583,8 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int wm = warp % WR, wn = warp / WR;
   const int64_t r0 = (int64_t)blockIdx.y * BM, t0 = (int64_t)blockIdx.x * BN;
-  // k past cols is zero-filled (cols % 8 == 0: a 16-byte chunk is wholly in or out); rows and
-  // tokens past the end read the last one (their sums are not stored).
-  auto load_w = [&](int st, int64_t k0) {
-    for (int i = tid; i < BM * 4; i += NTH) {
-      const int r = i >> 2, ch = i & 3;
-      const bool ok = k0 + ch * 8 < cols;
-      cp_async(sa(st) + r * RS + ch * 16, W + lmin(r0 + r, rows - 1) * rb + (ok ? (k0 + ch * 8) * 2 : 0), 16, ok);
-    }
-  };
+  // Tokens past the end read the last one, as rows do (stage_rows16).
+  auto load_w = [&](int st, int64_t k0) { stage_rows16<BM, NTH>(sa(st), RS, W, rb, r0, rows, cols, k0); };
   auto load_x = [&](int st, int64_t k0) {
     for (int i = tid; i < BN * 4; i += NTH) {
       const int t = i >> 2, ch = i & 3;
