@@ -22,7 +22,7 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _I8, _GEMVQ, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
+// _GEMV, _GEMM, _I8, _GEMVQ, _GEMVI8, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
 // runs them).
 #include "vulkan_backend.h"
 
@@ -1163,6 +1163,67 @@ class VulkanBackend final : public Backend {
                                                {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
     c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
   }
+  // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. Unset or
+  // 1: gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
+  // 2: gemv_i8x.comp for 1 to 4 tokens (R rows a 32-wide workgroup, 16-byte loads straight from
+  // memory with the next window's in flight, up to three weights a dispatch), R picked from the
+  // matmuls' height; 2r2, 2r4, 2r8: that R (for tuning). The same bits either way (both add a
+  // row's block terms as gemm_i8.comp does). Read at each matmul, as i8_mode().
+  static int gemvi8_mode() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_GEMVI8");
+    if (!e || !*e) return 0;
+    if (std::strcmp(e, "2") == 0) return 1;
+    if (std::strcmp(e, "2r2") == 0 || std::strcmp(e, "2r4") == 0 || std::strcmp(e, "2r8") == 0) return e[2] - '0';
+    return 0;
+  }
+  // Whether gemv_i8x takes these (i8_fits already true for each): 1-4 tokens, one layout (type,
+  // width, row stride) for all.
+  bool gemvx_fits(const Weight* const* ws, int count, int64_t n) const {
+    if (!gemvi8_mode() || n < 1 || n > 4 || count < 1 || count > 3) return false;
+    int64_t groups = 0;  // at 2 rows a workgroup, the most gemv_i8x makes
+    for (int i = 0; i < count; ++i) {
+      if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
+          ws[i]->rows <= 0)
+        return false;
+      groups += (ws[i]->rows + 1) / 2;
+    }
+    return groups <= kMaxGroups;
+  }
+  // y[i] = ws[i] x over the activations quant_act just rounded (accumulate: y[0] += it), all in
+  // one gemv_i8x dispatch.
+  void gemv_i8x(const Weight* const* ws, float* const* ys, int count, int64_t n, bool accumulate = false) {
+    struct {
+      uint64_t w[3], y[3];
+      uint64_t xq, xd, row_bytes;
+      uint32_t rows[3];
+      uint32_t cols, n, b0, b1, flags;
+    } pc{};
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) {
+      pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
+      total += ws[i]->rows;
+    }
+    const int64_t cols = ws[0]->cols;
+    pc.xq = i8_xq_, pc.xd = i8_xd_, pc.row_bytes = lay_rb(*ws[0]);
+    pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.flags = accumulate ? 1u : 0u;
+    const uint32_t nt = n <= 1 ? 1 : n <= 2 ? 2 : 4;
+    // Rows a workgroup: 4, or 8 where the matmuls are tall enough to fill a GPU anyway (fewer
+    // workgroups each reading x); at most 4 with 4 tokens (registers).
+    const int mode = gemvi8_mode();
+    uint32_t r = mode > 1 ? (uint32_t)mode : total >= 8192 ? 8 : 4;
+    if (nt == 4) r = std::min<uint32_t>(r, 4);
+    uint32_t blocks = 0, b[3] = {0, 0, 0};
+    for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + r - 1) / r);
+    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
+    auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+    c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
+              {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
+              {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
+    const bool dot = i8_mode() != kI8Plain && c_->i8dot;
+    const std::string sh = std::string(dot ? "gemv_i8x" : "gemv_i8xp") + std::to_string(nt) + "r" + std::to_string(r) +
+                           "_" + std::to_string(lay_type(*ws[0]));
+    c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
+  }
   // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x
   // itself (RMS norm, or the GLU kept just before, on the way): the output gemv_i8.comp gives,
   // bit for bit, without quant_act's dispatch and barrier (nor the glu's). 1: on, the rows a
@@ -1321,6 +1382,7 @@ class VulkanBackend final : public Backend {
       float* ys[1] = {y};
       if (gemvq_fits(ws, 1, n)) return gemv_q(ws, ys, 1, x, n);
       quant_act(x, n, w.cols);
+      if (gemvx_fits(ws, 1, n)) return gemv_i8x(ws, ys, 1, n);
       gemm_i8(w, y, n);
       return;
     }
@@ -1351,6 +1413,7 @@ class VulkanBackend final : public Backend {
         c_->note_rows(n);
         if (gemvq_fits(ws, count, n)) return gemv_q(ws, ys, count, x, n);
         quant_act(x, n, ws[0]->cols);
+        if (gemvx_fits(ws, count, n)) return gemv_i8x(ws, ys, count, n);
         for (int i = 0; i < count; ++i)
           if (ws[i]->rows > 0) gemm_i8(*ws[i], ys[i], n);
         return;
@@ -1381,6 +1444,10 @@ class VulkanBackend final : public Backend {
         return gemv_q(s.w, ys, s.count, s.x, s.n, s.norm, s.norm_w, s.eps, s.residual != nullptr);
       }
       quant_act(s.x, s.n, s.w[0]->cols, s.norm, s.norm_w, s.eps);
+      if (gemvx_fits(s.w, s.count, s.n)) {
+        float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
+        return gemv_i8x(s.w, ys, s.count, s.n, s.residual != nullptr);
+      }
       if (s.residual) return gemm_i8(*s.w[0], s.residual, s.n, true);
       for (int i = 0; i < s.count; ++i)
         if (s.w[i]->rows > 0) gemm_i8(*s.w[i], s.y[i], s.n);

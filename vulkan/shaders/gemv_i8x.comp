@@ -1,0 +1,198 @@
+// The q8-mode decode GEMV for 1 to 4 tokens over the int8 activations quant_act.comp rounded
+// (DASLLAMA_VULKAN_GEMVI8=2; gemv_i8.comp's outputs bit for bit): y[t][r] = the block terms
+// isum(W[r][b], xq[t][b]) * (dw * dx) added in block order into one accumulator by one fused
+// multiply-add each (`precise`), as gemv_i8.comp and gemm_i8.comp add them, so a row's values
+// do not depend on how many tokens share its step.
+//
+// Laid out for a GPU's memory system rather than for shared-memory reuse: a workgroup is one
+// 32-wide subgroup (on NVIDIA a warp; any width works: the exchanges go through shared memory
+// and barrier()) owning R rows of one of up to three weights (b0, b1 split the grid as in
+// gemv.comp) and NT tokens (grid y); it walks k in windows of 32 blocks:
+//  - each invocation loads its 16-byte units of every row straight from global memory, the
+//    units of a row adjacent across invocations (q8_0: units l and l + 32 of the window's 64,
+//    so each load instruction reads 512 contiguous bytes; q4_0: block l, 16 bytes), and the
+//    next window's loads are issued before this window's math, so two windows of all R rows
+//    are in flight (a 2048-wide row's whole 64 blocks);
+//  - q8_0: invocations 2k and 2k + 1 hold the halves of blocks k and 16 + k; they swap one half
+//    each through shared memory (a barrier), so each finishes one block's exact sum;
+//  - each invocation writes the exact block sum (as a float) and its scale dw * dx for every
+//    (row, token) into a term buffer; after one barrier, invocation o < R * NT adds output o's
+//    32 terms in block order from it (vec4 reads); the buffers alternate, so one barrier a
+//    window suffices.
+// flags 1: y += the product (the residual). DOT=1: the packed 4x8 dot product (OpSDotKHR), else bytes.
+#version 450
+#include "common.glsl"
+#define T_Q8_0S 40  // dequant.glsl's type ids
+#define T_Q4_0S 41
+#if DOT
+#extension GL_EXT_spirv_intrinsics : require
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
+int sdot4(uint a, uint b, spirv_literal int fmt);
+#define DOT4(a, b) sdot4(a, b, 0)
+#else
+int DOT4(uint a, uint b) {
+  int s = 0;
+  [[unroll]] for (uint i = 0u; i < 4u; ++i) s += sbyte(a, i) * sbyte(b, i);
+  return s;
+}
+#endif
+
+layout(local_size_x = 32) in;
+layout(push_constant, std430) uniform PC {
+  uint64_t w[3], y[3];
+  uint64_t xq, xd;  // quant_act's output: int8 [n][cols], f32 scales [n][cols / 32]
+  uint64_t row_bytes;
+  uint rows[3];
+  uint cols, n, b0, b1, flags;
+} pc;
+
+const uint WB = 32u;                  // blocks a window
+const uint NO = R * NT;               // outputs a workgroup (<= 32: one chain an invocation)
+const uint ST = WB + 4u;              // an output's stride in the term buffers (words): the chains'
+                                      // vec4 reads of 8 adjacent outputs on distinct banks
+shared vec4 Sf[2][NO][ST / 4u];       // exact block sums as floats
+shared vec4 Sc[2][NO][ST / 4u];       // their scales dw * dx
+#if TYPE == T_Q8_0S
+shared int Sh[NO][32];                // q8_0: the half-block sums a pair of invocations swaps
+const uint QU = 2u;                   // 16-byte units an invocation loads a row and window
+#else
+const uint QU = 1u;
+#endif
+
+uint s4(uint u) { return (u + 0x78787878u) ^ 0x80808080u; }  // gemm_i8.comp's
+float i2f(int s) {  // gemm_i8.comp's exact block sum to float
+  precise float f = intBitsToFloat(0x4B400000 + s) - 12582912.0f;
+  return f;
+}
+
+void main() {
+  const uint l = gl_LocalInvocationID.x;
+  uint wg = gl_WorkGroupID.x, mi = 0u;
+  if (wg >= pc.b0) {
+    wg -= pc.b0, mi = 1u;
+    if (wg >= pc.b1) wg -= pc.b1, mi = 2u;
+  }
+  const uint rows = pc.rows[mi], nb = pc.cols / 32u, r0 = wg * R;
+  const uint t0 = gl_WorkGroupID.y * NT, nt = min(NT, pc.n - t0);
+#if TYPE == T_Q8_0S
+  const uint64_t scales = uint64_t(pc.cols);
+  // Units l and l + 32 of the window: blocks l / 2 and 16 + l / 2, halves l % 2. The block whose
+  // sum (and term) this invocation finishes: the first for even l, the second for odd.
+  const uint bw = (l & 1u) == 0u ? l >> 1 : 16u + (l >> 1);
+#else
+  const uint64_t scales = uint64_t(pc.cols / 2u);
+  const uint bw = l;
+#endif
+  uint64_t wrow[R];
+  [[unroll]] for (uint r = 0u; r < R; ++r) wrow[r] = pc.w[mi] + uint64_t(min(r0 + r, rows - 1u)) * pc.row_bytes;
+
+  // A window's loads (blocks past the row read its last block; their terms are never added).
+  uvec4 q[R][QU], x[NT][2];
+  float dw[R], dx[NT];
+#if TYPE == T_Q8_0S
+#define LOADW(kb0, q, dw, x, dx)                                                                   \
+  {                                                                                                \
+    const uint ua = min(2u * (kb0) + l, 2u * nb - 1u), ub = min(2u * (kb0) + 32u + l, 2u * nb - 1u); \
+    const uint bs = min((kb0) + bw, nb - 1u);                                                      \
+    [[unroll]] for (uint r = 0u; r < R; ++r) {                                                     \
+      q[r][0] = V4U(wrow[r] + uint64_t(ua) * 16u).v[0];                                            \
+      q[r][1] = V4U(wrow[r] + uint64_t(ub) * 16u).v[0];                                            \
+      dw[r] = h2f(rd16(wrow[r] + scales + uint64_t(bs) * 2u));                                     \
+    }                                                                                              \
+    [[unroll]] for (uint t = 0u; t < NT; ++t) {                                                    \
+      const uint64_t xr = pc.xq + uint64_t(t0 + min(t, nt - 1u)) * pc.cols;                        \
+      x[t][0] = V4U(xr + uint64_t(ua) * 16u).v[0];                                                 \
+      x[t][1] = V4U(xr + uint64_t(ub) * 16u).v[0];                                                 \
+      dx[t] = F32(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + bs) * 4u).v[0];                   \
+    }                                                                                              \
+  }
+#else
+#define LOADW(kb0, q, dw, x, dx)                                                                   \
+  {                                                                                                \
+    const uint bs = min((kb0) + l, nb - 1u);                                                       \
+    [[unroll]] for (uint r = 0u; r < R; ++r) {                                                     \
+      q[r][0] = V4U(wrow[r] + uint64_t(bs) * 16u).v[0];                                            \
+      dw[r] = h2f(rd16(wrow[r] + scales + uint64_t(bs) * 2u));                                     \
+    }                                                                                              \
+    [[unroll]] for (uint t = 0u; t < NT; ++t) {                                                    \
+      const uint64_t xr = pc.xq + uint64_t(t0 + min(t, nt - 1u)) * pc.cols + uint64_t(bs) * 32u;   \
+      x[t][0] = V4U(xr).v[0];                                                                      \
+      x[t][1] = V4U(xr + 16u).v[0];                                                                \
+      dx[t] = F32(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + bs) * 4u).v[0];                   \
+    }                                                                                              \
+  }
+#endif
+  LOADW(0u, q, dw, x, dx)
+
+  const uint o = l, orow = o % R, otok = o / R;
+  const bool chain = o < NO && otok < nt && r0 + orow < rows;
+  float acc = 0.0f;
+  uint buf = 0u;
+  for (uint kb0 = 0u; kb0 < nb; kb0 += WB, buf ^= 1u) {
+    uvec4 qn[R][QU], xn[NT][2];
+    float dwn[R], dxn[NT];
+    const bool more = kb0 + WB < nb;
+    if (more) LOADW(kb0 + WB, qn, dwn, xn, dxn)
+#if TYPE == T_Q8_0S
+    // Half-block sums: p[0] of unit l (block l / 2), p[1] of unit l + 32 (block 16 + l / 2).
+    // Even l keeps its first and hands its second to l + 1; odd l the other way round.
+    int keep[R][NT];
+    [[unroll]] for (uint r = 0u; r < R; ++r)
+      [[unroll]] for (uint t = 0u; t < NT; ++t) {
+        if (t >= nt) break;
+        int p0 = 0, p1 = 0;
+        [[unroll]] for (uint c = 0u; c < 4u; ++c) p0 = DOT4(q[r][0][c], x[t][0][c]) + p0;
+        [[unroll]] for (uint c = 0u; c < 4u; ++c) p1 = DOT4(q[r][1][c], x[t][1][c]) + p1;
+        keep[r][t] = (l & 1u) == 0u ? p0 : p1;
+        Sh[t * R + r][l] = (l & 1u) == 0u ? p1 : p0;
+      }
+    barrier();  // the swapped halves are in (and the last window's reads of Sh are done: see below)
+    [[unroll]] for (uint r = 0u; r < R; ++r)
+      [[unroll]] for (uint t = 0u; t < NT; ++t) {
+        if (t >= nt) break;
+        const uint oi = t * R + r;
+        // even l: its block's second half is odd l + 1's first; odd l: its block's first half is
+        // even l - 1's second.
+        const int s = (l & 1u) == 0u ? keep[r][t] + Sh[oi][l + 1u] : Sh[oi][l - 1u] + keep[r][t];
+        precise float sc = dw[r] * dx[t];
+        Sf[buf][oi][bw / 4u][bw % 4u] = i2f(s);
+        Sc[buf][oi][bw / 4u][bw % 4u] = sc;
+      }
+#else
+    [[unroll]] for (uint r = 0u; r < R; ++r) {
+      const uvec4 u = q[r][0];  // elements 0-15 low nibbles, 16-31 high
+      const uvec4 w0 = uvec4(s4(u.x & 0x0F0F0F0Fu), s4(u.y & 0x0F0F0F0Fu), s4(u.z & 0x0F0F0F0Fu), s4(u.w & 0x0F0F0F0Fu));
+      const uvec4 w1 = uvec4(s4((u.x >> 4) & 0x0F0F0F0Fu), s4((u.y >> 4) & 0x0F0F0F0Fu), s4((u.z >> 4) & 0x0F0F0F0Fu),
+                             s4((u.w >> 4) & 0x0F0F0F0Fu));
+      [[unroll]] for (uint t = 0u; t < NT; ++t) {
+        if (t >= nt) break;
+        const uvec4 x0 = x[t][0], x1 = x[t][1];
+        int s = 0;
+        [[unroll]] for (uint c = 0u; c < 4u; ++c) s = DOT4(w0[c], x0[c]) + s;
+        [[unroll]] for (uint c = 0u; c < 4u; ++c) s = DOT4(w1[c], x1[c]) + s;
+        precise float sc = dw[r] * dx[t];
+        Sf[buf][t * R + r][bw / 4u][bw % 4u] = i2f(s);
+        Sc[buf][t * R + r][bw / 4u][bw % 4u] = sc;
+      }
+    }
+#endif
+    barrier();  // the window's terms are in; the buffer written next was read a window ago
+    if (chain) {
+      const uint m = min(WB, nb - kb0);
+      [[unroll]] for (uint k4 = 0u; k4 < WB / 4u; ++k4) {
+        const vec4 f = Sf[buf][o][k4], c = Sc[buf][o][k4];
+        [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+          if (k4 * 4u + i < m) {
+            precise float a = fma(f[i], c[i], acc);
+            acc = a;
+          }
+        }
+      }
+    }
+    if (more) q = qn, dw = dwn, x = xn, dx = dxn;
+  }
+  if (chain) {
+    F32 yp = F32(pc.y[mi] + (uint64_t(t0 + otok) * rows + r0 + orow) * 4u);
+    yp.v[0] = (pc.flags & 1u) != 0u ? yp.v[0] + acc : acc;
+  }
+}
