@@ -220,7 +220,7 @@ def test_int8_prefill_on_lavapipe():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
-              if "glu folded into gemv_q:" in line]
+              if "glu folded into gemv_q or quant_act:" in line]
     assert folded and max(f[0] for f in folded) > 0 and max(f[1] for f in folded) > 0, out[-3000:]
 
 
@@ -232,7 +232,7 @@ def test_int8_decode_gemv_on_lavapipe():
     the same rows in a batch and in a 100-token GEMM bit for bit, and decodes beside a prefill
     (a 42-row step) equal to themselves alone, with the packed dot product where lavapipe has
     it and with plain bytes; the profile (which names every shader dispatched) shows each
-    variant ran."""
+    variant ran. Then the same decodes with the glu before ffn down folded into quant_act."""
     import subprocess
 
     here = os.path.dirname(__file__)
@@ -253,6 +253,19 @@ def test_int8_decode_gemv_on_lavapipe():
             for t in ("40", "41"):
                 sh = f"{pre}{nt}r{rw}_{t}"
                 assert sh in out, f"GEMVI8={mode} I8={i8}: {sh} did not run\n" + out[-3000:]
+    # With it, a decode's glu before ffn down is folded into quant_act (recorded steps only, which
+    # profiling turns off): a decode alone against the same rows in a 42-row step (glu, quant_act,
+    # gemm_i8).
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                        os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32"],
+                       env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
+                                DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0"),
+                       capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    folded = [int(line.split(";")[0].rsplit(":", 1)[1]) for line in out.splitlines()
+              if "glu folded into gemv_q or quant_act:" in line]
+    assert folded and max(folded) > 0, out[-3000:]
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])

@@ -978,7 +978,7 @@ class VulkanBackend final : public Backend {
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     if (std::getenv("DASLLAMA_VULKAN_STEPS"))
-      std::fprintf(stderr, "vulkan glu folded into gemv_q: %llu; queries' rope folded into kv_store: %llu\n",
+      std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu\n",
                    (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_);
     rope_tables_.clear();
     i8_buf_.reset();
@@ -1124,12 +1124,28 @@ class VulkanBackend final : public Backend {
     }
     i8_xq_ = A(i8_buf_->data()), i8_xd_ = i8_xq_ + qb;
     struct {
-      uint64_t x, xq, xd, nw;
+      uint64_t x, xq, xd, nw, up, out;
       uint32_t cols, n, flags;
       float eps;
-    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps};
-    c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
-              {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
+      uint32_t gs, us;
+    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, 0, 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps, 0, 0};
+    // A decode's (1-4 rows, DASLLAMA_VULKAN_GEMVI8=2) glu kept just before, that made x (ffn down
+    // in a recorded step): x computed from its gate and up here, the glu's dispatch taken back.
+    const Glu gl = glu_;
+    if (!norm && n <= 4 && gemvi8_mode() && glu_makes_x(gl, A(x), 1, false, n, cols) && gl.gs <= UINT32_MAX &&
+        gl.us <= UINT32_MAX) {
+      glu_ = Glu{};
+      c_->unkeep_last(gl.sig0);
+      ++fused_glu_;
+      pc.x = gl.gate, pc.up = gl.up, pc.out = gl.out, pc.gs = (uint32_t)gl.gs, pc.us = (uint32_t)gl.us;
+      pc.flags = 2u | gl.code << 8;
+      c_->uses({{gl.gate, (uint64_t)(((n - 1) * gl.gs + gl.dim) * 4), false},
+                {gl.up, (uint64_t)(((n - 1) * gl.us + gl.dim) * 4), false}, {gl.out, (uint64_t)(n * cols * 4), true},
+                {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
+    } else {
+      c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
+                {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
+    }
     c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 255) / 256), (uint32_t)n);
   }
   // y = w x over the activations quant_act just rounded; accumulate: y += it (one f32 add, as
