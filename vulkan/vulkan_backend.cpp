@@ -1183,13 +1183,16 @@ class VulkanBackend final : public Backend {
   // 1: gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
   // 2: gemv_i8x.comp for 1 to 4 tokens (R rows a 32-wide workgroup, 16-byte loads straight from
   // memory with the next window's in flight, up to three weights a dispatch), R picked from the
-  // matmuls' height; 2r2, 2r4, 2r8: that R (for tuning). The same bits either way (both add a
-  // row's block terms as gemm_i8.comp does). Read at each matmul, as i8_mode().
+  // matmuls' height; 2r2, 2r4, 2r8: that R (for tuning); 3, 3r2, 3r4, 3r8: the same but q8_0
+  // loaded 32 bytes (a block) a lane, not as two coalesced halves swapped between lanes. The
+  // same bits every way (all add a row's block terms as gemm_i8.comp does). Read at each
+  // matmul, as i8_mode(). Returns 0 (off) or 16 * (2 or 3) + the rows asked for (0: picked).
   static int gemvi8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_GEMVI8");
-    if (!e || !*e) return 0;
-    if (std::strcmp(e, "2") == 0) return 1;
-    if (std::strcmp(e, "2r2") == 0 || std::strcmp(e, "2r4") == 0 || std::strcmp(e, "2r8") == 0) return e[2] - '0';
+    if (!e || (e[0] != '2' && e[0] != '3')) return 0;
+    const int v = 16 * (e[0] - '0');
+    if (!e[1]) return v;
+    if (e[1] == 'r' && (e[2] == '2' || e[2] == '4' || e[2] == '8') && !e[3]) return v + (e[2] - '0');
     return 0;
   }
   // Whether gemv_i8x takes these (i8_fits already true for each): 1-4 tokens, one layout (type,
@@ -1226,7 +1229,7 @@ class VulkanBackend final : public Backend {
     // Rows a workgroup: 4, or 8 where the matmuls are tall enough to fill a GPU anyway (fewer
     // workgroups each reading x); at most 4 with 4 tokens (registers).
     const int mode = gemvi8_mode();
-    uint32_t r = mode > 1 ? (uint32_t)mode : total >= 8192 ? 8 : 4;
+    uint32_t r = (mode & 15) ? (uint32_t)(mode & 15) : total >= 8192 ? 8 : 4;
     if (nt == 4) r = std::min<uint32_t>(r, 4);
     uint32_t blocks = 0, b[3] = {0, 0, 0};
     for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + r - 1) / r);
@@ -1236,8 +1239,9 @@ class VulkanBackend final : public Backend {
               {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
               {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
     const bool dot = i8_mode() != kI8Plain && c_->i8dot;
-    const std::string sh = std::string(dot ? "gemv_i8x" : "gemv_i8xp") + std::to_string(nt) + "r" + std::to_string(r) +
-                           "_" + std::to_string(lay_type(*ws[0]));
+    const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split;
+    const std::string sh = std::string(y ? "gemv_i8y" : "gemv_i8x") + (dot ? "" : "p") + std::to_string(nt) + "r" +
+                           std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
     c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
   }
   // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x

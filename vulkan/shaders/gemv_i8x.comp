@@ -24,6 +24,13 @@
 #include "common.glsl"
 #define T_Q8_0S 40  // dequant.glsl's type ids
 #define T_Q4_0S 41
+// q8_0's loads: SWAP=1 (default) units l and l + 32 (each load instruction 512 contiguous bytes,
+// halves swapped as below); SWAP=0 both units of block l (32 contiguous bytes a lane: each load
+// instruction reads every other 16 bytes of 1 KiB, the second the rest, no swap nor its barrier).
+#ifndef SWAP
+#define SWAP 1
+#endif
+#define PAIRS (TYPE == T_Q8_0S && SWAP == 1)
 #if DOT
 #extension GL_EXT_spirv_intrinsics : require
 spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
@@ -52,8 +59,10 @@ const uint ST = WB + 4u;              // an output's stride in the term buffers 
                                       // vec4 reads of 8 adjacent outputs on distinct banks
 shared vec4 Sf[2][NO][ST / 4u];       // exact block sums as floats
 shared vec4 Sc[2][NO][ST / 4u];       // their scales dw * dx
-#if TYPE == T_Q8_0S
+#if PAIRS
 shared int Sh[NO][32];                // q8_0: the half-block sums a pair of invocations swaps
+#endif
+#if TYPE == T_Q8_0S
 const uint QU = 2u;                   // 16-byte units an invocation loads a row and window
 #else
 const uint QU = 1u;
@@ -74,11 +83,14 @@ void main() {
   }
   const uint rows = pc.rows[mi], nb = pc.cols / 32u, r0 = wg * R;
   const uint t0 = gl_WorkGroupID.y * NT, nt = min(NT, pc.n - t0);
-#if TYPE == T_Q8_0S
+#if PAIRS
   const uint64_t scales = uint64_t(pc.cols);
   // Units l and l + 32 of the window: blocks l / 2 and 16 + l / 2, halves l % 2. The block whose
   // sum (and term) this invocation finishes: the first for even l, the second for odd.
   const uint bw = (l & 1u) == 0u ? l >> 1 : 16u + (l >> 1);
+#elif TYPE == T_Q8_0S
+  const uint64_t scales = uint64_t(pc.cols);
+  const uint bw = l;
 #else
   const uint64_t scales = uint64_t(pc.cols / 2u);
   const uint bw = l;
@@ -90,9 +102,16 @@ void main() {
   uvec4 q[R][QU], x[NT][2];
   float dw[R], dx[NT];
 #if TYPE == T_Q8_0S
+#if PAIRS
+#define UNITS(kb0)                                                                                    \
+  const uint ua = min(2u * (kb0) + l, 2u * nb - 1u), ub = min(2u * (kb0) + 32u + l, 2u * nb - 1u);
+#else
+#define UNITS(kb0)                                                                                    \
+  const uint ua = 2u * min((kb0) + l, nb - 1u), ub = ua + 1u;
+#endif
 #define LOADW(kb0, q, dw, x, dx)                                                                   \
   {                                                                                                \
-    const uint ua = min(2u * (kb0) + l, 2u * nb - 1u), ub = min(2u * (kb0) + 32u + l, 2u * nb - 1u); \
+    UNITS(kb0)                                                                                       \
     const uint bs = min((kb0) + bw, nb - 1u);                                                      \
     [[unroll]] for (uint r = 0u; r < R; ++r) {                                                     \
       q[r][0] = V4U(wrow[r] + uint64_t(ua) * 16u).v[0];                                            \
@@ -133,7 +152,18 @@ void main() {
     float dwn[R], dxn[NT];
     const bool more = kb0 + WB < nb;
     if (more) LOADW(kb0 + WB, qn, dwn, xn, dxn)
-#if TYPE == T_Q8_0S
+#if TYPE == T_Q8_0S && !PAIRS
+    [[unroll]] for (uint r = 0u; r < R; ++r)
+      [[unroll]] for (uint t = 0u; t < NT; ++t) {
+        if (t >= nt) break;
+        int s = 0;
+        [[unroll]] for (uint c = 0u; c < 4u; ++c) s = DOT4(q[r][0][c], x[t][0][c]) + s;
+        [[unroll]] for (uint c = 0u; c < 4u; ++c) s = DOT4(q[r][1][c], x[t][1][c]) + s;
+        precise float sc = dw[r] * dx[t];
+        Sf[buf][t * R + r][bw / 4u][bw % 4u] = i2f(s);
+        Sc[buf][t * R + r][bw / 4u][bw % 4u] = sc;
+      }
+#elif PAIRS
     // Half-block sums: p[0] of unit l (block l / 2), p[1] of unit l + 32 (block 16 + l / 2).
     // Even l keeps its first and hands its second to l + 1; odd l the other way round.
     int keep[R][NT];
