@@ -25,8 +25,22 @@ float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu
 
 void main() {
   const uint nb = pc.cols / 32u, b = gl_GlobalInvocationID.x, t = gl_WorkGroupID.y, tid = gl_LocalInvocationID.x;
+  const bool mine = b < nb && t < pc.n, norm = (pc.flags & 1u) != 0u;
+  const uint64_t at = uint64_t(t) * pc.cols + uint64_t(b) * 32u;
+  vec4 v[8];
   float sc = 1.0f;
-  if ((pc.flags & 1u) != 0u) {  // the row's scale, each workgroup of the row alike (qact.glsl's order)
+  if (norm) {
+    // This block's values and norm weights are loaded first: their latency overlaps the row's sum.
+    float nwv[32];
+    if (mine) {
+      V4 xv = V4(pc.x + at * 4u);  // 16-aligned: cols % 32 == 0 and x is (backend's check)
+      [[unroll]] for (uint i = 0u; i < 8u; ++i) v[i] = xv.v[i];
+      if (pc.nw != 0ul) {
+        F32 nw = F32(pc.nw);
+        [[unroll]] for (uint i = 0u; i < 32u; ++i) nwv[i] = nw.v[b * 32u + i];
+      }
+    }
+    // the row's scale, each workgroup of the row alike (qact.glsl's order)
     red[tid] = qa_partial(F32(pc.x + uint64_t(t) * pc.cols * 4u), pc.cols, tid);
     barrier();
     for (uint h = 128u; h > 0u; h >>= 1) {
@@ -34,11 +48,17 @@ void main() {
       barrier();
     }
     sc = qa_scale(red[0], pc.cols, pc.eps);
-  }
-  if (b >= nb || t >= pc.n) return;
-  const uint64_t at = uint64_t(t) * pc.cols + uint64_t(b) * 32u;
-  vec4 v[8];
-  if ((pc.flags & 2u) != 0u) {  // 16-aligned: gate, up and their strides are (backend's check)
+    if (!mine) return;
+    // qact.glsl's qa_norm, over the weights loaded above: the same products
+    [[unroll]] for (uint i = 0u; i < 8u; ++i)
+      [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+        precise float e = v[i][c] * sc;
+        if (pc.nw != 0ul) e = e * nwv[i * 4u + c];
+        v[i][c] = e;
+      }
+  } else if (!mine) {
+    return;
+  } else if ((pc.flags & 2u) != 0u) {  // 16-aligned: gate, up and their strides are (backend's check)
     const uint act = (pc.flags >> 8) & 0xffu;
     V4 gr = V4(pc.x + (uint64_t(t) * pc.gs + b * 32u) * 4u), ur = V4(pc.up + (uint64_t(t) * pc.us + b * 32u) * 4u);
     V4 o = V4(pc.gout + at * 4u);
@@ -48,10 +68,9 @@ void main() {
     }
     [[unroll]] for (uint i = 0u; i < 8u; ++i) o.v[i] = v[i];
   } else {
-    V4 xv = V4(pc.x + at * 4u);  // 16-aligned: cols % 32 == 0 and x is (backend's check)
+    V4 xv = V4(pc.x + at * 4u);
     [[unroll]] for (uint i = 0u; i < 8u; ++i) v[i] = xv.v[i];
   }
-  if ((pc.flags & 1u) != 0u) qa_norm(v, sc, pc.nw, b * 32u);
   uint w[8];
   const float d = qa_round(v, w);
   V4U q = V4U(pc.xq + at);
