@@ -225,9 +225,10 @@ def test_int8_prefill_on_lavapipe():
 
 
 def test_int8_decode_gemv_on_lavapipe():
-    """The q8-mode decode GEMV laid out for GPUs' memory (gemv_i8x.comp, DASLLAMA_VULKAN_GEMVI8=2
-    or 3: 1 to 4 tokens over quant_act's int8 rows, 2, 4 or 8 rows a workgroup, up to three
-    weights a dispatch; 3: q8_0 a block a lane), forced onto the GPUs' paths: the op harness's q8-mode decode cases (float64
+    """The q8-mode decode GEMV laid out for GPUs' memory (gemv_i8x.comp, DASLLAMA_VULKAN_GEMVI8=2,
+    3 or 4: 1 to 4 tokens over quant_act's int8 rows, 2, 4 or 8 rows a workgroup, up to three
+    weights a dispatch; 3: q8_0 a block a lane; 4: two windows of k loaded ahead), forced onto
+    the GPUs' paths: the op harness's q8-mode decode cases (float64
     numpy and the CPU's q8 sums; three weights, ragged windows of k), token rows alone equal to
     the same rows in a batch and in a 100-token GEMM bit for bit, and decodes beside a prefill
     (a 42-row step) equal to themselves alone, with the packed dot product where lavapipe has
@@ -238,7 +239,8 @@ def test_int8_decode_gemv_on_lavapipe():
     here = os.path.dirname(__file__)
     dot = "int8 dot" in _VK["devices"][0]["features"]
     # (GEMVI8, I8, the variants' rows a workgroup at 1, 2 and 4 tokens)
-    runs = [("2", "1", (4, 4, 4)), ("2r2", "1", (2, 2, 2)), ("3r8", "1", (8, 8, 4)), ("3r4", "plain", (4, 4, 4))]
+    runs = [("2", "1", (4, 4, 4)), ("2r2", "1", (2, 2, 2)), ("3r8", "1", (8, 8, 4)), ("3r4", "plain", (4, 4, 4)),
+            ("4r8", "1", (8, 8, 4)), ("4", "plain", (4, 4, 4))]
     for mode, i8, rs in runs:
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                             os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
@@ -250,7 +252,8 @@ def test_int8_decode_gemv_on_lavapipe():
         assert r.returncode == 0, f"GEMVI8={mode} I8={i8}\n" + r.stdout[-3000:] + r.stderr[-2000:]
         for nt, rw in zip((1, 2, 4), rs):
             for t in ("40", "41"):
-                y = "y" if mode[0] == "3" and t == "40" else "x"  # 3: q8_0 a block a lane
+                # 3: q8_0 a block a lane; 4: two windows ahead at 1 token
+                y = "y" if mode[0] == "3" and t == "40" else "z" if mode[0] == "4" and nt == 1 else "x"
                 sh = f"gemv_i8{y}{'' if dot and i8 == '1' else 'p'}{nt}r{rw}_{t}"
                 assert sh in out, f"GEMVI8={mode} I8={i8}: {sh} did not run\n" + out[-3000:]
     # With it, a decode's glu before ffn down is folded into quant_act (recorded steps only, which

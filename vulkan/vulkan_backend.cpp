@@ -1184,12 +1184,13 @@ class VulkanBackend final : public Backend {
   // 2: gemv_i8x.comp for 1 to 4 tokens (R rows a 32-wide workgroup, 16-byte loads straight from
   // memory with the next window's in flight, up to three weights a dispatch), R picked from the
   // matmuls' height; 2r2, 2r4, 2r8: that R (for tuning); 3, 3r2, 3r4, 3r8: the same but q8_0
-  // loaded 32 bytes (a block) a lane, not as two coalesced halves swapped between lanes. The
+  // loaded 32 bytes (a block) a lane, not as two coalesced halves swapped between lanes; 4, 4r2,
+  // 4r4, 4r8: as 2 with two windows of k in flight ahead of the math, not one (1 token). The
   // same bits every way (all add a row's block terms as gemm_i8.comp does). Read at each
-  // matmul, as i8_mode(). Returns 0 (off) or 16 * (2 or 3) + the rows asked for (0: picked).
+  // matmul, as i8_mode(). Returns 0 (off) or 16 * (2, 3 or 4) + the rows asked for (0: picked).
   static int gemvi8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_GEMVI8");
-    if (!e || (e[0] != '2' && e[0] != '3')) return 0;
+    if (!e || (e[0] != '2' && e[0] != '3' && e[0] != '4')) return 0;
     const int v = 16 * (e[0] - '0');
     if (!e[1]) return v;
     if (e[1] == 'r' && (e[2] == '2' || e[2] == '4' || e[2] == '8') && !e[3]) return v + (e[2] - '0');
@@ -1239,9 +1240,9 @@ class VulkanBackend final : public Backend {
               {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
               {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
     const bool dot = i8_mode() != kI8Plain && c_->i8dot;
-    const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split;
-    const std::string sh = std::string(y ? "gemv_i8y" : "gemv_i8x") + (dot ? "" : "p") + std::to_string(nt) + "r" +
-                           std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
+    const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split, z = mode >> 4 == 4 && nt == 1;
+    const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (dot ? "" : "p") +
+                           std::to_string(nt) + "r" + std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
     c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
   }
   // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x

@@ -12,7 +12,7 @@
 //    units of a row adjacent across invocations (q8_0: units l and l + 32 of the window's 64,
 //    so each load instruction reads 512 contiguous bytes; q4_0: block l, 16 bytes), and the
 //    next window's loads are issued before this window's math, so two windows of all R rows
-//    are in flight (a 2048-wide row's whole 64 blocks);
+//    are in flight (a 2048-wide row's whole 64 blocks; PF=2: the next two, three in flight);
 //  - q8_0: invocations 2k and 2k + 1 hold the halves of blocks k and 16 + k; they swap one half
 //    each through shared memory (a barrier), so each finishes one block's exact sum;
 //  - each invocation writes the exact block sum (as a float) and its scale dw * dx for every
@@ -31,6 +31,9 @@
 #define SWAP 1
 #endif
 #define PAIRS (TYPE == T_Q8_0S && SWAP == 1)
+#ifndef PF
+#define PF 1  // windows loaded ahead
+#endif
 #if DOT
 #extension GL_EXT_spirv_intrinsics : require
 spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
@@ -142,6 +145,12 @@ void main() {
   }
 #endif
   LOADW(0u, q, dw, x, dx)
+#if PF == 2
+  // PF=2: two windows ahead in flight, not one (long rows: ffn down's 8192 columns).
+  uvec4 q1[R][QU], x1[NT][2];
+  float dw1[R], dx1[NT];
+  if (WB < nb) LOADW(WB, q1, dw1, x1, dx1)
+#endif
 
   const uint o = l, orow = o % R, otok = o / R;
   const bool chain = o < NO && otok < nt && r0 + orow < rows;
@@ -150,8 +159,13 @@ void main() {
   for (uint kb0 = 0u; kb0 < nb; kb0 += WB, buf ^= 1u) {
     uvec4 qn[R][QU], xn[NT][2];
     float dwn[R], dxn[NT];
+#if PF == 2
+    const bool more = kb0 + WB < nb;
+    if (kb0 + 2u * WB < nb) LOADW(kb0 + 2u * WB, qn, dwn, xn, dxn)
+#else
     const bool more = kb0 + WB < nb;
     if (more) LOADW(kb0 + WB, qn, dwn, xn, dxn)
+#endif
 #if TYPE == T_Q8_0S && !PAIRS
     [[unroll]] for (uint r = 0u; r < R; ++r)
       [[unroll]] for (uint t = 0u; t < NT; ++t) {
@@ -219,7 +233,12 @@ void main() {
         }
       }
     }
+#if PF == 2
+    if (more) q = q1, dw = dw1, x = x1, dx = dx1;
+    if (kb0 + 2u * WB < nb) q1 = qn, dw1 = dwn, x1 = xn, dx1 = dxn;
+#else
     if (more) q = qn, dw = dwn, x = xn, dx = dxn;
+#endif
   }
   if (chain) {
     F32 yp = F32(pc.y[mi] + (uint64_t(t0 + otok) * rows + r0 + orow) * 4u);
