@@ -1199,15 +1199,25 @@ class VulkanBackend final : public Backend {
   // Whether gemv_i8x takes these (i8_fits already true for each): 1-4 tokens, one layout (type,
   // width, row stride) for all.
   bool gemvx_fits(const Weight* const* ws, int count, int64_t n) const {
-    if (!gemvi8_mode() || n < 1 || n > 4 || count < 1 || count > 3) return false;
-    int64_t groups = 0;  // at 2 rows a workgroup, the most gemv_i8x makes
+    const int mode = gemvi8_mode();
+    if (!mode || n < 1 || n > 4 || count < 1 || count > 3) return false;
+    int64_t total = 0;
     for (int i = 0; i < count; ++i) {
       if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
           ws[i]->rows <= 0)
         return false;
-      groups += (ws[i]->rows + 1) / 2;
+      total += ws[i]->rows;
     }
+    const int64_t r = gemvx_rows(mode, total, n);
+    int64_t groups = 0;
+    for (int i = 0; i < count; ++i) groups += (ws[i]->rows + r - 1) / r;
     return groups <= kMaxGroups;
+  }
+  // Rows a gemv_i8x workgroup: as asked, else 4, or 8 where the matmuls are tall enough to fill
+  // a GPU anyway (fewer workgroups each reading x); at most 4 with 3 or 4 tokens (registers).
+  static uint32_t gemvx_rows(int mode, int64_t total, int64_t n) {
+    const uint32_t r = (mode & 15) ? (uint32_t)(mode & 15) : total >= 8192 ? 8 : 4;
+    return n > 2 ? std::min<uint32_t>(r, 4) : r;
   }
   // y[i] = ws[i] x over the activations quant_act just rounded (accumulate: y[0] += it), all in
   // one gemv_i8x dispatch.
@@ -1227,11 +1237,8 @@ class VulkanBackend final : public Backend {
     pc.xq = i8_xq_, pc.xd = i8_xd_, pc.row_bytes = lay_rb(*ws[0]);
     pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.flags = accumulate ? 1u : 0u;
     const uint32_t nt = n <= 1 ? 1 : n <= 2 ? 2 : 4;
-    // Rows a workgroup: 4, or 8 where the matmuls are tall enough to fill a GPU anyway (fewer
-    // workgroups each reading x); at most 4 with 4 tokens (registers).
     const int mode = gemvi8_mode();
-    uint32_t r = (mode & 15) ? (uint32_t)(mode & 15) : total >= 8192 ? 8 : 4;
-    if (nt == 4) r = std::min<uint32_t>(r, 4);
+    const uint32_t r = gemvx_rows(mode, total, n);
     uint32_t blocks = 0, b[3] = {0, 0, 0};
     for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + r - 1) / r);
     pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
