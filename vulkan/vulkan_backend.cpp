@@ -1185,7 +1185,7 @@ class VulkanBackend final : public Backend {
   // memory with the next window's in flight, up to three weights a dispatch), R picked from the
   // matmuls' height; 2r2, 2r4, 2r8: that R (for tuning); 3, 3r2, 3r4, 3r8: the same but q8_0
   // loaded 32 bytes (a block) a lane, not as two coalesced halves swapped between lanes; 4, 4r2,
-  // 4r4, 4r8: as 2 with two windows of k in flight ahead of the math, not one (1 token). The
+  // 4r4, 4r8: as 2 with two windows of k in flight ahead of the math, not one (gemvx_ahead2). The
   // same bits every way (all add a row's block terms as gemm_i8.comp does). Read at each
   // matmul, as i8_mode(). Returns 0 (off) or 16 * (2, 3 or 4) + the rows asked for (0: picked).
   static int gemvi8_mode() {
@@ -1208,15 +1208,19 @@ class VulkanBackend final : public Backend {
         return false;
       total += ws[i]->rows;
     }
-    const int64_t r = gemvx_rows(mode, total, n);
+    const int64_t r = gemvx_rows(mode, total, n, ws[0]->cols);
     int64_t groups = 0;
     for (int i = 0; i < count; ++i) groups += (ws[i]->rows + r - 1) / r;
     return groups <= kMaxGroups;
   }
+  // GEMVI8=4's variant (two windows of k ahead): one token, rows of more than two windows (one
+  // ahead already loads all of a 2048-wide row).
+  static bool gemvx_ahead2(int mode, int64_t n, int64_t cols) { return mode >> 4 == 4 && n == 1 && cols / 32 > 64; }
   // Rows a gemv_i8x workgroup: as asked, else 4, or 8 where the matmuls are tall enough to fill
-  // a GPU anyway (fewer workgroups each reading x); at most 4 with 3 or 4 tokens (registers).
-  static uint32_t gemvx_rows(int mode, int64_t total, int64_t n) {
-    const uint32_t r = (mode & 15) ? (uint32_t)(mode & 15) : total >= 8192 ? 8 : 4;
+  // a GPU anyway (fewer workgroups each reading x); at most 4 with 3 or 4 tokens or two windows
+  // ahead unless asked (registers).
+  static uint32_t gemvx_rows(int mode, int64_t total, int64_t n, int64_t cols) {
+    const uint32_t r = (mode & 15) ? (uint32_t)(mode & 15) : total >= 8192 && !gemvx_ahead2(mode, n, cols) ? 8 : 4;
     return n > 2 ? std::min<uint32_t>(r, 4) : r;
   }
   // y[i] = ws[i] x over the activations quant_act just rounded (accumulate: y[0] += it), all in
@@ -1238,7 +1242,8 @@ class VulkanBackend final : public Backend {
     pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.flags = accumulate ? 1u : 0u;
     const uint32_t nt = n <= 1 ? 1 : n <= 2 ? 2 : 4;
     const int mode = gemvi8_mode();
-    const uint32_t r = gemvx_rows(mode, total, n);
+    const bool z = gemvx_ahead2(mode, n, cols);
+    const uint32_t r = gemvx_rows(mode, total, n, cols);
     uint32_t blocks = 0, b[3] = {0, 0, 0};
     for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + r - 1) / r);
     pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
@@ -1247,7 +1252,7 @@ class VulkanBackend final : public Backend {
               {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
               {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
     const bool dot = i8_mode() != kI8Plain && c_->i8dot;
-    const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split, z = mode >> 4 == 4 && nt == 1;
+    const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split;
     const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (dot ? "" : "p") +
                            std::to_string(nt) + "r" + std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
     c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
