@@ -233,7 +233,8 @@ def test_int8_decode_gemv_on_lavapipe():
     the same rows in a batch and in a 100-token GEMM bit for bit, and decodes beside a prefill
     (a 42-row step) equal to themselves alone, with the packed dot product where lavapipe has
     it and with plain bytes; the profile (which names every shader dispatched) shows each
-    variant ran. Then the same decodes with the glu before ffn down folded into quant_act."""
+    variant ran. Then the same decodes with the glu before ffn down folded into quant_act and
+    the attention output rounded by attention, and decodes past 64 keys against gemv_i8's."""
     import subprocess
 
     here = os.path.dirname(__file__)
@@ -256,19 +257,20 @@ def test_int8_decode_gemv_on_lavapipe():
                 y = "y" if mode[0] == "3" and t == "40" else "z" if mode[0] == "4" and nt == 1 else "x"
                 sh = f"gemv_i8{y}{'' if dot and i8 == '1' else 'p'}{nt}r{rw}_{t}"
                 assert sh in out, f"GEMVI8={mode} I8={i8}: {sh} did not run\n" + out[-3000:]
-    # With it, a decode's glu before ffn down is folded into quant_act (recorded steps only, which
-    # profiling turns off): a decode alone against the same rows in a 42-row step (glu, quant_act,
-    # gemm_i8).
+    # With it, a decode's glu before ffn down is folded into quant_act and the attention output
+    # rounded by attention (recorded steps only, which profiling turns off): a decode alone
+    # against the same rows in a 42-row step (glu, quant_act, gemm_i8), and decodes past 64 keys
+    # against gemv_i8's.
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32"],
+                        os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32 or gemv_variants_alike"],
                        env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
                                 DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0"),
                        capture_output=True, text=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    folded = [int(line.split(";")[0].rsplit(":", 1)[1]) for line in out.splitlines()
+    folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
               if "glu folded into gemv_q or quant_act:" in line]
-    assert folded and max(folded) > 0, out[-3000:]
+    assert folded and max(f[0] for f in folded) > 0 and max(f[2] for f in folded) > 0, out[-3000:]
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
@@ -331,6 +333,34 @@ def test_q8_mode_ragged_step_past_32_rows(tiny):
     for s, want in zip(ss[1:], alone):
         got = np.array(s.logits)
         assert np.array_equal(got, want), f"a decode beside a prefill against itself alone: NMSE {nmse(got, want):.3g}"
+
+
+def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
+    """q8 mode end to end: a session decoding past 64 keys (attention split over keys), each
+    step recorded and then replayed, gets the same logits bit for bit whichever decode GEMV runs:
+    gemv_i8.comp (the default) or gemv_i8x.comp's variants (DASLLAMA_VULKAN_GEMVI8=2, 3, 4), with
+    which a step also folds the glu before ffn down into quant_act and rounds the attention
+    output in the attention dispatch. Run on the GPUs' paths by
+    test_int8_decode_gemv_on_lavapipe (which checks that both folds ran); lavapipe's own path
+    keeps f32 activations, where the switch changes nothing."""
+    ids = [1] + np.random.default_rng(12).integers(3, E.VOCAB, 89).tolist()
+    m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+
+    def decode(mode):
+        monkeypatch.setenv("DASLLAMA_VULKAN_GEMVI8", mode)
+        s = d.create_session(m, n_ctx=len(ids))
+        d.eval(m, s, ids[:80])
+        rows = []
+        for tok in ids[80:]:
+            d.eval(m, s, [tok])
+            rows.append(np.array(s.logits))
+        return np.stack(rows)
+
+    want = decode("1")
+    for mode in ("2", "3", "4"):
+        got = decode(mode)
+        assert np.array_equal(got, want), \
+            f"GEMVI8={mode}: decode logits differ from gemv_i8's (max {np.abs(got - want).max():.3g})"
 
 
 def test_tiled_attention_on_lavapipe():

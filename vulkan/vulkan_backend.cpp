@@ -978,8 +978,10 @@ class VulkanBackend final : public Backend {
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     if (std::getenv("DASLLAMA_VULKAN_STEPS"))
-      std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu\n",
-                   (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_);
+      std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu; "
+                   "attention outputs rounded by attention: %llu\n",
+                   (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_,
+                   (unsigned long long)fused_attn_q8_);
     rope_tables_.clear();
     i8_buf_.reset();
     attn_part_.reset();
@@ -1123,6 +1125,14 @@ class VulkanBackend final : public Backend {
       i8_buf_ = alloc(std::max<size_t>(qb + db, 4 << 20), "int8 activations");
     }
     i8_xq_ = A(i8_buf_->data()), i8_xd_ = i8_xq_ + qb;
+    // The attention just kept rounded these rows already (attention(), attn_q8_).
+    const AttnQ8 aq = attn_q8_;
+    attn_q8_ = AttnQ8{};
+    if (!norm && aq.valid && c_->recording() && aq.serial == c_->step_serial() && aq.kept == c_->kept() &&
+        aq.out == A(x) && aq.buf == i8_xq_ && aq.n == n && aq.cols == cols) {
+      ++fused_attn_q8_;
+      return;
+    }
     struct {
       uint64_t x, xq, xd, nw, up, out;
       uint32_t cols, n, flags;
@@ -1747,11 +1757,22 @@ class VulkanBackend final : public Backend {
       cnt_at_ += slots;
       cnt_bytes = slots * 4;
     }
+    // A decode's output rows (1-4, DASLLAMA_VULKAN_GEMVI8 on, in a recorded step) rounded to
+    // int8 here as well, into the q8-mode scratch the O projection's quant_act would write: that
+    // dispatch and its barrier are taken back (quant_act, attn_q8_). Only where the scratch is
+    // already large enough (so a model that is not in q8 mode never makes one).
+    const uint64_t qb = ((uint64_t)(a.n_tok * hd) + 255) & ~uint64_t(255), db = (uint64_t)(a.n_tok * (hd / 32)) * 4;
+    const bool qfold = pc.split >= 0 && !a.sinks && a.n_tok <= 4 && a.head_dim % 32 == 0 && a.out_stride == hd &&
+                       A(a.out) % 16 == 0 && gemvi8_mode() && c_->recording() && i8_buf_ && i8_buf_->size() >= qb + db;
+    if (qfold) pc.sinks = A(i8_buf_->data()), pc.shape |= 1u << 31;
     c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false}, {pc.part, part_bytes, true},
               {pc.split > 0 ? pc.cnt : 0, cnt_bytes, true}, {pc.split >= 0 ? A(a.out) : 0, out_bytes, true},
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
-              {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+              {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false},
+              {qfold ? pc.sinks : 0, qb + db, true}});
     c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
+    attn_q8_ = AttnQ8{};
+    if (qfold) attn_q8_ = AttnQ8{true, c_->step_serial(), c_->kept(), A(a.out), pc.sinks, a.n_tok, hd};
     if (pc.split >= 0) return;
     struct {
       uint64_t part, out, sinks;
@@ -2066,7 +2087,16 @@ class VulkanBackend final : public Backend {
   } rope_, prev_rope_;  // prev_rope_: the rope kept just before rope_ (the queries', when rope_ is the keys')
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
-  uint64_t fused_glu_ = 0, fused_rope_q_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+  uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+  // The step's last attention, while it is the last kept command, when it rounded its output
+  // rows into the q8-mode scratch at buf (see quant_act).
+  struct AttnQ8 {
+    bool valid = false;
+    uint64_t serial = 0;
+    size_t kept = 0;
+    uint64_t out = 0, buf = 0;
+    int64_t n = 0, cols = 0;
+  } attn_q8_;
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
   uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
