@@ -51,16 +51,32 @@ void main() {
     const bool neox = ((pc.rope >> 16) & 1u) != 0u;
     const uint pairs = uint(dim) / hd * half_;
     const int p = I32(pc.pos).v[i];
-    for (uint idx = uint(tid); idx < pairs; idx += 64u) {
-      const uint h = idx / half_, j = idx % half_;
+    if (half_ > 0u && 64u % half_ == 0u) {
+      // Pair j of every head turns by the same angle: its cos and sin once an invocation (the
+      // same values each head's own call would give), then the heads 64 / half_ apart.
+      const uint j = uint(tid) % half_;
       float c, s;
       rope_cs(pc.inv_freq, pc.factors, j, p, pc.freq_scale, pc.mscale, c, s);
-      const uint i0 = h * hd + (neox ? j : 2u * j);
-      const uint i1 = h * hd + (neox ? j + half_ : 2u * j + 1u);
-      const float a = rowk[i0], b = rowk[i1];
-      precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
-      rowk[i0] = ac - bs;
-      rowk[i1] = as_ + bc;
+      for (uint h = uint(tid) / half_; h * half_ < pairs; h += 64u / half_) {
+        const uint i0 = h * hd + (neox ? j : 2u * j);
+        const uint i1 = h * hd + (neox ? j + half_ : 2u * j + 1u);
+        const float a = rowk[i0], b = rowk[i1];
+        precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
+        rowk[i0] = ac - bs;
+        rowk[i1] = as_ + bc;
+      }
+    } else {
+      for (uint idx = uint(tid); idx < pairs; idx += 64u) {
+        const uint h = idx / half_, j = idx % half_;
+        float c, s;
+        rope_cs(pc.inv_freq, pc.factors, j, p, pc.freq_scale, pc.mscale, c, s);
+        const uint i0 = h * hd + (neox ? j : 2u * j);
+        const uint i1 = h * hd + (neox ? j + half_ : 2u * j + 1u);
+        const float a = rowk[i0], b = rowk[i1];
+        precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
+        rowk[i0] = ac - bs;
+        rowk[i1] = as_ + bc;
+      }
     }
     barrier();
     for (int e = tid; e < dim; e += 64) src.v[e] = rowk[e];
