@@ -1,5 +1,5 @@
 // The q8-mode decode GEMV for 1 to 4 tokens over the int8 activations quant_act.comp rounded
-// (DASLLAMA_VULKAN_GEMVI8=2; gemv_i8.comp's outputs bit for bit): y[t][r] = the block terms
+// (DASLLAMA_VULKAN_GEMVI8=2; 3: SWAP=0, 4: PF=2; gemv_i8.comp's outputs bit for bit): y[t][r] = the block terms
 // isum(W[r][b], xq[t][b]) * (dw * dx) added in block order into one accumulator by one fused
 // multiply-add each (`precise`), as gemv_i8.comp and gemm_i8.comp add them, so a row's values
 // do not depend on how many tokens share its step.
@@ -18,7 +18,7 @@
 //  - each invocation writes the exact block sum (as a float) and its scale dw * dx for every
 //    (row, token) into a term buffer; after one barrier, invocation o < R * NT adds output o's
 //    32 terms in block order from it (vec4 reads); the buffers alternate, so one barrier a
-//    window suffices.
+//    window suffices for them (q8_0's swap takes a second).
 // flags 1: y += the product (the residual). DOT=1: the packed 4x8 dot product (OpSDotKHR), else bytes.
 #version 450
 #include "common.glsl"
