@@ -234,7 +234,9 @@ def test_int8_decode_gemv_on_lavapipe():
     (a 42-row step) equal to themselves alone, with the packed dot product where lavapipe has
     it and with plain bytes; the profile (which names every shader dispatched) shows each
     variant ran. Then the same decodes with the glu before ffn down folded into quant_act and
-    the attention output rounded by attention, and decodes past 64 keys against gemv_i8's."""
+    the attention output rounded by attention (and, with DASLLAMA_VULKAN_NORMTAIL=1, the normed
+    rounding after a residual GEMV done by its last workgroup), and decodes past 64 keys against
+    gemv_i8's."""
     import subprocess
 
     here = os.path.dirname(__file__)
@@ -261,16 +263,21 @@ def test_int8_decode_gemv_on_lavapipe():
     # rounded by attention (recorded steps only, which profiling turns off): a decode alone
     # against the same rows in a 42-row step (glu, quant_act, gemm_i8), and decodes past 64 keys
     # against gemv_i8's.
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32 or gemv_variants_alike"],
-                       env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
-                                DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0"),
-                       capture_output=True, text=True)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
-              if "glu folded into gemv_q or quant_act:" in line]
-    assert folded and max(f[0] for f in folded) > 0 and max(f[2] for f in folded) > 0, out[-3000:]
+    # Then with DASLLAMA_VULKAN_NORMTAIL=1 too: the normed rounding after a residual GEMV done by
+    # that GEMV's last workgroup.
+    for tail in ("0", "1"):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                            os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32 or gemv_variants_alike"],
+                           env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
+                                    DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0",
+                                    DASLLAMA_VULKAN_NORMTAIL=tail),
+                           capture_output=True, text=True)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, f"NORMTAIL={tail}\n" + out[-3000:]
+        folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
+                  if "glu folded into gemv_q or quant_act:" in line]
+        assert folded and max(f[0] for f in folded) > 0 and max(f[2] for f in folded) > 0, out[-3000:]
+        assert (max(f[3] for f in folded) > 0) == (tail == "1"), out[-3000:]
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
@@ -340,7 +347,8 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
     step recorded and then replayed, gets the same logits bit for bit whichever decode GEMV runs:
     gemv_i8.comp (the default) or gemv_i8x.comp's variants (DASLLAMA_VULKAN_GEMVI8=2, 3, 4), with
     which a step also folds the glu before ffn down into quant_act and rounds the attention
-    output in the attention dispatch. Run on the GPUs' paths by
+    output in the attention dispatch (with DASLLAMA_VULKAN_NORMTAIL=1, also the normed rounding
+    after a residual GEMV in that GEMV's last workgroup). Run on the GPUs' paths by
     test_int8_decode_gemv_on_lavapipe (which checks that both folds ran); lavapipe's own path
     keeps f32 activations, where the switch changes nothing."""
     ids = [1] + np.random.default_rng(12).integers(3, E.VOCAB, 89).tolist()

@@ -979,9 +979,9 @@ class VulkanBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     if (std::getenv("DASLLAMA_VULKAN_STEPS"))
       std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu; "
-                   "attention outputs rounded by attention: %llu\n",
+                   "attention outputs rounded by attention: %llu; normed rows rounded by a GEMV's last workgroup: %llu\n",
                    (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_,
-                   (unsigned long long)fused_attn_q8_);
+                   (unsigned long long)fused_attn_q8_, (unsigned long long)fused_norm_tail_);
     rope_tables_.clear();
     i8_buf_.reset();
     attn_part_.reset();
@@ -1125,6 +1125,25 @@ class VulkanBackend final : public Backend {
       i8_buf_ = alloc(std::max<size_t>(qb + db, 4 << 20), "int8 activations");
     }
     i8_xq_ = A(i8_buf_->data()), i8_xd_ = i8_xq_ + qb;
+    // The residual GEMV just kept made x: its last workgroup rounds it (normtail_on).
+    const GemvX gx = gx_;
+    gx_ = GemvX{};
+    if (norm && gx.valid && normtail_on() && gemvi8_mode() && c_->recording() && gx.serial == c_->step_serial() &&
+        gx.kept == c_->kept() && A(gx.y) == A(x) && gx.n == n && gx.w->rows == cols && A(norm_w) % 4 == 0 &&
+        gx.in_q == i8_xq_) {  // (the scratch was not made anew for these rows)
+      c_->unkeep_last(gx.sig0);
+      const Weight* ws[1] = {gx.w};
+      float* ys[1] = {gx.y};
+      ++fused_norm_tail_;
+      // i8_xq_ / i8_xd_ are the scratch's layout for these rows; the GEMV reads its own input
+      // there first (every workgroup has, before the last one writes).
+      const uint64_t in_q = gx.in_q, in_d = gx.in_d;
+      const uint64_t out_q = i8_xq_, out_d = i8_xd_;
+      i8_xq_ = in_q, i8_xd_ = in_d;
+      gemv_i8x(ws, ys, 1, n, true, true, norm_w, eps);
+      i8_xq_ = out_q, i8_xd_ = out_d;
+      return;
+    }
     // The attention just kept rounded these rows already (attention(), attn_q8_).
     const AttnQ8 aq = attn_q8_;
     attn_q8_ = AttnQ8{};
@@ -1235,12 +1254,17 @@ class VulkanBackend final : public Backend {
   }
   // y[i] = ws[i] x over the activations quant_act just rounded (accumulate: y[0] += it), all in
   // one gemv_i8x dispatch.
-  void gemv_i8x(const Weight* const* ws, float* const* ys, int count, int64_t n, bool accumulate = false) {
+  // tail (one weight, into a residual): the last workgroup also rounds y, RMS-normed (times
+  // tail_nw where given), into the int8 scratch for the next matmul (quant_act's values).
+  void gemv_i8x(const Weight* const* ws, float* const* ys, int count, int64_t n, bool accumulate = false,
+                bool tail = false, const float* tail_nw = nullptr, float tail_eps = 0.f) {
     struct {
       uint64_t w[3], y[3];
       uint64_t xq, xd, row_bytes;
       uint32_t rows[3];
       uint32_t cols, n, b0, b1, flags;
+      uint64_t nw, cnt;
+      float eps;
     } pc{};
     int64_t total = 0;
     for (int i = 0; i < count; ++i) {
@@ -1258,14 +1282,32 @@ class VulkanBackend final : public Backend {
     for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + r - 1) / r);
     pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
     auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+    // The tail's rows: y's width, laid out in the scratch as quant_act lays them out.
+    const int64_t tc = ws[0]->rows;
+    const uint64_t tqb = ((uint64_t)(n * tc) + 255) & ~uint64_t(255), tdb = (uint64_t)(n * (tc / 32)) * 4;
+    if (tail) pc.flags |= 2u, pc.nw = A(tail_nw), pc.cnt = glu_counter(), pc.eps = tail_eps;
+    const uint64_t sb = tail ? A(i8_buf_->data()) : 0;
     c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
               {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
-              {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
+              {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
+              {sb, tqb + tdb, true}, {pc.cnt, 256, true}, {pc.nw, (uint64_t)tc * 4, false}});
     const bool dot = i8_mode() != kI8Plain && c_->i8dot;
     const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split;
     const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (dot ? "" : "p") +
                            std::to_string(nt) + "r" + std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
+    const size_t sig0 = c_->sig_bytes();
     c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
+    // Kept for a normed quant_act of y that may come next (it folds itself in: quant_act).
+    gx_ = GemvX{};
+    if (count == 1 && accumulate && !tail && c_->recording())
+      gx_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, i8_xq_, i8_xd_};
+  }
+  // DASLLAMA_VULKAN_NORMTAIL=1 (with GEMVI8 on, in recorded steps): a normed quant_act right
+  // after a gemv_i8x into a residual is done by that GEMV's last workgroup instead (gemv_i8x.comp,
+  // flags 2): one dispatch and barrier fewer, twice a layer. Read at each call.
+  static bool normtail_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_NORMTAIL");
+    return e && std::strcmp(e, "1") == 0;
   }
   // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x
   // itself (RMS norm, or the GLU kept just before, on the way): the output gemv_i8.comp gives,
@@ -2087,7 +2129,17 @@ class VulkanBackend final : public Backend {
   } rope_, prev_rope_;  // prev_rope_: the rope kept just before rope_ (the queries', when rope_ is the keys')
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
-  uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+  uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+  // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
+  struct GemvX {
+    bool valid = false;
+    uint64_t serial = 0;
+    size_t kept = 0, sig0 = 0;
+    const Weight* w = nullptr;
+    float* y = nullptr;
+    int64_t n = 0;
+    uint64_t in_q = 0, in_d = 0;  // where its int8 input lay
+  } gx_;
   // The step's last attention, while it is the last kept command, when it rounded its output
   // rows into the q8-mode scratch at buf (see quant_act).
   struct AttnQ8 {

@@ -20,8 +20,13 @@
 //    32 terms in block order from it (vec4 reads); the buffers alternate, so one barrier a
 //    window suffices for them (q8_0's swap takes a second).
 // flags 1: y += the product (the residual). DOT=1: the packed 4x8 dot product (OpSDotKHR), else bytes.
+// flags 2 (one weight; DASLLAMA_VULKAN_NORMTAIL=1): the last workgroup to finish then rounds y,
+// RMS-normed (times nw where not 0), into the int8 scratch at xq as quant_act.comp would
+// (qact.glsl, its order), for the next matmul: that quant_act's dispatch and barrier taken back.
 #version 450
+#extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
 #include "common.glsl"
+#include "qact.glsl"
 #define T_Q8_0S 40  // dequant.glsl's type ids
 #define T_Q4_0S 41
 // q8_0's loads: SWAP=1 (default) units l and l + 32 (each load instruction 512 contiguous bytes,
@@ -54,7 +59,11 @@ layout(push_constant, std430) uniform PC {
   uint64_t row_bytes;
   uint rows[3];
   uint cols, n, b0, b1, flags;
+  uint64_t nw, cnt;  // flags 2: the norm weight (or 0) and the last workgroup's counter (left at 0)
+  float eps;
 } pc;
+shared double red[256];  // flags 2: the row's partial sums of squares (qact.glsl's order)
+shared bool tail_last;
 
 const uint WB = 32u;                  // blocks a window
 const uint NO = R * NT;               // outputs a workgroup (<= 32: one chain an invocation)
@@ -241,7 +250,45 @@ void main() {
 #endif
   }
   if (chain) {
-    F32 yp = F32(pc.y[mi] + (uint64_t(t0 + otok) * rows + r0 + orow) * 4u);
+    F32C yp = F32C(pc.y[mi] + (uint64_t(t0 + otok) * rows + r0 + orow) * 4u);
     yp.v[0] = (pc.flags & 1u) != 0u ? yp.v[0] + acc : acc;
+  }
+  if ((pc.flags & 2u) == 0u) return;
+  // The last workgroup rounds y for the next matmul (quant_act.comp's norm path, step for step).
+  memoryBarrierBuffer();
+  barrier();
+  if (l == 0u) {
+    U32 c = U32(pc.cnt);
+    const uint done = atomicAdd(c.v[0], 1u);
+    tail_last = done == gl_NumWorkGroups.x * gl_NumWorkGroups.y - 1u;
+    if (tail_last) c.v[0] = 0u;  // every workgroup has counted: ready for the next dispatch
+  }
+  barrier();
+  if (!tail_last) return;
+  memoryBarrierBuffer();
+  const uint cols = rows, nbq = cols / 32u;  // y's width: the next matmul's
+  const uint64_t qb = (uint64_t(pc.n) * cols + 255u) & ~uint64_t(255);
+  for (uint t = 0u; t < pc.n; ++t) {
+    const uint64_t yr = pc.y[0] + uint64_t(t) * cols * 4u;
+    for (uint v = l; v < 256u; v += 32u) red[v] = qa_partial_c(F32C(yr), cols, v);
+    barrier();
+    for (uint h = 128u; h > 0u; h >>= 1) {
+      for (uint v = l; v < h; v += 32u) red[v] += red[v + h];
+      barrier();
+    }
+    const float sc = qa_scale(red[0], cols, pc.eps);
+    barrier();  // red[0] read before the next token's partials
+    for (uint b = l; b < nbq; b += 32u) {
+      F32C xr = F32C(yr + uint64_t(b) * 128u);
+      vec4 v[8];
+      [[unroll]] for (uint i = 0u; i < 8u; ++i) v[i] = vec4(xr.v[4u * i], xr.v[4u * i + 1u], xr.v[4u * i + 2u], xr.v[4u * i + 3u]);
+      qa_norm(v, sc, pc.nw, b * 32u);
+      uint w[8];
+      const float d = qa_round(v, w);
+      V4U q = V4U(pc.xq + uint64_t(t) * cols + uint64_t(b) * 32u);
+      q.v[0] = uvec4(w[0], w[1], w[2], w[3]);
+      q.v[1] = uvec4(w[4], w[5], w[6], w[7]);
+      F32(pc.xq + qb + (uint64_t(t) * nbq + b) * 4u).v[0] = d;
+    }
   }
 }
