@@ -259,6 +259,7 @@ def test_int8_decode_gemv_on_lavapipe():
                 y = "y" if mode[0] == "3" and t == "40" else "z" if mode[0] == "4" and nt == 1 else "x"
                 sh = f"gemv_i8{y}{'' if dot and i8 == '1' else 'p'}{nt}r{rw}_{t}"
                 assert sh in out, f"GEMVI8={mode} I8={i8}: {sh} did not run\n" + out[-3000:]
+        assert "quant_act32" in out, out[-3000:]  # a decode's rows without the norm: 32-wide workgroups
     # With it, a decode's glu before ffn down is folded into quant_act and the attention output
     # rounded by attention (recorded steps only, which profiling turns off): a decode alone
     # against the same rows in a 42-row step (glu, quant_act, gemm_i8), and decodes past 64 keys

@@ -1175,6 +1175,10 @@ class VulkanBackend final : public Backend {
       c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
                 {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
     }
+    // A decode's rows without the norm (GEMVI8 on): 32-wide workgroups, so a wide row (the GLU's
+    // 8192) spreads over several of a GPU's cores, not one (the same values: a block each).
+    if (!norm && n <= 4 && gemvi8_mode())
+      return c_->dispatch("quant_act32", &pc, sizeof pc, (uint32_t)((cols / 32 + 31) / 32), (uint32_t)n);
     c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 255) / 256), (uint32_t)n);
   }
   // y = w x over the activations quant_act just rounded; accumulate: y += it (one f32 add, as

@@ -10,7 +10,12 @@
 #include "common.glsl"
 #include "qact.glsl"
 
-layout(local_size_x = 256) in;
+// WG=32 (quant_act32): rows without the norm only, on 8 times as many workgroups (a decode's
+// 8192-wide GLU row is 256 blocks: one workgroup, one SM, at 256).
+#ifndef WG
+#define WG 256
+#endif
+layout(local_size_x = WG) in;
 layout(push_constant, std430) uniform PC {
   uint64_t x, xq, xd;  // f32 [n][cols]; int8 [n][cols]; f32 [n][cols / 32]
   uint64_t nw;         // flags 1: x RMS-normed first (times nw where not 0), as norm.comp does
@@ -29,6 +34,7 @@ void main() {
   const uint64_t at = uint64_t(t) * pc.cols + uint64_t(b) * 32u;
   vec4 v[8];
   float sc = 1.0f;
+#if WG == 256
   if (norm) {
     // This block's values and norm weights are loaded first: their latency overlaps the row's sum.
     float nwv[32];
@@ -56,7 +62,9 @@ void main() {
         if (pc.nw != 0ul) e = e * nwv[i * 4u + c];
         v[i][c] = e;
       }
-  } else if (!mine) {
+  } else
+#endif
+  if (!mine) {
     return;
   } else if ((pc.flags & 2u) != 0u) {  // 16-aligned: gate, up and their strides are (backend's check)
     const uint act = (pc.flags >> 8) & 0xffu;
