@@ -344,7 +344,8 @@ def test_q8_mode_ragged_step_past_32_rows(tiny):
 
 def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
     """q8 mode end to end: a session decoding past 64 keys (attention split over keys), each
-    step recorded and then replayed, gets the same logits bit for bit whichever decode GEMV runs:
+    step recorded and then replayed, and three sessions decoding together (3-token matmuls) get
+    the same logits bit for bit whichever decode GEMV runs:
     gemv_i8.comp (the default) or gemv_i8x.comp's variants (DASLLAMA_VULKAN_GEMVI8=2, 3, 4), with
     which a step also folds the glu before ffn down into quant_act and rounds the attention
     output in the attention dispatch (with DASLLAMA_VULKAN_NORMTAIL=1, also the normed rounding
@@ -362,6 +363,14 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
         for tok in ids[80:]:
             d.eval(m, s, [tok])
             rows.append(np.array(s.logits))
+        # Three sessions stepping together (3-token matmuls) for three steps.
+        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
+        for i, t in enumerate(ss):
+            d.eval(m, t, ids[:70 + 3 * i])
+        ws = d.create_batch_workspace(m)
+        for k in range(3):
+            d.eval_batch(m, ws, ss, [ids[80 + k + i] for i in range(3)])
+            rows += [np.array(t.logits) for t in ss]
         return np.stack(rows)
 
     want = decode("1")
