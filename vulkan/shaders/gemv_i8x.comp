@@ -270,7 +270,23 @@ void main() {
   const uint64_t qb = (uint64_t(pc.n) * cols + 255u) & ~uint64_t(255);
   for (uint t = 0u; t < pc.n; ++t) {
     const uint64_t yr = pc.y[0] + uint64_t(t) * cols * 4u;
-    for (uint v = l; v < 256u; v += 32u) red[v] = qa_partial_c(F32C(yr), cols, v);
+    // Invocation l sums for qact.glsl's lanes l + 32 j (j < 8), each over its elements in
+    // order (qa_partial's sums), 8 of each lane's loads in flight at once, not one.
+    F32C yv = F32C(yr);
+    precise double ss[8];
+    [[unroll]] for (uint j = 0u; j < 8u; ++j) ss[j] = 0.0lf;
+    for (uint i0 = 0u; i0 < cols; i0 += 2048u) {
+      float e[8][8];
+      [[unroll]] for (uint k = 0u; k < 8u; ++k)
+        [[unroll]] for (uint j = 0u; j < 8u; ++j) {
+          const uint i = i0 + 256u * k + 32u * j + l;
+          e[k][j] = i < cols ? yv.v[i] : 0.0f;
+        }
+      [[unroll]] for (uint k = 0u; k < 8u; ++k)
+        [[unroll]] for (uint j = 0u; j < 8u; ++j)
+          if (i0 + 256u * k + 32u * j + l < cols) ss[j] += double(e[k][j]) * double(e[k][j]);
+    }
+    [[unroll]] for (uint j = 0u; j < 8u; ++j) red[32u * j + l] = ss[j];
     barrier();
     for (uint h = 128u; h > 0u; h >>= 1) {
       for (uint v = l; v < h; v += 32u) red[v] += red[v + h];
