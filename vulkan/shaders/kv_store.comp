@@ -86,7 +86,16 @@ void main() {
   if (pc.kvtype == 0) {
     for (int e = tid; e < pc.dim; e += 64) F32(dst).v[e] = rot ? rowk[e] : src.v[e];
   } else if (pc.kvtype == 1) {
-    for (int e = tid; e < pc.dim; e += 64) wr16(dst + uint64_t(e) * 2u, f2h(rot ? rowk[e] : src.v[e]));
+    if ((dst & 3ul) == 0ul && pc.dim % 2 == 0) {
+      // Two halves a word, both this invocation's: plain stores, not two atomics a half.
+      U32 o = U32(dst);
+      for (int e = 2 * tid; e < pc.dim; e += 128) {
+        const uint lo = f2h(rot ? rowk[e] : src.v[e]), hi = f2h(rot ? rowk[e + 1] : src.v[e + 1]);
+        o.v[e / 2] = lo | hi << 16;
+      }
+    } else {
+      for (int e = tid; e < pc.dim; e += 64) wr16(dst + uint64_t(e) * 2u, f2h(rot ? rowk[e] : src.v[e]));
+    }
   } else {
     // Two 32-blocks per pass: invocations 0..31 and 32..63.
     const int lane = tid & 31, half_ = tid >> 5;
