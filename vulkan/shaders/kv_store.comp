@@ -44,8 +44,24 @@ void main() {
   F32 src = F32(is_q ? pc.q + uint64_t(i) * uint64_t(dim) * 4u
                      : (is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u);
   const bool rot = !is_v && pc.rope != 0u;  // uniform in the workgroup
+  const uint64_t sa = is_q ? pc.q + uint64_t(i) * uint64_t(dim) * 4u
+                           : (is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u;
   if (rot) {
-    for (int e = tid; e < dim; e += 64) rowk[e] = src.v[e];
+    if ((sa & 15ul) == 0ul && dim % 4 == 0) {
+      // 16-byte loads, four an invocation in flight (a query row is 2048 values in one workgroup).
+      V4 s4 = V4(sa);
+      const int d4 = dim / 4;
+      for (int e0 = tid; e0 < d4; e0 += 256) {
+        vec4 t4[4];
+        [[unroll]] for (int u = 0; u < 4; ++u) t4[u] = e0 + 64 * u < d4 ? s4.v[e0 + 64 * u] : vec4(0.0f);
+        [[unroll]] for (int u = 0; u < 4; ++u) {
+          const int e = 4 * (e0 + 64 * u);
+          if (e < dim) rowk[e] = t4[u].x, rowk[e + 1] = t4[u].y, rowk[e + 2] = t4[u].z, rowk[e + 3] = t4[u].w;
+        }
+      }
+    } else {
+      for (int e = tid; e < dim; e += 64) rowk[e] = src.v[e];
+    }
     barrier();
     const uint n_rot = pc.rope & 0xffffu, half_ = n_rot / 2u, hd = pc.head_dim;
     const bool neox = ((pc.rope >> 16) & 1u) != 0u;
