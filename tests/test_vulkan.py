@@ -260,11 +260,10 @@ def test_int8_decode_gemv_on_lavapipe():
                 assert sh in out, f"GEMVI8={mode} I8={i8}: {sh} did not run\n" + out[-3000:]
         assert "quant_act32" in out, out[-3000:]  # a decode's rows without the norm: 32-wide workgroups
     # With it, a decode's glu before ffn down is folded into quant_act and the attention output
-    # rounded by attention (recorded steps only, which profiling turns off): a decode alone
-    # against the same rows in a 42-row step (glu, quant_act, gemm_i8), and decodes past 64 keys
-    # against gemv_i8's.
-    # Then with DASLLAMA_VULKAN_NORMTAIL=1 too: the normed rounding after a residual GEMV done by
-    # that GEMV's last workgroup.
+    # rounded by attention (recorded steps only, which profiling turns off), and with
+    # DASLLAMA_VULKAN_NORMTAIL=1 the normed rounding after a residual GEMV is done by its last
+    # workgroup: a decode alone against the same rows in a 42-row step (glu, quant_act,
+    # gemm_i8), and decodes past 64 keys against gemv_i8's.
     for tail in ("0", "1"):
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                             os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32 or gemv_variants_alike"],
