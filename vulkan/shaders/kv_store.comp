@@ -95,14 +95,31 @@ void main() {
       }
     }
     barrier();
-    for (int e = tid; e < dim; e += 64) src.v[e] = rowk[e];
+    if ((sa & 15ul) == 0ul && dim % 4 == 0) {
+      V4 o4 = V4(sa);
+      for (int e = tid; e < dim / 4; e += 64) o4.v[e] = vec4(rowk[4 * e], rowk[4 * e + 1], rowk[4 * e + 2], rowk[4 * e + 3]);
+    } else {
+      for (int e = tid; e < dim; e += 64) src.v[e] = rowk[e];
+    }
   }
   if (is_q) return;
   const uint64_t dst = kv_row(is_v ? pc.v_off : pc.k_off, first_row() + i);
   if (pc.kvtype == 0) {
     for (int e = tid; e < pc.dim; e += 64) F32(dst).v[e] = rot ? rowk[e] : src.v[e];
   } else if (pc.kvtype == 1) {
-    if ((dst & 3ul) == 0ul && pc.dim % 2 == 0) {
+    if (!rot && (sa & 15ul) == 0ul && (dst & 7ul) == 0ul && pc.dim % 4 == 0) {
+      // A V row (or keys not rotated): 16-byte loads, four halves two words a store.
+      V4 s4 = V4(sa);
+      U2 o = U2(dst);
+      const int d4 = pc.dim / 4;
+      for (int e0 = tid; e0 < d4; e0 += 128) {
+        vec4 t4[2];
+        [[unroll]] for (int u = 0; u < 2; ++u) t4[u] = e0 + 64 * u < d4 ? s4.v[e0 + 64 * u] : vec4(0.0f);
+        [[unroll]] for (int u = 0; u < 2; ++u)
+          if (e0 + 64 * u < d4)
+            o.v[e0 + 64 * u] = uvec2(f2h(t4[u].x) | f2h(t4[u].y) << 16, f2h(t4[u].z) | f2h(t4[u].w) << 16);
+      }
+    } else if ((dst & 3ul) == 0ul && pc.dim % 2 == 0) {
       // Two halves a word, both this invocation's: plain stores, not two atomics a half.
       U32 o = U32(dst);
       for (int e = 2 * tid; e < pc.dim; e += 128) {
