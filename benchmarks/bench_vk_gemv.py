@@ -1,8 +1,12 @@
 """Vulkan q8-mode decode matmul per call, on Llama-3.2-1B's shapes: gemv_q.comp (x rounded in the
 GEMV; its rows a workgroup picked, or forced to 4 / 8 / 16 / 32) against quant_act + gemv_i8
-(DASLLAMA_VULKAN_GEMVQ=0), and the f32 GEMV (gemv.comp, DASLLAMA_VULKAN_I8=prefill). Run on the GPU:
+(DASLLAMA_VULKAN_GEMVQ=0), quant_act + gemv_i8x.comp (DASLLAMA_VULKAN_GEMVI8=2; 2r2 / 2r4 / 2r8:
+2, 4 or 8 rows a workgroup; 3: q8_0 a block a lane; 4: two windows of k loaded ahead), and the
+f32 GEMV (gemv.comp, DASLLAMA_VULKAN_I8=prefill). Run on the GPU:
 
     python benchmarks/bench_vk_gemv.py --settings GEMVQ=0,GEMVQ=1,GEMVQ=4,GEMVQ=8,GEMVQ=16,GEMVQ=32,I8=prefill
+    python benchmarks/bench_vk_gemv.py --shapes qkv,o,gate_up,down \
+        --settings GEMVI8=1,GEMVI8=2r2,GEMVI8=2r4,GEMVI8=2r8,GEMVI8=3r4,GEMVI8=4r4,I8=prefill
 
 Each figure is (time of R2 products - time of R1 products) / (R2 - R1) through the op harness's
 binding (`_core.Backend.matmul(..., repeat=)`: one weight upload, the products recorded back to

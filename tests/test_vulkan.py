@@ -220,8 +220,63 @@ def test_int8_prefill_on_lavapipe():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
-              if "glu folded into gemv_q:" in line]
+              if "glu folded into gemv_q or quant_act:" in line]
     assert folded and max(f[0] for f in folded) > 0 and max(f[1] for f in folded) > 0, out[-3000:]
+
+
+def test_int8_decode_gemv_on_lavapipe():
+    """The q8-mode decode GEMV laid out for GPUs' memory (gemv_i8x.comp, DASLLAMA_VULKAN_GEMVI8=2,
+    3 or 4: 1 to 4 tokens over quant_act's int8 rows, 2, 4 or 8 rows a workgroup, up to three
+    weights a dispatch; 3: q8_0 a block a lane; 4: two windows of k loaded ahead), forced onto
+    the GPUs' paths: the op harness's q8-mode decode cases (float64
+    numpy and the CPU's q8 sums; three weights, ragged windows of k), token rows alone equal to
+    the same rows in a batch and in a 100-token GEMM bit for bit, and decodes beside a prefill
+    (a 42-row step) equal to themselves alone, with the packed dot product where lavapipe has
+    it and with plain bytes; the profile (which names every shader dispatched) shows each
+    variant ran. Then the same decodes with the glu before ffn down folded into quant_act and
+    the attention output rounded by attention (and, with DASLLAMA_VULKAN_NORMTAIL=1, the normed
+    rounding after a residual GEMV done by its last workgroup), and decodes past 64 keys against
+    gemv_i8's."""
+    import subprocess
+
+    here = os.path.dirname(__file__)
+    dot = "int8 dot" in _VK["devices"][0]["features"]
+    # (GEMVI8, I8, the variants' rows a workgroup at 1, 2 and 4 tokens)
+    runs = [("2", "1", (4, 4, 4)), ("2r2", "plain", (2, 2, 2)), ("3r8", "1", (8, 8, 4)), ("4", "plain", (4, 4, 4))]
+    for mode, i8, rs in runs:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                            os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
+                            "-k", "(q8_mode and not prefill and not lavapipe) or ragged_step_past_32"],
+                           env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_PROFILE="1",
+                                    DASLLAMA_VULKAN_I8=i8, DASLLAMA_VULKAN_GEMVI8=mode, DASLLAMA_VULKAN_GEMVQ="0"),
+                           capture_output=True, text=True)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, f"GEMVI8={mode} I8={i8}\n" + r.stdout[-3000:] + r.stderr[-2000:]
+        for nt, rw in zip((1, 2, 4), rs):
+            for t in ("40", "41"):
+                # 3: q8_0 a block a lane; 4: two windows ahead at 1 token
+                y = "y" if mode[0] == "3" and t == "40" else "z" if mode[0] == "4" and nt == 1 else "x"
+                sh = f"gemv_i8{y}{'' if dot and i8 == '1' else 'p'}{nt}r{rw}_{t}"
+                assert sh in out, f"GEMVI8={mode} I8={i8}: {sh} did not run\n" + out[-3000:]
+        assert "quant_act32" in out, out[-3000:]  # a decode's rows without the norm: 32-wide workgroups
+    # With it, a decode's glu before ffn down is folded into quant_act and the attention output
+    # rounded by attention (recorded steps only, which profiling turns off), and with
+    # DASLLAMA_VULKAN_NORMTAIL=1 the normed rounding after a residual GEMV is done by its last
+    # workgroup: a decode alone against the same rows in a 42-row step (glu, quant_act,
+    # gemm_i8), and decodes past 64 keys against gemv_i8's.
+    for tail in ("0", "1"):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                            os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32 or gemv_variants_alike"],
+                           env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
+                                    DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0",
+                                    DASLLAMA_VULKAN_NORMTAIL=tail),
+                           capture_output=True, text=True)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, f"NORMTAIL={tail}\n" + out[-3000:]
+        folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
+                  if "glu folded into gemv_q or quant_act:" in line]
+        assert folded and max(f[0] for f in folded) > 0 and max(f[2] for f in folded) > 0, out[-3000:]
+        assert (max(f[3] for f in folded) > 0) == (tail == "1"), out[-3000:]
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
@@ -284,6 +339,44 @@ def test_q8_mode_ragged_step_past_32_rows(tiny):
     for s, want in zip(ss[1:], alone):
         got = np.array(s.logits)
         assert np.array_equal(got, want), f"a decode beside a prefill against itself alone: NMSE {nmse(got, want):.3g}"
+
+
+def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
+    """q8 mode end to end: a session decoding past 64 keys (attention split over keys), each
+    step recorded and then replayed, and three sessions decoding together (3-token matmuls) get
+    the same logits bit for bit whichever decode GEMV runs:
+    gemv_i8.comp (the default) or gemv_i8x.comp's variants (DASLLAMA_VULKAN_GEMVI8=2, 3, 4), with
+    which a step also folds the glu before ffn down into quant_act and rounds the attention
+    output in the attention dispatch (with DASLLAMA_VULKAN_NORMTAIL=1, also the normed rounding
+    after a residual GEMV in that GEMV's last workgroup). Run on the GPUs' paths by
+    test_int8_decode_gemv_on_lavapipe (which checks that both folds ran); lavapipe's own path
+    keeps f32 activations, where the switch changes nothing."""
+    ids = [1] + np.random.default_rng(12).integers(3, E.VOCAB, 89).tolist()
+    m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+
+    def decode(mode):
+        monkeypatch.setenv("DASLLAMA_VULKAN_GEMVI8", mode)
+        s = d.create_session(m, n_ctx=len(ids))
+        d.eval(m, s, ids[:80])
+        rows = []
+        for tok in ids[80:]:
+            d.eval(m, s, [tok])
+            rows.append(np.array(s.logits))
+        # Three sessions stepping together (3-token matmuls) for three steps.
+        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
+        for i, t in enumerate(ss):
+            d.eval(m, t, ids[:70 + 3 * i])
+        ws = d.create_batch_workspace(m)
+        for k in range(3):
+            d.eval_batch(m, ws, ss, [ids[80 + k + i] for i in range(3)])
+            rows += [np.array(t.logits) for t in ss]
+        return np.stack(rows)
+
+    want = decode("1")
+    for mode in ("2", "3", "4"):
+        got = decode(mode)
+        assert np.array_equal(got, want), \
+            f"GEMVI8={mode}: decode logits differ from gemv_i8's (max {np.abs(got - want).max():.3g})"
 
 
 def test_tiled_attention_on_lavapipe():

@@ -22,7 +22,7 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _I8, _GEMVQ, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
+// _GEMV, _GEMM, _I8, _GEMVQ, _GEMVI8, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
 // runs them).
 #include "vulkan_backend.h"
 
@@ -978,8 +978,10 @@ class VulkanBackend final : public Backend {
   ~VulkanBackend() override {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     if (std::getenv("DASLLAMA_VULKAN_STEPS"))
-      std::fprintf(stderr, "vulkan glu folded into gemv_q: %llu; queries' rope folded into kv_store: %llu\n",
-                   (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_);
+      std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu; "
+                   "attention outputs rounded by attention: %llu; normed rows rounded by a GEMV's last workgroup: %llu\n",
+                   (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_,
+                   (unsigned long long)fused_attn_q8_, (unsigned long long)fused_norm_tail_);
     rope_tables_.clear();
     i8_buf_.reset();
     attn_part_.reset();
@@ -1123,13 +1125,60 @@ class VulkanBackend final : public Backend {
       i8_buf_ = alloc(std::max<size_t>(qb + db, 4 << 20), "int8 activations");
     }
     i8_xq_ = A(i8_buf_->data()), i8_xd_ = i8_xq_ + qb;
+    // The residual GEMV just kept made x: its last workgroup rounds it (normtail_on).
+    const GemvX gx = gx_;
+    gx_ = GemvX{};
+    if (norm && gx.valid && normtail_on() && gemvi8_mode() && c_->recording() && gx.serial == c_->step_serial() &&
+        gx.kept == c_->kept() && A(gx.y) == A(x) && gx.n == n && gx.w->rows == cols && A(norm_w) % 4 == 0 &&
+        gx.in_q == i8_xq_) {  // (the scratch was not made anew for these rows)
+      c_->unkeep_last(gx.sig0);
+      const Weight* ws[1] = {gx.w};
+      float* ys[1] = {gx.y};
+      ++fused_norm_tail_;
+      // i8_xq_ / i8_xd_ are the scratch's layout for these rows; the GEMV reads its own input
+      // there first (every workgroup has, before the last one writes).
+      const uint64_t in_q = gx.in_q, in_d = gx.in_d;
+      const uint64_t out_q = i8_xq_, out_d = i8_xd_;
+      i8_xq_ = in_q, i8_xd_ = in_d;
+      gemv_i8x(ws, ys, 1, n, true, true, norm_w, eps);
+      i8_xq_ = out_q, i8_xd_ = out_d;
+      return;
+    }
+    // The attention just kept rounded these rows already (attention(), attn_q8_).
+    const AttnQ8 aq = attn_q8_;
+    attn_q8_ = AttnQ8{};
+    if (!norm && aq.valid && c_->recording() && aq.serial == c_->step_serial() && aq.kept == c_->kept() &&
+        aq.out == A(x) && aq.buf == i8_xq_ && aq.n == n && aq.cols == cols) {
+      ++fused_attn_q8_;
+      return;
+    }
     struct {
-      uint64_t x, xq, xd, nw;
+      uint64_t x, xq, xd, nw, up, out;
       uint32_t cols, n, flags;
       float eps;
-    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps};
-    c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
-              {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
+      uint32_t gs, us;
+    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, 0, 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps, 0, 0};
+    // A decode's (1-4 rows, DASLLAMA_VULKAN_GEMVI8=2) glu kept just before, that made x (ffn down
+    // in a recorded step): x computed from its gate and up here, the glu's dispatch taken back.
+    const Glu gl = glu_;
+    if (!norm && n <= 4 && gemvi8_mode() && glu_makes_x(gl, A(x), 1, false, n, cols) && gl.gs <= UINT32_MAX &&
+        gl.us <= UINT32_MAX) {
+      glu_ = Glu{};
+      c_->unkeep_last(gl.sig0);
+      ++fused_glu_;
+      pc.x = gl.gate, pc.up = gl.up, pc.out = gl.out, pc.gs = (uint32_t)gl.gs, pc.us = (uint32_t)gl.us;
+      pc.flags = 2u | gl.code << 8;
+      c_->uses({{gl.gate, (uint64_t)(((n - 1) * gl.gs + gl.dim) * 4), false},
+                {gl.up, (uint64_t)(((n - 1) * gl.us + gl.dim) * 4), false}, {gl.out, (uint64_t)(n * cols * 4), true},
+                {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
+    } else {
+      c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {pc.nw, (uint64_t)cols * 4, false},
+                {i8_xq_, (uint64_t)(n * cols), true}, {i8_xd_, db, true}});
+    }
+    // A decode's rows without the norm (GEMVI8 on): 32-wide workgroups, so a wide row (the GLU's
+    // 8192) spreads over several of a GPU's cores, not one (the same values: a block each).
+    if (!norm && n <= 4 && gemvi8_mode())
+      return c_->dispatch("quant_act32", &pc, sizeof pc, (uint32_t)((cols / 32 + 31) / 32), (uint32_t)n);
     c_->dispatch("quant_act", &pc, sizeof pc, (uint32_t)((cols / 32 + 255) / 256), (uint32_t)n);
   }
   // y = w x over the activations quant_act just rounded; accumulate: y += it (one f32 add, as
@@ -1162,6 +1211,107 @@ class VulkanBackend final : public Backend {
     static const char* const names[2][2][2] = {{{"gemm_i8p_41", "gemm_i8ph_41"}, {"gemm_i8_41", "gemm_i8h_41"}},
                                                {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
     c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
+  }
+  // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. Unset or
+  // 1: gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
+  // 2: gemv_i8x.comp for 1 to 4 tokens (R rows a 32-wide workgroup, 16-byte loads straight from
+  // memory with the next window's in flight, up to three weights a dispatch), R picked from the
+  // matmuls' height; 2r2, 2r4, 2r8: that R (for tuning); 3, 3r2, 3r4, 3r8: the same but q8_0
+  // loaded 32 bytes (a block) a lane, not as two coalesced halves swapped between lanes; 4, 4r2,
+  // 4r4, 4r8: as 2 with two windows of k in flight ahead of the math, not one (gemvx_ahead2). The
+  // same bits every way (all add a row's block terms as gemm_i8.comp does). Read at each
+  // matmul, as i8_mode(). Returns 0 (off) or 16 * (2, 3 or 4) + the rows asked for (0: picked).
+  static int gemvi8_mode() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_GEMVI8");
+    if (!e || (e[0] != '2' && e[0] != '3' && e[0] != '4')) return 0;
+    const int v = 16 * (e[0] - '0');
+    if (!e[1]) return v;
+    if (e[1] == 'r' && (e[2] == '2' || e[2] == '4' || e[2] == '8') && !e[3]) return v + (e[2] - '0');
+    return 0;
+  }
+  // Whether gemv_i8x takes these (i8_fits already true for each): 1-4 tokens, one layout (type,
+  // width, row stride) for all.
+  bool gemvx_fits(const Weight* const* ws, int count, int64_t n) const {
+    const int mode = gemvi8_mode();
+    if (!mode || n < 1 || n > 4 || count < 1 || count > 3) return false;
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) {
+      if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
+          ws[i]->rows <= 0)
+        return false;
+      total += ws[i]->rows;
+    }
+    const int64_t r = gemvx_rows(mode, total, n, ws[0]->cols);
+    int64_t groups = 0;
+    for (int i = 0; i < count; ++i) groups += (ws[i]->rows + r - 1) / r;
+    return groups <= kMaxGroups;
+  }
+  // GEMVI8=4's variant (two windows of k ahead): one token, rows of more than two windows (one
+  // ahead already loads all of a 2048-wide row).
+  static bool gemvx_ahead2(int mode, int64_t n, int64_t cols) { return mode >> 4 == 4 && n == 1 && cols / 32 > 64; }
+  // Rows a gemv_i8x workgroup: as asked, else 4, or 8 where the matmuls are tall enough to fill
+  // a GPU anyway (fewer workgroups each reading x); at most 4 with 3 or 4 tokens or two windows
+  // ahead unless asked (registers).
+  static uint32_t gemvx_rows(int mode, int64_t total, int64_t n, int64_t cols) {
+    const uint32_t r = (mode & 15) ? (uint32_t)(mode & 15) : total >= 8192 && !gemvx_ahead2(mode, n, cols) ? 8 : 4;
+    return n > 2 ? std::min<uint32_t>(r, 4) : r;
+  }
+  // y[i] = ws[i] x over the activations quant_act just rounded (accumulate: y[0] += it), all in
+  // one gemv_i8x dispatch.
+  // tail (one weight, into a residual): the last workgroup also rounds y, RMS-normed (times
+  // tail_nw where given), into the int8 scratch for the next matmul (quant_act's values).
+  void gemv_i8x(const Weight* const* ws, float* const* ys, int count, int64_t n, bool accumulate = false,
+                bool tail = false, const float* tail_nw = nullptr, float tail_eps = 0.f) {
+    struct {
+      uint64_t w[3], y[3];
+      uint64_t xq, xd, row_bytes;
+      uint32_t rows[3];
+      uint32_t cols, n, b0, b1, flags;
+      uint64_t nw, cnt;
+      float eps;
+    } pc{};
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) {
+      pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
+      total += ws[i]->rows;
+    }
+    const int64_t cols = ws[0]->cols;
+    pc.xq = i8_xq_, pc.xd = i8_xd_, pc.row_bytes = lay_rb(*ws[0]);
+    pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.flags = accumulate ? 1u : 0u;
+    const uint32_t nt = n <= 1 ? 1 : n <= 2 ? 2 : 4;
+    const int mode = gemvi8_mode();
+    const bool z = gemvx_ahead2(mode, n, cols);
+    const uint32_t r = gemvx_rows(mode, total, n, cols);
+    uint32_t blocks = 0, b[3] = {0, 0, 0};
+    for (int i = 0; i < count; ++i) blocks += (b[i] = (pc.rows[i] + r - 1) / r);
+    pc.b0 = b[0], pc.b1 = count > 1 ? b[1] : 0;
+    auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+    // The tail's rows: y's width, laid out in the scratch as quant_act lays them out.
+    const int64_t tc = ws[0]->rows;
+    const uint64_t tqb = ((uint64_t)(n * tc) + 255) & ~uint64_t(255), tdb = (uint64_t)(n * (tc / 32)) * 4;
+    if (tail) pc.flags |= 2u, pc.nw = A(tail_nw), pc.cnt = glu_counter(), pc.eps = tail_eps;
+    const uint64_t sb = tail ? A(i8_buf_->data()) : 0;
+    c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
+              {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
+              {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
+              {sb, tqb + tdb, true}, {pc.cnt, 256, true}, {pc.nw, (uint64_t)tc * 4, false}});
+    const bool dot = i8_mode() != kI8Plain && c_->i8dot;
+    const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split;
+    const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (dot ? "" : "p") +
+                           std::to_string(nt) + "r" + std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
+    const size_t sig0 = c_->sig_bytes();
+    c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
+    // Kept for a normed quant_act of y that may come next (it folds itself in: quant_act).
+    gx_ = GemvX{};
+    if (count == 1 && accumulate && !tail && c_->recording())
+      gx_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, i8_xq_, i8_xd_};
+  }
+  // DASLLAMA_VULKAN_NORMTAIL=1 (with GEMVI8 on, in recorded steps): a normed quant_act right
+  // after a gemv_i8x into a residual is done by that GEMV's last workgroup instead (gemv_i8x.comp,
+  // flags 2): one dispatch and barrier fewer, twice a layer. Read at each call.
+  static bool normtail_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_NORMTAIL");
+    return e && std::strcmp(e, "1") == 0;
   }
   // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x
   // itself (RMS norm, or the GLU kept just before, on the way): the output gemv_i8.comp gives,
@@ -1321,6 +1471,7 @@ class VulkanBackend final : public Backend {
       float* ys[1] = {y};
       if (gemvq_fits(ws, 1, n)) return gemv_q(ws, ys, 1, x, n);
       quant_act(x, n, w.cols);
+      if (gemvx_fits(ws, 1, n)) return gemv_i8x(ws, ys, 1, n);
       gemm_i8(w, y, n);
       return;
     }
@@ -1351,6 +1502,7 @@ class VulkanBackend final : public Backend {
         c_->note_rows(n);
         if (gemvq_fits(ws, count, n)) return gemv_q(ws, ys, count, x, n);
         quant_act(x, n, ws[0]->cols);
+        if (gemvx_fits(ws, count, n)) return gemv_i8x(ws, ys, count, n);
         for (int i = 0; i < count; ++i)
           if (ws[i]->rows > 0) gemm_i8(*ws[i], ys[i], n);
         return;
@@ -1381,6 +1533,10 @@ class VulkanBackend final : public Backend {
         return gemv_q(s.w, ys, s.count, s.x, s.n, s.norm, s.norm_w, s.eps, s.residual != nullptr);
       }
       quant_act(s.x, s.n, s.w[0]->cols, s.norm, s.norm_w, s.eps);
+      if (gemvx_fits(s.w, s.count, s.n)) {
+        float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
+        return gemv_i8x(s.w, ys, s.count, s.n, s.residual != nullptr);
+      }
       if (s.residual) return gemm_i8(*s.w[0], s.residual, s.n, true);
       for (int i = 0; i < s.count; ++i)
         if (s.w[i]->rows > 0) gemm_i8(*s.w[i], s.y[i], s.n);
@@ -1647,11 +1803,22 @@ class VulkanBackend final : public Backend {
       cnt_at_ += slots;
       cnt_bytes = slots * 4;
     }
+    // A decode's output rows (1-4, DASLLAMA_VULKAN_GEMVI8 on, in a recorded step) rounded to
+    // int8 here as well, into the q8-mode scratch the O projection's quant_act would write: that
+    // dispatch and its barrier are taken back (quant_act, attn_q8_). Only where the scratch is
+    // already large enough (so a model that is not in q8 mode never makes one).
+    const uint64_t qb = ((uint64_t)(a.n_tok * hd) + 255) & ~uint64_t(255), db = (uint64_t)(a.n_tok * (hd / 32)) * 4;
+    const bool qfold = pc.split >= 0 && !a.sinks && a.n_tok <= 4 && a.head_dim % 32 == 0 && a.out_stride == hd &&
+                       A(a.out) % 16 == 0 && gemvi8_mode() && c_->recording() && i8_buf_ && i8_buf_->size() >= qb + db;
+    if (qfold) pc.sinks = A(i8_buf_->data()), pc.shape |= 1u << 31;
     c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false}, {pc.part, part_bytes, true},
               {pc.split > 0 ? pc.cnt : 0, cnt_bytes, true}, {pc.split >= 0 ? A(a.out) : 0, out_bytes, true},
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
-              {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+              {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false},
+              {qfold ? pc.sinks : 0, qb + db, true}});
     c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
+    attn_q8_ = AttnQ8{};
+    if (qfold) attn_q8_ = AttnQ8{true, c_->step_serial(), c_->kept(), A(a.out), pc.sinks, a.n_tok, hd};
     if (pc.split >= 0) return;
     struct {
       uint64_t part, out, sinks;
@@ -1966,7 +2133,26 @@ class VulkanBackend final : public Backend {
   } rope_, prev_rope_;  // prev_rope_: the rope kept just before rope_ (the queries', when rope_ is the keys')
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
-  uint64_t fused_glu_ = 0, fused_rope_q_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+  uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+  // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
+  struct GemvX {
+    bool valid = false;
+    uint64_t serial = 0;
+    size_t kept = 0, sig0 = 0;
+    const Weight* w = nullptr;
+    float* y = nullptr;
+    int64_t n = 0;
+    uint64_t in_q = 0, in_d = 0;  // where its int8 input lay
+  } gx_;
+  // The step's last attention, while it is the last kept command, when it rounded its output
+  // rows into the q8-mode scratch at buf (see quant_act).
+  struct AttnQ8 {
+    bool valid = false;
+    uint64_t serial = 0;
+    size_t kept = 0;
+    uint64_t out = 0, buf = 0;
+    int64_t n = 0, cols = 0;
+  } attn_q8_;
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
   uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)

@@ -8,9 +8,15 @@
 // split > 0: the last of a (token, head)'s workgroups to finish (a counter per pair at cnt,
 // left at 0 again) joins them and writes the output, so the split costs no second dispatch;
 // split < 0: attention_merge.comp joins them. split == 0: no split.
+// shape bit 31 (split >= 0, no sinks): the output rows are also rounded to int8 blocks of 32 as
+// quant_act.comp rounds them (qact.glsl), into the rows at the sinks field's address (quants
+// [n][cols], then scales [n][cols / 32] at the next 256-byte boundary, as the backend lays
+// them out; cols = out_stride): the O projection's quant_act dispatch taken back.
 #version 450
+#extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
 #include "common.glsl"
 #include "kv.glsl"
+#include "qact.glsl"
 
 layout(local_size_x = 64) in;
 // The splits' partials as other workgroups see them: coherent (not from a stale cache).
@@ -33,7 +39,8 @@ layout(push_constant, std430) uniform PC {
 #define NKVH int(pc.heads >> 16)
 #define HD int(pc.shape & 0xffffu)
 #define PSHIFT int((pc.shape >> 16) & 0xffu)
-#define KVTYPE int(pc.shape >> 24)
+#define KVTYPE int((pc.shape >> 24) & 0x7fu)
+#define QFOLD ((pc.shape >> 31) != 0u)
 #define NKV (pc.n_kv_ >= 0 ? pc.n_kv_ : I32(pc.args).v[-pc.n_kv_ - 1])
 
 shared float qs[256];
@@ -196,7 +203,7 @@ void main() {
     }
     // No visible key in any split: m stays -inf, l 0, as unsplit.
   }
-  if (pc.sinks != 0ul) {
+  if (pc.sinks != 0ul && !QFOLD) {
     const float sink = F32(pc.sinks).v[h], mx = max(m, sink);
     const float corr = exp(m - mx);
     l = l * corr + exp(sink - mx);
@@ -206,6 +213,25 @@ void main() {
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   for (int i = 0; i < 4; ++i) {
     const int d = tid + 64 * i;
-    if (d < hd) o.v[d] = acc[i] * inv;
+    if (d < hd) {
+      const float val = acc[i] * inv;
+      o.v[d] = val;
+      qs[d] = val;  // q is read no more
+    }
+  }
+  if (!QFOLD) return;
+  barrier();  // uniform: a workgroup that joins no splits has left as a whole
+  if (tid < hd / 32) {
+    vec4 v[8];
+    [[unroll]] for (uint i = 0u; i < 8u; ++i)
+      v[i] = vec4(qs[tid * 32 + 4 * i], qs[tid * 32 + 4 * i + 1], qs[tid * 32 + 4 * i + 2], qs[tid * 32 + 4 * i + 3]);
+    uint w[8];
+    const float dq = qa_round(v, w);
+    const uint cols = uint(pc.out_stride), blk = uint(h * hd / 32 + tid);
+    const uint64_t xq = pc.sinks, qb = (uint64_t(gl_NumWorkGroups.y) * cols + 255u) & ~uint64_t(255);
+    V4U q = V4U(xq + uint64_t(t) * cols + uint64_t(blk) * 32u);
+    q.v[0] = uvec4(w[0], w[1], w[2], w[3]);
+    q.v[1] = uvec4(w[4], w[5], w[6], w[7]);
+    F32(xq + qb + (uint64_t(t) * (cols / 32u) + blk) * 4u).v[0] = dq;
   }
 }

@@ -12,6 +12,8 @@ layout(buffer_reference, std430, buffer_reference_align = 8) buffer F64 { double
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4 { vec4 v[]; };  // 16-aligned only
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4U { uvec4 v[]; };  // 16-aligned only
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2 { uvec2 v[]; };  // 8-aligned only
+// Values other workgroups of the same dispatch wrote (a last workgroup's reads): not from a stale cache.
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer F32C { float v[]; };
 
 // Packed formats sit at 1- or 2-byte alignment: read the covering 32-bit words.
 uint rd8(uint64_t a) { return (U32(a & ~uint64_t(3)).v[0] >> (uint(a & 3) * 8u)) & 0xffu; }

@@ -44,33 +44,91 @@ void main() {
   F32 src = F32(is_q ? pc.q + uint64_t(i) * uint64_t(dim) * 4u
                      : (is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u);
   const bool rot = !is_v && pc.rope != 0u;  // uniform in the workgroup
+  const uint64_t sa = is_q ? pc.q + uint64_t(i) * uint64_t(dim) * 4u
+                           : (is_v ? pc.v : pc.k) + uint64_t(i) * uint64_t(pc.src_stride) * 4u;
   if (rot) {
-    for (int e = tid; e < dim; e += 64) rowk[e] = src.v[e];
+    if ((sa & 15ul) == 0ul && dim % 4 == 0) {
+      // 16-byte loads, four an invocation in flight (a query row is 2048 values in one workgroup).
+      V4 s4 = V4(sa);
+      const int d4 = dim / 4;
+      for (int e0 = tid; e0 < d4; e0 += 256) {
+        vec4 t4[4];
+        [[unroll]] for (int u = 0; u < 4; ++u) t4[u] = e0 + 64 * u < d4 ? s4.v[e0 + 64 * u] : vec4(0.0f);
+        [[unroll]] for (int u = 0; u < 4; ++u) {
+          const int e = 4 * (e0 + 64 * u);
+          if (e < dim) rowk[e] = t4[u].x, rowk[e + 1] = t4[u].y, rowk[e + 2] = t4[u].z, rowk[e + 3] = t4[u].w;
+        }
+      }
+    } else {
+      for (int e = tid; e < dim; e += 64) rowk[e] = src.v[e];
+    }
     barrier();
     const uint n_rot = pc.rope & 0xffffu, half_ = n_rot / 2u, hd = pc.head_dim;
     const bool neox = ((pc.rope >> 16) & 1u) != 0u;
     const uint pairs = uint(dim) / hd * half_;
     const int p = I32(pc.pos).v[i];
-    for (uint idx = uint(tid); idx < pairs; idx += 64u) {
-      const uint h = idx / half_, j = idx % half_;
+    if (half_ > 0u && 64u % half_ == 0u) {
+      // Pair j of every head turns by the same angle: its cos and sin once an invocation (the
+      // same values each head's own call would give), then the heads 64 / half_ apart.
+      const uint j = uint(tid) % half_;
       float c, s;
       rope_cs(pc.inv_freq, pc.factors, j, p, pc.freq_scale, pc.mscale, c, s);
-      const uint i0 = h * hd + (neox ? j : 2u * j);
-      const uint i1 = h * hd + (neox ? j + half_ : 2u * j + 1u);
-      const float a = rowk[i0], b = rowk[i1];
-      precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
-      rowk[i0] = ac - bs;
-      rowk[i1] = as_ + bc;
+      for (uint h = uint(tid) / half_; h * half_ < pairs; h += 64u / half_) {
+        const uint i0 = h * hd + (neox ? j : 2u * j);
+        const uint i1 = h * hd + (neox ? j + half_ : 2u * j + 1u);
+        const float a = rowk[i0], b = rowk[i1];
+        precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
+        rowk[i0] = ac - bs;
+        rowk[i1] = as_ + bc;
+      }
+    } else {
+      for (uint idx = uint(tid); idx < pairs; idx += 64u) {
+        const uint h = idx / half_, j = idx % half_;
+        float c, s;
+        rope_cs(pc.inv_freq, pc.factors, j, p, pc.freq_scale, pc.mscale, c, s);
+        const uint i0 = h * hd + (neox ? j : 2u * j);
+        const uint i1 = h * hd + (neox ? j + half_ : 2u * j + 1u);
+        const float a = rowk[i0], b = rowk[i1];
+        precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
+        rowk[i0] = ac - bs;
+        rowk[i1] = as_ + bc;
+      }
     }
     barrier();
-    for (int e = tid; e < dim; e += 64) src.v[e] = rowk[e];
+    if ((sa & 15ul) == 0ul && dim % 4 == 0) {
+      V4 o4 = V4(sa);
+      for (int e = tid; e < dim / 4; e += 64) o4.v[e] = vec4(rowk[4 * e], rowk[4 * e + 1], rowk[4 * e + 2], rowk[4 * e + 3]);
+    } else {
+      for (int e = tid; e < dim; e += 64) src.v[e] = rowk[e];
+    }
   }
   if (is_q) return;
   const uint64_t dst = kv_row(is_v ? pc.v_off : pc.k_off, first_row() + i);
   if (pc.kvtype == 0) {
     for (int e = tid; e < pc.dim; e += 64) F32(dst).v[e] = rot ? rowk[e] : src.v[e];
   } else if (pc.kvtype == 1) {
-    for (int e = tid; e < pc.dim; e += 64) wr16(dst + uint64_t(e) * 2u, f2h(rot ? rowk[e] : src.v[e]));
+    if (!rot && (sa & 15ul) == 0ul && (dst & 7ul) == 0ul && pc.dim % 4 == 0) {
+      // A V row (or keys not rotated): 16-byte loads, four halves two words a store.
+      V4 s4 = V4(sa);
+      U2 o = U2(dst);
+      const int d4 = pc.dim / 4;
+      for (int e0 = tid; e0 < d4; e0 += 128) {
+        vec4 t4[2];
+        [[unroll]] for (int u = 0; u < 2; ++u) t4[u] = e0 + 64 * u < d4 ? s4.v[e0 + 64 * u] : vec4(0.0f);
+        [[unroll]] for (int u = 0; u < 2; ++u)
+          if (e0 + 64 * u < d4)
+            o.v[e0 + 64 * u] = uvec2(f2h(t4[u].x) | f2h(t4[u].y) << 16, f2h(t4[u].z) | f2h(t4[u].w) << 16);
+      }
+    } else if ((dst & 3ul) == 0ul && pc.dim % 2 == 0) {
+      // Two halves a word, both this invocation's: plain stores, not two atomics a half.
+      U32 o = U32(dst);
+      for (int e = 2 * tid; e < pc.dim; e += 128) {
+        const uint lo = f2h(rot ? rowk[e] : src.v[e]), hi = f2h(rot ? rowk[e + 1] : src.v[e + 1]);
+        o.v[e / 2] = lo | hi << 16;
+      }
+    } else {
+      for (int e = tid; e < pc.dim; e += 64) wr16(dst + uint64_t(e) * 2u, f2h(rot ? rowk[e] : src.v[e]));
+    }
   } else {
     // Two 32-blocks per pass: invocations 0..31 and 32..63.
     const int lane = tid & 31, half_ = tid >> 5;

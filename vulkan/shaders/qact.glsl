@@ -40,9 +40,12 @@ float qa_round(vec4 v[8], out uint w[8]) {
 // The RMS scale of a row in one order for every shader that rounds x: lane l of 256 sums the
 // squares of elements l, l + 256, ... in turn (qa_partial), then the 256 partials are added
 // pairwise, red[l] += red[l + h] for h = 128, 64, ..., 1, and red[0] goes to qa_scale.
+// `precise`: each square rounded, then added (no fused multiply-add), in every shader alike
+// (gemv_i8x.comp's last workgroup sums the same way).
 double qa_partial(F32 xr, uint cols, uint l) {
-  double ss = 0.0lf;
+  precise double ss = 0.0lf;
   for (uint i = l; i < cols; i += 256u) ss += double(xr.v[i]) * double(xr.v[i]);
   return ss;
 }
+
 float qa_scale(double ss, uint cols, float eps) { return float(1.0lf / sqrt(ss / double(cols) + double(eps))); }
