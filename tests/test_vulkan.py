@@ -345,7 +345,7 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
     """q8 mode end to end: a session decoding past 64 keys (attention split over keys), each
     step recorded and then replayed, and three sessions decoding together (3-token matmuls) get
     the same logits bit for bit whichever decode GEMV runs:
-    gemv_i8.comp (the default) or gemv_i8x.comp's variants (DASLLAMA_VULKAN_GEMVI8=2, 3, 4), with
+    gemv_i8.comp (DASLLAMA_VULKAN_GEMVI8=1) or gemv_i8x.comp's variants (2, the default; 3, 4), with
     which a step also folds the glu before ffn down into quant_act and rounds the attention
     output in the attention dispatch (with DASLLAMA_VULKAN_NORMTAIL=1, also the normed rounding
     after a residual GEMV in that GEMV's last workgroup). Run on the GPUs' paths by

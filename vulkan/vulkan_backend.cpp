@@ -1212,18 +1212,21 @@ class VulkanBackend final : public Backend {
                                                {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
     c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
   }
-  // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. Unset or
-  // 1: gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
-  // 2: gemv_i8x.comp for 1 to 4 tokens (R rows a 32-wide workgroup, 16-byte loads straight from
+  // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. 1 (or 0):
+  // gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
+  // unset or 2: gemv_i8x.comp for 1 to 4 tokens (R rows a 32-wide workgroup, 16-byte loads straight from
   // memory with the next window's in flight, up to three weights a dispatch), R picked from the
   // matmuls' height; 2r2, 2r4, 2r8: that R (for tuning); 3, 3r2, 3r4, 3r8: the same but q8_0
   // loaded 32 bytes (a block) a lane, not as two coalesced halves swapped between lanes; 4, 4r2,
   // 4r4, 4r8: as 2 with two windows of k in flight ahead of the math, not one (gemvx_ahead2). The
   // same bits every way (all add a row's block terms as gemm_i8.comp does). Read at each
   // matmul, as i8_mode(). Returns 0 (off) or 16 * (2, 3 or 4) + the rows asked for (0: picked).
+  // Default 2: on the H200 (NVIDIA's driver, Llama-1B Q8_0, profile_vulkan.py) decode went 417 ->
+  // 528 t/s against gemv_i8 (=1); 4 gave 502, 2 with NORMTAIL 462.
   static int gemvi8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_GEMVI8");
-    if (!e || (e[0] != '2' && e[0] != '3' && e[0] != '4')) return 0;
+    if (!e || !*e) return 32;
+    if (e[0] != '2' && e[0] != '3' && e[0] != '4') return 0;
     const int v = 16 * (e[0] - '0');
     if (!e[1]) return v;
     if (e[1] == 'r' && (e[2] == '2' || e[2] == '4' || e[2] == '8') && !e[3]) return v + (e[2] - '0');
