@@ -95,6 +95,26 @@ inline SuperPos super_pos(const void* wpack, int64_t g, int64_t rows, int64_t nc
 // Tiles of up to G groups from g that stay inside one super-group.
 inline bool tile_fits(int64_t g, int G) { return g % kSuper + G <= kSuper; }
 
+// A decode tile of a layer-sized matrix (a few hundred KB: per thread a stream of 30-900 KB) asks
+// for its weights kPfAhead bytes ahead, into L2, up to the matrix's end: the hardware prefetchers
+// alone left the Gemma-3-270M layer GEMVs at 11-16 GB/s from DRAM against ~20 for a plain
+// stream; 16 KB ahead took 15-30% off their time (1 and 2 threads; 2-8 KB helped less, T0
+// hurt). The long output matrix (178 MB) streams faster without: every distance measured 5-30%
+// slower there, so matrices of kPfMaxBytes or more get none (benchmarks/RESULTS.md, 2026-12-02).
+constexpr size_t kPfAhead = 16384, kPfMaxBytes = size_t(8) << 20;
+// Null (no software prefetch) unless a decode tile of 4 groups reads a matrix of under kPfMaxBytes.
+inline const uint8_t* prefetch_end(const MatmulArgs& a, size_t group_column_bytes, int64_t ncols) {
+  const size_t bytes = (size_t)((a.rows + kRowsPerGroup - 1) / kRowsPerGroup) * (size_t)ncols * group_column_bytes;
+  return bytes < kPfMaxBytes ? static_cast<const uint8_t*>(a.wpack) + bytes : nullptr;
+}
+// The n bytes from p, kPfAhead on, that lie before end.
+inline void prefetch_ahead(const uint8_t* p, size_t n, const uint8_t* end) {
+  p += kPfAhead;
+  if (p >= end) return;
+  n = std::min<size_t>(n, (size_t)(end - p));
+  for (size_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+}
+
 // Bit x of every byte of v moved to bit 4 (16-bit shifts: bit 4 of a byte only ever
 // receives a bit of the same byte; the other bits are masked off by the caller).
 inline __m512i q5_bit4(__m512i v, int x) {
@@ -144,16 +164,18 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
     const SuperPos p = super_pos(a.wpack, g + i, a.rows, nb, kQB / 64, kGB - kQB);
     Q[i] = p.line0, D[i] = p.tail0, S = p.stride, LS = p.lstride;
   }
+  const uint8_t* pf_end = T == 1 && G == 4 ? prefetch_end(a, kGB, nb) : nullptr;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[G][T];
   for (int i = 0; i < G; ++i)
     for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if (pf_end) prefetch_ahead(Q[0] + b * S, S, pf_end);  // Q[0]: the super-group's column b
     __m512i is[G][T];
     for (int i = 0; i < G; ++i)
       for (int t = 0; t < T; ++t) is[i][t] = _mm512_setzero_si512();
-    // A decode tile (T == 1) reads its super-group's columns in address order, one stream the
-    // hardware prefetchers follow: software prefetches measured no faster.
+    // A decode tile (T == 1) reads its super-group's columns in address order, one stream
+    // (prefetched far ahead for a small matrix, prefetch_ahead).
     if constexpr (T > 1) {
       // Several tokens per weight: compute and the weight stream must overlap, so every
       // line of the block 32 ahead (and its scales) is requested well before it is used.
@@ -285,6 +307,7 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
     const SuperPos p = super_pos(a.wpack, g + i, a.rows, nsb, 32, kQ4KRec - 2048);
     W[i] = p.line0, X[i] = p.tail0, S = p.stride, LS = p.lstride;
   }
+  const uint8_t* pf_end = T == 1 && G == 4 ? prefetch_end(a, kQ4KRec, nsb) : nullptr;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m256i ones16 = _mm256_set1_epi16(1);
   __m512 acc[G][T];
@@ -309,7 +332,8 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
     for (int s = 0; s < 8; ++s) {
       // Prefill: the next super-block's lines stream in while this one computes, its quant lines
       // 4s..4s+3 now, its tail (5 lines) with the first. A decode tile reads its columns in address
-      // order and the hardware prefetchers keep up (software prefetches measured 10-30% slower).
+      // order: the next column's scales, and a small matrix's stream far ahead (prefetch_ahead;
+      // the next super-block only, as prefill does, measured 10-30% slower).
       if constexpr (T > 1) {
         for (int i = 0; i < G; ++i) {
           for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(R[i] + S + (s * 4 + l) * LS), _MM_HINT_T0);
@@ -318,6 +342,7 @@ void q4k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       } else if (s < 5) {
         for (int i = 0; i < G; ++i) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + s * 64), _MM_HINT_T0);
       }
+      if (pf_end) prefetch_ahead(W[0] + b * S + s * (S / 8), S / 8, pf_end);
       __m512i is[G][T];
       for (int i = 0; i < G; ++i)
         for (int t = 0; t < T; ++t) is[i][t] = _mm512_setzero_si512();
@@ -373,6 +398,7 @@ void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
     const SuperPos p = super_pos(a.wpack, g + i, a.rows, nsb, 64, kQ6KRec - 4096);
     W[i] = p.line0, X[i] = p.tail0, S = p.stride, LS = p.lstride;
   }
+  const uint8_t* pf_end = T == 1 && G == 4 ? prefetch_end(a, kQ6KRec, nsb) : nullptr;
   __m512 acc[G][T];
   for (int i = 0; i < G; ++i)
     for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -400,6 +426,7 @@ void q6k_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
       } else if (q < 5) {
         for (int i = 0; i < G; ++i) _mm_prefetch(reinterpret_cast<const char*>(Y[i] + S + q * 64), _MM_HINT_T0);
       }
+      if (pf_end) prefetch_ahead(W[0] + b * S + q * (S / 16), S / 16, pf_end);
       __m512i is[G][T];
       for (int i = 0; i < G; ++i)
         for (int t = 0; t < T; ++t) is[i][t] = _mm512_set1_epi32(off[t][q]);
