@@ -561,8 +561,7 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 #endif
 }
 
-// Warps of MT x 16 rows by 32 tokens, WR x WC of them: 64 x 64 tiles of 4 warps (MT 2), or
-// 128 x 128 of 8 (MT 4), which read each staged byte for twice the mmas.
+// Warps of MT x 16 rows by 32 tokens, WR x WC of them (mma_f16h launches 64 x 64 tiles of 4).
 template <int MT, int WR, int WC>
 struct F16hShape {
   static constexpr int BM = WR * MT * 16, BN = WC * 32, NTH = WR * WC * 32, BK = 32, S = kFStages;
@@ -743,15 +742,9 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
   __half* xl = xh + n * m.cols;
   float* inv = reinterpret_cast<float*>(xl + n * m.cols);
   launch(f16_split_k, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
-  // DASLLAMA_CUDA_F16H=2: 128 x 128 tiles where they still make two blocks an SM; =3: always (for
-  // the harness's small shapes). Read at each launch, for ab_cuda.py.
-  int sms = 132, dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const char* e = std::getenv("DASLLAMA_CUDA_F16H");
-  if (e && (e[0] == '3' || (e[0] == '2' && ceil_div(n, 128) * ceil_div(m.rows, 128) >= 2 * sms)))
-    launch_f16h<4, 2, 4>(m, xh, xl, inv, n, y, st);
-  else
-    launch_f16h<2, 2, 2>(m, xh, xl, inv, n, y, st);
+  // 64 x 64 tiles of four warps. (128 x 128 of eight, MT 4, where they still made two blocks an
+  // SM: no faster on the H200, pp512 35,689 -> 35,483.)
+  launch_f16h<2, 2, 2>(m, xh, xl, inv, n, y, st);
   check_launch("matmul (f16 mma)");
 }
 
