@@ -18,8 +18,9 @@ I8=plain: the int8 GEMM / GEMV without the packed dot product; I8=coop: prefill 
 cooperative matrices where present; I8=prefill: int8 in prefill only, decode on gemv.comp's f32;
 FLASH=1: decoders' prefill attention on flash.comp's key tiles; GEMVQ=0: q8-mode decode of 1-4
 tokens on quant_act + gemv_i8, not gemv_q.comp (which rounds x itself, the GLU folded in);
-GEMVI8=2: q8-mode decode of 1-4 tokens on quant_act + gemv_i8x.comp (rows a workgroup picked;
-2r2 / 2r4 / 2r8: forced), not gemv_i8.comp, and the glu before ffn down folded into quant_act;
+GEMVI8=1: q8-mode decode of 1-4 tokens on quant_act + gemv_i8.comp, not gemv_i8x.comp (the
+default, GEMVI8=2: rows a workgroup picked; 2r2 / 2r4 / 2r8: forced; the glu before ffn down
+folded into quant_act, the attention output rounded in the attention dispatch);
 GEMVI8=3: the same, q8_0 a block a lane; GEMVI8=4: the same, two windows of k loaded ahead;
 GEMVI8=2+NORMTAIL: and the normed rounding after a residual GEMV done by its last workgroup;
 READBACK=uncached: downloads into the first host-visible memory type, not a host-cached one),
@@ -59,6 +60,7 @@ CONFIGS = {
     "I8=prefill": {"DASLLAMA_VULKAN_I8": "prefill"},
     "FLASH=1": {"DASLLAMA_VULKAN_FLASH": "1"},
     "GEMVQ=0": {"DASLLAMA_VULKAN_GEMVQ": "0"},
+    "GEMVI8=1": {"DASLLAMA_VULKAN_GEMVI8": "1"},
     "GEMVI8=2": {"DASLLAMA_VULKAN_GEMVI8": "2"},
     "GEMVI8=2r2": {"DASLLAMA_VULKAN_GEMVI8": "2r2"},
     "GEMVI8=2r4": {"DASLLAMA_VULKAN_GEMVI8": "2r4"},
@@ -69,7 +71,7 @@ CONFIGS = {
     "READBACK=uncached": {"DASLLAMA_VULKAN_READBACK": "uncached"},
     "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
             "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0",
-            "DASLLAMA_VULKAN_FUSE_ROPE": "0", "DASLLAMA_VULKAN_I8": "0"},
+            "DASLLAMA_VULKAN_FUSE_ROPE": "0", "DASLLAMA_VULKAN_I8": "0", "DASLLAMA_VULKAN_GEMVI8": "1"},
 }
 
 
