@@ -40,7 +40,7 @@ cd build/wheel-test
 python -c 'import dasllama, sys; print("+ testing", dasllama.__file__, dasllama.__version__)'
 python -X importtime -c 'import dasllama' 2> importtime.txt
 echo "+ import dasllama: $(tail -1 importtime.txt | awk -F'|' '{print $2}') us cumulative (python -X importtime)"
-DASLLAMA_TEST_INSTALLED=1 python -m pytest -q -p no:cacheprovider --rootdir "$REPO" "$REPO/tests" \
+DASLLAMA_TEST_INSTALLED=1 python -m pytest -q -p no:cacheprovider --durations=25 --rootdir "$REPO" "$REPO/tests" \
   --ignore="$REPO/tests/test_gguf_asan.py" --ignore="$REPO/tests/test_audio_asan.py"
 
 # 4. The ASan harnesses compile tests/native/*.cpp with the system compiler, by design.
