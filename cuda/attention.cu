@@ -6,6 +6,7 @@
 
 #include "common.cuh"
 #include "attn.cuh"
+#include "rope.cuh"
 #include "kernels.h"
 
 namespace dl::cuda {
@@ -14,7 +15,8 @@ namespace {
 // One block per (split, query head, row z): attn_item with the block's 128 threads.
 template <int KT, int NI>
 __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok,
-                                                     int splits, float* __restrict__ part, int* __restrict__ cnt) {
+                                                     int splits, float* __restrict__ part, int* __restrict__ cnt,
+                                                     AttnQuant qo) {
   pdl_wait();
   pdl_trigger();
   __shared__ AttnSmem<NI> sm;
@@ -23,9 +25,9 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs
   // after the first of a group got wrong outputs on the H200 (its args read back right).
   if (dargs) {
     const AttnArgs a = dargs[z / maxtok];
-    attn_item<KT, NI>(a, z % maxtok, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm);
+    attn_item<KT, NI>(a, z % maxtok, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm, qo);
   } else {
-    attn_item<KT, NI>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm);
+    attn_item<KT, NI>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm, qo);
   }
 }
 
@@ -50,25 +52,46 @@ __global__ void kv_store_group_k(const KVStoreDesc* __restrict__ d, int64_t src_
                  blockDim.x);
 }
 
+// rope2 then kv_store_group in one launch: the K block of (session, row) first turns its
+// token's Q and K heads (rope_token; every token is one session's row), then stores the K row
+// it just wrote (the block's own writes, visible after the barrier); V blocks store V. The
+// same arithmetic as the two launches, so the same bits.
+__global__ void rope_store_group_k(RopeStore r, const KVStoreDesc* __restrict__ d, int64_t src_stride, int64_t dim) {
+  pdl_wait();
+  pdl_trigger();
+  const KVStoreDesc& e = d[blockIdx.z];
+  if ((int64_t)blockIdx.x >= e.n) return;
+  const bool is_v = blockIdx.y == 1;
+  if (!is_v) {
+    __shared__ float cs[2][kRopeMaxHalf];
+    const int64_t t = (e.k - r.x2) / r.stride2 + blockIdx.x;
+    rope_token(r.x, r.stride, r.n_heads, r.x2, r.stride2, r.n_heads2, r.head_dim, t, r.pos, r.p, cs);
+    __syncthreads();
+  }
+  kv_store_slice(e.kv, e.first + blockIdx.x, (is_v ? e.v : e.k) + blockIdx.x * src_stride, is_v, 0, dim, threadIdx.x,
+                 blockDim.x);
+}
+
 template <int KT>
 void launch_kt(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* part, int* cnt,
-               cudaStream_t st) {
+               cudaStream_t st, const AttnQuant& qo) {
   const dim3 grid((unsigned)splits, (unsigned)a.n_heads, (unsigned)rows);
   if (a.head_dim <= 64)
-    launch(attn_k<KT, 2>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt);
+    launch(attn_k<KT, 2>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
   else if (a.head_dim <= 128)
-    launch(attn_k<KT, 4>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt);
+    launch(attn_k<KT, 4>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
   else
-    launch(attn_k<KT, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt);
+    launch(attn_k<KT, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
 }
 
 void launch_attn(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* scratch,
-                 int* cnt, cudaStream_t st) {
+                 int* cnt, cudaStream_t st, const AttnQuant& qo = AttnQuant()) {
+  if (qo.xq && a.head_dim % 32 != 0) throw Error("cuda attention: rounding the output needs head_dim % 32 == 0");
   if (splits > 1 && !cnt) throw Error("cuda attention: split partials need their counters");
   switch (a.kv.type) {
-    case KVType::f32: launch_kt<0>(a, dargs, maxtok, rows, splits, scratch, cnt, st); break;
-    case KVType::f16: launch_kt<1>(a, dargs, maxtok, rows, splits, scratch, cnt, st); break;
-    case KVType::q8_0: launch_kt<8>(a, dargs, maxtok, rows, splits, scratch, cnt, st); break;
+    case KVType::f32: launch_kt<0>(a, dargs, maxtok, rows, splits, scratch, cnt, st, qo); break;
+    case KVType::f16: launch_kt<1>(a, dargs, maxtok, rows, splits, scratch, cnt, st, qo); break;
+    case KVType::q8_0: launch_kt<8>(a, dargs, maxtok, rows, splits, scratch, cnt, st, qo); break;
     default: throw UnsupportedModelError("cuda attention: unknown KV type");
   }
   check_launch("attention");
@@ -115,11 +138,18 @@ void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cud
 }
 
 void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
-                     int* counters, cudaStream_t st) {
+                     int* counters, cudaStream_t st, const AttnQuant& qo) {
   if (count <= 0 || maxtok <= 0 || shape.n_heads <= 0) return;
-  launch_attn(shape, dargs, maxtok, (int64_t)count * maxtok, splits, scratch, counters, st);
+  launch_attn(shape, dargs, maxtok, (int64_t)count * maxtok, splits, scratch, counters, st, qo);
 }
 
+void rope_store_group(const RopeStore& r, const KVStoreDesc* d, int count, int64_t max_n, int64_t src_stride,
+                      int64_t dim, cudaStream_t st) {
+  if (count <= 0 || max_n <= 0) return;
+  if (r.p.n_rot / 2 > kRopeMaxHalf) throw Error("cuda rope_store: rotary width past the one-block kernel's");
+  launch(rope_store_group_k, dim3((unsigned)max_n, 2, (unsigned)count), 256, 0, st, r, d, src_stride, dim);
+  check_launch("rope + kv_store group");
+}
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,
               int64_t dim, cudaStream_t st) {
   if (n <= 0) return;

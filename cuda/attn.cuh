@@ -7,6 +7,7 @@
 
 #include "common.cuh"
 #include "core/backend.h"
+#include "kernels.h"
 
 namespace dl::cuda {
 
@@ -38,10 +39,20 @@ struct AttnSmem {
   int last;
 };
 
+// Element d of a head's output at o, and (qo.xq set) its q8 rounding: called by all 32 lanes of
+// a warp for 32 consecutive d of one block (head_dim a multiple of 32).
+__device__ __forceinline__ void out_put(const AttnQuant& qo, float* o, int d, float v, int lane) {
+  o[d] = v;
+  if (qo.xq) {
+    const int64_t e = (o + d) - qo.base;
+    quant_store(v, lane, e, e >> 5, qo.xq, qo.xd, qo.xs);
+  }
+}
+
 // Merges the splits' partial states of (row z, head h) into the output: run by the split
 // that finished last, so its reads go past L1 (__ldcg) to what the other blocks wrote.
 __device__ __forceinline__ void combine_splits(const AttnArgs& a, int64_t t, int64_t z, int h, int splits,
-                                               const float* __restrict__ part, int tid) {
+                                               const float* __restrict__ part, int tid, const AttnQuant& qo) {
   const int hd = a.head_dim;
   const float* p = part + (z * a.n_heads + h) * splits * (int64_t)(hd + 2);
   float M = -INFINITY;
@@ -60,7 +71,7 @@ __device__ __forceinline__ void combine_splits(const AttnArgs& a, int64_t t, int
       const float ms = __ldcg(p + s * (hd + 2));
       if (ms != -INFINITY) v += __ldcg(p + s * (hd + 2) + 2 + d) * expf(ms - M);
     }
-    o[d] = v * inv;
+    out_put(qo, o, d, v * inv, tid & 31);
   }
 }
 
@@ -72,7 +83,7 @@ __device__ __forceinline__ void combine_splits(const AttnArgs& a, int64_t t, int
 template <int KT, int NI>
 __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t z, int h, int s, int splits,
                                           float* __restrict__ part, int* __restrict__ cnt, int tid, int bar,
-                                          AttnSmem<NI>& sm) {
+                                          AttnSmem<NI>& sm, const AttnQuant& qo = AttnQuant()) {
   if (t >= a.n_tok) return;  // the whole item: a shorter session of a group
   const int warp = tid >> 5, lane = tid & 31;
   const int hd = a.head_dim;
@@ -172,7 +183,7 @@ __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t 
       float v = 0.f;
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) v += sm.acc[w][d] * f[w];
-      o[d] = v * inv;
+      out_put(qo, o, d, v * inv, lane);
     }
     item_sync(bar);  // sm is free for the item's next use
   } else {
@@ -197,7 +208,7 @@ __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t 
     item_sync(bar);  // sm is free for the item's next use
     if (!last) return;
     __threadfence();
-    combine_splits(a, t, z, h, splits, part, tid);
+    combine_splits(a, t, z, h, splits, part, tid, qo);
   }
 }
 

@@ -41,6 +41,21 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// One lane's value of a 32-block into the A8 form: amax over the warp, d = amax / 127,
+// q = rint(v * (127 / amax)), and the block's quant sum (q4_0's offset term).
+__device__ __forceinline__ void quant_store(float v, int lane, int64_t at, int64_t blk, int8_t* xq, float* xd,
+                                            int32_t* xs) {
+  const float amax = warp_max(fabsf(v));
+  int q = 0;
+  if (amax > 0.f) q = max(-127, min(127, (int)rintf(__fmul_rn(v, 127.f / amax))));
+  xq[at] = (int8_t)q;
+  int qs = q;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
+  if (lane == 0) xd[blk] = amax / 127.f, xs[blk] = qs;
+}
+
+
 // ---- TF32 tensor cores (sm_80+) ----
 // x rounded to TF32 (10 stored mantissa bits, f32's exponent range), as an mma operand.
 __device__ __forceinline__ uint32_t to_tf32(float x) {

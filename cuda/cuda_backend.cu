@@ -2,6 +2,7 @@
 // onto the kernels of matmul.cu, attention.cu and ops.cu.
 #include "cuda_backend.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include "kernels.h"
 #include "quant/quant.h"
 #include "quant/types.h"
+#include "rope.cuh"
 
 namespace dl {
 namespace {
@@ -403,6 +405,10 @@ class CudaBackend final : public Backend {
       ops_.back() = [=](cudaStream_t s) { cuda::rope2(x1, s1, h1, x, stride, n_heads, n_tok, head_dim, pos, p, s); };
       sig1(Tag::rope), sig1(x), sig1(stride), sig1(n_heads);
       rope_.at = SIZE_MAX;
+      rope2_.at = ops_.size() - 1, rope2_.n_tok = n_tok;
+      cuda::RopeStore& rs = rope2_.r;
+      rs.x = x1, rs.stride = s1, rs.n_heads = h1, rs.x2 = x, rs.stride2 = stride, rs.n_heads2 = n_heads;
+      rs.head_dim = head_dim, rs.pos = pos, rs.p = p;
       return;
     }
     op(Tag::rope, [=](cudaStream_t s) { cuda::rope(x, n_tok, stride, n_heads, head_dim, pos, p, s); }, x, n_tok,
@@ -476,6 +482,19 @@ class CudaBackend final : public Backend {
           cuda::attention_group(shape, d, cnt, mt, splits, scratch, counters, s);
         },
         cnt, mt, shape.n_heads, shape.head_dim, shape.kv.type, splits, scratch, counters, off);
+    // Where the sessions' outputs are consecutive rows of one matrix, the matmul reading it may
+    // have this launch round them (AttnRec).
+    const int64_t width = (int64_t)shape.n_heads * shape.head_dim;
+    bool rows_ok = shape.head_dim % 32 == 0;
+    for (int i = 0; i < count && rows_ok; ++i)
+      rows_ok = a[i].out_stride == width && a[i].out == a[0].out + rows_before(a, i) * width;
+    attn_ = rows_ok ? AttnRec{ops_.size() - 1, shape, off, cnt, mt, splits, scratch, counters, a[0].out, total, width}
+                    : AttnRec{};
+  }
+  static int64_t rows_before(const AttnArgs* a, int i) {
+    int64_t r = 0;
+    for (int k = 0; k < i; ++k) r += std::max<int64_t>(a[k].n_tok, 0);
+    return r;
   }
   // A plain dense layer's one-token decode step as one persistent kernel (cuda/fused.cu), in
   // q8 mode on the split q8_0 / q4_0 layouts, inside a recorded step. Its output equals the
@@ -679,7 +698,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail
+    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store
   };
   template <class T>
   void sig1(const T& v) {
@@ -766,7 +785,21 @@ class CudaBackend final : public Backend {
       cuda::GemvTail t;
       t.kind = cuda::GemvTail::round, t.x = x, t.norm = norm, t.nw = nw, t.eps = eps, t.cols = cols, t.q = qb;
       const GemvRec& r = gemv_;
-      if ((tails_ & 1) && rec_ && n == 1 && kvq_.empty() && r.at + 1 == ops_.size() && r.j.count == 1 && r.j.y[0] == x &&
+      const AttnRec& ar = attn_;
+      if (attnq_ && rec_ && !norm && kvq_.empty() && ar.at + 1 == ops_.size() && ar.out == x && ar.rows == n &&
+          ar.width == cols) {
+        // The attention just recorded wrote x: it rounds its outputs as it writes them.
+        cuda::AttnQuant qo;
+        qo.xq = const_cast<int8_t*>(j.xq), qo.xd = const_cast<float*>(j.xd), qo.xs = const_cast<int32_t*>(j.xs);
+        qo.base = x;
+        const AttnRec a = ar;
+        ops_.back() = [this, a, qo](cudaStream_t st) {
+          const auto* d = reinterpret_cast<const AttnArgs*>(static_cast<uint8_t*>(dblob_->data()) + a.off);
+          cuda::attention_group(a.shape, d, a.cnt, a.mt, a.splits, a.scratch, a.counters, st, qo);
+        };
+        sig1(Tag::quant), sig1(qb);
+        attn_.at = SIZE_MAX, ++fused_ops_;
+      } else if ((tails_ & 1) && rec_ && n == 1 && kvq_.empty() && r.at + 1 == ops_.size() && r.j.count == 1 && r.j.y[0] == x &&
           (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
         // The GEMV just recorded wrote x (a residual row): its last block rounds it.
         const cuda::GemvJob rj = r.j;
@@ -823,13 +856,45 @@ class CudaBackend final : public Backend {
     }
     int64_t max_n = 0;
     for (const auto& d : kvq_) max_n = std::max(max_n, d.n);
+    const bool with_rope = rope_stores();
     const size_t off = blob_put(kvq_.data(), sizeof(cuda::KVStoreDesc) * kvq_.size());
     kvq_.clear();
+    if (with_rope) {
+      // The Q / K rope just recorded and these stores as one launch.
+      const cuda::RopeStore r = rope2_.r;
+      sig1(Tag::rope_store), sig1(cnt), sig1(max_n), sig1(ss), sig1(dim), sig1(off);
+      ops_.back() = [=](cudaStream_t s) {
+        const auto* d = reinterpret_cast<const cuda::KVStoreDesc*>(static_cast<uint8_t*>(dblob_->data()) + off);
+        cuda::rope_store_group(r, d, cnt, max_n, ss, dim, s);
+      };
+      rope2_.at = SIZE_MAX, ++fused_ops_;
+      return;
+    }
     sig1(Tag::kv_group), sig1(cnt), sig1(max_n), sig1(ss), sig1(dim), sig1(off);
     ops_.emplace_back([=](cudaStream_t s) {
       const auto* d = reinterpret_cast<const cuda::KVStoreDesc*>(static_cast<uint8_t*>(dblob_->data()) + off);
       cuda::kv_store_group(d, cnt, max_n, ss, dim, s);
     });
+  }
+  // Whether the queued stores take exactly the rows of the Q / K rope recorded last (each
+  // token's K row stored once, from where rope wrote it), so one launch can do both.
+  bool rope_stores() const {
+    const Rope2Rec& r = rope2_;
+    if (!ropest_ || r.at + 1 != ops_.size() || kvq_stride_ != r.r.stride2 || r.r.p.n_rot / 2 > cuda::kRopeMaxHalf)
+      return false;
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    for (const cuda::KVStoreDesc& d : kvq_) {
+      const int64_t off = d.k - r.r.x2;
+      if (d.n <= 0 || off < 0 || off % r.r.stride2 != 0) return false;
+      spans.emplace_back(off / r.r.stride2, d.n);
+    }
+    std::sort(spans.begin(), spans.end());
+    int64_t next = 0;
+    for (const auto& [t0, n] : spans) {
+      if (t0 != next) return false;
+      next = t0 + n;
+    }
+    return next == r.n_tok;
   }
   void stop_recording() {
     if (!rec_) return;
@@ -857,6 +922,12 @@ class CudaBackend final : public Backend {
     return a.neox == b.neox && a.n_rot == b.n_rot && a.base == b.base && a.freq_scale == b.freq_scale &&
            a.freq_factors == b.freq_factors && a.inv_freq == b.inv_freq && a.mscale == b.mscale;
   }
+  // The last Q / K rope pair recorded in this step (rope2), which the KV stores after it may join.
+  struct Rope2Rec {
+    size_t at = SIZE_MAX;
+    int64_t n_tok = 0;
+    cuda::RopeStore r;
+  } rope2_;
   // The last GLU recorded in this step, whose output the next matmul may quantize.
   struct GluRec {
     size_t at = SIZE_MAX;
@@ -868,13 +939,25 @@ class CudaBackend final : public Backend {
     int64_t n_rows = 0, dim = 0;
     Act act = Act::silu;
   } glu_;
+  // The last grouped attention recorded in this step, whose output rows (out, rows x width,
+  // consecutive) the next matmul's rounding may join.
+  struct AttnRec {
+    size_t at = SIZE_MAX;
+    AttnArgs shape{};
+    size_t off = 0;
+    int cnt = 0, mt = 0, splits = 0;
+    float* scratch = nullptr;
+    int* counters = nullptr;
+    const float* out = nullptr;
+    int64_t rows = 0, width = 0;
+  } attn_;
   // The last q8 GEMV recorded in this step, which the rounding (or GLU) after it may join.
   struct GemvRec {
     size_t at = SIZE_MAX;
     cuda::GemvJob j;
   } gemv_;
   void clear_step() {
-    rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX;
+    rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
   }
@@ -1019,6 +1102,18 @@ class CudaBackend final : public Backend {
   int tails_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
     return e ? std::atoi(e) & 3 : 2;
+  }();
+  // The Q / K rope and the KV stores after it go out as one launch (Rope2Rec; DASLLAMA_CUDA_ROPEST=0:
+  // two launches).
+  bool ropest_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_ROPEST");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  // Attention rounds its output for the matmul after it (AttnRec; DASLLAMA_CUDA_ATTNQ=0: a
+  // quantize launch instead).
+  bool attnq_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_ATTNQ");
+    return !(e && std::strcmp(e, "0") == 0);
   }();
   // One token's q8 GEMVs round their own input (DASLLAMA_CUDA_QX=1). Off: on the H200 every
   // block's own rounding cost more than the launch it saves (Llama-1B Q8_0 decode 708 -> 510

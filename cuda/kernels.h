@@ -123,11 +123,20 @@ int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm);
 size_t attn_scratch_floats(const AttnArgs& a, int splits);
 void attn_check(const AttnArgs& a);  // throws what attention() would refuse
 void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cudaStream_t st);
+// Where attention also writes its output rounded to q8 blocks, as quantize_act (no norm) would
+// round it for the next matmul: element e of the rows from `base` (the output's first row,
+// rows `cols` apart; head_dim a multiple of 32) goes to xq[e], block e / 32 to xd / xs.
+struct AttnQuant {
+  int8_t* xq = nullptr;
+  float* xd = nullptr;
+  int32_t* xs = nullptr;
+  const float* base = nullptr;
+};
 // count sessions' attentions in one launch: their args in device memory (dargs), all
 // with shape's n_heads, head_dim and KV type; rows z = session * maxtok + token; the
 // scratch holds count * maxtok rows of partials.
 void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
-                     int* counters, cudaStream_t st);
+                     int* counters, cudaStream_t st, const AttnQuant& qo = AttnQuant());
 // flash.cu: attention of many query rows (prefill, encoders) in key tiles shared by a block's
 // rows; one launch, no splits. Fits: head_dim <= 256 and the tiles' shared memory on the device.
 bool flash_fits(const AttnArgs& a, int max_smem_optin);
@@ -143,6 +152,20 @@ struct KVStoreDesc {
   int64_t n = 0;
 };
 void kv_store_group(const KVStoreDesc* d, int count, int64_t max_n, int64_t src_stride, int64_t dim, cudaStream_t st);
+// rope2(x, x2) at positions pos, then kv_store_group, in one launch: every token of x2 is one
+// descriptor's row (its k points into x2, src_stride == stride2).
+struct RopeStore {
+  float* x = nullptr;
+  int64_t stride = 0;
+  int n_heads = 0;
+  float* x2 = nullptr;
+  int64_t stride2 = 0;
+  int n_heads2 = 0, head_dim = 0;
+  const int32_t* pos = nullptr;
+  RopeParams p{};
+};
+void rope_store_group(const RopeStore& r, const KVStoreDesc* d, int count, int64_t max_n, int64_t src_stride,
+                      int64_t dim, cudaStream_t st);
 
 void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps, cudaStream_t st);
 void layer_norm(const float* x, const float* w, const float* b, float* y, int64_t n_rows, int64_t dim, float eps,

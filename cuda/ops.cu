@@ -67,23 +67,14 @@ __global__ void layer_norm_k(const float* x, const float* __restrict__ w, const 
   }
 }
 
-// One block per token: each pair's angle once into shared memory, then a thread per
-// (head, pair). A second tensor at the same positions (K beside Q) rides along.
-constexpr int kRopeMaxHalf = 256;
+// One block per token (rope_token). A second tensor at the same positions (K beside Q) rides
+// along.
 __global__ void rope_tok_k(float* x, int64_t stride, int n_heads, float* x2, int64_t stride2, int n_heads2,
                            int head_dim, const int32_t* pos, RopeParams p) {
   pdl_wait();
   pdl_trigger();
   __shared__ float cs[2][kRopeMaxHalf];
-  const int half = p.n_rot / 2;
-  const int64_t t = blockIdx.x;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cs(p, pos[t], i, &cs[0][i], &cs[1][i]);
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < (n_heads + n_heads2) * half; idx += blockDim.x) {
-    const int h = idx / half, i = idx % half;
-    float* v = h < n_heads ? x + t * stride + (int64_t)h * head_dim : x2 + t * stride2 + (int64_t)(h - n_heads) * head_dim;
-    rope_pair(v, i, half, p.neox, cs[0][i], cs[1][i]);
-  }
+  rope_token(x, stride, n_heads, x2, stride2, n_heads2, head_dim, blockIdx.x, pos, p, cs);
 }
 // Any rotary width: a thread per (token, pair), walking the heads.
 __global__ void rope_any_k(float* x, int64_t n_tok, int64_t stride, int n_heads, int head_dim, const int32_t* pos,

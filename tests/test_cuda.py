@@ -130,22 +130,55 @@ def _decode_steps(path, kv, env, monkeypatch, n_prompt=40, n_steps=150):
     return np.stack(out), m
 
 
+def _batch_steps(path, kv, env, monkeypatch):
+    """Three sessions' logits after two batched steps: a ragged one (3, 1 and 2 new tokens), then one
+    token each (the grouped launches take every session's rows)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    m = d.load_model(path, device="cuda")
+    pool = d.KVPool(m, page_rows=16, kv_dtype=kv)
+    rng = np.random.default_rng(9)
+    ss = [d.create_session(m, pool) for _ in range(3)]
+    for i, s in enumerate(ss):
+        d.eval(m, s, [1] + rng.integers(3, E.VOCAB, 20 + 7 * i).tolist())
+    ws = d.create_batch_workspace(m)
+    d.eval_batch(m, ws, ss, [[5, 6, 7], [8], [9, 10]])
+    out = [np.array(s.logits) for s in ss]
+    d.eval_batch(m, ws, ss, [[int(np.argmax(s.logits))] for s in ss])
+    return np.stack(out + [np.array(s.logits) for s in ss]), m
+
+
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0])
-def test_gemv_tails_equal_separate_launches(files, tmp_path, monkeypatch, kv):
-    """A decode GEMV that rounds the next matmul's input in its last block (RMS norm and all), or
-    forms the GLU and its rounding as each 32-row chunk of gate and up completes (cuda::GemvTail),
-    gives the logits of the separate launches bit for bit; and the tails do run."""
+def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, kv):
+    """Decode steps give the logits of separate launches bit for bit when ops join the launch
+    before them: a GEMV that rounds the next matmul's input in its last block (RMS norm and all)
+    or forms the GLU and its rounding as each 32-row chunk of gate and up completes
+    (cuda::GemvTail), attention rounding its output for the O projection as it writes it
+    (cuda::AttnQuant), the KV stores in the Q / K rope's launch (cuda::RopeStore); and each does
+    run."""
+    off = {"DASLLAMA_CUDA_TAILS": "0", "DASLLAMA_CUDA_ATTNQ": "0", "DASLLAMA_CUDA_ROPEST": "0"}
+    # Per decode step and layer, tails: the rounding after O, the GLU's, the next layer's (or the
+    # output's) after down; attention: its output's rounding; rope: the stores. Every step is
+    # recorded (then replays a captured graph), so the counts grow with the steps (150, 2 layers).
+    cases = (({"DASLLAMA_CUDA_TAILS": "3"}, 3), ({"DASLLAMA_CUDA_ATTNQ": "1"}, 300),
+             ({"DASLLAMA_CUDA_ROPEST": "1"}, 300),
+             ({"DASLLAMA_CUDA_TAILS": "3", "DASLLAMA_CUDA_ATTNQ": "1", "DASLLAMA_CUDA_ROPEST": "1"}, 603))
     shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024)}
     for name, paths in shapes.items():
         for ft in ("q8_0", "q4_0"):
-            want, m_off = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": "0"}, monkeypatch)
-            got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": "3"}, monkeypatch)
+            want, m_off = _decode_steps(paths[ft], kv, off, monkeypatch)
             assert m_off._m.fused_ops == 0
-            # Per decode step and layer: the rounding after O, the GLU's, the next layer's (or the
-            # output's) after down; steps replay a captured graph, so count the recorded ones.
-            assert m._m.fused_ops >= 3, (name, ft, m._m.fused_ops)
-            assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: logits differ, max " \
-                f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
+            for on, least in cases:
+                env = off | on
+                got, m = _decode_steps(paths[ft], kv, env, monkeypatch)
+                assert m._m.fused_ops >= least, (name, ft, on, m._m.fused_ops)
+                assert np.array_equal(got, want), f"{name} {ft} kv {kv.name} {on}: logits differ, max " \
+                    f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
+            # Several sessions in one step: their rows consecutive, grouped launches.
+            want, _ = _batch_steps(paths[ft], kv, off, monkeypatch)
+            got, m = _batch_steps(paths[ft], kv, off | cases[-1][0], monkeypatch)
+            assert m._m.fused_ops >= 2, (name, ft, m._m.fused_ops)
+            assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched steps' logits differ"
 
 
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
