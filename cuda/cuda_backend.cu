@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -126,6 +127,7 @@ class CudaBackend final : public Backend {
     check(cudaStreamCreateWithFlags(&st_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
   ~CudaBackend() override {
+    hp_.report();
     cudaSetDevice(dev_);
     drop_recording();
     cudaStreamSynchronize(st_);
@@ -221,9 +223,12 @@ class CudaBackend final : public Backend {
     // not through the driver's chunked staging of pageable memory.
     float* stage = bytes >= (64 << 10) && dst != pinned_ ? host_staging((bytes + 3) / 4) : nullptr;
     if (stage && stage == pinned_) {
+      const auto t0 = HostProf::now();
       check(cudaMemcpyAsync(stage, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
       check(cudaStreamSynchronize(st_), "download (a kernel before it failed)");
+      const auto t1 = HostProf::now();
       std::memcpy(dst, stage, bytes);
+      hp_.downloaded(t0, t1);
       return;
     }
     if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
@@ -309,12 +314,14 @@ class CudaBackend final : public Backend {
   // of step t+1 equals the one of step t.
   void begin_step() override {
     use();
+    hp_.begin();
     drop_recording();  // a step abandoned by an exception
     rec_ = true;
     ++g_recording;
   }
   void end_step() override {
     if (!rec_) return;
+    HostProf::End timed(hp_);
     use();
     flush_kv();
     std::vector<std::function<void(cudaStream_t)>> ops;
@@ -1093,6 +1100,52 @@ class CudaBackend final : public Backend {
     return static_cast<unsigned*>(tailc_->data());
   }
 
+  // Where a step's host time goes (DASLLAMA_CUDA_HOSTPROF=1: printed when the backend goes):
+  // recording (from begin_step to end_step: the model's code and the ops' closures), end_step
+  // (graph lookup and launch), a large download's wait for the device and its copy out of the
+  // pinned buffer, and the time from that copy to the next begin_step (sampling, the next
+  // step's uploads). While the host records, copies or samples, the device has nothing to run.
+  struct HostProf {
+    using clock = std::chrono::steady_clock;
+    static clock::time_point now() { return clock::now(); }
+    bool on = [] {
+      const char* e = std::getenv("DASLLAMA_CUDA_HOSTPROF");
+      return e && std::strcmp(e, "1") == 0;
+    }();
+    double rec = 0, end = 0, wait = 0, copy = 0, between = 0;
+    int64_t steps = 0, dls = 0;
+    clock::time_point tb{}, tdl{};
+    bool after_dl = false;
+    static double us(clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+    void begin() {
+      if (!on) return;
+      tb = now();
+      if (after_dl) between += us(tb - tdl), after_dl = false;
+    }
+    struct End {
+      HostProf& h;
+      clock::time_point t0;
+      explicit End(HostProf& hp) : h(hp), t0(hp.on ? now() : clock::time_point{}) {
+        if (h.on) h.rec += us(t0 - h.tb);
+      }
+      ~End() {
+        if (h.on) h.end += us(now() - t0), ++h.steps;
+      }
+    };
+    void downloaded(clock::time_point t0, clock::time_point t1) {
+      if (!on) return;
+      tdl = now();
+      wait += us(t1 - t0), copy += us(tdl - t1), ++dls, after_dl = true;
+    }
+    void report() const {
+      if (!on || steps == 0) return;
+      std::fprintf(stderr,
+                   "dasllama cuda host: %lld steps, %lld large downloads; us a step: recording %.1f, end_step %.1f; "
+                   "us a download: wait %.1f, copy %.1f, then to the next step %.1f\n",
+                   (long long)steps, (long long)dls, rec / steps, end / steps, dls ? wait / dls : 0.0,
+                   dls ? copy / dls : 0.0, dls ? between / dls : 0.0);
+    }
+  } hp_;
   int dev_;
   cudaDeviceProp prop_{};
   // A one-token q8 GEMV does the rounding (bit 1) or the GLU + rounding (bit 2) that follows it
