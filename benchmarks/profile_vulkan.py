@@ -23,6 +23,10 @@ default, GEMVI8=2: rows a workgroup picked; 2r2 / 2r4 / 2r8: forced; the glu bef
 folded into quant_act, the attention output rounded in the attention dispatch);
 GEMVI8=3: the same, q8_0 a block a lane; GEMVI8=4: the same, two windows of k loaded ahead;
 GEMVI8=2+NORMTAIL: and the normed rounding after a residual GEMV done by its last workgroup;
+GLUTAIL=0: the glu before ffn down folded into quant_act32, not computed and rounded by the gate /
+up GEMV's per-block tails; KVTAIL=0: the ropes and the KV store one kv_store dispatch, not the
+Q/K/V GEMV's per-head tails; TAILS=0: both (the tails are the default since the fifteenth
+session: 7 dispatches a layer, not 9);
 READBACK=uncached: downloads into the first host-visible memory type, not a host-cached one),
 and "old": all of them off, the stream before this work (but for the q4_0 split layout, which
 DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
@@ -68,6 +72,9 @@ CONFIGS = {
     "GEMVI8=3": {"DASLLAMA_VULKAN_GEMVI8": "3"},
     "GEMVI8=4": {"DASLLAMA_VULKAN_GEMVI8": "4"},
     "GEMVI8=2+NORMTAIL": {"DASLLAMA_VULKAN_GEMVI8": "2", "DASLLAMA_VULKAN_NORMTAIL": "1"},
+    "GLUTAIL=0": {"DASLLAMA_VULKAN_GLUTAIL": "0"},
+    "KVTAIL=0": {"DASLLAMA_VULKAN_KVTAIL": "0"},
+    "TAILS=0": {"DASLLAMA_VULKAN_GLUTAIL": "0", "DASLLAMA_VULKAN_KVTAIL": "0"},
     "READBACK=uncached": {"DASLLAMA_VULKAN_READBACK": "uncached"},
     "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
             "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0",

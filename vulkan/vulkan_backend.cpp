@@ -22,7 +22,7 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _I8, _GEMVQ, _GEMVI8, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
+// _GEMV, _GEMM, _I8, _GEMVQ, _GEMVI8, _NORMTAIL, _GLUTAIL, _KVTAIL, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
 // runs them).
 #include "vulkan_backend.h"
 
@@ -472,6 +472,7 @@ class Ctx {
       Rec r;
       r.p = p, r.g[0] = gx, r.g[1] = gy, r.g[2] = gz;
       r.push.assign(static_cast<const uint8_t*>(push), static_cast<const uint8_t*>(push) + push_bytes);
+      if (steps_log()) r.name = shader;
       resolve(next_);
       r.uses.swap(next_);
       sig_put(&p, sizeof p), sig_put(r.g, sizeof r.g), sig_put(push, push_bytes);
@@ -561,6 +562,17 @@ class Ctx {
     for (Step& st : steps_)
       if (st.sig == sig_) hit = &st;
     ++replays_[hit ? 0 : 1];
+    if (!hit && steps_log()) {  // what a recorded step dispatches, shader by shader (in first-use order)
+      std::vector<std::pair<std::string, int>> seen;
+      for (const Rec& r : recs) {
+        auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& e) { return e.first == r.name; });
+        if (it == seen.end()) seen.emplace_back(r.name, 1);
+        else ++it->second;
+      }
+      std::string line;
+      for (const auto& [nm, k] : seen) line += " " + nm + " x" + std::to_string(k);
+      std::fprintf(stderr, "vulkan step recorded: %zu dispatches:%s\n", recs.size(), line.c_str());
+    }
     if (!hit) {
       if (steps_.size() < kMaxSteps) {
         steps_.emplace_back();
@@ -787,6 +799,11 @@ class Ctx {
     const auto* b = static_cast<const uint8_t*>(p);
     sig_.insert(sig_.end(), b, b + n);
   }
+  // DASLLAMA_VULKAN_STEPS=1: the replay counts at exit and each recorded step's dispatches.
+  static bool steps_log() {
+    static const bool on = std::getenv("DASLLAMA_VULKAN_STEPS") != nullptr;
+    return on;
+  }
   static bool replay_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_REPLAY");
@@ -932,6 +949,7 @@ class Ctx {
     VkBuffer src = VK_NULL_HANDLE, dst = VK_NULL_HANDLE;
     VkBufferCopy copy{};
     std::vector<Use> uses;
+    std::string name;  // the shader (DASLLAMA_VULKAN_STEPS only)
   };
   struct Step {
     std::vector<uint8_t> sig;
@@ -979,11 +997,17 @@ class VulkanBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> g(c_->mu);
     if (std::getenv("DASLLAMA_VULKAN_STEPS"))
       std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu; "
-                   "attention outputs rounded by attention: %llu; normed rows rounded by a GEMV's last workgroup: %llu\n",
+                   "attention outputs rounded by attention: %llu; normed rows rounded by a GEMV's last workgroup: %llu; "
+                   "glu computed and rounded by the gate/up GEMV's block tails: %llu; "
+                   "ropes and KV stores done by the Q/K/V GEMV's head tails: %llu\n",
                    (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_,
-                   (unsigned long long)fused_attn_q8_, (unsigned long long)fused_norm_tail_);
+                   (unsigned long long)fused_attn_q8_, (unsigned long long)fused_norm_tail_,
+                   (unsigned long long)fused_glu_tail_, (unsigned long long)fused_kv_tail_);
     rope_tables_.clear();
     i8_buf_.reset();
+    i8_glu_.reset();
+    tail_cnt_[0].reset(), tail_cnt_[1].reset();
+    const_bufs_.clear();
     attn_part_.reset();
     attn_cnt_.reset();
     glu_cnt_.reset();
@@ -1164,6 +1188,30 @@ class VulkanBackend final : public Backend {
     if (!norm && n <= 4 && gemvi8_mode() && glu_makes_x(gl, A(x), 1, false, n, cols) && gl.gs <= UINT32_MAX &&
         gl.us <= UINT32_MAX) {
       glu_ = Glu{};
+      // The gate / up GEMV kept just before the glu made its inputs: its dispatch is issued again
+      // with the GLU tail (gemv_i8x.comp flags 4), which computes the glu and rounds it into a
+      // second scratch, and both the glu and this dispatch are taken back.
+      const GemvX gu = gu_;
+      gu_ = GemvX{};
+      if (glutail_on() && gu.valid && gu.serial == c_->step_serial() && gu.kept + 1 == gl.kept &&
+          A(gu.y) == gl.gate && A(gu.y1) == gl.up && gu.w->rows == cols && gu.w1->rows == cols && gl.gs == cols &&
+          gl.us == cols && gu.n == n && cols % 32 == 0) {
+        c_->unkeep_last(gl.sig0);
+        c_->unkeep_last(gu.sig0);
+        if (!i8_glu_ || i8_glu_->size() < qb + db) {
+          i8_glu_.reset();  // (kept alive by a recorded step that used it, as i8_buf_)
+          i8_glu_ = alloc(std::max<size_t>(qb + db, 1 << 20), "int8 glu activations");
+        }
+        const uint64_t out_q = A(i8_glu_->data());
+        const GluTail gt{gl.out, out_q, gl.code};
+        const Weight* ws[2] = {gu.w, gu.w1};
+        float* ys[2] = {gu.y, gu.y1};
+        i8_xq_ = gu.in_q, i8_xd_ = gu.in_d;  // the GEMV's own input, as it was
+        gemv_i8x(ws, ys, 2, n, false, false, nullptr, 0.f, &gt);
+        i8_xq_ = out_q, i8_xd_ = out_q + qb;  // where ffn down reads the rounded glu
+        ++fused_glu_, ++fused_glu_tail_;  // (the glu folded, into the GEMV this time)
+        return;
+      }
       c_->unkeep_last(gl.sig0);
       ++fused_glu_;
       pc.x = gl.gate, pc.up = gl.up, pc.out = gl.out, pc.gs = (uint32_t)gl.gs, pc.us = (uint32_t)gl.us;
@@ -1263,8 +1311,21 @@ class VulkanBackend final : public Backend {
   // one gemv_i8x dispatch.
   // tail (one weight, into a residual): the last workgroup also rounds y, RMS-normed (times
   // tail_nw where given), into the int8 scratch for the next matmul (quant_act's values).
+  // gt (two weights, gate and up): the GLU tail (gemv_i8x.comp flags 4): act(gate) * up written to
+  // gt->out and rounded into the scratch at gt->q (quant_act's layout for n rows of their height).
+  struct GluTail {
+    uint64_t out, q;
+    uint32_t code;
+  };
+  // kt (three weights, Q, K and V): the KV tail (gemv_i8x.comp flags 8): the ropes and the KV
+  // store, with their parameters in a block at kt->params (KvTailParams).
+  struct KvTail {
+    uint64_t params, base, pages, pos, inv, factors, args;
+    int64_t heads;  // query heads + KV heads: the counters
+  };
   void gemv_i8x(const Weight* const* ws, float* const* ys, int count, int64_t n, bool accumulate = false,
-                bool tail = false, const float* tail_nw = nullptr, float tail_eps = 0.f) {
+                bool tail = false, const float* tail_nw = nullptr, float tail_eps = 0.f, const GluTail* gt = nullptr,
+                const KvTail* kt = nullptr) {
     struct {
       uint64_t w[3], y[3];
       uint64_t xq, xd, row_bytes;
@@ -1294,10 +1355,26 @@ class VulkanBackend final : public Backend {
     const uint64_t tqb = ((uint64_t)(n * tc) + 255) & ~uint64_t(255), tdb = (uint64_t)(n * (tc / 32)) * 4;
     if (tail) pc.flags |= 2u, pc.nw = A(tail_nw), pc.cnt = glu_counter(), pc.eps = tail_eps;
     const uint64_t sb = tail ? A(i8_buf_->data()) : 0;
-    c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
-              {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
-              {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
-              {sb, tqb + tdb, true}, {pc.cnt, 256, true}, {pc.nw, (uint64_t)tc * 4, false}});
+    if (kt) {  // Q, K, V: the ropes and the KV store in per-head tails
+      pc.flags |= 8u, pc.nw = kt->params, pc.cnt = tail_counters(1, kt->heads);
+      c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
+                {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
+                {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
+                {pc.cnt, (uint64_t)kt->heads * 4, true}, {kt->params, 256, false},
+                {kt->base, Ctx::kWhole, true, true}, {kt->pages, Ctx::kWhole, false}, {kt->pos, (uint64_t)n * 4, false},
+                {kt->inv, Ctx::kWhole, false}, {kt->factors, Ctx::kWhole, false}, {kt->args, Ctx::kWhole, false}});
+    } else if (gt) {  // gate and up (count 2, equal heights): y[2] and w[2] carry the glu's output and its scratch
+      pc.flags |= 4u | gt->code << 8, pc.y[2] = gt->out, pc.w[2] = gt->q, pc.cnt = tail_counters(0, tc / 32);
+      c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false},
+                {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
+                {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {gt->out, yb(0), true},
+                {gt->q, tqb + tdb, true}, {pc.cnt, (uint64_t)(tc / 32) * 4, true}});
+    } else {
+      c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
+                {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
+                {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
+                {sb, tqb + tdb, true}, {pc.cnt, 256, true}, {pc.nw, (uint64_t)tc * 4, false}});
+    }
     const bool dot = i8_mode() != kI8Plain && c_->i8dot;
     const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split;
     const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (dot ? "" : "p") +
@@ -1305,9 +1382,17 @@ class VulkanBackend final : public Backend {
     const size_t sig0 = c_->sig_bytes();
     c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
     // Kept for a normed quant_act of y that may come next (it folds itself in: quant_act).
-    gx_ = GemvX{};
+    gx_ = gu_ = gq_ = GemvX{};
     if (count == 1 && accumulate && !tail && c_->recording())
       gx_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, i8_xq_, i8_xd_};
+    // Kept for the ropes and KV store of its three outputs that may come next (the KV tail).
+    if (count == 3 && !accumulate && !tail && !gt && !kt && n <= (int64_t)nt && c_->recording())
+      gq_ = GemvX{true,   c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, i8_xq_, i8_xd_, ws[1], ys[1],
+                  ws[2], ys[2], r};
+    // Kept for a glu of its two outputs that a quant_act may fold in next (the GLU tail; one
+    // token group: the tail counts a block's workgroups over the grid's x only).
+    if (count == 2 && !accumulate && !tail && !gt && n <= (int64_t)nt && c_->recording())
+      gu_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, i8_xq_, i8_xd_, ws[1], ys[1]};
   }
   // DASLLAMA_VULKAN_NORMTAIL=1 (with GEMVI8 on, in recorded steps): a normed quant_act right
   // after a gemv_i8x into a residual is done by that GEMV's last workgroup instead (gemv_i8x.comp,
@@ -1315,6 +1400,20 @@ class VulkanBackend final : public Backend {
   static bool normtail_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_NORMTAIL");
     return e && std::strcmp(e, "1") == 0;
+  }
+  // DASLLAMA_VULKAN_KVTAIL=0 (read at each store): in recorded decode steps with GEMVI8 on, the
+  // ropes and the KV store stay one kv_store dispatch after the Q/K/V GEMV rather than in that
+  // GEMV's per-head tails (gemv_i8x.comp flags 8; for A/B runs: the same bits either way).
+  static bool kvtail_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_KVTAIL");
+    return !(e && std::strcmp(e, "0") == 0);
+  }
+  // DASLLAMA_VULKAN_GLUTAIL=0 (read at each fold): in recorded decode steps with GEMVI8 on, the
+  // glu before ffn down stays folded into quant_act32 rather than into the gate / up GEMV's
+  // per-block tail (gemv_i8x.comp flags 4; for A/B runs: the same bits either way).
+  static bool glutail_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_GLUTAIL");
+    return !(e && std::strcmp(e, "0") == 0);
   }
   // DASLLAMA_VULKAN_GEMVQ: q8-mode matmuls of 1 to 4 tokens on gemv_q.comp, which rounds x
   // itself (RMS norm, or the GLU kept just before, on the way): the output gemv_i8.comp gives,
@@ -1720,6 +1819,33 @@ class VulkanBackend final : public Backend {
         c_->unkeep_last(rq.sig0);
         pc.q = rq.x, pc.rope |= (uint32_t)rq.n_heads << 17, ny = 3;
         ++fused_rope_q_;
+        // The Q/K/V GEMV kept just before the ropes made q, k and v: it is issued again with
+        // the KV tail, which does the ropes and this store, and no kv_store is dispatched.
+        const GemvX gq = gq_;
+        gq_ = GemvX{};
+        const int64_t hd = r.head_dim;
+        if (kvtail_on() && gq.valid && gq.serial == c_->step_serial() && gq.kept == c_->kept() && A(gq.y) == rq.x &&
+            A(gq.y1) == A(k) && A(gq.y2) == A(v) && gq.n == n && src_stride == dim &&
+            gq.w->rows == (int64_t)rq.n_heads * hd && gq.w1->rows == dim && gq.w2->rows == dim && hd <= 256 &&
+            hd % gq.r == 0 && (kv.type != KVType::q8_0 || hd % 32 == 0) && kv.page_shift >= 0 && kv.page_shift <= 63) {
+          const KvTailParams kp{A(kv.base), A(kv.pages), c_->args_addr(), pc.pos, pc.inv, pc.factors,
+                                (uint32_t)kv.page_bytes, (uint32_t)kv.k_off, (uint32_t)kv.v_off, (uint32_t)kv.row_bytes,
+                                pc.first, kv.page_shift, (int32_t)kv.type, r.rot, (uint32_t)hd, r.freq_scale, r.mscale};
+          const uint64_t params = const_block(&kp, sizeof kp);
+          if (params) {
+            c_->unkeep_last(gq.sig0);
+            const KvTail kt{params, A(kv.base), A(kv.pages), pc.pos, pc.inv, pc.factors, c_->args_addr(),
+                            rq.n_heads + dim / hd};
+            const Weight* ws[3] = {gq.w, gq.w1, gq.w2};
+            float* ys[3] = {gq.y, gq.y1, gq.y2};
+            const uint64_t keep_q = i8_xq_, keep_d = i8_xd_;
+            i8_xq_ = gq.in_q, i8_xd_ = gq.in_d;  // the GEMV's own input, as it was
+            gemv_i8x(ws, ys, 3, n, false, false, nullptr, 0.f, nullptr, &kt);
+            i8_xq_ = keep_q, i8_xd_ = keep_d;
+            ++fused_kv_tail_;
+            return;
+          }
+        }
       }
     }
     for (int64_t i0 = 0; i0 < n; i0 += kMaxGroups) {
@@ -2123,6 +2249,43 @@ class VulkanBackend final : public Backend {
     }
     return A(glu_cnt_->data());
   }
+  // The tails' counters (0: the GLU tail's, a 32-row block each; 1: the KV tail's, a head each),
+  // grown as needed, zeroed when made, left at 0 by every dispatch.
+  uint64_t tail_counters(int which, int64_t slots) {
+    BufferPtr& b = tail_cnt_[which];
+    const size_t want = (size_t)std::max<int64_t>(slots, 1) * 4;
+    if (!b || b->size() < want) {
+      b.reset();  // (kept alive by a recorded step that used it)
+      b = alloc(std::max<size_t>(want, 4096), "tail counters");
+      c_->zero(A(b->data()), b->size());
+    }
+    return A(b->data());
+  }
+  // A constant block of parameters in device memory (what a push-constant block has no room
+  // for), made once per content: a recorded step replays the same address. Null when the pool
+  // (kConstBlocks of 256 bytes) is full.
+  static constexpr size_t kConstBlocks = 4096;
+  uint64_t const_block(const void* p, size_t n) {
+    const std::string key(static_cast<const char*>(p), n);
+    auto it = const_blocks_.find(key);
+    if (it != const_blocks_.end()) return it->second;
+    if (n > 256 || const_blocks_.size() >= kConstBlocks) return 0;
+    const size_t per = 256;  // blocks a buffer
+    if (const_blocks_.size() % per == 0) const_bufs_.push_back(alloc(per * 256, "constant blocks"));
+    const uint64_t at = A(const_bufs_.back()->data()) + (const_blocks_.size() % per) * 256;
+    c_->upload(at, p, n);  // staged: before the step that reads it
+    const_blocks_.emplace(key, at);
+    return at;
+  }
+  // gemv_i8x.comp's KvP, byte for byte (std430: the six addresses, then 4-byte fields).
+  struct KvTailParams {
+    uint64_t base, pages, args, pos, inv, factors;
+    uint32_t page_bytes, k_off, v_off, row_bytes;
+    int32_t first, page_shift, kvtype;
+    uint32_t rope, head_dim;
+    float freq_scale, mscale;
+  };
+  static_assert(sizeof(KvTailParams) == 96, "KvP's layout");
   // The step's last rope, while it is the last kept command (see kv_store).
   struct Rope {
     bool valid = false;
@@ -2136,7 +2299,8 @@ class VulkanBackend final : public Backend {
   } rope_, prev_rope_;  // prev_rope_: the rope kept just before rope_ (the queries', when rope_ is the keys')
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
-  uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+  uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
+           fused_kv_tail_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
   struct GemvX {
     bool valid = false;
@@ -2146,7 +2310,12 @@ class VulkanBackend final : public Backend {
     float* y = nullptr;
     int64_t n = 0;
     uint64_t in_q = 0, in_d = 0;  // where its int8 input lay
-  } gx_;
+    const Weight* w1 = nullptr;   // gu_, gq_: the second weight (up; K) and its output
+    float* y1 = nullptr;
+    const Weight* w2 = nullptr;   // gq_: the third (V) and its output
+    float* y2 = nullptr;
+    uint32_t r = 0;               // gq_: its rows a workgroup
+  } gx_, gu_, gq_;  // gu_: the step's last gemv_i8x of gate and up (the GLU tail's); gq_: of Q, K, V (the KV tail's)
   // The step's last attention, while it is the last kept command, when it rounded its output
   // rows into the q8-mode scratch at buf (see quant_act).
   struct AttnQ8 {
@@ -2157,6 +2326,10 @@ class VulkanBackend final : public Backend {
     int64_t n = 0, cols = 0;
   } attn_q8_;
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
+  BufferPtr i8_glu_;  // the GLU tail's rounded glu rows (apart from i8_buf_, which its GEMV still reads)
+  BufferPtr tail_cnt_[2];  // the GLU and KV tails' counters (tail_counters)
+  std::map<std::string, uint64_t> const_blocks_;  // const_block's, by content
+  std::vector<BufferPtr> const_bufs_;
   uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
   size_t part_at_ = 0, cnt_at_ = 0;  // the rings' next regions (bytes, slots); 0 at a step's start

@@ -23,6 +23,19 @@
 // flags 2 (one weight; DASLLAMA_VULKAN_NORMTAIL=1): the last workgroup to finish then rounds y,
 // RMS-normed (times nw where not 0), into the int8 scratch at xq as quant_act.comp would
 // (qact.glsl, its order), for the next matmul: that quant_act's dispatch and barrier taken back.
+// flags 4 (two weights, gate and up, of equal height a multiple of 32; DASLLAMA_VULKAN_GLUTAIL,
+// on by default): the last of the 2 * 32 / R workgroups that wrote a 32-row block of gate and of
+// up (a counter a block) computes that block's act(gate) * up as ops.comp's glu does (act in
+// flags bits 8-15), writes it to y[2] and rounds it as quant_act.comp would into the int8
+// scratch at w[2] (quants [n][rows], then at the next 256 bytes the scales [n][rows / 32]) for
+// ffn down: the glu's dispatch (or quant_act32, which had it folded in) and its barrier taken back.
+// flags 8 (three weights, Q, K and V, heads of head_dim rows, a multiple of R; DASLLAMA_VULKAN_KVTAIL,
+// on by default): the step's ropes and KV store folded in. The last workgroup to finish a query
+// head's rows rotates them in place; the last of a KV head's K and V workgroups rotates its keys
+// (written back to k, as the rope would have left them) and stores the head's keys and values
+// into the cache row through the block table, each as kv_store.comp would (rope_cs, f2h, q8_0's
+// blocks): the kv_store dispatch (which had the ropes folded in) and its barrier taken back. The
+// store's parameters lie in a block at nw (KvP); a counter a head at cnt (queries', then KV heads').
 #version 450
 #extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
 #include "common.glsl"
@@ -64,6 +77,49 @@ layout(push_constant, std430) uniform PC {
 } pc;
 shared double red[256];  // flags 2: the row's partial sums of squares (qact.glsl's order)
 shared bool tail_last;
+shared float glu_v[4][32];  // flags 4: a block's GLU values, a row a token
+layout(buffer_reference, std430, buffer_reference_align = 8) buffer KvP {  // flags 8: vulkan_backend.cpp's KvTailParams
+  uint64_t base, pages, args, pos, inv, factors;
+  uint page_bytes, k_off, v_off, row_bytes;
+  int first_, page_shift, kvtype;
+  uint rope, head_dim;  // rope: n_rot | neox << 16
+  float freq_scale, mscale;
+};
+shared float kv_h[256];  // flags 8: a head's row (keys rotated here, then values)
+shared float kv_amax[32];
+float roundf_away(float x) {  // kv_store.comp's
+  const float a = abs(x), f = floor(a);
+  return sign(x) * (f + floor(2.0f * (a - f)));
+}
+// kv_h's head_dim values into the cache row at dst, head `head`, as kv_store.comp stores a row.
+void kv_put(KvP P, uint64_t dst, uint head, uint hd, uint l) {
+  if (P.kvtype == 0) {
+    for (uint e = l; e < hd; e += 32u) F32(dst).v[head * hd + e] = kv_h[e];
+  } else if (P.kvtype == 1) {
+    if ((dst & 3ul) == 0ul && hd % 2u == 0u) {
+      U32 o = U32(dst + uint64_t(head * hd) * 2u);
+      for (uint e = 2u * l; e < hd; e += 64u) o.v[e / 2u] = f2h(kv_h[e]) | f2h(kv_h[e + 1u]) << 16;
+    } else {
+      for (uint e = l; e < hd; e += 32u) wr16(dst + uint64_t(head * hd + e) * 2u, f2h(kv_h[e]));
+    }
+  } else {
+    for (uint b = 0u; b < hd / 32u; ++b) {
+      const float x = kv_h[b * 32u + l];
+      kv_amax[l] = abs(x);
+      barrier();
+      float mx = 0.0f;
+      for (uint k = 0u; k < 32u; ++k) mx = max(mx, kv_amax[k]);
+      barrier();
+      const float d = float(double(mx) / 127.0lf);
+      const float id = d == 0.0f ? 0.0f : float(1.0lf / double(d));
+      const uint64_t blk = dst + uint64_t(head * (hd / 32u) + b) * 34u;
+      precise float xs = x * id;
+      wr8(blk + 2u + l, uint(int(roundf_away(xs))) & 0xffu);
+      if (l == 0u) wr16(blk, f2h(d));
+    }
+  }
+}
+float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu_tanh(g) : max(g, 0.0f); }  // quant_act.comp's
 
 const uint WB = 32u;                  // blocks a window
 const uint NO = R * NT;               // outputs a workgroup (<= 32: one chain an invocation)
@@ -252,6 +308,103 @@ void main() {
   if (chain) {
     F32C yp = F32C(pc.y[mi] + (uint64_t(t0 + otok) * rows + r0 + orow) * 4u);
     yp.v[0] = (pc.flags & 1u) != 0u ? yp.v[0] + acc : acc;
+  }
+  if ((pc.flags & 4u) != 0u) {
+    // Every workgroup has all the tokens (grid y is 1) and R rows of one 32-row block.
+    const uint blk = r0 / 32u;
+    memoryBarrierBuffer();
+    barrier();
+    if (l == 0u) {
+      U32 c = U32(pc.cnt + uint64_t(blk) * 4u);
+      const uint done = atomicAdd(c.v[0], 1u);
+      tail_last = done == 2u * (32u / R) - 1u;
+      if (tail_last) c.v[0] = 0u;  // both weights' workgroups have counted: ready for the next dispatch
+    }
+    barrier();
+    if (!tail_last) return;
+    memoryBarrierBuffer();
+    const uint act = (pc.flags >> 8) & 0xffu, dim = rows, nbq = dim / 32u;
+    for (uint t = 0u; t < pc.n; ++t) {
+      const uint64_t e = uint64_t(t) * dim + blk * 32u + l;
+      const float g = F32C(pc.y[0] + e * 4u).v[0], u = F32C(pc.y[1] + e * 4u).v[0];
+      const float v = glu_act(act, g) * u;
+      F32(pc.y[2] + e * 4u).v[0] = v;
+      glu_v[t][l] = v;
+    }
+    barrier();
+    if (l < pc.n) {  // token l's block: qact.glsl's rounding, as quant_act.comp rounds it
+      vec4 v[8];
+      [[unroll]] for (uint i = 0u; i < 8u; ++i)
+        v[i] = vec4(glu_v[l][4u * i], glu_v[l][4u * i + 1u], glu_v[l][4u * i + 2u], glu_v[l][4u * i + 3u]);
+      uint w[8];
+      const float d = qa_round(v, w);
+      const uint64_t qb = (uint64_t(pc.n) * dim + 255u) & ~uint64_t(255);
+      V4U q = V4U(pc.w[2] + uint64_t(l) * dim + uint64_t(blk) * 32u);
+      q.v[0] = uvec4(w[0], w[1], w[2], w[3]);
+      q.v[1] = uvec4(w[4], w[5], w[6], w[7]);
+      F32(pc.w[2] + qb + (uint64_t(l) * nbq + blk) * 4u).v[0] = d;
+    }
+    return;
+  }
+  if ((pc.flags & 8u) != 0u) {
+    KvP P = KvP(pc.nw);
+    const uint hd = P.head_dim, nq = pc.rows[0] / hd, head = r0 / hd;
+    memoryBarrierBuffer();
+    barrier();
+    if (l == 0u) {
+      U32 c = U32(pc.cnt + uint64_t(mi == 0u ? head : nq + head) * 4u);
+      const uint done = atomicAdd(c.v[0], 1u);
+      tail_last = done == (mi == 0u ? 1u : 2u) * (hd / R) - 1u;
+      if (tail_last) c.v[0] = 0u;  // every workgroup of the head has counted: ready for the next dispatch
+    }
+    barrier();
+    if (!tail_last) return;
+    memoryBarrierBuffer();
+    const uint half_ = (P.rope & 0xffffu) / 2u;
+    const bool neox = ((P.rope >> 16) & 1u) != 0u;
+    const int first = P.first_ >= 0 ? P.first_ : I32(P.args).v[-P.first_ - 1];
+    for (uint t = 0u; t < pc.n; ++t) {
+      const int p = I32(P.pos).v[t];
+      if (mi == 0u) {  // a query head, in place (kv_store.comp's rotation, pair by pair)
+        F32C qy = F32C(pc.y[0] + (uint64_t(t) * pc.rows[0] + head * hd) * 4u);
+        for (uint j = l; j < half_; j += 32u) {
+          float c, s;
+          rope_cs(P.inv, P.factors, j, p, P.freq_scale, P.mscale, c, s);
+          const uint i0 = neox ? j : 2u * j, i1 = neox ? j + half_ : 2u * j + 1u;
+          const float a = qy.v[i0], b = qy.v[i1];
+          precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
+          qy.v[i0] = ac - bs;
+          qy.v[i1] = as_ + bc;
+        }
+        continue;
+      }
+      // The cache row of token t (kv_store.comp's kv_row).
+      const int64_t jj = int64_t(first) + int64_t(t);
+      const int64_t page = int64_t(I32(P.pages).v[uint(jj >> P.page_shift)]);
+      const uint64_t row = P.base + uint64_t(page) * P.page_bytes + uint64_t(jj & ((int64_t(1) << P.page_shift) - 1)) * P.row_bytes;
+      F32C ky = F32C(pc.y[1] + (uint64_t(t) * pc.rows[1] + head * hd) * 4u);
+      for (uint e = l; e < hd; e += 32u) kv_h[e] = ky.v[e];
+      barrier();
+      for (uint j = l; j < half_; j += 32u) {
+        float c, s;
+        rope_cs(P.inv, P.factors, j, p, P.freq_scale, P.mscale, c, s);
+        const uint i0 = neox ? j : 2u * j, i1 = neox ? j + half_ : 2u * j + 1u;
+        const float a = kv_h[i0], b = kv_h[i1];
+        precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
+        kv_h[i0] = ac - bs;
+        kv_h[i1] = as_ + bc;
+      }
+      barrier();
+      for (uint e = l; e < hd; e += 32u) ky.v[e] = kv_h[e];
+      kv_put(P, row + P.k_off, head, hd, l);
+      barrier();
+      F32C vy = F32C(pc.y[2] + (uint64_t(t) * pc.rows[2] + head * hd) * 4u);
+      for (uint e = l; e < hd; e += 32u) kv_h[e] = vy.v[e];
+      barrier();
+      kv_put(P, row + P.v_off, head, hd, l);
+      barrier();
+    }
+    return;
   }
   if ((pc.flags & 2u) == 0u) return;
   // The last workgroup rounds y for the next matmul (quant_act.comp's norm path, step for step).
