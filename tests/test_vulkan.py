@@ -379,37 +379,41 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
             f"GEMVI8={mode}: decode logits differ from gemv_i8's (max {np.abs(got - want).max():.3g})"
 
 
-def test_q8_mode_decode_tails_alike(tiny, monkeypatch):
+def test_gemv_tails_alike(request, monkeypatch):
     """q8 mode end to end: decodes whose glu before ffn down is computed and rounded by the gate /
     up GEMV's per-block tails (gemv_i8x.comp flags 4, DASLLAMA_VULKAN_GLUTAIL unset) and whose
     ropes and KV store are done by the Q/K/V GEMV's per-head tails (flags 8, KVTAIL unset) get
     the logits of the same decodes without them (quant_act32 and kv_store dispatches) bit for
-    bit: one session (1 token a step, the tails' case) over f16, f32 and q8_0 caches, and three
-    stepping together (3 tokens: their ropes and stores stay apart). Run on the GPUs' paths by
-    test_decode_tails_on_lavapipe, which checks that the tails ran; lavapipe's own path keeps f32
+    bit: one session (1 token a step, and a 3-token step) over f16, f32 and q8_0 caches, and three
+    sessions stepping together (3 tokens: their ropes and stores stay apart). Run on the GPUs' paths by
+    test_gemv_tails_on_lavapipe, which checks that the tails ran; lavapipe's own path keeps f32
     activations, where the switches change nothing."""
-    ids = [1] + np.random.default_rng(14).integers(3, E.VOCAB, 24).tolist()
-    m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+    ids = [1] + np.random.default_rng(14).integers(3, E.VOCAB, 12).tolist()
+    # (the model test_gemv_tails_on_lavapipe's process made, where it hands one down)
+    path = os.environ.get("DASLLAMA_TEST_TAILS_MODEL") or request.getfixturevalue("tiny")["q8_0"]
+    m = d.load_model(path, d.QuantMode.q8, device="vulkan")
 
     def decode(glu, kv):
         monkeypatch.setenv("DASLLAMA_VULKAN_GLUTAIL", glu)
         monkeypatch.setenv("DASLLAMA_VULKAN_KVTAIL", kv)
         ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
         for i, t in enumerate(ss):
-            d.eval(m, t, ids[:12 + i])
+            d.eval(m, t, ids[:6 + i])
         rows = []
-        for tok in ids[15:18]:  # one session alone, each step recorded then replayed
+        for tok in ids[6:9]:  # one session alone, each step recorded then replayed
             d.eval(m, ss[0], [tok])
             rows.append(np.array(ss[0].logits))
         ws = d.create_batch_workspace(m)
-        d.eval_batch(m, ws, ss, [ids[19 + i] for i in range(3)])
+        d.eval_batch(m, ws, ss, [ids[9 + i] for i in range(3)])
         rows += [np.array(t.logits) for t in ss]
         for kvt in (d.KVDtype.f32, d.KVDtype.q8_0):  # the tail's other cache rows (f16 above)
             t = d.create_session(m, kvt, n_ctx=len(ids))
-            d.eval(m, t, ids[:12])
-            for tok in ids[12:14]:
+            d.eval(m, t, ids[:6])
+            for tok in ids[6:8]:
                 d.eval(m, t, [tok])
                 rows.append(np.array(t.logits))
+            d.eval(m, t, ids[8:11], all_logits=True)  # 3 tokens of one session: the tails too
+            rows += list(np.array(t.logits).reshape(3, -1))
         return np.stack(rows)
 
     want = decode("0", "0")
@@ -418,8 +422,8 @@ def test_q8_mode_decode_tails_alike(tiny, monkeypatch):
         f"decode logits with the tails differ from those without (max {np.abs(got - want).max():.3g})"
 
 
-def test_decode_tails_on_lavapipe():
-    """test_q8_mode_decode_tails_alike forced onto the GPUs' paths (q8-mode decode on gemv_i8x),
+def test_gemv_tails_on_lavapipe(tiny):
+    """test_gemv_tails_alike forced onto the GPUs' paths (q8-mode decode on gemv_i8x),
     with DASLLAMA_VULKAN_STEPS=1 so the backend reports its folds and each recorded step's
     dispatches: both tails ran, and the one-token step lost one dispatch a layer to each (the
     GLU tail a quant_act32, the KV tail the kv_store)."""
@@ -428,9 +432,10 @@ def test_decode_tails_on_lavapipe():
 
     here = os.path.dirname(__file__)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_vulkan.py"), "-k", "decode_tails_alike"],
+                        os.path.join(here, "test_vulkan.py"), "-k", "gemv_tails_alike"],
                        env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
-                                DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0"),
+                                DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0",
+                                DASLLAMA_TEST_TAILS_MODEL=tiny["q8_0"]),
                        capture_output=True, text=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
