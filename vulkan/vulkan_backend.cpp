@@ -2262,20 +2262,37 @@ class VulkanBackend final : public Backend {
     return A(b->data());
   }
   // A constant block of parameters in device memory (what a push-constant block has no room
-  // for), made once per content: a recorded step replays the same address. Null when the pool
-  // (kConstBlocks of 256 bytes) is full.
-  static constexpr size_t kConstBlocks = 4096;
+  // for), made once per content, so a recorded step replays the same address. When all
+  // kConstBlocks slots (256 bytes each) are taken, one no command of the step being recorded
+  // uses is written over (round robin): a cached step that named it replays only when a new
+  // recording's signature equals its own, i.e. when that recording wants the slot's present
+  // content. Null when none is free (a step past kConstBlocks blocks: the caller does without).
+  static constexpr size_t kConstBlocks = 4096, kConstPer = 256;  // slots, slots a buffer
   uint64_t const_block(const void* p, size_t n) {
+    if (n > 256) return 0;
     const std::string key(static_cast<const char*>(p), n);
+    const uint64_t serial = c_->step_serial();
     auto it = const_blocks_.find(key);
-    if (it != const_blocks_.end()) return it->second;
-    if (n > 256 || const_blocks_.size() >= kConstBlocks) return 0;
-    const size_t per = 256;  // blocks a buffer
-    if (const_blocks_.size() % per == 0) const_bufs_.push_back(alloc(per * 256, "constant blocks"));
-    const uint64_t at = A(const_bufs_.back()->data()) + (const_blocks_.size() % per) * 256;
-    c_->upload(at, p, n);  // staged: before the step that reads it
-    const_blocks_.emplace(key, at);
-    return at;
+    if (it != const_blocks_.end()) {
+      const_slots_[it->second].serial = serial;
+      return const_slots_[it->second].at;
+    }
+    size_t slot = const_slots_.size();
+    if (slot < kConstBlocks) {
+      if (slot % kConstPer == 0) const_bufs_.push_back(alloc(kConstPer * 256, "constant blocks"));
+      const_slots_.push_back({A(const_bufs_.back()->data()) + (slot % kConstPer) * 256, serial, ""});
+    } else {
+      size_t k = 0;
+      while (k < kConstBlocks && const_slots_[const_next_].serial == serial) ++k, const_next_ = (const_next_ + 1) % kConstBlocks;
+      if (k == kConstBlocks) return 0;
+      slot = const_next_, const_next_ = (const_next_ + 1) % kConstBlocks;
+      const_blocks_.erase(const_slots_[slot].key);
+      const_slots_[slot].serial = serial;
+    }
+    const_slots_[slot].key = key;
+    const_blocks_.emplace(key, slot);
+    c_->upload(const_slots_[slot].at, p, n);  // staged: after the commands before, before the step's
+    return const_slots_[slot].at;
   }
   // gemv_i8x.comp's KvP, byte for byte (std430: the six addresses, then 4-byte fields).
   struct KvTailParams {
@@ -2328,7 +2345,13 @@ class VulkanBackend final : public Backend {
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
   BufferPtr i8_glu_;  // the GLU tail's rounded glu rows (apart from i8_buf_, which its GEMV still reads)
   BufferPtr tail_cnt_[2];  // the GLU and KV tails' counters (tail_counters)
-  std::map<std::string, uint64_t> const_blocks_;  // const_block's, by content
+  std::map<std::string, size_t> const_blocks_;  // const_block's slots, by content
+  struct ConstSlot {
+    uint64_t at, serial;  // its address; the step that last used it
+    std::string key;
+  };
+  std::vector<ConstSlot> const_slots_;
+  size_t const_next_ = 0;  // where the round robin looks next
   std::vector<BufferPtr> const_bufs_;
   uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
