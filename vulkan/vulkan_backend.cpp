@@ -1154,18 +1154,18 @@ class VulkanBackend final : public Backend {
     gx_ = GemvX{};
     if (norm && gx.valid && normtail_on() && gemvi8_mode() && c_->recording() && gx.serial == c_->step_serial() &&
         gx.kept == c_->kept() && A(gx.y) == A(x) && gx.n == n && gx.w->rows == cols && A(norm_w) % 4 == 0 &&
-        gx.in_q == i8_xq_) {  // (the scratch was not made anew for these rows)
+        (gx.in_q == i8_xq_ ||  // (the scratch was not made anew for these rows) or ffn down read the GLU tail's
+         (i8_glu_ && gx.in_q == A(i8_glu_->data()) && i8_glu_->size() >= qb + db))) {
       c_->unkeep_last(gx.sig0);
       const Weight* ws[1] = {gx.w};
       float* ys[1] = {gx.y};
       ++fused_norm_tail_;
-      // i8_xq_ / i8_xd_ are the scratch's layout for these rows; the GEMV reads its own input
-      // there first (every workgroup has, before the last one writes).
+      // The tail writes these rows where the GEMV read its own input (every workgroup has, before
+      // the last one writes), in quant_act's layout for them: the next matmul reads them there.
       const uint64_t in_q = gx.in_q, in_d = gx.in_d;
-      const uint64_t out_q = i8_xq_, out_d = i8_xd_;
       i8_xq_ = in_q, i8_xd_ = in_d;
       gemv_i8x(ws, ys, 1, n, true, true, norm_w, eps);
-      i8_xq_ = out_q, i8_xd_ = out_d;
+      i8_xq_ = in_q, i8_xd_ = in_q + qb;
       return;
     }
     // The attention just kept rounded these rows already (attention(), attn_q8_).
@@ -1354,7 +1354,7 @@ class VulkanBackend final : public Backend {
     const int64_t tc = ws[0]->rows;
     const uint64_t tqb = ((uint64_t)(n * tc) + 255) & ~uint64_t(255), tdb = (uint64_t)(n * (tc / 32)) * 4;
     if (tail) pc.flags |= 2u, pc.nw = A(tail_nw), pc.cnt = glu_counter(), pc.eps = tail_eps;
-    const uint64_t sb = tail ? A(i8_buf_->data()) : 0;
+    const uint64_t sb = tail ? i8_xq_ : 0;  // (the GEMV's own input scratch: the tail writes over it)
     if (kt) {  // Q, K, V: the ropes and the KV store in per-head tails
       pc.flags |= 8u, pc.nw = kt->params, pc.cnt = tail_counters(1, kt->heads);
       c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
