@@ -24,9 +24,9 @@ folded into quant_act, the attention output rounded in the attention dispatch);
 GEMVI8=3: the same, q8_0 a block a lane; GEMVI8=4: the same, two windows of k loaded ahead;
 GEMVI8=2+NORMTAIL: and the normed rounding after a residual GEMV done by its last workgroup;
 GLUTAIL=0: the glu before ffn down folded into quant_act32, not computed and rounded by the gate /
-up GEMV's per-block tails; KVTAIL=0: the ropes and the KV store one kv_store dispatch, not the
-Q/K/V GEMV's per-head tails; TAILS=0: both (the tails are the default since the fifteenth
-session: 7 dispatches a layer, not 9);
+up GEMV's per-block tails (the default since the fifteenth session); KVTAIL=1: the ropes and the
+KV store in the Q/K/V GEMV's per-head tails, not a kv_store dispatch (opt-in: slower on the
+H200); KVTAIL=0, TAILS=0: the KV tail off, both off;
 READBACK=uncached: downloads into the first host-visible memory type, not a host-cached one),
 and "old": all of them off, the stream before this work (but for the q4_0 split layout, which
 DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
@@ -74,6 +74,7 @@ CONFIGS = {
     "GEMVI8=2+NORMTAIL": {"DASLLAMA_VULKAN_GEMVI8": "2", "DASLLAMA_VULKAN_NORMTAIL": "1"},
     "GLUTAIL=0": {"DASLLAMA_VULKAN_GLUTAIL": "0"},
     "KVTAIL=0": {"DASLLAMA_VULKAN_KVTAIL": "0"},
+    "KVTAIL=1": {"DASLLAMA_VULKAN_KVTAIL": "1"},
     "TAILS=0": {"DASLLAMA_VULKAN_GLUTAIL": "0", "DASLLAMA_VULKAN_KVTAIL": "0"},
     "READBACK=uncached": {"DASLLAMA_VULKAN_READBACK": "uncached"},
     "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",

@@ -382,7 +382,7 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
 def test_gemv_tails_alike(request, monkeypatch):
     """q8 mode end to end: decodes whose glu before ffn down is computed and rounded by the gate /
     up GEMV's per-block tails (gemv_i8x.comp flags 4, DASLLAMA_VULKAN_GLUTAIL unset) and whose
-    ropes and KV store are done by the Q/K/V GEMV's per-head tails (flags 8, KVTAIL unset) get
+    ropes and KV store are done by the Q/K/V GEMV's per-head tails (flags 8, KVTAIL=1) get
     the logits of the same decodes without them (quant_act32 and kv_store dispatches) bit for
     bit: one session (1 token a step, and a 3-token step) over f16, f32 and q8_0 caches, and three
     sessions stepping together (3 tokens: their ropes and stores stay apart). Run on the GPUs' paths by

@@ -1401,12 +1401,13 @@ class VulkanBackend final : public Backend {
     const char* e = std::getenv("DASLLAMA_VULKAN_NORMTAIL");
     return e && std::strcmp(e, "1") == 0;
   }
-  // DASLLAMA_VULKAN_KVTAIL=0 (read at each store): in recorded decode steps with GEMVI8 on, the
-  // ropes and the KV store stay one kv_store dispatch after the Q/K/V GEMV rather than in that
-  // GEMV's per-head tails (gemv_i8x.comp flags 8; for A/B runs: the same bits either way).
+  // DASLLAMA_VULKAN_KVTAIL=1 (read at each store): in recorded decode steps with GEMVI8 on, the
+  // ropes and the KV store go into the Q/K/V GEMV's per-head tails (gemv_i8x.comp flags 8; the
+  // same bits either way) rather than one kv_store dispatch after it. Opt-in: on the H200 the
+  // tails cost more than the dispatch they save (Llama-1B Q8_0 decode 513 -> 489 t/s, RESULTS.md).
   static bool kvtail_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_KVTAIL");
-    return !(e && std::strcmp(e, "0") == 0);
+    return e && std::strcmp(e, "1") == 0;
   }
   // DASLLAMA_VULKAN_GLUTAIL=0 (read at each fold): in recorded decode steps with GEMVI8 on, the
   // glu before ffn down stays folded into quant_act32 rather than into the gate / up GEMV's
