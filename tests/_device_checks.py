@@ -219,13 +219,10 @@ def audio_tower_and_turn(tmp_path, device: str, seconds: int, max_new: int) -> N
     assert replies[device] == replies["cpu"]
 
 
-def qwen3_asr_tower_and_transcribe(tmp_path, device: str, smollm2_path, max_new: int) -> None:
+def qwen3_asr_tower_and_transcribe(files: dict, device: str, max_new: int) -> None:
     """A Qwen3-ASR tower's rows (the conv2d stem, 8 s attention windows) and a greedy transcription,
-    equal to the CPU's; the files come from llama.cpp's converter (tests/oracles/qwen3asr.py)."""
-    import moe as M  # tests/oracles/moe.py
-    import qwen3asr as Q  # tests/oracles/qwen3asr.py
-
-    _, dec, mm = Q.build(Q.asr_tokenizer(M.tokenizer(str(smollm2_path))), str(tmp_path))
+    equal to the CPU's; the files come from llama.cpp's converter (conftest.py's qwen3_asr_files)."""
+    dec, mm = files["decoder"], files["mmproj"]
     x = np.random.default_rng(0).standard_normal(16000 * 11).astype(np.float32) * 0.1
     rows = {dev: d.encode_audio_rows(d.load_audio_tower(mm, device=dev), x) for dev in ("cpu", device)}
     assert nmse(rows[device], rows["cpu"]) <= 1e-9

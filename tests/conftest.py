@@ -1,6 +1,9 @@
 """Shared fixtures: real models are pulled through the hub (never skipped)."""
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 
 
@@ -16,3 +19,33 @@ def gemma3_path():
     from dasllama import hub
 
     return hub.pull("gemma3-270m")
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    """hf_tokenizer(path): transformers' tokenizer built from a GGUF file (the tokenizer oracle),
+    once per file a session: gemma3's 262k-token vocabulary takes ~20 s to convert. Shared, so
+    callers only read it (deepcopy it to change it)."""
+    return lambda path: _hf_tokenizer(str(path))
+
+
+@pytest.fixture(scope="session")
+def qwen3_asr_files(tmp_path_factory, smollm2_path):
+    """A tiny random Qwen3-ASR written by llama.cpp's converter (tests/oracles/qwen3asr.py: two
+    converter runs), shared by test_qwen3_asr.py and the device tests: {"hf", "tok", "decoder", "mmproj"}."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
+    import moe as M
+    import qwen3asr as Q
+
+    tok = Q.asr_tokenizer(M.tokenizer(str(smollm2_path)))
+    m, dec, mm = Q.build(tok, str(tmp_path_factory.mktemp("qwen3asr")))
+    return {"hf": m, "tok": tok, "decoder": dec, "mmproj": mm}

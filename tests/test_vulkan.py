@@ -131,8 +131,8 @@ def test_audio_tower_and_turn(tmp_path):
     C.audio_tower_and_turn(tmp_path, "vulkan", seconds=2, max_new=8)
 
 
-def test_qwen3_asr_tower_and_transcribe(tmp_path, smollm2_path):
-    C.qwen3_asr_tower_and_transcribe(tmp_path, "vulkan", smollm2_path, max_new=8)
+def test_qwen3_asr_tower_and_transcribe(qwen3_asr_files):
+    C.qwen3_asr_tower_and_transcribe(qwen3_asr_files, "vulkan", max_new=8)
 
 
 def test_subgroup_path_on_lavapipe():
