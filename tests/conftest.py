@@ -49,3 +49,15 @@ def qwen3_asr_files(tmp_path_factory, smollm2_path):
     tok = Q.asr_tokenizer(M.tokenizer(str(smollm2_path)))
     m, dec, mm = Q.build(tok, str(tmp_path_factory.mktemp("qwen3asr")))
     return {"hf": m, "tok": tok, "decoder": dec, "mmproj": mm}
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_path):
+    """transformers' SmolLM2 from the same GGUF in fp32 (the logits oracle), built once a session:
+    test_kv and test_llm (twice) each took ~20 s to build it. Shared, so callers only run it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(str(smollm2_path)),
+                                                gguf_file=os.path.basename(str(smollm2_path)),
+                                                torch_dtype=torch.float32).eval()
