@@ -1,7 +1,6 @@
 """Shared fixtures: real models are pulled through the hub (never skipped)."""
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -21,19 +20,18 @@ def gemma3_path():
     return hub.pull("gemma3-270m")
 
 
-@functools.lru_cache(maxsize=None)
-def _hf_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-
-
 @pytest.fixture(scope="session")
 def hf_tokenizer():
     """hf_tokenizer(path): transformers' tokenizer built from a GGUF file (the tokenizer oracle),
-    once per file a session: gemma3's 262k-token vocabulary takes ~20 s to convert. Shared, so
-    callers only read it (deepcopy it to change it)."""
-    return lambda path: _hf_tokenizer(str(path))
+    once per file a session (tests/oracles/moe.py's cache, which the oracles' own fixtures share):
+    gemma3's 262k-token vocabulary takes ~20 s to convert. Shared, so callers only read it
+    (deepcopy it to change it)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
+    import moe as M
+
+    return lambda path: M.tokenizer(str(path))
 
 
 @pytest.fixture(scope="session")
