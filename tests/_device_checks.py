@@ -20,6 +20,25 @@ def nmse(a, ref) -> float:
     return float(np.sum((a - ref) ** 2) / np.sum(ref ** 2))
 
 
+def built_once(out_dir, name: str, make) -> tuple:
+    """make(folder) -> file paths, run in out_dir/name unless an earlier call (in this run, or in
+    the pytest run that started this one and shares out_dir) left its files there."""
+    import json
+    import os
+
+    folder = os.path.join(str(out_dir), name)
+    meta = os.path.join(folder, "files.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            return tuple(json.load(f))
+    os.makedirs(folder, exist_ok=True)
+    files = tuple(make(folder))
+    with open(meta + ".tmp", "w") as f:
+        json.dump(files, f)
+    os.replace(meta + ".tmp", meta)  # written last: a listed file is whole
+    return files
+
+
 def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) -> None:
     """A prompt's cold logits match the CPU's; attaching its cached pages gives the cold logits;
     a ragged step (one 9-token prefill beside two decodes) gives each session its logits alone."""
@@ -219,13 +238,10 @@ def audio_tower_and_turn(tmp_path, device: str, seconds: int, max_new: int) -> N
     assert replies[device] == replies["cpu"]
 
 
-def qwen3_asr_tower_and_transcribe(tmp_path, device: str, smollm2_path, max_new: int) -> None:
+def qwen3_asr_tower_and_transcribe(files: dict, device: str, max_new: int) -> None:
     """A Qwen3-ASR tower's rows (the conv2d stem, 8 s attention windows) and a greedy transcription,
-    equal to the CPU's; the files come from llama.cpp's converter (tests/oracles/qwen3asr.py)."""
-    import moe as M  # tests/oracles/moe.py
-    import qwen3asr as Q  # tests/oracles/qwen3asr.py
-
-    _, dec, mm = Q.build(Q.asr_tokenizer(M.tokenizer(str(smollm2_path))), str(tmp_path))
+    equal to the CPU's; the files come from llama.cpp's converter (conftest.py's qwen3_asr_files)."""
+    dec, mm = files["decoder"], files["mmproj"]
     x = np.random.default_rng(0).standard_normal(16000 * 11).astype(np.float32) * 0.1
     rows = {dev: d.encode_audio_rows(d.load_audio_tower(mm, device=dev), x) for dev in ("cpu", device)}
     assert nmse(rows[device], rows["cpu"]) <= 1e-9
@@ -242,7 +258,7 @@ def vision_tower_and_turn(tmp_path, device: str, max_new: int) -> None:
     import vision as V  # tests/oracles/vision.py
 
     # A window of 8 with the image ending past it: the span's sliding layers attend row by row too.
-    dec, mm = V.convert_gemma3(V.gemma3(sliding_window=8), str(tmp_path))
+    dec, mm = built_once(tmp_path, "gemma3v-sw8", lambda out: V.convert_gemma3(V.gemma3(sliding_window=8), out))
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)
     rows = {dev: d.encode_image_rows(d.load_vision_embedder(mm, device=dev), img) for dev in ("cpu", device)}
@@ -296,10 +312,10 @@ def qwen_vision_tower_and_turn(tmp_path, device: str, family: str, max_new: int)
     import vision as V  # tests/oracles/vision.py
 
     if family == "qwen25v":
-        dec, mm = V.convert_qwen25vl(V.qwen25vl(), str(tmp_path))
+        dec, mm = built_once(tmp_path, family, lambda out: V.convert_qwen25vl(V.qwen25vl(), out))
         lo, hi = V.QWEN_MIN_PIXELS, V.QWEN_MAX_PIXELS
     else:
-        dec, mm = V.convert_qwen3vl(V.qwen3vl(), str(tmp_path))
+        dec, mm = built_once(tmp_path, family, lambda out: V.convert_qwen3vl(V.qwen3vl(), out))
         lo, hi = V.QWEN3_MIN_PIXELS, V.QWEN3_MAX_PIXELS
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, (200, 290, 3), dtype=np.uint8)  # several 112-pixel windows for qwen25v

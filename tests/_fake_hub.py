@@ -6,7 +6,8 @@ utils/_http.py of the installed version):
 * ``GET /api/models/{repo}/tree/{rev}[/{path}]?recursive=&expand=`` -> a JSON list of
   ``{"type": "file"|"directory", "oid", "size", "path", "lfs": {"oid", "size", "pointerSize"}}``
   (list_repo_tree / list_repo_files; one page, so no ``Link: rel="next"`` header).
-* ``GET /api/models/{repo}/revision/{rev}`` -> model info with ``sha`` and ``siblings``.
+* ``GET /api/models/{repo}/revision/{rev}`` -> model info with ``sha`` and ``siblings``
+  (model_info: dasllama's file list, as snapshot_download's).
 * ``HEAD|GET /{repo}/resolve/{rev}/{path}``: small files answer 200 with ``ETag`` (the
   git blob id), ``X-Repo-Commit`` and ``Content-Length``; LFS files answer 302 to a CDN
   URL on a second loopback server (another origin, as the Hub's CDN is: the client

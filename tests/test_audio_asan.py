@@ -6,20 +6,14 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
-from pathlib import Path
 
 import _gguf_helpers as h
 import test_audio_fuzz as F
-from test_gguf_asan import BUILD, ROOT, _tool
+from test_gguf_asan import BUILD, build
 
 
 def test_audio_loader_under_asan(tmp_path):
-    cmake, ninja = _tool("cmake"), _tool("ninja")
-    subprocess.run([cmake, "-S", str(ROOT), "-B", str(BUILD), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
-                    "-DDASLLAMA_TOOLS=ON", "-DDASLLAMA_SANITIZE=address", "-DDASLLAMA_CUDA=OFF", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"],
-                   check=True, capture_output=True)
-    subprocess.run([ninja, "-C", str(BUILD), "audio_fuzz"], check=True, capture_output=True)
+    build("audio_fuzz")
 
     rng = random.Random(99)
     paths = []

@@ -23,12 +23,6 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def _hf_tok(path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(str(path)), gguf_file=os.path.basename(str(path)))
-
-
 def _hf_ids(tok, messages, template=None, **kw):
     out = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True, **kw)
     return list(out["input_ids"])
@@ -40,8 +34,8 @@ def smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf(smollm2_path):
-    return _hf_tok(smollm2_path)
+def smollm2_hf(smollm2_path, hf_tokenizer):
+    return hf_tokenizer(smollm2_path)
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +89,9 @@ def test_render_close_is_the_templates_turn_end(smollm2, smollm2_hf):
     assert smollm2_hf.convert_tokens_to_ids("<|im_end|>") in d.effective_stop_ids(chat)
 
 
-def test_gemma3_family_default_folds_system(gemma3_path):
+def test_gemma3_family_default_folds_system(gemma3_path, hf_tokenizer):
     model = d.load_model(gemma3_path)
-    hf = _hf_tok(gemma3_path)
+    hf = hf_tokenizer(gemma3_path)
     assert not hf.chat_template  # the file carries no template: ours is the family default
     c = d.caps(model)
     assert c.system_prompt is False and c.audio is False and c.vision is False

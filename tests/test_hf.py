@@ -152,9 +152,9 @@ def test_pull_default_quant_into_the_hf_cache(fake, tmp_path):
     assert path.read_bytes() == fake.repos["org/tiny-GGUF"].files["tiny-Q4_K_M.gguf"]
     assert path.is_symlink() and (tmp_path / "hub" / "models--org--tiny-GGUF" / "blobs").is_dir()  # HF cache layout
     assert "mmproj-tiny-F16.gguf" in r.stderr and "--mmproj auto" in r.stderr
-    # The client's calls: the tree listing, then HEAD on resolve and the redirected GET on the CDN.
+    # The client's calls: the repo info (its file list), then HEAD on resolve and the redirected GET on the CDN.
     paths = [(m, p) for m, p, _, _ in fake.log]
-    assert ("GET", "/api/models/org/tiny-GGUF/tree/main") in paths
+    assert ("GET", "/api/models/org/tiny-GGUF/revision/main") in paths
     assert ("HEAD", "/org/tiny-GGUF/resolve/main/tiny-Q4_K_M.gguf") in paths
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     assert ("GET", f"/cdn/{sha}") in paths

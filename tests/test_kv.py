@@ -117,14 +117,11 @@ def test_f16_cache_rows_convert_exactly(m32, isa):
     assert (got.argmax(1) == base.argmax(1)).all()  # other ISAs reassociate the matmuls
 
 
-def test_paged_matches_transformers(m32, smollm2_path):
+def test_paged_matches_transformers(m32, smollm2_hf_model):
     """The paged path against the oracle directly (pages of 8 rows, f32 KV)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
-                                              gguf_file=os.path.basename(smollm2_path),
-                                              torch_dtype=torch.float32).eval()
+    hf = smollm2_hf_model
     ids = d.encode(m32, PROMPT)
     pool = d.create_kv_pool(m32, page_rows=8, kv_dtype=d.KVDtype.f32)
     got = _prefill_decode(m32, d.create_session(m32, pool), ids, 5)

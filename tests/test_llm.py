@@ -33,8 +33,11 @@ FP32_BAR = 1e-3
 def pair(request):
     path = request.getfixturevalue(request.param + "_path")
     ours = d.load_model(path, mode=d.QuantMode.fp32)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              torch_dtype=torch.float32).eval()
+    if request.param == "smollm2":
+        hf = request.getfixturevalue("smollm2_hf_model")
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  torch_dtype=torch.float32).eval()
     return request.param, path, ours, hf
 
 
@@ -281,11 +284,8 @@ def test_stepper_sampled_streams_draw_as_alone(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_ref(smollm2_path):
-    m = d.load_model(smollm2_path, mode=d.QuantMode.fp32)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
-                                              torch_dtype=torch.float32).eval()
-    return m, hf
+def smollm2_ref(smollm2_path, smollm2_hf_model):
+    return d.load_model(smollm2_path, mode=d.QuantMode.fp32), smollm2_hf_model
 
 
 @pytest.mark.parametrize("isa", d.system_info()["isa_supported"])

@@ -21,7 +21,6 @@ import torch
 import dasllama as d
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
-import moe as M  # noqa: E402
 import qwen3asr as Q  # noqa: E402
 from speech import speak  # noqa: E402
 
@@ -29,12 +28,9 @@ SR = 16000
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, smollm2_path):
-    tmp = tmp_path_factory.mktemp("qwen3asr")
-    tok = Q.asr_tokenizer(M.tokenizer(str(smollm2_path)))
-    m, dec, mm = Q.build(tok, str(tmp))
-    return {"hf": m, "tok": tok, "decoder": dec, "mmproj": mm, "dir": tmp,
-            "tower": d.load_audio_tower(mm), "asr": d.load_asr_model(dec, mode=d.QuantMode.fp32)}
+def built(qwen3_asr_files):
+    f = qwen3_asr_files
+    return dict(f, tower=d.load_audio_tower(f["mmproj"]), asr=d.load_asr_model(f["decoder"], mode=d.QuantMode.fp32))
 
 
 @pytest.fixture(scope="module")

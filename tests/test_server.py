@@ -63,11 +63,9 @@ def user(q):
     return [{"role": "user", "content": q}]
 
 
-def test_prompt_matches_transformers_chat_template(oai, model, smollm2_path):
+def test_prompt_matches_transformers_chat_template(oai, model, smollm2_path, hf_tokenizer):
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    tok = hf_tokenizer(smollm2_path)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
     hf = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     hf = hf["input_ids"] if isinstance(hf, dict) or hasattr(hf, "keys") else hf
@@ -366,12 +364,10 @@ def qwen_app(model):
     app.state.engine.stop()
 
 
-def test_tool_conversation_prompt_matches_transformers(qwen_app, smollm2_path):
+def test_tool_conversation_prompt_matches_transformers(qwen_app, smollm2_path, hf_tokenizer):
     """OpenAI-shaped history (arguments as JSON text, tool results) renders as transformers renders it."""
-    from transformers import AutoTokenizer
-
     _, _, cl = qwen_app
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    tok = hf_tokenizer(smollm2_path)
     wire = [{"role": "system", "content": "You help with weather."},
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [

@@ -85,12 +85,6 @@ CORPUS = corpus()
 
 
 # --------------------------------------------------------------------------------------------
-def _hf(path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
-
-
 @functools.lru_cache(maxsize=None)
 def _ours(path: Path):
     return _core.Tokenizer.from_gguf(str(path))
@@ -99,7 +93,7 @@ def _ours(path: Path):
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def pair(request):
     path = request.getfixturevalue(request.param + "_path")
-    return request.param, _ours(path), _hf(path)
+    return request.param, _ours(path), request.getfixturevalue("hf_tokenizer")(path)
 
 
 def _mismatches(a, b, texts):

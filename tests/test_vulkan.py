@@ -18,8 +18,10 @@ import pytest
 import dasllama as d
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracles"))
-import export as E  # noqa: E402
 import _device_checks as C  # noqa: E402
+
+# tests/oracles/export.py's vocabulary size, without importing it (and torch) where `tiny` is handed down.
+VOCAB = 512
 
 _VK = d.system_info()["devices"]["vulkan"]
 pytestmark = pytest.mark.skipif(not _VK["devices"], reason="no Vulkan device here: " + (_VK["error"] or "none found"))
@@ -57,18 +59,56 @@ def test_smollm2_logits_and_greedy(smollm2_path):
     assert out["vulkan"][1] == out["cpu"][1]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random llama-family model, f32 from the exporter and q8_0 requantized."""
-    from dasllama.convert import requantize
+# Files that several tests use (the tiny model, the converted vision models) are built once into
+# one folder. The lavapipe tests below rerun cases of this file in child pytest runs (other
+# switches in the environment) and hand the folder down here, so a child builds nothing again.
+BUILT_ENV = "DASLLAMA_TEST_VK_BUILT"
 
-    out = tmp_path_factory.mktemp("vk-gguf")
-    fam = E.FAMILIES["llama"]
-    f32 = str(out / "llama-f32.gguf")
-    E.write_gguf(fam, fam.make(), f32, "f32", E.spm_model_proto())
-    q8 = str(out / "llama-q8_0.gguf")
-    requantize(f32, q8, "q8_0")
+
+@pytest.fixture(scope="module")
+def built_dir(tmp_path_factory):
+    return os.environ.get(BUILT_ENV) or str(tmp_path_factory.mktemp("vk-built"))
+
+
+@pytest.fixture(scope="module")
+def tiny(built_dir):
+    """A tiny random llama-family model, f32 from the exporter and q8_0 requantized."""
+
+    def make(out):
+        from dasllama.convert import requantize
+        import export as E  # tests/oracles/export.py
+
+        assert E.VOCAB == VOCAB
+        fam = E.FAMILIES["llama"]
+        f32 = os.path.join(out, "llama-f32.gguf")
+        E.write_gguf(fam, fam.make(), f32, "f32", E.spm_model_proto())
+        q8 = os.path.join(out, "llama-q8_0.gguf")
+        requantize(f32, q8, "q8_0")
+        return f32, q8
+
+    f32, q8 = C.built_once(built_dir, "llama-tiny", make)
     return {"f32": f32, "q8_0": q8}
+
+
+def _child(built_dir, env: dict, files, k: str, s: bool = False):
+    """A child pytest run of `files` (names in tests/) selected by `k`, with the switches in `env`
+    set and this run's built files handed down; returns its CompletedProcess (output captured)."""
+    import subprocess
+
+    here = os.path.dirname(__file__)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q"] + (["-s"] if s else []) + ["-p", "no:cacheprovider"] +
+                          [os.path.join(here, f) for f in files] + ["-k", k],
+                          env=dict(os.environ, **env, **{BUILT_ENV: built_dir}),
+                          capture_output=True, text=True)
+
+
+# Cases that the children below would run the same way as this run or another child does, left
+# out of their selections: test_matmul_q8_mode past 4 tokens (the decode GEMV variants' switches
+# act on 1 to 4 tokens; 7 and 20 take gemv_i8, 100 and 150 the int8 GEMM, as in
+# test_int8_prefill_on_lavapipe's children) and attention of fewer than 16 rows (DASLLAMA_VULKAN_FLASH
+# acts on 16 or more).
+Q8_PAST_4 = "7-512 or 20-512 or 100-512 or 150-416"
+ATTN_UNDER_16 = "tok1- or tok3- or tok5-"
 
 
 def teacher_forced(path, device, ids, kv):
@@ -80,7 +120,7 @@ def teacher_forced(path, device, ids, kv):
 
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0])
 def test_kv_types(tiny, kv):
-    ids = [1] + np.random.default_rng(2).integers(3, E.VOCAB, 40).tolist()
+    ids = [1] + np.random.default_rng(2).integers(3, VOCAB, 40).tolist()
     e = nmse(teacher_forced(tiny["q8_0"], "vulkan", ids, kv), teacher_forced(tiny["q8_0"], "cpu", ids, kv))
     assert e <= LOGIT_BAR, f"kv {kv.name}: NMSE {e:.3g}"
 
@@ -90,7 +130,7 @@ def test_decode_steps_replayed(tiny):
     records once and replays, with n_kv and the store's row read from the device; attention
     splits its keys past 64 and the step is recorded again as their count grows) against the
     CPU's teacher-forced logits over the same ids."""
-    ids = [1] + np.random.default_rng(4).integers(3, E.VOCAB, 229).tolist()
+    ids = [1] + np.random.default_rng(4).integers(3, VOCAB, 229).tolist()
     ref = teacher_forced(tiny["q8_0"], "cpu", ids, d.KVDtype.f16)[69:]
     m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
     s = d.create_session(m, d.KVDtype.f16, n_ctx=len(ids))
@@ -104,7 +144,7 @@ def test_decode_steps_replayed(tiny):
 
 
 def test_paged_prefix_cache_and_ragged_batch(tiny):
-    prompt = [1] + np.random.default_rng(3).integers(3, E.VOCAB, 40).tolist()
+    prompt = [1] + np.random.default_rng(3).integers(3, VOCAB, 40).tolist()
     C.paged_prefix_cache_and_ragged_batch(tiny["q8_0"], "vulkan", prompt)
 
 
@@ -131,32 +171,29 @@ def test_audio_tower_and_turn(tmp_path):
     C.audio_tower_and_turn(tmp_path, "vulkan", seconds=2, max_new=8)
 
 
-def test_qwen3_asr_tower_and_transcribe(tmp_path, smollm2_path):
-    C.qwen3_asr_tower_and_transcribe(tmp_path, "vulkan", smollm2_path, max_new=8)
+def test_qwen3_asr_tower_and_transcribe(qwen3_asr_files):
+    C.qwen3_asr_tower_and_transcribe(qwen3_asr_files, "vulkan", max_new=8)
 
 
-def test_subgroup_path_on_lavapipe():
+def test_subgroup_path_on_lavapipe(built_dir):
     """GPUs take matmul's subgroup path (and past 32 tokens the tiled one; matmul_id grouped by
     expert past 8 pairs), lavapipe the plain one; forced onto the GPUs' paths here, the op
     harness's matmul and matmul_id cases (float64 numpy and the CPU), the paged / prefix-cache /
     ragged-batch checks (a session's rows alike alone and in a batch) and the MoE families hold
-    too."""
+    too. (The q8-mode matmuls, which take the int8 path there whatever DASLLAMA_VULKAN_GEMM says,
+    run on it in test_int8_prefill_on_lavapipe's and test_int8_decode_gemv_on_lavapipe's children.)"""
     import subprocess
 
     env = dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1")
     probe = subprocess.run([sys.executable, "-c", "import dasllama as d; print(d.system_info()['devices']"
                             "['vulkan']['devices'][0]['features'])"], env=env, capture_output=True, text=True)
     assert probe.stdout.strip().split(", ")[0] == "subgroup matmul", probe.stdout + probe.stderr
-    here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
-                        "-k", "matmul or paged or moe"],
-                       env=env, capture_output=True, text=True)
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1"}, ("test_backend_ops.py", "test_vulkan.py"),
+               "(matmul or paged or moe) and not q8_mode")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     # Prefill's 128 x 64 GEMM (opt-in: slower than the 64 x 64 tiles on the H200) holds too.
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_backend_ops.py"), "-k", "matmul"],
-                       env=dict(env, DASLLAMA_VULKAN_GEMM="1"), capture_output=True, text=True)
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_GEMM": "1"}, ("test_backend_ops.py",),
+               "matmul and not q8_mode")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
@@ -165,7 +202,7 @@ def test_q8_mode_prefill_logits(tiny):
     all-row logits equal the CPU's in q8 mode (activations rounded to int8 as it rounds them)
     or, where the device keeps f32 activations (lavapipe's plain path), the CPU's in fp32 mode,
     up to the order of float sums either way; the two CPU modes are 1e-4 apart."""
-    ids = [1] + np.random.default_rng(8).integers(3, E.VOCAB, 99).tolist()
+    ids = [1] + np.random.default_rng(8).integers(3, VOCAB, 99).tolist()
 
     def rows(mode, device):
         m = d.load_model(tiny["q8_0"], mode, device=device)
@@ -178,7 +215,7 @@ def test_q8_mode_prefill_logits(tiny):
     assert min(e8, e32) <= LOGIT_BAR, f"q8-mode prefill: NMSE {e8:.3g} against the CPU's q8 mode, {e32:.3g} against fp32"
 
 
-def test_int8_prefill_on_lavapipe():
+def test_int8_prefill_on_lavapipe(built_dir):
     """q8-mode prefill (past 32 tokens on a GPU's path) rounds the activations to int8 blocks
     and runs the int8 GEMM (gemm_i8.comp; the int8 GEMV up to 32 tokens: gemv_q.comp, which
     rounds x itself, up to 4 (opt-in, DASLLAMA_VULKAN_GEMVQ=1), gemv_i8.comp past): forced onto the GPUs' paths here, the op harness's
@@ -187,9 +224,6 @@ def test_int8_prefill_on_lavapipe():
     product where lavapipe has it and with plain bytes, and the profile (which names every
     shader dispatched) shows the int8 shaders ran (128- and 64-row tiles), not the f32 tiles;
     where the device has int8 cooperative matrices (NVIDIA), their variant the same way."""
-    import subprocess
-
-    here = os.path.dirname(__file__)
     feats = _VK["devices"][0]["features"]
     dot = "int8 dot" in feats
     dots = ("gemm_i8_", "gemm_i8h_", "gemv_i8_", "gemv_q1_", "gemv_q2_", "gemv_q4_")
@@ -199,11 +233,9 @@ def test_int8_prefill_on_lavapipe():
     if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variant too
         runs.append(("coop", ("gemm_coop_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
     for mode, prefixes, files in runs:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"] +
-                           [os.path.join(here, f) for f in files] + ["-k", "q8_mode and not lavapipe"],
-                           env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_PROFILE="1",
-                                    DASLLAMA_VULKAN_I8=mode, DASLLAMA_VULKAN_GEMVQ="1"),
-                           capture_output=True, text=True)
+        # (Not gemv_variants_alike: with GEMVQ=1, 1 to 4 tokens take gemv_q whichever GEMVI8 it picks.)
+        r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_I8": mode,
+                          "DASLLAMA_VULKAN_GEMVQ": "1"}, files, "q8_mode and not lavapipe and not gemv_variants", s=True)
         out = r.stdout + r.stderr
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
         for sh in ("quant_act",) + tuple(p + t for p in prefixes for t in ("40", "41")):
@@ -212,11 +244,8 @@ def test_int8_prefill_on_lavapipe():
     # The glu before ffn down folded into gemv_q and the queries' rope into the KV store
     # (recorded steps only, which profiling turns off): a decode alone against the same rows in
     # a 42-row step (glu, quant_act, gemm_i8; rope dispatches).
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32"],
-                       env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
-                                DASLLAMA_VULKAN_GEMVQ="1"),
-                       capture_output=True, text=True)
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1", "DASLLAMA_VULKAN_GEMVQ": "1"},
+               ("test_vulkan.py",), "ragged_step_past_32", s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
@@ -224,7 +253,7 @@ def test_int8_prefill_on_lavapipe():
     assert folded and max(f[0] for f in folded) > 0 and max(f[1] for f in folded) > 0, out[-3000:]
 
 
-def test_int8_decode_gemv_on_lavapipe():
+def test_int8_decode_gemv_on_lavapipe(built_dir):
     """The q8-mode decode GEMV laid out for GPUs' memory (gemv_i8x.comp, DASLLAMA_VULKAN_GEMVI8=2,
     3 or 4: 1 to 4 tokens over quant_act's int8 rows, 2, 4 or 8 rows a workgroup, up to three
     weights a dispatch; 3: q8_0 a block a lane; 4: two windows of k loaded ahead), forced onto
@@ -237,19 +266,18 @@ def test_int8_decode_gemv_on_lavapipe():
     the attention output rounded by attention (and, with DASLLAMA_VULKAN_NORMTAIL=1, the normed
     rounding after a residual GEMV done by its last workgroup), and decodes past 64 keys against
     gemv_i8's."""
-    import subprocess
-
-    here = os.path.dirname(__file__)
     dot = "int8 dot" in _VK["devices"][0]["features"]
     # (GEMVI8, I8, the variants' rows a workgroup at 1, 2 and 4 tokens)
     runs = [("2", "1", (4, 4, 4)), ("2r2", "plain", (2, 2, 2)), ("3r8", "1", (8, 8, 4)), ("4", "plain", (4, 4, 4))]
+    seen = set()
     for mode, i8, rs in runs:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
-                            "-k", "(q8_mode and not prefill and not lavapipe) or ragged_step_past_32"],
-                           env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_PROFILE="1",
-                                    DASLLAMA_VULKAN_I8=i8, DASLLAMA_VULKAN_GEMVI8=mode, DASLLAMA_VULKAN_GEMVQ="0"),
-                           capture_output=True, text=True)
+        # gemv_variants_alike picks GEMVI8 itself: once with the dot product and once with bytes.
+        k = f"(q8_mode and not prefill and not lavapipe and not ({Q8_PAST_4})" + \
+            (" and not gemv_variants" if i8 in seen else "") + ") or ragged_step_past_32"
+        seen.add(i8)
+        r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_I8": i8,
+                          "DASLLAMA_VULKAN_GEMVI8": mode, "DASLLAMA_VULKAN_GEMVQ": "0"},
+                   ("test_backend_ops.py", "test_vulkan.py"), k, s=True)
         out = r.stdout + r.stderr
         assert r.returncode == 0, f"GEMVI8={mode} I8={i8}\n" + r.stdout[-3000:] + r.stderr[-2000:]
         for nt, rw in zip((1, 2, 4), rs):
@@ -265,12 +293,9 @@ def test_int8_decode_gemv_on_lavapipe():
     # workgroup: a decode alone against the same rows in a 42-row step (glu, quant_act,
     # gemm_i8), and decodes past 64 keys against gemv_i8's.
     for tail in ("0", "1"):
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            os.path.join(here, "test_vulkan.py"), "-k", "ragged_step_past_32 or gemv_variants_alike"],
-                           env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
-                                    DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0",
-                                    DASLLAMA_VULKAN_NORMTAIL=tail),
-                           capture_output=True, text=True)
+        r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1", "DASLLAMA_VULKAN_GEMVI8": "2",
+                          "DASLLAMA_VULKAN_GEMVQ": "0", "DASLLAMA_VULKAN_NORMTAIL": tail},
+                   ("test_vulkan.py",), "ragged_step_past_32 or gemv_variants_alike", s=True)
         out = r.stdout + r.stderr
         assert r.returncode == 0, f"NORMTAIL={tail}\n" + out[-3000:]
         folded = [[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in out.splitlines()
@@ -323,7 +348,7 @@ def test_q8_mode_ragged_step_past_32_rows(tiny):
     of 42 rows, past the 32 where a GPU's matmuls turn to the int8 GEMM) get the logits each
     gets decoding alone (a 1-row step, the GEMV). Run on the GPUs' paths by
     test_int8_prefill_on_lavapipe."""
-    ids = [1] + np.random.default_rng(5).integers(3, E.VOCAB, 60).tolist()
+    ids = [1] + np.random.default_rng(5).integers(3, VOCAB, 60).tolist()
     m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
     pool = d.create_kv_pool(m, page_rows=16)
     ss = [d.create_session(m, pool) for _ in range(3)]
@@ -351,7 +376,7 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
     after a residual GEMV in that GEMV's last workgroup). Run on the GPUs' paths by
     test_int8_decode_gemv_on_lavapipe (which checks that both folds ran); lavapipe's own path
     keeps f32 activations, where the switch changes nothing."""
-    ids = [1] + np.random.default_rng(12).integers(3, E.VOCAB, 89).tolist()
+    ids = [1] + np.random.default_rng(12).integers(3, VOCAB, 89).tolist()
     m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
 
     def decode(mode):
@@ -379,7 +404,7 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
             f"GEMVI8={mode}: decode logits differ from gemv_i8's (max {np.abs(got - want).max():.3g})"
 
 
-def test_gemv_tails_alike(request, monkeypatch):
+def test_gemv_tails_alike(tiny, monkeypatch):
     """q8 mode end to end: decodes whose glu before ffn down is computed and rounded by the gate /
     up GEMV's per-block tails (gemv_i8x.comp flags 4, DASLLAMA_VULKAN_GLUTAIL unset) and whose
     ropes and KV store are done by the Q/K/V GEMV's per-head tails (flags 8, KVTAIL=1) get
@@ -388,10 +413,8 @@ def test_gemv_tails_alike(request, monkeypatch):
     sessions stepping together (3 tokens: their ropes and stores stay apart). Run on the GPUs' paths by
     test_gemv_tails_on_lavapipe, which checks that the tails ran; lavapipe's own path keeps f32
     activations, where the switches change nothing."""
-    ids = [1] + np.random.default_rng(14).integers(3, E.VOCAB, 12).tolist()
-    # (the model test_gemv_tails_on_lavapipe's process made, where it hands one down)
-    path = os.environ.get("DASLLAMA_TEST_TAILS_MODEL") or request.getfixturevalue("tiny")["q8_0"]
-    m = d.load_model(path, d.QuantMode.q8, device="vulkan")
+    ids = [1] + np.random.default_rng(14).integers(3, VOCAB, 12).tolist()
+    m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
 
     def decode(glu, kv):
         monkeypatch.setenv("DASLLAMA_VULKAN_GLUTAIL", glu)
@@ -422,21 +445,15 @@ def test_gemv_tails_alike(request, monkeypatch):
         f"decode logits with the tails differ from those without (max {np.abs(got - want).max():.3g})"
 
 
-def test_gemv_tails_on_lavapipe(tiny):
+def test_gemv_tails_on_lavapipe(built_dir, tiny):
     """test_gemv_tails_alike forced onto the GPUs' paths (q8-mode decode on gemv_i8x),
     with DASLLAMA_VULKAN_STEPS=1 so the backend reports its folds and each recorded step's
     dispatches: both tails ran, and the one-token step lost one dispatch a layer to each (the
     GLU tail a quant_act32, the KV tail the kv_store)."""
     import re
-    import subprocess
 
-    here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_vulkan.py"), "-k", "gemv_tails_alike"],
-                       env=dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1", DASLLAMA_VULKAN_STEPS="1",
-                                DASLLAMA_VULKAN_GEMVI8="2", DASLLAMA_VULKAN_GEMVQ="0",
-                                DASLLAMA_TEST_TAILS_MODEL=tiny["q8_0"]),
-                       capture_output=True, text=True)
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1", "DASLLAMA_VULKAN_GEMVI8": "2",
+                           "DASLLAMA_VULKAN_GEMVQ": "0"}, ("test_vulkan.py",), "gemv_tails_alike", s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     folds = [line for line in out.splitlines() if "by the gate/up GEMV's block tails:" in line]
@@ -457,33 +474,26 @@ def test_gemv_tails_on_lavapipe(tiny):
     assert p[1] - b[1] == layers and p[2] == layers and b[2] == 0, out[-3000:]
 
 
-def test_tiled_attention_on_lavapipe():
+def test_tiled_attention_on_lavapipe(built_dir):
     """Prefill rows take the tiled attention (flash.comp) only when asked (encoders' rows take it
     by default); forced onto decoders' prefills here, the op harness's attention cases (several
     row tiles, windows, softcaps, sinks, every KV type; float64 numpy and the CPU) and the
     device's end-to-end turns hold."""
-    import subprocess
-
-    here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_backend_ops.py"), os.path.join(here, "test_vulkan.py"),
-                        "-k", "(attention or greedy or kv_types or vision_tower or audio_tower) and not tiled"],
-                       env=dict(os.environ, DASLLAMA_VULKAN_FLASH="1"), capture_output=True, text=True)
+    r = _child(built_dir, {"DASLLAMA_VULKAN_FLASH": "1"}, ("test_backend_ops.py", "test_vulkan.py"),
+               f"(attention or greedy or kv_types or vision_tower or audio_tower) and not tiled and not ({ATTN_UNDER_16})")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     # ... and the tiled shaders ran (the profile names every shader dispatched): a device whose
     # shared memory is too small would fall back to the row-per-workgroup kernel silently.
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_backend_ops.py"), "-k", "paged_attention and f16 and (tok130 or tok33)"],
-                       env=dict(os.environ, DASLLAMA_VULKAN_FLASH="1", DASLLAMA_VULKAN_PROFILE="1"),
-                       capture_output=True, text=True)
+    r = _child(built_dir, {"DASLLAMA_VULKAN_FLASH": "1", "DASLLAMA_VULKAN_PROFILE": "1"}, ("test_backend_ops.py",),
+               "paged_attention and f16 and (tok130 or tok33)", s=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "flash_64" in r.stdout + r.stderr and "flash_128" in r.stdout + r.stderr, r.stdout[-3000:]
 
 
-def test_vision_tower_and_turn(tmp_path):
-    C.vision_tower_and_turn(tmp_path, "vulkan", max_new=8)
+def test_vision_tower_and_turn(built_dir):
+    C.vision_tower_and_turn(built_dir, "vulkan", max_new=8)
 
 
 @pytest.mark.parametrize("family", ["qwen25v", "qwen3v"])
-def test_qwen_vision_tower_and_turn(tmp_path, family):
-    C.qwen_vision_tower_and_turn(tmp_path, "vulkan", family, max_new=8)
+def test_qwen_vision_tower_and_turn(built_dir, family):
+    C.qwen_vision_tower_and_turn(built_dir, "vulkan", family, max_new=8)

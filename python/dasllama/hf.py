@@ -240,7 +240,7 @@ def _cached_files(ref: HFRef) -> Optional[List[str]]:
 
 
 def list_files(ref: HFRef) -> Tuple[List[str], bool]:
-    """The repository's files, from the Hub's tree API or (offline, or the Hub unreachable)
+    """The repository's files, from the Hub's repo info or (offline, or the Hub unreachable)
     from the cached snapshot; the flag says which (True: the cache)."""
     hfh = _hfh()
     from huggingface_hub import constants, errors
@@ -253,8 +253,11 @@ def list_files(ref: HFRef) -> Tuple[List[str], bool]:
         except (ImportError, AttributeError):
             pass
     if not constants.HF_HUB_OFFLINE:
+        # The repo info's siblings, as snapshot_download lists a repo: one request, not retried.
+        # (list_repo_files retries a refused connection for 23 s before failing.)
         try:
-            return list(hfh.HfApi().list_repo_files(ref.repo, revision=ref.revision)), False
+            info = hfh.HfApi().model_info(ref.repo, revision=ref.revision or constants.DEFAULT_REVISION)
+            return [s.rfilename for s in info.siblings or []], False
         except offline_errors:
             pass  # fall through to the cache, like hf_hub_download does
         except Exception as e:  # noqa: BLE001

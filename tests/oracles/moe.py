@@ -11,6 +11,7 @@ gpt-oss chat template (shipped in llama.cpp's source as models/templates/openai-
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -50,7 +51,10 @@ def llama_cpp_dir() -> Path:
     return src
 
 
+@functools.lru_cache(maxsize=None)
 def tokenizer(path_gguf: str):
+    """transformers' tokenizer from the GGUF, built once a session (~7 s; several fixtures ask for
+    SmolLM2's): shared, so callers copy it to change it (harmony_tokenizer, qwen3asr.asr_tokenizer)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.path.dirname(path_gguf), gguf_file=os.path.basename(path_gguf))
