@@ -293,6 +293,54 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
   const bool conv = b.kt32 && nj > 0 && j_lo >= b.kv32_lo && j_hi <= b.kv32_hi;
   const float* kt32 = conv && (j_lo - b.kv32_lo) % TJ == 0 ? b.kt32 + (j_lo - b.kv32_lo) * hd : nullptr;
   const float* v32 = conv ? b.v32 + (j_lo - b.kv32_lo) * hd : nullptr;
+  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
+    // Row r sees keys j <= p inside the window; the rest of the chunk is masked.
+    const int64_t p = b.pos[r / G];
+    lo = std::max<int64_t>(b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0, j_lo) - j_lo;
+    hi = std::min<int64_t>(std::min<int64_t>(b.n_kv, p + 1), j_hi) - j_lo;
+    hi = std::max(hi, lo);
+  };
+  // Row r's scores scaled, their max, exp and sum into its partial. One copy of the code (not
+  // inlined) serves every path, so a row's softmax is the same instructions however it was scored.
+  auto softmax_row = [&](int64_t r) __attribute__((noinline)) {
+    float* s = S + r * nj;
+    float* pr = part + r * part_stride;
+    int64_t lo, hi;
+    range(r, lo, hi);
+    if (b.softcap > 0) {
+      for (int64_t j = lo; j < hi; ++j) s[j] = b.softcap * std::tanh(s[j] * b.scale / b.softcap);
+    } else {
+      for (int64_t j = lo; j < hi; ++j) s[j] *= b.scale;
+    }
+    // The max is exact in any order.
+    float mx = -INFINITY;
+    int64_t j = lo;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; j + TJ <= hi; j += TJ) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    mx = _mm512_reduce_max_ps(mv);
+#else
+    float mxl[TJ];
+    std::fill(mxl, mxl + TJ, -INFINITY);
+    for (; j + TJ <= hi; j += TJ)
+      for (int e = 0; e < TJ; ++e) mxl[e] = mxl[e] > s[j + e] ? mxl[e] : s[j + e];
+    for (int e = 0; e < TJ; ++e) mx = std::max(mx, mxl[e]);
+#endif
+    for (; j < hi; ++j) mx = std::max(mx, s[j]);
+    pr[0] = mx;
+    if (hi == lo) {
+      pr[1] = 0.f;
+      return;
+    }
+    float suml[TJ] = {0};
+    for (j = lo; j + TJ <= hi; j += TJ)
+      for (int e = 0; e < TJ; ++e) suml[e] += s[j + e] = exp_neg(s[j + e] - mx);
+    float sum = 0;
+    for (; j < hi; ++j) sum += s[j] = exp_neg(s[j] - mx);
+    for (int e = 0; e < TJ; ++e) sum += suml[e];
+    pr[1] = sum;
+  };
+  bool soft_done = false;
 #if defined(__AVX512F__)
   // A few query rows (a decode step): score K rows where they lie, no transposed tile.
   if (hd % 16 == 0 && nqg <= 4) {
@@ -334,7 +382,10 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
           score_tile<QR>(qpad + r0, kt32 + jb * hd, hd, out, nr, keep);
         for (int i = 0; i < QR; ++i) out[i] += TJ;
       }
+      // Its rows' softmax now, while their scores are in L1.
+      for (int i = 0; i < nr; ++i) softmax_row(r0 + i);
     }
+    soft_done = true;
   } else
 #endif
   for (int64_t jb = 0; jb < nj; jb += TJ) {
@@ -401,51 +452,8 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
 #endif
     }
   }
-  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
-    // Row r sees keys j <= p inside the window; the rest of the chunk is masked.
-    const int64_t p = b.pos[r / G];
-    lo = std::max<int64_t>(b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0, j_lo) - j_lo;
-    hi = std::min<int64_t>(std::min<int64_t>(b.n_kv, p + 1), j_hi) - j_lo;
-    hi = std::max(hi, lo);
-  };
-  for (int64_t r = 0; r < nqg; ++r) {
-    float* s = S + r * nj;
-    float* pr = part + r * part_stride;
-    int64_t lo, hi;
-    range(r, lo, hi);
-    if (b.softcap > 0) {
-      for (int64_t j = lo; j < hi; ++j) s[j] = b.softcap * std::tanh(s[j] * b.scale / b.softcap);
-    } else {
-      for (int64_t j = lo; j < hi; ++j) s[j] *= b.scale;
-    }
-    // The max is exact in any order.
-    float mx = -INFINITY;
-    int64_t j = lo;
-#if defined(__AVX512F__)
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (; j + TJ <= hi; j += TJ) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
-    mx = _mm512_reduce_max_ps(mv);
-#else
-    float mxl[TJ];
-    std::fill(mxl, mxl + TJ, -INFINITY);
-    for (; j + TJ <= hi; j += TJ)
-      for (int e = 0; e < TJ; ++e) mxl[e] = mxl[e] > s[j + e] ? mxl[e] : s[j + e];
-    for (int e = 0; e < TJ; ++e) mx = std::max(mx, mxl[e]);
-#endif
-    for (; j < hi; ++j) mx = std::max(mx, s[j]);
-    pr[0] = mx;
-    if (hi == lo) {
-      pr[1] = 0.f;
-      continue;
-    }
-    float suml[TJ] = {0};
-    for (j = lo; j + TJ <= hi; j += TJ)
-      for (int e = 0; e < TJ; ++e) suml[e] += s[j + e] = exp_neg(s[j + e] - mx);
-    float sum = 0;
-    for (; j < hi; ++j) sum += s[j] = exp_neg(s[j] - mx);
-    for (int e = 0; e < TJ; ++e) sum += suml[e];
-    pr[1] = sum;
-  }
+  if (!soft_done)
+    for (int64_t r = 0; r < nqg; ++r) softmax_row(r);
   // Values: four rows at a time share each V row they read (and its conversion from
   // f16); each output element still sums its row's keys in key order.
   constexpr int RR = 4;
