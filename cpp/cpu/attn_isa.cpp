@@ -365,10 +365,10 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
       }
       for (int64_t r = 0; r < nqg; ++r) _mm512_mask_storeu_ps(S + r * nj + jb, (__mmask16)((1u << tj) - 1), sc[r]);
     }
-  } else if (kt32 && hd % 16 == 0 && nqg <= kQRows) {
-    // The call's converted K tiles: row group by row group, each streaming the chunk's tiles from
-    // L2 with its 4 query rows in L1 (tile by tile over all the rows, those rows and the tile
-    // outgrew L1). Each score is the same sum as below.
+  } else if (kt32 && hd % 16 == 0 && nqg <= kQRows && nj * hd <= 65536) {
+    // The call's converted K tiles (the chunk's, up to 256 KB: L2): row group by row group, each
+    // streaming the chunk's tiles from L2 with its 4 query rows in L1 (tile by tile over all the
+    // rows, those rows and the tile outgrew L1). Each score is the same sum as below.
     constexpr int QR = 4;
     for (int64_t r0 = 0; r0 < nqg; r0 += QR) {
       float* out[QR];
@@ -393,7 +393,9 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
     // Past the last key, the tile repeats it (its scores are not stored).
     const float* kt = Kt;
 #if defined(__AVX512F__)
-    if (hd % 16 == 0) {
+    if (kt32) {
+      kt = kt32 + jb * hd;  // the call's converted tile
+    } else if (hd % 16 == 0) {
       const E* rows[TJ];
       for (int64_t j = 0; j < TJ; ++j) rows[j] = krow(j_lo + jb + std::min<int64_t>(j, tj - 1));
       k_tile(rows, hd, Kt);
