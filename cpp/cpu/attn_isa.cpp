@@ -307,19 +307,49 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
     float* pr = part + r * part_stride;
     int64_t lo, hi;
     range(r, lo, hi);
-    if (b.softcap > 0) {
-      for (int64_t j = lo; j < hi; ++j) s[j] = b.softcap * std::tanh(s[j] * b.scale / b.softcap);
-    } else {
-      for (int64_t j = lo; j < hi; ++j) s[j] *= b.scale;
-    }
     // The max is exact in any order.
     float mx = -INFINITY;
     int64_t j = lo;
 #if defined(__AVX512F__)
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (; j + TJ <= hi; j += TJ) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
-    mx = _mm512_reduce_max_ps(mv);
+    if (!(b.softcap > 0)) {
+      // Scaled and their max in one pass, in two max chains (one chain waited out every max).
+      const __m512 sc = _mm512_set1_ps(b.scale);
+      __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+      for (; j + 2 * TJ <= hi; j += 2 * TJ) {
+        const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + j), sc), x1 = _mm512_mul_ps(_mm512_loadu_ps(s + j + TJ), sc);
+        _mm512_storeu_ps(s + j, x0);
+        _mm512_storeu_ps(s + j + TJ, x1);
+        m0 = _mm512_max_ps(m0, x0);
+        m1 = _mm512_max_ps(m1, x1);
+      }
+      if (j < hi) {
+        const __mmask16 k = (__mmask16)(hi - j >= TJ ? 0xFFFF : (1u << (hi - j)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), sc);
+        _mm512_mask_storeu_ps(s + j, k, x);
+        m0 = _mm512_mask_max_ps(m0, k, m0, x);
+        j += TJ;
+      }
+      if (j < hi) {  // a last 16 or fewer after a full 16
+        const __mmask16 k = (__mmask16)(hi - j >= TJ ? 0xFFFF : (1u << (hi - j)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), sc);
+        _mm512_mask_storeu_ps(s + j, k, x);
+        m1 = _mm512_mask_max_ps(m1, k, m1, x);
+      }
+      j = hi;
+      mx = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+    } else {
+      for (; j < hi; ++j) s[j] = b.softcap * std::tanh(s[j] * b.scale / b.softcap);
+      j = lo;
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      for (; j + TJ <= hi; j += TJ) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+      mx = _mm512_reduce_max_ps(mv);
+    }
 #else
+    if (b.softcap > 0) {
+      for (int64_t i = lo; i < hi; ++i) s[i] = b.softcap * std::tanh(s[i] * b.scale / b.softcap);
+    } else {
+      for (int64_t i = lo; i < hi; ++i) s[i] *= b.scale;
+    }
     float mxl[TJ];
     std::fill(mxl, mxl + TJ, -INFINITY);
     for (; j + TJ <= hi; j += TJ)
