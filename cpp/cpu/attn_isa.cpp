@@ -101,8 +101,11 @@ inline void score_rows_seq(const float* const* q, const float* Kt, int hd, float
 // score_tile (many query rows, K transposed: partials are vectors over keys) and
 // score_direct_rows (a few rows, K rows as they lie: partials are lanes, reduce16 adds them)
 // both sum in exactly this order, so a row's scores are the same bits on either path.
-template <int QR>
-inline void score_tile(const float* const* q, const float* Kt, int hd, float (*out)[16]) {
+// Scores go straight into the rows' score arrays (out[i], the first `keep` lanes; rows i >= nr
+// are computed, not stored). HD: head_dim fixed at compile time (the c loop unrolled), or 0.
+template <int QR, int HD = 0>
+inline void score_tile(const float* const* q, const float* Kt, int hd_rt, float* const* out, int nr, __mmask16 keep) {
+  const int hd = HD ? HD : hd_rt;
   __m512 t01[QR], s0[QR];
   for (int g = 0; g < 4; ++g) {
     __m512 p[QR][4];
@@ -120,8 +123,8 @@ inline void score_tile(const float* const* q, const float* Kt, int hd, float (*o
         s0[i] = sg;
       } else if (g == 1) {
         t01[i] = _mm512_add_ps(s0[i], sg);
-      } else {
-        _mm512_storeu_ps(out[i], _mm512_add_ps(t01[i], _mm512_add_ps(s0[i], sg)));
+      } else if (i < nr) {
+        _mm512_mask_storeu_ps(out[i], keep, _mm512_add_ps(t01[i], _mm512_add_ps(s0[i], sg)));
       }
     }
   }
@@ -283,6 +286,91 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
     if (++h == G) h = 0, ++t;
   }
   auto qrow = [&](int64_t r) { return r < kQRows ? qrows[r] : b.q + (r / G) * b.q_stride + (r % G) * hd; };
+  // The same, padded with the last row to a multiple of 4 (a score pass's rows).
+  const float* qpad[kQRows + 4];
+  for (int64_t r = 0; r < std::min(nqg, kQRows) + 4; ++r) qpad[r] = qrows[std::min(r, std::min(nqg, kQRows) - 1)];
+  // The call's converted rows, when they cover this chunk and its tiles line up with them.
+  const bool conv = b.kt32 && nj > 0 && j_lo >= b.kv32_lo && j_hi <= b.kv32_hi;
+  const float* kt32 = conv && (j_lo - b.kv32_lo) % TJ == 0 ? b.kt32 + (j_lo - b.kv32_lo) * hd : nullptr;
+  const float* v32 = conv ? b.v32 + (j_lo - b.kv32_lo) * hd : nullptr;
+  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
+    // Row r sees keys j <= p inside the window; the rest of the chunk is masked.
+    const int64_t p = b.pos[r / G];
+    lo = std::max<int64_t>(b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0, j_lo) - j_lo;
+    hi = std::min<int64_t>(std::min<int64_t>(b.n_kv, p + 1), j_hi) - j_lo;
+    hi = std::max(hi, lo);
+  };
+  // Row r's scores scaled, their max, exp and sum into its partial. One copy of the code (not
+  // inlined) serves every path, so a row's softmax is the same instructions however it was scored.
+  auto softmax_row = [&](int64_t r) __attribute__((noinline)) {
+    float* s = S + r * nj;
+    float* pr = part + r * part_stride;
+    int64_t lo, hi;
+    range(r, lo, hi);
+    // The max is exact in any order.
+    float mx = -INFINITY;
+    int64_t j = lo;
+#if defined(__AVX512F__)
+    if (!(b.softcap > 0)) {
+      // Scaled and their max in one pass, in two max chains (one chain waited out every max).
+      const __m512 sc = _mm512_set1_ps(b.scale);
+      __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+      for (; j + 2 * TJ <= hi; j += 2 * TJ) {
+        const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + j), sc), x1 = _mm512_mul_ps(_mm512_loadu_ps(s + j + TJ), sc);
+        _mm512_storeu_ps(s + j, x0);
+        _mm512_storeu_ps(s + j + TJ, x1);
+        m0 = _mm512_max_ps(m0, x0);
+        m1 = _mm512_max_ps(m1, x1);
+      }
+      if (j < hi) {
+        const __mmask16 k = (__mmask16)(hi - j >= TJ ? 0xFFFF : (1u << (hi - j)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), sc);
+        _mm512_mask_storeu_ps(s + j, k, x);
+        m0 = _mm512_mask_max_ps(m0, k, m0, x);
+        j += TJ;
+      }
+      if (j < hi) {  // a last 16 or fewer after a full 16
+        const __mmask16 k = (__mmask16)(hi - j >= TJ ? 0xFFFF : (1u << (hi - j)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), sc);
+        _mm512_mask_storeu_ps(s + j, k, x);
+        m1 = _mm512_mask_max_ps(m1, k, m1, x);
+      }
+      j = hi;
+      mx = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+    } else {
+      for (; j < hi; ++j) s[j] = b.softcap * std::tanh(s[j] * b.scale / b.softcap);
+      j = lo;
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      for (; j + TJ <= hi; j += TJ) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+      mx = _mm512_reduce_max_ps(mv);
+    }
+#else
+    if (b.softcap > 0) {
+      for (int64_t i = lo; i < hi; ++i) s[i] = b.softcap * std::tanh(s[i] * b.scale / b.softcap);
+    } else {
+      for (int64_t i = lo; i < hi; ++i) s[i] *= b.scale;
+    }
+    float mxl[TJ];
+    std::fill(mxl, mxl + TJ, -INFINITY);
+    for (; j + TJ <= hi; j += TJ)
+      for (int e = 0; e < TJ; ++e) mxl[e] = mxl[e] > s[j + e] ? mxl[e] : s[j + e];
+    for (int e = 0; e < TJ; ++e) mx = std::max(mx, mxl[e]);
+#endif
+    for (; j < hi; ++j) mx = std::max(mx, s[j]);
+    pr[0] = mx;
+    if (hi == lo) {
+      pr[1] = 0.f;
+      return;
+    }
+    float suml[TJ] = {0};
+    for (j = lo; j + TJ <= hi; j += TJ)
+      for (int e = 0; e < TJ; ++e) suml[e] += s[j + e] = exp_neg(s[j + e] - mx);
+    float sum = 0;
+    for (; j < hi; ++j) sum += s[j] = exp_neg(s[j] - mx);
+    for (int e = 0; e < TJ; ++e) sum += suml[e];
+    pr[1] = sum;
+  };
+  bool soft_done = false;
 #if defined(__AVX512F__)
   // A few query rows (a decode step): score K rows where they lie, no transposed tile.
   if (hd % 16 == 0 && nqg <= 4) {
@@ -307,13 +395,37 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
       }
       for (int64_t r = 0; r < nqg; ++r) _mm512_mask_storeu_ps(S + r * nj + jb, (__mmask16)((1u << tj) - 1), sc[r]);
     }
+  } else if (kt32 && hd % 16 == 0 && nqg <= kQRows && nj * hd <= 65536) {
+    // The call's converted K tiles (the chunk's, up to 256 KB: L2): row group by row group, each
+    // streaming the chunk's tiles from L2 with its 4 query rows in L1 (tile by tile over all the
+    // rows, those rows and the tile outgrew L1). Each score is the same sum as below.
+    constexpr int QR = 4;
+    for (int64_t r0 = 0; r0 < nqg; r0 += QR) {
+      float* out[QR];
+      for (int i = 0; i < QR; ++i) out[i] = S + std::min(r0 + i, nqg - 1) * nj;
+      const int nr = (int)std::min<int64_t>(QR, nqg - r0);
+      for (int64_t jb = 0; jb < nj; jb += TJ) {
+        const __mmask16 keep = (__mmask16)((1u << std::min<int64_t>(TJ, nj - jb)) - 1);
+        if (hd == 64)
+          score_tile<QR, 64>(qpad + r0, kt32 + jb * hd, hd, out, nr, keep);
+        else
+          score_tile<QR>(qpad + r0, kt32 + jb * hd, hd, out, nr, keep);
+        for (int i = 0; i < QR; ++i) out[i] += TJ;
+      }
+      // Its rows' softmax now, while their scores are in L1.
+      for (int i = 0; i < nr; ++i) softmax_row(r0 + i);
+    }
+    soft_done = true;
   } else
 #endif
   for (int64_t jb = 0; jb < nj; jb += TJ) {
     const int64_t tj = std::min<int64_t>(TJ, nj - jb);
     // Past the last key, the tile repeats it (its scores are not stored).
+    const float* kt = Kt;
 #if defined(__AVX512F__)
-    if (hd % 16 == 0) {
+    if (kt32) {
+      kt = kt32 + jb * hd;  // the call's converted tile
+    } else if (hd % 16 == 0) {
       const E* rows[TJ];
       for (int64_t j = 0; j < TJ; ++j) rows[j] = krow(j_lo + jb + std::min<int64_t>(j, tj - 1));
       k_tile(rows, hd, Kt);
@@ -325,22 +437,41 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
       }
     // QR query rows per pass: independent FMA chains share each K tile row.
     constexpr int QR = 4;
+#if defined(__AVX512F__)
+    if (hd % 16 == 0 && nqg <= kQRows) {
+      // Row addresses from the padded table (no division per pass), scores stored in place.
+      const __mmask16 keep = (__mmask16)((1u << tj) - 1);
+      for (int64_t r0 = 0; r0 < nqg; r0 += QR) {
+        float* out[QR];
+        for (int i = 0; i < QR; ++i) out[i] = S + std::min(r0 + i, nqg - 1) * nj + jb;
+        const int nr = (int)std::min<int64_t>(QR, nqg - r0);
+        if (hd == 64)
+          score_tile<QR, 64>(qpad + r0, kt, hd, out, nr, keep);
+        else
+          score_tile<QR>(qpad + r0, kt, hd, out, nr, keep);
+      }
+      continue;
+    }
+#endif
     for (int64_t r0 = 0; r0 < nqg; r0 += QR) {
       const float* q[QR];
       for (int i = 0; i < QR; ++i) q[i] = qrow(std::min(r0 + i, nqg - 1));
       float acc[QR][TJ];
 #if defined(__AVX512F__)
-      if (hd % 16 == 0)
-        score_tile<QR>(q, Kt, hd, acc);
-      else
-        score_rows_seq<QR>(q, Kt, hd, acc);
+      if (hd % 16 == 0) {
+        float* out[QR];
+        for (int i = 0; i < QR; ++i) out[i] = acc[i];
+        score_tile<QR>(q, kt, hd, out, QR, (__mmask16)0xFFFF);
+      } else {
+        score_rows_seq<QR>(q, kt, hd, acc);
+      }
 #else
       std::memset(acc, 0, sizeof(acc));
       for (int d = 0; d < hd; ++d) {
-        const float* kt = Kt + d * TJ;
+        const float* ktd = kt + d * TJ;
         for (int i = 0; i < QR; ++i) {
           const float qd = q[i][d];
-          for (int j = 0; j < TJ; ++j) acc[i][j] += qd * kt[j];
+          for (int j = 0; j < TJ; ++j) acc[i][j] += qd * ktd[j];
         }
       }
 #endif
@@ -353,51 +484,8 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
 #endif
     }
   }
-  auto range = [&](int64_t r, int64_t& lo, int64_t& hi) {
-    // Row r sees keys j <= p inside the window; the rest of the chunk is masked.
-    const int64_t p = b.pos[r / G];
-    lo = std::max<int64_t>(b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0, j_lo) - j_lo;
-    hi = std::min<int64_t>(std::min<int64_t>(b.n_kv, p + 1), j_hi) - j_lo;
-    hi = std::max(hi, lo);
-  };
-  for (int64_t r = 0; r < nqg; ++r) {
-    float* s = S + r * nj;
-    float* pr = part + r * part_stride;
-    int64_t lo, hi;
-    range(r, lo, hi);
-    if (b.softcap > 0) {
-      for (int64_t j = lo; j < hi; ++j) s[j] = b.softcap * std::tanh(s[j] * b.scale / b.softcap);
-    } else {
-      for (int64_t j = lo; j < hi; ++j) s[j] *= b.scale;
-    }
-    // The max is exact in any order.
-    float mx = -INFINITY;
-    int64_t j = lo;
-#if defined(__AVX512F__)
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (; j + TJ <= hi; j += TJ) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
-    mx = _mm512_reduce_max_ps(mv);
-#else
-    float mxl[TJ];
-    std::fill(mxl, mxl + TJ, -INFINITY);
-    for (; j + TJ <= hi; j += TJ)
-      for (int e = 0; e < TJ; ++e) mxl[e] = mxl[e] > s[j + e] ? mxl[e] : s[j + e];
-    for (int e = 0; e < TJ; ++e) mx = std::max(mx, mxl[e]);
-#endif
-    for (; j < hi; ++j) mx = std::max(mx, s[j]);
-    pr[0] = mx;
-    if (hi == lo) {
-      pr[1] = 0.f;
-      continue;
-    }
-    float suml[TJ] = {0};
-    for (j = lo; j + TJ <= hi; j += TJ)
-      for (int e = 0; e < TJ; ++e) suml[e] += s[j + e] = exp_neg(s[j + e] - mx);
-    float sum = 0;
-    for (; j < hi; ++j) sum += s[j] = exp_neg(s[j] - mx);
-    for (int e = 0; e < TJ; ++e) sum += suml[e];
-    pr[1] = sum;
-  }
+  if (!soft_done)
+    for (int64_t r = 0; r < nqg; ++r) softmax_row(r);
   // Values: four rows at a time share each V row they read (and its conversion from
   // f16); each output element still sums its row's keys in key order.
   constexpr int RR = 4;
@@ -437,11 +525,15 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
       float* vf = cbuf + hd;  // [nj][w]
       for (int dc = 0; dc < hd;) {
         const int w = hd - dc >= 64 ? 64 : 16;
-        for (int64_t j = ulo; j < uhi; ++j) {
-          const E* src = vrow(j_lo + j) + dc;
-          for (int c = 0; c < w; c += 16) _mm512_storeu_ps(vf + j * w + c, load16(src + c));
-        }
-        auto vf_row = [&](int64_t j) { return (const float*)vf + j * w; };
+        // The call's converted rows (v32: whole rows of hd) or this chunk's columns, converted here.
+        const float* vbase = v32 ? v32 + dc : vf;
+        const int64_t vs = v32 ? hd : w;
+        if (!v32)
+          for (int64_t j = ulo; j < uhi; ++j) {
+            const E* src = vrow(j_lo + j) + dc;
+            for (int c = 0; c < w; c += 16) _mm512_storeu_ps(vf + j * w + c, load16(src + c));
+          }
+        auto vf_row = [&](int64_t j) { return vbase + j * vs; };
         auto vf_end = [](int64_t) { return INT64_MAX; };
         for (int64_t r0 = 0; r0 < nqg; r0 += RR) {
           const int nr = (int)std::min<int64_t>(RR, nqg - r0);
@@ -449,9 +541,9 @@ void attn_chunk(const AttnBlock& b, int64_t k0, int64_t k1, float* part, int64_t
           float* od[RR];
           for (int i = 0; i < RR; ++i) od[i] = o[i] + dc;
           if (w == 64)
-            accumulate_v<float, RR, 4>(vf_row, vf_end, w, jmin, jmax, lo, hi, s, od, nr, 0, false);
+            accumulate_v<float, RR, 4>(vf_row, vf_end, vs, jmin, jmax, lo, hi, s, od, nr, 0, false);
           else
-            accumulate_v<float, RR, 1>(vf_row, vf_end, w, jmin, jmax, lo, hi, s, od, nr, 0, false);
+            accumulate_v<float, RR, 1>(vf_row, vf_end, vs, jmin, jmax, lo, hi, s, od, nr, 0, false);
         }
         dc += w;
       }
@@ -550,6 +642,29 @@ void attn_block(const AttnBlock& b) {
   else
     attn_block_t<float>(b);
 }
+
+#if defined(__AVX512F__)
+void attn_kv_f32(const AttnBlock& b, int64_t j0, int64_t j1, float* kt, float* v) {
+  const int hd = b.head_dim;
+  const int sh = b.page_shift;
+  const int64_t mask = (int64_t(1) << sh) - 1;
+  auto krow = [&](int64_t j) { return (const uint16_t*)(b.k_pages[j >> sh] + b.k_off) + (j & mask) * b.kv_stride; };
+  auto vrow = [&](int64_t j) { return (const uint16_t*)(b.v_pages[j >> sh] + b.v_off) + (j & mask) * b.kv_stride; };
+  for (int64_t t = j0; t < j1; t += 16) {
+    // Past the last key the tile repeats it, as attn_chunk's own tiles do (never stored).
+    const uint16_t* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = krow(std::min(t + j, b.n_kv - 1));
+    k_tile(rows, hd, kt + (t - b.kv32_lo) * hd);
+    for (int64_t j = t; j < std::min(t + 16, std::min(j1, b.n_kv)); ++j) {
+      const uint16_t* src = vrow(j);
+      float* dst = v + (j - b.kv32_lo) * hd;
+      for (int c = 0; c < hd; c += 16) _mm512_storeu_ps(dst + c, load16(src + c));
+    }
+  }
+}
+#else
+void attn_kv_f32(const AttnBlock&, int64_t, int64_t, float*, float*) {}
+#endif
 
 // Chunks in key order: a running max M, the sum L of l * exp(m - M) and the outputs
 // o * exp(m - M) rescaled as M grows; a chunk the row sees nothing of is skipped. The

@@ -659,6 +659,49 @@ class CpuBackend final : public Backend {
       first[(size_t)i + 1] = first[(size_t)i] + c.n_blocks * c.per_block;
     }
     part.resize(n_part);
+    // One prefill of several blocks over an f16 cache: each KV head's rows converted once (K to
+    // transposed tiles, V to f32 rows) for all its blocks, not by every block for every chunk
+    // (the same values, so the same bits; ~7% of a SmolLM2 pp4096 went to those conversions).
+    int64_t kv32_lo = 0, kv32_hi = 0, kv32_kt = 0, kv32_head = 0;
+    if (count == 1 && !nested && kt.attn_kv_f32 && calls[0].f16 && !calls[0].split_keys && !calls[0].task_decode &&
+        calls[0].n_blocks >= 2 && args[0].head_dim % 16 == 0) {
+      const AttnArgs& a = args[0];
+      const AttnCall& c = calls[0];
+      int32_t pmin = a.q_pos[0], pmax = a.q_pos[0];
+      for (int64_t t = 1; t < a.n_tok; ++t) {
+        pmin = std::min(pmin, a.q_pos[t]);
+        pmax = std::max(pmax, a.q_pos[t]);
+      }
+      kv32_hi = std::min<int64_t>(a.n_kv, (int64_t)pmax + 1);
+      kv32_lo = (a.window > 0 ? std::max<int64_t>(0, (int64_t)pmin - a.window + 1) : 0) / 16 * 16;
+      const int64_t n_tiles = (kv32_hi - kv32_lo + 15) / 16, hd = a.head_dim;
+      // Up to 64 MB (SmolLM2: 43k keys); past that the blocks convert their own rows.
+      if (n_tiles > 0 && n_tiles * 16 * hd * 2 * a.n_kv_heads <= (int64_t(16) << 20)) {
+        kv32_kt = n_tiles * 16 * hd;
+        kv32_head = kv32_kt + (kv32_hi - kv32_lo) * hd;
+        kv32_.resize((size_t)(kv32_head * a.n_kv_heads));
+        constexpr int64_t tiles_per_item = 4;
+        const int64_t items = (n_tiles + tiles_per_item - 1) / tiles_per_item;
+        pool_.parallel_for(items * a.n_kv_heads, 1, [&](int64_t lo, int64_t hi) {
+          for (int64_t it = lo; it < hi; ++it) {
+            const int64_t h = it / items, t0 = it % items * tiles_per_item;
+            cpu::AttnBlock b;
+            b.k_pages = c.kp;
+            b.v_pages = c.vp;
+            b.k_off = c.k_off + (size_t)(h * hd) * 2;
+            b.v_off = c.v_off + (size_t)(h * hd) * 2;
+            b.page_shift = c.shift;
+            b.kv_stride = c.kv_stride;
+            b.n_kv = a.n_kv;
+            b.head_dim = a.head_dim;
+            b.kv32_lo = kv32_lo;
+            float* kt32 = kv32_.data() + h * kv32_head;
+            kt.attn_kv_f32(b, kv32_lo + t0 * 16, std::min(kv32_hi, kv32_lo + (t0 + tiles_per_item) * 16), kt32,
+                           kt32 + kv32_kt);
+          }
+        });
+      }
+    }
     pool_.parallel_for(first[(size_t)count], 1, [&](int64_t lo, int64_t hi) {
       thread_local std::vector<float> scratch, dec;
       int i = 0;
@@ -730,6 +773,12 @@ class CpuBackend final : public Backend {
           b.part_stride = c.n_chunks * (hd + 2);
           b.c_lo = c.c_lo + ch;
           b.c_hi = b.c_lo + 1;
+        }
+        if (kv32_head > 0) {
+          b.kt32 = kv32_.data() + kvh * kv32_head;
+          b.v32 = b.kt32 + kv32_kt;
+          b.kv32_lo = kv32_lo;
+          b.kv32_hi = kv32_hi;
         }
         scratch.resize(kt.attn_block_scratch(b.n_rows, b.group, hd, c.split_keys ? 0 : a.n_kv));
         b.scratch = scratch.data();
@@ -1188,6 +1237,7 @@ class CpuBackend final : public Backend {
   std::vector<cpu::MatmulArgs> moe_args_;
   std::vector<float> moe_y_;
   std::vector<float> kv_f32_;
+  std::vector<float> kv32_;  // a prefill's f16 K and V rows converted once (attention_multi)
   std::vector<float> dense_kt_;  // attention_dense's packed K tiles, every KV head
 };
 

@@ -24,6 +24,7 @@ void quantize_act(uint32_t act_type, const float* x, void* dst, int64_t n);
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1);
 float dot_f32(const float* a, const float* b, int64_t n);
 void attn_block(const AttnBlock& b);
+void attn_kv_f32(const AttnBlock& b, int64_t j0, int64_t j1, float* kt, float* v);
 void attn_combine(const float* part, int64_t n_chunks, int hd, const float* sink, float* out);
 void glu_f32(const float* gate, const float* up, float* out, int64_t n, int act);
 void gelu_erf_f32(float* y, int64_t n);

@@ -70,6 +70,14 @@ struct AttnBlock {
   float* part = nullptr;
   int64_t part_stride = 0;
   int64_t c_lo = 0, c_hi = 0;
+  // An f16 cache's rows of this KV head converted once for the whole call (attn_kv_f32), keys
+  // [kv32_lo, kv32_hi): kt32 in transposed tiles of 16 keys (tile of key j at kt32 + (j -
+  // kv32_lo) / 16 * 16 * head_dim, element d of its key i at [d * 16 + i]), v32 as rows (key j at
+  // v32 + (j - kv32_lo) * head_dim). Null: the block converts what it reads itself. The values
+  // are the same (the conversion is exact), so are the bits.
+  const float* kt32 = nullptr;
+  const float* v32 = nullptr;
+  int64_t kv32_lo = 0, kv32_hi = 0;
 };
 
 // Dense attention of one head for an encoder (AttnArgs::any_order; dense_attn_isa.cpp): rows
@@ -122,6 +130,10 @@ struct KernelTable {
   // Float helpers for attention and norms.
   float (*dot_f32)(const float* a, const float* b, int64_t n) = nullptr;
   void (*attn_block)(const AttnBlock& b) = nullptr;
+  // Keys [j0, j1) (j0 a multiple of 16 past b.kv32_lo) of b's f16 cache rows into kt and v in
+  // AttnBlock::kt32 / v32's layouts for a prefill's blocks to share;
+  // null where the ISA has none (head_dim a multiple of 16 only).
+  void (*attn_kv_f32)(const AttnBlock& b, int64_t j0, int64_t j1, float* kt, float* v) = nullptr;
   // One row's output from its n_chunks partials [m, l, o[hd]] (AttnBlock::part), in chunk
   // order; sink: the head's sink logit or null.
   void (*attn_combine)(const float* part, int64_t n_chunks, int hd, const float* sink, float* out) = nullptr;

@@ -178,13 +178,17 @@ void packed_tile(const MatmulArgs& a, int64_t g, int64_t t0) {
     // (prefetched far ahead for a small matrix, prefetch_ahead).
     if constexpr (T > 1) {
       // Several tokens per weight: compute and the weight stream must overlap, so every
-      // line of the block 32 ahead (and its scales) is requested well before it is used.
+      // line of the block 32 ahead (and its scales) is requested well before it is used. Only
+      // by the first token tile: the later ones find the lines in cache (packed_groups runs
+      // every tile of these groups in turn), where a prefetch per line and block only took
+      // load slots.
       constexpr int64_t kAhead = 32;
-      for (int i = 0; i < G; ++i) {
-        for (int l = 0; l < kQB / 64; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(Q[i] + (b + kAhead) * S + l * LS), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(D[i] + (b + kAhead) * S), _MM_HINT_T0);
-      }
+      if (t0 == 0)
+        for (int i = 0; i < G; ++i) {
+          for (int l = 0; l < kQB / 64; ++l)
+            _mm_prefetch(reinterpret_cast<const char*>(Q[i] + (b + kAhead) * S + l * LS), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(D[i] + (b + kAhead) * S), _MM_HINT_T0);
+        }
     }
     if constexpr (kQ8) {
       for (int j = 0; j < 8; ++j) {

@@ -22,6 +22,7 @@ void fill_table(KernelTable& t) {
   t.pack_rows = &pack_rows;
   t.delta_chunked_head = &delta_chunked_head;
 #if defined(__AVX512F__)
+  t.attn_kv_f32 = &attn_kv_f32;
   t.dense_attn_pack_k = &dense_attn_pack_k;
   t.dense_attn_rows = &dense_attn_rows;
   t.dense_attn_scratch = &dense_attn_scratch;
