@@ -133,6 +133,11 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(st_);
     for (Cached& c : cache_) cudaGraphExecDestroy(c.exec);
     if (pinned_) cudaFreeHost(pinned_);
+    if (up_ring_) {
+      for (auto& ev : up_ev_) cudaEventDestroy(ev);
+      for (auto& ev : dl_ev_) cudaEventDestroy(ev);
+      cudaFreeHost(up_ring_);
+    }
     scratch_.reset();
     qact_.reset();
     counters_.reset();
@@ -188,6 +193,7 @@ class CudaBackend final : public Backend {
     if (bytes == 0) return;
     use();
     drop_recording();
+    if (staged_upload(dst, src, bytes)) return;
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st_), "upload");
     cudaPointerAttributes at{};
     if (cudaPointerGetAttributes(&at, src) == cudaSuccess && at.type == cudaMemoryTypeHost)
@@ -233,6 +239,43 @@ class CudaBackend final : public Backend {
     }
     if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
     check(cudaStreamSynchronize(st_), "download (a kernel before it failed)");
+  }
+  bool async_steps() const override { return true; }
+  // Through a ring of small pinned slots, each with the event of its last copy: the copy is
+  // queued behind the running step and the host goes on.
+  int64_t download_async(void* dst, const void* src, size_t bytes) override {
+    use();
+    drop_recording();
+    if (bytes > kDlSlot || !rings()) {
+      download(dst, src, bytes);
+      return 0;
+    }
+    const int64_t t = ++dl_ticket_;
+    const int k = (int)(t % kDlSlots);
+    // The slot's last copy, kDlSlots tickets ago, is done before it is reused; its bytes go
+    // nowhere (a caller waits for its ticket within a few, or never will).
+    for (size_t i = 0; i < dl_pending_.size(); ++i)
+      if (dl_pending_[i].slot == k) {
+        check(cudaEventSynchronize(dl_ev_[k]), "download (a kernel before it failed)");
+        dl_pending_.erase(dl_pending_.begin() + (std::ptrdiff_t)i);
+        break;
+      }
+    char* h = dl_ring_ + (size_t)k * kDlSlot;
+    check(cudaMemcpyAsync(h, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
+    check(cudaEventRecord(dl_ev_[k], st_), "download");
+    dl_pending_.push_back({dst, bytes, k, t});
+    return t;
+  }
+  void download_wait(int64_t ticket) override {
+    for (size_t i = 0; i < dl_pending_.size(); ++i) {
+      const DlPending p = dl_pending_[i];
+      if (p.ticket != ticket) continue;
+      dl_pending_.erase(dl_pending_.begin() + (std::ptrdiff_t)i);
+      use();
+      check(cudaEventSynchronize(dl_ev_[p.slot]), "download (a kernel before it failed)");
+      std::memcpy(p.dst, dl_ring_ + (size_t)p.slot * kDlSlot, p.bytes);
+      return;
+    }
   }
   void copy(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
@@ -333,7 +376,9 @@ class CudaBackend final : public Backend {
         dblob_.reset();
         dblob_ = alloc(blob_.size() * 2, "step arguments");
       }
-      check(cudaMemcpyAsync(dblob_->data(), blob_.data(), blob_.size(), cudaMemcpyHostToDevice, st_), "step arguments");
+      if (!staged_upload(dblob_->data(), blob_.data(), blob_.size()))
+        check(cudaMemcpyAsync(dblob_->data(), blob_.data(), blob_.size(), cudaMemcpyHostToDevice, st_),
+              "step arguments");
     }
     const void* db = dblob_ ? dblob_->data() : nullptr;
     sig1(db);
@@ -658,6 +703,11 @@ class CudaBackend final : public Backend {
     op(Tag::moe_route, [=](cudaStream_t s) { cuda::moe_route(logits, n, n_expert, k, g, norm, ids, w, s); }, logits, n,
        n_expert, k, g, norm, ids, w);
   }
+  void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out) override {
+    use();
+    if (dim <= 0 || dim > INT32_MAX) throw Error("cuda argmax: row width must be in [1, 2^31)");
+    op(Tag::argmax, [=](cudaStream_t s) { cuda::argmax(x, n_rows, dim, out, s); }, x, n_rows, dim, out);
+  }
   void matmul_id(const Weight& w, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
                  const float* bias, float* y) override {
     use();
@@ -705,7 +755,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store
+    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store, argmax
   };
   template <class T>
   void sig1(const T& v) {
@@ -1146,6 +1196,56 @@ class CudaBackend final : public Backend {
                    dls ? copy / dls : 0.0, dls ? between / dls : 0.0);
     }
   } hp_;
+  // Pinned rings for the small copies between steps (staged_upload, download_async), made on
+  // first use; none where pinned memory is refused (then those copies are plain ones).
+  static constexpr size_t kUpSlot = size_t(64) << 10, kDlSlot = 256;
+  static constexpr int kUpSlots = 16, kDlSlots = 64;
+  char* up_ring_ = nullptr;
+  char* dl_ring_ = nullptr;
+  cudaEvent_t up_ev_[kUpSlots] = {}, dl_ev_[kDlSlots] = {};
+  bool up_used_[kUpSlots] = {};
+  int up_next_ = 0;
+  bool rings_refused_ = false;
+  struct DlPending {
+    void* dst;
+    size_t bytes;
+    int slot;
+    int64_t ticket;
+  };
+  std::vector<DlPending> dl_pending_;
+  int64_t dl_ticket_ = 0;
+  bool rings() {
+    if (up_ring_) return true;
+    if (rings_refused_) return false;
+    const char* e = std::getenv("DASLLAMA_CUDA_PINNED");
+    void* p = nullptr;
+    if ((e && std::strcmp(e, "0") == 0) ||
+        cudaHostAlloc(&p, kUpSlot * kUpSlots + kDlSlot * kDlSlots, cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      rings_refused_ = true;
+      return false;
+    }
+    for (auto& ev : up_ev_) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    for (auto& ev : dl_ev_) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    up_ring_ = static_cast<char*>(p);
+    dl_ring_ = up_ring_ + kUpSlot * kUpSlots;
+    return true;
+  }
+  // A small upload from pageable memory would have CUDA wait for the stream before copying, so
+  // the host could not prepare a step while the one before runs: it goes through the next
+  // pinned slot instead (waiting only if that slot's copy from kUpSlots uploads ago is pending).
+  bool staged_upload(void* dst, const void* src, size_t bytes) {
+    if (bytes > kUpSlot || !rings()) return false;
+    const int k = up_next_;
+    up_next_ = (k + 1) % kUpSlots;
+    if (up_used_[k]) check(cudaEventSynchronize(up_ev_[k]), "upload (a kernel before it failed)");
+    char* h = up_ring_ + (size_t)k * kUpSlot;
+    std::memcpy(h, src, bytes);
+    check(cudaMemcpyAsync(dst, h, bytes, cudaMemcpyHostToDevice, st_), "upload");
+    check(cudaEventRecord(up_ev_[k], st_), "upload");
+    up_used_[k] = true;
+    return true;
+  }
   int dev_;
   cudaDeviceProp prop_{};
   // A one-token q8 GEMV does the rounding (bit 1) or the GLU + rounding (bit 2) that follows it

@@ -1,6 +1,7 @@
 // Row and elementwise ops of the CUDA backend: norms (double accumulation, as the CPU),
 // RoPE (angles in double), GLU, adds and scales, and the audio towers' im2col / pooling.
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -329,6 +330,42 @@ void moe_route(const float* logits, int64_t n, int n_expert, int k, int gate, bo
   if (k < 1 || k > n_expert) throw Error("cuda moe_route: k must be in [1, n_expert]");
   launch(moe_route_k, (unsigned)ceil_div(n, 64), 64, 0, st, logits, n, n_expert, k, gate, norm, ids, w);
   check_launch("moe_route");
+}
+
+// A block per row: each thread keeps its first largest over a strided walk, then the block
+// joins them, the smaller index winning ties (the first index overall). v > b never holds for
+// a NaN; a -inf row keeps its first -inf through i < bi.
+__device__ __forceinline__ void argmax_join(float& b, int& bi, float v, int i) {
+  if (v > b || (v == b && i < bi)) b = v, bi = i;
+}
+__global__ void __launch_bounds__(1024) argmax_k(const float* __restrict__ x, int64_t dim, int32_t* __restrict__ out) {
+  pdl_wait();
+  pdl_trigger();
+  const float* r = x + (int64_t)blockIdx.x * dim;
+  float b = -INFINITY;
+  int bi = INT_MAX;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) argmax_join(b, bi, r[i], (int)i);
+  for (int o = 16; o > 0; o >>= 1)
+    argmax_join(b, bi, __shfl_xor_sync(0xffffffffu, b, o), __shfl_xor_sync(0xffffffffu, bi, o));
+  __shared__ float sb[32];
+  __shared__ int si[32];
+  const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  if ((threadIdx.x & 31) == 0) sb[w] = b, si[w] = bi;
+  __syncthreads();
+  if (w == 0) {
+    b = threadIdx.x < nw ? sb[threadIdx.x] : -INFINITY;
+    bi = threadIdx.x < nw ? si[threadIdx.x] : INT_MAX;
+    for (int o = 16; o > 0; o >>= 1)
+      argmax_join(b, bi, __shfl_xor_sync(0xffffffffu, b, o), __shfl_xor_sync(0xffffffffu, bi, o));
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == INT_MAX ? 0 : bi;
+  }
+}
+
+void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out, cudaStream_t st) {
+  if (n_rows <= 0) return;
+  if (dim <= 0 || dim > INT32_MAX || n_rows > INT32_MAX) throw Error("cuda argmax: rows past 2^31 or an empty row");
+  launch(argmax_k, (unsigned)n_rows, 1024, 0, st, x, dim, out);
+  check_launch("argmax");
 }
 
 void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out, cudaStream_t st) {

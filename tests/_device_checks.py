@@ -344,3 +344,65 @@ def qwen_vision_tower_and_turn(tmp_path, device: str, family: str, max_new: int)
             _image_second_question(m, embs[dev], img, max_new)
     assert nmse(logits[device], logits["cpu"]) <= LOGIT_BAR
     assert replies[device] == replies["cpu"]
+
+
+def pipelined_greedy_equals_plain(path: str, device: str, prompt: list, mode=d.QuantMode.fp32) -> None:
+    """Greedy generate with its steps issued ahead of the host (DASLLAMA_PIPELINE=1, the default
+    where a backend's steps are asynchronous) against the step-by-step loop (=0), on every way a
+    stream ends: max_tokens, a stop id (the step issued ahead is taken back), the callback, a
+    full context, and a page pool too small for the step ahead. Equal tokens, count, position,
+    history and logits, and the same continuation from the session left behind."""
+    import os
+
+    m = d.load_model(path, mode, device=device)
+    plain_first = None
+
+    def run(pipe: str, max_tokens: int, stop_ids=None, stop_after=None, n_ctx=0, pool_pages=0):
+        old = os.environ.get("DASLLAMA_PIPELINE")
+        os.environ["DASLLAMA_PIPELINE"] = pipe
+        try:
+            if pool_pages:
+                s = d.create_session(m, d.create_kv_pool(m, page_rows=16, max_pages=pool_pages))
+            else:
+                s = d.create_session(m, d.KVDtype.f16, n_ctx=n_ctx) if n_ctx else d.create_session(m, d.KVDtype.f16)
+            got, seen = [], []
+
+            def cb(i, p):
+                got.append(i)
+                seen.append(s.n_past)
+                return stop_after is None or len(got) < stop_after
+
+            err = None
+            try:
+                n = d.generate(m, s, prompt, d.SamplingParams(), max_tokens, cb, stop_ids=stop_ids)
+            except d.DasllamaError as e:  # a full pool: refused after the token's callback either way
+                n, err = -1, type(e).__name__
+            state = (got, n, err, s.n_past, list(s.history), np.array(s.logits))
+            more = []
+            if err is None and s.n_past < (n_ctx or 10 ** 9):
+                d.generate(m, s, [], d.SamplingParams(), 3, lambda i, p: more.append(i), stop_ids=[])
+            return state, more, np.array(s.logits), seen
+        finally:
+            if old is None:
+                del os.environ["DASLLAMA_PIPELINE"]
+            else:
+                os.environ["DASLLAMA_PIPELINE"] = old
+
+    plain_first = run("0", 12, stop_ids=[])[0][0]
+    # The pipelined loop ran: from the second token on, a token's callback finds the token's own
+    # step issued already (in the plain loop it runs after the callback).
+    ahead, plain = run("1", 12, stop_ids=[])[3], run("0", 12, stop_ids=[])[3]
+    assert [a - b for a, b in zip(ahead, plain)] == [0] + [1] * 11, (ahead, plain)
+    cases = {
+        "max_tokens": dict(max_tokens=12, stop_ids=[]),
+        "stop id": dict(max_tokens=12, stop_ids=[plain_first[5]]),
+        "callback": dict(max_tokens=12, stop_ids=[], stop_after=4),
+        "full context": dict(max_tokens=12, stop_ids=[], n_ctx=len(prompt) + 6),
+        "full pool": dict(max_tokens=40, stop_ids=[], pool_pages=(len(prompt) + 20) // 16 + 1),
+    }
+    for name, kw in cases.items():
+        (a, more_a, la, _), (b, more_b, lb, _) = run("1", **kw), run("0", **kw)
+        assert a[:5] == b[:5], f"{name}: pipelined {a[:5]} against plain {b[:5]}"
+        assert np.array_equal(a[5], b[5]), f"{name}: the session's logits differ: NMSE {nmse(a[5], b[5]):.3g}"
+        assert more_a == more_b and np.array_equal(la, lb), f"{name}: the continuation differs"
+    assert len(plain_first) == 12

@@ -599,6 +599,32 @@ def test_matmul_id(backends, wtype, rows, cols, n, k, per_pair, bias):
     check(f"matmul_id {wtype} {rows}x{cols} n={n} k={k}", outs, ref, F32_DOT, F32_DOT if wtype == "f32" else ACT_QUANT)
 
 
+def argmax_ref(x: np.ndarray) -> np.ndarray:
+    """Each row's first index of its largest number (NaN never the largest; 0 for a row of NaN)."""
+    out = []
+    for r in x:
+        ok = ~np.isnan(r)
+        out.append(int(np.flatnonzero(r == r[ok].max())[0]) if ok.any() else 0)
+    return np.array(out, np.int32)
+
+
+@pytest.mark.parametrize("dim", [1, 33, 1000, 128256])
+def test_argmax(backends, dim):
+    rng = np.random.default_rng(dim)
+    x = rng.standard_normal((7, dim)).astype(np.float32)
+    x[1, dim // 2] = x[1, dim - 1] = x[1].max() + 1  # a tie: the first wins
+    x[2, 0] = np.nan  # a NaN where the walks start
+    x[2, dim - 1] = np.nan
+    x[3] = np.nan  # no number at all
+    x[4] = -np.inf  # the first -inf
+    x[4, dim // 3] = np.nan
+    x[5, :] = 0.25  # all equal
+    x[6, dim - 1] = np.inf
+    ref = argmax_ref(x)
+    for dev, got in run_all(backends, "argmax", x).items():
+        assert np.array_equal(got, ref), f"argmax on {dev}: {got} against {ref}"
+
+
 def test_moe_route_sum_and_bad_calls(backends):
     rng = np.random.default_rng(3)
     n, k, dim = 9, 3, 130

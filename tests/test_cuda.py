@@ -88,6 +88,13 @@ def test_greedy_tokens_agree(files):
         assert out["cuda"] == out["cpu"], ft
 
 
+def test_pipelined_greedy_generate_equals_the_plain_loop(files):
+    """Greedy generate issues each step before the host reads the id before it (CUDA's default):
+    the same tokens, logits and session state as the step-by-step loop, however the stream ends."""
+    for ft in ("f16", "q8_0"):
+        C.pipelined_greedy_equals_plain(files["llama"][ft], "cuda", [1, 5, 9, 13, 17, 21, 25], d.QuantMode.q8)
+
+
 def _greedy(m, s, prompt, n):
     d.eval(m, s, prompt)
     toks = []

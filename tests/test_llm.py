@@ -161,6 +161,17 @@ def test_generate_stops_streams_and_reports_stats(smollm2_path):
     assert st.n_prompt == len(ids) and 0 < st.n_gen <= 20 and st.ttft_s > 0
 
 
+def test_pipelined_greedy_generate_equals_the_plain_loop(smollm2_path):
+    """The greedy loop that issues each step before the host reads the id before it (a GPU's
+    default), forced on the CPU, gives the plain loop's tokens, logits and session state on
+    every way a stream ends (tests/_device_checks.py)."""
+    import _device_checks as C
+
+    text = "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n"
+    prompt = d.encode(d.load_model(smollm2_path), text, parse_special=True)
+    C.pipelined_greedy_equals_plain(smollm2_path, "cpu", prompt, d.QuantMode.q8)
+
+
 def test_seeded_sampling_is_reproducible(smollm2_path):
     m = d.load_model(smollm2_path)
     p = d.SamplingParams(temp=1.0, top_k=50, top_p=0.95, min_p=0.02, repeat_penalty=1.1, seed=1234)

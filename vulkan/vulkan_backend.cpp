@@ -2122,6 +2122,20 @@ class VulkanBackend final : public Backend {
   }
 
   // ---- mixture of experts ----
+  void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out) override {
+    if (dim <= 0 || dim > INT32_MAX) throw Error("vulkan argmax: row width must be in [1, 2^31)");
+    if (n_rows <= 0) return;
+    Lock g(c_->mu);
+    struct {
+      uint64_t x, out;
+      uint32_t dim, row_base;
+    } pc{A(x), A(out), (uint32_t)dim, 0};
+    for (int64_t r0 = 0; r0 < n_rows; r0 += kMaxGroups) {
+      pc.row_base = (uint32_t)r0;
+      c_->uses({{A(x), (uint64_t)(n_rows * dim * 4), false}, {A(out), (uint64_t)n_rows * 4, true}});
+      c_->dispatch("argmax", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n_rows - r0));
+    }
+  }
   void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,
                  float* w) override {
     if (k < 1 || k > n_expert) throw Error("vulkan moe_route: k must be in [1, n_expert]");

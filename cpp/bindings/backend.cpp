@@ -321,6 +321,18 @@ void bind_backend(py::module_& m) {
         d.be->add(yd, d.put(x), y.size());
         return d.get(yd, {(int64_t)y.size()});
       })
+      .def("argmax", [](Dev& d, const py::object& xo) {
+        F32 x = f32(xo, "x", 2);
+        const int64_t n = x.shape(0), dim = x.shape(1);
+        need(dim >= 1, "rows must not be empty");
+        float* xd = d.put(x);
+        std::vector<int32_t> minus((size_t)std::max<int64_t>(n, 1), -1);
+        int32_t* out = d.put(minus.data(), minus.size());
+        d.be->argmax(xd, n, dim, out);
+        py::array_t<int32_t> got(n);
+        d.be->download(got.mutable_data(), out, (size_t)n * 4);
+        return got;
+      })
       .def("moe_route", [](Dev& d, const py::object& lo, int k, int gate, bool norm) {
         F32 l = f32(lo, "logits", 2);
         const int64_t n = l.shape(0), E = l.shape(1);

@@ -268,6 +268,17 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;      // backend -> backend
   virtual void zero(void* dst, size_t bytes) = 0;
   virtual void sync() {}
+  // Steps run on a queue of the device's own (a GPU's), so the host may record the next step
+  // while the last one runs; greedy generation then keeps the device busy (generate.cpp).
+  virtual bool async_steps() const { return false; }
+  // A small download (a few sampled ids) that does not wait: dst holds the bytes once
+  // download_wait(ticket) returns. Issued after everything before it, like download(). The
+  // default copies at once.
+  virtual int64_t download_async(void* dst, const void* src, size_t bytes) {
+    download(dst, src, bytes);
+    return 0;
+  }
+  virtual void download_wait(int64_t ticket) { (void)ticket; }
   // Host memory for at least `floats` floats that download() fills fastest (CUDA: pinned, so
   // the copy is one DMA instead of a staged pageable one), owned by the backend and reused:
   // its contents last until the next call. For a step's downloads of many rows.
@@ -384,6 +395,12 @@ class Backend {
                          const float* bias, float* y) = 0;
   // out[t][d] = sum_j w[t * k + j] * y[t * k + j][d] over j in order, for t < n.
   virtual void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out) = 0;
+
+  // ---- sampling ----------------------------------------------------------------
+  // out[r] = the index of row r's largest value (n_rows rows of dim floats; out in backend
+  // memory): the first on ties, NaN never the largest, 0 for a row without a number. The
+  // sampler's greedy pick (argmax_first), so a greedy stream's next id never leaves the device.
+  virtual void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out) = 0;
 
  private:
   std::vector<float> staging_;

@@ -23,6 +23,7 @@
 #include "quant/blocks.h"
 #include "quant/quant.h"
 #include "quant/types.h"
+#include "sample/sampler.h"
 
 namespace dl {
 
@@ -993,6 +994,11 @@ class CpuBackend final : public Backend {
         }
       }
     });
+  }
+
+  void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out) override {
+    if (dim <= 0 || dim > INT32_MAX) throw Error("argmax: row width must be in [1, 2^31)");
+    for (int64_t r = 0; r < n_rows; ++r) out[r] = argmax_first(x + r * dim, (int32_t)dim);
   }
 
   void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,

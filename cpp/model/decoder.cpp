@@ -4,6 +4,7 @@
 // of its ids, positions and block tables, one download of its logits.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/errors.h"
@@ -363,9 +364,10 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
     be.upload(deep, deep_host_.data(), deep_host_.size() * 4);
   }
   stage_step(runs, n_runs, tokens, n);
+  if (dev_ids_) tokens_dev_ = dev_ids_;
   float* x = scratch(x_, n * D, "activations");
   be.begin_step();
-  if (tokens) {
+  if (tokens_dev_) {
     be.get_rows(tok_embd_, tokens_dev_, n, x);
     // Gemma rounds the scale through its compute dtype; sqrt(dim) in f32 as the reference does.
     if (traits_->embed_scale_sqrt_dim) be.scale(x, std::sqrt((float)D), n * D);
@@ -395,8 +397,47 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
   }
   for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
   const int64_t rows = logits_block(runs, n_runs, n, all_logits);
+  if (greedy_out_ && rows > 0) be.argmax(logits_dst_, rows, c.vocab_size, greedy_out_);
   be.end_step();
   return rows;
+}
+
+bool Model::can_pipeline(const Session& s) const {
+  const char* e = std::getenv("DASLLAMA_PIPELINE");
+  if (e && std::strcmp(e, "0") == 0) return false;
+  return (backend_->async_steps() || (e && std::strcmp(e, "1") == 0)) && !s.recurrent_state();
+}
+
+int64_t Model::forward_greedy(Session& s, const int32_t* token, int32_t* next) {
+  if (s.n_past_ + 1 > s.n_ctx_)
+    throw ContextOverflowError("context overflow: " + std::to_string(s.n_past_) +
+                               " + 1 tokens exceed the session's context of " + std::to_string(s.n_ctx_));
+  if (token && (*token < 0 || *token >= cfg_.vocab_size))
+    throw Error("token id " + std::to_string(*token) + " out of range [0, " + std::to_string(cfg_.vocab_size) + ")");
+  if (!token && !s.greedy_) throw Error("forward_greedy: no id on the backend from an earlier greedy step");
+  std::lock_guard<std::mutex> lk(mu_);
+  s.kv_->prepare_write(s.n_past_, s.n_past_ + 1);
+  if (!s.greedy_) s.greedy_ = backend_->alloc(256 + (size_t)cfg_.vocab_size * 4, "greedy decode");
+  int32_t* id = static_cast<int32_t*>(s.greedy_->data());
+  struct Reset {
+    Model* m;
+    ~Reset() { m->dev_ids_ = nullptr, m->greedy_out_ = nullptr, m->logits_dst_ = nullptr; }
+  } reset{this};
+  dev_ids_ = token ? nullptr : id;
+  greedy_out_ = id;
+  logits_dst_ = reinterpret_cast<float*>(static_cast<uint8_t*>(s.greedy_->data()) + 256);
+  const Run run{&s, 0, 1, true};
+  forward_chunk(&run, 1, token, nullptr, 1, false);
+  s.history.push_back(token ? *token : -1);
+  return backend_->download_async(next, id, 4);
+}
+
+void Model::fetch_logits(Session& s) {
+  if (!s.greedy_) throw Error("fetch_logits: no greedy step has run on this session");
+  const int64_t V = cfg_.vocab_size;
+  std::lock_guard<std::mutex> lk(mu_);  // a download between another thread's step brackets would break them
+  s.logits.resize((size_t)V);
+  backend_->download(s.logits.data(), static_cast<uint8_t*>(s.greedy_->data()) + 256, (size_t)V * 4);
 }
 
 // The per-layer inputs of a chunk's rows (gemma4 E-series), n x (n_layers x ple_dim) into ple_:
@@ -867,7 +908,7 @@ int64_t Model::logits_block(const Run* runs, int n_runs, int64_t n, bool all_log
     norm();
   }
   if (rows == 0) return 0;  // a run that continues in the next chunk wants no logits yet
-  float* lg = scratch(logits_, rows * c.vocab_size, "logits");
+  float* lg = logits_dst_ ? logits_dst_ : scratch(logits_, rows * c.vocab_size, "logits");
   be.matmul(output_, xn, rows, lg);
   if (c.final_softcap > 0) be.softcap(lg, c.final_softcap, rows * c.vocab_size);
   return rows;

@@ -170,6 +170,18 @@ class Model : public std::enable_shared_from_this<Model> {
   void forward_mrope(Session& s, const float* embd, int64_t n, const int32_t* media_ids, int64_t lo, int64_t hi,
                      int grid_h, int grid_w, bool non_causal, int64_t first_row = 0, const float* deep = nullptr);
 
+  // Whether generate may run greedy decode steps ahead of the host (forward_greedy): a backend
+  // whose steps run asynchronously (DASLLAMA_PIPELINE=1: any backend, for tests; 0: never) and a
+  // session a step can be taken back from exactly (no recurrent layers).
+  bool can_pipeline(const Session& s) const;
+  // One greedy decode step: evaluates *token, or (token null) the id the step before left on
+  // the backend, and leaves its own argmax there for the next; the logits stay on the backend
+  // (fetch_logits). Pushes the token (-1 when on the backend) to the history. Returns the ticket
+  // of the download of the picked id into *next (Backend::download_wait).
+  int64_t forward_greedy(Session& s, const int32_t* token, int32_t* next);
+  // The logits the last step left on the backend into s.logits.
+  void fetch_logits(Session& s);
+
   // One decode step for B distinct sessions: row b evaluates tokens[b] at
   // sessions[b]'s position; the weights are read once for all rows.
   void forward_batch(Session* const* sessions, const int32_t* tokens, int64_t B);
@@ -268,6 +280,12 @@ class Model : public std::enable_shared_from_this<Model> {
   std::vector<int32_t> meta_host_;
   BufferPtr meta_;
   const int32_t* tokens_dev_ = nullptr;
+  // forward_greedy's step: its token on the backend (dev_ids_), where its argmax goes
+  // (greedy_out_) and its logits (logits_dst_): the session's own (Session::greedy_), since
+  // another thread's step may run between two of a greedy stream's.
+  const int32_t* dev_ids_ = nullptr;
+  int32_t* greedy_out_ = nullptr;
+  float* logits_dst_ = nullptr;
   const int32_t* pos_dev_ = nullptr;
   // The positions attention masks by (each row sees keys up to its own); == pos_dev_ but for
   // the rows of a non-causal span, which see up to the span's last position.

@@ -81,6 +81,8 @@ class Session {
   int64_t n_past_ = 0;
   std::unique_ptr<BlockTable> kv_;
   BufferPtr rstate_;
+  // Model::forward_greedy's id (the first 4 bytes) and logits (from byte 256) on the backend.
+  BufferPtr greedy_;
   std::vector<std::pair<int64_t, BufferPtr>> snaps_;  // by position, ascending
   void init_recurrent();
   void reset_recurrent();

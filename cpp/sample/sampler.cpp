@@ -33,13 +33,12 @@ uint64_t Rng::next() {
   return r;
 }
 
-namespace {
-
-// The first index of the largest value (std::max_element's tie rule), in two passes: the max
-// over eight independent lanes (no serial compare chain), then the first index that holds it.
-int32_t argmax(const float* l, int32_t n) {
+// The first index of the largest value (std::max_element's tie rule; NaN never the largest, 0
+// when no value is a number), in two passes: the max over eight independent lanes (no serial
+// compare chain), then the first index that holds it. Backend::argmax keeps this rule.
+int32_t argmax_first(const float* l, int32_t n) {
   float m[8];
-  for (int k = 0; k < 8; ++k) m[k] = l[0];
+  for (int k = 0; k < 8; ++k) m[k] = -INFINITY;
   int32_t i = 0;
   for (; i + 8 <= n; i += 8)
     for (int k = 0; k < 8; ++k) m[k] = l[i + k] > m[k] ? l[i + k] : m[k];
@@ -50,6 +49,8 @@ int32_t argmax(const float* l, int32_t n) {
     if (l[j] == mx) return j;
   return 0;  // all NaN
 }
+
+namespace {
 
 // w[i] = exp((l[i] - mx) * inv_t) for every i (arguments <= 0), by a polynomial the compiler
 // vectorizes (Cephes' expf: 2^n e^r, |r| <= ln2 / 2; ~1 ulp), as libm's exp is a call per value.
@@ -98,7 +99,7 @@ void top_k_ids(const float* l, int32_t n, int32_t k, std::vector<int32_t>& idx) 
 // vocabulary (top_p: below; min_p keeps w >= min_p, the max having w = 1). The CDF walk then
 // goes over the kept ids in id order: the same distribution as a walk in the candidates' order.
 int32_t sample_all(const float* l, int32_t n, const SamplingParams& p, Rng& rng, std::vector<float>& w) {
-  const float mx = l[argmax(l, n)];
+  const float mx = l[argmax_first(l, n)];
   w.resize(n);
   const float inv_t = 1.f / p.temp;
   exp_weights(l, n, mx, inv_t, w.data());
@@ -157,7 +158,7 @@ int32_t sample_all(const float* l, int32_t n, const SamplingParams& p, Rng& rng,
     total += k ? (double)w[i] : 0.0;
     last = k ? i : last;
   }
-  if (last < 0) return argmax(l, n);  // NaN logits: nothing to draw from
+  if (last < 0) return argmax_first(l, n);  // NaN logits: nothing to draw from
   double r = rng.uniform() * total;
   for (int32_t i = 0; i <= last; ++i)
     if ((r -= kept(i) ? (double)w[i] : 0.0) < 0) return i;
@@ -187,7 +188,7 @@ int32_t sample_token(const float* logits, int32_t n, const SamplingParams& p, co
     l = scratch.data();
   }
   // A temperature so small that 1 / temp overflows is greedy (its scaled logits would be NaN).
-  if (p.temp <= 0.f || !std::isfinite(1.f / p.temp)) return argmax(l, n);
+  if (p.temp <= 0.f || !std::isfinite(1.f / p.temp)) return argmax_first(l, n);
   thread_local std::vector<float> w;
   if (p.top_k <= 0 || p.top_k >= n) return sample_all(l, n, p, rng, w);
 

@@ -1,6 +1,7 @@
 // Sampling: penalties over the recent history, then greedy argmax (temp <= 0) or
 // top-k, temperature, top-p, min-p and a CDF draw from a seeded generator.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -29,6 +30,14 @@ class Rng {
  private:
   uint64_t s_[4];
 };
+
+// The first index of the largest of n values; NaN never the largest, 0 when none is a number.
+int32_t argmax_first(const float* l, int32_t n);
+// Whether p picks every token by argmax_first of the logits as they are (greedy, no penalty).
+inline bool greedy_only(const SamplingParams& p) {
+  const bool penal = p.repeat_penalty != 1.f || p.presence_penalty != 0.f || p.frequency_penalty != 0.f;
+  return (p.temp <= 0.f || !std::isfinite(1.f / p.temp)) && !(penal && p.penalty_last_n != 0);
+}
 
 // Picks the next token from logits (n_vocab floats); history supplies the penalty window.
 int32_t sample_token(const float* logits, int32_t n_vocab, const SamplingParams& p, const std::vector<int32_t>& history,
