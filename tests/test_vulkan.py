@@ -143,6 +143,30 @@ def test_decode_steps_replayed(tiny):
     assert e <= LOGIT_BAR, f"decode steps: NMSE {e:.3g} against the CPU"
 
 
+# (No "greedy" in the name: test_tiled_attention_on_lavapipe's child selects that word.)
+def test_pipelined_generate_equals_the_plain_loop(tiny):
+    """Greedy generate issues each step before the host reads the id before it, and Vulkan
+    submits each step without waiting for it (DASLLAMA_VULKAN_ASYNC, on by default): the same
+    tokens, logits and session state as the step-by-step loop, however the stream ends (a step
+    taken back, a full context, a full page pool)."""
+    C.pipelined_greedy_equals_plain(tiny["q8_0"], "vulkan", [1, 5, 9, 13, 17, 21, 25], d.QuantMode.q8)
+
+
+def test_pipelined_generate_on_a_queue_thread(built_dir, tiny):
+    """The same on a queue that runs behind the host, as a GPU's does (lavapipe submits from the
+    calling thread unless MESA_VK_ENABLE_SUBMIT_THREAD is set), with DASLLAMA_VULKAN_STEPS=1 so
+    the backend reports its submissions: command buffers were begun while one before them was
+    still pending."""
+    import re
+
+    r = _child(built_dir, {"MESA_VK_ENABLE_SUBMIT_THREAD": "1", "DASLLAMA_VULKAN_STEPS": "1"}, ("test_vulkan.py",),
+               "pipelined_generate_equals", s=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    ran = [int(n) for n in re.findall(r"(\d+) begun while one ran", out)]
+    assert ran and max(ran) > 0, out[-3000:]
+
+
 def test_paged_prefix_cache_and_ragged_batch(tiny):
     prompt = [1] + np.random.default_rng(3).integers(3, VOCAB, 40).tolist()
     C.paged_prefix_cache_and_ragged_batch(tiny["q8_0"], "vulkan", prompt)

@@ -12,7 +12,13 @@
 //
 // Order: everything (transfers from host staging included) is recorded into one command buffer
 // in issue order; the buffer is submitted and waited for at download(), sync() and when the
-// staging memory fills. So upload() never reorders with recorded ops. A memory barrier goes before a command only when it touches bytes that a
+// staging memory fills. So upload() never reorders with recorded ops. download_async() submits
+// without waiting (a ring of kRing command buffers and fences, Ctx::submit): the host records
+// the next step while the device runs the last; what an in-flight submission may still read
+// (staging chunks, buffers released meanwhile) is kept until its fence has signalled, and the
+// next command buffer starts behind a barrier on everything submitted before it.
+// DASLLAMA_VULKAN_ASYNC=0: every submission waited for (the old stream, for A/B runs).
+// A memory barrier goes before a command only when it touches bytes that a
 // command since the last barrier wrote (or writes bytes one read): each op names the address
 // ranges it reads and writes (Ctx::uses), and one that names none is ordered against everything
 // on both sides. Independent neighbours (rope of q and of k, uploads at load) then overlap on the
@@ -300,10 +306,12 @@ class Ctx {
     cai.commandPool = pool_;
     cai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
     cai.commandBufferCount = 1;
-    vcheck(f_.vkAllocateCommandBuffers(dev_, &cai, &cmd_), "vkAllocateCommandBuffers");
-    cb_ = cmd_;
     VkFenceCreateInfo fci{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
-    vcheck(f_.vkCreateFence(dev_, &fci, nullptr, &fence_), "vkCreateFence");
+    for (Sub& r : ring_) {
+      vcheck(f_.vkAllocateCommandBuffers(dev_, &cai, &r.cmd), "vkAllocateCommandBuffers");
+      vcheck(f_.vkCreateFence(dev_, &fci, nullptr, &r.fence), "vkCreateFence");
+    }
+    cmd_ = cb_ = ring_[seq_ % kRing].cmd;
     VkPushConstantRange pcr{VK_SHADER_STAGE_COMPUTE_BIT, 0, kPush};
     VkPipelineLayoutCreateInfo lci{VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO};
     lci.pushConstantRangeCount = 1;
@@ -323,8 +331,9 @@ class Ctx {
     } catch (...) {
     }
     if (std::getenv("DASLLAMA_VULKAN_PROFILE") || std::getenv("DASLLAMA_VULKAN_STEPS"))
-      std::fprintf(stderr, "vulkan steps: %llu replayed, %llu recorded\n", (unsigned long long)replays_[0],
-                   (unsigned long long)replays_[1]);
+      std::fprintf(stderr, "vulkan steps: %llu replayed, %llu recorded; %llu submissions, %llu begun while one ran\n",
+                   (unsigned long long)replays_[0], (unsigned long long)replays_[1], (unsigned long long)(seq_ - 1),
+                   (unsigned long long)overlapped_);
     if (qpool_) {
       print_profile();
       f_.vkDestroyQueryPool(dev_, qpool_, nullptr);
@@ -332,9 +341,11 @@ class Ctx {
     for (auto& [n, p] : pipes_) f_.vkDestroyPipeline(dev_, p, nullptr);
     for (auto& s : staging_) destroy(s.a);
     destroy(readback_);
+    destroy(dl_slots_);
     for (auto& [addr, al] : live_) destroy(al);
     f_.vkDestroyPipelineLayout(dev_, layout_, nullptr);
-    f_.vkDestroyFence(dev_, fence_, nullptr);
+    for (Sub& r : ring_)
+      if (r.fence) f_.vkDestroyFence(dev_, r.fence, nullptr);
     f_.vkDestroyCommandPool(dev_, pool_, nullptr);
     f_.vkDestroyDevice(dev_, nullptr);
   }
@@ -377,8 +388,8 @@ class Ctx {
     used_ -= it->second.size;
     if (rec_)
       rec_grave_.push_back(it->second);  // a kept command may use it (whichever thread releases)
-    else if (open_)
-      grave_.push_back(it->second);
+    else if (open_ || in_flight())
+      grave_.push_back({it->second, open_ ? seq_ : seq_ - 1});  // after the last buffer that may use it
     else
       destroy(it->second);
     live_.erase(it);
@@ -540,8 +551,7 @@ class Ctx {
     rec_ = false;
     std::vector<Rec> recs;
     recs.swap(recs_);
-    for (auto& g : rec_grave_) grave_.push_back(g);
-    rec_grave_.clear();
+    bury_recorded();
     if (recs.empty()) return drop_step();
     if (!step_args_.empty()) upload(args_, step_args_.data(), step_args_.size() * 4);
     if (uncacheable_) {  // directly into the primary stream
@@ -622,29 +632,18 @@ class Ctx {
   }
   // Forgets a recording (a step abandoned by an exception, or one that has been issued).
   void drop_step() {
-    if (rec_) {
-      for (auto& g : rec_grave_) grave_.push_back(g);
-      rec_grave_.clear();
-    }
+    if (rec_) bury_recorded();
     rec_ = false, uncacheable_ = false;
     recs_.clear(), sig_.clear(), step_args_.clear();
   }
-  // Submits what is recorded and waits; frees what died meanwhile and the staging space.
+  // Submits what is recorded and waits for everything submitted; frees what died meanwhile and
+  // the staging space.
   void flush() {
-    if (open_) {
-      open_ = false;
-      vcheck(f_.vkEndCommandBuffer(cmd_), "vkEndCommandBuffer");
-      VkSubmitInfo si{VK_STRUCTURE_TYPE_SUBMIT_INFO};
-      si.commandBufferCount = 1;
-      si.pCommandBuffers = &cmd_;
-      vcheck(f_.vkQueueSubmit(queue_, 1, &si, fence_), "vkQueueSubmit");
-      const VkResult r = f_.vkWaitForFences(dev_, 1, &fence_, VK_TRUE, UINT64_MAX);
-      f_.vkResetFences(dev_, 1, &fence_);
-      f_.vkResetCommandBuffer(cmd_, 0);
-      vcheck(r, "waiting for the queue (a shader before it failed)");
-      if (qpool_) read_stamps();
-    }
-    for (auto& g : grave_) destroy(g);
+    const bool had = open_;
+    if (open_) submit();
+    wait_done(seq_ - 1);
+    if (had && qpool_) read_stamps();
+    for (auto& g : grave_) destroy(g.first);
     grave_.clear();
     // Keep one staging chunk for the next uploads.
     while (staging_.size() > 1) {
@@ -653,28 +652,133 @@ class Ctx {
     }
     for (auto& s : staging_) s.used = 0;
   }
+  // Steps run while the host goes on (Backend::async_steps): not while profiling, whose
+  // timestamps are read back per submission. Read at each call, so one process A/Bs it.
+  bool async_on() const {
+    const char* e = std::getenv("DASLLAMA_VULKAN_ASYNC");
+    return !(e && std::strcmp(e, "0") == 0) && !qpool_;
+  }
+  // The copy of a few bytes (a greedy step's id) into a host slot, submitted with what is
+  // recorded before it and not waited for: download_wait(ticket) waits for that submission.
+  int64_t download_async(void* dst, uint64_t src, size_t bytes) {
+    if (!async_on() || bytes > kDlSlot) {
+      download(dst, src, bytes);
+      return 0;
+    }
+    if (recording()) drop_step();  // as download()
+    if (!dl_slots_.buf) dl_slots_ = make(kDlSlot * kDlSlots, true, "download slots", readback_cached());
+    const int64_t t = ++dl_ticket_;
+    const size_t k = (size_t)(t % (int64_t)kDlSlots);
+    // The slot's last copy, kDlSlots tickets ago: its bytes go nowhere (a caller waits for its
+    // ticket within a few, or never will), but the host reads no slot the device is writing.
+    for (size_t i = 0; i < dl_pending_.size(); ++i)
+      if (dl_pending_[i].slot == k) {
+        wait_done(dl_pending_[i].seq);
+        dl_pending_.erase(dl_pending_.begin() + (std::ptrdiff_t)i);
+        break;
+      }
+    if (bytes) {
+      auto [sb, soff] = locate(src, bytes);
+      VkBufferCopy c{soff, k * kDlSlot, bytes};
+      begin();
+      uses({{src, bytes, false}});
+      order();
+      f_.vkCmdCopyBuffer(cmd_, sb, dl_slots_.buf, 1, &c);
+      VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};  // the copy before the host reads
+      mb.srcAccessMask = VK_ACCESS_TRANSFER_WRITE_BIT;
+      mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT;
+      f_.vkCmdPipelineBarrier(cmd_, VK_PIPELINE_STAGE_TRANSFER_BIT, VK_PIPELINE_STAGE_HOST_BIT, 0, 1, &mb, 0, nullptr,
+                              0, nullptr);
+    }
+    const uint64_t q = open_ ? seq_ : seq_ - 1;  // (nothing recorded: the last submission)
+    if (open_) submit();
+    dl_pending_.push_back({dst, bytes, k, t, q});
+    return t;
+  }
+  void download_wait(int64_t ticket) {
+    for (size_t i = 0; i < dl_pending_.size(); ++i) {
+      const DlPending p = dl_pending_[i];
+      if (p.ticket != ticket) continue;
+      dl_pending_.erase(dl_pending_.begin() + (std::ptrdiff_t)i);
+      wait_done(p.seq);
+      if (p.bytes) std::memcpy(p.dst, static_cast<const uint8_t*>(dl_slots_.host) + p.slot * kDlSlot, p.bytes);
+      return;
+    }
+  }
 
  private:
   struct Chunk {
     Alloc a;
     size_t used = 0;
+    uint64_t seq = 0;  // the last command buffer that copies from it
   };
   static constexpr size_t kChunk = size_t(16) << 20, kMaxStaged = size_t(128) << 20;
 
-  // Space for up to `want` bytes of host data in a staging chunk (flushing when full).
+  // Space for up to `want` bytes of host data in a staging chunk. A full chunk starts over once
+  // every command buffer that copies from it has run (no bytes an in-flight copy reads are
+  // written); when none can, the oldest submission is waited for, or (none in flight) all is
+  // flushed.
   std::tuple<Chunk*, size_t, size_t> stage(size_t want) {
-    for (auto& c : staging_)
-      if (c.used < c.a.size) {
-        const size_t off = c.used, take = std::min(want, c.a.size - off);
-        c.used = (off + take + 15) & ~size_t(15);
-        return {&c, off, take};
+    for (int pass = 0; pass < 2; ++pass)
+      for (auto& c : staging_) {
+        if (pass == 1 && c.seq <= done_) c.used = 0;
+        if (c.used < c.a.size) {
+          const size_t off = c.used, take = std::min(want, c.a.size - off);
+          c.used = (off + take + 15) & ~size_t(15);
+          c.seq = seq_;  // copied by the open command buffer (or the next to open)
+          return {&c, off, take};
+        }
       }
     if (staging_.size() * kChunk >= kMaxStaged) {
-      flush();
+      if (in_flight())
+        wait_done(done_ + 1);
+      else
+        flush();
       return stage(want);
     }
-    staging_.push_back({make(kChunk, true, "upload staging"), 0});
+    staging_.push_back({make(kChunk, true, "upload staging"), 0, 0});
     return stage(want);
+  }
+  // ---- submissions: a ring of command buffers, each with its fence ----
+  // seq_ numbers the command buffer open (or the next to open); submission q runs in
+  // ring_[q % kRing]; every submission up to done_ has completed.
+  bool in_flight() const { return done_ + 1 < seq_; }
+  void submit() {
+    Sub& r = ring_[seq_ % kRing];
+    open_ = false;
+    const uint64_t q = seq_++;
+    vcheck(f_.vkEndCommandBuffer(cmd_), "vkEndCommandBuffer");
+    VkSubmitInfo si{VK_STRUCTURE_TYPE_SUBMIT_INFO};
+    si.commandBufferCount = 1;
+    si.pCommandBuffers = &cmd_;
+    vcheck(f_.vkQueueSubmit(queue_, 1, &si, r.fence), "vkQueueSubmit");
+    r.seq = q;
+  }
+  // Waits for the submissions up to q (in order), then frees what they were the last to use.
+  void wait_done(uint64_t q) {
+    if (q >= seq_) q = seq_ - 1;
+    while (done_ < q) {
+      Sub& r = ring_[(done_ + 1) % kRing];
+      if (r.seq == done_ + 1) {  // (not there: its submit failed)
+        const VkResult res = f_.vkWaitForFences(dev_, 1, &r.fence, VK_TRUE, UINT64_MAX);
+        f_.vkResetFences(dev_, 1, &r.fence);
+        r.seq = 0;
+        vcheck(res, "waiting for the queue (a shader before it failed)");
+      }
+      ++done_;
+    }
+    size_t kept = 0;
+    for (auto& g : grave_)
+      if (g.second <= done_)
+        destroy(g.first);
+      else
+        grave_[kept++] = g;
+    grave_.resize(kept);
+  }
+  // A step's releases while it was recorded: its commands go into the open (or next) buffer.
+  void bury_recorded() {
+    for (auto& g : rec_grave_) grave_.push_back({g, seq_});
+    rec_grave_.clear();
   }
   void copy_from(VkBuffer sb, size_t soff, uint64_t dst, size_t bytes, bool staged = false) {
     if (!bytes) return next_.clear();
@@ -703,13 +807,20 @@ class Ctx {
   }
   void begin() {
     if (open_) return;
+    Sub& r = ring_[seq_ % kRing];
+    if (r.seq) wait_done(r.seq);  // the ring's buffer, kRing submissions ago
+    cmd_ = cb_ = r.cmd;
+    vcheck(f_.vkResetCommandBuffer(cmd_, 0), "vkResetCommandBuffer");
     VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
     bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
     vcheck(f_.vkBeginCommandBuffer(cmd_, &bi), "vkBeginCommandBuffer");
     open_ = true;
     bound_ = VK_NULL_HANDLE;
-    pending_.clear();  // the submit before ordered everything
-    pending_all_ = false;
+    pending_.clear();
+    // The submit before ordered everything when it was waited for; one still running is ordered
+    // by a barrier before the first command (a barrier's scope spans earlier submissions).
+    pending_all_ = in_flight();
+    overlapped_ += pending_all_;
     if (qpool_) {
       f_.vkCmdResetQueryPool(cmd_, qpool_, 0, kQueries);
       stamped_.clear();
@@ -921,8 +1032,26 @@ class Ctx {
   vk::DeviceFns f_;
   VkQueue queue_ = VK_NULL_HANDLE;
   VkCommandPool pool_ = VK_NULL_HANDLE;
-  VkCommandBuffer cmd_ = VK_NULL_HANDLE;
-  VkFence fence_ = VK_NULL_HANDLE;
+  struct Sub {
+    VkCommandBuffer cmd = VK_NULL_HANDLE;
+    VkFence fence = VK_NULL_HANDLE;
+    uint64_t seq = 0;  // the submission it runs, 0: none pending
+  };
+  static constexpr uint64_t kRing = 3;
+  Sub ring_[kRing];
+  uint64_t seq_ = 1, done_ = 0, overlapped_ = 0;  // overlapped_: buffers begun while one ran
+  VkCommandBuffer cmd_ = VK_NULL_HANDLE;  // the ring's buffer being recorded (or the next)
+  // download_async's host slots and the copies not yet waited for.
+  static constexpr size_t kDlSlot = 256, kDlSlots = 16;
+  Alloc dl_slots_;
+  struct DlPending {
+    void* dst;
+    size_t bytes, slot;
+    int64_t ticket;
+    uint64_t seq;
+  };
+  std::vector<DlPending> dl_pending_;
+  int64_t dl_ticket_ = 0;
   VkPipelineLayout layout_ = VK_NULL_HANDLE;
   VkPipeline bound_ = VK_NULL_HANDLE;  // in the open command buffer
   static constexpr uint32_t kQueries = 16384;
@@ -933,7 +1062,7 @@ class Ctx {
   uint64_t unmeasured_ = 0;
   std::unordered_map<std::string, VkPipeline> pipes_;
   std::map<uint64_t, Alloc> live_;
-  std::vector<Alloc> grave_;
+  std::vector<std::pair<Alloc, uint64_t>> grave_;  // freed once that submission has run
   std::vector<Chunk> staging_;
   Alloc readback_;
   size_t used_ = 0;
@@ -1036,6 +1165,15 @@ class VulkanBackend final : public Backend {
   void download(void* dst, const void* src, size_t bytes) override {
     Lock g(c_->mu);
     c_->download(dst, A(src), bytes);
+  }
+  bool async_steps() const override { return c_->async_on(); }
+  int64_t download_async(void* dst, const void* src, size_t bytes) override {
+    Lock g(c_->mu);
+    return c_->download_async(dst, A(src), bytes);
+  }
+  void download_wait(int64_t ticket) override {
+    Lock g(c_->mu);
+    c_->download_wait(ticket);
   }
   void copy(void* dst, const void* src, size_t bytes) override {
     if (!bytes) return;
