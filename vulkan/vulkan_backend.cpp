@@ -245,6 +245,10 @@ class Ctx {
     p2.pNext = &sp;
     a.vkGetPhysicalDeviceProperties2(pd, &p2);
     subgroup_size = std::max<uint32_t>(1, sp.subgroupSize);
+    // flash2.comp's row reductions: 8 adjacent lanes by subgroupShuffleXor.
+    shuffle8 = (sp.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
+               (sp.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT) && sp.subgroupSize >= 8 &&
+               props_.apiVersion >= VK_API_VERSION_1_1;
     uint32_t nq = 0;
     a.vkGetPhysicalDeviceQueueFamilyProperties(pd, &nq, nullptr);
     std::vector<VkQueueFamilyProperties> qs(nq);
@@ -343,6 +347,7 @@ class Ctx {
   std::recursive_mutex mu;
   bool subgroup = false;  // matmul and matmul_id take the subgroup path
   uint32_t subgroup_size = 32;
+  bool shuffle8 = false;  // subgroups of 8 or more lanes that shuffle, in compute shaders
   bool i8dot = false, i8coop = false;  // enabled at device creation (i8_caps)
   uint32_t max_shared() const { return props_.limits.maxComputeSharedMemorySize; }
 
@@ -1881,7 +1886,7 @@ class VulkanBackend final : public Backend {
     Lock g(c_->mu);
     if (a.n_heads > 65535 || a.n_kv_heads > 65535 || a.kv.page_shift < 0 || a.kv.page_shift > 63)
       throw Error("vulkan attention: head counts past 65535 or a page shift past 63");
-    if (a.n_tok >= 16 && a.head_dim <= 128 && c_->max_shared() >= 32768 && (a.any_order ? flash_mode() : flash_mode() == 2))
+    if (a.n_tok >= 16 && a.head_dim <= 128 && c_->max_shared() >= 32768 && flash_mode() >= (a.any_order ? 1 : 2))
       return flash(a);
     struct {
       uint64_t q, base, pages, q_pos, out, sinks, part, args, cnt;
@@ -1958,19 +1963,40 @@ class VulkanBackend final : public Backend {
     c_->dispatch("attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
   }
   // Attention of 16 rows and more (head sizes up to 128) in key tiles shared by a workgroup's
-  // rows (flash.comp): 1 for an encoder's rows (any_order: no decode step reads them, so they
-  // need not be the bits the row-per-workgroup kernel gives), 2 for decoders' prefill rows too
-  // (DASLLAMA_VULKAN_FLASH=1; opt-in: a decoder's rows then depend on how its tokens were split
-  // into calls, 2e-11 apart on lavapipe, and it is not yet measured on a GPU), 0 never
-  // (DASLLAMA_VULKAN_FLASH=0).
+  // rows (flash2.comp, flash.comp), as CUDA's prefill takes its tiled kernel from 16 rows
+  // (flash_min_ in cuda/cuda_backend.cu). A decoder row's bits then depend on how its tokens
+  // were split into calls (only the order of the f32 sums differs from attention.comp's);
+  // batched still equals alone, since each session's attention is its own call over its own
+  // rows. DASLLAMA_VULKAN_FLASH: unset or 1: encoders' and decoders' rows (2 here); "enc":
+  // encoders' rows only (any_order: no decode step reads them; the default before the sixteenth
+  // session), 1 here; 0: never. Read at each call (decode steps, which replay, never take it).
   static int flash_mode() {
-    static const int mode = [] {
-      const char* e = std::getenv("DASLLAMA_VULKAN_FLASH");
-      return !e ? 1 : std::strcmp(e, "1") == 0 ? 2 : std::strcmp(e, "0") == 0 ? 0 : 1;
-    }();
-    return mode;
+    const char* e = std::getenv("DASLLAMA_VULKAN_FLASH");
+    return !e || !*e || std::strcmp(e, "1") == 0 ? 2 : std::strcmp(e, "enc") == 0 ? 1 : 0;
+  }
+  // Which tiles (read at each call, for A/B runs in one process). DASLLAMA_VULKAN_FLASHK: unset or
+  // 2: flash2.comp (every shared read a vec4, 8 FMAs a read; row reductions by subgroup
+  // shuffles where the device has them) for heads up to 64 where the device's shared memory
+  // holds its tiles, flash.comp otherwise; 1: flash.comp always. DASLLAMA_VULKAN_FLASH_BR=32 / 64:
+  // flash2's rows a workgroup (default 32, or 64 where its 64-row workgroups are 512 or more, so
+  // a large GPU still has several a core); DASLLAMA_VULKAN_FLASH_SG=0: its reductions through
+  // shared memory.
+  std::string flash2_variant(const AttnArgs& a) const {
+    const char* k = std::getenv("DASLLAMA_VULKAN_FLASHK");
+    if ((k && std::strcmp(k, "1") == 0) || a.head_dim > 64) return "";
+    const char* b = std::getenv("DASLLAMA_VULKAN_FLASH_BR");
+    const int64_t groups64 = (a.n_tok + 63) / 64 * a.n_heads;
+    bool r4 = b && *b ? std::strcmp(b, "64") == 0 : groups64 >= 512;
+    const char* g = std::getenv("DASLLAMA_VULKAN_FLASH_SG");
+    const bool sg = c_->shuffle8 && !(g && std::strcmp(g, "0") == 0);
+    // Shared memory: Q, K, V and P tiles (+ the reductions' 4 x 8 x BR bytes without shuffles).
+    const auto need = [&](bool four) -> uint32_t { return four ? 42496 + (sg ? 0 : 2048) : 30208 + (sg ? 0 : 1024); };
+    if (r4 && c_->max_shared() < need(true)) r4 = false;
+    if (c_->max_shared() < need(false)) return "";
+    return std::string(r4 ? "flash2_r4" : "flash2_r2") + (sg ? "_sg" : "");
   }
   void flash(const AttnArgs& a) {
+    attn_q8_ = AttnQ8{};
     struct {
       uint64_t q, base, pages, q_pos, out, sinks, args;
       uint32_t page_bytes, k_off, v_off, row_bytes;
@@ -1986,12 +2012,18 @@ class VulkanBackend final : public Backend {
          (uint32_t)a.head_dim | (uint32_t)a.kv.page_shift << 16 | (uint32_t)a.kv.type << 24, a.window, a.scale,
          a.softcap, (int32_t)a.n_tok};
     const int64_t hd = (int64_t)a.n_heads * a.head_dim;
-    const bool small = a.head_dim <= 64;
-    const int64_t br = small ? 32 : 16;  // flash.comp's BR
     c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false},
               {A(a.out), (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4), true},
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    const std::string v2 = flash2_variant(a);
+    if (!v2.empty()) {
+      const int64_t br = v2.compare(0, 9, "flash2_r4") == 0 ? 64 : 32;
+      c_->dispatch(v2.c_str(), &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br), (uint32_t)a.n_heads);
+      return;
+    }
+    const bool small = a.head_dim <= 64;
+    const int64_t br = small ? 32 : 16;  // flash.comp's BR
     c_->dispatch(small ? "flash_64" : "flash_128", &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br),
                  (uint32_t)a.n_heads);
   }
