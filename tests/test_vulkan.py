@@ -220,16 +220,20 @@ def test_int8_prefill_on_lavapipe(built_dir):
     q8-mode cases (ragged tiles; float64 numpy and the CPU's q8 sums) and a model's q8-mode
     prefill logits (the CPU's q8 mode, since int8 ran) hold with the packed dot
     product where lavapipe has it and with plain bytes, and the profile (which names every
-    shader dispatched) shows the int8 shaders ran (128- and 64-row tiles), not the f32 tiles;
+    shader dispatched) shows the int8 shaders ran (128- and 64-row tiles; and with
+    DASLLAMA_VULKAN_I8=rows the 128-row tiles' low-register form), not the f32 tiles;
     where the device has int8 cooperative matrices (NVIDIA), their variant the same way."""
     feats = _VK["devices"][0]["features"]
     dot = "int8 dot" in feats
     dots = ("gemm_i8_", "gemm_i8h_", "gemv_i8_", "gemv_q1_", "gemv_q2_", "gemv_q4_")
     plain = ("gemm_i8p_", "gemm_i8ph_", "gemv_i8p_", "gemv_qp1_", "gemv_qp2_", "gemv_qp4_")
+    # rows: the 128-row tiles a row's sums at a time (gemm_i8r_), the same bits as gemm_i8_
+    rows = ("gemm_i8r_" if dot else "gemm_i8rp_",) + (dots if dot else plain)[1:]
     runs = [("1", dots if dot else plain, ("test_backend_ops.py", "test_vulkan.py")),
-            ("plain", plain, ("test_backend_ops.py",))]
-    if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variant too
+            ("plain", plain, ("test_backend_ops.py",)), ("rows", rows, ("test_backend_ops.py", "test_vulkan.py"))]
+    if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variants too
         runs.append(("coop", ("gemm_coop_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
+        runs.append(("coop2", ("gemm_i8c_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
     for mode, prefixes, files in runs:
         # (Not gemv_variants_alike: with GEMVQ=1, 1 to 4 tokens take gemv_q whichever GEMVI8 it picks.)
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_I8": mode,

@@ -1123,17 +1123,25 @@ class VulkanBackend final : public Backend {
   // whether or not its step carries a prefill (batched equals alone). Unset or 1: the
   // packed 4x8 dot product where the device has it, else bytes; "plain": bytes; "coop": NVIDIA's
   // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
-  // 0: f32 activations (matmul_tile.comp, gemv.comp; as before the eleventh session);
+  // "rows": as unset, but the 128-row tiles a row's block sums at a time (gemm_i8.comp LOWREG:
+  // fewer registers, so two workgroups fit an SM; the same bits; sixteenth session, opt-in until
+  // measured); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's stages (COOP: each
+  // 16 x 8 product's sums scaled in the lanes that hold them, which a matrix of positions loaded
+  // as the product's type tells; 128 x 64 tiles at every size; the same bits as gemm_i8; opt-in,
+  // never run before the sixteenth session's device call); 0: f32 activations (matmul_tile.comp,
+  // gemv.comp; as before the eleventh session);
   // "prefill": int8 past kTileMin only, f32 GEMV below (a decode A/B only: rows then differ by
   // the step's size). Read at each matmul (not once a process), so benchmarks/ab_cuda.py can
   // switch it between model loads.
-  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop, kI8Prefill };
+  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop, kI8Prefill, kI8Rows, kI8Coop2 };
   static I8Mode i8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_I8");
     if (!e || !*e || std::strcmp(e, "1") == 0) return kI8Auto;
     if (std::strcmp(e, "plain") == 0) return kI8Plain;
     if (std::strcmp(e, "coop") == 0) return kI8Coop;
     if (std::strcmp(e, "prefill") == 0) return kI8Prefill;
+    if (std::strcmp(e, "rows") == 0) return kI8Rows;
+    if (std::strcmp(e, "coop2") == 0) return kI8Coop2;
     return kI8Off;
   }
   bool i8_fits(const Weight& w, const float* x, int64_t n) const {
@@ -1254,6 +1262,10 @@ class VulkanBackend final : public Backend {
     }
     // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
     const uint32_t nt = (uint32_t)((n + 63) / 64);
+    if (m == kI8Coop2 && c_->i8coop && c_->subgroup_size == 32) {
+      c_->dispatch(q8 ? "gemm_i8c_40" : "gemm_i8c_41", &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
+      return;
+    }
     if (m == kI8Coop && c_->i8coop && c_->subgroup_size == 32) {
       c_->dispatch(q8 ? "gemm_coop_40" : "gemm_coop_41", &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
       return;
@@ -1263,7 +1275,9 @@ class VulkanBackend final : public Backend {
     const bool dot = m != kI8Plain && c_->i8dot, half = (int64_t)nt * ((w.rows + 127) / 128) < 256;
     static const char* const names[2][2][2] = {{{"gemm_i8p_41", "gemm_i8ph_41"}, {"gemm_i8_41", "gemm_i8h_41"}},
                                                {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
-    c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
+    static const char* const rows[2][2] = {{"gemm_i8rp_41", "gemm_i8r_41"}, {"gemm_i8rp_40", "gemm_i8r_40"}};
+    const char* name = m == kI8Rows && !half ? rows[q8][dot] : names[q8][dot][half];
+    c_->dispatch(name, &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
   }
   // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. 1 (or 0):
   // gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
