@@ -15,8 +15,8 @@ FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the ropes the
 dispatches before the KV store (=k: only the keys' folded into it, not the queries'); MERGE=dispatch: attention's splits joined by a second dispatch;
 I8=0: q8-mode matmuls on f32 activations (matmul_tile.comp's tiles, gemv.comp), not int8;
 I8=plain: the int8 GEMM / GEMV without the packed dot product; I8=coop: prefill on NV int8
-cooperative matrices where present; I8=rows: the 128-row int8 tiles a row's sums at a time
-(fewer registers, the same bits); I8=coop2: NV int8 cooperative matrices in gemm_i8's stages,
+cooperative matrices where present; I8=rows: 128-row int8 tiles at every size, a row's sums at a
+time (fewer registers, the same bits); I8=coop2: NV int8 cooperative matrices in gemm_i8's stages,
 each product's sums scaled in registers (not through shared memory as I8=coop); I8=prefill:
 int8 in prefill only, decode on gemv.comp's f32;
 FLASH=enc: decoders' prefill attention on attention.comp's row-per-workgroup kernel, the tiles for

@@ -1123,9 +1123,9 @@ class VulkanBackend final : public Backend {
   // whether or not its step carries a prefill (batched equals alone). Unset or 1: the
   // packed 4x8 dot product where the device has it, else bytes; "plain": bytes; "coop": NVIDIA's
   // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
-  // "rows": as unset, but the 128-row tiles a row's block sums at a time (gemm_i8.comp LOWREG:
-  // fewer registers, so two workgroups fit an SM; the same bits; sixteenth session, opt-in until
-  // measured); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's stages (COOP: each
+  // "rows": as unset, but 128-row tiles at every size, a row's block sums at a time (gemm_i8.comp
+  // LOWREG: fewer registers, so two workgroups fit an SM; the same bits; sixteenth session,
+  // opt-in until measured); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's stages (COOP: each
   // 16 x 8 product's sums scaled in the lanes that hold them, which a matrix of positions loaded
   // as the product's type tells; 128 x 64 tiles at every size; the same bits as gemm_i8; opt-in,
   // never run before the sixteenth session's device call); 0: f32 activations (matmul_tile.comp,
@@ -1276,8 +1276,11 @@ class VulkanBackend final : public Backend {
     static const char* const names[2][2][2] = {{{"gemm_i8p_41", "gemm_i8ph_41"}, {"gemm_i8_41", "gemm_i8h_41"}},
                                                {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
     static const char* const rows[2][2] = {{"gemm_i8rp_41", "gemm_i8r_41"}, {"gemm_i8rp_40", "gemm_i8r_40"}};
-    const char* name = m == kI8Rows && !half ? rows[q8][dot] : names[q8][dot][half];
-    c_->dispatch(name, &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
+    if (m == kI8Rows) {  // (at every size, like coop2, so the rows-alike checks reach it)
+      c_->dispatch(rows[q8][dot], &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
+      return;
+    }
+    c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
   }
   // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. 1 (or 0):
   // gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
