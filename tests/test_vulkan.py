@@ -488,8 +488,9 @@ def test_flash_variants(monkeypatch):
     """Prefill rows of 16 and more take the tiled attention (decoders' as encoders'); each of its
     variants against float64 numpy over the op harness's reference: row tiles past the rows' end,
     cached keys before the rows, a window with a softcap, sinks, 4 query heads on a KV head, a head
-    padded to the tile (48), and every cache type (f16 read as pairs). The end-to-end checks
-    (logits, greedy tokens, towers) run on the default variant in this run."""
+    padded to the tile (48), a head of 32 (its own tiles), and every cache type (f16 read as
+    pairs). The end-to-end checks (logits, greedy tokens, towers) run on the default variant in
+    this run."""
     from test_backend_ops import F32_DOT, KV_TYPES, attention_ref, stored
 
     be = d._core.Backend("vulkan:%d" % _VK["devices"][0]["index"])
@@ -498,6 +499,7 @@ def test_flash_variants(monkeypatch):
         (33, 33, 6, 2, 64, 16, 0, 0.0, "f32", False),
         (100, 161, 4, 1, 48, 16, 0, 0.0, "f16", False),
         (40, 90, 4, 2, 64, 16, 0, 0.0, "q8_0", True),
+        (90, 120, 4, 2, 32, 16, 0, 0.0, "f16", False),  # head 32: 64-row tiles fit lavapipe
     ]
     for n_tok, n_kv, H, KVH, hd, P, window, cap, kv, with_sinks in cases:
         rng = np.random.default_rng(n_tok + n_kv)
@@ -529,7 +531,7 @@ def test_tiled_attention_on_lavapipe(built_dir):
     r = _child(built_dir, {"DASLLAMA_VULKAN_PROFILE": "1"}, ("test_vulkan.py",), "flash_variants", s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    assert "flash2_r2" in out and "flash_64" in out, out[-3000:]
+    assert "flash2_r2" in out and "flash2_d32_r4" in out and "flash_64" in out, out[-3000:]
     ran = sorted({w for w in out.split() if w.startswith("flash2_")})
     print("flash2 variants that ran:", ran)
 

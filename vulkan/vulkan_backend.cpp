@@ -2001,16 +2001,21 @@ class VulkanBackend final : public Backend {
   std::string flash2_variant(const AttnArgs& a) const {
     const char* k = std::getenv("DASLLAMA_VULKAN_FLASHK");
     if ((k && std::strcmp(k, "1") == 0) || a.head_dim > 64) return "";
+    const uint32_t hd = a.head_dim <= 32 ? 32 : 64;  // its tiles' head size (zero padded)
     const char* b = std::getenv("DASLLAMA_VULKAN_FLASH_BR");
     const int64_t groups64 = (a.n_tok + 63) / 64 * a.n_heads;
     bool r4 = b && *b ? std::strcmp(b, "64") == 0 : groups64 >= 512;
     const char* g = std::getenv("DASLLAMA_VULKAN_FLASH_SG");
     const bool sg = c_->shuffle8 && !(g && std::strcmp(g, "0") == 0);
-    // Shared memory: Q, K, V and P tiles (+ the reductions' 4 x 8 x BR bytes without shuffles).
-    const auto need = [&](bool four) -> uint32_t { return four ? 42496 + (sg ? 0 : 2048) : 30208 + (sg ? 0 : 1024); };
+    // Shared memory: Q, K (rows padded to 36 keys), V and P (rows padded by 4) tiles, and the
+    // reductions' 8 floats a row without shuffles (head 64: 30208 / 42496 bytes at 32 / 64 rows).
+    const auto need = [&](bool four) -> uint32_t {
+      const uint32_t br = four ? 64 : 32;
+      return (hd * br + hd * 36 + 32 * hd + 32 * (br + 4)) * 4 + (sg ? 0 : br * 32);
+    };
     if (r4 && c_->max_shared() < need(true)) r4 = false;
     if (c_->max_shared() < need(false)) return "";
-    return std::string(r4 ? "flash2_r4" : "flash2_r2") + (sg ? "_sg" : "");
+    return std::string(hd == 32 ? "flash2_d32" : "flash2") + (r4 ? "_r4" : "_r2") + (sg ? "_sg" : "");
   }
   void flash(const AttnArgs& a) {
     attn_q8_ = AttnQ8{};
@@ -2035,7 +2040,7 @@ class VulkanBackend final : public Backend {
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
     const std::string v2 = flash2_variant(a);
     if (!v2.empty()) {
-      const int64_t br = v2.compare(0, 9, "flash2_r4") == 0 ? 64 : 32;
+      const int64_t br = v2.find("_r4") != std::string::npos ? 64 : 32;
       c_->dispatch(v2.c_str(), &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br), (uint32_t)a.n_heads);
       return;
     }

@@ -8,8 +8,8 @@
 // invocations of one subgroup (the device's subgroups are 8 wide or more and shuffle), so its
 // maxima and sums meet by subgroupShuffleXor, not through shared memory and barriers.
 // f16 caches are read two values a 32-bit load where the rows allow.
-// HD (compile time): head_dim rounded up to 64, zero padded. RT 2 (30 KB of shared memory) or 4
-// (42 KB: the host checks the device's limit).
+// HD (compile time): head_dim rounded up to 32 or 64, zero padded. RT 2 or 4 (at HD 64 30 KB of
+// shared memory or 42 KB: the host checks the device's limit).
 #version 450
 #include "common.glsl"
 #include "kv.glsl"
