@@ -1125,11 +1125,11 @@ class VulkanBackend final : public Backend {
   // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
   // "rows": as unset, but 128-row tiles at every size, a row's block sums at a time (gemm_i8.comp
   // LOWREG: fewer registers, so two workgroups fit an SM; the same bits; sixteenth session,
-  // opt-in until measured); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's stages (COOP: each
-  // 16 x 8 product's sums scaled in the lanes that hold them, which a matrix of positions loaded
-  // as the product's type tells; 128 x 64 tiles at every size; the same bits as gemm_i8; opt-in,
-  // never run before the sixteenth session's device call); 0: f32 activations (matmul_tile.comp,
-  // gemv.comp; as before the eleventh session);
+  // opt-in until measured); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's
+  // stages (COOP: each 16 x 8 product's sums scaled in the lanes that hold them, which a matrix
+  // of positions loaded as the product's type tells; 128 x 64 tiles at every size; the same bits
+  // as gemm_i8; opt-in, never run before the sixteenth session's device call); 0: f32
+  // activations (matmul_tile.comp, gemv.comp; as before the eleventh session);
   // "prefill": int8 past kTileMin only, f32 GEMV below (a decode A/B only: rows then differ by
   // the step's size). Read at each matmul (not once a process), so benchmarks/ab_cuda.py can
   // switch it between model loads.
