@@ -15,9 +15,15 @@ FUSE_GLU=0: the glu before ffn down its own dispatch; FUSE_ROPE=0: the ropes the
 dispatches before the KV store (=k: only the keys' folded into it, not the queries'); MERGE=dispatch: attention's splits joined by a second dispatch;
 I8=0: q8-mode matmuls on f32 activations (matmul_tile.comp's tiles, gemv.comp), not int8;
 I8=plain: the int8 GEMM / GEMV without the packed dot product; I8=coop: prefill on NV int8
-cooperative matrices where present; I8=prefill: int8 in prefill only, decode on gemv.comp's f32;
-FLASH=1: decoders' prefill attention on flash.comp's key tiles; GEMVQ=0: q8-mode decode of 1-4
-tokens on quant_act + gemv_i8, not gemv_q.comp (which rounds x itself, the GLU folded in);
+cooperative matrices where present; I8=rows: 128-row int8 tiles at every size, a row's sums at a
+time (fewer registers, the same bits); I8=coop2: NV int8 cooperative matrices in gemm_i8's stages,
+each product's sums scaled in registers (not through shared memory as I8=coop); I8=prefill:
+int8 in prefill only, decode on gemv.comp's f32;
+FLASH=enc: decoders' prefill attention on attention.comp's row-per-workgroup kernel, the tiles for
+encoders only (the default before the sixteenth session; FLASH=0: never the tiles, FLASH=1: the
+default); FLASHK=1: the tiles of flash.comp, not flash2.comp's; FLASH_BR=32 / 64: flash2's rows a
+workgroup; FLASH_SG=0: flash2's row reductions through shared memory, not subgroup shuffles;
+GEMVQ=0: q8-mode decode of 1-4 tokens on quant_act + gemv_i8, not gemv_q.comp (which rounds x itself, the GLU folded in);
 GEMVI8=1: q8-mode decode of 1-4 tokens on quant_act + gemv_i8.comp, not gemv_i8x.comp (the
 default, GEMVI8=2: rows a workgroup picked; 2r2 / 2r4 / 2r8: forced; the glu before ffn down
 folded into quant_act, the attention output rounded in the attention dispatch);
@@ -62,7 +68,15 @@ CONFIGS = {
     "I8=plain": {"DASLLAMA_VULKAN_I8": "plain"},
     "I8=coop": {"DASLLAMA_VULKAN_I8": "coop"},
     "I8=prefill": {"DASLLAMA_VULKAN_I8": "prefill"},
+    "I8=rows": {"DASLLAMA_VULKAN_I8": "rows"},
+    "I8=coop2": {"DASLLAMA_VULKAN_I8": "coop2"},
     "FLASH=1": {"DASLLAMA_VULKAN_FLASH": "1"},
+    "FLASH=enc": {"DASLLAMA_VULKAN_FLASH": "enc"},
+    "FLASH=0": {"DASLLAMA_VULKAN_FLASH": "0"},
+    "FLASHK=1": {"DASLLAMA_VULKAN_FLASHK": "1"},
+    "FLASH_BR=32": {"DASLLAMA_VULKAN_FLASH_BR": "32"},
+    "FLASH_BR=64": {"DASLLAMA_VULKAN_FLASH_BR": "64"},
+    "FLASH_SG=0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},
     "GEMVQ=0": {"DASLLAMA_VULKAN_GEMVQ": "0"},
     "GEMVI8=1": {"DASLLAMA_VULKAN_GEMVI8": "1"},
     "GEMVI8=2": {"DASLLAMA_VULKAN_GEMVI8": "2"},
@@ -79,7 +93,8 @@ CONFIGS = {
     "READBACK=uncached": {"DASLLAMA_VULKAN_READBACK": "uncached"},
     "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
             "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0",
-            "DASLLAMA_VULKAN_FUSE_ROPE": "0", "DASLLAMA_VULKAN_I8": "0", "DASLLAMA_VULKAN_GEMVI8": "1"},
+            "DASLLAMA_VULKAN_FUSE_ROPE": "0", "DASLLAMA_VULKAN_I8": "0", "DASLLAMA_VULKAN_GEMVI8": "1",
+            "DASLLAMA_VULKAN_FLASH": "enc"},
 }
 
 

@@ -105,10 +105,8 @@ def _child(built_dir, env: dict, files, k: str, s: bool = False):
 # Cases that the children below would run the same way as this run or another child does, left
 # out of their selections: test_matmul_q8_mode past 4 tokens (the decode GEMV variants' switches
 # act on 1 to 4 tokens; 7 and 20 take gemv_i8, 100 and 150 the int8 GEMM, as in
-# test_int8_prefill_on_lavapipe's children) and attention of fewer than 16 rows (DASLLAMA_VULKAN_FLASH
-# acts on 16 or more).
+# test_int8_prefill_on_lavapipe's children).
 Q8_PAST_4 = "7-512 or 20-512 or 100-512 or 150-416"
-ATTN_UNDER_16 = "tok1- or tok3- or tok5-"
 
 
 def teacher_forced(path, device, ids, kv):
@@ -246,16 +244,22 @@ def test_int8_prefill_on_lavapipe(built_dir):
     q8-mode cases (ragged tiles; float64 numpy and the CPU's q8 sums) and a model's q8-mode
     prefill logits (the CPU's q8 mode, since int8 ran) hold with the packed dot
     product where lavapipe has it and with plain bytes, and the profile (which names every
-    shader dispatched) shows the int8 shaders ran (128- and 64-row tiles), not the f32 tiles;
+    shader dispatched) shows the int8 shaders ran (128- and 64-row tiles; and with
+    DASLLAMA_VULKAN_I8=rows the 128-row tiles' low-register form), not the f32 tiles;
     where the device has int8 cooperative matrices (NVIDIA), their variant the same way."""
     feats = _VK["devices"][0]["features"]
     dot = "int8 dot" in feats
     dots = ("gemm_i8_", "gemm_i8h_", "gemv_i8_", "gemv_q1_", "gemv_q2_", "gemv_q4_")
     plain = ("gemm_i8p_", "gemm_i8ph_", "gemv_i8p_", "gemv_qp1_", "gemv_qp2_", "gemv_qp4_")
+    # rows: 128-row tiles at every size, a row's sums at a time (gemm_i8r_); its rows equal the
+    # GEMV's bit for bit (q8_mode_rows_alike), which the first run holds to the CPU, so this file
+    # suffices.
+    rows = ("gemm_i8r_" if dot else "gemm_i8rp_",) + (dots if dot else plain)[2:]
     runs = [("1", dots if dot else plain, ("test_backend_ops.py", "test_vulkan.py")),
-            ("plain", plain, ("test_backend_ops.py",))]
-    if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variant too
+            ("plain", plain, ("test_backend_ops.py",)), ("rows", rows, ("test_vulkan.py",))]
+    if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variants too
         runs.append(("coop", ("gemm_coop_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
+        runs.append(("coop2", ("gemm_i8c_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
     for mode, prefixes, files in runs:
         # (Not gemv_variants_alike: with GEMVQ=1, 1 to 4 tokens take gemv_q whichever GEMVI8 it picks.)
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_I8": mode,
@@ -498,20 +502,62 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
     assert p[1] - b[1] == layers and p[2] == layers and b[2] == 0, out[-3000:]
 
 
+# The tiled prefill attention's variants (read at each call): flash2.comp by default (heads up to
+# 64), its reductions through shared memory, its 64-row workgroups, and flash.comp's tiles.
+FLASH_VARIANTS = {"flash2": {}, "flash2 sg0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},
+                  "flash2 br64": {"DASLLAMA_VULKAN_FLASH_BR": "64"}, "flash": {"DASLLAMA_VULKAN_FLASHK": "1"}}
+
+
+def test_flash_variants(monkeypatch):
+    """Prefill rows of 16 and more take the tiled attention (decoders' as encoders'); each of its
+    variants against float64 numpy over the op harness's reference: row tiles past the rows' end,
+    cached keys before the rows, a window with a softcap, sinks, 4 query heads on a KV head, a head
+    padded to the tile (48), a head of 32 (its own tiles), and every cache type (f16 read as
+    pairs). The end-to-end checks (logits, greedy tokens, towers) run on the default variant in
+    this run."""
+    from test_backend_ops import F32_DOT, KV_TYPES, attention_ref, stored
+
+    be = d._core.Backend("vulkan:%d" % _VK["devices"][0]["index"])
+    cases = [  # n_tok, n_kv, heads, kv heads, head_dim, page_rows, window, softcap, cache, sinks
+        (70, 200, 8, 2, 64, 16, 48, 20.0, "f16", False),
+        (33, 33, 6, 2, 64, 16, 0, 0.0, "f32", False),
+        (100, 161, 4, 1, 48, 16, 0, 0.0, "f16", False),
+        (40, 90, 4, 2, 64, 16, 0, 0.0, "q8_0", True),
+        (90, 120, 4, 2, 32, 16, 0, 0.0, "f16", False),  # head 32: 64-row tiles fit lavapipe
+    ]
+    for n_tok, n_kv, H, KVH, hd, P, window, cap, kv, with_sinks in cases:
+        rng = np.random.default_rng(n_tok + n_kv)
+        q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
+        k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+        v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+        sinks = (rng.standard_normal(H) * 3).astype(np.float32) if with_sinks else None
+        q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+        n_pages = -(-n_kv // P)
+        ids = rng.permutation(n_pages + 2)[:n_pages].astype(np.int32)
+        scale = 1 / np.sqrt(hd)
+        ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sinks)
+        for name, env in FLASH_VARIANTS.items():
+            for key in ("DASLLAMA_VULKAN_FLASH_SG", "DASLLAMA_VULKAN_FLASH_BR", "DASLLAMA_VULKAN_FLASHK"):
+                monkeypatch.delenv(key, raising=False)
+            for key, val in env.items():
+                monkeypatch.setenv(key, val)
+            extra = {"sinks": sinks} if with_sinks else {}
+            got = be.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, ids, n_pages + 2, window, scale,
+                                     cap, n_kv, **extra)[0]
+            e = nmse(got, ref)
+            assert e <= F32_DOT, f"{name}, {n_tok} rows over {n_kv} keys, head {hd}, {kv}: NMSE {e:.3g}"
+
+
 def test_tiled_attention_on_lavapipe(built_dir):
-    """Prefill rows take the tiled attention (flash.comp) only when asked (encoders' rows take it
-    by default); forced onto decoders' prefills here, the op harness's attention cases (several
-    row tiles, windows, softcaps, sinks, every KV type; float64 numpy and the CPU) and the
-    device's end-to-end turns hold."""
-    r = _child(built_dir, {"DASLLAMA_VULKAN_FLASH": "1"}, ("test_backend_ops.py", "test_vulkan.py"),
-               f"(attention or greedy or kv_types or vision_tower or audio_tower) and not tiled and not ({ATTN_UNDER_16})")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    # ... and the tiled shaders ran (the profile names every shader dispatched): a device whose
-    # shared memory is too small would fall back to the row-per-workgroup kernel silently.
-    r = _child(built_dir, {"DASLLAMA_VULKAN_FLASH": "1", "DASLLAMA_VULKAN_PROFILE": "1"}, ("test_backend_ops.py",),
-               "paged_attention and f16 and (tok130 or tok33)", s=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "flash_64" in r.stdout + r.stderr and "flash_128" in r.stdout + r.stderr, r.stdout[-3000:]
+    """test_flash_variants with the profile on (it names every shader dispatched): each variant
+    ran where the device allows it (a device whose shared memory is too small for a variant's
+    tiles, or without subgroup shuffles, falls back silently, so this says which ran)."""
+    r = _child(built_dir, {"DASLLAMA_VULKAN_PROFILE": "1"}, ("test_vulkan.py",), "flash_variants", s=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "flash2_r2" in out and "flash2_d32_r4" in out and "flash_64" in out, out[-3000:]
+    ran = sorted({w for w in out.split() if w.startswith("flash2_")})
+    print("flash2 variants that ran:", ran)
 
 
 def test_vision_tower_and_turn(built_dir):

@@ -251,6 +251,10 @@ class Ctx {
     p2.pNext = &sp;
     a.vkGetPhysicalDeviceProperties2(pd, &p2);
     subgroup_size = std::max<uint32_t>(1, sp.subgroupSize);
+    // flash2.comp's row reductions: 8 adjacent lanes by subgroupShuffleXor.
+    shuffle8 = (sp.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
+               (sp.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT) && sp.subgroupSize >= 8 &&
+               props_.apiVersion >= VK_API_VERSION_1_1;
     uint32_t nq = 0;
     a.vkGetPhysicalDeviceQueueFamilyProperties(pd, &nq, nullptr);
     std::vector<VkQueueFamilyProperties> qs(nq);
@@ -354,6 +358,7 @@ class Ctx {
   std::recursive_mutex mu;
   bool subgroup = false;  // matmul and matmul_id take the subgroup path
   uint32_t subgroup_size = 32;
+  bool shuffle8 = false;  // subgroups of 8 or more lanes that shuffle, in compute shaders
   bool i8dot = false, i8coop = false;  // enabled at device creation (i8_caps)
   uint32_t max_shared() const { return props_.limits.maxComputeSharedMemorySize; }
 
@@ -1256,17 +1261,25 @@ class VulkanBackend final : public Backend {
   // whether or not its step carries a prefill (batched equals alone). Unset or 1: the
   // packed 4x8 dot product where the device has it, else bytes; "plain": bytes; "coop": NVIDIA's
   // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
-  // 0: f32 activations (matmul_tile.comp, gemv.comp; as before the eleventh session);
+  // "rows": as unset, but 128-row tiles at every size, a row's block sums at a time (gemm_i8.comp
+  // LOWREG: fewer registers, so two workgroups fit an SM; the same bits; sixteenth session,
+  // opt-in until measured); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's
+  // stages (COOP: each 16 x 8 product's sums scaled in the lanes that hold them, which a matrix
+  // of positions loaded as the product's type tells; 128 x 64 tiles at every size; the same bits
+  // as gemm_i8; opt-in, never run before the sixteenth session's device call); 0: f32
+  // activations (matmul_tile.comp, gemv.comp; as before the eleventh session);
   // "prefill": int8 past kTileMin only, f32 GEMV below (a decode A/B only: rows then differ by
   // the step's size). Read at each matmul (not once a process), so benchmarks/ab_cuda.py can
   // switch it between model loads.
-  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop, kI8Prefill };
+  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop, kI8Prefill, kI8Rows, kI8Coop2 };
   static I8Mode i8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_I8");
     if (!e || !*e || std::strcmp(e, "1") == 0) return kI8Auto;
     if (std::strcmp(e, "plain") == 0) return kI8Plain;
     if (std::strcmp(e, "coop") == 0) return kI8Coop;
     if (std::strcmp(e, "prefill") == 0) return kI8Prefill;
+    if (std::strcmp(e, "rows") == 0) return kI8Rows;
+    if (std::strcmp(e, "coop2") == 0) return kI8Coop2;
     return kI8Off;
   }
   bool i8_fits(const Weight& w, const float* x, int64_t n) const {
@@ -1387,6 +1400,10 @@ class VulkanBackend final : public Backend {
     }
     // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
     const uint32_t nt = (uint32_t)((n + 63) / 64);
+    if (m == kI8Coop2 && c_->i8coop && c_->subgroup_size == 32) {
+      c_->dispatch(q8 ? "gemm_i8c_40" : "gemm_i8c_41", &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
+      return;
+    }
     if (m == kI8Coop && c_->i8coop && c_->subgroup_size == 32) {
       c_->dispatch(q8 ? "gemm_coop_40" : "gemm_coop_41", &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
       return;
@@ -1396,6 +1413,11 @@ class VulkanBackend final : public Backend {
     const bool dot = m != kI8Plain && c_->i8dot, half = (int64_t)nt * ((w.rows + 127) / 128) < 256;
     static const char* const names[2][2][2] = {{{"gemm_i8p_41", "gemm_i8ph_41"}, {"gemm_i8_41", "gemm_i8h_41"}},
                                                {{"gemm_i8p_40", "gemm_i8ph_40"}, {"gemm_i8_40", "gemm_i8h_40"}}};
+    static const char* const rows[2][2] = {{"gemm_i8rp_41", "gemm_i8r_41"}, {"gemm_i8rp_40", "gemm_i8r_40"}};
+    if (m == kI8Rows) {  // (at every size, like coop2, so the rows-alike checks reach it)
+      c_->dispatch(rows[q8][dot], &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
+      return;
+    }
     c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
   }
   // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. 1 (or 0):
@@ -2019,7 +2041,7 @@ class VulkanBackend final : public Backend {
     Lock g(c_->mu);
     if (a.n_heads > 65535 || a.n_kv_heads > 65535 || a.kv.page_shift < 0 || a.kv.page_shift > 63)
       throw Error("vulkan attention: head counts past 65535 or a page shift past 63");
-    if (a.n_tok >= 16 && a.head_dim <= 128 && c_->max_shared() >= 32768 && (a.any_order ? flash_mode() : flash_mode() == 2))
+    if (a.n_tok >= 16 && a.head_dim <= 128 && c_->max_shared() >= 32768 && flash_mode() >= (a.any_order ? 1 : 2))
       return flash(a);
     struct {
       uint64_t q, base, pages, q_pos, out, sinks, part, args, cnt;
@@ -2096,19 +2118,45 @@ class VulkanBackend final : public Backend {
     c_->dispatch("attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
   }
   // Attention of 16 rows and more (head sizes up to 128) in key tiles shared by a workgroup's
-  // rows (flash.comp): 1 for an encoder's rows (any_order: no decode step reads them, so they
-  // need not be the bits the row-per-workgroup kernel gives), 2 for decoders' prefill rows too
-  // (DASLLAMA_VULKAN_FLASH=1; opt-in: a decoder's rows then depend on how its tokens were split
-  // into calls, 2e-11 apart on lavapipe, and it is not yet measured on a GPU), 0 never
-  // (DASLLAMA_VULKAN_FLASH=0).
+  // rows (flash2.comp, flash.comp), as CUDA's prefill takes its tiled kernel from 16 rows
+  // (flash_min_ in cuda/cuda_backend.cu). A decoder row's bits then depend on how its tokens
+  // were split into calls (only the order of the f32 sums differs from attention.comp's);
+  // batched still equals alone, since each session's attention is its own call over its own
+  // rows. DASLLAMA_VULKAN_FLASH: unset or 1: encoders' and decoders' rows (2 here); "enc":
+  // encoders' rows only (any_order: no decode step reads them; the default before the sixteenth
+  // session), 1 here; 0: never. Read at each call (decode steps, which replay, never take it).
   static int flash_mode() {
-    static const int mode = [] {
-      const char* e = std::getenv("DASLLAMA_VULKAN_FLASH");
-      return !e ? 1 : std::strcmp(e, "1") == 0 ? 2 : std::strcmp(e, "0") == 0 ? 0 : 1;
-    }();
-    return mode;
+    const char* e = std::getenv("DASLLAMA_VULKAN_FLASH");
+    return !e || !*e || std::strcmp(e, "1") == 0 ? 2 : std::strcmp(e, "enc") == 0 ? 1 : 0;
+  }
+  // Which tiles (read at each call, for A/B runs in one process). DASLLAMA_VULKAN_FLASHK: unset or
+  // 2: flash2.comp (every shared read a vec4, 8 FMAs a read; row reductions by subgroup
+  // shuffles where the device has them) for heads up to 64 where the device's shared memory
+  // holds its tiles, flash.comp otherwise; 1: flash.comp always. DASLLAMA_VULKAN_FLASH_BR=32 / 64:
+  // flash2's rows a workgroup (default 32, or 64 where its 64-row workgroups are 512 or more, so
+  // a large GPU still has several a core); DASLLAMA_VULKAN_FLASH_SG=0: its reductions through
+  // shared memory.
+  std::string flash2_variant(const AttnArgs& a) const {
+    const char* k = std::getenv("DASLLAMA_VULKAN_FLASHK");
+    if ((k && std::strcmp(k, "1") == 0) || a.head_dim > 64) return "";
+    const uint32_t hd = a.head_dim <= 32 ? 32 : 64;  // its tiles' head size (zero padded)
+    const char* b = std::getenv("DASLLAMA_VULKAN_FLASH_BR");
+    const int64_t groups64 = (a.n_tok + 63) / 64 * a.n_heads;
+    bool r4 = b && *b ? std::strcmp(b, "64") == 0 : groups64 >= 512;
+    const char* g = std::getenv("DASLLAMA_VULKAN_FLASH_SG");
+    const bool sg = c_->shuffle8 && !(g && std::strcmp(g, "0") == 0);
+    // Shared memory: Q, K (rows padded to 36 keys), V and P (rows padded by 4) tiles, and the
+    // reductions' 8 floats a row without shuffles (head 64: 30208 / 42496 bytes at 32 / 64 rows).
+    const auto need = [&](bool four) -> uint32_t {
+      const uint32_t br = four ? 64 : 32;
+      return (hd * br + hd * 36 + 32 * hd + 32 * (br + 4)) * 4 + (sg ? 0 : br * 32);
+    };
+    if (r4 && c_->max_shared() < need(true)) r4 = false;
+    if (c_->max_shared() < need(false)) return "";
+    return std::string(hd == 32 ? "flash2_d32" : "flash2") + (r4 ? "_r4" : "_r2") + (sg ? "_sg" : "");
   }
   void flash(const AttnArgs& a) {
+    attn_q8_ = AttnQ8{};
     struct {
       uint64_t q, base, pages, q_pos, out, sinks, args;
       uint32_t page_bytes, k_off, v_off, row_bytes;
@@ -2124,12 +2172,18 @@ class VulkanBackend final : public Backend {
          (uint32_t)a.head_dim | (uint32_t)a.kv.page_shift << 16 | (uint32_t)a.kv.type << 24, a.window, a.scale,
          a.softcap, (int32_t)a.n_tok};
     const int64_t hd = (int64_t)a.n_heads * a.head_dim;
-    const bool small = a.head_dim <= 64;
-    const int64_t br = small ? 32 : 16;  // flash.comp's BR
     c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false},
               {A(a.out), (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4), true},
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    const std::string v2 = flash2_variant(a);
+    if (!v2.empty()) {
+      const int64_t br = v2.find("_r4") != std::string::npos ? 64 : 32;
+      c_->dispatch(v2.c_str(), &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br), (uint32_t)a.n_heads);
+      return;
+    }
+    const bool small = a.head_dim <= 64;
+    const int64_t br = small ? 32 : 16;  // flash.comp's BR
     c_->dispatch(small ? "flash_64" : "flash_128", &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br),
                  (uint32_t)a.n_heads);
   }

@@ -495,8 +495,10 @@ void bind_backend(py::module_& m) {
       .def("paged_attention", [](Dev& d, const py::object& qo, const py::object& ko, const py::object& vo,
                                  const I32& q_pos, int n_heads, int n_kv_heads, int head_dim, int kv_type,
                                  int page_rows, const I32& page_ids, int n_pool_pages, int window, float scale,
-                                 float softcap, int64_t store_chunk, const py::object& sinks_o, bool any_order) {
+                                 float softcap, int64_t store_chunk, const py::object& sinks_o, bool any_order,
+                                 int repeat) {
         F32 q = f32(qo, "q", 2), k = f32(ko, "k", 2), v = f32(vo, "v", 2);
+        need(repeat >= 1 && repeat <= 1000000, "repeat must be in [1, 1e6]");
         F32 sinks;
         if (!sinks_o.is_none()) {
           sinks = f32(sinks_o, "sinks", 1);
@@ -551,7 +553,7 @@ void bind_backend(py::module_& m) {
         a.out = d.poisoned((size_t)(n_tok * n_heads * head_dim));
         a.out_stride = (int64_t)n_heads * head_dim;
         a.any_order = any_order;
-        d.be->attention(a);
+        for (int r = 0; r < repeat; ++r) d.be->attention(a);  // repeat: for timing (benchmarks/)
         py::array_t<uint8_t> raw((int64_t)(kv.page_bytes * (size_t)n_pool_pages));
         d.be->download(raw.mutable_data(), pool->data(), (size_t)raw.size());
         py::array_t<float> out = d.get(a.out, {n_tok, (int64_t)n_heads * head_dim});
@@ -559,7 +561,7 @@ void bind_backend(py::module_& m) {
       }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_pos"), py::arg("n_heads"), py::arg("n_kv_heads"),
          py::arg("head_dim"), py::arg("kv_type"), py::arg("page_rows"), py::arg("page_ids"), py::arg("n_pool_pages"),
          py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("store_chunk"), py::arg("sinks") = py::none(),
-         py::arg("any_order") = false)
+         py::arg("any_order") = false, py::arg("repeat") = 1)
       // Several sessions of one step, as eval_batch issues them: each session's rows before
       // n_past are in its pages already; inside one begin_step / end_step each stores its new
       // rows and attention_multi runs every session's queries together. A session is

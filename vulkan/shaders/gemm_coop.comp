@@ -45,7 +45,7 @@ void put4(uint at, uint w, bool x) {
 
 void main() {
   const uint tid = gl_LocalInvocationID.x, sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
-  const uint r0 = gl_WorkGroupID.x * BM, t0 = gl_WorkGroupID.y * BN;
+  const uint r0 = gl_WorkGroupID.y * BM, t0 = gl_WorkGroupID.x * BN;  // as the host dispatches (token tiles in x)
   const uint nb = pc.cols / 32u;
   const uint rs = (sg % 4u) * 32u, ts = (sg / 4u) * 32u;  // this subgroup's rows and tokens in the tile
 #if TYPE == T_Q8_0S

@@ -10,10 +10,17 @@
 // the tile (one fused multiply-add a block, in block order, as gemv_i8.comp below 33 tokens), so a
 // row's values do not depend on the tile size chosen nor on how many tokens share the matmul.
 // DOT=1: the packed 4x8 dot product (SPV_KHR_integer_dot_product, OpSDotKHR) where the device
-// has it, else bytes.
+// has it, else bytes. LOWREG=1: a row's sums at a time (fewer registers; DASLLAMA_VULKAN_I8=rows).
 // Rows and tokens past the end read the last one and are not stored; blocks past the end are 0.
 #version 450
 #include "common.glsl"
+#if COOP
+#extension GL_NV_cooperative_matrix : require
+#extension GL_NV_integer_cooperative_matrix : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int8 : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#endif
 #define T_Q8_0S 40  // dequant.glsl's type ids
 #define T_Q4_0S 41
 #if DOT
@@ -41,8 +48,21 @@ layout(push_constant, std430) uniform PC {
 const uint BM = 16u * RM, BN = 64u, KB = 2u;  // rows, tokens, 32-blocks a stage
 // [block][row or token][2 x 16 bytes + 16 of padding]: a stride of 48 bytes keeps the 16-byte
 // reads of 8 adjacent rows on distinct banks.
+#if COOP
+// Flat, for coopMatLoadNV (offsets and strides in uvec4s); WS / XS index them as the arrays below.
+shared uvec4 Wf[KB * BM * 3];
+shared uvec4 Xf[KB * BN * 3];
+#define WS(k, r, h) Wf[((k) * BM + (r)) * 3u + (h)]
+#define XS(k, t, h) Xf[((k) * BN + (t)) * 3u + (h)]
+shared int Idx[128];  // 16 x 8 positions r * 8 + c, loaded as a product's type: which lane holds which sum
+icoopmatNV<32, gl_ScopeSubgroup, 16, 8> sum_t;  // its length() sizes a lane's share of a product
+#define L (sum_t.length())
+#else
 shared uvec4 Ws[KB][BM][3];
 shared uvec4 Xs[KB][BN][3];
+#define WS(k, r, h) Ws[k][r][h]
+#define XS(k, t, h) Xs[k][t][h]
+#endif
 shared float Wd[KB][BM];
 shared float Xd[KB][BN];
 
@@ -121,9 +141,28 @@ void main() {
   }
 #endif
 
+#if COOP
+  // Subgroup sg (of 8, 32 lanes each: the host checks) takes rows rs.. (2 products of 16) x
+  // tokens ts.. (4 of 8). Which row and token each of a lane's L sums of a 16 x 8 product is
+  // the driver's: a matrix of the product's type loaded from their positions says, and a lane
+  // then scales its own sums in registers (no round trip through shared memory).
+  const uint sg = gl_SubgroupID, rs = (sg % 4u) * 32u, ts = (sg / 4u) * 32u;
+  if (tid < 128u) Idx[tid] = int(tid);
+  barrier();
+  icoopmatNV<32, gl_ScopeSubgroup, 16, 8> im;
+  coopMatLoadNV(im, Idx, 0, 8, false);
+  uint er[L], ec[L];
+  [[unroll]] for (int e = 0; e < L; ++e) er[e] = uint(im[e]) >> 3, ec[e] = uint(im[e]) & 7u;
+  float acc[2][4][L];
+  [[unroll]] for (uint i = 0u; i < 2u; ++i)
+    [[unroll]] for (uint j = 0u; j < 4u; ++j)
+      [[unroll]] for (int e = 0; e < L; ++e) acc[i][j][e] = 0.0f;
+  const icoopmatNV<32, gl_ScopeSubgroup, 16, 8> zero = icoopmatNV<32, gl_ScopeSubgroup, 16, 8>(0);
+#else
   float acc[RM][4];
   [[unroll]] for (uint i = 0u; i < RM; ++i)
     [[unroll]] for (uint j = 0u; j < 4u; ++j) acc[i][j] = 0.0f;
+#endif
 
   LOAD(0u)
   for (uint kb0 = 0u; kb0 < nb; kb0 += KB) {
@@ -131,27 +170,74 @@ void main() {
 #if TYPE == T_Q8_0S
     [[unroll]] for (uint i = 0u; i < NW; ++i) {
       const uint p = tid + 256u * i;
-      Ws[wk[i]][p / 4u][p % 2u] = gw[i];
+      WS(wk[i], p / 4u, p % 2u) = gw[i];
     }
 #else
     if (wmine) {
-      Ws[sk][tid / 2u][0] = gw[0];
-      Ws[sk][tid / 2u][1] = gw[1];
+      WS(sk, tid / 2u, 0) = gw[0];
+      WS(sk, tid / 2u, 1) = gw[1];
     }
 #endif
-    Xs[xk][tid / 4u][tid % 2u] = gx;
+    XS(xk, tid / 4u, tid % 2u) = gx;
     if (wmine) Wd[sk][tid / 2u] = gwd;
     if (tid < 128u) Xd[sk][tid / 2u] = gxd;
     barrier();
     if (kb0 + KB < nb) LOAD(kb0 + KB)
     [[unroll]] for (uint k = 0u; k < KB; ++k) {
+#if COOP
+      // A 32-block of 16 rows x 8 tokens is one int8 product (m16n8k32): its sums exact, then
+      // each scaled by its row's and token's block scales with gemm_i8's fused multiply-add.
+      icoopmatNV<8, gl_ScopeSubgroup, 16, 32> a[2];
+      icoopmatNV<8, gl_ScopeSubgroup, 32, 8> x[4];
+      [[unroll]] for (uint i = 0u; i < 2u; ++i) coopMatLoadNV(a[i], Wf, ((k * BM) + rs + 16u * i) * 3u, 3u, false);
+      [[unroll]] for (uint j = 0u; j < 4u; ++j) coopMatLoadNV(x[j], Xf, ((k * BN) + ts + 8u * j) * 3u, 3u, true);
+      float dw[2][L], dx[4][L];
+      [[unroll]] for (uint i = 0u; i < 2u; ++i)
+        [[unroll]] for (int e = 0; e < L; ++e) dw[i][e] = Wd[k][rs + 16u * i + er[e]];
+      [[unroll]] for (uint j = 0u; j < 4u; ++j)
+        [[unroll]] for (int e = 0; e < L; ++e) dx[j][e] = Xd[k][ts + 8u * j + ec[e]];
+      [[unroll]] for (uint i = 0u; i < 2u; ++i)
+        [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+          icoopmatNV<32, gl_ScopeSubgroup, 16, 8> sm = coopMatMulAddNV(a[i], x[j], zero);
+          [[unroll]] for (int e = 0; e < L; ++e) {
+            precise float sc = dw[i][e] * dx[j][e];
+            precise float r = fma(i2f(sm[e]), sc, acc[i][j][e]);
+            acc[i][j][e] = r;
+          }
+        }
+#elif LOWREG
+      // A row at a time: its 4 block sums finished and scaled before the next row's loads, so
+      // 4 integer sums and one row's 32 bytes are live, not 4 RM sums and RM rows' halves (about
+      // 40 registers fewer: two workgroups an SM where the 128-row tile allowed one). The same
+      // dot products and the same fused multiply-add a block: the same bits.
+      uvec4 b[2][4];
+      float dx[4];
+      [[unroll]] for (uint h = 0u; h < 2u; ++h)
+        [[unroll]] for (uint j = 0u; j < 4u; ++j) b[h][j] = XS(k, ty + 16u * j, h);
+      [[unroll]] for (uint j = 0u; j < 4u; ++j) dx[j] = Xd[k][ty + 16u * j];
+      [[unroll]] for (uint i = 0u; i < RM; ++i) {
+        const uvec4 a0 = WS(k, tx + 16u * i, 0), a1 = WS(k, tx + 16u * i, 1);
+        const float dw = Wd[k][tx + 16u * i];
+        int s[4];
+        [[unroll]] for (uint j = 0u; j < 4u; ++j) s[j] = 0;
+        [[unroll]] for (uint c = 0u; c < 4u; ++c)
+          [[unroll]] for (uint j = 0u; j < 4u; ++j) s[j] = DOT4(a0[c], b[0][j][c]) + s[j];
+        [[unroll]] for (uint c = 0u; c < 4u; ++c)
+          [[unroll]] for (uint j = 0u; j < 4u; ++j) s[j] = DOT4(a1[c], b[1][j][c]) + s[j];
+        [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+          precise float sc = dw * dx[j];
+          precise float a = fma(i2f(s[j]), sc, acc[i][j]);
+          acc[i][j] = a;
+        }
+      }
+#else
       int s[RM][4];
       [[unroll]] for (uint i = 0u; i < RM; ++i)
         [[unroll]] for (uint j = 0u; j < 4u; ++j) s[i][j] = 0;
       [[unroll]] for (uint h = 0u; h < 2u; ++h) {
         uvec4 a[RM], b[4];
-        [[unroll]] for (uint i = 0u; i < RM; ++i) a[i] = Ws[k][tx + 16u * i][h];
-        [[unroll]] for (uint j = 0u; j < 4u; ++j) b[j] = Xs[k][ty + 16u * j][h];
+        [[unroll]] for (uint i = 0u; i < RM; ++i) a[i] = WS(k, tx + 16u * i, h);
+        [[unroll]] for (uint j = 0u; j < 4u; ++j) b[j] = XS(k, ty + 16u * j, h);
         // One chain a sum (each dot product added to it in turn): a dp4a with its accumulator.
         [[unroll]] for (uint c = 0u; c < 4u; ++c)
           [[unroll]] for (uint i = 0u; i < RM; ++i)
@@ -166,8 +252,19 @@ void main() {
           precise float a = fma(i2f(s[i][j]), sc, acc[i][j]);  // one rounding, as gemv_i8.comp's
           acc[i][j] = a;
         }
+#endif
     }
   }
+#if COOP
+  [[unroll]] for (uint i = 0u; i < 2u; ++i)
+    [[unroll]] for (uint j = 0u; j < 4u; ++j)
+      [[unroll]] for (int e = 0; e < L; ++e) {
+        const uint r = r0 + rs + 16u * i + er[e], t = t0 + ts + 8u * j + ec[e];
+        if (r >= pc.rows || t >= pc.n) continue;
+        F32 yp = F32(pc.y + (uint64_t(t) * pc.rows + r) * 4u);
+        yp.v[0] = (pc.flags & 1u) != 0u ? yp.v[0] + acc[i][j][e] : acc[i][j][e];
+      }
+#else
   [[unroll]] for (uint j = 0u; j < 4u; ++j) {
     const uint t = t0 + ty + 16u * j;
     if (t >= pc.n) continue;
@@ -178,4 +275,5 @@ void main() {
       yp.v[0] = (pc.flags & 1u) != 0u ? yp.v[0] + acc[i][j] : acc[i][j];
     }
   }
+#endif
 }
