@@ -255,11 +255,12 @@ def test_int8_prefill_on_lavapipe(built_dir):
     # GEMV's bit for bit (q8_mode_rows_alike), which the first run holds to the CPU, so this file
     # suffices.
     rows = ("gemm_i8r_" if dot else "gemm_i8rp_",) + (dots if dot else plain)[2:]
-    runs = [("1", dots if dot else plain, ("test_backend_ops.py", "test_vulkan.py")),
+    coop = "int8 coopmat" in feats  # NVIDIA's GPUs (not lavapipe): the default prefill tiles are coop2's
+    runs = [("1", ("gemm_i8c_",) + dots[2:] if coop else dots if dot else plain, ("test_backend_ops.py", "test_vulkan.py")),
             ("plain", plain, ("test_backend_ops.py",)), ("rows", rows, ("test_vulkan.py",))]
-    if "int8 coopmat" in feats:  # NVIDIA's GPUs (not lavapipe): the cooperative-matrix variants too
+    if coop:  # gemm_i8's own tiles ("dot") and the older cooperative-matrix variant too
+        runs.append(("dot", dots, ("test_backend_ops.py", "test_vulkan.py")))
         runs.append(("coop", ("gemm_coop_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
-        runs.append(("coop2", ("gemm_i8c_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
     for mode, prefixes, files in runs:
         # (Not gemv_variants_alike: with GEMVQ=1, 1 to 4 tokens take gemv_q whichever GEMVI8 it picks.)
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_I8": mode,

@@ -1259,19 +1259,20 @@ class VulkanBackend final : public Backend {
   // rounds them (quant_act.comp), then integer block sums: gemm_i8.comp past kTileMin tokens,
   // gemv_i8.comp up to it, which add a row's block terms alike, so a session's rows are the same
   // whether or not its step carries a prefill (batched equals alone). Unset or 1: the
-  // packed 4x8 dot product where the device has it, else bytes; "plain": bytes; "coop": NVIDIA's
+  // packed 4x8 dot product where the device has it, else bytes, and coop2's tiles past kTileMin
+  // tokens where the device has int8 cooperative matrices; "plain": bytes; "coop": NVIDIA's
   // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
   // "rows": as unset, but 128-row tiles at every size, a row's block sums at a time (gemm_i8.comp
   // LOWREG: fewer registers, so two workgroups fit an SM; the same bits; sixteenth session,
   // opt-in until measured); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's
   // stages (COOP: each 16 x 8 product's sums scaled in the lanes that hold them, which a matrix
   // of positions loaded as the product's type tells; 128 x 64 tiles at every size; the same bits
-  // as gemm_i8; opt-in, never run before the sixteenth session's device call); 0: f32
+  // as gemm_i8); "dot": as unset but never coop2 (gemm_i8.comp's own tiles); 0: f32
   // activations (matmul_tile.comp, gemv.comp; as before the eleventh session);
   // "prefill": int8 past kTileMin only, f32 GEMV below (a decode A/B only: rows then differ by
   // the step's size). Read at each matmul (not once a process), so benchmarks/ab_cuda.py can
   // switch it between model loads.
-  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop, kI8Prefill, kI8Rows, kI8Coop2 };
+  enum I8Mode { kI8Off = 0, kI8Auto, kI8Plain, kI8Coop, kI8Prefill, kI8Rows, kI8Coop2, kI8Dot };
   static I8Mode i8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_I8");
     if (!e || !*e || std::strcmp(e, "1") == 0) return kI8Auto;
@@ -1280,6 +1281,7 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "prefill") == 0) return kI8Prefill;
     if (std::strcmp(e, "rows") == 0) return kI8Rows;
     if (std::strcmp(e, "coop2") == 0) return kI8Coop2;
+    if (std::strcmp(e, "dot") == 0) return kI8Dot;
     return kI8Off;
   }
   bool i8_fits(const Weight& w, const float* x, int64_t n) const {
@@ -1400,7 +1402,9 @@ class VulkanBackend final : public Backend {
     }
     // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
     const uint32_t nt = (uint32_t)((n + 63) / 64);
-    if (m == kI8Coop2 && c_->i8coop && c_->subgroup_size == 32) {
+    // coop2 by default where the device has int8 cooperative matrices (the same bits as gemm_i8;
+    // H200, Llama-1B Q8_0 pp512: 20.6k -> 34.3k t/s, RESULTS.md).
+    if ((m == kI8Coop2 || m == kI8Auto) && c_->i8coop && c_->subgroup_size == 32) {
       c_->dispatch(q8 ? "gemm_i8c_40" : "gemm_i8c_41", &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
       return;
     }
