@@ -17,7 +17,8 @@ I8=0: q8-mode matmuls on f32 activations (matmul_tile.comp's tiles, gemv.comp), 
 I8=plain: the int8 GEMM / GEMV without the packed dot product; I8=coop: prefill on NV int8
 cooperative matrices where present; I8=rows: 128-row int8 tiles at every size, a row's sums at a
 time (fewer registers, the same bits); I8=coop2: NV int8 cooperative matrices in gemm_i8's stages,
-each product's sums scaled in registers (not through shared memory as I8=coop); I8=prefill:
+each product's sums scaled in registers (not through shared memory as I8=coop; the default where
+the device has them); I8=dot: gemm_i8's own tiles even there; I8=prefill:
 int8 in prefill only, decode on gemv.comp's f32;
 FLASH=enc: decoders' prefill attention on attention.comp's row-per-workgroup kernel, the tiles for
 encoders only (the default before the sixteenth session; FLASH=0: never the tiles, FLASH=1: the
@@ -70,6 +71,7 @@ CONFIGS = {
     "I8=prefill": {"DASLLAMA_VULKAN_I8": "prefill"},
     "I8=rows": {"DASLLAMA_VULKAN_I8": "rows"},
     "I8=coop2": {"DASLLAMA_VULKAN_I8": "coop2"},
+    "I8=dot": {"DASLLAMA_VULKAN_I8": "dot"},
     "FLASH=1": {"DASLLAMA_VULKAN_FLASH": "1"},
     "FLASH=enc": {"DASLLAMA_VULKAN_FLASH": "enc"},
     "FLASH=0": {"DASLLAMA_VULKAN_FLASH": "0"},
