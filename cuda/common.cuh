@@ -100,17 +100,30 @@ bool pdl_on();
 // being captured into a graph (the decode steps, whose many small kernels gain from it;
 // prefill's large grids, launched directly, measured 25 % slower with it on the H200).
 // Only for kernels that call pdl_wait() as said above.
+// With `cluster` (sm_90+), blocks form thread-block clusters of those dimensions.
 template <class... P, class... A>
-void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A&&... args) {
+void launch_cluster(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, dim3 cluster,
+                    A&&... args) {
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   const bool dep = pdl_on() && cudaStreamIsCapturing(st, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusActive;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = st;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at, cfg.numAttrs = dep ? 1 : 0;
+  cudaLaunchAttribute at[2];
+  unsigned na = 0;
+  if (dep) {
+    at[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[na++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    at[na].id = cudaLaunchAttributeClusterDimension;
+    at[na].val.clusterDim.x = cluster.x, at[na].val.clusterDim.y = cluster.y, at[na++].val.clusterDim.z = cluster.z;
+  }
+  cfg.attrs = at, cfg.numAttrs = na;
   check(cudaLaunchKernelEx(&cfg, k, std::forward<A>(args)...), "kernel launch");
+}
+template <class... P, class... A>
+void launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A&&... args) {
+  launch_cluster(k, grid, block, smem, st, dim3(1, 1, 1), std::forward<A>(args)...);
 }
 
 }  // namespace dl::cuda

@@ -2,10 +2,14 @@
 // layouts and the 8-bit activations quantize_act makes. One mma is one 32-block of one
 // 16-row x 8-token tile, so its int32 sums are the CPU's per-block integer dot products,
 // scaled per block by d_w * d_x (less 8 * the activation's quant sum for q4_0) into f32,
-// as the GEMV does. Used for batched decode (a warp per 16 rows, four warps splitting k,
-// the weights streamed once) and prefill (mma_tile_k: shared-memory tiles of 64 rows x 64
-// tokens, token tiles of one row block adjacent in the grid so the weights come from L2).
+// as the GEMV does. Used for prefill (mma_tile_k: shared-memory tiles of 64 rows x 64 tokens,
+// token tiles of one row block adjacent in the grid so the weights come from L2) and batched
+// decode from 9 tokens (tiles 16 / 32 / 64 tokens wide, k split over a cluster where the tiles
+// are few); 8 tokens, or where the tiles do not fit, take mma_q8_k (a warp per 16 rows, eight
+// warps splitting k, the weights streamed once).
 // The prefill of f16 weights runs on f16 mmas here too (mma_f16h_k), of bf16 on TF32 (mma_f16_k).
+#include <cooperative_groups.h>
+
 #include <cstdlib>
 #include <string>
 
@@ -237,12 +241,20 @@ __device__ __forceinline__ void stage_ready(int64_t s, int64_t stages, int64_t s
   cp_commit();
 }
 
-constexpr int kTileM = 64, kTileN = 64, kTileKB = 4, kStages = 2;
+constexpr int kTileM = 64, kTileKB = 4, kStages = 2;
 
-template <uint32_t T>
+// Split k (gridDim.z > 1, batched decode's small matrices): the blocks of one tile over k form
+// a thread-block cluster (sm_90); each leaves its 64 x 64 partial sums in its shared memory and,
+// after a cluster barrier, each sums a share of the tile over all ranks in rank order through
+// distributed shared memory (the same bits every run), then stores it.
+// BN tokens a tile: 64 (prefill, 64-token batched steps; warps of 32 rows x 32 tokens) or 16 / 32
+// (smaller batched steps: four warps of 16 rows x BN tokens, no token slots wasted on padding).
+template <uint32_t T, int BN = 64>
 __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
   constexpr bool Q4 = T == T_Q4_0S;
-  constexpr int BM = kTileM, BN = kTileN, KB = kTileKB, S = kStages;
+  constexpr int BM = kTileM, KB = kTileKB, S = kStages;
+  constexpr int WMW = BN == 64 ? 2 : 4, MT = 4 / WMW, NT = BN / 8 / (4 / WMW);  // warps along m; a warp's tiles
+  constexpr int WR = MT * 16, WC = NT * 8;                                         // a warp's rows, tokens
   constexpr int QB = Q4 ? 16 : 32;      // bytes of one 32-block of a weight row
   constexpr int AS = KB * QB + 16;      // shared row strides: 16 bytes of padding keep the
   constexpr int XS = KB * 32 + 16;      // eight rows an ldmatrix reads on distinct banks
@@ -253,7 +265,7 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
   __shared__ int sxs[S][Q4 ? BN : 1][KB];
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int wm = warp & 1, wn = warp >> 1;
+  const int wm = warp % WMW, wn = warp / WMW;
   int mi = 0;
   while (mi + 1 < j.count && (int64_t)blockIdx.y >= j.first_block[mi + 1]) ++mi;
   const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32, n = j.n;
@@ -290,62 +302,67 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
     }
   };
 
-  float acc[2][4][4];
+  float acc[MT][NT][4];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
 
-  const int64_t stages = (nb + KB - 1) / KB;
-  stages_begin<S>(stages, KB, load_w, load_x);
+  // This block's stages of k: all of them, or its split's share.
+  const int64_t all = (nb + KB - 1) / KB, per = (all + gridDim.z - 1) / gridDim.z;
+  const int64_t sb = (int64_t)blockIdx.z * per, stages = lmin(all, sb + per) - sb > 0 ? lmin(all, sb + per) - sb : 0;
+  const int64_t kb_base = sb * KB;
+  auto lw = [&](int st, int64_t kb) { load_w(st, kb_base + kb); };
+  auto lx = [&](int st, int64_t kb) { load_x(st, kb_base + kb); };
+  stages_begin<S>(stages, KB, lw, lx);
   for (int64_t s = 0; s < stages; ++s) {
     const int st = (int)(s % S);
-    stage_ready<S>(s, stages, KB, load_w, load_x);
+    stage_ready<S>(s, stages, KB, lw, lx);
 #pragma unroll 1
     for (int u = 0; u < KB; ++u) {
-      if (s * KB + u >= nb) break;
-      uint32_t a[2][4];
-      if constexpr (Q4) {  // one ldmatrix: rows wm*32 + lane's packed block; nibbles are k and k + 16
+      if (kb_base + s * KB + u >= nb) break;
+      uint32_t a[MT][4];
+      if constexpr (Q4) {  // one ldmatrix: rows wm*WR + lane's packed block; nibbles are k and k + 16
         uint32_t q[4];
-        ldsm4(q, &sa[st][(wm * 32 + lane) * AS + u * 16]);
+        ldsm4(q, &sa[st][(wm * WR + (lane & (WR - 1))) * AS + u * 16]);  // WR = 16: lanes 16-31 repeat
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
           const uint32_t lo = q[2 * mt], hi = q[2 * mt + 1];
           a[mt][0] = lo & 0x0F0F0F0Fu, a[mt][1] = hi & 0x0F0F0F0Fu;
           a[mt][2] = (lo >> 4) & 0x0F0F0F0Fu, a[mt][3] = (hi >> 4) & 0x0F0F0F0Fu;
         }
       } else {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-          ldsm4(a[mt], &sa[st][(wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * AS + u * 32 + (lane >> 4) * 16]);
+        for (int mt = 0; mt < MT; ++mt)
+          ldsm4(a[mt], &sa[st][(wm * WR + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * AS + u * 32 + (lane >> 4) * 16]);
       }
-      uint32_t b[4][2];
+      uint32_t b[NT][2];
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
+      for (int np = 0; np < NT / 2; ++np) {
         uint32_t r[4];
-        ldsm4(r, &sx[st][(wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8) * XS + u * 32 + ((lane >> 3) & 1) * 16]);
+        ldsm4(r, &sx[st][(wn * WC + np * 16 + (lane & 7) + (lane >> 4) * 8) * XS + u * 32 + ((lane >> 3) & 1) * 16]);
         b[2 * np][0] = r[0], b[2 * np][1] = r[1], b[2 * np + 1][0] = r[2], b[2 * np + 1][1] = r[3];
       }
       // The int32 sums leave the mma biased by 1.5 * 2^23 (less 8 * the quant sum for q4_0): as
       // float bits that is 1.5 * 2^23 + sum exactly (|sum| < 2^22), so one subtraction gives
       // (float)sum without the quarter-rate integer-to-float conversion.
       constexpr int kMagic = 0x4B400000;
-      float dw[2][2], dx[4][2];
-      int o[4][2];
+      float dw[MT][2], dx[NT][2];
+      int o[NT][2];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        dw[mt][0] = h2f(sdw[st][wm * 32 + mt * 16 + g][u]), dw[mt][1] = h2f(sdw[st][wm * 32 + mt * 16 + g + 8][u]);
+      for (int mt = 0; mt < MT; ++mt)
+        dw[mt][0] = h2f(sdw[st][wm * WR + mt * 16 + g][u]), dw[mt][1] = h2f(sdw[st][wm * WR + mt * 16 + g + 8][u]);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int t = wn * 32 + nt * 8 + 2 * c;
+      for (int nt = 0; nt < NT; ++nt) {
+        const int t = wn * WC + nt * 8 + 2 * c;
         dx[nt][0] = sdx[st][t][u], dx[nt][1] = sdx[st][t + 1][u];
         if constexpr (Q4) o[nt][0] = kMagic - 8 * sxs[st][t][u], o[nt][1] = kMagic - 8 * sxs[st][t + 1][u];
         else o[nt][0] = o[nt][1] = kMagic;
       }
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
           int sm[4];
           mma_s8c(sm, a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1], o[nt][0], o[nt][1]);
           constexpr float kBias = 12582912.0f;  // 1.5 * 2^23
@@ -362,11 +379,44 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
     float* p = y + t * rows + r;
     *p = j.accumulate ? *p + v : v;
   };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (gridDim.z > 1) {
+    // Partials: thread tid's SL sums at part[tid * (SL + 1) + slot] (padded: no bank conflicts
+    // between threads), slot = (mt * NT + nt) * 4 + i; the activations' stages are free by now.
+    constexpr int SL = MT * NT * 4;
+    cp_wait<0>();
+    __syncthreads();
+    float* part = reinterpret_cast<float*>(&sx[0][0]);
+    static_assert(sizeof sx >= 128 * (SL + 1) * sizeof(float), "the partials fit the activations' stages");
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int64_t r = r0 + wm * 32 + mt * 16 + g, t = t0 + wn * 32 + nt * 8 + 2 * c;
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[tid * (SL + 1) + (mt * NT + nt) * 4 + i] = acc[mt][nt][i];
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync();
+    const int nr = (int)cl.num_blocks(), rank = (int)cl.block_rank();
+    for (int e = rank * 128 + tid; e < 128 * SL; e += nr * 128) {
+      const int th = e / SL, slot = e % SL;
+      float v = 0.f;
+      for (int q = 0; q < nr; ++q) v += cl.map_shared_rank(part, q)[th * (SL + 1) + slot];
+      const int tl = th & 31, tw = th >> 5, tg = tl >> 2, tc = tl & 3;
+      const int mt = slot / (NT * 4), nt = (slot / 4) % NT, i = slot & 3;
+      const int64_t r = r0 + (tw % WMW) * WR + mt * 16 + tg + (i >> 1) * 8;
+      const int64_t t = t0 + (tw / WMW) * WC + nt * 8 + 2 * tc + (i & 1);
+      put(r, t, v);
+    }
+    cl.sync();  // every rank's partials stay until all have read them
+    return;
+  }
+#endif
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int64_t r = r0 + wm * WR + mt * 16 + g, t = t0 + wn * WC + nt * 8 + 2 * c;
       put(r, t, acc[mt][nt][0]), put(r, t + 1, acc[mt][nt][1]);
       put(r + 8, t, acc[mt][nt][2]), put(r + 8, t + 1, acc[mt][nt][3]);
     }
@@ -398,17 +448,48 @@ void smem_limit(K k, int bytes, const char* what) {
                              " bytes of shared memory");
 }
 
-template <uint32_t T>
-void launch_tile(GemvJob j, cudaStream_t st) {
+int64_t env_int(const char* name, int64_t dflt);
+
+// How many ways the tiles split k: enough blocks for four an SM (the kernel's occupancy), at
+// most 8 (a portable cluster) and at least two stages a split; 1 below sm_90 (no clusters).
+// DASLLAMA_CUDA_TILE_SPLIT=N forces N (1: never), read at each launch.
+int tile_splits(int64_t blocks, int64_t nb) {
+  static const int sms = [] {
+    int dev = 0, v = 0, major = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return major >= 9 ? v : 0;
+  }();
+  if (sms == 0) return 1;
+  const int64_t stages = ceil_div(nb, kTileKB), most = std::max<int64_t>(1, std::min<int64_t>(8, stages / 2));
+  const int64_t forced = env_int("DASLLAMA_CUDA_TILE_SPLIT", 0);
+  if (forced > 0) return (int)std::min<int64_t>(forced, std::min<int64_t>(8, stages));  // tests: empty splits too
+  return (int)std::max<int64_t>(1, std::min(most, ceil_div(4 * (int64_t)sms, blocks)));
+}
+
+template <uint32_t T, int BN>
+void launch_tile_n(GemvJob j, cudaStream_t st) {
   int64_t b = 0;
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], kTileM);
   j.first_block[j.count] = b;
-  const dim3 grid((unsigned)ceil_div(j.n, kTileN), (unsigned)b);
+  // Split k only for one tile of tokens (batched decode): prefill's grids are large enough
+  // (pp512 lost 5% split on the H200: 52.7k -> 50.2k t/s).
+  const int splits = j.n <= BN ? tile_splits(b, j.cols / 32) : 1;
+  const dim3 grid((unsigned)ceil_div(j.n, BN), (unsigned)b, (unsigned)splits);
   // All of the SM's shared memory for blocks (a hint): 4 blocks of 40 KB fit beside L1.
-  static const bool carve = cudaFuncSetAttribute(mma_tile_k<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
+  static const bool carve = cudaFuncSetAttribute(mma_tile_k<T, BN>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                                  cudaSharedmemCarveoutMaxShared) == cudaSuccess;
   (void)carve;
-  launch(mma_tile_k<T>, grid, 128, 0, st, j);
+  launch_cluster(mma_tile_k<T, BN>, grid, 128, 0, st, dim3(1, 1, splits), j);
+}
+
+// Tiles as narrow as the step (16 / 32 / 64 tokens; prefill: 64).
+template <uint32_t T>
+void launch_tile(const GemvJob& j, cudaStream_t st) {
+  if (j.n <= 16) launch_tile_n<T, 16>(j, st);
+  else if (j.n <= 32) launch_tile_n<T, 32>(j, st);
+  else launch_tile_n<T, 64>(j, st);
 }
 
 // ---- Prefill of f16 / bf16 weights: TF32 tensor cores, f32 activations kept ----
@@ -666,12 +747,13 @@ void launch_mma(GemvJob j, cudaStream_t st) {
 }
 
 // From how many tokens, and from how many rows (the job's matrices together), the shared-memory
-// tiles take over from the one-pass warps (DASLLAMA_CUDA_TILE_MIN, default 64 tokens;
-// DASLLAMA_CUDA_TILE_ROWS, default 8192 rows). The same sums either way. On the H200, Llama-1B
-// Q8_0 (ab_cuda.py, one call): B=64 10,629 -> 11,682 t/s with tiles for gate/up and the output
-// from 17 tokens; at B=32 they lost (8,482 -> 6,905), and tiles for every matrix lost at both
-// (4,245 / 8,789): a 2048-row matrix is only 32 tiles. Read at each launch, so ab_cuda.py can
-// compare settings in one process.
+// tiles take over from the one-pass warps (DASLLAMA_CUDA_TILE_MIN, default 9 tokens;
+// DASLLAMA_CUDA_TILE_ROWS, default 0). Read at each launch, so ab_cuda.py can compare settings in
+// one process. On the H200, Llama-1B Q8_0 (ab_cuda.py, one call), B = 16 / 32 / 64: the warps
+// 6,331 / 8,916 / 12,178 t/s; tiles from 64 tokens for 8192+ rows (the default until then)
+// 6,397 / 8,911 / 12,093; tiles 16, 32 or 64 tokens wide from 9 tokens, every matrix, k split
+// over clusters where the tiles are few: 7,103 / 10,419 / 13,825. (Without the split, tiles for
+// a 2048-row matrix at 64 tokens made only 32 blocks and lost: B=32 8,482 -> 4,245.)
 int64_t env_int(const char* name, int64_t dflt) {
   const char* e = std::getenv(name);
   return e && *e ? std::atoll(e) : dflt;
@@ -681,7 +763,7 @@ template <uint32_t T>
 void run_mma(const GemvJob& j, cudaStream_t st) {
   int64_t rows = 0;
   for (int i = 0; i < j.count; ++i) rows += j.rows[i];
-  if (j.n <= 64 && j.n >= env_int("DASLLAMA_CUDA_TILE_MIN", 64) && rows >= env_int("DASLLAMA_CUDA_TILE_ROWS", 8192) &&
+  if (j.n <= 64 && j.n >= env_int("DASLLAMA_CUDA_TILE_MIN", 9) && rows >= env_int("DASLLAMA_CUDA_TILE_ROWS", 0) &&
       tiles_on() && tile_fits(j))
     return launch_tile<T>(j, st);
   // Up to 64 tokens: one pass over the weights, eight warps splitting each row tile's k
