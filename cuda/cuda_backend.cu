@@ -221,13 +221,45 @@ class CudaBackend final : public Backend {
     }
     return pinned_;
   }
+  // Pinned blocks that outlive a step (a batch step's logits, which the sessions point into);
+  // download() copies into them directly. Plain memory where pinned memory is refused.
+  std::shared_ptr<float> host_block(size_t floats) override {
+    const char* e = std::getenv("DASLLAMA_CUDA_PINNED");
+    if (!(e && std::strcmp(e, "0") == 0) && !pinned_refused_) {
+      use();
+      float* p = nullptr;
+      if (cudaHostAlloc(reinterpret_cast<void**>(&p), floats * sizeof(float), cudaHostAllocDefault) == cudaSuccess) {
+        std::lock_guard<std::mutex> lk(blocks_mu_);
+        blocks_.emplace_back(p, floats * sizeof(float));
+        return std::shared_ptr<float>(p, [this](float* q) {
+          {
+            std::lock_guard<std::mutex> lk(blocks_mu_);
+            for (size_t i = 0; i < blocks_.size(); ++i)
+              if (blocks_[i].first == q) blocks_.erase(blocks_.begin() + (std::ptrdiff_t)i);
+          }
+          cudaFreeHost(q);
+        });
+      }
+      cudaGetLastError();
+    }
+    return Backend::host_block(floats);
+  }
+  bool in_host_block(const void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lk(blocks_mu_);
+    for (const auto& b : blocks_) {
+      const auto* q = reinterpret_cast<const uint8_t*>(b.first);
+      if (p >= q && static_cast<const uint8_t*>(p) + bytes <= q + b.second) return true;
+    }
+    return false;
+  }
   void download(void* dst, const void* src, size_t bytes) override {
     use();
     drop_recording();
     // A large download into other host memory (a decode step's logits: 513 KB for a 128K
     // vocabulary) lands in the pinned staging buffer in one DMA and is copied from there,
     // not through the driver's chunked staging of pageable memory.
-    float* stage = bytes >= (64 << 10) && dst != pinned_ ? host_staging((bytes + 3) / 4) : nullptr;
+    float* stage =
+        bytes >= (64 << 10) && dst != pinned_ && !in_host_block(dst, bytes) ? host_staging((bytes + 3) / 4) : nullptr;
     if (stage && stage == pinned_) {
       const auto t0 = HostProf::now();
       check(cudaMemcpyAsync(stage, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
@@ -371,6 +403,7 @@ class CudaBackend final : public Backend {
     ops.swap(ops_);
     const bool graphable = max_rows_ <= kGraphMaxRows && !no_graph_;
     stop_recording();
+    const auto tu = hp_.on ? HostProf::now() : HostProf::clock::time_point{};
     if (!blob_.empty()) {
       if (!dblob_ || dblob_->size() < blob_.size()) {
         dblob_.reset();
@@ -380,6 +413,7 @@ class CudaBackend final : public Backend {
         check(cudaMemcpyAsync(dblob_->data(), blob_.data(), blob_.size(), cudaMemcpyHostToDevice, st_),
               "step arguments");
     }
+    if (hp_.on) hp_.upload += HostProf::us(HostProf::now() - tu);
     const void* db = dblob_ ? dblob_->data() : nullptr;
     sig1(db);
     bool done = false;
@@ -1022,12 +1056,21 @@ class CudaBackend final : public Backend {
   bool launch_graph(std::vector<std::function<void(cudaStream_t)>>& ops) {
     std::vector<uint8_t> sig;
     sig.swap(sig_);
+    const auto t0 = hp_.on ? HostProf::now() : HostProf::clock::time_point{};
     for (Cached& c : cache_)
       if (c.sig == sig) {
         c.used = ++clock_;
         check(cudaGraphLaunch(c.exec, st_), "graph launch");
+        if (hp_.on) hp_.launch += HostProf::us(HostProf::now() - t0), ++hp_.hits;
         return true;
       }
+    struct Timed {
+      HostProf& h;
+      HostProf::clock::time_point t0;
+      ~Timed() {
+        if (h.on) h.capture += HostProf::us(HostProf::now() - t0), ++h.captures;
+      }
+    } timed{hp_, t0};
     cudaGraph_t g = nullptr;
     if (cudaStreamBeginCapture(st_, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
       cudaGetLastError();
@@ -1163,7 +1206,8 @@ class CudaBackend final : public Backend {
       return e && std::strcmp(e, "1") == 0;
     }();
     double rec = 0, end = 0, wait = 0, copy = 0, between = 0;
-    int64_t steps = 0, dls = 0;
+    double upload = 0, launch = 0, capture = 0;  // parts of end_step: the blob's copy, replays, captures
+    int64_t steps = 0, dls = 0, hits = 0, captures = 0;
     clock::time_point tb{}, tdl{};
     bool after_dl = false;
     static double us(clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
@@ -1194,6 +1238,11 @@ class CudaBackend final : public Backend {
                    "us a download: wait %.1f, copy %.1f, then to the next step %.1f\n",
                    (long long)steps, (long long)dls, rec / steps, end / steps, dls ? wait / dls : 0.0,
                    dls ? copy / dls : 0.0, dls ? between / dls : 0.0);
+      std::fprintf(stderr,
+                   "dasllama cuda host: end_step's blob upload %.1f us a step; %lld graph replays, %.1f us a launch; "
+                   "%lld captures, %.1f us each (capture, update or instantiation, launch)\n",
+                   upload / steps, (long long)hits, hits ? launch / hits : 0.0, (long long)captures,
+                   captures ? capture / captures : 0.0);
     }
   } hp_;
   // Pinned rings for the small copies between steps (staged_upload, download_async), made on
@@ -1292,6 +1341,8 @@ class CudaBackend final : public Backend {
   BufferPtr scratch_, qact_, split_, counters_, tailc_;
   int64_t fused_ops_ = 0;
   float* pinned_ = nullptr;  // host_staging's buffer
+  std::mutex blocks_mu_;  // host_block's live blocks (address, bytes), for download()
+  std::vector<std::pair<float*, size_t>> blocks_;
   size_t pinned_floats_ = 0;
   bool pinned_refused_ = false;
   BufferPtr bar_;  // the fused layer's grid-barrier counters

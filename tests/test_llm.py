@@ -233,6 +233,25 @@ def test_eval_batch_equals_each_session_alone(smollm2_path):
         d.eval_batch(m, ws, [ss[0], ss[0]], [1, 2])
 
 
+def test_eval_batch_logits_outlive_later_steps(smollm2_path):
+    """A batch step's logits stay each session's own while later steps run without it: rows read
+    only after four more steps (more than the host blocks the model keeps for them, so the last
+    step takes the copying path) equal each session's logits computed alone."""
+    m = d.load_model(smollm2_path, mode=d.QuantMode.fp32)
+    prompts = ["The cat sat on", "Paris is the capital of", "def main():\n    ", "1, 2, 3,", "Once upon a"]
+    ss = [d.create_session(m, d.KVDtype.f32) for _ in prompts]
+    for s, p in zip(ss, prompts):
+        d.eval(m, s, d.encode(m, p))
+    ws = d.create_batch_workspace(m)
+    d.eval_batch(m, ws, ss, [7] * len(ss))
+    for s in ss[1:]:
+        d.eval_batch(m, ws, [s], [11])
+    for s in ss:
+        c = d.create_session(m, d.KVDtype.f32)
+        d.eval(m, c, list(s._s.history))
+        assert np.abs(np.array(s.logits) - np.array(c.logits)).max() < 1e-3
+
+
 def _drain(st, got):
     """Steps until every stream has ended, appending each stream's tokens to got[slot]."""
     while any(st.active(i) for i in range(len(got))):

@@ -221,8 +221,9 @@ void bind_model(py::module_& m) {
                              [](py::object self) {
                                Session& s = self.cast<Session&>();
                                // A view of the session's buffer: valid until the next eval.
-                               return py::array_t<float>({(py::ssize_t)s.logits.size()}, {sizeof(float)},
-                                                         s.logits.data(), self);
+                               std::vector<float>& lg = s.logits_ready();
+                               return py::array_t<float>({(py::ssize_t)lg.size()}, {sizeof(float)}, lg.data(),
+                                                         self);
                              })
       .def("truncate", &Session::truncate)
       .def("rewind_point", &Session::rewind_point)
@@ -361,11 +362,11 @@ void bind_model(py::module_& m) {
       py::arg("logits"), py::arg("params"), py::arg("seed") = 0x5eed, py::arg("n") = 1,
       py::arg("history") = std::vector<int32_t>());
   m.def("sample", [](Session& s, py::object params) {
-    if (s.logits.empty()) throw py::value_error("sample: no logits yet (eval first)");
+    if (!s.has_logits()) throw py::value_error("sample: no logits yet (eval first)");
     SamplingParams p = params_from(params);
     if (p.seed >= 0) s.rng.reseed((uint64_t)p.seed);
     const int V = s.model().config().vocab_size;
-    return sample_token(s.logits.data() + (s.logits.size() - V), V, p, s.history, s.rng, s.sample_scratch);
+    return sample_token(s.last_logits(V), V, p, s.history, s.rng, s.sample_scratch);
   });
   m.def("generate",
         [](Session& s, const std::vector<int64_t>& prompt, py::object params, int64_t max_tokens,

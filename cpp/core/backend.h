@@ -286,6 +286,11 @@ class Backend {
     if (staging_.size() < floats) staging_.resize(floats);
     return staging_.data();
   }
+  // Host memory of `floats` floats, owned by whoever holds it, that download() fills as fast as
+  // host_staging (CUDA: pinned): for data that outlives a step (a batch step's logits).
+  virtual std::shared_ptr<float> host_block(size_t floats) {
+    return std::shared_ptr<float>(new float[floats], std::default_delete<float[]>());
+  }
   // Refuses, before anything is allocated, `bytes` more that would not fit (weights, a pool).
   virtual void check_fits(size_t bytes, const char* what) { (void)bytes, (void)what; }
 

@@ -70,6 +70,7 @@ void Model::forward(Session& s, const int32_t* tokens, const float* embd, int64_
   const int64_t V = cfg_.vocab_size;
   // Every element is written below (the last chunk's row, or every chunk's rows): no zero fill
   // of a vocabulary's floats per decode step unless the size changes.
+  s.drop_lazy_logits();
   if (s.logits.size() != (size_t)(all_logits ? n * V : V)) s.logits.assign((size_t)(all_logits ? n * V : V), 0.f);
   // A model with recurrent layers snapshots their state at the last page boundary the rows
   // cross (the chunk splits there; the prefix cache keeps page-aligned snapshots) and at the
@@ -180,6 +181,20 @@ std::vector<float> Model::embed_mean(const std::vector<int32_t>& tokens) {
   return mean;
 }
 
+std::shared_ptr<float> Model::logits_block_for(size_t floats) {
+  const char* e = std::getenv("DASLLAMA_LAZY_LOGITS");  // 0: copy each row into its session
+  if (e && e[0] == '0') return nullptr;
+  // use_count() == 1: only this list holds it (sessions take references under mu_, held here).
+  for (auto& b : logits_blocks_)
+    if (b.first.use_count() == 1) {
+      if (b.second < floats) b.first = backend_->host_block(floats), b.second = floats;
+      return b.first;
+    }
+  if (logits_blocks_.size() >= kLogitsBlocks) return nullptr;
+  logits_blocks_.emplace_back(backend_->host_block(floats), floats);
+  return logits_blocks_.back().first;
+}
+
 void Model::forward_batch(Session* const* sessions, const int32_t* tokens, int64_t B) {
   std::vector<int64_t> counts((size_t)std::max<int64_t>(B, 0), 1);
   forward_ragged(sessions, tokens, counts.data(), B);
@@ -225,24 +240,37 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     if (runs.empty()) return;
     const int64_t rows =
         forward_chunk(runs.data(), (int)runs.size(), chunk_tokens.data(), nullptr, (int64_t)chunk_tokens.size(), false);
-    // Every session's logits in one download (into the backend's fastest host memory).
-    const float* lg = rows > 0 ? backend_->host_staging((size_t)(rows * V)) : nullptr;
+    // Every session's logits in one download, into a host block the sessions then point
+    // into (no copy of B x vocab floats -- 32.8 MB at B = 64 for a 128K vocabulary -- a step:
+    // a session copies its row when it is read as a vector, a sampler reads it in place).
+    // Where every block is still referenced, the rows go through the staging buffer and are
+    // copied into the sessions' own logits on the host threads.
+    std::shared_ptr<float> blk = rows > 0 ? logits_block_for((size_t)(rows * V)) : nullptr;
+    const float* lg = blk ? blk.get() : rows > 0 ? backend_->host_staging((size_t)(rows * V)) : nullptr;
     if (rows > 0) backend_->download(const_cast<float*>(lg), logits_->data(), (size_t)(rows * V) * 4);
     batch_want_.clear();
     for (const Run& r : runs) {
       for (int64_t i = 0; i < r.n_rows; ++i) r.s->history.push_back(chunk_tokens[r.first_row + i]);
       if (r.want_logits) batch_want_.push_back(r.s);
     }
-    // Each session's row into its own logits: B x vocab floats (32.8 MB at B = 64 for a
-    // 128K vocabulary), copied on the host threads when there are several.
-    auto copy_rows = [&](int64_t lo, int64_t hi) {
-      for (int64_t k = lo; k < hi; ++k) batch_want_[k]->logits.assign(lg + k * V, lg + (k + 1) * V);
-    };
-    ThreadPool* tp = batch_want_.size() >= 4 ? backend_->host_threads() : nullptr;
-    if (tp && tp->size() > 1)
-      tp->parallel_for((int64_t)batch_want_.size(), 1, copy_rows);
-    else
-      copy_rows(0, (int64_t)batch_want_.size());
+    if (blk) {
+      for (size_t k = 0; k < batch_want_.size(); ++k) {
+        Session& s = *batch_want_[k];
+        s.lazy_block_ = blk, s.lazy_ = lg + k * V, s.lazy_n_ = V;
+      }
+    } else {
+      auto copy_rows = [&](int64_t lo, int64_t hi) {
+        for (int64_t k = lo; k < hi; ++k) {
+          batch_want_[k]->drop_lazy_logits();
+          batch_want_[k]->logits.assign(lg + k * V, lg + (k + 1) * V);
+        }
+      };
+      ThreadPool* tp = batch_want_.size() >= 4 ? backend_->host_threads() : nullptr;
+      if (tp && tp->size() > 1)
+        tp->parallel_for((int64_t)batch_want_.size(), 1, copy_rows);
+      else
+        copy_rows(0, (int64_t)batch_want_.size());
+    }
     runs.clear();
     chunk_tokens.clear();
   };
@@ -436,6 +464,7 @@ void Model::fetch_logits(Session& s) {
   if (!s.greedy_) throw Error("fetch_logits: no greedy step has run on this session");
   const int64_t V = cfg_.vocab_size;
   std::lock_guard<std::mutex> lk(mu_);  // a download between another thread's step brackets would break them
+  s.drop_lazy_logits();
   s.logits.resize((size_t)V);
   backend_->download(s.logits.data(), static_cast<uint8_t*>(s.greedy_->data()) + 256, (size_t)V * 4);
 }

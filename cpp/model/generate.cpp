@@ -22,7 +22,7 @@ int64_t generate(Model& m, Session& s, const std::vector<int32_t>& prompt, const
   s.stats.n_prompt = n_prompt;
   const auto t0 = clock::now();
   if (n_prompt > 0) m.forward(s, embd ? nullptr : prompt.data(), embd, n_prompt, false);
-  else if (s.logits.empty()) throw Error("generate: empty prompt and no logits from an earlier eval");
+  else if (s.logits_ready().empty()) throw Error("generate: empty prompt and no logits from an earlier eval");
   const auto t1 = clock::now();
 
   const Tokenizer& tok = m.tokenizer();

@@ -313,6 +313,12 @@ class Model : public std::enable_shared_from_this<Model> {
   std::vector<Run> batch_runs_;          // forward_ragged's chunk being built (reused each step)
   std::vector<int32_t> batch_tokens_;
   std::vector<Session*> batch_want_;  // the sessions of a chunk that take logits, in row order
+  // Host blocks for batch steps' logits (Backend::host_block: pinned on CUDA), each with its
+  // size in floats; sessions hold references to the one their rows are in. A block no session
+  // references is reused; at most kLogitsBlocks, then logits_block_for gives null.
+  static constexpr size_t kLogitsBlocks = 4;
+  std::vector<std::pair<std::shared_ptr<float>, size_t>> logits_blocks_;
+  std::shared_ptr<float> logits_block_for(size_t floats);
 };
 
 }  // namespace dl

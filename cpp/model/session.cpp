@@ -117,6 +117,7 @@ void Session::release_pages() {
   history.clear();
   rope_marks.clear();
   logits.clear();
+  drop_lazy_logits();
 }
 
 int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>& prompt) {
@@ -153,6 +154,7 @@ void Session::set_attached(int64_t n, const int32_t* ids) {
   history.assign(ids, ids + n);
   rope_marks.clear();
   logits.clear();
+  drop_lazy_logits();
 }
 
 void prefix_insert(PrefixCache& cache, Session& s, const std::vector<int32_t>& tokens, const std::string& preview) {

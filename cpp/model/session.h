@@ -52,7 +52,19 @@ class Session {
   void snapshot();
   const std::vector<std::pair<int64_t, BufferPtr>>& snapshots() const { return snaps_; }
 
-  std::vector<float> logits;      // [n_vocab] of the last row (or [n][n_vocab] with all_logits)
+  // [n_vocab] of the last row (or [n][n_vocab] with all_logits). After an eval_batch step the
+  // row may still sit in the step's host block (lazy_): logits_ready() copies it in first, and
+  // last_logits() reads the last row wherever it is. Readers of `logits` call one of them.
+  std::vector<float> logits;
+  std::vector<float>& logits_ready() {
+    if (lazy_) logits.assign(lazy_, lazy_ + lazy_n_), drop_lazy_logits();
+    return logits;
+  }
+  const float* last_logits(int64_t V) const {
+    return lazy_ ? lazy_ : logits.size() >= (size_t)V ? logits.data() + (logits.size() - V) : nullptr;
+  }
+  bool has_logits() const { return lazy_ || !logits.empty(); }
+  void drop_lazy_logits() { lazy_block_.reset(), lazy_ = nullptr, lazy_n_ = 0; }
   std::vector<int32_t> history;   // tokens evaluated so far (media rows as negative ids)
   // M-RoPE position marks, ascending: (p, delta) says rows at positions >= p rope at their
   // position + delta (the last mark at or before a row wins; none: delta 0). An image's rows take
@@ -84,6 +96,11 @@ class Session {
   // Model::forward_greedy's id (the first 4 bytes) and logits (from byte 256) on the backend.
   BufferPtr greedy_;
   std::vector<std::pair<int64_t, BufferPtr>> snaps_;  // by position, ascending
+  // The last eval_batch's logits row in a host block shared with the step's other sessions
+  // (the reference keeps the block from being reused until this session is done with it).
+  std::shared_ptr<float> lazy_block_;
+  const float* lazy_ = nullptr;
+  int64_t lazy_n_ = 0;
   void init_recurrent();
   void reset_recurrent();
 };

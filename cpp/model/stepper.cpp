@@ -136,7 +136,7 @@ int32_t Stepper::draw(int slot) {
   const Job& j = jobs_[slot];
   const int V = s.model().config().vocab_size;
   if (j.params.seed >= 0) s.rng.reseed((uint64_t)j.params.seed);
-  return sample_token(s.logits.data() + (s.logits.size() - V), V, j.params, s.history, s.rng, s.sample_scratch);
+  return sample_token(s.last_logits(V), V, j.params, s.history, s.rng, s.sample_scratch);
 }
 
 void Stepper::sampled(int slot, int32_t tok, std::vector<StepEvent>& out) {
