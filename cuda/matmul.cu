@@ -810,8 +810,13 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   if (cols % 32 != 0) throw Error("cuda quantize_act: cols must be a multiple of 32");
   GemvJob j;
   point_qact(j, q, n, cols);
-  // Decode keeps its rows' blocks spread over blocks (latency); normed prefill rows take one.
-  const unsigned gx = norm && n >= 16 ? 1u : (unsigned)ceil_div(cols / 32, 8);
+  // Decode and batched steps keep a row's blocks spread over blocks (latency; each block forms
+  // the row's norm sum itself, the same sum); normed prefill rows take one block a row. Rows
+  // from which they do: DASLLAMA_CUDA_QACT_ROWS (default 65; 16 until the seventeenth session,
+  // when a batched step's 33 quantize_act launches took 8 us each at 16-64 rows on the H200).
+  const char* e = std::getenv("DASLLAMA_CUDA_QACT_ROWS");  // read at each call (ab_cuda.py)
+  const int64_t one_from = e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(65);
+  const unsigned gx = norm && n >= one_from ? 1u : (unsigned)ceil_div(cols / 32, 8);
   launch(quantize_act_k, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm, norm_w, eps, const_cast<int8_t*>(j.xq),
                                              const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
   check_launch("quantize_act");
