@@ -1471,33 +1471,39 @@ class VulkanBackend final : public Backend {
     const F16cMode m = f16c_mode();
     if (m == kF16cOff || lay_type(w) != (uint32_t)GGMLType::F16 || n <= kTileMin || w.rows <= 0 || w.cols <= 0 ||
         w.cols % 8 != 0 || lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
-        (w.rows + 127) / 128 > kMaxGroups)
+        (w.rows + 127) / 128 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
       return nullptr;
     if (m == kF16cEmu) return "gemm_f16e";
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16)) return nullptr;  // 8 subgroups of 32 lanes
     if (!c_->f16n8 || (m == kF16cN16 && c_->f16n16)) return "gemm_f16c16";
     return m == kF16cK64 ? "gemm_f16ck64" : "gemm_f16c";
   }
-  void f16c(const char* sh, const Weight& w, const float* x, int64_t n, float* y) {
-    // The halves [n][cols] each, then 1 / s [n]: 16-aligned (cols % 8 == 0).
-    const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2, need = 2 * hb + (uint64_t)n * 4;
+  // x's n rows (cols wide) split into the scratch: hi [n][cols], lo [n][cols] (f16), then 1 / s
+  // [n], all 16-aligned (cols % 8 == 0); once for all the matmuls of one x (matmul_multi).
+  void f16_split(const float* x, int64_t n, int64_t cols) {
+    const uint64_t hb = (uint64_t)n * (uint64_t)cols * 2, need = 2 * hb + (uint64_t)n * 4;
     if (!f16_buf_ || f16_buf_->size() < need) {
       f16_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
       f16_buf_ = alloc(std::max<size_t>((size_t)need, 4 << 20), "f16 activation halves");
     }
-    const uint64_t xh = A(f16_buf_->data()), xl = xh + hb, inv = xl + hb;
+    f16_xh_ = A(f16_buf_->data()), f16_bytes_ = need;
     struct {
       uint64_t x, xh, xl, inv;
       uint32_t cols, n;
-    } sp{A(x), xh, xl, inv, (uint32_t)w.cols, (uint32_t)n};
-    c_->uses({{A(x), (uint64_t)(n * w.cols * 4), false}, {xh, need, true}});
+    } sp{A(x), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, (uint32_t)cols, (uint32_t)n};
+    c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {f16_xh_, need, true}});
     c_->dispatch("f16_split", &sp, sizeof sp, (uint32_t)std::min<int64_t>(n, kMaxGroups),
                  (uint32_t)((n + kMaxGroups - 1) / kMaxGroups));
+  }
+  // y = w x over the halves f16_split just wrote (shader sh: f16c_shader's).
+  void f16c_gemm(const char* sh, const Weight& w, int64_t n, float* y) {
+    const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {
       uint64_t w, xh, xl, inv, y, row_bytes;
       uint32_t rows, cols, n, pad;
-    } pc{A(w.data), xh, xl, inv, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols, (uint32_t)n, 0};
-    c_->uses({{A(w.data), Ctx::kWhole, false}, {xh, need, false}, {A(y), (uint64_t)(n * w.rows * 4), true}});
+    } pc{A(w.data), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols,
+         (uint32_t)n, 0};
+    c_->uses({{A(w.data), Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), (uint64_t)(n * w.rows * 4), true}});
     // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
     c_->dispatch(sh, &pc, sizeof pc, (uint32_t)((n + 63) / 64), (uint32_t)((w.rows + 127) / 128));
   }
@@ -1820,7 +1826,10 @@ class VulkanBackend final : public Backend {
       return;
     }
     if (c_->subgroup && n > kTileMin) {  // prefill: output tiles through shared memory
-      if (const char* sh = f16c_shader(w, x, n)) return f16c(sh, w, x, n, y);
+      if (const char* sh = f16c_shader(w, x, n)) {
+        f16_split(x, n, w.cols);
+        return f16c_gemm(sh, w, n, y);
+      }
       use();
       const bool g = gemm_on();  // 128 rows x 64 tokens (gemm.comp), else 64 x 64 (matmul_tile.comp)
       const std::string sh = (g ? "gemm_" : "matmul_tile_") + std::to_string(lay_type(w));
@@ -1850,6 +1859,22 @@ class VulkanBackend final : public Backend {
         if (gemvx_fits(ws, count, n)) return gemv_i8x(ws, ys, count, n);
         for (int i = 0; i < count; ++i)
           if (ws[i]->rows > 0) gemm_i8(*ws[i], ys[i], n);
+        return;
+      }
+    }
+    if (c_->subgroup && count > 1 && n > kTileMin) {  // f16 prefill: x split once for all
+      for (int i = 0; i < count; ++i) check_w(*ws[i]);
+      const char* sh = f16c_shader(*ws[0], x, n);
+      bool all = sh != nullptr;
+      for (int i = 1; all && i < count; ++i) {
+        const char* s = f16c_shader(*ws[i], x, n);
+        all = ws[i]->cols == ws[0]->cols && s && std::strcmp(s, sh) == 0;
+      }
+      if (all) {
+        Lock g(c_->mu);
+        c_->note_rows(n);
+        f16_split(x, n, ws[0]->cols);
+        for (int i = 0; i < count; ++i) f16c_gemm(sh, *ws[i], n, ys[i]);
         return;
       }
     }
@@ -2633,6 +2658,7 @@ class VulkanBackend final : public Backend {
   } attn_q8_;
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
   BufferPtr f16_buf_;  // f16 prefill's activation halves and scales (f16_split)
+  uint64_t f16_xh_ = 0, f16_bytes_ = 0;  // where f16_split last wrote them, and their size
   BufferPtr i8_glu_;  // the GLU tail's rounded glu rows (apart from i8_buf_, which its GEMV still reads)
   BufferPtr tail_cnt_[2];  // the GLU and KV tails' counters (tail_counters)
   std::map<std::string, size_t> const_blocks_;  // const_block's slots, by content
