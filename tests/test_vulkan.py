@@ -310,22 +310,25 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
     import re
 
     feats = _VK["devices"][0]["features"]
-    runs = [("emu", "gemm_f16e")]
+    # (DASLLAMA_VULKAN_F16C, DASLLAMA_VULKAN_F16C_TILE, the shader): unset, the harness's shapes
+    # all take 64-row tiles ("h"); 128 forces the 128-row ones.
+    runs = [("emu", "128", "gemm_f16e"), ("emu", "", "gemm_f16eh")]
     if "f16 coopmat" in feats:
         n8 = "16x8x16" in feats
-        runs.append(("1", "gemm_f16c" if n8 else "gemm_f16c16"))
-        if n8:
-            runs.append(("k64", "gemm_f16ck64"))
-        if "16x16x16" in feats:
-            runs.append(("n16", "gemm_f16c16"))
-    for mode, sh in runs:
-        r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode},
-                   ("test_backend_ops.py", "test_vulkan.py"),
+        for tile, h in (("128", ""), ("", "h")):
+            runs.append(("1", tile, f"gemm_f16c{h}" if n8 else f"gemm_f16c{h}16"))
+            if n8:
+                runs.append(("k64", tile, f"gemm_f16c{h}k64"))
+            if "16x16x16" in feats:
+                runs.append(("n16", tile, f"gemm_f16c{h}16"))
+    for mode, tile, sh in runs:
+        r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
+                               "DASLLAMA_VULKAN_F16C_TILE": tile}, ("test_backend_ops.py", "test_vulkan.py"),
                    "(matmul and f16 and not bf16 and not q8_mode) or f16_model_prefill", s=True)
         out = r.stdout + r.stderr
-        assert r.returncode == 0, f"DASLLAMA_VULKAN_F16C={mode}\n" + r.stdout[-3000:] + r.stderr[-2000:]
+        assert r.returncode == 0, f"F16C={mode} TILE={tile}\n" + r.stdout[-3000:] + r.stderr[-2000:]
         for name in ("f16_split", sh):  # (profile lines: the shader's name, then its time)
-            assert re.search(rf"^\s+{name}\s", out, re.M), f"DASLLAMA_VULKAN_F16C={mode}: {name} did not run\n" + out[-3000:]
+            assert re.search(rf"^\s+{name}\s", out, re.M), f"F16C={mode} TILE={tile}: {name} did not run\n" + out[-3000:]
 
 
 def test_int8_decode_gemv_on_lavapipe(built_dir):

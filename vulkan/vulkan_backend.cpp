@@ -1452,9 +1452,10 @@ class VulkanBackend final : public Backend {
   // cooperative matrices, f32 activations kept: f16_split.comp splits each token's x * s into
   // two f16 halves (s a power of two per token), gemm_f16c.comp sums W * hi + W * lo in f32 and
   // scales by 1 / s (CUDA's mma_f16h). Unset or 1: where the device has them (16 x 8 x 16
-  // products, else 16 x 16 x 16; 32 of k a stage); "k64": 64 of k a stage; "n16": 16 x 16 x 16
-  // products where offered; "emu": the same split and stages with f32 FMAs (gemm_f16e) on any
-  // device with the subgroup path (lavapipe's check of all but the matrices); 0: the f32 tiles
+  // products, else 16 x 16 x 16; 32 of k a stage, two stages in shared memory); "k64": 64 of k a
+  // stage (one); "n16": 16 x 16 x 16 products where offered; "emu": the same split and stages
+  // with f32 FMAs (gemm_f16e, gemm_f16eh) on any device with the subgroup path (lavapipe's check
+  // of all but the matrices); 0: the f32 tiles
   // (matmul_tile.comp, or gemm.comp) as before. bf16 keeps the f32 tiles: it is not exact in
   // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
   enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK64, kF16cN16, kF16cEmu };
@@ -1466,17 +1467,39 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "emu") == 0) return kF16cEmu;
     return kF16cOff;
   }
-  // The shader of this f16 prefill (null: the f32 tiles).
-  const char* f16c_shader(const Weight& w, const float* x, int64_t n) const {
+  // The shader family of this f16 prefill: its name before the tile's mark and after it
+  // (f16c_gemm puts "h" between for 64-row tiles); pre null: the f32 tiles. The same for every
+  // matrix that fits, in one call.
+  struct F16cPick {
+    const char *pre = nullptr, *suf = "";
+  };
+  F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
     const F16cMode m = f16c_mode();
+    F16cPick p;
     if (m == kF16cOff || lay_type(w) != (uint32_t)GGMLType::F16 || n <= kTileMin || w.rows <= 0 || w.cols <= 0 ||
         w.cols % 8 != 0 || lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
-        (w.rows + 127) / 128 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
-      return nullptr;
-    if (m == kF16cEmu) return "gemm_f16e";
-    if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16)) return nullptr;  // 8 subgroups of 32 lanes
-    if (!c_->f16n8 || (m == kF16cN16 && c_->f16n16)) return "gemm_f16c16";
-    return m == kF16cK64 ? "gemm_f16ck64" : "gemm_f16c";
+        (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
+      return p;
+    // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
+    if (m == kF16cEmu) {
+      if (c_->max_shared() >= 30720) p.pre = "gemm_f16e";
+      return p;
+    }
+    // Subgroups of 32 lanes: the shader's tiles are 32 rows x 32 tokens a subgroup.
+    if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16) || c_->max_shared() < 42496) return p;
+    p.pre = "gemm_f16c";
+    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : m == kF16cK64 ? "k64" : "";
+    return p;
+  }
+  // DASLLAMA_VULKAN_F16C_TILE: 128 or 64 rows a workgroup for every f16 prefill matmul; unset:
+  // 64 where the 128-row tiles would be fewer than 256 (attention's projections of a short
+  // prefill: a large GPU's cores without a second workgroup each), as gemm_i8's choice. Read at
+  // each matmul.
+  static bool f16c_half(int64_t rows, int64_t n) {
+    const char* e = std::getenv("DASLLAMA_VULKAN_F16C_TILE");
+    if (e && std::strcmp(e, "128") == 0) return false;
+    if (e && std::strcmp(e, "64") == 0) return true;
+    return ((n + 63) / 64) * ((rows + 127) / 128) < 256;
   }
   // x's n rows (cols wide) split into the scratch: hi [n][cols], lo [n][cols] (f16), then 1 / s
   // [n], all 16-aligned (cols % 8 == 0); once for all the matmuls of one x (matmul_multi).
@@ -1495,8 +1518,10 @@ class VulkanBackend final : public Backend {
     c_->dispatch("f16_split", &sp, sizeof sp, (uint32_t)std::min<int64_t>(n, kMaxGroups),
                  (uint32_t)((n + kMaxGroups - 1) / kMaxGroups));
   }
-  // y = w x over the halves f16_split just wrote (shader sh: f16c_shader's).
-  void f16c_gemm(const char* sh, const Weight& w, int64_t n, float* y) {
+  // y = w x over the halves f16_split just wrote (p: f16c_pick's).
+  void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
+    const bool half = f16c_half(w.rows, n);
+    const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {
       uint64_t w, xh, xl, inv, y, row_bytes;
@@ -1505,7 +1530,8 @@ class VulkanBackend final : public Backend {
          (uint32_t)n, 0};
     c_->uses({{A(w.data), Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), (uint64_t)(n * w.rows * 4), true}});
     // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
-    c_->dispatch(sh, &pc, sizeof pc, (uint32_t)((n + 63) / 64), (uint32_t)((w.rows + 127) / 128));
+    c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((n + 63) / 64),
+                 (uint32_t)(half ? (w.rows + 63) / 64 : (w.rows + 127) / 128));
   }
   // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. 1 (or 0):
   // gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
@@ -1826,9 +1852,10 @@ class VulkanBackend final : public Backend {
       return;
     }
     if (c_->subgroup && n > kTileMin) {  // prefill: output tiles through shared memory
-      if (const char* sh = f16c_shader(w, x, n)) {
+      const F16cPick p = f16c_pick(w, x, n);
+      if (p.pre) {
         f16_split(x, n, w.cols);
-        return f16c_gemm(sh, w, n, y);
+        return f16c_gemm(p, w, n, y);
       }
       use();
       const bool g = gemm_on();  // 128 rows x 64 tokens (gemm.comp), else 64 x 64 (matmul_tile.comp)
@@ -1864,17 +1891,14 @@ class VulkanBackend final : public Backend {
     }
     if (c_->subgroup && count > 1 && n > kTileMin) {  // f16 prefill: x split once for all
       for (int i = 0; i < count; ++i) check_w(*ws[i]);
-      const char* sh = f16c_shader(*ws[0], x, n);
-      bool all = sh != nullptr;
-      for (int i = 1; all && i < count; ++i) {
-        const char* s = f16c_shader(*ws[i], x, n);
-        all = ws[i]->cols == ws[0]->cols && s && std::strcmp(s, sh) == 0;
-      }
+      const F16cPick p = f16c_pick(*ws[0], x, n);
+      bool all = p.pre != nullptr;
+      for (int i = 1; all && i < count; ++i) all = ws[i]->cols == ws[0]->cols && f16c_pick(*ws[i], x, n).pre;
       if (all) {
         Lock g(c_->mu);
         c_->note_rows(n);
         f16_split(x, n, ws[0]->cols);
-        for (int i = 0; i < count; ++i) f16c_gemm(sh, *ws[i], n, ys[i]);
+        for (int i = 0; i < count; ++i) f16c_gemm(p, *ws[i], n, ys[i]);
         return;
       }
     }
