@@ -311,14 +311,17 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
 
     feats = _VK["devices"][0]["features"]
     # (DASLLAMA_VULKAN_F16C, DASLLAMA_VULKAN_F16C_TILE, the shader): unset, the harness's shapes
-    # all take 64-row tiles ("h"); 128 forces the 128-row ones.
-    runs = [("emu", "128", "gemm_f16e"), ("emu", "", "gemm_f16eh")]
+    # all take 64-row tiles ("h"); 128 forces the 128-row ones; "w" (64 rows a subgroup) takes
+    # 128 always.
+    runs = [("emu", "128", "gemm_f16e"), ("emu", "", "gemm_f16eh"), ("emuw", "", "gemm_f16ew")]
     if "f16 coopmat" in feats:
         n8 = "16x8x16" in feats
         for tile, h in (("128", ""), ("", "h")):
             runs.append(("1", tile, f"gemm_f16c{h}" if n8 else f"gemm_f16c{h}16"))
             if n8:
                 runs.append(("k64", tile, f"gemm_f16c{h}k64"))
+                if not h:
+                    runs.append(("w", tile, "gemm_f16cw"))
             if "16x16x16" in feats:
                 runs.append(("n16", tile, f"gemm_f16c{h}16"))
     for mode, tile, sh in runs:

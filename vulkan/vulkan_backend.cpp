@@ -1453,18 +1453,21 @@ class VulkanBackend final : public Backend {
   // two f16 halves (s a power of two per token), gemm_f16c.comp sums W * hi + W * lo in f32 and
   // scales by 1 / s (CUDA's mma_f16h). Unset or 1: where the device has them (16 x 8 x 16
   // products, else 16 x 16 x 16; 32 of k a stage, two stages in shared memory); "k64": 64 of k a
-  // stage (one); "n16": 16 x 16 x 16 products where offered; "emu": the same split and stages
-  // with f32 FMAs (gemm_f16e, gemm_f16eh) on any device with the subgroup path (lavapipe's check
-  // of all but the matrices); 0: the f32 tiles
+  // stage (one); "n16": 16 x 16 x 16 products where offered; "w": 128 x 64 tiles of four
+  // subgroups of 64 rows x 32 tokens (gemm_f16cw, whatever the tile switch says); "emu", "emuw":
+  // the same split and stages with f32 FMAs (gemm_f16e / _eh, gemm_f16ew) on any device with the
+  // subgroup path (lavapipe's check of all but the matrices); 0: the f32 tiles
   // (matmul_tile.comp, or gemm.comp) as before. bf16 keeps the f32 tiles: it is not exact in
   // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
-  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK64, kF16cN16, kF16cEmu };
+  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK64, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
     if (!e || !*e || std::strcmp(e, "1") == 0) return kF16cAuto;
     if (std::strcmp(e, "k64") == 0) return kF16cK64;
     if (std::strcmp(e, "n16") == 0) return kF16cN16;
     if (std::strcmp(e, "emu") == 0) return kF16cEmu;
+    if (std::strcmp(e, "w") == 0) return kF16cWide;
+    if (std::strcmp(e, "emuw") == 0) return kF16cEmuWide;
     return kF16cOff;
   }
   // The shader family of this f16 prefill: its name before the tile's mark and after it
@@ -1472,6 +1475,7 @@ class VulkanBackend final : public Backend {
   // matrix that fits, in one call.
   struct F16cPick {
     const char *pre = nullptr, *suf = "";
+    bool wide = false;  // gemm_f16cw / _ew: 128-row tiles always
   };
   F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
     const F16cMode m = f16c_mode();
@@ -1481,14 +1485,16 @@ class VulkanBackend final : public Backend {
         (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
       return p;
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
-    if (m == kF16cEmu) {
+    if (m == kF16cEmu || m == kF16cEmuWide) {
       if (c_->max_shared() >= 30720) p.pre = "gemm_f16e";
+      p.suf = m == kF16cEmuWide ? "w" : "", p.wide = m == kF16cEmuWide;
       return p;
     }
     // Subgroups of 32 lanes: the shader's tiles are 32 rows x 32 tokens a subgroup.
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16) || c_->max_shared() < 42496) return p;
     p.pre = "gemm_f16c";
-    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : m == kF16cK64 ? "k64" : "";
+    p.wide = m == kF16cWide && c_->f16n8;
+    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : m == kF16cK64 ? "k64" : p.wide ? "w" : "";
     return p;
   }
   // DASLLAMA_VULKAN_F16C_TILE: 128 or 64 rows a workgroup for every f16 prefill matmul; unset:
@@ -1520,7 +1526,7 @@ class VulkanBackend final : public Backend {
   }
   // y = w x over the halves f16_split just wrote (p: f16c_pick's).
   void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
-    const bool half = f16c_half(w.rows, n);
+    const bool half = !p.wide && f16c_half(w.rows, n);
     const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {

@@ -3,13 +3,14 @@
 // f32 activations: f16_split.comp wrote each token's x * s as two f16 halves hi + lo and 1 / s,
 // so y[t][r] = (W[r] . hi[t] + W[r] . lo[t]) / s[t], both products summed in f32 by the tensor
 // cores (f16 weights are exact operands), which gives the f32 dot product to about 2^-22
-// relative. A workgroup per BM = 32 WR rows x 64 tokens (WR 4: 256 invocations; WR 2: 128, CUDA's
-// 64 x 64 tiles, for matrices whose 128-row tiles leave a GPU's cores without a second
-// workgroup), BK of k a stage in shared memory (weights and both halves, each row's k padded by
+// relative. A workgroup per BM = 16 MT WR rows x 64 tokens, WR x 2 subgroups of 16 MT rows x 32
+// tokens (MT 2: WR 4, 256 invocations, or WR 2, 128: CUDA's 64 x 64 tiles, for matrices whose
+// 128-row tiles leave a GPU's cores without a second workgroup; MT 4, WR 2: 128 x 64 tiles of
+// 4 subgroups, fewer shared-memory reads a product), BK of k a stage in shared memory (weights and both halves, each row's k padded by
 // 16 bytes so eight rows' 16-byte reads fall on distinct banks), the next stage's global loads
 // issued before this one's math; with BK 32 two stages in shared memory (one barrier a stage),
-// with BK 64 one (two would pass the 48 KB a workgroup gets). Subgroups of 32 lanes (the backend picks
-// this shader only there), each 32 rows x 32 tokens. Which row and token each of a lane's sums
+// with BK 64 one (two would pass the 48 KB a workgroup gets). Subgroups of 32 lanes (the backend
+// picks this shader only there). Which row and token each of a lane's sums
 // is belongs to the driver: a matrix of the product's type loaded from their positions says
 // (gemm_i8.comp's COOP), so each lane scales and stores its own sums. Rows and tokens past the
 // end read the last one and are not stored; k past cols (cols % 8 == 0: the backend's check)
@@ -38,6 +39,9 @@
 #ifndef WR
 #define WR 4
 #endif
+#ifndef MT
+#define MT 2
+#endif
 #define NTH (64 * WR)  // invocations: WR x 2 subgroups of 32
 #ifndef NBUF  // stages in shared memory (gemm_f16e: 1, to fit lavapipe's 32 KB)
 #if BK == 32
@@ -54,7 +58,7 @@ layout(push_constant, std430) uniform PC {
   uint rows, cols, n, pad_;
 } pc;
 
-const uint BM = 32u * WR, BN = 64u;
+const uint BM = 16u * MT * WR, BN = 64u;
 const uint CK = BK / 8u;  // 16-byte chunks (8 halves) of a row's k a stage
 const uint RS = CK + 1u;  // a row's stride in uvec4s: 80 bytes (BK 32) or 144 (BK 64)
 const uint NW = BM * CK / NTH, NX = BN * CK / NTH;  // chunks an invocation loads: weights, each half
@@ -92,8 +96,8 @@ void main() {
   }
 
 #if COOP
-  const uint sg = gl_SubgroupID, rs = (sg % WR) * 32u, ts = (sg / WR) * 32u;  // this subgroup's rows and tokens
-  if (tid < 16u * TN) Idx[tid] = float(tid);
+  const uint sg = gl_SubgroupID, rs = (sg % WR) * (16u * MT), ts = (sg / WR) * 32u;  // this subgroup's rows and tokens
+  for (uint i = tid; i < 16u * TN; i += NTH) Idx[i] = float(i);
   barrier();
   fcoopmatNV<32, gl_ScopeSubgroup, 16, TN> im;
   coopMatLoadNV(im, Idx, 0, TN, false);
@@ -101,14 +105,14 @@ void main() {
   [[unroll]] for (int e = 0; e < L; ++e) er[e] = uint(im[e]) / TN, ec[e] = uint(im[e]) % TN;
 
   const uint NJ = 32u / TN;
-  fcoopmatNV<32, gl_ScopeSubgroup, 16, TN> acc[2][NJ];
-  [[unroll]] for (uint i = 0u; i < 2u; ++i)
+  fcoopmatNV<32, gl_ScopeSubgroup, 16, TN> acc[MT][NJ];
+  [[unroll]] for (uint i = 0u; i < MT; ++i)
     [[unroll]] for (uint j = 0u; j < NJ; ++j) acc[i][j] = fcoopmatNV<32, gl_ScopeSubgroup, 16, TN>(0.0f);
 #else
-  // Row lr, tokens tg * 32 ..: 32 sums an invocation.
-  const uint lr = tid % BM, tg = tid / BM;
-  float acc[32];
-  [[unroll]] for (uint j = 0u; j < 32u; ++j) acc[j] = 0.0f;
+  // Row lr, tokens tg * TPI ..: TPI sums an invocation.
+  const uint TPI = 16u * MT, lr = tid % BM, tg = tid / BM;
+  float acc[TPI];
+  [[unroll]] for (uint j = 0u; j < TPI; ++j) acc[j] = 0.0f;
 #endif
 
   uvec4 gw[NW], gh[NX], glo[NX];
@@ -148,15 +152,15 @@ void main() {
     const uint wb = cur * WB, xb = cur * XB;
 #if COOP
     [[unroll]] for (uint kk = 0u; kk < BK / 16u; ++kk) {
-      fcoopmatNV<16, gl_ScopeSubgroup, 16, 16> a[2];
-      [[unroll]] for (uint i = 0u; i < 2u; ++i)
+      fcoopmatNV<16, gl_ScopeSubgroup, 16, 16> a[MT];
+      [[unroll]] for (uint i = 0u; i < MT; ++i)
         coopMatLoadNV(a[i], Wf, wb + (rs + 16u * i) * RS + 2u * kk, RS, false);
       [[unroll]] for (uint j = 0u; j < NJ; ++j) {
         // B is k x tokens: a token's k adjacent, so column-major over the [token][k] rows.
         fcoopmatNV<16, gl_ScopeSubgroup, 16, TN> bh, bl;
         coopMatLoadNV(bh, Hf, xb + (ts + TN * j) * RS + 2u * kk, RS, true);
         coopMatLoadNV(bl, Lf, xb + (ts + TN * j) * RS + 2u * kk, RS, true);
-        [[unroll]] for (uint i = 0u; i < 2u; ++i) {
+        [[unroll]] for (uint i = 0u; i < MT; ++i) {
           acc[i][j] = coopMatMulAddNV(a[i], bl, acc[i][j]);  // the small half first, as CUDA's
           acc[i][j] = coopMatMulAddNV(a[i], bh, acc[i][j]);
         }
@@ -167,10 +171,10 @@ void main() {
     [[unroll]] for (uint c = 0u; c < CK; ++c) {
       float w[8];
       unpack8(Wf[wb + lr * RS + c], w);
-      [[unroll]] for (uint j = 0u; j < 32u; ++j) {
+      [[unroll]] for (uint j = 0u; j < TPI; ++j) {
         float h[8], l[8];
-        unpack8(Hf[xb + (tg * 32u + j) * RS + c], h);
-        unpack8(Lf[xb + (tg * 32u + j) * RS + c], l);
+        unpack8(Hf[xb + (tg * TPI + j) * RS + c], h);
+        unpack8(Lf[xb + (tg * TPI + j) * RS + c], l);
         [[unroll]] for (uint e = 0u; e < 8u; ++e) {
           acc[j] = fma(w[e], l[e], acc[j]);
           acc[j] = fma(w[e], h[e], acc[j]);
@@ -192,7 +196,7 @@ void main() {
   [[unroll]] for (uint j = 0u; j < NJ; ++j) {
     float iv[L];
     [[unroll]] for (int e = 0; e < L; ++e) iv[e] = F32(pc.inv).v[min(t0 + ts + TN * j + ec[e], pc.n - 1u)];
-    [[unroll]] for (uint i = 0u; i < 2u; ++i)
+    [[unroll]] for (uint i = 0u; i < MT; ++i)
       [[unroll]] for (int e = 0; e < L; ++e) {
         const uint r = r0 + rs + 16u * i + er[e], t = t0 + ts + TN * j + ec[e];
         if (r >= pc.rows || t >= pc.n) continue;
@@ -202,8 +206,8 @@ void main() {
 #else
   const uint r = r0 + lr;
   if (r < pc.rows)
-    [[unroll]] for (uint j = 0u; j < 32u; ++j) {
-      const uint t = t0 + tg * 32u + j;
+    [[unroll]] for (uint j = 0u; j < TPI; ++j) {
+      const uint t = t0 + tg * TPI + j;
       if (t < pc.n) F32(pc.y + (uint64_t(t) * pc.rows + r) * 4u).v[0] = acc[j] * F32(pc.inv).v[t];
     }
 #endif
