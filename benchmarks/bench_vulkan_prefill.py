@@ -1,6 +1,8 @@
-"""Vulkan prefill matmuls alone: Llama-3.2-1B's matrices over 512 tokens in q8 mode, per DASLLAMA_VULKAN_I8.
+"""Vulkan prefill matmuls alone: Llama-3.2-1B's matrices over 512 tokens in q8 mode, per DASLLAMA_VULKAN_I8
+(or another switch: --var; f16 weights on NVIDIA's f16 cooperative matrices per DASLLAMA_VULKAN_F16C).
 
     python benchmarks/bench_vulkan_prefill.py --types q8_0,q4_0 --modes 0,1,plain,coop
+    python benchmarks/bench_vulkan_prefill.py --types f16 --var DASLLAMA_VULKAN_F16C --modes 0,1,k64,w
 
 Each product runs through dasllama._core.Backend("vulkan:N", exact=False) (weights loaded as a
 q8-mode model loads them: the split layouts) and is timed as the difference between 1 and
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--device", default="vulkan:0")
     ap.add_argument("--types", default="q8_0,q4_0")
     ap.add_argument("--modes", default="0,1,plain,coop")
+    ap.add_argument("--var", default="DASLLAMA_VULKAN_I8", help="the switch --modes sets")
     ap.add_argument("--n", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
@@ -57,14 +60,14 @@ def main() -> None:
             xs = np.ascontiguousarray(x[:, :cols])
             for _ in range(args.rounds):
                 for m in modes:
-                    os.environ["DASLLAMA_VULKAN_I8"] = m
+                    os.environ[args.var] = m
                     t0 = time.perf_counter()
                     be.matmul(raw, int(T[ft.upper()]), rows, cols, xs)
                     t1 = time.perf_counter()
                     be.matmul(raw, int(T[ft.upper()]), rows, cols, xs, repeat=1 + args.reps)
                     t2 = time.perf_counter()
                     t.setdefault((name, m), []).append(max(1e-9, ((t2 - t1) - (t1 - t0)) / args.reps))
-        os.environ.pop("DASLLAMA_VULKAN_I8", None)
+        os.environ.pop(args.var, None)
         for m in modes:
             cells, layer, head = [], 0.0, 0.0
             for name, rows, cols, per in mats:
@@ -74,7 +77,7 @@ def main() -> None:
                 head += (1 - per) * s
             whole = "" if args.quick else f"; 16 layers + head {16 * layer + head:.2f} ms = " \
                 f"{args.n / (16 * layer + head):.0f} t/s of matmuls alone"
-            print(f"{ft} I8={m}: " + ", ".join(cells) + whole, flush=True)
+            print(f"{ft} {args.var.replace('DASLLAMA_VULKAN_', '')}={m}: " + ", ".join(cells) + whole, flush=True)
 
 
 if __name__ == "__main__":

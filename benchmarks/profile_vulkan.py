@@ -34,7 +34,10 @@ GLUTAIL=0: the glu before ffn down folded into quant_act32, not computed and rou
 up GEMV's per-block tails (the default since the fifteenth session); KVTAIL=1: the ropes and the
 KV store in the Q/K/V GEMV's per-head tails, not a kv_store dispatch (opt-in: slower on the
 H200); KVTAIL=0, TAILS=0: the KV tail off, both off;
-READBACK=uncached: downloads into the first host-visible memory type, not a host-cached one),
+READBACK=uncached: downloads into the first host-visible memory type, not a host-cached one;
+F16C=0: f16 prefill on the f32 tiles, not NVIDIA's f16 cooperative matrices (gemm_f16c.comp, x
+split into two f16 halves); F16C=k64 / n16 / w: its 64-of-k stages, 16 x 16 x 16 products, 64-row
+subgroup tiles; F16C_TILE=128 / 64: its tiles' rows forced),
 and "old": all of them off, the stream before this work (but for the q4_0 split layout, which
 DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
 2048 makes the attention split matter more. Per-shader GPU time: run one
@@ -93,10 +96,16 @@ CONFIGS = {
     "KVTAIL=1": {"DASLLAMA_VULKAN_KVTAIL": "1"},
     "TAILS=0": {"DASLLAMA_VULKAN_GLUTAIL": "0", "DASLLAMA_VULKAN_KVTAIL": "0"},
     "READBACK=uncached": {"DASLLAMA_VULKAN_READBACK": "uncached"},
+    "F16C=0": {"DASLLAMA_VULKAN_F16C": "0"},
+    "F16C=k64": {"DASLLAMA_VULKAN_F16C": "k64"},
+    "F16C=n16": {"DASLLAMA_VULKAN_F16C": "n16"},
+    "F16C=w": {"DASLLAMA_VULKAN_F16C": "w"},
+    "F16C_TILE=128": {"DASLLAMA_VULKAN_F16C_TILE": "128"},
+    "F16C_TILE=64": {"DASLLAMA_VULKAN_F16C_TILE": "64"},
     "old": {"DASLLAMA_VULKAN_REPLAY": "0", "DASLLAMA_VULKAN_BARRIERS": "all", "DASLLAMA_VULKAN_GEMV": "0",
             "DASLLAMA_VULKAN_ATTN_SPLIT": "0", "DASLLAMA_VULKAN_GEMM": "0", "DASLLAMA_VULKAN_FUSE_GLU": "0",
             "DASLLAMA_VULKAN_FUSE_ROPE": "0", "DASLLAMA_VULKAN_I8": "0", "DASLLAMA_VULKAN_GEMVI8": "1",
-            "DASLLAMA_VULKAN_FLASH": "enc"},
+            "DASLLAMA_VULKAN_FLASH": "enc", "DASLLAMA_VULKAN_F16C": "0"},
 }
 
 

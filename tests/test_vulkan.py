@@ -282,6 +282,59 @@ def test_int8_prefill_on_lavapipe(built_dir):
     assert folded and max(f[0] for f in folded) > 0 and max(f[1] for f in folded) > 0, out[-3000:]
 
 
+def test_f16_model_prefill_logits(tiny, built_dir):
+    """A 100-token prefill of an f16 model (past the 32 tokens where a GPU's matmuls turn to
+    tiles; on NVIDIA's f16 cooperative matrices, gemm_f16c, which keep f32 activations): all-row
+    logits equal the CPU's in fp32 mode (f16 weights, f32 activations) up to the order of float
+    sums."""
+    from dasllama.convert import requantize
+
+    (f16,) = C.built_once(built_dir, "llama-tiny-f16",
+                          lambda out: [str(requantize(tiny["f32"], os.path.join(out, "llama-f16.gguf"), "f16",
+                                                      progress=False))])
+    ids = [1] + np.random.default_rng(9).integers(3, VOCAB, 99).tolist()
+    e = nmse(teacher_forced(f16, "vulkan", ids, d.KVDtype.f32), teacher_forced(f16, "cpu", ids, d.KVDtype.f32))
+    assert e <= LOGIT_BAR, f"f16 prefill: NMSE {e:.3g} against the CPU"
+
+
+def test_f16_prefill_split_on_lavapipe(built_dir):
+    """f16 prefill (past 32 tokens on a GPU's path) on f16 cooperative matrices keeps f32
+    activations: each token's x split into two f16 halves under a power-of-two scale
+    (f16_split.comp), W * hi + W * lo summed in f32 (gemm_f16c.comp). Lavapipe has no
+    cooperative matrices, so it is forced onto the GPUs' path with DASLLAMA_VULKAN_F16C=emu: the
+    same split, stages and stores with f32 FMAs in place of the matrices (gemm_f16e) hold the op
+    harness's f16 matmul cases at F32_DOT against float64 numpy (tokens from 1e-12 to 1e12, a
+    zero token, an outlier; rows, tokens and k ending mid-tile) and an f16 model's prefill
+    logits, and the profile (which names every shader dispatched) shows they ran. Where the
+    device has f16 cooperative matrices (NVIDIA), the default and each variant the same way."""
+    import re
+
+    feats = _VK["devices"][0]["features"]
+    # (DASLLAMA_VULKAN_F16C, DASLLAMA_VULKAN_F16C_TILE, the shader): unset, the harness's shapes
+    # all take 64-row tiles ("h"); 128 forces the 128-row ones; "w" (64 rows a subgroup) takes
+    # 128 always.
+    runs = [("emu", "128", "gemm_f16e"), ("emu", "", "gemm_f16eh"), ("emuw", "", "gemm_f16ew")]
+    if "f16 coopmat" in feats:
+        runs = runs[1:2]  # (the stand-in once: the device's time goes to the matrices)
+        n8 = "16x8x16" in feats
+        for tile, h in (("128", ""), ("", "h")):
+            runs.append(("1", tile, f"gemm_f16c{h}" if n8 else f"gemm_f16c{h}16"))
+            if n8:
+                runs.append(("k64", tile, f"gemm_f16c{h}k64"))
+                if not h:
+                    runs.append(("w", tile, "gemm_f16cw"))
+            if "16x16x16" in feats:
+                runs.append(("n16", tile, f"gemm_f16c{h}16"))
+    for mode, tile, sh in runs:
+        r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
+                               "DASLLAMA_VULKAN_F16C_TILE": tile}, ("test_backend_ops.py", "test_vulkan.py"),
+                   "(matmul and f16 and not bf16 and not q8_mode) or f16_model_prefill", s=True)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, f"F16C={mode} TILE={tile}\n" + r.stdout[-3000:] + r.stderr[-2000:]
+        for name in ("f16_split", sh):  # (profile lines: the shader's name, then its time)
+            assert re.search(rf"^\s+{name}\s", out, re.M), f"F16C={mode} TILE={tile}: {name} did not run\n" + out[-3000:]
+
+
 def test_int8_decode_gemv_on_lavapipe(built_dir):
     """The q8-mode decode GEMV laid out for GPUs' memory (gemv_i8x.comp, DASLLAMA_VULKAN_GEMVI8=2,
     3 or 4: 1 to 4 tokens over quant_act's int8 rows, 2, 4 or 8 rows a workgroup, up to three

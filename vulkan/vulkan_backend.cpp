@@ -28,7 +28,7 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _I8, _GEMVQ, _GEMVI8, _NORMTAIL, _GLUTAIL, _KVTAIL, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
+// _GEMV, _GEMM, _I8, _F16C, _GEMVQ, _GEMVI8, _NORMTAIL, _GLUTAIL, _KVTAIL, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
 // runs them).
 #include "vulkan_backend.h"
 
@@ -155,9 +155,13 @@ bool use_subgroup(const vk::Api& a, VkPhysicalDevice pd, const VkPhysicalDeviceP
 
 // What the int8 prefill (gemm_i8.comp) may use on a device: the packed 4x8 dot product
 // (VK_KHR_shader_integer_dot_product) and NVIDIA's int8 cooperative matrices (VK_NV_cooperative_matrix
-// with an int8 x int8 -> int32 16 x 8 x 32 subgroup shape: the mma.sync tile CUDA's prefill uses).
+// with an int8 x int8 -> int32 16 x 8 x 32 subgroup shape: the mma.sync tile CUDA's prefill uses);
+// and what the f16 prefill (gemm_f16c.comp) may: f16 x f16 -> f32 cooperative matrices of
+// 16 x N x 16, N 8 (mma.sync m16n8k16) where offered, else 16. DASLLAMA_VULKAN_COOPMAT_LIST=1
+// prints every shape the device offers (stderr, once a device).
 struct I8Caps {
   bool dot = false, coop = false;
+  bool f16n8 = false, f16n16 = false;  // f16 shapes offered: 16 x 8 x 16, 16 x 16 x 16
 };
 I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
   uint32_t ne = 0;
@@ -183,16 +187,30 @@ I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
   c.dot = has_dp && dp.shaderIntegerDotProduct;
   auto props = reinterpret_cast<PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV>(
       a.vkGetInstanceProcAddr(a.instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV"));
-  // int8 matrices need Int8; glslang writes NV cooperative-matrix shaders in the Vulkan memory model.
-  if (has_cm && cm.cooperativeMatrix && f12.shaderInt8 && f12.vulkanMemoryModel && props) {
+  // int8 matrices need Int8, f16 ones Float16; glslang writes NV cooperative-matrix shaders in
+  // the Vulkan memory model.
+  if (has_cm && cm.cooperativeMatrix && f12.vulkanMemoryModel && props) {
     uint32_t np = 0;
     props(pd, &np, nullptr);
     std::vector<VkCooperativeMatrixPropertiesNV> ps(np, {VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_NV});
     if (np) props(pd, &np, ps.data());
-    for (auto& p : ps)
-      c.coop |= p.MSize == 16 && p.NSize == 8 && p.KSize == 32 && p.AType == VK_COMPONENT_TYPE_SINT8_NV &&
-                p.BType == VK_COMPONENT_TYPE_SINT8_NV && p.CType == VK_COMPONENT_TYPE_SINT32_NV &&
-                p.DType == VK_COMPONENT_TYPE_SINT32_NV && p.scope == VK_SCOPE_SUBGROUP_NV;
+    const char* list = std::getenv("DASLLAMA_VULKAN_COOPMAT_LIST");
+    const bool say = list && *list && std::strcmp(list, "0") != 0;
+    bool n8 = false, n16 = false;
+    for (auto& p : ps) {
+      if (say)  // component types as VkComponentTypeNV numbers (0 f16, 1 f32, 3 s8, 5 s32, ...)
+        std::fprintf(stderr, "vulkan coopmat: %ux%ux%u A %d B %d C %d D %d scope %d\n", p.MSize, p.NSize, p.KSize,
+                     (int)p.AType, (int)p.BType, (int)p.CType, (int)p.DType, (int)p.scope);
+      c.coop |= f12.shaderInt8 && p.MSize == 16 && p.NSize == 8 && p.KSize == 32 &&
+                p.AType == VK_COMPONENT_TYPE_SINT8_NV && p.BType == VK_COMPONENT_TYPE_SINT8_NV &&
+                p.CType == VK_COMPONENT_TYPE_SINT32_NV && p.DType == VK_COMPONENT_TYPE_SINT32_NV &&
+                p.scope == VK_SCOPE_SUBGROUP_NV;
+      const bool f16 = f12.shaderFloat16 && p.MSize == 16 && p.KSize == 16 && p.AType == VK_COMPONENT_TYPE_FLOAT16_NV &&
+                       p.BType == VK_COMPONENT_TYPE_FLOAT16_NV && p.CType == VK_COMPONENT_TYPE_FLOAT32_NV &&
+                       p.DType == VK_COMPONENT_TYPE_FLOAT32_NV && p.scope == VK_SCOPE_SUBGROUP_NV;
+      n8 |= f16 && p.NSize == 8, n16 |= f16 && p.NSize == 16;
+    }
+    c.f16n8 = n8, c.f16n16 = n16;
   }
   return c;
 }
@@ -226,6 +244,8 @@ DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t use
   const I8Caps ic = i8_caps(a, pd);
   if (ic.dot) d.features += ", int8 dot";
   if (ic.coop) d.features += ", int8 coopmat";
+  if (ic.f16n8 || ic.f16n16)
+    d.features += std::string(", f16 coopmat") + (ic.f16n8 ? " 16x8x16" : "") + (ic.f16n16 ? " 16x16x16" : "");
   d.driver = "Vulkan " + std::to_string(VK_API_VERSION_MAJOR(v)) + "." + std::to_string(VK_API_VERSION_MINOR(v)) +
              "." + std::to_string(VK_API_VERSION_PATCH(v)) + ", " + drv.driverName + " " + drv.driverInfo;
   return d;
@@ -287,12 +307,14 @@ class Ctx {
       exts.push_back(VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME);
       i8dot = true;
     }
-    if (ic.coop) {
+    const bool f16 = ic.f16n8 || ic.f16n16;
+    if (ic.coop || f16) {
       cm.cooperativeMatrix = VK_TRUE, cm.pNext = f12.pNext, f12.pNext = &cm;
-      f12.shaderInt8 = VK_TRUE, f12.vulkanMemoryModel = VK_TRUE;
+      f12.vulkanMemoryModel = VK_TRUE;
       exts.push_back(VK_NV_COOPERATIVE_MATRIX_EXTENSION_NAME);
-      i8coop = true;
     }
+    if (ic.coop) f12.shaderInt8 = VK_TRUE, i8coop = true;
+    if (f16) f12.shaderFloat16 = VK_TRUE, f16n8 = ic.f16n8, f16n16 = ic.f16n16;
     VkDeviceCreateInfo dci{VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO};
     dci.pNext = &f;
     dci.enabledExtensionCount = (uint32_t)exts.size();
@@ -360,6 +382,7 @@ class Ctx {
   uint32_t subgroup_size = 32;
   bool shuffle8 = false;  // subgroups of 8 or more lanes that shuffle, in compute shaders
   bool i8dot = false, i8coop = false;  // enabled at device creation (i8_caps)
+  bool f16n8 = false, f16n16 = false;  // f16 cooperative matrices 16 x 8 x 16, 16 x 16 x 16 (i8_caps)
   uint32_t max_shared() const { return props_.limits.maxComputeSharedMemorySize; }
 
   DeviceInfo info() const { return describe(a_, pd_, index_, used_); }
@@ -1140,6 +1163,7 @@ class VulkanBackend final : public Backend {
     rope_tables_.clear();
     i8_buf_.reset();
     i8_glu_.reset();
+    f16_buf_.reset();
     tail_cnt_[0].reset(), tail_cnt_[1].reset();
     const_bufs_.clear();
     attn_part_.reset();
@@ -1423,6 +1447,97 @@ class VulkanBackend final : public Backend {
       return;
     }
     c_->dispatch(names[q8][dot][half], &pc, sizeof pc, nt, (uint32_t)((w.rows + (half ? 63 : 127)) / (half ? 64 : 128)));
+  }
+  // DASLLAMA_VULKAN_F16C: prefill (past kTileMin tokens) of f16 weights on NVIDIA's f16
+  // cooperative matrices, f32 activations kept: f16_split.comp splits each token's x * s into
+  // two f16 halves (s a power of two per token), gemm_f16c.comp sums W * hi + W * lo in f32 and
+  // scales by 1 / s (CUDA's mma_f16h). Unset or 1: where the device has them (16 x 8 x 16
+  // products, else 16 x 16 x 16; 32 of k a stage, two stages in shared memory); "k64": 64 of k a
+  // stage (one); "n16": 16 x 16 x 16 products where offered; "w": 128 x 64 tiles of four
+  // subgroups of 64 rows x 32 tokens (gemm_f16cw, whatever the tile switch says); "emu", "emuw":
+  // the same split and stages with f32 FMAs (gemm_f16e / _eh, gemm_f16ew) on any device with the
+  // subgroup path (lavapipe's check of all but the matrices); 0: the f32 tiles
+  // (matmul_tile.comp, or gemm.comp) as before. bf16 keeps the f32 tiles: it is not exact in
+  // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
+  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK64, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide };
+  static F16cMode f16c_mode() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
+    if (!e || !*e || std::strcmp(e, "1") == 0) return kF16cAuto;
+    if (std::strcmp(e, "k64") == 0) return kF16cK64;
+    if (std::strcmp(e, "n16") == 0) return kF16cN16;
+    if (std::strcmp(e, "emu") == 0) return kF16cEmu;
+    if (std::strcmp(e, "w") == 0) return kF16cWide;
+    if (std::strcmp(e, "emuw") == 0) return kF16cEmuWide;
+    return kF16cOff;
+  }
+  // The shader family of this f16 prefill: its name before the tile's mark and after it
+  // (f16c_gemm puts "h" between for 64-row tiles); pre null: the f32 tiles. The same for every
+  // matrix that fits, in one call.
+  struct F16cPick {
+    const char *pre = nullptr, *suf = "";
+    bool wide = false;  // gemm_f16cw / _ew: 128-row tiles always
+  };
+  F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
+    const F16cMode m = f16c_mode();
+    F16cPick p;
+    if (m == kF16cOff || lay_type(w) != (uint32_t)GGMLType::F16 || n <= kTileMin || w.rows <= 0 || w.cols <= 0 ||
+        w.cols % 8 != 0 || lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
+        (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
+      return p;
+    // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
+    if (m == kF16cEmu || m == kF16cEmuWide) {
+      if (c_->max_shared() >= 30720) p.pre = "gemm_f16e";
+      p.suf = m == kF16cEmuWide ? "w" : "", p.wide = m == kF16cEmuWide;
+      return p;
+    }
+    // Subgroups of 32 lanes: the shader's tiles are 32 rows x 32 tokens a subgroup.
+    if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16) || c_->max_shared() < 42496) return p;
+    p.pre = "gemm_f16c";
+    p.wide = m == kF16cWide && c_->f16n8;
+    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : m == kF16cK64 ? "k64" : p.wide ? "w" : "";
+    return p;
+  }
+  // DASLLAMA_VULKAN_F16C_TILE: 128 or 64 rows a workgroup for every f16 prefill matmul; unset:
+  // 64 where the 128-row tiles would be fewer than 256 (attention's projections of a short
+  // prefill: a large GPU's cores without a second workgroup each), as gemm_i8's choice. Read at
+  // each matmul.
+  static bool f16c_half(int64_t rows, int64_t n) {
+    const char* e = std::getenv("DASLLAMA_VULKAN_F16C_TILE");
+    if (e && std::strcmp(e, "128") == 0) return false;
+    if (e && std::strcmp(e, "64") == 0) return true;
+    return ((n + 63) / 64) * ((rows + 127) / 128) < 256;
+  }
+  // x's n rows (cols wide) split into the scratch: hi [n][cols], lo [n][cols] (f16), then 1 / s
+  // [n], all 16-aligned (cols % 8 == 0); once for all the matmuls of one x (matmul_multi).
+  void f16_split(const float* x, int64_t n, int64_t cols) {
+    const uint64_t hb = (uint64_t)n * (uint64_t)cols * 2, need = 2 * hb + (uint64_t)n * 4;
+    if (!f16_buf_ || f16_buf_->size() < need) {
+      f16_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
+      f16_buf_ = alloc(std::max<size_t>((size_t)need, 4 << 20), "f16 activation halves");
+    }
+    f16_xh_ = A(f16_buf_->data()), f16_bytes_ = need;
+    struct {
+      uint64_t x, xh, xl, inv;
+      uint32_t cols, n;
+    } sp{A(x), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, (uint32_t)cols, (uint32_t)n};
+    c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {f16_xh_, need, true}});
+    c_->dispatch("f16_split", &sp, sizeof sp, (uint32_t)std::min<int64_t>(n, kMaxGroups),
+                 (uint32_t)((n + kMaxGroups - 1) / kMaxGroups));
+  }
+  // y = w x over the halves f16_split just wrote (p: f16c_pick's).
+  void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
+    const bool half = !p.wide && f16c_half(w.rows, n);
+    const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
+    const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
+    struct {
+      uint64_t w, xh, xl, inv, y, row_bytes;
+      uint32_t rows, cols, n, pad;
+    } pc{A(w.data), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols,
+         (uint32_t)n, 0};
+    c_->uses({{A(w.data), Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), (uint64_t)(n * w.rows * 4), true}});
+    // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
+    c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((n + 63) / 64),
+                 (uint32_t)(half ? (w.rows + 63) / 64 : (w.rows + 127) / 128));
   }
   // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. 1 (or 0):
   // gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
@@ -1743,6 +1858,11 @@ class VulkanBackend final : public Backend {
       return;
     }
     if (c_->subgroup && n > kTileMin) {  // prefill: output tiles through shared memory
+      const F16cPick p = f16c_pick(w, x, n);
+      if (p.pre) {
+        f16_split(x, n, w.cols);
+        return f16c_gemm(p, w, n, y);
+      }
       use();
       const bool g = gemm_on();  // 128 rows x 64 tokens (gemm.comp), else 64 x 64 (matmul_tile.comp)
       const std::string sh = (g ? "gemm_" : "matmul_tile_") + std::to_string(lay_type(w));
@@ -1772,6 +1892,19 @@ class VulkanBackend final : public Backend {
         if (gemvx_fits(ws, count, n)) return gemv_i8x(ws, ys, count, n);
         for (int i = 0; i < count; ++i)
           if (ws[i]->rows > 0) gemm_i8(*ws[i], ys[i], n);
+        return;
+      }
+    }
+    if (c_->subgroup && count > 1 && n > kTileMin) {  // f16 prefill: x split once for all
+      for (int i = 0; i < count; ++i) check_w(*ws[i]);
+      const F16cPick p = f16c_pick(*ws[0], x, n);
+      bool all = p.pre != nullptr;
+      for (int i = 1; all && i < count; ++i) all = ws[i]->cols == ws[0]->cols && f16c_pick(*ws[i], x, n).pre;
+      if (all) {
+        Lock g(c_->mu);
+        c_->note_rows(n);
+        f16_split(x, n, ws[0]->cols);
+        for (int i = 0; i < count; ++i) f16c_gemm(p, *ws[i], n, ys[i]);
         return;
       }
     }
@@ -2554,6 +2687,8 @@ class VulkanBackend final : public Backend {
     int64_t n = 0, cols = 0;
   } attn_q8_;
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
+  BufferPtr f16_buf_;  // f16 prefill's activation halves and scales (f16_split)
+  uint64_t f16_xh_ = 0, f16_bytes_ = 0;  // where f16_split last wrote them, and their size
   BufferPtr i8_glu_;  // the GLU tail's rounded glu rows (apart from i8_buf_, which its GEMV still reads)
   BufferPtr tail_cnt_[2];  // the GLU and KV tails' counters (tail_counters)
   std::map<std::string, size_t> const_blocks_;  // const_block's slots, by content
