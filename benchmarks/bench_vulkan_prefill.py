@@ -2,7 +2,7 @@
 (or another switch: --var; f16 weights on NVIDIA's f16 cooperative matrices per DASLLAMA_VULKAN_F16C).
 
     python benchmarks/bench_vulkan_prefill.py --types q8_0,q4_0 --modes 0,1,plain,coop
-    python benchmarks/bench_vulkan_prefill.py --types f16 --var DASLLAMA_VULKAN_F16C --modes 0,1,k64,w
+    python benchmarks/bench_vulkan_prefill.py --types f16 --var DASLLAMA_VULKAN_F16C --modes 0,1,k32,w
 
 Each product runs through dasllama._core.Backend("vulkan:N", exact=False) (weights loaded as a
 q8-mode model loads them: the split layouts) and is timed as the difference between 1 and

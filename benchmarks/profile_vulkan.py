@@ -36,7 +36,7 @@ KV store in the Q/K/V GEMV's per-head tails, not a kv_store dispatch (opt-in: sl
 H200); KVTAIL=0, TAILS=0: the KV tail off, both off;
 READBACK=uncached: downloads into the first host-visible memory type, not a host-cached one;
 F16C=0: f16 prefill on the f32 tiles, not NVIDIA's f16 cooperative matrices (gemm_f16c.comp, x
-split into two f16 halves); F16C=k64 / n16 / w: its 64-of-k stages, 16 x 16 x 16 products, 64-row
+split into two f16 halves); F16C=k32 / n16 / w: its two 32-of-k stages, 16 x 16 x 16 products, 64-row
 subgroup tiles; F16C_TILE=128 / 64: its tiles' rows forced),
 and "old": all of them off, the stream before this work (but for the q4_0 split layout, which
 DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
@@ -97,7 +97,7 @@ CONFIGS = {
     "TAILS=0": {"DASLLAMA_VULKAN_GLUTAIL": "0", "DASLLAMA_VULKAN_KVTAIL": "0"},
     "READBACK=uncached": {"DASLLAMA_VULKAN_READBACK": "uncached"},
     "F16C=0": {"DASLLAMA_VULKAN_F16C": "0"},
-    "F16C=k64": {"DASLLAMA_VULKAN_F16C": "k64"},
+    "F16C=k32": {"DASLLAMA_VULKAN_F16C": "k32"},
     "F16C=n16": {"DASLLAMA_VULKAN_F16C": "n16"},
     "F16C=w": {"DASLLAMA_VULKAN_F16C": "w"},
     "F16C_TILE=128": {"DASLLAMA_VULKAN_F16C_TILE": "128"},

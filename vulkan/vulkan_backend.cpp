@@ -1451,19 +1451,20 @@ class VulkanBackend final : public Backend {
   // DASLLAMA_VULKAN_F16C: prefill (past kTileMin tokens) of f16 weights on NVIDIA's f16
   // cooperative matrices, f32 activations kept: f16_split.comp splits each token's x * s into
   // two f16 halves (s a power of two per token), gemm_f16c.comp sums W * hi + W * lo in f32 and
-  // scales by 1 / s (CUDA's mma_f16h). Unset or 1: where the device has them (16 x 8 x 16
-  // products, else 16 x 16 x 16; 32 of k a stage, two stages in shared memory); "k64": 64 of k a
-  // stage (one); "n16": 16 x 16 x 16 products where offered; "w": 128 x 64 tiles of four
+  // scales by 1 / s (CUDA's mma_f16h). Unset, 1 or "k64": where the device has them (16 x 8 x 16
+  // products, else 16 x 16 x 16), 64 of k a stage (one); "k32": 32 of k a stage, two stages in
+  // shared memory (the H200, Llama-1B F16 pp512: k32 16.8k, w 23.7k, k64 24.7k t/s, the f32 tiles
+  // 8.7k); "n16": 16 x 16 x 16 products where offered; "w": 128 x 64 tiles of four
   // subgroups of 64 rows x 32 tokens (gemm_f16cw, whatever the tile switch says); "emu", "emuw":
   // the same split and stages with f32 FMAs (gemm_f16e / _eh, gemm_f16ew) on any device with the
   // subgroup path (lavapipe's check of all but the matrices); 0: the f32 tiles
   // (matmul_tile.comp, or gemm.comp) as before. bf16 keeps the f32 tiles: it is not exact in
   // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
-  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK64, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide };
+  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
-    if (!e || !*e || std::strcmp(e, "1") == 0) return kF16cAuto;
-    if (std::strcmp(e, "k64") == 0) return kF16cK64;
+    if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "k64") == 0) return kF16cAuto;
+    if (std::strcmp(e, "k32") == 0) return kF16cK32;
     if (std::strcmp(e, "n16") == 0) return kF16cN16;
     if (std::strcmp(e, "emu") == 0) return kF16cEmu;
     if (std::strcmp(e, "w") == 0) return kF16cWide;
@@ -1494,7 +1495,7 @@ class VulkanBackend final : public Backend {
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16) || c_->max_shared() < 42496) return p;
     p.pre = "gemm_f16c";
     p.wide = m == kF16cWide && c_->f16n8;
-    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : m == kF16cK64 ? "k64" : p.wide ? "w" : "";
+    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : p.wide ? "w" : m == kF16cK32 ? "" : "k64";
     return p;
   }
   // DASLLAMA_VULKAN_F16C_TILE: 128 or 64 rows a workgroup for every f16 prefill matmul; unset:
