@@ -249,10 +249,10 @@ constexpr int kTileM = 64, kTileKB = 4, kStages = 2;
 // distributed shared memory (the same bits every run), then stores it.
 // BN tokens a tile: 64 (prefill, 64-token batched steps; warps of 32 rows x 32 tokens) or 16 / 32
 // (smaller batched steps: four warps of 16 rows x BN tokens, no token slots wasted on padding).
-template <uint32_t T, int BN = 64, int MINB = 4, int S = kStages>
-__global__ void __launch_bounds__(128, MINB) mma_tile_k(GemvJob j) {
+template <uint32_t T, int BN = 64>
+__global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
   constexpr bool Q4 = T == T_Q4_0S;
-  constexpr int BM = kTileM, KB = kTileKB;
+  constexpr int BM = kTileM, KB = kTileKB, S = kStages;
   constexpr int WMW = BN == 64 ? 2 : 4, MT = 4 / WMW, NT = BN / 8 / (4 / WMW);  // warps along m; a warp's tiles
   constexpr int WR = MT * 16, WC = NT * 8;                                         // a warp's rows, tokens
   constexpr int QB = Q4 ? 16 : 32;      // bytes of one 32-block of a weight row
@@ -450,10 +450,10 @@ void smem_limit(K k, int bytes, const char* what) {
 
 int64_t env_int(const char* name, int64_t dflt);
 
-// How many ways the tiles split k: enough blocks for per_sm an SM (the kernel's occupancy), at
+// How many ways the tiles split k: enough blocks for four an SM (the kernel's occupancy), at
 // most 8 (a portable cluster) and at least two stages a split; 1 below sm_90 (no clusters).
 // DASLLAMA_CUDA_TILE_SPLIT=N forces N (1: never), read at each launch.
-int tile_splits(int64_t blocks, int64_t nb, int per_sm) {
+int tile_splits(int64_t blocks, int64_t nb) {
   static const int sms = [] {
     int dev = 0, v = 0, major = 0;
     cudaGetDevice(&dev);
@@ -465,39 +465,30 @@ int tile_splits(int64_t blocks, int64_t nb, int per_sm) {
   const int64_t stages = ceil_div(nb, kTileKB), most = std::max<int64_t>(1, std::min<int64_t>(8, stages / 2));
   const int64_t forced = env_int("DASLLAMA_CUDA_TILE_SPLIT", 0);
   if (forced > 0) return (int)std::min<int64_t>(forced, std::min<int64_t>(8, stages));  // tests: empty splits too
-  return (int)std::max<int64_t>(1, std::min(most, ceil_div(per_sm * (int64_t)sms, blocks)));
+  return (int)std::max<int64_t>(1, std::min(most, ceil_div(4 * (int64_t)sms, blocks)));
 }
 
-template <uint32_t T, int BN, int MINB = 4, int S = kStages>
+template <uint32_t T, int BN>
 void launch_tile_n(GemvJob j, cudaStream_t st) {
   int64_t b = 0;
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], kTileM);
   j.first_block[j.count] = b;
   // Split k only for one tile of tokens (batched decode): prefill's grids are large enough
   // (pp512 lost 5% split on the H200: 52.7k -> 50.2k t/s).
-  const int splits = j.n <= BN ? tile_splits(b, j.cols / 32, MINB) : 1;
+  const int splits = j.n <= BN ? tile_splits(b, j.cols / 32) : 1;
   const dim3 grid((unsigned)ceil_div(j.n, BN), (unsigned)b, (unsigned)splits);
   // All of the SM's shared memory for blocks (a hint): 4 blocks of 40 KB fit beside L1.
-  static const bool carve = cudaFuncSetAttribute(mma_tile_k<T, BN, MINB, S>, cudaFuncAttributePreferredSharedMemoryCarveout,
+  static const bool carve = cudaFuncSetAttribute(mma_tile_k<T, BN>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                                  cudaSharedmemCarveoutMaxShared) == cudaSuccess;
   (void)carve;
-  launch_cluster(mma_tile_k<T, BN, MINB, S>, grid, 128, 0, st, dim3(1, 1, splits), j);
+  launch_cluster(mma_tile_k<T, BN>, grid, 128, 0, st, dim3(1, 1, splits), j);
 }
 
 // Tiles as narrow as the step (16 / 32 / 64 tokens; prefill: 64).
 template <uint32_t T>
 void launch_tile(const GemvJob& j, cudaStream_t st) {
-  // Trials for batched steps' latency-bound tiles: DASLLAMA_CUDA_TILE_MINB=8 (fewer registers,
-  // more blocks an SM: 8 / 6 / 5 for 16 / 32 / 64 tokens), DASLLAMA_CUDA_TILE_S=3 (three stages
-  // of k in flight for 16 and 32 tokens; 64 would pass static shared memory's 48 KB).
-  const bool more = env_int("DASLLAMA_CUDA_TILE_MINB", 4) == 8, s3 = env_int("DASLLAMA_CUDA_TILE_S", 2) == 3;
-  if (j.n <= 16) {
-    if (s3) more ? launch_tile_n<T, 16, 8, 3>(j, st) : launch_tile_n<T, 16, 4, 3>(j, st);
-    else more ? launch_tile_n<T, 16, 8>(j, st) : launch_tile_n<T, 16>(j, st);
-  } else if (j.n <= 32) {
-    if (s3) more ? launch_tile_n<T, 32, 6, 3>(j, st) : launch_tile_n<T, 32, 4, 3>(j, st);
-    else more ? launch_tile_n<T, 32, 6>(j, st) : launch_tile_n<T, 32>(j, st);
-  } else if (j.n <= 64 && more) launch_tile_n<T, 64, 5>(j, st);
+  if (j.n <= 16) launch_tile_n<T, 16>(j, st);
+  else if (j.n <= 32) launch_tile_n<T, 32>(j, st);
   else launch_tile_n<T, 64>(j, st);
 }
 
