@@ -453,7 +453,8 @@ int64_t env_int(const char* name, int64_t dflt);
 // How many ways the tiles split k: enough blocks for four an SM (the kernel's occupancy), at
 // most 8 (a portable cluster) and at least two stages a split; 1 below sm_90 (no clusters).
 // DASLLAMA_CUDA_TILE_SPLIT=N forces N (1: never), read at each launch.
-int tile_splits(int64_t blocks, int64_t nb) {
+// The SMs of a device with thread-block clusters (sm_90+), else 0.
+int cluster_sms() {
   static const int sms = [] {
     int dev = 0, v = 0, major = 0;
     cudaGetDevice(&dev);
@@ -461,6 +462,11 @@ int tile_splits(int64_t blocks, int64_t nb) {
     cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
     return major >= 9 ? v : 0;
   }();
+  return sms;
+}
+
+int tile_splits(int64_t blocks, int64_t nb) {
+  const int sms = cluster_sms();
   if (sms == 0) return 1;
   const int64_t stages = ceil_div(nb, kTileKB), most = std::max<int64_t>(1, std::min<int64_t>(8, stages / 2));
   const int64_t forced = env_int("DASLLAMA_CUDA_TILE_SPLIT", 0);
@@ -748,7 +754,7 @@ void launch_mma(GemvJob j, cudaStream_t st) {
 
 // From how many tokens, and from how many rows (the job's matrices together), the shared-memory
 // tiles take over from the one-pass warps (DASLLAMA_CUDA_TILE_MIN, default 9 tokens;
-// DASLLAMA_CUDA_TILE_ROWS, default 0). Read at each launch, so ab_cuda.py can compare settings in
+// DASLLAMA_CUDA_TILE_ROWS, default 0; without clusters 64 and 8192). Read at each launch, so ab_cuda.py can compare settings in
 // one process. On the H200, Llama-1B Q8_0 (ab_cuda.py, one call), B = 16 / 32 / 64: the warps
 // 6,331 / 8,916 / 12,178 t/s; tiles from 64 tokens for 8192+ rows (the default until then)
 // 6,397 / 8,911 / 12,093; tiles 16, 32 or 64 tokens wide from 9 tokens, every matrix, k split
@@ -763,8 +769,11 @@ template <uint32_t T>
 void run_mma(const GemvJob& j, cudaStream_t st) {
   int64_t rows = 0;
   for (int i = 0; i < j.count; ++i) rows += j.rows[i];
-  if (j.n <= 64 && j.n >= env_int("DASLLAMA_CUDA_TILE_MIN", 9) && rows >= env_int("DASLLAMA_CUDA_TILE_ROWS", 0) &&
-      tiles_on() && tile_fits(j))
+  // Without clusters (before sm_90) k does not split, and the tiles keep their old rule: from 64
+  // tokens, for 8192+ rows (a 2048-row matrix alone is too few tiles to fill the GPU).
+  const bool split = cluster_sms() > 0;
+  if (j.n <= 64 && j.n >= env_int("DASLLAMA_CUDA_TILE_MIN", split ? 9 : 64) &&
+      rows >= env_int("DASLLAMA_CUDA_TILE_ROWS", split ? 0 : 8192) && tiles_on() && tile_fits(j))
     return launch_tile<T>(j, st);
   // Up to 64 tokens: one pass over the weights, eight warps splitting each row tile's k
   // (16 rows a warp leave too few warps to keep the memory busy otherwise).
