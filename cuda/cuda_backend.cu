@@ -269,8 +269,10 @@ class CudaBackend final : public Backend {
       hp_.downloaded(t0, t1);
       return;
     }
+    const auto t0 = HostProf::now();
     if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
     check(cudaStreamSynchronize(st_), "download (a kernel before it failed)");
+    if (bytes >= (64 << 10)) hp_.downloaded(t0, HostProf::now());  // a batch step's logits, into a host block
   }
   bool async_steps() const override { return true; }
   // Through a ring of small pinned slots, each with the event of its last copy: the copy is

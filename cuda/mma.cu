@@ -450,8 +450,9 @@ void smem_limit(K k, int bytes, const char* what) {
 
 int64_t env_int(const char* name, int64_t dflt);
 
-// How many ways the tiles split k: enough blocks for four an SM (the kernel's occupancy), at
-// most 8 (a portable cluster) and at least two stages a split; 1 below sm_90 (no clusters).
+// How many ways the tiles split k: as many as one wave of four blocks an SM (the kernel's
+// occupancy) holds, at most 8 (a portable cluster) and at least two stages a split; 1 below
+// sm_90 (no clusters).
 // DASLLAMA_CUDA_TILE_SPLIT=N forces N (1: never), read at each launch.
 // The SMs of a device with thread-block clusters (sm_90+), else 0.
 int cluster_sms() {
@@ -465,13 +466,19 @@ int cluster_sms() {
   return sms;
 }
 
+// Splits fill at most one wave (floor): gate/up's 256 tiles of a batched step took 3 splits by
+// the ceiling, 768 blocks for 528 slots (1.45 waves); 2 fill 512. On the H200 (ab_cuda.py, one
+// call) Llama-1B Q8_0 B = 16 / 32 / 64 went 9,078 / 12,873 / 14,833 -> 9,599 / 13,962 / 16,746
+// t/s, Q4_0 8,295 / 11,829 / 14,022 -> 8,784 / 12,450 / 14,719. (Tried in the same calls and
+// lost: 8 blocks an SM for 16-token tiles, the stage's k units unrolled, clusters of 16.)
+// Prefill splits too where DASLLAMA_CUDA_TILE_PSPLIT=1 (trial; its o and down make half a wave).
 int tile_splits(int64_t blocks, int64_t nb) {
   const int sms = cluster_sms();
   if (sms == 0) return 1;
   const int64_t stages = ceil_div(nb, kTileKB), most = std::max<int64_t>(1, std::min<int64_t>(8, stages / 2));
   const int64_t forced = env_int("DASLLAMA_CUDA_TILE_SPLIT", 0);
   if (forced > 0) return (int)std::min<int64_t>(forced, std::min<int64_t>(8, stages));  // tests: empty splits too
-  return (int)std::max<int64_t>(1, std::min(most, ceil_div(4 * (int64_t)sms, blocks)));
+  return (int)std::max<int64_t>(1, std::min(most, 4 * (int64_t)sms / blocks));
 }
 
 template <uint32_t T, int BN>
@@ -479,10 +486,9 @@ void launch_tile_n(GemvJob j, cudaStream_t st) {
   int64_t b = 0;
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], kTileM);
   j.first_block[j.count] = b;
-  // Split k only for one tile of tokens (batched decode): prefill's grids are large enough
-  // (pp512 lost 5% split on the H200: 52.7k -> 50.2k t/s).
-  const int splits = j.n <= BN ? tile_splits(b, j.cols / 32) : 1;
-  const dim3 grid((unsigned)ceil_div(j.n, BN), (unsigned)b, (unsigned)splits);
+  const int64_t tn = ceil_div(j.n, BN);
+  const int splits = tn == 1 || env_int("DASLLAMA_CUDA_TILE_PSPLIT", 0) == 1 ? tile_splits(b * tn, j.cols / 32) : 1;
+  const dim3 grid((unsigned)tn, (unsigned)b, (unsigned)splits);
   // All of the SM's shared memory for blocks (a hint): 4 blocks of 40 KB fit beside L1.
   static const bool carve = cudaFuncSetAttribute(mma_tile_k<T, BN>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                                  cudaSharedmemCarveoutMaxShared) == cudaSuccess;
