@@ -471,7 +471,9 @@ int cluster_sms() {
 // call) Llama-1B Q8_0 B = 16 / 32 / 64 went 9,078 / 12,873 / 14,833 -> 9,599 / 13,962 / 16,746
 // t/s, Q4_0 8,295 / 11,829 / 14,022 -> 8,784 / 12,450 / 14,719. (Tried in the same calls and
 // lost: 8 blocks an SM for 16-token tiles, the stage's k units unrolled, clusters of 16.)
-// Prefill splits too where DASLLAMA_CUDA_TILE_PSPLIT=1 (trial; its o and down make half a wave).
+// Prefill splits by the same rule: pp512's o and down are 256 tiles (half a wave), split in two
+// (H200, Llama-1B pp512 Q8_0 52,954 -> 55,466, Q4_0 50,996 -> 52,255 t/s; by the ceiling every
+// matrix split and pp512 lost 5%). DASLLAMA_CUDA_TILE_PSPLIT=0: prefill never splits.
 int tile_splits(int64_t blocks, int64_t nb) {
   const int sms = cluster_sms();
   if (sms == 0) return 1;
@@ -487,7 +489,7 @@ void launch_tile_n(GemvJob j, cudaStream_t st) {
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], kTileM);
   j.first_block[j.count] = b;
   const int64_t tn = ceil_div(j.n, BN);
-  const int splits = tn == 1 || env_int("DASLLAMA_CUDA_TILE_PSPLIT", 0) == 1 ? tile_splits(b * tn, j.cols / 32) : 1;
+  const int splits = tn == 1 || env_int("DASLLAMA_CUDA_TILE_PSPLIT", 1) == 1 ? tile_splits(b * tn, j.cols / 32) : 1;
   const dim3 grid((unsigned)tn, (unsigned)b, (unsigned)splits);
   // All of the SM's shared memory for blocks (a hint): 4 blocks of 40 KB fit beside L1.
   static const bool carve = cudaFuncSetAttribute(mma_tile_k<T, BN>, cudaFuncAttributePreferredSharedMemoryCarveout,
