@@ -442,10 +442,15 @@ class CudaBackend final : public Backend {
     if (!cuda::matmul_type_ok(w.type))
       throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(w.type));
     max_rows_ = std::max(max_rows_, n);
-    if (n > 64 && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x split into f16 halves first
+    if (n >= std::min<int64_t>(65, f16_mma_min_) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x split into f16 halves first
       void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
       op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16h(m, x, n, y, sc, s); }, m.type, m.w, m.row_bytes, m.rows,
          m.cols, x, n, y, sc);
+      return;
+    }
+    if (n >= f16_mma_min_ && n <= 64 && cuda::mma_f16_fits(m, x, n)) {  // bf16 (or F16H=0): the TF32 tiles
+      op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16(m, x, n, y, s); }, m.type, m.w, m.row_bytes, m.rows, m.cols,
+         x, n, y);
       return;
     }
     op(Tag::matmul, [=](cudaStream_t s) { cuda::matmul(m, x, n, y, s); }, m.type, m.w, m.row_bytes, m.rows, m.cols, x,
@@ -818,6 +823,8 @@ class CudaBackend final : public Backend {
     // q8 mode on the split layouts: activations quantized once (normed on the way), then
     // int8 dot products, as the CPU's quantized matmuls do.
     const bool q8 = !s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0;
+    // f16 / bf16 batched steps from f16_mma_min_ tokens: norm, then matmul()'s tensor-core tiles.
+    if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_mma_min_) return false;
     // From mma_min_ tokens on, q8 matmuls run on tensor cores (the GEMV turns compute-bound).
     const bool mma = q8 && s.n >= mma_min_ && prop_.major >= 8;
     if (!mma && s.n > 32) return false;  // the staged GEMV's range (kStagedMax in matmul.cu)
@@ -1330,6 +1337,16 @@ class CudaBackend final : public Backend {
   int64_t mma_min_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_MMA_MIN");
     const long v = e ? std::atol(e) : 8;
+    return v > 0 ? (int64_t)v : INT64_MAX;
+  }();
+  // Tokens from which f16 / bf16 matmuls take prefill's tensor-core tiles (mma_f16h / mma_f16,
+  // f32-accurate splits of x) instead of the GEMVs, which below 65 tokens read the weights once
+  // per 16 tokens with f32 FMAs (H200, the fifteenth session: Llama-1B F16 B=16 2,582 t/s, B=64
+  // 1,426, under one stream's 857 x B). DASLLAMA_CUDA_F16_MMA_MIN; default 65 (prefill only)
+  // until the H200 has run the harness and the batched benchmark with a lower one (e.g. 9).
+  int64_t f16_mma_min_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_F16_MMA_MIN");
+    const long v = e ? std::atol(e) : 65;
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
   // Query rows from which attention takes the tiled kernel (flash.cu; DASLLAMA_CUDA_FLASH_MIN,
