@@ -130,6 +130,7 @@ class CudaBackend final : public Backend {
     hp_.report();
     cudaSetDevice(dev_);
     drop_recording();
+    if (deferred_.on) deferred_ = Deferred(), --g_recording;
     cudaStreamSynchronize(st_);
     for (Cached& c : cache_) cudaGraphExecDestroy(c.exec);
     if (pinned_) cudaFreeHost(pinned_);
@@ -393,6 +394,7 @@ class CudaBackend final : public Backend {
     use();
     hp_.begin();
     drop_recording();  // a step abandoned by an exception
+    drop_deferred();
     rec_ = true;
     ++g_recording;
   }
@@ -405,6 +407,70 @@ class CudaBackend final : public Backend {
     ops.swap(ops_);
     const bool graphable = max_rows_ <= kGraphMaxRows && !no_graph_;
     stop_recording();
+    issue(ops, graphable);
+  }
+  // ---- deferred steps (Backend::end_step_deferred) ----
+  // The recording's ops, signature and blob, kept; g_recording stays counted until the step is
+  // issued or dropped, so no buffer its ops name is freed meanwhile.
+  struct Deferred {
+    bool on = false, graphable = false;
+    std::vector<std::function<void(cudaStream_t)>> ops;
+    std::vector<uint8_t> sig, blob;
+  } deferred_;
+  bool defer_steps() const override { return true; }
+  bool deferred_pending() const override { return deferred_.on; }
+  bool end_step_deferred() override {
+    if (!rec_) return false;
+    use();
+    drop_deferred();
+    flush_kv();
+    Deferred& d = deferred_;
+    d.ops.swap(ops_), d.sig.swap(sig_), d.blob.swap(blob_);
+    d.graphable = max_rows_ <= kGraphMaxRows && !no_graph_;
+    d.on = true;
+    rec_ = false;  // (g_recording: see Deferred)
+    ops_.clear(), kvq_.clear();
+    clear_step();
+    return true;
+  }
+  void launch_deferred() override {
+    if (!deferred_.on) return;
+    use();
+    drop_recording();
+    Deferred d;
+    std::swap(d, deferred_);
+    sig_.swap(d.sig), blob_.swap(d.blob);
+    --g_recording;
+    issue(d.ops, d.graphable);
+  }
+  void drop_deferred() override {
+    if (!deferred_.on) return;
+    Deferred d;
+    std::swap(d, deferred_);
+    --g_recording;
+    free_deferred();
+  }
+  // download() in two halves: the copy (into a host block: pinned) behind the stream's work,
+  // and an event the second half waits on.
+  cudaEvent_t dl_start_ev_ = nullptr;
+  bool dl_started_ = false;
+  void download_start(void* dst, const void* src, size_t bytes) override {
+    use();
+    drop_recording();
+    if (dl_started_) download_finish();
+    if (!bytes || !in_host_block(dst, bytes)) return download(dst, src, bytes);
+    if (!dl_start_ev_) check(cudaEventCreateWithFlags(&dl_start_ev_, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
+    check(cudaEventRecord(dl_start_ev_, st_), "download");
+    dl_started_ = true;
+  }
+  void download_finish() override {
+    if (!dl_started_) return;
+    dl_started_ = false;
+    check(cudaEventSynchronize(dl_start_ev_), "download (a kernel before it failed)");
+  }
+  // Issues a recorded step's ops (sig_ and blob_ hold its signature and arguments).
+  void issue(std::vector<std::function<void(cudaStream_t)>>& ops, bool graphable) {
     const auto tu = hp_.on ? HostProf::now() : HostProf::clock::time_point{};
     if (!blob_.empty()) {
       if (!dblob_ || dblob_->size() < blob_.size()) {
@@ -579,15 +645,13 @@ class CudaBackend final : public Backend {
     // have this launch round them (AttnRec).
     const int64_t width = (int64_t)shape.n_heads * shape.head_dim;
     bool rows_ok = shape.head_dim % 32 == 0;
-    for (int i = 0; i < count && rows_ok; ++i)
-      rows_ok = a[i].out_stride == width && a[i].out == a[0].out + rows_before(a, i) * width;
+    int64_t before = 0;  // rows of the sessions before i (a running sum: B^2 adds a layer at B = 64 otherwise)
+    for (int i = 0; i < count && rows_ok; ++i) {
+      rows_ok = a[i].out_stride == width && a[i].out == a[0].out + before * width;
+      before += std::max<int64_t>(a[i].n_tok, 0);
+    }
     attn_ = rows_ok ? AttnRec{ops_.size() - 1, shape, off, cnt, mt, splits, scratch, counters, a[0].out, total, width}
                     : AttnRec{};
-  }
-  static int64_t rows_before(const AttnArgs* a, int i) {
-    int64_t r = 0;
-    for (int k = 0; k < i; ++k) r += std::max<int64_t>(a[k].n_tok, 0);
-    return r;
   }
   // A plain dense layer's one-token decode step as one persistent kernel (cuda/fused.cu), in
   // q8 mode on the split q8_0 / q4_0 layouts, inside a recorded step. Its output equals the
@@ -978,17 +1042,18 @@ class CudaBackend final : public Backend {
   }
   // Whether the queued stores take exactly the rows of the Q / K rope recorded last (each
   // token's K row stored once, from where rope wrote it), so one launch can do both.
-  bool rope_stores() const {
+  bool rope_stores() {
     const Rope2Rec& r = rope2_;
     if (!ropest_ || r.at + 1 != ops_.size() || kvq_stride_ != r.r.stride2 || r.r.p.n_rot / 2 > cuda::kRopeMaxHalf)
       return false;
-    std::vector<std::pair<int64_t, int64_t>> spans;
+    std::vector<std::pair<int64_t, int64_t>>& spans = spans_;
+    spans.clear();
     for (const cuda::KVStoreDesc& d : kvq_) {
       const int64_t off = d.k - r.r.x2;
       if (d.n <= 0 || off < 0 || off % r.r.stride2 != 0) return false;
       spans.emplace_back(off / r.r.stride2, d.n);
     }
-    std::sort(spans.begin(), spans.end());
+    if (!std::is_sorted(spans.begin(), spans.end())) std::sort(spans.begin(), spans.end());  // sessions in row order
     int64_t next = 0;
     for (const auto& [t0, n] : spans) {
       if (t0 != next) return false;
@@ -996,6 +1061,7 @@ class CudaBackend final : public Backend {
     }
     return next == r.n_tok;
   }
+  std::vector<std::pair<int64_t, int64_t>> spans_;  // rope_stores' scratch
   void stop_recording() {
     if (!rec_) return;
     rec_ = false;

@@ -410,3 +410,107 @@ def pipelined_greedy_equals_plain(path: str, device: str, prompt: list, mode=d.Q
         assert np.array_equal(a[5], b[5]), f"{name}: the session's logits differ: NMSE {nmse(a[5], b[5]):.3g}"
         assert more_a == more_b and np.array_equal(la, lb), f"{name}: the continuation differs"
     assert len(plain_first) == 12
+
+
+def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.q8) -> None:
+    """DASLLAMA_SPECULATE=1: an eval_batch decode step records the next one (the same sessions,
+    one token each) for the device to run from, so the next call only uploads its ids. The
+    logits, positions and histories must be those of the plain steps bit for bit, however the
+    next call differs from the one recorded: a session left out, one rewound inside its page, an
+    eval of another session or of one of theirs between steps, a ragged step, a new session; and
+    where a page is to be
+    taken (page_rows 4) nothing is recorded. Each of those calls comes while a recording waits
+    (the speculated run finds the moment, the plain run takes as many steps), and must not be
+    taken for it; the plain steps between them must."""
+    import os
+
+    rng = np.random.default_rng(11)
+    prompts = [[1] + rng.integers(3, 500, n).tolist() for n in (5, 9, 14)]
+    toks = rng.integers(3, 500, 400).tolist()
+
+    def run(spec: str, plan: list):
+        old = os.environ.get("DASLLAMA_SPECULATE")
+        os.environ["DASLLAMA_SPECULATE"] = spec
+        try:
+            m = d.load_model(path, mode, device=device)
+            pool = d.create_kv_pool(m, page_rows=4)
+            ws = d.create_batch_workspace(m)
+            ss = [d.create_session(m, pool) for _ in prompts]
+            for s, p in zip(ss, prompts):
+                d.eval(m, s, p)
+            seen = []
+            it = iter(toks)
+            k = iter(range(len(plan))) if plan and spec == "0" else None
+
+            def step(group, tokens=None):
+                d.eval_batch(m, ws, group, tokens or [next(it) for _ in group])
+                seen.append([(s.n_past, list(s.history), np.array(s.logits)) for s in ss])
+
+            def until_pending():
+                # Steady steps of every session until a recording waits (speculated run); as many
+                # in the plain run.
+                if k is not None:
+                    for _ in range(plan[next(k)]):
+                        step(ss)
+                    return
+                step(ss)  # (one at least: what waits is then a step of every session)
+                n = 1
+                while not m._m.speculation_pending:
+                    step(ss)
+                    n += 1
+                    assert n <= 8, "no step was recorded ahead"
+                plan.append(n)
+
+            def not_taken(call):
+                before = m._m.speculated_steps
+                call()
+                assert spec == "0" or m._m.speculated_steps == before, "a different call ran the recorded step"
+
+            until_pending()
+            for _ in range(8):  # steady steps across page boundaries
+                step(ss)
+            until_pending()
+            not_taken(lambda: step([ss[0], ss[2]]))  # one left out
+            until_pending()
+
+            def rewind():
+                # One rewound by a row inside its last page, so its pages stay as recorded.
+                r = next(s for s in ss if s.n_past % 4 != 1)
+                pages = r.n_pages
+                r.truncate(r.n_past - 1)
+                assert r.n_pages == pages
+                step(ss)
+            not_taken(rewind)
+            until_pending()
+            other = d.create_session(m, pool)
+            not_taken(lambda: (d.eval(m, other, prompts[1]), step(ss)))  # another session's eval between
+            until_pending()
+            not_taken(lambda: (d.eval(m, ss[0], [next(it)]), step(ss)))  # one of theirs
+            until_pending()
+            not_taken(lambda: step(ss, [next(it), [next(it), next(it)], next(it)]))  # ragged
+            until_pending()
+
+            def grow():
+                ss.append(d.create_session(m, pool))  # a new session
+                d.eval(m, ss[3], prompts[0])
+                step(ss)
+            not_taken(grow)
+            for _ in range(6):
+                step(ss)
+            return seen, m._m.speculated_steps
+        finally:
+            if old is None:
+                os.environ.pop("DASLLAMA_SPECULATE", None)
+            else:
+                os.environ["DASLLAMA_SPECULATE"] = old
+
+    plan: list = []
+    spec, n1 = run("1", plan)
+    plain, n0 = run("0", plan)
+    assert n0 == 0
+    assert 0 < n1 < len(spec), f"{n1} speculated steps of {len(spec)}"
+    assert len(plain) == len(spec)
+    for j, (a, b) in enumerate(zip(plain, spec)):
+        for i, ((pa, ha, la), (pb, hb, lb)) in enumerate(zip(a, b)):
+            assert pa == pb and ha == hb, f"step {j}, session {i}: position or history differs"
+            assert np.array_equal(la, lb), f"step {j}, session {i}: logits differ"

@@ -210,6 +210,13 @@ def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
                     f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
 
 
+def test_speculated_batch_steps_equal_plain(files):
+    """DASLLAMA_SPECULATE=1: each batch decode step records the next while the device runs (the
+    logits' download in two halves around it): the plain steps' logits bit for bit."""
+    for ft in ("f16", "q8_0"):
+        C.speculated_batch_steps_equal_plain(files["llama"][ft], "cuda")
+
+
 def test_paged_prefix_cache_and_ragged_batch(files):
     prompt = [1] + np.random.default_rng(3).integers(3, E.VOCAB, 70).tolist()
     C.paged_prefix_cache_and_ragged_batch(files["qwen3"]["q8_0"], "cuda", prompt)

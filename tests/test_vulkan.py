@@ -165,6 +165,10 @@ def test_pipelined_generate_on_a_queue_thread(built_dir, tiny):
     assert ran and max(ran) > 0, out[-3000:]
 
 
+def test_speculated_batch_steps_equal_plain(tiny):
+    C.speculated_batch_steps_equal_plain(tiny["q8_0"], "vulkan")
+
+
 def test_paged_prefix_cache_and_ragged_batch(tiny):
     prompt = [1] + np.random.default_rng(3).integers(3, VOCAB, 40).tolist()
     C.paged_prefix_cache_and_ragged_batch(tiny["q8_0"], "vulkan", prompt)

@@ -547,6 +547,7 @@ class Ctx {
   void begin_step() {
     if (rec_ && !recording()) return;
     drop_step();
+    drop_deferred();
     if (!replay_on() || qpool_) return;
     if (!args_) args_ = alloc(kArgSlots * 4, "step arguments");
     rec_ = true, rec_tid_ = std::this_thread::get_id();
@@ -657,6 +658,36 @@ class Ctx {
     f_.vkCmdExecuteCommands(cmd_, 1, &hit->cb);
     bound_ = VK_NULL_HANDLE, pending_.clear(), pending_all_ = true;  // the step's commands: unknown here
     drop_step();
+  }
+  // ---- deferred steps (Backend::end_step_deferred) ----
+  // A step's kept commands, signature, argument slots and the buffers it outlives, put aside
+  // unissued; launch_deferred() makes it the recording again and ends it as end_step() does.
+  bool deferrable() const { return replay_on() && !qpool_; }
+  bool deferred_pending() const { return def_.on; }
+  bool end_step_deferred() {
+    if (!recording()) return false;
+    drop_deferred();
+    Deferred& d = def_;
+    d.recs.swap(recs_), d.sig.swap(sig_), d.args.swap(step_args_), d.grave.swap(rec_grave_);
+    d.uncacheable = uncacheable_, d.on = true;
+    rec_ = false, uncacheable_ = false;
+    recs_.clear(), sig_.clear(), step_args_.clear();
+    return true;
+  }
+  void launch_deferred() {
+    if (!def_.on || (rec_ && !recording())) return drop_deferred();  // another thread records: never here
+    drop_step();
+    Deferred d;
+    std::swap(d, def_);
+    recs_.swap(d.recs), sig_.swap(d.sig), step_args_.swap(d.args), rec_grave_.swap(d.grave);
+    uncacheable_ = d.uncacheable;
+    rec_ = true, rec_tid_ = std::this_thread::get_id();
+    end_step();
+  }
+  void drop_deferred() {
+    if (!def_.on) return;
+    for (auto& g : def_.grave) grave_.push_back({g, seq_});
+    def_ = Deferred();
   }
   // Forgets a recording (a step abandoned by an exception, or one that has been issued).
   void drop_step() {
@@ -1120,6 +1151,13 @@ class Ctx {
   std::vector<uint8_t> sig_;
   std::vector<int32_t> step_args_;
   std::vector<Alloc> rec_grave_;
+  struct Deferred {
+    bool on = false, uncacheable = false;
+    std::vector<Rec> recs;
+    std::vector<uint8_t> sig;
+    std::vector<int32_t> args;
+    std::vector<Alloc> grave;
+  } def_;
   std::vector<Step> steps_;
   uint64_t args_ = 0, clock_ = 0, replays_[2] = {0, 0}, serial_ = 0;  // replays_: hits, recordings
 };
@@ -1227,6 +1265,23 @@ class VulkanBackend final : public Backend {
   void end_step() override {
     Lock g(c_->mu);
     c_->end_step();
+  }
+  bool defer_steps() const override { return c_->deferrable(); }
+  bool deferred_pending() const override {
+    Lock g(c_->mu);
+    return c_->deferred_pending();
+  }
+  bool end_step_deferred() override {
+    Lock g(c_->mu);
+    return c_->end_step_deferred();
+  }
+  void launch_deferred() override {
+    Lock g(c_->mu);
+    c_->launch_deferred();
+  }
+  void drop_deferred() override {
+    Lock g(c_->mu);
+    c_->drop_deferred();
   }
 
   // ---- weights ----

@@ -310,6 +310,24 @@ class Backend {
   // ---- steps ---------------------------------------------------------------
   virtual void begin_step() {}
   virtual void end_step() {}
+  // Deferred steps (where defer_steps()): end_step_deferred() ends a recording without issuing
+  // it (true: kept; false: issued as end_step() does); launch_deferred() issues it later, as
+  // end_step() would have; drop_deferred() forgets it.
+  // One is kept at a time; begin_step() drops it. The model records a batch's next decode step
+  // so while the device runs this one (Model::speculate).
+  virtual bool defer_steps() const { return false; }
+  virtual bool end_step_deferred() {
+    end_step();
+    return false;
+  }
+  virtual void launch_deferred() {}
+  virtual void drop_deferred() {}
+  virtual bool deferred_pending() const { return false; }
+  // download() in two halves, so the host can record between them: the copy is issued behind
+  // everything before it, and dst holds the bytes once download_finish() returns. The default
+  // copies at once.
+  virtual void download_start(void* dst, const void* src, size_t bytes) { download(dst, src, bytes); }
+  virtual void download_finish() {}
 
   // ---- ops -----------------------------------------------------------------
   // y[t][r] = sum_k W[r][k] x[t][k] for t < n; x rows are w.cols long, y rows w.rows.

@@ -159,6 +159,14 @@ void BlockTable::prepare_write(int64_t from, int64_t to) {
   for (; k < fresh.size(); ++k) ids_.push_back(fresh[k]);
 }
 
+bool BlockTable::writes_in_place(int64_t from, int64_t to) const {
+  if (!pool_ || to <= from) return true;
+  const int64_t have = (int64_t)ids_.size(), first = from >> shift_;
+  if ((to + rows_ - 1) >> shift_ > have) return false;
+  std::lock_guard<std::mutex> lk(pool_->mu());
+  return !(first < have && pool_->refcount(ids_[(size_t)first]) > 1);
+}
+
 void BlockTable::truncate(int64_t n) {
   if (!pool_) return;
   const int64_t keep = (std::max<int64_t>(0, n) + rows_ - 1) >> shift_;

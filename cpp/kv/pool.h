@@ -116,6 +116,8 @@ class BlockTable {
   // shared with others (the prefix cache, another session) that row `from` falls
   // in is copied first. All or nothing: on PoolExhaustedError the table is as before.
   void prepare_write(int64_t from, int64_t to);
+  // Whether prepare_write(from, to) would change nothing (no page to append or copy).
+  bool writes_in_place(int64_t from, int64_t to) const;
   // Keeps the pages covering rows [0, n) and returns the rest.
   void truncate(int64_t n);
   // Returns every page (flat tables keep their buffer).

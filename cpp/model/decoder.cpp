@@ -236,10 +236,11 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
   std::vector<int32_t>& chunk_tokens = batch_tokens_;
   runs.clear();
   chunk_tokens.clear();
-  auto flush = [&] {
-    if (runs.empty()) return;
-    const int64_t rows =
-        forward_chunk(runs.data(), (int)runs.size(), chunk_tokens.data(), nullptr, (int64_t)chunk_tokens.size(), false);
+  // A decode-only step whose sessions all fit one chunk may record its successor (speculate).
+  bool decode_only = B <= max_chunk_ && spec_on() && backend_->defer_steps();
+  for (int64_t b = 0; b < B && decode_only; ++b) decode_only = counts[b] == 1 && !sessions[b]->recurrent_state();
+  // The chunk's logits down and into the sessions (rows of them, made by the step just issued).
+  auto finish = [&](int64_t rows) {
     // Every session's logits in one download, into a host block the sessions then point
     // into (no copy of B x vocab floats -- 32.8 MB at B = 64 for a 128K vocabulary -- a step:
     // a session copies its row when it is read as a vector, a sampler reads it in place).
@@ -247,7 +248,14 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     // copied into the sessions' own logits on the host threads.
     std::shared_ptr<float> blk = rows > 0 ? logits_block_for((size_t)(rows * V)) : nullptr;
     const float* lg = blk ? blk.get() : rows > 0 ? backend_->host_staging((size_t)(rows * V)) : nullptr;
-    if (rows > 0) backend_->download(const_cast<float*>(lg), logits_->data(), (size_t)(rows * V) * 4);
+    if (rows > 0 && decode_only && (int64_t)runs.size() == B) {
+      // The device runs this step while the host records the next one.
+      backend_->download_start(const_cast<float*>(lg), logits_->data(), (size_t)(rows * V) * 4);
+      speculate(sessions, B);
+      backend_->download_finish();
+    } else if (rows > 0) {
+      backend_->download(const_cast<float*>(lg), logits_->data(), (size_t)(rows * V) * 4);
+    }
     batch_want_.clear();
     for (const Run& r : runs) {
       for (int64_t i = 0; i < r.n_rows; ++i) r.s->history.push_back(chunk_tokens[r.first_row + i]);
@@ -274,6 +282,28 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     runs.clear();
     chunk_tokens.clear();
   };
+  auto flush = [&] {
+    if (runs.empty()) return;
+    finish(forward_chunk(runs.data(), (int)runs.size(), chunk_tokens.data(), nullptr, (int64_t)chunk_tokens.size(),
+                         false));
+  };
+  if (spec_.on) {
+    if (spec_matches(sessions, counts, B) && backend_->deferred_pending()) {
+      // This step was recorded while the last one ran: its ids in, then it is issued.
+      backend_->upload(spec_.ids_dev, tokens, (size_t)B * 4);
+      backend_->launch_deferred();
+      spec_.on = false;
+      ++spec_hits_;
+      for (int64_t b = 0; b < B; ++b) {
+        sessions[b]->n_past_ += 1;
+        runs.push_back(Run{sessions[b], b, 1, true});
+      }
+      chunk_tokens.assign(tokens, tokens + B);
+      finish(B);
+      return;
+    }
+    drop_spec();
+  }
   // Rows packed into chunks of max_chunk_; a long prefill run continues in the next chunk. A
   // session with recurrent layers snapshots their state as forward() does (at the last page
   // boundary its rows cross, at a prefill's end): its run ends there and the chunk runs first.
@@ -376,6 +406,7 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
   const ModelConfig& c = cfg_;
   Backend& be = *backend_;
   const int64_t D = c.dim;
+  if (!spec_making_) drop_spec();  // another step: the recorded one would read its metadata
   if (embd) {  // embedding rows from the host: uploaded with the step's other host data, before the step
     embd_dev_ = scratch(embd_, n * D, "embedding rows");
     be.upload(embd_dev_, embd, (size_t)(n * D) * 4);
@@ -426,8 +457,81 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
   for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
   const int64_t rows = logits_block(runs, n_runs, n, all_logits);
   if (greedy_out_ && rows > 0) be.argmax(logits_dst_, rows, c.vocab_size, greedy_out_);
-  be.end_step();
+  if (defer_end_) spec_kept_ = be.end_step_deferred();
+  else be.end_step();
   return rows;
+}
+
+Model::~Model() {
+  if (spec_.on && backend_) backend_->drop_deferred();  // its ops name this model's buffers
+}
+
+bool Model::spec_on() {
+  const char* e = std::getenv("DASLLAMA_SPECULATE");  // read at each step, so one process A/Bs it
+  return e && std::strcmp(e, "1") == 0;
+}
+
+// Records the step after the one just issued for the same sessions (one token each, at the
+// positions they now have), ended deferred, ids to come. Nothing when a session's next row
+// needs a page taken or copied (the pool must not move for a step that may never run), or a
+// session is at its context's end. A failure here is dropped: the step then runs as usual.
+void Model::speculate(Session* const* sessions, int64_t B) {
+  spec_.on = false;
+  for (int64_t b = 0; b < B; ++b) {
+    const Session& s = *sessions[b];
+    if (s.n_past_ + 1 > s.n_ctx_ || !s.kv_->writes_in_place(s.n_past_, s.n_past_ + 1)) return;
+  }
+  spec_runs_.clear();
+  spec_.n_past.resize((size_t)B);
+  for (int64_t b = 0; b < B; ++b) {
+    spec_runs_.push_back(Run{sessions[b], b, 1, true});
+    spec_.n_past[(size_t)b] = sessions[b]->n_past_;
+  }
+  spec_ids_.assign((size_t)B, 0);  // placeholders: the real ids are uploaded before the launch
+  spec_making_ = defer_end_ = true;
+  spec_kept_ = false;
+  bool ok = false;
+  try {
+    forward_chunk(spec_runs_.data(), (int)B, spec_ids_.data(), nullptr, B, false);
+    ok = spec_kept_ && tokens_dev_ != nullptr;
+  } catch (...) {
+  }
+  spec_making_ = defer_end_ = false;
+  for (int64_t b = 0; b < B; ++b) sessions[b]->n_past_ = spec_.n_past[(size_t)b];  // forward_chunk moved them
+  if (!ok) {
+    backend_->drop_deferred();
+    return;
+  }
+  spec_.sessions.assign(sessions, sessions + B);
+  spec_.serials.resize((size_t)B), spec_.tables.resize((size_t)B), spec_.pages.resize((size_t)B);
+  for (int64_t b = 0; b < B; ++b) {
+    spec_.serials[(size_t)b] = sessions[b]->serial_;
+    spec_.tables[(size_t)b] = sessions[b]->kv_.get();
+    spec_.pages[(size_t)b] = sessions[b]->kv_->page_ids();
+  }
+  spec_.ids_dev = const_cast<int32_t*>(tokens_dev_);
+  spec_.on = true;
+}
+
+// Whether this call is the speculated step: the same sessions in the same order, one token
+// each, each where the recording left it, with the same pages, still writable in place.
+bool Model::spec_matches(Session* const* sessions, const int64_t* counts, int64_t B) const {
+  if (!spec_.on || (size_t)B != spec_.sessions.size()) return false;
+  for (int64_t b = 0; b < B; ++b) {
+    const Session& s = *sessions[b];
+    const size_t i = (size_t)b;
+    if (counts[b] != 1 || sessions[b] != spec_.sessions[i] || s.serial_ != spec_.serials[i] ||
+        s.n_past_ != spec_.n_past[i] || s.kv_.get() != spec_.tables[i] || s.kv_->page_ids() != spec_.pages[i] ||
+        !s.kv_->writes_in_place(s.n_past_, s.n_past_ + 1))
+      return false;
+  }
+  return true;
+}
+
+void Model::drop_spec() {
+  if (!spec_.on) return;
+  spec_.on = false;
+  backend_->drop_deferred();
 }
 
 bool Model::can_pipeline(const Session& s) const {

@@ -121,6 +121,10 @@ class Model : public std::enable_shared_from_this<Model> {
   // Layers a backend ran fused (Backend::decode_layer) since load: tests check the path is taken.
   int64_t fused_layers() const { return fused_layers_; }
   int64_t fused_ops() const { return backend_->fused_ops(); }
+  // eval_batch steps issued from their speculated recording (Model::speculate) since load.
+  int64_t speculated_steps() const { return spec_hits_; }
+  bool speculation_pending() const { return spec_.on; }
+  ~Model();
   // device: "cpu", "cuda", "cuda:N" (see make_backend). Throws GGUFError /
   // UnsupportedModelError / DeviceError (before any device memory is taken) / dl::Error.
   static std::shared_ptr<Model> load(const std::string& path, QuantMode mode, const std::string& device,
@@ -319,6 +323,30 @@ class Model : public std::enable_shared_from_this<Model> {
   static constexpr size_t kLogitsBlocks = 4;
   std::vector<std::pair<std::shared_ptr<float>, size_t>> logits_blocks_;
   std::shared_ptr<float> logits_block_for(size_t floats);
+
+  // ---- speculated batch steps (DASLLAMA_SPECULATE=1, on backends that defer steps) ----
+  // After a decode-only eval_batch step is issued, the step after it (the same sessions, one
+  // token each, positions one on) is recorded while the device runs this one, its ids left to
+  // fill; the next eval_batch of exactly that shape uploads the ids and issues it, so the host's
+  // recording is off the step's critical path. Only where no page is to be taken or copied. Any
+  // other step drops it (forward_chunk), as does a session that moved or whose table changed.
+  struct Spec {
+    bool on = false;
+    std::vector<Session*> sessions;
+    std::vector<uint64_t> serials;
+    std::vector<int64_t> n_past;  // each session's position for the step's row
+    std::vector<const BlockTable*> tables;
+    std::vector<std::vector<int32_t>> pages;
+    int32_t* ids_dev = nullptr;  // the step's ids on the backend (the start of its metadata)
+  } spec_;
+  bool spec_making_ = false, defer_end_ = false, spec_kept_ = false;
+  int64_t spec_hits_ = 0;
+  std::vector<Run> spec_runs_;
+  std::vector<int32_t> spec_ids_;
+  static bool spec_on();
+  void speculate(Session* const* sessions, int64_t B);
+  bool spec_matches(Session* const* sessions, const int64_t* counts, int64_t B) const;
+  void drop_spec();
 };
 
 }  // namespace dl

@@ -1,6 +1,7 @@
 // Sessions: their KV block table (flat or paged), rewinding, releasing pages, and
 // the glue between a session and the prefix cache (attach before prefill, donate after).
 #include <algorithm>
+#include <atomic>
 
 #include "core/errors.h"
 #include "kv/prefix_cache.h"
@@ -27,6 +28,11 @@ KVGeometry Model::kv_geometry(KVType t) const {
   if (t == KVType::q8_0 && !q8_ok) throw Error("q8_0 KV needs head_size and kv_dim to be multiples of 32");
   g.row_bytes = kv_row_bytes(t, g.kv_dim);
   return g;
+}
+
+uint64_t Session::next_serial() {
+  static std::atomic<uint64_t> n{0};
+  return ++n;
 }
 
 Session::Session(std::shared_ptr<Model> model, KVType kv_type, int n_ctx)

@@ -88,6 +88,10 @@ class Session {
   friend class Model;
   friend int64_t prefix_attach(PrefixCache& cache, Session& s, const std::vector<int32_t>& prompt);
   std::shared_ptr<Model> model_;
+  // Unique over the process: a speculated step (Model::speculate) names its sessions by it too,
+  // since a new session may take a freed one's address.
+  const uint64_t serial_ = next_serial();
+  static uint64_t next_serial();
   KVType kv_type_;
   int64_t n_ctx_;
   int64_t n_past_ = 0;
