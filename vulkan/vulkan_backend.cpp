@@ -453,6 +453,7 @@ class Ctx {
   }
   void download(void* dst, uint64_t src, size_t bytes) {
     if (recording()) drop_step();  // no download inside a step: the step was abandoned
+    download_finish();             // (its readback buffer is this one's)
     if (bytes) {
       if (readback_.size < bytes) {
         flush();  // the old readback buffer may be in the recorded stream
@@ -469,6 +470,46 @@ class Ctx {
     }
     flush();
     if (bytes) std::memcpy(dst, readback_.host, bytes);
+  }
+  // download() in two halves (Backend::download_start): the copy is submitted with what is
+  // recorded before it, and the second half waits for that submission only (what the host
+  // records meanwhile goes into the next command buffer), then copies the bytes out.
+  struct DlSplit {
+    bool on = false;
+    void* dst = nullptr;
+    size_t bytes = 0;
+    uint64_t seq = 0;
+  } dls_;
+  void download_start(void* dst, uint64_t src, size_t bytes) {
+    download_finish();
+    if (!async_on() || !bytes) return download(dst, src, bytes);
+    if (recording()) drop_step();
+    if (readback_.size < bytes) {
+      flush();
+      destroy(readback_);
+      readback_ = make(std::max<size_t>(bytes, size_t(1) << 20), true, "download staging", readback_cached());
+    }
+    auto [sb, soff] = locate(src, bytes);
+    VkBufferCopy c{soff, 0, bytes};
+    begin();
+    uses({{src, bytes, false}});
+    order();
+    f_.vkCmdCopyBuffer(cmd_, sb, readback_.buf, 1, &c);
+    VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};  // the copy before the host reads
+    mb.srcAccessMask = VK_ACCESS_TRANSFER_WRITE_BIT;
+    mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT;
+    f_.vkCmdPipelineBarrier(cmd_, VK_PIPELINE_STAGE_TRANSFER_BIT, VK_PIPELINE_STAGE_HOST_BIT, 0, 1, &mb, 0, nullptr, 0,
+                            nullptr);
+    barrier();  // and before whatever the next command buffer's first command is ordered after
+    const uint64_t q = seq_;
+    submit();
+    dls_.on = true, dls_.dst = dst, dls_.bytes = bytes, dls_.seq = q;
+  }
+  void download_finish() {
+    if (!dls_.on) return;
+    dls_.on = false;
+    wait_done(dls_.seq);
+    std::memcpy(dls_.dst, readback_.host, dls_.bytes);
   }
   void copy(uint64_t dst, uint64_t src, size_t bytes) {
     auto [sb, soff] = locate(src, bytes);
@@ -1232,6 +1273,14 @@ class VulkanBackend final : public Backend {
   void download(void* dst, const void* src, size_t bytes) override {
     Lock g(c_->mu);
     c_->download(dst, A(src), bytes);
+  }
+  void download_start(void* dst, const void* src, size_t bytes) override {
+    Lock g(c_->mu);
+    c_->download_start(dst, A(src), bytes);
+  }
+  void download_finish() override {
+    Lock g(c_->mu);
+    c_->download_finish();
   }
   bool async_steps() const override { return c_->async_on(); }
   int64_t download_async(void* dst, const void* src, size_t bytes) override {
