@@ -514,3 +514,49 @@ def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.
         for i, ((pa, ha, la), (pb, hb, lb)) in enumerate(zip(a, b)):
             assert pa == pb and ha == hb, f"step {j}, session {i}: position or history differs"
             assert np.array_equal(la, lb), f"step {j}, session {i}: logits differ"
+
+
+def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
+    """The serving loop (BatchStepper) over paged sessions with DASLLAMA_SPECULATE=1: streams of
+    different lengths, greedy and sampled, started at different steps, give the tokens of the
+    plain loop, and some of its steps ran from their speculated recording."""
+    import os
+
+    from dasllama.llm import BatchStepper
+
+    rng = np.random.default_rng(12)
+    prompts = [[1] + rng.integers(3, 500, n).tolist() for n in (3, 8, 12, 5)]
+    params = [d.SamplingParams(), d.SamplingParams(temp=0.8, top_p=0.9, seed=7), d.SamplingParams(),
+              d.SamplingParams(temp=1.1, seed=3)]
+
+    def run(spec: str):
+        old = os.environ.get("DASLLAMA_SPECULATE")
+        os.environ["DASLLAMA_SPECULATE"] = spec
+        try:
+            m = d.load_model(path, device=device)
+            pool = d.create_kv_pool(m, page_rows=4)
+            ss = [d.create_session(m, pool) for _ in prompts]
+            st = BatchStepper(ss)
+            got = [[] for _ in prompts]
+            for i in (0, 1, 2):
+                st.start(i, prompts[i], params[i], 10 + 5 * i)
+            steps = 0
+            while any(st.active(i) for i in range(len(prompts))) or steps < 3:
+                if steps == 3:
+                    st.start(3, prompts[3], params[3], 12)  # joins later
+                events, _ = st.step()
+                steps += 1
+                for e in events:
+                    if e[1] != BatchStepper.STOP:
+                        got[e[0]].append(e[2])
+            return got, m._m.speculated_steps
+        finally:
+            if old is None:
+                os.environ.pop("DASLLAMA_SPECULATE", None)
+            else:
+                os.environ["DASLLAMA_SPECULATE"] = old
+
+    plain, n0 = run("0")
+    spec, n1 = run("1")
+    assert n0 == 0 and n1 > 0, (n0, n1)
+    assert spec == plain

@@ -215,6 +215,7 @@ def test_speculated_batch_steps_equal_plain(files):
     logits' download in two halves around it): the plain steps' logits bit for bit."""
     for ft in ("f16", "q8_0"):
         C.speculated_batch_steps_equal_plain(files["llama"][ft], "cuda")
+    C.speculated_stepper_streams_equal_plain(files["llama"]["q8_0"], "cuda")
 
 
 def test_paged_prefix_cache_and_ragged_batch(files):

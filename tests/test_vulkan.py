@@ -167,6 +167,7 @@ def test_pipelined_generate_on_a_queue_thread(built_dir, tiny):
 
 def test_speculated_batch_steps_equal_plain(tiny):
     C.speculated_batch_steps_equal_plain(tiny["q8_0"], "vulkan")
+    C.speculated_stepper_streams_equal_plain(tiny["q8_0"], "vulkan")
 
 
 def test_paged_prefix_cache_and_ragged_batch(tiny):
