@@ -454,6 +454,7 @@ class CudaBackend final : public Backend {
   // and an event the second half waits on.
   cudaEvent_t dl_start_ev_ = nullptr;
   bool dl_started_ = false;
+  std::chrono::steady_clock::time_point dl_t0_{};  // (HostProf::clock)
   void download_start(void* dst, const void* src, size_t bytes) override {
     use();
     drop_recording();
@@ -463,11 +464,13 @@ class CudaBackend final : public Backend {
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
     check(cudaEventRecord(dl_start_ev_, st_), "download");
     dl_started_ = true;
+    dl_t0_ = HostProf::now();
   }
   void download_finish() override {
     if (!dl_started_) return;
     dl_started_ = false;
     check(cudaEventSynchronize(dl_start_ev_), "download (a kernel before it failed)");
+    hp_.downloaded(dl_t0_, HostProf::now());  // "wait": from the copy's issue (the speculated recording inside)
   }
   // Issues a recorded step's ops (sig_ and blob_ hold its signature and arguments).
   void issue(std::vector<std::function<void(cudaStream_t)>>& ops, bool graphable) {
