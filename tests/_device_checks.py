@@ -6,6 +6,9 @@ the CPU in fp32 mode decodes weights exactly and is itself checked against trans
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 import pytest
 
@@ -412,6 +415,20 @@ def pipelined_greedy_equals_plain(path: str, device: str, prompt: list, mode=d.Q
     assert len(plain_first) == 12
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """os.environ[name] = value inside the block, as before it after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.q8) -> None:
     """DASLLAMA_SPECULATE=1: an eval_batch decode step records the next one (the same sessions,
     one token each) for the device to run from, so the next call only uploads its ids. The
@@ -422,16 +439,12 @@ def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.
     taken (page_rows 4) nothing is recorded. Each of those calls comes while a recording waits
     (the speculated run finds the moment, the plain run takes as many steps), and must not be
     taken for it; the plain steps between them must."""
-    import os
-
     rng = np.random.default_rng(11)
     prompts = [[1] + rng.integers(3, 500, n).tolist() for n in (5, 9, 14)]
     toks = rng.integers(3, 500, 400).tolist()
 
     def run(spec: str, plan: list):
-        old = os.environ.get("DASLLAMA_SPECULATE")
-        os.environ["DASLLAMA_SPECULATE"] = spec
-        try:
+        with _env("DASLLAMA_SPECULATE", spec):
             m = d.load_model(path, mode, device=device)
             pool = d.create_kv_pool(m, page_rows=4)
             ws = d.create_batch_workspace(m)
@@ -498,11 +511,6 @@ def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.
             for _ in range(6):
                 step(ss)
             return seen, m._m.speculated_steps
-        finally:
-            if old is None:
-                os.environ.pop("DASLLAMA_SPECULATE", None)
-            else:
-                os.environ["DASLLAMA_SPECULATE"] = old
 
     plan: list = []
     spec, n1 = run("1", plan)
@@ -520,8 +528,6 @@ def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
     """The serving loop (BatchStepper) over paged sessions with DASLLAMA_SPECULATE=1: streams of
     different lengths, greedy and sampled, started at different steps, give the tokens of the
     plain loop, and some of its steps ran from their speculated recording."""
-    import os
-
     from dasllama.llm import BatchStepper
 
     rng = np.random.default_rng(12)
@@ -530,9 +536,7 @@ def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
               d.SamplingParams(temp=1.1, seed=3)]
 
     def run(spec: str):
-        old = os.environ.get("DASLLAMA_SPECULATE")
-        os.environ["DASLLAMA_SPECULATE"] = spec
-        try:
+        with _env("DASLLAMA_SPECULATE", spec):
             m = d.load_model(path, device=device)
             pool = d.create_kv_pool(m, page_rows=4)
             ss = [d.create_session(m, pool) for _ in prompts]
@@ -550,11 +554,6 @@ def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
                     if e[1] != BatchStepper.STOP:
                         got[e[0]].append(e[2])
             return got, m._m.speculated_steps
-        finally:
-            if old is None:
-                os.environ.pop("DASLLAMA_SPECULATE", None)
-            else:
-                os.environ["DASLLAMA_SPECULATE"] = old
 
     plain, n0 = run("0")
     spec, n1 = run("1")

@@ -454,22 +454,24 @@ class Ctx {
   void download(void* dst, uint64_t src, size_t bytes) {
     if (recording()) drop_step();  // no download inside a step: the step was abandoned
     download_finish();             // (its readback buffer is this one's)
-    if (bytes) {
-      if (readback_.size < bytes) {
-        flush();  // the old readback buffer may be in the recorded stream
-        destroy(readback_);
-        readback_ = make(std::max<size_t>(bytes, size_t(1) << 20), true, "download staging", readback_cached());
-      }
-      auto [sb, soff] = locate(src, bytes);
-      VkBufferCopy c{soff, 0, bytes};
-      begin();
-      uses({{src, bytes, false}});
-      order();
-      f_.vkCmdCopyBuffer(cmd_, sb, readback_.buf, 1, &c);
-      barrier();  // the copy before the host reads
-    }
+    if (bytes) readback_copy(src, bytes);
     flush();
     if (bytes) std::memcpy(dst, readback_.host, bytes);
+  }
+  // The copy of [src, src + bytes) into the readback buffer (grown first), recorded.
+  void readback_copy(uint64_t src, size_t bytes) {
+    if (readback_.size < bytes) {
+      flush();  // the old readback buffer may be in the recorded stream
+      destroy(readback_);
+      readback_ = make(std::max<size_t>(bytes, size_t(1) << 20), true, "download staging", readback_cached());
+    }
+    auto [sb, soff] = locate(src, bytes);
+    VkBufferCopy c{soff, 0, bytes};
+    begin();
+    uses({{src, bytes, false}});
+    order();
+    f_.vkCmdCopyBuffer(cmd_, sb, readback_.buf, 1, &c);
+    barrier();  // the copy before the host reads
   }
   // download() in two halves (Backend::download_start): the copy is submitted with what is
   // recorded before it, and the second half waits for that submission only (what the host
@@ -484,23 +486,12 @@ class Ctx {
     download_finish();
     if (!async_on() || !bytes) return download(dst, src, bytes);
     if (recording()) drop_step();
-    if (readback_.size < bytes) {
-      flush();
-      destroy(readback_);
-      readback_ = make(std::max<size_t>(bytes, size_t(1) << 20), true, "download staging", readback_cached());
-    }
-    auto [sb, soff] = locate(src, bytes);
-    VkBufferCopy c{soff, 0, bytes};
-    begin();
-    uses({{src, bytes, false}});
-    order();
-    f_.vkCmdCopyBuffer(cmd_, sb, readback_.buf, 1, &c);
-    VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};  // the copy before the host reads
+    readback_copy(src, bytes);
+    VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};  // the host waits on a fence, not a flush
     mb.srcAccessMask = VK_ACCESS_TRANSFER_WRITE_BIT;
     mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT;
     f_.vkCmdPipelineBarrier(cmd_, VK_PIPELINE_STAGE_TRANSFER_BIT, VK_PIPELINE_STAGE_HOST_BIT, 0, 1, &mb, 0, nullptr, 0,
                             nullptr);
-    barrier();  // and before whatever the next command buffer's first command is ordered after
     const uint64_t q = seq_;
     submit();
     dls_.on = true, dls_.dst = dst, dls_.bytes = bytes, dls_.seq = q;
