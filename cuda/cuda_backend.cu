@@ -411,7 +411,9 @@ class CudaBackend final : public Backend {
   }
   // ---- deferred steps (Backend::end_step_deferred) ----
   // The recording's ops, signature and blob, kept; g_recording stays counted until the step is
-  // issued or dropped, so no buffer its ops name is freed meanwhile.
+  // issued or dropped, so no buffer its ops name is freed meanwhile. (Any backend's drops wait
+  // with it: a model that stops stepping with a step kept holds other models' frees until its
+  // next step, its destruction or its next other call drops it.)
   struct Deferred {
     bool on = false, graphable = false;
     std::vector<std::function<void(cudaStream_t)>> ops;
