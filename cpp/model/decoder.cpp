@@ -35,6 +35,7 @@ void Model::embed_tokens(const int32_t* tokens, int64_t n, float* out) {
       throw Error("token id " + std::to_string(tokens[i]) + " out of range");
   if (n <= 0) return;
   std::lock_guard<std::mutex> lk(mu_);
+  drop_spec();  // the metadata and activations below are a kept step's
   int32_t* ids = reinterpret_cast<int32_t*>(scratch(meta_, n, "step metadata"));
   backend_->upload(ids, tokens, (size_t)n * 4);
   float* x = scratch(x_, n * cfg_.dim, "activations");
