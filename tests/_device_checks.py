@@ -434,8 +434,8 @@ def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.
     one token each) for the device to run from, so the next call only uploads its ids. The
     logits, positions and histories must be those of the plain steps bit for bit, however the
     next call differs from the one recorded: a session left out, one rewound inside its page, an
-    eval of another session or of one of theirs between steps, a ragged step, a new session; and
-    where a page is to be
+    eval of another session or of one of theirs between steps, token embeddings made between
+    steps, a ragged step, a new session; and where a page is to be
     taken (page_rows 4) nothing is recorded. Each of those calls comes while a recording waits
     (the speculated run finds the moment, the plain run takes as many steps), and must not be
     taken for it; the plain steps between them must."""
@@ -499,6 +499,9 @@ def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.
             not_taken(lambda: (d.eval(m, other, prompts[1]), step(ss)))  # another session's eval between
             until_pending()
             not_taken(lambda: (d.eval(m, ss[0], [next(it)]), step(ss)))  # one of theirs
+            until_pending()
+            # Token embeddings for a media turn (their ids go where the waiting step's metadata is).
+            not_taken(lambda: (d.embed_text_rows(m, toks[:40]), step(ss)))
             until_pending()
             not_taken(lambda: step(ss, [next(it), [next(it), next(it)], next(it)]))  # ragged
             until_pending()
