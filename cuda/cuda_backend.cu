@@ -650,13 +650,15 @@ class CudaBackend final : public Backend {
     // have this launch round them (AttnRec).
     const int64_t width = (int64_t)shape.n_heads * shape.head_dim;
     bool rows_ok = shape.head_dim % 32 == 0;
-    int64_t before = 0;  // rows of the sessions before i (a running sum: B^2 adds a layer at B = 64 otherwise)
-    for (int i = 0; i < count && rows_ok; ++i) {
-      rows_ok = a[i].out_stride == width && a[i].out == a[0].out + before * width;
-      before += std::max<int64_t>(a[i].n_tok, 0);
-    }
+    for (int i = 0; i < count && rows_ok; ++i)
+      rows_ok = a[i].out_stride == width && a[i].out == a[0].out + rows_before(a, i) * width;
     attn_ = rows_ok ? AttnRec{ops_.size() - 1, shape, off, cnt, mt, splits, scratch, counters, a[0].out, total, width}
                     : AttnRec{};
+  }
+  static int64_t rows_before(const AttnArgs* a, int i) {
+    int64_t r = 0;
+    for (int k = 0; k < i; ++k) r += std::max<int64_t>(a[k].n_tok, 0);
+    return r;
   }
   // A plain dense layer's one-token decode step as one persistent kernel (cuda/fused.cu), in
   // q8 mode on the split q8_0 / q4_0 layouts, inside a recorded step. Its output equals the
@@ -1047,18 +1049,17 @@ class CudaBackend final : public Backend {
   }
   // Whether the queued stores take exactly the rows of the Q / K rope recorded last (each
   // token's K row stored once, from where rope wrote it), so one launch can do both.
-  bool rope_stores() {
+  bool rope_stores() const {
     const Rope2Rec& r = rope2_;
     if (!ropest_ || r.at + 1 != ops_.size() || kvq_stride_ != r.r.stride2 || r.r.p.n_rot / 2 > cuda::kRopeMaxHalf)
       return false;
-    std::vector<std::pair<int64_t, int64_t>>& spans = spans_;
-    spans.clear();
+    std::vector<std::pair<int64_t, int64_t>> spans;
     for (const cuda::KVStoreDesc& d : kvq_) {
       const int64_t off = d.k - r.r.x2;
       if (d.n <= 0 || off < 0 || off % r.r.stride2 != 0) return false;
       spans.emplace_back(off / r.r.stride2, d.n);
     }
-    if (!std::is_sorted(spans.begin(), spans.end())) std::sort(spans.begin(), spans.end());  // sessions in row order
+    std::sort(spans.begin(), spans.end());
     int64_t next = 0;
     for (const auto& [t0, n] : spans) {
       if (t0 != next) return false;
@@ -1066,7 +1067,6 @@ class CudaBackend final : public Backend {
     }
     return next == r.n_tok;
   }
-  std::vector<std::pair<int64_t, int64_t>> spans_;  // rope_stores' scratch
   void stop_recording() {
     if (!rec_) return;
     rec_ = false;
