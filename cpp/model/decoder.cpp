@@ -504,25 +504,25 @@ void Model::speculate(Session* const* sessions, int64_t B) {
     return;
   }
   spec_.sessions.assign(sessions, sessions + B);
-  spec_.serials.resize((size_t)B), spec_.tables.resize((size_t)B), spec_.pages.resize((size_t)B);
+  spec_.serials.resize((size_t)B), spec_.pages.resize((size_t)B);
   for (int64_t b = 0; b < B; ++b) {
     spec_.serials[(size_t)b] = sessions[b]->serial_;
-    spec_.tables[(size_t)b] = sessions[b]->kv_.get();
     spec_.pages[(size_t)b] = sessions[b]->kv_->page_ids();
   }
   spec_.ids_dev = const_cast<int32_t*>(tokens_dev_);
   spec_.on = true;
 }
 
-// Whether this call is the speculated step: the same sessions in the same order, one token
-// each, each where the recording left it, with the same pages, still writable in place.
+// Whether this call is the speculated step: the same sessions (address and serial) in the same
+// order, one token each, each where the recording left it, with the same pages, still writable
+// in place.
 bool Model::spec_matches(Session* const* sessions, const int64_t* counts, int64_t B) const {
   if (!spec_.on || (size_t)B != spec_.sessions.size()) return false;
   for (int64_t b = 0; b < B; ++b) {
     const Session& s = *sessions[b];
     const size_t i = (size_t)b;
     if (counts[b] != 1 || sessions[b] != spec_.sessions[i] || s.serial_ != spec_.serials[i] ||
-        s.n_past_ != spec_.n_past[i] || s.kv_.get() != spec_.tables[i] || s.kv_->page_ids() != spec_.pages[i] ||
+        s.n_past_ != spec_.n_past[i] || s.kv_->page_ids() != spec_.pages[i] ||
         !s.kv_->writes_in_place(s.n_past_, s.n_past_ + 1))
       return false;
   }

@@ -335,8 +335,7 @@ class Model : public std::enable_shared_from_this<Model> {
     std::vector<Session*> sessions;
     std::vector<uint64_t> serials;
     std::vector<int64_t> n_past;  // each session's position for the step's row
-    std::vector<const BlockTable*> tables;
-    std::vector<std::vector<int32_t>> pages;
+    std::vector<std::vector<int32_t>> pages;  // (a session's table is its own for life: the serial names it)
     int32_t* ids_dev = nullptr;  // the step's ids on the backend (the start of its metadata)
   } spec_;
   bool spec_making_ = false, defer_end_ = false, spec_kept_ = false;
