@@ -1411,13 +1411,13 @@ class CudaBackend final : public Backend {
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
   // Tokens from which f16 / bf16 matmuls take prefill's tensor-core tiles (mma_f16h / mma_f16,
-  // f32-accurate splits of x) instead of the GEMVs, which below 65 tokens read the weights once
-  // per 16 tokens with f32 FMAs (H200, the fifteenth session: Llama-1B F16 B=16 2,582 t/s, B=64
-  // 1,426, under one stream's 857 x B). DASLLAMA_CUDA_F16_MMA_MIN; default 65 (prefill only)
-  // until the H200 has run the harness and the batched benchmark with a lower one (e.g. 9).
+  // f32-accurate splits of x) instead of the GEMVs, which read the weights once per 16 tokens
+  // with f32 FMAs. H200, Llama-1B F16 (nineteenth session): from 9 tokens B=64 1,439 -> 7,236
+  // t/s but B=16 2,676 -> 1,545, and the harness's bf16 21 x 8192 at 9 tokens missed the f32
+  // bar (NMSE 1.5e-9); from 33 every case held. DASLLAMA_CUDA_F16_MMA_MIN; default 33.
   int64_t f16_mma_min_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_F16_MMA_MIN");
-    const long v = e ? std::atol(e) : 65;
+    const long v = e ? std::atol(e) : 33;
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
   // Query rows from which attention takes the tiled kernel (flash.cu; DASLLAMA_CUDA_FLASH_MIN,

@@ -677,13 +677,7 @@ bool pdl_early() {
 // either way). DASLLAMA_CUDA_R4=4 for 4; read at each launch, so ab_cuda.py can switch it.
 int rows4() {
   const char* e = std::getenv("DASLLAMA_CUDA_R4");
-  return e && (std::strcmp(e, "4") == 0 || std::strcmp(e, "4w") == 0) ? 4 : 2;
-}
-// DASLLAMA_CUDA_R4=4w (trial): 4 rows with the registers of two blocks an SM, so nothing spills
-// (the B = 4 step's GEMVs took 11.4 us each against one token's 7.1 on the H200: twice the blocks).
-bool rows4_wide() {
-  const char* e = std::getenv("DASLLAMA_CUDA_R4");
-  return e && std::strcmp(e, "4w") == 0;
+  return e && std::strcmp(e, "4") == 0 ? 4 : 2;
 }
 // The same for one token (DASLLAMA_CUDA_R1=2 for 2 rows): 4 spill a little there too, but 2
 // measured slower for q8_0 (779 -> 748 t/s) and faster for q4_0 (862 -> 891), so 4 stay.
@@ -700,7 +694,6 @@ void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail =
   else if (j.n == 1 && r2) launch(gemv_q8_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n == 1) launch(gemv_q8_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n <= 4 && rows4() == 2) launch(gemv_q8_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-  else if (j.n <= 4 && rows4_wide()) launch(gemv_q8_k<T, 4, 4, false, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n <= 4) launch(gemv_q8_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n <= 8) launch(gemv_q8_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else launch(gemv_q8_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);

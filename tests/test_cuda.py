@@ -211,7 +211,7 @@ def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
 
 
 def test_speculated_batch_steps_equal_plain(files):
-    """DASLLAMA_SPECULATE=1: each batch decode step records the next while the device runs (the
+    """Speculated steps (the default): each batch decode step records the next while the device runs (the
     logits' download in two halves around it): the plain steps' logits bit for bit."""
     for ft in ("f16", "q8_0"):
         C.speculated_batch_steps_equal_plain(files["llama"][ft], "cuda")

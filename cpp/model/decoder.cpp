@@ -468,8 +468,10 @@ Model::~Model() {
 }
 
 bool Model::spec_on() {
-  const char* e = std::getenv("DASLLAMA_SPECULATE");  // read at each step, so one process A/Bs it
-  return e && std::strcmp(e, "1") == 0;
+  // On by default (H200, nineteenth session: Q8_0 B=4/16/32/64 +4/+3/+6/+5%, Q4_0 +5/+5/+8/+10%);
+  // DASLLAMA_SPECULATE=0 turns it off. Read at each step, so one process A/Bs it.
+  const char* e = std::getenv("DASLLAMA_SPECULATE");
+  return !(e && std::strcmp(e, "0") == 0);
 }
 
 // Records the step after the one just issued for the same sessions (one token each, at the

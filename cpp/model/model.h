@@ -324,7 +324,7 @@ class Model : public std::enable_shared_from_this<Model> {
   std::vector<std::pair<std::shared_ptr<float>, size_t>> logits_blocks_;
   std::shared_ptr<float> logits_block_for(size_t floats);
 
-  // ---- speculated batch steps (DASLLAMA_SPECULATE=1, on backends that defer steps) ----
+  // ---- speculated batch steps (on by default, DASLLAMA_SPECULATE=0 off; backends that defer steps) ----
   // After a decode-only eval_batch step is issued, the step after it (the same sessions, one
   // token each, positions one on) is recorded while the device runs this one, its ids left to
   // fill; the next eval_batch of exactly that shape uploads the ids and issues it, so the host's
