@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -19,6 +20,7 @@
 #include "core/errors.h"
 #include "dequant.cuh"
 #include "kernels.h"
+#include "mega.h"
 #include "quant/quant.h"
 #include "quant/types.h"
 #include "rope.cuh"
@@ -403,6 +405,7 @@ class CudaBackend final : public Backend {
     HostProf::End timed(hp_);
     use();
     flush_kv();
+    prepare_mega();
     std::vector<std::function<void(cudaStream_t)>> ops;
     ops.swap(ops_);
     const bool graphable = max_rows_ <= kGraphMaxRows && !no_graph_;
@@ -426,6 +429,7 @@ class CudaBackend final : public Backend {
     use();
     drop_deferred();
     flush_kv();
+    prepare_mega();
     Deferred& d = deferred_;
     d.ops.swap(ops_), d.sig.swap(sig_), d.blob.swap(blob_);
     d.graphable = max_rows_ <= kGraphMaxRows && !no_graph_;
@@ -666,6 +670,7 @@ class CudaBackend final : public Backend {
   // t/s against 683, RESULTS.md): opt-in with DASLLAMA_CUDA_FUSED=1 until it pays.
   bool decode_layer(const DecodeLayer& l) override {
     use();
+    if (rec_ && mega_layer(l)) return true;
     const char* e = std::getenv("DASLLAMA_CUDA_FUSED");
     if (!rec_ || !e || std::strcmp(e, "1") != 0 || prop_.major < 8) return false;
     const AttnArgs& a = l.attn;
@@ -741,6 +746,94 @@ class CudaBackend final : public Backend {
       cuda::fused_layer(g, type, hd, kt, st);
     });
     return true;
+  }
+  // ---- the persistent decode chain (cuda/mega.cu; DASLLAMA_CUDA_MEGA=1, opt-in until the H200 has
+  // measured it) ----
+  // Consecutive plain dense layers of a one-token step join one chain, recorded as one op;
+  // end_step prepares the chain's device plan (outside any capture) before the ops run.
+  struct MegaChain {
+    cuda::MegaShape s;
+    std::vector<cuda::MegaLayer> layers;
+    const int32_t* pos = nullptr;
+    float *x = nullptr, *q = nullptr, *k = nullptr, *v = nullptr;
+    size_t at = 0;  // its op's index in ops_
+    cuda::MegaPlan* plan = nullptr;
+  };
+  std::vector<std::shared_ptr<MegaChain>> chains_;          // this step's
+  std::vector<std::unique_ptr<cuda::MegaPlan>> mega_plans_;  // never freed: captured graphs name them
+  static bool mega_on() {
+    const char* e = std::getenv("DASLLAMA_CUDA_MEGA");  // read at each step: one process A/Bs it
+    return e && std::strcmp(e, "1") == 0;
+  }
+  bool mega_layer(const DecodeLayer& l) {
+    if (!mega_on()) return false;
+    const AttnArgs& a = l.attn;
+    const Weight* ws[7] = {l.wq, l.wk, l.wv, l.wo, l.gate, l.up, l.down};
+    uint32_t type = 0;
+    for (int i = 0; i < 7; ++i) {
+      if (!ws[i]->data || ws[i]->exact) return false;
+      const uint32_t t = mat(*ws[i]).type;
+      if (i > 0 && t != type) return false;
+      type = t;
+    }
+    cuda::MegaShape sh;
+    std::memset(static_cast<void*>(&sh), 0, sizeof sh);  // padding too: compared and signed as bytes
+    sh.type = type, sh.dim = (int)l.dim, sh.n_heads = a.n_heads, sh.n_kv_heads = a.n_kv_heads;
+    sh.head_dim = a.head_dim, sh.q_dim = a.n_heads * a.head_dim, sh.kv_dim = a.n_kv_heads * a.head_dim;
+    sh.ffn = (int)l.gate->rows, sh.kv = a.kv.type, sh.eps = l.eps, sh.act = cuda::act_code(l.act);
+    if (*cuda::mega_unfit(sh, prop_.major)) return false;
+    if (a.n_tok != 1 || a.n_kv < 1 || a.sinks || a.q_stride != sh.q_dim || l.rope.n_rot <= 0 ||
+        l.rope.n_rot > a.head_dim || l.rope.n_rot % 2 != 0 || l.act == Act::swiglu_oai)
+      return false;
+    if (l.wq->cols != l.dim || l.wq->rows != sh.q_dim || l.wk->rows != sh.kv_dim || l.wv->rows != sh.kv_dim ||
+        l.wk->cols != l.dim || l.wv->cols != l.dim || l.wo->cols != sh.q_dim || l.wo->rows != l.dim ||
+        l.gate->cols != l.dim || l.up->cols != l.dim || l.up->rows != sh.ffn || l.down->cols != sh.ffn ||
+        l.down->rows != l.dim)
+      return false;
+    cuda::attn_check(a);
+    flush_kv();
+    cuda::MegaLayer ml;
+    std::memset(static_cast<void*>(&ml), 0, sizeof ml);
+    for (int i = 0; i < 7; ++i) ml.w[i] = mat(*ws[i]).w;
+    ml.attn_norm = l.attn_norm, ml.ffn_norm = l.ffn_norm;
+    ml.rope.neox = l.rope.neox, ml.rope.n_rot = l.rope.n_rot, ml.rope.base = l.rope.base;
+    ml.rope.freq_scale = l.rope.freq_scale, ml.rope.freq_factors = l.rope.freq_factors;
+    ml.rope.inv_freq = l.rope.inv_freq, ml.rope.mscale = l.rope.mscale;
+    ml.attn_off = blob_put(&a, sizeof a);  // n_kv and the block table change every step
+    float* q = const_cast<float*>(a.q);
+    MegaChain* c = chains_.empty() ? nullptr : chains_.back().get();
+    if (!c || c->at + 1 != ops_.size() || std::memcmp(&c->s, &sh, sizeof sh) != 0 || c->pos != l.pos ||
+        c->x != l.x || c->q != q || c->k != l.k || c->v != l.v) {
+      auto nc = std::make_shared<MegaChain>();
+      nc->s = sh, nc->pos = l.pos, nc->x = l.x, nc->q = q, nc->k = l.k, nc->v = l.v;
+      sig1(Tag::mega), sig1(l.pos), sig1(l.x), sig1(q), sig1(l.k), sig1(l.v);
+      const auto* p = reinterpret_cast<const uint8_t*>(&sh);
+      sig_.insert(sig_.end(), p, p + sizeof sh);
+      ops_.emplace_back([this, nc](cudaStream_t st) { nc->plan->launch(static_cast<uint8_t*>(dblob_->data()), st); });
+      nc->at = ops_.size() - 1;
+      chains_.push_back(nc);
+      c = nc.get();
+    } else {
+      c->layers.back().next_norm = l.attn_norm;
+    }
+    c->layers.push_back(ml);
+    const auto* p = reinterpret_cast<const uint8_t*>(&ml);
+    sig_.insert(sig_.end(), p, p + sizeof ml);
+    ++fused_ops_;
+    return true;
+  }
+  // The device plans of this step's chains (before its ops run or are captured).
+  void prepare_mega() {
+    for (auto& c : chains_) {
+      for (auto& p : mega_plans_)
+        if (p->matches(c->s, c->layers, c->pos, c->x, c->q, c->k, c->v)) c->plan = p.get();
+      if (!c->plan) {
+        mega_plans_.push_back(std::make_unique<cuda::MegaPlan>());
+        c->plan = mega_plans_.back().get();
+      }
+      c->plan->prepare(c->s, c->layers, c->pos, c->x, c->q, c->k, c->v, st_);
+    }
+    chains_.clear();
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
@@ -867,7 +960,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store, argmax
+    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store, argmax, mega
   };
   template <class T>
   void sig1(const T& v) {
@@ -1128,6 +1221,7 @@ class CudaBackend final : public Backend {
     cuda::GemvJob j;
   } gemv_;
   void clear_step() {
+    chains_.clear();
     rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;

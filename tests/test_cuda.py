@@ -210,6 +210,43 @@ def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
                     f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
 
 
+def _forced_steps(path, device, mode, kv, ids, n_prompt=40):
+    """Per decode step's logits, the steps teacher-forced through ids[n_prompt:] one token at a time
+    on a paged session of 16-row pages."""
+    m = d.load_model(path, mode, device=device)
+    s = d.create_session(m, d.KVPool(m, page_rows=16, kv_dtype=kv))
+    d.eval(m, s, ids[:n_prompt])
+    out = []
+    for t in ids[n_prompt:]:
+        d.eval(m, s, [t])
+        out.append(np.array(s.logits))
+    return np.stack(out), m
+
+
+@pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0])
+def test_mega_decode_chain_against_the_cpu(files, tmp_path, monkeypatch, kv):
+    """DASLLAMA_CUDA_MEGA=1: a one-token step's dense layers run as one persistent kernel
+    (cuda/mega.cu) whose sums run in another order than the op-by-op path's, so it is held to
+    the reference as the q8 checks are: teacher-forced decode steps over a paged cache (40 to 190
+    rows, attention split 4 ways), q8_0 and q4_0, head sizes 32, 64 and 128; its q8-mode logits
+    are at most twice as far from the CPU's fp32 ones (NMSE) as the CPU's own q8 mode, where a
+    wrong op gives 1e-2 or more; and every layer of every step ran in the chain."""
+    shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
+              "hd128": _llama_file(tmp_path, 512, 4, 2, 1536)}
+    ids = [1] + np.random.default_rng(6).integers(3, E.VOCAB, 189).tolist()
+    for name, paths in shapes.items():
+        for ft in ("q8_0", "q4_0"):
+            ref, _ = _forced_steps(paths[ft], "cpu", d.QuantMode.fp32, kv, ids)
+            cpu_q8, _ = _forced_steps(paths[ft], "cpu", d.QuantMode.q8, kv, ids)
+            monkeypatch.setenv("DASLLAMA_CUDA_MEGA", "1")
+            got, m = _forced_steps(paths[ft], "cuda", d.QuantMode.q8, kv, ids)
+            monkeypatch.delenv("DASLLAMA_CUDA_MEGA")
+            assert m._m.fused_layers == 2 * len(got), (name, ft, m._m.fused_layers)
+            e, e_cpu = nmse(got, ref), nmse(cpu_q8, ref)
+            print(f"{name} {ft} kv {kv.name}: NMSE {e:.3g}, the CPU's q8 {e_cpu:.3g}")
+            assert e <= 2 * e_cpu, f"{name} {ft} kv {kv.name}: NMSE {e:.3g} against fp32, the CPU's q8 {e_cpu:.3g}"
+
+
 def test_speculated_batch_steps_equal_plain(files):
     """Speculated steps (the default): each batch decode step records the next while the device runs (the
     logits' download in two halves around it): the plain steps' logits bit for bit."""
