@@ -87,40 +87,62 @@ __device__ __forceinline__ Counters counters(const MegaArgs& A) {
 }
 
 __device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// How a warp publishes and sees groups: a fence then a relaxed atomic, or (rel) the atomics'
+// own release / acquire semantics (DASLLAMA_CUDA_MEGA_REL=1); fc counts lane 0's cycles in them
+// for DASLLAMA_CUDA_MEGA_TRACE's profile.
+struct Sync {
+  long long fc = 0;
+  bool rel = false;
+};
 // After the warp's writes: one more group of this op is ready.
-__device__ __forceinline__ void signal(unsigned* c, int lane) {
+__device__ __forceinline__ void signal(unsigned* c, int lane, Sync& y) {
   __syncwarp();
   if (lane == 0) {
-    fence_gpu();
-    atomicAdd(c, 1u);
+    const long long t = clock64();
+    if (y.rel) {
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+    } else {
+      fence_gpu();
+      atomicAdd(c, 1u);
+    }
+    y.fc += clock64() - t;
   }
 }
 // This warp's arrival at a group of n; true (on every lane) for the last, which then sees what
 // the others wrote (and leaves the counter at 0 for the next step).
-__device__ __forceinline__ bool arrive_last(unsigned* c, unsigned n, int lane) {
+__device__ __forceinline__ bool arrive_last(unsigned* c, unsigned n, int lane, Sync& y) {
   __syncwarp();
   unsigned last = 0;
   if (lane == 0) {
-    fence_gpu();
-    last = atomicAdd(c, 1u) == n - 1;
+    const long long t = clock64();
+    unsigned old;
+    if (y.rel) {
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(c) : "memory");
+    } else {
+      fence_gpu();
+      old = atomicAdd(c, 1u);
+    }
+    last = old == n - 1;
     if (last) {
       *c = 0;
-      fence_gpu();
+      if (!y.rel) fence_gpu();
     }
+    y.fc += clock64() - t;
   }
   last = __shfl_sync(0xffffffffu, last, 0);
   __syncwarp();
   return last != 0;
 }
-__device__ __forceinline__ void wait_ready(const unsigned* c, unsigned target, int lane) {
+__device__ __forceinline__ void wait_ready(const unsigned* c, unsigned target, int lane, bool rel) {
   if (lane == 0) {
     unsigned v;
     for (;;) {
-      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+      if (rel) asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+      else asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
       if (v >= target) break;
       __nanosleep(32);
     }
-    fence_gpu();
+    if (!rel) fence_gpu();
   }
   __syncwarp();
 }
@@ -267,7 +289,7 @@ __device__ __forceinline__ float kv_ld(const uint8_t* r, int d) {
 // the head's last split merges them into the O projection's q8 input.
 template <int KT, int NI>
 __device__ void att_task(const MegaArgs& A, const AttnArgs& a, int h, int s, unsigned* hcnt, unsigned* ready,
-                         int lane) {
+                         int lane, Sync& fc) {
   const int hd = A.s.head_dim, S = A.splits;
   const int kvh = h / (A.s.n_heads / A.s.n_kv_heads);
   const int64_t pos = a.q_pos[0];
@@ -330,7 +352,7 @@ __device__ void att_task(const MegaArgs& A, const AttnArgs& a, int h, int s, uns
   if (lane == 0) p[0] = m, p[1] = l;
 #pragma unroll
   for (int i = 0; i < NI; ++i) p[2 + lane + 32 * i] = acc[i];
-  if (!arrive_last(hcnt + h, (unsigned)S, lane)) return;
+  if (!arrive_last(hcnt + h, (unsigned)S, lane, fc)) return;
   const float* p0 = A.part + (int64_t)h * S * (hd + 2);
   float M = -INFINITY;
   for (int t = 0; t < S; ++t) M = fmaxf(M, __ldcg(p0 + t * (hd + 2)));
@@ -352,7 +374,7 @@ __device__ void att_task(const MegaArgs& A, const AttnArgs& a, int h, int s, uns
     const int e = h * hd + lane + 32 * i;
     quant_store(o[i] * inv, lane, e, e >> 5, aq.q, aq.d, aq.s);
   }
-  signal(ready, lane);
+  signal(ready, lane, fc);
 }
 
 template <uint32_t T, int NR>
@@ -361,6 +383,38 @@ __device__ __forceinline__ void down_rows(const MegaArgs& A, const uint8_t* tile
   warp_dot<T, NR>(tile, A.rb_d, A.s.ffn, A.hq, lane, acc);
   const float y = pick<NR>(acc, lane);
   if (lane < NR) A.x[r0 + lane] = __ldcg(A.x + r0 + lane) + y;
+}
+
+// The weight rows task w reads (up to two spans of global memory, to lie back to back in its
+// slot); false for a task without weights.
+__device__ __forceinline__ bool task_rows(const MegaArgs& A, const uint8_t* const* wl, uint32_t w,
+                                          const uint8_t* (&src)[2], unsigned (&bytes)[2]) {
+  const uint32_t kind = w >> 29, l = (w >> 20) & 511, idx = w & 0xFFFFF;
+  const uint8_t* const* lw = wl + l * 7;
+  const MegaShape& S = A.s;
+  bytes[1] = 0, src[1] = nullptr;
+  if (kind == K_QKV) {
+    int r0 = (int)idx * R_IN, m = 0;
+    if (r0 >= S.q_dim + S.kv_dim) m = 2, r0 -= S.q_dim + S.kv_dim;
+    else if (r0 >= S.q_dim) m = 1, r0 -= S.q_dim;
+    src[0] = lw[m] + (size_t)r0 * A.rb_in, bytes[0] = R_IN * A.rb_in;
+  } else if (kind == K_O) {
+    src[0] = lw[3] + (size_t)idx * R_IN * A.rb_o, bytes[0] = R_IN * A.rb_o;
+  } else if (kind == K_GU) {
+    const size_t off = (size_t)idx * R_GU * A.rb_in;
+    src[0] = lw[4] + off, src[1] = lw[5] + off, bytes[0] = bytes[1] = R_GU * A.rb_in;
+  } else if (kind == K_DN) {
+    src[0] = lw[6] + (size_t)idx * A.r_dn * A.rb_d, bytes[0] = A.r_dn * A.rb_d;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 template <uint32_t T, int KT, int NI>
@@ -375,9 +429,16 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
   const uint32_t SB = A.slot_bytes;
   uint32_t* tl = reinterpret_cast<uint32_t*>(sm + (size_t)NS * SB);
   const uint8_t** wl = reinterpret_cast<const uint8_t**>(tl + ((nt + 3) & ~3u));
+  int16_t* sq = reinterpret_cast<int16_t*>(wl + A.n_layers * 7);
   for (uint32_t i = tid; i < nt; i += NT) tl[i] = A.tasks[t0 + i];
   for (int i = tid; i < A.n_layers * 7; i += NT) wl[i] = A.layers[i / 7].w[i % 7];
+  __syncthreads();
   if (tid == 0) {
+    int j = 0;
+    for (uint32_t k = 0; k < nt; ++k) {
+      const uint32_t kind = tl[k] >> 29;
+      sq[k] = (int16_t)(kind == K_PRE || kind == K_ATT ? -1 : j++);
+    }
     for (int s = 0; s < NS; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 1);
     next = 0, issued = 0, bsat = -1;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -387,39 +448,43 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
   const Counters C = counters(A);
 
   if (warp == NW) {
-    // The loader: every task's weight rows into its slot, in order, as slots free up.
+    // The loader: every weight task's rows into its slot, in order, as slots free up; and
+    // while it waits for a slot, the rows of the next A.prefetch weight tasks asked into L2,
+    // so the memory keeps streaming while the ring is full of tasks that wait for their input.
     if (lane == 0) {
+      uint32_t j = 0, pf = 0;  // weight tasks issued; the next one to prefetch (an index into tl)
       for (uint32_t k = 0; k < nt; ++k) {
-        const int s = (int)(k % NS);
-        if (k >= (uint32_t)NS) mbar_wait(&empty[s], ((k / NS) - 1) & 1);
-        const uint32_t w = tl[k], kind = w >> 29, l = (w >> 20) & 511, idx = w & 0xFFFFF;
-        const uint8_t* const* lw = wl + l * 7;
-        uint8_t* dst = sm + (size_t)s * SB;
-        if (kind == K_QKV) {
-          int r0 = (int)idx * R_IN, m = 0;
-          if (r0 >= S.q_dim + S.kv_dim) m = 2, r0 -= S.q_dim + S.kv_dim;
-          else if (r0 >= S.q_dim) m = 1, r0 -= S.q_dim;
-          mbar_expect(&full[s], R_IN * A.rb_in);
-          bulk_load(dst, lw[m] + (size_t)r0 * A.rb_in, R_IN * A.rb_in, &full[s]);
-        } else if (kind == K_O) {
-          mbar_expect(&full[s], R_IN * A.rb_o);
-          bulk_load(dst, lw[3] + (size_t)idx * R_IN * A.rb_o, R_IN * A.rb_o, &full[s]);
-        } else if (kind == K_GU) {
-          const size_t off = (size_t)idx * R_GU * A.rb_in;
-          mbar_expect(&full[s], 2 * R_GU * A.rb_in);
-          bulk_load(dst, lw[4] + off, R_GU * A.rb_in, &full[s]);
-          bulk_load(dst + R_GU * A.rb_in, lw[5] + off, R_GU * A.rb_in, &full[s]);
-        } else if (kind == K_DN) {
-          mbar_expect(&full[s], A.r_dn * A.rb_d);
-          bulk_load(dst, lw[6] + (size_t)idx * A.r_dn * A.rb_d, A.r_dn * A.rb_d, &full[s]);
-        } else {
-          mbar_arrive(&full[s]);
+        const uint8_t* src[2];
+        unsigned bytes[2];
+        if (!task_rows(A, wl, tl[k], src, bytes)) continue;
+        const int s = (int)(j % NS);
+        if (pf <= k) pf = k + 1;
+        for (; pf < nt; ++pf) {
+          const int q = sq[pf];
+          if (q < 0) continue;
+          if (q >= (int)j + A.prefetch) break;
+          const uint8_t* ps[2];
+          unsigned pb[2];
+          task_rows(A, wl, tl[pf], ps, pb);
+          for (int i = 0; i < 2; ++i)
+            if (pb[i]) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ps[i]), "r"(pb[i]) : "memory");
         }
-        *reinterpret_cast<volatile int*>(&issued) = (int)k + 1;
+        if (j >= (uint32_t)NS) mbar_wait(&empty[s], ((j / NS) - 1) & 1);
+        uint8_t* dst = sm + (size_t)s * SB;
+        mbar_expect(&full[s], bytes[0] + bytes[1]);
+        bulk_load(dst, src[0], bytes[0], &full[s]);
+        if (bytes[1]) bulk_load(dst + bytes[0], src[1], bytes[1], &full[s]);
+        *reinterpret_cast<volatile int*>(&issued) = (int)++j;
       }
     }
   } else {
     pdl_wait();  // x, the step's positions and the previous step's cache rows
+    const bool tr = A.trace >= 0 && blockIdx.x == 0;
+    if (tr && warp == 0 && lane == 0) A.stamps[A.n_layers * R_N] = now_ns();
+    Sync fc;
+    fc.rel = A.rel;
+    long long pw[3] = {0, 0, 0}, pb[6] = {0, 0, 0, 0, 0, 0};  // profile (lane 0): fences; waits; bodies
+    int pn[6] = {0, 0, 0, 0, 0, 0};
     int sat = -1;  // the highest ready counter this warp knows complete (they complete in order)
     int rms_key = -1;
     float rms = 1.f;
@@ -432,28 +497,35 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
       k = __shfl_sync(0xffffffffu, k, 0);
       if (k >= (int)nt) break;
       const uint32_t w = tl[k], kind = w >> 29, l = (w >> 20) & 511, idx = w & 0xFFFFF;
-      const int s = k % NS;
       // The input this task reads: ready counter l * R_N + dep, complete at target[dep].
       const int dep = kind == K_QKV ? R_XA : kind == K_ATT ? R_QKV : kind == K_O ? R_ATT : kind == K_GU ? R_XB : R_H;
+      long long tk = clock64();
       if (kind != K_PRE) {
         const int ri = (int)l * R_N + dep;
         if (ri > sat) sat = max(sat, *reinterpret_cast<volatile int*>(&bsat));
         if (ri > sat) {
-          wait_ready(C.ready + ri, target[dep], lane);
+          wait_ready(C.ready + ri, target[dep], lane, A.rel);
+          if (tr && lane == 0 && A.stamps[ri] == 0) A.stamps[ri] = now_ns();
           sat = ri;
           if (lane == 0) atomicMax(&bsat, ri);
         }
       }
-      while (*reinterpret_cast<volatile int*>(&issued) <= k) {
+      pw[0] += clock64() - tk, tk = clock64();
+      const int j = sq[k];  // this task's place among the block's weight tasks (-1: none)
+      const int s = j >= 0 ? j % NS : 0;
+      if (j >= 0) {
+        while (*reinterpret_cast<volatile int*>(&issued) <= j) {
+        }
+        mbar_wait(&full[s], (j / NS) & 1);
       }
-      mbar_wait(&full[s], (k / NS) & 1);
+      pw[1] += clock64() - tk, tk = clock64();
       const uint8_t* tile = sm + (size_t)s * SB;
       const MegaLayer& L = A.layers[l];
       unsigned* grp = C.group + (size_t)l * C.per_layer;
       unsigned* rdy = C.ready + (size_t)l * R_N;
       if (kind == K_PRE) {
         round_group(A.x, L.attn_norm, (int)idx, A.xa, S.dim, lane);
-        signal(rdy + R_XA, lane);
+        signal(rdy + R_XA, lane, fc);
       } else if (kind == K_QKV) {
         float acc[R_IN];
         warp_dot<T, R_IN>(tile, A.rb_in, S.dim, A.xa, lane, acc);
@@ -466,7 +538,7 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
         if (lane < R_IN) dst[r0 + lane] = y * rms;
         const int hh = r0 / S.head_dim;
         const int head = (m == 0 ? 0 : m == 1 ? S.n_heads : S.n_heads + S.n_kv_heads) + hh;
-        if (arrive_last(grp + C.o_head + head, (unsigned)(S.head_dim / R_IN), lane)) {
+        if (arrive_last(grp + C.o_head + head, (unsigned)(S.head_dim / R_IN), lane, fc)) {
           const AttnArgs& a = *reinterpret_cast<const AttnArgs*>(A.blob + L.attn_off);
           const int64_t p = A.pos[0], hd = S.head_dim;
           if (m == 0) {
@@ -475,20 +547,20 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
             if (m == 1) rope_head(A.k + hh * hd, L.rope, p, lane);
             kv_store_slice(a.kv, a.n_kv - 1, m == 1 ? A.k : A.v, m == 2, hh * hd, (hh + 1) * hd, lane, 32);
           }
-          signal(rdy + R_QKV, lane);
+          signal(rdy + R_QKV, lane, fc);
         }
       } else if (kind == K_ATT) {
         const AttnArgs& a = *reinterpret_cast<const AttnArgs*>(A.blob + L.attn_off);
-        att_task<KT, NI>(A, a, (int)idx / A.splits, (int)idx % A.splits, grp + C.o_att, rdy + R_ATT, lane);
+        att_task<KT, NI>(A, a, (int)idx / A.splits, (int)idx % A.splits, grp + C.o_att, rdy + R_ATT, lane, fc);
       } else if (kind == K_O) {
         float acc[R_IN];
         warp_dot<T, R_IN>(tile, A.rb_o, S.q_dim, A.aq, lane, acc);
         const int r0 = (int)idx * R_IN;
         const float y = pick<R_IN>(acc, lane);
         if (lane < R_IN) A.x[r0 + lane] = __ldcg(A.x + r0 + lane) + y;
-        if (arrive_last(grp + C.o_o + r0 / 32, 32 / R_IN, lane)) {
+        if (arrive_last(grp + C.o_o + r0 / 32, 32 / R_IN, lane, fc)) {
           round_group(A.x, L.ffn_norm, r0 / 32, A.xb, S.dim, lane);
-          signal(rdy + R_XB, lane);
+          signal(rdy + R_XB, lane, fc);
         }
       } else if (kind == K_GU) {
         float acc[2 * R_GU];
@@ -500,9 +572,9 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
         for (int r = 0; r < R_GU; ++r)
           if (lane == r) g = acc[r], u = acc[R_GU + r];
         if (lane < R_GU) A.h[r0 + lane] = glu_value(S.act, g * rms, u * rms);
-        if (arrive_last(grp + C.o_h + r0 / 32, 32 / R_GU, lane)) {
+        if (arrive_last(grp + C.o_h + r0 / 32, 32 / R_GU, lane, fc)) {
           round_group(A.h, nullptr, r0 / 32, A.hq, S.ffn, lane);
-          signal(rdy + R_H, lane);
+          signal(rdy + R_H, lane, fc);
         }
       } else {  // K_DN
         const int r0 = (int)idx * A.r_dn;
@@ -513,13 +585,21 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
           case 8: down_rows<T, 8>(A, tile, r0, lane); break;
           default: down_rows<T, 16>(A, tile, r0, lane); break;
         }
-        if (arrive_last(grp + C.o_dn + r0 / 32, (unsigned)(32 / A.r_dn), lane) && L.next_norm) {
+        if (arrive_last(grp + C.o_dn + r0 / 32, (unsigned)(32 / A.r_dn), lane, fc) && L.next_norm) {
           round_group(A.x, L.next_norm, r0 / 32, A.xa, S.dim, lane);
-          signal(C.ready + (size_t)(l + 1) * R_N + R_XA, lane);
+          signal(C.ready + (size_t)(l + 1) * R_N + R_XA, lane, fc);
         }
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[s]);
+      if (j >= 0 && lane == 0) mbar_arrive(&empty[s]);
+      pb[kind] += clock64() - tk, ++pn[kind];
+    }
+    if (A.trace >= 0 && lane == 0) {
+      unsigned long long* pr = A.stamps + A.n_layers * R_N + 1;
+      atomicAdd(pr, (unsigned long long)fc.fc);
+      atomicAdd(pr + 1, (unsigned long long)pw[0]);
+      atomicAdd(pr + 2, (unsigned long long)pw[1]);
+      for (int i = 0; i < 6; ++i) atomicAdd(pr + 3 + i, (unsigned long long)pb[i]), atomicAdd(pr + 9 + i, (unsigned long long)pn[i]);
     }
   }
   // The grid's last block leaves the ready counters at 0 for the next step.
@@ -531,6 +611,30 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
       for (int i = 0; i < A.n_layers * R_N; ++i) C.ready[i] = 0;
       *done = 0;
       fence_gpu();
+      if (A.trace >= 0) {
+        // When block 0 saw each op's input ready (us from its start; its first task may come
+        // after the op's input was ready, and it may take no task of an op: -1).
+        unsigned long long* st = A.stamps;
+        const unsigned long long t0 = st[A.n_layers * R_N];
+        if (A.pos[0] == A.trace) {
+          printf("mega step at %d: %.1f us; ready (xa qkv att xb h) per layer:\n", A.trace, (now_ns() - t0) * 1e-3);
+          for (int l = 0; l < A.n_layers; ++l) {
+            float v[R_N];
+            for (int r = 0; r < R_N; ++r) v[r] = st[l * R_N + r] ? (st[l * R_N + r] - t0) * 1e-3f : -1.f;
+            printf("  %2d: %7.1f %7.1f %7.1f %7.1f %7.1f\n", l, v[0], v[1], v[2], v[3], v[4]);
+          }
+        }
+        if (A.pos[0] == A.trace) {
+          // Lane 0 cycles summed over every warp of the grid, and per task kind: its body (from its
+          // slot's arrival to its release, fences included) and count.
+          const unsigned long long* pr = st + A.n_layers * R_N + 1;
+          printf("  cycles: fences %llu, dependency waits %llu, slot waits %llu\n", pr[0], pr[1], pr[2]);
+          const char* kn[6] = {"pre", "qkv", "att", "o", "gu", "dn"};
+          for (int i = 0; i < 6; ++i)
+            printf("  %s: %llu tasks, %.0f cycles a task\n", kn[i], pr[9 + i], pr[9 + i] ? (double)pr[3 + i] / pr[9 + i] : 0.0);
+        }
+        for (int i = 0; i <= A.n_layers * R_N + 15; ++i) st[i] = 0;
+      }
     }
   }
 #endif
@@ -578,13 +682,17 @@ void MegaPlan::release() {
   dev_ = cnt_ = nullptr;
 }
 
-static int mega_splits() { return std::max(1, std::min(64, env_int("DASLLAMA_CUDA_MEGA_SPLITS", 4))); }
+static int mega_splits() { return std::max(1, std::min(64, env_int("DASLLAMA_CUDA_MEGA_SPLITS", 16))); }
+static int mega_prefetch() { return std::max(0, env_int("DASLLAMA_CUDA_MEGA_PF", 0)); }
+static bool mega_rel() { return env_int("DASLLAMA_CUDA_MEGA_REL", 0) == 1; }
 
 bool MegaPlan::matches(const MegaShape& s, const std::vector<MegaLayer>& layers, const int32_t* pos, float* x,
                        float* q, float* k, float* v) const {
   return dev_ && layers.size() == layers_.size() && std::memcmp(&s, &shape_, sizeof s) == 0 &&
          std::memcmp(layers.data(), layers_.data(), layers.size() * sizeof(MegaLayer)) == 0 && a_.pos == pos &&
-         a_.x == x && a_.q == q && a_.k == k && a_.v == v && a_.splits == mega_splits();
+         a_.x == x && a_.q == q && a_.k == k && a_.v == v && a_.splits == mega_splits() &&
+         a_.prefetch == mega_prefetch() && a_.rel == mega_rel() && a_.trace == env_int("DASLLAMA_CUDA_MEGA_TRACE", -1) &&
+         a_.n_slots == std::min(slots_all_, std::max(2, env_int("DASLLAMA_CUDA_MEGA_SLOTS", kMaxSlots)));
 }
 
 const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLayer>& layers, const int32_t* pos,
@@ -633,17 +741,18 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
     tasks.insert(tasks.end(), per[b].begin(), per[b].end());
     max_nt = std::max(max_nt, per[b].size());
   }
-  const size_t fixed = ((max_nt + 3) & ~size_t(3)) * 4 + (size_t)L * 7 * 8 + 1024;
+  const size_t fixed = ((max_nt + 3) & ~size_t(3)) * 4 + (size_t)L * 7 * 8 + max_nt * 2 + 1024;
   if ((size_t)smem_optin <= fixed + 2 * (size_t)a.slot_bytes) throw Error("cuda mega: shared memory too small");
-  a.n_slots = (int)std::min<size_t>(kMaxSlots, ((size_t)smem_optin - fixed) / a.slot_bytes);
-  a.n_slots = std::min(a.n_slots, std::max(2, env_int("DASLLAMA_CUDA_MEGA_SLOTS", kMaxSlots)));
+  slots_all_ = (int)std::min<size_t>(kMaxSlots, ((size_t)smem_optin - fixed) / a.slot_bytes);
+  a.n_slots = std::min(slots_all_, std::max(2, env_int("DASLLAMA_CUDA_MEGA_SLOTS", kMaxSlots)));
 
   // Device memory: layers, task offsets, tasks, then the activations.
   auto al = [](size_t n) { return (n + 255) / 256 * 256; };
   const size_t b_layers = al(L * sizeof(MegaLayer)), b_off = al(off.size() * 4), b_tasks = al(tasks.size() * 4);
   const size_t b_xa = al(q8_row_bytes(s.dim)), b_aq = al(q8_row_bytes(s.q_dim)), b_hq = al(q8_row_bytes(s.ffn));
   const size_t b_h = al((size_t)s.ffn * 4), b_part = al((size_t)s.n_heads * splits * (s.head_dim + 2) * 4);
-  const size_t total = b_layers + b_off + b_tasks + 2 * b_xa + b_aq + b_hq + b_h + b_part;
+  const size_t b_stamps = al(((size_t)L * R_N + 16) * 8);
+  const size_t total = b_layers + b_off + b_tasks + 2 * b_xa + b_aq + b_hq + b_h + b_part + b_stamps;
   check(cudaMalloc(&dev_, total), "mega plan");
   uint8_t* p = static_cast<uint8_t*>(dev_);
   a.layers = reinterpret_cast<const MegaLayer*>(p);
@@ -660,7 +769,12 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
   a.aq = p, p += b_aq;
   a.hq = p, p += b_hq;
   a.h = reinterpret_cast<float*>(p), p += b_h;
-  a.part = reinterpret_cast<float*>(p);
+  a.part = reinterpret_cast<float*>(p), p += b_part;
+  a.stamps = reinterpret_cast<unsigned long long*>(p);
+  check(cudaMemsetAsync(p, 0, b_stamps, st), "mega plan");
+  a.prefetch = mega_prefetch();
+  a.rel = mega_rel();
+  a.trace = env_int("DASLLAMA_CUDA_MEGA_TRACE", -1);
   const int nr = (L * R_N + 1 + 31) & ~31;
   const int per_layer = 2 * s.n_heads + 2 * s.n_kv_heads + 2 * (s.dim / 32) + s.ffn / 32;
   cnt_bytes_ = ((size_t)nr + (size_t)L * per_layer) * 4;

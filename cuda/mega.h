@@ -45,6 +45,10 @@ struct MegaArgs {
   unsigned* cnt = nullptr;
   uint32_t slot_bytes = 0;
   int n_slots = 0;
+  bool rel = false;               // release / acquire atomics instead of fences
+  int prefetch = 0;               // weight tasks the loader asks into L2 ahead of its ring
+  int trace = -1;                 // >= 0: block 0 stamps when each op's input was ready, printed at this position
+  unsigned long long* stamps = nullptr;
 };
 
 // Why a chain cannot run here ("" when it can): types, head sizes, widths, shared memory.
@@ -71,6 +75,7 @@ class MegaPlan {
   MegaArgs a_{};
   int grid_ = 0;
   size_t smem_ = 0;
+  int slots_all_ = 0;  // the slots shared memory holds
   void* dev_ = nullptr;   // layers, tasks, scratch
   void* cnt_ = nullptr;   // counters (zeroed once; the kernel leaves them zero)
   size_t cnt_bytes_ = 0;

@@ -228,7 +228,7 @@ def test_mega_decode_chain_against_the_cpu(files, tmp_path, monkeypatch, kv):
     """DASLLAMA_CUDA_MEGA=1: a one-token step's dense layers run as one persistent kernel
     (cuda/mega.cu) whose sums run in another order than the op-by-op path's, so it is held to
     the reference as the q8 checks are: teacher-forced decode steps over a paged cache (40 to 190
-    rows, attention split 4 ways), q8_0 and q4_0, head sizes 32, 64 and 128; its q8-mode logits
+    rows, attention split 16 ways), q8_0 and q4_0, head sizes 32, 64 and 128; its q8-mode logits
     are at most twice as far from the CPU's fp32 ones (NMSE) as the CPU's own q8 mode, where a
     wrong op gives 1e-2 or more; and every layer of every step ran in the chain."""
     shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
