@@ -231,6 +231,100 @@ __device__ __forceinline__ void warp_dot(const uint8_t* tile, uint32_t rb, int c
 #pragma unroll
   for (int r = 0; r < NR; ++r) acc[r] = warp_sum(acc[r]);
 }
+// The same products for 16 rows (DASLLAMA_CUDA_MEGA_V=2): a chunk of up to 4 units' x loads
+// issued before any math (one trip to L2 a chunk instead of one every two units), and the 16
+// sums reduced and scattered in 16 shuffles instead of 80: on return lane L holds row L >> 1's
+// sum (both lanes of a pair).
+template <uint32_t T>
+__device__ __forceinline__ float warp_dot16(const uint8_t* tile, uint32_t rb, int cols, const uint8_t* x, int lane) {
+  constexpr int NR = 16, CH = T == T_Q8_0S ? 4 : 2;
+  const int8_t* xq = reinterpret_cast<const int8_t*>(x);
+  const float* xd = reinterpret_cast<const float*>(x + cols);
+  float acc[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+  if constexpr (T == T_Q8_0S) {
+    const int nu = cols / 16;
+    for (int u0 = lane; u0 < nu; u0 += 32 * CH) {
+      int4 xa[CH];
+      float dx[CH];
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const int u = u0 + 32 * c;
+        xa[c] = u < nu ? __ldcg(reinterpret_cast<const int4*>(xq + u * 16)) : make_int4(0, 0, 0, 0);
+        dx[c] = u < nu ? __ldcg(xd + (u >> 1)) : 0.f;
+      }
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const int u = u0 + 32 * c;
+        if (u >= nu) break;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* row = tile + r * rb;
+          const uint4 w = *reinterpret_cast<const uint4*>(row + u * 16);
+          const float dw = h2f(*reinterpret_cast<const uint16_t*>(row + cols + (u >> 1) * 2));
+          int sum = __dp4a((int)w.x, xa[c].x, 0);
+          sum = __dp4a((int)w.y, xa[c].y, sum);
+          sum = __dp4a((int)w.z, xa[c].z, sum);
+          sum = __dp4a((int)w.w, xa[c].w, sum);
+          acc[r] += (float)sum * __fmul_rn(dw, dx[c]);
+        }
+      }
+    }
+  } else {
+    const int32_t* xs = reinterpret_cast<const int32_t*>(x + cols + cols / 32 * 4);
+    const int nb = cols / 32;
+    for (int u0 = lane; u0 < nb; u0 += 32 * CH) {
+      int4 xa[CH], xb[CH];
+      float dx[CH];
+      int off[CH];
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const int u = u0 + 32 * c;
+        const bool ok = u < nb;
+        xa[c] = ok ? __ldcg(reinterpret_cast<const int4*>(xq + u * 32)) : make_int4(0, 0, 0, 0);
+        xb[c] = ok ? __ldcg(reinterpret_cast<const int4*>(xq + u * 32) + 1) : make_int4(0, 0, 0, 0);
+        dx[c] = ok ? __ldcg(xd + u) : 0.f;
+        off[c] = ok ? 8 * __ldcg(xs + u) : 0;
+      }
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const int u = u0 + 32 * c;
+        if (u >= nb) break;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* row = tile + r * rb;
+          const uint4 w = *reinterpret_cast<const uint4*>(row + u * 16);
+          const float dw = h2f(*reinterpret_cast<const uint16_t*>(row + cols / 2 + u * 2));
+          int sum = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa[c].x, 0);
+          sum = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa[c].y, sum);
+          sum = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa[c].z, sum);
+          sum = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa[c].w, sum);
+          sum = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb[c].x, sum);
+          sum = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb[c].y, sum);
+          sum = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb[c].z, sum);
+          sum = __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb[c].w, sum);
+          acc[r] += (float)(sum - off[c]) * __fmul_rn(dw, dx[c]);
+        }
+      }
+    }
+  }
+  // Reduce-scatter: at offset o the lanes with bit o keep the upper half of their rows and send
+  // the lower, the others the reverse; after offsets 16, 8, 4, 2 lane L holds a 16-lane partial of
+  // row (L >> 1), and offset 1 completes it.
+#pragma unroll
+  for (int h = NR / 2, o = 16; h >= 1; h >>= 1, o >>= 1) {
+    const bool up = (lane & o) != 0;
+#pragma unroll
+    for (int i = 0; i < h; ++i) {
+      const float send = up ? acc[i] : acc[i + h];
+      const float keep = up ? acc[i + h] : acc[i];
+      acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+  return acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 1);
+}
+
 // acc[lane] for lane < NR (a register array is not indexed by a variable).
 template <int NR>
 __device__ __forceinline__ float pick(const float (&acc)[NR], int lane) {
@@ -266,6 +360,21 @@ __device__ __forceinline__ void rope_head(float* v, const RopeParams& p, int64_t
   for (int i = lane; i < half; i += 32) {
     float c, s;
     rope_cs(p, pos, i, &c, &s);
+    const int i0 = p.neox ? i : 2 * i, i1 = p.neox ? i + half : 2 * i + 1;
+    float o0, o1;
+    rope_rot(__ldcg(v + i0), __ldcg(v + i1), c, s, &o0, &o1);
+    v[i0] = o0, v[i1] = o1;
+  }
+  __syncwarp();
+}
+
+// The same rotation with the angles' cos / sin read from the step's table (cs: [half][2]),
+// which the PRE tasks filled (DASLLAMA_CUDA_MEGA_V=2): the double-precision angles leave the
+// critical path.
+__device__ __forceinline__ void rope_head_cs(float* v, const RopeParams& p, const float* cs, int lane) {
+  const int half = p.n_rot / 2;
+  for (int i = lane; i < half; i += 32) {
+    const float c = __ldcg(cs + 2 * i), s = __ldcg(cs + 2 * i + 1);
     const int i0 = p.neox ? i : 2 * i, i1 = p.neox ? i + half : 2 * i + 1;
     float o0, o1;
     rope_rot(__ldcg(v + i0), __ldcg(v + i1), c, s, &o0, &o1);
@@ -524,27 +633,47 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
       unsigned* grp = C.group + (size_t)l * C.per_layer;
       unsigned* rdy = C.ready + (size_t)l * R_N;
       if (kind == K_PRE) {
+        if (A.v2) {
+          // The step's rope angles, every layer's pairs spread over the PRE tasks' lanes.
+          const int half = S.head_dim / 2, n_pre = S.dim / 32;
+          for (int e = (int)idx * 32 + lane; e < A.n_layers * half; e += n_pre * 32) {
+            const int ll = e / half, i = e % half;
+            const RopeParams& rp = A.layers[ll].rope;
+            if (2 * i >= rp.n_rot) continue;
+            float c, sn;
+            rope_cs(rp, A.pos[0], i, &c, &sn);
+            A.cs[2 * e] = c, A.cs[2 * e + 1] = sn;
+          }
+        }
         round_group(A.x, L.attn_norm, (int)idx, A.xa, S.dim, lane);
         signal(rdy + R_XA, lane, fc);
       } else if (kind == K_QKV) {
-        float acc[R_IN];
-        warp_dot<T, R_IN>(tile, A.rb_in, S.dim, A.xa, lane, acc);
         if (rms_key != (int)l * 2) rms = inv_rms(A.xa, S.dim, S.eps, lane), rms_key = (int)l * 2;
         int r0 = (int)idx * R_IN, m = 0;
         if (r0 >= S.q_dim + S.kv_dim) m = 2, r0 -= S.q_dim + S.kv_dim;
         else if (r0 >= S.q_dim) m = 1, r0 -= S.q_dim;
         float* dst = m == 0 ? A.q : m == 1 ? A.k : A.v;
-        const float y = pick<R_IN>(acc, lane);
-        if (lane < R_IN) dst[r0 + lane] = y * rms;
+        if (A.v2) {
+          const float y = warp_dot16<T>(tile, A.rb_in, S.dim, A.xa, lane);
+          if (!(lane & 1)) dst[r0 + (lane >> 1)] = y * rms;
+        } else {
+          float acc[R_IN];
+          warp_dot<T, R_IN>(tile, A.rb_in, S.dim, A.xa, lane, acc);
+          const float y = pick<R_IN>(acc, lane);
+          if (lane < R_IN) dst[r0 + lane] = y * rms;
+        }
         const int hh = r0 / S.head_dim;
         const int head = (m == 0 ? 0 : m == 1 ? S.n_heads : S.n_heads + S.n_kv_heads) + hh;
         if (arrive_last(grp + C.o_head + head, (unsigned)(S.head_dim / R_IN), lane, fc)) {
           const AttnArgs& a = *reinterpret_cast<const AttnArgs*>(A.blob + L.attn_off);
           const int64_t p = A.pos[0], hd = S.head_dim;
+          const float* cs = A.cs + (size_t)l * (S.head_dim / 2) * 2;
           if (m == 0) {
-            rope_head(A.q + hh * hd, L.rope, p, lane);
+            if (A.v2) rope_head_cs(A.q + hh * hd, L.rope, cs, lane);
+            else rope_head(A.q + hh * hd, L.rope, p, lane);
           } else {
-            if (m == 1) rope_head(A.k + hh * hd, L.rope, p, lane);
+            if (m == 1 && A.v2) rope_head_cs(A.k + hh * hd, L.rope, cs, lane);
+            else if (m == 1) rope_head(A.k + hh * hd, L.rope, p, lane);
             kv_store_slice(a.kv, a.n_kv - 1, m == 1 ? A.k : A.v, m == 2, hh * hd, (hh + 1) * hd, lane, 32);
           }
           signal(rdy + R_QKV, lane, fc);
@@ -553,25 +682,37 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
         const AttnArgs& a = *reinterpret_cast<const AttnArgs*>(A.blob + L.attn_off);
         att_task<KT, NI>(A, a, (int)idx / A.splits, (int)idx % A.splits, grp + C.o_att, rdy + R_ATT, lane, fc);
       } else if (kind == K_O) {
-        float acc[R_IN];
-        warp_dot<T, R_IN>(tile, A.rb_o, S.q_dim, A.aq, lane, acc);
         const int r0 = (int)idx * R_IN;
-        const float y = pick<R_IN>(acc, lane);
-        if (lane < R_IN) A.x[r0 + lane] = __ldcg(A.x + r0 + lane) + y;
+        if (A.v2) {
+          const float y = warp_dot16<T>(tile, A.rb_o, S.q_dim, A.aq, lane);
+          if (!(lane & 1)) A.x[r0 + (lane >> 1)] = __ldcg(A.x + r0 + (lane >> 1)) + y;
+        } else {
+          float acc[R_IN];
+          warp_dot<T, R_IN>(tile, A.rb_o, S.q_dim, A.aq, lane, acc);
+          const float y = pick<R_IN>(acc, lane);
+          if (lane < R_IN) A.x[r0 + lane] = __ldcg(A.x + r0 + lane) + y;
+        }
         if (arrive_last(grp + C.o_o + r0 / 32, 32 / R_IN, lane, fc)) {
           round_group(A.x, L.ffn_norm, r0 / 32, A.xb, S.dim, lane);
           signal(rdy + R_XB, lane, fc);
         }
       } else if (kind == K_GU) {
-        float acc[2 * R_GU];
-        warp_dot<T, 2 * R_GU>(tile, A.rb_in, S.dim, A.xb, lane, acc);
         if (rms_key != (int)l * 2 + 1) rms = inv_rms(A.xb, S.dim, S.eps, lane), rms_key = (int)l * 2 + 1;
         const int r0 = (int)idx * R_GU;
-        float g = 0.f, u = 0.f;
+        if (A.v2) {
+          // lane 2r holds gate row r (r < 8), lane 2r + 16 the matching up row
+          const float y = warp_dot16<T>(tile, A.rb_in, S.dim, A.xb, lane);
+          const float u = __shfl_down_sync(0xffffffffu, y, 16);
+          if (lane < 16 && !(lane & 1)) A.h[r0 + (lane >> 1)] = glu_value(S.act, y * rms, u * rms);
+        } else {
+          float acc[2 * R_GU];
+          warp_dot<T, 2 * R_GU>(tile, A.rb_in, S.dim, A.xb, lane, acc);
+          float g = 0.f, u = 0.f;
 #pragma unroll
-        for (int r = 0; r < R_GU; ++r)
-          if (lane == r) g = acc[r], u = acc[R_GU + r];
-        if (lane < R_GU) A.h[r0 + lane] = glu_value(S.act, g * rms, u * rms);
+          for (int r = 0; r < R_GU; ++r)
+            if (lane == r) g = acc[r], u = acc[R_GU + r];
+          if (lane < R_GU) A.h[r0 + lane] = glu_value(S.act, g * rms, u * rms);
+        }
         if (arrive_last(grp + C.o_h + r0 / 32, 32 / R_GU, lane, fc)) {
           round_group(A.h, nullptr, r0 / 32, A.hq, S.ffn, lane);
           signal(rdy + R_H, lane, fc);
@@ -685,13 +826,14 @@ void MegaPlan::release() {
 static int mega_splits() { return std::max(1, std::min(64, env_int("DASLLAMA_CUDA_MEGA_SPLITS", 16))); }
 static int mega_prefetch() { return std::max(0, env_int("DASLLAMA_CUDA_MEGA_PF", 0)); }
 static bool mega_rel() { return env_int("DASLLAMA_CUDA_MEGA_REL", 0) == 1; }
+static bool mega_v2() { return env_int("DASLLAMA_CUDA_MEGA_V", 1) == 2; }
 
 bool MegaPlan::matches(const MegaShape& s, const std::vector<MegaLayer>& layers, const int32_t* pos, float* x,
                        float* q, float* k, float* v) const {
   return dev_ && layers.size() == layers_.size() && std::memcmp(&s, &shape_, sizeof s) == 0 &&
          std::memcmp(layers.data(), layers_.data(), layers.size() * sizeof(MegaLayer)) == 0 && a_.pos == pos &&
          a_.x == x && a_.q == q && a_.k == k && a_.v == v && a_.splits == mega_splits() &&
-         a_.prefetch == mega_prefetch() && a_.rel == mega_rel() && a_.trace == env_int("DASLLAMA_CUDA_MEGA_TRACE", -1) &&
+         a_.prefetch == mega_prefetch() && a_.rel == mega_rel() && a_.v2 == mega_v2() && a_.trace == env_int("DASLLAMA_CUDA_MEGA_TRACE", -1) &&
          a_.n_slots == std::min(slots_all_, std::max(2, env_int("DASLLAMA_CUDA_MEGA_SLOTS", kMaxSlots)));
 }
 
@@ -752,7 +894,8 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
   const size_t b_xa = al(q8_row_bytes(s.dim)), b_aq = al(q8_row_bytes(s.q_dim)), b_hq = al(q8_row_bytes(s.ffn));
   const size_t b_h = al((size_t)s.ffn * 4), b_part = al((size_t)s.n_heads * splits * (s.head_dim + 2) * 4);
   const size_t b_stamps = al(((size_t)L * R_N + 16) * 8);
-  const size_t total = b_layers + b_off + b_tasks + 2 * b_xa + b_aq + b_hq + b_h + b_part + b_stamps;
+  const size_t b_cs = al((size_t)L * (s.head_dim / 2) * 2 * 4);
+  const size_t total = b_layers + b_off + b_tasks + 2 * b_xa + b_aq + b_hq + b_h + b_part + b_stamps + b_cs;
   check(cudaMalloc(&dev_, total), "mega plan");
   uint8_t* p = static_cast<uint8_t*>(dev_);
   a.layers = reinterpret_cast<const MegaLayer*>(p);
@@ -772,8 +915,11 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
   a.part = reinterpret_cast<float*>(p), p += b_part;
   a.stamps = reinterpret_cast<unsigned long long*>(p);
   check(cudaMemsetAsync(p, 0, b_stamps, st), "mega plan");
+  p += b_stamps;
+  a.cs = reinterpret_cast<float*>(p);
   a.prefetch = mega_prefetch();
   a.rel = mega_rel();
+  a.v2 = mega_v2();
   a.trace = env_int("DASLLAMA_CUDA_MEGA_TRACE", -1);
   const int nr = (L * R_N + 1 + 31) & ~31;
   const int per_layer = 2 * s.n_heads + 2 * s.n_kv_heads + 2 * (s.dim / 32) + s.ffn / 32;

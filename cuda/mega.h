@@ -46,6 +46,8 @@ struct MegaArgs {
   uint32_t slot_bytes = 0;
   int n_slots = 0;
   bool rel = false;               // release / acquire atomics instead of fences
+  bool v2 = false;                // DASLLAMA_CUDA_MEGA_V=2: the trial task bodies (mega.cu)
+  float* cs = nullptr;            // the step's rope cos / sin, [layer][head_dim / 2][2] (v2)
   int prefetch = 0;               // weight tasks the loader asks into L2 ahead of its ring
   int trace = -1;                 // >= 0: block 0 stamps when each op's input was ready, printed at this position
   unsigned long long* stamps = nullptr;
