@@ -395,8 +395,9 @@ __device__ __forceinline__ float kv_ld(const uint8_t* r, int d) {
 }
 
 // Split s of head h's attention (one query row), by a warp: partial (m, l, acc) into part;
-// the head's last split merges them into the O projection's q8 input.
-template <int KT, int NI>
+// the head's last split merges them into the O projection's q8 input. KB keys' loads a round
+// (the trial bodies take 8: a split of a few keys in one trip to memory).
+template <int KT, int NI, int KB = cuda::KB>
 __device__ void att_task(const MegaArgs& A, const AttnArgs& a, int h, int s, unsigned* hcnt, unsigned* ready,
                          int lane, Sync& fc) {
   const int hd = A.s.head_dim, S = A.splits;
@@ -680,7 +681,8 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
         }
       } else if (kind == K_ATT) {
         const AttnArgs& a = *reinterpret_cast<const AttnArgs*>(A.blob + L.attn_off);
-        att_task<KT, NI>(A, a, (int)idx / A.splits, (int)idx % A.splits, grp + C.o_att, rdy + R_ATT, lane, fc);
+        if (A.v2) att_task<KT, NI, 8>(A, a, (int)idx / A.splits, (int)idx % A.splits, grp + C.o_att, rdy + R_ATT, lane, fc);
+        else att_task<KT, NI>(A, a, (int)idx / A.splits, (int)idx % A.splits, grp + C.o_att, rdy + R_ATT, lane, fc);
       } else if (kind == K_O) {
         const int r0 = (int)idx * R_IN;
         if (A.v2) {
