@@ -664,6 +664,18 @@ class CudaBackend final : public Backend {
     for (int k = 0; k < i; ++k) r += std::max<int64_t>(a[k].n_tok, 0);
     return r;
   }
+  // Whether a plain dense layer's seven weights are loaded, not kept exact, and share one type
+  // (into type): what the fused kernels take.
+  static bool layer_type(const DecodeLayer& l, uint32_t& type) {
+    const Weight* ws[7] = {l.wq, l.wk, l.wv, l.wo, l.gate, l.up, l.down};
+    for (int i = 0; i < 7; ++i) {
+      if (!ws[i]->data || ws[i]->exact) return false;
+      const uint32_t t = mat(*ws[i]).type;
+      if (i > 0 && t != type) return false;
+      type = t;
+    }
+    return true;
+  }
   // A plain dense layer's one-token decode step as one persistent kernel (cuda/fused.cu), in
   // q8 mode on the split q8_0 / q4_0 layouts, inside a recorded step. Its output equals the
   // op-by-op path's bit for bit, but on the H200 it decodes slower so far (Llama-1B Q8_0: 570
@@ -676,12 +688,7 @@ class CudaBackend final : public Backend {
     const AttnArgs& a = l.attn;
     const Weight* ws[7] = {l.wq, l.wk, l.wv, l.wo, l.gate, l.up, l.down};
     uint32_t type = 0;
-    for (int i = 0; i < 7; ++i) {
-      if (!ws[i]->data || ws[i]->exact) return false;
-      const uint32_t t = mat(*ws[i]).type;
-      if (i > 0 && t != type) return false;
-      type = t;
-    }
+    if (!layer_type(l, type)) return false;
     const int64_t q_dim = (int64_t)a.n_heads * a.head_dim, kv_dim = (int64_t)a.n_kv_heads * a.head_dim;
     if (!cuda::fused_layer_fits(type, a.head_dim, a.kv.type, l.dim, q_dim)) return false;
     const int64_t F = l.gate->rows;
@@ -770,12 +777,7 @@ class CudaBackend final : public Backend {
     const AttnArgs& a = l.attn;
     const Weight* ws[7] = {l.wq, l.wk, l.wv, l.wo, l.gate, l.up, l.down};
     uint32_t type = 0;
-    for (int i = 0; i < 7; ++i) {
-      if (!ws[i]->data || ws[i]->exact) return false;
-      const uint32_t t = mat(*ws[i]).type;
-      if (i > 0 && t != type) return false;
-      type = t;
-    }
+    if (!layer_type(l, type)) return false;
     cuda::MegaShape sh;
     std::memset(static_cast<void*>(&sh), 0, sizeof sh);  // padding too: compared and signed as bytes
     sh.type = type, sh.dim = (int)l.dim, sh.n_heads = a.n_heads, sh.n_kv_heads = a.n_kv_heads;

@@ -31,6 +31,7 @@
 #include "attn.cuh"
 #include "common.cuh"
 #include "dequant.cuh"
+#include "gemv_q8.cuh"
 #include "kernels.h"
 #include "mega.h"
 #include "rope.cuh"
@@ -195,11 +196,7 @@ __device__ __forceinline__ void warp_dot(const uint8_t* tile, uint32_t rb, int c
         const uint8_t* row = tile + r * rb;
         const uint4 w = *reinterpret_cast<const uint4*>(row + u * 16);
         const float dw = h2f(*reinterpret_cast<const uint16_t*>(row + cols + (u >> 1) * 2));
-        int s = __dp4a((int)w.x, xa.x, 0);
-        s = __dp4a((int)w.y, xa.y, s);
-        s = __dp4a((int)w.z, xa.z, s);
-        s = __dp4a((int)w.w, xa.w, s);
-        acc[r] += (float)s * __fmul_rn(dw, dx);
+        acc[r] += (float)dot_q8_unit(w, xa) * __fmul_rn(dw, dx);
       }
     }
   } else {  // T_Q4_0S: a 16-byte unit is a block of 32
@@ -216,15 +213,7 @@ __device__ __forceinline__ void warp_dot(const uint8_t* tile, uint32_t rb, int c
         const uint8_t* row = tile + r * rb;
         const uint4 w = *reinterpret_cast<const uint4*>(row + u * 16);
         const float dw = h2f(*reinterpret_cast<const uint16_t*>(row + cols / 2 + u * 2));
-        int s = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa.x, 0);
-        s = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa.y, s);
-        s = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa.z, s);
-        s = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa.w, s);
-        s = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb.x, s);
-        s = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb.y, s);
-        s = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb.z, s);
-        s = __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb.w, s);
-        acc[r] += (float)(s - off) * __fmul_rn(dw, dx);
+        acc[r] += (float)(dot_q4_unit(w, xa, xb) - off) * __fmul_rn(dw, dx);
       }
     }
   }
@@ -263,11 +252,7 @@ __device__ __forceinline__ float warp_dot16(const uint8_t* tile, uint32_t rb, in
           const uint8_t* row = tile + r * rb;
           const uint4 w = *reinterpret_cast<const uint4*>(row + u * 16);
           const float dw = h2f(*reinterpret_cast<const uint16_t*>(row + cols + (u >> 1) * 2));
-          int sum = __dp4a((int)w.x, xa[c].x, 0);
-          sum = __dp4a((int)w.y, xa[c].y, sum);
-          sum = __dp4a((int)w.z, xa[c].z, sum);
-          sum = __dp4a((int)w.w, xa[c].w, sum);
-          acc[r] += (float)sum * __fmul_rn(dw, dx[c]);
+          acc[r] += (float)dot_q8_unit(w, xa[c]) * __fmul_rn(dw, dx[c]);
         }
       }
     }
@@ -296,15 +281,7 @@ __device__ __forceinline__ float warp_dot16(const uint8_t* tile, uint32_t rb, in
           const uint8_t* row = tile + r * rb;
           const uint4 w = *reinterpret_cast<const uint4*>(row + u * 16);
           const float dw = h2f(*reinterpret_cast<const uint16_t*>(row + cols / 2 + u * 2));
-          int sum = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa[c].x, 0);
-          sum = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa[c].y, sum);
-          sum = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa[c].z, sum);
-          sum = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa[c].w, sum);
-          sum = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb[c].x, sum);
-          sum = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb[c].y, sum);
-          sum = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb[c].z, sum);
-          sum = __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb[c].w, sum);
-          acc[r] += (float)(sum - off[c]) * __fmul_rn(dw, dx[c]);
+          acc[r] += (float)(dot_q4_unit(w, xa[c], xb[c]) - off[c]) * __fmul_rn(dw, dx[c]);
         }
       }
     }
