@@ -42,7 +42,11 @@ and "old": all of them off, the stream before this work (but for the q4_0 split 
 DASLLAMA_VULKAN_SPLIT=0 turns off with q8_0's). --ctx
 2048 makes the attention split matter more. Per-shader GPU time: run one
 configuration with DASLLAMA_VULKAN_PROFILE=1 set (each command behind a barrier and no replay
-there; the children's stderr, where the profile is printed, passes through).
+there; the children's stderr, where the profile is printed, passes through). The process's table
+sums every prefill and step, a slow one's too (the nineteenth session's F16 table on the H200
+summed ~2.5x the GPU time its best pp512 could have taken, see RESULTS.md);
+DASLLAMA_VULKAN_PROFILE=each (each=8: a table's 8 costliest shaders) adds a table per
+submission (a prefill or a step is one), each headed by what it was.
 """
 from __future__ import annotations
 
@@ -112,23 +116,35 @@ CONFIGS = {
 def child(path: str, device: str, ctx: int, steps: int, pp: int) -> dict:
     import dasllama as d
 
+    # DASLLAMA_VULKAN_PROFILE=each prints a table per submission (a prefill or a step is one):
+    # each is headed here by what it was, so a slow first prefill shows apart from the rest.
+    each = os.environ.get("DASLLAMA_VULKAN_PROFILE", "").startswith("each")
+
+    def mark(what: str) -> None:
+        if each:
+            print(f"profile_vulkan: next submission: {what}", file=sys.stderr, flush=True)
+
     m = d.load_model(path, device=device)
     s = d.create_session(m, n_ctx=ctx + steps + 8)
+    mark(f"prefill of {ctx}")
     d.eval(m, s, [3 + i % 1000 for i in range(ctx)])
     times = []
     for i in range(steps):
+        mark(f"decode step {i}")
         t = time.perf_counter()
         d.eval(m, s, [5 + i % 1000])
         times.append(time.perf_counter() - t)
     out = {"step_ms": statistics.median(times[2:] if steps > 4 else times) * 1e3}
     if pp:
-        best = 1e9
-        for _ in range(3):
+        each_ms = []
+        for r in range(3):
             s = d.create_session(m, n_ctx=pp + 8)
+            mark(f"pp{pp} prefill {r}")
             t = time.perf_counter()
             d.eval(m, s, [3 + i % 1000 for i in range(pp)])
-            best = min(best, time.perf_counter() - t)
-        out["pp_tps"] = pp / best
+            each_ms.append((time.perf_counter() - t) * 1e3)
+        out["pp_tps"] = pp / (min(each_ms) * 1e-3)
+        out["pp_ms"] = [round(x, 2) for x in each_ms]  # each round's wall time: the first is often slower
     return out
 
 

@@ -939,23 +939,49 @@ class Ctx {
       return;
     const uint64_t mask = ts_bits_ >= 64 ? ~uint64_t(0) : (uint64_t(1) << ts_bits_) - 1;
     // Gaps after a transfer (uploads between dispatches) are charged to the next dispatch.
+    std::map<std::string, std::pair<double, uint64_t>> sub;  // this submission's, for =each
     for (size_t i = 0; i < stamped_.size(); ++i) {
+      const double ns = (double)((t[i + 1] - t[i]) & mask) * props_.limits.timestampPeriod;
       auto& e = prof_[stamped_[i]];
-      e.first += (double)((t[i + 1] - t[i]) & mask) * props_.limits.timestampPeriod;
-      e.second += 1;
+      e.first += ns, e.second += 1;
+      if (prof_each_) {
+        auto& f = sub[stamped_[i]];
+        f.first += ns, f.second += 1;
+      }
     }
+    if (prof_each_) {
+      char head[96];
+      std::snprintf(head, sizeof head, "vulkan profile, submission %llu (%zu dispatches)",
+                    (unsigned long long)prof_subs_, stamped_.size());
+      print_shaders(head, sub, prof_each_);
+    }
+    ++prof_subs_;
     stamped_.clear();
   }
-  void print_profile() const {
-    std::vector<std::pair<std::string, std::pair<double, uint64_t>>> v(prof_.begin(), prof_.end());
+  // DASLLAMA_VULKAN_PROFILE=each: every submission's own table as well (a prefill or a step is
+  // one while profiling), so one slow prefill shows apart from the others instead of raising the
+  // process's averages; each=N: only the N most costly shaders of each.
+  static size_t profile_each() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_PROFILE");
+    if (!e || std::strncmp(e, "each", 4) != 0) return 0;
+    return e[4] == '=' ? std::max<size_t>(1, std::strtoul(e + 5, nullptr, 10)) : SIZE_MAX;
+  }
+  void print_shaders(const char* head, const std::map<std::string, std::pair<double, uint64_t>>& m,
+                     size_t top = SIZE_MAX) const {
+    std::vector<std::pair<std::string, std::pair<double, uint64_t>>> v(m.begin(), m.end());
     std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
     double total = 0;
     for (const auto& e : v) total += e.second.first;
-    std::fprintf(stderr, "vulkan profile (%s): %.3f ms in dispatches; %llu unmeasured\n", props_.deviceName,
-                 total * 1e-6, (unsigned long long)unmeasured_);
-    for (const auto& e : v)
-      std::fprintf(stderr, "  %-22s %10.3f ms %8llu calls %9.2f us/call\n", e.first.c_str(), e.second.first * 1e-6,
-                   (unsigned long long)e.second.second, e.second.first * 1e-3 / (double)e.second.second);
+    std::fprintf(stderr, "%s: %.3f ms in dispatches\n", head, total * 1e-6);
+    for (size_t i = 0; i < v.size() && i < top; ++i)
+      std::fprintf(stderr, "  %-22s %10.3f ms %8llu calls %9.2f us/call\n", v[i].first.c_str(),
+                   v[i].second.first * 1e-6, (unsigned long long)v[i].second.second,
+                   v[i].second.first * 1e-3 / (double)v[i].second.second);
+  }
+  void print_profile() const {
+    const std::string head = std::string("vulkan profile (") + props_.deviceName + ", " + std::to_string(prof_subs_) +
+                             " submissions; " + std::to_string(unmeasured_) + " unmeasured)";
+    print_shaders(head.c_str(), prof_);
   }
   // Before recording a command: a barrier if it depends on a command since the last one (its
   // uses, taken from next_, against pending_), then its uses join pending_.
@@ -1151,6 +1177,8 @@ class Ctx {
   std::vector<std::string> stamped_;    // the shader of each timestamp after the first, this submit
   std::map<std::string, std::pair<double, uint64_t>> prof_;  // shader: (ns, dispatches)
   uint64_t unmeasured_ = 0;
+  uint64_t prof_subs_ = 0;                        // submissions read back
+  const size_t prof_each_ = profile_each();       // DASLLAMA_VULKAN_PROFILE=each[=N]
   std::unordered_map<std::string, VkPipeline> pipes_;
   std::map<uint64_t, Alloc> live_;
   std::vector<std::pair<Alloc, uint64_t>> grave_;  // freed once that submission has run
