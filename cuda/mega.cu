@@ -570,34 +570,44 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
     if (tr && warp == 0 && lane == 0) A.stamps[A.n_layers * R_N] = now_ns();
     Sync fc;
     fc.rel = A.rel;
-    long long pw[3] = {0, 0, 0}, pb[6] = {0, 0, 0, 0, 0, 0};  // profile (lane 0): fences; waits; bodies
+    // The profile (DASLLAMA_CUDA_MEGA_TRACE; lane 0): waits, and bodies and counts by kind.
+    const bool prof = A.trace >= 0;
+    long long pw[2] = {0, 0}, pb[6] = {0, 0, 0, 0, 0, 0};
     int pn[6] = {0, 0, 0, 0, 0, 0};
     int sat = -1;  // the highest ready counter this warp knows complete (they complete in order)
     int rms_key = -1;
     float rms = 1.f;
     const unsigned n_qkv = S.n_heads + 2 * S.n_kv_heads;
-    const unsigned target[R_N] = {(unsigned)S.dim / 32, n_qkv, (unsigned)S.n_heads, (unsigned)S.dim / 32,
-                                  (unsigned)S.ffn / 32};
+    // Groups an op's input has when complete (by the dependency's index: a switch, not an array
+    // a variable indexes, which would live in local memory).
+    auto target = [&](int dep) -> unsigned {
+      switch (dep) {
+        case R_XA: case R_XB: return (unsigned)S.dim / 32;
+        case R_QKV: return n_qkv;
+        case R_ATT: return (unsigned)S.n_heads;
+        default: return (unsigned)S.ffn / 32;
+      }
+    };
     for (;;) {
       int k = 0;
       if (lane == 0) k = atomicAdd(&next, 1);
       k = __shfl_sync(0xffffffffu, k, 0);
       if (k >= (int)nt) break;
       const uint32_t w = tl[k], kind = w >> 29, l = (w >> 20) & 511, idx = w & 0xFFFFF;
-      // The input this task reads: ready counter l * R_N + dep, complete at target[dep].
+      // The input this task reads: ready counter l * R_N + dep, complete at target(dep).
       const int dep = kind == K_QKV ? R_XA : kind == K_ATT ? R_QKV : kind == K_O ? R_ATT : kind == K_GU ? R_XB : R_H;
-      long long tk = clock64();
+      long long tk = prof ? clock64() : 0;
       if (kind != K_PRE) {
         const int ri = (int)l * R_N + dep;
         if (ri > sat) sat = max(sat, *reinterpret_cast<volatile int*>(&bsat));
         if (ri > sat) {
-          wait_ready(C.ready + ri, target[dep], lane, A.rel);
+          wait_ready(C.ready + ri, target(dep), lane, A.rel);
           if (tr && lane == 0 && A.stamps[ri] == 0) A.stamps[ri] = now_ns();
           sat = ri;
           if (lane == 0) atomicMax(&bsat, ri);
         }
       }
-      pw[0] += clock64() - tk, tk = clock64();
+      if (prof) pw[0] += clock64() - tk, tk = clock64();
       const int j = sq[k];  // this task's place among the block's weight tasks (-1: none)
       const int s = j >= 0 ? j % NS : 0;
       if (j >= 0) {
@@ -605,7 +615,7 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
         }
         mbar_wait(&full[s], (j / NS) & 1);
       }
-      pw[1] += clock64() - tk, tk = clock64();
+      if (prof) pw[1] += clock64() - tk, tk = clock64();
       const uint8_t* tile = sm + (size_t)s * SB;
       const MegaLayer& L = A.layers[l];
       unsigned* grp = C.group + (size_t)l * C.per_layer;
@@ -712,9 +722,9 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
       }
       __syncwarp();
       if (j >= 0 && lane == 0) mbar_arrive(&empty[s]);
-      pb[kind] += clock64() - tk, ++pn[kind];
+      if (prof) pb[kind] += clock64() - tk, ++pn[kind];
     }
-    if (A.trace >= 0 && lane == 0) {
+    if (prof && lane == 0) {
       unsigned long long* pr = A.stamps + A.n_layers * R_N + 1;
       atomicAdd(pr, (unsigned long long)fc.fc);
       atomicAdd(pr + 1, (unsigned long long)pw[0]);
