@@ -784,6 +784,8 @@ class CudaBackend final : public Backend {
     sh.head_dim = a.head_dim, sh.q_dim = a.n_heads * a.head_dim, sh.kv_dim = a.n_kv_heads * a.head_dim;
     sh.ffn = (int)l.gate->rows, sh.kv = a.kv.type, sh.eps = l.eps, sh.act = cuda::act_code(l.act);
     if (*cuda::mega_unfit(sh, prop_.major)) return false;
+    const int max_layers = cuda::mega_max_layers(sh, prop_.multiProcessorCount, (int)prop_.sharedMemPerBlockOptin);
+    if (max_layers < 1) return false;
     if (a.n_tok != 1 || a.n_kv < 1 || a.sinks || a.q_stride != sh.q_dim || l.rope.n_rot <= 0 ||
         l.rope.n_rot > a.head_dim || l.rope.n_rot % 2 != 0 || l.act == Act::swiglu_oai)
       return false;
@@ -805,7 +807,7 @@ class CudaBackend final : public Backend {
     float* q = const_cast<float*>(a.q);
     MegaChain* c = chains_.empty() ? nullptr : chains_.back().get();
     if (!c || c->at + 1 != ops_.size() || std::memcmp(&c->s, &sh, sizeof sh) != 0 || c->pos != l.pos ||
-        c->x != l.x || c->q != q || c->k != l.k || c->v != l.v) {
+        c->x != l.x || c->q != q || c->k != l.k || c->v != l.v || (int)c->layers.size() >= max_layers) {
       auto nc = std::make_shared<MegaChain>();
       nc->s = sh, nc->pos = l.pos, nc->x = l.x, nc->q = q, nc->k = l.k, nc->v = l.v;
       sig1(Tag::mega), sig1(l.pos), sig1(l.x), sig1(q), sig1(l.k), sig1(l.v);

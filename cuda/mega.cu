@@ -791,8 +791,41 @@ int env_int(const char* name, int dflt) {
   const char* e = std::getenv(name);
   return e && *e ? std::atoi(e) : dflt;
 }
+int mega_splits() { return std::max(1, std::min(64, env_int("DASLLAMA_CUDA_MEGA_SPLITS", 16))); }
 
 }  // namespace
+
+namespace {
+// Row bytes, the slot's size and down's rows a task, from the shape.
+void layout(const MegaShape& s, MegaArgs& a) {
+  const uint32_t t = s.type == T_Q8_0S ? 8 : 2;  // GGML's Q8_0 / Q4_0
+  a.rb_in = (uint32_t)split_row_bytes(t, s.dim);
+  a.rb_o = (uint32_t)split_row_bytes(t, s.q_dim);
+  a.rb_d = (uint32_t)split_row_bytes(t, s.ffn);
+  a.slot_bytes = (uint32_t)((R_IN * std::max(a.rb_in, a.rb_o) + 127) / 128 * 128);
+  a.r_dn = 16;
+  while (a.r_dn > 1 && (size_t)a.r_dn * a.rb_d > a.slot_bytes) a.r_dn /= 2;
+  if ((size_t)a.r_dn * a.rb_d > a.slot_bytes) a.slot_bytes = (uint32_t)((a.rb_d + 127) / 128 * 128);
+}
+// Shared memory besides the slots: the block's task list, their slot numbers, the layers' weight
+// pointers, and a margin.
+size_t fixed_smem(size_t max_nt, int L) { return ((max_nt + 3) & ~size_t(3)) * 4 + (size_t)L * 7 * 8 + max_nt * 2 + 1024; }
+}  // namespace
+
+int mega_max_layers(const MegaShape& s, int sms, int smem_optin) {
+  MegaArgs a{};
+  layout(s, a);
+  if (a.rb_in % 16 || a.rb_o % 16 || a.rb_d % 16 || sms < 1) return 0;
+  const size_t per = (size_t)(s.q_dim + 2 * s.kv_dim) / R_IN + (size_t)s.n_heads * mega_splits() + s.dim / R_IN +
+                     s.ffn / R_GU + s.dim / a.r_dn;
+  int L = 0;
+  while (L < 511) {  // the task word's layer field
+    const size_t total = s.dim / 32 + per * (L + 1), max_nt = (total + sms - 1) / sms;
+    if (fixed_smem(max_nt, L + 1) + 2 * (size_t)a.slot_bytes > (size_t)smem_optin) break;
+    ++L;
+  }
+  return L;
+}
 
 const char* mega_unfit(const MegaShape& s, int sm_major) {
   if (sm_major < 9) return "needs sm_90 (bulk copies, mbarriers)";
@@ -812,7 +845,6 @@ void MegaPlan::release() {
   dev_ = cnt_ = nullptr;
 }
 
-static int mega_splits() { return std::max(1, std::min(64, env_int("DASLLAMA_CUDA_MEGA_SPLITS", 16))); }
 static int mega_prefetch() { return std::max(0, env_int("DASLLAMA_CUDA_MEGA_PF", 0)); }
 static bool mega_rel() { return env_int("DASLLAMA_CUDA_MEGA_REL", 0) == 1; }
 static bool mega_v2() { return env_int("DASLLAMA_CUDA_MEGA_V", 1) == 2; }
@@ -841,14 +873,7 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
   const int L = (int)layers.size();
   MegaArgs a{};
   a.s = s, a.n_layers = L, a.splits = splits, a.pos = pos, a.x = x, a.q = q, a.k = k, a.v = v;
-  a.rb_in = (uint32_t)split_row_bytes(s.type == T_Q8_0S ? 8 : 2, s.dim);
-  a.rb_o = (uint32_t)split_row_bytes(s.type == T_Q8_0S ? 8 : 2, s.q_dim);
-  a.rb_d = (uint32_t)split_row_bytes(s.type == T_Q8_0S ? 8 : 2, s.ffn);
-  if (a.rb_in % 16 || a.rb_o % 16 || a.rb_d % 16) throw Error("cuda mega: rows not 16-byte multiples");
-  a.slot_bytes = (uint32_t)((R_IN * std::max(a.rb_in, a.rb_o) + 127) / 128 * 128);
-  a.r_dn = 16;
-  while (a.r_dn > 1 && (size_t)a.r_dn * a.rb_d > a.slot_bytes) a.r_dn /= 2;
-  if ((size_t)a.r_dn * a.rb_d > a.slot_bytes) a.slot_bytes = (uint32_t)((a.rb_d + 127) / 128 * 128);
+  layout(s, a);
 
   // Tasks in op order, dealt round the blocks.
   grid_ = sms;
@@ -872,8 +897,8 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
     tasks.insert(tasks.end(), per[b].begin(), per[b].end());
     max_nt = std::max(max_nt, per[b].size());
   }
-  const size_t fixed = ((max_nt + 3) & ~size_t(3)) * 4 + (size_t)L * 7 * 8 + max_nt * 2 + 1024;
-  if ((size_t)smem_optin <= fixed + 2 * (size_t)a.slot_bytes) throw Error("cuda mega: shared memory too small");
+  const size_t fixed = fixed_smem(max_nt, L);
+  if ((size_t)smem_optin < fixed + 2 * (size_t)a.slot_bytes) throw Error("cuda mega: shared memory too small");
   slots_all_ = (int)std::min<size_t>(kMaxSlots, ((size_t)smem_optin - fixed) / a.slot_bytes);
   a.n_slots = std::min(slots_all_, std::max(2, env_int("DASLLAMA_CUDA_MEGA_SLOTS", kMaxSlots)));
 

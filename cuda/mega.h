@@ -53,8 +53,11 @@ struct MegaArgs {
   unsigned long long* stamps = nullptr;
 };
 
-// Why a chain cannot run here ("" when it can): types, head sizes, widths, shared memory.
+// Why a chain cannot run here ("" when it can): types, head sizes, widths.
 const char* mega_unfit(const MegaShape& s, int sm_major);
+// How many layers of this shape one chain's shared memory takes (its ring of two slots at
+// least, and every block's task list); 0: not one.
+int mega_max_layers(const MegaShape& s, int sms, int smem_optin);
 
 // The device plan of a chain: tasks per block, the layers, scratch and counters. Built once
 // for a chain's pointers and shapes, kept while they hold.
