@@ -73,26 +73,6 @@ __device__ __forceinline__ void load_units(const uint8_t* base, size_t rb, int64
     }
 }
 
-// A 16-byte unit's int8 dot product with the token's quants: 16 q8_0 weights against 16 of x,
-// or a whole q4_0 block (the low nibbles against x's first 16, the high against the next 16;
-// the caller subtracts 8 times x's quant sum).
-__device__ __forceinline__ int dot_q8_unit(const uint4& w, const int4& xa) {
-  int s = __dp4a((int)w.x, xa.x, 0);
-  s = __dp4a((int)w.y, xa.y, s);
-  s = __dp4a((int)w.z, xa.z, s);
-  return __dp4a((int)w.w, xa.w, s);
-}
-__device__ __forceinline__ int dot_q4_unit(const uint4& w, const int4& xa, const int4& xb) {
-  int s = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa.x, 0);
-  s = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa.y, s);
-  s = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa.z, s);
-  s = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa.w, s);
-  s = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb.x, s);
-  s = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb.y, s);
-  s = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb.z, s);
-  return __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb.w, s);
-}
-
 // Where the GEMV reads its quantized activations: through the read-only path (written by an
 // earlier kernel), from shared memory, or from L2 (written earlier in the same kernel by other
 // blocks, so L1 may hold stale lines).
@@ -153,7 +133,10 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int64_t 
           const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr));
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            const int s = dot_q8_unit(q[k][r], xa);
+            int s = __dp4a((int)q[k][r].x, xa.x, 0);
+            s = __dp4a((int)q[k][r].y, xa.y, s);
+            s = __dp4a((int)q[k][r].z, xa.z, s);
+            s = __dp4a((int)q[k][r].w, xa.w, s);
             acc[r][t] += (float)s * __fmul_rn(d[k][r], dx);
           }
         } else {
@@ -162,7 +145,15 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int64_t 
           const int off = 8 * xload<XL>(j.xs + t * nb + b);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            const int s = dot_q4_unit(q[k][r], xa, xb);
+            const uint4 w = q[k][r];
+            int s = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa.x, 0);
+            s = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa.y, s);
+            s = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa.z, s);
+            s = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa.w, s);
+            s = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb.x, s);
+            s = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb.y, s);
+            s = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb.z, s);
+            s = __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb.w, s);
             acc[r][t] += (float)(s - off) * __fmul_rn(d[k][r], dx);
           }
         }

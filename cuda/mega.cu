@@ -31,7 +31,6 @@
 #include "attn.cuh"
 #include "common.cuh"
 #include "dequant.cuh"
-#include "gemv_q8.cuh"
 #include "kernels.h"
 #include "mega.h"
 #include "rope.cuh"
@@ -176,6 +175,27 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
 }
 
 // ---- the pieces of a task ----
+// A 16-byte unit's int8 dot product (the arithmetic of gemv_q8.cuh's gemv_q8_block, which keeps
+// its own copy as the H200 last ran it) with the token's quants: 16 q8_0 weights against 16 of x,
+// or a whole q4_0 block (the low nibbles against x's first 16, the high against the next 16;
+// the caller subtracts 8 times x's quant sum).
+__device__ __forceinline__ int dot_q8_unit(const uint4& w, const int4& xa) {
+  int s = __dp4a((int)w.x, xa.x, 0);
+  s = __dp4a((int)w.y, xa.y, s);
+  s = __dp4a((int)w.z, xa.z, s);
+  return __dp4a((int)w.w, xa.w, s);
+}
+__device__ __forceinline__ int dot_q4_unit(const uint4& w, const int4& xa, const int4& xb) {
+  int s = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa.x, 0);
+  s = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa.y, s);
+  s = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa.z, s);
+  s = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa.w, s);
+  s = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb.x, s);
+  s = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb.y, s);
+  s = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb.z, s);
+  return __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb.w, s);
+}
+
 // acc[r] = the dot product of tile row r (shared memory, rb apart, the split layout) with the
 // q8 row x (global, written in this kernel: read past L1), on every lane.
 template <uint32_t T, int NR>

@@ -430,8 +430,8 @@ def _env(name: str, value: str):
 
 
 def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.q8) -> None:
-    """Speculated steps (the default; DASLLAMA_SPECULATE=0 turns them off): an eval_batch decode step records the next one (the same sessions,
-    one token each) for the device to run from, so the next call only uploads its ids. The
+    """Speculated steps (the default; DASLLAMA_SPECULATE=0 turns them off): an eval_batch decode
+    step records the next one (the same sessions, one token each) for the device to run from, so the next call only uploads its ids. The
     logits, positions and histories must be those of the plain steps bit for bit, however the
     next call differs from the one recorded: a session left out, one rewound inside its page, an
     eval of another session or of one of theirs between steps, token embeddings made between
@@ -528,8 +528,8 @@ def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.
 
 
 def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
-    """The serving loop (BatchStepper) over paged sessions with speculated steps (the default): streams of
-    different lengths, greedy and sampled, started at different steps, give the tokens of the
+    """The serving loop (BatchStepper) over paged sessions with speculated steps (the default):
+    streams of different lengths, greedy and sampled, started at different steps, give the tokens of the
     plain loop, and some of its steps ran from their speculated recording."""
     from dasllama.llm import BatchStepper
 
