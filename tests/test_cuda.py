@@ -230,8 +230,8 @@ def test_mega_decode_chain_against_the_cpu(files, tmp_path, monkeypatch, kv):
     the reference as the q8 checks are: teacher-forced decode steps over a paged cache (40 to 190
     rows, attention split 16 ways), q8_0 and q4_0, head sizes 32, 64 and 128; its q8-mode logits
     are at most twice as far from the CPU's fp32 ones (NMSE) as the CPU's own q8 mode, where a
-    wrong op gives 1e-2 or more; and every layer of every step ran in the chain. The same for the
-    trial task bodies (DASLLAMA_CUDA_MEGA_V=2)."""
+    wrong op gives 1e-2 or more; and every layer of every step ran in the chain. The same with
+    every task done by the whole block (DASLLAMA_CUDA_MEGA_V=3)."""
     shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
               "hd128": _llama_file(tmp_path, 512, 4, 2, 1536)}
     ids = [1] + np.random.default_rng(6).integers(3, E.VOCAB, 189).tolist()
@@ -239,7 +239,7 @@ def test_mega_decode_chain_against_the_cpu(files, tmp_path, monkeypatch, kv):
         for ft in ("q8_0", "q4_0"):
             ref, _ = _forced_steps(paths[ft], "cpu", d.QuantMode.fp32, kv, ids)
             cpu_q8, _ = _forced_steps(paths[ft], "cpu", d.QuantMode.q8, kv, ids)
-            for v in ("1", "2"):  # the task bodies measured, and the trial ones (DASLLAMA_CUDA_MEGA_V=2)
+            for v in ("1", "3"):  # a task a warp; a task a block
                 monkeypatch.setenv("DASLLAMA_CUDA_MEGA", "1")
                 monkeypatch.setenv("DASLLAMA_CUDA_MEGA_V", v)
                 got, m = _forced_steps(paths[ft], "cuda", d.QuantMode.q8, kv, ids)
