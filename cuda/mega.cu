@@ -39,7 +39,7 @@ namespace dl::cuda {
 namespace {
 
 constexpr int NW = 8;               // compute warps
-constexpr int NT = (NW + 2) * 32;   // plus the loader's warp and the finisher's
+constexpr int NT = (NW + 1) * 32;   // plus the loader's warp
 constexpr int kMaxSlots = 24;
 constexpr int R_IN = 16;            // rows of a Q/K/V or O task
 constexpr int R_GU = 8;             // rows of gate and of up in a GLU task
@@ -426,87 +426,7 @@ __device__ __forceinline__ unsigned long long now_ns() {
   return t;
 }
 
-// Units [u0, u1) of NR weight rows (shared memory: the first half from b0, the rest from b1, each
-// half's rows `stride` bytes apart, each in the split layout of `cols`) against the q8 row x: every lane's partial sums, reduced on return (all
-// lanes). A lane's x loads for up to CH units go out before any math (one trip for a block-wide
-// task's whole share), through L1: the block's eight warps read the same x, which from L2 is
-// 132 SMs on the same few lines (every reader of x has made a gpu-scope acquire since x was
-// last written, which leaves no stale line in L1). The block-wide tasks'
-// (DASLLAMA_CUDA_MEGA_V=3) product.
-template <uint32_t T, int NR>
-__device__ __forceinline__ void rows_dot(const uint8_t* b0, const uint8_t* b1, uint32_t stride, int cols, int u0,
-                                         int u1, const uint8_t* x, int lane, float (&acc)[NR]) {
-  constexpr int CH = T == T_Q8_0S ? 4 : 2;
-  const int8_t* xq = reinterpret_cast<const int8_t*>(x);
-  const float* xd = reinterpret_cast<const float*>(x + cols);
-  const int32_t* xs = reinterpret_cast<const int32_t*>(x + cols + cols / 32 * 4);
-#pragma unroll
-  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
-  for (int ub = u0 + lane; ub < u1; ub += 32 * CH) {
-    int4 xa[CH], xb[CH];
-    float dx[CH];
-    int off[CH];
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int u = ub + 32 * c;
-      const bool ok = u < u1;
-      if constexpr (T == T_Q8_0S) {
-        xa[c] = ok ? __ldca(reinterpret_cast<const int4*>(xq + u * 16)) : make_int4(0, 0, 0, 0);
-        dx[c] = ok ? __ldca(xd + (u >> 1)) : 0.f;
-      } else {
-        xa[c] = ok ? __ldca(reinterpret_cast<const int4*>(xq + u * 32)) : make_int4(0, 0, 0, 0);
-        xb[c] = ok ? __ldca(reinterpret_cast<const int4*>(xq + u * 32) + 1) : make_int4(0, 0, 0, 0);
-        dx[c] = ok ? __ldca(xd + u) : 0.f;
-        off[c] = ok ? 8 * __ldca(xs + u) : 0;
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int u = ub + 32 * c;
-      if (u >= u1) break;
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* row = r < (NR + 1) / 2 ? b0 + r * stride : b1 + (r - (NR + 1) / 2) * stride;
-        const uint4 w = *reinterpret_cast<const uint4*>(row + u * 16);
-        if constexpr (T == T_Q8_0S) {
-          const float dw = h2f(*reinterpret_cast<const uint16_t*>(row + cols + (u >> 1) * 2));
-          acc[r] += (float)dot_q8_unit(w, xa[c]) * __fmul_rn(dw, dx[c]);
-        } else {
-          const float dw = h2f(*reinterpret_cast<const uint16_t*>(row + cols / 2 + u * 2));
-          acc[r] += (float)(dot_q4_unit(w, xa[c], xb[c]) - off[c]) * __fmul_rn(dw, dx[c]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < NR; ++r) acc[r] = warp_sum(acc[r]);
-}
-// The same for n (1, 2, 4, 8 or 16) rows; on return lane r < n holds row r's sum.
-template <uint32_t T>
-__device__ __noinline__ float rows_n(int n, const uint8_t* b0, const uint8_t* b1, uint32_t stride, int cols, int u0,
-                                     int u1, const uint8_t* x, int lane) {
-  switch (n) {
-    case 1: { float a[1]; rows_dot<T, 1>(b0, b1, stride, cols, u0, u1, x, lane, a); return a[0]; }
-    case 2: { float a[2]; rows_dot<T, 2>(b0, b1, stride, cols, u0, u1, x, lane, a); return pick<2>(a, lane); }
-    case 4: { float a[4]; rows_dot<T, 4>(b0, b1, stride, cols, u0, u1, x, lane, a); return pick<4>(a, lane); }
-    case 8: { float a[8]; rows_dot<T, 8>(b0, b1, stride, cols, u0, u1, x, lane, a); return pick<8>(a, lane); }
-    default: { float a[16]; rows_dot<T, 16>(b0, b1, stride, cols, u0, u1, x, lane, a); return pick<16>(a, lane); }
-  }
-}
-// 16-byte units in a row of `cols`.
-template <uint32_t T>
-__device__ __forceinline__ int row_units(int cols) { return T == T_Q8_0S ? cols / 16 : cols / 32; }
-
-// This warp's share of a block-wide task is done (a CTA-scope release the finisher warp acquires).
-__device__ __forceinline__ void task_arrive(unsigned* tc, int lane) {
-  __syncwarp();
-  if (lane == 0) {
-    __threadfence_block();
-    atomicAdd(tc, 1u);
-  }
-}
-
-// ---- what follows an op's rows (both task forms) ----
+// ---- what follows a task's rows ----
 // A Q/K/V task's matrix (0 q, 1 k, 2 v) and first row in it.
 __device__ __forceinline__ int qkv_rows(const MegaShape& S, uint32_t idx, int& r0) {
   r0 = (int)idx * R_IN;
@@ -573,155 +493,6 @@ __device__ __forceinline__ void task_done(const MegaArgs& A, const Counters& C, 
   if (r) signal(r, lane, fc);
 }
 
-// The lane's part of 1 / rms's sum (issued before the task's products, finished after them).
-__device__ __forceinline__ float ss_part(const uint8_t* x, int cols, int lane) {
-  const float* ss = reinterpret_cast<const float*>(x + cols + cols / 32 * 8);
-  float t = 0.f;
-  for (int g = lane; g < cols / 32; g += 32) t += __ldcg(ss + g);
-  return t;
-}
-
-// A task done by W = A.wpt warps (DASLLAMA_CUDA_MEGA_V=3), warp wi's share (wi < W): 16 / W of
-// a Q/K/V or O task's rows; 8 / W gate rows with the same up rows (their GLU values whole); r_dn /
-// W down rows, or a part of one (W / r_dn warps a row: its sum into A.dnp); a norm group; a key
-// split. What follows a weight task's rows is the finisher warp's (below), so these never wait
-// on a gpu-scope fence there.
-template <uint32_t T, int KT, int NI>
-__device__ __forceinline__ void bw_task(const MegaArgs& A, const Counters& C, uint32_t kind, uint32_t l, uint32_t idx,
-                                        const uint8_t* tile, unsigned* tc, int wi, int lane, Sync& fc, float& rms,
-                                        int& rms_key) {
-  const MegaShape& S = A.s;
-  const int W = A.wpt;
-  if (kind == K_PRE) {
-    const int g = (int)idx * W + wi;
-    if (g < S.dim / 32) {
-      round_group(A.x, A.layers[l].attn_norm, g, A.xa, S.dim, lane);
-      signal(C.ready + (size_t)l * R_N + R_XA, lane, fc);
-    }
-    return;
-  }
-  if (kind == K_ATT) {
-    const AttnArgs& a = *reinterpret_cast<const AttnArgs*>(A.blob + A.layers[l].attn_off);
-    const int per = A.splits / W, h = (int)idx / per, sp = ((int)idx % per) * W + wi;
-    unsigned *hc = C.group + (size_t)l * C.per_layer + C.o_att, *rd = C.ready + (size_t)l * R_N + R_ATT;
-    if (A.kb8) att_task<KT, NI, 8>(A, a, h, sp, hc, rd, lane, fc);
-    else att_task<KT, NI>(A, a, h, sp, hc, rd, lane, fc);
-    return;
-  }
-  if (kind == K_QKV || kind == K_GU) {
-    const uint8_t* x = kind == K_QKV ? A.xa : A.xb;
-    const int key = (int)l * 2 + (kind == K_GU);
-    const float t = rms_key != key ? ss_part(x, S.dim, lane) : 0.f;
-    const uint32_t rb = A.rb_in;
-    float y;
-    if (kind == K_QKV) {
-      const int n = R_IN / W;
-      const uint8_t* b0 = tile + wi * n * rb;
-      y = rows_n<T>(n, b0, b0 + (n + 1) / 2 * rb, rb, S.dim, 0, row_units<T>(S.dim), x, lane);
-    } else {  // lanes < n: gate rows; the next n: the same up rows
-      const int n = R_GU / W;
-      y = rows_n<T>(2 * n, tile + wi * n * rb, tile + (R_GU + wi * n) * rb, rb, S.dim, 0, row_units<T>(S.dim), x, lane);
-    }
-    if (rms_key != key) rms = 1.f / sqrtf(warp_sum(t) / S.dim + S.eps), rms_key = key;
-    if (kind == K_QKV) {
-      int r0;
-      const int m = qkv_rows(S, idx, r0), n = R_IN / W;
-      float* dst = (m == 0 ? A.q : m == 1 ? A.k : A.v) + r0 + wi * n;
-      if (lane < n) dst[lane] = y * rms;
-    } else {
-      const int n = R_GU / W;
-      const float u = __shfl_down_sync(0xffffffffu, y, n);
-      if (lane < n) A.h[(int)idx * R_GU + wi * n + lane] = glu_value(S.act, y * rms, u * rms);
-    }
-  } else if (kind == K_O) {
-    const int n = R_IN / W;
-    const uint8_t* b0 = tile + wi * n * A.rb_o;
-    const float y = rows_n<T>(n, b0, b0 + (n + 1) / 2 * A.rb_o, A.rb_o, S.q_dim, 0, row_units<T>(S.q_dim), A.aq, lane);
-    float* o = A.x + (int)idx * R_IN + wi * n;
-    if (lane < n) o[lane] = __ldcg(o + lane) + y;
-  } else {  // K_DN
-    const int r0 = (int)idx * A.r_dn, U = row_units<T>(S.ffn);
-    if (A.r_dn >= W) {  // whole rows a warp
-      const int n = A.r_dn / W;
-      const uint8_t* b0 = tile + wi * n * A.rb_d;
-      const float y = rows_n<T>(n, b0, b0 + (n + 1) / 2 * A.rb_d, A.rb_d, S.ffn, 0, U, A.hq, lane);
-      float* o = A.x + r0 + wi * n;
-      if (lane < n) o[lane] = __ldcg(o + lane) + y;
-    } else {  // a row's units split over W / r_dn warps
-      const int seg = W / A.r_dn, row = wi / seg, part = wi % seg;
-      const uint8_t* b0 = tile + row * A.rb_d;
-      const float y = rows_n<T>(1, b0, b0, A.rb_d, S.ffn, U * part / seg, U * (part + 1) / seg, A.hq, lane);
-      if (lane == 0) A.dnp[(r0 + row) * NW + part] = y;
-    }
-  }
-  task_arrive(tc, lane);
-}
-
-// The finisher warp of block-wide tasks: the block's weight tasks in order, as the eight finish
-// them, a run of finished ones at a time (a lane a task): one gpu-scope fence for the run, the
-// runs' group arrivals in parallel, and the completed groups' finishes (rope, rounding) with one
-// more fence before their ready signals. The compute warps' writes come to it through each
-// task's shared counter (CTA scope) and go out under its gpu-scope fence.
-__device__ __forceinline__ void finisher(const MegaArgs& A, const Counters& C, const uint32_t* tl, unsigned* tc,
-                                         uint32_t nt, int lane) {
-  for (uint32_t k = 0; k < nt;) {
-    const uint32_t kk = k + lane;
-    uint32_t w = 0, kind = K_PRE;
-    bool done = true;
-    if (kk < nt) {
-      w = tl[kk], kind = w >> 29;
-      done = kind == K_PRE || kind == K_ATT || *reinterpret_cast<volatile unsigned*>(tc + kk) == (unsigned)A.wpt;
-    }
-    const unsigned b = __ballot_sync(0xffffffffu, done);
-    const int m = b == 0xffffffffu ? 32 : __ffs(~b) - 1;
-    if (m == 0) {
-      __nanosleep(20);
-      continue;
-    }
-    const bool mine = lane < m && kk < nt && kind != K_PRE && kind != K_ATT;
-    if (!__ballot_sync(0xffffffffu, mine)) {  // a run of attention and norm tasks only
-      k += (uint32_t)m;
-      continue;
-    }
-    fence_gpu();  // acquire the run's rows from the compute warps
-    const unsigned split = __ballot_sync(0xffffffffu, mine && kind == K_DN && A.r_dn < A.wpt);
-    if (split) {
-      // Down rows split over warps: their parts added in order, into x.
-      const int seg = A.wpt / A.r_dn;
-      for (unsigned bits = split; bits; bits &= bits - 1) {
-        const int r0 = (int)(__shfl_sync(0xffffffffu, w, __ffs(bits) - 1) & 0xFFFFF) * A.r_dn;
-        if (lane < A.r_dn) {
-          float y = 0.f;
-          for (int i = 0; i < seg; ++i) y += __ldcg(A.dnp + (r0 + lane) * NW + i);
-          A.x[r0 + lane] = __ldcg(A.x + r0 + lane) + y;
-        }
-      }
-      fence_gpu();
-    }
-    bool last = false;
-    if (mine) {
-      unsigned n;
-      unsigned* g = task_group(A, C, kind, (w >> 20) & 511, w & 0xFFFFF, n);
-      last = atomicAdd(g, 1u) == n - 1;
-      if (last) *g = 0;
-    }
-    const unsigned lb = __ballot_sync(0xffffffffu, last);
-    if (lb) {
-      fence_gpu();  // acquire the other blocks' rows of the completed groups
-      unsigned* rd = nullptr;
-      for (unsigned bits = lb; bits; bits &= bits - 1) {
-        const int i = __ffs(bits) - 1;
-        const uint32_t wi = __shfl_sync(0xffffffffu, w, i);
-        unsigned* r = group_finish(A, C, wi >> 29, (wi >> 20) & 511, wi & 0xFFFFF, lane);
-        if (lane == i) rd = r;
-      }
-      fence_gpu();
-      if (rd) atomicAdd(rd, 1u);
-    }
-    k += (uint32_t)m;
-  }
-}
-
 template <uint32_t T, int KT, int NI>
 __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs A) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -734,9 +505,8 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
   const uint32_t SB = A.slot_bytes;
   uint32_t* tl = reinterpret_cast<uint32_t*>(sm + (size_t)NS * SB);
   const uint8_t** wl = reinterpret_cast<const uint8_t**>(tl + ((nt + 3) & ~3u));
-  unsigned* tc = reinterpret_cast<unsigned*>(wl + A.n_layers * 7);  // block-wide tasks' warps done
-  int16_t* sq = reinterpret_cast<int16_t*>(tc + nt);
-  for (uint32_t i = tid; i < nt; i += NT) tl[i] = A.tasks[t0 + i], tc[i] = 0;
+  int16_t* sq = reinterpret_cast<int16_t*>(wl + A.n_layers * 7);
+  for (uint32_t i = tid; i < nt; i += NT) tl[i] = A.tasks[t0 + i];
   for (int i = tid; i < A.n_layers * 7; i += NT) wl[i] = A.layers[i / 7].w[i % 7];
   __syncthreads();
   if (tid == 0) {
@@ -745,7 +515,7 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
       const uint32_t kind = tl[k] >> 29;
       sq[k] = (int16_t)(kind == K_PRE || kind == K_ATT ? -1 : j++);
     }
-    for (int s = 0; s < NS; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], A.bw ? A.wpt : 1);
+    for (int s = 0; s < NS; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 1);
     next = 0, issued = 0, bsat = -1;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -783,8 +553,6 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
         *reinterpret_cast<volatile int*>(&issued) = (int)++j;
       }
     }
-  } else if (warp == NW + 1) {
-    if (A.bw) finisher(A, C, tl, tc, nt, lane);
   } else {
     pdl_wait();  // x, the step's positions and the previous step's cache rows
     const bool tr = A.trace >= 0 && blockIdx.x == 0;
@@ -809,14 +577,10 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
         default: return (unsigned)S.ffn / 32;
       }
     };
-    for (int kk = 0;; ++kk) {
-      // Block-wide tasks: NW / W groups of W warps, group g every task g + i * NW / W in order;
-      // else a task a warp, first come.
-      int k = kk * (NW / A.wpt) + warp / A.wpt;
-      if (!A.bw) {
-        if (lane == 0) k = atomicAdd(&next, 1);
-        k = __shfl_sync(0xffffffffu, k, 0);
-      }
+    for (;;) {
+      int k = 0;
+      if (lane == 0) k = atomicAdd(&next, 1);
+      k = __shfl_sync(0xffffffffu, k, 0);
       if (k >= (int)nt) break;
       const uint32_t w = tl[k], kind = w >> 29, l = (w >> 20) & 511, idx = w & 0xFFFFF;
       // The input this task reads: ready counter l * R_N + dep, complete at target(dep).
@@ -824,12 +588,7 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
       long long tk = prof ? clock64() : 0;
       if (kind != K_PRE) {
         const int ri = (int)l * R_N + dep;
-        if (ri > sat) {
-          sat = max(sat, *reinterpret_cast<volatile int*>(&bsat));
-          // Another warp of the block saw it complete (after its gpu-scope acquire): acquire
-          // from that warp, so this one's reads of the input see what the producers wrote.
-          if (ri <= sat) __threadfence_block();
-        }
+        if (ri > sat) sat = max(sat, *reinterpret_cast<volatile int*>(&bsat));
         if (ri > sat) {
           wait_ready(C.ready + ri, target(dep), lane, A.rel);
           if (tr && lane == 0 && A.stamps[ri] == 0) A.stamps[ri] = now_ns();
@@ -847,9 +606,7 @@ __global__ void __launch_bounds__(NT, 1) mega_k(const __grid_constant__ MegaArgs
       }
       if (prof) pw[1] += clock64() - tk, tk = clock64();
       const uint8_t* tile = sm + (size_t)s * SB;
-      if (A.bw) {
-        bw_task<T, KT, NI>(A, C, kind, l, idx, tile, tc + k, warp % A.wpt, lane, fc, rms, rms_key);
-      } else if (kind == K_PRE) {
+      if (kind == K_PRE) {
         round_group(A.x, A.layers[l].attn_norm, (int)idx, A.xa, S.dim, lane);
         signal(C.ready + (size_t)l * R_N + R_XA, lane, fc);
       } else if (kind == K_QKV) {
@@ -966,11 +723,7 @@ int env_int(const char* name, int dflt) {
   const char* e = std::getenv(name);
   return e && *e ? std::atoi(e) : dflt;
 }
-// A head's key splits; block-wide tasks take NW of them at once, so a multiple of NW.
-int mega_splits(bool bw) {
-  const int s = std::max(1, std::min(64, env_int("DASLLAMA_CUDA_MEGA_SPLITS", 16)));
-  return bw ? (s + NW - 1) / NW * NW : s;
-}
+int mega_splits() { return std::max(1, std::min(64, env_int("DASLLAMA_CUDA_MEGA_SPLITS", 16))); }
 
 }  // namespace
 
@@ -986,18 +739,16 @@ void layout(const MegaShape& s, MegaArgs& a) {
   while (a.r_dn > 1 && (size_t)a.r_dn * a.rb_d > a.slot_bytes) a.r_dn /= 2;
   if ((size_t)a.r_dn * a.rb_d > a.slot_bytes) a.slot_bytes = (uint32_t)((a.rb_d + 127) / 128 * 128);
 }
-// Shared memory besides the slots: the block's task list, the layers' weight pointers, the tasks'
-// warp counters and slot numbers, and a margin.
-size_t fixed_smem(size_t max_nt, int L) {
-  return ((max_nt + 3) & ~size_t(3)) * 4 + (size_t)L * 7 * 8 + max_nt * 4 + max_nt * 2 + 2048;
-}
+// Shared memory besides the slots: the block's task list, their slot numbers, the layers' weight
+// pointers, and a margin.
+size_t fixed_smem(size_t max_nt, int L) { return ((max_nt + 3) & ~size_t(3)) * 4 + (size_t)L * 7 * 8 + max_nt * 2 + 1024; }
 }  // namespace
 
 int mega_max_layers(const MegaShape& s, int sms, int smem_optin) {
   MegaArgs a{};
   layout(s, a);
   if (a.rb_in % 16 || a.rb_o % 16 || a.rb_d % 16 || sms < 1) return 0;
-  const size_t per = (size_t)(s.q_dim + 2 * s.kv_dim) / R_IN + (size_t)s.n_heads * mega_splits(false) + s.dim / R_IN +
+  const size_t per = (size_t)(s.q_dim + 2 * s.kv_dim) / R_IN + (size_t)s.n_heads * mega_splits() + s.dim / R_IN +
                      s.ffn / R_GU + s.dim / a.r_dn;
   int L = 0;
   while (L < 511) {  // the task word's layer field
@@ -1028,27 +779,18 @@ void MegaPlan::release() {
 
 static int mega_prefetch() { return std::max(0, env_int("DASLLAMA_CUDA_MEGA_PF", 0)); }
 static bool mega_rel() { return env_int("DASLLAMA_CUDA_MEGA_REL", 0) == 1; }
-static bool mega_bw() { return env_int("DASLLAMA_CUDA_MEGA_V", 1) == 3; }
-// Warps a block-wide task takes (1, 2, 4 or 8; NW / W tasks at once).
-static int mega_wpt() {
-  const int w = env_int("DASLLAMA_CUDA_MEGA_WPT", 4);
-  return w == 1 || w == 2 || w == 8 ? w : 4;
-}
-static bool mega_kb8() { return env_int("DASLLAMA_CUDA_MEGA_KB", 4) == 8; }
-
 bool MegaPlan::matches(const MegaShape& s, const std::vector<MegaLayer>& layers, const int32_t* pos, float* x,
                        float* q, float* k, float* v) const {
   return dev_ && layers.size() == layers_.size() && std::memcmp(&s, &shape_, sizeof s) == 0 &&
          std::memcmp(layers.data(), layers_.data(), layers.size() * sizeof(MegaLayer)) == 0 && a_.pos == pos &&
-         a_.x == x && a_.q == q && a_.k == k && a_.v == v && a_.splits == mega_splits(mega_bw()) &&
-         a_.prefetch == mega_prefetch() && a_.rel == mega_rel() && a_.bw == mega_bw() && a_.kb8 == mega_kb8() && a_.wpt == (mega_bw() ? mega_wpt() : 1) && a_.trace == env_int("DASLLAMA_CUDA_MEGA_TRACE", -1) &&
+         a_.x == x && a_.q == q && a_.k == k && a_.v == v && a_.splits == mega_splits() &&
+         a_.prefetch == mega_prefetch() && a_.rel == mega_rel() && a_.trace == env_int("DASLLAMA_CUDA_MEGA_TRACE", -1) &&
          a_.n_slots == std::min(slots_all_, std::max(2, env_int("DASLLAMA_CUDA_MEGA_SLOTS", kMaxSlots)));
 }
 
 const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLayer>& layers, const int32_t* pos,
                                   float* x, float* q, float* k, float* v, cudaStream_t st) {
-  const bool bw = mega_bw();
-  const int splits = mega_splits(bw);
+  const int splits = mega_splits();
   if (matches(s, layers, pos, x, q, k, v)) return a_;
   check(cudaStreamSynchronize(st), "mega plan");  // a step in flight may use the old plan
   release();
@@ -1070,11 +812,10 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
   auto deal = [&](uint32_t kind, int l, int n) {
     for (int i = 0; i < n; ++i) per[cur++ % grid_].push_back(task_word(kind, (uint32_t)l, (uint32_t)i));
   };
-  const int W = bw ? mega_wpt() : 1;
-  deal(K_PRE, 0, (s.dim / 32 + W - 1) / W);
+  deal(K_PRE, 0, s.dim / 32);
   for (int l = 0; l < L; ++l) {
     deal(K_QKV, l, (s.q_dim + 2 * s.kv_dim) / R_IN);
-    deal(K_ATT, l, s.n_heads * splits / W);
+    deal(K_ATT, l, s.n_heads * splits);
     deal(K_O, l, s.dim / R_IN);
     deal(K_GU, l, s.ffn / R_GU);
     deal(K_DN, l, s.dim / a.r_dn);
@@ -1097,8 +838,7 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
   const size_t b_xa = al(q8_row_bytes(s.dim)), b_aq = al(q8_row_bytes(s.q_dim)), b_hq = al(q8_row_bytes(s.ffn));
   const size_t b_h = al((size_t)s.ffn * 4), b_part = al((size_t)s.n_heads * splits * (s.head_dim + 2) * 4);
   const size_t b_stamps = al(((size_t)L * R_N + 16) * 8);
-  const size_t b_dnp = al((size_t)s.dim * NW * 4);
-  const size_t total = b_layers + b_off + b_tasks + 2 * b_xa + b_aq + b_hq + b_h + b_part + b_dnp + b_stamps;
+  const size_t total = b_layers + b_off + b_tasks + 2 * b_xa + b_aq + b_hq + b_h + b_part + b_stamps;
   check(cudaMalloc(&dev_, total), "mega plan");
   uint8_t* p = static_cast<uint8_t*>(dev_);
   a.layers = reinterpret_cast<const MegaLayer*>(p);
@@ -1116,15 +856,11 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
   a.hq = p, p += b_hq;
   a.h = reinterpret_cast<float*>(p), p += b_h;
   a.part = reinterpret_cast<float*>(p), p += b_part;
-  a.dnp = reinterpret_cast<float*>(p), p += b_dnp;
   a.stamps = reinterpret_cast<unsigned long long*>(p);
   check(cudaMemsetAsync(p, 0, b_stamps, st), "mega plan");
   p += b_stamps;
   a.prefetch = mega_prefetch();
   a.rel = mega_rel();
-  a.bw = bw;
-  a.wpt = W;
-  a.kb8 = mega_kb8();
   a.trace = env_int("DASLLAMA_CUDA_MEGA_TRACE", -1);
   const int nr = (L * R_N + 1 + 31) & ~31;
   const int per_layer = 2 * s.n_heads + 2 * s.n_kv_heads + 2 * (s.dim / 32) + s.ffn / 32;
@@ -1135,7 +871,7 @@ const MegaArgs& MegaPlan::prepare(const MegaShape& s, const std::vector<MegaLaye
   check(cudaStreamSynchronize(st), "mega plan");  // the host vectors go out of scope
 
   void* kern = kernel_for(s);
-  smem_ = (size_t)a.n_slots * a.slot_bytes + fixed - 2048;
+  smem_ = (size_t)a.n_slots * a.slot_bytes + fixed - 1024;
   check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_), "mega plan");
   int occ = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, NT, smem_), "mega plan");

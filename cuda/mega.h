@@ -41,15 +41,11 @@ struct MegaArgs {
   int splits = 0;                          // attention splits of a head
   const int32_t* pos = nullptr;
   float *x = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *h = nullptr, *part = nullptr;
-  float* dnp = nullptr;  // block-wide down rows split over warps: their parts, [dim][8]
   uint8_t *xa = nullptr, *xb = nullptr, *aq = nullptr, *hq = nullptr;  // q8 rows: quants, d, sums, ss
   unsigned* cnt = nullptr;
   uint32_t slot_bytes = 0;
   int n_slots = 0;
   bool rel = false;               // release / acquire atomics instead of fences
-  bool bw = false;                // DASLLAMA_CUDA_MEGA_V=3: every task done by the whole block (mega.cu)
-  int wpt = 1;                    // block-wide: warps a task (DASLLAMA_CUDA_MEGA_WPT, 1-8)
-  bool kb8 = false;               // DASLLAMA_CUDA_MEGA_KB=8: block-wide attention loads 8 keys a round
   int prefetch = 0;               // weight tasks the loader asks into L2 ahead of its ring
   int trace = -1;                 // >= 0: block 0 stamps when each op's input was ready, printed at this position
   unsigned long long* stamps = nullptr;
