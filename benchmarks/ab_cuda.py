@@ -20,6 +20,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_cuda as B  # noqa: E402
+from gpu_clocks import ClockLog  # noqa: E402
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("settings", nargs="+", help="VAR=VALUE[,VAR=VALUE...]")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
+    gpu = int(args.device.split(":")[1]) if ":" in args.device else 0
     base = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
@@ -39,17 +41,22 @@ def main() -> None:
                 path = os.path.join(tmp, f"{shape}-{ft}.gguf")
                 B.write_model(path, shape, ft)
                 best: dict = {}
+                mhz: dict = {st: [] for st in args.settings}  # the SM clock's samples over each setting's runs
                 for _ in range(args.rounds):
                     for st in args.settings:
                         os.environ.clear()
                         os.environ.update(base)
                         os.environ.update(kv.split("=", 1) for kv in st.split(",") if kv)
-                        r = B.bench(path, args.device, batches if shape == "llama1b" else [])
+                        with ClockLog(gpu) as clk:
+                            r = B.bench(path, args.device, batches if shape == "llama1b" else [])
+                        mhz[st] += [m for _, m in clk.samples]
                         for k, v in r.items():
                             if k != "weight_bytes":
                                 best[(st, k)] = max(best.get((st, k), 0.0), v)
                 for st in args.settings:
                     row = " ".join(f"{k}={v:.0f}" for (s, k), v in best.items() if s == st)
+                    if mhz[st]:
+                        row += f" (SM clock {min(mhz[st])}-{max(mhz[st])} MHz)"
                     print(f"{shape} {ft} [{st}]: {row}", flush=True)
                 os.remove(path)
     os.environ.clear()

@@ -60,6 +60,7 @@ import tempfile
 import time
 
 from bench_cuda import SHAPES, write_model
+from gpu_clocks import ClockLog
 
 CONFIGS = {
     "all on": {},
@@ -126,25 +127,31 @@ def child(path: str, device: str, ctx: int, steps: int, pp: int) -> dict:
 
     m = d.load_model(path, device=device)
     s = d.create_session(m, n_ctx=ctx + steps + 8)
-    mark(f"prefill of {ctx}")
-    d.eval(m, s, [3 + i % 1000 for i in range(ctx)])
-    times = []
-    for i in range(steps):
-        mark(f"decode step {i}")
-        t = time.perf_counter()
-        d.eval(m, s, [5 + i % 1000])
-        times.append(time.perf_counter() - t)
-    out = {"step_ms": statistics.median(times[2:] if steps > 4 else times) * 1e3}
-    if pp:
-        each_ms = []
-        for r in range(3):
-            s = d.create_session(m, n_ctx=pp + 8)
-            mark(f"pp{pp} prefill {r}")
+    # The SM clock over each timed stretch (gpu_clocks.py: the driver idles it at light load).
+    with ClockLog(int(device.split(":")[1]) if ":" in device else 0) as clk:
+        mark(f"prefill of {ctx}")
+        d.eval(m, s, [3 + i % 1000 for i in range(ctx)])
+        times = []
+        t0 = time.perf_counter()
+        for i in range(steps):
+            mark(f"decode step {i}")
             t = time.perf_counter()
-            d.eval(m, s, [3 + i % 1000 for i in range(pp)])
-            each_ms.append((time.perf_counter() - t) * 1e3)
-        out["pp_tps"] = pp / (min(each_ms) * 1e-3)
-        out["pp_ms"] = [round(x, 2) for x in each_ms]  # each round's wall time: the first is often slower
+            d.eval(m, s, [5 + i % 1000])
+            times.append(time.perf_counter() - t)
+        out = {"step_ms": statistics.median(times[2:] if steps > 4 else times) * 1e3,
+               "sm_steps": clk.span(t0, time.perf_counter())}
+        if pp:
+            each_ms, sm = [], []
+            for r in range(3):
+                s = d.create_session(m, n_ctx=pp + 8)
+                mark(f"pp{pp} prefill {r}")
+                t = time.perf_counter()
+                d.eval(m, s, [3 + i % 1000 for i in range(pp)])
+                each_ms.append((time.perf_counter() - t) * 1e3)
+                sm.append(clk.span(t, time.perf_counter()))
+            out["pp_tps"] = pp / (min(each_ms) * 1e-3)
+            out["pp_ms"] = [round(x, 2) for x in each_ms]  # each round's wall time: the first is often slower
+            out["sm_pp"] = sm
     return out
 
 
