@@ -31,7 +31,7 @@ class ClockLog:
         exe = shutil.which("nvidia-smi")
         if exe:
             self._p = subprocess.Popen([exe, "-i", str(self.index), "--query-gpu=clocks.sm",
-                                        "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
+                                        "--format=csv,noheader,nounits", "-lms", str(self.period_ms)],
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self._t = threading.Thread(target=self._read, daemon=True)
             self._t.start()
