@@ -154,15 +154,23 @@ def test_pipelined_generate_on_a_queue_thread(built_dir, tiny):
     """The same on a queue that runs behind the host, as a GPU's does (lavapipe submits from the
     calling thread unless MESA_VK_ENABLE_SUBMIT_THREAD is set), with DASLLAMA_VULKAN_STEPS=1 so
     the backend reports its submissions: command buffers were begun while one before them was
-    still pending."""
+    still pending, and steps were replayed. DASLLAMA_VULKAN_GPUTIME=each is on as well: timing
+    each submission's span on the device leaves all that (and the tokens) as they are, and its
+    per-submission lines add up to its summary."""
     import re
 
-    r = _child(built_dir, {"MESA_VK_ENABLE_SUBMIT_THREAD": "1", "DASLLAMA_VULKAN_STEPS": "1"}, ("test_vulkan.py",),
-               "pipelined_generate_equals", s=True)
+    r = _child(built_dir, {"MESA_VK_ENABLE_SUBMIT_THREAD": "1", "DASLLAMA_VULKAN_STEPS": "1",
+                           "DASLLAMA_VULKAN_GPUTIME": "each"}, ("test_vulkan.py",), "pipelined_generate_equals", s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     ran = [int(n) for n in re.findall(r"(\d+) begun while one ran", out)]
     assert ran and max(ran) > 0, out[-3000:]
+    assert max(int(n) for n in re.findall(r"(\d+) replayed", out)) > 0, out[-3000:]
+    total = re.findall(r"vulkan gpu time: (\d+) submissions, busy ([\d.]+) ms, idle between them ([\d.]+) ms", out)
+    each = [float(b) for b in re.findall(r"vulkan submission \d+: busy ([\d.]+) us", out)]
+    assert total and sum(int(n) for n, _, _ in total) == len(each), out[-3000:]
+    busy = sum(float(b) for _, b, _ in total)
+    assert busy > 0 and abs(busy - sum(each) * 1e-3) <= 1e-3 * len(each) + 1e-6 * busy, (busy, sum(each))
 
 
 def test_speculated_batch_steps_equal_plain(tiny):

@@ -29,7 +29,9 @@
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
 // _GEMV, _GEMM, _I8, _F16C, _GEMVQ, _GEMVI8, _NORMTAIL, _GLUTAIL, _KVTAIL, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
-// runs them).
+// runs them). Measuring: DASLLAMA_VULKAN_PROFILE (each dispatch timed, serialized, no replay),
+// DASLLAMA_VULKAN_GPUTIME (each submission's span on the GPU, everything else as it runs),
+// DASLLAMA_VULKAN_STEPS (replay counts, each recorded step's dispatches).
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -350,6 +352,14 @@ class Ctx {
       qpi.queryCount = kQueries;
       vcheck(f_.vkCreateQueryPool(dev_, &qpi, nullptr, &qpool_), "vkCreateQueryPool");
     }
+    const char* gt = std::getenv("DASLLAMA_VULKAN_GPUTIME");
+    if (gt && *gt && std::strcmp(gt, "0") != 0 && ts_bits_ > 0 && !qpool_) {
+      VkQueryPoolCreateInfo qpi{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};
+      qpi.queryType = VK_QUERY_TYPE_TIMESTAMP;
+      qpi.queryCount = 2 * kRing;
+      vcheck(f_.vkCreateQueryPool(dev_, &qpi, nullptr, &tpool_), "vkCreateQueryPool");
+      gt_each_ = std::strcmp(gt, "each") == 0;
+    }
   }
   ~Ctx() {
     try {
@@ -360,6 +370,11 @@ class Ctx {
       std::fprintf(stderr, "vulkan steps: %llu replayed, %llu recorded; %llu submissions, %llu begun while one ran\n",
                    (unsigned long long)replays_[0], (unsigned long long)replays_[1], (unsigned long long)(seq_ - 1),
                    (unsigned long long)overlapped_);
+    if (tpool_) {
+      std::fprintf(stderr, "vulkan gpu time: %llu submissions, busy %.3f ms, idle between them %.3f ms\n",
+                   (unsigned long long)gt_subs_, gt_busy_ * 1e-6, gt_idle_ * 1e-6);
+      f_.vkDestroyQueryPool(dev_, tpool_, nullptr);
+    }
     if (qpool_) {
       print_profile();
       f_.vkDestroyQueryPool(dev_, qpool_, nullptr);
@@ -838,6 +853,8 @@ class Ctx {
     Sub& r = ring_[seq_ % kRing];
     open_ = false;
     const uint64_t q = seq_++;
+    if (tpool_)
+      f_.vkCmdWriteTimestamp(cmd_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, tpool_, (uint32_t)(q % kRing) * 2 + 1);
     vcheck(f_.vkEndCommandBuffer(cmd_), "vkEndCommandBuffer");
     VkSubmitInfo si{VK_STRUCTURE_TYPE_SUBMIT_INFO};
     si.commandBufferCount = 1;
@@ -855,6 +872,7 @@ class Ctx {
         f_.vkResetFences(dev_, 1, &r.fence);
         r.seq = 0;
         vcheck(res, "waiting for the queue (a shader before it failed)");
+        if (tpool_) read_gpu_time(done_ + 1);
       }
       ++done_;
     }
@@ -912,6 +930,11 @@ class Ctx {
     // by a barrier before the first command (a barrier's scope spans earlier submissions).
     pending_all_ = in_flight();
     overlapped_ += pending_all_;
+    if (tpool_) {
+      const uint32_t i = (uint32_t)(seq_ % kRing) * 2;
+      f_.vkCmdResetQueryPool(cmd_, tpool_, i, 2);
+      f_.vkCmdWriteTimestamp(cmd_, VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, tpool_, i);
+    }
     if (qpool_) {
       f_.vkCmdResetQueryPool(cmd_, qpool_, 0, kQueries);
       stamped_.clear();
@@ -930,6 +953,31 @@ class Ctx {
     }
     stamped_.push_back(shader);
     f_.vkCmdWriteTimestamp(cmd_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, qpool_, (uint32_t)stamped_.size());
+  }
+  // DASLLAMA_VULKAN_GPUTIME=1: when each submission began and ended on the GPU (a timestamp at
+  // either end of its command buffer), with everything else as it runs unprofiled (recorded and
+  // replayed steps, submissions ahead of the host, the barriers it needs): the device's busy time
+  // and its idle time between submissions, printed when the device closes; =each: a line a
+  // submission too. Busy much below the wall time: the host is the bound; busy near it at a
+  // low rate: the step's dispatches (or the clock: benchmarks/gpu_clocks.py).
+  void read_gpu_time(uint64_t q) {
+    uint64_t t[2];
+    const uint32_t i = (uint32_t)(q % kRing) * 2;
+    if (f_.vkGetQueryPoolResults(dev_, tpool_, i, 2, sizeof t, t, 8, VK_QUERY_RESULT_64_BIT) != VK_SUCCESS) return;
+    const uint64_t mask = ts_bits_ >= 64 ? ~uint64_t(0) : (uint64_t(1) << ts_bits_) - 1;
+    const double per = props_.limits.timestampPeriod;
+    // The union of the submissions' spans: one may begin before the last ends (a barrier, not
+    // the submit, orders them).
+    const uint64_t b = t[0] & mask, e = t[1] & mask;
+    const uint64_t from = gt_subs_ && gt_end_ > b ? gt_end_ : b;
+    const double busy = e > from ? (double)(e - from) * per : 0.0;
+    const double idle = gt_subs_ && b > gt_end_ ? (double)(b - gt_end_) * per : 0.0;
+    gt_busy_ += busy, gt_idle_ += idle;
+    if (!gt_subs_ || e > gt_end_) gt_end_ = e;
+    ++gt_subs_;
+    if (gt_each_)
+      std::fprintf(stderr, "vulkan submission %llu: busy %.1f us, idle before it %.1f us\n", (unsigned long long)q,
+                   busy * 1e-3, idle * 1e-3);
   }
   void read_stamps() {
     if (stamped_.empty()) return;
@@ -1174,6 +1222,10 @@ class Ctx {
   static constexpr uint32_t kQueries = 16384;
   uint32_t ts_bits_ = 0;
   VkQueryPool qpool_ = VK_NULL_HANDLE;  // DASLLAMA_VULKAN_PROFILE only
+  VkQueryPool tpool_ = VK_NULL_HANDLE;  // DASLLAMA_VULKAN_GPUTIME only: a submission's two ends a ring slot
+  uint64_t gt_subs_ = 0, gt_end_ = 0;   // submissions read; the latest end (ticks)
+  double gt_busy_ = 0, gt_idle_ = 0;    // ns
+  bool gt_each_ = false;
   std::vector<std::string> stamped_;    // the shader of each timestamp after the first, this submit
   std::map<std::string, std::pair<double, uint64_t>> prof_;  // shader: (ns, dispatches)
   uint64_t unmeasured_ = 0;
