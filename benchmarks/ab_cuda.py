@@ -20,7 +20,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_cuda as B  # noqa: E402
-from gpu_clocks import ClockLog  # noqa: E402
+from gpu_clocks import ClockLog, clock_range  # noqa: E402
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def main() -> None:
                 for st in args.settings:
                     row = " ".join(f"{k}={v:.0f}" for (s, k), v in best.items() if s == st)
                     if mhz[st]:
-                        row += f" (SM clock {min(mhz[st])}-{max(mhz[st])} MHz)"
+                        row += f" (SM clock {clock_range(mhz[st])})"
                     print(f"{shape} {ft} [{st}]: {row}", flush=True)
                 os.remove(path)
     os.environ.clear()

@@ -56,9 +56,13 @@ class ClockLog:
         return before + [m for t, m in self.samples if t0 <= t <= t1]
 
     def span(self, t0: float | None = None, t1: float | None = None) -> str:
-        """'1980 MHz', or 'LO-HI MHz' where the clock moved; '' with no samples."""
-        got = self.between(t0, t1) if t0 is not None else [m for _, m in self.samples]
-        if not got:
-            return ""
-        lo, hi = min(got), max(got)
-        return f"{lo} MHz" if lo == hi else f"{lo}-{hi} MHz"
+        """The clock from t0 to t1 (default: every sample) as clock_range() writes it."""
+        return clock_range(self.between(t0, t1) if t0 is not None else [m for _, m in self.samples])
+
+
+def clock_range(mhz: list[int]) -> str:
+    """'1980 MHz', or 'LO-HI MHz' where the clock moved; '' with no samples."""
+    if not mhz:
+        return ""
+    lo, hi = min(mhz), max(mhz)
+    return f"{lo} MHz" if lo == hi else f"{lo}-{hi} MHz"
