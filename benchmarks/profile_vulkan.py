@@ -24,9 +24,11 @@ FLASH=enc: decoders' prefill attention on attention.comp's row-per-workgroup ker
 encoders only (the default before the sixteenth session; FLASH=0: never the tiles, FLASH=1: the
 default); FLASHK=1: the tiles of flash.comp, not flash2.comp's; FLASH_BR=32 / 64: flash2's rows a
 workgroup; FLASH_SG=0: flash2's row reductions through shared memory, not subgroup shuffles;
+ATTN_DEC=0: decode attention on attention.comp (keys a workgroup a chunk), not attn_dec.comp
+(keys a subgroup a round, K and V loaded together);
 GEMVQ=0: q8-mode decode of 1-4 tokens on quant_act + gemv_i8, not gemv_q.comp (which rounds x itself, the GLU folded in);
 GEMVI8=1: q8-mode decode of 1-4 tokens on quant_act + gemv_i8.comp, not gemv_i8x.comp (the
-default, GEMVI8=2: rows a workgroup picked; 2r2 / 2r4 / 2r8: forced; the glu before ffn down
+default is 3r4; GEMVI8=2: rows a workgroup picked; 2r2 / 2r4 / 2r8: forced; the glu before ffn down
 folded into quant_act, the attention output rounded in the attention dispatch);
 GEMVI8=3: the same, q8_0 a block a lane; GEMVI8=4: the same, two windows of k loaded ahead;
 GEMVI8=2+NORMTAIL: and the normed rounding after a residual GEMV done by its last workgroup;
@@ -88,6 +90,7 @@ CONFIGS = {
     "FLASH_BR=64": {"DASLLAMA_VULKAN_FLASH_BR": "64"},
     "FLASH_SG=0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},
     "GEMVQ=0": {"DASLLAMA_VULKAN_GEMVQ": "0"},
+    "ATTN_DEC=0": {"DASLLAMA_VULKAN_ATTN_DEC": "0"},
     "GEMVI8=1": {"DASLLAMA_VULKAN_GEMVI8": "1"},
     "GEMVI8=2": {"DASLLAMA_VULKAN_GEMVI8": "2"},
     "GEMVI8=2r2": {"DASLLAMA_VULKAN_GEMVI8": "2r2"},

@@ -465,7 +465,7 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
     """q8 mode end to end: a session decoding past 64 keys (attention split over keys), each
     step recorded and then replayed, and three sessions decoding together (3-token matmuls) get
     the same logits bit for bit whichever decode GEMV runs:
-    gemv_i8.comp (DASLLAMA_VULKAN_GEMVI8=1) or gemv_i8x.comp's variants (2, the default; 3, 4), with
+    gemv_i8.comp (DASLLAMA_VULKAN_GEMVI8=1) or gemv_i8x.comp's variants (2, 3, 4; 3r4, the default), with
     which a step also folds the glu before ffn down into quant_act and rounds the attention
     output in the attention dispatch (with DASLLAMA_VULKAN_NORMTAIL=1, also the normed rounding
     after a residual GEMV in that GEMV's last workgroup). Run on the GPUs' paths by
@@ -493,7 +493,7 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
         return np.stack(rows)
 
     want = decode("1")
-    for mode in ("2", "3", "4"):
+    for mode in ("2", "3", "3r4", "4"):
         got = decode(mode)
         assert np.array_equal(got, want), \
             f"GEMVI8={mode}: decode logits differ from gemv_i8's (max {np.abs(got - want).max():.3g})"
@@ -556,12 +556,13 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
     counts = [int(part.rsplit(":", 1)[1]) for part in folds[-1].split(";")]
     assert counts[4] > 0 and counts[5] > 0, out[-3000:]  # GLU tails, KV tails
     # One-token steps of one session (no prefill's gemv_i8): without the tails and with them; a
-    # layer is one attention.
+    # layer is one attention (attn_dec.comp's, or attention.comp's where that does not fit).
     ones = {}
     for line in out.splitlines():
         if line.startswith("vulkan step recorded:") and "gemv_i8x1r" in line and "gemv_i8_" not in line:
             c = {k: int(v) for k, v in re.findall(r" (\S+) x(\d+)", line.split(":", 2)[2])}
-            ones[int(line.split()[3])] = (c["attention"], c.get("quant_act32", 0), c.get("kv_store", 0))
+            ones[int(line.split()[3])] = (c.get("attention", 0) + c.get("attn_dec", 0), c.get("quant_act32", 0),
+                                          c.get("kv_store", 0))
     assert len(ones) == 2, out[-3000:]
     (both, b), (plain, p) = sorted(ones.items())
     layers = p[0]

@@ -1717,18 +1717,20 @@ class VulkanBackend final : public Backend {
   }
   // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. 1 (or 0):
   // gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
-  // unset or 2: gemv_i8x.comp for 1 to 4 tokens (R rows a 32-wide workgroup, 16-byte loads straight from
+  // 2: gemv_i8x.comp for 1 to 4 tokens (R rows a 32-wide workgroup, 16-byte loads straight from
   // memory with the next window's in flight, up to three weights a dispatch), R picked from the
   // matmuls' height; 2r2, 2r4, 2r8: that R (for tuning); 3, 3r2, 3r4, 3r8: the same but q8_0
   // loaded 32 bytes (a block) a lane, not as two coalesced halves swapped between lanes; 4, 4r2,
-  // 4r4, 4r8: as 2 with two windows of k in flight ahead of the math, not one (gemvx_ahead2). The
-  // same bits every way (all add a row's block terms as gemm_i8.comp does). Read at each
+  // 4r4, 4r8: as 2 with two windows of k in flight ahead of the math, not one (gemvx_ahead2);
+  // unset: 3r4. The same bits every way (all add a row's block terms as gemm_i8.comp does). Read at each
   // matmul, as i8_mode(). Returns 0 (off) or 16 * (2, 3 or 4) + the rows asked for (0: picked).
-  // Default 2: on the H200 (NVIDIA's driver, Llama-1B Q8_0, profile_vulkan.py) decode went 417 ->
-  // 528 t/s against gemv_i8 (=1); 4 gave 502, 2 with NORMTAIL 462.
+  // On the H200 (NVIDIA's driver, Llama-1B Q8_0, profile_vulkan.py) decode went 417 -> 528 t/s
+  // against gemv_i8 (=1) with 2; 4 gave 502, 2 with NORMTAIL 462. The default is 3r4 since the
+  // twenty-first session (ab_cuda.py --device vulkan, tg256: Q8_0 731 -> 780, Q4_0 835 -> 846
+  // against 2; 3 with 8 rows for tall matmuls 769, 3r2 771 / 802): the LM head took 207 us at 2r8.
   static int gemvi8_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_GEMVI8");
-    if (!e || !*e) return 32;
+    if (!e || !*e) return 16 * 3 + 4;
     if (e[0] != '2' && e[0] != '3' && e[0] != '4') return 0;
     const int v = 16 * (e[0] - '0');
     if (!e[1]) return v;
@@ -1983,6 +1985,24 @@ class VulkanBackend final : public Backend {
     return mode;
   }
   static constexpr int64_t kCntSlots = 16384;  // attention split counters
+  // Whether a call's rows take attn_dec.comp (decode rows on a subgroup-path device: keys a
+  // subgroup at a time, K and V loaded together) rather than attention.comp.
+  // DASLLAMA_VULKAN_ATTN_DEC=0: attention.comp (for A/B runs); read at each call.
+  // The fewest keys an attn_dec split takes (DASLLAMA_VULKAN_ATTN_KEYS, a power of two from 4 to
+  // 4096; default 16, a workgroup's keys a round): fewer splits, fewer partials to join.
+  static int64_t attn_dec_keys() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_KEYS");
+    const long v = e && *e ? std::strtol(e, nullptr, 10) : 16;
+    return v >= 4 && v <= 4096 && (v & (v - 1)) == 0 ? v : 16;
+  }
+  bool attn_dec_fits(const AttnArgs& a, int split_mode) const {
+    const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_DEC");
+    if (e && std::strcmp(e, "0") == 0) return false;
+    const uint32_t sg = c_->subgroup_size;
+    const uint64_t al = A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off;
+    return c_->subgroup && a.n_tok <= 4 && split_mode != 2 && sg >= 8 && sg <= 128 && 128 % sg == 0 &&
+           a.head_dim % 2 == 0 && a.head_dim <= 128 && (uint32_t)a.head_dim <= 8 * sg && al % 4 == 0;
+  }
   static bool split_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_SPLIT");
@@ -2377,12 +2397,24 @@ class VulkanBackend final : public Backend {
     // splits) and the last split of each (token, head) to finish joins them (attention.comp).
     int32_t n_split = 1;
     const int mode = attn_split_mode();
+    const bool dec = attn_dec_fits(a, mode);
     size_t part_bytes = 0, cnt_bytes = 0;
-    if (a.n_tok <= 4 && a.n_kv > 64 && mode && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
+    if (dec && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
+      // attn_dec.comp: splits for ~8 workgroups a core (128 cores assumed; Vulkan does not
+      // say), at least attn_dec_keys() keys a split, in powers of two, so a replayed step's grid
+      // changes a few times over a context (cuda::attn_splits' rule).
+      const int64_t base = std::max<int64_t>(1, (int64_t)a.n_tok * a.n_heads), keys = attn_dec_keys();
+      int64_t cap = 1;
+      while (cap * keys < a.n_kv) cap *= 2;
+      n_split = mode ? (int32_t)std::max<int64_t>(1, std::min<int64_t>({(1024 + base - 1) / base, cap, 64})) : 1;
+      pc.split = n_split > 1 ? 1 : 0;
+    } else if (!dec && a.n_tok <= 4 && a.n_kv > 64 && mode && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
       const int64_t ns = std::min<int64_t>(64, (a.n_kv + 63) / 64);
       const int64_t len = ((a.n_kv + ns - 1) / ns + 63) / 64 * 64;
       n_split = (int32_t)((a.n_kv + len - 1) / len);
       pc.split = mode == 2 ? -(int32_t)len : (int32_t)len;
+    }
+    if (n_split > 1) {
       // Each call takes the next region of a ring of partials and of counters, so the calls of
       // one step (a batch's sessions) do not wait for each other; a step starts both rings at 0,
       // so a replayed step's addresses repeat. Wrapping onto a region still in use orders the
@@ -2419,7 +2451,8 @@ class VulkanBackend final : public Backend {
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false},
               {qfold ? pc.sinks : 0, qb + db, true}});
-    c_->dispatch("attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
+    c_->dispatch(dec ? "attn_dec" : "attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok,
+                 (uint32_t)n_split);
     attn_q8_ = AttnQ8{};
     if (qfold) attn_q8_ = AttnQ8{true, c_->step_serial(), c_->kept(), A(a.out), pc.sinks, a.n_tok, hd};
     if (pc.split >= 0) return;
