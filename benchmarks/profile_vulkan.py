@@ -34,8 +34,8 @@ GEMVI8=3: the same, q8_0 a block a lane; GEMVI8=4: the same, two windows of k lo
 GEMVI8=2+NORMTAIL: and the normed rounding after a residual GEMV done by its last workgroup;
 GLUTAIL=0: the glu before ffn down folded into quant_act32, not computed and rounded by the gate /
 up GEMV's per-block tails (the default since the fifteenth session); KVTAIL=1: the ropes and the
-KV store in the Q/K/V GEMV's per-head tails, not a kv_store dispatch (opt-in: slower on the
-H200); KVTAIL=0, TAILS=0: the KV tail off, both off;
+KV store in the Q/K/V GEMV's per-head tails, not a kv_store dispatch (the default since the
+twenty-first session); KVTAIL=0, TAILS=0: the KV tail off, both off;
 READBACK=uncached: downloads into the first host-visible memory type, not a host-cached one;
 F16C=0: f16 prefill on the f32 tiles, not NVIDIA's f16 cooperative matrices (gemm_f16c.comp, x
 split into two f16 halves); F16C=k32 / n16 / w: its two 32-of-k stages, 16 x 16 x 16 products, 64-row

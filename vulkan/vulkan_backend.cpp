@@ -1858,13 +1858,14 @@ class VulkanBackend final : public Backend {
     const char* e = std::getenv("DASLLAMA_VULKAN_NORMTAIL");
     return e && std::strcmp(e, "1") == 0;
   }
-  // DASLLAMA_VULKAN_KVTAIL=1 (read at each store): in recorded decode steps with GEMVI8 on, the
-  // ropes and the KV store go into the Q/K/V GEMV's per-head tails (gemv_i8x.comp flags 8; the
-  // same bits either way) rather than one kv_store dispatch after it. Opt-in: on the H200 the
-  // tails cost more than the dispatch they save (Llama-1B Q8_0 decode 513 -> 489 t/s, RESULTS.md).
+  // DASLLAMA_VULKAN_KVTAIL (read at each store; =0 off): in recorded decode steps with GEMVI8 on,
+  // the ropes and the KV store go into the Q/K/V GEMV's per-head tails (gemv_i8x.comp flags 8;
+  // the same bits either way) rather than one kv_store dispatch after it. On the H200 the tails
+  // cost more than the dispatch they saved with 8-row workgroups (Llama-1B Q8_0 decode 513 -> 489
+  // t/s, fifteenth session); with GEMVI8's 3r4 (twenty-first) they pay: 781 -> 796, Q4_0 845 -> 857.
   static bool kvtail_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_KVTAIL");
-    return e && std::strcmp(e, "1") == 0;
+    return !(e && std::strcmp(e, "0") == 0);
   }
   // DASLLAMA_VULKAN_GLUTAIL=0 (read at each fold): in recorded decode steps with GEMVI8 on, the
   // glu before ffn down stays folded into quant_act32 rather than into the gate / up GEMV's
