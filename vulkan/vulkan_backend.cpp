@@ -28,10 +28,11 @@
 // Steps: the commands between begin_step and end_step are kept and recorded into a secondary
 // command buffer, cached under the step's signature, so a decode step is recorded once and then
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
-// _GEMV, _GEMM, _I8, _F16C, _GEMVQ, _GEMVI8, _NORMTAIL, _GLUTAIL, _KVTAIL, _ATTN_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
+// _GEMV, _GEMM, _I8, _F16C, _GEMVQ, _GEMVI8, _NORMTAIL, _GLUTAIL, _KVTAIL, _ATTN_SPLIT, _ATTN_DEC, _ATTN_KEYS, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py
 // runs them). Measuring: DASLLAMA_VULKAN_PROFILE (each dispatch timed, serialized, no replay),
 // DASLLAMA_VULKAN_GPUTIME (each submission's span on the GPU, everything else as it runs),
-// DASLLAMA_VULKAN_STEPS (replay counts, each recorded step's dispatches).
+// DASLLAMA_VULKAN_STEPS (replay counts, each recorded step's dispatches), DASLLAMA_VULKAN_PIPESTATS
+// (the driver's statistics of each pipeline: registers and the like).
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -163,6 +164,7 @@ bool use_subgroup(const vk::Api& a, VkPhysicalDevice pd, const VkPhysicalDeviceP
 // prints every shape the device offers (stderr, once a device).
 struct I8Caps {
   bool dot = false, coop = false;
+  bool exec_stats = false;  // VK_KHR_pipeline_executable_properties (DASLLAMA_VULKAN_PIPESTATS)
   bool f16n8 = false, f16n16 = false;  // f16 shapes offered: 16 x 8 x 16, 16 x 16 x 16
 };
 I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
@@ -187,6 +189,7 @@ I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
   if (has_cm) *next = &cm, next = &cm.pNext;
   a.vkGetPhysicalDeviceFeatures2(pd, &f);
   c.dot = has_dp && dp.shaderIntegerDotProduct;
+  c.exec_stats = has(VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME);
   auto props = reinterpret_cast<PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV>(
       a.vkGetInstanceProcAddr(a.instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV"));
   // int8 matrices need Int8, f16 ones Float16; glslang writes NV cooperative-matrix shaders in
@@ -317,6 +320,14 @@ class Ctx {
     }
     if (ic.coop) f12.shaderInt8 = VK_TRUE, i8coop = true;
     if (f16) f12.shaderFloat16 = VK_TRUE, f16n8 = ic.f16n8, f16n16 = ic.f16n16;
+    VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR pe{
+        VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR};
+    const char* ps = std::getenv("DASLLAMA_VULKAN_PIPESTATS");
+    if (ps && *ps && std::strcmp(ps, "0") != 0 && ic.exec_stats) {
+      pe.pipelineExecutableInfo = VK_TRUE, pe.pNext = f12.pNext, f12.pNext = &pe;
+      exts.push_back(VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME);
+      pipe_stats_ = true;
+    }
     VkDeviceCreateInfo dci{VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO};
     dci.pNext = &f;
     dci.enabledExtensionCount = (uint32_t)exts.size();
@@ -325,6 +336,13 @@ class Ctx {
     dci.pQueueCreateInfos = &qci;
     vcheck(a.vkCreateDevice(pd, &dci, nullptr, &dev_), "vkCreateDevice");
     f_.load(a, dev_);
+    if (pipe_stats_) {
+      exec_props_ = reinterpret_cast<PFN_vkGetPipelineExecutablePropertiesKHR>(
+          a.vkGetDeviceProcAddr(dev_, "vkGetPipelineExecutablePropertiesKHR"));
+      exec_stats_ = reinterpret_cast<PFN_vkGetPipelineExecutableStatisticsKHR>(
+          a.vkGetDeviceProcAddr(dev_, "vkGetPipelineExecutableStatisticsKHR"));
+      pipe_stats_ = exec_props_ && exec_stats_;
+    }
     f_.vkGetDeviceQueue(dev_, qfam_, 0, &queue_);
     VkCommandPoolCreateInfo pci{VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO};
     pci.flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT;
@@ -1179,17 +1197,55 @@ class Ctx {
     const VkSpecializationInfo si{1, &me, sizeof wide, &wide};
     ci.stage.pSpecializationInfo = &si;
     ci.layout = layout_;
+    if (pipe_stats_) ci.flags |= VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR;
     VkPipeline p;
     const VkResult r = f_.vkCreateComputePipelines(dev_, VK_NULL_HANDLE, 1, &ci, nullptr, &p);
     f_.vkDestroyShaderModule(dev_, mod, nullptr);
     vcheck(r, "vkCreateComputePipelines");
     pipes_[name] = p;
+    if (pipe_stats_) print_pipe_stats(name, p);
     return p;
+  }
+  // DASLLAMA_VULKAN_PIPESTATS=1: what the driver says of each pipeline as it is made (stderr, a
+  // line an executable: registers, shared memory, spills, instructions; each driver names its
+  // own), through VK_KHR_pipeline_executable_properties where the device has it. The registers
+  // a shader takes bound how many of its workgroups a core holds, which no timing shows.
+  void print_pipe_stats(const char* name, VkPipeline p) {
+    VkPipelineInfoKHR pi{VK_STRUCTURE_TYPE_PIPELINE_INFO_KHR};
+    pi.pipeline = p;
+    uint32_t ne = 0;
+    if (exec_props_(dev_, &pi, &ne, nullptr) != VK_SUCCESS) return;
+    std::vector<VkPipelineExecutablePropertiesKHR> ex(ne, {VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_PROPERTIES_KHR});
+    if (ne && exec_props_(dev_, &pi, &ne, ex.data()) != VK_SUCCESS) return;
+    for (uint32_t i = 0; i < ne; ++i) {
+      VkPipelineExecutableInfoKHR ei{VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_INFO_KHR};
+      ei.pipeline = p, ei.executableIndex = i;
+      uint32_t ns = 0;
+      if (exec_stats_(dev_, &ei, &ns, nullptr) != VK_SUCCESS) continue;
+      std::vector<VkPipelineExecutableStatisticKHR> st(ns, {VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_STATISTIC_KHR});
+      if (ns && exec_stats_(dev_, &ei, &ns, st.data()) != VK_SUCCESS) continue;
+      std::string line = std::string("vulkan pipeline ") + name + " [" + ex[i].name + ", subgroup " +
+                         std::to_string(ex[i].subgroupSize) + "]:";
+      for (const auto& v : st) {
+        line += std::string(" ") + v.name + "=";
+        switch (v.format) {
+          case VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_BOOL32_KHR: line += v.value.b32 ? "true" : "false"; break;
+          case VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_INT64_KHR: line += std::to_string(v.value.i64); break;
+          case VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_UINT64_KHR: line += std::to_string(v.value.u64); break;
+          default: line += std::to_string(v.value.f64); break;
+        }
+        line += ";";
+      }
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
   }
 
   const vk::Api& a_;
   VkPhysicalDevice pd_;
   int index_;
+  bool pipe_stats_ = false;  // DASLLAMA_VULKAN_PIPESTATS and the device has the extension
+  PFN_vkGetPipelineExecutablePropertiesKHR exec_props_ = nullptr;
+  PFN_vkGetPipelineExecutableStatisticsKHR exec_stats_ = nullptr;
   VkPhysicalDeviceProperties props_{};
   VkPhysicalDeviceMemoryProperties mprops_{};
   uint32_t qfam_ = 0;
