@@ -272,10 +272,16 @@ class Ctx {
     a.vkGetPhysicalDeviceMemoryProperties(pd, &mprops_);
     subgroup = use_subgroup(a, pd, props_);
     VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+    VkPhysicalDeviceSubgroupSizeControlProperties sc{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES};
     VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
     p2.pNext = &sp;
+    if (props_.apiVersion >= VK_API_VERSION_1_3) sp.pNext = &sc;  // core in 1.3
     a.vkGetPhysicalDeviceProperties2(pd, &p2);
     subgroup_size = std::max<uint32_t>(1, sp.subgroupSize);
+    // A compute shader's subgroups may be narrower than subgroupSize where the size varies
+    // (Intel: 8 to 32): shaders that size their arrays by it check the smallest.
+    subgroup_min = props_.apiVersion >= VK_API_VERSION_1_3 && sc.minSubgroupSize
+                       ? std::min<uint32_t>(subgroup_size, sc.minSubgroupSize) : subgroup_size;
     // flash2.comp's row reductions: 8 adjacent lanes by subgroupShuffleXor.
     shuffle8 = (sp.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
                (sp.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT) && sp.subgroupSize >= 8 &&
@@ -413,6 +419,7 @@ class Ctx {
   std::recursive_mutex mu;
   bool subgroup = false;  // matmul and matmul_id take the subgroup path
   uint32_t subgroup_size = 32;
+  uint32_t subgroup_min = 32;  // the narrowest a compute shader's subgroups may be
   bool shuffle8 = false;  // subgroups of 8 or more lanes that shuffle, in compute shaders
   bool i8dot = false, i8coop = false;  // enabled at device creation (i8_caps)
   bool f16n8 = false, f16n16 = false;  // f16 cooperative matrices 16 x 8 x 16, 16 x 16 x 16 (i8_caps)
@@ -2055,9 +2062,10 @@ class VulkanBackend final : public Backend {
   bool attn_dec_fits(const AttnArgs& a, int split_mode) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_DEC");
     if (e && std::strcmp(e, "0") == 0) return false;
-    const uint32_t sg = c_->subgroup_size;
+    // Its arrays hold head_dim / 2 pairs over NU = 4 a lane and 16 subgroups' states a workgroup.
+    const uint32_t sg = c_->subgroup_min, sgmax = c_->subgroup_size;
     const uint64_t al = A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off;
-    return c_->subgroup && a.n_tok <= 4 && split_mode != 2 && sg >= 8 && sg <= 128 && 128 % sg == 0 &&
+    return c_->subgroup && a.n_tok <= 4 && split_mode != 2 && sg >= 8 && sgmax <= 128 && 128 % sgmax == 0 &&
            a.head_dim % 2 == 0 && a.head_dim <= 128 && (uint32_t)a.head_dim <= 8 * sg && al % 4 == 0;
   }
   static bool split_on() {
