@@ -729,6 +729,7 @@ ATTN_CASES = [
     (17, 700, 4, 2, 256, 16, 128, 0.0, 17),
     (1, 2050, 16, 4, 64, 16, 512, 0.0, 100),
     (3, 4100, 4, 1, 64, 64, 0, 0.0, 1000),  # decode over a long context: a device may split the keys
+    (1, 700, 8, 4, 256, 16, 512, 0.0, 1),  # a Gemma-3 decode: head size 256, a sliding window
     # prefills of several row tiles (a device's tiled kernel), a head size padded to its tile,
     # a window and softcap, rows past a tile's end
     (130, 300, 4, 2, 96, 16, 0, 0.0, 130),
