@@ -217,6 +217,7 @@ def test_subgroup_path_on_lavapipe(built_dir):
     ragged-batch checks (a session's rows alike alone and in a batch) and the MoE families hold
     too. (The q8-mode matmuls, which take the int8 path there whatever DASLLAMA_VULKAN_GEMM says,
     run on it in test_int8_prefill_on_lavapipe's and test_int8_decode_gemv_on_lavapipe's children.)"""
+    import re
     import subprocess
 
     env = dict(os.environ, DASLLAMA_VULKAN_SUBGROUP="1")
@@ -226,6 +227,12 @@ def test_subgroup_path_on_lavapipe(built_dir):
     r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1"}, ("test_backend_ops.py", "test_vulkan.py"),
                "(matmul or paged or moe) and not q8_mode")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    # The op harness's decode attention cases above held against numpy on attn_dec.comp: the
+    # profile of the same cases names it (and attention.comp for the rows it does not take).
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1"}, ("test_backend_ops.py",),
+               "test_paged_attention and not multi and tok1-", s=True)
+    assert r.returncode == 0 and re.search(r"^\s*attn_dec\s+[\d.]+ ms\s+\d+ calls", r.stderr, re.M), \
+        r.stdout[-3000:] + r.stderr[-2000:]
     # Prefill's 128 x 64 GEMM (opt-in: slower than the 64 x 64 tiles on the H200) holds too.
     r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_GEMM": "1"}, ("test_backend_ops.py",),
                "matmul and not q8_mode")
@@ -566,6 +573,10 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
     assert len(ones) == 2, out[-3000:]
     (both, b), (plain, p) = sorted(ones.items())
     layers = p[0]
+    # The one-token steps' attention is attn_dec.comp's on the GPUs' path (the tiny model's heads fit it).
+    dec = [int(m) for m in re.findall(r"^vulkan step recorded: \d+ dispatches:.* gemv_i8x1r\S* x\d+.* attn_dec x(\d+)",
+                                      out, re.M)]
+    assert dec and all(n == layers for n in dec), out[-3000:]
     assert b[0] == layers and plain - both == 2 * layers, out[-3000:]
     assert p[1] - b[1] == layers and p[2] == layers and b[2] == 0, out[-3000:]
 
