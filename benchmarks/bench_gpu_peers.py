@@ -75,7 +75,11 @@ def _post(port: int, body: dict) -> dict:
 
 def run_llama_server(exe: str, path: str, extra: str) -> dict:
     port = _free_port()
-    log = tempfile.TemporaryFile()
+    with tempfile.TemporaryFile() as log:
+        return _serve_and_time(exe, path, extra, port, log)
+
+
+def _serve_and_time(exe: str, path: str, extra: str, port: int, log) -> dict:
     p = subprocess.Popen([exe, "-m", path, "-ngl", "99", "-c", "2048", "-np", "1", "--port", str(port)]
                          + shlex.split(extra), stdout=log, stderr=subprocess.STDOUT)
     try:
