@@ -2589,6 +2589,10 @@ class VulkanBackend final : public Backend {
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
     const std::string v2 = flash2_variant(a);
     if (!v2.empty()) {
+      // DASLLAMA_VULKAN_FLASH_UNITS=0: f16 tiles read as before (32-bit loads, no register
+      // prefetch of the next tile), for A/B runs; read at each call.
+      const char* u = std::getenv("DASLLAMA_VULKAN_FLASH_UNITS");
+      if (u && std::strcmp(u, "0") == 0) pc.shape |= 1u << 31;
       const int64_t br = v2.find("_r4") != std::string::npos ? 64 : 32;
       c_->dispatch(v2.c_str(), &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br), (uint32_t)a.n_heads);
       return;

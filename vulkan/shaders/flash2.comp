@@ -7,7 +7,11 @@
 // on a desktop GPU the shared-memory pipe, not the FMAs, bounds such tiles. SG: a row's 8 lanes are adjacent
 // invocations of one subgroup (the device's subgroups are 8 wide or more and shuffle), so its
 // maxima and sums meet by subgroupShuffleXor, not through shared memory and barriers.
-// f16 caches are read two values a 32-bit load where the rows allow.
+// f16 caches whose head slices are 16-byte aligned are read in 16-byte units held in registers a
+// tile ahead: the next tile's loads (its block-table reads, then its rows) are in flight while
+// this one is scored, where a tile's global round trips otherwise stalled the workgroup every
+// tile (the longest row block of a causal prefill walks every tile in turn). Other f16 caches are
+// read two values a 32-bit load where the rows allow.
 // HD (compile time): head_dim rounded up to 32 or 64, zero padded. RT 2 or 4 (at HD 64 30 KB of
 // shared memory or 42 KB: the host checks the device's limit).
 #version 450
@@ -24,7 +28,7 @@ layout(push_constant, std430) uniform PC {
   uint page_bytes, k_off, v_off, row_bytes;
   int q_stride, out_stride, n_kv_;
   uint heads;  // n_heads | n_kv_heads << 16
-  uint shape;  // head_dim | page_shift << 16 | kvtype << 24
+  uint shape;  // head_dim | page_shift << 16 | kvtype << 24 | no_units << 31
   int window;
   float scale, softcap;
   int n_tok;
@@ -34,7 +38,8 @@ layout(push_constant, std430) uniform PC {
 #define NKVH int(pc.heads >> 16)
 #define HDIM int(pc.shape & 0xffffu)
 #define PSHIFT int((pc.shape >> 16) & 0xffu)
-#define KVTYPE int(pc.shape >> 24)
+#define KVTYPE int((pc.shape >> 24) & 0x7fu)
+#define NO_UNITS ((pc.shape >> 31) != 0u)  // DASLLAMA_VULKAN_FLASH_UNITS=0 (A/B runs)
 #define NKV (pc.n_kv_ >= 0 ? pc.n_kv_ : I32(pc.args).v[-pc.n_kv_ - 1])
 
 #define BR (16 * RT)
@@ -44,6 +49,8 @@ layout(push_constant, std430) uniform PC {
 #define PS4 (BR4 + 1)       // Ps's row stride in vec4s
 #define HD4 (HD / 4)
 #define OG (HD / 32)        // a lane's output dims: 32 g + tx * 4 + e, g < OG
+#define UR (HD / 8)         // 16-byte units of a key's (padded) head slice
+#define UT (BC * UR / 128)  // units of K, and of V, an invocation loads a tile
 
 shared vec4 Qt[HD * BR4];   // Q transposed: [d][row / 4]
 shared vec4 Kt[HD * KS4];   // the tile's keys transposed: [d][key / 4]
@@ -90,8 +97,9 @@ void main() {
                                                                          : uint(kvh * (hd / 32) * 34);
   const uint koff = pc.k_off + head_off, voff = pc.v_off + head_off;
   // f16 rows whose K and V slices start 4-aligned: two values a 32-bit load.
-  const bool pairs = kvtype == 1 && (hd & 1) == 0 &&
-                     ((uint(pc.base) | pc.page_bytes | pc.row_bytes | koff | voff) & 3u) == 0u;
+  const uint align = uint(pc.base) | pc.page_bytes | pc.row_bytes | koff | voff;
+  const bool pairs = kvtype == 1 && (hd & 1) == 0 && (align & 3u) == 0u;
+  const bool units = kvtype == 1 && (hd & 7) == 0 && (align & 15u) == 0u && !NO_UNITS;
 
   // The workgroup's keys: the union of its rows' (window, causal) ranges.
   int lo = 0x7fffffff, hi = 0;
@@ -117,9 +125,36 @@ void main() {
     [[unroll]] for (int c = 0; c < OG * 4; ++c) o[i][c] = 0.0f;
   }
   const int first = lo >= hi ? hi : lo - lo % BC;
+  // The units path's registers: K's units are taken key-fastest (a subgroup's stores into Kt's
+  // transposed rows land on distinct banks), V's unit-fastest (its vec4 rows likewise).
+  uvec4 kr[UT], vr[UT];
+#define LOAD_UNITS(j0_)                                                                            \
+  [[unroll]] for (int i = 0; i < UT; ++i) {                                                        \
+    const int id = tid + 128 * i, jk = id % BC, uk = id / BC, jv = id / UR, uv = id % UR;          \
+    kr[i] = uvec4(0u), vr[i] = uvec4(0u);                                                          \
+    if ((j0_) + jk < hi && uk * 8 < hd)                                                            \
+      kr[i] = V4U(kv_row_at(pc.base, pc.pages, pc.page_bytes, pc.row_bytes, PSHIFT, (j0_) + jk) +  \
+                  koff + uint(uk) * 16u).v[0];                                                     \
+    if ((j0_) + jv < hi && uv * 8 < hd)                                                            \
+      vr[i] = V4U(kv_row_at(pc.base, pc.pages, pc.page_bytes, pc.row_bytes, PSHIFT, (j0_) + jv) +  \
+                  voff + uint(uv) * 16u).v[0];                                                     \
+  }
+  if (units && first < hi) LOAD_UNITS(first)
   for (int j0 = first; j0 < hi; j0 += BC) {
     barrier();  // the previous tile's Kt / Vs / Ps (and red) are read
-    if (pairs) {
+    if (units) {
+      [[unroll]] for (int i = 0; i < UT; ++i) {
+        const int id = tid + 128 * i, jk = id % BC, dk = (id / BC) * 8, jv = id / UR, dv = (id % UR) * 8;
+        const uvec4 k = kr[i], v = vr[i];
+        [[unroll]] for (int e = 0; e < 4; ++e) {
+          const vec2 f = unpackHalf2x16(k[e]);
+          Kt[(dk + 2 * e) * KS4 + (jk >> 2)][jk & 3] = f.x;
+          Kt[(dk + 2 * e + 1) * KS4 + (jk >> 2)][jk & 3] = f.y;
+        }
+        Vs[jv * HD4 + (dv >> 2)] = vec4(unpackHalf2x16(v.x), unpackHalf2x16(v.y));
+        Vs[jv * HD4 + (dv >> 2) + 1] = vec4(unpackHalf2x16(v.z), unpackHalf2x16(v.w));
+      }
+    } else if (pairs) {
       for (int idx = tid; idx < BC * HD / 2; idx += 128) {
         const int j = idx / (HD / 2), d = (idx % (HD / 2)) * 2;
         vec2 kv = vec2(0.0f), vv = vec2(0.0f);
@@ -147,6 +182,7 @@ void main() {
       }
     }
     barrier();
+    if (units && j0 + BC < hi) LOAD_UNITS(j0 + BC)
     float s[RT][4];
     [[unroll]] for (int i = 0; i < RT; ++i)
       [[unroll]] for (int c = 0; c < 4; ++c) s[i][c] = 0.0f;
