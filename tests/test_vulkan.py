@@ -276,15 +276,19 @@ def test_int8_prefill_on_lavapipe(built_dir):
     # suffices.
     rows = ("gemm_i8r_" if dot else "gemm_i8rp_",) + (dots if dot else plain)[2:]
     coop = "int8 coopmat" in feats  # NVIDIA's GPUs (not lavapipe): the default prefill tiles are coop2's
-    runs = [("1", ("gemm_i8c_",) + dots[2:] if coop else dots if dot else plain, ("test_backend_ops.py", "test_vulkan.py")),
-            ("plain", plain, ("test_backend_ops.py",)), ("rows", rows, ("test_vulkan.py",))]
-    if coop:  # gemm_i8's own tiles ("dot") and the older cooperative-matrix variant too
-        runs.append(("dot", dots, ("test_backend_ops.py", "test_vulkan.py")))
-        runs.append(("coop", ("gemm_coop_",) + dots[2:], ("test_backend_ops.py", "test_vulkan.py")))
-    for mode, prefixes, files in runs:
+    # (the harness's and the tiny model's matmuls are few tiles: coop2's 64-row tiles by default)
+    both = ("test_backend_ops.py", "test_vulkan.py")
+    runs = [("1", ("gemm_i8ch_",) + dots[2:] if coop else dots if dot else plain, both, {}),
+            ("plain", plain, ("test_backend_ops.py",), {}), ("rows", rows, ("test_vulkan.py",), {})]
+    if coop:  # coop2's 128-row tiles, gemm_i8's own tiles ("dot") and the older cooperative-matrix variant too
+        runs.append(("1", ("gemm_i8c_",) + dots[2:], both, {"DASLLAMA_VULKAN_I8C_TILE": "128"}))
+        runs.append(("dot", dots, both, {}))
+        runs.append(("coop", ("gemm_coop_",) + dots[2:], both, {}))
+    for mode, prefixes, files, extra in runs:
         # (Not gemv_variants_alike: with GEMVQ=1, 1 to 4 tokens take gemv_q whichever GEMVI8 it picks.)
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_I8": mode,
-                          "DASLLAMA_VULKAN_GEMVQ": "1"}, files, "q8_mode and not lavapipe and not gemv_variants", s=True)
+                          "DASLLAMA_VULKAN_GEMVQ": "1", **extra}, files, "q8_mode and not lavapipe and not gemv_variants",
+                   s=True)
         out = r.stdout + r.stderr
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
         for sh in ("quant_act",) + tuple(p + t for p in prefixes for t in ("40", "41")):

@@ -1666,8 +1666,14 @@ class VulkanBackend final : public Backend {
     const uint32_t nt = (uint32_t)((n + 63) / 64);
     // coop2 by default where the device has int8 cooperative matrices (the same bits as gemm_i8;
     // H200, Llama-1B Q8_0 pp512: 20.6k -> 34.3k t/s, RESULTS.md).
+    // Its 64-row tiles (gemm_i8ch) where 128-row ones would be fewer than 256 workgroups (two
+    // an SM of a large GPU at its 128 registers a lane): pp512's Q, K, V, O and down were 128
+    // workgroups or fewer. DASLLAMA_VULKAN_I8C_TILE=128 / 64 forces one (read at each matmul).
     if ((m == kI8Coop2 || m == kI8Auto) && c_->i8coop && c_->subgroup_size == 32) {
-      c_->dispatch(q8 ? "gemm_i8c_40" : "gemm_i8c_41", &pc, sizeof pc, nt, (uint32_t)((w.rows + 127) / 128));
+      const char* e = std::getenv("DASLLAMA_VULKAN_I8C_TILE");
+      const bool h = e && *e ? std::strcmp(e, "64") == 0 : (int64_t)nt * ((w.rows + 127) / 128) < 256;
+      static const char* const cn[2][2] = {{"gemm_i8c_41", "gemm_i8ch_41"}, {"gemm_i8c_40", "gemm_i8ch_40"}};
+      c_->dispatch(cn[q8][h], &pc, sizeof pc, nt, (uint32_t)((w.rows + (h ? 63 : 127)) / (h ? 64 : 128)));
       return;
     }
     if (m == kI8Coop && c_->i8coop && c_->subgroup_size == 32) {

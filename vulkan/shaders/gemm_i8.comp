@@ -143,19 +143,22 @@ void main() {
 
 #if COOP
   // Subgroup sg (of 8, 32 lanes each: the host checks) takes rows rs.. (2 products of 16) x
-  // tokens ts.. (4 of 8). Which row and token each of a lane's L sums of a 16 x 8 product is
-  // the driver's: a matrix of the product's type loaded from their positions says, and a lane
-  // then scales its own sums in registers (no round trip through shared memory).
-  const uint sg = gl_SubgroupID, rs = (sg % 4u) * 32u, ts = (sg / 4u) * 32u;
+  // tokens ts.. (J of 8): 128-row tiles as 4 x 2 subgroups of 32 x 32, 64-row tiles as 2 x 4 of
+  // 32 x 16 (twice the workgroups where 128-row tiles leave the cores idle; each output's sums
+  // in the same order, so the same bits). Which row and token each of a lane's L sums of a
+  // 16 x 8 product is the driver's: a matrix of the product's type loaded from their positions
+  // says, and a lane then scales its own sums in registers (no round trip through shared memory).
+  const uint RG = BM / 32u, J = RG;  // subgroups across the rows (8 / RG across the tokens); J: token products a subgroup
+  const uint sg = gl_SubgroupID, rs = (sg % RG) * 32u, ts = (sg / RG) * (8u * J);
   if (tid < 128u) Idx[tid] = int(tid);
   barrier();
   icoopmatNV<32, gl_ScopeSubgroup, 16, 8> im;
   coopMatLoadNV(im, Idx, 0, 8, false);
   uint er[L], ec[L];
   [[unroll]] for (int e = 0; e < L; ++e) er[e] = uint(im[e]) >> 3, ec[e] = uint(im[e]) & 7u;
-  float acc[2][4][L];
+  float acc[2][RM / 2u][L];
   [[unroll]] for (uint i = 0u; i < 2u; ++i)
-    [[unroll]] for (uint j = 0u; j < 4u; ++j)
+    [[unroll]] for (uint j = 0u; j < J; ++j)
       [[unroll]] for (int e = 0; e < L; ++e) acc[i][j][e] = 0.0f;
   const icoopmatNV<32, gl_ScopeSubgroup, 16, 8> zero = icoopmatNV<32, gl_ScopeSubgroup, 16, 8>(0);
 #else
@@ -188,16 +191,16 @@ void main() {
       // A 32-block of 16 rows x 8 tokens is one int8 product (m16n8k32): its sums exact, then
       // each scaled by its row's and token's block scales with gemm_i8's fused multiply-add.
       icoopmatNV<8, gl_ScopeSubgroup, 16, 32> a[2];
-      icoopmatNV<8, gl_ScopeSubgroup, 32, 8> x[4];
+      icoopmatNV<8, gl_ScopeSubgroup, 32, 8> x[RM / 2u];
       [[unroll]] for (uint i = 0u; i < 2u; ++i) coopMatLoadNV(a[i], Wf, ((k * BM) + rs + 16u * i) * 3u, 3u, false);
-      [[unroll]] for (uint j = 0u; j < 4u; ++j) coopMatLoadNV(x[j], Xf, ((k * BN) + ts + 8u * j) * 3u, 3u, true);
-      float dw[2][L], dx[4][L];
+      [[unroll]] for (uint j = 0u; j < J; ++j) coopMatLoadNV(x[j], Xf, ((k * BN) + ts + 8u * j) * 3u, 3u, true);
+      float dw[2][L], dx[RM / 2u][L];
       [[unroll]] for (uint i = 0u; i < 2u; ++i)
         [[unroll]] for (int e = 0; e < L; ++e) dw[i][e] = Wd[k][rs + 16u * i + er[e]];
-      [[unroll]] for (uint j = 0u; j < 4u; ++j)
+      [[unroll]] for (uint j = 0u; j < J; ++j)
         [[unroll]] for (int e = 0; e < L; ++e) dx[j][e] = Xd[k][ts + 8u * j + ec[e]];
       [[unroll]] for (uint i = 0u; i < 2u; ++i)
-        [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+        [[unroll]] for (uint j = 0u; j < J; ++j) {
           icoopmatNV<32, gl_ScopeSubgroup, 16, 8> sm = coopMatMulAddNV(a[i], x[j], zero);
           [[unroll]] for (int e = 0; e < L; ++e) {
             precise float sc = dw[i][e] * dx[j][e];
@@ -257,7 +260,7 @@ void main() {
   }
 #if COOP
   [[unroll]] for (uint i = 0u; i < 2u; ++i)
-    [[unroll]] for (uint j = 0u; j < 4u; ++j)
+    [[unroll]] for (uint j = 0u; j < J; ++j)
       [[unroll]] for (int e = 0; e < L; ++e) {
         const uint r = r0 + rs + 16u * i + er[e], t = t0 + ts + 8u * j + ec[e];
         if (r >= pc.rows || t >= pc.n) continue;
