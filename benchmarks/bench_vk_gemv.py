@@ -2,7 +2,8 @@
 GEMV; its rows a workgroup picked, or forced to 4 / 8 / 16 / 32) against quant_act + gemv_i8
 (DASLLAMA_VULKAN_GEMVQ=0), quant_act + gemv_i8x.comp (DASLLAMA_VULKAN_GEMVI8=2; 2r2 / 2r4 / 2r8:
 2, 4 or 8 rows a workgroup; 3: q8_0 a block a lane; 4: two windows of k loaded ahead), and the
-f32 GEMV (gemv.comp, DASLLAMA_VULKAN_I8=prefill). Run on the GPU:
+f32 GEMV (gemv.comp, DASLLAMA_VULKAN_I8=prefill); with --type f16, gemv.comp over f16 weights
+(DASLLAMA_VULKAN_GEMV_KS=1 / 2 / 4: the subgroups a row is split over, forced). Run on the GPU:
 
     python benchmarks/bench_vk_gemv.py --settings GEMVQ=0,GEMVQ=1,GEMVQ=4,GEMVQ=8,GEMVQ=16,GEMVQ=32,I8=prefill
     python benchmarks/bench_vk_gemv.py --shapes qkv,o,gate_up,down \
@@ -35,7 +36,10 @@ SHAPES = {  # name: (rows, cols) of one matmul of a Llama-3.2-1B decode step
 
 
 def random_blocks(rng, wtype: str, rows: int, cols: int) -> tuple[np.ndarray, int]:
-    """rows x cols of q8_0 (f16 scale + 32 int8) or q4_0 (f16 scale + 16 nibble bytes) blocks."""
+    """rows x cols of q8_0 (f16 scale + 32 int8) or q4_0 (f16 scale + 16 nibble bytes) blocks, or
+    of f16 values."""
+    if wtype == "f16":
+        return rng.standard_normal(rows * cols, dtype=np.float32).astype(np.float16).view(np.uint8), 1
     nb = rows * cols // 32
     scale = (rng.uniform(0.5, 1.5, nb) / 127).astype(np.float16).view(np.uint8).reshape(nb, 2)
     if wtype == "q8_0":
@@ -48,7 +52,7 @@ def random_blocks(rng, wtype: str, rows: int, cols: int) -> tuple[np.ndarray, in
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="vulkan")
-    ap.add_argument("--type", default="q8_0", choices=["q8_0", "q4_0"])
+    ap.add_argument("--type", default="q8_0", choices=["q8_0", "q4_0", "f16"])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--settings", default="GEMVQ=0,GEMVQ=1")
     ap.add_argument("--n", type=int, default=1, help="tokens a product")

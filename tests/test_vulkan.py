@@ -233,6 +233,11 @@ def test_subgroup_path_on_lavapipe(built_dir):
                "test_paged_attention and not multi and tok1-", s=True)
     assert r.returncode == 0 and re.search(r"^\s*attn_dec\s+[\d.]+ ms\s+\d+ calls", r.stderr, re.M), \
         r.stdout[-3000:] + r.stderr[-2000:]
+    # The f16 decode GEMV's row split cases above ran on gemv.comp (the profile names it).
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1"}, ("test_vulkan.py",),
+               "gemv_rows_split_or_whole", s=True)
+    assert r.returncode == 0 and re.search(r"^\s*gemv1_1\s+[\d.]+ ms\s+\d+ calls", r.stderr, re.M), \
+        r.stdout[-3000:] + r.stderr[-2000:]
     # Prefill's 128 x 64 GEMM (opt-in: slower than the 64 x 64 tiles on the H200) holds too.
     r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_GEMM": "1"}, ("test_backend_ops.py",),
                "matmul and not q8_mode")
@@ -508,6 +513,37 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
         got = decode(mode)
         assert np.array_equal(got, want), \
             f"GEMVI8={mode}: decode logits differ from gemv_i8's (max {np.abs(got - want).max():.3g})"
+
+
+@pytest.mark.parametrize("split", ["rule", "0", "1", "4"])
+def test_matmul_gemv_rows_split_or_whole(monkeypatch, split):
+    """The decode GEMV of f16 weights (gemv.comp) with a row split over several subgroups joined in
+    shared memory, or whole in one (the default for dispatches of 8192 rows and more), against
+    float64 numpy: one weight of 8200 rows (a workgroup's 16 rows ragged at the end) and three
+    of 40 / 8 / 3 rows (Q, K, V; norm fused), under the default rule, the rule off
+    (DASLLAMA_VULKAN_GEMV_KS1_ROWS=0) and the split forced to 1 and 4."""
+    from test_backend_ops import F32_DOT
+
+    monkeypatch.delenv("DASLLAMA_VULKAN_GEMV_KS", raising=False)
+    monkeypatch.delenv("DASLLAMA_VULKAN_GEMV_KS1_ROWS", raising=False)
+    if split == "0":
+        monkeypatch.setenv("DASLLAMA_VULKAN_GEMV_KS1_ROWS", "0")
+    elif split != "rule":
+        monkeypatch.setenv("DASLLAMA_VULKAN_GEMV_KS", split)
+    be = d._core.Backend("vulkan:%d" % _VK["devices"][0]["index"])
+    rng = np.random.default_rng(83)
+    cols = 512
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    w = rng.standard_normal((8200, cols)).astype(np.float16)
+    got = np.asarray(be.matmul(w.view(np.uint8), 1, 8200, cols, x)).reshape(1, -1)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    assert nmse(got, ref) <= F32_DOT, f"8200 rows, split {split}: NMSE {nmse(got, ref):.3g}"
+    ws = [rng.standard_normal((r, cols)).astype(np.float16) for r in (40, 8, 3)]
+    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    got = np.asarray(be.matmul_step([a.view(np.uint8) for a in ws], 1, [40, 8, 3], cols, x, True, nw, 1e-6, None))
+    xn = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * nw
+    ref = np.concatenate([xn @ a.astype(np.float64).T for a in ws], axis=1)
+    assert nmse(got.reshape(ref.shape), ref) <= F32_DOT, f"Q/K/V normed, split {split}"
 
 
 def test_gemv_tails_alike(tiny, monkeypatch):

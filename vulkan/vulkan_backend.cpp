@@ -2252,6 +2252,18 @@ class VulkanBackend final : public Backend {
       const uint32_t S = c_->subgroup_size, nsg = std::max<uint32_t>(1, 128 / S), nu = pc.cols / ue;
       uint32_t ks = 1;
       while (ks < nsg && nu >= ks * 4 * S) ks *= 2;  // each part keeps two units a lane at least
+      // A dispatch of many rows keeps a row in one subgroup (16 rows a workgroup, no shared-memory
+      // join): gate + up of Llama-1B in f16 (16384 x 2048) took 21 us so, 28 us split in four
+      // (bench_vk_gemv.py --type f16 on the H200); a few thousand rows are faster split.
+      // DASLLAMA_VULKAN_GEMV_KS1_ROWS: that row count (default 8192; 0: never); _GEMV_KS=1|2|4:
+      // ks forced. Both for A/B runs, read at each matmul.
+      int64_t rows_all = 0;
+      for (int i = 0; i < count; ++i) rows_all += ws[i]->rows;
+      const char* k1 = std::getenv("DASLLAMA_VULKAN_GEMV_KS1_ROWS");
+      const int64_t ks1_rows = k1 && *k1 ? std::atoll(k1) : 8192;
+      if (ks1_rows > 0 && rows_all >= ks1_rows) ks = 1;
+      if (const char* e = std::getenv("DASLLAMA_VULKAN_GEMV_KS"); e && std::atoi(e) > 0)
+        ks = std::min<uint32_t>(nsg, 1u << (31 - __builtin_clz((uint32_t)std::atoi(e))));
       pc.ks = ks, pc.rpw = rpw = nsg / ks * 4;
     }
     blocks = 0;
