@@ -24,6 +24,10 @@ FLASH=enc: decoders' prefill attention on attention.comp's row-per-workgroup ker
 encoders only (the default before the sixteenth session; FLASH=0: never the tiles, FLASH=1: the
 default); FLASHK=1: the tiles of flash.comp, not flash2.comp's; FLASH_BR=32 / 64: flash2's rows a
 workgroup; FLASH_SG=0: flash2's row reductions through shared memory, not subgroup shuffles;
+FLASH_UNITS=0: flash2's f16 tiles read 32 bits at a time with no register prefetch (before the
+twenty-second session); FLASH_SPLIT=0: flash2's row blocks never split over key ranges;
+I8C_TILE=128: coop2's int8 GEMM in 128-row tiles at every size (not 64 where few);
+GEMV_KS1_ROWS=0: gemv.comp (f16 decode) splits rows over subgroups at every height;
 ATTN_DEC=0: decode attention on attention.comp (keys a workgroup a chunk), not attn_dec.comp
 (keys a subgroup a round, K and V loaded together);
 GEMVQ=0: q8-mode decode of 1-4 tokens on quant_act + gemv_i8, not gemv_q.comp (which rounds x itself, the GLU folded in);
@@ -89,6 +93,10 @@ CONFIGS = {
     "FLASH_BR=32": {"DASLLAMA_VULKAN_FLASH_BR": "32"},
     "FLASH_BR=64": {"DASLLAMA_VULKAN_FLASH_BR": "64"},
     "FLASH_SG=0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},
+    "FLASH_UNITS=0": {"DASLLAMA_VULKAN_FLASH_UNITS": "0"},
+    "FLASH_SPLIT=0": {"DASLLAMA_VULKAN_FLASH_SPLIT": "0"},
+    "I8C_TILE=128": {"DASLLAMA_VULKAN_I8C_TILE": "128"},
+    "GEMV_KS1_ROWS=0": {"DASLLAMA_VULKAN_GEMV_KS1_ROWS": "0"},
     "GEMVQ=0": {"DASLLAMA_VULKAN_GEMVQ": "0"},
     "ATTN_DEC=0": {"DASLLAMA_VULKAN_ATTN_DEC": "0"},
     "GEMVI8=1": {"DASLLAMA_VULKAN_GEMVI8": "1"},
