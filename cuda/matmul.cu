@@ -867,22 +867,13 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
     if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) v16 = false;
   const bool direct = is_direct(j.type) && v16;
   const int n = j.n;
-  // DASLLAMA_CUDA_GEMV_KS1_ROWS=N (read at each matmul; unset or 0: off): the direct kernel on
-  // f32 activations keeps each row in one warp (no shared-memory join) in launches of N rows
-  // and more, as Vulkan's gemv.comp does past 8192 (there f16 gate + up took 21 us so, 28 us
-  // split in four). Off until measured here.
-  const char* k1 = std::getenv("DASLLAMA_CUDA_GEMV_KS1_ROWS");
-  const int64_t ks1_rows = k1 && *k1 ? std::atoll(k1) : 0;
-  int64_t rows_all = 0;
-  for (int i = 0; i < j.count; ++i) rows_all += j.rows[i];
   for (int t0 = 0; t0 < n; t0 += 16) {
     GemvJob p = j;
     p.n = std::min(16, n - t0);
     p.x = j.x ? j.x + t0 * j.cols : nullptr;
     if (j.xq) p.xq = j.xq + t0 * j.cols, p.xd = j.xd + t0 * (j.cols / 32), p.xs = j.xs + t0 * (j.cols / 32);
     for (int i = 0; i < j.count; ++i) p.y[i] = j.y[i] + t0 * j.rows[i];
-    int ks = direct ? direct_ks(j.cols / unit_elems(j.type)) : 1;
-    if (direct && !j.xq && ks1_rows > 0 && rows_all >= ks1_rows) ks = 1;
+    const int ks = direct ? direct_ks(j.cols / unit_elems(j.type)) : 1;
     const int64_t per_block = direct ? SW / ks * direct_rows(p.n) : SW;
     int64_t b = 0;
     for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], per_block);

@@ -35,31 +35,6 @@ N_POS = 256
 
 
 
-@pytest.mark.parametrize("ks1_rows", ["0", "8192", "1"])
-def test_gemv_rows_split_or_whole(monkeypatch, ks1_rows):
-    """The direct decode GEMV on f16 weights with a row split over the block's warps (joined in
-    shared memory) or whole in one warp (DASLLAMA_CUDA_GEMV_KS1_ROWS: launches of that many rows
-    and more; 1: every launch), against float64 numpy: one weight of 8200 rows, and Q / K / V
-    of 40 / 8 / 3 rows with the norm fused."""
-    from test_backend_ops import F32_DOT
-
-    monkeypatch.setenv("DASLLAMA_CUDA_GEMV_KS1_ROWS", ks1_rows)
-    be = d._core.Backend("cuda:%d" % _CUDA["devices"][0]["index"])
-    rng = np.random.default_rng(83)
-    cols = 512
-    x = rng.standard_normal((1, cols)).astype(np.float32)
-    w = rng.standard_normal((8200, cols)).astype(np.float16)
-    got = np.asarray(be.matmul(w.view(np.uint8), 1, 8200, cols, x)).reshape(1, -1)
-    ref = x.astype(np.float64) @ w.astype(np.float64).T
-    assert nmse(got, ref) <= F32_DOT, f"8200 rows, KS1_ROWS {ks1_rows}: NMSE {nmse(got, ref):.3g}"
-    ws = [rng.standard_normal((r, cols)).astype(np.float16) for r in (40, 8, 3)]
-    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
-    got = np.asarray(be.matmul_step([a.view(np.uint8) for a in ws], 1, [40, 8, 3], cols, x, True, nw, 1e-6, None))
-    xn = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * nw
-    ref = np.concatenate([xn @ a.astype(np.float64).T for a in ws], axis=1)
-    assert nmse(got.reshape(ref.shape), ref) <= F32_DOT, f"Q/K/V normed, KS1_ROWS {ks1_rows}"
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """{family: {format: path}}: f32 files from the exporter, the rest requantized from them."""
