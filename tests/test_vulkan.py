@@ -625,10 +625,7 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
 # 64), its reductions through shared memory, its 64-row workgroups, and flash.comp's tiles.
 FLASH_VARIANTS = {"flash2": {}, "flash2 sg0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},
                   "flash2 br64": {"DASLLAMA_VULKAN_FLASH_BR": "64"}, "flash": {"DASLLAMA_VULKAN_FLASHK": "1"},
-                  "flash2 units0": {"DASLLAMA_VULKAN_FLASH_UNITS": "0"},
-                  "flash2 unsplit": {"DASLLAMA_VULKAN_FLASH_SPLIT": "0"},
-                  "flash2 split1": {"DASLLAMA_VULKAN_FLASH_SPLIT": "1"},
-                  "flash2 br64 split3": {"DASLLAMA_VULKAN_FLASH_BR": "64", "DASLLAMA_VULKAN_FLASH_SPLIT": "3"}}
+                  "flash2 units0": {"DASLLAMA_VULKAN_FLASH_UNITS": "0"}}
 
 
 def test_flash_variants(monkeypatch):
@@ -661,7 +658,7 @@ def test_flash_variants(monkeypatch):
         ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sinks)
         for name, env in FLASH_VARIANTS.items():
             for key in ("DASLLAMA_VULKAN_FLASH_SG", "DASLLAMA_VULKAN_FLASH_BR", "DASLLAMA_VULKAN_FLASHK",
-                        "DASLLAMA_VULKAN_FLASH_UNITS", "DASLLAMA_VULKAN_FLASH_SPLIT"):
+                        "DASLLAMA_VULKAN_FLASH_UNITS"):
                 monkeypatch.delenv(key, raising=False)
             for key, val in env.items():
                 monkeypatch.setenv(key, val)

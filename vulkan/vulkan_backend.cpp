@@ -2585,28 +2585,6 @@ class VulkanBackend final : public Backend {
     if (c_->max_shared() < need(false)) return "";
     return std::string(hd == 32 ? "flash2_d32" : "flash2") + (r4 ? "_r4" : "_r2") + (sg ? "_sg" : "");
   }
-  // flash2's key split: C tiles of 32 keys a workgroup where a row block's serial walk would
-  // be the prefill's critical path. Its grid (row blocks x heads) is one wave on a large GPU up
-  // to a few thousand rows, and its causal last blocks walk every key tile in turn (pp512:
-  // 16 tiles, the first block 1), so C is the tiles of work over ~1024 workgroups (8 a core of
-  // 128 cores, as attn_dec's rule assumes), at least 2; no split where that is all of a block's
-  // tiles. Returns 0 for no split. DASLLAMA_VULKAN_FLASH_SPLIT: 0 never, N forces C = N (read at
-  // each call, for A/B runs).
-  static int flash_split_tiles(const AttnArgs& a, int64_t br) {
-    const int64_t blocks = (a.n_tok + br - 1) / br, max_tiles = (a.n_kv + 31) / 32;
-    if (blocks * a.n_heads > kCntSlots) return 0;
-    const char* e = std::getenv("DASLLAMA_VULKAN_FLASH_SPLIT");
-    int64_t c = 0;
-    if (e && *e) {
-      c = std::atoll(e);
-      if (c <= 0) return 0;
-    } else {
-      int64_t work = 0;  // tiles over the row blocks, each as if causal over the keys before it
-      for (int64_t b = 0; b < blocks; ++b) work += (std::min(a.n_kv, a.n_kv - a.n_tok + (b + 1) * br) + 31) / 32;
-      c = std::max<int64_t>(2, (work * a.n_heads + 1023) / 1024);
-    }
-    return c >= max_tiles || c > 0x7fff ? 0 : (int)c;
-  }
   void flash(const AttnArgs& a) {
     attn_q8_ = AttnQ8{};
     struct {
@@ -2616,23 +2594,18 @@ class VulkanBackend final : public Backend {
       uint32_t heads, shape;
       int32_t window;
       float scale, softcap;
-      int32_t n_tok;  // flash2: | split tiles << 16
-      uint64_t part, cnt;  // flash2's split only
+      int32_t n_tok;
     } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), c_->args_addr(),
          (uint32_t)a.kv.page_bytes, (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes,
          (int32_t)a.q_stride, (int32_t)a.out_stride, c_->step_arg((int32_t)a.n_kv),
          (uint32_t)a.n_heads | (uint32_t)a.n_kv_heads << 16,
          (uint32_t)a.head_dim | (uint32_t)a.kv.page_shift << 16 | (uint32_t)a.kv.type << 24, a.window, a.scale,
-         a.softcap, (int32_t)a.n_tok, 0, 0};
-    static_assert(sizeof pc <= 128, "flash's push constants");
+         a.softcap, (int32_t)a.n_tok};
     const int64_t hd = (int64_t)a.n_heads * a.head_dim;
-    const auto use = [&](uint64_t part_bytes, uint64_t cnt_bytes) {
-      c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false},
-                {A(a.out), (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4), true},
-                {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
-                {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false},
-                {pc.part, part_bytes, true}, {pc.cnt, cnt_bytes, true}});
-    };
+    c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false},
+              {A(a.out), (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4), true},
+              {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
+              {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
     const std::string v2 = flash2_variant(a);
     if (!v2.empty()) {
       // DASLLAMA_VULKAN_FLASH_UNITS=0: f16 tiles read as before (32-bit loads, no register
@@ -2640,37 +2613,9 @@ class VulkanBackend final : public Backend {
       const char* u = std::getenv("DASLLAMA_VULKAN_FLASH_UNITS");
       if (u && std::strcmp(u, "0") == 0) pc.shape |= 1u << 31;
       const int64_t br = v2.find("_r4") != std::string::npos ? 64 : 32;
-      const uint32_t blocks = (uint32_t)((a.n_tok + br - 1) / br);
-      const int ct = flash_split_tiles(a, br);
-      uint32_t nz = 1;
-      size_t part_bytes = 0, slots = 0;
-      if (ct > 0) {
-        // Partials and counters from attention()'s rings (see there): a call's own regions.
-        nz = (uint32_t)(((a.n_kv + 31) / 32 + ct - 1) / ct);
-        part_bytes = ((size_t)a.n_tok * a.n_heads * nz * (a.head_dim + 2) * 4 + 255) & ~size_t(255);
-        if (!attn_part_ || attn_part_->size() < part_bytes) {
-          attn_part_.reset();
-          attn_part_ = alloc(std::max<size_t>(part_bytes, 16 << 20), "attention splits");
-          part_at_ = 0;
-        }
-        if (part_at_ + part_bytes > attn_part_->size()) part_at_ = 0;
-        pc.part = A(attn_part_->data()) + part_at_;
-        part_at_ += part_bytes;
-        if (!attn_cnt_) {
-          attn_cnt_ = alloc(kCntSlots * 4, "attention split counters");
-          c_->zero(A(attn_cnt_->data()), kCntSlots * 4);  // the counters start (and are left) at 0
-        }
-        slots = ((size_t)blocks * a.n_heads + 63) & ~size_t(63);
-        if (cnt_at_ + slots > (size_t)kCntSlots) cnt_at_ = 0;
-        pc.cnt = A(attn_cnt_->data()) + cnt_at_ * 4;
-        cnt_at_ += slots;
-        pc.n_tok |= ct << 16;
-      }
-      use(part_bytes, slots * 4);
-      c_->dispatch(v2.c_str(), &pc, sizeof pc, blocks, (uint32_t)a.n_heads, nz);
+      c_->dispatch(v2.c_str(), &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br), (uint32_t)a.n_heads);
       return;
     }
-    use(0, 0);
     const bool small = a.head_dim <= 64;
     const int64_t br = small ? 32 : 16;  // flash.comp's BR
     c_->dispatch(small ? "flash_64" : "flash_128", &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br),

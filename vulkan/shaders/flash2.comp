@@ -31,12 +31,8 @@ layout(push_constant, std430) uniform PC {
   uint shape;  // head_dim | page_shift << 16 | kvtype << 24 | no_units << 31
   int window;
   float scale, softcap;
-  int n_tok;      // | split tiles << 16 (0: no split)
-  uint64_t part;  // split: (m, l, o[head_dim]) per (row, head, split)
-  uint64_t cnt;   // split: a counter per (row block, head), left at 0
+  int n_tok;
 } pc;
-// The splits' partials as other workgroups see them: coherent (not from a stale cache).
-layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer PartF { float v[]; };
 
 #define NH int(pc.heads & 0xffffu)
 #define NKVH int(pc.heads >> 16)
@@ -45,8 +41,6 @@ layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer Par
 #define KVTYPE int((pc.shape >> 24) & 0x7fu)
 #define NO_UNITS ((pc.shape >> 31) != 0u)  // DASLLAMA_VULKAN_FLASH_UNITS=0 (A/B runs)
 #define NKV (pc.n_kv_ >= 0 ? pc.n_kv_ : I32(pc.args).v[-pc.n_kv_ - 1])
-#define NTOK (pc.n_tok & 0xffff)
-#define SPLIT_TILES (pc.n_tok >> 16)
 
 #define BR (16 * RT)
 #define BC 32
@@ -65,7 +59,6 @@ shared vec4 Ps[BC * PS4];   // the tile's probabilities transposed: [key][row / 
 #if !SG
 shared float red[BR * 8];   // a row's 8 lanes' maxima / sums
 #endif
-shared bool fs_last;        // split: this workgroup is the last of its row block's to finish
 
 #define NEG_INF uintBitsToFloat(0xff800000u)
 
@@ -97,7 +90,7 @@ float row_sum(float v) {
 void main() {
   const int tid = int(gl_LocalInvocationID.x), tx = tid & 7, ty = tid >> 3;
   const int h = int(gl_WorkGroupID.y), t0 = int(gl_WorkGroupID.x) * BR;
-  const int hd = HDIM, n_tok = NTOK, n_kv = NKV;
+  const int hd = HDIM, n_tok = pc.n_tok, n_kv = NKV;
   const int kvh = h / (NH / NKVH);
   const int kvtype = KVTYPE;
   const uint head_off = kvtype == 0 ? uint(kvh * hd * 4) : kvtype == 1 ? uint(kvh * hd * 2)
@@ -132,15 +125,6 @@ void main() {
     [[unroll]] for (int c = 0; c < OG * 4; ++c) o[i][c] = 0.0f;
   }
   const int first = lo >= hi ? hi : lo - lo % BC;
-  // Split (SPLIT_TILES > 0, the host's choice for a grid too small to fill the GPU): workgroup z
-  // takes tiles [z C, (z + 1) C) of the row block's range, so the causal last blocks, which walk
-  // every key, are not each one workgroup's serial walk; the last to finish joins them.
-  // The grid's splits (z) may be fewer than the keys need (a replayed step's n_kv grows past the
-  // host's): the last one then takes the rest.
-  const int ct = SPLIT_TILES, z = int(gl_WorkGroupID.z);
-  const int nzb = ct > 0 && hi > first ? min((hi - first + ct * BC - 1) / (ct * BC), int(gl_NumWorkGroups.z)) : 1;
-  if (z >= nzb) return;  // uniform: a split past the block's keys
-  const int jb = first + z * ct * BC, je = z == nzb - 1 ? hi : jb + ct * BC;
   // The units path's registers: K's units are taken key-fastest (a subgroup's stores into Kt's
   // transposed rows land on distinct banks), V's unit-fastest (its vec4 rows likewise).
   uvec4 kr[UT], vr[UT];
@@ -155,8 +139,8 @@ void main() {
       vr[i] = V4U(kv_row_at(pc.base, pc.pages, pc.page_bytes, pc.row_bytes, PSHIFT, (j0_) + jv) +  \
                   voff + uint(uv) * 16u).v[0];                                                     \
   }
-  if (units && jb < je) LOAD_UNITS(jb)
-  for (int j0 = jb; j0 < je; j0 += BC) {
+  if (units && first < hi) LOAD_UNITS(first)
+  for (int j0 = first; j0 < hi; j0 += BC) {
     barrier();  // the previous tile's Kt / Vs / Ps (and red) are read
     if (units) {
       [[unroll]] for (int i = 0; i < UT; ++i) {
@@ -198,7 +182,7 @@ void main() {
       }
     }
     barrier();
-    if (units && j0 + BC < je) LOAD_UNITS(j0 + BC)
+    if (units && j0 + BC < hi) LOAD_UNITS(j0 + BC)
     float s[RT][4];
     [[unroll]] for (int i = 0; i < RT; ++i)
       [[unroll]] for (int c = 0; c < 4; ++c) s[i][c] = 0.0f;
@@ -275,71 +259,14 @@ void main() {
   [[unroll]] for (int i = 0; i < RT; ++i) red[(ty * RT + i) * 8 + tx] = l[i];
   barrier();
 #endif
-  float Lr[RT];  // each row's softmax sum (every lane of the row alike)
-  [[unroll]] for (int i = 0; i < RT; ++i) {
-#if SG
-    Lr[i] = row_sum(l[i]);
-#else
-    Lr[i] = 0.0f;
-    for (int u = 0; u < 8; ++u) Lr[i] += red[(ty * RT + i) * 8 + u];
-#endif
-  }
-  if (nzb > 1) {
-    // This split's unnormalized rows out, then the count; the last of the block's splits to
-    // count joins all of them, in split order (the same bits whichever finishes last).
-    const int nz = int(gl_NumWorkGroups.z), st = hd + 2;
-    [[unroll]] for (int i = 0; i < RT; ++i) {
-      const int t = t0 + ty * RT + i;
-      if (t >= n_tok) continue;
-      PartF pr = PartF(pc.part + (uint64_t((t * NH + h) * nz + z) * uint64_t(st)) * 4u);
-      if (tx == 0) pr.v[0] = m[i], pr.v[1] = Lr[i];
-      [[unroll]] for (int g = 0; g < OG; ++g)
-        [[unroll]] for (int e = 0; e < 4; ++e) {
-          const int d = g * 32 + tx * 4 + e;
-          if (d < hd) pr.v[2 + d] = o[i][g * 4 + e];
-        }
-    }
-    memoryBarrierBuffer();
-    barrier();
-    if (tid == 0) {
-      U32 cnt = U32(pc.cnt);
-      const uint slot = gl_WorkGroupID.x * uint(NH) + uint(h);
-      const uint done = atomicAdd(cnt.v[slot], 1u);
-      fs_last = done == uint(nzb - 1);
-      if (fs_last) cnt.v[slot] = 0u;  // every split has counted: ready for the next call
-    }
-    barrier();
-    if (!fs_last) return;
-    memoryBarrierBuffer();
-    [[unroll]] for (int i = 0; i < RT; ++i) {
-      const int t = t0 + ty * RT + i;
-      if (t >= n_tok) continue;
-      const uint64_t row = pc.part + uint64_t((t * NH + h) * nz) * uint64_t(st) * 4u;
-      float M = NEG_INF;
-      for (int s2 = 0; s2 < nzb; ++s2) {
-        PartF p = PartF(row + uint64_t(s2 * st) * 4u);
-        if (p.v[1] > 0.0f) M = max(M, p.v[0]);
-      }
-      float L = 0.0f;
-      [[unroll]] for (int c = 0; c < OG * 4; ++c) o[i][c] = 0.0f;
-      for (int s2 = 0; s2 < nzb; ++s2) {
-        PartF p = PartF(row + uint64_t(s2 * st) * 4u);
-        const float ls = p.v[1];
-        if (!(ls > 0.0f)) continue;
-        const float w = exp(p.v[0] - M);
-        L += ls * w;
-        [[unroll]] for (int g = 0; g < OG; ++g)
-          [[unroll]] for (int e = 0; e < 4; ++e) {
-            const int d = g * 32 + tx * 4 + e;
-            if (d < hd) o[i][g * 4 + e] += p.v[2 + d] * w;
-          }
-      }
-      m[i] = M, Lr[i] = L;  // no visible key in any split: -inf and 0, as unsplit
-    }
-  }
   [[unroll]] for (int i = 0; i < RT; ++i) {
     const int t = t0 + ty * RT + i;
-    float L = Lr[i];
+#if SG
+    float L = row_sum(l[i]);
+#else
+    float L = 0.0f;
+    for (int u = 0; u < 8; ++u) L += red[(ty * RT + i) * 8 + u];
+#endif
     if (t >= n_tok) continue;
     float f = 1.0f;
     if (pc.sinks != 0ul) {  // the sink joins the denominator: rescale to the joint max
