@@ -25,7 +25,7 @@ encoders only (the default before the sixteenth session; FLASH=0: never the tile
 default); FLASHK=1: the tiles of flash.comp, not flash2.comp's; FLASH_BR=32 / 64: flash2's rows a
 workgroup; FLASH_SG=0: flash2's row reductions through shared memory, not subgroup shuffles;
 FLASH_UNITS=0: flash2's f16 tiles read 32 bits at a time with no register prefetch (before the
-twenty-second session); FLASH_SPLIT=0: flash2's row blocks never split over key ranges;
+twenty-second session);
 I8C_TILE=128: coop2's int8 GEMM in 128-row tiles at every size (not 64 where few);
 GEMV_KS1_ROWS=0: gemv.comp (f16 decode) splits rows over subgroups at every height;
 ATTN_DEC=0: decode attention on attention.comp (keys a workgroup a chunk), not attn_dec.comp
@@ -94,7 +94,6 @@ CONFIGS = {
     "FLASH_BR=64": {"DASLLAMA_VULKAN_FLASH_BR": "64"},
     "FLASH_SG=0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},
     "FLASH_UNITS=0": {"DASLLAMA_VULKAN_FLASH_UNITS": "0"},
-    "FLASH_SPLIT=0": {"DASLLAMA_VULKAN_FLASH_SPLIT": "0"},
     "I8C_TILE=128": {"DASLLAMA_VULKAN_I8C_TILE": "128"},
     "GEMV_KS1_ROWS=0": {"DASLLAMA_VULKAN_GEMV_KS1_ROWS": "0"},
     "GEMVQ=0": {"DASLLAMA_VULKAN_GEMVQ": "0"},

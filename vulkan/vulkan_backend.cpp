@@ -30,7 +30,8 @@
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
 // _GEMV, _GEMM, _I8, _I8C_TILE, _F16C, _GEMVQ, _GEMVI8, _GEMV_KS, _GEMV_KS1_ROWS, _NORMTAIL, _GLUTAIL,
 // _KVTAIL, _ATTN_SPLIT, _ATTN_DEC, _ATTN_KEYS, _FLASH, _FLASHK, _FLASH_BR, _FLASH_SG, _FLASH_UNITS,
-// _FLASH_SPLIT, _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py runs most). Measuring: DASLLAMA_VULKAN_PROFILE (each dispatch timed, serialized, no replay),
+// _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py runs most). Measuring:
+// DASLLAMA_VULKAN_PROFILE (each dispatch timed, serialized, no replay),
 // DASLLAMA_VULKAN_GPUTIME (each submission's span on the GPU, everything else as it runs),
 // DASLLAMA_VULKAN_STEPS (replay counts, each recorded step's dispatches), DASLLAMA_VULKAN_PIPESTATS
 // (the driver's statistics of each pipeline: registers and the like).
