@@ -515,35 +515,44 @@ def test_q8_mode_decode_gemv_variants_alike(tiny, monkeypatch):
             f"GEMVI8={mode}: decode logits differ from gemv_i8's (max {np.abs(got - want).max():.3g})"
 
 
-@pytest.mark.parametrize("split", ["rule", "0", "1", "4"])
-def test_matmul_gemv_rows_split_or_whole(monkeypatch, split):
+def test_matmul_gemv_rows_split_or_whole(monkeypatch):
     """The decode GEMV of f16 weights (gemv.comp) with a row split over several subgroups joined in
     shared memory, or whole in one (the default for dispatches of 8192 rows and more), against
     float64 numpy: one weight of 8200 rows (a workgroup's 16 rows ragged at the end) and three
     of 40 / 8 / 3 rows (Q, K, V; norm fused), under the default rule, the rule off
-    (DASLLAMA_VULKAN_GEMV_KS1_ROWS=0) and the split forced to 1 and 4."""
+    (DASLLAMA_VULKAN_GEMV_KS1_ROWS=0) and the split forced to 1 and 4. Which split ran shows in
+    the bits (the sums' order): the rule keeps the 8200 rows whole (those of the forced 1, not of
+    the rule off) and leaves Q, K, V split as before (where gemv.comp runs: a GPU, or lavapipe
+    forced onto the GPUs' path by test_subgroup_path_on_lavapipe)."""
     from test_backend_ops import F32_DOT
 
-    monkeypatch.delenv("DASLLAMA_VULKAN_GEMV_KS", raising=False)
-    monkeypatch.delenv("DASLLAMA_VULKAN_GEMV_KS1_ROWS", raising=False)
-    if split == "0":
-        monkeypatch.setenv("DASLLAMA_VULKAN_GEMV_KS1_ROWS", "0")
-    elif split != "rule":
-        monkeypatch.setenv("DASLLAMA_VULKAN_GEMV_KS", split)
     be = d._core.Backend("vulkan:%d" % _VK["devices"][0]["index"])
     rng = np.random.default_rng(83)
-    cols = 512
+    cols = 2048  # 256 units of 8: split over several subgroups unless the rule keeps a row whole
     x = rng.standard_normal((1, cols)).astype(np.float32)
     w = rng.standard_normal((8200, cols)).astype(np.float16)
-    got = np.asarray(be.matmul(w.view(np.uint8), 1, 8200, cols, x)).reshape(1, -1)
     ref = x.astype(np.float64) @ w.astype(np.float64).T
-    assert nmse(got, ref) <= F32_DOT, f"8200 rows, split {split}: NMSE {nmse(got, ref):.3g}"
     ws = [rng.standard_normal((r, cols)).astype(np.float16) for r in (40, 8, 3)]
     nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
-    got = np.asarray(be.matmul_step([a.view(np.uint8) for a in ws], 1, [40, 8, 3], cols, x, True, nw, 1e-6, None))
     xn = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * nw
-    ref = np.concatenate([xn @ a.astype(np.float64).T for a in ws], axis=1)
-    assert nmse(got.reshape(ref.shape), ref) <= F32_DOT, f"Q/K/V normed, split {split}"
+    ref3 = np.concatenate([xn @ a.astype(np.float64).T for a in ws], axis=1)
+    big, qkv = {}, {}
+    for split, env in {"rule": {}, "rule off": {"DASLLAMA_VULKAN_GEMV_KS1_ROWS": "0"},
+                       "1": {"DASLLAMA_VULKAN_GEMV_KS": "1"}, "4": {"DASLLAMA_VULKAN_GEMV_KS": "4"}}.items():
+        for key in ("DASLLAMA_VULKAN_GEMV_KS", "DASLLAMA_VULKAN_GEMV_KS1_ROWS"):
+            monkeypatch.delenv(key, raising=False)
+        for key, val in env.items():
+            monkeypatch.setenv(key, val)
+        big[split] = np.asarray(be.matmul(w.view(np.uint8), 1, 8200, cols, x)).reshape(1, -1)
+        qkv[split] = np.asarray(be.matmul_step([a.view(np.uint8) for a in ws], 1, [40, 8, 3], cols, x, True, nw,
+                                               1e-6, None)).reshape(ref3.shape)
+        assert nmse(big[split], ref) <= F32_DOT, f"8200 rows, split {split}: NMSE {nmse(big[split], ref):.3g}"
+        assert nmse(qkv[split], ref3) <= F32_DOT, f"Q/K/V normed, split {split}: NMSE {nmse(qkv[split], ref3):.3g}"
+    if "subgroup matmul" not in _VK["devices"][0]["features"]:
+        return  # lavapipe's own plain path (no split to pick); test_subgroup_path_on_lavapipe forces gemv.comp
+    assert np.array_equal(big["rule"], big["1"]), "the rule did not keep 8200 rows whole"
+    assert not np.array_equal(big["rule"], big["rule off"]), "the rule's switch did not reach the shader"
+    assert np.array_equal(qkv["rule"], qkv["rule off"]), "the rule changed a dispatch under 8192 rows"
 
 
 def test_gemv_tails_alike(tiny, monkeypatch):
