@@ -2057,9 +2057,6 @@ class VulkanBackend final : public Backend {
     return mode;
   }
   static constexpr int64_t kCntSlots = 16384;  // attention split counters
-  // Whether a call's rows take attn_dec.comp (decode rows on a subgroup-path device: keys a
-  // subgroup at a time, K and V loaded together) rather than attention.comp.
-  // DASLLAMA_VULKAN_ATTN_DEC=0: attention.comp (for A/B runs); read at each call.
   // The fewest keys an attn_dec split takes (DASLLAMA_VULKAN_ATTN_KEYS, a power of two from 4 to
   // 4096; default 16, a workgroup's keys a round): fewer splits, fewer partials to join.
   static int64_t attn_dec_keys() {
@@ -2067,6 +2064,9 @@ class VulkanBackend final : public Backend {
     const long v = e && *e ? std::strtol(e, nullptr, 10) : 16;
     return v >= 4 && v <= 4096 && (v & (v - 1)) == 0 ? v : 16;
   }
+  // Whether a call's rows take attn_dec.comp (decode rows on a subgroup-path device: keys a
+  // subgroup at a time, K and V loaded together) rather than attention.comp.
+  // DASLLAMA_VULKAN_ATTN_DEC=0: attention.comp (for A/B runs); read at each call.
   bool attn_dec_fits(const AttnArgs& a, int split_mode) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_DEC");
     if (e && std::strcmp(e, "0") == 0) return false;
