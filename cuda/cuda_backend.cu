@@ -519,8 +519,9 @@ class CudaBackend final : public Backend {
     max_rows_ = std::max(max_rows_, n);
     if (n >= std::min<int64_t>(65, f16_mma_min_) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x split into f16 halves first
       void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
-      op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16h(m, x, n, y, sc, s); }, m.type, m.w, m.row_bytes, m.rows,
-         m.cols, x, n, y, sc);
+      const bool split = f16_act_split(w);
+      op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16h(m, x, n, y, sc, split, s); }, m.type, m.w, m.row_bytes,
+         m.rows, m.cols, x, n, y, sc, split);
       return;
     }
     if (n >= f16_mma_min_ && n <= 64 && cuda::mma_f16_fits(m, x, n)) {  // bf16 (or F16H=0): the TF32 tiles

@@ -98,11 +98,11 @@ void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st);
 // Prefill (many tokens) of f16 / bf16 weights on TF32 tensor cores, f32-accurate (mma.cu).
 bool mma_f16_fits(const Mat& m, const float* x, int64_t n);
 void mma_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st);
-// f16 weights past 64 tokens on f16 mmas (x split into two f16 halves, a power-of-two scale per
-// token): scratch of mma_f16h_scratch(n, cols) bytes for the split.
+// f16 weights past 64 tokens on f16 mmas (a power-of-two scale per token; split: x in two f16
+// halves, f32-accurate, else x rounded to f16 once): scratch of mma_f16h_scratch(n, cols) bytes.
 bool mma_f16h_fits(const Mat& m, const float* x, int64_t n);
 size_t mma_f16h_scratch(int64_t n, int64_t cols);
-void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, cudaStream_t st);
+void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, bool split, cudaStream_t st);
 bool mma_q8_fits(const GemvJob& j);
 void mma_q8(const GemvJob& j, cudaStream_t st);
 // y[t][r] = sum_k W[r][k] x[t][k], t < n.

@@ -618,7 +618,10 @@ __global__ void __launch_bounds__(BM * 2, 512 / (BM * 2)) mma_f16_k(const uint8_
 // split does, with half the mmas and no conversions in the inner loop; the sums are scaled
 // back by 1 / s (exact). A prep kernel writes hi, lo and 1 / s per token. Tiles as mma_tile_k:
 // 64 rows x 64 tokens, four warps of 32 x 32, 32 of k a stage in three stages, fragments
-// through ldmatrix.
+// through ldmatrix. LO false (q8 mode, weights not exact): hi alone, one mma a product, the
+// activations rounded to f16 as llama.cpp's f16 matmuls round them (each token on its own
+// scale, so none underflows); no lo is written or read.
+template <bool LO>
 __global__ void __launch_bounds__(256) f16_split_k(const float* __restrict__ x, int64_t cols, __half* __restrict__ xh,
                                                    __half* __restrict__ xl, float* __restrict__ inv) {
   pdl_wait();
@@ -642,7 +645,7 @@ __global__ void __launch_bounds__(256) f16_split_k(const float* __restrict__ x, 
     const float v = xr[i] * sc;
     const __half h = __float2half_rn(v);
     xh[t * cols + i] = h;
-    xl[t * cols + i] = __float2half_rn(v - __half2float(h));
+    if (LO) xl[t * cols + i] = __float2half_rn(v - __half2float(h));
   }
   if (threadIdx.x == 0) inv[t] = ldexpf(1.f, -e);
 }
@@ -657,21 +660,22 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 }
 
 // Warps of MT x 16 rows by 32 tokens, WR x WC of them (mma_f16h launches 64 x 64 tiles of 4).
-template <int MT, int WR, int WC>
+template <int MT, int WR, int WC, bool LO>
 struct F16hShape {
   static constexpr int BM = WR * MT * 16, BN = WC * 32, NTH = WR * WC * 32, BK = 32, S = kFStages;
   static constexpr int RS = BK * 2 + 16;  // bytes a row: 80, eight rows an ldmatrix reads on distinct banks
-  static constexpr int smem = S * (BM + 2 * BN) * RS;
+  static constexpr int XS = LO ? 2 : 1;   // activation halves a stage holds
+  static constexpr int smem = S * (BM + XS * BN) * RS;
 };
 
-template <int MT, int WR, int WC>
+template <int MT, int WR, int WC, bool LO>
 __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
     mma_f16h_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows, int64_t cols, const __half* __restrict__ xh,
                const __half* __restrict__ xl, const float* __restrict__ inv, int64_t n, float* __restrict__ y) {
-  using F = F16hShape<MT, WR, WC>;
+  using F = F16hShape<MT, WR, WC, LO>;
   constexpr int BM = F::BM, BN = F::BN, BK = F::BK, S = F::S, RS = F::RS, NTH = F::NTH;
   extern __shared__ __align__(16) uint8_t smem[];
-  auto sa = [&](int st) { return smem + st * (BM + 2 * BN) * RS; };
+  auto sa = [&](int st) { return smem + st * (BM + F::XS * BN) * RS; };
   auto sh = [&](int st) { return sa(st) + BM * RS; };
   auto sl = [&](int st) { return sa(st) + (BM + BN) * RS; };
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
@@ -685,7 +689,7 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
       const bool ok = k0 + ch * 8 < cols;
       const int64_t at = lmin(t0 + t, n - 1) * cols + (ok ? k0 + ch * 8 : 0);
       cp_async(sh(st) + t * RS + ch * 16, xh + at, 16, ok);
-      cp_async(sl(st) + t * RS + ch * 16, xl + at, 16, ok);
+      if (LO) cp_async(sl(st) + t * RS + ch * 16, xl + at, 16, ok);
     }
   };
   float acc[MT][4][4];
@@ -710,14 +714,16 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
         uint32_t r[4];
         ldsm4(r, sh(st) + off);
         bh[2 * np][0] = r[0], bh[2 * np][1] = r[1], bh[2 * np + 1][0] = r[2], bh[2 * np + 1][1] = r[3];
-        ldsm4(r, sl(st) + off);
-        bl[2 * np][0] = r[0], bl[2 * np][1] = r[1], bl[2 * np + 1][0] = r[2], bl[2 * np + 1][1] = r[3];
+        if (LO) {
+          ldsm4(r, sl(st) + off);
+          bl[2 * np][0] = r[0], bl[2 * np][1] = r[1], bl[2 * np + 1][0] = r[2], bl[2 * np + 1][1] = r[3];
+        }
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          mma_f16(acc[mt][nt], a[mt], bl[nt][0], bl[nt][1]);
+          if (LO) mma_f16(acc[mt][nt], a[mt], bl[nt][0], bl[nt][1]);
           mma_f16(acc[mt][nt], a[mt], bh[nt][0], bh[nt][1]);
         }
     }
@@ -741,14 +747,14 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
   }
 }
 
-template <int MT, int WR, int WC>
+template <int MT, int WR, int WC, bool LO>
 void launch_f16h(const Mat& m, const __half* xh, const __half* xl, const float* inv, int64_t n, float* y,
                  cudaStream_t st) {
-  using F = F16hShape<MT, WR, WC>;
-  static const bool set = (smem_limit(mma_f16h_k<MT, WR, WC>, F::smem, "f16 mma tiles"), true);
+  using F = F16hShape<MT, WR, WC, LO>;
+  static const bool set = (smem_limit(mma_f16h_k<MT, WR, WC, LO>, F::smem, "f16 mma tiles"), true);
   (void)set;
   const dim3 grid((unsigned)ceil_div(n, F::BN), (unsigned)ceil_div(m.rows, F::BM));
-  launch(mma_f16h_k<MT, WR, WC>, grid, F::NTH, F::smem, st, m.w, m.row_bytes, m.rows, m.cols, xh, xl, inv, n, y);
+  launch(mma_f16h_k<MT, WR, WC, LO>, grid, F::NTH, F::smem, st, m.w, m.row_bytes, m.rows, m.cols, xh, xl, inv, n, y);
 }
 
 template <uint32_t T, int WM, int WK, int NT, int MINB = 1>
@@ -835,15 +841,20 @@ bool mma_f16h_fits(const Mat& m, const float* x, int64_t n) {
 
 size_t mma_f16h_scratch(int64_t n, int64_t cols) { return (size_t)n * cols * 4 + (size_t)n * 4; }
 
-void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, cudaStream_t st) {
+void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, bool split, cudaStream_t st) {
   if (!mma_f16h_fits(m, x, n)) throw Error("cuda: a matmul the f16 mma kernel does not take");
   __half* xh = static_cast<__half*>(scratch);
   __half* xl = xh + n * m.cols;
   float* inv = reinterpret_cast<float*>(xl + n * m.cols);
-  launch(f16_split_k, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
   // 64 x 64 tiles of four warps. (128 x 128 of eight, MT 4, where they still made two blocks an
   // SM: no faster on the H200, pp512 35,689 -> 35,483.)
-  launch_f16h<2, 2, 2>(m, xh, xl, inv, n, y, st);
+  if (split) {
+    launch(f16_split_k<true>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
+    launch_f16h<2, 2, 2, true>(m, xh, xl, inv, n, y, st);
+  } else {
+    launch(f16_split_k<false>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
+    launch_f16h<2, 2, 2, false>(m, xh, xl, inv, n, y, st);
+  }
   check_launch("matmul (f16 mma)");
 }
 

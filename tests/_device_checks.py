@@ -82,6 +82,26 @@ def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) ->
         assert e <= 1e-12, f"a ragged step's session against itself alone: NMSE {e:.3g}"
 
 
+def f16_q8_mode_prefill(f16_path: str, q8_path: str, device: str, vocab: int) -> None:
+    """A 100-token prefill of an f16 file in q8 mode, where a GPU on f16 tensor cores rounds each
+    token's x to f16 once (11 bits, where q8 mode's int8 blocks keep about 8): its all-row logits
+    are no farther from the CPU's fp32 ones than the CPU's own q8 mode is on the q8_0 file of the
+    same model (a wrong op gives 1e-2 or more). q8_path: that file."""
+    ids = [1] + np.random.default_rng(9).integers(3, vocab, 99).tolist()
+
+    def rows(path, mode, dev):
+        m = d.load_model(path, mode, device=dev)
+        s = d.create_session(m, d.KVDtype.f32, n_ctx=len(ids))
+        d.eval(m, s, ids, all_logits=True)
+        return np.array(s.logits).reshape(len(ids), -1)
+
+    e = nmse(rows(f16_path, d.QuantMode.q8, device), rows(f16_path, d.QuantMode.fp32, "cpu"))
+    e_q8 = nmse(rows(q8_path, d.QuantMode.q8, "cpu"), rows(q8_path, d.QuantMode.fp32, "cpu"))
+    print(f"f16 prefill in q8 mode on {device}: NMSE {e:.3g}, the CPU's q8 mode on q8_0 {e_q8:.3g}")
+    assert e_q8 > LOGIT_BAR, "the CPU's q8 mode should round activations"
+    assert e <= e_q8, f"f16 prefill in q8 mode on {device}: NMSE {e:.3g} against fp32, the CPU's q8 {e_q8:.3g}"
+
+
 def family_logits(path_of, name: str, device: str) -> None:
     """A family's random files on the device: all-row logits of the f32 and q8_0 files in fp32
     mode against the CPU in fp32 mode and a few greedy tokens alike; the q8_0 file in the default

@@ -278,6 +278,46 @@ def check_q8(name, outs, ref):
                 f"{name} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
 
 
+def f16_rounded_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of x scaled by a power of two s (its largest magnitude into [2^13, 2^14), the
+    exponent clamped to +-110) and rounded to f16 by numpy: (x * s as f16, in float64; 1 / s)."""
+    amax = np.abs(x).max(axis=1).astype(np.float64)
+    e = np.where((amax > 0) & (amax <= 3.0e38), np.frexp(np.where(amax > 0, amax, 1.0))[1], 0)
+    e = np.clip(14 - e, -110, 110)
+    s = np.ldexp(1.0, e)
+    hi = (x.astype(np.float64) * s[:, None]).astype(np.float32).astype(np.float16).astype(np.float64)
+    return hi, 1.0 / s
+
+
+@pytest.mark.parametrize("rows,cols,n", [(70, 512, 1), (67, 512, 33), (130, 1000, 80), (200, 544, 130)])
+def test_matmul_f16_q8_mode(q8_backends, rows, cols, n):
+    """f16 weights loaded as in q8 mode, with tokens of very different magnitudes (1e-12 ..
+    1e12, a zero row, an outlier): a backend either keeps the activations in f32 (the CPU; a
+    GPU's decode) and equals float64 numpy at the f32 bar, or (a GPU's prefill on f16 tensor
+    cores) rounds each token's x to f16 on a power-of-two scale of its own, once, and then equals
+    numpy's float64 product over numpy's own f16 rounding of the same scaled rows at that bar.
+    Token by token, so a wrong scale cannot hide behind a large row."""
+    rng = np.random.default_rng(rows + cols + n)
+    raw, w = make_weight(rng, "f16", rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
+    if n > 3:
+        x[3] = 0
+        x[1, 17] = 3e4 * np.abs(x[1]).max()
+    ref = x.astype(np.float64) @ w.T
+    hi, inv = f16_rounded_rows(x)
+    ref16 = (hi @ w.T) * inv[:, None]
+    for d, o in run_all(q8_backends, "matmul", raw, int(T.F16), rows, cols, x).items():
+        o = np.asarray(o).reshape(n, rows)
+        for t in range(n):
+            e32, e16 = nmse(o[t], ref[t]), nmse(o[t], ref16[t])
+            ok = e32 <= F32_DOT if d == "cpu" else min(e32, e16) <= F32_DOT
+            assert ok, f"f16 q8-mode matmul {rows}x{cols} n={n} token {t} on {d}: NMSE {e32:.3g} against f32, " \
+                f"{e16:.3g} against x rounded to f16"
+    # The rounding is what tells the two apart: the f16-rounded reference is that far from f32.
+    assert np.all(hi * inv[:, None] == x) or nmse(ref16, ref) > F32_DOT
+
+
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("rows,cols,n", [(200, 544, 130), (67, 96, 33), (130, 2080, 70), (8200, 96, 200)])
 def test_matmul_q8_mode_prefill(q8_backends, wtype, rows, cols, n):

@@ -71,6 +71,10 @@ def test_logits_every_family_and_format(files, name):
         assert e <= LOGIT_BAR, f"{name} {ft}: GPU logits NMSE {e:.3g} against the CPU"
 
 
+def test_f16_model_q8_mode_prefill_logits(files):
+    C.f16_q8_mode_prefill(files["llama"]["f16"], files["llama"]["q8_0"], "cuda", E.VOCAB)
+
+
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0])
 def test_kv_types(files, kv):
     ids = [1] + np.random.default_rng(2).integers(3, E.VOCAB, 100).tolist()

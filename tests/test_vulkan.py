@@ -326,6 +326,15 @@ def test_f16_model_prefill_logits(tiny, built_dir):
     assert e <= LOGIT_BAR, f"f16 prefill: NMSE {e:.3g} against the CPU"
 
 
+def test_f16_model_q8_mode_prefill_logits(tiny, built_dir):
+    from dasllama.convert import requantize
+
+    (f16,) = C.built_once(built_dir, "llama-tiny-f16",
+                          lambda out: [str(requantize(tiny["f32"], os.path.join(out, "llama-f16.gguf"), "f16",
+                                                      progress=False))])
+    C.f16_q8_mode_prefill(f16, tiny["q8_0"], "vulkan", VOCAB)
+
+
 def test_f16_prefill_split_on_lavapipe(built_dir):
     """f16 prefill (past 32 tokens on a GPU's path) on f16 cooperative matrices keeps f32
     activations: each token's x split into two f16 halves under a power-of-two scale
@@ -354,14 +363,31 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
                     runs.append(("w", tile, "gemm_f16cw"))
             if "16x16x16" in feats:
                 runs.append(("n16", tile, f"gemm_f16c{h}16"))
-    for mode, tile, sh in runs:
+    runs = [(m, t, ("f16_split", sh), "(matmul and f16 and not bf16 and not q8_mode) or f16_model_prefill", "")
+            for m, t, sh in runs]
+    # q8 mode (weights not exact): x rounded to f16 once, one product (f16_split1, gemm_f16*1*),
+    # held to numpy's own f16 rounding of each token's scaled row; DASLLAMA_F16_SPLIT=1 keeps the
+    # split there too.
+    q8 = "f16_q8_mode or f16_model_q8_mode"
+    if "f16 coopmat" in feats:
+        n8 = "16x8x16" in feats
+        runs += [("1", "", ("f16_split1", "gemm_f16c1hk64" if n8 else "gemm_f16c1h16"), q8, ""),
+                 ("1", "128", ("f16_split1", "gemm_f16c1k64" if n8 else "gemm_f16c116"), q8, "")]
+        if n8:
+            runs.append(("b2", "", ("f16_split1", "gemm_f16c1hk64b2"), q8, ""))
+    runs += [("emu", "", ("f16_split1", "gemm_f16e1h"), q8, ""), ("emu", "128", ("f16_split1", "gemm_f16e1"), q8, ""),
+             ("emu", "", ("f16_split", "gemm_f16eh"), q8, "1")]
+    for mode, tile, names, k, split in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
-                               "DASLLAMA_VULKAN_F16C_TILE": tile}, ("test_backend_ops.py", "test_vulkan.py"),
-                   "(matmul and f16 and not bf16 and not q8_mode) or f16_model_prefill", s=True)
+                               "DASLLAMA_VULKAN_F16C_TILE": tile, "DASLLAMA_F16_SPLIT": split},
+                   ("test_backend_ops.py", "test_vulkan.py"), k, s=True)
         out = r.stdout + r.stderr
-        assert r.returncode == 0, f"F16C={mode} TILE={tile}\n" + r.stdout[-3000:] + r.stderr[-2000:]
-        for name in ("f16_split", sh):  # (profile lines: the shader's name, then its time)
-            assert re.search(rf"^\s+{name}\s", out, re.M), f"F16C={mode} TILE={tile}: {name} did not run\n" + out[-3000:]
+        what = f"F16C={mode} TILE={tile} F16_SPLIT={split}"
+        assert r.returncode == 0, what + "\n" + r.stdout[-3000:] + r.stderr[-2000:]
+        for name in names:  # (profile lines: the shader's name, then its time)
+            assert re.search(rf"^\s+{name}\s", out, re.M), f"{what}: {name} did not run\n" + out[-3000:]
+        if "f16_split1" not in names:
+            assert not re.search(r"^\s+(f16_split1|gemm_f16[ce]1)", out, re.M), f"{what}: rounded once\n" + out[-3000:]
 
 
 def test_int8_decode_gemv_on_lavapipe(built_dir):

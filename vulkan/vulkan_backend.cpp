@@ -1706,7 +1706,11 @@ class VulkanBackend final : public Backend {
   // subgroup path (lavapipe's check of all but the matrices); 0: the f32 tiles
   // (matmul_tile.comp, or gemm.comp) as before. bf16 keeps the f32 tiles: it is not exact in
   // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
-  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide };
+  // In q8 mode (weights not exact, f16_act_split false) the default, n16 and emu round x to f16
+  // once instead (f16_split1, one product: gemm_f16c1* / gemm_f16e1*), as llama.cpp does; "b2":
+  // that with 64-row tiles of two 64-of-k stages (gemm_f16c1hk64b2). k32, w and emuw keep the
+  // split (A/B variants of it).
+  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cB2 };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
     if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "k64") == 0) return kF16cAuto;
@@ -1715,33 +1719,40 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "emu") == 0) return kF16cEmu;
     if (std::strcmp(e, "w") == 0) return kF16cWide;
     if (std::strcmp(e, "emuw") == 0) return kF16cEmuWide;
+    if (std::strcmp(e, "b2") == 0) return kF16cB2;
     return kF16cOff;
   }
   // The shader family of this f16 prefill: its name before the tile's mark and after it
   // (f16c_gemm puts "h" between for 64-row tiles); pre null: the f32 tiles. The same for every
-  // matrix that fits, in one call.
+  // matrix that fits, in one call (their weights all exact or none).
   struct F16cPick {
     const char *pre = nullptr, *suf = "";
     bool wide = false;  // gemm_f16cw / _ew: 128-row tiles always
+    bool half = false;  // gemm_f16c1hk64b2: 64-row tiles always
+    bool one = false;   // x rounded to f16 once (f16_split1), one product
   };
   F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
-    const F16cMode m = f16c_mode();
+    F16cMode m = f16c_mode();
     F16cPick p;
     if (m == kF16cOff || lay_type(w) != (uint32_t)GGMLType::F16 || n <= kTileMin || w.rows <= 0 || w.cols <= 0 ||
         w.cols % 8 != 0 || lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
         (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
       return p;
+    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cB2);
+    if (m == kF16cB2 && !p.one) m = kF16cAuto;
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
     if (m == kF16cEmu || m == kF16cEmuWide) {
-      if (c_->max_shared() >= 30720) p.pre = "gemm_f16e";
+      if (c_->max_shared() >= 30720) p.pre = p.one ? "gemm_f16e1" : "gemm_f16e";
       p.suf = m == kF16cEmuWide ? "w" : "", p.wide = m == kF16cEmuWide;
       return p;
     }
     // Subgroups of 32 lanes: the shader's tiles are 32 rows x 32 tokens a subgroup.
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16) || c_->max_shared() < 42496) return p;
-    p.pre = "gemm_f16c";
+    if (m == kF16cB2 && !c_->f16n8) m = kF16cAuto;
+    p.pre = p.one ? "gemm_f16c1" : "gemm_f16c";
     p.wide = m == kF16cWide && c_->f16n8;
-    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : p.wide ? "w" : m == kF16cK32 ? "" : "k64";
+    p.half = m == kF16cB2;
+    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : p.wide ? "w" : m == kF16cK32 ? "" : p.half ? "k64b2" : "k64";
     return p;
   }
   // DASLLAMA_VULKAN_F16C_TILE: 128 or 64 rows a workgroup for every f16 prefill matmul; unset:
@@ -1756,7 +1767,7 @@ class VulkanBackend final : public Backend {
   }
   // x's n rows (cols wide) split into the scratch: hi [n][cols], lo [n][cols] (f16), then 1 / s
   // [n], all 16-aligned (cols % 8 == 0); once for all the matmuls of one x (matmul_multi).
-  void f16_split(const float* x, int64_t n, int64_t cols) {
+  void f16_split(const float* x, int64_t n, int64_t cols, bool one) {
     const uint64_t hb = (uint64_t)n * (uint64_t)cols * 2, need = 2 * hb + (uint64_t)n * 4;
     if (!f16_buf_ || f16_buf_->size() < need) {
       f16_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
@@ -1768,12 +1779,12 @@ class VulkanBackend final : public Backend {
       uint32_t cols, n;
     } sp{A(x), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, (uint32_t)cols, (uint32_t)n};
     c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {f16_xh_, need, true}});
-    c_->dispatch("f16_split", &sp, sizeof sp, (uint32_t)std::min<int64_t>(n, kMaxGroups),
+    c_->dispatch(one ? "f16_split1" : "f16_split", &sp, sizeof sp, (uint32_t)std::min<int64_t>(n, kMaxGroups),
                  (uint32_t)((n + kMaxGroups - 1) / kMaxGroups));
   }
   // y = w x over the halves f16_split just wrote (p: f16c_pick's).
   void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
-    const bool half = !p.wide && f16c_half(w.rows, n);
+    const bool half = p.half || (!p.wide && f16c_half(w.rows, n));
     const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {
@@ -2129,7 +2140,7 @@ class VulkanBackend final : public Backend {
     if (c_->subgroup && n > kTileMin) {  // prefill: output tiles through shared memory
       const F16cPick p = f16c_pick(w, x, n);
       if (p.pre) {
-        f16_split(x, n, w.cols);
+        f16_split(x, n, w.cols, p.one);
         return f16c_gemm(p, w, n, y);
       }
       use();
@@ -2168,11 +2179,14 @@ class VulkanBackend final : public Backend {
       for (int i = 0; i < count; ++i) check_w(*ws[i]);
       const F16cPick p = f16c_pick(*ws[0], x, n);
       bool all = p.pre != nullptr;
-      for (int i = 1; all && i < count; ++i) all = ws[i]->cols == ws[0]->cols && f16c_pick(*ws[i], x, n).pre;
+      for (int i = 1; all && i < count; ++i) {
+        const F16cPick q = f16c_pick(*ws[i], x, n);
+        all = ws[i]->cols == ws[0]->cols && q.pre && q.one == p.one;
+      }
       if (all) {
         Lock g(c_->mu);
         c_->note_rows(n);
-        f16_split(x, n, ws[0]->cols);
+        f16_split(x, n, ws[0]->cols, p.one);
         for (int i = 0; i < count; ++i) f16c_gemm(p, *ws[i], n, ys[i]);
         return;
       }

@@ -24,6 +24,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -96,6 +97,16 @@ struct Weight {
   int64_t expert_rows = 0;
   bool empty() const { return host == nullptr && data == nullptr; }
 };
+
+// Whether a GPU's prefill of f16 weights on f16 tensor cores keeps f32 activations (each token's
+// x split into two f16 halves, two products) or rounds them to f16 once (one product, as
+// llama.cpp's f16 matmuls do): split in fp32 mode (w.exact), or everywhere with
+// DASLLAMA_F16_SPLIT=1. Read at each matmul (A/B runs switch it between loads).
+inline bool f16_act_split(const Weight& w) {
+  if (w.exact) return true;
+  const char* e = std::getenv("DASLLAMA_F16_SPLIT");
+  return e && e[0] == '1';
+}
 
 // A vector of floats in backend memory (norm weights, biases, rope factors).
 struct Vec {

@@ -5,8 +5,12 @@
 // once more), so W * hi + W * lo gives the f32 dot product to about 2^-22 relative. Writes hi
 // [n][cols], lo [n][cols] (f16 bits) and 1 / s [n]. A workgroup per token (the grid wraps past
 // 65535 in y); cols % 8 == 0 and x, xh, xl 16-aligned (the backend's check).
+// LO 0 (f16_split1, q8 mode): hi alone, the activations rounded to f16 once on the same scale.
 #version 450
 #include "common.glsl"
+#ifndef LO
+#define LO 1
+#endif
 
 layout(local_size_x = 256) in;
 layout(push_constant, std430) uniform PC {
@@ -52,7 +56,9 @@ void main() {
       lw[i] = f2h(v0 - h2f(h0)) | (f2h(v1 - h2f(h1)) << 16);
     }
     V4U(pc.xh + at + uint64_t(c) * 16u).v[0] = hw;
+#if LO
     V4U(pc.xl + at + uint64_t(c) * 16u).v[0] = lw;
+#endif
   }
   if (tid == 0u) F32(pc.inv).v[t] = ldexp(1.0f, -e);
 }

@@ -42,6 +42,9 @@
 #ifndef MT
 #define MT 2
 #endif
+#ifndef LO  // 0 (q8 mode, weights not exact): x rounded to f16 once (hi alone), one product
+#define LO 1
+#endif
 #define NTH (64 * WR)  // invocations: WR x 2 subgroups of 32
 #ifndef NBUF  // stages in shared memory (gemm_f16e: 1, to fit lavapipe's 32 KB)
 #if BK == 32
@@ -65,7 +68,9 @@ const uint NW = BM * CK / NTH, NX = BN * CK / NTH;  // chunks an invocation load
 const uint WB = BM * RS, XB = BN * RS;              // a stage's buffer, in uvec4s
 shared uvec4 Wf[NBUF * WB];  // [stage][row][k], flat for coopMatLoadNV (offsets and strides in uvec4s)
 shared uvec4 Hf[NBUF * XB];  // [stage][token][k]
+#if LO
 shared uvec4 Lf[NBUF * XB];
+#endif
 #if COOP
 shared float Idx[16u * TN];  // positions r * TN + c, loaded as a product's type
 fcoopmatNV<32, gl_ScopeSubgroup, 16, TN> sum_t;  // its length() sizes a lane's share of a product
@@ -116,6 +121,11 @@ void main() {
 #endif
 
   uvec4 gw[NW], gh[NX], glo[NX];
+#if LO
+#define LSTORE(at, v) Lf[at] = v
+#else
+#define LSTORE(at, v)
+#endif
 #define LOAD(k0)                                                                                   \
   {                                                                                                \
     [[unroll]] for (uint i = 0u; i < NW; ++i) {                                                    \
@@ -126,7 +136,7 @@ void main() {
       const uint k = (k0) + ((tid + NTH * i) % CK) * 8u;                                           \
       const uint64_t o = xp[i] + uint64_t(k0) * 2u;                                                \
       gh[i] = k < pc.cols ? V4U(pc.xh + o).v[0] : uvec4(0u);                                       \
-      glo[i] = k < pc.cols ? V4U(pc.xl + o).v[0] : uvec4(0u);                                      \
+      if (LO != 0) glo[i] = k < pc.cols ? V4U(pc.xl + o).v[0] : uvec4(0u);                         \
     }                                                                                              \
   }
 #define STORE(b)                                                                                   \
@@ -138,7 +148,7 @@ void main() {
     [[unroll]] for (uint i = 0u; i < NX; ++i) {                                                    \
       const uint p = tid + NTH * i;                                                                \
       Hf[(b) * XB + (p / CK) * RS + p % CK] = gh[i];                                               \
-      Lf[(b) * XB + (p / CK) * RS + p % CK] = glo[i];                                              \
+      LSTORE((b) * XB + (p / CK) * RS + p % CK, glo[i]);                                           \
     }                                                                                              \
   }
 
@@ -157,11 +167,16 @@ void main() {
         coopMatLoadNV(a[i], Wf, wb + (rs + 16u * i) * RS + 2u * kk, RS, false);
       [[unroll]] for (uint j = 0u; j < NJ; ++j) {
         // B is k x tokens: a token's k adjacent, so column-major over the [token][k] rows.
-        fcoopmatNV<16, gl_ScopeSubgroup, 16, TN> bh, bl;
+        fcoopmatNV<16, gl_ScopeSubgroup, 16, TN> bh;
         coopMatLoadNV(bh, Hf, xb + (ts + TN * j) * RS + 2u * kk, RS, true);
+#if LO
+        fcoopmatNV<16, gl_ScopeSubgroup, 16, TN> bl;
         coopMatLoadNV(bl, Lf, xb + (ts + TN * j) * RS + 2u * kk, RS, true);
+#endif
         [[unroll]] for (uint i = 0u; i < MT; ++i) {
+#if LO
           acc[i][j] = coopMatMulAddNV(a[i], bl, acc[i][j]);  // the small half first, as CUDA's
+#endif
           acc[i][j] = coopMatMulAddNV(a[i], bh, acc[i][j]);
         }
       }
@@ -172,11 +187,16 @@ void main() {
       float w[8];
       unpack8(Wf[wb + lr * RS + c], w);
       [[unroll]] for (uint j = 0u; j < TPI; ++j) {
-        float h[8], l[8];
+        float h[8];
         unpack8(Hf[xb + (tg * TPI + j) * RS + c], h);
+#if LO
+        float l[8];
         unpack8(Lf[xb + (tg * TPI + j) * RS + c], l);
+#endif
         [[unroll]] for (uint e = 0u; e < 8u; ++e) {
+#if LO
           acc[j] = fma(w[e], l[e], acc[j]);
+#endif
           acc[j] = fma(w[e], h[e], acc[j]);
         }
       }
