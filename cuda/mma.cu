@@ -846,15 +846,25 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
   __half* xh = static_cast<__half*>(scratch);
   __half* xl = xh + n * m.cols;
   float* inv = reinterpret_cast<float*>(xl + n * m.cols);
-  // 64 x 64 tiles of four warps. (128 x 128 of eight, MT 4, where they still made two blocks an
-  // SM: no faster on the H200, pp512 35,689 -> 35,483.)
-  if (split) {
-    launch(f16_split_k<true>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
-    launch_f16h<2, 2, 2, true>(m, xh, xl, inv, n, y, st);
-  } else {
-    launch(f16_split_k<false>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
-    launch_f16h<2, 2, 2, false>(m, xh, xl, inv, n, y, st);
-  }
+  // The split: 64 x 64 tiles of four warps (128 x 128 of eight, MT 4, where they still made two
+  // blocks an SM: no faster on the H200, pp512 35,689 -> 35,483). One product: 128 x 64 tiles of
+  // four warps of 64 x 32 (H200, Llama-1B F16 pp512, ab_cuda.py: 64x64 44,118, 128x64 48,519,
+  // 128x64w8 42,872, 64x128 43,138, 128x128 42,075). DASLLAMA_CUDA_F16H_TILE (read at each
+  // launch, for A/B runs) names one of those: 64x64, 128x64 (four warps of 64 x 32), 128x64w8
+  // (eight of 32 x 32), 64x128 (eight), 128x128 (eight of 64 x 32).
+  const char* e = std::getenv("DASLLAMA_CUDA_F16H_TILE");
+  const std::string tile = e && *e ? e : split ? "64x64" : "128x64";
+  auto run = [&](auto lo) {
+    constexpr bool LO = decltype(lo)::value;
+    launch(f16_split_k<LO>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
+    if (tile == "128x64") launch_f16h<4, 2, 2, LO>(m, xh, xl, inv, n, y, st);
+    else if (tile == "128x64w8") launch_f16h<2, 4, 2, LO>(m, xh, xl, inv, n, y, st);
+    else if (tile == "64x128") launch_f16h<2, 2, 4, LO>(m, xh, xl, inv, n, y, st);
+    else if (tile == "128x128") launch_f16h<4, 2, 4, LO>(m, xh, xl, inv, n, y, st);
+    else launch_f16h<2, 2, 2, LO>(m, xh, xl, inv, n, y, st);
+  };
+  if (split) run(std::true_type{});
+  else run(std::false_type{});
   check_launch("matmul (f16 mma)");
 }
 

@@ -365,17 +365,17 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
                 runs.append(("n16", tile, f"gemm_f16c{h}16"))
     runs = [(m, t, ("f16_split", sh), "(matmul and f16 and not bf16 and not q8_mode) or f16_model_prefill", "")
             for m, t, sh in runs]
-    # q8 mode (weights not exact): x rounded to f16 once, one product (f16_split1, gemm_f16*1*),
+    # q8 mode (weights not exact): x rounded to f16 once, one product (f16_round, gemm_f16o*, gemm_f16eo*),
     # held to numpy's own f16 rounding of each token's scaled row; DASLLAMA_F16_SPLIT=1 keeps the
     # split there too.
     q8 = "f16_q8_mode or f16_model_q8_mode"
     if "f16 coopmat" in feats:
         n8 = "16x8x16" in feats
-        runs += [("1", "", ("f16_split1", "gemm_f16c1hk64" if n8 else "gemm_f16c1h16"), q8, ""),
-                 ("1", "128", ("f16_split1", "gemm_f16c1k64" if n8 else "gemm_f16c116"), q8, "")]
+        runs += [("1", "", ("f16_round", "gemm_f16ok64" if n8 else "gemm_f16o16"), q8, ""),
+                 ("1", "64", ("f16_round", "gemm_f16ohk64" if n8 else "gemm_f16oh16"), q8, "")]
         if n8:
-            runs.append(("b2", "", ("f16_split1", "gemm_f16c1hk64b2"), q8, ""))
-    runs += [("emu", "", ("f16_split1", "gemm_f16e1h"), q8, ""), ("emu", "128", ("f16_split1", "gemm_f16e1"), q8, ""),
+            runs += [("b2", "", ("f16_round", "gemm_f16ohk64b2"), q8, ""), ("w", "", ("f16_round", "gemm_f16ow"), q8, "")]
+    runs += [("emu", "", ("f16_round", "gemm_f16eo"), q8, ""), ("emu", "64", ("f16_round", "gemm_f16eoh"), q8, ""),
              ("emu", "", ("f16_split", "gemm_f16eh"), q8, "1")]
     for mode, tile, names, k, split in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
@@ -386,8 +386,8 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
         assert r.returncode == 0, what + "\n" + r.stdout[-3000:] + r.stderr[-2000:]
         for name in names:  # (profile lines: the shader's name, then its time)
             assert re.search(rf"^\s+{name}\s", out, re.M), f"{what}: {name} did not run\n" + out[-3000:]
-        if "f16_split1" not in names:
-            assert not re.search(r"^\s+(f16_split1|gemm_f16[ce]1)", out, re.M), f"{what}: rounded once\n" + out[-3000:]
+        if "f16_round" not in names:
+            assert not re.search(r"^\s+(f16_round|gemm_f16e?o)", out, re.M), f"{what}: rounded once\n" + out[-3000:]
 
 
 def test_int8_decode_gemv_on_lavapipe(built_dir):

@@ -1706,9 +1706,9 @@ class VulkanBackend final : public Backend {
   // subgroup path (lavapipe's check of all but the matrices); 0: the f32 tiles
   // (matmul_tile.comp, or gemm.comp) as before. bf16 keeps the f32 tiles: it is not exact in
   // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
-  // In q8 mode (weights not exact, f16_act_split false) the default, n16 and emu round x to f16
-  // once instead (f16_split1, one product: gemm_f16c1* / gemm_f16e1*), as llama.cpp does; "b2":
-  // that with 64-row tiles of two 64-of-k stages (gemm_f16c1hk64b2). k32, w and emuw keep the
+  // In q8 mode (weights not exact, f16_act_split false) the default, n16, w and emu round x to
+  // f16 once instead (f16_round, one product: gemm_f16o* / gemm_f16eo*), as llama.cpp does;
+  // "b2": that in 64-row tiles of two 64-of-k stages (gemm_f16ohk64b2). k32 and emuw keep the
   // split (A/B variants of it).
   enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cB2 };
   static F16cMode f16c_mode() {
@@ -1728,8 +1728,8 @@ class VulkanBackend final : public Backend {
   struct F16cPick {
     const char *pre = nullptr, *suf = "";
     bool wide = false;  // gemm_f16cw / _ew: 128-row tiles always
-    bool half = false;  // gemm_f16c1hk64b2: 64-row tiles always
-    bool one = false;   // x rounded to f16 once (f16_split1), one product
+    bool half = false;  // gemm_f16ohk64b2: 64-row tiles always
+    bool one = false;   // x rounded to f16 once (f16_round), one product
   };
   F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
     F16cMode m = f16c_mode();
@@ -1738,32 +1738,33 @@ class VulkanBackend final : public Backend {
         w.cols % 8 != 0 || lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
         (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
       return p;
-    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cB2);
+    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cB2 || m == kF16cWide);
     if (m == kF16cB2 && !p.one) m = kF16cAuto;
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
     if (m == kF16cEmu || m == kF16cEmuWide) {
-      if (c_->max_shared() >= 30720) p.pre = p.one ? "gemm_f16e1" : "gemm_f16e";
+      if (c_->max_shared() >= 30720) p.pre = p.one ? "gemm_f16eo" : "gemm_f16e";
       p.suf = m == kF16cEmuWide ? "w" : "", p.wide = m == kF16cEmuWide;
       return p;
     }
     // Subgroups of 32 lanes: the shader's tiles are 32 rows x 32 tokens a subgroup.
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16) || c_->max_shared() < 42496) return p;
     if (m == kF16cB2 && !c_->f16n8) m = kF16cAuto;
-    p.pre = p.one ? "gemm_f16c1" : "gemm_f16c";
+    p.pre = p.one ? "gemm_f16o" : "gemm_f16c";
     p.wide = m == kF16cWide && c_->f16n8;
     p.half = m == kF16cB2;
     p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : p.wide ? "w" : m == kF16cK32 ? "" : p.half ? "k64b2" : "k64";
     return p;
   }
   // DASLLAMA_VULKAN_F16C_TILE: 128 or 64 rows a workgroup for every f16 prefill matmul; unset:
-  // 64 where the 128-row tiles would be fewer than 256 (attention's projections of a short
-  // prefill: a large GPU's cores without a second workgroup each), as gemm_i8's choice. Read at
-  // each matmul.
-  static bool f16c_half(int64_t rows, int64_t n) {
+  // the split takes 64 where the 128-row tiles would be fewer than 256 (attention's projections
+  // of a short prefill: a large GPU's cores without a second workgroup each), as gemm_i8's
+  // choice; one product (one) 128 always (H200, Llama-1B F16 pp512: that rule 29,715 t/s, 128
+  // rows 32,011). Read at each matmul.
+  static bool f16c_half(int64_t rows, int64_t n, bool one) {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C_TILE");
     if (e && std::strcmp(e, "128") == 0) return false;
     if (e && std::strcmp(e, "64") == 0) return true;
-    return ((n + 63) / 64) * ((rows + 127) / 128) < 256;
+    return !one && ((n + 63) / 64) * ((rows + 127) / 128) < 256;
   }
   // x's n rows (cols wide) split into the scratch: hi [n][cols], lo [n][cols] (f16), then 1 / s
   // [n], all 16-aligned (cols % 8 == 0); once for all the matmuls of one x (matmul_multi).
@@ -1779,12 +1780,12 @@ class VulkanBackend final : public Backend {
       uint32_t cols, n;
     } sp{A(x), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, (uint32_t)cols, (uint32_t)n};
     c_->uses({{A(x), (uint64_t)(n * cols * 4), false}, {f16_xh_, need, true}});
-    c_->dispatch(one ? "f16_split1" : "f16_split", &sp, sizeof sp, (uint32_t)std::min<int64_t>(n, kMaxGroups),
+    c_->dispatch(one ? "f16_round" : "f16_split", &sp, sizeof sp, (uint32_t)std::min<int64_t>(n, kMaxGroups),
                  (uint32_t)((n + kMaxGroups - 1) / kMaxGroups));
   }
   // y = w x over the halves f16_split just wrote (p: f16c_pick's).
   void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
-    const bool half = p.half || (!p.wide && f16c_half(w.rows, n));
+    const bool half = p.half || (!p.wide && f16c_half(w.rows, n, p.one));
     const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {

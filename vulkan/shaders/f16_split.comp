@@ -5,7 +5,7 @@
 // once more), so W * hi + W * lo gives the f32 dot product to about 2^-22 relative. Writes hi
 // [n][cols], lo [n][cols] (f16 bits) and 1 / s [n]. A workgroup per token (the grid wraps past
 // 65535 in y); cols % 8 == 0 and x, xh, xl 16-aligned (the backend's check).
-// LO 0 (f16_split1, q8 mode): hi alone, the activations rounded to f16 once on the same scale.
+// LO 0 (f16_round, q8 mode): hi alone, the activations rounded to f16 once on the same scale.
 #version 450
 #include "common.glsl"
 #ifndef LO
