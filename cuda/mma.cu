@@ -519,14 +519,14 @@ void launch_tile(const GemvJob& j, cudaStream_t st) {
 // half2 of weights and a float2 of activations.
 constexpr int kFStages = 3;
 
-// A stage's rows r0 .. r0 + BM of an f16 / bf16 matrix, k0 .. k0 + 32 (64 bytes a row, at `stride`
-// bytes apart in shared memory). k past cols is zero-filled (cols % 8 == 0: a 16-byte chunk is
-// wholly in or out); rows past the end read the last one (their sums are not stored).
-template <int BM, int NTH>
+// A stage's rows r0 .. r0 + BM of an f16 / bf16 matrix, k0 .. k0 + 8 CH (16 CH bytes a row, at
+// `stride` bytes apart in shared memory). k past cols is zero-filled (cols % 8 == 0: a 16-byte
+// chunk is wholly in or out); rows past the end read the last one (their sums are not stored).
+template <int BM, int NTH, int CH = 4>
 __device__ __forceinline__ void stage_rows16(uint8_t* dst, int stride, const uint8_t* W, size_t rb, int64_t r0,
                                              int64_t rows, int64_t cols, int64_t k0) {
-  for (int i = threadIdx.x; i < BM * 4; i += NTH) {
-    const int r = i >> 2, ch = i & 3;
+  for (int i = threadIdx.x; i < BM * CH; i += NTH) {
+    const int r = i / CH, ch = i % CH;
     const bool ok = k0 + ch * 8 < cols;
     cp_async(dst + r * stride + ch * 16, W + lmin(r0 + r, rows - 1) * rb + (ok ? (k0 + ch * 8) * 2 : 0), 16, ok);
   }
@@ -660,19 +660,19 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 }
 
 // Warps of MT x 16 rows by 32 tokens, WR x WC of them (mma_f16h launches 64 x 64 tiles of 4).
-template <int MT, int WR, int WC, bool LO>
+template <int MT, int WR, int WC, bool LO, int BK_ = 32, int S_ = kFStages>
 struct F16hShape {
-  static constexpr int BM = WR * MT * 16, BN = WC * 32, NTH = WR * WC * 32, BK = 32, S = kFStages;
-  static constexpr int RS = BK * 2 + 16;  // bytes a row: 80, eight rows an ldmatrix reads on distinct banks
+  static constexpr int BM = WR * MT * 16, BN = WC * 32, NTH = WR * WC * 32, BK = BK_, S = S_;
+  static constexpr int RS = BK * 2 + 16;  // bytes a row: 80 (144), eight rows an ldmatrix reads on distinct banks
   static constexpr int XS = LO ? 2 : 1;   // activation halves a stage holds
   static constexpr int smem = S * (BM + XS * BN) * RS;
 };
 
-template <int MT, int WR, int WC, bool LO>
+template <int MT, int WR, int WC, bool LO, int BK_, int S_>
 __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
     mma_f16h_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows, int64_t cols, const __half* __restrict__ xh,
                const __half* __restrict__ xl, const float* __restrict__ inv, int64_t n, float* __restrict__ y) {
-  using F = F16hShape<MT, WR, WC, LO>;
+  using F = F16hShape<MT, WR, WC, LO, BK_, S_>;
   constexpr int BM = F::BM, BN = F::BN, BK = F::BK, S = F::S, RS = F::RS, NTH = F::NTH;
   extern __shared__ __align__(16) uint8_t smem[];
   auto sa = [&](int st) { return smem + st * (BM + F::XS * BN) * RS; };
@@ -682,10 +682,11 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
   const int wm = warp % WR, wn = warp / WR;
   const int64_t r0 = (int64_t)blockIdx.y * BM, t0 = (int64_t)blockIdx.x * BN;
   // Tokens past the end read the last one, as rows do (stage_rows16).
-  auto load_w = [&](int st, int64_t k0) { stage_rows16<BM, NTH>(sa(st), RS, W, rb, r0, rows, cols, k0); };
+  constexpr int CH = BK / 8;  // 16-byte chunks of a row a stage
+  auto load_w = [&](int st, int64_t k0) { stage_rows16<BM, NTH, CH>(sa(st), RS, W, rb, r0, rows, cols, k0); };
   auto load_x = [&](int st, int64_t k0) {
-    for (int i = tid; i < BN * 4; i += NTH) {
-      const int t = i >> 2, ch = i & 3;
+    for (int i = tid; i < BN * CH; i += NTH) {
+      const int t = i / CH, ch = i % CH;
       const bool ok = k0 + ch * 8 < cols;
       const int64_t at = lmin(t0 + t, n - 1) * cols + (ok ? k0 + ch * 8 : 0);
       cp_async(sh(st) + t * RS + ch * 16, xh + at, 16, ok);
@@ -747,14 +748,14 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
   }
 }
 
-template <int MT, int WR, int WC, bool LO>
+template <int MT, int WR, int WC, bool LO, int BK = 32, int S = kFStages>
 void launch_f16h(const Mat& m, const __half* xh, const __half* xl, const float* inv, int64_t n, float* y,
                  cudaStream_t st) {
-  using F = F16hShape<MT, WR, WC, LO>;
-  static const bool set = (smem_limit(mma_f16h_k<MT, WR, WC, LO>, F::smem, "f16 mma tiles"), true);
+  using F = F16hShape<MT, WR, WC, LO, BK, S>;
+  static const bool set = (smem_limit(mma_f16h_k<MT, WR, WC, LO, BK, S>, F::smem, "f16 mma tiles"), true);
   (void)set;
   const dim3 grid((unsigned)ceil_div(n, F::BN), (unsigned)ceil_div(m.rows, F::BM));
-  launch(mma_f16h_k<MT, WR, WC, LO>, grid, F::NTH, F::smem, st, m.w, m.row_bytes, m.rows, m.cols, xh, xl, inv, n, y);
+  launch(mma_f16h_k<MT, WR, WC, LO, BK, S>, grid, F::NTH, F::smem, st, m.w, m.row_bytes, m.rows, m.cols, xh, xl, inv, n, y);
 }
 
 template <uint32_t T, int WM, int WK, int NT, int MINB = 1>
@@ -851,7 +852,8 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
   // four warps of 64 x 32 (H200, Llama-1B F16 pp512, ab_cuda.py: 64x64 44,118, 128x64 48,519,
   // 128x64w8 42,872, 64x128 43,138, 128x128 42,075). DASLLAMA_CUDA_F16H_TILE (read at each
   // launch, for A/B runs) names one of those: 64x64, 128x64 (four warps of 64 x 32), 128x64w8
-  // (eight of 32 x 32), 64x128 (eight), 128x128 (eight of 64 x 32).
+  // (eight of 32 x 32), 64x128 (eight), 128x128 (eight of 64 x 32); or 128x64k64 (64 of k a
+  // stage), 128x64s4 (four stages).
   const char* e = std::getenv("DASLLAMA_CUDA_F16H_TILE");
   const std::string tile = e && *e ? e : split ? "64x64" : "128x64";
   auto run = [&](auto lo) {
@@ -861,6 +863,8 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
     else if (tile == "128x64w8") launch_f16h<2, 4, 2, LO>(m, xh, xl, inv, n, y, st);
     else if (tile == "64x128") launch_f16h<2, 2, 4, LO>(m, xh, xl, inv, n, y, st);
     else if (tile == "128x128") launch_f16h<4, 2, 4, LO>(m, xh, xl, inv, n, y, st);
+    else if (tile == "128x64k64") launch_f16h<4, 2, 2, LO, 64>(m, xh, xl, inv, n, y, st);
+    else if (tile == "128x64s4") launch_f16h<4, 2, 2, LO, 32, 4>(m, xh, xl, inv, n, y, st);
     else launch_f16h<2, 2, 2, LO>(m, xh, xl, inv, n, y, st);
   };
   if (split) run(std::true_type{});
