@@ -71,6 +71,36 @@ def test_logits_every_family_and_format(files, name):
         assert e <= LOGIT_BAR, f"{name} {ft}: GPU logits NMSE {e:.3g} against the CPU"
 
 
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_f16_prefill_tiles(monkeypatch, split):
+    """Each of the f16 prefill's tile shapes (DASLLAMA_CUDA_F16H_TILE: the A/B variants beside the
+    defaults) on matmuls whose rows, tokens and k all end mid-tile, tokens from 1e-12 to 1e12: in
+    q8 mode one product, equal to float64 numpy over numpy's own f16 rounding of each token's
+    scaled row; with the split (DASLLAMA_F16_SPLIT=1) equal to the f32 product."""
+    from gguf.constants import GGMLQuantizationType as T
+    from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
+
+    b = d._core.Backend("cuda:0", exact=False)
+    monkeypatch.setenv("DASLLAMA_F16_SPLIT", split)
+    for rows, cols, n in [(200, 544, 130), (67, 1000, 80), (130, 2080, 200)]:
+        rng = np.random.default_rng(rows + cols + n)
+        raw, w = make_weight(rng, "f16", rows, cols)
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
+        x[3] = 0
+        if split == "1":
+            ref = x.astype(np.float64) @ w.T
+        else:
+            hi, inv = f16_rounded_rows(x)
+            ref = (hi @ w.T) * inv[:, None]
+        for tile in ["64x64", "128x64", "128x64w8", "64x128", "128x128", "128x64k64", "128x64s4"]:
+            monkeypatch.setenv("DASLLAMA_CUDA_F16H_TILE", tile)
+            o = np.asarray(b.matmul(raw, int(T.F16), rows, cols, x)).reshape(n, rows)
+            for t in range(n):
+                e = op_nmse(o[t], ref[t])
+                assert e <= F32_DOT, f"F16H_TILE={tile} split={split} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
+
+
 def test_f16_model_q8_mode_prefill_logits(files):
     C.f16_q8_mode_prefill(files["llama"]["f16"], files["llama"]["q8_0"], "cuda", E.VOCAB)
 
