@@ -517,7 +517,7 @@ class CudaBackend final : public Backend {
     if (!cuda::matmul_type_ok(w.type))
       throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(w.type));
     max_rows_ = std::max(max_rows_, n);
-    if (n >= std::min<int64_t>(65, f16_mma_min_) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x split into f16 halves first
+    if (n >= std::min<int64_t>(65, f16_mma_min_) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x rounded to f16 (or split) first
       void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
       const bool split = f16_act_split(w);
       op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16h(m, x, n, y, sc, split, s); }, m.type, m.w, m.row_bytes,

@@ -659,7 +659,8 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 #endif
 }
 
-// Warps of MT x 16 rows by 32 tokens, WR x WC of them (mma_f16h launches 64 x 64 tiles of 4).
+// Warps of MT x 16 rows by 32 tokens, WR x WC of them (mma_f16h launches 64 x 64 tiles of 4 for the
+// split, 128 x 64 of 4 for one product); BK of k a stage, S stages.
 template <int MT, int WR, int WC, bool LO, int BK_ = 32, int S_ = kFStages>
 struct F16hShape {
   static constexpr int BM = WR * MT * 16, BN = WC * 32, NTH = WR * WC * 32, BK = BK_, S = S_;
