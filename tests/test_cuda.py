@@ -102,6 +102,7 @@ def test_f16_prefill_tiles(monkeypatch, split):
 
 
 def test_f16_model_q8_mode_prefill_logits(files):
+    """A q8-mode f16 prefill (x rounded to f16 once): _device_checks.f16_q8_mode_prefill's bar."""
     C.f16_q8_mode_prefill(files["llama"]["f16"], files["llama"]["q8_0"], "cuda", E.VOCAB)
 
 

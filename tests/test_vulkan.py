@@ -327,6 +327,8 @@ def test_f16_model_prefill_logits(tiny, built_dir):
 
 
 def test_f16_model_q8_mode_prefill_logits(tiny, built_dir):
+    """The same prefill in q8 mode, where a device on f16 cooperative matrices rounds each
+    token's x to f16 once (_device_checks.f16_q8_mode_prefill says the bar)."""
     from dasllama.convert import requantize
 
     (f16,) = C.built_once(built_dir, "llama-tiny-f16",
@@ -344,7 +346,9 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
     harness's f16 matmul cases at F32_DOT against float64 numpy (tokens from 1e-12 to 1e12, a
     zero token, an outlier; rows, tokens and k ending mid-tile) and an f16 model's prefill
     logits, and the profile (which names every shader dispatched) shows they ran. Where the
-    device has f16 cooperative matrices (NVIDIA), the default and each variant the same way."""
+    device has f16 cooperative matrices (NVIDIA), the default and each variant the same way.
+    Then q8 mode, where x is rounded to f16 once and one product runs (f16_round, gemm_f16o* /
+    the stand-ins gemm_f16eo*), against numpy's own rounding, and DASLLAMA_F16_SPLIT=1 there."""
     import re
 
     feats = _VK["devices"][0]["features"]
