@@ -1708,9 +1708,8 @@ class VulkanBackend final : public Backend {
   // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
   // In q8 mode (weights not exact, f16_act_split false) the default, n16, w and emu round x to
   // f16 once instead (f16_round, one product: gemm_f16o* / gemm_f16eo*), as llama.cpp does;
-  // "b2": that in 64-row tiles of two 64-of-k stages (gemm_f16ohk64b2). k32 and emuw keep the
-  // split (A/B variants of it).
-  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cB2 };
+  // k32 and emuw keep the split (A/B variants of it).
+  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
     if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "k64") == 0) return kF16cAuto;
@@ -1719,7 +1718,6 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "emu") == 0) return kF16cEmu;
     if (std::strcmp(e, "w") == 0) return kF16cWide;
     if (std::strcmp(e, "emuw") == 0) return kF16cEmuWide;
-    if (std::strcmp(e, "b2") == 0) return kF16cB2;
     return kF16cOff;
   }
   // The shader family of this f16 prefill: its name before the tile's mark and after it
@@ -1728,18 +1726,16 @@ class VulkanBackend final : public Backend {
   struct F16cPick {
     const char *pre = nullptr, *suf = "";
     bool wide = false;  // gemm_f16cw / _ew: 128-row tiles always
-    bool half = false;  // gemm_f16ohk64b2: 64-row tiles always
     bool one = false;   // x rounded to f16 once (f16_round), one product
   };
   F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
-    F16cMode m = f16c_mode();
+    const F16cMode m = f16c_mode();
     F16cPick p;
     if (m == kF16cOff || lay_type(w) != (uint32_t)GGMLType::F16 || n <= kTileMin || w.rows <= 0 || w.cols <= 0 ||
         w.cols % 8 != 0 || lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
         (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
       return p;
-    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cB2 || m == kF16cWide);
-    if (m == kF16cB2 && !p.one) m = kF16cAuto;
+    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide);
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
     if (m == kF16cEmu || m == kF16cEmuWide) {
       if (c_->max_shared() >= 30720) p.pre = p.one ? "gemm_f16eo" : "gemm_f16e";
@@ -1748,11 +1744,9 @@ class VulkanBackend final : public Backend {
     }
     // Subgroups of 32 lanes: the shader's tiles are 32 rows x 32 tokens a subgroup.
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16) || c_->max_shared() < 42496) return p;
-    if (m == kF16cB2 && !c_->f16n8) m = kF16cAuto;
     p.pre = p.one ? "gemm_f16o" : "gemm_f16c";
     p.wide = m == kF16cWide && c_->f16n8;
-    p.half = m == kF16cB2;
-    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : p.wide ? "w" : m == kF16cK32 ? "" : p.half ? "k64b2" : "k64";
+    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : p.wide ? "w" : m == kF16cK32 ? "" : "k64";
     return p;
   }
   // DASLLAMA_VULKAN_F16C_TILE: 128 or 64 rows a workgroup for every f16 prefill matmul; unset:
@@ -1785,7 +1779,7 @@ class VulkanBackend final : public Backend {
   }
   // y = w x over the halves f16_split just wrote (p: f16c_pick's).
   void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
-    const bool half = p.half || (!p.wide && f16c_half(w.rows, n, p.one));
+    const bool half = !p.wide && f16c_half(w.rows, n, p.one);
     const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {
