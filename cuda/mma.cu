@@ -660,20 +660,20 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 }
 
 // Warps of MT x 16 rows by 32 tokens, WR x WC of them (mma_f16h launches 64 x 64 tiles of 4 for the
-// split, 128 x 64 of 4 for one product); BK of k a stage, S stages.
-template <int MT, int WR, int WC, bool LO, int BK_ = 32, int S_ = kFStages>
+// split, 128 x 64 of 4 for one product); BK of k a stage.
+template <int MT, int WR, int WC, bool LO, int BK_ = 32>
 struct F16hShape {
-  static constexpr int BM = WR * MT * 16, BN = WC * 32, NTH = WR * WC * 32, BK = BK_, S = S_;
+  static constexpr int BM = WR * MT * 16, BN = WC * 32, NTH = WR * WC * 32, BK = BK_, S = kFStages;
   static constexpr int RS = BK * 2 + 16;  // bytes a row: 80 (144), eight rows an ldmatrix reads on distinct banks
   static constexpr int XS = LO ? 2 : 1;   // activation halves a stage holds
   static constexpr int smem = S * (BM + XS * BN) * RS;
 };
 
-template <int MT, int WR, int WC, bool LO, int BK_, int S_>
+template <int MT, int WR, int WC, bool LO, int BK_>
 __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
     mma_f16h_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows, int64_t cols, const __half* __restrict__ xh,
                const __half* __restrict__ xl, const float* __restrict__ inv, int64_t n, float* __restrict__ y) {
-  using F = F16hShape<MT, WR, WC, LO, BK_, S_>;
+  using F = F16hShape<MT, WR, WC, LO, BK_>;
   constexpr int BM = F::BM, BN = F::BN, BK = F::BK, S = F::S, RS = F::RS, NTH = F::NTH;
   extern __shared__ __align__(16) uint8_t smem[];
   auto sa = [&](int st) { return smem + st * (BM + F::XS * BN) * RS; };
@@ -749,14 +749,14 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
   }
 }
 
-template <int MT, int WR, int WC, bool LO, int BK = 32, int S = kFStages>
+template <int MT, int WR, int WC, bool LO, int BK = 32>
 void launch_f16h(const Mat& m, const __half* xh, const __half* xl, const float* inv, int64_t n, float* y,
                  cudaStream_t st) {
-  using F = F16hShape<MT, WR, WC, LO, BK, S>;
-  static const bool set = (smem_limit(mma_f16h_k<MT, WR, WC, LO, BK, S>, F::smem, "f16 mma tiles"), true);
+  using F = F16hShape<MT, WR, WC, LO, BK>;
+  static const bool set = (smem_limit(mma_f16h_k<MT, WR, WC, LO, BK>, F::smem, "f16 mma tiles"), true);
   (void)set;
   const dim3 grid((unsigned)ceil_div(n, F::BN), (unsigned)ceil_div(m.rows, F::BM));
-  launch(mma_f16h_k<MT, WR, WC, LO, BK, S>, grid, F::NTH, F::smem, st, m.w, m.row_bytes, m.rows, m.cols, xh, xl, inv, n, y);
+  launch(mma_f16h_k<MT, WR, WC, LO, BK>, grid, F::NTH, F::smem, st, m.w, m.row_bytes, m.rows, m.cols, xh, xl, inv, n, y);
 }
 
 template <uint32_t T, int WM, int WK, int NT, int MINB = 1>
@@ -851,21 +851,16 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
   // The split: 64 x 64 tiles of four warps (128 x 128 of eight, MT 4, where they still made two
   // blocks an SM: no faster on the H200, pp512 35,689 -> 35,483). One product: 128 x 64 tiles of
   // four warps of 64 x 32 (H200, Llama-1B F16 pp512, ab_cuda.py: 64x64 44,118, 128x64 48,519,
-  // 128x64w8 42,872, 64x128 43,138, 128x128 42,075). DASLLAMA_CUDA_F16H_TILE (read at each
-  // launch, for A/B runs) names one of those: 64x64, 128x64 (four warps of 64 x 32), 128x64w8
-  // (eight of 32 x 32), 64x128 (eight), 128x128 (eight of 64 x 32); or 128x64k64 (64 of k a
-  // stage), 128x64s4 (four stages).
+  // 128x64w8 42,872, 64x128 43,138, 128x128 42,075, four stages 44,086: those are gone).
+  // DASLLAMA_CUDA_F16H_TILE (read at each launch, for A/B runs): 64x64, 128x64, or 128x64k64
+  // (64 of k a stage: 50,977 in one round, not yet held to numpy on a device).
   const char* e = std::getenv("DASLLAMA_CUDA_F16H_TILE");
   const std::string tile = e && *e ? e : split ? "64x64" : "128x64";
   auto run = [&](auto lo) {
     constexpr bool LO = decltype(lo)::value;
     launch(f16_split_k<LO>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
     if (tile == "128x64") launch_f16h<4, 2, 2, LO>(m, xh, xl, inv, n, y, st);
-    else if (tile == "128x64w8") launch_f16h<2, 4, 2, LO>(m, xh, xl, inv, n, y, st);
-    else if (tile == "64x128") launch_f16h<2, 2, 4, LO>(m, xh, xl, inv, n, y, st);
-    else if (tile == "128x128") launch_f16h<4, 2, 4, LO>(m, xh, xl, inv, n, y, st);
     else if (tile == "128x64k64") launch_f16h<4, 2, 2, LO, 64>(m, xh, xl, inv, n, y, st);
-    else if (tile == "128x64s4") launch_f16h<4, 2, 2, LO, 32, 4>(m, xh, xl, inv, n, y, st);
     else launch_f16h<2, 2, 2, LO>(m, xh, xl, inv, n, y, st);
   };
   if (split) run(std::true_type{});
