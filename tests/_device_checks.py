@@ -582,3 +582,98 @@ def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
     spec, n1 = run("1")
     assert n0 == 0 and n1 > 0, (n0, n1)
     assert spec == plain
+
+
+# A tiny llama whose matrices are in the block formats a GPU's q8-mode prefill decodes to f16
+# (q4_K, q5_K, q6_K: random blocks with sane scales, as no quantizer writes them here; q4_1,
+# q5_0, q5_1: gguf-py's quantizer): layer 0 laid out as a Q4_K_M file is (Q6_K for V and
+# down), layer 1 taking the others. Its widths are multiples of 256 (a K-quant's block).
+BLOCK_MODEL = {"dim": 256, "ffn": 512, "heads": 4, "kv_heads": 2, "vocab": 512,
+               "layers": [{"q": "q4_K", "k": "q4_K", "v": "q6_K", "o": "q4_K", "gate": "q4_K", "up": "q4_K",
+                           "down": "q6_K"},
+                          {"q": "q5_K", "k": "q5_K", "v": "q6_K", "o": "q4_1", "gate": "q5_0", "up": "q5_1",
+                           "down": "q5_K"}]}
+
+
+def block_matrix(rng, name: str, rows: int, cols: int) -> np.ndarray:
+    """rows x cols in format `name` (raw bytes a row)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    t = T[name.upper()]
+    if name in ("q4_1", "q5_0", "q5_1"):
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, t)
+    bs, ts = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    # Scales: q4_K / q5_K d and dmin (weights up to d * 63 * 15 or 31), q6_K d (up to d * 127 * 32).
+    fields = {"q4_K": [(0, 2e-5, 1e-4), (2, 1e-5, 5e-5)], "q5_K": [(0, 1e-5, 5e-5), (2, 1e-5, 5e-5)],
+              "q6_K": [(208, 1e-5, 5e-5)]}[name]
+    for off, lo, hi in fields:
+        sc = rng.uniform(lo, hi, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, off:off + 2] = sc.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def write_block_model(path: str) -> str:
+    import gguf
+
+    c = BLOCK_MODEL
+    D, F, H, KVH, V = c["dim"], c["ffn"], c["heads"], c["kv_heads"], c["vocab"]
+    hd = D // H
+    rng = np.random.default_rng(3)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(1024)
+    w.add_embedding_length(D)
+    w.add_block_count(len(c["layers"]))
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(KVH)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] +
+                     [f"\u2581t{i}" for i in range(V - 259)])
+    w.add_token_scores([0.0] * V)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (V - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", (rng.standard_normal((V, D)) * 0.5).astype(np.float16))
+    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
+    shapes = {"q": (H * hd, D), "k": (KVH * hd, D), "v": (KVH * hd, D), "o": (D, H * hd), "gate": (F, D),
+              "up": (F, D), "down": (D, F)}
+    names = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
+             "down": "ffn_down"}
+    from gguf.constants import GGMLQuantizationType as T
+
+    for i, layer in enumerate(c["layers"]):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(D, np.float32))
+        for k, ft in layer.items():
+            w.add_tensor(p + names[k] + ".weight", block_matrix(rng, ft, *shapes[k]), raw_dtype=T[ft.upper()])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def block_formats_q8_mode_prefill(path: str, device: str) -> None:
+    """A 100-token prefill in q8 mode of write_block_model's file, whose block-format matrices a
+    GPU decodes to f16 for an f16 GEMM and whose x it rounds to f16 once: all-row logits no
+    farther from the CPU's fp32 ones (weights decoded exactly, f32 math) than the CPU's own q8
+    mode is on the same file (a wrong op gives 1e-2 or more)."""
+    ids = [1] + np.random.default_rng(9).integers(3, BLOCK_MODEL["vocab"], 99).tolist()
+
+    def rows(mode, dev):
+        m = d.load_model(path, mode, device=dev)
+        s = d.create_session(m, d.KVDtype.f32, n_ctx=len(ids))
+        d.eval(m, s, ids, all_logits=True)
+        return np.array(s.logits).reshape(len(ids), -1)
+
+    ref = rows(d.QuantMode.fp32, "cpu")
+    e = nmse(rows(d.QuantMode.q8, device), ref)
+    e_q8 = nmse(rows(d.QuantMode.q8, "cpu"), ref)
+    print(f"block formats' prefill in q8 mode on {device}: NMSE {e:.3g}, the CPU's q8 mode {e_q8:.3g}")
+    assert e_q8 > LOGIT_BAR, "the CPU's q8 mode should round activations"
+    assert e <= e_q8, f"block formats' prefill in q8 mode on {device}: NMSE {e:.3g} against fp32, the CPU's q8 {e_q8:.3g}"

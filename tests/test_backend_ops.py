@@ -318,6 +318,37 @@ def test_matmul_f16_q8_mode(q8_backends, rows, cols, n):
     assert np.all(hi * inv[:, None] == x) or nmse(ref16, ref) > F32_DOT
 
 
+@pytest.mark.parametrize("wtype", ["q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])
+@pytest.mark.parametrize("rows,cols,n", [(200, 512, 33), (67, 1024, 80), (130, 256, 130)])
+def test_matmul_block_formats_q8_mode_prefill(q8_backends, wtype, rows, cols, n):
+    """Prefill (past 32 tokens) of weights in q8 mode's other block formats, tokens from 1e-12 to
+    1e12 and a zero one: a GPU may decode the weights to f16 (nearest even) and round each
+    token's scaled x to f16 once for an f16 GEMM (as llama.cpp's dequantize-then-GEMM prefill
+    does), and then equals float64 numpy over numpy's f16 rounding of gguf-py's decoded weights
+    and of the same rows at the f32 bar; else it keeps exact weights and f32 activations and
+    equals the float64 product at that bar. (The CPU's q8 mode rounds activations to 8-bit
+    blocks: test_matmul_q8_mode's class, not this one's.)"""
+    devices = {k: b for k, b in q8_backends.items() if k != "cpu"}
+    if not devices:
+        pytest.skip("no device backend on this machine")
+    rng = np.random.default_rng(rows + cols + n)
+    raw, w = make_weight(rng, wtype, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
+    x[3] = 0
+    ref = x.astype(np.float64) @ w.T
+    hi, inv = f16_rounded_rows(x)
+    w16 = w.astype(np.float32).astype(np.float16).astype(np.float64)
+    ref16 = (hi @ w16.T) * inv[:, None]
+    for d, o in run_all(devices, "matmul", raw, int(T[wtype.upper()]), rows, cols, x).items():
+        o = np.asarray(o).reshape(n, rows)
+        for t in range(n):
+            e32, e16 = nmse(o[t], ref[t]), nmse(o[t], ref16[t])
+            assert min(e32, e16) <= F32_DOT, f"{wtype} q8-mode prefill {rows}x{cols} n={n} token {t} on {d}: NMSE {e32:.3g} against " \
+                f"f32, {e16:.3g} against f16 weights and x"
+    assert nmse(ref16, ref) > F32_DOT  # the two references are told apart
+
+
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("rows,cols,n", [(200, 544, 130), (67, 96, 33), (130, 2080, 70), (8200, 96, 200)])
 def test_matmul_q8_mode_prefill(q8_backends, wtype, rows, cols, n):

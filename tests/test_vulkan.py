@@ -337,6 +337,47 @@ def test_f16_model_q8_mode_prefill_logits(tiny, built_dir):
     C.f16_q8_mode_prefill(f16, tiny["q8_0"], "vulkan", VOCAB)
 
 
+def test_block_formats_q8_mode_prefill_logits(built_dir):
+    """A 100-token q8-mode prefill of a file in q4_K, q5_K, q6_K, q4_1, q5_0 and q5_1, which a
+    device on f16 cooperative matrices decodes to f16 for its f16 GEMM (_device_checks'
+    block_formats_q8_mode_prefill says the bar)."""
+    (path,) = C.built_once(built_dir, "llama-blocks",
+                           lambda out: [C.write_block_model(os.path.join(out, "llama-blocks.gguf"))])
+    C.block_formats_q8_mode_prefill(path, "vulkan")
+
+
+def test_block_formats_prefill_on_lavapipe(built_dir):
+    """q8 mode's prefill of block-format weights (q4_1, q5_0, q5_1, q4_K, q5_K, q6_K): each
+    matrix decoded to f16 (dequant_f16.comp, a slice of rows at a time) for the f16 GEMM after x
+    is rounded once (f16_round, gemm_f16o* / the f32-FMA stand-in gemm_f16eo). Lavapipe is forced
+    onto the GPUs' path (DASLLAMA_VULKAN_F16C=emu) for the op harness's cases (against numpy's
+    f16 rounding of gguf-py's decoded weights) and the model's logits, with whole matrices and
+    with 128-row slices; the profile shows each format's decoder ran. DASLLAMA_VULKAN_DQF16=0
+    keeps the f32 tiles, which then run instead. Where the device has f16 cooperative matrices,
+    its own GEMM the same way."""
+    import re
+
+    feats = _VK["devices"][0]["features"]
+    k = "block_formats"
+    decoders = tuple(f"dequant_f16_{t}" for t in (3, 6, 7, 12, 13, 14))
+    runs = [("emu", "", ("f16_round", "gemm_f16eo") + decoders, ""), ("emu", "128", ("gemm_f16eo",) + decoders, "")]
+    if "f16 coopmat" in feats:
+        runs.append(("1", "", ("f16_round", "gemm_f16ok64" if "16x8x16" in feats else "gemm_f16o16") + decoders, ""))
+    runs.append(("emu", "", ("matmul_tile_12", "matmul_tile_14"), "0"))
+    for mode, rows, names, dq in runs:
+        r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
+                               "DASLLAMA_VULKAN_DQ_ROWS": rows, "DASLLAMA_VULKAN_DQF16": dq},
+                   ("test_backend_ops.py", "test_vulkan.py"), k + " and not on_lavapipe", s=True)
+        out = r.stdout + r.stderr
+        what = f"F16C={mode} DQ_ROWS={rows} DQF16={dq}"
+        assert r.returncode == 0, what + "\n" + r.stdout[-3000:] + r.stderr[-2000:]
+        assert re.search(r"(\d+) passed", out) and "skipped" not in out, what + "\n" + out[-3000:]
+        for name in names:  # (profile lines: the shader's name, then its time)
+            assert re.search(rf"^\s+{name}\s", out, re.M), f"{what}: {name} did not run\n" + out[-3000:]
+        if dq == "0":
+            assert not re.search(r"^\s+dequant_f16", out, re.M), f"{what}: decoded to f16\n" + out[-3000:]
+
+
 def test_f16_prefill_split_on_lavapipe(built_dir):
     """f16 prefill (past 32 tokens on a GPU's path) on f16 cooperative matrices keeps f32
     activations: each token's x split into two f16 halves under a power-of-two scale

@@ -1379,6 +1379,7 @@ class VulkanBackend final : public Backend {
     i8_buf_.reset();
     i8_glu_.reset();
     f16_buf_.reset();
+    dq_buf_.reset();
     tail_cnt_[0].reset(), tail_cnt_[1].reset();
     const_bufs_.clear();
     attn_part_.reset();
@@ -1727,14 +1728,35 @@ class VulkanBackend final : public Backend {
     const char *pre = nullptr, *suf = "";
     bool wide = false;  // gemm_f16cw / _ew: 128-row tiles always
     bool one = false;   // x rounded to f16 once (f16_round), one product
+    bool dq = false;    // a block format decoded to f16 first (dequant_f16), a slice of rows at a time
   };
+  // DASLLAMA_VULKAN_DQF16=0: q8 mode's prefill of q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights
+  // keeps the f32 tiles (matmul_tile.comp / gemm.comp) instead of the f16 GEMM over the weights
+  // decoded to f16. Read at each matmul.
+  static bool dq_f16_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_DQF16");
+    return !(e && std::strcmp(e, "0") == 0);
+  }
+  static bool dq_f16_type(uint32_t t) {
+    switch ((GGMLType)t) {
+      case GGMLType::Q4_1: case GGMLType::Q5_0: case GGMLType::Q5_1: case GGMLType::Q4_K: case GGMLType::Q5_K:
+      case GGMLType::Q6_K:
+        return true;
+      default:
+        return false;
+    }
+  }
   F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
     const F16cMode m = f16c_mode();
     F16cPick p;
-    if (m == kF16cOff || lay_type(w) != (uint32_t)GGMLType::F16 || n <= kTileMin || w.rows <= 0 || w.cols <= 0 ||
-        w.cols % 8 != 0 || lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
+    // q8 mode (weights not exact: their f16 rounding is q8 mode's kind of error, 11 bits where
+    // its int8 activations keep about 8), block formats: decoded to f16 rows first.
+    const bool dq = !w.exact && dq_f16_type(lay_type(w)) && dq_f16_on();
+    if (m == kF16cOff || (lay_type(w) != (uint32_t)GGMLType::F16 && !dq) || n <= kTileMin || w.rows <= 0 ||
+        w.cols <= 0 || w.cols % 8 != 0 || (!dq && (lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0)) || A(x) % 16 != 0 ||
         (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
       return p;
+    p.dq = dq;
     p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide);
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
     if (m == kF16cEmu || m == kF16cEmuWide) {
@@ -1777,20 +1799,49 @@ class VulkanBackend final : public Backend {
     c_->dispatch(one ? "f16_round" : "f16_split", &sp, sizeof sp, (uint32_t)std::min<int64_t>(n, kMaxGroups),
                  (uint32_t)((n + kMaxGroups - 1) / kMaxGroups));
   }
-  // y = w x over the halves f16_split just wrote (p: f16c_pick's).
+  // y = w x over the halves f16_split just wrote (p: f16c_pick's). p.dq: slices of w's rows
+  // decoded to f16 into a scratch matrix (up to 64 MiB a slice, or DASLLAMA_VULKAN_DQ_ROWS rows,
+  // a multiple of 128), each slice's GEMM storing its columns of y.
   void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
-    const bool half = !p.wide && f16c_half(w.rows, n, p.one);
-    const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {
       uint64_t w, xh, xl, inv, y, row_bytes;
-      uint32_t rows, cols, n, pad;
+      uint32_t rows, cols, n, ys;
     } pc{A(w.data), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols,
-         (uint32_t)n, 0};
-    c_->uses({{A(w.data), Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), (uint64_t)(n * w.rows * 4), true}});
-    // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
-    c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((n + 63) / 64),
-                 (uint32_t)(half ? (w.rows + 63) / 64 : (w.rows + 127) / 128));
+         (uint32_t)n, (uint32_t)w.rows};
+    const uint64_t y_bytes = (uint64_t)n * (uint64_t)w.rows * 4;
+    const auto gemm = [&](int64_t rows) {
+      const bool half = !p.wide && f16c_half(rows, n, p.one);
+      const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
+      pc.rows = (uint32_t)rows;
+      c_->uses({{pc.w, p.dq ? dq_bytes_ : Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), y_bytes, true}});
+      // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((n + 63) / 64),
+                   (uint32_t)(half ? (rows + 63) / 64 : (rows + 127) / 128));
+    };
+    if (!p.dq) return gemm(w.rows);
+    const uint64_t row16 = (uint64_t)w.cols * 2;
+    const char* e = std::getenv("DASLLAMA_VULKAN_DQ_ROWS");
+    const int64_t want = e && *e ? std::atoll(e) : (int64_t)((64ull << 20) / row16);
+    const int64_t slice = std::min<int64_t>(w.rows, std::max<int64_t>(128, want / 128 * 128));
+    if (!dq_buf_ || dq_buf_->size() < slice * row16) {
+      dq_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
+      dq_buf_ = alloc((size_t)(slice * row16), "weights decoded to f16");
+    }
+    dq_bytes_ = (uint64_t)slice * row16;
+    const std::string dn = "dequant_f16_" + std::to_string(lay_type(w));
+    for (int64_t r0 = 0; r0 < w.rows; r0 += slice) {
+      const int64_t rows = std::min(slice, w.rows - r0);
+      struct {
+        uint64_t w, out, row_bytes;
+        uint32_t rows, cols;
+      } dp{A(w.data) + (uint64_t)r0 * lay_rb(w), A(dq_buf_->data()), lay_rb(w), (uint32_t)rows, (uint32_t)w.cols};
+      c_->uses({{A(w.data), Ctx::kWhole, false}, {dp.out, dq_bytes_, true}});
+      c_->dispatch(dn.c_str(), &dp, sizeof dp, (uint32_t)std::min<int64_t>(rows, kMaxGroups),
+                   (uint32_t)((rows + kMaxGroups - 1) / kMaxGroups));
+      pc.w = dp.out, pc.row_bytes = row16, pc.y = A(y) + (uint64_t)r0 * 4;
+      gemm(rows);
+    }
   }
   // DASLLAMA_VULKAN_GEMVI8: the q8-mode decode GEMV over quant_act's int8 activations. 1 (or 0):
   // gemv_i8.comp (8 rows x 8 tokens a 128-wide workgroup, block sums through shared memory);
@@ -2172,17 +2223,17 @@ class VulkanBackend final : public Backend {
     }
     if (c_->subgroup && count > 1 && n > kTileMin) {  // f16 prefill: x split once for all
       for (int i = 0; i < count; ++i) check_w(*ws[i]);
-      const F16cPick p = f16c_pick(*ws[0], x, n);
-      bool all = p.pre != nullptr;
-      for (int i = 1; all && i < count; ++i) {
-        const F16cPick q = f16c_pick(*ws[i], x, n);
-        all = ws[i]->cols == ws[0]->cols && q.pre && q.one == p.one;
+      std::vector<F16cPick> p(count);
+      bool all = true;
+      for (int i = 0; all && i < count; ++i) {
+        p[i] = f16c_pick(*ws[i], x, n);
+        all = ws[i]->cols == ws[0]->cols && p[i].pre && p[i].one == p[0].one;
       }
       if (all) {
         Lock g(c_->mu);
         c_->note_rows(n);
-        f16_split(x, n, ws[0]->cols, p.one);
-        for (int i = 0; i < count; ++i) f16c_gemm(p, *ws[i], n, ys[i]);
+        f16_split(x, n, ws[0]->cols, p[0].one);
+        for (int i = 0; i < count; ++i) f16c_gemm(p[i], *ws[i], n, ys[i]);
         return;
       }
     }
@@ -2995,6 +3046,8 @@ class VulkanBackend final : public Backend {
   } attn_q8_;
   BufferPtr i8_buf_;  // q8-mode prefill's rounded activations (quant_act)
   BufferPtr f16_buf_;  // f16 prefill's activation halves and scales (f16_split)
+  BufferPtr dq_buf_;   // q8 mode's block-format weights decoded to f16 (dequant_f16), a slice of rows
+  uint64_t dq_bytes_ = 0;
   uint64_t f16_xh_ = 0, f16_bytes_ = 0;  // where f16_split last wrote them, and their size
   BufferPtr i8_glu_;  // the GLU tail's rounded glu rows (apart from i8_buf_, which its GEMV still reads)
   BufferPtr tail_cnt_[2];  // the GLU and KV tails' counters (tail_counters)

@@ -58,7 +58,7 @@ layout(local_size_x = NTH) in;
 layout(push_constant, std430) uniform PC {
   uint64_t w, xh, xl, inv, y;
   uint64_t row_bytes;
-  uint rows, cols, n, pad_;
+  uint rows, cols, n, ys;  // ys: y's row stride (rows, or the whole matrix's where these rows are a slice)
 } pc;
 
 const uint BM = 16u * MT * WR, BN = 64u;
@@ -220,7 +220,7 @@ void main() {
       [[unroll]] for (int e = 0; e < L; ++e) {
         const uint r = r0 + rs + 16u * i + er[e], t = t0 + ts + TN * j + ec[e];
         if (r >= pc.rows || t >= pc.n) continue;
-        F32(pc.y + (uint64_t(t) * pc.rows + r) * 4u).v[0] = acc[i][j][e] * iv[e];
+        F32(pc.y + (uint64_t(t) * pc.ys + r) * 4u).v[0] = acc[i][j][e] * iv[e];
       }
   }
 #else
@@ -228,7 +228,7 @@ void main() {
   if (r < pc.rows)
     [[unroll]] for (uint j = 0u; j < TPI; ++j) {
       const uint t = t0 + tg * TPI + j;
-      if (t < pc.n) F32(pc.y + (uint64_t(t) * pc.rows + r) * 4u).v[0] = acc[j] * F32(pc.inv).v[t];
+      if (t < pc.n) F32(pc.y + (uint64_t(t) * pc.ys + r) * 4u).v[0] = acc[j] * F32(pc.inv).v[t];
     }
 #endif
 }
