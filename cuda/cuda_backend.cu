@@ -524,6 +524,22 @@ class CudaBackend final : public Backend {
          m.rows, m.cols, x, n, y, sc, split);
       return;
     }
+    // q8 mode, block formats past 64 tokens (up to 64 the GEMV over 16 tokens at a time reads
+    // fewer bytes than the decoding): decoded to f16, then the f16 prefill's tiles.
+    if (n > 64 && !w.exact && cuda::dequant_f16_type(m.type) && dq_f16_on() && m.cols % 8 == 0) {
+      cuda::Mat h = m;
+      h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2;
+      h.w = static_cast<const uint8_t*>(grown(dq_, (size_t)m.rows * h.row_bytes, "weights decoded to f16"));
+      if (cuda::mma_f16h_fits(h, x, n)) {
+        void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
+        const bool split = f16_act_split(w);
+        op(Tag::matmul, [=](cudaStream_t s) {
+          cuda::dequant_f16(m, const_cast<uint8_t*>(h.w), s);
+          cuda::mma_f16h(h, x, n, y, sc, split, s);
+        }, m.type, m.w, m.row_bytes, m.rows, m.cols, h.w, x, n, y, sc, split);
+        return;
+      }
+    }
     if (n >= f16_mma_min_ && n <= 64 && cuda::mma_f16_fits(m, x, n)) {  // bf16 (or F16H=0): the TF32 tiles
       op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16(m, x, n, y, s); }, m.type, m.w, m.row_bytes, m.rows, m.cols,
          x, n, y);
@@ -1330,6 +1346,14 @@ class CudaBackend final : public Backend {
     }();
     return on;
   }
+  // DASLLAMA_CUDA_DQF16=1: q8 mode's prefill (past 64 tokens) of q4_1, q5_0, q5_1,
+  // q4_K, q5_K and q6_K weights decodes each matrix to f16 and runs the f16 tiles (mma_f16h, x
+  // rounded to f16 once), as llama.cpp's dequantize-then-GEMM prefill; unset, the f32 FMA tiles
+  // (gemm_k). Opt-in until it has run on a device. Read at each matmul.
+  static bool dq_f16_on() {
+    const char* e = std::getenv("DASLLAMA_CUDA_DQF16");
+    return e && e[0] == '1';
+  }
   // Quantized activations of a matmul (grown).
   void* qact_for(size_t bytes) { return grown(qact_, bytes, "quantized activations"); }
   // The f16 prefill's split activations (grown).
@@ -1528,6 +1552,7 @@ class CudaBackend final : public Backend {
   }();
   cudaStream_t st_ = nullptr;
   BufferPtr scratch_, qact_, split_, counters_, tailc_;
+  BufferPtr dq_;  // q8 mode's block-format weights decoded to f16 (the largest matrix so far, whole)
   int64_t fused_ops_ = 0;
   float* pinned_ = nullptr;  // host_staging's buffer
   std::mutex blocks_mu_;  // host_block's live blocks (address, bytes), for download()

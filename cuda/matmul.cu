@@ -773,6 +773,53 @@ void run_matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t 
 
 bool matmul_type_ok(uint32_t type) { return served_type(type); }
 
+namespace {
+
+// q8 mode's prefill of block formats on the f16 tiles (mma_f16h): the matrix decoded to f16
+// (dq8's values rounded to nearest even) once a matmul, 8 elements (16 bytes out) a thread a pass.
+template <uint32_t T>
+__global__ void dequant_f16_k(const uint8_t* __restrict__ W, size_t rb, int64_t rows, int64_t cols,
+                              __half* __restrict__ out) {
+  pdl_wait();  // the scratch may still be read by the matmul before
+  pdl_trigger();
+  const int64_t groups = cols / 8, total = rows * groups;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / groups, g = i - r * groups;
+    float v[8];
+    dq8<T>(W + r * rb, g, cols, false, v);
+    uint4 u;
+    uint32_t* h = &u.x;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __half2 p = __floats2half2_rn(v[2 * k], v[2 * k + 1]);  // .x (the lower address) first
+      h[k] = *reinterpret_cast<const uint32_t*>(&p);
+    }
+    *reinterpret_cast<uint4*>(out + r * cols + g * 8) = u;
+  }
+}
+
+}  // namespace
+
+bool dequant_f16_type(uint32_t t) {
+  return t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
+
+void dequant_f16(const Mat& m, void* out, cudaStream_t st) {
+  if (!dequant_f16_type(m.type) || m.cols % 8 != 0 || ((uintptr_t)out & 15) != 0)
+    throw Error("cuda: a matrix dequant_f16 does not take");
+  const int64_t total = m.rows * (m.cols / 8);
+  const dim3 grid((unsigned)std::min<int64_t>(ceil_div(total, 256), 65535));
+  __half* o = static_cast<__half*>(out);
+  switch (m.type) {
+#define DL_CASE(T) \
+  case T: launch(dequant_f16_k<T>, grid, 256, 0, st, m.w, m.row_bytes, m.rows, m.cols, o); break;
+    DL_CASE(T_Q4_1) DL_CASE(T_Q5_0) DL_CASE(T_Q5_1) DL_CASE(T_Q4_K) DL_CASE(T_Q5_K) DL_CASE(T_Q6_K)
+#undef DL_CASE
+    default: break;
+  }
+  check_launch("dequant_f16");
+}
+
 bool gemv_q8_x_fits(const GemvJob& j) {
   if (j.n != 1 || j.cols > kQuantMax || j.cols % 32 != 0 || (j.type != T_Q8_0S && j.type != T_Q4_0S)) return false;
   GemvJob p = j;

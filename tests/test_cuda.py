@@ -101,6 +101,42 @@ def test_f16_prefill_tiles(monkeypatch, split):
                 assert e <= F32_DOT, f"F16H_TILE={tile} split={split} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
 
 
+@pytest.mark.parametrize("wtype", ["q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])
+def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
+    """q8 mode's prefill past 64 tokens of a block format with DASLLAMA_CUDA_DQF16=1: the matrix
+    decoded to f16 (dequant_f16_k) and x rounded to f16 once, so each token equals float64 numpy
+    over numpy's f16 rounding of gguf-py's decoded weights and of the scaled row (and not the f32
+    product: the two references are farther apart than the bar); unset, the f32 tiles, equal to
+    the f32 product."""
+    from gguf.constants import GGMLQuantizationType as T
+    from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
+
+    b = d._core.Backend("cuda:0", exact=False)
+    for rows, cols, n in [(200, 512, 130), (67, 1024, 80), (130, 256, 200)]:
+        rng = np.random.default_rng(rows + cols + n)
+        raw, w = make_weight(rng, wtype, rows, cols)
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
+        x[3] = 0
+        hi, inv = f16_rounded_rows(x)
+        w16 = w.astype(np.float32).astype(np.float16).astype(np.float64)
+        refs = {"1": (hi @ w16.T) * inv[:, None], "": x.astype(np.float64) @ w.T}
+        assert op_nmse(refs["1"], refs[""]) > F32_DOT
+        for on, ref in refs.items():
+            monkeypatch.setenv("DASLLAMA_CUDA_DQF16", on)
+            o = np.asarray(b.matmul(raw, int(T[wtype.upper()]), rows, cols, x)).reshape(n, rows)
+            for t in range(n):
+                e = op_nmse(o[t], ref[t])
+                assert e <= F32_DOT, f"{wtype} DQF16={on} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
+
+
+def test_block_formats_q8_mode_prefill_logits(tmp_path, monkeypatch):
+    """A q8-mode prefill of a file in q4_K, q5_K, q6_K, q4_1, q5_0 and q5_1 with
+    DASLLAMA_CUDA_DQF16=1 (_device_checks' block_formats_q8_mode_prefill says the bar)."""
+    monkeypatch.setenv("DASLLAMA_CUDA_DQF16", "1")
+    C.block_formats_q8_mode_prefill(C.write_block_model(str(tmp_path / "llama-blocks.gguf")), "cuda")
+
+
 def test_f16_model_q8_mode_prefill_logits(files):
     """A q8-mode f16 prefill (x rounded to f16 once): _device_checks.f16_q8_mode_prefill's bar."""
     C.f16_q8_mode_prefill(files["llama"]["f16"], files["llama"]["q8_0"], "cuda", E.VOCAB)
