@@ -26,6 +26,12 @@ SHAPES = {
 }
 
 
+# Byte offsets of each format's f16 scale fields (d, and dmin / m where it has one), and their value.
+SCALES = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_K": [0, 2], "q5_K": [0, 2],
+          "q6_K": [208]}
+SCALE = {"q4_K": 2e-5, "q5_K": 1e-5, "q6_K": 1e-5}  # weights up to d * 63 * 15, d * 63 * 31, d * 127 * 32
+
+
 def random_blocks(rng, ftype: str, rows: int, cols: int) -> np.ndarray:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
@@ -33,8 +39,21 @@ def random_blocks(rng, ftype: str, rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
     bs, ts = GGML_QUANT_SIZES[T[ftype.upper()]]
     raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
-    raw[:, :, 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # the block scale
+    for off in SCALES[ftype]:  # the block scales (random bytes there could be inf or NaN)
+        raw[:, :, off:off + 2] = np.frombuffer(np.float16(SCALE.get(ftype, 0.002)).tobytes(), np.uint8)
     return raw.reshape(rows, -1)
+
+
+def tensor_type(ftype: str, name: str, layer: int, n_layers: int) -> str:
+    """The format of a tensor in a file of `ftype`: "q4_k_m" mixes as llama.cpp's Q4_K_M does
+    (q6_K for the embedding (the tied output) and for V and down in the first and last eighth of
+    the layers and every third between, q4_K elsewhere); any other ftype is every matrix's."""
+    if ftype != "q4_k_m":
+        return ftype
+    if name == "token_embd":
+        return "q6_K"
+    more = layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+    return "q6_K" if name in ("attn_v", "ffn_down") and more else "q4_K"
 
 
 def write_model(path: str, shape: str, ftype: str) -> None:
@@ -62,10 +81,10 @@ def write_model(path: str, shape: str, ftype: str) -> None:
     w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (V - 259))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    qt = T[ftype.upper()]
-
     def mat(name, rows, cols):
-        w.add_tensor(name, random_blocks(rng, ftype, rows, cols), raw_dtype=qt if ftype != "f16" else None)
+        parts = name.split(".")
+        ft = tensor_type(ftype, parts[-2], int(parts[1]) if parts[0] == "blk" else 0, L)
+        w.add_tensor(name, random_blocks(rng, ft, rows, cols), raw_dtype=T[ft.upper()] if ft != "f16" else None)
 
     mat("token_embd.weight", V, D)
     w.add_tensor("output_norm.weight", np.ones(D, np.float32))
