@@ -2121,17 +2121,21 @@ class VulkanBackend final : public Backend {
     const long v = e && *e ? std::strtol(e, nullptr, 10) : 16;
     return v >= 4 && v <= 4096 && (v & (v - 1)) == 0 ? v : 16;
   }
-  // Whether a call's rows take attn_dec.comp (decode rows on a subgroup-path device: keys a
-  // subgroup at a time, K and V loaded together) rather than attention.comp.
+  // Which shader a call's rows take: attn_dec.comp (decode rows on a subgroup-path device: keys a
+  // subgroup at a time, K and V loaded together; "attn_dec", or "attn_dec_w" where the narrowest
+  // subgroup needs more than 4 dim pairs a lane) or, null, attention.comp.
   // DASLLAMA_VULKAN_ATTN_DEC=0: attention.comp (for A/B runs); read at each call.
-  bool attn_dec_fits(const AttnArgs& a, int split_mode) const {
+  const char* attn_dec_pick(const AttnArgs& a, int split_mode) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_DEC");
-    if (e && std::strcmp(e, "0") == 0) return false;
-    // Its arrays hold head_dim / 2 pairs over NU = 4 a lane and 16 subgroups' states a workgroup.
+    if (e && std::strcmp(e, "0") == 0) return nullptr;
+    // Its arrays hold head_dim / 2 pairs over NU (4 or 16) a lane and up to 16 subgroups' states.
     const uint32_t sg = c_->subgroup_min, sgmax = c_->subgroup_size;
     const uint64_t al = A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off;
-    return c_->subgroup && a.n_tok <= 4 && split_mode != 2 && sg >= 8 && sgmax <= 128 && 128 % sgmax == 0 &&
-           a.head_dim % 2 == 0 && a.head_dim <= 128 && (uint32_t)a.head_dim <= 8 * sg && al % 4 == 0;
+    if (!(c_->subgroup && a.n_tok <= 4 && split_mode != 2 && sg >= 8 && sgmax <= 128 && 128 % sgmax == 0 &&
+          a.head_dim % 2 == 0 && a.head_dim <= 256 && al % 4 == 0))
+      return nullptr;
+    if ((uint32_t)a.head_dim <= 8 * sg) return "attn_dec";
+    return (uint32_t)a.head_dim <= 32 * sg ? "attn_dec_w" : nullptr;
   }
   static bool split_on() {
     static const bool on = [] {
@@ -2542,7 +2546,8 @@ class VulkanBackend final : public Backend {
     // splits) and the last split of each (token, head) to finish joins them (attention.comp).
     int32_t n_split = 1;
     const int mode = attn_split_mode();
-    const bool dec = attn_dec_fits(a, mode);
+    const char* dec_sh = attn_dec_pick(a, mode);
+    const bool dec = dec_sh != nullptr;
     size_t part_bytes = 0, cnt_bytes = 0;
     if (dec && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
       // attn_dec.comp: splits for ~8 workgroups a core (128 cores assumed; Vulkan does not
@@ -2596,7 +2601,7 @@ class VulkanBackend final : public Backend {
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false},
               {qfold ? pc.sinks : 0, qb + db, true}});
-    c_->dispatch(dec ? "attn_dec" : "attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok,
+    c_->dispatch(dec ? dec_sh : "attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok,
                  (uint32_t)n_split);
     attn_q8_ = AttnQ8{};
     if (qfold) attn_q8_ = AttnQ8{true, c_->step_serial(), c_->kept(), A(a.out), pc.sinks, a.n_tok, hd};
