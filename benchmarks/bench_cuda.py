@@ -44,16 +44,16 @@ def random_blocks(rng, ftype: str, rows: int, cols: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def tensor_type(ftype: str, name: str, layer: int, n_layers: int) -> str:
+def tensor_type(ftype: str, name: str, layer: int, n_layers: int, cols: int) -> str:
     """The format of a tensor in a file of `ftype`: "q4_k_m" mixes as llama.cpp's Q4_K_M does
     (q6_K for the embedding (the tied output) and for V and down in the first and last eighth of
-    the layers and every third between, q4_K elsewhere); any other ftype is every matrix's."""
+    the layers and every third between, q4_K elsewhere; rows that are not whole 256-blocks fall
+    back to q5_0 / q8_0 as llama.cpp's do); any other ftype is every matrix's."""
     if ftype != "q4_k_m":
         return ftype
-    if name == "token_embd":
-        return "q6_K"
     more = layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
-    return "q6_K" if name in ("attn_v", "ffn_down") and more else "q4_K"
+    k = "q6_K" if name == "token_embd" or (name in ("attn_v", "ffn_down") and more) else "q4_K"
+    return k if cols % 256 == 0 else {"q4_K": "q5_0", "q6_K": "q8_0"}[k]
 
 
 def write_model(path: str, shape: str, ftype: str) -> None:
@@ -83,7 +83,7 @@ def write_model(path: str, shape: str, ftype: str) -> None:
     w.add_eos_token_id(2)
     def mat(name, rows, cols):
         parts = name.split(".")
-        ft = tensor_type(ftype, parts[-2], int(parts[1]) if parts[0] == "blk" else 0, L)
+        ft = tensor_type(ftype, parts[-2], int(parts[1]) if parts[0] == "blk" else 0, L, cols)
         w.add_tensor(name, random_blocks(rng, ft, rows, cols), raw_dtype=T[ft.upper()] if ft != "f16" else None)
 
     mat("token_embd.weight", V, D)

@@ -72,6 +72,16 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
+// f16 x f16 -> f32, m16n8k16: A a row-major 16 x 16 fragment, B a column-major 16 x 8 one.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
 // ---- Programmatic dependent launch (sm_90+) ----
 // A kernel launched with `launch` may be scheduled while the kernel before it in the
 // stream still runs, so the gap between the two (launch latency, the last wave's tail)

@@ -388,6 +388,166 @@ __global__ void __launch_bounds__(128) flash_tc_k(AttnArgs a) {
   }
 }
 
+// ---- q8 mode: the f16 cache on f16 tensor cores ----
+// As flash_tc_k, but Q * scale and the probabilities rounded to f16 once (as llama.cpp's flash
+// attention rounds them; q8 mode's kind of error, a.exact false) and one m16n8k16 mma a product
+// where the TF32 split takes four per 16 of k: K and V stay f16 in shared memory, V transposed
+// ([dim][key]) so a B fragment's two keys are one 32-bit read. A score tile's accumulator is,
+// as it stands, the probabilities' A fragment for P V (its rows g, g + 8, keys 2c, 2c + 1 of
+// each 8). The probabilities' sum is of their f16 values. Vulkan's flash_cm.comp is the same
+// walk on cooperative matrices.
+template <int HD, int BC> struct H16Shape {
+  static constexpr int BR = 64;
+  // Row strides (halves) that keep the 32-bit fragment reads of 8 rows x 4 lanes on distinct banks.
+  static constexpr int QS = HD + 8, KS = HD + 8, VS = BC + 8;
+  static constexpr int U = BC * HD / 8 / 128;  // 16-byte units of K (and of V) a thread loads a tile
+  static constexpr size_t smem = (size_t)(BR * QS + BC * KS + HD * VS) * 2;
+};
+
+__device__ __forceinline__ uint32_t h2_bits(float x, float y) {
+  const __half2 p = __floats2half2_rn(x, y);  // .x (the lower address) first
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+template <int HD, int BC>
+__global__ void __launch_bounds__(128) flash_h16_k(AttnArgs a) {
+  using S = H16Shape<HD, BC>;
+  constexpr int BR = S::BR, QS = S::QS, KS = S::KS, VS = S::VS, U = S::U, UR = HD / 8;
+  extern __shared__ __align__(16) __half hsm[];
+  __half* Qs = hsm;
+  __half* Ks = Qs + BR * QS;
+  __half* Vt = Ks + BC * KS;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.y, hd = a.head_dim;
+  const int64_t t0 = (int64_t)blockIdx.x * BR;
+  const int kvh = h / (a.n_heads / a.n_kv_heads);
+  const size_t koff = a.kv.k_off + (size_t)kvh * hd * 2, voff = a.kv.v_off + (size_t)kvh * hd * 2;
+
+  int64_t lo = INT64_MAX, hi = 0;  // the block's keys: the union of its rows' ranges
+  for (int64_t r = 0; r < BR && t0 + r < a.n_tok; ++r) {
+    const int64_t p = a.q_pos[t0 + r];
+    hi = max(hi, min(a.n_kv, p + 1));
+    lo = min(lo, a.window > 0 ? max(int64_t(0), p - a.window + 1) : int64_t(0));
+  }
+  int64_t pos[2];  // this thread's rows: warp * 16 + g and + 8 (-1: padding, every key masked)
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t t = t0 + warp * 16 + g + 8 * hr;
+    pos[hr] = t < a.n_tok ? a.q_pos[t] : -1;
+  }
+  for (int idx = tid; idx < BR * HD; idx += 128) {
+    const int r = idx / HD, d = idx % HD;
+    const int64_t t = t0 + r;
+    const float x = t < a.n_tok && d < hd ? a.q[t * a.q_stride + (int64_t)h * hd + d] : 0.f;
+    Qs[r * QS + d] = __float2half_rn(x * a.scale);
+  }
+  uint4 kr[U], vr[U];
+  auto load = [&](int64_t j0) {
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int id = tid + 128 * i, j = id / UR, u = id % UR;
+      const bool ok = j0 + j < hi && u * 8 < hd;
+      kr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, koff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
+      vr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, voff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto store = [&]() {
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int id = tid + 128 * i, j = id / UR, u = id % UR;
+      *reinterpret_cast<uint4*>(Ks + j * KS + u * 8) = kr[i];
+      const __half* v = reinterpret_cast<const __half*>(&vr[i]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) Vt[(u * 8 + e) * VS + j] = v[e];
+    }
+  };
+  auto ld32 = [](const __half* p) { return *reinterpret_cast<const uint32_t*>(p); };
+
+  float o[HD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  const int64_t first = lo >= hi ? hi : lo - lo % BC;
+  if (first < hi) load(first);
+  const __half* q0 = Qs + (warp * 16 + g) * QS + 2 * c;
+  for (int64_t j0 = first; j0 < hi; j0 += BC) {
+    __syncthreads();  // the previous tile is consumed (the first time: Q is stored)
+    store();
+    __syncthreads();
+    if (j0 + BC < hi) load(j0 + BC);
+    float s[BC / 8][4];
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < HD; k0 += 16) {
+      const uint32_t qa[4] = {ld32(q0 + k0), ld32(q0 + 8 * QS + k0), ld32(q0 + k0 + 8), ld32(q0 + 8 * QS + k0 + 8)};
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+        const __half* kp = Ks + (n * 8 + g) * KS + k0 + 2 * c;
+        mma_f16(s[n], qa, ld32(kp), ld32(kp + 8));
+      }
+    }
+    // Online softmax: a row's BC scores sit in the 4 lanes of a quad (2 per n-tile each).
+    uint32_t ph[BC / 8][2];  // the probabilities in f16 pairs: rows g, g + 8
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t p = pos[hr];
+      const int64_t rlo = a.window > 0 ? p - a.window + 1 : INT64_MIN;
+      float mx = m[hr];
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t j = j0 + n * 8 + 2 * c + e;
+          const bool ok = j < hi && j <= p && j >= rlo;
+          float& x = s[n][2 * hr + e];
+          const float v = a.softcap > 0.f ? a.softcap * tanhf(x / a.softcap) : x;  // (x already scaled)
+          x = ok ? v : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float corr = mx == -INFINITY ? 1.f : expf(m[hr] - mx);  // m = -inf before any key: 0
+      m[hr] = mx;
+      l[hr] *= corr;
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) o[n][2 * hr] *= corr, o[n][2 * hr + 1] *= corr;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+        const float p0 = s[n][2 * hr] == -INFINITY ? 0.f : expf(s[n][2 * hr] - mx);
+        const float p1 = s[n][2 * hr + 1] == -INFINITY ? 0.f : expf(s[n][2 * hr + 1] - mx);
+        ph[n][hr] = h2_bits(p0, p1);
+        const float2 r = __half22float2(*reinterpret_cast<const __half2*>(&ph[n][hr]));
+        l[hr] += r.x + r.y;
+      }
+    }
+    // O += P V over 16 keys a product: n-tiles 2kk and 2kk + 1 are the A fragment's two halves of k.
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      const uint32_t pa[4] = {ph[2 * kk][0], ph[2 * kk][1], ph[2 * kk + 1][0], ph[2 * kk + 1][1]};
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) {
+        const __half* vp = Vt + (n * 8 + g) * VS + kk * 16 + 2 * c;
+        mma_f16(o[n], pa, ld32(vp), ld32(vp + 8));
+      }
+    }
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t t = t0 + warp * 16 + g + 8 * hr;
+    float L = l[hr];
+    L += __shfl_xor_sync(0xffffffffu, L, 1);
+    L += __shfl_xor_sync(0xffffffffu, L, 2);
+    if (t >= a.n_tok) continue;
+    const float inv = row_scale(a, h, m[hr], L);
+    float* out = a.out + t * a.out_stride + (int64_t)h * hd;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      const int d = n * 8 + 2 * c;
+      if (d < hd) out[d] = o[n][2 * hr] * inv, out[d + 1] = o[n][2 * hr + 1] * inv;
+    }
+  }
+}
+
 // Whether the tensor-core kernel takes this attention: an f16 cache, head sizes up to 128 in
 // whole 16-byte units, every row's slice 16-byte aligned (DASLLAMA_CUDA_FLASH_TC=0: never).
 bool tc_takes(const AttnArgs& a) {
@@ -396,6 +556,25 @@ bool tc_takes(const AttnArgs& a) {
   const size_t al = a.kv.k_off | a.kv.v_off | a.kv.row_bytes | a.kv.page_bytes | (size_t)a.head_dim * 2 |
                     (size_t)(uintptr_t)a.kv.base;
   return a.kv.type == KVType::f16 && a.head_dim > 0 && a.head_dim <= 128 && a.head_dim % 8 == 0 && al % 16 == 0;
+}
+
+// DASLLAMA_CUDA_FLASH_F16=1 (opt-in until it has run on a device): q8 mode's attention (a.exact
+// false) that the TF32 kernel takes runs on flash_h16_k instead. Read at each call.
+bool h16_takes(const AttnArgs& a) {
+  const char* e = std::getenv("DASLLAMA_CUDA_FLASH_F16");
+  return e && e[0] == '1' && !a.exact && tc_takes(a);
+}
+
+template <int HD, int BC>
+bool launch_h16(const AttnArgs& a, cudaStream_t st) {
+  using S = H16Shape<HD, BC>;
+  static const bool set = cudaFuncSetAttribute(flash_h16_k<HD, BC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)S::smem) == cudaSuccess;
+  if (!set) return false;
+  const dim3 grid((unsigned)ceil_div(a.n_tok, S::BR), (unsigned)a.n_heads);
+  flash_h16_k<HD, BC><<<grid, 128, S::smem, st>>>(a);
+  check_launch("flash attention (f16 mma)");
+  return true;
 }
 
 template <int HD, int BC>
@@ -426,6 +605,7 @@ void flash_attention(const AttnArgs& a, cudaStream_t st) {
   switch (a.kv.type) {
     case KVType::f32: launch_flash_kt<0>(a, st); break;
     case KVType::f16:
+      if (h16_takes(a) && (a.head_dim <= 64 ? launch_h16<64, 64>(a, st) : launch_h16<128, 32>(a, st))) break;
       if (tc_takes(a) && (a.head_dim <= 64 ? launch_tc<64, 64>(a, st) : launch_tc<128, 32>(a, st))) break;
       launch_flash_kt<1>(a, st);
       break;

@@ -650,15 +650,6 @@ __global__ void __launch_bounds__(256) f16_split_k(const float* __restrict__ x, 
   if (threadIdx.x == 0) inv[t] = ldexpf(1.f, -e);
 }
 
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
 // Warps of MT x 16 rows by 32 tokens, WR x WC of them (mma_f16h launches 64 x 64 tiles of 4 for the
 // split, 128 x 64 of 4 for one product); BK of k a stage.
 template <int MT, int WR, int WC, bool LO, int BK_ = 32>

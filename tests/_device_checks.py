@@ -658,16 +658,17 @@ def write_block_model(path: str) -> str:
     return path
 
 
-def block_formats_q8_mode_prefill(path: str, device: str) -> None:
+def block_formats_q8_mode_prefill(path: str, device: str, kv=d.KVDtype.f32) -> None:
     """A 100-token prefill in q8 mode of write_block_model's file, whose block-format matrices a
-    GPU decodes to f16 for an f16 GEMM and whose x it rounds to f16 once: all-row logits no
-    farther from the CPU's fp32 ones (weights decoded exactly, f32 math) than the CPU's own q8
-    mode is on the same file (a wrong op gives 1e-2 or more)."""
+    GPU decodes to f16 for an f16 GEMM and whose x it rounds to f16 once (and, over an f16 cache,
+    whose attention may round Q and the probabilities to f16): all-row logits no farther from the
+    CPU's fp32 ones (weights decoded exactly, f32 math) than the CPU's own q8 mode is on the same
+    file and cache (a wrong op gives 1e-2 or more)."""
     ids = [1] + np.random.default_rng(9).integers(3, BLOCK_MODEL["vocab"], 99).tolist()
 
     def rows(mode, dev):
         m = d.load_model(path, mode, device=dev)
-        s = d.create_session(m, d.KVDtype.f32, n_ctx=len(ids))
+        s = d.create_session(m, kv, n_ctx=len(ids))
         d.eval(m, s, ids, all_logits=True)
         return np.array(s.logits).reshape(len(ids), -1)
 

@@ -865,6 +865,54 @@ def test_paged_attention(backends, kv, case):
     check(f"attention {kv}", {d: o for d, (o, _) in res.items()}, ref, F32_DOT)
 
 
+# q8 mode's prefill attention on f16 tensor cores rounds each probability to f16 (2^-11 of it at
+# most): the output moves by about that in NMSE (~1e-7 over many keys), under this bar.
+ATTN_F16 = 1e-6
+
+
+ATTN_Q8_CASES = [(33, 33, 6, 2, 64, 16, 0, 0.0), (130, 300, 4, 2, 64, 16, 0, 0.0), (70, 200, 8, 2, 128, 16, 48, 20.0),
+                 (100, 260, 8, 8, 128, 64, 0, 0.0), (64, 64, 4, 4, 64, 16, 0, 0.0), (90, 1000, 4, 1, 64, 16, 100, 0.0)]
+
+
+@pytest.mark.parametrize("case", ATTN_Q8_CASES, ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}-cap{}".format(*c))
+def test_paged_attention_q8_mode(q8_backends, case):
+    """Prefill attention over an f16 cache in q8 mode, queries 4x sharper than the harness's
+    others: a device either keeps f32 (equal to float64 numpy at the f32 bar), or rounds each
+    row of Q * scale to f16 once and the probabilities to f16 for its tensor cores, and then equals
+    float64 numpy over numpy's own f16 rounding of Q * scale within ATTN_F16 (the probabilities'
+    rounding), row by row. The CPU keeps f32."""
+    for d, (e32, e16) in attention_q8_errors(q8_backends, case).items():
+        for t, (a, b) in enumerate(zip(e32, e16)):
+            ok = a <= F32_DOT if d == "cpu" else a <= F32_DOT or b <= ATTN_F16
+            assert ok, f"q8-mode attention {case} on {d}, row {t}: NMSE {a:.3g} against f32, {b:.3g} " \
+                f"against Q * scale rounded to f16"
+
+
+def attention_q8_errors(backends, case):
+    """{device: (each row's NMSE against float64 numpy, against it over Q * scale rounded to f16)}
+    for test_paged_attention_q8_mode's case."""
+    n_tok, n_kv, H, KVH, hd, P, window, cap = case
+    rng = np.random.default_rng(n_kv + hd + H + 1)
+    q = (rng.standard_normal((n_tok, H * hd)) * 4).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
+    scale = 1 / math.sqrt(hd)
+    ks, vs = stored(k, "f16"), stored(v, "f16")
+    ref = attention_ref(q, ks, vs, q_pos, H, KVH, hd, window, scale, cap)
+    q16 = (q * np.float32(scale)).astype(np.float16).astype(np.float64)
+    ref16 = attention_ref(q16, ks, vs, q_pos, H, KVH, hd, window, 1.0, cap)
+    assert nmse(ref16, ref) > F32_DOT  # the rounding of Q is told apart
+    out = {}
+    for d, b in backends.items():
+        o = b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES["f16"], P, page_ids, n_pages + 3, window, scale,
+                              cap, n_tok)[0]
+        out[d] = ([nmse(o[t], ref[t]) for t in range(n_tok)], [nmse(o[t], ref16[t]) for t in range(n_tok)])
+    return out
+
+
 MULTI_SPECS = {  # (rows already cached, new rows) per session; the pool's pages
     "short": ([(10, 9), (17, 1), (24, 1), (0, 3), (40, 1)], 16),
     # decodes deep enough that a device splits their keys, in one step (concurrent splits)

@@ -137,6 +137,31 @@ def test_block_formats_q8_mode_prefill_logits(tmp_path, monkeypatch):
     C.block_formats_q8_mode_prefill(C.write_block_model(str(tmp_path / "llama-blocks.gguf")), "cuda")
 
 
+def test_block_formats_q8_mode_prefill_f16_cache_logits(tmp_path, monkeypatch):
+    """The same over the f16 cache with the f16 flash attention too (DASLLAMA_CUDA_FLASH_F16=1)."""
+    monkeypatch.setenv("DASLLAMA_CUDA_DQF16", "1")
+    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "1")
+    C.block_formats_q8_mode_prefill(C.write_block_model(str(tmp_path / "llama-blocks.gguf")), "cuda", d.KVDtype.f16)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_flash_attention_f16_q8_mode(monkeypatch, case):
+    """q8 mode's prefill attention over an f16 cache with DASLLAMA_CUDA_FLASH_F16=1 (flash_h16_k:
+    Q * scale and the probabilities rounded to f16, one f16 mma a product): every row equals
+    float64 numpy over numpy's f16 rounding of Q * scale within the harness's ATTN_F16, and some
+    row is farther than the f32 bar from the f32 result (the rounding ran); unset, the TF32
+    kernel, at the f32 bar."""
+    from test_backend_ops import ATTN_F16, ATTN_Q8_CASES, F32_DOT, attention_q8_errors
+
+    b = {"cuda": d._core.Backend("cuda:0", exact=False)}
+    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "1")
+    e32, e16 = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
+    assert max(e16) <= ATTN_F16 and max(e32) > F32_DOT, (max(e16), max(e32))
+    monkeypatch.delenv("DASLLAMA_CUDA_FLASH_F16")
+    e32, _ = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
+    assert max(e32) <= F32_DOT, max(e32)
+
+
 def test_f16_model_q8_mode_prefill_logits(files):
     """A q8-mode f16 prefill (x rounded to f16 once): _device_checks.f16_q8_mode_prefill's bar."""
     C.f16_q8_mode_prefill(files["llama"]["f16"], files["llama"]["q8_0"], "cuda", E.VOCAB)

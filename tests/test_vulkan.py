@@ -348,6 +348,39 @@ def test_block_formats_q8_mode_prefill_logits(built_dir):
     C.block_formats_q8_mode_prefill(path, "vulkan")
 
 
+def test_block_formats_q8_mode_prefill_f16_cache_logits(built_dir):
+    """The same over the default f16 cache, whose prefill attention a device on f16 cooperative
+    matrices may run with Q and the probabilities rounded to f16 (DASLLAMA_VULKAN_FLASH_CM)."""
+    (path,) = C.built_once(built_dir, "llama-blocks",
+                           lambda out: [C.write_block_model(os.path.join(out, "llama-blocks.gguf"))])
+    C.block_formats_q8_mode_prefill(path, "vulkan", d.KVDtype.f16)
+
+
+def test_flash_cm_on_lavapipe(built_dir):
+    """q8 mode's prefill attention over an f16 cache on f16 cooperative matrices (flash_cm.comp,
+    DASLLAMA_VULKAN_FLASH_CM=1, opt-in): lavapipe runs its f32-FMA stand-in (=emu: the same tiles,
+    Q * scale and the probabilities rounded to f16, the same softmax) on the op harness's q8-mode
+    attention cases (against numpy's own f16 rounding of Q * scale) and the block model's f16-cache
+    prefill, and the profile shows it ran for head sizes 64 and 128. Where the device has f16
+    cooperative matrices, its own variant the same way."""
+    import re
+
+    feats = _VK["devices"][0]["features"]
+    runs = [("emu", ("flash_cme64", "flash_cme128"))]
+    if "f16 coopmat" in feats:
+        sfx = "" if "16x8x16" in feats else "_16"
+        runs.append(("1", (f"flash_cm64{sfx}", f"flash_cm128{sfx}")))
+    for mode, names in runs:
+        r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1",
+                               "DASLLAMA_VULKAN_FLASH_CM": mode},
+                   ("test_backend_ops.py", "test_vulkan.py"), "attention_q8_mode or q8_mode_prefill_f16_cache", s=True)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, f"FLASH_CM={mode}\n" + r.stdout[-3000:] + r.stderr[-2000:]
+        assert re.search(r"(\d+) passed", out) and "skipped" not in out, out[-3000:]
+        for name in names:
+            assert re.search(rf"^\s+{name}\s", out, re.M), f"FLASH_CM={mode}: {name} did not run\n" + out[-3000:]
+
+
 def test_block_formats_prefill_on_lavapipe(built_dir):
     """q8 mode's prefill of block-format weights (q4_1, q5_0, q5_1, q4_K, q5_K, q6_K): each
     matrix decoded to f16 (dequant_f16.comp, a slice of rows at a time) for the f16 GEMM after x

@@ -2651,6 +2651,28 @@ class VulkanBackend final : public Backend {
     if (c_->max_shared() < need(false)) return "";
     return std::string(hd == 32 ? "flash2_d32" : "flash2") + (r4 ? "_r4" : "_r2") + (sg ? "_sg" : "");
   }
+  // DASLLAMA_VULKAN_FLASH_CM: q8 mode's prefill attention (a.exact false) over an f16 cache, head
+  // sizes 64 and 128, on f16 cooperative matrices (flash_cm.comp: Q and P rounded to f16, as
+  // llama.cpp's flash attention does). "1": where the device has them (opt-in until measured on a
+  // GPU); "emu": its f32-FMA stand-in on any device whose subgroups shuffle (lavapipe's check);
+  // unset or 0: flash2 / flash as before. Read at each call.
+  const char* flash_cm_pick(const AttnArgs& a) const {
+    const char* e = std::getenv("DASLLAMA_VULKAN_FLASH_CM");
+    const bool coop = e && std::strcmp(e, "1") == 0, emu = e && std::strcmp(e, "emu") == 0;
+    if ((!coop && !emu) || a.exact || a.kv.type != KVType::f16 || (a.head_dim != 64 && a.head_dim != 128) ||
+        !c_->shuffle8 || a.q_stride % 4 != 0 || A(a.q) % 16 != 0 ||
+        (A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off) % 16 != 0)
+      return nullptr;
+    // Shared memory: K and V tiles (32 rows of head_dim + 8 halves), the scores and probabilities
+    // (64 rows of 48 words), the corrections; coop adds Q (64 rows) and the positions.
+    const uint32_t rs = (uint32_t)(a.head_dim / 8 + 1) * 16;
+    const uint32_t need = 2 * 32 * rs + 64 * 48 * 4 + 64 * 4 + (coop ? 64 * rs + 16 * 16 * 4 : 0);
+    if (c_->max_shared() < need) return nullptr;
+    if (emu) return a.head_dim == 64 ? "flash_cme64" : "flash_cme128";
+    if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16)) return nullptr;
+    if (a.head_dim == 64) return c_->f16n8 ? "flash_cm64" : "flash_cm64_16";
+    return c_->f16n8 ? "flash_cm128" : "flash_cm128_16";
+  }
   void flash(const AttnArgs& a) {
     attn_q8_ = AttnQ8{};
     struct {
@@ -2672,6 +2694,10 @@ class VulkanBackend final : public Backend {
               {A(a.out), (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4), true},
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
+    if (const char* cm = flash_cm_pick(a)) {
+      c_->dispatch(cm, &pc, sizeof pc, (uint32_t)((a.n_tok + 63) / 64), (uint32_t)a.n_heads);
+      return;
+    }
     const std::string v2 = flash2_variant(a);
     if (!v2.empty()) {
       // DASLLAMA_VULKAN_FLASH_UNITS=0: f16 tiles read as before (32-bit loads, no register

@@ -553,6 +553,7 @@ void bind_backend(py::module_& m) {
         a.out = d.poisoned((size_t)(n_tok * n_heads * head_dim));
         a.out_stride = (int64_t)n_heads * head_dim;
         a.any_order = any_order;
+        a.exact = d.exact;
         for (int r = 0; r < repeat; ++r) d.be->attention(a);  // repeat: for timing (benchmarks/)
         py::array_t<uint8_t> raw((int64_t)(kv.page_bytes * (size_t)n_pool_pages));
         d.be->download(raw.mutable_data(), pool->data(), (size_t)raw.size());
@@ -619,6 +620,7 @@ void bind_backend(py::module_& m) {
           a.scale = scale;
           a.out = d.poisoned((size_t)(n_tok * q_dim));
           a.out_stride = q_dim;
+          a.exact = d.exact;
           args.push_back(a);
           ks.push_back(d.put(k)), vs.push_back(d.put(v)), past.push_back(n_kv - n_tok);
         }

@@ -163,6 +163,9 @@ struct AttnArgs {
   // the backend may sum in another order than its decode path (the CPU's blocked dense kernel),
   // so these rows need not be the bits a step of one row would give. Decoders leave it false.
   bool any_order = false;
+  // False in q8 mode: a backend may round queries and probabilities to f16 for its tensor
+  // cores (as llama.cpp's flash attention does); true keeps f32 accuracy.
+  bool exact = true;
 };
 
 // swiglu_oai: gpt-oss's clamped SwiGLU, g = min(gate, 7), u = clamp(up, -7, 7),

@@ -650,6 +650,7 @@ AttnArgs Model::attn_args(int il, const Run& run, int ri, const float* q, float*
   a.sinks = layers_[il].attn_sinks.data();
   a.out = att + run.first_row * q_dim;
   a.out_stride = q_dim;
+  a.exact = mode_ == QuantMode::fp32;
   return a;
 }
 
