@@ -221,6 +221,59 @@ void launch_flash_kt(const AttnArgs& a, cudaStream_t st) {
 // take elements 2c and 2c + 1 of each group of 8, alike for A and B: a thread reads float2s,
 // and a score tile's accumulator is, as it stands, the probabilities' A fragment for P V.
 // Only the order of the sums differs from flash_k's.
+// Shared by the tensor-core kernels below (4 warps x 16 query rows; a thread's rows are
+// warp * 16 + g and + 8, g = lane / 4).
+// The keys a block of BR rows from t0 reads: the union of its rows' (window, causal) ranges.
+__device__ __forceinline__ void block_keys(const AttnArgs& a, int64_t t0, int br, int64_t& lo, int64_t& hi) {
+  lo = INT64_MAX, hi = 0;
+  for (int64_t r = 0; r < br && t0 + r < a.n_tok; ++r) {
+    const int64_t p = a.q_pos[t0 + r];
+    hi = max(hi, min(a.n_kv, p + 1));
+    lo = min(lo, a.window > 0 ? max(int64_t(0), p - a.window + 1) : int64_t(0));
+  }
+}
+// This thread's two rows' positions (-1: padding, every key masked).
+__device__ __forceinline__ void quad_rows(const AttnArgs& a, int64_t t0, int warp, int g, int64_t (&pos)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t t = t0 + warp * 16 + g + 8 * hr;
+    pos[hr] = t < a.n_tok ? a.q_pos[t] : -1;
+  }
+}
+// The 16-byte units of a key tile's K and V rows from j0 this thread loads (zeros past hi and
+// past the head).
+template <int U, int UR>
+__device__ __forceinline__ void load_kv_units(const AttnArgs& a, int hd, size_t koff, size_t voff, int64_t j0,
+                                              int64_t hi, int tid, uint4 (&kr)[U], uint4 (&vr)[U]) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    const int id = tid + 128 * i, j = id / UR, u = id % UR;
+    const bool ok = j0 + j < hi && u * 8 < hd;
+    kr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, koff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
+    vr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, voff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
+  }
+}
+// The rows' outputs: O's accumulators (rows g, g + 8; dims n * 8 + 2c, + 1) over the quad's L.
+template <int HD>
+__device__ __forceinline__ void store_quad_rows(const AttnArgs& a, int hd, int h, int64_t t0, int warp, int g, int c,
+                                                const float (&m)[2], const float (&l)[2], const float (&o)[HD / 8][4]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t t = t0 + warp * 16 + g + 8 * hr;
+    float L = l[hr];
+    L += __shfl_xor_sync(0xffffffffu, L, 1);
+    L += __shfl_xor_sync(0xffffffffu, L, 2);
+    if (t >= a.n_tok) continue;
+    const float inv = row_scale(a, h, m[hr], L);
+    float* out = a.out + t * a.out_stride + (int64_t)h * hd;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      const int d = n * 8 + 2 * c;
+      if (d < hd) out[d] = o[n][2 * hr] * inv, out[d + 1] = o[n][2 * hr + 1] * inv;
+    }
+  }
+}
+
 template <int HD, int BC> struct TcShape {
   static constexpr int BR = 64;
   // Row strides (words) that keep the fragment reads free of bank conflicts: float2 reads of
@@ -245,19 +298,9 @@ __global__ void __launch_bounds__(128) flash_tc_k(AttnArgs a) {
   const int kvh = h / (a.n_heads / a.n_kv_heads);
   const size_t koff = a.kv.k_off + (size_t)kvh * hd * 2, voff = a.kv.v_off + (size_t)kvh * hd * 2;
 
-  // The block's key range: the union of its rows' (window, causal) ranges.
-  int64_t lo = INT64_MAX, hi = 0;
-  for (int64_t r = 0; r < BR && t0 + r < a.n_tok; ++r) {
-    const int64_t p = a.q_pos[t0 + r];
-    hi = max(hi, min(a.n_kv, p + 1));
-    lo = min(lo, a.window > 0 ? max(int64_t(0), p - a.window + 1) : int64_t(0));
-  }
-  int64_t pos[2];  // this thread's rows: warp * 16 + g and + 8 (-1: padding, every key masked)
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int64_t t = t0 + warp * 16 + g + 8 * hr;
-    pos[hr] = t < a.n_tok ? a.q_pos[t] : -1;
-  }
+  int64_t lo, hi, pos[2];
+  block_keys(a, t0, BR, lo, hi);
+  quad_rows(a, t0, warp, g, pos);
   for (int idx = tid; idx < BR * HD; idx += 128) {
     const int r = idx / HD, d = idx % HD;
     const int64_t t = t0 + r;
@@ -267,15 +310,7 @@ __global__ void __launch_bounds__(128) flash_tc_k(AttnArgs a) {
     Ql[r * QS + d] = to_tf32(x - __uint_as_float(xh));
   }
   uint4 kr[U], vr[U];
-  auto load = [&](int64_t j0) {
-#pragma unroll
-    for (int i = 0; i < U; ++i) {
-      const int id = tid + 128 * i, j = id / UR, u = id % UR;
-      const bool ok = j0 + j < hi && u * 8 < hd;
-      kr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, koff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
-      vr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, voff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
-    }
-  };
+  auto load = [&](int64_t j0) { load_kv_units<U, UR>(a, hd, koff, voff, j0, hi, tid, kr, vr); };
   auto store = [&]() {
 #pragma unroll
     for (int i = 0; i < U; ++i) {
@@ -371,21 +406,7 @@ __global__ void __launch_bounds__(128) flash_tc_k(AttnArgs a) {
       }
     }
   }
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int64_t t = t0 + warp * 16 + g + 8 * hr;
-    float L = l[hr];
-    L += __shfl_xor_sync(0xffffffffu, L, 1);
-    L += __shfl_xor_sync(0xffffffffu, L, 2);
-    if (t >= a.n_tok) continue;
-    const float inv = row_scale(a, h, m[hr], L);
-    float* out = a.out + t * a.out_stride + (int64_t)h * hd;
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      const int d = n * 8 + 2 * c;
-      if (d < hd) out[d] = o[n][2 * hr] * inv, out[d + 1] = o[n][2 * hr + 1] * inv;
-    }
-  }
+  store_quad_rows<HD>(a, hd, h, t0, warp, g, c, m, l, o);
 }
 
 // ---- q8 mode: the f16 cache on f16 tensor cores ----
@@ -423,18 +444,9 @@ __global__ void __launch_bounds__(128) flash_h16_k(AttnArgs a) {
   const int kvh = h / (a.n_heads / a.n_kv_heads);
   const size_t koff = a.kv.k_off + (size_t)kvh * hd * 2, voff = a.kv.v_off + (size_t)kvh * hd * 2;
 
-  int64_t lo = INT64_MAX, hi = 0;  // the block's keys: the union of its rows' ranges
-  for (int64_t r = 0; r < BR && t0 + r < a.n_tok; ++r) {
-    const int64_t p = a.q_pos[t0 + r];
-    hi = max(hi, min(a.n_kv, p + 1));
-    lo = min(lo, a.window > 0 ? max(int64_t(0), p - a.window + 1) : int64_t(0));
-  }
-  int64_t pos[2];  // this thread's rows: warp * 16 + g and + 8 (-1: padding, every key masked)
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int64_t t = t0 + warp * 16 + g + 8 * hr;
-    pos[hr] = t < a.n_tok ? a.q_pos[t] : -1;
-  }
+  int64_t lo, hi, pos[2];
+  block_keys(a, t0, BR, lo, hi);
+  quad_rows(a, t0, warp, g, pos);
   for (int idx = tid; idx < BR * HD; idx += 128) {
     const int r = idx / HD, d = idx % HD;
     const int64_t t = t0 + r;
@@ -442,15 +454,7 @@ __global__ void __launch_bounds__(128) flash_h16_k(AttnArgs a) {
     Qs[r * QS + d] = __float2half_rn(x * a.scale);
   }
   uint4 kr[U], vr[U];
-  auto load = [&](int64_t j0) {
-#pragma unroll
-    for (int i = 0; i < U; ++i) {
-      const int id = tid + 128 * i, j = id / UR, u = id % UR;
-      const bool ok = j0 + j < hi && u * 8 < hd;
-      kr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, koff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
-      vr[i] = ok ? __ldg(reinterpret_cast<const uint4*>(kv_row(a.kv, voff, j0 + j)) + u) : make_uint4(0, 0, 0, 0);
-    }
-  };
+  auto load = [&](int64_t j0) { load_kv_units<U, UR>(a, hd, koff, voff, j0, hi, tid, kr, vr); };
   auto store = [&]() {
 #pragma unroll
     for (int i = 0; i < U; ++i) {
@@ -531,21 +535,7 @@ __global__ void __launch_bounds__(128) flash_h16_k(AttnArgs a) {
       }
     }
   }
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int64_t t = t0 + warp * 16 + g + 8 * hr;
-    float L = l[hr];
-    L += __shfl_xor_sync(0xffffffffu, L, 1);
-    L += __shfl_xor_sync(0xffffffffu, L, 2);
-    if (t >= a.n_tok) continue;
-    const float inv = row_scale(a, h, m[hr], L);
-    float* out = a.out + t * a.out_stride + (int64_t)h * hd;
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      const int d = n * 8 + 2 * c;
-      if (d < hd) out[d] = o[n][2 * hr] * inv, out[d + 1] = o[n][2 * hr + 1] * inv;
-    }
-  }
+  store_quad_rows<HD>(a, hd, h, t0, warp, g, c, m, l, o);
 }
 
 // Whether the tensor-core kernel takes this attention: an f16 cache, head sizes up to 128 in
