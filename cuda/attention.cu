@@ -80,8 +80,10 @@ void launch_kt(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t row
     launch(attn_k<KT, 2>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
   else if (a.head_dim <= 128)
     launch(attn_k<KT, 4>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
-  else
+  else if (a.head_dim <= 256)
     launch(attn_k<KT, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
+  else  // Gemma-4's global layers (512): every row here, flash_fits stops at 256
+    launch(attn_k<KT, 16>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
 }
 
 void launch_attn(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* scratch,
@@ -121,8 +123,8 @@ void attn_check(const AttnArgs& a) {
   if (a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
     throw Error("cuda attention: n_heads " + std::to_string(a.n_heads) + " is not a multiple of n_kv_heads " +
                 std::to_string(a.n_kv_heads));
-  if (a.head_dim <= 0 || a.head_dim > 256)
-    throw UnsupportedModelError("cuda attention: head_dim " + std::to_string(a.head_dim) + " (at most 256)");
+  if (a.head_dim <= 0 || a.head_dim > 512)
+    throw UnsupportedModelError("cuda attention: head_dim " + std::to_string(a.head_dim) + " (at most 512)");
   if (a.kv.type == KVType::q8_0 && a.head_dim % 32 != 0)
     throw UnsupportedModelError("cuda attention: a q8_0 cache needs head_dim a multiple of 32, not " +
                                 std::to_string(a.head_dim));

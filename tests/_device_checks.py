@@ -154,15 +154,18 @@ def moe_family(tmp_dir: str, name: str, device: str) -> None:
         paged_prefix_cache_and_ragged_batch(f"{tmp_dir}/{name}-{ft}.gguf", device, ids)
 
 
-def gemma4_family(tmp_dir: str, name: str, device: str) -> None:
+def gemma4_family(tmp_dir: str, name: str, device: str, wide: bool = False) -> None:
     """A Gemma-4 shape (tests/oracles/gemma4.py's random file: per-layer head dims and kv heads, global
-    layers with V = K, the unweighted V norm, per-layer embeddings and shared KV for the E-series) on
-    the device: family_logits, then the paged session's logits against the flat one's."""
+    layers with V = K, the unweighted V norm, per-layer embeddings and shared KV for the E-series;
+    wide: the released head sizes, 256 and 512) on the device: family_logits, then the paged
+    session's logits against the flat one's."""
     import gemma4 as G4  # tests/oracles/gemma4.py
 
-    family_logits(lambda ft: G4.random_gguf(name, f"{tmp_dir}/gemma4-{name}-{ft}.gguf", ft), f"gemma4 {name}", device)
+    tag = name + ("-wide" if wide else "")
+    family_logits(lambda ft: G4.random_gguf(name, f"{tmp_dir}/gemma4-{tag}-{ft}.gguf", ft, wide=wide), f"gemma4 {tag}",
+                  device)
     ids = [1] + np.random.default_rng(6).integers(3, 512, 30).tolist()
-    m = d.load_model(f"{tmp_dir}/gemma4-{name}-q8_0.gguf", d.QuantMode.fp32, device=device)
+    m = d.load_model(f"{tmp_dir}/gemma4-{tag}-q8_0.gguf", d.QuantMode.fp32, device=device)
     flat = d.create_session(m, d.KVDtype.f32, n_ctx=64)
     d.eval(m, flat, ids)
     pool = d.create_kv_pool(m, page_rows=8, kv_dtype=d.KVDtype.f32)
@@ -170,7 +173,7 @@ def gemma4_family(tmp_dir: str, name: str, device: str) -> None:
     d.eval(m, paged, ids[:13])
     d.eval(m, paged, ids[13:])
     e = nmse(paged.logits, flat.logits)
-    assert e <= LOGIT_BAR, f"gemma4 {name} paged against flat on {device}: NMSE {e:.3g}"
+    assert e <= LOGIT_BAR, f"gemma4 {tag} paged against flat on {device}: NMSE {e:.3g}"
 
 
 def hybrid_family(tmp_dir: str, name: str, device: str) -> None:

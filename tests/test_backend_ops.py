@@ -801,6 +801,8 @@ ATTN_CASES = [
     (1, 2050, 16, 4, 64, 16, 512, 0.0, 100),
     (3, 4100, 4, 1, 64, 64, 0, 0.0, 1000),  # decode over a long context: a device may split the keys
     (1, 700, 8, 4, 256, 16, 512, 0.0, 1),  # a Gemma-3 decode: head size 256, a sliding window
+    (1, 300, 4, 1, 512, 16, 0, 0.0, 1),  # Gemma-4's global layers: head size 512, decode
+    (20, 40, 4, 2, 512, 16, 16, 0.0, 20),  # and a windowed prefill
     # prefills of several row tiles (a device's tiled kernel), a head size padded to its tile,
     # a window and softcap, rows past a tile's end
     (130, 300, 4, 2, 96, 16, 0, 0.0, 130),

@@ -361,6 +361,11 @@ def test_moe_families(tmp_path, name):
     C.moe_family(str(tmp_path), name, "cuda")
 
 
+def test_gemma4_released_head_sizes(tmp_path):
+    """Gemma-4's released head sizes, 256 sliding and 512 global (attn_k's 16-a-lane instance)."""
+    C.gemma4_family(str(tmp_path), "dense", "cuda", wide=True)
+
+
 @pytest.mark.parametrize("name", ["qwen35", "qwen3next", "qwen35moe"])
 def test_hybrid_families(tmp_path, name):
     C.hybrid_family(str(tmp_path), name, "cuda")

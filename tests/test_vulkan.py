@@ -198,6 +198,12 @@ def test_gemma4_shapes(tmp_path, name):
     C.gemma4_family(str(tmp_path), name, "vulkan")
 
 
+def test_gemma4_released_head_sizes(tmp_path):
+    """Gemma-4's released head sizes, 256 on the sliding layers and 512 on the global ones (the
+    row-a-workgroup attention's 512-wide variant, past every tiled kernel's)."""
+    C.gemma4_family(str(tmp_path), "dense", "vulkan", wide=True)
+
+
 def test_errors_leave_the_process_usable(tiny):
     C.errors_leave_the_process_usable(tiny["f32"], "vulkan")
 
@@ -233,6 +239,14 @@ def test_subgroup_path_on_lavapipe(built_dir):
     r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1"}, ("test_backend_ops.py",),
                "test_paged_attention and not multi and tok1-", s=True)
     for sh in ("attn_dec", "attn_dec_w"):
+        assert r.returncode == 0 and re.search(rf"^\s*{sh}\s+[\d.]+ ms\s+\d+ calls", r.stderr, re.M), \
+            sh + "\n" + r.stdout[-3000:] + r.stderr[-2000:]
+    # The same with attention.comp's key splits joined by a second dispatch (attention_merge),
+    # head size 512 on their 512-wide variants.
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1",
+                           "DASLLAMA_VULKAN_ATTN_SPLIT": "dispatch"}, ("test_backend_ops.py",),
+               "test_paged_attention and not multi and tok1-", s=True)
+    for sh in ("attention_merge", "attention_merge_512", "attention_512"):
         assert r.returncode == 0 and re.search(rf"^\s*{sh}\s+[\d.]+ ms\s+\d+ calls", r.stderr, re.M), \
             sh + "\n" + r.stdout[-3000:] + r.stderr[-2000:]
     # The f16 decode GEMV's row split cases above ran on gemv.comp (the profile names it).

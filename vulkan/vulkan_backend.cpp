@@ -2514,8 +2514,8 @@ class VulkanBackend final : public Backend {
     if (a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
       throw Error("vulkan attention: n_heads " + std::to_string(a.n_heads) + " is not a multiple of n_kv_heads " +
                   std::to_string(a.n_kv_heads));
-    if (a.head_dim <= 0 || a.head_dim > 256)
-      throw UnsupportedModelError("vulkan attention: head_dim " + std::to_string(a.head_dim) + " (at most 256)");
+    if (a.head_dim <= 0 || a.head_dim > 512)
+      throw UnsupportedModelError("vulkan attention: head_dim " + std::to_string(a.head_dim) + " (at most 512)");
     if (a.kv.type == KVType::q8_0 && a.head_dim % 32 != 0)
       throw UnsupportedModelError("vulkan attention: a q8_0 cache needs head_dim a multiple of 32, not " +
                                   std::to_string(a.head_dim));
@@ -2601,8 +2601,8 @@ class VulkanBackend final : public Backend {
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false},
               {qfold ? pc.sinks : 0, qb + db, true}});
-    c_->dispatch(dec ? dec_sh : "attention", &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok,
-                 (uint32_t)n_split);
+    const char* sh = dec ? dec_sh : a.head_dim > 256 ? "attention_512" : "attention";
+    c_->dispatch(sh, &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
     attn_q8_ = AttnQ8{};
     if (qfold) attn_q8_ = AttnQ8{true, c_->step_serial(), c_->kept(), A(a.out), pc.sinks, a.n_tok, hd};
     if (pc.split >= 0) return;
@@ -2611,7 +2611,8 @@ class VulkanBackend final : public Backend {
       int32_t out_stride, n_heads, head_dim, n_split;
     } mp{pc.part, A(a.out), A(a.sinks), (int32_t)a.out_stride, a.n_heads, a.head_dim, n_split};
     c_->uses({{pc.part, part_bytes, false}, {A(a.out), out_bytes, true}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
-    c_->dispatch("attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads, (uint32_t)a.n_tok);
+    c_->dispatch(a.head_dim > 256 ? "attention_merge_512" : "attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads,
+                 (uint32_t)a.n_tok);
   }
   // Attention of 16 rows and more (head sizes up to 128) in key tiles shared by a workgroup's
   // rows (flash2.comp, flash.comp), as CUDA's prefill takes its tiled kernel from 16 rows

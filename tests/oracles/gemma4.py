@@ -114,11 +114,12 @@ def build(name: str, tok, out_dir: str, outtypes=("f32", "q8_0")):
 
 # ---- network-free files for the device tests ---------------------------------------------------
 
-def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str:
+def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0, wide: bool = False) -> str:
     """A small random Gemma-4 file of a shape above, with the converter's names, shapes and keys (as the
     converter-made files carry them; keys written by name, since an installed gguf-py may predate the
     family) and export.py's 512-token SPM vocabulary: for the device tests, which compare a device with
-    the CPU (itself held to transformers above) where neither PyPI nor the converter is reachable."""
+    the CPU (itself held to transformers above) where neither PyPI nor the converter is reachable.
+    wide: the released models' head sizes (256 sliding, 512 global) in place of 16 and 32."""
     import gguf
     import numpy as np
 
@@ -130,7 +131,8 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
     D, H, V, L, P = 64, 4, E.VOCAB, 6, 8
     swa = [True, True, False] * 2
     kvh = [2] * L if es else [2 if s else 1 for s in swa]
-    hd = [16 if s else 32 for s in swa]
+    hs, hg = (256, 512) if wide else (16, 32)  # sliding, global head sizes
+    hd = [hs if s else hg for s in swa]
     ff = [96] * 4 + [192] * 2 if es else [96] * L
     shared = 2 if es else 0
     w = gguf.GGUFWriter(path, "gemma4")
@@ -144,17 +146,17 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
     w.add_float32(a + "rope.freq_base", 1e6)
     w.add_float32(a + "rope.freq_base_swa", 1e4)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_uint32(a + "attention.key_length", 32)
-    w.add_uint32(a + "attention.value_length", 32)
-    w.add_uint32(a + "attention.key_length_swa", 16)
-    w.add_uint32(a + "attention.value_length_swa", 16)
+    w.add_uint32(a + "attention.key_length", hg)
+    w.add_uint32(a + "attention.value_length", hg)
+    w.add_uint32(a + "attention.key_length_swa", hs)
+    w.add_uint32(a + "attention.value_length_swa", hs)
     w.add_float32(a + "final_logit_softcapping", 30.0)
     w.add_uint32(a + "attention.sliding_window", 8)
     w.add_uint32(a + "attention.shared_kv_layers", shared)
     w.add_uint32(a + "embedding_length_per_layer_input", P if es else 0)
     w.add_array(a + "attention.sliding_window_pattern", swa)
-    w.add_uint32(a + "rope.dimension_count", 32)
-    w.add_uint32(a + "rope.dimension_count_swa", 16)
+    w.add_uint32(a + "rope.dimension_count", hg)
+    w.add_uint32(a + "rope.dimension_count_swa", hs)
     if moe:
         w.add_uint32(a + "expert_count", 4)
         w.add_uint32(a + "expert_used_count", 2)
@@ -172,7 +174,7 @@ def random_gguf(name: str, path: str, ftype: str = "q8_0", seed: int = 0) -> str
     def vec(tname, *shape, base=1.0, scale=0.1):
         w.add_tensor(tname, (base + rng.standard_normal(shape) * scale).astype(np.float32))
 
-    w.add_tensor("rope_freqs.weight", np.array([1.0] * 4 + [1e30] * 12, dtype=np.float32))
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * (hg // 8) + [1e30] * (3 * hg // 8), dtype=np.float32))
     mat("token_embd.weight", V, D, scale=1.0)
     vec("output_norm.weight", D)
     if es:

@@ -18,6 +18,11 @@
 #include "kv.glsl"
 #include "qact.glsl"
 
+#ifndef HDMAX
+#define HDMAX 256  // the largest head size (attention_512: 512, Gemma-4's global layers)
+#endif
+#define NA (HDMAX / 64)  // an invocation's output dims: tid + 64 i, i < NA
+
 layout(local_size_x = 64) in;
 // The splits' partials as other workgroups see them: coherent (not from a stale cache).
 layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer PartF { float v[]; };
@@ -43,7 +48,7 @@ layout(push_constant, std430) uniform PC {
 #define QFOLD ((pc.shape >> 31) != 0u)
 #define NKV (pc.n_kv_ >= 0 ? pc.n_kv_ : I32(pc.args).v[-pc.n_kv_ - 1])
 
-shared float qs[256];
+shared float qs[HDMAX];
 shared float sc[64];
 
 float kv_elem(uint64_t r, int d) { return kv_value(r, d, KVTYPE); }
@@ -118,7 +123,8 @@ void main() {
   const uint head_off = KVTYPE == 0 ? uint(kvh * hd * 4) : KVTYPE == 1 ? uint(kvh * hd * 2)
                                                                              : uint(kvh * (hd / 32) * 34);
   const uint koff = pc.k_off + head_off, voff = pc.v_off + head_off;
-  float acc[4] = float[4](0.0f, 0.0f, 0.0f, 0.0f);  // dims tid + 64 i
+  float acc[NA];  // dims tid + 64 i
+  [[unroll]] for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
   float m = uintBitsToFloat(0xff800000u), l = 0.0f;
   barrier();
   for (int j0 = lo; j0 < hi; j0 += 64) {
@@ -137,17 +143,17 @@ void main() {
     for (int k = 0; k < cnt; ++k) mx = max(mx, sc[k]);
     const float corr = exp(m - mx);  // 0 on the first chunk (m = -inf)
     l *= corr;
-    for (int i = 0; i < 4; ++i) acc[i] *= corr;
+    for (int i = 0; i < NA; ++i) acc[i] *= corr;
     // Eight keys a pass, their V loads issued together; the sums run key by key as before.
     int k = 0;
     for (; k < cnt; k += 8) {
       const int nk = min(8, cnt - k);
-      float pk[8], ev[8][4];
+      float pk[8], ev[8][NA];
       [[unroll]] for (int u = 0; u < 8; ++u) {
         pk[u] = 0.0f;
         if (u < nk) pk[u] = exp(sc[k + u] - mx);
         const uint64_t vr = rowb[k + min(u, nk - 1)] + voff;
-        [[unroll]] for (int i = 0; i < 4; ++i) {
+        [[unroll]] for (int i = 0; i < NA; ++i) {
           const int d = tid + 64 * i;
           ev[u][i] = d < hd && u < nk ? kv_elem(vr, d) : 0.0f;
         }
@@ -155,7 +161,7 @@ void main() {
       [[unroll]] for (int u = 0; u < 8; ++u) {
         if (u >= nk) break;
         l += pk[u];
-        [[unroll]] for (int i = 0; i < 4; ++i) acc[i] += pk[u] * ev[u][i];
+        [[unroll]] for (int i = 0; i < NA; ++i) acc[i] += pk[u] * ev[u][i];
       }
     }
     m = mx;
@@ -166,7 +172,7 @@ void main() {
     const uint64_t mine = pc.part + uint64_t((t * NH + h) * nz) * uint64_t(hd + 2) * 4u;
     PartF pr = PartF(mine + uint64_t(z * (hd + 2)) * 4u);
     if (tid == 0) pr.v[0] = m, pr.v[1] = l;
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < NA; ++i) {
       const int d = tid + 64 * i;
       if (d < hd) pr.v[2 + d] = acc[i];
     }
@@ -189,14 +195,14 @@ void main() {
       if (p.v[1] > 0.0f) m = max(m, p.v[0]);
     }
     l = 0.0f;
-    for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
     for (int s2 = 0; s2 < nz; ++s2) {
       PartF p = PartF(mine + uint64_t(s2 * (hd + 2)) * 4u);
       const float ls = p.v[1];
       if (!(ls > 0.0f)) continue;
       const float w = exp(p.v[0] - m);
       l += ls * w;
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < NA; ++i) {
         const int d = tid + 64 * i;
         if (d < hd) acc[i] += p.v[2 + d] * w;
       }
@@ -207,11 +213,11 @@ void main() {
     const float sink = F32(pc.sinks).v[h], mx = max(m, sink);
     const float corr = exp(m - mx);
     l = l * corr + exp(sink - mx);
-    for (int i = 0; i < 4; ++i) acc[i] *= corr;
+    for (int i = 0; i < NA; ++i) acc[i] *= corr;
   }
   F32 o = F32(pc.out_ + (uint64_t(t) * uint64_t(pc.out_stride) + uint64_t(h * hd)) * 4u);
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < NA; ++i) {
     const int d = tid + 64 * i;
     if (d < hd) {
       const float val = acc[i] * inv;

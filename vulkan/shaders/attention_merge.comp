@@ -4,6 +4,11 @@
 #version 450
 #include "common.glsl"
 
+#ifndef HDMAX
+#define HDMAX 256  // the largest head size (attention_merge_512: 512)
+#endif
+#define NA (HDMAX / 64)  // an invocation's output dims: tid + 64 i, i < NA
+
 layout(local_size_x = 64) in;
 layout(push_constant, std430) uniform PC {
   uint64_t part, out_, sinks;
@@ -22,21 +27,22 @@ void main() {
   const float sink = pc.sinks != 0ul ? F32(pc.sinks).v[h] : uintBitsToFloat(0xff800000u);
   if (pc.sinks != 0ul) mx = max(mx, sink);
   float l = pc.sinks != 0ul ? exp(sink - mx) : 0.0f;
-  float acc[4] = float[4](0.0f, 0.0f, 0.0f, 0.0f);
+  float acc[NA];
+  for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
   for (int s = 0; s < ns; ++s) {
     F32 p = F32(base + uint64_t(s * (hd + 2)) * 4u);
     const float ls = p.v[1];
     if (!(ls > 0.0f)) continue;
     const float w = exp(p.v[0] - mx);
     l += ls * w;
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < NA; ++i) {
       const int d = tid + 64 * i;
       if (d < hd) acc[i] += p.v[2 + d] * w;
     }
   }
   F32 o = F32(pc.out_ + (uint64_t(t) * uint64_t(pc.out_stride) + uint64_t(h * hd)) * 4u);
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < NA; ++i) {
     const int d = tid + 64 * i;
     if (d < hd) o.v[d] = acc[i] * inv;
   }
