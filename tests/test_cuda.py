@@ -144,7 +144,7 @@ def test_block_formats_q8_mode_prefill_f16_cache_logits(tmp_path, monkeypatch):
     C.block_formats_q8_mode_prefill(C.write_block_model(str(tmp_path / "llama-blocks.gguf")), "cuda", d.KVDtype.f16)
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(6))  # (the harness's head sizes 64 and 128: the tensor-core kernels')
 def test_flash_attention_f16_q8_mode(monkeypatch, case):
     """q8 mode's prefill attention over an f16 cache with DASLLAMA_CUDA_FLASH_F16=1 (flash_h16_k:
     Q * scale and the probabilities rounded to f16, one f16 mma a product): every row equals

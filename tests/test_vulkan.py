@@ -375,15 +375,15 @@ def test_flash_cm_on_lavapipe(built_dir):
     DASLLAMA_VULKAN_FLASH_CM=1, opt-in): lavapipe runs its f32-FMA stand-in (=emu: the same tiles,
     Q * scale and the probabilities rounded to f16, the same softmax) on the op harness's q8-mode
     attention cases (against numpy's own f16 rounding of Q * scale) and the block model's f16-cache
-    prefill, and the profile shows it ran for head sizes 64 and 128. Where the device has f16
+    prefill, and the profile shows it ran for head sizes 64, 128 and 256. Where the device has f16
     cooperative matrices, its own variant the same way."""
     import re
 
     feats = _VK["devices"][0]["features"]
-    runs = [("emu", ("flash_cme64", "flash_cme128"))]
+    runs = [("emu", ("flash_cme64", "flash_cme128", "flash_cme256"))]
     if "f16 coopmat" in feats:
         sfx = "" if "16x8x16" in feats else "_16"
-        runs.append(("1", (f"flash_cm64{sfx}", f"flash_cm128{sfx}")))
+        runs.append(("1", (f"flash_cm64{sfx}", f"flash_cm128{sfx}", f"flash_cm256{sfx}")))
     for mode, names in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1",
                                "DASLLAMA_VULKAN_FLASH_CM": mode},

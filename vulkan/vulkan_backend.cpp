@@ -2523,7 +2523,8 @@ class VulkanBackend final : public Backend {
     Lock g(c_->mu);
     if (a.n_heads > 65535 || a.n_kv_heads > 65535 || a.kv.page_shift < 0 || a.kv.page_shift > 63)
       throw Error("vulkan attention: head counts past 65535 or a page shift past 63");
-    if (a.n_tok >= 16 && a.head_dim <= 128 && c_->max_shared() >= 32768 && flash_mode() >= (a.any_order ? 1 : 2))
+    if (a.n_tok >= 16 && (a.head_dim <= 128 || flash_cm_pick(a)) && c_->max_shared() >= 32768 &&
+        flash_mode() >= (a.any_order ? 1 : 2))
       return flash(a);
     struct {
       uint64_t q, base, pages, q_pos, out, sinks, part, args, cnt;
@@ -2653,26 +2654,32 @@ class VulkanBackend final : public Backend {
     return std::string(hd == 32 ? "flash2_d32" : "flash2") + (r4 ? "_r4" : "_r2") + (sg ? "_sg" : "");
   }
   // DASLLAMA_VULKAN_FLASH_CM: q8 mode's prefill attention (a.exact false) over an f16 cache, head
-  // sizes 64 and 128, on f16 cooperative matrices (flash_cm.comp: Q and P rounded to f16, as
+  // sizes 64, 128 and 256, on f16 cooperative matrices (flash_cm.comp: Q and P rounded to f16, as
   // llama.cpp's flash attention does). "1": where the device has them (opt-in until measured on a
   // GPU); "emu": its f32-FMA stand-in on any device whose subgroups shuffle (lavapipe's check);
-  // unset or 0: flash2 / flash as before. Read at each call.
-  const char* flash_cm_pick(const AttnArgs& a) const {
+  // unset or 0: flash2 / flash / attention.comp as before. Read at each call. The shader's rows a
+  // workgroup (64, or 32 at head size 256) in *rows.
+  const char* flash_cm_pick(const AttnArgs& a, int64_t* rows = nullptr) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_FLASH_CM");
     const bool coop = e && std::strcmp(e, "1") == 0, emu = e && std::strcmp(e, "emu") == 0;
-    if ((!coop && !emu) || a.exact || a.kv.type != KVType::f16 || (a.head_dim != 64 && a.head_dim != 128) ||
+    const int hd = a.head_dim;
+    if ((!coop && !emu) || a.exact || a.kv.type != KVType::f16 || (hd != 64 && hd != 128 && hd != 256) ||
         !c_->shuffle8 || a.q_stride % 4 != 0 || A(a.q) % 16 != 0 ||
         (A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off) % 16 != 0)
       return nullptr;
-    // Shared memory: K and V tiles (32 rows of head_dim + 8 halves), the scores and probabilities
-    // (64 rows of 48 words), the corrections; coop adds Q (64 rows) and the positions.
-    const uint32_t rs = (uint32_t)(a.head_dim / 8 + 1) * 16;
-    const uint32_t need = 2 * 32 * rs + 64 * 48 * 4 + 64 * 4 + (coop ? 64 * rs + 16 * 16 * 4 : 0);
+    // Shared memory: K and V tiles (bc rows of head_dim + 8 halves), the scores and probabilities
+    // (br rows of 1.5 bc words), the corrections; coop adds Q (br rows) and the positions.
+    const uint32_t br = hd == 256 ? 32 : 64, bc = hd == 256 ? 16 : 32, rs = (uint32_t)(hd / 8 + 1) * 16;
+    const uint32_t need = 2 * bc * rs + br * (bc * 3 / 2) * 4 + br * 4 + (coop ? br * rs + 16 * 16 * 4 : 0);
     if (c_->max_shared() < need) return nullptr;
-    if (emu) return a.head_dim == 64 ? "flash_cme64" : "flash_cme128";
+    if (rows) *rows = br;
+    static const std::string names[3][3] = {{"flash_cme64", "flash_cm64", "flash_cm64_16"},
+                                            {"flash_cme128", "flash_cm128", "flash_cm128_16"},
+                                            {"flash_cme256", "flash_cm256", "flash_cm256_16"}};
+    const int i = hd == 64 ? 0 : hd == 128 ? 1 : 2;
+    if (emu) return names[i][0].c_str();
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16)) return nullptr;
-    if (a.head_dim == 64) return c_->f16n8 ? "flash_cm64" : "flash_cm64_16";
-    return c_->f16n8 ? "flash_cm128" : "flash_cm128_16";
+    return names[i][c_->f16n8 ? 1 : 2].c_str();
   }
   void flash(const AttnArgs& a) {
     attn_q8_ = AttnQ8{};
@@ -2695,8 +2702,9 @@ class VulkanBackend final : public Backend {
               {A(a.out), (uint64_t)(((a.n_tok - 1) * a.out_stride + hd) * 4), true},
               {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false}});
-    if (const char* cm = flash_cm_pick(a)) {
-      c_->dispatch(cm, &pc, sizeof pc, (uint32_t)((a.n_tok + 63) / 64), (uint32_t)a.n_heads);
+    int64_t cm_rows = 64;
+    if (const char* cm = flash_cm_pick(a, &cm_rows)) {
+      c_->dispatch(cm, &pc, sizeof pc, (uint32_t)((a.n_tok + cm_rows - 1) / cm_rows), (uint32_t)a.n_heads);
       return;
     }
     const std::string v2 = flash2_variant(a);

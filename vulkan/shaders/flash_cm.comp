@@ -1,6 +1,7 @@
 // Prefill attention over an f16 cache in q8 mode on NVIDIA's f16 cooperative matrices (flash2's
-// online softmax, FlashAttention-2's tiles): a workgroup takes BR = 64 query rows of one head,
-// four subgroups of 16 rows, and walks the keys BC = 32 at a time. Each subgroup's scores
+// online softmax, FlashAttention-2's tiles): a workgroup takes BR = 16 NSG query rows of one head,
+// NSG subgroups of 16 rows, and walks the keys BC at a time (NSG 4, BC 32; head size 256: 2, 16,
+// so its tiles fit 48 KB). Each subgroup's scores
 // S = (Q * scale) K^T come from 16 x TN x 16 products (Q's rows rounded to f16 once, held as
 // matrices for the whole walk; K's f16 rows exact operands), go through shared memory, where two
 // lanes a row take its softmax (a lane 16 keys; maxima and sums joined by one shuffle), round
@@ -11,7 +12,7 @@
 // fp32 mode's. The tile's K and V are read in 16-byte units held in registers a tile ahead, as
 // flash2's units path reads them. Which row and column each of a lane's accumulator elements is
 // belongs to the driver: a matrix of positions loaded as the accumulators' type says
-// (gemm_f16c.comp's way). HD: the head size (64 or 128, exactly); TN: 8 or 16.
+// (gemm_f16c.comp's way). HD: the head size (64, 128 or 256, exactly); TN: 8 or 16.
 // COOP=0 (flash_cme*: DASLLAMA_VULKAN_FLASH_CM=emu): the same tiles, roundings and softmax with
 // the products in f32 FMAs, a lane's Q row in registers (lavapipe's check, which has no matrices).
 #version 450
@@ -30,8 +31,15 @@
 #ifndef TN
 #define TN 8
 #endif
+#ifndef NSG
+#define NSG 4  // subgroups of 32 lanes (16 query rows each)
+#endif
+#ifndef BCK
+#define BCK 32  // keys a tile
+#endif
+#define NTH (32 * NSG)
 
-layout(local_size_x = 128) in;
+layout(local_size_x = NTH) in;
 layout(push_constant, std430) uniform PC {
   uint64_t q, base, pages, q_pos, out_, sinks;
   uint64_t args;  // n_kv_ < 0: n_kv is args[-n_kv_ - 1]
@@ -50,10 +58,10 @@ layout(push_constant, std430) uniform PC {
 #define NKV (pc.n_kv_ >= 0 ? pc.n_kv_ : I32(pc.args).v[-pc.n_kv_ - 1])
 #define NEG_INF uintBitsToFloat(0xff800000u)
 
-const uint BR = 64u, BC = 32u, HALF = BC / 2u;
+const uint BR = 16u * NSG, BC = BCK, HALF = BC / 2u;
 const uint RS = HD / 8u + 1u;     // a K / V / Q row's stride in uvec4s (16 bytes of padding)
-const uint UT = BC * HD / 8u / 128u;  // 16-byte units of K, and of V, an invocation loads a tile
-const uint SRS = BC + 16u;        // a row of Su: BC scores (f32 bits), then BC probabilities (f16 pairs)
+const uint UT = BC * HD / 8u / NTH;  // 16-byte units of K, and of V, an invocation loads a tile
+const uint SRS = BC + BC / 2u;    // a row of Su: BC scores (f32 bits), then BC probabilities (f16 pairs)
 shared uvec4 Ks[BC * RS];         // the tile's keys [key][dim]
 shared uvec4 Vs[BC * RS];         // and values
 shared uint Su[BR * SRS];
@@ -89,7 +97,7 @@ void main() {
 
 #if COOP
   const uint g = gl_SubgroupID;  // rows 16 g .. 16 g + 15
-  for (uint i = tid; i < BR * HD / 8u; i += 128u) {
+  for (uint i = tid; i < BR * HD / 8u; i += NTH) {
     const uint r = i / (HD / 8u), u = i % (HD / 8u);
     uvec4 w = uvec4(0u);
     if (t0 + int(r) < n_tok) {
@@ -100,7 +108,7 @@ void main() {
     }
     Qs[r * RS + u] = w;
   }
-  for (uint i = tid; i < 16u * TN; i += 128u) Idx[i] = float(i);
+  for (uint i = tid; i < 16u * TN; i += NTH) Idx[i] = float(i);
   barrier();
   fcoopmatNV<32, gl_ScopeSubgroup, 16, TN> im;
   coopMatLoadNV(im, Idx, 0, TN, false);
@@ -121,7 +129,7 @@ void main() {
   uvec4 kr[UT], vr[UT];
 #define LOAD_UNITS(j0_)                                                                            \
   [[unroll]] for (uint i = 0u; i < UT; ++i) {                                                      \
-    const uint id = tid + 128u * i, j = id / (HD / 8u), u = id % (HD / 8u);                        \
+    const uint id = tid + NTH * i, j = id / (HD / 8u), u = id % (HD / 8u);                        \
     kr[i] = uvec4(0u), vr[i] = uvec4(0u);                                                          \
     if ((j0_) + int(j) < hi) {                                                                     \
       const uint64_t rb = kv_row_at(pc.base, pc.pages, pc.page_bytes, pc.row_bytes, PSHIFT, (j0_) + int(j)); \
@@ -133,7 +141,7 @@ void main() {
   for (int j0 = first; j0 < hi; j0 += int(BC)) {
     barrier();  // the previous tile's Ks / Vs / Su are read
     [[unroll]] for (uint i = 0u; i < UT; ++i) {
-      const uint id = tid + 128u * i, j = id / (HD / 8u), u = id % (HD / 8u);
+      const uint id = tid + NTH * i, j = id / (HD / 8u), u = id % (HD / 8u);
       Ks[j * RS + u] = kr[i];
       Vs[j * RS + u] = vr[i];
     }
