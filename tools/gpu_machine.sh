@@ -5,7 +5,8 @@
 # README.md, "A GPU machine without the network"): Debian packages in .gl/ (the Vulkan loader
 # and glvnd: unpacked into /) and .vkb/ (glslc, libshaderc1, libvulkan-dev: unpacked into
 # /tmp/vkb, for the build only), wheels in .whl/ (gguf, and scikit-build-core + pybind11 where the
-# machine lacks them), and optionally .peers/skb.tar.xz (llama.cpp's Vulkan llama-server).
+# machine lacks them), and optionally .peers/skb.tar.xz (llama.cpp's Vulkan llama-server) and
+# .peers/llcuda.tar.xz (llama.cpp's CUDA llama-bench and llama-server: /tmp/lb.sh, /tmp/ls.sh).
 # REBUILD=1 builds again over an earlier /tmp/dl. `pip` there may be another interpreter's:
 # everything goes through `python -m pip`.
 for f in .gl/*.deb; do dpkg -x "$f" /; done
@@ -24,6 +25,16 @@ fi
 python -c 'import scikit_build_core, pybind11' 2>/dev/null ||
   python -m pip install -q --no-index --find-links .whl scikit-build-core pybind11
 [ -d /tmp/skb ] || { [ -f .peers/skb.tar.xz ] && tar xJf .peers/skb.tar.xz -C /tmp; }
+# llama.cpp's CUDA build (benchmarks/README.md: llama-bench and llama-server for sm_90, built where
+# nvcc is), if carried: wrappers give each its own libraries (libggml's names clash with skb's).
+[ -d /tmp/llcuda ] || { [ -f .peers/llcuda.tar.xz ] && tar xJf .peers/llcuda.tar.xz -C /tmp; }
+for t in llama-bench:lb llama-server:ls; do
+  if [ -x "/tmp/llcuda/bin/${t%%:*}" ]; then
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/llcuda/bin:/usr/local/cuda-13.0/targets/x86_64-linux/lib exec /tmp/llcuda/bin/%s "$@"\n' \
+      "${t%%:*}" > "/tmp/${t##*:}.sh"
+    chmod +x "/tmp/${t##*:}.sh"
+  fi
+done
 if [ -n "${REBUILD:-}" ] || [ ! -d /tmp/dl/dasllama ]; then
   rm -rf /tmp/dl
   t0=$SECONDS
