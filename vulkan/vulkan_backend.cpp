@@ -2225,9 +2225,9 @@ class VulkanBackend final : public Backend {
         return;
       }
     }
-    if (c_->subgroup && count > 1 && n > kTileMin) {  // f16 prefill: x split once for all
+    if (c_->subgroup && count > 1 && count <= 4 && n > kTileMin) {  // f16 prefill: x split once for all
       for (int i = 0; i < count; ++i) check_w(*ws[i]);
-      std::vector<F16cPick> p(count);
+      F16cPick p[4];
       bool all = true;
       for (int i = 0; all && i < count; ++i) {
         p[i] = f16c_pick(*ws[i], x, n);

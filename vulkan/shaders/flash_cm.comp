@@ -4,8 +4,8 @@
 // so its tiles fit 48 KB). Each subgroup's scores
 // S = (Q * scale) K^T come from 16 x TN x 16 products (Q's rows rounded to f16 once, held as
 // matrices for the whole walk; K's f16 rows exact operands), go through shared memory, where two
-// lanes a row take its softmax (a lane 16 keys; maxima and sums joined by one shuffle), round
-// the probabilities to f16 and leave them beside the scores; O (f32 accumulators, 16 x HD a
+// lanes a row take its softmax (a lane half the tile's keys; maxima and sums joined by one
+// shuffle), round the probabilities to f16 and leave them beside the scores; O (f32 accumulators, 16 x HD a
 // subgroup) is rescaled by each row's correction and gains P V from the same products, V's f16
 // rows exact. So Q and P are rounded to f16 (11 bits, as llama.cpp's flash attention rounds
 // them), everything else is f32 (accumulators, maxima, sums): q8 mode's kind of error, never
