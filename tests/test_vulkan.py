@@ -755,15 +755,17 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
 FLASH_VARIANTS = {"flash2": {}, "flash2 sg0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},
                   "flash2 br64": {"DASLLAMA_VULKAN_FLASH_BR": "64"}, "flash": {"DASLLAMA_VULKAN_FLASHK": "1"},
                   "flash2 units0": {"DASLLAMA_VULKAN_FLASH_UNITS": "0"}}
+# Heads past 128 (Gemma's 256): attention.comp's row a workgroup, or flash.comp's 8-row tiles.
+FLASH_VARIANTS_WIDE = {"attention": {}, "flash256": {"DASLLAMA_VULKAN_FLASH256": "1"}}
 
 
 def test_flash_variants(monkeypatch):
     """Prefill rows of 16 and more take the tiled attention (decoders' as encoders'); each of its
     variants against float64 numpy over the op harness's reference: row tiles past the rows' end,
     cached keys before the rows, a window with a softcap, sinks, 4 query heads on a KV head, a head
-    padded to the tile (48), a head of 32 (its own tiles), and every cache type (f16 read as
-    pairs). The end-to-end checks (logits, greedy tokens, towers) run on the default variant in
-    this run."""
+    padded to the tile (48), a head of 32 (its own tiles), heads of 256 and 160 (flash.comp's
+    shared K / V buffer, opt-in), and every cache type (f16 read as pairs). The end-to-end checks
+    (logits, greedy tokens, towers) run on the default variant in this run."""
     from test_backend_ops import F32_DOT, KV_TYPES, attention_ref, stored
 
     be = d._core.Backend("vulkan:%d" % _VK["devices"][0]["index"])
@@ -773,6 +775,9 @@ def test_flash_variants(monkeypatch):
         (100, 161, 4, 1, 48, 16, 0, 0.0, "f16", False),
         (40, 90, 4, 2, 64, 16, 0, 0.0, "q8_0", True),
         (90, 120, 4, 2, 32, 16, 0, 0.0, "f16", False),  # head 32: 64-row tiles fit lavapipe
+        (40, 90, 4, 1, 256, 16, 0, 30.0, "f16", False),  # Gemma: 4 heads on a KV head, a softcap
+        (17, 17, 2, 2, 256, 16, 0, 0.0, "f32", False),
+        (23, 300, 2, 1, 160, 16, 64, 0.0, "q8_0", True),  # padded to 256, a window, sinks
     ]
     for n_tok, n_kv, H, KVH, hd, P, window, cap, kv, with_sinks in cases:
         rng = np.random.default_rng(n_tok + n_kv)
@@ -785,9 +790,9 @@ def test_flash_variants(monkeypatch):
         ids = rng.permutation(n_pages + 2)[:n_pages].astype(np.int32)
         scale = 1 / np.sqrt(hd)
         ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sinks)
-        for name, env in FLASH_VARIANTS.items():
+        for name, env in (FLASH_VARIANTS if hd <= 128 else FLASH_VARIANTS_WIDE).items():
             for key in ("DASLLAMA_VULKAN_FLASH_SG", "DASLLAMA_VULKAN_FLASH_BR", "DASLLAMA_VULKAN_FLASHK",
-                        "DASLLAMA_VULKAN_FLASH_UNITS"):
+                        "DASLLAMA_VULKAN_FLASH_UNITS", "DASLLAMA_VULKAN_FLASH256"):
                 monkeypatch.delenv(key, raising=False)
             for key, val in env.items():
                 monkeypatch.setenv(key, val)
@@ -805,7 +810,7 @@ def test_tiled_attention_on_lavapipe(built_dir):
     r = _child(built_dir, {"DASLLAMA_VULKAN_PROFILE": "1"}, ("test_vulkan.py",), "flash_variants", s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    assert "flash2_r2" in out and "flash2_d32_r4" in out and "flash_64" in out, out[-3000:]
+    assert "flash2_r2" in out and "flash2_d32_r4" in out and "flash_64" in out and "flash_256" in out, out[-3000:]
     ran = sorted({w for w in out.split() if w.startswith("flash2_")})
     print("flash2 variants that ran:", ran)
 

@@ -1,0 +1,60 @@
+#!/bin/bash
+# The pending GPU work of benchmarks/RESULTS.md's latest entry as named stages, each step under its
+# own time limit, so a lent machine's few device calls (10 minutes each, 30 a session) go to
+# running rather than typing: `bash tools/gpu_plan.sh checks` on the first call (it builds the
+# tree through tools/gpu_machine.sh), then `cuda`, `vulkan`, `peers` on the next calls while the
+# machine is still warm (its /tmp keeps the build). Each step's whole output goes to
+# $OUT/<stage>-<step>.log (the device tool brings $OUT back); stdout gets one line a step: its
+# exit status, seconds and last line. A step that runs past its limit is stopped and the stage
+# goes on. STEPS="a b" runs only the named steps of a stage.
+set -u
+OUT=${OUT:-/tmp/gpu_plan}
+mkdir -p "$OUT"
+t_all=$SECONDS
+source tools/gpu_machine.sh > "$OUT/setup.log" 2>&1
+tail -2 "$OUT/setup.log"
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 lim=$2
+  shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
+  local t0=$SECONDS log="$OUT/$stage-$name.log"
+  timeout -k 10 "$lim" "$@" > "$log" 2>&1
+  local rc=$?
+  echo "$stage/$name: rc=$rc $((SECONDS - t0)) s | $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-200)"
+}
+
+ab() { python benchmarks/ab_cuda.py "$@"; }
+
+for stage in "$@"; do
+  case $stage in
+    checks)  # the session's GPU code, first: tests before timings
+      step cuda_new 240 python -m pytest -q -x tests/test_cuda.py \
+        -k "f16_prefill_tiles or block_formats or flash_attention_f16 or gemma4"
+      step ops 240 python -m pytest -q tests/test_backend_ops.py -k "attention or block_formats or f16"
+      step vulkan_new 240 python -m pytest -q tests/test_vulkan.py \
+        -k "flash_cm or block_formats or f16_prefill_split or subgroup_path or flash_variants"
+      ;;
+    cuda)  # CUDA A/Bs of the opt-in kernels (one process a setting pair, interleaved rounds)
+      step f16h_tile 200 ab --types f16 --no-tg --rounds 2 DASLLAMA_CUDA_F16H_TILE=128x64 DASLLAMA_CUDA_F16H_TILE=128x64k64
+      step flash_f16 200 ab --types q8_0,f16 --no-tg --rounds 2 DASLLAMA_CUDA_FLASH_F16=0 DASLLAMA_CUDA_FLASH_F16=1
+      step dqf16 200 ab --types q4_k_m --rounds 2 DASLLAMA_CUDA_DQF16=0 DASLLAMA_CUDA_DQF16=1
+      ;;
+    vulkan)  # Vulkan A/Bs
+      step flash_cm 200 ab --device vulkan --types q8_0,q4_0,f16 --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_FLASH_CM=0 DASLLAMA_VULKAN_FLASH_CM=1
+      step dqf16 150 ab --device vulkan --types q4_k_m --rounds 2 DASLLAMA_VULKAN_DQF16=0 DASLLAMA_VULKAN_DQF16=1
+      step attn_dec256 120 ab --device vulkan --shapes gemma270m --types q8_0 --rounds 2 \
+        DASLLAMA_VULKAN_ATTN_DEC=0 DASLLAMA_VULKAN_ATTN_DEC=1
+      step flash256 120 ab --device vulkan --shapes gemma270m --types f16 --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_FLASH256=0 DASLLAMA_VULKAN_FLASH256=1
+      ;;
+    peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
+      step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \
+        --batches 4,16,64 --batch-devices cuda --ours cuda,vulkan --llama-bench /tmp/lb.sh \
+        --llama-server /tmp/skb/llama-server
+      ;;
+    *) echo "unknown stage $stage (checks, cuda, vulkan, peers)" ;;
+  esac
+done
+echo "gpu_plan: $* in $((SECONDS - t_all)) s"
