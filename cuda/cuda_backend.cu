@@ -525,12 +525,16 @@ class CudaBackend final : public Backend {
       return;
     }
     // q8 mode, block formats past 64 tokens (up to 64 the GEMV over 16 tokens at a time reads
-    // fewer bytes than the decoding): decoded to f16, then the f16 prefill's tiles.
-    if (n > 64 && !w.exact && cuda::dequant_f16_type(m.type) && dq_f16_on() && m.cols % 8 == 0) {
+    // fewer bytes than the decoding): decoded to f16, then the f16 prefill's tiles. The decoded
+    // copy is kept for the next matmul (never shrunk), so matrices past kDqMax (a large vocabulary's
+    // head, in a prefill that asks for every row's logits) keep the f32 tiles.
+    constexpr size_t kDqMax = size_t(512) << 20;
+    if (n > 64 && !w.exact && cuda::dequant_f16_type(m.type) && dq_f16_on() && m.cols % 8 == 0 &&
+        (size_t)m.rows * m.cols * 2 <= kDqMax) {
       cuda::Mat h = m;
-      h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2;
-      h.w = static_cast<const uint8_t*>(grown(dq_, (size_t)m.rows * h.row_bytes, "weights decoded to f16"));
+      h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2, h.w = nullptr;  // (the fit checks alignment only)
       if (cuda::mma_f16h_fits(h, x, n)) {
+        h.w = static_cast<const uint8_t*>(grown(dq_, (size_t)m.rows * h.row_bytes, "weights decoded to f16"));
         void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
         const bool split = f16_act_split(w);
         op(Tag::matmul, [=](cudaStream_t s) {

@@ -538,21 +538,25 @@ __global__ void __launch_bounds__(128) flash_h16_k(AttnArgs a) {
   store_quad_rows<HD>(a, hd, h, t0, warp, g, c, m, l, o);
 }
 
-// Whether the tensor-core kernel takes this attention: an f16 cache, head sizes up to 128 in
-// whole 16-byte units, every row's slice 16-byte aligned (DASLLAMA_CUDA_FLASH_TC=0: never).
-bool tc_takes(const AttnArgs& a) {
-  const char* e = std::getenv("DASLLAMA_CUDA_FLASH_TC");
-  if (e && std::strcmp(e, "0") == 0) return false;
+// Whether the tensor-core kernels can take this attention: an f16 cache, head sizes up to 128 in
+// whole 16-byte units, every row's slice 16-byte aligned. tc_takes: the TF32 one, unless
+// DASLLAMA_CUDA_FLASH_TC=0.
+bool tc_fits(const AttnArgs& a) {
   const size_t al = a.kv.k_off | a.kv.v_off | a.kv.row_bytes | a.kv.page_bytes | (size_t)a.head_dim * 2 |
                     (size_t)(uintptr_t)a.kv.base;
   return a.kv.type == KVType::f16 && a.head_dim > 0 && a.head_dim <= 128 && a.head_dim % 8 == 0 && al % 16 == 0;
+}
+
+bool tc_takes(const AttnArgs& a) {
+  const char* e = std::getenv("DASLLAMA_CUDA_FLASH_TC");
+  return !(e && std::strcmp(e, "0") == 0) && tc_fits(a);
 }
 
 // DASLLAMA_CUDA_FLASH_F16=1 (opt-in until it has run on a device): q8 mode's attention (a.exact
 // false) that the TF32 kernel takes runs on flash_h16_k instead. Read at each call.
 bool h16_takes(const AttnArgs& a) {
   const char* e = std::getenv("DASLLAMA_CUDA_FLASH_F16");
-  return e && e[0] == '1' && !a.exact && tc_takes(a);
+  return e && e[0] == '1' && !a.exact && tc_fits(a);  // FLASH_TC=0 leaves it on (A/B runs)
 }
 
 template <int HD, int BC>
@@ -592,6 +596,8 @@ bool flash_fits(const AttnArgs& a, int max_smem_optin) {
 void flash_attention(const AttnArgs& a, cudaStream_t st) {
   attn_check(a);
   if (a.n_tok <= 0 || a.n_heads <= 0) return;
+  // attn_check takes 512 (attn_k's rows); these tiles stop at 256 (flash_fits is the callers' check).
+  if (a.head_dim > 256) throw UnsupportedModelError("cuda flash attention: head_dim past 256");
   switch (a.kv.type) {
     case KVType::f32: launch_flash_kt<0>(a, st); break;
     case KVType::f16:
