@@ -260,6 +260,41 @@ def test_subgroup_path_on_lavapipe(built_dir):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
+# What GPUs' subgroups span: NVIDIA's 32 lanes, AMD's 32 or 64, Intel's 8 to 32, mobile parts
+# 4 to 16. llvmpipe's follow its vector width (LP_NATIVE_VECTOR_WIDTH: 128 bits are 4 lanes,
+# 512 bits 16), so the shaders that size work by the subgroup run at other widths than its
+# default 8: at 16, the wide decode attention and flash2's shuffles; at 4, where those need 8
+# lanes, their fallbacks (attention.comp, flash2's reductions through shared memory).
+SUBGROUP_WIDTH_CASES = ("(test_paged_attention and not multi and tok1-) or flash_variants or gemv_rows_split_or_whole"
+                        " or (matmul and not q8_mode and not lavapipe)"
+                        " or (test_matmul_q8_mode and (1-512 or 2-288 or 3-1056))")
+
+
+@pytest.mark.parametrize("bits,lanes,shaders", [(512, 16, ("attn_dec", "attn_dec_w", "flash2_r2_sg", "flash_256")),
+                                                 (128, 4, ("attention", "flash2_r2", "flash_256"))])
+def test_subgroup_widths_on_lavapipe(built_dir, bits, lanes, shaders):
+    """The GPUs' paths (DASLLAMA_VULKAN_SUBGROUP=1) at 16- and 4-lane subgroups: the op harness's
+    matmuls (decode GEMVs, subgroup and tiled matmuls, experts), decode attention and tiled
+    prefill attention against float64 numpy and the CPU, and the profile naming the shaders the
+    width picks (besides gemv.comp and the subgroup matmul at both)."""
+    import re
+    import subprocess
+
+    if "llvmpipe" not in _VK["devices"][0]["name"]:
+        pytest.skip("LP_NATIVE_VECTOR_WIDTH sets llvmpipe's subgroup width only")
+    env = {"LP_NATIVE_VECTOR_WIDTH": str(bits), "DASLLAMA_VULKAN_SUBGROUP": "1"}
+    probe = subprocess.run([sys.executable, "-c", "import dasllama as d; print(d.system_info()['devices']"
+                            "['vulkan']['devices'][0]['features'])"], env=dict(os.environ, **env),
+                           capture_output=True, text=True)
+    assert probe.stdout.strip().endswith(f"subgroups {lanes}"), probe.stdout + probe.stderr
+    r = _child(built_dir, dict(env, DASLLAMA_VULKAN_PROFILE="1"), ("test_backend_ops.py", "test_vulkan.py"),
+               SUBGROUP_WIDTH_CASES, s=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and re.search(r"\d+ passed", out) and "skipped" not in out, out[-3000:]
+    for sh in shaders + ("gemv1_1", "matmul_sg_0"):
+        assert re.search(rf"^\s*{sh}\s+[\d.]+ ms\s+\d+ calls", out, re.M), f"{sh} did not run\n" + out[-3000:]
+
+
 def test_q8_mode_prefill_logits(tiny):
     """A 100-token prefill in q8 mode (past the 32 tokens where a GPU's matmuls turn to tiles):
     all-row logits equal the CPU's in q8 mode (activations rounded to int8 as it rounds them)

@@ -233,8 +233,13 @@ I8Caps i8_caps(const vk::Api& a, VkPhysicalDevice pd) {
 
 DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t used) {
   VkPhysicalDeviceDriverProperties drv{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
+  VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+  VkPhysicalDeviceSubgroupSizeControlProperties sc{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES};
   VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
   p2.pNext = &drv;
+  drv.pNext = &sp;
+  a.vkGetPhysicalDeviceProperties(pd, &p2.properties);
+  if (p2.properties.apiVersion >= VK_API_VERSION_1_3) sp.pNext = &sc;  // core in 1.3
   a.vkGetPhysicalDeviceProperties2(pd, &p2);
   VkPhysicalDeviceMemoryProperties mp{};
   a.vkGetPhysicalDeviceMemoryProperties(pd, &mp);
@@ -253,6 +258,9 @@ DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t use
   if (ic.coop) d.features += ", int8 coopmat";
   if (ic.f16n8 || ic.f16n16)
     d.features += std::string(", f16 coopmat") + (ic.f16n8 ? " 16x8x16" : "") + (ic.f16n16 ? " 16x16x16" : "");
+  // Subgroup width (a range where it varies, as on Intel): which shader variants a device takes.
+  const uint32_t sg_min = sc.minSubgroupSize && sc.minSubgroupSize < sp.subgroupSize ? sc.minSubgroupSize : 0;
+  d.features += ", subgroups " + (sg_min ? std::to_string(sg_min) + "-" : std::string()) + std::to_string(sp.subgroupSize);
   d.driver = "Vulkan " + std::to_string(VK_API_VERSION_MAJOR(v)) + "." + std::to_string(VK_API_VERSION_MINOR(v)) +
              "." + std::to_string(VK_API_VERSION_PATCH(v)) + ", " + drv.driverName + " " + drv.driverInfo;
   return d;
