@@ -2130,20 +2130,22 @@ class VulkanBackend final : public Backend {
     return v >= 4 && v <= 4096 && (v & (v - 1)) == 0 ? v : 16;
   }
   // Which shader a call's rows take: attn_dec.comp (decode rows on a subgroup-path device: keys a
-  // subgroup at a time, K and V loaded together; "attn_dec", or "attn_dec_w" where the narrowest
-  // subgroup needs more than 4 dim pairs a lane) or, null, attention.comp.
+  // subgroup at a time, K and V loaded together; "attn_dec", or "attn_dec_8" / "attn_dec_w" where
+  // the narrowest subgroup needs more than 4 / 8 dim pairs a lane) or, null, attention.comp.
   // DASLLAMA_VULKAN_ATTN_DEC=0: attention.comp (for A/B runs); read at each call.
   const char* attn_dec_pick(const AttnArgs& a, int split_mode) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_DEC");
     if (e && std::strcmp(e, "0") == 0) return nullptr;
-    // Its arrays hold head_dim / 2 pairs over NU (4 or 16) a lane and up to 16 subgroups' states.
+    // Its arrays hold head_dim / 2 pairs over NU (4, 8 or 16) a lane and up to 16 subgroups'
+    // states; its output row up to 256 dims at NU 4, 512 past it.
     const uint32_t sg = c_->subgroup_min, sgmax = c_->subgroup_size;
     const uint64_t al = A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off;
     if (!(c_->subgroup && a.n_tok <= 4 && split_mode != 2 && sg >= 8 && sgmax <= 128 && 128 % sgmax == 0 &&
-          a.head_dim % 2 == 0 && a.head_dim <= 256 && al % 4 == 0))
+          a.head_dim % 2 == 0 && a.head_dim <= 512 && al % 4 == 0))
       return nullptr;
-    if ((uint32_t)a.head_dim <= 8 * sg) return "attn_dec";
-    return (uint32_t)a.head_dim <= 32 * sg ? "attn_dec_w" : nullptr;
+    const uint32_t hd = (uint32_t)a.head_dim;
+    if (hd <= 8 * sg && hd <= 256) return "attn_dec";
+    return hd <= 16 * sg ? "attn_dec_8" : hd <= 32 * sg ? "attn_dec_w" : nullptr;
   }
   static bool split_on() {
     static const bool on = [] {

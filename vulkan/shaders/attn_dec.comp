@@ -1,4 +1,4 @@
-// Decode attention (1-4 query rows, head_dim up to 256): a workgroup per (head, row, key split)
+// Decode attention (1-4 query rows, head_dim up to 256, 512 at NU 8 and 16): a workgroup per (head, row, key split)
 // as CUDA's decode attention (cuda/attn.cuh) does it. attention.comp walks a split's keys as a
 // chain of memory round trips (the block table, then each key's row, then V eight keys a pass);
 // here a subgroup takes KB keys a round with their K and V loads issued together (the scores do
@@ -9,9 +9,10 @@
 // each split takes ceil(keys / z) of its row's keys, so a replayed step (n_kv from args) keeps
 // its grid while n_kv grows. Push constants as attention.comp's (split > 0: join by counter,
 // 0: one split); shape bit 31: the output rounded to int8 as attention.comp rounds it.
-// NU 16, KB 2 (attn_dec_w): heads up to 32 dims a lane, for devices whose subgroups may be too
-// narrow for NU 4 (lavapipe's 8 lanes, Intel's) at head sizes 128 and 256; fewer keys a round,
-// so its key and value registers stay those of NU 4.
+// NU 8 (attn_dec_8) and NU 16, KB 2 (attn_dec_w): heads up to 16 and 32 dims a lane, for head
+// sizes past 8 dims a lane (Gemma-4's 512 on 32 lanes; 128 and 256 where subgroups are narrow:
+// lavapipe's 8 lanes, Intel's); attn_dec_w takes fewer keys a round, so that its key and value
+// registers stay attn_dec_8's.
 #version 450
 #extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -54,7 +55,7 @@ layout(push_constant, std430) uniform PC {
 shared float s_m[16], s_l[16], s_f[16];
 // [subgroup][dim]: (128 / SG) subgroups x head_dim <= 2 NU x SG floats (NU 4: as before, twice that)
 shared float s_acc[NU == 4 ? 2048 : 256 * NU];
-shared float qs[256];          // the output row (for its int8 rounding)
+shared float qs[NU == 4 ? 256 : 512];  // the output row (for its int8 rounding)
 shared bool last;
 
 // Dims 2u, 2u + 1 of a head's slice of a cache row at r (4-aligned rows; the host checks).
