@@ -199,8 +199,10 @@ def test_gemma4_shapes(tmp_path, name):
 
 
 def test_gemma4_released_head_sizes(tmp_path):
-    """Gemma-4's released head sizes, 256 on the sliding layers and 512 on the global ones (the
-    row-a-workgroup attention's 512-wide variant, past every tiled kernel's)."""
+    """Gemma-4's released head sizes, 256 on the sliding layers and 512 on the global ones (decode
+    rows on attn_dec's wider variants where subgroups have 16 lanes or more, the row-a-workgroup
+    attention's 512-wide variant otherwise and for prefill rows; test_subgroup_widths_on_lavapipe
+    runs this at 16 lanes)."""
     C.gemma4_family(str(tmp_path), "dense", "vulkan", wide=True)
 
 
@@ -270,7 +272,7 @@ def test_subgroup_path_on_lavapipe(built_dir):
 # matmul among them: not a width to check here.)
 SUBGROUP_WIDTH_CASES = ("(test_paged_attention and not multi and tok1-) or flash_variants or gemv_rows_split_or_whole"
                         " or (matmul and not q8_mode and not lavapipe)"
-                        " or (test_matmul_q8_mode and (1-512 or 2-288 or 3-1056))")
+                        " or (test_matmul_q8_mode and (1-512 or 2-288 or 3-1056)) or gemma4_released")
 
 
 @pytest.mark.parametrize("bits,lanes,shaders", [(512, 16, ("attn_dec", "attn_dec_8", "attn_dec_w", "flash2_r2_sg",
@@ -279,14 +281,16 @@ SUBGROUP_WIDTH_CASES = ("(test_paged_attention and not multi and tok1-) or flash
 def test_subgroup_widths_on_lavapipe(built_dir, bits, lanes, shaders):
     """The GPUs' paths (DASLLAMA_VULKAN_SUBGROUP=1) at 16- and 4-lane subgroups: the op harness's
     matmuls (decode GEMVs, subgroup and tiled matmuls, experts), decode attention and tiled
-    prefill attention against float64 numpy and the CPU, and the profile naming the shaders the
-    width picks (besides gemv.comp and the subgroup matmul at both)."""
+    prefill attention against float64 numpy and the CPU, Gemma-4's released head sizes end to end,
+    and the profile naming the shaders the width picks (besides gemv.comp and the subgroup matmul
+    at both)."""
     import re
     import subprocess
 
     if "llvmpipe" not in _VK["devices"][0]["name"]:
         pytest.skip("LP_NATIVE_VECTOR_WIDTH sets llvmpipe's subgroup width only")
-    env = {"LP_NATIVE_VECTOR_WIDTH": str(bits), "DASLLAMA_VULKAN_SUBGROUP": "1"}
+    # (FLASH256 on: Gemma-4's prefill rows at head size 256 take flash.comp's tiles end to end.)
+    env = {"LP_NATIVE_VECTOR_WIDTH": str(bits), "DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_FLASH256": "1"}
     probe = subprocess.run([sys.executable, "-c", "import dasllama as d; print(d.system_info()['devices']"
                             "['vulkan']['devices'][0]['features'])"], env=dict(os.environ, **env),
                            capture_output=True, text=True)
