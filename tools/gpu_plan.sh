@@ -2,7 +2,7 @@
 # The pending GPU work of benchmarks/RESULTS.md's latest entry as named stages, each step under its
 # own time limit, so a lent machine's few device calls (10 minutes each, 30 a session) go to
 # running rather than typing: `bash tools/gpu_plan.sh checks` on the first call (it builds the
-# tree through tools/gpu_machine.sh), then `cuda`, `vulkan`, `peers` on the next calls while the
+# tree through tools/gpu_machine.sh), then `cuda`, `vulkan`, `peers`, `small` on the next calls while the
 # machine is still warm (its /tmp keeps the build). Each step's whole output goes to
 # $OUT/<stage>-<step>.log (the device tool brings $OUT back); stdout gets one line a step: its
 # exit status, seconds and last line. A step that runs past its limit is stopped and the stage
@@ -54,7 +54,13 @@ for stage in "$@"; do
         --batches 4,16,64 --batch-devices cuda --ours cuda,vulkan --llama-bench /tmp/lb.sh \
         --llama-server /tmp/skb/llama-server
       ;;
-    *) echo "unknown stage $stage (checks, cuda, vulkan, peers)" ;;
+    small)  # the small shapes at one stream, where launches are everything
+      for sh in gemma270m smollm135m; do
+        step "$sh" 280 python benchmarks/bench_gpu_peers.py --shape "$sh" --types q8_0,q4_0 --rounds 2 \
+          --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
+      done
+      ;;
+    *) echo "unknown stage $stage (checks, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
