@@ -33,7 +33,7 @@ for stage in "$@"; do
         -k "f16_prefill_tiles or block_formats or flash_attention_f16 or gemma4"
       step ops 240 python -m pytest -q tests/test_backend_ops.py -k "attention or block_formats or f16"
       step vulkan_new 240 python -m pytest -q tests/test_vulkan.py \
-        -k "flash_cm or block_formats or f16_prefill_split or subgroup_path or flash_variants"
+        -k "flash_cm or block_formats or f16_prefill_split or subgroup_path or flash_variants or gemma4"
       ;;
     cuda)  # CUDA A/Bs of the opt-in kernels (one process a setting pair, interleaved rounds)
       step f16h_tile 200 ab --types f16 --no-tg --rounds 2 DASLLAMA_CUDA_F16H_TILE=128x64 DASLLAMA_CUDA_F16H_TILE=128x64k64
