@@ -30,11 +30,12 @@
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
 // _GEMV, _GEMM, _I8, _I8C_TILE, _F16C, _GEMVQ, _GEMVI8, _GEMV_KS, _GEMV_KS1_ROWS, _NORMTAIL, _GLUTAIL,
 // _KVTAIL, _ATTN_SPLIT, _ATTN_DEC, _ATTN_KEYS, _FLASH, _FLASHK, _FLASH_BR, _FLASH_SG, _FLASH_UNITS,
-// _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK (benchmarks/profile_vulkan.py runs most). Measuring:
+// _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK, _F16C_TILE, _DQF16, _DQ_ROWS, _FLASH256, _FLASH_CM,
+// _SUBGROUP (benchmarks/profile_vulkan.py runs most; vulkan/README.md tables them all). Measuring:
 // DASLLAMA_VULKAN_PROFILE (each dispatch timed, serialized, no replay),
 // DASLLAMA_VULKAN_GPUTIME (each submission's span on the GPU, everything else as it runs),
 // DASLLAMA_VULKAN_STEPS (replay counts, each recorded step's dispatches), DASLLAMA_VULKAN_PIPESTATS
-// (the driver's statistics of each pipeline: registers and the like).
+// (the driver's statistics of each pipeline: registers and the like), _COOPMAT_LIST.
 #include "vulkan_backend.h"
 
 #include <algorithm>
@@ -1536,8 +1537,8 @@ class VulkanBackend final : public Backend {
   // tokens where the device has int8 cooperative matrices; "plain": bytes; "coop": NVIDIA's
   // int8 cooperative matrices where the device has them (gemm_coop.comp; opt-in until measured);
   // "rows": as unset, but 128-row tiles at every size, a row's block sums at a time (gemm_i8.comp
-  // LOWREG: fewer registers, so two workgroups fit an SM; the same bits; sixteenth session,
-  // opt-in until measured); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's
+  // LOWREG: fewer registers, so two workgroups fit an SM; the same bits; sixteenth session, an
+  // A/B switch); "coop2": NVIDIA's int8 cooperative matrices in gemm_i8.comp's
   // stages (COOP: each 16 x 8 product's sums scaled in the lanes that hold them, which a matrix
   // of positions loaded as the product's type tells; 128 x 64 tiles at every size; the same bits
   // as gemm_i8); "dot": as unset but never coop2 (gemm_i8.comp's own tiles); 0: f32

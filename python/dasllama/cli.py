@@ -486,7 +486,7 @@ def _add_sampling(sp) -> None:
 
 def _add_device(sp) -> None:
     sp.add_argument("--device", default=None,
-                    help="cpu, cuda or cuda:N (default: $DASLLAMA_DEVICE, else cpu)")
+                    help="cpu, cuda, cuda:N, vulkan or vulkan:N (default: $DASLLAMA_DEVICE, else cpu)")
 
 
 def _cmd_serve(args) -> int:

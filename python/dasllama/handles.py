@@ -71,7 +71,7 @@ class Model:
 
     @property
     def device(self) -> str:
-        """Where the weights and KV cache live: ``"cpu"`` or ``"cuda:N"``."""
+        """Where the weights and KV cache live: ``"cpu"``, ``"cuda:N"`` or ``"vulkan:N"``."""
         d = self._m.device
         return "cpu" if d["backend"] == "cpu" else f"{d['backend']}:{d['index']}"
 

@@ -60,9 +60,12 @@ def load_model(path: PathLike, mode: QuantMode = QuantMode.q8, n_threads: int = 
     ``q8`` (default) requantizes float weights to q8_0 and keeps quantized planes,
     ``q4_0`` requantizes float weights to q4_0. ``n_threads`` 0 means the physical cores.
 
-    ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (default: ``$DASLLAMA_DEVICE``, else
-    the CPU). On a GPU the weights, activations and KV cache live in device memory; the file's
-    block formats are kept (computed in f32), so ``mode`` only matters on the CPU. A device
+    ``device`` is ``"cpu"``, ``"cuda"`` / ``"cuda:N"`` or ``"vulkan"`` / ``"vulkan:N"``
+    (default: ``$DASLLAMA_DEVICE``, else the CPU). On a GPU the weights, activations and KV
+    cache live in device memory and the file's block formats are kept; ``mode`` picks the
+    numerics there: ``fp32`` computes in f32 (logits as the CPU's fp32 mode), ``q8`` rounds
+    the activations of q8_0 / q4_0 matmuls to 8-bit blocks as the CPU's q8 mode does, and a
+    prefill's f16 tensor-core products round them to f16 (README.md, "On a GPU"). A device
     that is not built, not present or too small raises :class:`~dasllama.DeviceError` before
     anything is allocated on it.
     """
