@@ -775,8 +775,8 @@ class CudaBackend final : public Backend {
     });
     return true;
   }
-  // ---- the persistent decode chain (cuda/mega.cu; DASLLAMA_CUDA_MEGA=1, opt-in until the H200 has
-  // measured it) ----
+  // ---- the persistent decode chain (cuda/mega.cu; DASLLAMA_CUDA_MEGA=1, opt-in: slower than the
+  // op-by-op step on the H200, nineteenth and twentieth sessions) ----
   // Consecutive plain dense layers of a one-token step join one chain, recorded as one op;
   // end_step prepares the chain's device plan (outside any capture) before the ops run.
   struct MegaChain {
@@ -1537,8 +1537,9 @@ class CudaBackend final : public Backend {
     const long v = e ? std::atol(e) : 8;
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
-  // Tokens from which f16 / bf16 matmuls take prefill's tensor-core tiles (mma_f16h / mma_f16,
-  // f32-accurate splits of x) instead of the GEMVs, which read the weights once per 16 tokens
+  // Tokens from which f16 / bf16 matmuls take prefill's tensor-core tiles (mma_f16h / mma_f16;
+  // x rounded to f16 in q8 mode, split f32-accurately in fp32 mode and for bf16; when this rule
+  // was set, split everywhere) instead of the GEMVs, which read the weights once per 16 tokens
   // with f32 FMAs. H200, Llama-1B F16 (nineteenth session): from 9 tokens B=64 1,439 -> 7,236
   // t/s but B=16 2,676 -> 1,545, and the harness's bf16 21 x 8192 at 9 tokens missed the f32
   // bar (NMSE 1.5e-9); from 33 every case held. DASLLAMA_CUDA_F16_MMA_MIN; default 33.
