@@ -59,9 +59,13 @@ __device__ __forceinline__ void quant_store(float v, int lane, int64_t at, int64
 // ---- TF32 tensor cores (sm_80+) ----
 // x rounded to TF32 (10 stored mantissa bits, f32's exponent range), as an mma operand.
 __device__ __forceinline__ uint32_t to_tf32(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
   return r;
+#else
+  return __float_as_uint(x);  // (never run: tensor_cores() keeps these kernels off older GPUs)
+#endif
 }
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -105,6 +109,10 @@ __device__ __forceinline__ void pdl_trigger() {
 // Whether the current device takes dependent launches (compute capability 9.0 or newer,
 // and not switched off).
 bool pdl_on();
+// Whether the current device has the mma / cp.async instructions the tensor-core kernels use
+// (compute capability 8.0 or newer): their bodies compile to nothing below that (the build's
+// compute_75 PTX), so the hosts must not launch them there.
+bool tensor_cores();
 
 // k<<<grid, block, smem, st>>>(args...), as a dependent launch where pdl_on() and st is
 // being captured into a graph (the decode steps, whose many small kernels gain from it;

@@ -539,9 +539,10 @@ __global__ void __launch_bounds__(128) flash_h16_k(AttnArgs a) {
 }
 
 // Whether the tensor-core kernels can take this attention: an f16 cache, head sizes up to 128 in
-// whole 16-byte units, every row's slice 16-byte aligned. tc_takes: the TF32 one, unless
+// whole 16-byte units, every row's slice 16-byte aligned, sm_80+. tc_takes: the TF32 one, unless
 // DASLLAMA_CUDA_FLASH_TC=0.
 bool tc_fits(const AttnArgs& a) {
+  if (!tensor_cores()) return false;
   const size_t al = a.kv.k_off | a.kv.v_off | a.kv.row_bytes | a.kv.page_bytes | (size_t)a.head_dim * 2 |
                     (size_t)(uintptr_t)a.kv.base;
   return a.kv.type == KVType::f16 && a.head_dim > 0 && a.head_dim <= 128 && a.head_dim % 8 == 0 && al % 16 == 0;

@@ -193,17 +193,27 @@ __global__ void __launch_bounds__(WM * WK * 32, MINB) mma_q8_k(GemvJob j) {
 // warp and mma. Four warps each own 32 rows x 32 tokens (2 x 4 mma tiles). The per-block
 // scaling is the same expression, in the same order of k, as mma_q8_k's. (Tried: four stages
 // of 2 blocks, slower on the H200; 128-row tiles, no faster.)
+// (sm_80+, as the mmas: below it these compile to nothing and the hosts never launch the tiles,
+// so the compute_75 PTX still assembles for the module's other kernels.)
 __device__ __forceinline__ void cp_async(void* s, const void* g, int bytes, bool ok) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
   const int src = ok ? bytes : 0;  // 0: nothing is read, the destination is zero-filled
   if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(g), "r"(src));
   else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(sa), "l"(g), "r"(src));
   else asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sa), "l"(g), "r"(src));
+#endif
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 template <int N>
 __device__ __forceinline__ void cp_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -798,11 +808,7 @@ void run_mma(const GemvJob& j, cudaStream_t st) {
 bool mma_f16_fits(const Mat& m, const float* x, int64_t n) {
   if (m.type != T_F16 && m.type != T_BF16) return false;
   const char* e = std::getenv("DASLLAMA_CUDA_MMA_F16");  // 0: the f32 FMA tiles (gemm_k)
-  if (e && e[0] == '0') return false;
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) !=
-                                                 cudaSuccess || major < 8)
-    return false;
+  if ((e && e[0] == '0') || !tensor_cores()) return false;
   return n > 0 && m.cols % 8 == 0 && m.row_bytes % 16 == 0 && ((uintptr_t)m.w & 15) == 0 && ((uintptr_t)x & 15) == 0;
 }
 
@@ -860,6 +866,7 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
 }
 
 bool mma_q8_fits(const GemvJob& j) {
+  if (!tensor_cores()) return false;  // (the backend checks too: prop_.major)
   if (!j.xq || j.n < 1 || j.count < 1 || j.count > 3 || j.cols <= 0 || j.cols % 32 != 0 || j.norm) return false;
   if (j.type != T_Q8_0S && j.type != T_Q4_0S) return false;
   for (int i = 0; i < j.count; ++i)

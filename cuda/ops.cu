@@ -1,5 +1,6 @@
 // Row and elementwise ops of the CUDA backend: norms (double accumulation, as the CPU),
 // RoPE (angles in double), GLU, adds and scales, and the audio towers' im2col / pooling.
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cmath>
@@ -374,23 +375,29 @@ void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, floa
   check_launch("moe_sum");
 }
 
+// The current device's compute capability major, asked once a device (0 where it cannot be).
+static int cc_major() {
+  static std::atomic<int8_t> known[64];  // per device: 0 not asked yet, else the major
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int8_t k = known[dev].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) major = 0;
+    k = (int8_t)std::min(major, 127);
+    known[dev].store(k, std::memory_order_relaxed);
+  }
+  return k;
+}
+
 bool pdl_on() {
   static const bool off = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_PDL");
     return e && (std::strcmp(e, "0") == 0 || std::strcmp(e, "off") == 0);
   }();
-  if (off) return false;
-  static std::atomic<int8_t> known[64];  // per device: 0 not asked yet, 1 yes, -1 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int8_t k = known[dev].load(std::memory_order_relaxed);
-  if (k == 0) {
-    int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    k = major >= 9 ? 1 : -1;
-    known[dev].store(k, std::memory_order_relaxed);
-  }
-  return k > 0;
+  return !off && cc_major() >= 9;
 }
+
+bool tensor_cores() { return cc_major() >= 8; }
 
 }  // namespace dl::cuda
