@@ -109,6 +109,11 @@ __device__ __forceinline__ void pdl_trigger() {
 // Whether the current device takes dependent launches (compute capability 9.0 or newer,
 // and not switched off).
 bool pdl_on();
+// The current device's compute capability major (asked once a device), capped by
+// DASLLAMA_CUDA_CC_MAJOR: with CUDA_FORCE_PTX_JIT=1 as well, a newer GPU runs the build's
+// compute_75 PTX on the paths a pre-Ampere GPU takes (tests/test_cuda.py's check of them).
+int cc_major();
+int cc_cap(int major);  // a major the device reports, capped the same way
 // Whether the current device has the mma / cp.async instructions the tensor-core kernels use
 // (compute capability 8.0 or newer): their bodies compile to nothing below that (the build's
 // compute_75 PTX), so the hosts must not launch them there.

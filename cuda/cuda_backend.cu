@@ -126,6 +126,7 @@ class CudaBackend final : public Backend {
   explicit CudaBackend(int dev) : dev_(dev), graphs_(graphs_enabled()), group_(group_mask()) {
     check(cudaSetDevice(dev_), "cudaSetDevice");
     check(cudaGetDeviceProperties(&prop_, dev_), "cudaGetDeviceProperties");
+    prop_.major = cuda::cc_cap(prop_.major);  // (DASLLAMA_CUDA_CC_MAJOR: the paths of an older GPU)
     check(cudaStreamCreateWithFlags(&st_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
   ~CudaBackend() override {
@@ -1598,6 +1599,14 @@ std::shared_ptr<Backend> make_cuda_backend(int device_index) {
   if (device_index < 0 || device_index >= n)
     throw DeviceError("cuda:" + std::to_string(device_index) + ": no such device (" + std::to_string(n) +
                       " found: cuda:0" + (n > 1 ? "..cuda:" + std::to_string(n - 1) : std::string()) + ")");
+  // The build carries sm_90 code and compute_75 PTX (cuda/CMakeLists.txt): an older GPU would
+  // load no kernel at all, so it is refused here, by name, rather than at the first launch.
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device_index) == cudaSuccess && prop.major * 10 + prop.minor < 75)
+    throw DeviceError("cuda:" + std::to_string(device_index) + " (" + prop.name + "): compute capability " +
+                      std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+                      ", this build needs 7.5 or newer (the CPU and device=\"vulkan\" still run)");
+  cudaGetLastError();
   return std::make_shared<CudaBackend>(device_index);
 }
 

@@ -467,11 +467,10 @@ int64_t env_int(const char* name, int64_t dflt);
 // The SMs of a device with thread-block clusters (sm_90+), else 0.
 int cluster_sms() {
   static const int sms = [] {
-    int dev = 0, v = 0, major = 0;
+    int dev = 0, v = 0;
     cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return major >= 9 ? v : 0;
+    return cc_major() >= 9 ? v : 0;
   }();
   return sms;
 }

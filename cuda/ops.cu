@@ -375,8 +375,15 @@ void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, floa
   check_launch("moe_sum");
 }
 
-// The current device's compute capability major, asked once a device (0 where it cannot be).
-static int cc_major() {
+int cc_cap(int major) {
+  static const int cap = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_CC_MAJOR");
+    return e && std::atoi(e) > 0 ? std::atoi(e) : INT_MAX;
+  }();
+  return std::min(major, cap);
+}
+
+int cc_major() {
   static std::atomic<int8_t> known[64];  // per device: 0 not asked yet, else the major
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
@@ -384,7 +391,7 @@ static int cc_major() {
   if (k == 0) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) major = 0;
-    k = (int8_t)std::min(major, 127);
+    k = (int8_t)std::min(cc_cap(major), 127);
     known[dev].store(k, std::memory_order_relaxed);
   }
   return k;

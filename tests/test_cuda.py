@@ -184,6 +184,30 @@ def test_greedy_tokens_agree(files):
         assert out["cuda"] == out["cpu"], ft
 
 
+PRE_AMPERE_CASES = ("(logits_every_family_and_format and llama) or greedy_tokens_agree or kv_types or "
+                    "paged_prefix or speculated or pipelined or block_formats_q8_mode_prefill_logits")
+
+
+def test_pre_ampere_paths(files):
+    """What a pre-Ampere GPU (a T4: compute capability 7.5) runs: the build's compute_75 PTX,
+    assembled by the driver at load (CUDA_FORCE_PTX_JIT=1), with the device taken for 7.x
+    (DASLLAMA_CUDA_CC_MAJOR=7: no tensor-core kernels, no dependent launches, no clusters). A
+    child run of this file's logits, greedy, cache, paged, batched and q8-mode prefill checks
+    holds there, as here: an sm_80 instruction outside its guard fails its whole module's load."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", PRE_AMPERE_CASES],
+                       env=dict(os.environ, CUDA_FORCE_PTX_JIT="1", DASLLAMA_CUDA_CC_MAJOR="7"),
+                       capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "passed" in out and "skipped" not in out, out[-4000:]
+    probe = subprocess.run([sys.executable, "-c", "import sys, dasllama as d; print(d.load_model(sys.argv[1], "
+                            "device='cuda').device_info['compute_capability'])", files["llama"]["f16"]],
+                           env=dict(os.environ, CUDA_FORCE_PTX_JIT="1", DASLLAMA_CUDA_CC_MAJOR="7"),
+                           capture_output=True, text=True)
+    assert probe.stdout.strip().startswith("7."), probe.stdout + probe.stderr[-2000:]  # the paths it took
+
+
 def test_pipelined_greedy_generate_equals_the_plain_loop(files):
     """Greedy generate issues each step before the host reads the id before it (CUDA's default):
     the same tokens, logits and session state as the step-by-step loop, however the stream ends."""

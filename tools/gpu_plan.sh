@@ -2,11 +2,11 @@
 # The pending GPU work of benchmarks/RESULTS.md's latest entry as named stages, each step under its
 # own time limit, so a lent machine's few device calls (10 minutes each, 30 a session) go to
 # running rather than typing: `bash tools/gpu_plan.sh checks` on the first call (it builds the
-# tree through tools/gpu_machine.sh), then `cuda`, `vulkan`, `peers`, `small` on the next calls while the
-# machine is still warm (its /tmp keeps the build). Each step's whole output goes to
-# $OUT/<stage>-<step>.log (the device tool brings $OUT back); stdout gets one line a step: its
-# exit status, seconds and last line. A step that runs past its limit is stopped and the stage
-# goes on. STEPS="a b" runs only the named steps of a stage.
+# tree through tools/gpu_machine.sh), then `compat`, `cuda`, `vulkan`, `peers` and `small` on the
+# next calls while the machine is still warm (its /tmp keeps the build). Each step's whole output
+# goes to $OUT/<stage>-<step>.log (the device tool brings $OUT back); stdout gets one line a step:
+# its exit status, seconds and last line. A step that runs past its limit is stopped and the
+# stage goes on. STEPS="a b" runs only the named steps of a stage.
 set -u
 OUT=${OUT:-/tmp/gpu_plan}
 mkdir -p "$OUT"
@@ -35,6 +35,9 @@ for stage in "$@"; do
       step vulkan_new 240 python -m pytest -q tests/test_vulkan.py \
         -k "flash_cm or block_formats or f16_prefill_split or subgroup_path or flash_variants or gemma4"
       ;;
+    compat)  # a pre-Ampere GPU's paths (the compute_75 PTX, no tensor cores) on this one
+      step pre_ampere 400 python -m pytest -q tests/test_cuda.py -k pre_ampere
+      ;;
     cuda)  # CUDA A/Bs of the opt-in kernels (one process a setting pair, interleaved rounds)
       step f16h_tile 200 ab --types f16 --no-tg --rounds 2 DASLLAMA_CUDA_F16H_TILE=128x64 DASLLAMA_CUDA_F16H_TILE=128x64k64
       step flash_f16 200 ab --types q8_0,f16 --no-tg --rounds 2 DASLLAMA_CUDA_FLASH_F16=0 DASLLAMA_CUDA_FLASH_F16=1
@@ -60,7 +63,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
