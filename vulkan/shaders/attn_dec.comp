@@ -1,5 +1,5 @@
-// Decode attention (1-4 query rows, head_dim up to 256, 512 at NU 8 and 16): a workgroup per (head, row, key split)
-// as CUDA's decode attention (cuda/attn.cuh) does it. attention.comp walks a split's keys as a
+// Decode attention (1-4 query rows, head_dim up to 256, 512 at NU 8 and 16): a workgroup per
+// (head, row, key split) as CUDA's decode attention (cuda/attn.cuh) does it. attention.comp walks a split's keys as a
 // chain of memory round trips (the block table, then each key's row, then V eight keys a pass);
 // here a subgroup takes KB keys a round with their K and V loads issued together (the scores do
 // not gate V's reads), lanes across the head's dims (two a lane a unit: an f16 pair is one
