@@ -136,6 +136,21 @@ Found find_devices() {
       skipped += std::string(skipped.empty() ? "" : "; ") + p.deviceName + ": " + u;
     }
   }
+  // GPUs before software devices, discrete before integrated (the loader's order otherwise): a
+  // machine with both a GPU and Mesa's lavapipe gets the GPU from device="vulkan" (vulkan:0).
+  const auto rank = [&](VkPhysicalDevice pd) {
+    VkPhysicalDeviceProperties p{};
+    a->vkGetPhysicalDeviceProperties(pd, &p);
+    switch (p.deviceType) {
+      case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: return 0;
+      case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: return 1;
+      case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: return 2;
+      case VK_PHYSICAL_DEVICE_TYPE_CPU: return 4;
+      default: return 3;
+    }
+  };
+  std::stable_sort(out.usable.begin(), out.usable.end(),
+                   [&](VkPhysicalDevice x, VkPhysicalDevice y) { return rank(x) < rank(y); });
   if (out.usable.empty())
     out.why_none = pds.empty() ? "no Vulkan device found (is a driver installed? e.g. mesa-vulkan-drivers)"
                                : "no usable Vulkan device (" + skipped + ")";
