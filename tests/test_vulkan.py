@@ -218,6 +218,20 @@ def test_qwen3_asr_tower_and_transcribe(qwen3_asr_files):
     C.qwen3_asr_tower_and_transcribe(qwen3_asr_files, "vulkan", max_new=8)
 
 
+def dec_variants(width: int, head_sizes) -> set:
+    """The decode attention shaders vulkan_backend.cpp's attn_dec_pick gives these head sizes where
+    the narrowest subgroup has `width` lanes (8 dim pairs a lane for attn_dec, 16, 32)."""
+    out = set()
+    for hd in head_sizes:
+        if width >= 8 and hd <= 8 * width and hd <= 256:
+            out.add("attn_dec")
+        elif width >= 8 and hd <= 16 * width:
+            out.add("attn_dec_8")
+        elif width >= 8 and hd <= 32 * width:
+            out.add("attn_dec_w")
+    return out
+
+
 def test_subgroup_path_on_lavapipe(built_dir):
     """GPUs take matmul's subgroup path (and past 32 tokens the tiled one; matmul_id grouped by
     expert past 8 pairs), lavapipe the plain one; forced onto the GPUs' paths here, the op
@@ -236,11 +250,12 @@ def test_subgroup_path_on_lavapipe(built_dir):
                "(matmul or paged or moe) and not q8_mode")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     # The op harness's decode attention cases above held against numpy on attn_dec.comp: the
-    # profile of the same cases names it (and attention.comp for the rows it does not take);
-    # lavapipe's 8-lane subgroups take head size 128 on its attn_dec_8 variant, 256 on attn_dec_w.
+    # profile of the same cases names it (and attention.comp for the rows it does not take), and
+    # the variant each head size takes at this device's narrowest subgroup (lavapipe's 8 lanes:
+    # 128 on attn_dec_8, 256 on attn_dec_w; NVIDIA's 32: 512 on attn_dec_8).
     r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1"}, ("test_backend_ops.py",),
                "test_paged_attention and not multi and tok1-", s=True)
-    for sh in ("attn_dec", "attn_dec_8", "attn_dec_w"):
+    for sh in dec_variants(int(probe.stdout.split("subgroups ")[1].split("-")[0]), (64, 128, 256, 512)):
         assert r.returncode == 0 and re.search(rf"^\s*{sh}\s+[\d.]+ ms\s+\d+ calls", r.stderr, re.M), \
             sh + "\n" + r.stdout[-3000:] + r.stderr[-2000:]
     # The same with attention.comp's key splits joined by a second dispatch (attention_merge),
@@ -275,8 +290,8 @@ SUBGROUP_WIDTH_CASES = ("(test_paged_attention and not multi and tok1-) or flash
                         " or (test_matmul_q8_mode and (1-512 or 2-288 or 3-1056)) or gemma4_released")
 
 
-@pytest.mark.parametrize("bits,lanes,shaders", [(512, 16, ("attn_dec", "attn_dec_8", "attn_dec_w", "flash2_r2_sg",
-                                                             "flash_256")),
+@pytest.mark.parametrize("bits,lanes,shaders", [(512, 16, tuple(dec_variants(16, (64, 256, 512))) + ("flash2_r2_sg",
+                                                                                                  "flash_256")),
                                                  (128, 4, ("attention", "flash2_r2", "flash_256"))])
 def test_subgroup_widths_on_lavapipe(built_dir, bits, lanes, shaders):
     """The GPUs' paths (DASLLAMA_VULKAN_SUBGROUP=1) at 16- and 4-lane subgroups: the op harness's

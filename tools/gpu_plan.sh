@@ -24,7 +24,6 @@ step() {  # step NAME LIMIT_S COMMAND...
   echo "$stage/$name: rc=$rc $((SECONDS - t0)) s | $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-200)"
 }
 
-ab() { python benchmarks/ab_cuda.py "$@"; }
 
 for stage in "$@"; do
   case $stage in
@@ -39,17 +38,17 @@ for stage in "$@"; do
       step pre_ampere 400 python -m pytest -q tests/test_cuda.py -k pre_ampere
       ;;
     cuda)  # CUDA A/Bs of the opt-in kernels (one process a setting pair, interleaved rounds)
-      step f16h_tile 200 ab --types f16 --no-tg --rounds 2 DASLLAMA_CUDA_F16H_TILE=128x64 DASLLAMA_CUDA_F16H_TILE=128x64k64
-      step flash_f16 200 ab --types q8_0,f16 --no-tg --rounds 2 DASLLAMA_CUDA_FLASH_F16=0 DASLLAMA_CUDA_FLASH_F16=1
-      step dqf16 200 ab --types q4_k_m --rounds 2 DASLLAMA_CUDA_DQF16=0 DASLLAMA_CUDA_DQF16=1
+      step f16h_tile 200 python benchmarks/ab_cuda.py --types f16 --no-tg --rounds 2 DASLLAMA_CUDA_F16H_TILE=128x64 DASLLAMA_CUDA_F16H_TILE=128x64k64
+      step flash_f16 200 python benchmarks/ab_cuda.py --types q8_0,f16 --no-tg --rounds 2 DASLLAMA_CUDA_FLASH_F16=0 DASLLAMA_CUDA_FLASH_F16=1
+      step dqf16 200 python benchmarks/ab_cuda.py --types q4_k_m --rounds 2 DASLLAMA_CUDA_DQF16=0 DASLLAMA_CUDA_DQF16=1
       ;;
     vulkan)  # Vulkan A/Bs
-      step flash_cm 200 ab --device vulkan --types q8_0,q4_0,f16 --no-tg --rounds 2 \
+      step flash_cm 200 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0,f16 --no-tg --rounds 2 \
         DASLLAMA_VULKAN_FLASH_CM=0 DASLLAMA_VULKAN_FLASH_CM=1
-      step dqf16 150 ab --device vulkan --types q4_k_m --rounds 2 DASLLAMA_VULKAN_DQF16=0 DASLLAMA_VULKAN_DQF16=1
-      step attn_dec256 120 ab --device vulkan --shapes gemma270m --types q8_0 --rounds 2 \
+      step dqf16 150 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m --rounds 2 DASLLAMA_VULKAN_DQF16=0 DASLLAMA_VULKAN_DQF16=1
+      step attn_dec256 120 python benchmarks/ab_cuda.py --device vulkan --shapes gemma270m --types q8_0 --rounds 2 \
         DASLLAMA_VULKAN_ATTN_DEC=0 DASLLAMA_VULKAN_ATTN_DEC=1
-      step flash256 120 ab --device vulkan --shapes gemma270m --types f16 --no-tg --rounds 2 \
+      step flash256 120 python benchmarks/ab_cuda.py --device vulkan --shapes gemma270m --types f16 --no-tg --rounds 2 \
         DASLLAMA_VULKAN_FLASH256=0 DASLLAMA_VULKAN_FLASH256=1
       ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
