@@ -48,8 +48,6 @@ for stage in "$@"; do
       step dqf16 150 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m --rounds 2 DASLLAMA_VULKAN_DQF16=0 DASLLAMA_VULKAN_DQF16=1
       step attn_dec256 120 python benchmarks/ab_cuda.py --device vulkan --shapes gemma270m --types q8_0 --rounds 2 \
         DASLLAMA_VULKAN_ATTN_DEC=0 DASLLAMA_VULKAN_ATTN_DEC=1
-      step flash256 120 python benchmarks/ab_cuda.py --device vulkan --shapes gemma270m --types f16 --no-tg --rounds 2 \
-        DASLLAMA_VULKAN_FLASH256=0 DASLLAMA_VULKAN_FLASH256=1
       ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \

@@ -30,7 +30,7 @@
 // replayed (Ctx::begin_step says how). Other switches for A/B runs: DASLLAMA_VULKAN_REPLAY,
 // _GEMV, _GEMM, _I8, _I8C_TILE, _F16C, _GEMVQ, _GEMVI8, _GEMV_KS, _GEMV_KS1_ROWS, _NORMTAIL, _GLUTAIL,
 // _KVTAIL, _ATTN_SPLIT, _ATTN_DEC, _ATTN_KEYS, _FLASH, _FLASHK, _FLASH_BR, _FLASH_SG, _FLASH_UNITS,
-// _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK, _F16C_TILE, _DQF16, _DQ_ROWS, _FLASH256, _FLASH_CM,
+// _FUSE_GLU, _FUSE_ROPE, _SPLIT, _READBACK, _F16C_TILE, _DQF16, _DQ_ROWS, _FLASH_CM,
 // _SUBGROUP (benchmarks/profile_vulkan.py runs most; vulkan/README.md tables them all). Measuring:
 // DASLLAMA_VULKAN_PROFILE (each dispatch timed, serialized, no replay),
 // DASLLAMA_VULKAN_GPUTIME (each submission's span on the GPU, everything else as it runs),
@@ -2549,8 +2549,7 @@ class VulkanBackend final : public Backend {
     Lock g(c_->mu);
     if (a.n_heads > 65535 || a.n_kv_heads > 65535 || a.kv.page_shift < 0 || a.kv.page_shift > 63)
       throw Error("vulkan attention: head counts past 65535 or a page shift past 63");
-    if (a.n_tok >= 16 && (a.head_dim <= 128 || flash_cm_pick(a) || (a.head_dim <= 256 && flash256())) &&
-        c_->max_shared() >= 32768 &&
+    if (a.n_tok >= 16 && (a.head_dim <= 128 || flash_cm_pick(a)) && c_->max_shared() >= 32768 &&
         flash_mode() >= (a.any_order ? 1 : 2))
       return flash(a);
     struct {
@@ -2642,8 +2641,8 @@ class VulkanBackend final : public Backend {
     c_->dispatch(a.head_dim > 256 ? "attention_merge_512" : "attention_merge", &mp, sizeof mp, (uint32_t)a.n_heads,
                  (uint32_t)a.n_tok);
   }
-  // Attention of 16 rows and more (head sizes up to 128, 256 with FLASH256) in key tiles shared by
-  // a workgroup's rows (flash2.comp, flash.comp), as CUDA's prefill takes its tiled kernel from 16 rows
+  // Attention of 16 rows and more (head sizes up to 128) in key tiles shared by a workgroup's
+  // rows (flash2.comp, flash.comp), as CUDA's prefill takes its tiled kernel from 16 rows
   // (flash_min_ in cuda/cuda_backend.cu). A decoder row's bits then depend on how its tokens
   // were split into calls (only the order of the f32 sums differs from attention.comp's);
   // batched still equals alone, since each session's attention is its own call over its own
@@ -2679,13 +2678,6 @@ class VulkanBackend final : public Backend {
     if (r4 && c_->max_shared() < need(true)) r4 = false;
     if (c_->max_shared() < need(false)) return "";
     return std::string(hd == 32 ? "flash2_d32" : "flash2") + (r4 ? "_r4" : "_r2") + (sg ? "_sg" : "");
-  }
-  // DASLLAMA_VULKAN_FLASH256=1: head sizes 129-256 (Gemma's) in flash.comp's 8-row tiles (K and V
-  // in one shared buffer) where they take attention.comp's row a workgroup otherwise. Opt-in
-  // until timed on a GPU (lavapipe holds it to numpy). Read at each call.
-  static bool flash256() {
-    const char* e = std::getenv("DASLLAMA_VULKAN_FLASH256");
-    return e && std::strcmp(e, "1") == 0;
   }
   // DASLLAMA_VULKAN_FLASH_CM: q8 mode's prefill attention (a.exact false) over an f16 cache, head
   // sizes 64, 128 and 256, on f16 cooperative matrices (flash_cm.comp: Q and P rounded to f16, as
@@ -2751,10 +2743,10 @@ class VulkanBackend final : public Backend {
       c_->dispatch(v2.c_str(), &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br), (uint32_t)a.n_heads);
       return;
     }
-    const int v = a.head_dim <= 64 ? 0 : a.head_dim <= 128 ? 1 : 2;
-    const int64_t br = v == 0 ? 32 : v == 1 ? 16 : 8;  // flash.comp's BR
-    c_->dispatch(v == 0 ? "flash_64" : v == 1 ? "flash_128" : "flash_256", &pc, sizeof pc,
-                 (uint32_t)((a.n_tok + br - 1) / br), (uint32_t)a.n_heads);
+    const bool small = a.head_dim <= 64;
+    const int64_t br = small ? 32 : 16;  // flash.comp's BR
+    c_->dispatch(small ? "flash_64" : "flash_128", &pc, sizeof pc, (uint32_t)((a.n_tok + br - 1) / br),
+                 (uint32_t)a.n_heads);
   }
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {

@@ -4,10 +4,8 @@
 // (attention.comp reads every key again for every row). 128 invocations as 8 row groups (ty) x
 // 16 lanes (tx): a lane scores RT rows x CT keys and accumulates RT rows x HD / 16 output
 // dims (tx + 16 c). Row maxima and sums meet in shared memory (lavapipe's subgroups are 8 wide).
-// HD (compile time): head_dim rounded up to 64, 128 or 256, zero padded; tiles sized for 32 KB of
-// shared memory (Vulkan's guaranteed minimum is 16 KB: the host checks the device's limit). At
-// 256 (Gemma's heads) a tile's K and V share one buffer (V loaded once the scores are taken)
-// and a workgroup takes 8 rows: 29.3 KB.
+// HD (compile time): head_dim rounded up to 64 or 128, zero padded; tiles sized for 32 KB of
+// shared memory (Vulkan's guaranteed minimum is 16 KB: the host checks the device's limit).
 #version 450
 #include "common.glsl"
 #include "kv.glsl"
@@ -35,13 +33,9 @@ layout(push_constant, std430) uniform PC {
 #if HD <= 64
 #define BR 32
 #define BC 32
-#elif HD <= 128
+#else
 #define BR 16
 #define BC 16
-#else
-#define BR 8
-#define BC 16
-#define KV_ONE_BUFFER
 #endif
 #define RT (BR / 8)
 #define CT (BC / 16)
@@ -49,14 +43,8 @@ layout(push_constant, std430) uniform PC {
 #define KS (BC + 4)
 
 shared float Qt[HD * BR];   // Q transposed: [d][row]
-#ifdef KV_ONE_BUFFER
-shared float KVt[HD * KS];  // K as Kt for the scores, then V as Vs (BC * HD <= HD * KS)
-#define Kt KVt
-#define Vs KVt
-#else
 shared float Kt[HD * KS];   // the tile's keys transposed: [d][key]
 shared float Vs[BC * HD];   // [key][d]
-#endif
 shared float Ps[BR * KS];   // the tile's probabilities: [row][key]
 shared float red[BR * 16];  // a row's 16 lanes' maxima / sums
 shared uint64_t rowb[BC];   // the tile's row starts
@@ -106,14 +94,10 @@ void main() {
       float kv = 0.0f, vv = 0.0f;
       if (j0 + j < hi && d < hd) {
         kv = kv_value(rowb[j] + koff, d, KVTYPE);
-#ifndef KV_ONE_BUFFER
         vv = kv_value(rowb[j] + voff, d, KVTYPE);
-#endif
       }
       Kt[d * KS + j] = kv;
-#ifndef KV_ONE_BUFFER
       Vs[j * HD + d] = vv;
-#endif
     }
     barrier();
     float s[RT][CT];
@@ -153,14 +137,6 @@ void main() {
       }
     }
     barrier();
-#ifdef KV_ONE_BUFFER
-    // Every lane's reads of Kt ended before the maxima's barrier: V takes the buffer.
-    for (int idx = tid; idx < BC * HD; idx += 128) {
-      const int j = idx / HD, d = idx % HD;
-      Vs[j * HD + d] = j0 + j < hi && d < hd ? kv_value(rowb[j] + voff, d, KVTYPE) : 0.0f;
-    }
-    barrier();
-#endif
     const int jn = min(BC, hi - j0);
     for (int j = 0; j < jn; ++j) {
       float v[OC];
