@@ -553,11 +553,12 @@ bool tc_takes(const AttnArgs& a) {
   return !(e && std::strcmp(e, "0") == 0) && tc_fits(a);
 }
 
-// DASLLAMA_CUDA_FLASH_F16=1 (opt-in until it has run on a device): q8 mode's attention (a.exact
-// false) that the TF32 kernel takes runs on flash_h16_k instead. Read at each call.
+// q8 mode's attention (a.exact false) that the TF32 kernel fits runs on flash_h16_k (H200 pp512:
+// Q8_0 55,022 -> 55,770, F16 45,208 -> 46,126); DASLLAMA_CUDA_FLASH_F16=0 keeps the TF32 kernel.
+// Read at each call.
 bool h16_takes(const AttnArgs& a) {
   const char* e = std::getenv("DASLLAMA_CUDA_FLASH_F16");
-  return e && e[0] == '1' && !a.exact && tc_fits(a);  // FLASH_TC=0 leaves it on (A/B runs)
+  return !(e && e[0] == '0') && !a.exact && tc_fits(a);  // FLASH_TC=0 leaves it on (A/B runs)
 }
 
 template <int HD, int BC>

@@ -848,10 +848,10 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
   // blocks an SM: no faster on the H200, pp512 35,689 -> 35,483). One product: 128 x 64 tiles of
   // four warps of 64 x 32 (H200, Llama-1B F16 pp512, ab_cuda.py: 64x64 44,118, 128x64 48,519,
   // 128x64w8 42,872, 64x128 43,138, 128x128 42,075, four stages 44,086: those are gone).
-  // DASLLAMA_CUDA_F16H_TILE (read at each launch, for A/B runs): 64x64, 128x64, or 128x64k64
-  // (64 of k a stage: 50,977 in one round, not yet held to numpy on a device).
+  // 128x64k64 (64 of k a stage) is one product's default: pp512 45,328 -> 50,412 (H200, two
+  // rounds). DASLLAMA_CUDA_F16H_TILE (read at each launch, for A/B runs): 64x64, 128x64, 128x64k64.
   const char* e = std::getenv("DASLLAMA_CUDA_F16H_TILE");
-  const std::string tile = e && *e ? e : split ? "64x64" : "128x64";
+  const std::string tile = e && *e ? e : split ? "64x64" : "128x64k64";
   auto run = [&](auto lo) {
     constexpr bool LO = decltype(lo)::value;
     launch(f16_split_k<LO>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);

@@ -73,8 +73,8 @@ def test_logits_every_family_and_format(files, name):
 
 @pytest.mark.parametrize("split", ["0", "1"])
 def test_f16_prefill_tiles(monkeypatch, split):
-    """Each of the f16 prefill's tile shapes (DASLLAMA_CUDA_F16H_TILE: the two defaults and the
-    64-of-k candidate) on matmuls whose rows, tokens and k all end mid-tile, tokens from 1e-12 to 1e12: in
+    """Each of the f16 prefill's tile shapes (DASLLAMA_CUDA_F16H_TILE: the split's 64x64, one product's
+    128x64k64, and 128x64) on matmuls whose rows, tokens and k all end mid-tile, tokens from 1e-12 to 1e12: in
     q8 mode one product, equal to float64 numpy over numpy's own f16 rounding of each token's
     scaled row; with the split (DASLLAMA_F16_SPLIT=1) equal to the f32 product."""
     from gguf.constants import GGMLQuantizationType as T
@@ -103,10 +103,10 @@ def test_f16_prefill_tiles(monkeypatch, split):
 
 @pytest.mark.parametrize("wtype", ["q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])
 def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
-    """q8 mode's prefill past 64 tokens of a block format with DASLLAMA_CUDA_DQF16=1: the matrix
+    """q8 mode's prefill past 64 tokens of a block format (DASLLAMA_CUDA_DQF16, on): the matrix
     decoded to f16 (dequant_f16_k) and x rounded to f16 once, so each token equals float64 numpy
     over numpy's f16 rounding of gguf-py's decoded weights and of the scaled row (and not the f32
-    product: the two references are farther apart than the bar); unset, the f32 tiles, equal to
+    product: the two references are farther apart than the bar); DQF16=0, the f32 tiles, equal to
     the f32 product."""
     from gguf.constants import GGMLQuantizationType as T
     from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
@@ -120,8 +120,8 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
         x[3] = 0
         hi, inv = f16_rounded_rows(x)
         w16 = w.astype(np.float32).astype(np.float16).astype(np.float64)
-        refs = {"1": (hi @ w16.T) * inv[:, None], "": x.astype(np.float64) @ w.T}
-        assert op_nmse(refs["1"], refs[""]) > F32_DOT
+        refs = {"1": (hi @ w16.T) * inv[:, None], "0": x.astype(np.float64) @ w.T}
+        assert op_nmse(refs["1"], refs["0"]) > F32_DOT
         for on, ref in refs.items():
             monkeypatch.setenv("DASLLAMA_CUDA_DQF16", on)
             o = np.asarray(b.matmul(raw, int(T[wtype.upper()]), rows, cols, x)).reshape(n, rows)
@@ -131,25 +131,25 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
 
 
 def test_block_formats_q8_mode_prefill_logits(tmp_path, monkeypatch):
-    """A q8-mode prefill of a file in q4_K, q5_K, q6_K, q4_1, q5_0 and q5_1 with
-    DASLLAMA_CUDA_DQF16=1 (_device_checks' block_formats_q8_mode_prefill says the bar)."""
-    monkeypatch.setenv("DASLLAMA_CUDA_DQF16", "1")
+    """A q8-mode prefill of a file in q4_K, q5_K, q6_K, q4_1, q5_0 and q5_1, decoded to f16 (the
+    default; _device_checks' block_formats_q8_mode_prefill says the bar)."""
+    monkeypatch.delenv("DASLLAMA_CUDA_DQF16", raising=False)
     C.block_formats_q8_mode_prefill(C.write_block_model(str(tmp_path / "llama-blocks.gguf")), "cuda")
 
 
 def test_block_formats_q8_mode_prefill_f16_cache_logits(tmp_path, monkeypatch):
-    """The same over the f16 cache with the f16 flash attention too (DASLLAMA_CUDA_FLASH_F16=1)."""
-    monkeypatch.setenv("DASLLAMA_CUDA_DQF16", "1")
-    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "1")
+    """The same over the f16 cache, so with the f16 flash attention too (DASLLAMA_CUDA_FLASH_F16)."""
+    monkeypatch.delenv("DASLLAMA_CUDA_DQF16", raising=False)
+    monkeypatch.delenv("DASLLAMA_CUDA_FLASH_F16", raising=False)
     C.block_formats_q8_mode_prefill(C.write_block_model(str(tmp_path / "llama-blocks.gguf")), "cuda", d.KVDtype.f16)
 
 
 @pytest.mark.parametrize("case", range(6))  # (the harness's head sizes 64 and 128: the tensor-core kernels')
 def test_flash_attention_f16_q8_mode(monkeypatch, case):
-    """q8 mode's prefill attention over an f16 cache with DASLLAMA_CUDA_FLASH_F16=1 (flash_h16_k:
+    """q8 mode's prefill attention over an f16 cache (DASLLAMA_CUDA_FLASH_F16, on: flash_h16_k:
     Q * scale and the probabilities rounded to f16, one f16 mma a product): every row equals
     float64 numpy over numpy's f16 rounding of Q * scale within the harness's ATTN_F16, and some
-    row is farther than the f32 bar from the f32 result (the rounding ran); unset, the TF32
+    row is farther than the f32 bar from the f32 result (the rounding ran); FLASH_F16=0, the TF32
     kernel, at the f32 bar."""
     from test_backend_ops import ATTN_F16, ATTN_Q8_CASES, F32_DOT, attention_q8_errors
 
@@ -157,7 +157,7 @@ def test_flash_attention_f16_q8_mode(monkeypatch, case):
     monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "1")
     e32, e16 = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
     assert max(e16) <= ATTN_F16 and max(e32) > F32_DOT, (max(e16), max(e32))
-    monkeypatch.delenv("DASLLAMA_CUDA_FLASH_F16")
+    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "0")
     e32, _ = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
     assert max(e32) <= F32_DOT, max(e32)
 

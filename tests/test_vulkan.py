@@ -430,7 +430,7 @@ def test_block_formats_q8_mode_prefill_f16_cache_logits(built_dir):
 
 def test_flash_cm_on_lavapipe(built_dir):
     """q8 mode's prefill attention over an f16 cache on f16 cooperative matrices (flash_cm.comp,
-    DASLLAMA_VULKAN_FLASH_CM=1, opt-in): lavapipe runs its f32-FMA stand-in (=emu: the same tiles,
+    the default where the device has them): lavapipe runs its f32-FMA stand-in (=emu: the same tiles,
     Q * scale and the probabilities rounded to f16, the same softmax) on the op harness's q8-mode
     attention cases (against numpy's own f16 rounding of Q * scale) and the block model's f16-cache
     prefill, and the profile shows it ran for head sizes 64, 128 and 256. Where the device has f16

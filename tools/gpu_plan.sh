@@ -34,6 +34,13 @@ for stage in "$@"; do
       step vulkan_new 240 python -m pytest -q tests/test_vulkan.py \
         -k "flash_cm or block_formats or f16_prefill_split or subgroup_path or flash_variants or gemma4"
       ;;
+    defaults)  # every device test with the session's defaults on (two calls: CUDA, then Vulkan)
+      step cuda_all 400 python -m pytest -q tests/test_cuda.py -k "not pre_ampere"
+      ;;
+    vk_defaults)
+      step vk_all 540 python -m pytest -q tests/test_vulkan.py tests/test_backend_ops.py \
+        -k "not smollm2 and (not lavapipe or flash_cm or subgroup_path or block_formats_prefill)"
+      ;;
     compat)  # a pre-Ampere GPU's paths (the compute_75 PTX, no tensor cores) on this one
       step pre_ampere 400 python -m pytest -q tests/test_cuda.py -k pre_ampere
       ;;
@@ -60,7 +67,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

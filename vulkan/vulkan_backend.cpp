@@ -2681,13 +2681,14 @@ class VulkanBackend final : public Backend {
   }
   // DASLLAMA_VULKAN_FLASH_CM: q8 mode's prefill attention (a.exact false) over an f16 cache, head
   // sizes 64, 128 and 256, on f16 cooperative matrices (flash_cm.comp: Q and P rounded to f16, as
-  // llama.cpp's flash attention does). "1": where the device has them (opt-in until measured on a
-  // GPU); "emu": its f32-FMA stand-in on any device whose subgroups shuffle (lavapipe's check);
-  // unset or 0: flash2 / flash / attention.comp as before. Read at each call. The shader's rows a
+  // llama.cpp's flash attention does), where the device has them (H200 pp512: Q8_0 38,841 ->
+  // 39,639, F16 32,602 -> 32,827); "emu": its f32-FMA stand-in on any device whose subgroups
+  // shuffle (lavapipe's check); "0": flash2 / flash / attention.comp. Read at each call. The shader's rows a
   // workgroup (64, or 32 at head size 256) in *rows.
   const char* flash_cm_pick(const AttnArgs& a, int64_t* rows = nullptr) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_FLASH_CM");
-    const bool coop = e && std::strcmp(e, "1") == 0, emu = e && std::strcmp(e, "emu") == 0;
+    const bool coop = !(e && (std::strcmp(e, "0") == 0 || std::strcmp(e, "emu") == 0)),
+               emu = e && std::strcmp(e, "emu") == 0;
     const int hd = a.head_dim;
     if ((!coop && !emu) || a.exact || a.kv.type != KVType::f16 || (hd != 64 && hd != 128 && hd != 256) ||
         !c_->shuffle8 || a.q_stride % 4 != 0 || A(a.q) % 16 != 0 ||
