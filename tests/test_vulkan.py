@@ -175,12 +175,12 @@ def test_pipelined_generate_on_a_queue_thread(built_dir, tiny):
 
 def test_early_starts_alike(tiny, built_dir, monkeypatch):
     """Early starts (DASLLAMA_VULKAN_EARLY, on by default on NVIDIA's GPUs): inside a recorded
-    step a GEMV (gemv.comp) that would wait behind a barrier for the GEMV or decode attention
-    before it is recorded without the barrier, loads its first weights, and waits on the device
-    for that dispatch's flag (common.glsl's sync_wait / sync_signal). The logits are the barriers'
-    bit for bit: fp32 mode over the q8_0 file (gemv.comp's split layouts) and q8 mode over an f16
-    file, a session decoding past 64 keys (attention split over keys, recorded steps replayed),
-    with three-token steps between. Run on the GPUs' path by test_early_starts_on_lavapipe, which
+    step a GEMV (gemv.comp, gemv_i8x.comp) that would wait behind a barrier for the GEMV or decode
+    attention before it is recorded without the barrier, loads its first weights, and waits on the
+    device for that dispatch's flag (common.glsl's sync_wait / sync_signal). The logits are the
+    barriers' bit for bit: fp32 mode over the q8_0 file (gemv.comp's split layouts), q8 mode over
+    it (gemv_i8x.comp, its GLU and KV tails) and over an f16 file, a session decoding past 64 keys
+    (attention split over keys, recorded steps replayed), with three-token steps between. Run on the GPUs' path by test_early_starts_on_lavapipe, which
     also checks that the steps had early starts."""
     def make(out):
         from dasllama.convert import requantize
@@ -191,7 +191,7 @@ def test_early_starts_alike(tiny, built_dir, monkeypatch):
 
     (f16,) = C.built_once(built_dir, "llama-tiny-f16", make)
     ids = [1] + np.random.default_rng(5).integers(3, VOCAB, 90).tolist()
-    for path, mode in ((tiny["q8_0"], d.QuantMode.fp32), (f16, d.QuantMode.q8)):
+    for path, mode in ((tiny["q8_0"], d.QuantMode.fp32), (tiny["q8_0"], d.QuantMode.q8), (f16, d.QuantMode.q8)):
         runs = {}
         for early in ("0", "1"):
             monkeypatch.setenv("DASLLAMA_VULKAN_EARLY", early)

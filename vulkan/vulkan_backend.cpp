@@ -2021,20 +2021,24 @@ class VulkanBackend final : public Backend {
                 const KvTail* kt = nullptr) {
     struct {
       uint64_t w[3], y[3];
-      uint64_t xq, xd, row_bytes;
-      uint32_t rows[3];
-      uint32_t cols, n, b0, b1, flags;
+      uint64_t xq, xd;
       uint64_t nw, cnt;
+      uint64_t args;  // the early start's (common.glsl), with sync
+      uint32_t row_bytes;
+      uint32_t rows[3];
+      uint32_t cols, b0, b1, flags;  // flags bits 16-23: the tokens
       float eps;
+      uint32_t sync;
     } pc{};
+    static_assert(sizeof pc == 128, "gemv_i8x.comp's push constants");
     int64_t total = 0;
     for (int i = 0; i < count; ++i) {
       pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
       total += ws[i]->rows;
     }
     const int64_t cols = ws[0]->cols;
-    pc.xq = i8_xq_, pc.xd = i8_xd_, pc.row_bytes = lay_rb(*ws[0]);
-    pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.flags = accumulate ? 1u : 0u;
+    pc.xq = i8_xq_, pc.xd = i8_xd_, pc.row_bytes = (uint32_t)lay_rb(*ws[0]);
+    pc.cols = (uint32_t)cols, pc.flags = (accumulate ? 1u : 0u) | (uint32_t)n << 16;
     const uint32_t nt = n <= 1 ? 1 : n <= 2 ? 2 : 4;
     const int mode = gemvi8_mode();
     const bool z = gemvx_ahead2(mode, n, cols);
@@ -2073,6 +2077,7 @@ class VulkanBackend final : public Backend {
     const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (dot ? "" : "p") +
                            std::to_string(nt) + "r" + std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
     const size_t sig0 = c_->sig_bytes();
+    if ((pc.args = c_->args_addr())) c_->sync_next(offsetof(decltype(pc), sync), Ctx::kSyncWait | Ctx::kSyncSignal);
     c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
     // Kept for a normed quant_act of y that may come next (it folds itself in: quant_act).
     gx_ = gu_ = gq_ = GemvX{};

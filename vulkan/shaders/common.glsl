@@ -16,6 +16,7 @@ layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2 { uvec2 v
 layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer F32C { float v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) coherent buffer V4C { vec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer U32C { uint v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) coherent buffer V4UC { uvec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 4) volatile coherent buffer U32V { uint v[]; };
 
 // Early starts (vulkan_backend.cpp, Ctx::plan_sync): inside a recorded step, a dispatch that
