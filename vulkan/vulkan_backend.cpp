@@ -1707,7 +1707,11 @@ class VulkanBackend final : public Backend {
       uint32_t cols, n, flags;
       float eps;
       uint32_t gs, us;
-    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, 0, 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps, 0, 0};
+      uint64_t args;  // the signal for an early start of the GEMV after (common.glsl)
+      uint32_t sync;
+    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, 0, 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps, 0, 0,
+         c_->args_addr(), 0};
+    if (pc.args) c_->sync_next(offsetof(decltype(pc), sync), Ctx::kSyncSignal);
     // A decode's (1-4 rows, DASLLAMA_VULKAN_GEMVI8=2) glu kept just before, that made x (ffn down
     // in a recorded step): x computed from its gate and up here, the glu's dispatch taken back.
     const Glu gl = glu_;
