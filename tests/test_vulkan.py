@@ -173,59 +173,6 @@ def test_pipelined_generate_on_a_queue_thread(built_dir, tiny):
     assert busy > 0 and abs(busy - sum(each) * 1e-3) <= 1e-3 * len(each) + 1e-6 * busy, (busy, sum(each))
 
 
-def test_early_starts_alike(tiny, built_dir, monkeypatch):
-    """Early starts (DASLLAMA_VULKAN_EARLY, on by default on NVIDIA's GPUs): inside a recorded
-    step a GEMV (gemv.comp, gemv_i8x.comp) that would wait behind a barrier for the GEMV or decode
-    attention before it is recorded without the barrier, loads its first weights, and waits on the
-    device for that dispatch's flag (common.glsl's sync_wait / sync_signal). The logits are the
-    barriers' bit for bit: fp32 mode over the q8_0 file (gemv.comp's split layouts), q8 mode over
-    it (gemv_i8x.comp, its GLU and KV tails) and over an f16 file, a session decoding past 64 keys
-    (attention split over keys, recorded steps replayed), with three-token steps between. Run on the GPUs' path by test_early_starts_on_lavapipe, which
-    also checks that the steps had early starts."""
-    def make(out):
-        from dasllama.convert import requantize
-
-        f16 = os.path.join(out, "llama-f16.gguf")
-        requantize(tiny["f32"], f16, "f16")
-        return (f16,)
-
-    (f16,) = C.built_once(built_dir, "llama-tiny-f16", make)
-    ids = [1] + np.random.default_rng(5).integers(3, VOCAB, 90).tolist()
-    for path, mode in ((tiny["q8_0"], d.QuantMode.fp32), (tiny["q8_0"], d.QuantMode.q8), (f16, d.QuantMode.q8)):
-        runs = {}
-        for early in ("0", "1"):
-            monkeypatch.setenv("DASLLAMA_VULKAN_EARLY", early)
-            m = d.load_model(path, mode, device="vulkan")
-            s = d.create_session(m, d.KVDtype.f16, n_ctx=128)
-            d.eval(m, s, ids[:8])
-            out, i = [], 8
-            while i < len(ids):
-                k = 3 if i % 20 == 0 else 1
-                d.eval(m, s, ids[i:i + k])
-                out.append(np.array(s.logits, dtype=np.float32))
-                i += k
-            runs[early] = np.concatenate(out)
-        assert np.array_equal(runs["0"], runs["1"]), f"{path} {mode}: early starts changed the logits"
-
-
-def test_early_starts_on_lavapipe(built_dir):
-    """test_early_starts_alike on the GPUs' path (DASLLAMA_VULKAN_SUBGROUP=1), with
-    DASLLAMA_VULKAN_STEPS=1 reporting each recorded step's early starts (there were some) and the
-    waits that gave up on their flag (none: every signal reached its wait).
-    (Lavapipe runs a command buffer's dispatches one after another, so its waits find their flags
-    set: the slots, epochs and coherent reads are checked here, the overlap on a GPU.)"""
-    import re
-
-    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1"}, ("test_vulkan.py",),
-               "early_starts_alike", s=True)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 and "1 passed" in out, out[-3000:]
-    starts = [int(n) for n in re.findall(r"vulkan step: (\d+) early starts", out)]
-    assert starts and max(starts) >= 5, out[-3000:]
-    late = re.findall(r"vulkan early-start waits that timed out: (\d+)", out)
-    assert late and all(n == "0" for n in late), out[-3000:]
-
-
 def test_speculated_batch_steps_equal_plain(tiny):
     C.speculated_batch_steps_equal_plain(tiny["q8_0"], "vulkan")
     C.speculated_stepper_streams_equal_plain(tiny["q8_0"], "vulkan")

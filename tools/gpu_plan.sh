@@ -34,11 +34,6 @@ for stage in "$@"; do
       step vulkan_new 240 python -m pytest -q tests/test_vulkan.py \
         -k "flash_cm or block_formats or f16_prefill_split or subgroup_path or flash_variants or gemma4"
       ;;
-    early)  # Vulkan's early starts (common.glsl): bits and waits on NVIDIA, then F16 decode A/B
-      step test 150 env DASLLAMA_VULKAN_STEPS=1 python -m pytest -q -s tests/test_vulkan.py -k early_starts_alike
-      grep -h "timed out" "$OUT/early-test.log" | sort | uniq -c
-      step ab 400 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0,q4_0 --rounds 2 DASLLAMA_VULKAN_EARLY=0 DASLLAMA_VULKAN_EARLY=1
-      ;;
     defaults)  # every device test with the session's defaults on (two calls: CUDA, then Vulkan)
       step cuda_all 400 python -m pytest -q tests/test_cuda.py -k "not pre_ampere"
       ;;
@@ -72,7 +67,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, early, defaults, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

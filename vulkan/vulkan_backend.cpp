@@ -416,17 +416,10 @@ class Ctx {
       flush();
     } catch (...) {
     }
-    if (std::getenv("DASLLAMA_VULKAN_PROFILE") || std::getenv("DASLLAMA_VULKAN_STEPS")) {
+    if (std::getenv("DASLLAMA_VULKAN_PROFILE") || std::getenv("DASLLAMA_VULKAN_STEPS"))
       std::fprintf(stderr, "vulkan steps: %llu replayed, %llu recorded; %llu submissions, %llu begun while one ran\n",
                    (unsigned long long)replays_[0], (unsigned long long)replays_[1], (unsigned long long)(seq_ - 1),
                    (unsigned long long)overlapped_);
-      uint32_t late = 0;  // early starts' waits that gave up (common.glsl's sync_wait)
-      try {
-        if (args_) download(&late, args_ + (kArgSlots + 2 * kSyncSlots) * 4, 4);
-      } catch (...) {
-      }
-      std::fprintf(stderr, "vulkan early-start waits that timed out: %u\n", late);
-    }
     if (tpool_) {
       std::fprintf(stderr, "vulkan gpu time: %llu submissions, busy %.3f ms, idle between them %.3f ms\n",
                    (unsigned long long)gt_subs_, gt_busy_ * 1e-6, gt_idle_ * 1e-6);
@@ -603,17 +596,13 @@ class Ctx {
   }
   void dispatch(const char* shader, const void* push, size_t push_bytes, uint32_t gx, uint32_t gy = 1,
                 uint32_t gz = 1) {
-    if (!gx || !gy || !gz) {
-      next_sync_off_ = -1, next_sync_caps_ = 0;
-      return next_.clear();
-    }
+    if (!gx || !gy || !gz) return next_.clear();
     VkPipeline p;
     try {
       if (push_bytes > kPush) throw Error("vulkan: push constants too large for " + std::string(shader));
       p = pipeline(shader);
     } catch (...) {
       next_.clear();  // not meant for whatever is recorded next
-      next_sync_off_ = -1, next_sync_caps_ = 0;
       throw;
     }
     if (recording()) {  // inside a step: kept for end_step
@@ -623,9 +612,6 @@ class Ctx {
       if (steps_log()) r.name = shader;
       resolve(next_);
       r.uses.swap(next_);
-      if (early_step_ && next_sync_off_ >= 0 && (size_t)next_sync_off_ + 4 <= push_bytes)
-        r.sync_off = next_sync_off_, r.sync_caps = next_sync_caps_;
-      next_sync_off_ = -1, next_sync_caps_ = 0;
       sig_put(&p, sizeof p), sig_put(r.g, sizeof r.g), sig_put(push, push_bytes);
       for (const Use& u : r.uses) sig_put(&u.addr, 8), sig_put(&u.bytes, 8), sig_put(&u.write, 1), sig_put(&u.shared, 1);
       const uint32_t end = 0xffffffffu;
@@ -633,7 +619,6 @@ class Ctx {
       recs_.push_back(std::move(r));
       return;
     }
-    next_sync_off_ = -1, next_sync_caps_ = 0;
     begin();
     order();
     record_dispatch(p, push, (uint32_t)push_bytes, gx, gy, gz);
@@ -662,14 +647,9 @@ class Ctx {
     drop_step();
     drop_deferred();
     if (!replay_on() || qpool_) return;
-    if (!args_) {
-      args_ = alloc((kArgSlots + 2 * kSyncSlots + 1) * 4, "step arguments");
-      zero(args_ + kArgSlots * 4, (2 * kSyncSlots + 1) * 4);  // the early starts' flags, counters, timeouts
-    }
+    if (!args_) args_ = alloc(kArgSlots * 4, "step arguments");
     rec_ = true, rec_tid_ = std::this_thread::get_id();
     ++serial_;
-    early_step_ = early_on();
-    if (early_step_) step_args_.push_back((int32_t)(++epoch_ & 0x7fffffffu));  // args[0]: a flag's value
   }
   bool recording() const { return rec_ && rec_tid_ == std::this_thread::get_id(); }
   // A step over more than kReplayRows token rows (a prefill chunk) rarely repeats: it runs from
@@ -687,21 +667,6 @@ class Ctx {
     sig_.resize(sig_bytes);
   }
   uint64_t args_addr() const { return recording() ? args_ : 0; }
-  // The next dispatch's push constants hold a sync word at byte `off` (common.glsl's early
-  // starts): caps says whether its shader can wait (kSyncWait) and signal (kSyncSignal).
-  static constexpr uint8_t kSyncWait = 1, kSyncSignal = 2;
-  void sync_next(size_t off, uint8_t caps) {
-    if (recording()) next_sync_off_ = (int32_t)off, next_sync_caps_ = caps;
-  }
-  // DASLLAMA_VULKAN_EARLY: early starts in recorded steps (common.glsl): "1" on any device,
-  // "0" never; unset, on NVIDIA's GPUs, whose dispatches without a barrier between them start in
-  // order (the later one's workgroups after all of the earlier one's): a wait cannot then hold
-  // a slot the earlier one needs. Read when a step begins.
-  bool early_on() const {
-    const char* e = std::getenv("DASLLAMA_VULKAN_EARLY");
-    if (e && *e) return std::strcmp(e, "1") == 0;
-    return props_.vendorID == 0x10DE && subgroup;
-  }
   // v as a push-constant field: a slot reference (negative) inside a recorded step, else v.
   int32_t step_arg(int32_t v) {
     if (!recording() || v < 0 || step_args_.size() >= kArgSlots) return v;
@@ -770,10 +735,9 @@ class Ctx {
       // The primary's barrier before the execute orders everything before it.
       cb_ = hit->cb, bound_ = VK_NULL_HANDLE, pending_.clear(), pending_all_ = false;
       try {
-        const std::vector<char> bars = plan_sync(recs);
-        for (size_t i = 0; i < recs.size(); ++i) {
-          Rec& r = recs[i];
-          if (bars[i]) barrier();
+        for (Rec& r : recs) {
+          next_ = std::move(r.uses);
+          order();
           record_dispatch(r.p, r.push.data(), (uint32_t)r.push.size(), r.g[0], r.g[1], r.g[2]);
         }
         cb_ = cmd_;
@@ -1128,7 +1092,15 @@ class Ctx {
     const bool named = !next_.empty();
     resolve(next_);
     // Profiling stamps each command after a barrier, so that its gap is its own cost.
-    if (all || qpool_ || depends(next_, pending_, pending_all_)) {
+    bool dep = all || qpool_ || pending_all_ || (!named && !pending_.empty()) || pending_.size() > 256;
+    for (size_t i = 0; !dep && i < next_.size(); ++i)
+      for (const Use& p : pending_)
+        if ((next_[i].write || p.write) && !(next_[i].shared && p.shared) && next_[i].addr < p.addr + p.bytes &&
+            p.addr < next_[i].addr + next_[i].bytes) {
+          dep = true;
+          break;
+        }
+    if (dep) {
       barrier();
       pending_.clear();
       pending_all_ = false;
@@ -1137,15 +1109,6 @@ class Ctx {
     for (const Use& u : next_)
       if (u.bytes) pending_.push_back(u);
     next_.clear();
-  }
-  // Whether a command with uses `next` must wait for those since the last barrier.
-  static bool depends(const std::vector<Use>& next, const std::vector<Use>& pending, bool pending_all) {
-    if (pending_all || (next.empty() && !pending.empty()) || pending.size() > 256) return true;
-    for (const Use& n : next)
-      for (const Use& p : pending)
-        if ((n.write || p.write) && !(n.shared && p.shared) && n.addr < p.addr + p.bytes && p.addr < n.addr + n.bytes)
-          return true;
-    return false;
   }
   void resolve(std::vector<Use>& us) const {
     for (Use& u : us)
@@ -1376,60 +1339,13 @@ class Ctx {
     VkBufferCopy copy{};
     std::vector<Use> uses;
     std::string name;  // the shader (DASLLAMA_VULKAN_STEPS only)
-    int32_t sync_off = -1;  // the push constants' sync word (common.glsl's early starts), or -1
-    uint8_t sync_caps = 0;  // kSyncWait | kSyncSignal: what the shader does with it
   };
-  // A step's barriers, as order() would put them before each of its (resolved) commands, less
-  // those an early start replaces (common.glsl): where command i would wait for i - 1, i's
-  // shader can wait and i - 1's signal, and every command since the last barrier waited for the
-  // one before it (so i - 1 finishing implies all of them finished), the two get a sync slot
-  // (their push constants' sync words) and no barrier goes between them.
-  std::vector<char> plan_sync(std::vector<Rec>& recs) {
-    static const bool all = [] {
-      const char* e = std::getenv("DASLLAMA_VULKAN_BARRIERS");
-      return e && std::strcmp(e, "all") == 0;
-    }();
-    std::vector<char> bars(recs.size(), 0);
-    std::vector<Use> pend;
-    bool pend_all = false, chain = true;  // chain: the commands since the last barrier each waited
-    size_t since = 0;                     // commands since the last barrier (the primary's, first)
-    uint32_t slot = 0;
-    for (size_t i = 0; i < recs.size(); ++i) {
-      Rec& r = recs[i];
-      bool dep = all || qpool_ || depends(r.uses, pend, pend_all);
-      if (dep && !all && i > 0 && chain && since > 0 && slot < kSyncSlots && (r.sync_caps & kSyncWait) &&
-          (recs[i - 1].sync_caps & kSyncSignal)) {
-        ++slot;
-        uint32_t w;
-        std::memcpy(&w, r.push.data() + r.sync_off, 4);
-        w |= slot, std::memcpy(r.push.data() + r.sync_off, &w, 4);
-        Rec& pr = recs[i - 1];
-        std::memcpy(&w, pr.push.data() + pr.sync_off, 4);
-        w |= slot << 14, std::memcpy(pr.push.data() + pr.sync_off, &w, 4);
-        ++since;
-      } else if (dep) {
-        bars[i] = 1, pend.clear(), pend_all = false, since = 1, chain = true;
-      } else {
-        chain = since == 0, ++since;
-      }
-      if (r.uses.empty()) pend_all = true;
-      for (const Use& u : r.uses)
-        if (u.bytes) pend.push_back(u);
-    }
-    if (steps_log() && slot) std::fprintf(stderr, "vulkan step: %u early starts (no barrier, a wait)\n", slot);
-    return bars;
-  }
   struct Step {
     std::vector<uint8_t> sig;
     VkCommandBuffer cb = VK_NULL_HANDLE;
     uint64_t used = 0;
   };
-  static constexpr size_t kMaxSteps = 8, kArgSlots = 4096;  // kArgSlots: common.glsl's SYNC_ARGS
-  static constexpr size_t kSyncSlots = 1024;                 // common.glsl's SYNC_SLOTS
-  int32_t next_sync_off_ = -1;
-  uint8_t next_sync_caps_ = 0;
-  bool early_step_ = false;  // the step being recorded carries an epoch (args[0]): early starts
-  uint32_t epoch_ = 0;
+  static constexpr size_t kMaxSteps = 8, kArgSlots = 4096;
   bool rec_ = false, uncacheable_ = false;
   std::thread::id rec_tid_;
   std::vector<Rec> recs_;
@@ -1707,11 +1623,7 @@ class VulkanBackend final : public Backend {
       uint32_t cols, n, flags;
       float eps;
       uint32_t gs, us;
-      uint64_t args;  // the signal for an early start of the GEMV after (common.glsl)
-      uint32_t sync;
-    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, 0, 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps, 0, 0,
-         c_->args_addr(), 0};
-    if (pc.args) c_->sync_next(offsetof(decltype(pc), sync), Ctx::kSyncSignal);
+    } pc{A(x), i8_xq_, i8_xd_, norm ? A(norm_w) : 0, 0, 0, (uint32_t)cols, (uint32_t)n, norm ? 1u : 0u, eps, 0, 0};
     // A decode's (1-4 rows, DASLLAMA_VULKAN_GEMVI8=2) glu kept just before, that made x (ffn down
     // in a recorded step): x computed from its gate and up here, the glu's dispatch taken back.
     const Glu gl = glu_;
@@ -2025,24 +1937,20 @@ class VulkanBackend final : public Backend {
                 const KvTail* kt = nullptr) {
     struct {
       uint64_t w[3], y[3];
-      uint64_t xq, xd;
-      uint64_t nw, cnt;
-      uint64_t args;  // the early start's (common.glsl), with sync
-      uint32_t row_bytes;
+      uint64_t xq, xd, row_bytes;
       uint32_t rows[3];
-      uint32_t cols, b0, b1, flags;  // flags bits 16-23: the tokens
+      uint32_t cols, n, b0, b1, flags;
+      uint64_t nw, cnt;
       float eps;
-      uint32_t sync;
     } pc{};
-    static_assert(sizeof pc == 128, "gemv_i8x.comp's push constants");
     int64_t total = 0;
     for (int i = 0; i < count; ++i) {
       pc.w[i] = A(ws[i]->data), pc.y[i] = A(ys[i]), pc.rows[i] = (uint32_t)ws[i]->rows;
       total += ws[i]->rows;
     }
     const int64_t cols = ws[0]->cols;
-    pc.xq = i8_xq_, pc.xd = i8_xd_, pc.row_bytes = (uint32_t)lay_rb(*ws[0]);
-    pc.cols = (uint32_t)cols, pc.flags = (accumulate ? 1u : 0u) | (uint32_t)n << 16;
+    pc.xq = i8_xq_, pc.xd = i8_xd_, pc.row_bytes = lay_rb(*ws[0]);
+    pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.flags = accumulate ? 1u : 0u;
     const uint32_t nt = n <= 1 ? 1 : n <= 2 ? 2 : 4;
     const int mode = gemvi8_mode();
     const bool z = gemvx_ahead2(mode, n, cols);
@@ -2081,7 +1989,6 @@ class VulkanBackend final : public Backend {
     const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (dot ? "" : "p") +
                            std::to_string(nt) + "r" + std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
     const size_t sig0 = c_->sig_bytes();
-    if ((pc.args = c_->args_addr())) c_->sync_next(offsetof(decltype(pc), sync), Ctx::kSyncWait | Ctx::kSyncSignal);
     c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
     // Kept for a normed quant_act of y that may come next (it folds itself in: quant_act).
     gx_ = gu_ = gq_ = GemvX{};
@@ -2419,10 +2326,7 @@ class VulkanBackend final : public Backend {
       uint32_t cols, n, b0, b1, flags;
       float eps;
       uint32_t ks, rpw;  // gemv.comp only
-      uint32_t sync;     // gemv.comp's early start (set when the step is planned), and its args
-      uint64_t args;
     } pc{};
-    static_assert(sizeof pc == 128, "gemv.comp's push constants");
     pc.norm_w = norm ? A(norm_w) : 0, pc.flags = (norm ? 1u : 0u) | (accumulate ? 2u : 0u), pc.eps = eps;
     uint32_t blocks = 0, b[3] = {0, 0, 0};
     for (int i = 0; i < count; ++i) {
@@ -2484,10 +2388,6 @@ class VulkanBackend final : public Backend {
                .emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") +
                                  std::string(fuse ? "glu_" : "") + std::to_string(t))
                .first;
-    if (direct && c_->args_addr()) {
-      pc.args = c_->args_addr();
-      c_->sync_next(offsetof(decltype(pc), sync), Ctx::kSyncWait | Ctx::kSyncSignal);
-    }
     c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
   }
   // DASLLAMA_VULKAN_FUSE_GLU=0: the glu before ffn down stays its own dispatch (for A/B runs).
@@ -2660,7 +2560,6 @@ class VulkanBackend final : public Backend {
       int32_t window;
       float scale, softcap;
       int32_t split;
-      uint32_t sync;  // attn_dec.comp's signal (an early start of the dispatch after)
     } pc{A(a.q), A(a.kv.base), A(a.kv.pages), A(a.q_pos), A(a.out), A(a.sinks), 0, c_->args_addr(), 0,
          (uint32_t)a.kv.page_bytes, (uint32_t)a.kv.k_off, (uint32_t)a.kv.v_off, (uint32_t)a.kv.row_bytes,
          (int32_t)a.q_stride, (int32_t)a.out_stride, c_->step_arg((int32_t)a.n_kv),
@@ -2730,7 +2629,6 @@ class VulkanBackend final : public Backend {
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false},
               {qfold ? pc.sinks : 0, qb + db, true}});
     const char* sh = dec ? dec_sh : a.head_dim > 256 ? "attention_512" : "attention";
-    if (dec && pc.args) c_->sync_next(offsetof(decltype(pc), sync), Ctx::kSyncSignal);
     c_->dispatch(sh, &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
     attn_q8_ = AttnQ8{};
     if (qfold) attn_q8_ = AttnQ8{true, c_->step_serial(), c_->kept(), A(a.out), pc.sinks, a.n_tok, hd};

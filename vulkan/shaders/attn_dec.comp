@@ -42,7 +42,6 @@ layout(push_constant, std430) uniform PC {
   int window;
   float scale, softcap;
   int split;
-  uint sync;  // common.glsl's early starts: the signal for the dispatch after (the O projection)
 } pc;
 
 #define NH int(pc.heads & 0xffffu)
@@ -71,7 +70,7 @@ vec2 kv_pair(uint64_t r, uint u) {
 
 uint64_t kv_base(int j) { return kv_row_at(pc.base, pc.pages, pc.page_bytes, pc.row_bytes, PSHIFT, j); }
 
-void attend() {
+void main() {
   const int h = int(gl_WorkGroupID.x), t = int(gl_WorkGroupID.y), z = int(gl_WorkGroupID.z);
   const int nz = int(gl_NumWorkGroups.z);
   const int tid = int(gl_LocalInvocationID.x);
@@ -223,9 +222,4 @@ void attend() {
     qq.v[1] = uvec4(w[4], w[5], w[6], w[7]);
     F32(xq + qb + (uint64_t(t) * (cols / 32u) + blk) * 4u).v[0] = dq;
   }
-}
-
-void main() {
-  attend();  // (its returns are uniform: a workgroup leaves it as a whole)
-  sync_signal(pc.args, pc.sync);
 }

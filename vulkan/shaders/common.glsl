@@ -14,53 +14,6 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer V4U { uvec4
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2 { uvec2 v[]; };  // 8-aligned only
 // Values other workgroups of the same dispatch wrote (a last workgroup's reads): not from a stale cache.
 layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer F32C { float v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 16) coherent buffer V4C { vec4 v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer U32C { uint v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 16) coherent buffer V4UC { uvec4 v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 4) volatile coherent buffer U32V { uint v[]; };
-
-// Early starts (vulkan_backend.cpp, Ctx::plan_sync): inside a recorded step, a dispatch that
-// would wait behind a barrier for the one before it is recorded without the barrier instead,
-// so its workgroups start (and issue their weight loads) while that one runs, and wait for
-// it on the device: the one before counts its finished workgroups and its last one sets a flag
-// to the step's epoch. The words sit in the step's argument buffer: args[0] the epoch,
-// args[SYNC_ARGS + s] slot s's flag, args[SYNC_ARGS + SYNC_SLOTS + s] its counter (left at 0).
-// sync (a push constant): bits 0-13 the slot + 1 to wait on, bits 14-27 the slot + 1 to signal.
-// A wait that gives up counts itself at args[SYNC_ARGS + 2 SYNC_SLOTS] (DASLLAMA_VULKAN_STEPS prints it).
-// Everything a waiting dispatch reads that the step wrote goes through coherent views.
-const uint SYNC_ARGS = 4096u;  // vulkan_backend.cpp's kArgSlots
-const uint SYNC_SLOTS = 1024u;  // and its kSyncSlots
-// Uniform control flow (sync is a push constant): the workgroup's first invocation polls.
-void sync_wait(uint64_t args, uint sync) {
-  const uint s = sync & 0x3fffu;
-  if (s == 0u) return;
-  if (gl_LocalInvocationIndex == 0u) {
-    const uint e = U32(args).v[0];
-    U32V f = U32V(args + uint64_t(SYNC_ARGS + s - 1u) * 4u);
-    // A bound, so that a driver that ran the two in another order could not hang the device.
-    bool set = false;
-    for (uint i = 0u; i < (1u << 24) && !set; ++i) set = f.v[0] == e;
-    if (!set) atomicAdd(U32C(args + uint64_t(SYNC_ARGS + 2u * SYNC_SLOTS) * 4u).v[0], 1u);
-  }
-  memoryBarrierBuffer();
-  barrier();
-}
-// At the end of every invocation's work (uniform control flow).
-void sync_signal(uint64_t args, uint sync) {
-  const uint s = (sync >> 14) & 0x3fffu;
-  if (s == 0u) return;
-  memoryBarrierBuffer();
-  barrier();
-  if (gl_LocalInvocationIndex == 0u) {
-    U32C c = U32C(args + uint64_t(SYNC_ARGS + SYNC_SLOTS + s - 1u) * 4u);
-    const uint n = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
-    if (atomicAdd(c.v[0], 1u) == n - 1u) {
-      atomicExchange(c.v[0], 0u);  // every workgroup has counted: ready for the next step
-      memoryBarrierBuffer();
-      atomicExchange(U32C(args + uint64_t(SYNC_ARGS + s - 1u) * 4u).v[0], U32(args).v[0]);
-    }
-  }
-}
 
 // Packed formats sit at 1- or 2-byte alignment: read the covering 32-bit words.
 uint rd8(uint64_t a) { return (U32(a & ~uint64_t(3)).v[0] >> (uint(a & 3) * 8u)) & 0xffu; }

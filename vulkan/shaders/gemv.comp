@@ -16,9 +16,6 @@
 // (a counter at norm_w, left at 0 again): out may be up itself, which every workgroup reads.
 // Its fields ride in unused slots: w[1] up, w[2] the GLU's out, y[1] the gate and up row
 // strides (low, high 32 bits), y[2] the activation (ops.comp's op code), norm_w the counter.
-// sync / args: an early start (common.glsl's sync_wait): each subgroup loads its first round of
-// weight units, then the workgroup waits for the dispatch before; x, the GLU's inputs and an
-// accumulated y are then read through coherent views. And the signal for the dispatch after.
 #version 450
 #include "common.glsl"
 #include "dequant.glsl"
@@ -33,8 +30,6 @@ layout(push_constant, std430) uniform PC {
   uint cols, n, b0, b1, flags;
   float eps;
   uint ks, rpw;  // subgroups a row is split over; rows a workgroup covers
-  uint sync;
-  uint64_t args;
 } pc;
 
 const uint R = 4u, U = 2u;
@@ -88,28 +83,6 @@ float unit_scale(uint64_t row, uint u) {
 #endif
 }
 
-// Units u0, u0 + S, ... (U of them) of R rows, and their scales; past ue a repeat of the last.
-void load_units(uint64_t row[R], uint u0, uint ue, uint S, out uvec4 q[U][R], out float d[U][R]) {
-  [[unroll]] for (uint k = 0u; k < U; ++k) {
-    const uint u = min(u0 + k * S, ue - 1u);  // past ue: a repeat, loaded but not used
-    [[unroll]] for (uint r = 0u; r < R; ++r) {
-      q[k][r] = V4U(row[r] + uint64_t(u) * 16u).v[0];
-      d[k][r] = unit_scale(row[r], u);
-    }
-  }
-}
-
-// 8 floats at a (16-aligned), through a coherent view after an early start's wait.
-void ld8(uint64_t a, bool coh, out vec4 lo, out vec4 hi) {
-  if (coh) {
-    V4C c = V4C(a);
-    lo = c.v[0], hi = c.v[1];
-  } else {
-    V4 p = V4(a);
-    lo = p.v[0], hi = p.v[1];
-  }
-}
-
 void main() {
   uint wg = gl_WorkGroupID.x, mi = 0u;
   if (wg >= pc.b0) {
@@ -128,20 +101,6 @@ void main() {
   const bool norm = (pc.flags & 1u) != 0u;
   // The same number of passes in every subgroup (the barriers below are in uniform flow).
   const uint passes = (pc.rpw + groups * R - 1u) / (groups * R);
-  const bool coh = (pc.sync & 0x3fffu) != 0u;
-  uvec4 q[U][R];
-  float d[U][R];
-  bool held = false;  // q and d hold the first pass's first round (an early start's)
-  if (coh) {
-    const uint r0 = wg * pc.rpw + group * R;
-    if (in_use && group * R < pc.rpw && r0 < rows && ub + lane < ue) {
-      uint64_t row[R];
-      [[unroll]] for (uint r = 0u; r < R; ++r) row[r] = wbase + uint64_t(min(r0 + r, rows - 1u)) * rb;
-      load_units(row, ub + lane, ue, S, q, d);
-      held = true;
-    }
-    sync_wait(pc.args, pc.sync);
-  }
   for (uint pass = 0u; pass < passes; ++pass) {
     const uint r0 = wg * pc.rpw + (pass * groups + group) * R;
     const bool live = in_use && (pass * groups + group) * R < pc.rpw && r0 < rows;
@@ -157,8 +116,15 @@ void main() {
       uint64_t row[R];
       [[unroll]] for (uint r = 0u; r < R; ++r) row[r] = wbase + uint64_t(min(r0 + r, rows - 1u)) * rb;
       for (uint u0 = ub + lane; u0 < ue; u0 += U * S) {
-        if (!held) load_units(row, u0, ue, S, q, d);
-        held = false;
+        uvec4 q[U][R];
+        float d[U][R];
+        [[unroll]] for (uint k = 0u; k < U; ++k) {
+          const uint u = min(u0 + k * S, ue - 1u);  // past ue: a repeat, loaded but not used
+          [[unroll]] for (uint r = 0u; r < R; ++r) {
+            q[k][r] = V4U(row[r] + uint64_t(u) * 16u).v[0];
+            d[k][r] = unit_scale(row[r], u);
+          }
+        }
         [[unroll]] for (uint k = 0u; k < U; ++k) {
           const uint u = u0 + k * S;
           if (u >= ue) break;
@@ -175,19 +141,18 @@ void main() {
             [[unroll]] for (uint t = 0u; t < NT; ++t) {
               if (t >= nt) break;
 #ifdef GLU
+              V4 gr = V4(pc.x + (uint64_t(t0 + t) * gs + e) * 4u), ur = V4(pc.w[1] + (uint64_t(t0 + t) * us + e) * 4u);
               vec4 xa, xb;
               {
-                vec4 g0, g1, u0, u1;
-                ld8(pc.x + (uint64_t(t0 + t) * gs + e) * 4u, coh, g0, g1);
-                ld8(pc.w[1] + (uint64_t(t0 + t) * us + e) * 4u, coh, u0, u1);
+                const vec4 g0 = gr.v[0], g1 = gr.v[1], u0 = ur.v[0], u1 = ur.v[1];
                 [[unroll]] for (uint i = 0u; i < 4u; ++i) {
                   xa[i] = glu_act(act, g0[i]) * u0[i];
                   xb[i] = glu_act(act, g1[i]) * u1[i];
                 }
               }
 #else
-              vec4 xa, xb;
-              ld8(pc.x + (uint64_t(t0 + t) * pc.cols + e) * 4u, coh, xa, xb);
+              V4 xr = V4(pc.x + (uint64_t(t0 + t) * pc.cols + e) * 4u);
+              vec4 xa = xr.v[0], xb = xr.v[1];
 #endif
               if (norm) {
                 ss[t] += dot(xa, xa) + dot(xb, xb);
@@ -240,10 +205,8 @@ void main() {
         const float sc = norm ? 1.0f / sqrt(ss[t] / float(pc.cols) + pc.eps) : 1.0f;
         if (lane < R && r0 + lane < rows) {
           const float v = (lane == 0u ? s[0] : lane == 1u ? s[1] : lane == 2u ? s[2] : s[3]) * sc;
-          const uint64_t ya = pc.y[mi] + (uint64_t(t0 + t) * rows + r0 + lane) * 4u;
-          if ((pc.flags & 2u) == 0u) F32(ya).v[0] = v;
-          else if (coh) F32C(ya).v[0] += v;
-          else F32(ya).v[0] += v;
+          F32 yo = F32(pc.y[mi] + (uint64_t(t0 + t) * rows + r0 + lane) * 4u);
+          yo.v[0] = (pc.flags & 2u) != 0u ? yo.v[0] + v : v;
         }
       }
     }
@@ -259,13 +222,11 @@ void main() {
   barrier();
   if (glu_last) {
     const uint gs = uint(pc.y[1]), us = uint(pc.y[1] >> 32), act = uint(pc.y[2]);
-    F32C gr = F32C(pc.x), ur = F32C(pc.w[1]);
-    F32 o = F32(pc.w[2]);
+    F32 gr = F32(pc.x), ur = F32(pc.w[1]), o = F32(pc.w[2]);
     for (uint i = gl_LocalInvocationIndex; i < pc.n * pc.cols; i += gl_WorkGroupSize.x) {
       const uint t = i / pc.cols, k = i % pc.cols;
       o.v[i] = glu_act(act, gr.v[t * gs + k]) * ur.v[t * us + k];
     }
   }
 #endif
-  sync_signal(pc.args, pc.sync);
 }

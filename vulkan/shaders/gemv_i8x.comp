@@ -36,10 +36,6 @@
 // into the cache row through the block table, each as kv_store.comp would (rope_cs, f2h, q8_0's
 // blocks): the kv_store dispatch (which had the ropes folded in) and its barrier taken back. The
 // store's parameters lie in a block at nw (KvP); a counter a head at cnt (queries', then KV heads').
-// sync / args: an early start (common.glsl's sync_wait): the first window's weights are loaded,
-// then the workgroup waits for the dispatch before and reads x through coherent views; and the
-// signal for the dispatch after, once everything (tails too) is written. The tokens ride in
-// flags bits 16-23 (NTOK) so that the push constants stay within 128 bytes.
 #version 450
 #extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
 #include "common.glsl"
@@ -73,15 +69,12 @@ layout(local_size_x = 32) in;
 layout(push_constant, std430) uniform PC {
   uint64_t w[3], y[3];
   uint64_t xq, xd;  // quant_act's output: int8 [n][cols], f32 scales [n][cols / 32]
-  uint64_t nw, cnt;  // flags 2: the norm weight (or 0) and the last workgroup's counter (left at 0)
-  uint64_t args;
-  uint row_bytes;
+  uint64_t row_bytes;
   uint rows[3];
-  uint cols, b0, b1, flags;
+  uint cols, n, b0, b1, flags;
+  uint64_t nw, cnt;  // flags 2: the norm weight (or 0) and the last workgroup's counter (left at 0)
   float eps;
-  uint sync;
 } pc;
-#define NTOK ((pc.flags >> 16) & 0xffu)
 shared double red[256];  // flags 2: the row's partial sums of squares (qact.glsl's order)
 shared bool tail_last;
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer KvP {  // flags 8: vulkan_backend.cpp's KvTailParams
@@ -151,11 +144,7 @@ float i2f(int s) {  // gemm_i8.comp's exact block sum to float
   return f;
 }
 
-// x's 16 bytes / a scale at a, through a coherent view after an early start's wait.
-uvec4 ld16(uint64_t a, bool coh) { return coh ? V4UC(a).v[0] : V4U(a).v[0]; }
-float ld4(uint64_t a, bool coh) { return coh ? F32C(a).v[0] : F32(a).v[0]; }
-
-void gemv() {
+void main() {
   const uint l = gl_LocalInvocationID.x;
   uint wg = gl_WorkGroupID.x, mi = 0u;
   if (wg >= pc.b0) {
@@ -163,7 +152,7 @@ void gemv() {
     if (wg >= pc.b1) wg -= pc.b1, mi = 2u;
   }
   const uint rows = pc.rows[mi], nb = pc.cols / 32u, r0 = wg * R;
-  const uint t0 = gl_WorkGroupID.y * NT, nt = min(NT, NTOK - t0);
+  const uint t0 = gl_WorkGroupID.y * NT, nt = min(NT, pc.n - t0);
 #if PAIRS
   const uint64_t scales = uint64_t(pc.cols);
   // Units l and l + 32 of the window: blocks l / 2 and 16 + l / 2, halves l % 2. The block whose
@@ -177,7 +166,7 @@ void gemv() {
   const uint bw = l;
 #endif
   uint64_t wrow[R];
-  [[unroll]] for (uint r = 0u; r < R; ++r) wrow[r] = pc.w[mi] + uint64_t(min(r0 + r, rows - 1u)) * uint64_t(pc.row_bytes);
+  [[unroll]] for (uint r = 0u; r < R; ++r) wrow[r] = pc.w[mi] + uint64_t(min(r0 + r, rows - 1u)) * pc.row_bytes;
 
   // A window's loads (blocks past the row read its last block; their terms are never added).
   uvec4 q[R][QU], x[NT][2];
@@ -190,7 +179,7 @@ void gemv() {
 #define UNITS(kb0)                                                                                    \
   const uint ua = 2u * min((kb0) + l, nb - 1u), ub = ua + 1u;
 #endif
-#define LOADQ(kb0, q, dw)                                                                          \
+#define LOADW(kb0, q, dw, x, dx)                                                                   \
   {                                                                                                \
     UNITS(kb0)                                                                                       \
     const uint bs = min((kb0) + bw, nb - 1u);                                                      \
@@ -199,44 +188,30 @@ void gemv() {
       q[r][1] = V4U(wrow[r] + uint64_t(ub) * 16u).v[0];                                            \
       dw[r] = h2f(rd16(wrow[r] + scales + uint64_t(bs) * 2u));                                     \
     }                                                                                              \
-  }
-#define LOADX(kb0, x, dx)                                                                          \
-  {                                                                                                \
-    UNITS(kb0)                                                                                       \
-    const uint bs = min((kb0) + bw, nb - 1u);                                                      \
     [[unroll]] for (uint t = 0u; t < NT; ++t) {                                                    \
       const uint64_t xr = pc.xq + uint64_t(t0 + min(t, nt - 1u)) * pc.cols;                        \
-      x[t][0] = ld16(xr + uint64_t(ua) * 16u, coh);                                                \
-      x[t][1] = ld16(xr + uint64_t(ub) * 16u, coh);                                                \
-      dx[t] = ld4(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + bs) * 4u, coh);                   \
+      x[t][0] = V4U(xr + uint64_t(ua) * 16u).v[0];                                                 \
+      x[t][1] = V4U(xr + uint64_t(ub) * 16u).v[0];                                                 \
+      dx[t] = F32(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + bs) * 4u).v[0];                   \
     }                                                                                              \
   }
 #else
-#define LOADQ(kb0, q, dw)                                                                          \
+#define LOADW(kb0, q, dw, x, dx)                                                                   \
   {                                                                                                \
     const uint bs = min((kb0) + l, nb - 1u);                                                       \
     [[unroll]] for (uint r = 0u; r < R; ++r) {                                                     \
       q[r][0] = V4U(wrow[r] + uint64_t(bs) * 16u).v[0];                                            \
       dw[r] = h2f(rd16(wrow[r] + scales + uint64_t(bs) * 2u));                                     \
     }                                                                                              \
-  }
-#define LOADX(kb0, x, dx)                                                                          \
-  {                                                                                                \
-    const uint bs = min((kb0) + l, nb - 1u);                                                       \
     [[unroll]] for (uint t = 0u; t < NT; ++t) {                                                    \
       const uint64_t xr = pc.xq + uint64_t(t0 + min(t, nt - 1u)) * pc.cols + uint64_t(bs) * 32u;   \
-      x[t][0] = ld16(xr, coh);                                                                     \
-      x[t][1] = ld16(xr + 16u, coh);                                                               \
-      dx[t] = ld4(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + bs) * 4u, coh);                   \
+      x[t][0] = V4U(xr).v[0];                                                                      \
+      x[t][1] = V4U(xr + 16u).v[0];                                                                \
+      dx[t] = F32(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + bs) * 4u).v[0];                   \
     }                                                                                              \
   }
 #endif
-#define LOADW(kb0, q, dw, x, dx) LOADQ(kb0, q, dw) LOADX(kb0, x, dx)
-  // An early start loads the first window's weights, then waits for the dispatch before.
-  const bool coh = (pc.sync & 0x3fffu) != 0u;
-  LOADQ(0u, q, dw)
-  sync_wait(pc.args, pc.sync);
-  LOADX(0u, x, dx)
+  LOADW(0u, q, dw, x, dx)
 #if PF == 2
   // PF=2: two windows ahead in flight, not one (long rows: ffn down's 8192 columns).
   uvec4 q1[R][QU], x1[NT][2];
@@ -351,7 +326,7 @@ void gemv() {
     if (!tail_last) return;
     memoryBarrierBuffer();
     const uint act = (pc.flags >> 8) & 0xffu, dim = rows, nbq = dim / 32u;
-    for (uint t = 0u; t < NTOK; ++t) {
+    for (uint t = 0u; t < pc.n; ++t) {
       const uint64_t e = uint64_t(t) * dim + blk * 32u + l;
       const float g = F32C(pc.y[0] + e * 4u).v[0], u = F32C(pc.y[1] + e * 4u).v[0];
       const float v = glu_act(act, g) * u;
@@ -359,13 +334,13 @@ void gemv() {
       GLU_V(t, l) = v;
     }
     barrier();
-    if (l < NTOK) {  // token l's block: qact.glsl's rounding, as quant_act.comp rounds it
+    if (l < pc.n) {  // token l's block: qact.glsl's rounding, as quant_act.comp rounds it
       vec4 v[8];
       [[unroll]] for (uint i = 0u; i < 8u; ++i)
         v[i] = vec4(GLU_V(l, 4u * i), GLU_V(l, 4u * i + 1u), GLU_V(l, 4u * i + 2u), GLU_V(l, 4u * i + 3u));
       uint w[8];
       const float d = qa_round(v, w);
-      const uint64_t qb = (uint64_t(NTOK) * dim + 255u) & ~uint64_t(255);
+      const uint64_t qb = (uint64_t(pc.n) * dim + 255u) & ~uint64_t(255);
       V4U q = V4U(pc.w[2] + uint64_t(l) * dim + uint64_t(blk) * 32u);
       q.v[0] = uvec4(w[0], w[1], w[2], w[3]);
       q.v[1] = uvec4(w[4], w[5], w[6], w[7]);
@@ -390,7 +365,7 @@ void gemv() {
     const uint half_ = (P.rope & 0xffffu) / 2u;
     const bool neox = ((P.rope >> 16) & 1u) != 0u;
     const int first = P.first_ >= 0 ? P.first_ : I32(P.args).v[-P.first_ - 1];
-    for (uint t = 0u; t < NTOK; ++t) {
+    for (uint t = 0u; t < pc.n; ++t) {
       const int p = I32(P.pos).v[t];
       if (mi == 0u) {  // a query head, in place (kv_store.comp's rotation, pair by pair)
         F32C qy = F32C(pc.y[0] + (uint64_t(t) * pc.rows[0] + head * hd) * 4u);
@@ -447,8 +422,8 @@ void gemv() {
   if (!tail_last) return;
   memoryBarrierBuffer();
   const uint cols = rows, nbq = cols / 32u;  // y's width: the next matmul's
-  const uint64_t qb = (uint64_t(NTOK) * cols + 255u) & ~uint64_t(255);
-  for (uint t = 0u; t < NTOK; ++t) {
+  const uint64_t qb = (uint64_t(pc.n) * cols + 255u) & ~uint64_t(255);
+  for (uint t = 0u; t < pc.n; ++t) {
     const uint64_t yr = pc.y[0] + uint64_t(t) * cols * 4u;
     // Invocation l sums for qact.glsl's lanes l + 32 j (j < 8), each over its elements in
     // order (qa_partial's sums), 8 of each lane's loads in flight at once, not one.
@@ -487,9 +462,4 @@ void gemv() {
       F32(pc.xq + qb + (uint64_t(t) * nbq + b) * 4u).v[0] = d;
     }
   }
-}
-
-void main() {
-  gemv();  // (its returns are uniform: a workgroup leaves it as a whole)
-  sync_signal(pc.args, pc.sync);
 }

@@ -23,14 +23,12 @@ layout(push_constant, std430) uniform PC {
   uint cols, n, flags;
   float eps;
   uint gs, us;          // flags 2: gate's and up's row strides (floats)
-  uint64_t args;        // common.glsl's early starts: the signal for the GEMV after
-  uint sync;
 } pc;
 
 shared double red[256];
 float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu_tanh(g) : max(g, 0.0f); }  // gemv_q.comp's
 
-void quant() {
+void main() {
   const uint nb = pc.cols / 32u, b = gl_GlobalInvocationID.x, t = gl_WorkGroupID.y, tid = gl_LocalInvocationID.x;
   const bool mine = b < nb && t < pc.n, norm = (pc.flags & 1u) != 0u;
   const uint64_t at = uint64_t(t) * pc.cols + uint64_t(b) * 32u;
@@ -87,9 +85,4 @@ void quant() {
   q.v[0] = uvec4(w[0], w[1], w[2], w[3]);
   q.v[1] = uvec4(w[4], w[5], w[6], w[7]);
   F32(pc.xd + (uint64_t(t) * nb + b) * 4u).v[0] = d;
-}
-
-void main() {
-  quant();  // (an invocation past the row's blocks returns from it early)
-  sync_signal(pc.args, pc.sync);
 }
