@@ -496,7 +496,8 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
     logits, and the profile (which names every shader dispatched) shows they ran. Where the
     device has f16 cooperative matrices (NVIDIA), the default and each variant the same way.
     Then q8 mode, where x is rounded to f16 once and one product runs (f16_round, gemm_f16o* /
-    the stand-ins gemm_f16eo*), against numpy's own rounding, and DASLLAMA_F16_SPLIT=1 there."""
+    the stand-ins gemm_f16eo*), against numpy's own rounding, and DASLLAMA_F16_SPLIT=1 there;
+    and an audio tower in q8 mode, whose f16 weights keep the split (rows equal to the CPU's)."""
     import re
 
     feats = _VK["devices"][0]["features"]
@@ -529,6 +530,9 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
             runs.append(("w", "", ("f16_round", "gemm_f16ow"), q8, ""))
     runs += [("emu", "", ("f16_round", "gemm_f16eo"), q8, ""), ("emu", "64", ("f16_round", "gemm_f16eoh"), q8, ""),
              ("emu", "", ("f16_split", "gemm_f16eh"), q8, "1")]
+    # An audio tower's f16 convs keep the split in q8 mode too (towers' float weights are exact:
+    # its rows equal the CPU's at 1e-9), never the one rounding.
+    runs.append(("emu", "", ("f16_split", "gemm_f16eh"), "audio_tower", ""))
     for mode, tile, names, k, split in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
                                "DASLLAMA_VULKAN_F16C_TILE": tile, "DASLLAMA_F16_SPLIT": split},
