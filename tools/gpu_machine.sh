@@ -6,7 +6,8 @@
 # and glvnd: unpacked into /) and .vkb/ (glslc, libshaderc1, libvulkan-dev: unpacked into
 # /tmp/vkb, for the build only), wheels in .whl/ (gguf, and scikit-build-core + pybind11 where the
 # machine lacks them), and optionally .peers/skb.tar.xz (llama.cpp's Vulkan llama-server) and
-# .peers/llcuda.tar.xz (llama.cpp's CUDA llama-bench and llama-server: /tmp/lb.sh, /tmp/ls.sh).
+# .peers/llcuda.tar.xz (llama.cpp's CUDA llama-bench and llama-server: /tmp/lb.sh, /tmp/ls.sh),
+# and .hub/llama.cpp-src.tar.xz (the converter the MoE, hybrid and vision tests would pip download).
 # REBUILD=1 builds again over an earlier /tmp/dl. `pip` there may be another interpreter's:
 # everything goes through `python -m pip`.
 for f in .gl/*.deb; do dpkg -x "$f" /; done
@@ -25,6 +26,8 @@ fi
 python -c 'import scikit_build_core, pybind11' 2>/dev/null ||
   python -m pip install -q --no-index --find-links .whl scikit-build-core pybind11
 [ -d /tmp/skb ] || { [ -f .peers/skb.tar.xz ] && tar xJf .peers/skb.tar.xz -C /tmp; }
+llsrc="${DASLLAMA_HOME:-$HOME/.cache/dasllama}/llama.cpp-src"
+[ -d "$llsrc" ] || { [ -f .hub/llama.cpp-src.tar.xz ] && mkdir -p "$llsrc" && tar xJf .hub/llama.cpp-src.tar.xz -C "$llsrc"; }
 # llama.cpp's CUDA build (benchmarks/README.md: llama-bench and llama-server for sm_90, built where
 # nvcc is), if carried: wrappers give each its own libraries (libggml's names clash with skb's).
 [ -d /tmp/llcuda ] || { [ -f .peers/llcuda.tar.xz ] && tar xJf .peers/llcuda.tar.xz -C /tmp; }
