@@ -529,13 +529,22 @@ class CudaBackend final : public Backend {
     // fewer bytes than the decoding): decoded to f16, then the f16 prefill's tiles. The decoded
     // copy is kept for the next matmul (never shrunk), so matrices past kDqMax (a large vocabulary's
     // head, in a prefill that asks for every row's logits) keep the f32 tiles.
+    // Where the device cannot hold the copy (a KV pool sized to fill it), the f32 tiles as before
+    // the copy was the default: matrices from the size that failed keep them.
     constexpr size_t kDqMax = size_t(512) << 20;
+    const size_t dq_bytes = (size_t)m.rows * m.cols * 2;
     if (n > 64 && !w.exact && cuda::dequant_f16_type(m.type) && dq_f16_on() && m.cols % 8 == 0 &&
-        (size_t)m.rows * m.cols * 2 <= kDqMax) {
+        dq_bytes <= kDqMax && dq_bytes < dq_failed_) {
       cuda::Mat h = m;
       h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2, h.w = nullptr;  // (the fit checks alignment only)
       if (cuda::mma_f16h_fits(h, x, n)) {
-        h.w = static_cast<const uint8_t*>(grown(dq_, (size_t)m.rows * h.row_bytes, "weights decoded to f16"));
+        try {
+          h.w = static_cast<const uint8_t*>(grown(dq_, dq_bytes, "weights decoded to f16"));
+        } catch (const DeviceError&) {
+          dq_failed_ = dq_bytes;
+        }
+      }
+      if (h.w) {
         void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
         const bool split = f16_act_split(w);
         op(Tag::matmul, [=](cudaStream_t s) {
@@ -1559,6 +1568,7 @@ class CudaBackend final : public Backend {
   cudaStream_t st_ = nullptr;
   BufferPtr scratch_, qact_, split_, counters_, tailc_;
   BufferPtr dq_;  // q8 mode's block-format weights decoded to f16 (the largest matrix so far, whole)
+  size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;
   float* pinned_ = nullptr;  // host_staging's buffer
   std::mutex blocks_mu_;  // host_block's live blocks (address, bytes), for download()
