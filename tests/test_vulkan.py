@@ -222,12 +222,12 @@ def dec_variants(width: int, head_sizes) -> set:
     """The decode attention shaders vulkan_backend.cpp's attn_dec_pick gives these head sizes where
     the narrowest subgroup has `width` lanes (8 dim pairs a lane for attn_dec, 16, 32)."""
     out = set()
-    for hd in head_sizes:
-        if width >= 8 and hd <= 8 * width and hd <= 256:
+    for hd in head_sizes if width >= 8 else ():
+        if hd <= 8 * width and hd <= 256:
             out.add("attn_dec")
-        elif width >= 8 and hd <= 16 * width:
+        elif hd <= 16 * width:
             out.add("attn_dec_8")
-        elif width >= 8 and hd <= 32 * width:
+        elif hd <= 32 * width:
             out.add("attn_dec_w")
     return out
 

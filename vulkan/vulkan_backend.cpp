@@ -2683,8 +2683,8 @@ class VulkanBackend final : public Backend {
   // sizes 64, 128 and 256, on f16 cooperative matrices (flash_cm.comp: Q and P rounded to f16, as
   // llama.cpp's flash attention does), where the device has them (H200 pp512: Q8_0 38,841 ->
   // 39,639, F16 32,602 -> 32,827); "emu": its f32-FMA stand-in on any device whose subgroups
-  // shuffle (lavapipe's check); "0": flash2 / flash / attention.comp. Read at each call. The shader's rows a
-  // workgroup (64, or 32 at head size 256) in *rows.
+  // shuffle (lavapipe's check); "0": flash2 / flash / attention.comp. Read at each call. The
+  // shader's rows a workgroup (64, or 32 at head size 256) in *rows.
   const char* flash_cm_pick(const AttnArgs& a, int64_t* rows = nullptr) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_FLASH_CM");
     const bool coop = !(e && (std::strcmp(e, "0") == 0 || std::strcmp(e, "emu") == 0)),
