@@ -737,17 +737,43 @@ def test_matmul_gemv_rows_split_or_whole(monkeypatch):
     assert np.array_equal(qkv["rule"], qkv["rule off"]), "the rule changed a dispatch under 8192 rows"
 
 
-def test_gemv_tails_alike(tiny, monkeypatch):
-    """q8 mode end to end: decodes whose glu before ffn down is computed and rounded by the gate /
-    up GEMV's per-block tails (gemv_i8x.comp flags 4, DASLLAMA_VULKAN_GLUTAIL unset) and whose
-    ropes and KV store are done by the Q/K/V GEMV's per-head tails (flags 8, KVTAIL=1) get
-    the logits of the same decodes without them (quant_act32 and kv_store dispatches) bit for
-    bit: one session (1 token a step, and a 3-token step) over f16, f32 and q8_0 caches, and three
-    sessions stepping together (3 tokens: their ropes and stores stay apart). Run on the GPUs' paths by
-    test_gemv_tails_on_lavapipe, which checks that the tails ran; lavapipe's own path keeps f32
-    activations, where the switches change nothing."""
+def _tiny_f16(tiny, built_dir):
+    from dasllama.convert import requantize
+
+    (f16,) = C.built_once(built_dir, "llama-tiny-f16",
+                          lambda out: [str(requantize(tiny["f32"], os.path.join(out, "llama-f16.gguf"), "f16",
+                                                      progress=False))])
+    return f16
+
+
+# The tails' cases: a file, its mode, the switches (GLU tail, KV tail) set for the run with the
+# tails, and gemv.comp's split forced (its rows a workgroup: with the tiny model's 32-dim heads,
+# on lavapipe's 8 lanes, 64 rows (two heads a workgroup) unset, 32 at 2, 4 at 16; on 32 lanes, 4).
+TAIL_CASES = {"q8_0 q8 (gemv_i8x)": ("q8_0", "q8", "1", "1", None),
+              "f16 q8 (gemv.comp)": ("f16", "q8", "0", "2", None),
+              "f16 q8, a head a workgroup": ("f16", "q8", "0", "2", "2"),
+              "f16 q8, heads over workgroups": ("f16", "q8", "0", "2", "16"),
+              "q8_0 fp32 (gemv.comp)": ("q8_0", "fp32", "0", "2", None)}
+
+
+@pytest.mark.parametrize("case", list(TAIL_CASES))
+def test_gemv_tails_alike(tiny, built_dir, monkeypatch, case):
+    """Decodes whose glu before ffn down is computed (and in q8 mode rounded) by the gate / up
+    GEMV's per-block tails (gemv_i8x.comp flags 4, DASLLAMA_VULKAN_GLUTAIL unset) and whose ropes
+    and KV store are done by the Q/K/V GEMV's per-head tails (kvtail.glsl: gemv_i8x.comp's flags
+    8, KVTAIL=1, in q8 mode over q8_0; gemv.comp's _kv variants, KVTAIL=2, over f16 weights and
+    in fp32 mode over q8_0) get the logits of the same decodes without them (quant_act32 and
+    kv_store dispatches) bit for bit: one session (1 token a step, and a 3-token step) over f16,
+    f32 and q8_0 caches, and three sessions stepping together (3 tokens: their ropes and stores
+    stay apart). Run on the GPUs' paths by test_gemv_tails_on_lavapipe, which checks that the
+    tails ran; lavapipe's own path keeps f32 activations and no subgroup GEMV, where the switches
+    change nothing."""
+    file, mode, glu_on, kv_on, ks = TAIL_CASES[case]
+    path = _tiny_f16(tiny, built_dir) if file == "f16" else tiny[file]
+    if ks:
+        monkeypatch.setenv("DASLLAMA_VULKAN_GEMV_KS", ks)
     ids = [1] + np.random.default_rng(14).integers(3, VOCAB, 12).tolist()
-    m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+    m = d.load_model(path, d.QuantMode.q8 if mode == "q8" else d.QuantMode.fp32, device="vulkan")
 
     def decode(glu, kv):
         monkeypatch.setenv("DASLLAMA_VULKAN_GLUTAIL", glu)
@@ -773,43 +799,50 @@ def test_gemv_tails_alike(tiny, monkeypatch):
         return np.stack(rows)
 
     want = decode("0", "0")
-    got = decode("1", "1")
+    got = decode(glu_on, kv_on)
     assert np.array_equal(got, want), \
         f"decode logits with the tails differ from those without (max {np.abs(got - want).max():.3g})"
 
 
 def test_gemv_tails_on_lavapipe(built_dir, tiny):
-    """test_gemv_tails_alike forced onto the GPUs' paths (q8-mode decode on gemv_i8x),
-    with DASLLAMA_VULKAN_STEPS=1 so the backend reports its folds and each recorded step's
-    dispatches: both tails ran, and the one-token step lost one dispatch a layer to each (the
-    GLU tail a quant_act32, the KV tail the kv_store)."""
+    """test_gemv_tails_alike forced onto the GPUs' paths (q8-mode decode of q8_0 on gemv_i8x, of
+    f16 and fp32 mode's on gemv.comp), with DASLLAMA_VULKAN_STEPS=1 so the backend reports its
+    folds and each recorded step's dispatches: both tails ran, and the one-token step lost one
+    dispatch a layer to each (the GLU tail a quant_act32, the KV tail the kv_store), on gemv.comp
+    in each of its splits' cases."""
     import re
 
+    _tiny_f16(tiny, built_dir)  # made here, not in a child
     r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1", "DASLLAMA_VULKAN_GEMVI8": "2",
                            "DASLLAMA_VULKAN_GEMVQ": "0"}, ("test_vulkan.py",), "gemv_tails_alike", s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     folds = [line for line in out.splitlines() if "by the gate/up GEMV's block tails:" in line]
     assert folds, out[-3000:]
-    counts = [int(part.rsplit(":", 1)[1]) for part in folds[-1].split(";")]
-    assert counts[4] > 0 and counts[5] > 0, out[-3000:]  # GLU tails, KV tails
+    counts = [max(c) for c in zip(*[[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in folds])]
+    assert counts[4] > 0 and counts[5] > 0, out[-3000:]  # GLU tails, KV tails (each model's, the most)
+    steps = [(int(m.group(1)), {k: int(v) for k, v in re.findall(r" (\S+) x(\d+)", m.group(2))})
+             for m in re.finditer(r"^vulkan step recorded: (\d+) dispatches:(.*)$", out, re.M)]
     # One-token steps of one session (no prefill's gemv_i8): without the tails and with them; a
     # layer is one attention (attn_dec.comp's, or attention.comp's where that does not fit).
     ones = {}
-    for line in out.splitlines():
-        if line.startswith("vulkan step recorded:") and "gemv_i8x1r" in line and "gemv_i8_" not in line:
-            c = {k: int(v) for k, v in re.findall(r" (\S+) x(\d+)", line.split(":", 2)[2])}
-            ones[int(line.split()[3])] = (c.get("attention", 0) + c.get("attn_dec", 0), c.get("quant_act32", 0),
-                                          c.get("kv_store", 0))
+    for n, c in steps:
+        if any(k.startswith("gemv_i8x1r") for k in c) and not any(k.startswith("gemv_i8_") for k in c):
+            ones[n] = (c.get("attention", 0) + c.get("attn_dec", 0), c.get("quant_act32", 0), c.get("kv_store", 0))
     assert len(ones) == 2, out[-3000:]
     (both, b), (plain, p) = sorted(ones.items())
     layers = p[0]
     # The one-token steps' attention is attn_dec.comp's on the GPUs' path (the tiny model's heads fit it).
-    dec = [int(m) for m in re.findall(r"^vulkan step recorded: \d+ dispatches:.* gemv_i8x1r\S* x\d+.* attn_dec x(\d+)",
-                                      out, re.M)]
+    dec = [c["attn_dec"] for _, c in steps if any(k.startswith("gemv_i8x1r") for k in c) and "attn_dec" in c]
     assert dec and all(n == layers for n in dec), out[-3000:]
     assert b[0] == layers and plain - both == 2 * layers, out[-3000:]
     assert p[1] - b[1] == layers and p[2] == layers and b[2] == 0, out[-3000:]
+    # gemv.comp's KV tail: for f16 (type 1) and fp32 mode's q8_0 (40), one-token steps with the
+    # _kv variant (one a layer) and no kv_store, one dispatch a layer fewer than those without.
+    for t in (1, 40):
+        kv = {n for n, c in steps if c.get(f"gemv1_kv_{t}") == layers and "kv_store" not in c}
+        plain_ = {n for n, c in steps if f"gemv1_{t}" in c and f"gemv1_kv_{t}" not in c and c.get("kv_store") == layers}
+        assert kv and {n - layers for n in plain_} == kv, (t, kv, plain_, out[-3000:])
 
 
 # The tiled prefill attention's variants (read at each call): flash2.comp by default (heads up to

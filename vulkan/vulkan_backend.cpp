@@ -2010,14 +2010,16 @@ class VulkanBackend final : public Backend {
     const char* e = std::getenv("DASLLAMA_VULKAN_NORMTAIL");
     return e && std::strcmp(e, "1") == 0;
   }
-  // DASLLAMA_VULKAN_KVTAIL (read at each store; =0 off): in recorded decode steps with GEMVI8 on,
-  // the ropes and the KV store go into the Q/K/V GEMV's per-head tails (gemv_i8x.comp flags 8;
-  // the same bits either way) rather than one kv_store dispatch after it. On the H200 the tails
-  // cost more than the dispatch they saved with 8-row workgroups (Llama-1B Q8_0 decode 513 -> 489
-  // t/s, fifteenth session); with GEMVI8's 3r4 (twenty-first) they pay: 781 -> 796, Q4_0 845 -> 857.
-  static bool kvtail_on() {
+  // DASLLAMA_VULKAN_KVTAIL (read at each store): in recorded decode steps, the ropes and the KV
+  // store go into the Q/K/V GEMV's per-head tails (kvtail.glsl; the same bits either way) rather
+  // than one kv_store dispatch after it. Unset or 1: q8 mode's gemv_i8x (flags 8) only; 2: also
+  // gemv.comp's (f16 / bf16 weights, and q8_0 / q4_0 in fp32 mode: its _kv variants), opt-in
+  // until timed on a GPU; 0: neither. On the H200 the gemv_i8x tails cost more than the dispatch
+  // they saved with 8-row workgroups (Llama-1B Q8_0 decode 513 -> 489 t/s, fifteenth session);
+  // with GEMVI8's 3r4 (twenty-first) they pay: 781 -> 796, Q4_0 845 -> 857.
+  static int kvtail_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_KVTAIL");
-    return !(e && std::strcmp(e, "0") == 0);
+    return e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "2") == 0 ? 2 : 1;
   }
   // DASLLAMA_VULKAN_GLUTAIL=0 (read at each fold): in recorded decode steps with GEMVI8 on, the
   // glu before ffn down stays folded into quant_act32 rather than into the gate / up GEMV's
@@ -2317,8 +2319,9 @@ class VulkanBackend final : public Backend {
     return one;
   }
   // One dispatch of the subgroup path over 1-3 weights of one type and width.
+  // kt (three weights, Q, K and V, on gemv.comp): the KV tail (its _kv variants), as gemv_i8x's.
   void matmul_sg(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n, bool norm = false,
-                 const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false) {
+                 const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false, const KvTail* kt = nullptr) {
     struct {
       uint64_t w[3], y[3];
       uint64_t x, row_bytes, norm_w;
@@ -2326,7 +2329,9 @@ class VulkanBackend final : public Backend {
       uint32_t cols, n, b0, b1, flags;
       float eps;
       uint32_t ks, rpw;  // gemv.comp only
+      uint64_t kvp;      // its _kv variants
     } pc{};
+    static_assert(sizeof pc == 128, "gemv.comp's push constants: 128 bytes, as every device allows");
     pc.norm_w = norm ? A(norm_w) : 0, pc.flags = (norm ? 1u : 0u) | (accumulate ? 2u : 0u), pc.eps = eps;
     uint32_t blocks = 0, b[3] = {0, 0, 0};
     for (int i = 0; i < count; ++i) {
@@ -2365,9 +2370,20 @@ class VulkanBackend final : public Backend {
     // up on the way and the glu's dispatch is taken back (gemv.comp, GLU).
     const Glu gl = glu_;
     glu_ = Glu{};
-    const bool fuse = direct && n <= 8 && glu_makes_x(gl, pc.x, count, norm, n, (int64_t)pc.cols);
+    const bool fuse = !kt && direct && n <= 8 && glu_makes_x(gl, pc.x, count, norm, n, (int64_t)pc.cols);
     const uint64_t xb = (uint64_t)(n * ws[0]->cols * 4);
-    if (fuse) {
+    if (kt && (!direct || count != 3 || accumulate || n > 8))
+      throw Error("vulkan: the KV tail needs gemv.comp over Q, K and V of at most 8 tokens");
+    auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
+    if (kt) {
+      pc.kvp = kt->params;
+      c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
+                {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
+                {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}, {tail_counters(1, kt->heads), (uint64_t)kt->heads * 4, true},
+                {kt->params, 256, false}, {kt->base, Ctx::kWhole, true, true}, {kt->pages, Ctx::kWhole, false},
+                {kt->pos, (uint64_t)n * 4, false}, {kt->inv, Ctx::kWhole, false}, {kt->factors, Ctx::kWhole, false},
+                {kt->args, Ctx::kWhole, false}});
+    } else if (fuse) {
       c_->unkeep_last(gl.sig0);
       pc.x = gl.gate, pc.w[1] = gl.up, pc.w[2] = gl.out, pc.norm_w = glu_counter();
       pc.y[1] = (uint64_t)(uint32_t)gl.gs | (uint64_t)(uint32_t)gl.us << 32, pc.y[2] = gl.code;
@@ -2376,19 +2392,25 @@ class VulkanBackend final : public Backend {
                 {pc.w[0], Ctx::kWhole, false}, {pc.y[0], (uint64_t)(n * ws[0]->rows * 4), true},
                 {pc.norm_w, 256, true}});
     } else {
-      auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
       c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
                 {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
                 {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
     }
-    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u);
+    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u) | (kt ? 1u << 21 : 0u);
     auto it = sg_names_.find(key);
     if (it == sg_names_.end())
       it = sg_names_
                .emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") +
-                                 std::string(fuse ? "glu_" : "") + std::to_string(t))
+                                 std::string(fuse ? "glu_" : kt ? "kv_" : "") + std::to_string(t))
                .first;
+    const size_t sig0 = c_->sig_bytes();
     c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
+    // Kept for the ropes and KV store of its three outputs that may come next (the KV tail).
+    gq_ = GemvX{};
+    if (direct && count == 3 && !accumulate && !fuse && !kt && n <= 8 && c_->recording()) {
+      gq_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, 0, 0, ws[1], ys[1], ws[2], ys[2], rpw};
+      gq_.sg = true, gq_.x = x, gq_.norm = norm, gq_.norm_w = norm_w, gq_.eps = eps;
+    }
   }
   // DASLLAMA_VULKAN_FUSE_GLU=0: the glu before ffn down stays its own dispatch (for A/B runs).
   static bool fuse_glu_on() {
@@ -2493,24 +2515,37 @@ class VulkanBackend final : public Backend {
         const GemvX gq = gq_;
         gq_ = GemvX{};
         const int64_t hd = r.head_dim;
-        if (kvtail_on() && gq.valid && gq.serial == c_->step_serial() && gq.kept == c_->kept() && A(gq.y) == rq.x &&
-            A(gq.y1) == A(k) && A(gq.y2) == A(v) && gq.n == n && src_stride == dim &&
+        // gemv_i8x's workgroups cover part of a head (R rows); gemv.comp's rpw rows may cover
+        // several heads too.
+        const int tm = kvtail_mode();
+        if (gq.valid && tm >= (gq.sg ? 2 : 1) && gq.serial == c_->step_serial() && gq.kept == c_->kept() &&
+            A(gq.y) == rq.x && A(gq.y1) == A(k) && A(gq.y2) == A(v) && gq.n == n && src_stride == dim &&
             gq.w->rows == (int64_t)rq.n_heads * hd && gq.w1->rows == dim && gq.w2->rows == dim && hd <= 256 &&
-            hd % gq.r == 0 && (kv.type != KVType::q8_0 || hd % 32 == 0) && kv.page_shift >= 0 && kv.page_shift <= 63) {
+            (hd % gq.r == 0 || (gq.sg && gq.r % hd == 0)) && (kv.type != KVType::q8_0 || hd % 32 == 0) &&
+            kv.page_shift >= 0 && kv.page_shift <= 63) {
+          // The GEMV is the last kept command: taken back before the counters are found (their
+          // first use records a fill), then issued again, with the tail unless no constant
+          // block is left for its parameters.
+          c_->unkeep_last(gq.sig0);
+          const int64_t heads = rq.n_heads + dim / hd;
           const KvTailParams kp{A(kv.base), A(kv.pages), c_->args_addr(), pc.pos, pc.inv, pc.factors,
                                 (uint32_t)kv.page_bytes, (uint32_t)kv.k_off, (uint32_t)kv.v_off, (uint32_t)kv.row_bytes,
-                                pc.first, kv.page_shift, (int32_t)kv.type, r.rot, (uint32_t)hd, r.freq_scale, r.mscale};
+                                pc.first, kv.page_shift, (int32_t)kv.type, r.rot, (uint32_t)hd, r.freq_scale, r.mscale,
+                                tail_counters(1, heads)};
           const uint64_t params = const_block(&kp, sizeof kp);
-          if (params) {
-            c_->unkeep_last(gq.sig0);
-            const KvTail kt{params, A(kv.base), A(kv.pages), pc.pos, pc.inv, pc.factors, c_->args_addr(),
-                            rq.n_heads + dim / hd};
-            const Weight* ws[3] = {gq.w, gq.w1, gq.w2};
-            float* ys[3] = {gq.y, gq.y1, gq.y2};
+          const KvTail kt{params, A(kv.base), A(kv.pages), pc.pos, pc.inv, pc.factors, c_->args_addr(), heads};
+          const Weight* ws[3] = {gq.w, gq.w1, gq.w2};
+          float* ys[3] = {gq.y, gq.y1, gq.y2};
+          if (gq.sg) {
+            matmul_sg(ws, ys, 3, gq.x, n, gq.norm, gq.norm_w, gq.eps, false, params ? &kt : nullptr);
+          } else {
             const uint64_t keep_q = i8_xq_, keep_d = i8_xd_;
             i8_xq_ = gq.in_q, i8_xd_ = gq.in_d;  // the GEMV's own input, as it was
-            gemv_i8x(ws, ys, 3, n, false, false, nullptr, 0.f, nullptr, &kt);
+            gemv_i8x(ws, ys, 3, n, false, false, nullptr, 0.f, nullptr, params ? &kt : nullptr);
             i8_xq_ = keep_q, i8_xd_ = keep_d;
+          }
+          gq_ = GemvX{};
+          if (params) {
             ++fused_kv_tail_;
             return;
           }
@@ -3063,15 +3098,16 @@ class VulkanBackend final : public Backend {
     c_->upload(const_slots_[slot].at, p, n);  // staged: after the commands before, before the step's
     return const_slots_[slot].at;
   }
-  // gemv_i8x.comp's KvP, byte for byte (std430: the six addresses, then 4-byte fields).
+  // kvtail.glsl's KvP, byte for byte (std430: the six addresses, then 4-byte fields, then cnt).
   struct KvTailParams {
     uint64_t base, pages, args, pos, inv, factors;
     uint32_t page_bytes, k_off, v_off, row_bytes;
     int32_t first, page_shift, kvtype;
     uint32_t rope, head_dim;
     float freq_scale, mscale;
+    uint64_t cnt;
   };
-  static_assert(sizeof(KvTailParams) == 96, "KvP's layout");
+  static_assert(sizeof(KvTailParams) == 104, "KvP's layout");
   // The step's last rope, while it is the last kept command (see kv_store).
   struct Rope {
     bool valid = false;
@@ -3101,6 +3137,11 @@ class VulkanBackend final : public Backend {
     const Weight* w2 = nullptr;   // gq_: the third (V) and its output
     float* y2 = nullptr;
     uint32_t r = 0;               // gq_: its rows a workgroup
+    bool sg = false;              // gq_: a gemv.comp dispatch (matmul_sg), whose x and norm follow
+    const float* x = nullptr;
+    bool norm = false;
+    const float* norm_w = nullptr;
+    float eps = 0.f;
   } gx_, gu_, gq_;  // gu_: the step's last gemv_i8x of gate and up (the GLU tail's); gq_: of Q, K, V (the KV tail's)
   // The step's last attention, while it is the last kept command, when it rounded its output
   // rows into the q8-mode scratch at buf (see quant_act).

@@ -16,9 +16,16 @@
 // (a counter at norm_w, left at 0 again): out may be up itself, which every workgroup reads.
 // Its fields ride in unused slots: w[1] up, w[2] the GLU's out, y[1] the gate and up row
 // strides (low, high 32 bits), y[2] the activation (ops.comp's op code), norm_w the counter.
+// With -DKVT (three weights Q, K and V; heads of head_dim rows, rpw a multiple or a divisor of
+// it; one pass of tokens, grid y 1): the step's ropes and KV store folded in as gemv_i8x.comp's
+// KV tail does them (kvtail.glsl): the last workgroup to finish a head's rows (a KV head's: of
+// its K and V rows) does that head's; the parameters and counters at kvp (KvTailParams).
 #version 450
 #include "common.glsl"
 #include "dequant.glsl"
+#ifdef KVT
+#extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
+#endif
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 
@@ -30,6 +37,7 @@ layout(push_constant, std430) uniform PC {
   uint cols, n, b0, b1, flags;
   float eps;
   uint ks, rpw;  // subgroups a row is split over; rows a workgroup covers
+  uint64_t kvp;  // KVT: the KV tail's parameters
 } pc;
 
 const uint R = 4u, U = 2u;
@@ -46,6 +54,16 @@ float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu
 #endif
 const uint MAXSG = 32u;  // 128 invocations over subgroups of 4 or more
 shared float red[MAXSG][R + 1u][NT];
+#ifdef KVT
+shared float kv_h[256], kv_amax[32];
+shared bool tail_last;
+#define KV_H(e) kv_h[e]
+#define KV_AMAX(i) kv_amax[i]
+#include "kvtail.glsl"
+#define YV F32C  // y read back by a tail in another workgroup
+#else
+#define YV F32
+#endif
 
 // The 8 values of half h of unit q (before the unit's scale), and their first element's offset.
 uint unit_group(uvec4 q, uint h, out float v[8]) {
@@ -205,7 +223,7 @@ void main() {
         const float sc = norm ? 1.0f / sqrt(ss[t] / float(pc.cols) + pc.eps) : 1.0f;
         if (lane < R && r0 + lane < rows) {
           const float v = (lane == 0u ? s[0] : lane == 1u ? s[1] : lane == 2u ? s[2] : s[3]) * sc;
-          F32 yo = F32(pc.y[mi] + (uint64_t(t0 + t) * rows + r0 + lane) * 4u);
+          YV yo = YV(pc.y[mi] + (uint64_t(t0 + t) * rows + r0 + lane) * 4u);
           yo.v[0] = (pc.flags & 2u) != 0u ? yo.v[0] + v : v;
         }
       }
@@ -226,6 +244,29 @@ void main() {
     for (uint i = gl_LocalInvocationIndex; i < pc.n * pc.cols; i += gl_WorkGroupSize.x) {
       const uint t = i / pc.cols, k = i % pc.cols;
       o.v[i] = glu_act(act, gr.v[t * gs + k]) * ur.v[t * us + k];
+    }
+  }
+#endif
+#ifdef KVT
+  // The heads this workgroup's rows cover (one, or rpw / head_dim of them): each counted, and
+  // done by the workgroup that counts it last.
+  memoryBarrierBuffer();  // this workgroup's y writes, before its counts
+  KvP P = KvP(pc.kvp);
+  const uint hd = P.head_dim, nq = pc.rows[0] / hd, wgs = pc.rpw >= hd ? 1u : hd / pc.rpw;
+  const uint lid = gl_LocalInvocationIndex;
+  const uint h0 = wg * pc.rpw / hd, h1 = (min(rows, wg * pc.rpw + pc.rpw) + hd - 1u) / hd;
+  for (uint head = h0; head < h1; ++head) {
+    barrier();  // every invocation's writes made available (and tail_last read) before the count
+    if (lid == 0u) {
+      U32 c = U32(P.cnt + uint64_t(mi == 0u ? head : nq + head) * 4u);
+      const uint done = atomicAdd(c.v[0], 1u);
+      tail_last = done == (mi == 0u ? 1u : 2u) * wgs - 1u;
+      if (tail_last) c.v[0] = 0u;  // every workgroup of the head has counted: ready for the next dispatch
+    }
+    barrier();
+    if (tail_last) {
+      memoryBarrierBuffer();
+      kv_tail(P, mi, head, pc.n, pc.y[0], pc.y[1], pc.y[2], pc.rows[0], pc.rows[1], pc.rows[2], lid, gl_WorkGroupSize.x);
     }
   }
 #endif

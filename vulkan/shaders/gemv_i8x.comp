@@ -77,13 +77,6 @@ layout(push_constant, std430) uniform PC {
 } pc;
 shared double red[256];  // flags 2: the row's partial sums of squares (qact.glsl's order)
 shared bool tail_last;
-layout(buffer_reference, std430, buffer_reference_align = 8) buffer KvP {  // flags 8: vulkan_backend.cpp's KvTailParams
-  uint64_t base, pages, args, pos, inv, factors;
-  uint page_bytes, k_off, v_off, row_bytes;
-  int first_, page_shift, kvtype;
-  uint rope, head_dim;  // rope: n_rot | neox << 16
-  float freq_scale, mscale;
-};
 float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu_tanh(g) : max(g, 0.0f); }  // quant_act.comp's
 
 const uint WB = 32u;                  // blocks a window
@@ -100,38 +93,7 @@ shared int Sh[NO][32];                // q8_0: the half-block sums a pair of inv
 #define GLU_V(t, i) red[(t) * 32u + (i)]     // flags 4: a block's GLU values, 32 a token
 #define KV_H(e) red[e]                       // flags 8: a head's row (keys rotated here, then values)
 #define KV_AMAX(i) Sf[0][0][(i) / 4u][(i) % 4u]  // flags 8: a q8_0 block's |x| (ST >= 32)
-float roundf_away(float x) {  // kv_store.comp's
-  const float a = abs(x), f = floor(a);
-  return sign(x) * (f + floor(2.0f * (a - f)));
-}
-// KV_H's head_dim values into the cache row at dst, head `head`, as kv_store.comp stores a row.
-void kv_put(KvP P, uint64_t dst, uint head, uint hd, uint l) {
-  if (P.kvtype == 0) {
-    for (uint e = l; e < hd; e += 32u) F32(dst).v[head * hd + e] = float(KV_H(e));
-  } else if (P.kvtype == 1) {
-    if ((dst & 3ul) == 0ul && hd % 2u == 0u) {
-      U32 o = U32(dst + uint64_t(head * hd) * 2u);
-      for (uint e = 2u * l; e < hd; e += 64u) o.v[e / 2u] = f2h(float(KV_H(e))) | f2h(float(KV_H(e + 1u))) << 16;
-    } else {
-      for (uint e = l; e < hd; e += 32u) wr16(dst + uint64_t(head * hd + e) * 2u, f2h(float(KV_H(e))));
-    }
-  } else {
-    for (uint b = 0u; b < hd / 32u; ++b) {
-      const float x = float(KV_H(b * 32u + l));
-      KV_AMAX(l) = abs(x);
-      barrier();
-      float mx = 0.0f;
-      for (uint k = 0u; k < 32u; ++k) mx = max(mx, KV_AMAX(k));
-      barrier();
-      const float d = float(double(mx) / 127.0lf);
-      const float id = d == 0.0f ? 0.0f : float(1.0lf / double(d));
-      const uint64_t blk = dst + uint64_t(head * (hd / 32u) + b) * 34u;
-      precise float xs = x * id;
-      wr8(blk + 2u + l, uint(int(roundf_away(xs))) & 0xffu);
-      if (l == 0u) wr16(blk, f2h(d));
-    }
-  }
-}
+#include "kvtail.glsl"
 #if TYPE == T_Q8_0S
 const uint QU = 2u;                   // 16-byte units an invocation loads a row and window
 #else
@@ -362,50 +324,7 @@ void main() {
     barrier();
     if (!tail_last) return;
     memoryBarrierBuffer();
-    const uint half_ = (P.rope & 0xffffu) / 2u;
-    const bool neox = ((P.rope >> 16) & 1u) != 0u;
-    const int first = P.first_ >= 0 ? P.first_ : I32(P.args).v[-P.first_ - 1];
-    for (uint t = 0u; t < pc.n; ++t) {
-      const int p = I32(P.pos).v[t];
-      if (mi == 0u) {  // a query head, in place (kv_store.comp's rotation, pair by pair)
-        F32C qy = F32C(pc.y[0] + (uint64_t(t) * pc.rows[0] + head * hd) * 4u);
-        for (uint j = l; j < half_; j += 32u) {
-          float c, s;
-          rope_cs(P.inv, P.factors, j, p, P.freq_scale, P.mscale, c, s);
-          const uint i0 = neox ? j : 2u * j, i1 = neox ? j + half_ : 2u * j + 1u;
-          const float a = qy.v[i0], b = qy.v[i1];
-          precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
-          qy.v[i0] = ac - bs;
-          qy.v[i1] = as_ + bc;
-        }
-        continue;
-      }
-      // The cache row of token t (kv_store.comp's kv_row).
-      const int64_t jj = int64_t(first) + int64_t(t);
-      const int64_t page = int64_t(I32(P.pages).v[uint(jj >> P.page_shift)]);
-      const uint64_t row = P.base + uint64_t(page) * P.page_bytes + uint64_t(jj & ((int64_t(1) << P.page_shift) - 1)) * P.row_bytes;
-      F32C ky = F32C(pc.y[1] + (uint64_t(t) * pc.rows[1] + head * hd) * 4u);
-      for (uint e = l; e < hd; e += 32u) KV_H(e) = ky.v[e];
-      barrier();
-      for (uint j = l; j < half_; j += 32u) {
-        float c, s;
-        rope_cs(P.inv, P.factors, j, p, P.freq_scale, P.mscale, c, s);
-        const uint i0 = neox ? j : 2u * j, i1 = neox ? j + half_ : 2u * j + 1u;
-        const float a = float(KV_H(i0)), b = float(KV_H(i1));
-        precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
-        KV_H(i0) = ac - bs;
-        KV_H(i1) = as_ + bc;
-      }
-      barrier();
-      for (uint e = l; e < hd; e += 32u) ky.v[e] = float(KV_H(e));
-      kv_put(P, row + P.k_off, head, hd, l);
-      barrier();
-      F32C vy = F32C(pc.y[2] + (uint64_t(t) * pc.rows[2] + head * hd) * 4u);
-      for (uint e = l; e < hd; e += 32u) KV_H(e) = vy.v[e];
-      barrier();
-      kv_put(P, row + P.v_off, head, hd, l);
-      barrier();
-    }
+    kv_tail(P, mi, head, pc.n, pc.y[0], pc.y[1], pc.y[2], pc.rows[0], pc.rows[1], pc.rows[2], l, 32u);
     return;
   }
   if ((pc.flags & 2u) == 0u) return;
