@@ -496,7 +496,8 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
     logits, and the profile (which names every shader dispatched) shows they ran. Where the
     device has f16 cooperative matrices (NVIDIA), the default and each variant the same way.
     Then q8 mode, where x is rounded to f16 once and one product runs (f16_round, gemm_f16o* /
-    the stand-ins gemm_f16eo*), against numpy's own rounding, and DASLLAMA_F16_SPLIT=1 there;
+    the stand-ins gemm_f16eo*), against numpy's own rounding, and DASLLAMA_F16_SPLIT=1 there; each
+    way also with the loads two stages ahead (F16C=emup2, and p2 / k64p2 where the matrices are);
     and an audio tower in q8 mode, whose f16 weights keep the split (rows equal to the CPU's)."""
     import re
 
@@ -504,14 +505,17 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
     # (DASLLAMA_VULKAN_F16C, DASLLAMA_VULKAN_F16C_TILE, the shader): unset, the harness's shapes
     # all take 64-row tiles ("h"); 128 forces the 128-row ones; "w" (64 rows a subgroup) takes
     # 128 always.
-    runs = [("emu", "128", "gemm_f16e"), ("emu", "", "gemm_f16eh"), ("emuw", "", "gemm_f16ew")]
+    # emup2: the stand-ins with each stage's loads two stages ahead (gemm_f16c.comp PF=2).
+    runs = [("emu", "128", "gemm_f16e"), ("emu", "", "gemm_f16eh"), ("emuw", "", "gemm_f16ew"),
+            ("emup2", "128", "gemm_f16ep2"), ("emup2", "", "gemm_f16ehp2")]
     if "f16 coopmat" in feats:
         runs = runs[1:2]  # (the stand-in once: the device's time goes to the matrices)
         n8 = "16x8x16" in feats
         for tile, h in (("128", ""), ("", "h")):
             runs.append(("1", tile, f"gemm_f16c{h}k64" if n8 else f"gemm_f16c{h}16"))
             if n8:
-                runs.append(("k32", tile, f"gemm_f16c{h}"))
+                runs += [("k32", tile, f"gemm_f16c{h}"), ("p2", tile, f"gemm_f16c{h}p2"),
+                         ("k64p2", tile, f"gemm_f16c{h}k64p2")]
                 if not h:
                     runs.append(("w", tile, "gemm_f16cw"))
             if "16x16x16" in feats:
@@ -527,8 +531,10 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
         runs += [("1", "", ("f16_round", "gemm_f16ok64" if n8 else "gemm_f16o16"), q8, ""),
                  ("1", "64", ("f16_round", "gemm_f16ohk64" if n8 else "gemm_f16oh16"), q8, "")]
         if n8:
-            runs.append(("w", "", ("f16_round", "gemm_f16ow"), q8, ""))
+            runs += [("w", "", ("f16_round", "gemm_f16ow"), q8, ""), ("p2", "", ("f16_round", "gemm_f16op2"), q8, ""),
+                     ("k64p2", "", ("f16_round", "gemm_f16ok64p2"), q8, "")]
     runs += [("emu", "", ("f16_round", "gemm_f16eo"), q8, ""), ("emu", "64", ("f16_round", "gemm_f16eoh"), q8, ""),
+             ("emup2", "", ("f16_round", "gemm_f16eop2"), q8, ""), ("emup2", "64", ("f16_round", "gemm_f16eohp2"), q8, ""),
              ("emu", "", ("f16_split", "gemm_f16eh"), q8, "1")]
     # An audio tower's f16 convs keep the split in q8 mode too (towers' float weights are exact:
     # its rows equal the CPU's at 1e-9), never the one rounding.
@@ -544,6 +550,8 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
             assert re.search(rf"^\s+{name}\s", out, re.M), f"{what}: {name} did not run\n" + out[-3000:]
         if "f16_round" not in names:
             assert not re.search(r"^\s+(f16_round|gemm_f16e?o)", out, re.M), f"{what}: rounded once\n" + out[-3000:]
+        if names[1].endswith("p2"):  # no stage of the others
+            assert not re.search(r"^\s+gemm_f16\w*(?<!p2)\s", out, re.M), f"{what}: not p2 only\n" + out[-3000:]
 
 
 def test_int8_decode_gemv_on_lavapipe(built_dir):

@@ -1733,8 +1733,11 @@ class VulkanBackend final : public Backend {
   // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
   // In q8 mode (weights not exact, f16_act_split false) the default, n16, w and emu round x to
   // f16 once instead (f16_round, one product: gemm_f16o* / gemm_f16eo*), as llama.cpp does;
-  // k32 and emuw keep the split (A/B variants of it).
-  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide };
+  // k32 and emuw keep the split (A/B variants of it). p2, k64p2 (32 or 64 of k a stage) and emup2
+  // (the stand-in): the default's tiles with each stage's loads issued two stages ahead
+  // (gemm_f16c.comp PF=2; the same bits), one product in q8 mode; A/B until timed on a GPU.
+  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cP2, kF16cK64P2,
+                  kF16cEmuP2 };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
     if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "k64") == 0) return kF16cAuto;
@@ -1743,6 +1746,9 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "emu") == 0) return kF16cEmu;
     if (std::strcmp(e, "w") == 0) return kF16cWide;
     if (std::strcmp(e, "emuw") == 0) return kF16cEmuWide;
+    if (std::strcmp(e, "p2") == 0) return kF16cP2;
+    if (std::strcmp(e, "k64p2") == 0) return kF16cK64P2;
+    if (std::strcmp(e, "emup2") == 0) return kF16cEmuP2;
     return kF16cOff;
   }
   // The shader family of this f16 prefill: its name before the tile's mark and after it
@@ -1781,18 +1787,24 @@ class VulkanBackend final : public Backend {
         (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
       return p;
     p.dq = dq;
-    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide);
+    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || m == kF16cP2 ||
+                                  m == kF16cK64P2 || m == kF16cEmuP2);
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
-    if (m == kF16cEmu || m == kF16cEmuWide) {
+    if (m == kF16cEmu || m == kF16cEmuWide || m == kF16cEmuP2) {
       if (c_->max_shared() >= 30720) p.pre = p.one ? "gemm_f16eo" : "gemm_f16e";
-      p.suf = m == kF16cEmuWide ? "w" : "", p.wide = m == kF16cEmuWide;
+      p.suf = m == kF16cEmuWide ? "w" : m == kF16cEmuP2 ? "p2" : "", p.wide = m == kF16cEmuWide;
       return p;
     }
     // Subgroups of 32 lanes: the shader's tiles are 32 rows x 32 tokens a subgroup.
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16) || c_->max_shared() < 42496) return p;
     p.pre = p.one ? "gemm_f16o" : "gemm_f16c";
     p.wide = m == kF16cWide && c_->f16n8;
-    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16" : p.wide ? "w" : m == kF16cK32 ? "" : "k64";
+    p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16"
+            : p.wide                                    ? "w"
+            : m == kF16cK32                             ? ""
+            : m == kF16cP2                              ? "p2"
+            : m == kF16cK64P2                           ? "k64p2"
+                                                        : "k64";
     return p;
   }
   // DASLLAMA_VULKAN_F16C_TILE: 128 or 64 rows a workgroup for every f16 prefill matmul; unset:

@@ -15,6 +15,12 @@
 // (gemm_i8.comp's COOP), so each lane scales and stores its own sums. Rows and tokens past the
 // end read the last one and are not stored; k past cols (cols % 8 == 0: the backend's check)
 // reads zeros.
+// PF=2 (the *p2 variants, DASLLAMA_VULKAN_F16C=p2 / k64p2 / emup2): each stage's global loads
+// issued two stages ahead into a second set of registers, not one, so two stages of math rather
+// than one cover their latency before the stores into shared memory wait on them (CUDA's tiles
+// keep three stages in flight with cp.async; Vulkan has no asynchronous copy, and NVIDIA gives a
+// workgroup 48 KB of shared memory, so the stages ahead wait in registers: 12 (BK 32) or 24 (BK
+// 64) a lane more). The loop is unrolled by two so each stage's registers stay named, not copied.
 // COOP=0 (gemm_f16e, gemm_f16eh: DASLLAMA_VULKAN_F16C=emu): the same split, stages and stores
 // with the products in plain f32 FMAs, so devices without cooperative matrices (lavapipe, CI)
 // check everything but the matrices themselves.
@@ -44,6 +50,9 @@
 #endif
 #ifndef LO  // 0 (q8 mode, weights not exact): x rounded to f16 once (hi alone), one product
 #define LO 1
+#endif
+#ifndef PF  // stages whose loads are in flight ahead of the math
+#define PF 1
 #endif
 #define NTH (64 * WR)  // invocations: WR x 2 subgroups of 32
 #ifndef NBUF  // stages in shared memory (gemm_f16e: 1, to fit lavapipe's 32 KB)
@@ -120,13 +129,17 @@ void main() {
   [[unroll]] for (uint j = 0u; j < TPI; ++j) acc[j] = 0.0f;
 #endif
 
-  uvec4 gw[NW], gh[NX], glo[NX];
+  // A stage's global loads, held in registers until stored: set 0, and with PF=2 set 1.
+  uvec4 gw0[NW], gh0[NX], gl0[NX];
+#if PF == 2
+  uvec4 gw1[NW], gh1[NX], gl1[NX];
+#endif
 #if LO
 #define LSTORE(at, v) Lf[at] = v
 #else
 #define LSTORE(at, v)
 #endif
-#define LOAD(k0)                                                                                   \
+#define LOAD(k0, gw, gh, glo)                                                                      \
   {                                                                                                \
     [[unroll]] for (uint i = 0u; i < NW; ++i) {                                                    \
       const uint k = (k0) + ((tid + NTH * i) % CK) * 8u;                                           \
@@ -139,7 +152,7 @@ void main() {
       if (LO != 0) glo[i] = k < pc.cols ? V4U(pc.xl + o).v[0] : uvec4(0u);                         \
     }                                                                                              \
   }
-#define STORE(b)                                                                                   \
+#define STORE(b, gw, gh, glo)                                                                      \
   {                                                                                                \
     [[unroll]] for (uint i = 0u; i < NW; ++i) {                                                    \
       const uint p = tid + NTH * i;                                                                \
@@ -151,66 +164,103 @@ void main() {
       LSTORE((b) * XB + (p / CK) * RS + p % CK, glo[i]);                                           \
     }                                                                                              \
   }
+#if COOP
+#define MATH(wb, xb)                                                                               \
+  [[unroll]] for (uint kk = 0u; kk < BK / 16u; ++kk) {                                             \
+    fcoopmatNV<16, gl_ScopeSubgroup, 16, 16> a[MT];                                                \
+    [[unroll]] for (uint i = 0u; i < MT; ++i)                                                      \
+      coopMatLoadNV(a[i], Wf, (wb) + (rs + 16u * i) * RS + 2u * kk, RS, false);                    \
+    [[unroll]] for (uint j = 0u; j < NJ; ++j) {                                                    \
+      /* B is k x tokens: a token's k adjacent, so column-major over the [token][k] rows. */       \
+      fcoopmatNV<16, gl_ScopeSubgroup, 16, TN> bh;                                                 \
+      coopMatLoadNV(bh, Hf, (xb) + (ts + TN * j) * RS + 2u * kk, RS, true);                        \
+      MATH_LO(xb, j, kk)                                                                           \
+      [[unroll]] for (uint i = 0u; i < MT; ++i) {                                                  \
+        MMA_LO(i, j)                                                                               \
+        acc[i][j] = coopMatMulAddNV(a[i], bh, acc[i][j]);                                          \
+      }                                                                                            \
+    }                                                                                              \
+  }
+#if LO
+#define MATH_LO(xb, j, kk)                                                                         \
+  fcoopmatNV<16, gl_ScopeSubgroup, 16, TN> bl;                                                     \
+  coopMatLoadNV(bl, Lf, (xb) + (ts + TN * (j)) * RS + 2u * (kk), RS, true);
+#define MMA_LO(i, j) acc[i][j] = coopMatMulAddNV(a[i], bl, acc[i][j]);  /* the small half first, as CUDA's */
+#else
+#define MATH_LO(xb, j, kk)
+#define MMA_LO(i, j)
+#endif
+#else
+// Unrolled: llvmpipe bounds the loop iterations an invocation runs (about 2^16 in all).
+#if LO
+#define EMU_LO(xb, j, c)                                                                           \
+  float l[8];                                                                                      \
+  unpack8(Lf[(xb) + (tg * TPI + (j)) * RS + (c)], l);
+#define FMA_LO(j, e) acc[j] = fma(w[e], l[e], acc[j]);
+#else
+#define EMU_LO(xb, j, c)
+#define FMA_LO(j, e)
+#endif
+#define MATH(wb, xb)                                                                               \
+  [[unroll]] for (uint c = 0u; c < CK; ++c) {                                                      \
+    float w[8];                                                                                    \
+    unpack8(Wf[(wb) + lr * RS + c], w);                                                            \
+    [[unroll]] for (uint j = 0u; j < TPI; ++j) {                                                   \
+      float h[8];                                                                                  \
+      unpack8(Hf[(xb) + (tg * TPI + j) * RS + c], h);                                              \
+      EMU_LO(xb, j, c)                                                                             \
+      [[unroll]] for (uint e = 0u; e < 8u; ++e) {                                                  \
+        FMA_LO(j, e)                                                                               \
+        acc[j] = fma(w[e], h[e], acc[j]);                                                          \
+      }                                                                                            \
+    }                                                                                              \
+  }
+#endif
+#if NBUF == 1
+#define BARRIER_1 barrier();  // every read of the one buffer done
+#else
+#define BARRIER_1
+#endif
 
-  LOAD(0u)
-  STORE(0u)
-  barrier();
   uint cur = 0u;  // the buffer this stage's math reads
+#if PF == 1
+  LOAD(0u, gw0, gh0, gl0)
+  STORE(0u, gw0, gh0, gl0)
+  barrier();
   for (uint k0 = 0u; k0 < pc.cols; k0 += BK) {
     const bool more = k0 + BK < pc.cols;  // (uniform)
-    if (more) LOAD(k0 + BK)               // in flight during the math
-    const uint wb = cur * WB, xb = cur * XB;
-#if COOP
-    [[unroll]] for (uint kk = 0u; kk < BK / 16u; ++kk) {
-      fcoopmatNV<16, gl_ScopeSubgroup, 16, 16> a[MT];
-      [[unroll]] for (uint i = 0u; i < MT; ++i)
-        coopMatLoadNV(a[i], Wf, wb + (rs + 16u * i) * RS + 2u * kk, RS, false);
-      [[unroll]] for (uint j = 0u; j < NJ; ++j) {
-        // B is k x tokens: a token's k adjacent, so column-major over the [token][k] rows.
-        fcoopmatNV<16, gl_ScopeSubgroup, 16, TN> bh;
-        coopMatLoadNV(bh, Hf, xb + (ts + TN * j) * RS + 2u * kk, RS, true);
-#if LO
-        fcoopmatNV<16, gl_ScopeSubgroup, 16, TN> bl;
-        coopMatLoadNV(bl, Lf, xb + (ts + TN * j) * RS + 2u * kk, RS, true);
-#endif
-        [[unroll]] for (uint i = 0u; i < MT; ++i) {
-#if LO
-          acc[i][j] = coopMatMulAddNV(a[i], bl, acc[i][j]);  // the small half first, as CUDA's
-#endif
-          acc[i][j] = coopMatMulAddNV(a[i], bh, acc[i][j]);
-        }
-      }
-    }
-#else
-    // Unrolled: llvmpipe bounds the loop iterations an invocation runs (about 2^16 in all).
-    [[unroll]] for (uint c = 0u; c < CK; ++c) {
-      float w[8];
-      unpack8(Wf[wb + lr * RS + c], w);
-      [[unroll]] for (uint j = 0u; j < TPI; ++j) {
-        float h[8];
-        unpack8(Hf[xb + (tg * TPI + j) * RS + c], h);
-#if LO
-        float l[8];
-        unpack8(Lf[xb + (tg * TPI + j) * RS + c], l);
-#endif
-        [[unroll]] for (uint e = 0u; e < 8u; ++e) {
-#if LO
-          acc[j] = fma(w[e], l[e], acc[j]);
-#endif
-          acc[j] = fma(w[e], h[e], acc[j]);
-        }
-      }
-    }
-#endif
+    if (more) LOAD(k0 + BK, gw0, gh0, gl0)  // in flight during the math
+    MATH(cur * WB, cur * XB)
     if (more) {
-#if NBUF == 1
-      barrier();  // every read of the one buffer done
-#endif
+      BARRIER_1
       cur = (cur + 1u) % NBUF;  // two buffers: the other one, last read a stage ago (before the barrier below)
-      STORE(cur)
+      STORE(cur, gw0, gh0, gl0)
     }
     barrier();
   }
+#else
+  // Stage s's loads live in set s % 2: issued at stage s - 2 (set free: stored at the end of
+  // stage s - 3), stored at the end of stage s - 1.
+#define PSTAGE(k0, GA, HA, LA, GB, HB, LB)                                                         \
+  {                                                                                                \
+    if ((k0) + 2u * BK < pc.cols) LOAD((k0) + 2u * BK, GA, HA, LA)                                 \
+    MATH(cur * WB, cur * XB)                                                                       \
+    if ((k0) + BK < pc.cols) {                                                                     \
+      BARRIER_1                                                                                    \
+      cur = (cur + 1u) % NBUF;                                                                     \
+      STORE(cur, GB, HB, LB)                                                                       \
+    }                                                                                              \
+    barrier();                                                                                     \
+  }
+  LOAD(0u, gw0, gh0, gl0)
+  if (BK < pc.cols) LOAD(BK, gw1, gh1, gl1)
+  STORE(0u, gw0, gh0, gl0)
+  barrier();
+  for (uint k0 = 0u; k0 < pc.cols; k0 += 2u * BK) {
+    PSTAGE(k0, gw0, gh0, gl0, gw1, gh1, gl1)
+    if (k0 + BK < pc.cols) PSTAGE(k0 + BK, gw1, gh1, gl1, gw0, gh0, gl0)
+  }
+#endif
 
 #if COOP
   [[unroll]] for (uint j = 0u; j < NJ; ++j) {
