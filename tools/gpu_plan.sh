@@ -37,6 +37,13 @@ for stage in "$@"; do
     defaults)  # every device test with the session's defaults on (two calls: CUDA, then Vulkan)
       step cuda_all 400 python -m pytest -q tests/test_cuda.py -k "not pre_ampere"
       ;;
+    vk_new)  # the twenty-seventh session's Vulkan paths (opt-in): their tests, then their A/Bs
+      step tests 300 python -m pytest -q tests/test_vulkan.py -k "gemv_tails or f16_prefill_split"
+      step kvtail 200 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 \
+        DASLLAMA_VULKAN_KVTAIL=1 DASLLAMA_VULKAN_KVTAIL=2
+      step p2 240 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=p2 DASLLAMA_VULKAN_F16C=k64p2
+      ;;
     vk_defaults)
       step vk_all 540 python -m pytest -q tests/test_vulkan.py tests/test_backend_ops.py \
         -k "not smollm2 and (not lavapipe or flash_cm or subgroup_path or block_formats_prefill)"
@@ -67,7 +74,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
