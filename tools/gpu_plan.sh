@@ -38,11 +38,14 @@ for stage in "$@"; do
       step cuda_all 400 python -m pytest -q tests/test_cuda.py -k "not pre_ampere"
       ;;
     vk_new)  # the twenty-seventh session's Vulkan paths (opt-in): their tests, then their A/Bs
+      # (gemv.comp's KV tail; the f16 tiles' loads two stages ahead, and k split a tile)
       step tests 300 python -m pytest -q tests/test_vulkan.py -k "gemv_tails or f16_prefill_split"
       step kvtail 200 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 \
         DASLLAMA_VULKAN_KVTAIL=1 DASLLAMA_VULKAN_KVTAIL=2
-      step p2 240 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m --no-tg --rounds 2 \
-        DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=p2 DASLLAMA_VULKAN_F16C=k64p2
+      step tiles 400 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=p2 DASLLAMA_VULKAN_F16C=k64p2 \
+        DASLLAMA_VULKAN_F16C_SPLIT=auto DASLLAMA_VULKAN_F16C=p2,DASLLAMA_VULKAN_F16C_SPLIT=auto \
+        DASLLAMA_VULKAN_F16C=k64p2,DASLLAMA_VULKAN_F16C_SPLIT=auto DASLLAMA_VULKAN_F16C_SPLIT=2
       ;;
     vk_defaults)
       step vk_all 540 python -m pytest -q tests/test_vulkan.py tests/test_backend_ops.py \
