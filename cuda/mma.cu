@@ -10,7 +10,9 @@
 // The prefill of f16 weights runs on f16 mmas here too (mma_f16h_k), of bf16 on TF32 (mma_f16_k).
 #include <cooperative_groups.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "common.cuh"
@@ -660,7 +662,9 @@ __global__ void __launch_bounds__(256) f16_split_k(const float* __restrict__ x, 
 }
 
 // Warps of MT x 16 rows by 32 tokens, WR x WC of them (mma_f16h launches 64 x 64 tiles of 4 for the
-// split, 128 x 64 of 4 for one product); BK of k a stage.
+// split, 128 x 64 of 4 for one product); BK of k a stage. gridDim.z > 1 (sm_90, DASLLAMA_CUDA_F16H_SPLIT):
+// k split over a thread-block cluster of the tile's blocks, their sums joined in rank order
+// through distributed shared memory, as mma_tile_k's.
 template <int MT, int WR, int WC, bool LO, int BK_ = 32>
 struct F16hShape {
   static constexpr int BM = WR * MT * 16, BN = WC * 32, NTH = WR * WC * 32, BK = BK_, S = kFStages;
@@ -699,11 +703,16 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
-  const int64_t stages = (cols + BK - 1) / BK;
-  stages_begin<S>(stages, BK, load_w, load_x);
+  // This block's stages of k: all of them, or its split's share.
+  const int64_t all = (cols + BK - 1) / BK, per = (all + gridDim.z - 1) / gridDim.z;
+  const int64_t sb = (int64_t)blockIdx.z * per, stages = lmin(all, sb + per) - sb > 0 ? lmin(all, sb + per) - sb : 0;
+  const int64_t kbase = sb * BK;
+  auto lw = [&](int st, int64_t k0) { load_w(st, kbase + k0); };
+  auto lx = [&](int st, int64_t k0) { load_x(st, kbase + k0); };
+  stages_begin<S>(stages, BK, lw, lx);
   for (int64_t s = 0; s < stages; ++s) {
     const int st = (int)(s % S);
-    stage_ready<S>(s, stages, BK, load_w, load_x);
+    stage_ready<S>(s, stages, BK, lw, lx);
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       uint32_t a[MT][4], bh[4][2], bl[4][2];
@@ -730,6 +739,38 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
         }
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (gridDim.z > 1) {
+    // Thread tid's SL sums at part[tid * (SL + 1) + slot] (padded against bank conflicts), slot =
+    // (mt * 4 + nt) * 4 + i; the stages are free once every copy has landed.
+    constexpr int SL = MT * 16;
+    static_assert(F::smem >= NTH * (SL + 1) * (int)sizeof(float), "the partials fit the stages");
+    cp_wait<0>();
+    __syncthreads();
+    float* part = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[tid * (SL + 1) + (mt * 4 + nt) * 4 + i] = acc[mt][nt][i];
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync();
+    const int nr = (int)cl.num_blocks(), rank = (int)cl.block_rank();
+    for (int e = rank * NTH + tid; e < NTH * SL; e += nr * NTH) {
+      const int th = e / SL, slot = e % SL;
+      float v = 0.f;
+      for (int q = 0; q < nr; ++q) v += cl.map_shared_rank(part, q)[th * (SL + 1) + slot];
+      const int tl = th & 31, tw = th >> 5, mt = slot / 16, nt = (slot / 4) % 4, i = slot & 3;
+      const int64_t r = r0 + (tw % WR) * MT * 16 + mt * 16 + (tl >> 2) + (i >> 1) * 8;
+      const int64_t t = t0 + (tw / WR) * 32 + nt * 8 + 2 * (tl & 3) + (i & 1);
+      if (r < rows && t < n) y[t * rows + r] = v * inv[t];
+    }
+    cl.sync();  // every rank's partials stay until all have read them
+    return;
+  }
+#endif
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
     const int64_t t = t0 + wn * 32 + nt * 8 + 2 * c;
@@ -749,14 +790,38 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
   }
 }
 
+// How many ways the f16 tiles split k (a cluster of a tile's blocks, sm_90): DASLLAMA_CUDA_F16H_SPLIT
+// (read at each launch, for A/B runs until timed on a GPU): unset or 1 none; N that many (at most 8
+// and one a stage); auto as mma_tile_k's rule, as many as one wave of the blocks an SM holds (by
+// shared memory) takes, at most 8 and at least two stages a split (pp512's O and ffn down: 128
+// tiles of 128 x 64, two blocks an SM: two splits).
+int f16h_splits(int64_t blocks, int64_t stages, int smem) {
+  const char* e = std::getenv("DASLLAMA_CUDA_F16H_SPLIT");
+  const int sms = cluster_sms();
+  if (!e || !*e || sms == 0) return 1;
+  if (std::strcmp(e, "auto") != 0) return (int)std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(std::atoll(e), 8), stages));
+  static const int per_sm_bytes = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    return v;
+  }();
+  const int64_t per_sm = std::max(1, per_sm_bytes / (smem + 1024));  // (1 KB a block the runtime keeps)
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(8, stages / 2));
+  return (int)std::max<int64_t>(1, std::min(most, per_sm * sms / std::max<int64_t>(blocks, 1)));
+}
+
 template <int MT, int WR, int WC, bool LO, int BK = 32>
 void launch_f16h(const Mat& m, const __half* xh, const __half* xl, const float* inv, int64_t n, float* y,
                  cudaStream_t st) {
   using F = F16hShape<MT, WR, WC, LO, BK>;
   static const bool set = (smem_limit(mma_f16h_k<MT, WR, WC, LO, BK>, F::smem, "f16 mma tiles"), true);
   (void)set;
-  const dim3 grid((unsigned)ceil_div(n, F::BN), (unsigned)ceil_div(m.rows, F::BM));
-  launch(mma_f16h_k<MT, WR, WC, LO, BK>, grid, F::NTH, F::smem, st, m.w, m.row_bytes, m.rows, m.cols, xh, xl, inv, n, y);
+  const int64_t tn = ceil_div(n, F::BN), tm = ceil_div(m.rows, F::BM);
+  const int splits = f16h_splits(tn * tm, ceil_div(m.cols, (int64_t)BK), F::smem);
+  const dim3 grid((unsigned)tn, (unsigned)tm, (unsigned)splits);
+  launch_cluster(mma_f16h_k<MT, WR, WC, LO, BK>, grid, F::NTH, F::smem, st, dim3(1, 1, splits), m.w, m.row_bytes,
+                 m.rows, m.cols, xh, xl, inv, n, y);
 }
 
 template <uint32_t T, int WM, int WK, int NT, int MINB = 1>

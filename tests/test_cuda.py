@@ -76,7 +76,9 @@ def test_f16_prefill_tiles(monkeypatch, split):
     """Each of the f16 prefill's tile shapes (DASLLAMA_CUDA_F16H_TILE: the split's 64x64, one product's
     128x64k64, and 128x64) on matmuls whose rows, tokens and k all end mid-tile, tokens from 1e-12 to 1e12: in
     q8 mode one product, equal to float64 numpy over numpy's own f16 rounding of each token's
-    scaled row; with the split (DASLLAMA_F16_SPLIT=1) equal to the f32 product."""
+    scaled row; with the split (DASLLAMA_F16_SPLIT=1) equal to the f32 product. Each also with k
+    split over a cluster of 2, 3 or the rule's blocks a tile (DASLLAMA_CUDA_F16H_SPLIT; k ending
+    mid-stage, and stage counts that 3 does not divide: 17, 65)."""
     from gguf.constants import GGMLQuantizationType as T
     from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
 
@@ -94,11 +96,14 @@ def test_f16_prefill_tiles(monkeypatch, split):
             hi, inv = f16_rounded_rows(x)
             ref = (hi @ w.T) * inv[:, None]
         for tile in ["64x64", "128x64", "128x64k64"]:
-            monkeypatch.setenv("DASLLAMA_CUDA_F16H_TILE", tile)
-            o = np.asarray(b.matmul(raw, int(T.F16), rows, cols, x)).reshape(n, rows)
-            for t in range(n):
-                e = op_nmse(o[t], ref[t])
-                assert e <= F32_DOT, f"F16H_TILE={tile} split={split} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
+            for ks in ["", "2", "3", "auto"]:
+                monkeypatch.setenv("DASLLAMA_CUDA_F16H_TILE", tile)
+                monkeypatch.setenv("DASLLAMA_CUDA_F16H_SPLIT", ks)
+                o = np.asarray(b.matmul(raw, int(T.F16), rows, cols, x)).reshape(n, rows)
+                for t in range(n):
+                    e = op_nmse(o[t], ref[t])
+                    assert e <= F32_DOT, \
+                        f"F16H_TILE={tile} F16H_SPLIT={ks} split={split} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
 
 
 @pytest.mark.parametrize("wtype", ["q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])

@@ -47,6 +47,11 @@ for stage in "$@"; do
         DASLLAMA_VULKAN_F16C_SPLIT=auto DASLLAMA_VULKAN_F16C=p2,DASLLAMA_VULKAN_F16C_SPLIT=auto \
         DASLLAMA_VULKAN_F16C=k64p2,DASLLAMA_VULKAN_F16C_SPLIT=auto DASLLAMA_VULKAN_F16C_SPLIT=2
       ;;
+    cuda_new)  # the twenty-seventh session's CUDA path (opt-in): the f16 tiles' k split over a cluster
+      step tests 200 python -m pytest -q tests/test_cuda.py -k "f16_prefill_tiles or f16_model"
+      step split 240 python benchmarks/ab_cuda.py --types f16,q4_k_m --no-tg --rounds 2 \
+        DASLLAMA_CUDA_F16H_SPLIT=1 DASLLAMA_CUDA_F16H_SPLIT=auto DASLLAMA_CUDA_F16H_SPLIT=2
+      ;;
     vk_defaults)
       step vk_all 540 python -m pytest -q tests/test_vulkan.py tests/test_backend_ops.py \
         -k "not smollm2 and (not lavapipe or flash_cm or subgroup_path or block_formats_prefill)"
@@ -77,7 +82,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
