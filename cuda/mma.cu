@@ -255,6 +255,14 @@ __device__ __forceinline__ void stage_ready(int64_t s, int64_t stages, int64_t s
 
 constexpr int kTileM = 64, kTileKB = 4, kStages = 2;
 
+// This block's stages of k when the grid's z splits `all` of them: all, or its split's share
+// (ceil(all / z) a split, the last ones short or empty); `first` its first stage.
+__device__ __forceinline__ int64_t split_share(int64_t all, int64_t& first) {
+  const int64_t per = (all + gridDim.z - 1) / gridDim.z;
+  first = (int64_t)blockIdx.z * per;
+  return lmin(all, first + per) - first > 0 ? lmin(all, first + per) - first : 0;
+}
+
 // Split k (gridDim.z > 1, batched decode's small matrices): the blocks of one tile over k form
 // a thread-block cluster (sm_90); each leaves its 64 x 64 partial sums in its shared memory and,
 // after a cluster barrier, each sums a share of the tile over all ranks in rank order through
@@ -320,10 +328,8 @@ __global__ void __launch_bounds__(128, 4) mma_tile_k(GemvJob j) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
 
-  // This block's stages of k: all of them, or its split's share.
-  const int64_t all = (nb + KB - 1) / KB, per = (all + gridDim.z - 1) / gridDim.z;
-  const int64_t sb = (int64_t)blockIdx.z * per, stages = lmin(all, sb + per) - sb > 0 ? lmin(all, sb + per) - sb : 0;
-  const int64_t kb_base = sb * KB;
+  int64_t sb;
+  const int64_t stages = split_share((nb + KB - 1) / KB, sb), kb_base = sb * KB;
   auto lw = [&](int st, int64_t kb) { load_w(st, kb_base + kb); };
   auto lx = [&](int st, int64_t kb) { load_x(st, kb_base + kb); };
   stages_begin<S>(stages, KB, lw, lx);
@@ -703,10 +709,8 @@ __global__ void __launch_bounds__(WR * WC * 32, 512 / (WR * WC * 32))
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
-  // This block's stages of k: all of them, or its split's share.
-  const int64_t all = (cols + BK - 1) / BK, per = (all + gridDim.z - 1) / gridDim.z;
-  const int64_t sb = (int64_t)blockIdx.z * per, stages = lmin(all, sb + per) - sb > 0 ? lmin(all, sb + per) - sb : 0;
-  const int64_t kbase = sb * BK;
+  int64_t sb;
+  const int64_t stages = split_share((cols + BK - 1) / BK, sb), kbase = sb * BK;
   auto lw = [&](int st, int64_t k0) { load_w(st, kbase + k0); };
   auto lx = [&](int st, int64_t k0) { load_x(st, kbase + k0); };
   stages_begin<S>(stages, BK, lw, lx);
