@@ -1854,7 +1854,9 @@ class VulkanBackend final : public Backend {
   // y = w x over the halves f16_split just wrote (p: f16c_pick's). p.dq: slices of w's rows
   // decoded to f16 into a scratch matrix (up to 64 MiB a slice, or DASLLAMA_VULKAN_DQ_ROWS rows,
   // a multiple of 128), each slice's GEMM storing its columns of y.
-  void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
+  // slot (0-3): the k split's scratch and counters, one set a matrix of a matmul_multi so its
+  // matmuls, which read one x and write apart, still run together.
+  void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y, int slot = 0) {
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {
       uint64_t w, xh, xl, inv, y, row_bytes;
@@ -1878,11 +1880,12 @@ class VulkanBackend final : public Backend {
           pc.kper = (uint32_t)(((stages + want - 1) / want) * bk);
           gz = (uint32_t)((w.cols + pc.kper - 1) / pc.kper);
           const uint64_t part_bytes = (uint64_t)gz * (uint64_t)n * (uint64_t)rows * 4;
-          if (!f16_part_ || f16_part_->size() < part_bytes) {
-            f16_part_.reset();  // (kept alive by a recorded step that used it)
-            f16_part_ = alloc((size_t)part_bytes, "f16 tiles' split sums");
+          BufferPtr& part = f16_part_[slot];
+          if (!part || part->size() < part_bytes) {
+            part.reset();  // (kept alive by a recorded step that used it)
+            part = alloc((size_t)part_bytes, "f16 tiles' split sums");
           }
-          pc.part = A(f16_part_->data()), pc.cnt = tail_counters(2, (int64_t)gx * gy), sh = shs;
+          pc.part = A(part->data()), pc.cnt = tail_counters(2 + slot, (int64_t)gx * gy), sh = shs;
           c_->uses({{pc.part, part_bytes, true}, {pc.cnt, (uint64_t)gx * gy * 4, true}});
         }
       }
@@ -2313,7 +2316,7 @@ class VulkanBackend final : public Backend {
         Lock g(c_->mu);
         c_->note_rows(n);
         f16_split(x, n, ws[0]->cols, p[0].one);
-        for (int i = 0; i < count; ++i) f16c_gemm(p[i], *ws[i], n, ys[i]);
+        for (int i = 0; i < count; ++i) f16c_gemm(p[i], *ws[i], n, ys[i], i);
         return;
       }
     }
@@ -3102,8 +3105,8 @@ class VulkanBackend final : public Backend {
     return A(glu_cnt_->data());
   }
   // The tails' counters (0: the GLU tail's, a 32-row block each; 1: the KV tail's, a head each;
-  // 2: the f16 tiles' splits', a tile each), grown as needed, zeroed when made, left at 0 by every
-  // dispatch.
+  // 2-5: the f16 tiles' splits', a tile each, a set a matrix of a matmul_multi), grown as needed,
+  // zeroed when made, left at 0 by every dispatch.
   uint64_t tail_counters(int which, int64_t slots) {
     BufferPtr& b = tail_cnt_[which];
     const size_t want = (size_t)std::max<int64_t>(slots, 1) * 4;
@@ -3207,8 +3210,8 @@ class VulkanBackend final : public Backend {
   uint64_t dq_bytes_ = 0;
   uint64_t f16_xh_ = 0, f16_bytes_ = 0;  // where f16_split last wrote them, and their size
   BufferPtr i8_glu_;  // the GLU tail's rounded glu rows (apart from i8_buf_, which its GEMV still reads)
-  BufferPtr tail_cnt_[3];  // the GLU and KV tails' counters, the f16 tiles' splits' (tail_counters)
-  BufferPtr f16_part_;     // the f16 tiles' split sums (f16c_splits)
+  BufferPtr tail_cnt_[6];  // the GLU and KV tails' counters, the f16 tiles' splits' (tail_counters)
+  BufferPtr f16_part_[4];  // the f16 tiles' split sums (f16c_splits), a set a matrix of a matmul_multi
   std::map<std::string, size_t> const_blocks_;  // const_block's slots, by content
   struct ConstSlot {
     uint64_t at, serial;  // its address; the step that last used it
