@@ -562,6 +562,49 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
             assert not re.search(r"^\s+gemm_f16(?!\w*p2)\w*\s", out, re.M), f"{what}: not p2 only\n" + out[-3000:]
 
 
+def test_f16_prefill_without_room_alike(tiny, built_dir, monkeypatch):
+    """Where the device cannot hold the f16 prefill's scratch (x's f16 halves; DASLLAMA_VULKAN_MEM_LIMIT
+    makes the device as small as what is in use plus 1 MiB, under the scratch's 4 MiB), a q8-mode
+    prefill of an f16 model keeps the f32 tiles instead of failing: its logits are those of the
+    f32 tiles (DASLLAMA_VULKAN_F16C=0) bit for bit, while a fresh model with room takes the f16
+    path (other bits), and the process goes on. Run on the GPUs' f16 path (the f32-FMA stand-in)
+    by test_f16_prefill_without_room_on_lavapipe."""
+    if "subgroup matmul" not in _VK["devices"][0]["features"]:
+        pytest.skip("lavapipe's own path has no f16 tiles (test_f16_prefill_without_room_on_lavapipe forces them)")
+    f16 = _tiny_f16(tiny, built_dir)
+    ids = [1] + np.random.default_rng(31).integers(3, VOCAB, 47).tolist()  # past 32: the tiles
+    mode = os.environ.get("DASLLAMA_VULKAN_F16C", "")  # the f16 path's (the child's emu on lavapipe)
+
+    def prefill(m, t):
+        d.eval(m, t, ids)
+        return np.array(t.logits)
+
+    m = d.load_model(f16, d.QuantMode.q8, device="vulkan")
+    ta, tc = d.create_session(m, n_ctx=64), d.create_session(m, n_ctx=64)
+    monkeypatch.setenv("DASLLAMA_VULKAN_F16C", "0")
+    tiles = prefill(m, ta)
+    monkeypatch.setenv("DASLLAMA_VULKAN_F16C", mode)
+    m2 = d.load_model(f16, d.QuantMode.q8, device="vulkan")
+    roomy = prefill(m2, d.create_session(m2, n_ctx=64))
+    assert not np.array_equal(roomy, tiles), "the f16 path did not run (nothing to fall back from)"
+    dev = m.device_info
+    monkeypatch.setenv("DASLLAMA_VULKAN_MEM_LIMIT", str(dev["total_bytes"] - dev["free_bytes"] + (1 << 20)))
+    assert m.device_info["free_bytes"] == 1 << 20
+    cramped = prefill(m, tc)
+    assert np.array_equal(cramped, tiles), f"without room: max {np.abs(cramped - tiles).max():.3g} from the f32 tiles"
+    monkeypatch.delenv("DASLLAMA_VULKAN_MEM_LIMIT")
+    again = prefill(m, d.create_session(m, n_ctx=64))
+    assert np.array_equal(again, tiles)
+
+
+def test_f16_prefill_without_room_on_lavapipe(built_dir, tiny):
+    """test_f16_prefill_without_room_alike on the GPUs' f16 path (DASLLAMA_VULKAN_F16C=emu)."""
+    _tiny_f16(tiny, built_dir)  # made here, not in a child
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_F16C": "emu"}, ("test_vulkan.py",),
+               "f16_prefill_without_room_alike")
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
 def test_int8_decode_gemv_on_lavapipe(built_dir):
     """The q8-mode decode GEMV laid out for GPUs' memory (gemv_i8x.comp, DASLLAMA_VULKAN_GEMVI8=2,
     3 or 4: 1 to 4 tokens over quant_act's int8 rows, 2, 4 or 8 rows a workgroup, up to three

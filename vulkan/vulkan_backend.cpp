@@ -271,6 +271,12 @@ DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t use
   for (uint32_t i = 0; i < mp.memoryHeapCount; ++i)
     if (mp.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
       d.total_bytes = std::max<size_t>(d.total_bytes, mp.memoryHeaps[i].size);
+  // DASLLAMA_VULKAN_MEM_LIMIT=N: act as if the device had N bytes (read at each check): a GPU
+  // shared with other work, and the tests of what happens when it is full.
+  if (const char* e = std::getenv("DASLLAMA_VULKAN_MEM_LIMIT"); e && *e) {
+    const unsigned long long lim = std::strtoull(e, nullptr, 10);
+    if (lim > 0 && (d.total_bytes == 0 || lim < d.total_bytes)) d.total_bytes = (size_t)lim;
+  }
   d.free_bytes = d.total_bytes > used ? d.total_bytes - used : 0;
   const uint32_t v = p2.properties.apiVersion;
   d.features = use_subgroup(a, pd, p2.properties) ? "subgroup matmul" : "plain matmul";
@@ -1791,6 +1797,7 @@ class VulkanBackend final : public Backend {
         w.cols <= 0 || w.cols % 8 != 0 || (!dq && (lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0)) || A(x) % 16 != 0 ||
         (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
       return p;
+    if (f16_need(n, w.cols) + (dq ? (uint64_t)dq_slice_rows(w) * (uint64_t)w.cols * 2 : 0) >= f16c_failed_) return p;
     p.dq = dq;
     p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || m == kF16cP2 ||
                                   m == kF16cK64P2 || m == kF16cEmuP2);
@@ -1836,8 +1843,37 @@ class VulkanBackend final : public Backend {
   }
   // x's n rows (cols wide) split into the scratch: hi [n][cols], lo [n][cols] (f16), then 1 / s
   // [n], all 16-aligned (cols % 8 == 0); once for all the matmuls of one x (matmul_multi).
+  // The f16 prefill's scratch: x's halves and scales (f16_split), and with p.dq a slice of w's
+  // rows decoded to f16 (f16c_gemm: up to 64 MiB, or DASLLAMA_VULKAN_DQ_ROWS rows, a multiple of
+  // 128), grown before anything of the matmul is dispatched. False where the device cannot hold
+  // them (a KV pool sized to fill it): that matmul, and every later one needing as much, keeps the
+  // f32 tiles instead of failing the prefill (f16c_pick).
+  static uint64_t f16_need(int64_t n, int64_t cols) { return 4 * (uint64_t)n * (uint64_t)cols + (uint64_t)n * 4; }
+  static int64_t dq_slice_rows(const Weight& w) {
+    const char* e = std::getenv("DASLLAMA_VULKAN_DQ_ROWS");
+    const int64_t want = e && *e ? std::atoll(e) : (int64_t)((64ull << 20) / ((uint64_t)w.cols * 2));
+    return std::min<int64_t>(w.rows, std::max<int64_t>(128, want / 128 * 128));
+  }
+  bool f16c_room(const F16cPick& p, const Weight& w, int64_t n) {
+    const uint64_t need = f16_need(n, w.cols), dq = p.dq ? (uint64_t)dq_slice_rows(w) * (uint64_t)w.cols * 2 : 0;
+    try {
+      if (!f16_buf_ || f16_buf_->size() < need) {
+        f16_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
+        f16_buf_ = alloc(std::max<size_t>((size_t)need, 4 << 20), "f16 activation halves");
+      }
+      if (dq && (!dq_buf_ || dq_buf_->size() < dq)) {
+        dq_buf_.reset();
+        dq_buf_ = alloc((size_t)dq, "weights decoded to f16");
+      }
+      return true;
+    } catch (const DeviceError&) {
+      f16c_failed_ = std::min(f16c_failed_, need + dq);
+      return false;
+    }
+  }
+  uint64_t f16c_failed_ = UINT64_MAX;  // the least f16 prefill scratch the device could not hold
   void f16_split(const float* x, int64_t n, int64_t cols, bool one) {
-    const uint64_t hb = (uint64_t)n * (uint64_t)cols * 2, need = 2 * hb + (uint64_t)n * 4;
+    const uint64_t hb = (uint64_t)n * (uint64_t)cols * 2, need = f16_need(n, cols);
     if (!f16_buf_ || f16_buf_->size() < need) {
       f16_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
       f16_buf_ = alloc(std::max<size_t>((size_t)need, 4 << 20), "f16 activation halves");
@@ -1876,15 +1912,18 @@ class VulkanBackend final : public Backend {
       if (p.one && !half && !p.wide && has_shader(shs.c_str())) {
         const int64_t bk = std::strstr(p.suf, "k64") ? 64 : 32, stages = (w.cols + bk - 1) / bk;
         const int want = f16c_splits((int64_t)gx * gy, stages);
-        if (want > 1) {
-          pc.kper = (uint32_t)(((stages + want - 1) / want) * bk);
-          gz = (uint32_t)((w.cols + pc.kper - 1) / pc.kper);
-          const uint64_t part_bytes = (uint64_t)gz * (uint64_t)n * (uint64_t)rows * 4;
-          BufferPtr& part = f16_part_[slot];
-          if (!part || part->size() < part_bytes) {
-            part.reset();  // (kept alive by a recorded step that used it)
+        const uint32_t kper = (uint32_t)(((stages + want - 1) / want) * bk), z = (uint32_t)((w.cols + kper - 1) / kper);
+        const uint64_t part_bytes = (uint64_t)z * (uint64_t)n * (uint64_t)rows * 4;
+        BufferPtr& part = f16_part_[slot];
+        if (want > 1 && (!part || part->size() < part_bytes)) {
+          part.reset();  // (kept alive by a recorded step that used it)
+          try {
             part = alloc((size_t)part_bytes, "f16 tiles' split sums");
+          } catch (const DeviceError&) {  // (no room: the tiles unsplit)
           }
+        }
+        if (want > 1 && part && part->size() >= part_bytes) {
+          pc.kper = kper, gz = z;
           pc.part = A(part->data()), pc.cnt = tail_counters(2 + slot, (int64_t)gx * gy), sh = shs;
           c_->uses({{pc.part, part_bytes, true}, {pc.cnt, (uint64_t)gx * gy * 4, true}});
         }
@@ -1896,9 +1935,7 @@ class VulkanBackend final : public Backend {
     };
     if (!p.dq) return gemm(w.rows);
     const uint64_t row16 = (uint64_t)w.cols * 2;
-    const char* e = std::getenv("DASLLAMA_VULKAN_DQ_ROWS");
-    const int64_t want = e && *e ? std::atoll(e) : (int64_t)((64ull << 20) / row16);
-    const int64_t slice = std::min<int64_t>(w.rows, std::max<int64_t>(128, want / 128 * 128));
+    const int64_t slice = dq_slice_rows(w);
     if (!dq_buf_ || dq_buf_->size() < slice * row16) {
       dq_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
       dq_buf_ = alloc((size_t)(slice * row16), "weights decoded to f16");
@@ -2268,7 +2305,7 @@ class VulkanBackend final : public Backend {
     }
     if (c_->subgroup && n > kTileMin) {  // prefill: output tiles through shared memory
       const F16cPick p = f16c_pick(w, x, n);
-      if (p.pre) {
+      if (p.pre && f16c_room(p, w, n)) {
         f16_split(x, n, w.cols, p.one);
         return f16c_gemm(p, w, n, y);
       }
@@ -2312,6 +2349,7 @@ class VulkanBackend final : public Backend {
         p[i] = f16c_pick(*ws[i], x, n);
         all = ws[i]->cols == ws[0]->cols && p[i].pre && p[i].one == p[0].one;
       }
+      for (int i = 0; all && i < count; ++i) all = f16c_room(p[i], *ws[i], n);
       if (all) {
         Lock g(c_->mu);
         c_->note_rows(n);
