@@ -597,6 +597,30 @@ def test_f16_prefill_without_room_alike(tiny, built_dir, monkeypatch):
     assert np.array_equal(again, tiles)
 
 
+def test_full_device_prefill_raises_and_keeps_session(tiny, monkeypatch):
+    """A prefill on a device with no room left for its buffers (DASLLAMA_VULKAN_MEM_LIMIT: the
+    device as large as what is in use, plus 0, 4 KB or 64 KB: each runs out at another point)
+    raises DeviceError naming what did not fit, and loses nothing: the session is as it was
+    (no rows), and once there is room the same session's prefill gives the logits of a fresh
+    model's, bit for bit."""
+    ids = [1] + np.random.default_rng(32).integers(3, VOCAB, 40).tolist()
+    ref_m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+    t = d.create_session(ref_m, n_ctx=64)
+    d.eval(ref_m, t, ids)
+    ref = np.array(t.logits)
+    for room in (0, 4096, 65536):
+        m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+        s = d.create_session(m, n_ctx=64)
+        dev = m.device_info
+        monkeypatch.setenv("DASLLAMA_VULKAN_MEM_LIMIT", str(dev["total_bytes"] - dev["free_bytes"] + room))
+        with pytest.raises(d.DeviceError, match="out of device memory for"):
+            d.eval(m, s, ids)
+        assert s.n_past == 0, f"room {room}: the failed prefill left {s.n_past} rows"
+        monkeypatch.delenv("DASLLAMA_VULKAN_MEM_LIMIT")
+        d.eval(m, s, ids)
+        assert np.array_equal(np.array(s.logits), ref), f"room {room}: the session's prefill after the failure"
+
+
 def test_f16_prefill_without_room_on_lavapipe(built_dir, tiny):
     """test_f16_prefill_without_room_alike on the GPUs' f16 path (DASLLAMA_VULKAN_F16C=emu)."""
     _tiny_f16(tiny, built_dir)  # made here, not in a child
