@@ -597,28 +597,56 @@ def test_f16_prefill_without_room_alike(tiny, built_dir, monkeypatch):
     assert np.array_equal(again, tiles)
 
 
-def test_full_device_prefill_raises_and_keeps_session(tiny, monkeypatch):
+def test_full_device_raises_and_keeps_session(tiny, monkeypatch):
     """A prefill on a device with no room left for its buffers (DASLLAMA_VULKAN_MEM_LIMIT: the
     device as large as what is in use, plus 0, 4 KB or 64 KB: each runs out at another point)
     raises DeviceError naming what did not fit, and loses nothing: the session is as it was
     (no rows), and once there is room the same session's prefill gives the logits of a fresh
-    model's, bit for bit."""
-    ids = [1] + np.random.default_rng(32).integers(3, VOCAB, 40).tolist()
+    model's, bit for bit. Then a decode step with no room at all: it runs, or raises the same way
+    with the session unchanged (on the GPUs' path a recorded step's tail counters do not fit:
+    test_full_device_on_lavapipe), and the session's next steps give the fresh model's logits."""
+    ids = [1] + np.random.default_rng(32).integers(3, VOCAB, 44).tolist()
     ref_m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
     t = d.create_session(ref_m, n_ctx=64)
-    d.eval(ref_m, t, ids)
-    ref = np.array(t.logits)
+    d.eval(ref_m, t, ids[:40])
+    ref = [np.array(t.logits)]
+    for tok in ids[40:]:
+        d.eval(ref_m, t, [tok])
+        ref.append(np.array(t.logits))
+
+    def limit(m, room):
+        dev = m.device_info
+        monkeypatch.setenv("DASLLAMA_VULKAN_MEM_LIMIT", str(dev["total_bytes"] - dev["free_bytes"] + room))
+
     for room in (0, 4096, 65536):
         m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
         s = d.create_session(m, n_ctx=64)
-        dev = m.device_info
-        monkeypatch.setenv("DASLLAMA_VULKAN_MEM_LIMIT", str(dev["total_bytes"] - dev["free_bytes"] + room))
+        limit(m, room)
         with pytest.raises(d.DeviceError, match="out of device memory for"):
-            d.eval(m, s, ids)
+            d.eval(m, s, ids[:40])
         assert s.n_past == 0, f"room {room}: the failed prefill left {s.n_past} rows"
         monkeypatch.delenv("DASLLAMA_VULKAN_MEM_LIMIT")
-        d.eval(m, s, ids)
-        assert np.array_equal(np.array(s.logits), ref), f"room {room}: the session's prefill after the failure"
+        d.eval(m, s, ids[:40])
+        assert np.array_equal(np.array(s.logits), ref[0]), f"room {room}: the session's prefill after the failure"
+    m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
+    s = d.create_session(m, n_ctx=64)
+    d.eval(m, s, ids[:40])
+    limit(m, 0)
+    try:
+        d.eval(m, s, ids[40:41])
+        assert np.array_equal(np.array(s.logits), ref[1])
+    except d.DeviceError as e:
+        assert "out of device memory for" in str(e) and s.n_past == 40, (str(e), s.n_past)
+    monkeypatch.delenv("DASLLAMA_VULKAN_MEM_LIMIT")
+    for i in range(s.n_past - 39, len(ref)):
+        d.eval(m, s, ids[39 + i:40 + i])
+        assert np.array_equal(np.array(s.logits), ref[i]), f"decode step {i} after the full device"
+
+
+def test_full_device_on_lavapipe(built_dir, tiny):
+    """test_full_device_raises_and_keeps_session on the GPUs' path (recorded steps, tails)."""
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1"}, ("test_vulkan.py",), "full_device_raises")
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 def test_f16_prefill_without_room_on_lavapipe(built_dir, tiny):
