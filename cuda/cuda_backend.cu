@@ -161,7 +161,7 @@ class CudaBackend final : public Backend {
     d.cc_minor = prop_.minor;
     cudaSetDevice(dev_);
     size_t fr = 0, tot = 0;
-    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess) d.free_bytes = fr, d.total_bytes = tot;
+    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess) limited(fr, tot), d.free_bytes = fr, d.total_bytes = tot;
     int drv = 0, rt = 0;
     cudaDriverGetVersion(&drv);
     cudaRuntimeGetVersion(&rt);
@@ -182,10 +182,20 @@ class CudaBackend final : public Backend {
     }
     return std::make_shared<CudaBuffer>(p, bytes, dev_);
   }
+  // DASLLAMA_CUDA_MEM_LIMIT=N: act as if the device had N bytes (read at each check; what is in use
+  // counts against it): a GPU shared with other work, and the tests of a full device.
+  static void limited(size_t& fr, size_t& tot) {
+    const char* e = std::getenv("DASLLAMA_CUDA_MEM_LIMIT");
+    const unsigned long long lim = e && *e ? std::strtoull(e, nullptr, 10) : 0;
+    if (lim == 0 || lim >= tot) return;
+    const size_t used = tot - fr;
+    tot = (size_t)lim, fr = tot > used ? tot - used : 0;
+  }
   void check_fits(size_t bytes, const char* what) override {
     use();
     size_t fr = 0, tot = 0;
     check(cudaMemGetInfo(&fr, &tot), "cudaMemGetInfo");
+    limited(fr, tot);
     if (bytes + kHeadroom > fr)
       throw DeviceError(where() + ": out of device memory for " + what + ": needs " + mib(bytes) + ", " + mib(fr) +
                         " free of " + mib(tot) + " (" + mib(kHeadroom) + " kept back)");

@@ -135,6 +135,70 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
                 assert e <= F32_DOT, f"{wtype} DQF16={on} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
 
 
+def test_block_formats_prefill_without_room(monkeypatch):
+    """Where the device cannot hold DQF16's f16 copy of a matrix (DASLLAMA_CUDA_MEM_LIMIT: the device
+    as large as what is in use, the 64 MiB CUDA keeps back, and 24 MiB: room for the matmul's own
+    buffers, not for the 48 MiB copy of a 4096 x 4096 q4_K matrix), the prefill keeps the f32
+    tiles instead of failing: each token equals the f32 product (DQF16=0's reference), not the f16
+    one; and the process goes on."""
+    from gguf.constants import GGMLQuantizationType as T
+    from test_backend_ops import F32_DOT, make_weight, nmse as op_nmse
+
+    b = d._core.Backend("cuda:0", exact=False)
+    rows = cols = 4096
+    n = 100
+    rng = np.random.default_rng(7)
+    raw, w = make_weight(rng, "q4_K", rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.T
+    monkeypatch.setenv("DASLLAMA_CUDA_DQF16", "0")
+    b.matmul(raw, int(T.Q4_K), rows, cols, x)  # (the f32 tiles' own buffers, made once)
+    monkeypatch.delenv("DASLLAMA_CUDA_DQF16")
+    info = b.device
+    monkeypatch.setenv("DASLLAMA_CUDA_MEM_LIMIT",
+                       str(info["total_bytes"] - info["free_bytes"] + (64 << 20) + (24 << 20)))
+    o = np.asarray(b.matmul(raw, int(T.Q4_K), rows, cols, x)).reshape(n, rows)
+    for t in range(n):
+        e = op_nmse(o[t], ref[t])
+        assert e <= F32_DOT, f"without room for the f16 copy, token {t}: NMSE {e:.3g} from the f32 product"
+    monkeypatch.delenv("DASLLAMA_CUDA_MEM_LIMIT")
+
+
+def test_full_device_raises_and_keeps_session(files, monkeypatch):
+    """A prefill, then a decode step, on a device with no room left (DASLLAMA_CUDA_MEM_LIMIT: as
+    large as what is in use): each runs, or raises DeviceError naming what did not fit with the
+    session unchanged; either way, once there is room, the session's logits are a fresh model's,
+    bit for bit."""
+    path = files["llama"]["q8_0"]
+    ids = [1] + np.random.default_rng(32).integers(3, E.VOCAB, 44).tolist()
+    ref_m = d.load_model(path, d.QuantMode.q8, device="cuda")
+    t = d.create_session(ref_m, n_ctx=64)
+    d.eval(ref_m, t, ids[:40])
+    ref = [np.array(t.logits)]
+    for tok in ids[40:]:
+        d.eval(ref_m, t, [tok])
+        ref.append(np.array(t.logits))
+    m = d.load_model(path, d.QuantMode.q8, device="cuda")
+    s = d.create_session(m, n_ctx=64)
+    raised = 0
+    for step, (toks, before) in enumerate([(ids[:40], 0), (ids[40:41], 40)]):
+        dev = m.device_info
+        monkeypatch.setenv("DASLLAMA_CUDA_MEM_LIMIT", str(dev["total_bytes"] - dev["free_bytes"]))
+        try:
+            d.eval(m, s, toks)
+        except d.DeviceError as e:
+            raised += 1
+            assert "out of device memory for" in str(e) and s.n_past == before, (str(e), s.n_past)
+            monkeypatch.delenv("DASLLAMA_CUDA_MEM_LIMIT")
+            d.eval(m, s, toks)
+        monkeypatch.delenv("DASLLAMA_CUDA_MEM_LIMIT", raising=False)
+        assert np.array_equal(np.array(s.logits), ref[step]), f"step {step} after a full device"
+    for i in range(2, len(ref)):
+        d.eval(m, s, ids[39 + i:40 + i])
+        assert np.array_equal(np.array(s.logits), ref[i]), f"decode step {i} after a full device"
+    print(f"steps that ran out of room: {raised}")
+
+
 def test_block_formats_q8_mode_prefill_logits(tmp_path, monkeypatch):
     """A q8-mode prefill of a file in q4_K, q5_K, q6_K, q4_1, q5_0 and q5_1, decoded to f16 (the
     default; _device_checks' block_formats_q8_mode_prefill says the bar)."""
