@@ -599,10 +599,10 @@ def test_f16_prefill_without_room_alike(tiny, built_dir, monkeypatch):
 
 def test_full_device_raises_and_keeps_session(tiny, monkeypatch):
     """A prefill on a device with no room left for its buffers (DASLLAMA_VULKAN_MEM_LIMIT: the
-    device as large as what is in use, plus 0, 4 KB or 64 KB: each runs out at another point)
-    raises DeviceError naming what did not fit, and loses nothing: the session is as it was
-    (no rows), and once there is room the same session's prefill gives the logits of a fresh
-    model's, bit for bit. Then a decode step with no room at all: it runs, or raises the same way
+    device as large as what is in use, plus 0, 4 KB or 64 KB: on lavapipe each runs out at
+    another point) raises DeviceError naming what did not fit, and loses nothing: the session is
+    as it was (no rows), and once there is room the same session's prefill gives the logits of a
+    fresh model's, bit for bit. Then a decode step with no room at all: it runs, or raises the same way
     with the session unchanged (on the GPUs' path a recorded step's tail counters do not fit:
     test_full_device_on_lavapipe), and the session's next steps give the fresh model's logits."""
     ids = [1] + np.random.default_rng(32).integers(3, VOCAB, 44).tolist()
@@ -618,15 +618,19 @@ def test_full_device_raises_and_keeps_session(tiny, monkeypatch):
         dev = m.device_info
         monkeypatch.setenv("DASLLAMA_VULKAN_MEM_LIMIT", str(dev["total_bytes"] - dev["free_bytes"] + room))
 
-    for room in (0, 4096, 65536):
+    for room in (0, 4096, 65536):  # (no room at all fails on every device; the others where they run out)
         m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
         s = d.create_session(m, n_ctx=64)
         limit(m, room)
-        with pytest.raises(d.DeviceError, match="out of device memory for"):
+        try:
             d.eval(m, s, ids[:40])
-        assert s.n_past == 0, f"room {room}: the failed prefill left {s.n_past} rows"
-        monkeypatch.delenv("DASLLAMA_VULKAN_MEM_LIMIT")
-        d.eval(m, s, ids[:40])
+            assert room > 0, "a prefill with no room at all ran"
+        except d.DeviceError as e:
+            assert "out of device memory for" in str(e), str(e)
+            assert s.n_past == 0, f"room {room}: the failed prefill left {s.n_past} rows"
+            monkeypatch.delenv("DASLLAMA_VULKAN_MEM_LIMIT")
+            d.eval(m, s, ids[:40])
+        monkeypatch.delenv("DASLLAMA_VULKAN_MEM_LIMIT", raising=False)
         assert np.array_equal(np.array(s.logits), ref[0]), f"room {room}: the session's prefill after the failure"
     m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
     s = d.create_session(m, n_ctx=64)
