@@ -42,6 +42,19 @@ def built_once(out_dir, name: str, make) -> tuple:
     return files
 
 
+def q8_steps(path: str, device: str, ids: list, n_prefill: int) -> list:
+    """A fresh q8-mode model's logits: after prefilling ids[:n_prefill], then after each later
+    token decoded alone (the full-device tests' reference)."""
+    m = d.load_model(path, d.QuantMode.q8, device=device)
+    t = d.create_session(m, n_ctx=64)
+    d.eval(m, t, ids[:n_prefill])
+    out = [np.array(t.logits)]
+    for tok in ids[n_prefill:]:
+        d.eval(m, t, [tok])
+        out.append(np.array(t.logits))
+    return out
+
+
 def paged_prefix_cache_and_ragged_batch(path: str, device: str, prompt: list) -> None:
     """A prompt's cold logits match the CPU's; attaching its cached pages gives the cold logits;
     a ragged step (one 9-token prefill beside two decodes) gives each session its logits alone."""

@@ -171,13 +171,7 @@ def test_full_device_raises_and_keeps_session(files, monkeypatch):
     bit for bit."""
     path = files["llama"]["q8_0"]
     ids = [1] + np.random.default_rng(32).integers(3, E.VOCAB, 44).tolist()
-    ref_m = d.load_model(path, d.QuantMode.q8, device="cuda")
-    t = d.create_session(ref_m, n_ctx=64)
-    d.eval(ref_m, t, ids[:40])
-    ref = [np.array(t.logits)]
-    for tok in ids[40:]:
-        d.eval(ref_m, t, [tok])
-        ref.append(np.array(t.logits))
+    ref = C.q8_steps(path, "cuda", ids, 40)
     m = d.load_model(path, d.QuantMode.q8, device="cuda")
     s = d.create_session(m, n_ctx=64)
     raised = 0

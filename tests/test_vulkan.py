@@ -606,13 +606,7 @@ def test_full_device_raises_and_keeps_session(tiny, monkeypatch):
     with the session unchanged (on the GPUs' path a recorded step's tail counters do not fit:
     test_full_device_on_lavapipe), and the session's next steps give the fresh model's logits."""
     ids = [1] + np.random.default_rng(32).integers(3, VOCAB, 44).tolist()
-    ref_m = d.load_model(tiny["q8_0"], d.QuantMode.q8, device="vulkan")
-    t = d.create_session(ref_m, n_ctx=64)
-    d.eval(ref_m, t, ids[:40])
-    ref = [np.array(t.logits)]
-    for tok in ids[40:]:
-        d.eval(ref_m, t, [tok])
-        ref.append(np.array(t.logits))
+    ref = C.q8_steps(tiny["q8_0"], "vulkan", ids, 40)
 
     def limit(m, room):
         dev = m.device_info
