@@ -562,6 +562,33 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
             assert not re.search(r"^\s+gemm_f16(?!\w*p2)\w*\s", out, re.M), f"{what}: not p2 only\n" + out[-3000:]
 
 
+def test_f16_prefill_coopmat2(built_dir):
+    """The f16 prefill on NVIDIA's workgroup-scope cooperative matrices (gemm_f16m.comp: a tile a
+    workgroup's matrix, tensor loads straight from memory; DASLLAMA_VULKAN_COOPMAT2=1 enables the
+    extensions, DASLLAMA_VULKAN_F16C=cm2* picks the tiles): each tile (128 x 128, 128 x 64, 64 x 64,
+    and the rule's) holds the op harness's f16 matmul cases at F32_DOT against float64 numpy
+    (tokens from 1e-12 to 1e12, rows, tokens and k ending mid-tile) and an f16 model's prefill
+    logits, then in q8 mode (x rounded to f16 once, one product) against numpy's own rounding;
+    the profile shows those shaders ran. Needs a device with VK_NV_cooperative_matrix2 and a build
+    whose glslang has it (vulkan/CMakeLists.txt): NVIDIA's, never lavapipe."""
+    import re
+
+    if "f16 coopmat2" not in _VK["devices"][0]["features"]:
+        pytest.skip("no workgroup-scope f16 cooperative matrices here (VK_NV_cooperative_matrix2 and a build "
+                    "with glslang 15: NVIDIA's driver)")
+    exact = "(matmul and f16 and not bf16 and not q8_mode) or f16_model_prefill"
+    q8 = "f16_q8_mode or f16_model_q8_mode"
+    for mode, tile in (("cm2l", "L"), ("cm2m", "M"), ("cm2s", "S"), ("cm2", "")):
+        for k, sh in ((exact, "gemm_f16m"), (q8, "gemm_f16mo")):
+            r = _child(built_dir, {"DASLLAMA_VULKAN_COOPMAT2": "1", "DASLLAMA_VULKAN_PROFILE": "1",
+                                   "DASLLAMA_VULKAN_F16C": mode}, ("test_backend_ops.py", "test_vulkan.py"), k, s=True)
+            out = r.stdout + r.stderr
+            assert r.returncode == 0, f"F16C={mode} {k}\n" + r.stdout[-3000:] + r.stderr[-2000:]
+            assert "refused" not in out, out[-2000:]
+            assert re.search(rf"^\s+{sh}{tile}\w?\s", out, re.M), f"F16C={mode}: {sh}{tile} did not run\n" + out[-3000:]
+            assert not re.search(r"^\s+gemm_f16[ceo]", out, re.M), f"F16C={mode}: other f16 tiles ran\n" + out[-3000:]
+
+
 def test_f16_prefill_without_room_alike(tiny, built_dir, monkeypatch):
     """Where the device cannot hold the f16 prefill's scratch (x's f16 halves; DASLLAMA_VULKAN_MEM_LIMIT
     makes the device as small as what is in use plus 1 MiB, under the scratch's 4 MiB), a q8-mode

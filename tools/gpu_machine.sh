@@ -17,6 +17,8 @@ for f in .vkb/*.deb; do dpkg -x "$f" /tmp/vkb; done
 export PATH=/tmp/vkb/usr/bin:$PATH
 export LD_LIBRARY_PATH=/tmp/vkb/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export CMAKE_PREFIX_PATH=/tmp/vkb/usr
+# glslang 15 (tools/build_glslang.sh), if carried: the build adds the gemm_f16m variants.
+[ -f .vkb/glslang ] && chmod +x .vkb/glslang && export DASLLAMA_GLSLANG=$PWD/.vkb/glslang
 # NVIDIA's driver files where a container mounts them (the loader finds nothing otherwise).
 if [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json

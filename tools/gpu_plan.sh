@@ -52,6 +52,13 @@ for stage in "$@"; do
       step split 240 python benchmarks/ab_cuda.py --types f16,q4_k_m --no-tg --rounds 2 \
         DASLLAMA_CUDA_F16H_SPLIT=1 DASLLAMA_CUDA_F16H_SPLIT=auto DASLLAMA_CUDA_F16H_SPLIT=2
       ;;
+    cm2)  # NVIDIA's workgroup-scope matrices for the Vulkan f16 prefill (needs .vkb/glslang from
+      # tools/build_glslang.sh carried: the build then has gemm_f16m): tests, then the A/B, every
+      # setting with the extensions on (Vulkan 1.3) so only the tiles differ
+      step tests 300 env DASLLAMA_VULKAN_COOPMAT2=1 python -m pytest -q tests/test_vulkan.py -k "coopmat2 or f16_model"
+      step tiles 400 env DASLLAMA_VULKAN_COOPMAT2=1 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m \
+        --no-tg --rounds 2 DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=cm2 DASLLAMA_VULKAN_F16C=cm2l DASLLAMA_VULKAN_F16C=cm2m
+      ;;
     vk_defaults)
       step vk_all 540 python -m pytest -q tests/test_vulkan.py tests/test_backend_ops.py \
         -k "not smollm2 and (not lavapipe or flash_cm or subgroup_path or block_formats_prefill)"

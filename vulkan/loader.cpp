@@ -3,6 +3,8 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 namespace dl::vk {
@@ -30,9 +32,19 @@ const Api* api(std::string* why) {
     VkApplicationInfo app{VK_STRUCTURE_TYPE_APPLICATION_INFO};
     app.pApplicationName = "dasllama";
     app.apiVersion = VK_API_VERSION_1_2;  // buffer device addresses are core from 1.2
+    // DASLLAMA_VULKAN_COOPMAT2=1 (read once, at the first device): Vulkan 1.3 where the loader
+    // has it, whose SPIR-V 1.6 NVIDIA's workgroup-scope cooperative matrices need (gemm_f16m.comp);
+    // opt-in with them until timed.
+    if (const char* e = std::getenv("DASLLAMA_VULKAN_COOPMAT2"); e && std::strcmp(e, "1") == 0) {
+      auto ver = reinterpret_cast<PFN_vkEnumerateInstanceVersion>(
+          a.vkGetInstanceProcAddr(nullptr, "vkEnumerateInstanceVersion"));
+      uint32_t v = 0;
+      if (ver && ver(&v) == VK_SUCCESS && v >= VK_API_VERSION_1_3) app.apiVersion = VK_API_VERSION_1_3;
+    }
     VkInstanceCreateInfo ci{VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO};
     ci.pApplicationInfo = &app;
     const VkResult r = create(&ci, nullptr, &a.instance);
+    a.api_version = app.apiVersion;
     if (r != VK_SUCCESS) {
       err = std::string("vkCreateInstance failed: ") + result_str(r) +
             (r == VK_ERROR_INCOMPATIBLE_DRIVER ? " (no Vulkan driver installed)" : "");

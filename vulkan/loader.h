@@ -30,6 +30,7 @@ namespace dl::vk {
 struct Api {
   PFN_vkGetInstanceProcAddr vkGetInstanceProcAddr = nullptr;
   VkInstance instance = VK_NULL_HANDLE;
+  uint32_t api_version = VK_API_VERSION_1_2;  // the instance's (1.3 with DASLLAMA_VULKAN_COOPMAT2=1)
 #define DL_DECL(f) PFN_##f f = nullptr;
   DL_VK_INSTANCE_FNS(DL_DECL)
 #undef DL_DECL

@@ -189,7 +189,47 @@ struct I8Caps {
   bool dot = false, coop = false;
   bool exec_stats = false;  // VK_KHR_pipeline_executable_properties (DASLLAMA_VULKAN_PIPESTATS)
   bool f16n8 = false, f16n16 = false;  // f16 shapes offered: 16 x 8 x 16, 16 x 16 x 16
+  // NVIDIA's workgroup-scope cooperative matrices (VK_NV_cooperative_matrix2 over
+  // VK_KHR_cooperative_matrix, Vulkan 1.3) for gemm_f16m.comp's f16 x f16 -> f32 tiles: bit 0
+  // where 128 invocations may hold such a matrix of its tiles' sizes, bit 1 where 256 may.
+  uint32_t cm2 = 0;
 };
+// VK_KHR_cooperative_matrix's and VK_NV_cooperative_matrix2's structures, which the Vulkan
+// headers of the build machines we support (1.3.239) predate: layouts and numbers as the
+// registry gives them.
+constexpr VkStructureType kStCoopMatFeaturesKHR = (VkStructureType)1000506000;
+constexpr VkStructureType kStCoopMat2FeaturesNV = (VkStructureType)1000593000;
+constexpr VkStructureType kStCoopMatFlexPropsNV = (VkStructureType)1000593001;
+constexpr VkStructureType kStCoopMat2PropsNV = (VkStructureType)1000593002;
+struct CoopMatFeaturesKHR {
+  VkStructureType sType = kStCoopMatFeaturesKHR;
+  void* pNext = nullptr;
+  VkBool32 cooperativeMatrix = VK_FALSE, cooperativeMatrixRobustBufferAccess = VK_FALSE;
+};
+struct CoopMat2FeaturesNV {
+  VkStructureType sType = kStCoopMat2FeaturesNV;
+  void* pNext = nullptr;
+  VkBool32 workgroupScope = VK_FALSE, flexibleDimensions = VK_FALSE, reductions = VK_FALSE, conversions = VK_FALSE,
+           perElementOperations = VK_FALSE, tensorAddressing = VK_FALSE, blockLoads = VK_FALSE;
+};
+struct CoopMatFlexPropsNV {
+  VkStructureType sType = kStCoopMatFlexPropsNV;
+  void* pNext = nullptr;
+  uint32_t mGranularity = 0, nGranularity = 0, kGranularity = 0;
+  int32_t aType = 0, bType = 0, cType = 0, resultType = 0;  // VkComponentTypeKHR: 0 f16, 1 f32
+  VkBool32 saturatingAccumulation = VK_FALSE;
+  int32_t scope = 0;  // VkScopeKHR: 2 workgroup
+  uint32_t workgroupInvocations = 0;
+};
+struct CoopMat2PropsNV {
+  VkStructureType sType = kStCoopMat2PropsNV;
+  void* pNext = nullptr;
+  uint32_t workgroupScopeMaxWorkgroupSize = 0, flexibleDimensionsMaxDimension = 0, workgroupScopeReservedSharedMemory = 0;
+};
+using PfnCoopMatFlexProps = VkResult(VKAPI_PTR*)(VkPhysicalDevice, uint32_t*, CoopMatFlexPropsNV*);
+// gemm_f16m.comp's tiles (rows x tokens x k a stage): 128 x 128 and 128 x 64 of 256
+// invocations, 64 x 64 of 128.
+constexpr uint32_t kCm2Dims[] = {128, 64, 32};
 I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
   uint32_t ne = 0;
   a.vkEnumerateDeviceExtensionProperties(pd, nullptr, &ne, nullptr);
@@ -240,6 +280,43 @@ I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
     }
     c.f16n8 = n8, c.f16n16 = n16;
   }
+  // Workgroup-scope f16 matrices: both extensions, Vulkan 1.3 (their SPIR-V is 1.6), and the
+  // features gemm_f16m.comp uses, at a workgroup size whose granularities divide its tiles.
+  VkPhysicalDeviceProperties dp0{};
+  a.vkGetPhysicalDeviceProperties(pd, &dp0);
+  auto flex = reinterpret_cast<PfnCoopMatFlexProps>(
+      a.vkGetInstanceProcAddr(a.instance, "vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV"));
+  if (has("VK_KHR_cooperative_matrix") && has("VK_NV_cooperative_matrix2") && dp0.apiVersion >= VK_API_VERSION_1_3 &&
+      flex && f12.shaderFloat16 && f12.vulkanMemoryModel) {
+    CoopMatFeaturesKHR ck;
+    CoopMat2FeaturesNV c2;
+    VkPhysicalDeviceVulkan11Features f11{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES};
+    VkPhysicalDeviceFeatures2 g{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+    g.pNext = &f11, f11.pNext = &ck, ck.pNext = &c2;
+    a.vkGetPhysicalDeviceFeatures2(pd, &g);
+    CoopMat2PropsNV c2p;
+    VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+    p2.pNext = &c2p;
+    a.vkGetPhysicalDeviceProperties2(pd, &p2);
+    if (ck.cooperativeMatrix && c2.workgroupScope && c2.flexibleDimensions && c2.perElementOperations &&
+        c2.tensorAddressing && f11.storageBuffer16BitAccess) {
+      uint32_t np = 0;
+      flex(pd, &np, nullptr);
+      std::vector<CoopMatFlexPropsNV> ps(np);
+      if (np) flex(pd, &np, ps.data());
+      const auto divides = [](uint32_t g) {
+        for (uint32_t d : kCm2Dims)
+          if (g == 0 || d % g != 0) return false;
+        return true;
+      };
+      for (auto& p : ps)
+        if (p.aType == 0 && p.bType == 0 && p.cType == 1 && p.resultType == 1 && p.scope == 2 &&
+            divides(p.mGranularity) && divides(p.nGranularity) && divides(p.kGranularity)) {
+          if (p.workgroupInvocations == 128 && c2p.workgroupScopeMaxWorkgroupSize >= 128) c.cm2 |= 1;
+          if (p.workgroupInvocations == 256 && c2p.workgroupScopeMaxWorkgroupSize >= 256) c.cm2 |= 2;
+        }
+    }
+  }
   return c;
 }
 // Asked once a device (describe() runs at every allocation's size check).
@@ -285,6 +362,8 @@ DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t use
   if (ic.coop) d.features += ", int8 coopmat";
   if (ic.f16n8 || ic.f16n16)
     d.features += std::string(", f16 coopmat") + (ic.f16n8 ? " 16x8x16" : "") + (ic.f16n16 ? " 16x16x16" : "");
+  // (and where this build has its shaders: glslang 15 found at build time)
+  if (ic.cm2 && find_spirv("gemm_f16mL")) d.features += ", f16 coopmat2";
   // Subgroup width (a range where it varies, as on Intel): which shader variants a device takes.
   const uint32_t sg_min = sc.minSubgroupSize && sc.minSubgroupSize < sp.subgroupSize ? sc.minSubgroupSize : 0;
   d.features += ", subgroups " + (sg_min ? std::to_string(sg_min) + "-" : std::string()) + std::to_string(sp.subgroupSize);
@@ -371,13 +450,49 @@ class Ctx {
       exts.push_back(VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME);
       pipe_stats_ = true;
     }
+    // DASLLAMA_VULKAN_COOPMAT2=1 (read at each device's creation; with it the instance is Vulkan
+    // 1.3): NVIDIA's workgroup-scope cooperative matrices enabled where offered (i8_caps' cm2),
+    // for DASLLAMA_VULKAN_F16C=cm2*; opt-in until timed. A device that refuses them is created
+    // without.
+    CoopMatFeaturesKHR ck;
+    CoopMat2FeaturesNV c2;
+    VkPhysicalDeviceVulkan11Features f11{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES};
+    const char* cm2e = std::getenv("DASLLAMA_VULKAN_COOPMAT2");
+    const bool want_cm2 = ic.cm2 && cm2e && std::strcmp(cm2e, "1") == 0 && a.api_version >= VK_API_VERSION_1_3;
+    std::vector<const char*> exts2 = exts;
+    if (want_cm2) {
+      ck.cooperativeMatrix = VK_TRUE;
+      c2.workgroupScope = c2.flexibleDimensions = c2.perElementOperations = c2.tensorAddressing = VK_TRUE;
+      f11.storageBuffer16BitAccess = VK_TRUE;
+      f11.pNext = &ck, ck.pNext = &c2, c2.pNext = f.pNext;
+      exts2.push_back("VK_KHR_cooperative_matrix");
+      exts2.push_back("VK_NV_cooperative_matrix2");
+    }
     VkDeviceCreateInfo dci{VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO};
     dci.pNext = &f;
-    dci.enabledExtensionCount = (uint32_t)exts.size();
-    dci.ppEnabledExtensionNames = exts.data();
     dci.queueCreateInfoCount = 1;
     dci.pQueueCreateInfos = &qci;
-    vcheck(a.vkCreateDevice(pd, &dci, nullptr, &dev_), "vkCreateDevice");
+    VkResult made = VK_ERROR_FEATURE_NOT_PRESENT;
+    if (want_cm2) {
+      void* const rest = f.pNext;
+      const VkBool32 f16 = f12.shaderFloat16, mm = f12.vulkanMemoryModel;
+      f.pNext = &f11, f12.shaderFloat16 = f12.vulkanMemoryModel = VK_TRUE;
+      dci.enabledExtensionCount = (uint32_t)exts2.size();
+      dci.ppEnabledExtensionNames = exts2.data();
+      made = a.vkCreateDevice(pd, &dci, nullptr, &dev_);
+      if (made == VK_SUCCESS) {
+        cm2 = ic.cm2;
+      } else {
+        f.pNext = rest, f12.shaderFloat16 = f16, f12.vulkanMemoryModel = mm;
+        std::fprintf(stderr, "dasllama: vulkan: the device refused VK_NV_cooperative_matrix2 (%s); created without it\n",
+                     vk::result_str(made));
+      }
+    }
+    if (made != VK_SUCCESS) {
+      dci.enabledExtensionCount = (uint32_t)exts.size();
+      dci.ppEnabledExtensionNames = exts.data();
+      vcheck(a.vkCreateDevice(pd, &dci, nullptr, &dev_), "vkCreateDevice");
+    }
     f_.load(a, dev_);
     if (pipe_stats_) {
       exec_props_ = reinterpret_cast<PFN_vkGetPipelineExecutablePropertiesKHR>(
@@ -459,6 +574,7 @@ class Ctx {
   uint32_t subgroup_min = 32;  // the narrowest a compute shader's subgroups may be
   bool shuffle8 = false;  // subgroups of 8 or more lanes that shuffle, in compute shaders
   bool i8dot = false, i8coop = false;  // enabled at device creation (i8_caps)
+  uint32_t cm2 = 0;  // workgroup-scope f16 matrices enabled (DASLLAMA_VULKAN_COOPMAT2): I8Caps::cm2's bits
   bool f16n8 = false, f16n16 = false;  // f16 cooperative matrices 16 x 8 x 16, 16 x 16 x 16 (i8_caps)
   uint32_t max_shared() const { return props_.limits.maxComputeSharedMemorySize; }
 
@@ -1745,8 +1861,11 @@ class VulkanBackend final : public Backend {
   // k32 and emuw keep the split (A/B variants of it). p2, k64p2 (32 or 64 of k a stage) and emup2
   // (the stand-in): the default's tiles with each stage's loads issued two stages ahead
   // (gemm_f16c.comp PF=2; the same bits), one product in q8 mode; A/B until timed on a GPU.
+  // cm2, cm2l, cm2m, cm2s: NVIDIA's workgroup-scope matrices (gemm_f16m.comp, where the device
+  // was created with them: DASLLAMA_VULKAN_COOPMAT2=1; else as unset): tiles of 128 x 128, 128 x
+  // 64 or 64 x 64 (rows x tokens), cm2 picking by their count (cm2_tile); A/B until timed.
   enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cP2, kF16cK64P2,
-                  kF16cEmuP2 };
+                  kF16cEmuP2, kF16cCm2, kF16cCm2L, kF16cCm2M, kF16cCm2S };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
     if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "k64") == 0) return kF16cAuto;
@@ -1758,6 +1877,10 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "p2") == 0) return kF16cP2;
     if (std::strcmp(e, "k64p2") == 0) return kF16cK64P2;
     if (std::strcmp(e, "emup2") == 0) return kF16cEmuP2;
+    if (std::strcmp(e, "cm2") == 0) return kF16cCm2;
+    if (std::strcmp(e, "cm2l") == 0) return kF16cCm2L;
+    if (std::strcmp(e, "cm2m") == 0) return kF16cCm2M;
+    if (std::strcmp(e, "cm2s") == 0) return kF16cCm2S;
     return kF16cOff;
   }
   // The shader family of this f16 prefill: its name before the tile's mark and after it
@@ -1768,6 +1891,7 @@ class VulkanBackend final : public Backend {
     bool wide = false;  // gemm_f16cw / _ew: 128-row tiles always
     bool one = false;   // x rounded to f16 once (f16_round), one product
     bool dq = false;    // a block format decoded to f16 first (dequant_f16), a slice of rows at a time
+    char cm2 = 0;       // gemm_f16m's tile (L, M, S), or 'a': by their count (cm2_tile); 0: not those
   };
   // DASLLAMA_VULKAN_DQF16=0: q8 mode's prefill of q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights
   // keeps the f32 tiles (matmul_tile.comp / gemm.comp) instead of the f16 GEMM over the weights
@@ -1786,7 +1910,10 @@ class VulkanBackend final : public Backend {
     }
   }
   F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
-    const F16cMode m = f16c_mode();
+    F16cMode m = f16c_mode();
+    const uint32_t cm2_need = m == kF16cCm2S ? 1u : m == kF16cCm2 ? 3u : 2u;  // (I8Caps::cm2's bits)
+    const bool cm2 = m >= kF16cCm2 && (c_->cm2 & cm2_need) == cm2_need;
+    if (m >= kF16cCm2 && !cm2) m = kF16cAuto;
     F16cPick p;
     // q8 mode (weights not exact: their f16 rounding is q8 mode's kind of error, 11 bits where
     // its int8 activations keep about 8), block formats: decoded to f16 rows first.
@@ -1798,7 +1925,12 @@ class VulkanBackend final : public Backend {
     if (f16_need(n, w.cols) + (dq ? (uint64_t)dq_slice_rows(w) * (uint64_t)w.cols * 2 : 0) >= f16c_failed_) return p;
     p.dq = dq;
     p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || m == kF16cP2 ||
-                                  m == kF16cK64P2 || m == kF16cEmuP2);
+                                  m == kF16cK64P2 || m == kF16cEmuP2 || cm2);
+    if (cm2) {  // (16-aligned rows and x as the tiles below; any subgroup size: the driver's)
+      p.pre = p.one ? "gemm_f16mo" : "gemm_f16m";
+      p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : 'a';
+      return p;
+    }
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
     if (m == kF16cEmu || m == kF16cEmuWide || m == kF16cEmuP2) {
       if (c_->max_shared() >= 30720) p.pre = p.one ? "gemm_f16eo" : "gemm_f16e";
@@ -1832,6 +1964,14 @@ class VulkanBackend final : public Backend {
     if (!e || !*e) return 1;
     int64_t sp = std::strcmp(e, "auto") == 0 ? 256 / std::max<int64_t>(tiles, 1) : std::atoll(e);
     return (int)std::max<int64_t>(1, std::min<int64_t>({sp, 4, stages}));
+  }
+  // gemm_f16m's tile for a matrix (F16C=cm2): the largest of 128 x 128, 128 x 64 and 64 x 64
+  // (rows x tokens) that still gives about two workgroups for each of a large GPU's ~128 cores
+  // (pp512: ffn gate / up 128 x 128, Q, O and down 128 x 64, K and V 64 x 64), 64 x 64 where
+  // even those are fewer. (cm2 asks for both workgroup sizes: f16c_pick.)
+  char cm2_tile(int64_t rows, int64_t n) const {
+    const auto tiles = [&](int64_t bm, int64_t bn) { return ((rows + bm - 1) / bm) * ((n + bn - 1) / bn); };
+    return tiles(128, 128) >= 256 ? 'L' : tiles(128, 64) >= 128 ? 'M' : 'S';
   }
   static bool f16c_half(int64_t rows, int64_t n, bool one) {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C_TILE");
@@ -1898,6 +2038,15 @@ class VulkanBackend final : public Backend {
          (uint32_t)n, (uint32_t)w.rows, 0, 0, (uint32_t)w.cols};
     const uint64_t y_bytes = (uint64_t)n * (uint64_t)w.rows * 4;
     const auto gemm = [&](int64_t rows) {
+      if (p.cm2) {
+        const char t = p.cm2 == 'a' ? cm2_tile(rows, n) : p.cm2;
+        const int64_t bm = t == 'S' ? 64 : 128, bn = t == 'L' ? 128 : 64;
+        pc.rows = (uint32_t)rows;
+        c_->uses({{pc.w, p.dq ? dq_bytes_ : Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), y_bytes, true}});
+        c_->dispatch((std::string(p.pre) + t).c_str(), &pc, sizeof pc, (uint32_t)((n + bn - 1) / bn),
+                     (uint32_t)((rows + bm - 1) / bm));
+        return;
+      }
       const bool half = !p.wide && f16c_half(rows, n, p.one);
       std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
       pc.rows = (uint32_t)rows;

@@ -1,0 +1,95 @@
+// Prefill of f16 weights on NVIDIA's workgroup-scope cooperative matrices
+// (VK_NV_cooperative_matrix2): the same product as gemm_f16c.comp, y[t][r] = (W[r] . hi[t]
+// (+ W[r] . lo[t])) * inv[t] over the halves f16_split / f16_round wrote, but each BM x BN tile
+// is one matrix of the whole workgroup and its loads are tensor loads straight from memory: the
+// driver stages them through shared memory and spreads the products over the subgroups itself,
+// with what Vulkan otherwise lacks (asynchronous copies, more than 48 KB a workgroup). This is
+// the path llama.cpp's Vulkan build takes on NVIDIA (its *_cm2 shaders). Rows, tokens and k past
+// the ends read zeros (clamp-to-constant layouts) and are not stored; the sums' order is the
+// driver's, so the result is held to float64 numpy, not to gemm_f16c's bits.
+// Needs GL_NV_cooperative_matrix2 in the compiler (glslang 15): vulkan/CMakeLists.txt builds
+// these variants only where the one it finds has it, and the backend takes them only where the
+// device offers workgroup scope, flexible dimensions, tensor addressing and per-element
+// operations for f16 x f16 -> f32 at this workgroup size (DASLLAMA_VULKAN_F16C=cm2*).
+#version 450
+#extension GL_GOOGLE_include_directive : require  // (glslangValidator; glslc has it on)
+#include "common.glsl"
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int32 : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_NV_cooperative_matrix2 : require
+
+#ifndef BM
+#define BM 128
+#endif
+#ifndef BN
+#define BN 128
+#endif
+#ifndef BK
+#define BK 32
+#endif
+#ifndef LO  // 0: x rounded to f16 once (q8 mode, f16_round), one product
+#define LO 1
+#endif
+#ifndef NTH
+#define NTH 256
+#endif
+
+layout(local_size_x = NTH) in;
+// gemm_f16c.comp's constants (the backend fills one struct for both); part, cnt, kper unused.
+layout(push_constant, std430) uniform PC {
+  uint64_t w, xh, xl, inv, y;
+  uint64_t row_bytes;
+  uint rows, cols, n, ys;
+  uint64_t part, cnt;
+  uint kper;
+} pc;
+
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer H16 { float16_t v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer Y32 { float v[]; };  // (y may be a slice's)
+
+// Each token's column scaled by its 1 / s (f16_split's power of two; f16_round's 1).
+float scale_token(const in uint32_t r, const in uint32_t c, const in float e, const in uint32_t t0) {
+  const uint t = t0 + c;
+  return t < pc.n ? e * F32(pc.inv).v[t] : e;
+}
+
+void main() {
+  const uint t0 = gl_WorkGroupID.x * BN, r0 = gl_WorkGroupID.y * BM;
+  tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lw =
+      createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+  lw = setTensorLayoutDimensionNV(lw, pc.rows, pc.cols);
+  lw = setTensorLayoutStrideNV(lw, uint(pc.row_bytes / 2), 1);
+  tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lx =
+      createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+  lx = setTensorLayoutDimensionNV(lx, pc.n, pc.cols);
+  lx = setTensorLayoutStrideNV(lx, pc.cols, 1);
+  // x is [token][k]: the B operand (k x tokens) is its transpose, as is y ([token][row]) of the
+  // accumulator (rows x tokens).
+  tensorViewNV<2, false, 1, 0> tr = createTensorViewNV(2, false, 1, 0);
+  H16 w = H16(pc.w), xh = H16(pc.xh);
+#if LO
+  H16 xl = H16(pc.xl);
+#endif
+  coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator> acc =
+      coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>(0.0);
+  for (uint k = 0; k < pc.cols; k += BK) {
+    coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;
+    coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;
+    coopMatLoadTensorNV(a, w.v, 0, sliceTensorLayoutNV(lw, r0, BM, k, BK));
+    coopMatLoadTensorNV(b, xh.v, 0, sliceTensorLayoutNV(lx, t0, BN, k, BK), tr);
+    acc = coopMatMulAdd(a, b, acc);
+#if LO
+    coopMatLoadTensorNV(b, xl.v, 0, sliceTensorLayoutNV(lx, t0, BN, k, BK), tr);
+    acc = coopMatMulAdd(a, b, acc);
+#endif
+  }
+  coopMatPerElementNV(acc, acc, scale_token, t0);
+  tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> ly =
+      createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+  ly = setTensorLayoutDimensionNV(ly, pc.n, pc.rows);
+  ly = setTensorLayoutStrideNV(ly, pc.ys, 1);
+  coopMatStoreTensorNV(acc, Y32(pc.y).v, 0, sliceTensorLayoutNV(ly, t0, BN, r0, BM), tr);
+}
