@@ -1858,14 +1858,13 @@ class VulkanBackend final : public Backend {
   // f16. Read at each matmul, so benchmarks/ab_cuda.py can switch it between model loads.
   // In q8 mode (weights not exact, f16_act_split false) the default, n16, w and emu round x to
   // f16 once instead (f16_round, one product: gemm_f16o* / gemm_f16eo*), as llama.cpp does;
-  // k32 and emuw keep the split (A/B variants of it). p2, k64p2 (32 or 64 of k a stage) and emup2
-  // (the stand-in): the default's tiles with each stage's loads issued two stages ahead
-  // (gemm_f16c.comp PF=2; the same bits), one product in q8 mode; A/B until timed on a GPU.
+  // k32 and emuw keep the split (A/B variants of it). (Each stage's loads two stages ahead, and
+  // k split over a tile's workgroups, were tried and lost on the H100: twenty-eighth session.)
   // cm2, cm2l, cm2m, cm2s: NVIDIA's workgroup-scope matrices (gemm_f16m.comp, where the device
   // was created with them: DASLLAMA_VULKAN_COOPMAT2=1; else as unset): tiles of 128 x 128, 128 x
   // 64 or 64 x 64 (rows x tokens), cm2 picking by their count (cm2_tile); A/B until timed.
-  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cP2, kF16cK64P2,
-                  kF16cEmuP2, kF16cCm2, kF16cCm2L, kF16cCm2M, kF16cCm2S };
+  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cCm2, kF16cCm2L,
+                  kF16cCm2M, kF16cCm2S };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
     if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "k64") == 0) return kF16cAuto;
@@ -1874,9 +1873,6 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "emu") == 0) return kF16cEmu;
     if (std::strcmp(e, "w") == 0) return kF16cWide;
     if (std::strcmp(e, "emuw") == 0) return kF16cEmuWide;
-    if (std::strcmp(e, "p2") == 0) return kF16cP2;
-    if (std::strcmp(e, "k64p2") == 0) return kF16cK64P2;
-    if (std::strcmp(e, "emup2") == 0) return kF16cEmuP2;
     if (std::strcmp(e, "cm2") == 0) return kF16cCm2;
     if (std::strcmp(e, "cm2l") == 0) return kF16cCm2L;
     if (std::strcmp(e, "cm2m") == 0) return kF16cCm2M;
@@ -1924,17 +1920,16 @@ class VulkanBackend final : public Backend {
       return p;
     if (f16_need(n, w.cols) + (dq ? (uint64_t)dq_slice_rows(w) * (uint64_t)w.cols * 2 : 0) >= f16c_failed_) return p;
     p.dq = dq;
-    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || m == kF16cP2 ||
-                                  m == kF16cK64P2 || m == kF16cEmuP2 || cm2);
+    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || cm2);
     if (cm2) {  // (16-aligned rows and x as the tiles below; any subgroup size: the driver's)
       p.pre = p.one ? "gemm_f16mo" : "gemm_f16m";
       p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : 'a';
       return p;
     }
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
-    if (m == kF16cEmu || m == kF16cEmuWide || m == kF16cEmuP2) {
+    if (m == kF16cEmu || m == kF16cEmuWide) {
       if (c_->max_shared() >= 30720) p.pre = p.one ? "gemm_f16eo" : "gemm_f16e";
-      p.suf = m == kF16cEmuWide ? "w" : m == kF16cEmuP2 ? "p2" : "", p.wide = m == kF16cEmuWide;
+      p.suf = m == kF16cEmuWide ? "w" : "", p.wide = m == kF16cEmuWide;
       return p;
     }
     // Subgroups of 32 lanes: the shader's tiles are 32 rows x 32 tokens a subgroup.
@@ -1944,8 +1939,6 @@ class VulkanBackend final : public Backend {
     p.suf = !c_->f16n8 || (m == kF16cN16 && c_->f16n16) ? "16"
             : p.wide                                    ? "w"
             : m == kF16cK32                             ? ""
-            : m == kF16cP2                              ? "p2"
-            : m == kF16cK64P2                           ? "k64p2"
                                                         : "k64";
     return p;
   }
@@ -1954,17 +1947,6 @@ class VulkanBackend final : public Backend {
   // of a short prefill: a large GPU's cores without a second workgroup each), as gemm_i8's
   // choice; one product (one) 128 always (H200, Llama-1B F16 pp512: that rule 29,715 t/s, 128
   // rows 32,011). Read at each matmul.
-  // DASLLAMA_VULKAN_F16C_SPLIT: k split over N workgroups a tile (gemm_f16c.comp SPLIT: the *s
-  // variants of one product's 128-row tiles: k64, p2, k64p2, and the stand-ins), for A/B runs
-  // until timed on a GPU. 2, 3 or 4: that many (at most one a stage of k); auto: as many as put
-  // about 256 tiles' workgroups on the device (pp512's O and ffn down: 128 tiles, two splits);
-  // unset or 1: none. Read at each matmul.
-  static int f16c_splits(int64_t tiles, int64_t stages) {
-    const char* e = std::getenv("DASLLAMA_VULKAN_F16C_SPLIT");
-    if (!e || !*e) return 1;
-    int64_t sp = std::strcmp(e, "auto") == 0 ? 256 / std::max<int64_t>(tiles, 1) : std::atoll(e);
-    return (int)std::max<int64_t>(1, std::min<int64_t>({sp, 4, stages}));
-  }
   // gemm_f16m's tile for a matrix (F16C=cm2): the largest of 128 x 128, 128 x 64 and 64 x 64
   // (rows x tokens) that still gives about two workgroups for each of a large GPU's ~128 cores
   // (pp512: ffn gate / up 128 x 128, Q, O and down 128 x 64, K and V 64 x 64), 64 x 64 where
@@ -2025,17 +2007,13 @@ class VulkanBackend final : public Backend {
   // y = w x over the halves f16_split just wrote (p: f16c_pick's). p.dq: slices of w's rows
   // decoded to f16 into the scratch f16c_room grew (dq_slice_rows), each slice's GEMM storing
   // its columns of y.
-  // slot (0-3): the k split's scratch and counters, one set a matrix of a matmul_multi so its
-  // matmuls, which read one x and write apart, still run together.
-  void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y, int slot = 0) {
+  void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {
       uint64_t w, xh, xl, inv, y, row_bytes;
       uint32_t rows, cols, n, ys;
-      uint64_t part, cnt;  // the *s variants' (f16c_splits)
-      uint32_t kper;
     } pc{A(w.data), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols,
-         (uint32_t)n, (uint32_t)w.rows, 0, 0, (uint32_t)w.cols};
+         (uint32_t)n, (uint32_t)w.rows};
     const uint64_t y_bytes = (uint64_t)n * (uint64_t)w.rows * 4;
     const auto gemm = [&](int64_t rows) {
       if (p.cm2) {
@@ -2048,34 +2026,12 @@ class VulkanBackend final : public Backend {
         return;
       }
       const bool half = !p.wide && f16c_half(rows, n, p.one);
-      std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
+      const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
       pc.rows = (uint32_t)rows;
       const uint32_t gx = (uint32_t)((n + 63) / 64), gy = (uint32_t)(half ? (rows + 63) / 64 : (rows + 127) / 128);
-      uint32_t gz = 1;
-      const std::string shs = sh + "s";
-      if (p.one && !half && !p.wide && find_spirv(shs.c_str())) {
-        const int64_t bk = std::strstr(p.suf, "k64") ? 64 : 32, stages = (w.cols + bk - 1) / bk;
-        const int want = f16c_splits((int64_t)gx * gy, stages);
-        const uint32_t kper = (uint32_t)(((stages + want - 1) / want) * bk), z = (uint32_t)((w.cols + kper - 1) / kper);
-        const uint64_t part_bytes = (uint64_t)z * (uint64_t)n * (uint64_t)rows * 4;
-        BufferPtr& part = f16_part_[slot];
-        if (want > 1 && (!part || part->size() < part_bytes)) {
-          part.reset();  // (kept alive by a recorded step that used it)
-          try {
-            part = alloc((size_t)part_bytes, "f16 tiles' split sums");
-          } catch (const DeviceError&) {  // (no room: the tiles unsplit)
-          }
-        }
-        if (want > 1 && part && part->size() >= part_bytes) {
-          pc.kper = kper, gz = z;
-          pc.part = A(part->data()), pc.cnt = tail_counters(2 + slot, (int64_t)gx * gy), sh = shs;
-          c_->uses({{pc.part, part_bytes, true}, {pc.cnt, (uint64_t)gx * gy * 4, true}});
-        }
-      }
       c_->uses({{pc.w, p.dq ? dq_bytes_ : Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), y_bytes, true}});
       // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
-      c_->dispatch(sh.c_str(), &pc, sizeof pc, gx, gy, gz);
-      pc.part = pc.cnt = 0, pc.kper = (uint32_t)w.cols;
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, gx, gy);
     };
     if (!p.dq) return gemm(w.rows);
     const uint64_t row16 = (uint64_t)w.cols * 2;
@@ -2494,7 +2450,7 @@ class VulkanBackend final : public Backend {
         Lock g(c_->mu);
         c_->note_rows(n);
         f16_split(x, n, ws[0]->cols, p[0].one);
-        for (int i = 0; i < count; ++i) f16c_gemm(p[i], *ws[i], n, ys[i], i);
+        for (int i = 0; i < count; ++i) f16c_gemm(p[i], *ws[i], n, ys[i]);
         return;
       }
     }
@@ -3282,9 +3238,8 @@ class VulkanBackend final : public Backend {
     }
     return A(glu_cnt_->data());
   }
-  // The tails' counters (0: the GLU tail's, a 32-row block each; 1: the KV tail's, a head each;
-  // 2-5: the f16 tiles' splits', a tile each, a set a matrix of a matmul_multi), grown as needed,
-  // zeroed when made, left at 0 by every dispatch.
+  // The tails' counters (0: the GLU tail's, a 32-row block each; 1: the KV tail's, a head each),
+  // grown as needed, zeroed when made, left at 0 by every dispatch.
   uint64_t tail_counters(int which, int64_t slots) {
     BufferPtr& b = tail_cnt_[which];
     const size_t want = (size_t)std::max<int64_t>(slots, 1) * 4;
@@ -3388,8 +3343,7 @@ class VulkanBackend final : public Backend {
   uint64_t dq_bytes_ = 0;
   uint64_t f16_xh_ = 0, f16_bytes_ = 0;  // where f16_split last wrote them, and their size
   BufferPtr i8_glu_;  // the GLU tail's rounded glu rows (apart from i8_buf_, which its GEMV still reads)
-  BufferPtr tail_cnt_[6];  // the GLU and KV tails' counters, the f16 tiles' splits' (tail_counters)
-  BufferPtr f16_part_[4];  // the f16 tiles' split sums (f16c_splits), a set a matrix of a matmul_multi
+  BufferPtr tail_cnt_[2];  // the GLU and KV tails' counters (tail_counters)
   std::map<std::string, size_t> const_blocks_;  // const_block's slots, by content
   struct ConstSlot {
     uint64_t at, serial;  // its address; the step that last used it

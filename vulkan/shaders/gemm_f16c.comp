@@ -15,17 +15,6 @@
 // (gemm_i8.comp's COOP), so each lane scales and stores its own sums. Rows and tokens past the
 // end read the last one and are not stored; k past cols (cols % 8 == 0: the backend's check)
 // reads zeros.
-// PF=2 (the *p2 variants, DASLLAMA_VULKAN_F16C=p2 / k64p2 / emup2): each stage's global loads
-// issued two stages ahead into a second set of registers, not one, so two stages of math rather
-// than one cover their latency before the stores into shared memory wait on them (CUDA's tiles
-// keep three stages in flight with cp.async; Vulkan has no asynchronous copy, and NVIDIA gives a
-// workgroup 48 KB of shared memory, so the stages ahead wait in registers: 12 (BK 32) or 24 (BK
-// 64) a lane more). The loop is unrolled by two so each stage's registers stay named, not copied.
-// SPLIT=1 (the *s variants, DASLLAMA_VULKAN_F16C_SPLIT): k split over the grid's z, pc.kper of it
-// (whole stages) a workgroup, for matrices whose tiles leave a GPU's cores with one workgroup or
-// none (pp512's O and ffn down: 128 tiles). Each split writes its sums to part ([z][t][r]); the
-// last of a tile's splits to finish (a counter a tile at cnt, left at 0) adds them in split order
-// and stores y: the same bits every run, not those of the unsplit tiles.
 // COOP=0 (gemm_f16e, gemm_f16eh: DASLLAMA_VULKAN_F16C=emu): the same split, stages and stores
 // with the products in plain f32 FMAs, so devices without cooperative matrices (lavapipe, CI)
 // check everything but the matrices themselves.
@@ -56,12 +45,6 @@
 #ifndef LO  // 0 (q8 mode, weights not exact): x rounded to f16 once (hi alone), one product
 #define LO 1
 #endif
-#ifndef PF  // stages whose loads are in flight ahead of the math
-#define PF 1
-#endif
-#ifndef SPLIT
-#define SPLIT 0
-#endif
 #define NTH (64 * WR)  // invocations: WR x 2 subgroups of 32
 #ifndef NBUF  // stages in shared memory (gemm_f16e: 1, to fit lavapipe's 32 KB)
 #if BK == 32
@@ -76,13 +59,7 @@ layout(push_constant, std430) uniform PC {
   uint64_t w, xh, xl, inv, y;
   uint64_t row_bytes;
   uint rows, cols, n, ys;  // ys: y's row stride (rows, or the whole matrix's where these rows are a slice)
-  uint64_t part, cnt;      // SPLIT: the splits' sums, the tiles' counters
-  uint kper;               // SPLIT: k a split (a multiple of BK)
 } pc;
-#if SPLIT
-shared bool split_last;
-#define PART(Z_, T_, R_) F32C(pc.part + ((uint64_t(Z_) * pc.n + (T_)) * pc.rows + (R_)) * 4u).v[0]
-#endif
 
 const uint BM = 16u * MT * WR, BN = 64u;
 const uint CK = BK / 8u;  // 16-byte chunks (8 halves) of a row's k a stage
@@ -111,11 +88,7 @@ void unpack8(uvec4 u, out float f[8]) {
 void main() {
   const uint tid = gl_LocalInvocationID.x;
   const uint r0 = gl_WorkGroupID.y * BM, t0 = gl_WorkGroupID.x * BN;  // token tiles of one row tile adjacent (x)
-#if SPLIT
-  const uint kb = gl_WorkGroupID.z * pc.kper, ke = min(pc.cols, kb + pc.kper);  // this split's k
-#else
   const uint kb = 0u, ke = pc.cols;
-#endif
   // Chunk p = tid + NTH i of a stage: row (or token) p / CK, k chunk p % CK (adjacent invocations
   // read a row's adjacent 16 bytes).
   uint64_t wp[NW], xp[NX];
@@ -148,11 +121,8 @@ void main() {
   [[unroll]] for (uint j = 0u; j < TPI; ++j) acc[j] = 0.0f;
 #endif
 
-  // A stage's global loads, held in registers until stored: set 0, and with PF=2 set 1.
+  // A stage's global loads, held in registers until stored.
   uvec4 gw0[NW], gh0[NX], gl0[NX];
-#if PF == 2
-  uvec4 gw1[NW], gh1[NX], gl1[NX];
-#endif
 #if LO
 #define LSTORE(at, v) Lf[at] = v
 #else
@@ -242,7 +212,6 @@ void main() {
 #endif
 
   uint cur = 0u;  // the buffer this stage's math reads
-#if PF == 1
   LOAD(kb, gw0, gh0, gl0)
   STORE(0u, gw0, gh0, gl0)
   barrier();
@@ -257,43 +226,8 @@ void main() {
     }
     barrier();
   }
-#else
-  // Stage s's loads live in set s % 2: issued at stage s - 2 (set free: stored at the end of
-  // stage s - 3), stored at the end of stage s - 1.
-#define PSTAGE(k0, GA, HA, LA, GB, HB, LB)                                                         \
-  {                                                                                                \
-    if ((k0) + 2u * BK < ke) LOAD((k0) + 2u * BK, GA, HA, LA)                                      \
-    MATH(cur * WB, cur * XB)                                                                       \
-    if ((k0) + BK < ke) {                                                                          \
-      BARRIER_1                                                                                    \
-      cur = (cur + 1u) % NBUF;                                                                     \
-      STORE(cur, GB, HB, LB)                                                                       \
-    }                                                                                              \
-    barrier();                                                                                     \
-  }
-  LOAD(kb, gw0, gh0, gl0)
-  if (kb + BK < ke) LOAD(kb + BK, gw1, gh1, gl1)
-  STORE(0u, gw0, gh0, gl0)
-  barrier();
-  for (uint k0 = kb; k0 < ke; k0 += 2u * BK) {
-    PSTAGE(k0, gw0, gh0, gl0, gw1, gh1, gl1)
-    if (k0 + BK < ke) PSTAGE(k0 + BK, gw1, gh1, gl1, gw0, gh0, gl0)
-  }
-#endif
 
-#if SPLIT
-  // y's value at (r, t) (already scaled by its token's 1 / s, a power of two: exact), or with
-  // several splits this split's share of it, into part.
-#define PUT(R_, T_, V_)                                                                            \
-  {                                                                                                \
-    if (gl_NumWorkGroups.z > 1u)                                                                   \
-      PART(gl_WorkGroupID.z, T_, R_) = (V_);                                                       \
-    else                                                                                           \
-      F32(pc.y + (uint64_t(T_) * pc.ys + (R_)) * 4u).v[0] = (V_);                                  \
-  }
-#else
 #define PUT(R_, T_, V_) F32(pc.y + (uint64_t(T_) * pc.ys + (R_)) * 4u).v[0] = (V_);
-#endif
 #if COOP
   [[unroll]] for (uint j = 0u; j < NJ; ++j) {
     float iv[L];
@@ -312,26 +246,5 @@ void main() {
       const uint t = t0 + tg * TPI + j;
       if (t < pc.n) PUT(r, t, acc[j] * F32(pc.inv).v[t])
     }
-#endif
-#if SPLIT
-  if (gl_NumWorkGroups.z == 1u) return;
-  // The tile's last split adds the splits' sums in split order.
-  memoryBarrierBuffer();
-  barrier();
-  if (tid == 0u) {
-    U32 c = U32(pc.cnt + uint64_t(gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * 4u);
-    split_last = atomicAdd(c.v[0], 1u) == gl_NumWorkGroups.z - 1u;
-    if (split_last) c.v[0] = 0u;  // every split of the tile has counted: ready for the next dispatch
-  }
-  barrier();
-  if (!split_last) return;
-  memoryBarrierBuffer();
-  for (uint i = tid; i < BM * BN; i += NTH) {
-    const uint r = r0 + i % BM, t = t0 + i / BM;  // adjacent invocations, adjacent rows
-    if (r >= pc.rows || t >= pc.n) continue;
-    float v = PART(0u, t, r);
-    for (uint z = 1u; z < gl_NumWorkGroups.z; ++z) v += PART(z, t, r);
-    F32(pc.y + (uint64_t(t) * pc.ys + r) * 4u).v[0] = v;
-  }
 #endif
 }

@@ -38,13 +38,11 @@
 #endif
 
 layout(local_size_x = NTH) in;
-// gemm_f16c.comp's constants (the backend fills one struct for both); part, cnt, kper unused.
+// gemm_f16c.comp's constants (the backend fills one struct for both).
 layout(push_constant, std430) uniform PC {
   uint64_t w, xh, xl, inv, y;
   uint64_t row_bytes;
   uint rows, cols, n, ys;
-  uint64_t part, cnt;
-  uint kper;
 } pc;
 
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer H16 { float16_t v[]; };
