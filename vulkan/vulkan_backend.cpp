@@ -191,7 +191,8 @@ struct I8Caps {
   bool f16n8 = false, f16n16 = false;  // f16 shapes offered: 16 x 8 x 16, 16 x 16 x 16
   // NVIDIA's workgroup-scope cooperative matrices (VK_NV_cooperative_matrix2 over
   // VK_KHR_cooperative_matrix, Vulkan 1.3) for gemm_f16m.comp's f16 x f16 -> f32 tiles: bit 0
-  // where 128 invocations may hold such a matrix of its tiles' sizes, bit 1 where 256 may.
+  // where 128 invocations may hold its 64 x 64 tiles (32 of k a stage), bit 1 where 256 may hold
+  // its 128 x 64 and 128 x 128 ones (DASLLAMA_VULKAN_COOPMAT_LIST=1 prints what is offered).
   uint32_t cm2 = 0;
 };
 // VK_KHR_cooperative_matrix's and VK_NV_cooperative_matrix2's structures, which the Vulkan
@@ -227,9 +228,6 @@ struct CoopMat2PropsNV {
   uint32_t workgroupScopeMaxWorkgroupSize = 0, flexibleDimensionsMaxDimension = 0, workgroupScopeReservedSharedMemory = 0;
 };
 using PfnCoopMatFlexProps = VkResult(VKAPI_PTR*)(VkPhysicalDevice, uint32_t*, CoopMatFlexPropsNV*);
-// gemm_f16m.comp's tiles (rows x tokens x k a stage): 128 x 128 and 128 x 64 of 256
-// invocations, 64 x 64 of 128.
-constexpr uint32_t kCm2Dims[] = {128, 64, 32};
 I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
   uint32_t ne = 0;
   a.vkEnumerateDeviceExtensionProperties(pd, nullptr, &ne, nullptr);
@@ -304,17 +302,23 @@ I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
       flex(pd, &np, nullptr);
       std::vector<CoopMatFlexPropsNV> ps(np);
       if (np) flex(pd, &np, ps.data());
-      const auto divides = [](uint32_t g) {
-        for (uint32_t d : kCm2Dims)
-          if (g == 0 || d % g != 0) return false;
-        return true;
+      const char* list = std::getenv("DASLLAMA_VULKAN_COOPMAT_LIST");
+      const bool say = list && *list && std::strcmp(list, "0") != 0;
+      // A tile of bm x bn rows x tokens, bk of k a stage, fits a shape's granularities.
+      const auto fits = [](const CoopMatFlexPropsNV& p, uint32_t bm, uint32_t bn, uint32_t bk) {
+        return p.mGranularity && p.nGranularity && p.kGranularity && bm % p.mGranularity == 0 &&
+               bn % p.nGranularity == 0 && bk % p.kGranularity == 0;
       };
-      for (auto& p : ps)
-        if (p.aType == 0 && p.bType == 0 && p.cType == 1 && p.resultType == 1 && p.scope == 2 &&
-            divides(p.mGranularity) && divides(p.nGranularity) && divides(p.kGranularity)) {
-          if (p.workgroupInvocations == 128 && c2p.workgroupScopeMaxWorkgroupSize >= 128) c.cm2 |= 1;
-          if (p.workgroupInvocations == 256 && c2p.workgroupScopeMaxWorkgroupSize >= 256) c.cm2 |= 2;
-        }
+      for (auto& p : ps) {
+        if (say)
+          std::fprintf(stderr, "vulkan coopmat2: granularity %ux%ux%u A %d B %d C %d D %d scope %d invocations %u\n",
+                       p.mGranularity, p.nGranularity, p.kGranularity, p.aType, p.bType, p.cType, p.resultType, p.scope,
+                       p.workgroupInvocations);
+        if (p.aType != 0 || p.bType != 0 || p.cType != 1 || p.resultType != 1 || p.scope != 2) continue;
+        if (p.workgroupInvocations == 128 && c2p.workgroupScopeMaxWorkgroupSize >= 128 && fits(p, 64, 64, 32)) c.cm2 |= 1;
+        if (p.workgroupInvocations == 256 && c2p.workgroupScopeMaxWorkgroupSize >= 256 && fits(p, 128, 64, 32))
+          c.cm2 |= 2;
+      }
     }
   }
   return c;
