@@ -54,6 +54,10 @@ for stage in "$@"; do
       step tests 300 env DASLLAMA_VULKAN_COOPMAT2=1 python -m pytest -q tests/test_vulkan.py -k "coopmat2 or f16_model"
       step tiles 400 env DASLLAMA_VULKAN_COOPMAT2=1 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m \
         --no-tg --rounds 2 DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=cm2 DASLLAMA_VULKAN_F16C=cm2l DASLLAMA_VULKAN_F16C=cm2m
+      # where a pp512's time goes, shader by shader (a table a submission: the prefills')
+      step prof 200 env DASLLAMA_VULKAN_COOPMAT2=1 DASLLAMA_VULKAN_COOPMAT_LIST=1 python benchmarks/ab_cuda.py \
+        --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_VULKAN_F16C=1,DASLLAMA_VULKAN_PROFILE=each=14 \
+        DASLLAMA_VULKAN_F16C=cm2,DASLLAMA_VULKAN_PROFILE=each=14
       ;;
     vk_defaults)
       step vk_all 540 python -m pytest -q tests/test_vulkan.py tests/test_backend_ops.py \
