@@ -191,7 +191,7 @@ struct I8Caps {
   bool f16n8 = false, f16n16 = false;  // f16 shapes offered: 16 x 8 x 16, 16 x 16 x 16
   // NVIDIA's workgroup-scope cooperative matrices (VK_NV_cooperative_matrix2 over
   // VK_KHR_cooperative_matrix, Vulkan 1.3) for gemm_f16m.comp's f16 x f16 -> f32 tiles: bit 0
-  // where 128 invocations may hold its 64 x 64 tiles (32 of k a stage), bit 1 where 256 may hold
+  // where 128 invocations may hold its 64 x 64 tiles (64 of k a stage), bit 1 where 256 may hold
   // its 128 x 64 and 128 x 128 ones (DASLLAMA_VULKAN_COOPMAT_LIST=1 prints what is offered).
   uint32_t cm2 = 0;
 };
@@ -315,8 +315,8 @@ I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
                        p.mGranularity, p.nGranularity, p.kGranularity, p.aType, p.bType, p.cType, p.resultType, p.scope,
                        p.workgroupInvocations);
         if (p.aType != 0 || p.bType != 0 || p.cType != 1 || p.resultType != 1 || p.scope != 2) continue;
-        if (p.workgroupInvocations == 128 && c2p.workgroupScopeMaxWorkgroupSize >= 128 && fits(p, 64, 64, 32)) c.cm2 |= 1;
-        if (p.workgroupInvocations == 256 && c2p.workgroupScopeMaxWorkgroupSize >= 256 && fits(p, 128, 64, 32))
+        if (p.workgroupInvocations == 128 && c2p.workgroupScopeMaxWorkgroupSize >= 128 && fits(p, 64, 64, 64)) c.cm2 |= 1;
+        if (p.workgroupInvocations == 256 && c2p.workgroupScopeMaxWorkgroupSize >= 256 && fits(p, 128, 64, 64))
           c.cm2 |= 2;
       }
     }

@@ -10,7 +10,9 @@
 // Needs GL_NV_cooperative_matrix2 in the compiler (glslang 15): vulkan/CMakeLists.txt builds
 // these variants only where the one it finds has it, and the backend takes them only where the
 // device offers workgroup scope, flexible dimensions, tensor addressing and per-element
-// operations for f16 x f16 -> f32 at this workgroup size (DASLLAMA_VULKAN_F16C=cm2*).
+// operations for f16 x f16 -> f32 at this workgroup size (DASLLAMA_VULKAN_F16C=cm2*). 64 of k a
+// stage, and 128 x 128 / 64 x 64 tiles, as llama.cpp's f16 *_cm2 tiles (its largest, 128 x 256,
+// would leave pp512's matrices a wave or less on a large GPU).
 #version 450
 #extension GL_GOOGLE_include_directive : require  // (glslangValidator; glslc has it on)
 #include "common.glsl"
@@ -28,7 +30,7 @@
 #define BN 128
 #endif
 #ifndef BK
-#define BK 32
+#define BK 64
 #endif
 #ifndef LO  // 0: x rounded to f16 once (q8 mode, f16_round), one product
 #define LO 1
