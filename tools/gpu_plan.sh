@@ -42,6 +42,10 @@ for stage in "$@"; do
       step tests 300 python -m pytest -q tests/test_vulkan.py -k "gemv_tails or f16_prefill_split or without_room or full_device"
       step kvtail 200 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 \
         DASLLAMA_VULKAN_KVTAIL=1 DASLLAMA_VULKAN_KVTAIL=2
+      # the suspicion for its loss: the tail's registers in every workgroup of the GEMV (the
+      # driver's statistics of gemv1_1 beside gemv1_kv_1)
+      step regs 120 env DASLLAMA_VULKAN_PIPESTATS=1 DASLLAMA_VULKAN_KVTAIL=2 python benchmarks/ab_cuda.py \
+        --device vulkan --types f16 --rounds 1 DASLLAMA_VULKAN_KVTAIL=2
       ;;
     cuda_new)  # the twenty-seventh session's CUDA path (opt-in): the f16 tiles' k split over a cluster
       step tests 240 python -m pytest -q tests/test_cuda.py -k "f16_prefill_tiles or f16_model or without_room or full_device"
