@@ -571,6 +571,53 @@ def test_f16_prefill_coopmat2(built_dir):
             assert "refused" not in out, out[-2000:]
             assert re.search(rf"^\s+{sh}{tile}\w?\s", out, re.M), f"F16C={mode}: {sh}{tile} did not run\n" + out[-3000:]
             assert not re.search(r"^\s+gemm_f16[ceo]", out, re.M), f"F16C={mode}: other f16 tiles ran\n" + out[-3000:]
+    # q8 mode's split q8_0 / q4_0 with each block decoded in the tiles' loads (DASLLAMA_VULKAN_Q8CM2=1)
+    if "coopmat2 block loads" not in _VK["devices"][0]["features"]:
+        return
+    for mode, tile in (("cm2l", "L"), ("cm2s", "S"), ("cm2", "")):
+        r = _child(built_dir, {"DASLLAMA_VULKAN_COOPMAT2": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
+                               "DASLLAMA_VULKAN_Q8CM2": "1"}, ("test_vulkan.py",), "q8_mode_prefill_on_coopmat2_tiles", s=True)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0 and re.search(r"\b2 passed", out), f"Q8CM2 F16C={mode}\n" + out[-3000:]
+        for q in ("40", "41"):
+            assert re.search(rf"^\s+gemm_f16mq{q}{tile}\w?\s", out, re.M), f"Q8CM2 F16C={mode}: mq{q}{tile} did not run\n" + out[-3000:]
+        assert not re.search(r"^\s+gemm_i8", out, re.M), f"Q8CM2 F16C={mode}: the int8 tiles ran\n" + out[-3000:]
+
+
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
+def test_q8_mode_prefill_on_coopmat2_tiles(wtype):
+    """(test_f16_prefill_coopmat2's children: DASLLAMA_VULKAN_Q8CM2=1 on a device with workgroup-scope
+    matrices and block loads.) q8 mode's prefill of split q8_0 / q4_0 on the workgroup-scope tiles,
+    each block decoded to f16 in the tile's load: over rows, tokens and k ending mid-tile, tokens from
+    1e-12 to 1e12 and a zero one, one matmul and three over one x, each token equal to float64 numpy
+    over numpy's f16 rounding of gguf-py's decoded weights and of the token's scaled row (as
+    test_backend_ops.py's block formats decoded to f16) at the f32 bar."""
+    from gguf.constants import GGMLQuantizationType as T
+    from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse
+
+    if os.environ.get("DASLLAMA_VULKAN_Q8CM2") != "1" or "coopmat2 block loads" not in _VK["devices"][0]["features"]:
+        pytest.skip("run by test_f16_prefill_coopmat2's children (DASLLAMA_VULKAN_Q8CM2=1, workgroup-scope "
+                    "matrices with block loads)")
+    b = d._core.Backend("vulkan:0", exact=False)
+    qt = int(T[wtype.upper()])
+    for rows, cols, n in [(200, 544, 130), (67, 96, 33), (130, 2080, 70)]:
+        rng = np.random.default_rng(rows + cols + n)
+        parts = [make_weight(rng, wtype, r, cols) for r in (rows, 40, 129)]
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
+        x[3] = 0
+        hi, inv = f16_rounded_rows(x)
+        refs = [(hi @ w.astype(np.float32).astype(np.float16).astype(np.float64).T) * inv[:, None] for _, w in parts]
+        outs = [("matmul", np.asarray(b.matmul(parts[0][0], qt, rows, cols, x)).reshape(n, rows), refs[0])]
+        multi = np.asarray(b.matmul_multi([p[0] for p in parts], qt, [rows, 40, 129], cols, x)).reshape(-1)
+        at = 0
+        for (_, w), ref in zip(parts, refs):
+            outs.append(("multi", multi[at:at + n * w.shape[0]].reshape(n, w.shape[0]), ref))
+            at += n * w.shape[0]
+        for name, o, ref in outs:
+            for t in range(n):
+                e = nmse(o[t], ref[t])
+                assert e <= F32_DOT, f"{wtype} {name} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
 
 
 def test_f16_prefill_without_room_alike(tiny, built_dir, monkeypatch):

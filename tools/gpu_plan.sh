@@ -55,9 +55,13 @@ for stage in "$@"; do
     cm2)  # NVIDIA's workgroup-scope matrices for the Vulkan f16 prefill (needs .vkb/glslang from
       # tools/build_glslang.sh carried: the build then has gemm_f16m): tests, then the A/B, every
       # setting with the extensions on (Vulkan 1.3) so only the tiles differ
-      step tests 300 env DASLLAMA_VULKAN_COOPMAT2=1 python -m pytest -q tests/test_vulkan.py -k "coopmat2 or f16_model"
+      step tests 300 env DASLLAMA_VULKAN_COOPMAT2=1 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2 or f16_model"
       step tiles 400 env DASLLAMA_VULKAN_COOPMAT2=1 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m \
         --no-tg --rounds 2 DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=cm2 DASLLAMA_VULKAN_F16C=cm2l DASLLAMA_VULKAN_F16C=cm2m
+      # q8 mode's q8_0 / q4_0 on them too, each block decoded in the tiles' loads
+      step q8tiles 300 env DASLLAMA_VULKAN_COOPMAT2=1 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 \
+        --no-tg --rounds 2 DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=cm2,DASLLAMA_VULKAN_Q8CM2=1 \
+        DASLLAMA_VULKAN_F16C=cm2l,DASLLAMA_VULKAN_Q8CM2=1
       # where a pp512's time goes, shader by shader (a table a submission: the prefills')
       step prof 200 env DASLLAMA_VULKAN_COOPMAT2=1 DASLLAMA_VULKAN_COOPMAT_LIST=1 python benchmarks/ab_cuda.py \
         --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_VULKAN_F16C=1,DASLLAMA_VULKAN_PROFILE=each=14 \

@@ -192,7 +192,8 @@ struct I8Caps {
   // NVIDIA's workgroup-scope cooperative matrices (VK_NV_cooperative_matrix2 over
   // VK_KHR_cooperative_matrix, Vulkan 1.3) for gemm_f16m.comp's f16 x f16 -> f32 tiles: bit 0
   // where 128 invocations may hold its 64 x 64 tiles (64 of k a stage), bit 1 where 256 may hold
-  // its 128 x 64 and 128 x 128 ones (DASLLAMA_VULKAN_COOPMAT_LIST=1 prints what is offered).
+  // its 128 x 64 and 128 x 128 ones (DASLLAMA_VULKAN_COOPMAT_LIST=1 prints what is offered); bit
+  // 2 where tensor loads may decode blocks too (the q8_0 / q4_0 variants, gemm_f16mq*).
   uint32_t cm2 = 0;
 };
 // VK_KHR_cooperative_matrix's and VK_NV_cooperative_matrix2's structures, which the Vulkan
@@ -319,6 +320,7 @@ I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
         if (p.workgroupInvocations == 256 && c2p.workgroupScopeMaxWorkgroupSize >= 256 && fits(p, 128, 64, 64))
           c.cm2 |= 2;
       }
+      if (c.cm2 && c2.blockLoads) c.cm2 |= 4;
     }
   }
   return c;
@@ -367,7 +369,7 @@ DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t use
   if (ic.f16n8 || ic.f16n16)
     d.features += std::string(", f16 coopmat") + (ic.f16n8 ? " 16x8x16" : "") + (ic.f16n16 ? " 16x16x16" : "");
   // (and where this build has its shaders: glslang 15 found at build time)
-  if (ic.cm2 && find_spirv("gemm_f16mL")) d.features += ", f16 coopmat2";
+  if (ic.cm2 && find_spirv("gemm_f16mL")) d.features += (ic.cm2 & 4u) ? ", f16 coopmat2 block loads" : ", f16 coopmat2";
   // Subgroup width (a range where it varies, as on Intel): which shader variants a device takes.
   const uint32_t sg_min = sc.minSubgroupSize && sc.minSubgroupSize < sp.subgroupSize ? sc.minSubgroupSize : 0;
   d.features += ", subgroups " + (sg_min ? std::to_string(sg_min) + "-" : std::string()) + std::to_string(sp.subgroupSize);
@@ -467,6 +469,7 @@ class Ctx {
     if (want_cm2) {
       ck.cooperativeMatrix = VK_TRUE;
       c2.workgroupScope = c2.flexibleDimensions = c2.perElementOperations = c2.tensorAddressing = VK_TRUE;
+      c2.blockLoads = (ic.cm2 & 4u) ? VK_TRUE : VK_FALSE;
       f11.storageBuffer16BitAccess = VK_TRUE;
       f11.pNext = &ck, ck.pNext = &c2, c2.pNext = f.pNext;
       exts2.push_back("VK_KHR_cooperative_matrix");
@@ -1918,6 +1921,17 @@ class VulkanBackend final : public Backend {
     // q8 mode (weights not exact: their f16 rounding is q8 mode's kind of error, 11 bits where
     // its int8 activations keep about 8), block formats: decoded to f16 rows first.
     const bool dq = !w.exact && dq_f16_type(lay_type(w)) && dq_f16_on();
+    // q8 mode's split q8_0 / q4_0 decoded in the workgroup-scope tiles' loads (q8_cm2).
+    const uint32_t lt = lay_type(w);
+    const bool qs = cm2 && q8_cm2(w) && lay_rb(w) % (lt == kQ8Split ? 32 : 16) == 0;
+    if (qs) {
+      if (n <= kTileMin || w.rows <= 0 || w.cols % 32 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
+          (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups || f16_need(n, w.cols) >= f16c_failed_)
+        return p;
+      p.one = true, p.pre = lt == kQ8Split ? "gemm_f16mq40" : "gemm_f16mq41";
+      p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : 'a';
+      return p;
+    }
     if (m == kF16cOff || (lay_type(w) != (uint32_t)GGMLType::F16 && !dq) || n <= kTileMin || w.rows <= 0 ||
         w.cols <= 0 || w.cols % 8 != 0 || (!dq && (lay_rb(w) % 16 != 0 || A(w.data) % 16 != 0)) || A(x) % 16 != 0 ||
         (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups)
@@ -1951,6 +1965,15 @@ class VulkanBackend final : public Backend {
   // of a short prefill: a large GPU's cores without a second workgroup each), as gemm_i8's
   // choice; one product (one) 128 always (H200, Llama-1B F16 pp512: that rule 29,715 t/s, 128
   // rows 32,011). Read at each matmul.
+  // DASLLAMA_VULKAN_Q8CM2=1 (read at each matmul; with F16C=cm2* on a device with them): q8
+  // mode's prefill of split q8_0 / q4_0 past kTileMin tokens on the workgroup-scope tiles, each
+  // block decoded to f16 in the tile's load and x rounded to f16 once (gemm_f16m.comp QT), not
+  // on the int8 tiles; opt-in until timed. Decode (up to kTileMin tokens) keeps the int8 GEMVs.
+  bool q8_cm2(const Weight& w) const {
+    const char* e = std::getenv("DASLLAMA_VULKAN_Q8CM2");
+    const uint32_t lt = lay_type(w);
+    return e && std::strcmp(e, "1") == 0 && (c_->cm2 & 4u) && !w.exact && (lt == kQ8Split || lt == kQ4Split);
+  }
   // gemm_f16m's tile for a matrix (F16C=cm2): the largest of 128 x 128, 128 x 64 and 64 x 64
   // (rows x tokens) that still gives about two workgroups for each of a large GPU's ~128 cores
   // (pp512: ffn gate / up 128 x 128, Q, O and down 128 x 64, K and V 64 x 64), 64 x 64 where
@@ -2394,6 +2417,13 @@ class VulkanBackend final : public Backend {
       c_->uses({{A(w.data), Ctx::kWhole, false}, {A(x), (uint64_t)(n * w.cols * 4), false},
                 {A(y), (uint64_t)(n * w.rows * 4), true}});
     };
+    if (c_->subgroup && n > kTileMin && q8_cm2(w)) {  // (DASLLAMA_VULKAN_Q8CM2)
+      const F16cPick p = f16c_pick(w, x, n);
+      if (p.pre && f16c_room(p, w, n)) {
+        f16_split(x, n, w.cols, true);
+        return f16c_gemm(p, w, n, y);
+      }
+    }
     if (c_->subgroup && i8_fits(w, x, n)) {  // q8 mode: int8 activations at every token count
       const Weight* ws[1] = {&w};
       float* ys[1] = {y};
@@ -2427,7 +2457,9 @@ class VulkanBackend final : public Backend {
     c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 255) / 256), (uint32_t)((n + 7) / 8));  // 4 rows per invocation
   }
   void matmul_multi(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n) override {
-    if (c_->subgroup && count > 1) {  // q8 mode: x rounded once for all
+    bool cm2q = n > kTileMin;  // (DASLLAMA_VULKAN_Q8CM2: the f16 branch below takes them)
+    for (int i = 0; cm2q && i < count; ++i) cm2q = q8_cm2(*ws[i]);
+    if (c_->subgroup && count > 1 && !cm2q) {  // q8 mode: x rounded once for all
       bool all = true;
       for (int i = 0; all && i < count; ++i) all = ws[i]->cols == ws[0]->cols && i8_fits(*ws[i], x, n);
       if (all) {

@@ -10,7 +10,13 @@
 // Needs GL_NV_cooperative_matrix2 in the compiler (glslang 15): vulkan/CMakeLists.txt builds
 // these variants only where the one it finds has it, and the backend takes them only where the
 // device offers workgroup scope, flexible dimensions, tensor addressing and per-element
-// operations for f16 x f16 -> f32 at this workgroup size (DASLLAMA_VULKAN_F16C=cm2*). 64 of k a
+// operations for f16 x f16 -> f32 at this workgroup size (DASLLAMA_VULKAN_F16C=cm2*).
+// QT=40 / 41 (gemm_f16mq40* / q41*: q8 mode's q8_0 / q4_0 in the split layout, with
+// DASLLAMA_VULKAN_Q8CM2=1): W's tiles decoded in the tensor load itself (a decode function a
+// 32-block: its quants at the block the layout's block stride gives, its f16 scale after the
+// row's quants), each weight d * q rounded to f16 to nearest even (as gguf-py's decoded value
+// through numpy's f16), x rounded once (f16_round): llama.cpp's *_cm2 q8_0 / q4_0 matmuls, in
+// place of q8 mode's int8 tiles. 64 of k a
 // stage, and 128 x 128 / 64 x 64 tiles, as llama.cpp's f16 *_cm2 tiles (its largest, 128 x 256,
 // would leave pp512's matrices a wave or less on a large GPU).
 #version 450
@@ -48,6 +54,31 @@ layout(push_constant, std430) uniform PC {
 } pc;
 
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer H16 { float16_t v[]; };
+
+#ifdef QT
+// d * q (exact in f32) to f16, nearest even, whatever the driver's conversion rounding (f2h's
+// bits, which float16_t then holds exactly).
+float16_t f16_rne(float v) { return float16_t(unpackHalf2x16(f2h(v)).x); }
+// A row's f16 scale of 32-block kb: after its quants (cols bytes for q8_0, cols / 2 for q4_0).
+float block_scale(uint row, uint kb) {
+  return h2f(rd16(pc.w + uint64_t(row) * pc.row_bytes + uint64_t(QT == 40 ? pc.cols : pc.cols / 2u) + uint64_t(kb) * 2u));
+}
+#if QT == 40
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer QBlk { uvec4 q[2]; };  // 32 quant bytes
+float16_t decode_q(const in QBlk b, const in uint32_t bc[2], const in uint32_t ci[2]) {
+  const uint i = ci[1];
+  const uint wd = b.q[i >> 4u][(i >> 2u) & 3u];
+  return f16_rne(float(bitfieldExtract(int(wd), int((i & 3u) * 8u), 8)) * block_scale(bc[0], bc[1]));
+}
+#else
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer QBlk { uvec4 q; };  // 16 bytes: 32 nibbles
+float16_t decode_q(const in QBlk b, const in uint32_t bc[2], const in uint32_t ci[2]) {
+  const uint i = ci[1], j = i & 15u;  // elements 0-15: byte j's low nibble; 16-31: its high one
+  const uint by = (b.q[j >> 2u] >> ((j & 3u) * 8u)) & 0xffu;
+  return f16_rne(float(int(i < 16u ? by & 15u : by >> 4u) - 8) * block_scale(bc[0], bc[1]));
+}
+#endif
+#endif
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer Y32 { float v[]; };  // (y may be a slice's)
 
 // Each token's column scaled by its 1 / s (f16_split's power of two; f16_round's 1).
@@ -61,7 +92,13 @@ void main() {
   tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lw =
       createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
   lw = setTensorLayoutDimensionNV(lw, pc.rows, pc.cols);
+#ifdef QT
+  // Blocks of 1 x 32; the stride in blocks (the backend checks it is whole).
+  lw = setTensorLayoutBlockSizeNV(lw, 1, 32);
+  lw = setTensorLayoutStrideNV(lw, uint(pc.row_bytes / (QT == 40 ? 32u : 16u)), 1);
+#else
   lw = setTensorLayoutStrideNV(lw, uint(pc.row_bytes / 2), 1);
+#endif
   tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lx =
       createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
   lx = setTensorLayoutDimensionNV(lx, pc.n, pc.cols);
@@ -78,7 +115,11 @@ void main() {
   for (uint k = 0; k < pc.cols; k += BK) {
     coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;
     coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;
+#ifdef QT
+    coopMatLoadTensorNV(a, w.v, 0, sliceTensorLayoutNV(lw, r0, BM, k, BK), decode_q);
+#else
     coopMatLoadTensorNV(a, w.v, 0, sliceTensorLayoutNV(lw, r0, BM, k, BK));
+#endif
     coopMatLoadTensorNV(b, xh.v, 0, sliceTensorLayoutNV(lx, t0, BN, k, BK), tr);
     acc = coopMatMulAdd(a, b, acc);
 #if LO
