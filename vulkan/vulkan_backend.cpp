@@ -1923,7 +1923,7 @@ class VulkanBackend final : public Backend {
     const bool dq = !w.exact && dq_f16_type(lay_type(w)) && dq_f16_on();
     // q8 mode's split q8_0 / q4_0 decoded in the workgroup-scope tiles' loads (q8_cm2).
     const uint32_t lt = lay_type(w);
-    const bool qs = cm2 && q8_cm2(w) && lay_rb(w) % (lt == kQ8Split ? 32 : 16) == 0;
+    const bool qs = cm2 && q8_cm2(w) && lay_rb(w) % 16 == 0;  // (the split layout's rows: always)
     if (qs) {
       if (n <= kTileMin || w.rows <= 0 || w.cols % 32 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
           (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups || f16_need(n, w.cols) >= f16c_failed_)

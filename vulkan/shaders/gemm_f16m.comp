@@ -13,8 +13,8 @@
 // operations for f16 x f16 -> f32 at this workgroup size (DASLLAMA_VULKAN_F16C=cm2*).
 // QT=40 / 41 (gemm_f16mq40* / q41*: q8 mode's q8_0 / q4_0 in the split layout, with
 // DASLLAMA_VULKAN_Q8CM2=1): W's tiles decoded in the tensor load itself (a decode function a
-// 32-block: its quants at the block the layout's block stride gives, its f16 scale after the
-// row's quants), each weight d * q rounded to f16 to nearest even (as gguf-py's decoded value
+// 16-byte block of quants, where the layout's block stride puts it, its 32-block's f16 scale
+// after the row's quants), each weight d * q rounded to f16 to nearest even (as gguf-py's decoded value
 // through numpy's f16), x rounded once (f16_round): llama.cpp's *_cm2 q8_0 / q4_0 matmuls, in
 // place of q8 mode's int8 tiles. 64 of k a
 // stage, and 128 x 128 / 64 x 64 tiles, as llama.cpp's f16 *_cm2 tiles (its largest, 128 x 256,
@@ -63,15 +63,16 @@ float16_t f16_rne(float v) { return float16_t(unpackHalf2x16(f2h(v)).x); }
 float block_scale(uint row, uint kb) {
   return h2f(rd16(pc.w + uint64_t(row) * pc.row_bytes + uint64_t(QT == 40 ? pc.cols : pc.cols / 2u) + uint64_t(kb) * 2u));
 }
+// A decode block is a row's 16 bytes (rows are 16-aligned, so the layout's stride in blocks is
+// whole): 16 of q8_0's quants (half a 32-block), or 32 of q4_0's nibbles (a whole one).
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer QBlk { uvec4 q; };
 #if QT == 40
-layout(buffer_reference, std430, buffer_reference_align = 16) buffer QBlk { uvec4 q[2]; };  // 32 quant bytes
 float16_t decode_q(const in QBlk b, const in uint32_t bc[2], const in uint32_t ci[2]) {
   const uint i = ci[1];
-  const uint wd = b.q[i >> 4u][(i >> 2u) & 3u];
-  return f16_rne(float(bitfieldExtract(int(wd), int((i & 3u) * 8u), 8)) * block_scale(bc[0], bc[1]));
+  const uint wd = b.q[i >> 2u];
+  return f16_rne(float(bitfieldExtract(int(wd), int((i & 3u) * 8u), 8)) * block_scale(bc[0], bc[1] / 2u));
 }
 #else
-layout(buffer_reference, std430, buffer_reference_align = 16) buffer QBlk { uvec4 q; };  // 16 bytes: 32 nibbles
 float16_t decode_q(const in QBlk b, const in uint32_t bc[2], const in uint32_t ci[2]) {
   const uint i = ci[1], j = i & 15u;  // elements 0-15: byte j's low nibble; 16-31: its high one
   const uint by = (b.q[j >> 2u] >> ((j & 3u) * 8u)) & 0xffu;
@@ -93,9 +94,9 @@ void main() {
       createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
   lw = setTensorLayoutDimensionNV(lw, pc.rows, pc.cols);
 #ifdef QT
-  // Blocks of 1 x 32; the stride in blocks (the backend checks it is whole).
-  lw = setTensorLayoutBlockSizeNV(lw, 1, 32);
-  lw = setTensorLayoutStrideNV(lw, uint(pc.row_bytes / (QT == 40 ? 32u : 16u)), 1);
+  // Blocks of 1 x 16 (q8_0) or 1 x 32 (q4_0) elements, 16 bytes each; the stride in blocks.
+  lw = setTensorLayoutBlockSizeNV(lw, 1, QT == 40 ? 16u : 32u);
+  lw = setTensorLayoutStrideNV(lw, uint(pc.row_bytes / 16u), 1);
 #else
   lw = setTensorLayoutStrideNV(lw, uint(pc.row_bytes / 2), 1);
 #endif
