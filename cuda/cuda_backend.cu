@@ -577,6 +577,32 @@ class CudaBackend final : public Backend {
     s.x = x, s.n = n, s.count = count;
     for (int i = 0; i < count && i < 3; ++i) s.w[i] = ws[i], s.y[i] = ys[i];
     if (count <= 3 && staged(s)) return;
+    // f16 prefill of two or three matrices over one x (Q / K / V, gate / up): x split or rounded
+    // to f16 once for all of them (mma_f16h_multi), not once a matrix.
+    if (count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_mma_min_)) {
+      cuda::Mat ms[3];
+      float* yv[3] = {nullptr, nullptr, nullptr};
+      const bool split = f16_act_split(*ws[0]);
+      bool all = true;
+      for (int i = 0; all && i < count; ++i) {
+        ms[i] = mat(*ws[i]), yv[i] = ys[i];
+        all = ws[i]->cols == ws[0]->cols && f16_act_split(*ws[i]) == split && cuda::mma_f16h_fits(ms[i], x, n);
+      }
+      if (all) {
+        use();
+        max_rows_ = std::max(max_rows_, n);
+        void* sc = split_for(cuda::mma_f16h_scratch(n, ms[0].cols));
+        const cuda::Mat m0 = ms[0], m1 = ms[1], m2 = count > 2 ? ms[2] : cuda::Mat{};
+        float *y0 = yv[0], *y1 = yv[1], *y2 = yv[2];
+        op(Tag::matmul, [=](cudaStream_t s) {
+          const cuda::Mat mm[3] = {m0, m1, m2};
+          float* const yy[3] = {y0, y1, y2};
+          cuda::mma_f16h_multi(mm, yy, count, x, n, sc, split, s);
+        }, count, m0.w, m0.rows, m1.w, m1.rows, m2.w, m2.rows, m0.type, m0.row_bytes, m1.row_bytes, m2.row_bytes,
+           m0.cols, x, n, y0, y1, y2, sc, split);
+        return;
+      }
+    }
     for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
   }
   int64_t fused_ops() const override { return fused_ops_; }

@@ -103,6 +103,10 @@ void mma_f16(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st)
 bool mma_f16h_fits(const Mat& m, const float* x, int64_t n);
 size_t mma_f16h_scratch(int64_t n, int64_t cols);
 void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, bool split, cudaStream_t st);
+// The same for count (1-3) matrices of equal cols over one x (Q / K / V, gate / up): x split or
+// rounded once for all of them.
+void mma_f16h_multi(const Mat* ms, float* const* ys, int count, const float* x, int64_t n, void* scratch, bool split,
+                    cudaStream_t st);
 // q8 mode's prefill of q4_1 / q5_0 / q5_1 / q4_K / q5_K / q6_K on the f16 tiles: m decoded to
 // f16 rows (m.rows x m.cols halves, 16-aligned `out`) first.
 bool dequant_f16_type(uint32_t type);

@@ -911,7 +911,16 @@ bool mma_f16h_fits(const Mat& m, const float* x, int64_t n) {
 size_t mma_f16h_scratch(int64_t n, int64_t cols) { return (size_t)n * cols * 4 + (size_t)n * 4; }
 
 void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, bool split, cudaStream_t st) {
-  if (!mma_f16h_fits(m, x, n)) throw Error("cuda: a matmul the f16 mma kernel does not take");
+  mma_f16h_multi(&m, &y, 1, x, n, scratch, split, st);
+}
+
+void mma_f16h_multi(const Mat* ms, float* const* ys, int count, const float* x, int64_t n, void* scratch, bool split,
+                    cudaStream_t st) {
+  if (count < 1 || count > 3) throw Error("cuda: the f16 mma kernel takes 1 to 3 matrices a call");
+  for (int i = 0; i < count; ++i)
+    if (!mma_f16h_fits(ms[i], x, n) || ms[i].cols != ms[0].cols)
+      throw Error("cuda: a matmul the f16 mma kernel does not take");
+  const Mat& m = ms[0];
   __half* xh = static_cast<__half*>(scratch);
   __half* xl = xh + n * m.cols;
   float* inv = reinterpret_cast<float*>(xl + n * m.cols);
@@ -926,9 +935,11 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
   auto run = [&](auto lo) {
     constexpr bool LO = decltype(lo)::value;
     launch(f16_split_k<LO>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
-    if (tile == "128x64") launch_f16h<4, 2, 2, LO>(m, xh, xl, inv, n, y, st);
-    else if (tile == "128x64k64") launch_f16h<4, 2, 2, LO, 64>(m, xh, xl, inv, n, y, st);
-    else launch_f16h<2, 2, 2, LO>(m, xh, xl, inv, n, y, st);
+    for (int i = 0; i < count; ++i) {
+      if (tile == "128x64") launch_f16h<4, 2, 2, LO>(ms[i], xh, xl, inv, n, ys[i], st);
+      else if (tile == "128x64k64") launch_f16h<4, 2, 2, LO, 64>(ms[i], xh, xl, inv, n, ys[i], st);
+      else launch_f16h<2, 2, 2, LO>(ms[i], xh, xl, inv, n, ys[i], st);
+    }
   };
   if (split) run(std::true_type{});
   else run(std::false_type{});

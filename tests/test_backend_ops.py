@@ -318,6 +318,35 @@ def test_matmul_f16_q8_mode(q8_backends, rows, cols, n):
     assert np.all(hi * inv[:, None] == x) or nmse(ref16, ref) > F32_DOT
 
 
+@pytest.mark.parametrize("mode", ["exact", "q8"])
+def test_matmul_multi_f16_prefill(backends, q8_backends, mode):
+    """Three f16 weights over one x past a GPU's prefill threshold (Q / K / V, which a GPU may split
+    or round x for once, not once a matrix), rows and tokens ending mid-tile, tokens from 1e-12 to
+    1e12 and a zero one: each matrix's rows, token by token, as test_matmul_f16_q8_mode holds one
+    matmul's (weights as in fp32 mode: the f32 bar against float64; as in q8 mode: that, or numpy's
+    own f16 rounding of each token's scaled row)."""
+    rng = np.random.default_rng(43)
+    rows, cols, n = [200, 40, 129], 544, 130
+    parts = [make_weight(rng, "f16", r, cols) for r in rows]
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
+    x[3] = 0
+    hi, inv = f16_rounded_rows(x)
+    outs = run_all(backends if mode == "exact" else q8_backends, "matmul_multi", [p[0] for p in parts], int(T.F16),
+                   rows, cols, x)
+    for d, o in outs.items():
+        o, at = np.asarray(o).reshape(-1), 0
+        for (_, w), r in zip(parts, rows):
+            got = o[at:at + n * r].reshape(n, r)
+            at += n * r
+            ref, ref16 = x.astype(np.float64) @ w.T, (hi @ w.T) * inv[:, None]
+            for t in range(n):
+                e32, e16 = nmse(got[t], ref[t]), nmse(got[t], ref16[t])
+                ok = e32 <= F32_DOT if mode == "exact" or d == "cpu" else min(e32, e16) <= F32_DOT
+                assert ok, f"f16 matmul_multi ({mode}) {r}x{cols} n={n} token {t} on {d}: NMSE {e32:.3g} against " \
+                    f"f32, {e16:.3g} against x rounded to f16"
+
+
 @pytest.mark.parametrize("wtype", ["q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])
 @pytest.mark.parametrize("rows,cols,n", [(200, 512, 33), (67, 1024, 80), (130, 256, 130)])
 def test_matmul_block_formats_q8_mode_prefill(q8_backends, wtype, rows, cols, n):
