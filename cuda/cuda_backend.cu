@@ -577,9 +577,11 @@ class CudaBackend final : public Backend {
     s.x = x, s.n = n, s.count = count;
     for (int i = 0; i < count && i < 3; ++i) s.w[i] = ws[i], s.y[i] = ys[i];
     if (count <= 3 && staged(s)) return;
-    // f16 prefill of two or three matrices over one x (Q / K / V, gate / up): x split or rounded
-    // to f16 once for all of them (mma_f16h_multi), not once a matrix.
-    if (count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_mma_min_)) {
+    // DASLLAMA_CUDA_F16_MULTI=1 (read at each call; opt-in until run and timed on a GPU): the f16
+    // prefill of two or three matrices over one x (Q / K / V, gate / up) splits or rounds x to f16
+    // once for all of them (mma_f16h_multi), not once a matrix.
+    const char* fm = std::getenv("DASLLAMA_CUDA_F16_MULTI");
+    if (fm && std::strcmp(fm, "1") == 0 && count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_mma_min_)) {
       cuda::Mat ms[3];
       float* yv[3] = {nullptr, nullptr, nullptr};
       const bool split = f16_act_split(*ws[0]);

@@ -318,13 +318,16 @@ def test_matmul_f16_q8_mode(q8_backends, rows, cols, n):
     assert np.all(hi * inv[:, None] == x) or nmse(ref16, ref) > F32_DOT
 
 
+@pytest.mark.parametrize("multi", ["0", "1"])
 @pytest.mark.parametrize("mode", ["exact", "q8"])
-def test_matmul_multi_f16_prefill(backends, q8_backends, mode):
+def test_matmul_multi_f16_prefill(backends, q8_backends, mode, multi, monkeypatch):
     """Three f16 weights over one x past a GPU's prefill threshold (Q / K / V, which a GPU may split
     or round x for once, not once a matrix), rows and tokens ending mid-tile, tokens from 1e-12 to
     1e12 and a zero one: each matrix's rows, token by token, as test_matmul_f16_q8_mode holds one
     matmul's (weights as in fp32 mode: the f32 bar against float64; as in q8 mode: that, or numpy's
-    own f16 rounding of each token's scaled row)."""
+    own f16 rounding of each token's scaled row). CUDA also with x rounded once for all three
+    (DASLLAMA_CUDA_F16_MULTI=1)."""
+    monkeypatch.setenv("DASLLAMA_CUDA_F16_MULTI", multi)
     rng = np.random.default_rng(43)
     rows, cols, n = [200, 40, 129], 544, 130
     parts = [make_weight(rng, "f16", r, cols) for r in rows]

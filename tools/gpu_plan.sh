@@ -47,10 +47,10 @@ for stage in "$@"; do
       step regs 120 env DASLLAMA_VULKAN_PIPESTATS=1 DASLLAMA_VULKAN_KVTAIL=2 python benchmarks/ab_cuda.py \
         --device vulkan --types f16 --rounds 1 DASLLAMA_VULKAN_KVTAIL=2
       ;;
-    cuda_new)  # the twenty-seventh session's CUDA path (opt-in): the f16 tiles' k split over a cluster
-      step tests 240 python -m pytest -q tests/test_cuda.py -k "f16_prefill_tiles or f16_model or without_room or full_device"
-      step split 240 python benchmarks/ab_cuda.py --types f16,q4_k_m --no-tg --rounds 2 \
-        DASLLAMA_CUDA_F16H_SPLIT=1 DASLLAMA_CUDA_F16H_SPLIT=auto DASLLAMA_CUDA_F16H_SPLIT=2
+    cuda_new)  # the twenty-eighth session's CUDA path (opt-in): x rounded once a matmul_multi of f16 weights
+      step tests 240 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py -k "matmul_multi_f16 or f16_model"
+      step multi 240 python benchmarks/ab_cuda.py --types f16 --no-tg --rounds 3 \
+        DASLLAMA_CUDA_F16_MULTI=0 DASLLAMA_CUDA_F16_MULTI=1
       ;;
     cm2)  # NVIDIA's workgroup-scope matrices for the Vulkan f16 prefill (needs .vkb/glslang from
       # tools/build_glslang.sh carried: the build then has gemm_f16m): tests, then the A/B, every
