@@ -4,21 +4,22 @@
 // is one matrix of the whole workgroup and its loads are tensor loads straight from memory: the
 // driver stages them through shared memory and spreads the products over the subgroups itself,
 // with what Vulkan otherwise lacks (asynchronous copies, more than 48 KB a workgroup). This is
-// the path llama.cpp's Vulkan build takes on NVIDIA (its *_cm2 shaders). Rows, tokens and k past
-// the ends read zeros (clamp-to-constant layouts) and are not stored; the sums' order is the
-// driver's, so the result is held to float64 numpy, not to gemm_f16c's bits.
+// the path llama.cpp's Vulkan build takes on NVIDIA (its *_cm2 shaders); 64 of k a stage and
+// 128 x 128 / 64 x 64 tiles as its f16 ones (its largest, 128 x 256, would leave pp512's
+// matrices a wave or less on a large GPU). Rows, tokens and k past the ends read zeros
+// (clamp-to-constant layouts) and are not stored; the sums' order is the driver's, so the
+// result is held to float64 numpy, not to gemm_f16c's bits.
+// QT=40 / 41 (gemm_f16mq40* / q41*: q8 mode's q8_0 / q4_0 in the split layout, with
+// DASLLAMA_VULKAN_Q8CM2=1): W's tiles decoded in the tensor load itself (a decode function a
+// 16-byte block of quants, where the layout's block stride puts it, and its 32-block's f16
+// scale after the row's quants), each weight d * q rounded to f16 to nearest even (gguf-py's
+// decoded value through numpy's f16), x rounded once (f16_round): llama.cpp's q8_0 / q4_0
+// *_cm2 matmuls, in place of q8 mode's int8 tiles.
 // Needs GL_NV_cooperative_matrix2 in the compiler (glslang 15): vulkan/CMakeLists.txt builds
 // these variants only where the one it finds has it, and the backend takes them only where the
 // device offers workgroup scope, flexible dimensions, tensor addressing and per-element
-// operations for f16 x f16 -> f32 at this workgroup size (DASLLAMA_VULKAN_F16C=cm2*).
-// QT=40 / 41 (gemm_f16mq40* / q41*: q8 mode's q8_0 / q4_0 in the split layout, with
-// DASLLAMA_VULKAN_Q8CM2=1): W's tiles decoded in the tensor load itself (a decode function a
-// 16-byte block of quants, where the layout's block stride puts it, its 32-block's f16 scale
-// after the row's quants), each weight d * q rounded to f16 to nearest even (as gguf-py's decoded value
-// through numpy's f16), x rounded once (f16_round): llama.cpp's *_cm2 q8_0 / q4_0 matmuls, in
-// place of q8 mode's int8 tiles. 64 of k a
-// stage, and 128 x 128 / 64 x 64 tiles, as llama.cpp's f16 *_cm2 tiles (its largest, 128 x 256,
-// would leave pp512's matrices a wave or less on a large GPU).
+// operations (and block loads, for QT) for f16 x f16 -> f32 at this workgroup size
+// (DASLLAMA_VULKAN_COOPMAT2=1, DASLLAMA_VULKAN_F16C=cm2*).
 #version 450
 #extension GL_GOOGLE_include_directive : require  // (glslangValidator; glslc has it on)
 #include "common.glsl"
