@@ -54,7 +54,13 @@ for stage in "$@"; do
       ;;
     cm2)  # NVIDIA's workgroup-scope matrices for the Vulkan f16 prefill (needs .vkb/glslang from
       # tools/build_glslang.sh carried: the build then has gemm_f16m): tests, then the A/B, every
-      # setting with the extensions on (Vulkan 1.3) so only the tiles differ
+      # setting with the extensions on (Vulkan 1.3) so only the tiles differ. Nothing to time
+      # where the device or the build lacks them (every cm2 setting would fall back to the default).
+      if ! python -c "import dasllama, sys; f = dasllama.system_info()['devices']['vulkan']['devices'][0]['features']; print(f); sys.exit('f16 coopmat2' not in f)"; then
+        echo "cm2: no workgroup-scope matrices here (the device's features above; .vkb/glslang carried?)"
+        DASLLAMA_VULKAN_COOPMAT_LIST=1 python -c "import dasllama; dasllama.system_info()" 2>&1 | grep -i coopmat | tail -20
+        continue
+      fi
       step tests 300 env DASLLAMA_VULKAN_COOPMAT2=1 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2 or f16_model"
       step tiles 400 env DASLLAMA_VULKAN_COOPMAT2=1 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m \
         --no-tg --rounds 2 DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=cm2 DASLLAMA_VULKAN_F16C=cm2l DASLLAMA_VULKAN_F16C=cm2m
