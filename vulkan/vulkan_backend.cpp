@@ -2043,20 +2043,18 @@ class VulkanBackend final : public Backend {
          (uint32_t)n, (uint32_t)w.rows};
     const uint64_t y_bytes = (uint64_t)n * (uint64_t)w.rows * 4;
     const auto gemm = [&](int64_t rows) {
+      pc.rows = (uint32_t)rows;
+      c_->uses({{pc.w, p.dq ? dq_bytes_ : Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), y_bytes, true}});
       if (p.cm2) {
         const char t = p.cm2 == 'a' ? cm2_tile(rows, n) : p.cm2;
         const int64_t bm = t == 'S' ? 64 : 128, bn = t == 'L' ? 128 : 64;
-        pc.rows = (uint32_t)rows;
-        c_->uses({{pc.w, p.dq ? dq_bytes_ : Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), y_bytes, true}});
         c_->dispatch((std::string(p.pre) + t).c_str(), &pc, sizeof pc, (uint32_t)((n + bn - 1) / bn),
                      (uint32_t)((rows + bm - 1) / bm));
         return;
       }
       const bool half = !p.wide && f16c_half(rows, n, p.one);
       const std::string sh = std::string(p.pre) + (half ? "h" : "") + p.suf;
-      pc.rows = (uint32_t)rows;
       const uint32_t gx = (uint32_t)((n + 63) / 64), gy = (uint32_t)(half ? (rows + 63) / 64 : (rows + 127) / 128);
-      c_->uses({{pc.w, p.dq ? dq_bytes_ : Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), y_bytes, true}});
       // Token tiles of one row tile adjacent in the grid (x): the row tile's weights come from L2.
       c_->dispatch(sh.c_str(), &pc, sizeof pc, gx, gy);
     };
