@@ -165,10 +165,11 @@ def test_block_formats_prefill_without_room(monkeypatch):
 
 
 def test_full_device_raises_and_keeps_session(files, monkeypatch):
-    """A prefill, then a decode step, on a device with no room left (DASLLAMA_CUDA_MEM_LIMIT: as
-    large as what is in use): each runs, or raises DeviceError naming what did not fit with the
-    session unchanged; either way, once there is room, the session's logits are a fresh model's,
-    bit for bit."""
+    """A fresh model's first prefill on a device with no room left (DASLLAMA_CUDA_MEM_LIMIT: as large
+    as what is in use) raises DeviceError naming what did not fit, with the session unchanged (its
+    activation buffers are made at the first prefill, as test_vulkan.py's twin finds on lavapipe);
+    then a decode step with no room runs or raises the same way. Once there is room, the session's
+    logits are a fresh model's, bit for bit."""
     path = files["llama"]["q8_0"]
     ids = [1] + np.random.default_rng(32).integers(3, E.VOCAB, 44).tolist()
     ref = C.q8_steps(path, "cuda", ids, 40)
@@ -180,6 +181,7 @@ def test_full_device_raises_and_keeps_session(files, monkeypatch):
         monkeypatch.setenv("DASLLAMA_CUDA_MEM_LIMIT", str(dev["total_bytes"] - dev["free_bytes"]))
         try:
             d.eval(m, s, toks)
+            assert step > 0, "a fresh model's prefill with no room at all ran"
         except d.DeviceError as e:
             raised += 1
             assert "out of device memory for" in str(e) and s.n_past == before, (str(e), s.n_past)
