@@ -464,7 +464,9 @@ class Ctx {
     CoopMat2FeaturesNV c2;
     VkPhysicalDeviceVulkan11Features f11{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES};
     const char* cm2e = std::getenv("DASLLAMA_VULKAN_COOPMAT2");
-    const bool want_cm2 = ic.cm2 && cm2e && std::strcmp(cm2e, "1") == 0 && a.api_version >= VK_API_VERSION_1_3;
+    // (Only where this build has the shaders: glslang 15 at build time.)
+    const bool want_cm2 = ic.cm2 && cm2e && std::strcmp(cm2e, "1") == 0 && a.api_version >= VK_API_VERSION_1_3 &&
+                          find_spirv("gemm_f16mL");
     std::vector<const char*> exts2 = exts;
     if (want_cm2) {
       ck.cooperativeMatrix = VK_TRUE;
