@@ -166,6 +166,8 @@ class CudaBackend final : public Backend {
     cudaDriverGetVersion(&drv);
     cudaRuntimeGetVersion(&rt);
     d.driver = "driver " + version_str(drv) + ", runtime " + version_str(rt);
+    const std::string cb = cuda::cublas_name();
+    if (!cb.empty()) d.features = "cublas " + cb;  // the f16 prefill may use it (DASLLAMA_CUDA_CUBLAS)
     return d;
   }
 
@@ -1699,6 +1701,8 @@ BackendProbe probe_cuda() {
         d.free_bytes = fr, d.total_bytes = tot;
       else
         cudaGetLastError();
+      const std::string cb = cuda::cublas_name();
+      if (!cb.empty()) d.features = "cublas " + cb;
       p.devices.push_back(d);
     }
     if (cur >= 0) cudaSetDevice(cur);

@@ -935,6 +935,7 @@ void mma_f16h_multi(const Mat* ms, float* const* ys, int count, const float* x, 
   auto run = [&](auto lo) {
     constexpr bool LO = decltype(lo)::value;
     launch(f16_split_k<LO>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
+    if (!LO && cublas_on() && cublas_f16(ms, ys, count, xh, inv, n, st)) return;
     for (int i = 0; i < count; ++i) {
       if (tile == "128x64") launch_f16h<4, 2, 2, LO>(ms[i], xh, xl, inv, n, ys[i], st);
       else if (tile == "128x64k64") launch_f16h<4, 2, 2, LO, 64>(ms[i], xh, xl, inv, n, ys[i], st);

@@ -106,6 +106,45 @@ def test_f16_prefill_tiles(monkeypatch, split):
                         f"F16H_TILE={tile} F16H_SPLIT={ks} split={split} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
 
 
+def test_f16_prefill_cublas(monkeypatch):
+    """The f16 prefill's products through cuBLAS (DASLLAMA_CUDA_CUBLAS=1, the library found by the
+    package: system_info names it): one matmul and a matmul_multi of three (x rounded once) on
+    rows, tokens and k that end mid-tile, tokens from 1e-12 to 1e12 and a zero one, each token
+    equal to float64 numpy over numpy's own f16 rounding of its scaled row (so each token's scale
+    came back), and not bit-equal to our tiles' output (the product really went elsewhere)."""
+    from gguf.constants import GGMLQuantizationType as T
+    from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
+
+    feats = [x["features"] for x in _CUDA["devices"]]
+    if not any(f.startswith("cublas ") for f in feats):
+        pytest.skip(f"no cuBLAS found here (features {feats})")
+    b = d._core.Backend("cuda:0", exact=False)
+    monkeypatch.setenv("DASLLAMA_F16_SPLIT", "0")
+    rng = np.random.default_rng(7)
+    for rows, cols, n in [([200], 544, 130), ([67], 1000, 80), ([130, 40, 2049], 2080, 200)]:
+        parts = [make_weight(rng, "f16", r, cols) for r in rows]
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
+        x[3] = 0
+        hi, inv = f16_rounded_rows(x)
+        outs = {}
+        for cb in ["0", "1"]:
+            monkeypatch.setenv("DASLLAMA_CUDA_CUBLAS", cb)
+            if len(rows) == 1:
+                outs[cb] = np.asarray(b.matmul(parts[0][0], int(T.F16), rows[0], cols, x)).reshape(-1)
+            else:
+                outs[cb] = np.asarray(b.matmul_multi([p[0] for p in parts], int(T.F16), rows, cols, x)).reshape(-1)
+        assert not np.array_equal(outs["0"], outs["1"]), f"{rows}x{cols} n={n}: cuBLAS's output is the tiles' bits"
+        at = 0
+        for (_, w), r in zip(parts, rows):
+            got = outs["1"][at:at + n * r].reshape(n, r)
+            at += n * r
+            ref = (hi @ w.T) * inv[:, None]
+            for t in range(n):
+                e = op_nmse(got[t], ref[t])
+                assert e <= F32_DOT, f"cuBLAS {r}x{cols} n={n} token {t}: NMSE {e:.3g}"
+
+
 @pytest.mark.parametrize("wtype", ["q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"])
 def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
     """q8 mode's prefill past 64 tokens of a block format (DASLLAMA_CUDA_DQF16, on): the matrix

@@ -52,6 +52,12 @@ for stage in "$@"; do
       step multi 240 python benchmarks/ab_cuda.py --types f16 --no-tg --rounds 3 \
         DASLLAMA_CUDA_F16_MULTI=0 DASLLAMA_CUDA_F16_MULTI=1
       ;;
+    cublas)  # the f16 prefill's products through cuBLAS (DASLLAMA_CUDA_CUBLAS=1, opt-in until timed)
+      step tests 240 env DASLLAMA_CUDA_CUBLAS=1 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py \
+        -k "f16 and not pre_ampere"
+      step ab 300 python benchmarks/ab_cuda.py --types f16,q4_k_m --no-tg --rounds 2 \
+        DASLLAMA_CUDA_CUBLAS=0 DASLLAMA_CUDA_CUBLAS=1
+      ;;
     cm2)  # NVIDIA's workgroup-scope matrices for the Vulkan f16 prefill (needs .vkb/glslang from
       # tools/build_glslang.sh carried: the build then has gemm_f16m): tests, then the A/B, every
       # setting with the extensions on (Vulkan 1.3) so only the tiles differ. Nothing to time

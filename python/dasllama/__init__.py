@@ -6,6 +6,7 @@ The public API lives here in one place; submodules hold the parts
 from __future__ import annotations
 
 from . import _core
+from ._cuda_libs import point_at_cublas as _point_at_cublas
 from . import gguf
 from ._core import (
     ContextOverflowError,
@@ -155,3 +156,5 @@ __all__ = [
     "system_info",
     "__version__",
 ]
+
+_point_at_cublas()
