@@ -531,6 +531,7 @@ class CudaBackend final : public Backend {
       throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(w.type));
     max_rows_ = std::max(max_rows_, n);
     if (n >= std::min<int64_t>(65, f16_mma_min_) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x rounded to f16 (or split) first
+      cuda::cublas_prepare();
       void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
       const bool split = f16_act_split(w);
       op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16h(m, x, n, y, sc, split, s); }, m.type, m.w, m.row_bytes,
@@ -545,7 +546,12 @@ class CudaBackend final : public Backend {
     // the copy was the default: matrices from the size that failed keep them.
     constexpr size_t kDqMax = size_t(512) << 20;
     const size_t dq_bytes = (size_t)m.rows * m.cols * 2;
-    if (n > 64 && !w.exact && cuda::dequant_f16_type(m.type) && dq_f16_on() && m.cols % 8 == 0 &&
+    // DASLLAMA_CUDA_DQF16_MIN (default 65, read at each call): the tokens from which that holds. The
+    // H100's Q4_K_M batched steps through the GEMVs were far slower than their bytes say (B = 4 / 16
+    // / 64: 1,256 / 1,562 / 1,680 t/s against Q8_0's 3,188 / 9,428 / 17,815), so 33 is next to try.
+    const char* dm = std::getenv("DASLLAMA_CUDA_DQF16_MIN");
+    if (n >= (dm && *dm ? std::atoll(dm) : 65) && !w.exact && cuda::dequant_f16_type(m.type) &&
+        dq_f16_on() && m.cols % 8 == 0 &&
         dq_bytes <= kDqMax && dq_bytes < dq_failed_) {
       cuda::Mat h = m;
       h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2, h.w = nullptr;  // (the fit checks alignment only)
@@ -557,6 +563,7 @@ class CudaBackend final : public Backend {
         }
       }
       if (h.w) {
+        cuda::cublas_prepare();
         void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
         const bool split = f16_act_split(w);
         op(Tag::matmul, [=](cudaStream_t s) {
@@ -579,11 +586,12 @@ class CudaBackend final : public Backend {
     s.x = x, s.n = n, s.count = count;
     for (int i = 0; i < count && i < 3; ++i) s.w[i] = ws[i], s.y[i] = ys[i];
     if (count <= 3 && staged(s)) return;
-    // DASLLAMA_CUDA_F16_MULTI=1 (read at each call; opt-in until run and timed on a GPU): the f16
-    // prefill of two or three matrices over one x (Q / K / V, gate / up) splits or rounds x to f16
-    // once for all of them (mma_f16h_multi), not once a matrix.
+    // The f16 prefill of two or three matrices over one x (Q / K / V, gate / up) splits or rounds x
+    // to f16 once for all of them (mma_f16h_multi), not once a matrix (DASLLAMA_CUDA_F16_MULTI=0:
+    // once a matrix; read at each call). H100, Llama-1B F16 pp512 with cuBLAS, ab_cuda.py, best of
+    // 3: 84,067 -> 86,768.
     const char* fm = std::getenv("DASLLAMA_CUDA_F16_MULTI");
-    if (fm && std::strcmp(fm, "1") == 0 && count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_mma_min_)) {
+    if (!(fm && fm[0] == '0') && count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_mma_min_)) {
       cuda::Mat ms[3];
       float* yv[3] = {nullptr, nullptr, nullptr};
       const bool split = f16_act_split(*ws[0]);
@@ -595,6 +603,7 @@ class CudaBackend final : public Backend {
       if (all) {
         use();
         max_rows_ = std::max(max_rows_, n);
+        cuda::cublas_prepare();
         void* sc = split_for(cuda::mma_f16h_scratch(n, ms[0].cols));
         const cuda::Mat m0 = ms[0], m1 = ms[1], m2 = count > 2 ? ms[2] : cuda::Mat{};
         float *y0 = yv[0], *y1 = yv[1], *y2 = yv[2];

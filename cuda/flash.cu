@@ -561,6 +561,19 @@ bool h16_takes(const AttnArgs& a) {
   return !(e && e[0] == '0') && !a.exact && tc_fits(a);  // FLASH_TC=0 leaves it on (A/B runs)
 }
 
+// Head size 256 (Gemma 2 / 3) on flash_h16_k, 16 keys a tile so the K / V prefetch and the 128
+// output floats a lane stay in registers (DASLLAMA_CUDA_FLASH_H256=1, read at each call; opt-in
+// until it has run on a GPU). Without it such heads take flash_k's f32 FMAs: on the H100 a
+// Gemma-3-270M Q8_0 pp512 spent 7.3 of its 9.4 ms of kernels there (profile_cuda.py --prefill 512).
+bool h256_takes(const AttnArgs& a) {
+  const char* e = std::getenv("DASLLAMA_CUDA_FLASH_H256");
+  const char* f = std::getenv("DASLLAMA_CUDA_FLASH_F16");
+  if (!(e && e[0] == '1') || (f && f[0] == '0') || a.exact || !tensor_cores()) return false;
+  const size_t al = a.kv.k_off | a.kv.v_off | a.kv.row_bytes | a.kv.page_bytes | (size_t)a.head_dim * 2 |
+                    (size_t)(uintptr_t)a.kv.base;
+  return a.kv.type == KVType::f16 && a.head_dim > 128 && a.head_dim <= 256 && a.head_dim % 8 == 0 && al % 16 == 0;
+}
+
 template <int HD, int BC>
 bool launch_h16(const AttnArgs& a, cudaStream_t st) {
   using S = H16Shape<HD, BC>;
@@ -604,6 +617,7 @@ void flash_attention(const AttnArgs& a, cudaStream_t st) {
     case KVType::f32: launch_flash_kt<0>(a, st); break;
     case KVType::f16:
       if (h16_takes(a) && (a.head_dim <= 64 ? launch_h16<64, 64>(a, st) : launch_h16<128, 32>(a, st))) break;
+      if (h256_takes(a) && launch_h16<256, 16>(a, st)) break;
       if (tc_takes(a) && (a.head_dim <= 64 ? launch_tc<64, 64>(a, st) : launch_tc<128, 32>(a, st))) break;
       launch_flash_kt<1>(a, st);
       break;

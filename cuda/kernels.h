@@ -109,11 +109,14 @@ void mma_f16h(const Mat& m, const float* x, int64_t n, float* y, void* scratch, 
 // rounded once for all of them.
 void mma_f16h_multi(const Mat* ms, float* const* ys, int count, const float* x, int64_t n, void* scratch, bool split,
                     cudaStream_t st);
-// cuBLAS (dlopen'ed; DASLLAMA_CUDA_CUBLAS=1, DASLLAMA_CUBLAS a path to it) for the rounded (not
+// cuBLAS (dlopen'ed; DASLLAMA_CUDA_CUBLAS=0 turns it off, DASLLAMA_CUBLAS a path to it) for the rounded (not
 // split) f16 products: xh is x rounded on each token's scale, inv those scales' inverses. False
 // where cuBLAS is missing or refuses the first product (the tiles then run).
 bool cublas_on();
 std::string cublas_name();  // the library opened, or empty
+// Makes this device's handle now (its workspace allocation), so a product recorded for a captured
+// graph never makes it inside the capture.
+void cublas_prepare();
 bool cublas_f16(const Mat* ms, float* const* ys, int count, const __half* xh, const float* inv, int64_t n,
                 cudaStream_t st);
 // q8 mode's prefill of q4_1 / q5_0 / q5_1 / q4_K / q5_K / q6_K on the f16 tiles: m decoded to

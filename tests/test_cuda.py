@@ -78,12 +78,14 @@ def test_f16_prefill_tiles(monkeypatch, split):
     q8 mode one product, equal to float64 numpy over numpy's own f16 rounding of each token's
     scaled row; with the split (DASLLAMA_F16_SPLIT=1) equal to the f32 product. Each also with k
     split over a cluster of 2, 3 or the rule's blocks a tile (DASLLAMA_CUDA_F16H_SPLIT; k ending
-    mid-stage, and stage counts that 3 does not divide: 17, 65)."""
+    mid-stage, and stage counts that 3 does not divide: 17, 65). cuBLAS off (test_f16_prefill_cublas
+    holds it)."""
     from gguf.constants import GGMLQuantizationType as T
     from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
 
     b = d._core.Backend("cuda:0", exact=False)
     monkeypatch.setenv("DASLLAMA_F16_SPLIT", split)
+    monkeypatch.setenv("DASLLAMA_CUDA_CUBLAS", "0")  # one product goes to cuBLAS where it is found
     for rows, cols, n in [(200, 544, 130), (67, 1000, 80), (130, 2080, 200)]:
         rng = np.random.default_rng(rows + cols + n)
         raw, w = make_weight(rng, "f16", rows, cols)
@@ -107,8 +109,8 @@ def test_f16_prefill_tiles(monkeypatch, split):
 
 
 def test_f16_prefill_cublas(monkeypatch):
-    """The f16 prefill's products through cuBLAS (DASLLAMA_CUDA_CUBLAS=1, the library found by the
-    package: system_info names it): one matmul and a matmul_multi of three (x rounded once) on
+    """The f16 prefill's products through cuBLAS (the default where the package finds the library:
+    system_info names it; DASLLAMA_CUDA_CUBLAS=0 for our tiles): one matmul and a matmul_multi of three (x rounded once) on
     rows, tokens and k that end mid-tile, tokens from 1e-12 to 1e12 and a zero one, each token
     equal to float64 numpy over numpy's own f16 rounding of its scaled row (so each token's scale
     came back), and not bit-equal to our tiles' output (the product really went elsewhere)."""
@@ -151,12 +153,14 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
     decoded to f16 (dequant_f16_k) and x rounded to f16 once, so each token equals float64 numpy
     over numpy's f16 rounding of gguf-py's decoded weights and of the scaled row (and not the f32
     product: the two references are farther apart than the bar); DQF16=0, the f32 tiles, equal to
-    the f32 product."""
+    the f32 product. Also 40 tokens with the path taken from 33 (DASLLAMA_CUDA_DQF16_MIN=33, where
+    the GEMVs ran before)."""
     from gguf.constants import GGMLQuantizationType as T
     from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
 
     b = d._core.Backend("cuda:0", exact=False)
-    for rows, cols, n in [(200, 512, 130), (67, 1024, 80), (130, 256, 200)]:
+    for rows, cols, n, dmin in [(200, 512, 130, "65"), (67, 1024, 80, "65"), (130, 256, 200, "65"), (130, 512, 40, "33")]:
+        monkeypatch.setenv("DASLLAMA_CUDA_DQF16_MIN", dmin)
         rng = np.random.default_rng(rows + cols + n)
         raw, w = make_weight(rng, wtype, rows, cols)
         x = rng.standard_normal((n, cols)).astype(np.float32)
@@ -262,6 +266,24 @@ def test_flash_attention_f16_q8_mode(monkeypatch, case):
     e32, e16 = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
     assert max(e16) <= ATTN_F16 and max(e32) > F32_DOT, (max(e16), max(e32))
     monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "0")
+    e32, _ = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
+    assert max(e32) <= F32_DOT, max(e32)
+
+
+@pytest.mark.parametrize("case", [6, 7])  # the harness's head size 256 (Gemma): a window and a softcap, and none
+def test_flash_attention_h256_q8_mode(monkeypatch, case):
+    """Head size 256 on flash_h16_k (DASLLAMA_CUDA_FLASH_H256=1): as test_flash_attention_f16_q8_mode
+    holds the smaller heads, every row within ATTN_F16 of float64 numpy over numpy's f16 rounding
+    of Q * scale, some row past the f32 bar (the f16 kernel ran); off, flash_k at the f32 bar."""
+    from test_backend_ops import ATTN_F16, ATTN_Q8_CASES, F32_DOT, attention_q8_errors
+
+    assert ATTN_Q8_CASES[case][4] == 256
+    b = {"cuda": d._core.Backend("cuda:0", exact=False)}
+    monkeypatch.delenv("DASLLAMA_CUDA_FLASH_F16", raising=False)
+    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_H256", "1")
+    e32, e16 = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
+    assert max(e16) <= ATTN_F16 and max(e32) > F32_DOT, (max(e16), max(e32))
+    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_H256", "0")
     e32, _ = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
     assert max(e32) <= F32_DOT, max(e32)
 

@@ -5,6 +5,7 @@ and leave the process generating on the CPU; on a GPU machine it must load there
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -65,3 +66,32 @@ def test_backend_handle_refuses_bad_sizes():
                                            np.array([7], np.int32), 2, 0, 1.0, 0.0, 4)):  # page 7 of a 2-page pool
         with pytest.raises(ValueError):
             bad()
+
+
+def test_cublas_is_looked_for_where_users_have_it(tmp_path, monkeypatch):
+    """The package points the CUDA backend at a libcublas.so where pip's nvidia wheels or a toolkit
+    keep one (major 13 before 12), keeps a DASLLAMA_CUBLAS already set, and sets nothing where none
+    is found (the backend then keeps its own tiles)."""
+    from dasllama import _cuda_libs as L
+
+    pip12 = tmp_path / "site" / "nvidia" / "cublas" / "lib"
+    pip13 = tmp_path / "site" / "nvidia" / "cu13" / "lib"
+    tk = tmp_path / "cuda" / "lib64"
+    for p in (pip12, pip13, tk):
+        p.mkdir(parents=True)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.setattr(L, "_candidates", lambda real=L._candidates: [p for p in real() if "/usr/local/cuda" not in str(p)])
+    monkeypatch.delenv("DASLLAMA_CUBLAS", raising=False)
+    L.point_at_cublas()
+    assert "DASLLAMA_CUBLAS" not in os.environ
+    (pip12 / "libcublas.so.12").write_bytes(b"")
+    assert L.find_cublas() == str(pip12 / "libcublas.so.12")
+    (tk / "libcublas.so.13").write_bytes(b"")
+    assert L.find_cublas() == str(tk / "libcublas.so.13")
+    (pip13 / "libcublas.so.13").write_bytes(b"")
+    L.point_at_cublas()
+    assert os.environ["DASLLAMA_CUBLAS"] == str(pip13 / "libcublas.so.13")
+    monkeypatch.setenv("DASLLAMA_CUBLAS", "/somewhere/libcublas.so")
+    L.point_at_cublas()
+    assert os.environ["DASLLAMA_CUBLAS"] == "/somewhere/libcublas.so"

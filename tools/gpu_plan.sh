@@ -52,8 +52,17 @@ for stage in "$@"; do
       step multi 240 python benchmarks/ab_cuda.py --types f16 --no-tg --rounds 3 \
         DASLLAMA_CUDA_F16_MULTI=0 DASLLAMA_CUDA_F16_MULTI=1
       ;;
-    cublas)  # the f16 prefill's products through cuBLAS (DASLLAMA_CUDA_CUBLAS=1, opt-in until timed)
-      step tests 240 env DASLLAMA_CUDA_CUBLAS=1 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py \
+    s29)  # the twenty-ninth session's unrun CUDA paths (opt-in): head 256 on flash_h16_k, block formats'
+      # batched steps of 33-64 tokens decoded to f16 (then cuBLAS); and why Q4_K_M's batched steps crawl
+      step tests 240 python -m pytest -q tests/test_cuda.py -k "h256 or decoded_to_f16 or cublas or f16_prefill_tiles"
+      step h256 150 python benchmarks/ab_cuda.py --shapes gemma270m --types q8_0 --no-tg --rounds 2 \
+        DASLLAMA_CUDA_FLASH_H256=0 DASLLAMA_CUDA_FLASH_H256=1
+      step dqmin 240 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16,64 --rounds 2 \
+        DASLLAMA_CUDA_DQF16_MIN=65 DASLLAMA_CUDA_DQF16_MIN=33
+      step qkprof 120 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --batch 64 --steps 8"
+      ;;
+    cublas)  # the f16 prefill's products through cuBLAS (the default where found) against our tiles
+      step tests 240 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py \
         -k "f16 and not pre_ampere"
       step ab 300 python benchmarks/ab_cuda.py --types f16,q4_k_m --no-tg --rounds 2 \
         DASLLAMA_CUDA_CUBLAS=0 DASLLAMA_CUDA_CUBLAS=1
@@ -109,7 +118,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
