@@ -125,6 +125,9 @@ bool cublas_f16(const Mat* ms, float* const* ys, int count, const __half* xh, co
   Handle h = handle();
   if (!h) return false;
   Lib* l = lib();
+  // One handle a device serves every backend on it: its stream is set and its products enqueued
+  // under the lock, so two threads' products never swap streams.
+  std::lock_guard<std::mutex> g(mu);
   if (l->set_stream(h, st) != 0) return false;
   const float one = 1.f, zero = 0.f;
   for (int i = 0; i < count; ++i) {
