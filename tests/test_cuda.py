@@ -252,38 +252,22 @@ def test_block_formats_q8_mode_prefill_f16_cache_logits(tmp_path, monkeypatch):
     C.block_formats_q8_mode_prefill(C.write_block_model(str(tmp_path / "llama-blocks.gguf")), "cuda", d.KVDtype.f16)
 
 
-@pytest.mark.parametrize("case", range(6))  # (the harness's head sizes 64 and 128: the tensor-core kernels')
+@pytest.mark.parametrize("case", range(8))  # the harness's head sizes 64, 128 and (6, 7) Gemma's 256
 def test_flash_attention_f16_q8_mode(monkeypatch, case):
     """q8 mode's prefill attention over an f16 cache (DASLLAMA_CUDA_FLASH_F16, on: flash_h16_k:
-    Q * scale and the probabilities rounded to f16, one f16 mma a product): every row equals
-    float64 numpy over numpy's f16 rounding of Q * scale within the harness's ATTN_F16, and some
-    row is farther than the f32 bar from the f32 result (the rounding ran); FLASH_F16=0, the TF32
-    kernel, at the f32 bar."""
+    Q * scale and the probabilities rounded to f16, one f16 mma a product; head size 256 with
+    DASLLAMA_CUDA_FLASH_H256=1): every row equals float64 numpy over numpy's f16 rounding of Q *
+    scale within the harness's ATTN_F16, and some row is farther than the f32 bar from the f32
+    result (the rounding ran); FLASH_F16=0, the TF32 kernel (flash_k's f32 FMAs for 256), at the
+    f32 bar."""
     from test_backend_ops import ATTN_F16, ATTN_Q8_CASES, F32_DOT, attention_q8_errors
 
     b = {"cuda": d._core.Backend("cuda:0", exact=False)}
+    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_H256", "1")
     monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "1")
     e32, e16 = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
     assert max(e16) <= ATTN_F16 and max(e32) > F32_DOT, (max(e16), max(e32))
     monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "0")
-    e32, _ = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
-    assert max(e32) <= F32_DOT, max(e32)
-
-
-@pytest.mark.parametrize("case", [6, 7])  # the harness's head size 256 (Gemma): a window and a softcap, and none
-def test_flash_attention_h256_q8_mode(monkeypatch, case):
-    """Head size 256 on flash_h16_k (DASLLAMA_CUDA_FLASH_H256=1): as test_flash_attention_f16_q8_mode
-    holds the smaller heads, every row within ATTN_F16 of float64 numpy over numpy's f16 rounding
-    of Q * scale, some row past the f32 bar (the f16 kernel ran); off, flash_k at the f32 bar."""
-    from test_backend_ops import ATTN_F16, ATTN_Q8_CASES, F32_DOT, attention_q8_errors
-
-    assert ATTN_Q8_CASES[case][4] == 256
-    b = {"cuda": d._core.Backend("cuda:0", exact=False)}
-    monkeypatch.delenv("DASLLAMA_CUDA_FLASH_F16", raising=False)
-    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_H256", "1")
-    e32, e16 = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
-    assert max(e16) <= ATTN_F16 and max(e32) > F32_DOT, (max(e16), max(e32))
-    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_H256", "0")
     e32, _ = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
     assert max(e32) <= F32_DOT, max(e32)
 
