@@ -60,6 +60,7 @@ for stage in "$@"; do
       step dqmin 240 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16,64 --rounds 2 \
         DASLLAMA_CUDA_DQF16_MIN=65 DASLLAMA_CUDA_DQF16_MIN=33
       step qkprof 120 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --batch 64 --steps 8"
+      step qkprof1 120 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --steps 16"
       ;;
     cublas)  # the f16 prefill's products through cuBLAS (the default where found) against our tiles
       step tests 240 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py \
