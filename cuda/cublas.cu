@@ -117,6 +117,32 @@ void cublas_prepare() {
   if (cublas_on()) handle();
 }
 
+bool cublas_ready() { return cublas_on() && handle() != nullptr; }
+
+void cublas_f16_slabs(const Mat& m, void* dq, int64_t slab_rows, const __half* xh, const float* inv, int64_t n,
+                      float* y, cudaStream_t st) {
+  Handle h = handle();
+  if (!h || slab_rows < 1 || n > INT32_MAX || m.rows > INT32_MAX || m.cols > INT32_MAX)
+    throw Error("cuda: cuBLAS cannot take this block-format matmul");
+  Lib* l = lib();
+  std::lock_guard<std::mutex> g(mu);  // (as in cublas_f16)
+  if (l->set_stream(h, st) != 0) throw Error("cuda: cublasSetStream failed");
+  const float one = 1.f, zero = 0.f;
+  for (int64_t r0 = 0; r0 < m.rows; r0 += slab_rows) {
+    Mat sub = m;
+    sub.w = m.w + (size_t)r0 * m.row_bytes;
+    sub.rows = std::min(slab_rows, m.rows - r0);
+    dequant_f16(sub, dq, st);
+    // The slab's rows of y: rows r0.. of each token's row, so ldc is the whole matrix's rows.
+    const int e = l->gemm(h, kOpT, kOpN, (int)sub.rows, (int)n, (int)m.cols, &one, dq, kR16F, (int)m.cols, xh, kR16F,
+                          (int)m.cols, &zero, y + r0, kR32F, (int)m.rows, kCompute32F, kGemmDefault);
+    if (e != 0) throw Error("cuda: cublasGemmEx failed (status " + std::to_string(e) + ")");
+  }
+  Unscale u{};
+  u.y[0] = y, u.rows[0] = m.rows;
+  launch(unscale_k, dim3((unsigned)n, 1u), 256, 0, st, u, inv);
+}
+
 bool cublas_f16(const Mat* ms, float* const* ys, int count, const __half* xh, const float* inv, int64_t n,
                 cudaStream_t st) {
   if (count < 1 || count > 3 || n > INT32_MAX) return false;

@@ -550,9 +550,35 @@ class CudaBackend final : public Backend {
     // H100's Q4_K_M batched steps through the GEMVs were far slower than their bytes say (B = 4 / 16
     // / 64: 1,256 / 1,562 / 1,680 t/s against Q8_0's 3,188 / 9,428 / 17,815), so 33 is next to try.
     const char* dm = std::getenv("DASLLAMA_CUDA_DQF16_MIN");
-    if (n >= (dm && *dm ? std::atoll(dm) : 65) && !w.exact && cuda::dequant_f16_type(m.type) &&
-        dq_f16_on() && m.cols % 8 == 0 &&
-        dq_bytes <= kDqMax && dq_bytes < dq_failed_) {
+    const bool dq_ok = n >= (dm && *dm ? std::atoll(dm) : 65) && !w.exact && cuda::dequant_f16_type(m.type) &&
+                       dq_f16_on() && m.cols % 8 == 0;
+    // DASLLAMA_CUDA_DQF16_SLAB_KB=N (default 0, off; read at each call; not yet run on a GPU): with
+    // cuBLAS, a matrix decoded N KiB of rows at a time into a scratch of that size, each slab's
+    // product written into its rows of y, so a matrix of any size takes the path (a large
+    // vocabulary's head in a batched step too) and the scratch stays small.
+    const char* sk = std::getenv("DASLLAMA_CUDA_DQF16_SLAB_KB");
+    const int64_t slab_kb = sk && *sk ? std::atoll(sk) : 0;
+    if (dq_ok && slab_kb > 0 && !f16_act_split(w) && cuda::cublas_ready()) {
+      cuda::Mat h = m;
+      h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2, h.w = nullptr;  // (the fit checks alignment only)
+      const int64_t slab_rows = std::min(m.rows, std::max<int64_t>(1, slab_kb * 1024 / (m.cols * 2)));
+      const size_t sb = (size_t)slab_rows * m.cols * 2;
+      void* dq = nullptr;
+      if (cuda::mma_f16h_fits(h, x, n) && sb < dq_failed_) {
+        try {
+          dq = grown(dq_, sb, "weights decoded to f16");
+        } catch (const DeviceError&) {
+          dq_failed_ = sb;
+        }
+      }
+      if (dq) {
+        void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
+        op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16h_slabs(m, dq, slab_rows, x, n, y, sc, s); }, m.type, m.w,
+           m.row_bytes, m.rows, m.cols, dq, x, n, y, sc, slab_rows);
+        return;
+      }
+    }
+    if (dq_ok && dq_bytes <= kDqMax && dq_bytes < dq_failed_) {
       cuda::Mat h = m;
       h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2, h.w = nullptr;  // (the fit checks alignment only)
       if (cuda::mma_f16h_fits(h, x, n)) {

@@ -947,6 +947,16 @@ void mma_f16h_multi(const Mat* ms, float* const* ys, int count, const float* x, 
   check_launch("matmul (f16 mma)");
 }
 
+void mma_f16h_slabs(const Mat& m, void* dq, int64_t slab_rows, const float* x, int64_t n, float* y, void* scratch,
+                    cudaStream_t st) {
+  __half* xh = static_cast<__half*>(scratch);
+  __half* xl = xh + n * m.cols;  // (mma_f16h_scratch's layout; not written: x rounded once)
+  float* inv = reinterpret_cast<float*>(xl + n * m.cols);
+  launch(f16_split_k<false>, dim3((unsigned)n), 256, 0, st, x, m.cols, xh, xl, inv);
+  cublas_f16_slabs(m, dq, slab_rows, xh, inv, n, y, st);
+  check_launch("matmul (f16 slabs)");
+}
+
 bool mma_q8_fits(const GemvJob& j) {
   if (!tensor_cores()) return false;  // (the backend checks too: prop_.major)
   if (!j.xq || j.n < 1 || j.count < 1 || j.count > 3 || j.cols <= 0 || j.cols % 32 != 0 || j.norm) return false;

@@ -57,8 +57,9 @@ for stage in "$@"; do
       step tests 240 python -m pytest -q tests/test_cuda.py -k "flash_attention_f16 or decoded_to_f16 or cublas or f16_prefill_tiles"
       step h256 150 python benchmarks/ab_cuda.py --shapes gemma270m --types q8_0 --no-tg --rounds 2 \
         DASLLAMA_CUDA_FLASH_H256=0 DASLLAMA_CUDA_FLASH_H256=1
-      step dqmin 240 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16,64 --rounds 2 \
-        DASLLAMA_CUDA_DQF16_MIN=65 DASLLAMA_CUDA_DQF16_MIN=33
+      step dqmin 300 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16,64 --rounds 2 \
+        DASLLAMA_CUDA_DQF16_MIN=65 DASLLAMA_CUDA_DQF16_MIN=33 DASLLAMA_CUDA_DQF16_MIN=2,DASLLAMA_CUDA_DQF16_SLAB_KB=65536 \
+        DASLLAMA_CUDA_DQF16_MIN=9,DASLLAMA_CUDA_DQF16_SLAB_KB=65536
       step qkprof 120 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --batch 64 --steps 8"
       step qkprof1 120 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --steps 16"
       ;;
