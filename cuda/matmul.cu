@@ -264,6 +264,81 @@ __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
   }
 }
 
+// q8 mode's q4_K GEMV on int8 dot products (DASLLAMA_CUDA_Q4K_I8=1, read at each call; opt-in,
+// not yet run on a GPU): x in the A8 blocks of 32 (quantize_act), so each 32-weight sub-block is
+// d * sc * xd * sum(q * xq) - dmin * m * xd * sum(xq), the second sum the block's stored one. A
+// warp a row; a lane a pair of sub-blocks (2k, 2k + 1: the low and high nibbles of the same 32
+// bytes of quants), so a 2048-wide row is one 32-byte load a lane. Where gemv_staged_k reads
+// each token's f32 x once per row and decodes every weight to f32, this reads a quarter of
+// the x bytes and multiplies four quants an instruction.
+__device__ __forceinline__ void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 0x3F;
+    mn = s[j + 4] & 0x3F;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 2) & 0x30);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+template <int NT>
+__global__ void __launch_bounds__(SW * 32) gemv_q4k_i8_k(GemvJob j) {
+  pdl_wait();
+  pdl_trigger();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int mi = 0;
+  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
+  const int64_t rows = j.rows[mi];
+  const int64_t r = ((int64_t)blockIdx.x - j.first_block[mi]) * SW + warp;
+  if (r >= rows) return;
+  const int64_t cols = j.cols, nb = cols / 32;
+  const uint8_t* row = j.w[mi] + r * j.rb[mi];
+  const int pairs = (int)(cols / 64);
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+  for (int p = lane; p < pairs; p += 32) {
+    const int sb = p >> 2, k = p & 3;
+    const uint8_t* b = row + (int64_t)sb * 144;
+    const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    int s0, m0, s1, m1;
+    q4k_scale_min(b + 4, 2 * k, s0, m0);
+    q4k_scale_min(b + 4, 2 * k + 1, s1, m1);
+    const uint4 qa = *reinterpret_cast<const uint4*>(b + 16 + 32 * k);
+    const uint4 qb = *reinterpret_cast<const uint4*>(b + 32 + 32 * k);
+    const uint32_t qw[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+    const float d0 = d * (float)s0, d1 = d * (float)s1, n0 = dmin * (float)m0, n1 = dmin * (float)m1;
+    const int64_t xb = (int64_t)sb * 8 + 2 * k;  // x's block of sub-block 2k (2k + 1 the next)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < j.n) {
+        const int4* xv = reinterpret_cast<const int4*>(j.xq + t * cols + xb * 32);
+        const int4 a0 = xv[0], a1 = xv[1], c0 = xv[2], c1 = xv[3];
+        const int xa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        const int xc[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        int lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          lo = __dp4a((int)(qw[i] & 0x0F0F0F0Fu), xa[i], lo);
+          hi = __dp4a((int)((qw[i] >> 4) & 0x0F0F0F0Fu), xc[i], hi);
+        }
+        const float* xd = j.xd + t * nb + xb;
+        const int32_t* xs = j.xs + t * nb + xb;
+        acc[t] += xd[0] * (d0 * (float)lo - n0 * (float)xs[0]) + xd[1] * (d1 * (float)hi - n1 * (float)xs[1]);
+      }
+    }
+  }
+  float* y = j.y[mi];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float s = warp_sum(acc[t]);
+    if (lane == 0 && t < j.n) {
+      if (j.accumulate) y[t * rows + r] += s;
+      else y[t * rows + r] = s;
+    }
+  }
+}
+
 // One block per id, threads over 8-element groups.
 template <uint32_t T>
 __global__ void get_rows_k(const uint8_t* __restrict__ W, size_t rb, int64_t cols, const int32_t* __restrict__ ids,
@@ -896,6 +971,11 @@ bool gemv_staged_fits(const GemvJob& j) {
       !staged_type(j.type))
     return false;
   const bool is_float = j.type == T_F32 || j.type == T_F16 || j.type == T_BF16;
+  if (j.xq && j.type == T_Q4_K) {  // gemv_q4k_i8_k: whole super-blocks, 16-byte aligned rows
+    for (int i = 0; i < j.count; ++i)
+      if (j.rows[i] <= 0 || j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
+    return j.cols % 256 == 0 && !j.norm && j.n <= 16;
+  }
   if (j.xq) return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && !j.norm;
   if (j.type == T_Q8_0S || j.type == T_Q4_0S) return j.cols % 32 == 0;  // aligned by construction
   bool v16 = true;
@@ -920,6 +1000,16 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
     p.x = j.x ? j.x + t0 * j.cols : nullptr;
     if (j.xq) p.xq = j.xq + t0 * j.cols, p.xd = j.xd + t0 * (j.cols / 32), p.xs = j.xs + t0 * (j.cols / 32);
     for (int i = 0; i < j.count; ++i) p.y[i] = j.y[i] + t0 * j.rows[i];
+    if (j.xq && j.type == T_Q4_K) {
+      int64_t b = 0;
+      for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], (int64_t)SW);
+      p.first_block[j.count] = b;
+      const dim3 grid((unsigned)b);
+      if (p.n == 1) launch(gemv_q4k_i8_k<1>, grid, SW * 32, 0, st, p);
+      else if (p.n <= 4) launch(gemv_q4k_i8_k<4>, grid, SW * 32, 0, st, p);
+      else launch(gemv_q4k_i8_k<16>, grid, SW * 32, 0, st, p);
+      continue;
+    }
     const int ks = direct ? direct_ks(j.cols / unit_elems(j.type)) : 1;
     const int64_t per_block = direct ? SW / ks * direct_rows(p.n) : SW;
     int64_t b = 0;

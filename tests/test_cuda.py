@@ -181,6 +181,63 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
                 assert e <= F32_DOT, f"{wtype} DQF16={on} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
 
 
+def a8_rounded(x: np.ndarray) -> np.ndarray:
+    """x rounded to the A8 blocks of 32 (cpp/cpu/act_blocks.h's recipe, in f32: d = amax / 127,
+    q = rint(x * (127 / amax)) clamped to +-127), as float64 values d * q."""
+    n, k = x.shape
+    xb = x.astype(np.float32).reshape(n, k // 32, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(n, k)
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_q4k_int8_gemv(monkeypatch, n):
+    """q8 mode's q4_K GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8=1): x rounded to A8 blocks,
+    each token at the f32 bar against float64 numpy over gguf-py's decoded weights and that
+    rounded x, and farther than the bar from the f32 product (the rounding ran); off, the f32
+    GEMV at the f32 bar. Rows ending mid-block of warps, a row of 9 super-blocks (lanes that take
+    two pairs of sub-blocks), three weights over one x, and into a residual."""
+    from gguf.constants import GGMLQuantizationType as T
+    from test_backend_ops import F32_DOT, make_weight, nmse as op_nmse
+
+    b = d._core.Backend("cuda:0", exact=False)
+    qt = int(T.Q4_K)
+    for cols in (512, 2304):
+        rng = np.random.default_rng(cols + n)
+        rows = [200, 32, 40]
+        parts = [make_weight(rng, "q4_K", r, cols) for r in rows]
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        res = rng.standard_normal((n, rows[0])).astype(np.float32)
+        xa, x64 = a8_rounded(x), x.astype(np.float64)
+        cases = [("matmul", lambda: b.matmul(parts[0][0], qt, rows[0], cols, x), [parts[0][1]], None),
+                 ("three", lambda: b.matmul_step([p[0] for p in parts], qt, rows, cols, x, False, None, 0.0, None),
+                  [p[1] for p in parts], None),
+                 ("residual", lambda: b.matmul_step([parts[0][0]], qt, rows[:1], cols, x, False, None, 0.0, res),
+                  [parts[0][1]], res)]
+        for name, run, ws, r0 in cases:
+            refs = {}
+            for xr, key in ((xa, "a8"), (x64, "f32")):
+                outs = [xr @ w.T for w in ws]
+                if r0 is not None:
+                    outs[0] = outs[0] + r0
+                refs[key] = outs
+            for on in ("1", "0"):
+                monkeypatch.setenv("DASLLAMA_CUDA_Q4K_I8", on)
+                o, at = np.asarray(run()).reshape(-1), 0
+                for i, w in enumerate(ws):
+                    got = o[at:at + n * w.shape[0]].reshape(n, w.shape[0])
+                    at += n * w.shape[0]
+                    ref, other = (refs["a8"][i], refs["f32"][i]) if on == "1" else (refs["f32"][i], None)
+                    for t in range(n):
+                        e = op_nmse(got[t], ref[t])
+                        assert e <= F32_DOT, f"Q4K_I8={on} {name} {cols} n={n} matrix {i} token {t}: NMSE {e:.3g}"
+                    if other is not None:
+                        assert op_nmse(got, other) > F32_DOT, f"{name} {cols} n={n}: the f32 product's, not rounded"
+
+
 def test_block_formats_prefill_without_room(monkeypatch):
     """Where the device cannot hold DQF16's f16 copy of a matrix (DASLLAMA_CUDA_MEM_LIMIT: the device
     as large as what is in use, the 64 MiB CUDA keeps back, and 24 MiB: room for the matmul's own

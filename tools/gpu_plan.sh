@@ -52,9 +52,11 @@ for stage in "$@"; do
       step multi 240 python benchmarks/ab_cuda.py --types f16 --no-tg --rounds 3 \
         DASLLAMA_CUDA_F16_MULTI=0 DASLLAMA_CUDA_F16_MULTI=1
       ;;
-    s29)  # the twenty-ninth session's unrun CUDA paths (opt-in): head 256 on flash_h16_k, block formats'
-      # batched steps of 33-64 tokens decoded to f16 (then cuBLAS); and why Q4_K_M's batched steps crawl
-      step tests 240 python -m pytest -q tests/test_cuda.py -k "flash_attention_f16 or decoded_to_f16 or cublas or f16_prefill_tiles"
+    s29)  # the twenty-ninth session's unrun CUDA paths (opt-in): head 256 on flash_h16_k, q4_K's int8
+      # GEMV, block formats' batched steps decoded to f16 (then cuBLAS); and why Q4_K_M's steps crawl
+      step tests 240 python -m pytest -q tests/test_cuda.py -k "flash_attention_f16 or decoded_to_f16 or cublas or f16_prefill_tiles or q4k_int8"
+      step q4ki8 200 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16 --rounds 2 \
+        DASLLAMA_CUDA_Q4K_I8=0 DASLLAMA_CUDA_Q4K_I8=1
       step h256 150 python benchmarks/ab_cuda.py --shapes gemma270m --types q8_0 --no-tg --rounds 2 \
         DASLLAMA_CUDA_FLASH_H256=0 DASLLAMA_CUDA_FLASH_H256=1
       step dqmin 300 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16,64 --rounds 2 \
