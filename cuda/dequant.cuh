@@ -32,6 +32,17 @@ template <> struct Blk<T_Q6_K> { static constexpr int qk = 256, bytes = 210; };
 template <> struct Blk<T_Q8_0S> { static constexpr int qk = 32, bytes = 34; };
 template <> struct Blk<T_Q4_0S> { static constexpr int qk = 32, bytes = 18; };
 
+// Sub-block j's 6-bit scale and min of a q4_K / q5_K block (their 12 packed scale bytes at s).
+__device__ __forceinline__ void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 0x3F;
+    mn = s[j + 4] & 0x3F;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 2) & 0x30);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
 // An int of magnitude < 2^22 as a float, exactly, without the quarter-rate I2F
 // conversion: the int lands in the mantissa of 1.5 * 2^23, which is then subtracted.
 __device__ __forceinline__ float sf(int v) { return __int_as_float(0x4B400000 + v) - 12582912.f; }
@@ -153,15 +164,8 @@ __device__ __forceinline__ void dq8(const uint8_t* __restrict__ row, int64_t g, 
     const int e = (int)(g & 31) * 8;
     const int j = e >> 5, l0 = e & 31;
     const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
-    const uint8_t* s = b + 4;
     int sc, mn;
-    if (j < 4) {
-      sc = s[j] & 0x3F;
-      mn = s[j + 4] & 0x3F;
-    } else {
-      sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 2) & 0x30);
-      mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-    }
+    k_scale_min(b + 4, j, sc, mn);
     const float dl = __fmul_rn(d, (float)sc), ml = __fmul_rn(dmin, (float)mn);
     constexpr int qs_off = T == T_Q4_K ? 16 : 48;
     const uint2 qw = *reinterpret_cast<const uint2*>(b + qs_off + (j >> 1) * 32 + l0);  // 8-aligned

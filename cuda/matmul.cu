@@ -191,6 +191,14 @@ __device__ __forceinline__ void stage_wait() {
   __syncwarp();
 }
 
+// The matrix (mi) and row (r) of the job a warp of a row-a-warp GEMV block takes (r past the
+// matrix's rows: none).
+__device__ __forceinline__ void warp_row(const GemvJob& j, int warp, int& mi, int64_t& r) {
+  mi = 0;
+  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
+  r = ((int64_t)blockIdx.x - j.first_block[mi]) * SW + warp;
+}
+
 template <uint32_t T, int NT, int VEC>
 __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
   pdl_wait();
@@ -198,10 +206,10 @@ __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
   constexpr int CE = Chunk<T>::ce, CB = chunk_bytes<T>();
   __shared__ __align__(16) uint8_t sm[SW][2][CB];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int mi = 0;
-  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
+  int mi;
+  int64_t r;
+  warp_row(j, warp, mi, r);
   const int64_t rows = j.rows[mi];
-  const int64_t r = ((int64_t)blockIdx.x - j.first_block[mi]) * SW + warp;
   if (r >= rows) return;
   const int64_t cols = j.cols;
   const size_t rb = j.rb[mi];
@@ -271,25 +279,15 @@ __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
 // bytes of quants), so a 2048-wide row is one 32-byte load a lane. Where gemv_staged_k reads
 // each token's f32 x once per row and decodes every weight to f32, this reads a quarter of
 // the x bytes and multiplies four quants an instruction.
-__device__ __forceinline__ void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 0x3F;
-    mn = s[j + 4] & 0x3F;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 2) & 0x30);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-  }
-}
-
 template <int NT>
 __global__ void __launch_bounds__(SW * 32) gemv_q4k_i8_k(GemvJob j) {
   pdl_wait();
   pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int mi = 0;
-  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
+  int mi;
+  int64_t r;
+  warp_row(j, warp, mi, r);
   const int64_t rows = j.rows[mi];
-  const int64_t r = ((int64_t)blockIdx.x - j.first_block[mi]) * SW + warp;
   if (r >= rows) return;
   const int64_t cols = j.cols, nb = cols / 32;
   const uint8_t* row = j.w[mi] + r * j.rb[mi];
@@ -302,8 +300,8 @@ __global__ void __launch_bounds__(SW * 32) gemv_q4k_i8_k(GemvJob j) {
     const uint8_t* b = row + (int64_t)sb * 144;
     const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
     int s0, m0, s1, m1;
-    q4k_scale_min(b + 4, 2 * k, s0, m0);
-    q4k_scale_min(b + 4, 2 * k + 1, s1, m1);
+    k_scale_min(b + 4, 2 * k, s0, m0);
+    k_scale_min(b + 4, 2 * k + 1, s1, m1);
     const uint4 qa = *reinterpret_cast<const uint4*>(b + 16 + 32 * k);
     const uint4 qb = *reinterpret_cast<const uint4*>(b + 32 + 32 * k);
     const uint32_t qw[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
