@@ -191,12 +191,14 @@ __device__ __forceinline__ void stage_wait() {
   __syncwarp();
 }
 
-// The matrix (mi) and row (r) of the job a warp of a row-a-warp GEMV block takes (r past the
-// matrix's rows: none).
-__device__ __forceinline__ void warp_row(const GemvJob& j, int warp, int& mi, int64_t& r) {
+// The matrix (mi), row (r) and row bytes a warp of a row-a-warp GEMV block takes; false past
+// the matrix's rows.
+__device__ __forceinline__ bool warp_row(const GemvJob& j, int& mi, int64_t& r, const uint8_t*& row) {
   mi = 0;
   while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
-  r = ((int64_t)blockIdx.x - j.first_block[mi]) * SW + warp;
+  r = ((int64_t)blockIdx.x - j.first_block[mi]) * SW + (threadIdx.x >> 5);
+  row = j.w[mi] + r * j.rb[mi];
+  return r < j.rows[mi];
 }
 
 template <uint32_t T, int NT, int VEC>
@@ -208,12 +210,10 @@ __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int mi;
   int64_t r;
-  warp_row(j, warp, mi, r);
-  const int64_t rows = j.rows[mi];
-  if (r >= rows) return;
-  const int64_t cols = j.cols;
+  const uint8_t* row;
+  if (!warp_row(j, mi, r, row)) return;
+  const int64_t rows = j.rows[mi], cols = j.cols;
   const size_t rb = j.rb[mi];
-  const uint8_t* row = j.w[mi] + r * rb;
   const int nchunks = (int)((cols + CE - 1) / CE);
   auto issue = [&](int c) {
     const size_t off = (size_t)c * CB;
@@ -283,14 +283,12 @@ template <int NT>
 __global__ void __launch_bounds__(SW * 32) gemv_q4k_i8_k(GemvJob j) {
   pdl_wait();
   pdl_trigger();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;
   int mi;
   int64_t r;
-  warp_row(j, warp, mi, r);
-  const int64_t rows = j.rows[mi];
-  if (r >= rows) return;
-  const int64_t cols = j.cols, nb = cols / 32;
-  const uint8_t* row = j.w[mi] + r * j.rb[mi];
+  const uint8_t* row;
+  if (!warp_row(j, mi, r, row)) return;
+  const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32;
   const int pairs = (int)(cols / 64);
   float acc[NT];
 #pragma unroll
