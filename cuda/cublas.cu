@@ -113,11 +113,7 @@ bool cublas_on() {
   return !(e && e[0] == '0') && lib() != nullptr;
 }
 
-void cublas_prepare() {
-  if (cublas_on()) handle();
-}
-
-bool cublas_ready() { return cublas_on() && handle() != nullptr; }
+bool cublas_prepare() { return cublas_on() && handle() != nullptr; }
 
 void cublas_f16_slabs(const Mat& m, void* dq, int64_t slab_rows, const __half* xh, const float* inv, int64_t n,
                       float* y, cudaStream_t st) {

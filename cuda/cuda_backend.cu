@@ -558,7 +558,7 @@ class CudaBackend final : public Backend {
     // vocabulary's head in a batched step too) and the scratch stays small.
     const char* sk = std::getenv("DASLLAMA_CUDA_DQF16_SLAB_KB");
     const int64_t slab_kb = sk && *sk ? std::atoll(sk) : 0;
-    if (dq_ok && slab_kb > 0 && !f16_act_split(w) && cuda::cublas_ready()) {
+    if (dq_ok && slab_kb > 0 && !f16_act_split(w) && cuda::cublas_prepare()) {
       cuda::Mat h = m;
       h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2, h.w = nullptr;  // (the fit checks alignment only)
       const int64_t slab_rows = std::min(m.rows, std::max<int64_t>(1, slab_kb * 1024 / (m.cols * 2)));

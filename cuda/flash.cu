@@ -538,14 +538,14 @@ __global__ void __launch_bounds__(128) flash_h16_k(AttnArgs a) {
   store_quad_rows<HD>(a, hd, h, t0, warp, g, c, m, l, o);
 }
 
-// Whether the tensor-core kernels can take this attention: an f16 cache, head sizes up to 128 in
+// Whether the tensor-core kernels can take this attention: an f16 cache, head sizes up to 128 (max_hd) in
 // whole 16-byte units, every row's slice 16-byte aligned, sm_80+. tc_takes: the TF32 one, unless
 // DASLLAMA_CUDA_FLASH_TC=0.
-bool tc_fits(const AttnArgs& a) {
+bool tc_fits(const AttnArgs& a, int max_hd = 128) {
   if (!tensor_cores()) return false;
   const size_t al = a.kv.k_off | a.kv.v_off | a.kv.row_bytes | a.kv.page_bytes | (size_t)a.head_dim * 2 |
                     (size_t)(uintptr_t)a.kv.base;
-  return a.kv.type == KVType::f16 && a.head_dim > 0 && a.head_dim <= 128 && a.head_dim % 8 == 0 && al % 16 == 0;
+  return a.kv.type == KVType::f16 && a.head_dim > 0 && a.head_dim <= max_hd && a.head_dim % 8 == 0 && al % 16 == 0;
 }
 
 bool tc_takes(const AttnArgs& a) {
@@ -568,10 +568,7 @@ bool h16_takes(const AttnArgs& a) {
 bool h256_takes(const AttnArgs& a) {
   const char* e = std::getenv("DASLLAMA_CUDA_FLASH_H256");
   const char* f = std::getenv("DASLLAMA_CUDA_FLASH_F16");
-  if (!(e && e[0] == '1') || (f && f[0] == '0') || a.exact || !tensor_cores()) return false;
-  const size_t al = a.kv.k_off | a.kv.v_off | a.kv.row_bytes | a.kv.page_bytes | (size_t)a.head_dim * 2 |
-                    (size_t)(uintptr_t)a.kv.base;
-  return a.kv.type == KVType::f16 && a.head_dim > 128 && a.head_dim <= 256 && a.head_dim % 8 == 0 && al % 16 == 0;
+  return e && e[0] == '1' && !(f && f[0] == '0') && !a.exact && a.head_dim > 128 && tc_fits(a, 256);
 }
 
 template <int HD, int BC>

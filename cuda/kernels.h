@@ -112,20 +112,18 @@ void mma_f16h_multi(const Mat* ms, float* const* ys, int count, const float* x, 
 // cuBLAS (dlopen'ed; DASLLAMA_CUDA_CUBLAS=0 turns it off, DASLLAMA_CUBLAS a path to it) for the rounded (not
 // split) f16 products: xh is x rounded on each token's scale, inv those scales' inverses. False
 // where cuBLAS is missing or refuses the first product (the tiles then run).
+bool cublas_f16(const Mat* ms, float* const* ys, int count, const __half* xh, const float* inv, int64_t n,
+                cudaStream_t st);
 bool cublas_on();
 std::string cublas_name();  // the library opened, or empty
 // Makes this device's handle now (its workspace allocation), so a product recorded for a captured
-// graph never makes it inside the capture.
-void cublas_prepare();
-// On and this device's handle made (so a product recorded now will run on it).
-bool cublas_ready();
+// graph never makes it inside the capture; whether cuBLAS is on and the handle there.
+bool cublas_prepare();
 // q8 mode's block-format matmul on cuBLAS a slab of rows at a time (DASLLAMA_CUDA_DQF16_SLAB_KB):
 // each slab of m decoded to f16 into dq (slab_rows x cols halves), its product written into y's
 // rows r0.., then every token's row scaled back by inv. xh / inv: x rounded as for cublas_f16.
 void cublas_f16_slabs(const Mat& m, void* dq, int64_t slab_rows, const __half* xh, const float* inv, int64_t n,
                       float* y, cudaStream_t st);
-bool cublas_f16(const Mat* ms, float* const* ys, int count, const __half* xh, const float* inv, int64_t n,
-                cudaStream_t st);
 // q8 mode's block formats on cuBLAS a slab of rows at a time (cublas_f16_slabs), x rounded to f16
 // once first; scratch as mma_f16h's.
 void mma_f16h_slabs(const Mat& m, void* dq, int64_t slab_rows, const float* x, int64_t n, float* y, void* scratch,
