@@ -325,8 +325,8 @@ def test_matmul_multi_f16_prefill(backends, q8_backends, mode, multi, monkeypatc
     or round x for once, not once a matrix), rows and tokens ending mid-tile, tokens from 1e-12 to
     1e12 and a zero one: each matrix's rows, token by token, as test_matmul_f16_q8_mode holds one
     matmul's (weights as in fp32 mode: the f32 bar against float64; as in q8 mode: that, or numpy's
-    own f16 rounding of each token's scaled row). CUDA also with x rounded once for all three
-    (DASLLAMA_CUDA_F16_MULTI=1)."""
+    own f16 rounding of each token's scaled row). CUDA with x rounded once for all three (the
+    default) and once a matrix (DASLLAMA_CUDA_F16_MULTI=0)."""
     monkeypatch.setenv("DASLLAMA_CUDA_F16_MULTI", multi)
     rng = np.random.default_rng(43)
     rows, cols, n = [200, 40, 129], 544, 130
