@@ -558,44 +558,32 @@ class CudaBackend final : public Backend {
     // vocabulary's head in a batched step too) and the scratch stays small.
     const char* sk = std::getenv("DASLLAMA_CUDA_DQF16_SLAB_KB");
     const int64_t slab_kb = sk && *sk ? std::atoll(sk) : 0;
-    if (dq_ok && slab_kb > 0 && !f16_act_split(w) && cuda::cublas_prepare()) {
-      cuda::Mat h = m;
-      h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2, h.w = nullptr;  // (the fit checks alignment only)
-      const int64_t slab_rows = std::min(m.rows, std::max<int64_t>(1, slab_kb * 1024 / (m.cols * 2)));
-      const size_t sb = (size_t)slab_rows * m.cols * 2;
-      void* dq = nullptr;
-      if (cuda::mma_f16h_fits(h, x, n) && sb < dq_failed_) {
-        try {
-          dq = grown(dq_, sb, "weights decoded to f16");
-        } catch (const DeviceError&) {
-          dq_failed_ = sb;
-        }
-      }
-      if (dq) {
-        void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
-        op(Tag::matmul, [=](cudaStream_t s) { cuda::mma_f16h_slabs(m, dq, slab_rows, x, n, y, sc, s); }, m.type, m.w,
-           m.row_bytes, m.rows, m.cols, dq, x, n, y, sc, slab_rows);
-        return;
-      }
-    }
-    if (dq_ok && dq_bytes <= kDqMax && dq_bytes < dq_failed_) {
+    const bool slabs = dq_ok && slab_kb > 0 && !f16_act_split(w) && cuda::cublas_prepare();
+    const int64_t slab_rows = slabs ? std::min(m.rows, std::max<int64_t>(1, slab_kb * 1024 / (m.cols * 2))) : m.rows;
+    const size_t need = (size_t)slab_rows * m.cols * 2;  // the decoded copy's bytes (dq_bytes whole)
+    if (dq_ok && (slabs || dq_bytes <= kDqMax) && need < dq_failed_) {
       cuda::Mat h = m;
       h.type = cuda::T_F16, h.row_bytes = (size_t)m.cols * 2, h.w = nullptr;  // (the fit checks alignment only)
       if (cuda::mma_f16h_fits(h, x, n)) {
         try {
-          h.w = static_cast<const uint8_t*>(grown(dq_, dq_bytes, "weights decoded to f16"));
+          h.w = static_cast<const uint8_t*>(grown(dq_, need, "weights decoded to f16"));
         } catch (const DeviceError&) {
-          dq_failed_ = dq_bytes;
+          dq_failed_ = need;
         }
       }
       if (h.w) {
         cuda::cublas_prepare();
         void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
         const bool split = f16_act_split(w);
-        op(Tag::matmul, [=](cudaStream_t s) {
-          cuda::dequant_f16(m, const_cast<uint8_t*>(h.w), s);
-          cuda::mma_f16h(h, x, n, y, sc, split, s);
-        }, m.type, m.w, m.row_bytes, m.rows, m.cols, h.w, x, n, y, sc, split);
+        if (slabs)
+          op(Tag::matmul, [=](cudaStream_t s) {
+            cuda::mma_f16h_slabs(m, const_cast<uint8_t*>(h.w), slab_rows, x, n, y, sc, s);
+          }, m.type, m.w, m.row_bytes, m.rows, m.cols, h.w, x, n, y, sc, slab_rows);
+        else
+          op(Tag::matmul, [=](cudaStream_t s) {
+            cuda::dequant_f16(m, const_cast<uint8_t*>(h.w), s);
+            cuda::mma_f16h(h, x, n, y, sc, split, s);
+          }, m.type, m.w, m.row_bytes, m.rows, m.cols, h.w, x, n, y, sc, split);
         return;
       }
     }
