@@ -557,7 +557,7 @@ class CudaBackend final : public Backend {
     // product written into its rows of y, so a matrix of any size takes the path (a large
     // vocabulary's head in a batched step too) and the scratch stays small.
     const char* sk = std::getenv("DASLLAMA_CUDA_DQF16_SLAB_KB");
-    const int64_t slab_kb = sk && *sk ? std::atoll(sk) : 0;
+    const int64_t slab_kb = sk && *sk ? std::min<int64_t>(std::atoll(sk), int64_t(1) << 40) : 0;  // (no overflow below)
     const bool slabs = dq_ok && slab_kb > 0 && !f16_act_split(w) && cuda::cublas_prepare();
     const int64_t slab_rows = slabs ? std::min(m.rows, std::max<int64_t>(1, slab_kb * 1024 / (m.cols * 2))) : m.rows;
     const size_t need = (size_t)slab_rows * m.cols * 2;  // the decoded copy's bytes (dq_bytes whole)
