@@ -546,11 +546,10 @@ class CudaBackend final : public Backend {
     // the copy was the default: matrices from the size that failed keep them.
     constexpr size_t kDqMax = size_t(512) << 20;
     const size_t dq_bytes = (size_t)m.rows * m.cols * 2;
-    // DASLLAMA_CUDA_DQF16_MIN (default 65, read at each call): the tokens from which that holds. The
-    // H100's Q4_K_M batched steps through the GEMVs were far slower than their bytes say (B = 4 / 16
-    // / 64: 1,256 / 1,562 / 1,680 t/s against Q8_0's 3,188 / 9,428 / 17,815), so 33 is next to try.
+    // DASLLAMA_CUDA_DQF16_MIN (default 33, read at each call): the tokens from which that holds.
+    // H100, Q4_K_M batched step of 64: 1,615 t/s from 65 (the GEMVs), 12,279 from 33.
     const char* dm = std::getenv("DASLLAMA_CUDA_DQF16_MIN");
-    const bool dq_ok = n >= (dm && *dm ? std::atoll(dm) : 65) && !w.exact && cuda::dequant_f16_type(m.type) &&
+    const bool dq_ok = n >= (dm && *dm ? std::atoll(dm) : 33) && !w.exact && cuda::dequant_f16_type(m.type) &&
                        dq_f16_on() && m.cols % 8 == 0;
     // DASLLAMA_CUDA_DQF16_SLAB_KB=N (default 0, off; read at each call; not yet run on a GPU): with
     // cuBLAS, a matrix decoded N KiB of rows at a time into a scratch of that size, each slab's
@@ -1084,9 +1083,10 @@ class CudaBackend final : public Backend {
     if (s.residual) j.accumulate = true, j.y[0] = s.residual;
     // q8 mode on the split layouts: activations quantized once (normed on the way), then
     // int8 dot products, as the CPU's quantized matmuls do.
-    // q4_K too, up to 16 tokens, on gemv_q4k_i8_k (DASLLAMA_CUDA_Q4K_I8=1; opt-in until run on a GPU).
+    // q4_K too, up to 16 tokens, on gemv_q4k_i8_k (DASLLAMA_CUDA_Q4K_I8=0 keeps the f32 staged
+    // GEMV; H100 Q4_K_M tg256 620 -> 835, B = 4 / 16 1,320 / 1,593 -> 1,829 / 2,232).
     const char* qk = std::getenv("DASLLAMA_CUDA_Q4K_I8");
-    const bool q4k = qk && qk[0] == '1' && !s.w[0]->exact && j.type == cuda::T_Q4_K && j.cols % 256 == 0 && s.n <= 16;
+    const bool q4k = !(qk && qk[0] == '0') && !s.w[0]->exact && j.type == cuda::T_Q4_K && j.cols % 256 == 0 && s.n <= 16;
     const bool q8 = q4k || (!s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0);
     // f16 / bf16 batched steps from f16_mma_min_ tokens: norm, then matmul()'s tensor-core tiles.
     if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_mma_min_) return false;

@@ -562,13 +562,13 @@ bool h16_takes(const AttnArgs& a) {
 }
 
 // Head size 256 (Gemma 2 / 3) on flash_h16_k, 16 keys a tile so the K / V prefetch and the 128
-// output floats a lane stay in registers (DASLLAMA_CUDA_FLASH_H256=1, read at each call; opt-in
-// until it has run on a GPU). Without it such heads take flash_k's f32 FMAs: on the H100 a
-// Gemma-3-270M Q8_0 pp512 spent 7.3 of its 9.4 ms of kernels there (profile_cuda.py --prefill 512).
+// output floats a lane stay in registers (DASLLAMA_CUDA_FLASH_H256=0, read at each call, keeps
+// flash_k's f32 FMAs, where a Gemma-3-270M Q8_0 pp512 spent 7.3 of its 9.4 ms of kernels on the
+// H100; with it that pp512 went 51,251 -> 94,132 t/s).
 bool h256_takes(const AttnArgs& a) {
   const char* e = std::getenv("DASLLAMA_CUDA_FLASH_H256");
   const char* f = std::getenv("DASLLAMA_CUDA_FLASH_F16");
-  return e && e[0] == '1' && !(f && f[0] == '0') && !a.exact && a.head_dim > 128 && tc_fits(a, 256);
+  return !(e && e[0] == '0') && !(f && f[0] == '0') && !a.exact && a.head_dim > 128 && tc_fits(a, 256);
 }
 
 template <int HD, int BC>

@@ -153,8 +153,8 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
     decoded to f16 (dequant_f16_k) and x rounded to f16 once, so each token equals float64 numpy
     over numpy's f16 rounding of gguf-py's decoded weights and of the scaled row (and not the f32
     product: the two references are farther apart than the bar); DQF16=0, the f32 tiles, equal to
-    the f32 product. Also 40 tokens with the path taken from 33 (DASLLAMA_CUDA_DQF16_MIN=33, where
-    the GEMVs ran before), whole and (with cuBLAS) decoded 32 rows at a time
+    the f32 product. Also 40 tokens with the path taken from 33 (DASLLAMA_CUDA_DQF16_MIN=33, the
+    default; the GEMVs took them before), whole and (with cuBLAS) decoded 32 rows at a time
     (DASLLAMA_CUDA_DQF16_SLAB_KB=32: 1 KiB rows, the last slab 2 rows)."""
     from gguf.constants import GGMLQuantizationType as T
     from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
@@ -195,7 +195,7 @@ def a8_rounded(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("n", [1, 3, 16])
 def test_q4k_int8_gemv(monkeypatch, n):
-    """q8 mode's q4_K GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8=1): x rounded to A8 blocks,
+    """q8 mode's q4_K GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8, on): x rounded to A8 blocks,
     each token at the f32 bar against float64 numpy over gguf-py's decoded weights and that
     rounded x, and farther than the bar from the f32 product (the rounding ran); off, the f32
     GEMV at the f32 bar. Rows ending mid-block of warps, a row of 9 super-blocks (lanes that take
@@ -323,8 +323,8 @@ def test_flash_attention_f16_q8_mode(monkeypatch, case):
     from test_backend_ops import ATTN_F16, ATTN_Q8_CASES, F32_DOT, attention_q8_errors
 
     b = {"cuda": d._core.Backend("cuda:0", exact=False)}
-    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_H256", "1")
-    monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "1")
+    monkeypatch.delenv("DASLLAMA_CUDA_FLASH_H256", raising=False)
+    monkeypatch.delenv("DASLLAMA_CUDA_FLASH_F16", raising=False)
     e32, e16 = attention_q8_errors(b, ATTN_Q8_CASES[case])["cuda"]
     assert max(e16) <= ATTN_F16 and max(e32) > F32_DOT, (max(e16), max(e32))
     monkeypatch.setenv("DASLLAMA_CUDA_FLASH_F16", "0")
