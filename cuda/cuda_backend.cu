@@ -1083,15 +1083,19 @@ class CudaBackend final : public Backend {
     if (s.residual) j.accumulate = true, j.y[0] = s.residual;
     // q8 mode on the split layouts: activations quantized once (normed on the way), then
     // int8 dot products, as the CPU's quantized matmuls do.
-    // q4_K too, up to 16 tokens, on gemv_q4k_i8_k (DASLLAMA_CUDA_Q4K_I8=0 keeps the f32 staged
-    // GEMV; H100 Q4_K_M tg256 620 -> 835, B = 4 / 16 1,320 / 1,593 -> 1,829 / 2,232).
+    // K-quants too, up to 16 tokens, on gemv_k_i8_k: q4_K unless DASLLAMA_CUDA_Q4K_I8=0 (the f32
+    // staged GEMV; H100 Q4_K_M tg256 620 -> 835, B = 4 / 16 1,320 / 1,593 -> 1,829 / 2,232), q5_K
+    // and q6_K with DASLLAMA_CUDA_Q56K_I8=1 (opt-in until run on a GPU).
     const char* qk = std::getenv("DASLLAMA_CUDA_Q4K_I8");
-    const bool q4k = !(qk && qk[0] == '0') && !s.w[0]->exact && j.type == cuda::T_Q4_K && j.cols % 256 == 0 && s.n <= 16;
-    const bool q8 = q4k || (!s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0);
+    const char* q56 = std::getenv("DASLLAMA_CUDA_Q56K_I8");
+    const bool kq_on = j.type == cuda::T_Q4_K ? !(qk && qk[0] == '0')
+                                              : (j.type == cuda::T_Q5_K || j.type == cuda::T_Q6_K) && q56 && q56[0] == '1';
+    const bool kq = kq_on && !s.w[0]->exact && j.cols % 256 == 0 && s.n <= 16;
+    const bool q8 = kq || (!s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0);
     // f16 / bf16 batched steps from f16_mma_min_ tokens: norm, then matmul()'s tensor-core tiles.
     if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_mma_min_) return false;
     // From mma_min_ tokens on, q8 matmuls run on tensor cores (the GEMV turns compute-bound).
-    const bool mma = q8 && !q4k && s.n >= mma_min_ && prop_.major >= 8;
+    const bool mma = q8 && !kq && s.n >= mma_min_ && prop_.major >= 8;
     if (!mma && s.n > 32) return false;  // the staged GEMV's range (kStagedMax in matmul.cu)
     void* qb = nullptr;
     if (q8) {

@@ -272,15 +272,32 @@ __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
   }
 }
 
-// q8 mode's q4_K GEMV on int8 dot products (DASLLAMA_CUDA_Q4K_I8=1, read at each call; opt-in,
-// not yet run on a GPU): x in the A8 blocks of 32 (quantize_act), so each 32-weight sub-block is
-// d * sc * xd * sum(q * xq) - dmin * m * xd * sum(xq), the second sum the block's stored one. A
-// warp a row; a lane a pair of sub-blocks (2k, 2k + 1: the low and high nibbles of the same 32
-// bytes of quants), so a 2048-wide row is one 32-byte load a lane. Where gemv_staged_k reads
-// each token's f32 x once per row and decodes every weight to f32, this reads a quarter of
-// the x bytes and multiplies four quants an instruction.
-template <int NT>
-__global__ void __launch_bounds__(SW * 32) gemv_q4k_i8_k(GemvJob j) {
+// 32 bytes from a 2-byte-aligned address (q6_K's 210-byte blocks) as eight words: the aligned
+// words around them, shifted a half-word where they start mid-word. Every word read holds one of
+// the 32 bytes or the block's own bytes after them (qh, its scales), so nothing outside the matrix.
+__device__ __forceinline__ void ld32_a2(const uint8_t* p, uint32_t w[8]) {
+  const auto* a = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(3));
+  const uint32_t sh = (uint32_t)(reinterpret_cast<uintptr_t>(p) & 2) * 8;
+  uint32_t v[9];
+#pragma unroll
+  for (int i = 0; i < 9; ++i) v[i] = a[i];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(v[i], v[i + 1], sh);
+}
+
+// q8 mode's K-quant GEMVs on int8 dot products (q4_K: DASLLAMA_CUDA_Q4K_I8, on; q5_K / q6_K:
+// DASLLAMA_CUDA_Q56K_I8=1, opt-in until run on a GPU): x in the A8 blocks of 32 (quantize_act). A
+// warp a row; a lane a pair of 32-weight sub-blocks a super-block, so a 2048-wide row is one pair
+// a lane. Where gemv_staged_k reads each token's f32 x once per row and decodes every weight to
+// f32, this reads a quarter of the x bytes and multiplies four quants an instruction.
+// q4_K / q5_K: pair k is sub-blocks 2k, 2k + 1 (the low and high nibbles of the same 32 bytes,
+// q5_K's fifth bits in bits 2k, 2k + 1 of its 32 high bytes); each is d * sc * xd * sum(q * xq) -
+// dmin * m * xd * sum(xq), the second sum the block's stored one.
+// q6_K: pair k is sub-blocks s and s + 2 of half h (k = 2h + s: low and high nibbles of the same
+// 32 ql bytes, two bits each of the half's 32 qh bytes), quants stored + 32 and made signed a byte
+// at a time; each 16 weights have their own int8 scale, so d * xd * (sc0 * sum0 + sc1 * sum1).
+template <uint32_t T, int NT>
+__global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
   pdl_wait();
   pdl_trigger();
   const int lane = threadIdx.x & 31;
@@ -295,32 +312,71 @@ __global__ void __launch_bounds__(SW * 32) gemv_q4k_i8_k(GemvJob j) {
   for (int t = 0; t < NT; ++t) acc[t] = 0.f;
   for (int p = lane; p < pairs; p += 32) {
     const int sb = p >> 2, k = p & 3;
-    const uint8_t* b = row + (int64_t)sb * 144;
-    const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
-    int s0, m0, s1, m1;
-    k_scale_min(b + 4, 2 * k, s0, m0);
-    k_scale_min(b + 4, 2 * k + 1, s1, m1);
-    const uint4 qa = *reinterpret_cast<const uint4*>(b + 16 + 32 * k);
-    const uint4 qb = *reinterpret_cast<const uint4*>(b + 32 + 32 * k);
-    const uint32_t qw[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-    const float d0 = d * (float)s0, d1 = d * (float)s1, n0 = dmin * (float)m0, n1 = dmin * (float)m1;
-    const int64_t xb = (int64_t)sb * 8 + 2 * k;  // x's block of sub-block 2k (2k + 1 the next)
+    const uint8_t* b = row + (int64_t)sb * Blk<T>::bytes;
+    uint32_t qa[8], qb[8];  // the pair's two sub-blocks as bytes (q6_K: signed)
+    float wa[2], wb[2], na = 0.f, nb2 = 0.f;  // per-16 (q4_K / q5_K: per-32) scales; the mins' terms
+    int64_t xa, xb;  // x's blocks of the two sub-blocks
+    if constexpr (T == T_Q6_K) {
+      const int h = k >> 1, s = k & 1;
+      uint32_t ql[8], qh[8];
+      ld32_a2(b + h * 64 + s * 32, ql);
+      ld32_a2(b + 128 + h * 32, qh);
+      const float d = h2f(ld16(b + 208));
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + h * 8 + s * 2);
+      wa[0] = d * (float)sc[0], wa[1] = d * (float)sc[1], wb[0] = d * (float)sc[4], wb[1] = d * (float)sc[5];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        qa[i] = __vsub4((ql[i] & 0x0F0F0F0Fu) | ((qh[i] >> (2 * s)) & 0x03030303u) << 4, 0x20202020u);
+        qb[i] = __vsub4(((ql[i] >> 4) & 0x0F0F0F0Fu) | ((qh[i] >> (2 * s + 4)) & 0x03030303u) << 4, 0x20202020u);
+      }
+      xa = (int64_t)sb * 8 + h * 4 + s, xb = xa + 2;
+    } else {
+      const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+      int s0, m0, s1, m1;
+      k_scale_min(b + 4, 2 * k, s0, m0);
+      k_scale_min(b + 4, 2 * k + 1, s1, m1);
+      constexpr int qs_off = T == T_Q4_K ? 16 : 48;
+      const uint4 u0 = *reinterpret_cast<const uint4*>(b + qs_off + 32 * k);
+      const uint4 u1 = *reinterpret_cast<const uint4*>(b + qs_off + 16 + 32 * k);
+      const uint32_t qw[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+      uint32_t hw[8] = {};
+      if constexpr (T == T_Q5_K) {
+        const uint4 h0 = *reinterpret_cast<const uint4*>(b + 16), h1 = *reinterpret_cast<const uint4*>(b + 32);
+        hw[0] = h0.x, hw[1] = h0.y, hw[2] = h0.z, hw[3] = h0.w, hw[4] = h1.x, hw[5] = h1.y, hw[6] = h1.z, hw[7] = h1.w;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        qa[i] = qw[i] & 0x0F0F0F0Fu, qb[i] = (qw[i] >> 4) & 0x0F0F0F0Fu;
+        if constexpr (T == T_Q5_K) {
+          qa[i] |= ((hw[i] >> (2 * k)) & 0x01010101u) << 4;
+          qb[i] |= ((hw[i] >> (2 * k + 1)) & 0x01010101u) << 4;
+        }
+      }
+      wa[0] = wa[1] = d * (float)s0, wb[0] = wb[1] = d * (float)s1;
+      na = dmin * (float)m0, nb2 = dmin * (float)m1;
+      xa = (int64_t)sb * 8 + 2 * k, xb = xa + 1;
+    }
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (t < j.n) {
-        const int4* xv = reinterpret_cast<const int4*>(j.xq + t * cols + xb * 32);
-        const int4 a0 = xv[0], a1 = xv[1], c0 = xv[2], c1 = xv[3];
-        const int xa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-        const int xc[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-        int lo = 0, hi = 0;
+        const int4* va = reinterpret_cast<const int4*>(j.xq + t * cols + xa * 32);
+        const int4* vb = reinterpret_cast<const int4*>(j.xq + t * cols + xb * 32);
+        const int4 a0 = va[0], a1 = va[1], c0 = vb[0], c1 = vb[1];
+        const int xva[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        const int xvb[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        int sa[2] = {0, 0}, sbs[2] = {0, 0};  // the first and second 16 of each sub-block
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          lo = __dp4a((int)(qw[i] & 0x0F0F0F0Fu), xa[i], lo);
-          hi = __dp4a((int)((qw[i] >> 4) & 0x0F0F0F0Fu), xc[i], hi);
+          sa[i >> 2] = __dp4a((int)qa[i], xva[i], sa[i >> 2]);
+          sbs[i >> 2] = __dp4a((int)qb[i], xvb[i], sbs[i >> 2]);
         }
-        const float* xd = j.xd + t * nb + xb;
-        const int32_t* xs = j.xs + t * nb + xb;
-        acc[t] += xd[0] * (d0 * (float)lo - n0 * (float)xs[0]) + xd[1] * (d1 * (float)hi - n1 * (float)xs[1]);
+        const float* xd = j.xd + t * nb;
+        float va_ = wa[0] * (float)sa[0] + wa[1] * (float)sa[1], vb_ = wb[0] * (float)sbs[0] + wb[1] * (float)sbs[1];
+        if constexpr (T != T_Q6_K) {
+          const int32_t* xs = j.xs + t * nb;
+          va_ -= na * (float)xs[xa], vb_ -= nb2 * (float)xs[xb];
+        }
+        acc[t] += xd[xa] * va_ + xd[xb] * vb_;
       }
     }
   }
@@ -951,6 +1007,15 @@ void glu_quantize(const float* gate, int64_t gs, const float* up, int64_t us, in
   check_launch("glu_quantize");
 }
 
+bool k_i8_type(uint32_t t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+
+template <uint32_t T>
+void launch_k_i8(const GemvJob& p, dim3 grid, cudaStream_t st) {
+  if (p.n == 1) launch(gemv_k_i8_k<T, 1>, grid, SW * 32, 0, st, p);
+  else if (p.n <= 4) launch(gemv_k_i8_k<T, 4>, grid, SW * 32, 0, st, p);
+  else launch(gemv_k_i8_k<T, 16>, grid, SW * 32, 0, st, p);
+}
+
 // The layouts gemv_staged launches (its switches below list exactly these).
 bool staged_type(uint32_t t) {
   switch (t) {
@@ -967,9 +1032,12 @@ bool gemv_staged_fits(const GemvJob& j) {
       !staged_type(j.type))
     return false;
   const bool is_float = j.type == T_F32 || j.type == T_F16 || j.type == T_BF16;
-  if (j.xq && j.type == T_Q4_K) {  // gemv_q4k_i8_k: whole super-blocks, 16-byte aligned rows
+  if (j.xq && k_i8_type(j.type)) {  // gemv_k_i8_k: whole super-blocks; q4_K / q5_K rows 16-byte aligned,
+    // q6_K's 4-byte aligned at the matrix's start (its blocks then at 0 or 2 mod 4: ld32_a2)
     for (int i = 0; i < j.count; ++i)
-      if (j.rows[i] <= 0 || j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
+      if (j.rows[i] <= 0 || (j.type == T_Q6_K ? j.rb[i] % 2 != 0 || !aligned4(j.w[i])
+                                              : j.rb[i] % 16 != 0 || !aligned16(j.w[i])))
+        return false;
     return j.cols % 256 == 0 && !j.norm && j.n <= 16;
   }
   if (j.xq) return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && !j.norm;
@@ -996,14 +1064,16 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
     p.x = j.x ? j.x + t0 * j.cols : nullptr;
     if (j.xq) p.xq = j.xq + t0 * j.cols, p.xd = j.xd + t0 * (j.cols / 32), p.xs = j.xs + t0 * (j.cols / 32);
     for (int i = 0; i < j.count; ++i) p.y[i] = j.y[i] + t0 * j.rows[i];
-    if (j.xq && j.type == T_Q4_K) {
+    if (j.xq && k_i8_type(j.type)) {
       int64_t b = 0;
       for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], (int64_t)SW);
       p.first_block[j.count] = b;
       const dim3 grid((unsigned)b);
-      if (p.n == 1) launch(gemv_q4k_i8_k<1>, grid, SW * 32, 0, st, p);
-      else if (p.n <= 4) launch(gemv_q4k_i8_k<4>, grid, SW * 32, 0, st, p);
-      else launch(gemv_q4k_i8_k<16>, grid, SW * 32, 0, st, p);
+      switch (j.type) {
+        case T_Q4_K: launch_k_i8<T_Q4_K>(p, grid, st); break;
+        case T_Q5_K: launch_k_i8<T_Q5_K>(p, grid, st); break;
+        default: launch_k_i8<T_Q6_K>(p, grid, st); break;
+      }
       continue;
     }
     const int ks = direct ? direct_ks(j.cols / unit_elems(j.type)) : 1;

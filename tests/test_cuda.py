@@ -193,22 +193,25 @@ def a8_rounded(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(n, k)
 
 
+@pytest.mark.parametrize("wtype", ["q4_K", "q5_K", "q6_K"])
 @pytest.mark.parametrize("n", [1, 3, 16])
-def test_q4k_int8_gemv(monkeypatch, n):
-    """q8 mode's q4_K GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8, on): x rounded to A8 blocks,
-    each token at the f32 bar against float64 numpy over gguf-py's decoded weights and that
-    rounded x, and farther than the bar from the f32 product (the rounding ran); off, the f32
-    GEMV at the f32 bar. Rows ending mid-block of warps, a row of 9 super-blocks (lanes that take
-    two pairs of sub-blocks), three weights over one x, and into a residual."""
+def test_k_quant_int8_gemv(monkeypatch, wtype, n):
+    """q8 mode's K-quant GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8, on; q5_K / q6_K with
+    DASLLAMA_CUDA_Q56K_I8=1): x rounded to A8 blocks, each token at the f32 bar against float64
+    numpy over gguf-py's decoded weights and that rounded x, and farther than the bar from the f32
+    product (the rounding ran); off, the f32 GEMV at the f32 bar. Rows ending mid-block of warps,
+    a row of 9 super-blocks (lanes that take two pairs of sub-blocks; q6_K's 210-byte blocks then
+    start at 0 and 2 mod 4 within a row, and rows too), three weights over one x, and into a
+    residual."""
     from gguf.constants import GGMLQuantizationType as T
     from test_backend_ops import F32_DOT, make_weight, nmse as op_nmse
 
     b = d._core.Backend("cuda:0", exact=False)
-    qt = int(T.Q4_K)
+    qt = int(T[wtype.upper()])
     for cols in (512, 2304):
         rng = np.random.default_rng(cols + n)
         rows = [200, 32, 40]
-        parts = [make_weight(rng, "q4_K", r, cols) for r in rows]
+        parts = [make_weight(rng, wtype, r, cols) for r in rows]
         x = rng.standard_normal((n, cols)).astype(np.float32)
         res = rng.standard_normal((n, rows[0])).astype(np.float32)
         xa, x64 = a8_rounded(x), x.astype(np.float64)
@@ -226,6 +229,7 @@ def test_q4k_int8_gemv(monkeypatch, n):
                 refs[key] = outs
             for on in ("1", "0"):
                 monkeypatch.setenv("DASLLAMA_CUDA_Q4K_I8", on)
+                monkeypatch.setenv("DASLLAMA_CUDA_Q56K_I8", on)
                 o, at = np.asarray(run()).reshape(-1), 0
                 for i, w in enumerate(ws):
                     got = o[at:at + n * w.shape[0]].reshape(n, w.shape[0])
@@ -233,9 +237,9 @@ def test_q4k_int8_gemv(monkeypatch, n):
                     ref, other = (refs["a8"][i], refs["f32"][i]) if on == "1" else (refs["f32"][i], None)
                     for t in range(n):
                         e = op_nmse(got[t], ref[t])
-                        assert e <= F32_DOT, f"Q4K_I8={on} {name} {cols} n={n} matrix {i} token {t}: NMSE {e:.3g}"
+                        assert e <= F32_DOT, f"{wtype} I8={on} {name} {cols} n={n} matrix {i} token {t}: NMSE {e:.3g}"
                     if other is not None:
-                        assert op_nmse(got, other) > F32_DOT, f"{name} {cols} n={n}: the f32 product's, not rounded"
+                        assert op_nmse(got, other) > F32_DOT, f"{wtype} {name} {cols} n={n}: the f32 product's, not rounded"
 
 
 def test_block_formats_prefill_without_room(monkeypatch):

@@ -65,6 +65,16 @@ for stage in "$@"; do
       step qkprof 120 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --batch 64 --steps 8"
       step qkprof1 120 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --steps 16"
       ;;
+    s30)  # the thirtieth session's: q5_K / q6_K on int8 dot products (opt-in), f16's batched steps
+      # on cuBLAS from 2 tokens, and where Q4_K_M's batched steps go
+      step tests 240 python -m pytest -q tests/test_cuda.py -k "k_quant_int8 or decoded_to_f16 or f16_model or q4_k"
+      step q56 240 python benchmarks/ab_cuda.py --types q4_k_m,q6_K,q5_K --batches 4,16 --rounds 2 \
+        DASLLAMA_CUDA_Q56K_I8=0 DASLLAMA_CUDA_Q56K_I8=1
+      step f16min 150 python benchmarks/ab_cuda.py --types f16 --no-tg --batches 4,16 --rounds 2 \
+        DASLLAMA_CUDA_F16_MMA_MIN=33 DASLLAMA_CUDA_F16_MMA_MIN=2
+      step prof16 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --batch 16 --steps 8"
+      step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --steps 16"
+      ;;
     cublas)  # the f16 prefill's products through cuBLAS (the default where found) against our tiles
       step tests 240 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py \
         -k "f16 and not pre_ampere"
@@ -122,7 +132,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
