@@ -530,7 +530,7 @@ class CudaBackend final : public Backend {
     if (!cuda::matmul_type_ok(w.type))
       throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(w.type));
     max_rows_ = std::max(max_rows_, n);
-    if (n >= std::min<int64_t>(65, f16_mma_min_) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x rounded to f16 (or split) first
+    if (n >= std::min<int64_t>(65, f16_min(w)) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x rounded to f16 (or split) first
       cuda::cublas_prepare();
       void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
       const bool split = f16_act_split(w);
@@ -604,7 +604,7 @@ class CudaBackend final : public Backend {
     // once a matrix; read at each call). H100, Llama-1B F16 pp512 with cuBLAS, ab_cuda.py, best of
     // 3: 84,067 -> 86,768.
     const char* fm = std::getenv("DASLLAMA_CUDA_F16_MULTI");
-    if (!(fm && fm[0] == '0') && count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_mma_min_)) {
+    if (!(fm && fm[0] == '0') && count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_min(*ws[0]))) {
       cuda::Mat ms[3];
       float* yv[3] = {nullptr, nullptr, nullptr};
       const bool split = f16_act_split(*ws[0]);
@@ -1085,15 +1085,17 @@ class CudaBackend final : public Backend {
     // int8 dot products, as the CPU's quantized matmuls do.
     // K-quants too, up to 16 tokens, on gemv_k_i8_k: q4_K unless DASLLAMA_CUDA_Q4K_I8=0 (the f32
     // staged GEMV; H100 Q4_K_M tg256 620 -> 835, B = 4 / 16 1,320 / 1,593 -> 1,829 / 2,232), q5_K
-    // and q6_K with DASLLAMA_CUDA_Q56K_I8=1 (opt-in until run on a GPU).
+    // and q6_K unless DASLLAMA_CUDA_Q56K_I8=0 (H100 tg256 / B = 4 / 16: Q4_K_M 828 / 1,829 / 2,483
+    // -> 958 / 2,149 / 3,325, Q6_K 657 / 1,386 / 1,737 -> 960 / 2,184 / 3,459, Q5_K 609 / 1,343 /
+    // 1,614 -> 1,014 / 2,275 / 3,361).
     const char* qk = std::getenv("DASLLAMA_CUDA_Q4K_I8");
     const char* q56 = std::getenv("DASLLAMA_CUDA_Q56K_I8");
     const bool kq_on = j.type == cuda::T_Q4_K ? !(qk && qk[0] == '0')
-                                              : (j.type == cuda::T_Q5_K || j.type == cuda::T_Q6_K) && q56 && q56[0] == '1';
+                                              : (j.type == cuda::T_Q5_K || j.type == cuda::T_Q6_K) && !(q56 && q56[0] == '0');
     const bool kq = kq_on && !s.w[0]->exact && j.cols % 256 == 0 && s.n <= 16;
     const bool q8 = kq || (!s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0);
-    // f16 / bf16 batched steps from f16_mma_min_ tokens: norm, then matmul()'s tensor-core tiles.
-    if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_mma_min_) return false;
+    // f16 / bf16 batched steps from f16_min tokens: norm, then matmul()'s tensor-core tiles.
+    if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_min(*s.w[0])) return false;
     // From mma_min_ tokens on, q8 matmuls run on tensor cores (the GEMV turns compute-bound).
     const bool mma = q8 && !kq && s.n >= mma_min_ && prop_.major >= 8;
     if (!mma && s.n > 32) return false;  // the staged GEMV's range (kStagedMax in matmul.cu)
@@ -1628,6 +1630,17 @@ class CudaBackend final : public Backend {
     const long v = e ? std::atol(e) : 33;
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
+  // Tokens from which a matmul of w leaves the GEMVs for tensor cores: f16 weights in q8 mode on
+  // cuBLAS from DASLLAMA_CUDA_F16_CUBLAS_MIN (default 5; H100, Llama-1B F16 batched steps of 8 / 12
+  // / 16: 2,778 / 2,390 / 2,709 -> 3,356 / 4,969 / 6,441 t/s, 4 unchanged), the rest from
+  // f16_mma_min_ (our own tiles lose to the GEMVs below 33, and bf16's TF32 split misses the f32
+  // bar at 9 tokens). Read at each call.
+  int64_t f16_min(const Weight& w) {
+    if (w.type != (uint32_t)GGMLType::F16 || w.exact || f16_act_split(w)) return f16_mma_min_;
+    const char* e = std::getenv("DASLLAMA_CUDA_F16_CUBLAS_MIN");
+    const long v = e && *e ? std::atol(e) : 5;
+    return v > 0 && cuda::cublas_prepare() ? std::min<int64_t>(v, f16_mma_min_) : f16_mma_min_;
+  }
   // Query rows from which attention takes the tiled kernel (flash.cu; DASLLAMA_CUDA_FLASH_MIN,
   // 0: never): below, the row-per-block kernel with key splits keeps more blocks busy.
   int64_t flash_min_ = [] {

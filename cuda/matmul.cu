@@ -285,8 +285,8 @@ __device__ __forceinline__ void ld32_a2(const uint8_t* p, uint32_t w[8]) {
   for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(v[i], v[i + 1], sh);
 }
 
-// q8 mode's K-quant GEMVs on int8 dot products (q4_K: DASLLAMA_CUDA_Q4K_I8, on; q5_K / q6_K:
-// DASLLAMA_CUDA_Q56K_I8=1, opt-in until run on a GPU): x in the A8 blocks of 32 (quantize_act). A
+// q8 mode's K-quant GEMVs on int8 dot products (q4_K: DASLLAMA_CUDA_Q4K_I8; q5_K / q6_K:
+// DASLLAMA_CUDA_Q56K_I8; both on): x in the A8 blocks of 32 (quantize_act). A
 // warp a row; a lane a pair of 32-weight sub-blocks a super-block, so a 2048-wide row is one pair
 // a lane. Where gemv_staged_k reads each token's f32 x once per row and decodes every weight to
 // f32, this reads a quarter of the x bytes and multiplies four quants an instruction.
