@@ -75,6 +75,11 @@ for stage in "$@"; do
       step prof16 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --batch 16 --steps 8"
       step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --steps 16"
       ;;
+    vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
+      step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
+      step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \
+        DASLLAMA_VULKAN_KI8=0 DASLLAMA_VULKAN_KI8=1
+      ;;
     cublas)  # the f16 prefill's products through cuBLAS (the default where found) against our tiles
       step tests 240 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py \
         -k "f16 and not pre_ampere"
@@ -132,7 +137,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

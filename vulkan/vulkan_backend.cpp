@@ -1707,10 +1707,24 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "dot") == 0) return kI8Dot;
     return kI8Off;
   }
+  // q4_K / q5_K / q6_K: the shader types of gemv_ki8.comp.
+  static bool ki8_type(uint32_t t) { return t == 12 || t == 13 || t == 14; }
+  // DASLLAMA_VULKAN_KI8=1: q8 mode's K-quant matmuls of up to kTileMin tokens on int8 too
+  // (gemv_ki8.comp, x rounded by quant_act as for q8_0; CUDA's gemv_k_i8_k, which took the H100's
+  // Q4_K_M tg256 from 620 to 958). Opt-in until timed on a GPU; read at each matmul. Past kTileMin
+  // such matrices keep their prefill (decoded to f16 where the device has f16 cooperative matrices).
+  static bool ki8_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_KI8");
+    return e && std::strcmp(e, "1") == 0;
+  }
   bool i8_fits(const Weight& w, const float* x, int64_t n) const {
     check_w(w);
     const uint32_t t = lay_type(w);
     const I8Mode m = i8_mode();
+    if (ki8_type(t))  // whole super-blocks; q4_K / q5_K rows 16-byte aligned, q6_K's 2 (words around them read)
+      return ki8_on() && m != kI8Off && m != kI8Prefill && !w.exact && w.cols % 256 == 0 && w.rows > 0 &&
+             n <= kTileMin && (w.rows + 3) / 4 <= kMaxGroups && A(x) % 16 == 0 &&
+             (t == 14 ? lay_rb(w) % 2 == 0 && A(w.data) % 4 == 0 : lay_rb(w) % 16 == 0 && A(w.data) % 16 == 0);
     return m != kI8Off && !w.exact && (t == kQ8Split || t == kQ4Split) && w.cols % 32 == 0 && w.rows > 0 &&
            lay_rb(w) % 16 == 0 && A(w.data) % 16 == 0 && A(x) % 16 == 0 && n <= kMaxGroups &&
            (n > kTileMin || (m != kI8Prefill && (w.rows + 7) / 8 <= kMaxGroups));
@@ -1817,6 +1831,11 @@ class VulkanBackend final : public Backend {
     const I8Mode m = i8_mode();
     const uint32_t t = lay_type(w);
     const bool q8 = t == kQ8Split;
+    if (ki8_type(t)) {  // (i8_fits: up to kTileMin tokens) 4 rows a workgroup
+      const std::string sh = (m != kI8Plain && c_->i8dot ? "gemv_ki8_" : "gemv_ki8p_") + std::to_string(t);
+      c_->dispatch(sh.c_str(), &pc, sizeof pc, (uint32_t)((w.rows + 3) / 4), 1);
+      return;
+    }
     if (n <= kTileMin) {  // decode: 8 rows x 8 tokens a workgroup (gemv_i8.comp)
       static const char* const gv[2][2] = {{"gemv_i8p_41", "gemv_i8_41"}, {"gemv_i8p_40", "gemv_i8_40"}};
       c_->dispatch(gv[q8][m != kI8Plain && c_->i8dot], &pc, sizeof pc, (uint32_t)((w.rows + 7) / 8),
@@ -2104,7 +2123,7 @@ class VulkanBackend final : public Backend {
   // width, row stride) for all.
   bool gemvx_fits(const Weight* const* ws, int count, int64_t n) const {
     const int mode = gemvi8_mode();
-    if (!mode || n < 1 || n > 4 || count < 1 || count > 3) return false;
+    if (!mode || n < 1 || count < 1 || ki8_type(lay_type(*ws[0])) || n > 4 || count < 1 || count > 3) return false;
     int64_t total = 0;
     for (int i = 0; i < count; ++i) {
       if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
@@ -2262,7 +2281,7 @@ class VulkanBackend final : public Backend {
   // Whether gemv_q takes these (i8_fits already true for each): 1-4 tokens, x within the
   // variant's shared memory, one layout (type, width, row stride) for all.
   bool gemvq_fits(const Weight* const* ws, int count, int64_t n) const {
-    if (!gemvq_mode() || n < 1 || n > 4 || count < 1 || count > 3 || c_->max_shared() < 32768) return false;
+    if (!gemvq_mode() || n < 1 || count < 1 || ki8_type(lay_type(*ws[0])) || n > 4 || count < 1 || count > 3 || c_->max_shared() < 32768) return false;
     int64_t groups = 0;  // at 4 rows a workgroup, the fewest gemv_q takes
     for (int i = 0; i < count; ++i) {
       if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||

@@ -17,6 +17,17 @@
 #define T_Q8_0S 40
 #define T_Q4_0S 41
 
+// q4_K / q5_K: sub-block j's 6-bit scale and min from the block's 12 packed bytes at s.
+void k_scale_min(uint64_t s, uint j, out uint sc, out uint mn) {
+  if (j < 4u) {
+    sc = rd8(s + j) & 0x3Fu;
+    mn = rd8(s + j + 4u) & 0x3Fu;
+  } else {
+    sc = (rd8(s + j + 4u) & 0xFu) | ((rd8(s + j - 4u) >> 2) & 0x30u);
+    mn = (rd8(s + j + 4u) >> 4) | ((rd8(s + j) >> 2) & 0x30u);
+  }
+}
+
 void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint e0 = g * 8u;
 #if TYPE == T_F32
@@ -126,15 +137,8 @@ void dq8(uint64_t row, uint g, uint cols, out float v[8]) {
   const uint e = (g & 31u) * 8u;
   const uint j = e >> 5, l0 = e & 31u;
   const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2u));
-  const uint64_t s = b + 4u;
   uint sc, mn;
-  if (j < 4u) {
-    sc = rd8(s + j) & 0x3Fu;
-    mn = rd8(s + j + 4u) & 0x3Fu;
-  } else {
-    sc = (rd8(s + j + 4u) & 0xFu) | ((rd8(s + j - 4u) >> 2) & 0x30u);
-    mn = (rd8(s + j + 4u) >> 4) | ((rd8(s + j) >> 2) & 0x30u);
-  }
+  k_scale_min(b + 4u, j, sc, mn);
   precise float dl = d * float(sc);
   precise float ml = dmin * float(mn);
   const uint64_t q = b + (TYPE == T_Q4_K ? 16u : 48u) + (j >> 1) * 32u + l0;
