@@ -1076,7 +1076,7 @@ class CudaBackend final : public Backend {
     j.type = m0.type, j.count = s.count, j.cols = m0.cols, j.x = s.x, j.n = (int)s.n;
     for (int i = 0; i < s.count; ++i) {
       const cuda::Mat m = mat(*s.w[i]);
-      if (m.type != j.type || m.cols != j.cols) return false;
+      if (m.type != j.type || m.cols != j.cols) return !reuse_q_ && mixed_k(s);
       j.w[i] = m.w, j.rb[i] = m.row_bytes, j.rows[i] = m.rows, j.y[i] = s.y[i];
     }
     j.norm = s.norm, j.norm_w = s.norm ? s.norm_w : nullptr, j.eps = s.eps;
@@ -1108,7 +1108,9 @@ class CudaBackend final : public Backend {
     if (mma ? !cuda::mma_q8_fits(j) : !cuda::gemv_staged_fits(j)) return false;
     max_rows_ = std::max(max_rows_, s.n);
     const GluRec& g = glu_;
-    if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
+    if (q8 && reuse_q_) {
+      // (mixed_k: the run before rounded x into this scratch)
+    } else if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
         g.dim == j.cols) {
       // The GLU just recorded makes this input: it quantizes in the same pass, and where the
       // gate / up GEMV right before it allows, in that GEMV's tail (no launch of its own).
@@ -1193,6 +1195,45 @@ class CudaBackend final : public Backend {
     if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
     else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
     if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j};
+    return true;
+  }
+  // A step over K-quants of more than one type (a Q4_K_M file's Q / K beside a q6_K V, in half its
+  // layers): x rounded (normed on the way) once by the first run of one type, then each later run's
+  // GEMV over the same rounded rows (DASLLAMA_CUDA_KMIX=1; opt-in until run on a GPU). Without it
+  // such a step is the composition: a norm launch, then a rounding launch a matrix (the H100's
+  // Q4_K_M decode profile: 49 roundings and 9 norms a token where one type a step would take 17
+  // and 1). False where a run would not fit gemv_k_i8_k (checked before anything is recorded).
+  bool reuse_q_ = false;
+  bool mixed_k(const MatmulStep& s) {
+    const char* e = std::getenv("DASLLAMA_CUDA_KMIX");
+    if (!(e && e[0] == '1') || s.residual || s.count < 2 || s.n > 16) return false;
+    const char* qk = std::getenv("DASLLAMA_CUDA_Q4K_I8");
+    const char* q56 = std::getenv("DASLLAMA_CUDA_Q56K_I8");
+    const int64_t cols = s.w[0]->cols;
+    for (int i = 0; i < s.count; ++i) {
+      const cuda::Mat m = mat(*s.w[i]);
+      const bool on = m.type == cuda::T_Q4_K ? !(qk && qk[0] == '0')
+                                             : (m.type == cuda::T_Q5_K || m.type == cuda::T_Q6_K) && !(q56 && q56[0] == '0');
+      const auto a = reinterpret_cast<uintptr_t>(m.w);
+      if (!on || s.w[i]->exact || m.cols != cols || cols % 256 != 0 || m.rows <= 0 ||
+          (m.type == cuda::T_Q6_K ? m.row_bytes % 2 != 0 || a % 4 != 0 : m.row_bytes % 16 != 0 || a % 16 != 0))
+        return false;
+    }
+    for (int i = 0; i < s.count;) {
+      const uint32_t t = mat(*s.w[i]).type;
+      int k = i + 1;
+      while (k < s.count && mat(*s.w[k]).type == t) ++k;
+      MatmulStep run = s;
+      run.count = k - i;
+      for (int c = 0; c < 3; ++c) run.w[c] = c < run.count ? s.w[i + c] : nullptr, run.y[c] = c < run.count ? s.y[i + c] : nullptr;
+      if (i > 0) run.norm = false, run.norm_w = nullptr;
+      reuse_q_ = i > 0;
+      const bool ok = staged(run);
+      reuse_q_ = false;
+      if (!ok && i == 0) return false;
+      if (!ok) throw Error("cuda: a mixed K-quant step's later run did not fit gemv_k_i8_k");
+      i = k;
+    }
     return true;
   }
   // Runs f now, or (inside a step) records it with its arguments' bytes.

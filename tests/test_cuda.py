@@ -316,6 +316,49 @@ def test_block_formats_q8_mode_prefill_f16_cache_logits(tmp_path, monkeypatch):
     C.block_formats_q8_mode_prefill(C.write_block_model(str(tmp_path / "llama-blocks.gguf")), "cuda", d.KVDtype.f16)
 
 
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_k_quant_mixed_step(monkeypatch, n):
+    """A step over K-quants of two types (a Q4_K_M file's Q / K beside a q6_K V) with
+    DASLLAMA_CUDA_KMIX=1: x rounded once, each run of one type's GEMV over it. Unnormed, each
+    token at the f32 bar against float64 numpy over gguf-py's decoded weights and the A8-rounded
+    x; normed, bit for bit the outputs of each type's own normed step (the same rounding kernel,
+    once instead of once a run); unnormed with KMIX=0 (the composition: a rounding a matrix), at
+    the same bar."""
+    from gguf.constants import GGMLQuantizationType as T
+    from test_backend_ops import F32_DOT, make_weight, nmse as op_nmse
+
+    b = d._core.Backend("cuda:0", exact=False)
+    cols, rows = 2304, [64, 32, 40]
+    types = [int(T.Q4_K), int(T.Q4_K), int(T.Q6_K)]
+    rng = np.random.default_rng(n + 5)
+    parts = [make_weight(rng, name, r, cols) for name, r in zip(["q4_K", "q4_K", "q6_K"], rows)]
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    raws = [p[0] for p in parts]
+
+    def split(o):
+        o, at, out = np.asarray(o).reshape(-1), 0, []
+        for r in rows:
+            out.append(o[at:at + n * r].reshape(n, r))
+            at += n * r
+        return out
+
+    for kmix in ("1", "0"):
+        monkeypatch.setenv("DASLLAMA_CUDA_KMIX", kmix)
+        got = split(b.matmul_step(raws, types, rows, cols, x, False, None, 0.0, None))
+        for i, (g, (_, w)) in enumerate(zip(got, parts)):
+            ref = a8_rounded(x) @ w.T
+            for t in range(n):
+                e = op_nmse(g[t], ref[t])
+                assert e <= F32_DOT, f"KMIX={kmix} n={n} matrix {i} token {t}: NMSE {e:.3g}"
+    monkeypatch.setenv("DASLLAMA_CUDA_KMIX", "1")
+    mixed = split(b.matmul_step(raws, types, rows, cols, x, True, nw, 1e-6, None))
+    alone = np.asarray(b.matmul_step(raws[:2], types[0], rows[:2], cols, x, True, nw, 1e-6, None)).reshape(-1)
+    v = np.asarray(b.matmul_step(raws[2:], types[2], rows[2:], cols, x, True, nw, 1e-6, None)).reshape(n, rows[2])
+    assert np.array_equal(np.concatenate([m.reshape(-1) for m in mixed[:2]]), alone), f"n={n}: Q / K differ"
+    assert np.array_equal(mixed[2], v), f"n={n}: V differs from its own normed step"
+
+
 @pytest.mark.parametrize("case", range(8))  # the harness's head sizes 64, 128 and (6, 7) Gemma's 256
 def test_flash_attention_f16_q8_mode(monkeypatch, case):
     """q8 mode's prefill attention over an f16 cache (DASLLAMA_CUDA_FLASH_F16, on: flash_h16_k:

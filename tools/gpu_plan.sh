@@ -75,6 +75,12 @@ for stage in "$@"; do
       step prof16 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --batch 16 --steps 8"
       step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --steps 16"
       ;;
+    s31)  # the thirtieth session's unrun CUDA path: a mixed K-quant step's x rounded once (opt-in)
+      step tests 200 python -m pytest -q tests/test_cuda.py -k "k_quant"
+      step kmix 200 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16 --rounds 2 \
+        DASLLAMA_CUDA_KMIX=0 DASLLAMA_CUDA_KMIX=1
+      step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_KMIX=1 python profile_cuda.py --type q4_k_m --steps 16"
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \
@@ -137,7 +143,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s31, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -200,16 +200,21 @@ void bind_backend(py::module_& m) {
       py::arg("w"), py::arg("type"), py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("bias") = py::none(),
       py::arg("gelu") = false, py::arg("packed") = true)
       // A fused matmul stage: the (normed) x through 1-3 weights, or into a residual.
-      .def("matmul_step", [](Dev& d, const std::vector<py::array>& wbs, uint32_t type, const std::vector<int64_t>& rows,
-                             int64_t cols, const py::object& xo, bool norm, const py::object& nwo, float eps,
-                             const py::object& reso) {
+      // type: one for every weight, or a list of one a weight (a Q4_K_M file's Q / K with a q6_K V).
+      .def("matmul_step", [](Dev& d, const std::vector<py::array>& wbs, const py::object& typeo,
+                             const std::vector<int64_t>& rows, int64_t cols, const py::object& xo, bool norm,
+                             const py::object& nwo, float eps, const py::object& reso) {
         F32 x = f32(xo, "x", 2);
         need(x.shape(1) == cols, "x must be [n, cols]");
         const int64_t n = x.shape(0);
         if (wbs.size() != rows.size() || wbs.empty() || wbs.size() > 3) throw py::value_error("1..3 weights");
         if (!reso.is_none() && wbs.size() != 1) throw py::value_error("a residual takes one weight");
+        std::vector<uint32_t> types;
+        if (py::isinstance<py::int_>(typeo)) types.assign(wbs.size(), typeo.cast<uint32_t>());
+        else types = typeo.cast<std::vector<uint32_t>>();
+        if (types.size() != wbs.size()) throw py::value_error("one type, or one a weight");
         std::vector<Weight> ws;
-        for (size_t i = 0; i < wbs.size(); ++i) ws.push_back(weight(d, wbs[i], type, rows[i], cols, WeightUse::matmul));
+        for (size_t i = 0; i < wbs.size(); ++i) ws.push_back(weight(d, wbs[i], types[i], rows[i], cols, WeightUse::matmul));
         MatmulStep st;
         st.x = d.put(x), st.n = n, st.count = (int)ws.size(), st.norm = norm, st.eps = eps;
         if (!nwo.is_none()) {
