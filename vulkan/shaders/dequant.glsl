@@ -17,15 +17,20 @@
 #define T_Q8_0S 40
 #define T_Q4_0S 41
 
-// q4_K / q5_K: sub-block j's 6-bit scale and min from the block's 12 packed bytes at s.
-void k_scale_min(uint64_t s, uint j, out uint sc, out uint mn) {
+// q4_K / q5_K: sub-block j's 6-bit scale and min from the block's 12 packed bytes (three words,
+// little-endian), and the same from the bytes at s (any alignment).
+uint kbyte(uvec3 w, uint i) { return (w[i >> 2] >> ((i & 3u) * 8u)) & 0xFFu; }
+void k_scale_min_w(uvec3 w, uint j, out uint sc, out uint mn) {
   if (j < 4u) {
-    sc = rd8(s + j) & 0x3Fu;
-    mn = rd8(s + j + 4u) & 0x3Fu;
+    sc = kbyte(w, j) & 0x3Fu;
+    mn = kbyte(w, j + 4u) & 0x3Fu;
   } else {
-    sc = (rd8(s + j + 4u) & 0xFu) | ((rd8(s + j - 4u) >> 2) & 0x30u);
-    mn = (rd8(s + j + 4u) >> 4) | ((rd8(s + j) >> 2) & 0x30u);
+    sc = (kbyte(w, j + 4u) & 0xFu) | ((kbyte(w, j - 4u) >> 2) & 0x30u);
+    mn = (kbyte(w, j + 4u) >> 4) | ((kbyte(w, j) >> 2) & 0x30u);
   }
+}
+void k_scale_min(uint64_t s, uint j, out uint sc, out uint mn) {
+  k_scale_min_w(uvec3(rd32(s), rd32(s + 4u), rd32(s + 8u)), j, sc, mn);
 }
 
 void dq8(uint64_t row, uint g, uint cols, out float v[8]) {

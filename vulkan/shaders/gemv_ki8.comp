@@ -82,10 +82,11 @@ void main() {
       xa = sb * 8u + h * 4u + s, xb = xa + 2u;
 #else
       const uint64_t b = row + uint64_t(sb) * (TYPE == T_Q4_K ? 144u : 176u);
-      const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2u));
+      const uvec4 hd = V4U(b).v[0];  // d, dmin and the 12 bytes of scales and mins in one load
+      const float d = h2f(hd.x & 0xFFFFu), dmin = h2f(hd.x >> 16);
       uint s0, m0, s1, m1;
-      k_scale_min(b + 4u, 2u * k, s0, m0);
-      k_scale_min(b + 4u, 2u * k + 1u, s1, m1);
+      k_scale_min_w(hd.yzw, 2u * k, s0, m0);
+      k_scale_min_w(hd.yzw, 2u * k + 1u, s1, m1);
       const uint64_t qo = b + (TYPE == T_Q4_K ? 16u : 48u) + 32u * k;
       const uvec4 u0 = V4U(qo).v[0], u1 = V4U(qo + 16u).v[0];
       const uint qw[8] = uint[8](u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w);
