@@ -80,6 +80,9 @@ for stage in "$@"; do
       step kmix 200 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16 --rounds 2 \
         DASLLAMA_CUDA_KMIX=0 DASLLAMA_CUDA_KMIX=1
       step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_KMIX=1 python profile_cuda.py --type q4_k_m --steps 16"
+      # 17-32-token K-quant steps: the f32 staged GEMV (default) against decoded to f16 + cuBLAS
+      step dq17 200 python benchmarks/ab_cuda.py --types q4_k_m --no-tg --batches 24,32 --rounds 2 \
+        DASLLAMA_CUDA_DQF16_MIN=33 DASLLAMA_CUDA_DQF16_MIN=17
       ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
