@@ -546,11 +546,8 @@ class CudaBackend final : public Backend {
     // the copy was the default: matrices from the size that failed keep them.
     constexpr size_t kDqMax = size_t(512) << 20;
     const size_t dq_bytes = (size_t)m.rows * m.cols * 2;
-    // DASLLAMA_CUDA_DQF16_MIN (default 33, read at each call): the tokens from which that holds.
-    // H100, Q4_K_M batched step of 64: 1,615 t/s from 65 (the GEMVs), 12,279 from 33.
-    const char* dm = std::getenv("DASLLAMA_CUDA_DQF16_MIN");
-    const bool dq_ok = n >= (dm && *dm ? std::atoll(dm) : 33) && !w.exact && cuda::dequant_f16_type(m.type) &&
-                       dq_f16_on() && m.cols % 8 == 0;
+    const bool dq_ok = n >= dq_f16_min() && !w.exact && cuda::dequant_f16_type(m.type) && dq_f16_on() &&
+                       m.cols % 8 == 0;
     // DASLLAMA_CUDA_DQF16_SLAB_KB=N (default 0, off; read at each call; not yet run on a GPU): with
     // cuBLAS, a matrix decoded N KiB of rows at a time into a scratch of that size, each slab's
     // product written into its rows of y, so a matrix of any size takes the path (a large
@@ -1093,6 +1090,9 @@ class CudaBackend final : public Backend {
     const bool kq_on = j.type == cuda::T_Q4_K ? !(qk && qk[0] == '0')
                                               : (j.type == cuda::T_Q5_K || j.type == cuda::T_Q6_K) && !(q56 && q56[0] == '0');
     const bool kq = kq_on && !s.w[0]->exact && j.cols % 256 == 0 && s.n <= 16;
+    // Block formats from dq_f16_min() tokens (where the int8 GEMV does not take them): matmul()'s
+    // decoding to f16, not the staged GEMV (which the default, 33, leaves at 32 tokens anyway).
+    if (!kq && !s.w[0]->exact && cuda::dequant_f16_type(j.type) && dq_f16_on() && s.n >= dq_f16_min()) return false;
     const bool q8 = kq || (!s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0);
     // f16 / bf16 batched steps from f16_min tokens: norm, then matmul()'s tensor-core tiles.
     if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_min(*s.w[0])) return false;
@@ -1480,6 +1480,13 @@ class CudaBackend final : public Backend {
   static bool dq_f16_on() {
     const char* e = std::getenv("DASLLAMA_CUDA_DQF16");
     return !(e && e[0] == '0');
+  }
+  // DASLLAMA_CUDA_DQF16_MIN (default 33, read at each call): the tokens from which q8 mode's block
+  // formats are decoded to f16 for the tensor cores (below: the GEMVs). H100, Q4_K_M batched step
+  // of 64: 1,615 t/s from 65, 12,279 from 33.
+  static int64_t dq_f16_min() {
+    const char* dm = std::getenv("DASLLAMA_CUDA_DQF16_MIN");
+    return dm && *dm ? std::atoll(dm) : 33;
   }
   // Quantized activations of a matmul (grown).
   void* qact_for(size_t bytes) { return grown(qact_, bytes, "quantized activations"); }

@@ -155,13 +155,14 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
     product: the two references are farther apart than the bar); DQF16=0, the f32 tiles, equal to
     the f32 product. Also 40 tokens with the path taken from 33 (DASLLAMA_CUDA_DQF16_MIN=33, the
     default; the GEMVs took them before), whole and (with cuBLAS) decoded 32 rows at a time
-    (DASLLAMA_CUDA_DQF16_SLAB_KB=32: 1 KiB rows, the last slab 2 rows)."""
+    (DASLLAMA_CUDA_DQF16_SLAB_KB=32: 1 KiB rows, the last slab 2 rows), and 24 tokens from 17
+    (the staged GEMV's range handed to the decoding)."""
     from gguf.constants import GGMLQuantizationType as T
     from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
 
     b = d._core.Backend("cuda:0", exact=False)
     for rows, cols, n, dmin, slab in [(200, 512, 130, "65", "0"), (67, 1024, 80, "65", "0"), (130, 256, 200, "65", "0"),
-                                      (130, 512, 40, "33", "0"), (130, 512, 40, "33", "32")]:
+                                      (130, 512, 40, "33", "0"), (130, 512, 40, "33", "32"), (130, 512, 24, "17", "0")]:
         monkeypatch.setenv("DASLLAMA_CUDA_DQF16_MIN", dmin)
         monkeypatch.setenv("DASLLAMA_CUDA_DQF16_SLAB_KB", slab)
         rng = np.random.default_rng(rows + cols + n)
