@@ -210,8 +210,12 @@ void bind_backend(py::module_& m) {
         if (wbs.size() != rows.size() || wbs.empty() || wbs.size() > 3) throw py::value_error("1..3 weights");
         if (!reso.is_none() && wbs.size() != 1) throw py::value_error("a residual takes one weight");
         std::vector<uint32_t> types;
-        if (py::isinstance<py::int_>(typeo)) types.assign(wbs.size(), typeo.cast<uint32_t>());
-        else types = typeo.cast<std::vector<uint32_t>>();
+        try {
+          if (py::isinstance<py::sequence>(typeo)) types = typeo.cast<std::vector<uint32_t>>();
+          else types.assign(wbs.size(), typeo.cast<uint32_t>());
+        } catch (const py::cast_error&) {
+          throw py::type_error("type: a weight type id, or a list of one a weight");
+        }
         if (types.size() != wbs.size()) throw py::value_error("one type, or one a weight");
         std::vector<Weight> ws;
         for (size_t i = 0; i < wbs.size(); ++i) ws.push_back(weight(d, wbs[i], types[i], rows[i], cols, WeightUse::matmul));
