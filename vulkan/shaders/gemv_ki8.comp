@@ -9,12 +9,16 @@
 //   same 32 ql bytes and two bits each of the half's 32 qh bytes, stored + 32 and made signed a
 //   byte at a time; each 16 weights have their own int8 scale: xd * d * (sc0 * sum0 + sc1 * sum1).
 // A token's value is the same whatever the tokens beside it: each invocation adds its pairs in
-// order, then the row's 32 partial sums are added in a fixed tree through shared memory.
+// order, then the row's 32 partial sums are added by one subgroupAdd where a subgroup is 32
+// lanes (a row's invocations are then one subgroup), else in a fixed tree through shared memory.
 // DOT=1: the packed 4x8 dot product (OpSDotKHR), else bytes. Rows 16-byte aligned for q4_K /
 // q5_K; q6_K's 210-byte blocks read as the 4-byte words around them (the host checks).
 #version 450
 #include "common.glsl"
 #include "dequant.glsl"
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#extension GL_KHR_shader_subgroup_vote : require
 #if DOT
 #extension GL_EXT_spirv_intrinsics : require
 spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
@@ -37,6 +41,7 @@ layout(push_constant, std430) uniform PC {
 
 const uint RW = 4u, NT = 8u;  // rows a workgroup, tokens a pass
 shared float red[NT][128];
+shared uint sg_rows;
 
 // 32 bytes at a 2-aligned address as eight words: the aligned words around them, shifted a
 // half-word where they start mid-word (every word read holds some of the block's bytes).
@@ -52,7 +57,14 @@ void ld32_a2(uint64_t a, out uint w[8]) {
 uint sub32(uint u) { return ((u | 0x80808080u) - 0x20202020u) ^ 0x80808080u; }
 
 void main() {
-  const uint tid = gl_LocalInvocationID.x, lane = tid & 31u, lr = tid >> 5;
+    const uint tid = gl_LocalInvocationID.x, lane = tid & 31u, lr = tid >> 5;
+  // subgroupAdd where every subgroup is exactly one row's 32 invocations (checked, not assumed:
+  // a driver may number its subgroups otherwise); the shared-memory tree elsewhere.
+  if (tid == 0u) sg_rows = 1u;
+  barrier();
+  if (!(gl_SubgroupSize == 32u && subgroupAllEqual(lr))) atomicAnd(sg_rows, 0u);
+  barrier();
+  const bool sg32 = sg_rows != 0u;
   const uint r = gl_WorkGroupID.x * RW + lr;
   const uint64_t row = pc.w + uint64_t(min(r, pc.rows - 1u)) * pc.row_bytes;
   const uint nb = pc.cols / 32u, pairs = pc.cols / 64u;
@@ -60,7 +72,11 @@ void main() {
     const uint nt = min(NT, pc.n - t0);
     float acc[NT];
     [[unroll]] for (uint t = 0u; t < NT; ++t) acc[t] = 0.0f;
-    for (uint p = lane; p < pairs; p += 32u) {
+    // Trips alike in every lane, no lane leaving early (a lane past the row's pairs reads the last
+    // pair and adds nothing), so the subgroup's sums below follow uniform control flow.
+    for (uint p0 = 0u; p0 < pairs; p0 += 32u) {
+      const bool live = p0 + lane < pairs;
+      const uint p = min(p0 + lane, pairs - 1u);
       const uint sb = p >> 2, k = p & 3u;
       uint qa[8], qb[8];  // the pair's two sub-blocks as bytes
       float wa0, wa1, wb0, wb1, na = 0.0f, nbm = 0.0f;  // scales of each 16 (q4_K / q5_K: of 32), mins
@@ -123,8 +139,18 @@ void main() {
         va -= na * float(xsa), vb -= nbm * float(xsb);
 #endif
         F32 xd = F32(pc.xd + (uint64_t(t0 + t) * nb) * 4u);
-        acc[t] += xd.v[xa] * va + xd.v[xb] * vb;
+        acc[t] += live ? xd.v[xa] * va + xd.v[xb] * vb : 0.0f;
       }
+    }
+    if (sg32) {
+      for (uint t = 0u; t < nt; ++t) {
+        const float v = subgroupAdd(acc[t]);
+        if (lane == t && r < pc.rows) {
+          F32 yp = F32(pc.y + (uint64_t(t0 + t) * pc.rows + r) * 4u);
+          yp.v[0] = (pc.flags & 1u) != 0u ? yp.v[0] + v : v;
+        }
+      }
+      continue;
     }
     [[unroll]] for (uint t = 0u; t < NT; ++t) red[t][tid] = acc[t];
     barrier();
