@@ -530,7 +530,7 @@ class CudaBackend final : public Backend {
     if (!cuda::matmul_type_ok(w.type))
       throw UnsupportedModelError("cuda: no matmul kernel for weight type " + type_label(w.type));
     max_rows_ = std::max(max_rows_, n);
-    if (n >= std::min<int64_t>(65, f16_min(w)) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x rounded to f16 (or split) first
+    if (n >= std::min<int64_t>(65, f16_min(w, n)) && cuda::mma_f16h_fits(m, x, n)) {  // f16 prefill: x rounded to f16 (or split) first
       cuda::cublas_prepare();
       void* sc = split_for(cuda::mma_f16h_scratch(n, m.cols));
       const bool split = f16_act_split(w);
@@ -601,7 +601,7 @@ class CudaBackend final : public Backend {
     // once a matrix; read at each call). H100, Llama-1B F16 pp512 with cuBLAS, ab_cuda.py, best of
     // 3: 84,067 -> 86,768.
     const char* fm = std::getenv("DASLLAMA_CUDA_F16_MULTI");
-    if (!(fm && fm[0] == '0') && count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_min(*ws[0]))) {
+    if (!(fm && fm[0] == '0') && count >= 2 && count <= 3 && n >= std::min<int64_t>(65, f16_min(*ws[0], n))) {
       cuda::Mat ms[3];
       float* yv[3] = {nullptr, nullptr, nullptr};
       const bool split = f16_act_split(*ws[0]);
@@ -1095,7 +1095,7 @@ class CudaBackend final : public Backend {
     if (!kq && !s.w[0]->exact && cuda::dequant_f16_type(j.type) && dq_f16_on() && s.n >= dq_f16_min()) return false;
     const bool q8 = kq || (!s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0);
     // f16 / bf16 batched steps from f16_min tokens: norm, then matmul()'s tensor-core tiles.
-    if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_min(*s.w[0])) return false;
+    if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_min(*s.w[0], s.n)) return false;
     // From mma_min_ tokens on, q8 matmuls run on tensor cores (the GEMV turns compute-bound).
     const bool mma = q8 && !kq && s.n >= mma_min_ && prop_.major >= 8;
     if (!mma && s.n > 32) return false;  // the staged GEMV's range (kStagedMax in matmul.cu)
@@ -1683,11 +1683,13 @@ class CudaBackend final : public Backend {
   // / 16: 2,778 / 2,390 / 2,709 -> 3,356 / 4,969 / 6,441 t/s, 4 unchanged), the rest from
   // f16_mma_min_ (our own tiles lose to the GEMVs below 33, and bf16's TF32 split misses the f32
   // bar at 9 tokens). Read at each call.
-  int64_t f16_min(const Weight& w) {
+  // cuBLAS is opened only for a matmul of that many tokens (a decode alone never loads it).
+  int64_t f16_min(const Weight& w, int64_t n) {
     if (w.type != (uint32_t)GGMLType::F16 || w.exact || f16_act_split(w)) return f16_mma_min_;
     const char* e = std::getenv("DASLLAMA_CUDA_F16_CUBLAS_MIN");
     const long v = e && *e ? std::atol(e) : 5;
-    return v > 0 && cuda::cublas_prepare() ? std::min<int64_t>(v, f16_mma_min_) : f16_mma_min_;
+    if (v <= 0 || n < v) return f16_mma_min_;
+    return cuda::cublas_prepare() ? std::min<int64_t>(v, f16_mma_min_) : f16_mma_min_;
   }
   // Query rows from which attention takes the tiled kernel (flash.cu; DASLLAMA_CUDA_FLASH_MIN,
   // 0: never): below, the row-per-block kernel with key splits keeps more blocks busy.
