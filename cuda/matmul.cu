@@ -296,66 +296,85 @@ __device__ __forceinline__ void ld32_a2(const uint8_t* p, uint32_t w[8]) {
 // q6_K: pair k is sub-blocks s and s + 2 of half h (k = 2h + s: low and high nibbles of the same
 // 32 ql bytes, two bits each of the half's 32 qh bytes), quants stored + 32 and made signed a byte
 // at a time; each 16 weights have their own int8 scale, so d * xd * (sc0 * sum0 + sc1 * sum1).
-template <uint32_t T, int NT>
+// Pair k of super-block b (bytes at b) of a K-quant row as gemv_k_i8_k reads it: the two
+// sub-blocks' quants as bytes (q6_K: signed), their scales a 16 (q4_K / q5_K: the same twice),
+// the mins' factors (q6_K: 0), and the two sub-blocks' indices in the super-block.
+template <uint32_t T>
+__device__ __forceinline__ void k_pair(const uint8_t* b, int k, uint32_t qa[8], uint32_t qb[8], float wa[2],
+                                       float wb[2], float& na, float& nb, int& sa, int& sbk) {
+  if constexpr (T == T_Q6_K) {
+    const int h = k >> 1, s = k & 1;
+    uint32_t ql[8], qh[8];
+    ld32_a2(b + h * 64 + s * 32, ql);
+    ld32_a2(b + 128 + h * 32, qh);
+    const float d = h2f(ld16(b + 208));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + h * 8 + s * 2);
+    wa[0] = d * (float)sc[0], wa[1] = d * (float)sc[1], wb[0] = d * (float)sc[4], wb[1] = d * (float)sc[5];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      qa[i] = __vsub4((ql[i] & 0x0F0F0F0Fu) | ((qh[i] >> (2 * s)) & 0x03030303u) << 4, 0x20202020u);
+      qb[i] = __vsub4(((ql[i] >> 4) & 0x0F0F0F0Fu) | ((qh[i] >> (2 * s + 4)) & 0x03030303u) << 4, 0x20202020u);
+    }
+    na = nb = 0.f, sa = h * 4 + s, sbk = sa + 2;
+  } else {
+    const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    int s0, m0, s1, m1;
+    k_scale_min(b + 4, 2 * k, s0, m0);
+    k_scale_min(b + 4, 2 * k + 1, s1, m1);
+    constexpr int qs_off = T == T_Q4_K ? 16 : 48;
+    const uint4 u0 = *reinterpret_cast<const uint4*>(b + qs_off + 32 * k);
+    const uint4 u1 = *reinterpret_cast<const uint4*>(b + qs_off + 16 + 32 * k);
+    const uint32_t qw[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    uint32_t hw[8] = {};
+    if constexpr (T == T_Q5_K) {
+      const uint4 h0 = *reinterpret_cast<const uint4*>(b + 16), h1 = *reinterpret_cast<const uint4*>(b + 32);
+      hw[0] = h0.x, hw[1] = h0.y, hw[2] = h0.z, hw[3] = h0.w, hw[4] = h1.x, hw[5] = h1.y, hw[6] = h1.z, hw[7] = h1.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      qa[i] = qw[i] & 0x0F0F0F0Fu, qb[i] = (qw[i] >> 4) & 0x0F0F0F0Fu;
+      if constexpr (T == T_Q5_K) {
+        qa[i] |= ((hw[i] >> (2 * k)) & 0x01010101u) << 4;
+        qb[i] |= ((hw[i] >> (2 * k + 1)) & 0x01010101u) << 4;
+      }
+    }
+    wa[0] = wa[1] = d * (float)s0, wb[0] = wb[1] = d * (float)s1;
+    na = dmin * (float)m0, nb = dmin * (float)m1, sa = 2 * k, sbk = sa + 1;
+  }
+}
+
+// R rows a warp (DASLLAMA_CUDA_KI8_R for 2-16 tokens; 1 at one token): each x load then serves
+// R rows, where at 16 tokens every row reading all of x was the cost (H100 Q4_K_M, a 16-token
+// step's q4_K GEMVs 47 us a launch against 9 at one token). A row's sums are the same for any R.
+template <uint32_t T, int NT, int R>
 __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
   pdl_wait();
   pdl_trigger();
   const int lane = threadIdx.x & 31;
-  int mi;
-  int64_t r;
-  const uint8_t* row;
-  if (!warp_row(j, mi, r, row)) return;
+  int mi = 0;
+  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
   const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32;
+  const int64_t r0 = (((int64_t)blockIdx.x - j.first_block[mi]) * SW + (threadIdx.x >> 5)) * R;
+  if (r0 >= rows) return;
+  const uint8_t* row0 = j.w[mi];
+  const size_t rb = j.rb[mi];
   const int pairs = (int)(cols / 64);
-  float acc[NT];
+  float acc[NT][R];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int q = 0; q < R; ++q) acc[t][q] = 0.f;
   for (int p = lane; p < pairs; p += 32) {
     const int sb = p >> 2, k = p & 3;
-    const uint8_t* b = row + (int64_t)sb * Blk<T>::bytes;
-    uint32_t qa[8], qb[8];  // the pair's two sub-blocks as bytes (q6_K: signed)
-    float wa[2], wb[2], na = 0.f, nb2 = 0.f;  // per-16 (q4_K / q5_K: per-32) scales; the mins' terms
-    int64_t xa, xb;  // x's blocks of the two sub-blocks
-    if constexpr (T == T_Q6_K) {
-      const int h = k >> 1, s = k & 1;
-      uint32_t ql[8], qh[8];
-      ld32_a2(b + h * 64 + s * 32, ql);
-      ld32_a2(b + 128 + h * 32, qh);
-      const float d = h2f(ld16(b + 208));
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + h * 8 + s * 2);
-      wa[0] = d * (float)sc[0], wa[1] = d * (float)sc[1], wb[0] = d * (float)sc[4], wb[1] = d * (float)sc[5];
+    uint32_t qa[R][8], qb[R][8];
+    float wa[R][2], wb[R][2], na[R], nbm[R];
+    int sa = 0, sbk = 0;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        qa[i] = __vsub4((ql[i] & 0x0F0F0F0Fu) | ((qh[i] >> (2 * s)) & 0x03030303u) << 4, 0x20202020u);
-        qb[i] = __vsub4(((ql[i] >> 4) & 0x0F0F0F0Fu) | ((qh[i] >> (2 * s + 4)) & 0x03030303u) << 4, 0x20202020u);
-      }
-      xa = (int64_t)sb * 8 + h * 4 + s, xb = xa + 2;
-    } else {
-      const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
-      int s0, m0, s1, m1;
-      k_scale_min(b + 4, 2 * k, s0, m0);
-      k_scale_min(b + 4, 2 * k + 1, s1, m1);
-      constexpr int qs_off = T == T_Q4_K ? 16 : 48;
-      const uint4 u0 = *reinterpret_cast<const uint4*>(b + qs_off + 32 * k);
-      const uint4 u1 = *reinterpret_cast<const uint4*>(b + qs_off + 16 + 32 * k);
-      const uint32_t qw[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-      uint32_t hw[8] = {};
-      if constexpr (T == T_Q5_K) {
-        const uint4 h0 = *reinterpret_cast<const uint4*>(b + 16), h1 = *reinterpret_cast<const uint4*>(b + 32);
-        hw[0] = h0.x, hw[1] = h0.y, hw[2] = h0.z, hw[3] = h0.w, hw[4] = h1.x, hw[5] = h1.y, hw[6] = h1.z, hw[7] = h1.w;
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        qa[i] = qw[i] & 0x0F0F0F0Fu, qb[i] = (qw[i] >> 4) & 0x0F0F0F0Fu;
-        if constexpr (T == T_Q5_K) {
-          qa[i] |= ((hw[i] >> (2 * k)) & 0x01010101u) << 4;
-          qb[i] |= ((hw[i] >> (2 * k + 1)) & 0x01010101u) << 4;
-        }
-      }
-      wa[0] = wa[1] = d * (float)s0, wb[0] = wb[1] = d * (float)s1;
-      na = dmin * (float)m0, nb2 = dmin * (float)m1;
-      xa = (int64_t)sb * 8 + 2 * k, xb = xa + 1;
+    for (int q = 0; q < R; ++q) {
+      const int64_t r = r0 + q < rows ? r0 + q : rows - 1;  // (a last warp's rows past the end: read, not stored)
+      k_pair<T>(row0 + r * rb + (int64_t)sb * Blk<T>::bytes, k, qa[q], qb[q], wa[q], wb[q], na[q], nbm[q], sa, sbk);
     }
+    const int64_t xa = (int64_t)sb * 8 + sa, xb = (int64_t)sb * 8 + sbk;  // x's blocks of the two sub-blocks
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (t < j.n) {
@@ -364,29 +383,36 @@ __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
         const int4 a0 = va[0], a1 = va[1], c0 = vb[0], c1 = vb[1];
         const int xva[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
         const int xvb[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-        int sa[2] = {0, 0}, sbs[2] = {0, 0};  // the first and second 16 of each sub-block
+        const float xda = j.xd[t * nb + xa], xdb = j.xd[t * nb + xb];
+        float xsa = 0.f, xsb = 0.f;
+        if constexpr (T != T_Q6_K) xsa = (float)j.xs[t * nb + xa], xsb = (float)j.xs[t * nb + xb];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          sa[i >> 2] = __dp4a((int)qa[i], xva[i], sa[i >> 2]);
-          sbs[i >> 2] = __dp4a((int)qb[i], xvb[i], sbs[i >> 2]);
+        for (int q = 0; q < R; ++q) {
+          int s[2] = {0, 0}, u[2] = {0, 0};  // the first and second 16 of each sub-block
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            s[i >> 2] = __dp4a((int)qa[q][i], xva[i], s[i >> 2]);
+            u[i >> 2] = __dp4a((int)qb[q][i], xvb[i], u[i >> 2]);
+          }
+          float va_ = wa[q][0] * (float)s[0] + wa[q][1] * (float)s[1];
+          float vb_ = wb[q][0] * (float)u[0] + wb[q][1] * (float)u[1];
+          if constexpr (T != T_Q6_K) va_ -= na[q] * xsa, vb_ -= nbm[q] * xsb;
+          acc[t][q] += xda * va_ + xdb * vb_;
         }
-        const float* xd = j.xd + t * nb;
-        float va_ = wa[0] * (float)sa[0] + wa[1] * (float)sa[1], vb_ = wb[0] * (float)sbs[0] + wb[1] * (float)sbs[1];
-        if constexpr (T != T_Q6_K) {
-          const int32_t* xs = j.xs + t * nb;
-          va_ -= na * (float)xs[xa], vb_ -= nb2 * (float)xs[xb];
-        }
-        acc[t] += xd[xa] * va_ + xd[xb] * vb_;
       }
     }
   }
   float* y = j.y[mi];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const float s = warp_sum(acc[t]);
-    if (lane == 0 && t < j.n) {
-      if (j.accumulate) y[t * rows + r] += s;
-      else y[t * rows + r] = s;
+  for (int q = 0; q < R; ++q) {
+    const int64_t r = r0 + q;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float v = warp_sum(acc[t][q]);
+      if (lane == 0 && t < j.n && r < rows) {
+        if (j.accumulate) y[t * rows + r] += v;
+        else y[t * rows + r] = v;
+      }
     }
   }
 }
@@ -1009,11 +1035,26 @@ void glu_quantize(const float* gate, int64_t gs, const float* up, int64_t us, in
 
 bool k_i8_type(uint32_t t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 
+// Rows a warp of gemv_k_i8_k for n tokens: 1 at one token; DASLLAMA_CUDA_KI8_R (1, 2 or 4; default
+// 1; read at each launch, so ab_cuda.py can switch it) from 2 tokens, opt-in until run on a GPU.
+int k_i8_rows(int n) {
+  if (n <= 1) return 1;
+  const char* e = std::getenv("DASLLAMA_CUDA_KI8_R");
+  const int v = e && *e ? std::atoi(e) : 1;
+  return v == 2 || v == 4 ? v : 1;
+}
+
+template <uint32_t T, int R>
+void launch_k_i8_r(const GemvJob& p, dim3 grid, cudaStream_t st) {
+  if (p.n <= 4) launch(gemv_k_i8_k<T, 4, R>, grid, SW * 32, 0, st, p);
+  else launch(gemv_k_i8_k<T, 16, R>, grid, SW * 32, 0, st, p);
+}
 template <uint32_t T>
-void launch_k_i8(const GemvJob& p, dim3 grid, cudaStream_t st) {
-  if (p.n == 1) launch(gemv_k_i8_k<T, 1>, grid, SW * 32, 0, st, p);
-  else if (p.n <= 4) launch(gemv_k_i8_k<T, 4>, grid, SW * 32, 0, st, p);
-  else launch(gemv_k_i8_k<T, 16>, grid, SW * 32, 0, st, p);
+void launch_k_i8(const GemvJob& p, int rw, dim3 grid, cudaStream_t st) {
+  if (p.n == 1) launch(gemv_k_i8_k<T, 1, 1>, grid, SW * 32, 0, st, p);
+  else if (rw == 4) launch_k_i8_r<T, 4>(p, grid, st);
+  else if (rw == 2) launch_k_i8_r<T, 2>(p, grid, st);
+  else launch_k_i8_r<T, 1>(p, grid, st);
 }
 
 // The layouts gemv_staged launches (its switches below list exactly these).
@@ -1065,14 +1106,15 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
     if (j.xq) p.xq = j.xq + t0 * j.cols, p.xd = j.xd + t0 * (j.cols / 32), p.xs = j.xs + t0 * (j.cols / 32);
     for (int i = 0; i < j.count; ++i) p.y[i] = j.y[i] + t0 * j.rows[i];
     if (j.xq && k_i8_type(j.type)) {
+      const int rw = k_i8_rows(p.n);
       int64_t b = 0;
-      for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], (int64_t)SW);
+      for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], (int64_t)SW * rw);
       p.first_block[j.count] = b;
       const dim3 grid((unsigned)b);
       switch (j.type) {
-        case T_Q4_K: launch_k_i8<T_Q4_K>(p, grid, st); break;
-        case T_Q5_K: launch_k_i8<T_Q5_K>(p, grid, st); break;
-        default: launch_k_i8<T_Q6_K>(p, grid, st); break;
+        case T_Q4_K: launch_k_i8<T_Q4_K>(p, rw, grid, st); break;
+        case T_Q5_K: launch_k_i8<T_Q5_K>(p, rw, grid, st); break;
+        default: launch_k_i8<T_Q6_K>(p, rw, grid, st); break;
       }
       continue;
     }

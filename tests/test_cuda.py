@@ -197,10 +197,11 @@ def a8_rounded(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("wtype", ["q4_K", "q5_K", "q6_K"])
 @pytest.mark.parametrize("n", [1, 3, 16])
 def test_k_quant_int8_gemv(monkeypatch, wtype, n):
-    """q8 mode's K-quant GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8, on; q5_K / q6_K with
-    DASLLAMA_CUDA_Q56K_I8=1): x rounded to A8 blocks, each token at the f32 bar against float64
+    """q8 mode's K-quant GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8 / DASLLAMA_CUDA_Q56K_I8,
+    both on): x rounded to A8 blocks, each token at the f32 bar against float64
     numpy over gguf-py's decoded weights and that rounded x, and farther than the bar from the f32
-    product (the rounding ran); off, the f32 GEMV at the f32 bar. Rows ending mid-block of warps,
+    product (the rounding ran), with 1, 2 and 4 rows a warp from 2 tokens (DASLLAMA_CUDA_KI8_R);
+    off, the f32 GEMV at the f32 bar. Rows ending mid-block of warps (and mid-warp),
     a row of 9 super-blocks (lanes that take two pairs of sub-blocks; q6_K's 210-byte blocks then
     start at 0 and 2 mod 4 within a row, and rows too), three weights over one x, and into a
     residual."""
@@ -211,7 +212,7 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, n):
     qt = int(T[wtype.upper()])
     for cols in (512, 2304):
         rng = np.random.default_rng(cols + n)
-        rows = [200, 32, 40]
+        rows = [202, 32, 41]
         parts = [make_weight(rng, wtype, r, cols) for r in rows]
         x = rng.standard_normal((n, cols)).astype(np.float32)
         res = rng.standard_normal((n, rows[0])).astype(np.float32)
@@ -228,9 +229,10 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, n):
                 if r0 is not None:
                     outs[0] = outs[0] + r0
                 refs[key] = outs
-            for on in ("1", "0"):
+            for on, rw in (("1", "1"), ("1", "2"), ("1", "4"), ("0", "1")):
                 monkeypatch.setenv("DASLLAMA_CUDA_Q4K_I8", on)
                 monkeypatch.setenv("DASLLAMA_CUDA_Q56K_I8", on)
+                monkeypatch.setenv("DASLLAMA_CUDA_KI8_R", rw)
                 o, at = np.asarray(run()).reshape(-1), 0
                 for i, w in enumerate(ws):
                     got = o[at:at + n * w.shape[0]].reshape(n, w.shape[0])
@@ -238,7 +240,7 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, n):
                     ref, other = (refs["a8"][i], refs["f32"][i]) if on == "1" else (refs["f32"][i], None)
                     for t in range(n):
                         e = op_nmse(got[t], ref[t])
-                        assert e <= F32_DOT, f"{wtype} I8={on} {name} {cols} n={n} matrix {i} token {t}: NMSE {e:.3g}"
+                        assert e <= F32_DOT, f"{wtype} I8={on} R={rw} {name} {cols} n={n} matrix {i} token {t}: NMSE {e:.3g}"
                     if other is not None:
                         assert op_nmse(got, other) > F32_DOT, f"{wtype} {name} {cols} n={n}: the f32 product's, not rounded"
 

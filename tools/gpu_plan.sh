@@ -75,11 +75,15 @@ for stage in "$@"; do
       step prof16 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --batch 16 --steps 8"
       step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --steps 16"
       ;;
-    s31)  # the thirtieth session's unrun CUDA path: a mixed K-quant step's x rounded once (opt-in)
-      step tests 200 python -m pytest -q tests/test_cuda.py -k "k_quant"
+    s31)  # the thirtieth session's unrun CUDA paths: a mixed K-quant step's x rounded once, K-quant
+      # GEMVs of R rows a warp, 17-32-token block-format steps decoded to f16 (all opt-in)
+      step tests 200 python -m pytest -q tests/test_cuda.py -k "k_quant or decoded_to_f16"
       step kmix 200 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16 --rounds 2 \
         DASLLAMA_CUDA_KMIX=0 DASLLAMA_CUDA_KMIX=1
       step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_KMIX=1 python profile_cuda.py --type q4_k_m --steps 16"
+      # K-quant GEMVs of 2-16 tokens with 2 or 4 rows a warp (each x load serving them all)
+      step kr 200 python benchmarks/ab_cuda.py --types q4_k_m,q6_K --no-tg --batches 4,16 --rounds 2 \
+        DASLLAMA_CUDA_KI8_R=1 DASLLAMA_CUDA_KI8_R=2 DASLLAMA_CUDA_KI8_R=4
       # 17-32-token K-quant steps: the f32 staged GEMV (default) against decoded to f16 + cuBLAS
       step dq17 200 python benchmarks/ab_cuda.py --types q4_k_m --no-tg --batches 24,32 --rounds 2 \
         DASLLAMA_CUDA_DQF16_MIN=33 DASLLAMA_CUDA_DQF16_MIN=17
