@@ -2123,7 +2123,7 @@ class VulkanBackend final : public Backend {
   // width, row stride) for all.
   bool gemvx_fits(const Weight* const* ws, int count, int64_t n) const {
     const int mode = gemvi8_mode();
-    if (!mode || n < 1 || count < 1 || ki8_type(lay_type(*ws[0])) || n > 4 || count < 1 || count > 3) return false;
+    if (!mode || n < 1 || n > 4 || count < 1 || count > 3 || ki8_type(lay_type(*ws[0]))) return false;
     int64_t total = 0;
     for (int i = 0; i < count; ++i) {
       if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
@@ -2281,7 +2281,9 @@ class VulkanBackend final : public Backend {
   // Whether gemv_q takes these (i8_fits already true for each): 1-4 tokens, x within the
   // variant's shared memory, one layout (type, width, row stride) for all.
   bool gemvq_fits(const Weight* const* ws, int count, int64_t n) const {
-    if (!gemvq_mode() || n < 1 || count < 1 || ki8_type(lay_type(*ws[0])) || n > 4 || count < 1 || count > 3 || c_->max_shared() < 32768) return false;
+    if (!gemvq_mode() || n < 1 || n > 4 || count < 1 || count > 3 || ki8_type(lay_type(*ws[0])) ||
+        c_->max_shared() < 32768)
+      return false;
     int64_t groups = 0;  // at 4 rows a workgroup, the fewest gemv_q takes
     for (int i = 0; i < count; ++i) {
       if (lay_type(*ws[i]) != lay_type(*ws[0]) || ws[i]->cols != ws[0]->cols || lay_rb(*ws[i]) != lay_rb(*ws[0]) ||
