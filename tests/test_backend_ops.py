@@ -278,6 +278,18 @@ def check_q8(name, outs, ref):
                 f"{name} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
 
 
+def a8_rounded(x: np.ndarray) -> np.ndarray:
+    """x rounded to the A8 blocks of 32 (cpp/cpu/act_blocks.h's recipe, in f32: d = amax / 127,
+    q = rint(x * (127 / amax)) clamped to +-127), as float64 values d * q."""
+    n, k = x.shape
+    xb = x.astype(np.float32).reshape(n, k // 32, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(n, k)
+
+
 def f16_rounded_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row of x scaled by a power of two s (its largest magnitude into [2^13, 2^14), the
     exponent clamped to +-110) and rounded to f16 by numpy: (x * s as f16, in float64; 1 / s)."""

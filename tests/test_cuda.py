@@ -182,18 +182,6 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
                 assert e <= F32_DOT, f"{wtype} DQF16={on} {rows}x{cols} n={n} token {t}: NMSE {e:.3g}"
 
 
-def a8_rounded(x: np.ndarray) -> np.ndarray:
-    """x rounded to the A8 blocks of 32 (cpp/cpu/act_blocks.h's recipe, in f32: d = amax / 127,
-    q = rint(x * (127 / amax)) clamped to +-127), as float64 values d * q."""
-    n, k = x.shape
-    xb = x.astype(np.float32).reshape(n, k // 32, 32)
-    amax = np.abs(xb).max(axis=2, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(xb * inv), -127, 127)
-    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(n, k)
-
-
 @pytest.mark.parametrize("wtype", ["q4_K", "q5_K", "q6_K"])
 @pytest.mark.parametrize("n", [1, 3, 16])
 def test_k_quant_int8_gemv(monkeypatch, wtype, n):
@@ -206,7 +194,7 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, n):
     start at 0 and 2 mod 4 within a row, and rows too), three weights over one x, and into a
     residual."""
     from gguf.constants import GGMLQuantizationType as T
-    from test_backend_ops import F32_DOT, make_weight, nmse as op_nmse
+    from test_backend_ops import F32_DOT, a8_rounded, make_weight, nmse as op_nmse
 
     b = d._core.Backend("cuda:0", exact=False)
     qt = int(T[wtype.upper()])
@@ -328,7 +316,7 @@ def test_k_quant_mixed_step(monkeypatch, n):
     once instead of once a run); unnormed with KMIX=0 (the composition: a rounding a matrix), at
     the same bar."""
     from gguf.constants import GGMLQuantizationType as T
-    from test_backend_ops import F32_DOT, make_weight, nmse as op_nmse
+    from test_backend_ops import F32_DOT, a8_rounded, make_weight, nmse as op_nmse
 
     b = d._core.Backend("cuda:0", exact=False)
     cols, rows = 2304, [64, 32, 40]

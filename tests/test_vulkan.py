@@ -770,7 +770,7 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, on):
     """q8 mode's K-quant GEMVs on int8 (DASLLAMA_VULKAN_KI8=1, gemv_ki8.comp; the GPUs' subgroup
     path, which test_k_quant_int8_gemv_on_lavapipe forces there): x rounded to int8 blocks of 32
     by quant_act, each token at the f32 bar against float64 numpy over gguf-py's decoded weights
-    and that rounded x (tests/test_cuda.py's a8_rounded), and farther than the bar from the f32
+    and that rounded x (test_backend_ops.a8_rounded), and farther than the bar from the f32
     product (the rounding ran); a token's row the same bits alone as among 3 or 32 tokens (plain,
     normed, into a residual); with KI8 off, the f32 GEMV at the f32 bar, the normed step too. Rows ending mid-workgroup, a row of 9 super-blocks
     (invocations that take two pairs; q6_K's 210-byte blocks then start at 0 and 2 mod 4, and
@@ -779,8 +779,7 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, on):
     if "subgroup matmul" not in _VK["devices"][0]["features"]:
         pytest.skip("lavapipe's own path has no int8 GEMVs (test_k_quant_int8_gemv_on_lavapipe forces them)")
     from gguf.constants import GGMLQuantizationType as T
-    from test_backend_ops import F32_DOT, make_weight
-    from test_cuda import a8_rounded
+    from test_backend_ops import F32_DOT, a8_rounded, make_weight
 
     be = d._core.Backend("vulkan:%d" % _VK["devices"][0]["index"], exact=False)
     qt = int(T[wtype.upper()])
