@@ -548,10 +548,11 @@ class CudaBackend final : public Backend {
     const size_t dq_bytes = (size_t)m.rows * m.cols * 2;
     const bool dq_ok = n >= dq_f16_min() && !w.exact && cuda::dequant_f16_type(m.type) && dq_f16_on() &&
                        m.cols % 8 == 0;
-    // DASLLAMA_CUDA_DQF16_SLAB_KB=N (default 0, off; read at each call; not yet run on a GPU): with
-    // cuBLAS, a matrix decoded N KiB of rows at a time into a scratch of that size, each slab's
-    // product written into its rows of y, so a matrix of any size takes the path (a large
-    // vocabulary's head in a batched step too) and the scratch stays small.
+    // DASLLAMA_CUDA_DQF16_SLAB_KB=N (default 0, off; read at each call): with cuBLAS, a matrix
+    // decoded N KiB of rows at a time into a scratch of that size, each slab's product written into
+    // its rows of y, so a matrix of any size takes the path (a large vocabulary's head in a batched
+    // step too) and the scratch stays small. H100, Q4_K_M batched step of 64: 12,212 t/s with 64
+    // MiB slabs against 12,279 whole, so it stays off.
     const char* sk = std::getenv("DASLLAMA_CUDA_DQF16_SLAB_KB");
     const int64_t slab_kb = sk && *sk ? std::min<int64_t>(std::atoll(sk), int64_t(1) << 40) : 0;  // (no overflow below)
     const bool slabs = dq_ok && slab_kb > 0 && !f16_act_split(w) && cuda::cublas_prepare();
@@ -1085,11 +1086,7 @@ class CudaBackend final : public Backend {
     // and q6_K unless DASLLAMA_CUDA_Q56K_I8=0 (H100 tg256 / B = 4 / 16: Q4_K_M 828 / 1,829 / 2,483
     // -> 958 / 2,149 / 3,325, Q6_K 657 / 1,386 / 1,737 -> 960 / 2,184 / 3,459, Q5_K 609 / 1,343 /
     // 1,614 -> 1,014 / 2,275 / 3,361).
-    const char* qk = std::getenv("DASLLAMA_CUDA_Q4K_I8");
-    const char* q56 = std::getenv("DASLLAMA_CUDA_Q56K_I8");
-    const bool kq_on = j.type == cuda::T_Q4_K ? !(qk && qk[0] == '0')
-                                              : (j.type == cuda::T_Q5_K || j.type == cuda::T_Q6_K) && !(q56 && q56[0] == '0');
-    const bool kq = kq_on && !s.w[0]->exact && j.cols % 256 == 0 && s.n <= 16;
+    const bool kq = cuda::k_i8_on(j.type) && !s.w[0]->exact && j.cols % 256 == 0 && s.n <= 16;
     // Block formats from dq_f16_min() tokens (where the int8 GEMV does not take them): matmul()'s
     // decoding to f16, not the staged GEMV (which the default, 33, leaves at 32 tokens anyway).
     if (!kq && !s.w[0]->exact && cuda::dequant_f16_type(j.type) && dq_f16_on() && s.n >= dq_f16_min()) return false;
@@ -1207,16 +1204,10 @@ class CudaBackend final : public Backend {
   bool mixed_k(const MatmulStep& s) {
     const char* e = std::getenv("DASLLAMA_CUDA_KMIX");
     if (!(e && e[0] == '1') || s.residual || s.count < 2 || s.n > 16) return false;
-    const char* qk = std::getenv("DASLLAMA_CUDA_Q4K_I8");
-    const char* q56 = std::getenv("DASLLAMA_CUDA_Q56K_I8");
-    const int64_t cols = s.w[0]->cols;
     for (int i = 0; i < s.count; ++i) {
       const cuda::Mat m = mat(*s.w[i]);
-      const bool on = m.type == cuda::T_Q4_K ? !(qk && qk[0] == '0')
-                                             : (m.type == cuda::T_Q5_K || m.type == cuda::T_Q6_K) && !(q56 && q56[0] == '0');
-      const auto a = reinterpret_cast<uintptr_t>(m.w);
-      if (!on || s.w[i]->exact || m.cols != cols || cols % 256 != 0 || m.rows <= 0 ||
-          (m.type == cuda::T_Q6_K ? m.row_bytes % 2 != 0 || a % 4 != 0 : m.row_bytes % 16 != 0 || a % 16 != 0))
+      if (!cuda::k_i8_on(m.type) || s.w[i]->exact || m.cols != s.w[0]->cols ||
+          !cuda::k_i8_rows_fit(m.type, m.cols, m.rows, m.row_bytes, m.w))
         return false;
     }
     for (int i = 0; i < s.count;) {
@@ -1682,8 +1673,8 @@ class CudaBackend final : public Backend {
   // cuBLAS from DASLLAMA_CUDA_F16_CUBLAS_MIN (default 5; H100, Llama-1B F16 batched steps of 8 / 12
   // / 16: 2,778 / 2,390 / 2,709 -> 3,356 / 4,969 / 6,441 t/s, 4 unchanged), the rest from
   // f16_mma_min_ (our own tiles lose to the GEMVs below 33, and bf16's TF32 split misses the f32
-  // bar at 9 tokens). Read at each call.
-  // cuBLAS is opened only for a matmul of that many tokens (a decode alone never loads it).
+  // bar at 9 tokens). Read at each call; cuBLAS is opened only for a matmul of that many tokens
+  // (a decode alone never loads it).
   int64_t f16_min(const Weight& w, int64_t n) {
     if (w.type != (uint32_t)GGMLType::F16 || w.exact || f16_act_split(w)) return f16_mma_min_;
     const char* e = std::getenv("DASLLAMA_CUDA_F16_CUBLAS_MIN");

@@ -72,6 +72,12 @@ void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* norm_w, float 
 // Whether j can run on the staged GEMV (n <= 32, cols % 8 == 0, rows 4-byte aligned;
 // 16-byte for float types), and the launch (first_block is filled there).
 bool gemv_staged_fits(const GemvJob& j);
+// gemv_k_i8_k (q8 mode's q4_K / q5_K / q6_K on int8 dot products): whether it is on for this
+// type (DASLLAMA_CUDA_Q4K_I8 / DASLLAMA_CUDA_Q56K_I8, both on; read at each call), and whether a
+// matrix's rows fit it (whole super-blocks; q4_K / q5_K rows 16-byte aligned, q6_K's 2 from a
+// 4-aligned start: its 210-byte blocks are read as the aligned words around them).
+bool k_i8_on(uint32_t type);
+bool k_i8_rows_fit(uint32_t type, int64_t cols, int64_t rows, size_t rb, const void* w);
 void gemv_staged(GemvJob j, cudaStream_t st);
 // What a one-token q8 GEMV does once its outputs are written, instead of the launch that would
 // follow it (the same arithmetic, so the same bits):

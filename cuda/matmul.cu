@@ -191,12 +191,13 @@ __device__ __forceinline__ void stage_wait() {
   __syncwarp();
 }
 
-// The matrix (mi), row (r) and row bytes a warp of a row-a-warp GEMV block takes; false past
-// the matrix's rows.
+// The matrix (mi), first row (r) and its bytes a warp of an R-rows-a-warp GEMV block takes;
+// false past the matrix's rows.
+template <int R = 1>
 __device__ __forceinline__ bool warp_row(const GemvJob& j, int& mi, int64_t& r, const uint8_t*& row) {
   mi = 0;
   while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
-  r = ((int64_t)blockIdx.x - j.first_block[mi]) * SW + (threadIdx.x >> 5);
+  r = (((int64_t)blockIdx.x - j.first_block[mi]) * SW + (threadIdx.x >> 5)) * R;
   row = j.w[mi] + r * j.rb[mi];
   return r < j.rows[mi];
 }
@@ -285,17 +286,6 @@ __device__ __forceinline__ void ld32_a2(const uint8_t* p, uint32_t w[8]) {
   for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(v[i], v[i + 1], sh);
 }
 
-// q8 mode's K-quant GEMVs on int8 dot products (q4_K: DASLLAMA_CUDA_Q4K_I8; q5_K / q6_K:
-// DASLLAMA_CUDA_Q56K_I8; both on): x in the A8 blocks of 32 (quantize_act). A
-// warp a row; a lane a pair of 32-weight sub-blocks a super-block, so a 2048-wide row is one pair
-// a lane. Where gemv_staged_k reads each token's f32 x once per row and decodes every weight to
-// f32, this reads a quarter of the x bytes and multiplies four quants an instruction.
-// q4_K / q5_K: pair k is sub-blocks 2k, 2k + 1 (the low and high nibbles of the same 32 bytes,
-// q5_K's fifth bits in bits 2k, 2k + 1 of its 32 high bytes); each is d * sc * xd * sum(q * xq) -
-// dmin * m * xd * sum(xq), the second sum the block's stored one.
-// q6_K: pair k is sub-blocks s and s + 2 of half h (k = 2h + s: low and high nibbles of the same
-// 32 ql bytes, two bits each of the half's 32 qh bytes), quants stored + 32 and made signed a byte
-// at a time; each 16 weights have their own int8 scale, so d * xd * (sc0 * sum0 + sc1 * sum1).
 // Pair k of super-block b (bytes at b) of a K-quant row as gemv_k_i8_k reads it: the two
 // sub-blocks' quants as bytes (q6_K: signed), their scales a 16 (q4_K / q5_K: the same twice),
 // the mins' factors (q6_K: 0), and the two sub-blocks' indices in the super-block.
@@ -343,20 +333,30 @@ __device__ __forceinline__ void k_pair(const uint8_t* b, int k, uint32_t qa[8], 
   }
 }
 
-// R rows a warp (DASLLAMA_CUDA_KI8_R for 2-16 tokens; 1 at one token): each x load then serves
-// R rows, where at 16 tokens every row reading all of x was the cost (H100 Q4_K_M, a 16-token
-// step's q4_K GEMVs 47 us a launch against 9 at one token). A row's sums are the same for any R.
+// q8 mode's K-quant GEMVs on int8 dot products (q4_K: DASLLAMA_CUDA_Q4K_I8; q5_K / q6_K:
+// DASLLAMA_CUDA_Q56K_I8; both on): x in the A8 blocks of 32 (quantize_act). A lane takes a pair of
+// 32-weight sub-blocks a super-block (k_pair), so a 2048-wide row is one pair a lane. Where
+// gemv_staged_k reads each token's f32 x once per row and decodes every weight to f32, this reads
+// a quarter of the x bytes and multiplies four quants an instruction.
+// q4_K / q5_K: pair k is sub-blocks 2k, 2k + 1 (the low and high nibbles of the same 32 bytes,
+// q5_K's fifth bits in bits 2k, 2k + 1 of its 32 high bytes); each is d * sc * xd * sum(q * xq) -
+// dmin * m * xd * sum(xq), the second sum the block's stored one.
+// q6_K: pair k is sub-blocks s and s + 2 of half h (k = 2h + s: low and high nibbles of the same
+// 32 ql bytes, two bits each of the half's 32 qh bytes), quants stored + 32 and made signed a byte
+// at a time; each 16 weights have their own int8 scale, so d * xd * (sc0 * sum0 + sc1 * sum1).
+// A warp takes R rows (DASLLAMA_CUDA_KI8_R for 2-16 tokens, 1 at one token), each x load then
+// serving R rows (H100 Q4_K_M: a 16-token step's q4_K GEMVs took 47 us a launch against 9 at one
+// token, every row reading all of x the suspect). A row's sums are the same for any R.
 template <uint32_t T, int NT, int R>
 __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
   pdl_wait();
   pdl_trigger();
   const int lane = threadIdx.x & 31;
-  int mi = 0;
-  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
+  int mi;
+  int64_t r0;
+  const uint8_t* row0;
+  if (!warp_row<R>(j, mi, r0, row0)) return;
   const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32;
-  const int64_t r0 = (((int64_t)blockIdx.x - j.first_block[mi]) * SW + (threadIdx.x >> 5)) * R;
-  if (r0 >= rows) return;
-  const uint8_t* row0 = j.w[mi];
   const size_t rb = j.rb[mi];
   const int pairs = (int)(cols / 64);
   float acc[NT][R];
@@ -371,8 +371,8 @@ __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
     int sa = 0, sbk = 0;
 #pragma unroll
     for (int q = 0; q < R; ++q) {
-      const int64_t r = r0 + q < rows ? r0 + q : rows - 1;  // (a last warp's rows past the end: read, not stored)
-      k_pair<T>(row0 + r * rb + (int64_t)sb * Blk<T>::bytes, k, qa[q], qb[q], wa[q], wb[q], na[q], nbm[q], sa, sbk);
+      const int64_t dr = r0 + q < rows ? q : rows - 1 - r0;  // (a last warp's rows past the end: read, not stored)
+      k_pair<T>(row0 + dr * rb + (int64_t)sb * Blk<T>::bytes, k, qa[q], qb[q], wa[q], wb[q], na[q], nbm[q], sa, sbk);
     }
     const int64_t xa = (int64_t)sb * 8 + sa, xb = (int64_t)sb * 8 + sbk;  // x's blocks of the two sub-blocks
 #pragma unroll
@@ -1035,6 +1035,20 @@ void glu_quantize(const float* gate, int64_t gs, const float* up, int64_t us, in
 
 bool k_i8_type(uint32_t t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 
+bool k_i8_on(uint32_t type) {
+  if (type == T_Q4_K) {
+    const char* e = std::getenv("DASLLAMA_CUDA_Q4K_I8");
+    return !(e && e[0] == '0');
+  }
+  const char* e = std::getenv("DASLLAMA_CUDA_Q56K_I8");
+  return (type == T_Q5_K || type == T_Q6_K) && !(e && e[0] == '0');
+}
+
+bool k_i8_rows_fit(uint32_t type, int64_t cols, int64_t rows, size_t rb, const void* w) {
+  if (!k_i8_type(type) || cols % 256 != 0 || rows <= 0) return false;
+  return type == T_Q6_K ? rb % 2 == 0 && aligned4(w) : rb % 16 == 0 && aligned16(w);
+}
+
 // Rows a warp of gemv_k_i8_k for n tokens: 1 at one token; DASLLAMA_CUDA_KI8_R (1, 2 or 4; default
 // 1; read at each launch, so ab_cuda.py can switch it) from 2 tokens, opt-in until run on a GPU.
 int k_i8_rows(int n) {
@@ -1073,13 +1087,10 @@ bool gemv_staged_fits(const GemvJob& j) {
       !staged_type(j.type))
     return false;
   const bool is_float = j.type == T_F32 || j.type == T_F16 || j.type == T_BF16;
-  if (j.xq && k_i8_type(j.type)) {  // gemv_k_i8_k: whole super-blocks; q4_K / q5_K rows 16-byte aligned,
-    // q6_K's 4-byte aligned at the matrix's start (its blocks then at 0 or 2 mod 4: ld32_a2)
+  if (j.xq && k_i8_type(j.type)) {  // gemv_k_i8_k
     for (int i = 0; i < j.count; ++i)
-      if (j.rows[i] <= 0 || (j.type == T_Q6_K ? j.rb[i] % 2 != 0 || !aligned4(j.w[i])
-                                              : j.rb[i] % 16 != 0 || !aligned16(j.w[i])))
-        return false;
-    return j.cols % 256 == 0 && !j.norm && j.n <= 16;
+      if (!k_i8_rows_fit(j.type, j.cols, j.rows[i], j.rb[i], j.w[i])) return false;
+    return !j.norm && j.n <= 16;
   }
   if (j.xq) return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && !j.norm;
   if (j.type == T_Q8_0S || j.type == T_Q4_0S) return j.cols % 32 == 0;  // aligned by construction
