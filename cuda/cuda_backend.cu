@@ -1477,7 +1477,8 @@ class CudaBackend final : public Backend {
   // of 64: 1,615 t/s from 65, 12,279 from 33.
   static int64_t dq_f16_min() {
     const char* dm = std::getenv("DASLLAMA_CUDA_DQF16_MIN");
-    return dm && *dm ? std::atoll(dm) : 33;
+    const long long v = dm && *dm ? std::atoll(dm) : 33;
+    return v >= 1 ? v : 33;  // (0, a negative or an unreadable value: the default, not every decode)
   }
   // Quantized activations of a matmul (grown).
   void* qact_for(size_t bytes) { return grown(qact_, bytes, "quantized activations"); }

@@ -57,7 +57,7 @@ void ld32_a2(uint64_t a, out uint w[8]) {
 uint sub32(uint u) { return ((u | 0x80808080u) - 0x20202020u) ^ 0x80808080u; }
 
 void main() {
-    const uint tid = gl_LocalInvocationID.x, lane = tid & 31u, lr = tid >> 5;
+  const uint tid = gl_LocalInvocationID.x, lane = tid & 31u, lr = tid >> 5;
   // subgroupAdd where every subgroup is exactly one row's 32 invocations (checked, not assumed:
   // a driver may number its subgroups otherwise); the shared-memory tree elsewhere.
   if (tid == 0u) sg_rows = 1u;
