@@ -1086,7 +1086,7 @@ class CudaBackend final : public Backend {
     // and q6_K unless DASLLAMA_CUDA_Q56K_I8=0 (H100 tg256 / B = 4 / 16: Q4_K_M 828 / 1,829 / 2,483
     // -> 958 / 2,149 / 3,325, Q6_K 657 / 1,386 / 1,737 -> 960 / 2,184 / 3,459, Q5_K 609 / 1,343 /
     // 1,614 -> 1,014 / 2,275 / 3,361).
-    const bool kq = cuda::k_i8_on(j.type) && !s.w[0]->exact && j.cols % 256 == 0 && s.n <= 16;
+    const bool kq = cuda::k_i8_on(j.type) && !s.w[0]->exact && j.cols % 256 == 0 && s.n <= cuda::k_i8_max();
     // Block formats from dq_f16_min() tokens (where the int8 GEMV does not take them): matmul()'s
     // decoding to f16, not the staged GEMV (which the default, 33, leaves at 32 tokens anyway).
     if (!kq && !s.w[0]->exact && cuda::dequant_f16_type(j.type) && dq_f16_on() && s.n >= dq_f16_min()) return false;
@@ -1196,14 +1196,14 @@ class CudaBackend final : public Backend {
   }
   // A step over K-quants of more than one type (a Q4_K_M file's Q / K beside a q6_K V, in half its
   // layers): x rounded (normed on the way) once by the first run of one type, then each later run's
-  // GEMV over the same rounded rows (DASLLAMA_CUDA_KMIX=1; opt-in until run on a GPU). Without it
-  // such a step is the composition: a norm launch, then a rounding launch a matrix (the H100's
-  // Q4_K_M decode profile: 49 roundings and 9 norms a token where one type a step would take 17
-  // and 1). False where a run would not fit gemv_k_i8_k (checked before anything is recorded).
+  // GEMV over the same rounded rows (unless DASLLAMA_CUDA_KMIX=0: the composition, a norm launch,
+  // then a rounding launch a matrix; H100 Q4_K_M tg256 / B = 4 / 16 952 / 2,252 / 2,974 -> 1,013 /
+  // 2,328 / 3,013). False where a run would not fit gemv_k_i8_k (checked before anything is
+  // recorded).
   bool reuse_q_ = false;
   bool mixed_k(const MatmulStep& s) {
     const char* e = std::getenv("DASLLAMA_CUDA_KMIX");
-    if (!(e && e[0] == '1') || s.residual || s.count < 2 || s.n > 16) return false;
+    if ((e && e[0] == '0') || s.residual || s.count < 2 || s.n > cuda::k_i8_max()) return false;
     for (int i = 0; i < s.count; ++i) {
       const cuda::Mat m = mat(*s.w[i]);
       if (!cuda::k_i8_on(m.type) || s.w[i]->exact || m.cols != s.w[0]->cols ||
@@ -1472,13 +1472,14 @@ class CudaBackend final : public Backend {
     const char* e = std::getenv("DASLLAMA_CUDA_DQF16");
     return !(e && e[0] == '0');
   }
-  // DASLLAMA_CUDA_DQF16_MIN (default 33, read at each call): the tokens from which q8 mode's block
+  // DASLLAMA_CUDA_DQF16_MIN (default 17, read at each call): the tokens from which q8 mode's block
   // formats are decoded to f16 for the tensor cores (below: the GEMVs). H100, Q4_K_M batched step
-  // of 64: 1,615 t/s from 65, 12,279 from 33.
+  // of 64: 1,615 t/s from 65, 12,279 from 33; of 24 / 32: 1,592 / 1,625 from 33, 6,297 / 8,116
+  // from 17.
   static int64_t dq_f16_min() {
     const char* dm = std::getenv("DASLLAMA_CUDA_DQF16_MIN");
-    const long long v = dm && *dm ? std::atoll(dm) : 33;
-    return v >= 1 ? v : 33;  // (0, a negative or an unreadable value: the default, not every decode)
+    const long long v = dm && *dm ? std::atoll(dm) : 17;
+    return v >= 1 ? v : 17;  // (0, a negative or an unreadable value: the default, not every decode)
   }
   // Quantized activations of a matmul (grown).
   void* qact_for(size_t bytes) { return grown(qact_, bytes, "quantized activations"); }

@@ -1049,13 +1049,21 @@ bool k_i8_rows_fit(uint32_t type, int64_t cols, int64_t rows, size_t rb, const v
   return type == T_Q6_K ? rb % 2 == 0 && aligned4(w) : rb % 16 == 0 && aligned16(w);
 }
 
-// Rows a warp of gemv_k_i8_k for n tokens: 1 at one token; DASLLAMA_CUDA_KI8_R (1, 2 or 4; default
-// 1; read at each launch, so ab_cuda.py can switch it) from 2 tokens, opt-in until run on a GPU.
+int k_i8_max() {
+  const char* e = std::getenv("DASLLAMA_CUDA_KI8_MAX");
+  const int v = e && *e ? std::atoi(e) : 16;
+  return v >= 1 && v <= 16 ? v : 16;
+}
+
+// Rows a warp of gemv_k_i8_k for n tokens: 1 at one token; from 2 tokens DASLLAMA_CUDA_KI8_R (1, 2
+// or 4; default 2; read at each launch, so ab_cuda.py can switch it). H100, batched steps of 4 / 16,
+// R = 1 / 2 / 4: Q4_K_M 2,225 / 2,977, 2,496 / 4,200, 2,403 / 3,989; Q6_K 2,243 / 3,504, 2,501 /
+// 4,373, 2,347 / 4,165.
 int k_i8_rows(int n) {
   if (n <= 1) return 1;
   const char* e = std::getenv("DASLLAMA_CUDA_KI8_R");
-  const int v = e && *e ? std::atoi(e) : 1;
-  return v == 2 || v == 4 ? v : 1;
+  const int v = e && *e ? std::atoi(e) : 2;
+  return v == 1 || v == 4 ? v : 2;
 }
 
 template <uint32_t T, int R>

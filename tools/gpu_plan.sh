@@ -88,6 +88,17 @@ for stage in "$@"; do
       step dq17 200 python benchmarks/ab_cuda.py --types q4_k_m --no-tg --batches 24,32 --rounds 2 \
         DASLLAMA_CUDA_DQF16_MIN=33 DASLLAMA_CUDA_DQF16_MIN=17
       ;;
+    s31b)  # the thirty-first session's defaults (KMIX, KI8_R=2, DQF16_MIN=17, Vulkan KI8) under the
+      # device tests, then where the int8 GEMVs should hand 9-16-token K-quant steps to the decoding
+      step tests 300 python -m pytest -q -x tests/test_cuda.py tests/test_vulkan.py \
+        -k "k_quant or decoded_to_f16 or block_formats or q4_k or mixed"
+      step kmax 240 python benchmarks/ab_cuda.py --types q4_k_m,q6_K --no-tg --batches 8,12,16 --rounds 2 \
+        DASLLAMA_CUDA_KI8_MAX=16 DASLLAMA_CUDA_KI8_MAX=8,DASLLAMA_CUDA_DQF16_MIN=9 \
+        DASLLAMA_CUDA_KI8_MAX=4,DASLLAMA_CUDA_DQF16_MIN=5
+      # Q8_0's batched steps against the issue's 1.5x: where a step of 64 and of 4 goes
+      step prof64 120 bash -c "cd benchmarks && python profile_cuda.py --type q8_0 --batch 64 --steps 8"
+      step prof4 120 bash -c "cd benchmarks && python profile_cuda.py --type q8_0 --batch 4 --steps 16"
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \

@@ -1709,13 +1709,14 @@ class VulkanBackend final : public Backend {
   }
   // q4_K / q5_K / q6_K: the shader types of gemv_ki8.comp.
   static bool ki8_type(uint32_t t) { return t == 12 || t == 13 || t == 14; }
-  // DASLLAMA_VULKAN_KI8=1: q8 mode's K-quant matmuls of up to kTileMin tokens on int8 too
-  // (gemv_ki8.comp, x rounded by quant_act as for q8_0; CUDA's gemv_k_i8_k, which took the H100's
-  // Q4_K_M tg256 from 620 to 958). Opt-in until timed on a GPU; read at each matmul. Past kTileMin
-  // such matrices keep their prefill (decoded to f16 where the device has f16 cooperative matrices).
+  // q8 mode's K-quant matmuls of up to kTileMin tokens on int8 too (gemv_ki8.comp, x rounded by
+  // quant_act as for q8_0; CUDA's gemv_k_i8_k), unless DASLLAMA_VULKAN_KI8=0 (the f32 GEMVs; read at
+  // each matmul). H100 tg256 Q4_K_M / Q6_K / Q5_K: 296 / 307 / 295 -> 538 / 676 / 498. Past
+  // kTileMin such matrices keep their prefill (decoded to f16 where the device has f16 cooperative
+  // matrices).
   static bool ki8_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_KI8");
-    return e && std::strcmp(e, "1") == 0;
+    return !(e && std::strcmp(e, "0") == 0);
   }
   bool i8_fits(const Weight& w, const float* x, int64_t n) const {
     check_w(w);
