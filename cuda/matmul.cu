@@ -273,53 +273,82 @@ __global__ void __launch_bounds__(SW * 32) gemv_staged_k(GemvJob j) {
   }
 }
 
-// 32 bytes from a 2-byte-aligned address (q6_K's 210-byte blocks) as eight words: the aligned
-// words around them, shifted a half-word where they start mid-word. Every word read holds one of
-// the 32 bytes or the block's own bytes after them (qh, its scales), so nothing outside the matrix.
-__device__ __forceinline__ void ld32_a2(const uint8_t* p, uint32_t w[8]) {
-  const auto* a = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(3));
-  const uint32_t sh = (uint32_t)(reinterpret_cast<uintptr_t>(p) & 2) * 8;
-  uint32_t v[9];
-#pragma unroll
-  for (int i = 0; i < 9; ++i) v[i] = a[i];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(v[i], v[i + 1], sh);
-}
+// The raw words of pair k of one super-block of a K-quant row, loaded apart from their decoding
+// (k_dec) so that a lane's loads of several pairs, and the first ones before the kernel waits on
+// the step before it, are in flight at once. q6_K's 32-byte runs start at 0 or 2 mod 4: the nine
+// aligned words around each, shifted a half-word at decoding (every word holds one of the 32 bytes
+// or the block's own bytes after them, so nothing outside the matrix is read).
+template <uint32_t T> struct KRaw {  // q4_K / q5_K: the 16-byte header (d, dmin, 12 scale bytes), quants
+  uint4 h, q0, q1, e0, e1;           // e0 / e1: q5_K's 32 high-bit bytes (unused for q4_K)
+};
+template <> struct KRaw<T_Q6_K> {
+  uint32_t ql[9], qh[9], sc01, sc45, d;
+};
 
-// Pair k of super-block b (bytes at b) of a K-quant row as gemv_k_i8_k reads it: the two
-// sub-blocks' quants as bytes (q6_K: signed), their scales a 16 (q4_K / q5_K: the same twice),
-// the mins' factors (q6_K: 0), and the two sub-blocks' indices in the super-block.
 template <uint32_t T>
-__device__ __forceinline__ void k_pair(const uint8_t* b, int k, uint32_t qa[8], uint32_t qb[8], float wa[2],
-                                       float wb[2], float& na, float& nb, int& sa, int& sbk) {
+__device__ __forceinline__ void k_load(const uint8_t* b, int k, KRaw<T>& r) {
   if constexpr (T == T_Q6_K) {
     const int h = k >> 1, s = k & 1;
-    uint32_t ql[8], qh[8];
-    ld32_a2(b + h * 64 + s * 32, ql);
-    ld32_a2(b + 128 + h * 32, qh);
-    const float d = h2f(ld16(b + 208));
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + h * 8 + s * 2);
-    wa[0] = d * (float)sc[0], wa[1] = d * (float)sc[1], wb[0] = d * (float)sc[4], wb[1] = d * (float)sc[5];
+    const auto* a = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(b + h * 64 + s * 32) & ~uintptr_t(3));
+    const auto* c = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(b + 128 + h * 32) & ~uintptr_t(3));
+#pragma unroll
+    for (int i = 0; i < 9; ++i) r.ql[i] = __ldg(a + i), r.qh[i] = __ldg(c + i);
+    r.sc01 = ld16(b + 192 + h * 8 + s * 2), r.sc45 = ld16(b + 196 + h * 8 + s * 2), r.d = ld16(b + 208);
+  } else {
+    constexpr int qs_off = T == T_Q4_K ? 16 : 48;
+    r.h = __ldg(reinterpret_cast<const uint4*>(b));
+    r.q0 = __ldg(reinterpret_cast<const uint4*>(b + qs_off + 32 * k));
+    r.q1 = __ldg(reinterpret_cast<const uint4*>(b + qs_off + 16 + 32 * k));
+    if constexpr (T == T_Q5_K) {
+      r.e0 = __ldg(reinterpret_cast<const uint4*>(b + 16));
+      r.e1 = __ldg(reinterpret_cast<const uint4*>(b + 32));
+    }
+  }
+}
+
+// Byte i (0-11) of a q4_K / q5_K block's scales (header words y, z, w), and k_scale_min over them.
+__device__ __forceinline__ int k_sbyte(const uint4& h, int i) {
+  const uint32_t w = i < 4 ? h.y : i < 8 ? h.z : h.w;
+  return (int)((w >> (8 * (i & 3))) & 0xFFu);
+}
+__device__ __forceinline__ void k_scale_min_r(const uint4& h, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = k_sbyte(h, j) & 0x3F;
+    mn = k_sbyte(h, j + 4) & 0x3F;
+  } else {
+    sc = (k_sbyte(h, j + 4) & 0xF) | ((k_sbyte(h, j - 4) >> 2) & 0x30);
+    mn = (k_sbyte(h, j + 4) >> 4) | ((k_sbyte(h, j) >> 2) & 0x30);
+  }
+}
+
+// Pair k of a super-block (its raw words r; b its bytes' address, for q6_K's shift) as
+// gemv_k_i8_k reads it: the two sub-blocks' quants as bytes (q6_K: signed), their scales a 16
+// (q4_K / q5_K: the same twice), the mins' factors (q6_K: 0), and the two sub-blocks' indices in
+// the super-block.
+template <uint32_t T>
+__device__ __forceinline__ void k_dec(const KRaw<T>& r, const uint8_t* b, int k, uint32_t qa[8], uint32_t qb[8],
+                                      float wa[2], float wb[2], float& na, float& nb, int& sa, int& sbk) {
+  if constexpr (T == T_Q6_K) {
+    const int h = k >> 1, s = k & 1;
+    const uint32_t sh = (uint32_t)(reinterpret_cast<uintptr_t>(b) & 2) * 8;  // b + 64h + 32s, b + 128 + 32h alike
+    const float d = h2f(r.d);
+    const float s0 = (float)(int8_t)(r.sc01 & 0xFFu), s1 = (float)(int8_t)(r.sc01 >> 8);
+    const float s4 = (float)(int8_t)(r.sc45 & 0xFFu), s5 = (float)(int8_t)(r.sc45 >> 8);
+    wa[0] = d * s0, wa[1] = d * s1, wb[0] = d * s4, wb[1] = d * s5;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      qa[i] = __vsub4((ql[i] & 0x0F0F0F0Fu) | ((qh[i] >> (2 * s)) & 0x03030303u) << 4, 0x20202020u);
-      qb[i] = __vsub4(((ql[i] >> 4) & 0x0F0F0F0Fu) | ((qh[i] >> (2 * s + 4)) & 0x03030303u) << 4, 0x20202020u);
+      const uint32_t ql = __funnelshift_r(r.ql[i], r.ql[i + 1], sh), qh = __funnelshift_r(r.qh[i], r.qh[i + 1], sh);
+      qa[i] = __vsub4((ql & 0x0F0F0F0Fu) | ((qh >> (2 * s)) & 0x03030303u) << 4, 0x20202020u);
+      qb[i] = __vsub4(((ql >> 4) & 0x0F0F0F0Fu) | ((qh >> (2 * s + 4)) & 0x03030303u) << 4, 0x20202020u);
     }
     na = nb = 0.f, sa = h * 4 + s, sbk = sa + 2;
   } else {
-    const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    const float d = h2f(r.h.x & 0xFFFFu), dmin = h2f(r.h.x >> 16);
     int s0, m0, s1, m1;
-    k_scale_min(b + 4, 2 * k, s0, m0);
-    k_scale_min(b + 4, 2 * k + 1, s1, m1);
-    constexpr int qs_off = T == T_Q4_K ? 16 : 48;
-    const uint4 u0 = *reinterpret_cast<const uint4*>(b + qs_off + 32 * k);
-    const uint4 u1 = *reinterpret_cast<const uint4*>(b + qs_off + 16 + 32 * k);
-    const uint32_t qw[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-    uint32_t hw[8] = {};
-    if constexpr (T == T_Q5_K) {
-      const uint4 h0 = *reinterpret_cast<const uint4*>(b + 16), h1 = *reinterpret_cast<const uint4*>(b + 32);
-      hw[0] = h0.x, hw[1] = h0.y, hw[2] = h0.z, hw[3] = h0.w, hw[4] = h1.x, hw[5] = h1.y, hw[6] = h1.z, hw[7] = h1.w;
-    }
+    k_scale_min_r(r.h, 2 * k, s0, m0);
+    k_scale_min_r(r.h, 2 * k + 1, s1, m1);
+    const uint32_t qw[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w};
+    const uint32_t hw[8] = {r.e0.x, r.e0.y, r.e0.z, r.e0.w, r.e1.x, r.e1.y, r.e1.z, r.e1.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       qa[i] = qw[i] & 0x0F0F0F0Fu, qb[i] = (qw[i] >> 4) & 0x0F0F0F0Fu;
@@ -344,60 +373,86 @@ __device__ __forceinline__ void k_pair(const uint8_t* b, int k, uint32_t qa[8], 
 // q6_K: pair k is sub-blocks s and s + 2 of half h (k = 2h + s: low and high nibbles of the same
 // 32 ql bytes, two bits each of the half's 32 qh bytes), quants stored + 32 and made signed a byte
 // at a time; each 16 weights have their own int8 scale, so d * xd * (sc0 * sum0 + sc1 * sum1).
+// A lane's loads of its first U pairs (k_load) go out before the kernel waits on the step before
+// (the weights are constant), and U pairs at a time after (k_i8_pairs), decoded apart (k_dec).
 // A warp takes R rows (DASLLAMA_CUDA_KI8_R for 2-16 tokens, 1 at one token), each x load then
 // serving R rows (H100 Q4_K_M: a 16-token step's q4_K GEMVs took 47 us a launch against 9 at one
 // token, every row reading all of x the suspect). A row's sums are the same for any R.
-template <uint32_t T, int NT, int R>
+template <uint32_t T, int NT, int R, int U, bool E = true>
 __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
-  pdl_wait();
-  pdl_trigger();
   const int lane = threadIdx.x & 31;
   int mi;
   int64_t r0;
   const uint8_t* row0;
-  if (!warp_row<R>(j, mi, r0, row0)) return;
+  const bool live = warp_row<R>(j, mi, r0, row0);
   const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32;
   const size_t rb = j.rb[mi];
   const int pairs = (int)(cols / 64);
+  // Rows of a last warp past the end read the last row (not stored); pairs past the end, nothing.
+  KRaw<T> raw[U][R];
+  auto load = [&](int p0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int p = p0 + 32 * u;
+      if (p >= pairs) break;
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        const int64_t dr = r0 + q < rows ? q : rows - 1 - r0;
+        k_load<T>(row0 + dr * rb + (int64_t)(p >> 2) * Blk<T>::bytes, p & 3, raw[u][q]);
+      }
+    }
+  };
+  if (E && live) load(lane);  // the weights are constant: in flight before x (the step before) is ready
+  pdl_wait();
+  pdl_trigger();
+  if (!live) return;
+  if (!E) load(lane);
   float acc[NT][R];
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
     for (int q = 0; q < R; ++q) acc[t][q] = 0.f;
-  for (int p = lane; p < pairs; p += 32) {
-    const int sb = p >> 2, k = p & 3;
-    uint32_t qa[R][8], qb[R][8];
-    float wa[R][2], wb[R][2], na[R], nbm[R];
-    int sa = 0, sbk = 0;
+  for (int p0 = lane; p0 < pairs; p0 += 32 * U) {
+    if (p0 != lane) load(p0);
 #pragma unroll
-    for (int q = 0; q < R; ++q) {
-      const int64_t dr = r0 + q < rows ? q : rows - 1 - r0;  // (a last warp's rows past the end: read, not stored)
-      k_pair<T>(row0 + dr * rb + (int64_t)sb * Blk<T>::bytes, k, qa[q], qb[q], wa[q], wb[q], na[q], nbm[q], sa, sbk);
-    }
-    const int64_t xa = (int64_t)sb * 8 + sa, xb = (int64_t)sb * 8 + sbk;  // x's blocks of the two sub-blocks
+    for (int u = 0; u < U; ++u) {
+      const int p = p0 + 32 * u;
+      if (p >= pairs) break;
+      const int sb = p >> 2, k = p & 3;
+      uint32_t qa[R][8], qb[R][8];
+      float wa[R][2], wb[R][2], na[R], nbm[R];
+      int sa = 0, sbk = 0;
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      if (t < j.n) {
-        const int4* va = reinterpret_cast<const int4*>(j.xq + t * cols + xa * 32);
-        const int4* vb = reinterpret_cast<const int4*>(j.xq + t * cols + xb * 32);
-        const int4 a0 = va[0], a1 = va[1], c0 = vb[0], c1 = vb[1];
-        const int xva[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-        const int xvb[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-        const float xda = j.xd[t * nb + xa], xdb = j.xd[t * nb + xb];
-        float xsa = 0.f, xsb = 0.f;
-        if constexpr (T != T_Q6_K) xsa = (float)j.xs[t * nb + xa], xsb = (float)j.xs[t * nb + xb];
+      for (int q = 0; q < R; ++q) {
+        const int64_t dr = r0 + q < rows ? q : rows - 1 - r0;
+        k_dec<T>(raw[u][q], row0 + dr * rb + (int64_t)sb * Blk<T>::bytes, k, qa[q], qb[q], wa[q], wb[q], na[q], nbm[q],
+                 sa, sbk);
+      }
+      const int64_t xa = (int64_t)sb * 8 + sa, xb = (int64_t)sb * 8 + sbk;  // x's blocks of the two sub-blocks
 #pragma unroll
-        for (int q = 0; q < R; ++q) {
-          int s[2] = {0, 0}, u[2] = {0, 0};  // the first and second 16 of each sub-block
+      for (int t = 0; t < NT; ++t) {
+        if (t < j.n) {
+          const int4* va = reinterpret_cast<const int4*>(j.xq + t * cols + xa * 32);
+          const int4* vb = reinterpret_cast<const int4*>(j.xq + t * cols + xb * 32);
+          const int4 a0 = va[0], a1 = va[1], c0 = vb[0], c1 = vb[1];
+          const int xva[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+          const int xvb[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+          const float xda = j.xd[t * nb + xa], xdb = j.xd[t * nb + xb];
+          float xsa = 0.f, xsb = 0.f;
+          if constexpr (T != T_Q6_K) xsa = (float)j.xs[t * nb + xa], xsb = (float)j.xs[t * nb + xb];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            s[i >> 2] = __dp4a((int)qa[q][i], xva[i], s[i >> 2]);
-            u[i >> 2] = __dp4a((int)qb[q][i], xvb[i], u[i >> 2]);
+          for (int q = 0; q < R; ++q) {
+            int s[2] = {0, 0}, v[2] = {0, 0};  // the first and second 16 of each sub-block
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              s[i >> 2] = __dp4a((int)qa[q][i], xva[i], s[i >> 2]);
+              v[i >> 2] = __dp4a((int)qb[q][i], xvb[i], v[i >> 2]);
+            }
+            float va_ = wa[q][0] * (float)s[0] + wa[q][1] * (float)s[1];
+            float vb_ = wb[q][0] * (float)v[0] + wb[q][1] * (float)v[1];
+            if constexpr (T != T_Q6_K) va_ -= na[q] * xsa, vb_ -= nbm[q] * xsb;
+            acc[t][q] += xda * va_ + xdb * vb_;
           }
-          float va_ = wa[q][0] * (float)s[0] + wa[q][1] * (float)s[1];
-          float vb_ = wb[q][0] * (float)u[0] + wb[q][1] * (float)u[1];
-          if constexpr (T != T_Q6_K) va_ -= na[q] * xsa, vb_ -= nbm[q] * xsb;
-          acc[t][q] += xda * va_ + xdb * vb_;
         }
       }
     }
@@ -1066,14 +1121,33 @@ int k_i8_rows(int n) {
   return v == 1 || v == 4 ? v : 2;
 }
 
-template <uint32_t T, int R>
+template <uint32_t T, int R, bool E = true>
 void launch_k_i8_r(const GemvJob& p, dim3 grid, cudaStream_t st) {
-  if (p.n <= 4) launch(gemv_k_i8_k<T, 4, R>, grid, SW * 32, 0, st, p);
-  else launch(gemv_k_i8_k<T, 16, R>, grid, SW * 32, 0, st, p);
+  if (p.n <= 4) launch(gemv_k_i8_k<T, 4, R, 1, E>, grid, SW * 32, 0, st, p);
+  else launch(gemv_k_i8_k<T, 16, R, 1, E>, grid, SW * 32, 0, st, p);
+}
+// Pairs a lane has in flight at one token: as many as the row gives it (a 2048-wide row is one a
+// lane, an 8192-wide down projection four), at most DASLLAMA_CUDA_KI8_U (1, 2 or 4; default 4;
+// read at each launch); more registers a thread where a row has them to fill. KI8_U=0: the
+// kernel as it was, one pair at a time, nothing loaded before the wait on the step before (A/B).
+int k_i8_pairs(int64_t cols) {
+  const char* e = std::getenv("DASLLAMA_CUDA_KI8_U");
+  const int cap = e && *e ? std::atoi(e) : 4;
+  if (cap == 0) return 0;
+  const int64_t per = ceil_div(cols / 64, (int64_t)32);
+  const int u = per >= 4 ? 4 : per >= 2 ? 2 : 1;
+  return cap == 1 || cap == 2 ? std::min(u, cap) : u;
 }
 template <uint32_t T>
 void launch_k_i8(const GemvJob& p, int rw, dim3 grid, cudaStream_t st) {
-  if (p.n == 1) launch(gemv_k_i8_k<T, 1, 1>, grid, SW * 32, 0, st, p);
+  const int u = k_i8_pairs(p.cols);
+  if (u == 0 && p.n == 1) launch(gemv_k_i8_k<T, 1, 1, 1, false>, grid, SW * 32, 0, st, p);
+  else if (u == 0 && rw == 2) launch_k_i8_r<T, 2, false>(p, grid, st);
+  else if (p.n == 1) {
+    if (u == 4) launch(gemv_k_i8_k<T, 1, 1, 4>, grid, SW * 32, 0, st, p);
+    else if (u == 2) launch(gemv_k_i8_k<T, 1, 1, 2>, grid, SW * 32, 0, st, p);
+    else launch(gemv_k_i8_k<T, 1, 1, 1>, grid, SW * 32, 0, st, p);
+  }
   else if (rw == 4) launch_k_i8_r<T, 4>(p, grid, st);
   else if (rw == 2) launch_k_i8_r<T, 2>(p, grid, st);
   else launch_k_i8_r<T, 1>(p, grid, st);

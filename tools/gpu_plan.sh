@@ -99,6 +99,13 @@ for stage in "$@"; do
       step prof64 120 bash -c "cd benchmarks && python profile_cuda.py --type q8_0 --batch 64 --steps 8"
       step prof4 120 bash -c "cd benchmarks && python profile_cuda.py --type q8_0 --batch 4 --steps 16"
       ;;
+    s31c)  # gemv_k_i8_k's loads apart from its decoding: the first pairs before the wait on the
+      # step before, U pairs a lane in flight (KI8_U=0: the kernel as it was)
+      step tests 200 python -m pytest -q -x tests/test_cuda.py -k "k_quant or mixed"
+      step ab 300 python benchmarks/ab_cuda.py --types q4_k_m,q6_K,q5_K --batches 4,16 --rounds 2 \
+        DASLLAMA_CUDA_KI8_U=0 DASLLAMA_CUDA_KI8_U=1 DASLLAMA_CUDA_KI8_U=4
+      step prof1 100 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --steps 16"
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \
