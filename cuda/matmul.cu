@@ -378,8 +378,11 @@ __device__ __forceinline__ void k_dec(const KRaw<T>& r, const uint8_t* b, int k,
 // A warp takes R rows (DASLLAMA_CUDA_KI8_R for 2-16 tokens, 1 at one token), each x load then
 // serving R rows (H100 Q4_K_M: a 16-token step's q4_K GEMVs took 47 us a launch against 9 at one
 // token, every row reading all of x the suspect). A row's sums are the same for any R.
-template <uint32_t T, int NT, int R, int U, bool E = true>
-__global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
+template <int R>
+__device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTail& t);
+
+template <uint32_t T, int NT, int R, int U, bool E = true, bool kTail = false>
+__global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j, GemvTail tail) {
   const int lane = threadIdx.x & 31;
   int mi;
   int64_t r0;
@@ -470,6 +473,7 @@ __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
       }
     }
   }
+  if constexpr (kTail) gemv_tail<1>(j, 1, tail);  // (every warp live: gemv_tail_fits)
 }
 
 // One block per id, threads over 8-element groups.
@@ -1123,8 +1127,8 @@ int k_i8_rows(int n) {
 
 template <uint32_t T, int R, bool E = true>
 void launch_k_i8_r(const GemvJob& p, dim3 grid, cudaStream_t st) {
-  if (p.n <= 4) launch(gemv_k_i8_k<T, 4, R, 1, E>, grid, SW * 32, 0, st, p);
-  else launch(gemv_k_i8_k<T, 16, R, 1, E>, grid, SW * 32, 0, st, p);
+  if (p.n <= 4) launch(gemv_k_i8_k<T, 4, R, 1, E>, grid, SW * 32, 0, st, p, GemvTail());
+  else launch(gemv_k_i8_k<T, 16, R, 1, E>, grid, SW * 32, 0, st, p, GemvTail());
 }
 // Pairs a lane has in flight at one token: as many as the row gives it (a 2048-wide row is one a
 // lane, an 8192-wide down projection four), at most DASLLAMA_CUDA_KI8_U (1, 2 or 4; default 4;
@@ -1141,12 +1145,13 @@ int k_i8_pairs(int64_t cols) {
 template <uint32_t T>
 void launch_k_i8(const GemvJob& p, int rw, dim3 grid, cudaStream_t st) {
   const int u = k_i8_pairs(p.cols);
-  if (u == 0 && p.n == 1) launch(gemv_k_i8_k<T, 1, 1, 1, false>, grid, SW * 32, 0, st, p);
+  const GemvTail no;
+  if (u == 0 && p.n == 1) launch(gemv_k_i8_k<T, 1, 1, 1, false>, grid, SW * 32, 0, st, p, no);
   else if (u == 0 && rw == 2) launch_k_i8_r<T, 2, false>(p, grid, st);
   else if (p.n == 1) {
-    if (u == 4) launch(gemv_k_i8_k<T, 1, 1, 4>, grid, SW * 32, 0, st, p);
-    else if (u == 2) launch(gemv_k_i8_k<T, 1, 1, 2>, grid, SW * 32, 0, st, p);
-    else launch(gemv_k_i8_k<T, 1, 1, 1>, grid, SW * 32, 0, st, p);
+    if (u == 4) launch(gemv_k_i8_k<T, 1, 1, 4>, grid, SW * 32, 0, st, p, no);
+    else if (u == 2) launch(gemv_k_i8_k<T, 1, 1, 2>, grid, SW * 32, 0, st, p, no);
+    else launch(gemv_k_i8_k<T, 1, 1, 1>, grid, SW * 32, 0, st, p, no);
   }
   else if (rw == 4) launch_k_i8_r<T, 4>(p, grid, st);
   else if (rw == 2) launch_k_i8_r<T, 2>(p, grid, st);
@@ -1246,22 +1251,50 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
   check_launch("matmul (staged)");
 }
 
+// gemv_k_i8_k's one-token launches take the GEMV tails too: DASLLAMA_CUDA_KTAIL=1 (read at each
+// recording), opt-in until run on a GPU.
+bool k_tail_on() {
+  const char* e = std::getenv("DASLLAMA_CUDA_KTAIL");
+  return e && e[0] == '1';
+}
+
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
-  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) || !t.cnt || !t.q ||
-      t.cols <= 0 || t.cols % 32 != 0)
+  const bool kq = k_i8_type(j.type);
+  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S && !(kq && k_tail_on())) || !gemv_staged_fits(j) ||
+      !t.cnt || !t.q || t.cols <= 0 || t.cols % 32 != 0)
     return false;
-  for (int i = 0; i < j.count; ++i)
+  for (int i = 0; i < j.count && !kq; ++i)  // (gemv_staged_fits checked the K-quants' rows)
     if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
   if (t.kind == GemvTail::round) return j.count == 1 && t.x;
   if (t.kind != GemvTail::glu) return false;
-  // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
-  const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
+  // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups;
+  // gemv_k_i8_k: a row a warp).
+  const int64_t per_block = kq ? SW : SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
   return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
          t.cols / 32 <= kTailCounters;
 }
 
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
   if (!gemv_tail_fits(j, t)) throw Error("cuda: a GEMV tail the kernel does not take");
+  if (k_i8_type(j.type)) {
+    int64_t b = 0;
+    for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], (int64_t)SW);
+    j.first_block[j.count] = b;
+    const int u = k_i8_pairs(j.cols);
+    const dim3 grid((unsigned)b);
+    switch (j.type) {
+#define DL_KT(TT)                                                                            \
+  case TT:                                                                                   \
+    if (u == 4) launch(gemv_k_i8_k<TT, 1, 1, 4, true, true>, grid, SW * 32, 0, st, j, t);    \
+    else if (u == 2) launch(gemv_k_i8_k<TT, 1, 1, 2, true, true>, grid, SW * 32, 0, st, j, t); \
+    else launch(gemv_k_i8_k<TT, 1, 1, 1, true, true>, grid, SW * 32, 0, st, j, t);           \
+    break;
+      DL_KT(T_Q4_K) DL_KT(T_Q5_K) DL_KT(T_Q6_K)
+#undef DL_KT
+    }
+    check_launch("matmul (tailed)");
+    return;
+  }
   const int ks = gemv_q8_plan(j, direct_rows(1));
   if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(j, ks, st, t);
   else launch_q8<T_Q4_0S>(j, ks, st, t);
