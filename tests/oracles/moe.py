@@ -40,9 +40,11 @@ def llama_cpp_dir() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tgz = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     if not tgz.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "--no-build-isolation", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)],
-                       check=True, capture_output=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            "--no-build-isolation", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)],
+                           capture_output=True, text=True)
+        if r.returncode:  # (pip's own words: a missing build backend, no network)
+            raise RuntimeError(f"pip download llama-cpp-python=={LLAMA_CPP_PYTHON} failed:\n{r.stderr[-3000:]}")
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
     with tarfile.open(tgz) as tf:
         members = [m for m in tf.getmembers()
