@@ -8,7 +8,8 @@
 # machine lacks them), and optionally .peers/skb.tar.xz (llama.cpp's Vulkan llama-server) and
 # .peers/llcuda.tar.xz (llama.cpp's CUDA llama-bench and llama-server: /tmp/lb.sh, /tmp/ls.sh),
 # and .hub/llama.cpp-src.tar.xz (the converter the MoE, hybrid and vision tests would pip download).
-# REBUILD=1 builds again over an earlier /tmp/dl. `pip` there may be another interpreter's:
+# .dlb/ (tools/gpu_prebuild.sh), if carried and of these sources, is the build, unpacked instead of
+# built here. REBUILD=1 builds again over an earlier /tmp/dl (never from .dlb). `pip` there may be another interpreter's:
 # everything goes through `python -m pip`.
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
@@ -43,9 +44,17 @@ done
 if [ -n "${REBUILD:-}" ] || [ ! -d /tmp/dl/dasllama ]; then
   rm -rf /tmp/dl
   t0=$SECONDS
-  python -m pip install -q --no-build-isolation --no-deps --target /tmp/dl . > /tmp/build.log 2>&1 ||
-    tail -30 /tmp/build.log
-  echo "build: $((SECONDS - t0)) s"
+  # This tree built elsewhere (tools/gpu_prebuild.sh), if carried and of these very sources.
+  if [ -z "${REBUILD:-}" ] && [ -f .dlb/dl.tar.xz ] && [ "$(cat .dlb/src.sha256 2>/dev/null)" = "$(bash tools/src_hash.sh)" ] &&
+    tar xJf .dlb/dl.tar.xz -C /tmp; then
+    echo "prebuilt: $((SECONDS - t0)) s"
+  else
+    [ -f .dlb/dl.tar.xz ] && echo "prebuilt .dlb is not this tree's: building"
+    rm -rf /tmp/dl
+    python -m pip install -q --no-build-isolation --no-deps --target /tmp/dl . > /tmp/build.log 2>&1 ||
+      tail -30 /tmp/build.log
+    echo "build: $((SECONDS - t0)) s"
+  fi
 fi
 export PYTHONPATH=/tmp/dl:/tmp/gg
 python -c "import dasllama; i = dasllama.system_info()['devices']; print({k: [d['name'] + ' | ' + d.get('features', '') for d in v['devices']] or v['error'] for k, v in i.items() if k != 'cpu'})"
