@@ -43,6 +43,22 @@ __device__ __forceinline__ void k_scale_min(const uint8_t* s, int j, int& sc, in
   }
 }
 
+// Byte i (0-11) of a q4_K / q5_K block's scales (header words y, z, w), and k_scale_min over them
+// (the int8 K-quant kernels read the header as one 16-byte load).
+__device__ __forceinline__ int k_sbyte(const uint4& h, int i) {
+  const uint32_t w = i < 4 ? h.y : i < 8 ? h.z : h.w;
+  return (int)((w >> (8 * (i & 3))) & 0xFFu);
+}
+__device__ __forceinline__ void k_scale_min_r(const uint4& h, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = k_sbyte(h, j) & 0x3F;
+    mn = k_sbyte(h, j + 4) & 0x3F;
+  } else {
+    sc = (k_sbyte(h, j + 4) & 0xF) | ((k_sbyte(h, j - 4) >> 2) & 0x30);
+    mn = (k_sbyte(h, j + 4) >> 4) | ((k_sbyte(h, j) >> 2) & 0x30);
+  }
+}
+
 // An int of magnitude < 2^22 as a float, exactly, without the quarter-rate I2F
 // conversion: the int lands in the mantissa of 1.5 * 2^23, which is then subtracted.
 __device__ __forceinline__ float sf(int v) { return __int_as_float(0x4B400000 + v) - 12582912.f; }

@@ -306,21 +306,6 @@ __device__ __forceinline__ void k_load(const uint8_t* b, int k, KRaw<T>& r) {
   }
 }
 
-// Byte i (0-11) of a q4_K / q5_K block's scales (header words y, z, w), and k_scale_min over them.
-__device__ __forceinline__ int k_sbyte(const uint4& h, int i) {
-  const uint32_t w = i < 4 ? h.y : i < 8 ? h.z : h.w;
-  return (int)((w >> (8 * (i & 3))) & 0xFFu);
-}
-__device__ __forceinline__ void k_scale_min_r(const uint4& h, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = k_sbyte(h, j) & 0x3F;
-    mn = k_sbyte(h, j + 4) & 0x3F;
-  } else {
-    sc = (k_sbyte(h, j + 4) & 0xF) | ((k_sbyte(h, j - 4) >> 2) & 0x30);
-    mn = (k_sbyte(h, j + 4) >> 4) | ((k_sbyte(h, j) >> 2) & 0x30);
-  }
-}
-
 // Pair k of a super-block (its raw words r; b its bytes' address, for q6_K's shift) as
 // gemv_k_i8_k reads it: the two sub-blocks' quants as bytes (q6_K: signed), their scales a 16
 // (q4_K / q5_K: the same twice), the mins' factors (q6_K: 0), and the two sub-blocks' indices in

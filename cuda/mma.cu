@@ -187,6 +187,196 @@ __global__ void __launch_bounds__(WM * WK * 32, MINB) mma_q8_k(GemvJob j) {
   }
 }
 
+// ---- K-quants (q4_K, q5_K, q6_K) of 2-16 tokens on int8 mmas (DASLLAMA_CUDA_KMMA=1) ----
+// gemv_k_i8_k's pairs of sub-blocks (matmul.cu: q4_K / q5_K sub-blocks 2k and 2k + 1, the low
+// and high nibbles of the same 32 bytes; q6_K sub-blocks s and s + 2 of half h) as A fragments:
+// lane (g, c) holds the words of elements 4c.. and 16 + 4c.. of rows g and g + 8, and x's block
+// of the sub-block gives the B fragments in the same order of k, so one m16n8k32 is one
+// sub-block's integer dot products for 16 rows x 8 tokens. q4_K / q5_K scale a sub-block's sum by
+// d * sc and take dmin * m * (x's quant sum) off; q6_K's 16-element scales take two mmas a
+// sub-block, each with the other half's words zero. A block is 8 warps over one 16-row tile,
+// splitting its pairs; their partial sums meet in shared memory.
+template <uint32_t T> struct KmRaw {  // one pair of rows g, g + 8 (index 0, 1) as lane (g, c) reads it
+  uint4 h[2];                         // q4_K / q5_K: the block header
+  uint32_t q[2][2], e[2][2];          // the quant words of elements 4c.., 16 + 4c..; q5_K's high-bit words
+};
+template <> struct KmRaw<T_Q6_K> {
+  uint32_t l[2][4], m[2][4];  // the aligned words around ql's / qh's two words (shifted at decoding)
+  uint32_t sc[2][2], d[2];    // the two 2-byte scale pairs, the f16 d
+};
+
+template <uint32_t T>
+__device__ __forceinline__ void km_load(const uint8_t* const (&row)[2], int p, int c, KmRaw<T>& r) {
+  const int sb = p >> 2, k = p & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint8_t* b = row[i] + (int64_t)sb * Blk<T>::bytes;
+    if constexpr (T == T_Q6_K) {
+      const int h = k >> 1, s = k & 1;
+      const auto* l = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(b + h * 64 + s * 32) & ~uintptr_t(3));
+      const auto* m = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(b + 128 + h * 32) & ~uintptr_t(3));
+      r.l[i][0] = __ldg(l + c), r.l[i][1] = __ldg(l + c + 1), r.l[i][2] = __ldg(l + c + 4), r.l[i][3] = __ldg(l + c + 5);
+      r.m[i][0] = __ldg(m + c), r.m[i][1] = __ldg(m + c + 1), r.m[i][2] = __ldg(m + c + 4), r.m[i][3] = __ldg(m + c + 5);
+      r.sc[i][0] = ld16(b + 192 + h * 8 + s * 2), r.sc[i][1] = ld16(b + 196 + h * 8 + s * 2), r.d[i] = ld16(b + 208);
+    } else {
+      constexpr int qs_off = T == T_Q4_K ? 16 : 48;
+      r.h[i] = __ldg(reinterpret_cast<const uint4*>(b));
+      const auto* q = reinterpret_cast<const uint32_t*>(b + qs_off + 32 * k);
+      r.q[i][0] = __ldg(q + c), r.q[i][1] = __ldg(q + 4 + c);
+      if constexpr (T == T_Q5_K) {
+        const auto* e = reinterpret_cast<const uint32_t*>(b + 16);
+        r.e[i][0] = __ldg(e + c), r.e[i][1] = __ldg(e + 4 + c);
+      }
+    }
+  }
+}
+
+// Pair p's two sub-blocks u (0, 1): A fragments a[u], the rows' scales w[u][row][half] (q4_K /
+// q5_K: both halves d * sc), mins n[u][row] (q6_K: 0), x's block of each sub-block xb[u].
+template <uint32_t T>
+__device__ __forceinline__ void km_dec(const KmRaw<T>& r, const uint8_t* const (&row)[2], int p, uint32_t (&a)[2][4],
+                                       float (&w)[2][2][2], float (&n)[2][2], int64_t (&xb)[2]) {
+  const int sb = p >> 2, k = p & 3;
+  if constexpr (T == T_Q6_K) {
+    const int h = k >> 1, s = k & 1;
+    xb[0] = (int64_t)sb * 8 + h * 4 + s, xb[1] = xb[0] + 2;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t sh = (uint32_t)(reinterpret_cast<uintptr_t>(row[i] + (int64_t)sb * 210) & 2) * 8;  // (mod 4)
+      uint32_t ql[2], qh[2];
+      ql[0] = __funnelshift_r(r.l[i][0], r.l[i][1], sh), ql[1] = __funnelshift_r(r.l[i][2], r.l[i][3], sh);
+      qh[0] = __funnelshift_r(r.m[i][0], r.m[i][1], sh), qh[1] = __funnelshift_r(r.m[i][2], r.m[i][3], sh);
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        a[0][v * 2 + i] = __vsub4((ql[v] & 0x0F0F0F0Fu) | ((qh[v] >> (2 * s)) & 0x03030303u) << 4, 0x20202020u);
+        a[1][v * 2 + i] = __vsub4(((ql[v] >> 4) & 0x0F0F0F0Fu) | ((qh[v] >> (2 * s + 4)) & 0x03030303u) << 4, 0x20202020u);
+      }
+      const float d = h2f((uint16_t)r.d[i]);
+      w[0][i][0] = d * (float)(int8_t)(r.sc[i][0] & 0xFFu), w[0][i][1] = d * (float)(int8_t)(r.sc[i][0] >> 8);
+      w[1][i][0] = d * (float)(int8_t)(r.sc[i][1] & 0xFFu), w[1][i][1] = d * (float)(int8_t)(r.sc[i][1] >> 8);
+      n[0][i] = n[1][i] = 0.f;
+    }
+  } else {
+    xb[0] = (int64_t)sb * 8 + 2 * k, xb[1] = xb[0] + 1;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float d = h2f((uint16_t)(r.h[i].x & 0xFFFFu)), dmin = h2f((uint16_t)(r.h[i].x >> 16));
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        int sc, mn;
+        k_scale_min_r(r.h[i], 2 * k + u, sc, mn);
+        w[u][i][0] = w[u][i][1] = d * (float)sc, n[u][i] = dmin * (float)mn;
+      }
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        uint32_t lo = r.q[i][v] & 0x0F0F0F0Fu, hi = (r.q[i][v] >> 4) & 0x0F0F0F0Fu;
+        if constexpr (T == T_Q5_K) {
+          lo |= ((r.e[i][v] >> (2 * k)) & 0x01010101u) << 4;
+          hi |= ((r.e[i][v] >> (2 * k + 1)) & 0x01010101u) << 4;
+        }
+        a[0][v * 2 + i] = lo, a[1][v * 2 + i] = hi;  // (a0, a1: rows g, g + 8 at 4c..; a2, a3 at 16 + 4c..)
+      }
+    }
+  }
+}
+
+template <uint32_t T, int NT>
+__global__ void __launch_bounds__(256) mma_k_i8_k(GemvJob j) {
+  constexpr int WK = 8, UB = 2;  // warps splitting a tile's pairs; pairs a lane has in flight
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  int mi = 0;
+  while (mi + 1 < j.count && (int64_t)blockIdx.y >= j.first_block[mi + 1]) ++mi;
+  const int64_t rows = j.rows[mi], cols = j.cols, nb = cols / 32;
+  const int64_t r0 = ((int64_t)blockIdx.y - j.first_block[mi]) * 16;
+  const int64_t t0 = (int64_t)blockIdx.x * (8 * NT);
+  const size_t rb = j.rb[mi];
+  const uint8_t* const row[2] = {j.w[mi] + lmin(r0 + g, rows - 1) * rb, j.w[mi] + lmin(r0 + g + 8, rows - 1) * rb};
+  const int pairs = (int)(cols / 64), per = (pairs + WK - 1) / WK, p0 = warp * per, p1 = (int)lmin(pairs, p0 + per);
+  KmRaw<T> raw[UB];
+  auto load = [&](int pb) {
+#pragma unroll
+    for (int u = 0; u < UB; ++u)
+      if (pb + u < p1) km_load<T>(row, pb + u, c, raw[u]);
+  };
+  load(p0);  // the weights are constant: in flight before x (the step before) is ready
+  pdl_wait();
+  pdl_trigger();
+  // Token rows past n read the last one (their sums are dropped).
+  int64_t xo[NT], tc[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    xo[nt] = lmin(t0 + nt * 8 + g, j.n - 1) * cols;
+    tc[nt][0] = lmin(t0 + nt * 8 + 2 * c, j.n - 1) * nb;
+    tc[nt][1] = lmin(t0 + nt * 8 + 2 * c + 1, j.n - 1) * nb;
+  }
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  for (int pb = p0; pb < p1; pb += UB) {
+    if (pb != p0) load(pb);
+#pragma unroll
+    for (int u = 0; u < UB; ++u) {
+      const int p = pb + u;
+      if (p >= p1) break;
+      uint32_t a[2][4];
+      float w[2][2][2], mn[2][2];
+      int64_t xb[2];
+      km_dec<T>(raw[u], row, p, a, w, mn, xb);
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int8_t* xr = j.xq + xo[nt] + xb[sub] * 32;
+          const uint32_t b0 = __ldg(reinterpret_cast<const uint32_t*>(xr) + c);
+          const uint32_t b1 = __ldg(reinterpret_cast<const uint32_t*>(xr) + 4 + c);
+          const float dx0 = __ldg(j.xd + tc[nt][0] + xb[sub]), dx1 = __ldg(j.xd + tc[nt][1] + xb[sub]);
+          float v[4];
+          if constexpr (T == T_Q6_K) {
+            int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+            mma_s8(lo, a[sub][0], a[sub][1], 0u, 0u, b0, b1);
+            mma_s8(hi, 0u, 0u, a[sub][2], a[sub][3], b0, b1);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) v[q] = w[sub][q >> 1][0] * (float)lo[q] + w[sub][q >> 1][1] * (float)hi[q];
+          } else {
+            int sm[4] = {0, 0, 0, 0};
+            mma_s8(sm, a[sub][0], a[sub][1], a[sub][2], a[sub][3], b0, b1);
+            const float xs0 = (float)__ldg(j.xs + tc[nt][0] + xb[sub]), xs1 = (float)__ldg(j.xs + tc[nt][1] + xb[sub]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) v[q] = w[sub][q >> 1][0] * (float)sm[q] - mn[sub][q >> 1] * ((q & 1) ? xs1 : xs0);
+          }
+          acc[nt][0] += dx0 * v[0], acc[nt][1] += dx1 * v[1];
+          acc[nt][2] += dx0 * v[2], acc[nt][3] += dx1 * v[3];
+        }
+    }
+  }
+  __shared__ float red[WK][NT][32][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][nt][lane][i] = acc[nt][i];
+  __syncthreads();
+  if (warp != 0) return;
+  float* y = j.y[mi];
+  auto put = [&](int64_t r, int64_t t, float v) {
+    if (r >= rows || t >= j.n) return;
+    float* o = y + t * rows + r;
+    *o = j.accumulate ? *o + v : v;
+  };
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = red[0][nt][lane][i];
+#pragma unroll
+      for (int q = 1; q < WK; ++q) v[i] += red[q][nt][lane][i];
+    }
+    const int64_t t = t0 + nt * 8 + 2 * c;
+    put(r0 + g, t, v[0]), put(r0 + g, t + 1, v[1]);
+    put(r0 + g + 8, t, v[2]), put(r0 + g + 8, t + 1, v[3]);
+  }
+}
+
 // ---- Prefill: shared-memory tiles ----
 // Past 64 tokens a block takes 64 weight rows x 64 tokens; each stage of KB 32-blocks of k
 // (weights, activations and both sides' block scales) is copied into shared memory with
@@ -957,9 +1147,20 @@ void mma_f16h_slabs(const Mat& m, void* dq, int64_t slab_rows, const float* x, i
   check_launch("matmul (f16 slabs)");
 }
 
+bool k_mma_on(int64_t n) {
+  const char* e = std::getenv("DASLLAMA_CUDA_KMMA");
+  return e && e[0] == '1' && n >= 2 && n <= 16;
+}
+
 bool mma_q8_fits(const GemvJob& j) {
   if (!tensor_cores()) return false;  // (the backend checks too: prop_.major)
   if (!j.xq || j.n < 1 || j.count < 1 || j.count > 3 || j.cols <= 0 || j.cols % 32 != 0 || j.norm) return false;
+  if (j.type == T_Q4_K || j.type == T_Q5_K || j.type == T_Q6_K) {  // mma_k_i8_k: 2-16 tokens, whole super-blocks
+    if (j.n < 2 || j.n > 16) return false;
+    for (int i = 0; i < j.count; ++i)
+      if (!k_i8_rows_fit(j.type, j.cols, j.rows[i], j.rb[i], j.w[i])) return false;
+    return true;
+  }
   if (j.type != T_Q8_0S && j.type != T_Q4_0S) return false;
   for (int i = 0; i < j.count; ++i)
     if (j.rows[i] <= 0 || j.rb[i] % 16 != 0 || ((uintptr_t)j.w[i] & 15) != 0) return false;  // the split layouts'
@@ -968,6 +1169,24 @@ bool mma_q8_fits(const GemvJob& j) {
 
 void mma_q8(const GemvJob& j, cudaStream_t st) {
   if (!mma_q8_fits(j)) throw Error("cuda: a matmul the int8 mma kernel does not take");
+  if (j.type == T_Q4_K || j.type == T_Q5_K || j.type == T_Q6_K) {
+    GemvJob p = j;
+    int64_t b = 0;
+    for (int i = 0; i < p.count; ++i) p.first_block[i] = b, b += ceil_div(p.rows[i], (int64_t)16);
+    p.first_block[p.count] = b;
+    const dim3 grid((unsigned)ceil_div(p.n, p.n <= 8 ? 8 : 16), (unsigned)b);
+    switch (p.type) {
+#define DL_KM(TT)                                                                   \
+  case TT:                                                                          \
+    if (p.n <= 8) launch(mma_k_i8_k<TT, 1>, grid, 256, 0, st, p);                   \
+    else launch(mma_k_i8_k<TT, 2>, grid, 256, 0, st, p);                            \
+    break;
+      DL_KM(T_Q4_K) DL_KM(T_Q5_K) DL_KM(T_Q6_K)
+#undef DL_KM
+    }
+    check_launch("matmul (K-quant int8 mma)");
+    return;
+  }
   if (j.type == T_Q8_0S) run_mma<T_Q8_0S>(j, st);
   else run_mma<T_Q4_0S>(j, st);
   check_launch("matmul (int8 mma)");

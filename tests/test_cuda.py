@@ -188,7 +188,8 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, n):
     """q8 mode's K-quant GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8 / DASLLAMA_CUDA_Q56K_I8,
     both on): x rounded to A8 blocks, each token at the f32 bar against float64
     numpy over gguf-py's decoded weights and that rounded x, and farther than the bar from the f32
-    product (the rounding ran), with 1, 2 and 4 rows a warp from 2 tokens (DASLLAMA_CUDA_KI8_R);
+    product (the rounding ran), with 1, 2 and 4 rows a warp from 2 tokens (DASLLAMA_CUDA_KI8_R)
+    and on int8 mmas (DASLLAMA_CUDA_KMMA=1, 3 and 16 tokens);
     off, the f32 GEMV at the f32 bar. Rows ending mid-block of warps (and mid-warp),
     a row of 9 super-blocks (lanes that take two pairs of sub-blocks; q6_K's 210-byte blocks then
     start at 0 and 2 mod 4 within a row, and rows too), three weights over one x, and into a
@@ -217,10 +218,11 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, n):
                 if r0 is not None:
                     outs[0] = outs[0] + r0
                 refs[key] = outs
-            for on, rw in (("1", "1"), ("1", "2"), ("1", "4"), ("0", "1")):
+            for on, rw, mma in (("1", "1", "0"), ("1", "2", "0"), ("1", "4", "0"), ("1", "2", "1"), ("0", "1", "0")):
                 monkeypatch.setenv("DASLLAMA_CUDA_Q4K_I8", on)
                 monkeypatch.setenv("DASLLAMA_CUDA_Q56K_I8", on)
                 monkeypatch.setenv("DASLLAMA_CUDA_KI8_R", rw)
+                monkeypatch.setenv("DASLLAMA_CUDA_KMMA", mma)
                 o, at = np.asarray(run()).reshape(-1), 0
                 for i, w in enumerate(ws):
                     got = o[at:at + n * w.shape[0]].reshape(n, w.shape[0])
@@ -228,7 +230,7 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, n):
                     ref, other = (refs["a8"][i], refs["f32"][i]) if on == "1" else (refs["f32"][i], None)
                     for t in range(n):
                         e = op_nmse(got[t], ref[t])
-                        assert e <= F32_DOT, f"{wtype} I8={on} R={rw} {name} {cols} n={n} matrix {i} token {t}: NMSE {e:.3g}"
+                        assert e <= F32_DOT, f"{wtype} I8={on} R={rw} KMMA={mma} {name} {cols} n={n} matrix {i} token {t}: NMSE {e:.3g}"
                     if other is not None:
                         assert op_nmse(got, other) > F32_DOT, f"{wtype} {name} {cols} n={n}: the f32 product's, not rounded"
 
