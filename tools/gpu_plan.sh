@@ -106,7 +106,7 @@ for stage in "$@"; do
         DASLLAMA_CUDA_KI8_U=0 DASLLAMA_CUDA_KI8_U=1 DASLLAMA_CUDA_KI8_U=4
       step prof1 100 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --steps 16"
       ;;
-    s32)  # the thirty-first session's unrun code: K-quant steps of 2-16 tokens on int8 mmas (opt-in)
+    s32)  # K-quant steps on int8 mmas (default from 9 tokens; timed only at 16): where they should start
       step tests 200 python -m pytest -q -x tests/test_cuda.py -k "k_quant or mixed or glu_tail"
       step kmma 300 python benchmarks/ab_cuda.py --types q4_k_m,q6_K,q5_K --no-tg --batches 4,8,16 --rounds 2 \
         DASLLAMA_CUDA_KMMA=0 DASLLAMA_CUDA_KMMA=1
