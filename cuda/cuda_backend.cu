@@ -1088,7 +1088,7 @@ class CudaBackend final : public Backend {
     // 1,614 -> 1,014 / 2,275 / 3,361).
     const bool kq = cuda::k_i8_on(j.type) && !s.w[0]->exact && j.cols % 256 == 0 && s.n <= cuda::k_i8_max();
     // Block formats from dq_f16_min() tokens (where the int8 GEMV does not take them): matmul()'s
-    // decoding to f16, not the staged GEMV (which the default, 33, leaves at 32 tokens anyway).
+    // decoding to f16, not the staged GEMV.
     if (!kq && !s.w[0]->exact && cuda::dequant_f16_type(j.type) && dq_f16_on() && s.n >= dq_f16_min()) return false;
     const bool q8 = kq || (!s.w[0]->exact && (j.type == cuda::T_Q8_0S || j.type == cuda::T_Q4_0S) && j.cols % 32 == 0);
     // f16 / bf16 batched steps from f16_min tokens: norm, then matmul()'s tensor-core tiles.
