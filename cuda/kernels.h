@@ -143,7 +143,8 @@ bool dequant_f16_type(uint32_t type);
 void dequant_f16(const Mat& m, void* out, cudaStream_t st);
 bool mma_q8_fits(const GemvJob& j);
 // q4_K / q5_K / q6_K steps of n tokens on int8 mmas (mma_q8 takes them: mma_k_i8_k) instead of
-// gemv_k_i8_k: 9-16 tokens by default, DASLLAMA_CUDA_KMMA=1 2-16, =0 none (read at each call).
+// gemv_k_i8_k: 9-16 tokens by default, DASLLAMA_CUDA_KMMA=1 from 2, =0 none; up to
+// DASLLAMA_CUDA_KMMA_MAX (16; at most 32), read at each call.
 bool k_mma_on(int64_t n);
 void mma_q8(const GemvJob& j, cudaStream_t st);
 // y[t][r] = sum_k W[r][k] x[t][k], t < n.

@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(WM * WK * 32, MINB) mma_q8_k(GemvJob j) {
   }
 }
 
-// ---- K-quants (q4_K, q5_K, q6_K) of 2-16 tokens on int8 mmas (k_mma_on: 9-16 by default) ----
+// ---- K-quants (q4_K, q5_K, q6_K) of 2-32 tokens on int8 mmas (k_mma_on: 9-16 by default) ----
 // gemv_k_i8_k's pairs of sub-blocks (matmul.cu: q4_K / q5_K sub-blocks 2k and 2k + 1, the low
 // and high nibbles of the same 32 bytes; q6_K sub-blocks s and s + 2 of half h) as A fragments:
 // lane (g, c) holds the words of elements 4c.. and 16 + 4c.. of rows g and g + 8, and x's block
@@ -1149,18 +1149,22 @@ void mma_f16h_slabs(const Mat& m, void* dq, int64_t slab_rows, const float* x, i
 }
 
 // H100, Llama-1B Q4_K_M, a batched step of 16: 4,005 t/s on gemv_k_i8_k, 7,082 on mma_k_i8_k (one
-// round). Below 9 tokens not yet timed, so the default starts there.
+// round). Below 9 tokens not yet timed, so the default starts there. DASLLAMA_CUDA_KMMA_MAX (16,
+// up to 32; read at each call): the most tokens it takes, past which the decoding to f16 does
+// (17-32 on the mmas not yet run on a GPU).
 bool k_mma_on(int64_t n) {
   const char* e = std::getenv("DASLLAMA_CUDA_KMMA");
-  const int64_t from = e && e[0] == '0' ? 17 : e && e[0] == '1' ? 2 : 9;
-  return n >= from && n <= 16;
+  if (e && e[0] == '0') return false;
+  const int64_t from = e && e[0] == '1' ? 2 : 9;
+  const int64_t most = std::min<int64_t>(32, std::max<int64_t>(16, env_int("DASLLAMA_CUDA_KMMA_MAX", 16)));
+  return n >= from && n <= most;
 }
 
 bool mma_q8_fits(const GemvJob& j) {
   if (!tensor_cores()) return false;  // (the backend checks too: prop_.major)
   if (!j.xq || j.n < 1 || j.count < 1 || j.count > 3 || j.cols <= 0 || j.cols % 32 != 0 || j.norm) return false;
-  if (j.type == T_Q4_K || j.type == T_Q5_K || j.type == T_Q6_K) {  // mma_k_i8_k: 2-16 tokens, whole super-blocks
-    if (j.n < 2 || j.n > 16) return false;
+  if (j.type == T_Q4_K || j.type == T_Q5_K || j.type == T_Q6_K) {  // mma_k_i8_k: 2-32 tokens, whole super-blocks
+    if (j.n < 2 || j.n > 32) return false;
     for (int i = 0; i < j.count; ++i)
       if (!k_i8_rows_fit(j.type, j.cols, j.rows[i], j.rb[i], j.w[i])) return false;
     return true;
@@ -1178,12 +1182,13 @@ void mma_q8(const GemvJob& j, cudaStream_t st) {
     int64_t b = 0;
     for (int i = 0; i < p.count; ++i) p.first_block[i] = b, b += ceil_div(p.rows[i], (int64_t)16);
     p.first_block[p.count] = b;
-    const dim3 grid((unsigned)ceil_div(p.n, p.n <= 8 ? 8 : 16), (unsigned)b);
+    const dim3 grid((unsigned)ceil_div(p.n, p.n <= 8 ? 8 : p.n <= 16 ? 16 : 32), (unsigned)b);
     switch (p.type) {
 #define DL_KM(TT)                                                                   \
   case TT:                                                                          \
     if (p.n <= 8) launch(mma_k_i8_k<TT, 1>, grid, 256, 0, st, p);                   \
-    else launch(mma_k_i8_k<TT, 2>, grid, 256, 0, st, p);                            \
+    else if (p.n <= 16) launch(mma_k_i8_k<TT, 2>, grid, 256, 0, st, p);             \
+    else launch(mma_k_i8_k<TT, 4>, grid, 256, 0, st, p);                            \
     break;
       DL_KM(T_Q4_K) DL_KM(T_Q5_K) DL_KM(T_Q6_K)
 #undef DL_KM

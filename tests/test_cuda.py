@@ -183,13 +183,14 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
 
 
 @pytest.mark.parametrize("wtype", ["q4_K", "q5_K", "q6_K"])
-@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("n", [1, 3, 16, 24])
 def test_k_quant_int8_gemv(monkeypatch, wtype, n):
     """q8 mode's K-quant GEMVs on int8 dot products (DASLLAMA_CUDA_Q4K_I8 / DASLLAMA_CUDA_Q56K_I8,
     both on): x rounded to A8 blocks, each token at the f32 bar against float64
     numpy over gguf-py's decoded weights and that rounded x, and farther than the bar from the f32
     product (the rounding ran), with 1, 2 and 4 rows a warp from 2 tokens (DASLLAMA_CUDA_KI8_R)
-    and on int8 mmas (DASLLAMA_CUDA_KMMA=1, 3 and 16 tokens);
+    and on int8 mmas (DASLLAMA_CUDA_KMMA=1, 3, 16 and, with DASLLAMA_CUDA_KMMA_MAX=32, 24 tokens:
+    only the mmas take 24);
     off, the f32 GEMV at the f32 bar. Rows ending mid-block of warps (and mid-warp),
     a row of 9 super-blocks (lanes that take two pairs of sub-blocks; q6_K's 210-byte blocks then
     start at 0 and 2 mod 4 within a row, and rows too), three weights over one x, and into a
@@ -218,7 +219,9 @@ def test_k_quant_int8_gemv(monkeypatch, wtype, n):
                 if r0 is not None:
                     outs[0] = outs[0] + r0
                 refs[key] = outs
-            for on, rw, mma in (("1", "1", "0"), ("1", "2", "0"), ("1", "4", "0"), ("1", "2", "1"), ("0", "1", "0")):
+            monkeypatch.setenv("DASLLAMA_CUDA_KMMA_MAX", "32")
+            variants = (("1", "1", "0"), ("1", "2", "0"), ("1", "4", "0"), ("1", "2", "1"), ("0", "1", "0"))
+            for on, rw, mma in variants if n <= 16 else variants[3:4]:
                 monkeypatch.setenv("DASLLAMA_CUDA_Q4K_I8", on)
                 monkeypatch.setenv("DASLLAMA_CUDA_Q56K_I8", on)
                 monkeypatch.setenv("DASLLAMA_CUDA_KI8_R", rw)

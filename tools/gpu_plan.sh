@@ -110,6 +110,9 @@ for stage in "$@"; do
       step tests 200 python -m pytest -q -x tests/test_cuda.py -k "k_quant or mixed or glu_tail"
       step kmma 300 python benchmarks/ab_cuda.py --types q4_k_m,q6_K,q5_K --no-tg --batches 4,8,16 --rounds 2 \
         DASLLAMA_CUDA_KMMA=0 DASLLAMA_CUDA_KMMA=1
+      # 17-32 tokens: the decoding to f16 + cuBLAS (default) against the mmas
+      step kmax 200 python benchmarks/ab_cuda.py --types q4_k_m,q6_K --no-tg --batches 24,32 --rounds 2 \
+        DASLLAMA_CUDA_KMMA_MAX=16 DASLLAMA_CUDA_KMMA_MAX=32
       ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
