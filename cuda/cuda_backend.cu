@@ -1087,7 +1087,7 @@ class CudaBackend final : public Backend {
     // -> 958 / 2,149 / 3,325, Q6_K 657 / 1,386 / 1,737 -> 960 / 2,184 / 3,459, Q5_K 609 / 1,343 /
     // 1,614 -> 1,014 / 2,275 / 3,361).
     const bool kq = cuda::k_i8_on(j.type) && !s.w[0]->exact && j.cols % 256 == 0 &&
-                    (s.n <= cuda::k_i8_max() || cuda::k_mma_on(s.n));
+                    (s.n <= 16 || cuda::k_mma_on(s.n));
     // Block formats from dq_f16_min() tokens (where the int8 GEMV does not take them): matmul()'s
     // decoding to f16, not the staged GEMV.
     if (!kq && !s.w[0]->exact && cuda::dequant_f16_type(j.type) && dq_f16_on() && s.n >= dq_f16_min()) return false;
@@ -1205,7 +1205,7 @@ class CudaBackend final : public Backend {
   bool reuse_q_ = false;
   bool mixed_k(const MatmulStep& s) {
     const char* e = std::getenv("DASLLAMA_CUDA_KMIX");
-    if ((e && e[0] == '0') || s.residual || s.count < 2 || (s.n > cuda::k_i8_max() && !cuda::k_mma_on(s.n))) return false;
+    if ((e && e[0] == '0') || s.residual || s.count < 2 || (s.n > 16 && !cuda::k_mma_on(s.n))) return false;
     for (int i = 0; i < s.count; ++i) {
       const cuda::Mat m = mat(*s.w[i]);
       if (!cuda::k_i8_on(m.type) || s.w[i]->exact || m.cols != s.w[0]->cols ||

@@ -78,9 +78,6 @@ bool gemv_staged_fits(const GemvJob& j);
 // 4-aligned start: its 210-byte blocks are read as the aligned words around them).
 bool k_i8_on(uint32_t type);
 bool k_i8_rows_fit(uint32_t type, int64_t cols, int64_t rows, size_t rb, const void* w);
-// The most tokens a step of K-quants takes gemv_k_i8_k for: DASLLAMA_CUDA_KI8_MAX (1-16, default 16;
-// read at each call), past which the staged GEMV or the decoding to f16 (DQF16_MIN) takes them.
-int k_i8_max();
 void gemv_staged(GemvJob j, cudaStream_t st);
 // What a one-token q8 GEMV does once its outputs are written, instead of the launch that would
 // follow it (the same arithmetic, so the same bits):

@@ -363,11 +363,8 @@ __device__ __forceinline__ void k_dec(const KRaw<T>& r, const uint8_t* b, int k,
 // A warp takes R rows (DASLLAMA_CUDA_KI8_R for 2-16 tokens, 1 at one token), each x load then
 // serving R rows (H100 Q4_K_M: a 16-token step's q4_K GEMVs took 47 us a launch against 9 at one
 // token, every row reading all of x the suspect). A row's sums are the same for any R.
-template <int R>
-__device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTail& t);
-
-template <uint32_t T, int NT, int R, int U, bool E = true, bool kTail = false>
-__global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j, GemvTail tail) {
+template <uint32_t T, int NT, int R, int U>
+__global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
   const int lane = threadIdx.x & 31;
   int mi;
   int64_t r0;
@@ -390,11 +387,10 @@ __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j, GemvTail tail)
       }
     }
   };
-  if (E && live) load(lane);  // the weights are constant: in flight before x (the step before) is ready
+  if (live) load(lane);  // the weights are constant: in flight before x (the step before) is ready
   pdl_wait();
   pdl_trigger();
   if (!live) return;
-  if (!E) load(lane);
   float acc[NT][R];
 #pragma unroll
   for (int t = 0; t < NT; ++t)
@@ -458,7 +454,6 @@ __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j, GemvTail tail)
       }
     }
   }
-  if constexpr (kTail) gemv_tail<1>(j, 1, tail);  // (every warp live: gemv_tail_fits)
 }
 
 // One block per id, threads over 8-element groups.
@@ -1093,12 +1088,6 @@ bool k_i8_rows_fit(uint32_t type, int64_t cols, int64_t rows, size_t rb, const v
   return type == T_Q6_K ? rb % 2 == 0 && aligned4(w) : rb % 16 == 0 && aligned16(w);
 }
 
-int k_i8_max() {
-  const char* e = std::getenv("DASLLAMA_CUDA_KI8_MAX");
-  const int v = e && *e ? std::atoi(e) : 16;
-  return v >= 1 && v <= 16 ? v : 16;
-}
-
 // Rows a warp of gemv_k_i8_k for n tokens: 1 at one token; from 2 tokens DASLLAMA_CUDA_KI8_R (1, 2
 // or 4; default 2; read at each launch, so ab_cuda.py can switch it). H100, batched steps of 4 / 16,
 // R = 1 / 2 / 4: Q4_K_M 2,225 / 2,977, 2,496 / 4,200, 2,403 / 3,989; Q6_K 2,243 / 3,504, 2,501 /
@@ -1110,33 +1099,26 @@ int k_i8_rows(int n) {
   return v == 1 || v == 4 ? v : 2;
 }
 
-template <uint32_t T, int R, bool E = true>
+template <uint32_t T, int R>
 void launch_k_i8_r(const GemvJob& p, dim3 grid, cudaStream_t st) {
-  if (p.n <= 4) launch(gemv_k_i8_k<T, 4, R, 1, E>, grid, SW * 32, 0, st, p, GemvTail());
-  else launch(gemv_k_i8_k<T, 16, R, 1, E>, grid, SW * 32, 0, st, p, GemvTail());
+  if (p.n <= 4) launch(gemv_k_i8_k<T, 4, R, 1>, grid, SW * 32, 0, st, p);
+  else launch(gemv_k_i8_k<T, 16, R, 1>, grid, SW * 32, 0, st, p);
 }
 // Pairs a lane has in flight at one token: as many as the row gives it (a 2048-wide row is one a
-// lane, an 8192-wide down projection four), at most DASLLAMA_CUDA_KI8_U (1, 2 or 4; default 4;
-// read at each launch); more registers a thread where a row has them to fill. KI8_U=0: the
-// kernel as it was, one pair at a time, nothing loaded before the wait on the step before (A/B).
+// lane, an 8192-wide down projection four). H200, against the kernel as it was (nothing loaded
+// before the wait, a pair at a time): Q4_K_M tg256 / B=4 1,066 / 2,519 -> 1,080 / 2,670, Q5_K
+// 1,070 -> 1,104, Q6_K 989 -> 1,008 (capped at one pair a lane: the same within a percent).
 int k_i8_pairs(int64_t cols) {
-  const char* e = std::getenv("DASLLAMA_CUDA_KI8_U");
-  const int cap = e && *e ? std::atoi(e) : 4;
-  if (cap == 0) return 0;
   const int64_t per = ceil_div(cols / 64, (int64_t)32);
-  const int u = per >= 4 ? 4 : per >= 2 ? 2 : 1;
-  return cap == 1 || cap == 2 ? std::min(u, cap) : u;
+  return per >= 4 ? 4 : per >= 2 ? 2 : 1;
 }
 template <uint32_t T>
 void launch_k_i8(const GemvJob& p, int rw, dim3 grid, cudaStream_t st) {
   const int u = k_i8_pairs(p.cols);
-  const GemvTail no;
-  if (u == 0 && p.n == 1) launch(gemv_k_i8_k<T, 1, 1, 1, false>, grid, SW * 32, 0, st, p, no);
-  else if (u == 0 && rw == 2) launch_k_i8_r<T, 2, false>(p, grid, st);
-  else if (p.n == 1) {
-    if (u == 4) launch(gemv_k_i8_k<T, 1, 1, 4>, grid, SW * 32, 0, st, p, no);
-    else if (u == 2) launch(gemv_k_i8_k<T, 1, 1, 2>, grid, SW * 32, 0, st, p, no);
-    else launch(gemv_k_i8_k<T, 1, 1, 1>, grid, SW * 32, 0, st, p, no);
+  if (p.n == 1) {
+    if (u == 4) launch(gemv_k_i8_k<T, 1, 1, 4>, grid, SW * 32, 0, st, p);
+    else if (u == 2) launch(gemv_k_i8_k<T, 1, 1, 2>, grid, SW * 32, 0, st, p);
+    else launch(gemv_k_i8_k<T, 1, 1, 1>, grid, SW * 32, 0, st, p);
   }
   else if (rw == 4) launch_k_i8_r<T, 4>(p, grid, st);
   else if (rw == 2) launch_k_i8_r<T, 2>(p, grid, st);
@@ -1236,50 +1218,22 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
   check_launch("matmul (staged)");
 }
 
-// gemv_k_i8_k's one-token launches take the GEMV tails too: DASLLAMA_CUDA_KTAIL=1 (read at each
-// recording), opt-in until run on a GPU.
-bool k_tail_on() {
-  const char* e = std::getenv("DASLLAMA_CUDA_KTAIL");
-  return e && e[0] == '1';
-}
-
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
-  const bool kq = k_i8_type(j.type);
-  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S && !(kq && k_tail_on())) || !gemv_staged_fits(j) ||
-      !t.cnt || !t.q || t.cols <= 0 || t.cols % 32 != 0)
+  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) || !t.cnt || !t.q ||
+      t.cols <= 0 || t.cols % 32 != 0)
     return false;
-  for (int i = 0; i < j.count && !kq; ++i)  // (gemv_staged_fits checked the K-quants' rows)
+  for (int i = 0; i < j.count; ++i)
     if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
   if (t.kind == GemvTail::round) return j.count == 1 && t.x;
   if (t.kind != GemvTail::glu) return false;
-  // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups;
-  // gemv_k_i8_k: a row a warp).
-  const int64_t per_block = kq ? SW : SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
+  // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
+  const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
   return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
          t.cols / 32 <= kTailCounters;
 }
 
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
   if (!gemv_tail_fits(j, t)) throw Error("cuda: a GEMV tail the kernel does not take");
-  if (k_i8_type(j.type)) {
-    int64_t b = 0;
-    for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], (int64_t)SW);
-    j.first_block[j.count] = b;
-    const int u = k_i8_pairs(j.cols);
-    const dim3 grid((unsigned)b);
-    switch (j.type) {
-#define DL_KT(TT)                                                                            \
-  case TT:                                                                                   \
-    if (u == 4) launch(gemv_k_i8_k<TT, 1, 1, 4, true, true>, grid, SW * 32, 0, st, j, t);    \
-    else if (u == 2) launch(gemv_k_i8_k<TT, 1, 1, 2, true, true>, grid, SW * 32, 0, st, j, t); \
-    else launch(gemv_k_i8_k<TT, 1, 1, 1, true, true>, grid, SW * 32, 0, st, j, t);           \
-    break;
-      DL_KT(T_Q4_K) DL_KT(T_Q5_K) DL_KT(T_Q6_K)
-#undef DL_KT
-    }
-    check_launch("matmul (tailed)");
-    return;
-  }
   const int ks = gemv_q8_plan(j, direct_rows(1));
   if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(j, ks, st, t);
   else launch_q8<T_Q4_0S>(j, ks, st, t);

@@ -521,26 +521,6 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
             assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched steps' logits differ"
 
 
-def test_k_quant_glu_tail_equals_separate_launches(tmp_path, monkeypatch):
-    """Q4_K_M decode steps (q4_K gate / up, a q6_K down and V in the last layer: the mix of
-    benchmarks/bench_cuda.py's files, random blocks) give the separate launches' logits bit for
-    bit when the one-token gemv_k_i8_k over gate and up forms the GLU and its rounding in its
-    last blocks (DASLLAMA_CUDA_KTAIL=1), and that tail runs."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import bench_cuda
-
-    monkeypatch.setitem(bench_cuda.SHAPES, "tiny_k", (512, 2, 8, 2, 64, 1024, 512))
-    path = str(tmp_path / "q4_k_m.gguf")
-    bench_cuda.write_model(path, "tiny_k", "q4_k_m")
-    out = {}
-    for on in ("0", "1"):
-        got, m = _decode_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_KTAIL": on}, monkeypatch, n_steps=40)
-        assert np.isfinite(got).all()
-        out[on] = (got, m._m.fused_ops)
-    assert out["1"][1] >= out["0"][1] + 40 * 2, (out["0"][1], out["1"][1])  # a tail a layer a step
-    assert np.array_equal(out["1"][0], out["0"][0]), f"max {np.abs(out['1'][0] - out['0'][0]).max():.3g}"
-
-
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
 def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
     """Decode steps give the op-by-op kernels' logits bit for bit when each GEMV rounds its own

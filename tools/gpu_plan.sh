@@ -75,39 +75,8 @@ for stage in "$@"; do
       step prof16 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --batch 16 --steps 8"
       step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --steps 16"
       ;;
-    s31)  # the thirtieth session's unrun CUDA paths: a mixed K-quant step's x rounded once, K-quant
-      # GEMVs of R rows a warp, 17-32-token block-format steps decoded to f16 (all opt-in)
-      step tests 200 python -m pytest -q tests/test_cuda.py -k "k_quant or decoded_to_f16"
-      step kmix 200 python benchmarks/ab_cuda.py --types q4_k_m --batches 4,16 --rounds 2 \
-        DASLLAMA_CUDA_KMIX=0 DASLLAMA_CUDA_KMIX=1
-      step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_KMIX=1 python profile_cuda.py --type q4_k_m --steps 16"
-      # K-quant GEMVs of 2-16 tokens with 2 or 4 rows a warp (each x load serving them all)
-      step kr 200 python benchmarks/ab_cuda.py --types q4_k_m,q6_K --no-tg --batches 4,16 --rounds 2 \
-        DASLLAMA_CUDA_KI8_R=1 DASLLAMA_CUDA_KI8_R=2 DASLLAMA_CUDA_KI8_R=4
-      # 17-32-token K-quant steps: the f32 staged GEMV (default) against decoded to f16 + cuBLAS
-      step dq17 200 python benchmarks/ab_cuda.py --types q4_k_m --no-tg --batches 24,32 --rounds 2 \
-        DASLLAMA_CUDA_DQF16_MIN=33 DASLLAMA_CUDA_DQF16_MIN=17
-      ;;
-    s31b)  # the thirty-first session's defaults (KMIX, KI8_R=2, DQF16_MIN=17, Vulkan KI8) under the
-      # device tests, then where the int8 GEMVs should hand 9-16-token K-quant steps to the decoding
-      step tests 300 python -m pytest -q -x tests/test_cuda.py tests/test_vulkan.py \
-        -k "k_quant or decoded_to_f16 or block_formats or q4_k or mixed"
-      step kmax 240 python benchmarks/ab_cuda.py --types q4_k_m,q6_K --no-tg --batches 8,12,16 --rounds 2 \
-        DASLLAMA_CUDA_KI8_MAX=16 DASLLAMA_CUDA_KI8_MAX=8,DASLLAMA_CUDA_DQF16_MIN=9 \
-        DASLLAMA_CUDA_KI8_MAX=4,DASLLAMA_CUDA_DQF16_MIN=5
-      # Q8_0's batched steps against the issue's 1.5x: where a step of 64 and of 4 goes
-      step prof64 120 bash -c "cd benchmarks && python profile_cuda.py --type q8_0 --batch 64 --steps 8"
-      step prof4 120 bash -c "cd benchmarks && python profile_cuda.py --type q8_0 --batch 4 --steps 16"
-      ;;
-    s31c)  # gemv_k_i8_k's loads apart from its decoding: the first pairs before the wait on the
-      # step before, U pairs a lane in flight (KI8_U=0: the kernel as it was)
-      step tests 200 python -m pytest -q -x tests/test_cuda.py -k "k_quant or mixed"
-      step ab 300 python benchmarks/ab_cuda.py --types q4_k_m,q6_K,q5_K --batches 4,16 --rounds 2 \
-        DASLLAMA_CUDA_KI8_U=0 DASLLAMA_CUDA_KI8_U=1 DASLLAMA_CUDA_KI8_U=4
-      step prof1 100 bash -c "cd benchmarks && python profile_cuda.py --type q4_k_m --steps 16"
-      ;;
     s32)  # K-quant steps on int8 mmas (default from 9 tokens; timed only at 16): where they should start
-      step tests 200 python -m pytest -q -x tests/test_cuda.py -k "k_quant or mixed or glu_tail"
+      step tests 200 python -m pytest -q -x tests/test_cuda.py -k "k_quant or mixed"
       step kmma 300 python benchmarks/ab_cuda.py --types q4_k_m,q6_K,q5_K --no-tg --batches 4,8,16 --rounds 2 \
         DASLLAMA_CUDA_KMMA=0 DASLLAMA_CUDA_KMMA=1
       # 17-32 tokens: the decoding to f16 + cuBLAS (default) against the mmas
@@ -176,7 +145,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s31, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
