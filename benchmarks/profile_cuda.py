@@ -97,9 +97,9 @@ def main() -> None:
     for a, b, n in kernels:
         n = n.replace("dl::cuda::(anonymous namespace)::", "").replace("void ", "")
         by[n.split("(")[0][:90]].append(b - a)
-    print(f"{'kernel':90s} {'per step':>8s} {'mean us':>8s} {'ms/step':>8s}")
+    print(f"{'kernel':90s} {'per step':>8s} {'mean us':>8s} {'max us':>8s} {'ms/step':>8s}")
     for n, ts in sorted(by.items(), key=lambda kv: -sum(kv[1])):
-        print(f"{n:90s} {len(ts) / args.steps:8.1f} {statistics.mean(ts):8.2f} {sum(ts) / args.steps / 1e3:8.3f}")
+        print(f"{n:90s} {len(ts) / args.steps:8.1f} {statistics.mean(ts):8.2f} {max(ts):8.2f} {sum(ts) / args.steps / 1e3:8.3f}")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,11 @@ for stage in "$@"; do
       # 17-32 tokens: the decoding to f16 + cuBLAS (default) against the mmas
       step kmax 200 python benchmarks/ab_cuda.py --types q4_k_m,q6_K --no-tg --batches 24,32 --rounds 2 \
         DASLLAMA_CUDA_KMMA_MAX=16 DASLLAMA_CUDA_KMMA_MAX=32
+      # Q8_0's batched steps kernel by kernel, PDL off so no kernel's time holds its wait (the
+      # head's product against the logits' download)
+      step prof16 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --batch 16 --steps 16
+      step prof64 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --batch 64 --steps 8
+      step prof64p 120 python benchmarks/profile_cuda.py --batch 64 --steps 8
       ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
