@@ -142,6 +142,10 @@ class CudaBackend final : public Backend {
       for (auto& ev : dl_ev_) cudaEventDestroy(ev);
       cudaFreeHost(up_ring_);
     }
+    if (cs_) cudaStreamSynchronize(cs_), cudaStreamDestroy(cs_);
+    for (auto& ev : part_ev_)
+      if (ev) cudaEventDestroy(ev);
+    if (parts_done_) cudaEventDestroy(parts_done_);
     scratch_.reset();
     qact_.reset();
     counters_.reset();
@@ -278,7 +282,8 @@ class CudaBackend final : public Backend {
         bytes >= (64 << 10) && dst != pinned_ && !in_host_block(dst, bytes) ? host_staging((bytes + 3) / 4) : nullptr;
     if (stage && stage == pinned_) {
       const auto t0 = HostProf::now();
-      check(cudaMemcpyAsync(stage, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
+      if (!copy_parts(stage, src, bytes))
+        check(cudaMemcpyAsync(stage, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
       check(cudaStreamSynchronize(st_), "download (a kernel before it failed)");
       const auto t1 = HostProf::now();
       std::memcpy(dst, stage, bytes);
@@ -286,7 +291,8 @@ class CudaBackend final : public Backend {
       return;
     }
     const auto t0 = HostProf::now();
-    if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
+    if (bytes && !copy_parts(dst, src, bytes))
+      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
     check(cudaStreamSynchronize(st_), "download (a kernel before it failed)");
     if (bytes >= (64 << 10)) hp_.downloaded(t0, HostProf::now());  // a batch step's logits, into a host block
   }
@@ -296,7 +302,7 @@ class CudaBackend final : public Backend {
   int64_t download_async(void* dst, const void* src, size_t bytes) override {
     use();
     drop_recording();
-    if (bytes > kDlSlot || !rings()) {
+    if (bytes > kDlSlot || !rings() || parts_of(src, bytes)) {
       download(dst, src, bytes);
       return 0;
     }
@@ -430,10 +436,19 @@ class CudaBackend final : public Backend {
   // issued or dropped, so no buffer its ops name is freed meanwhile. (Any backend's drops wait
   // with it: a model that stops stepping with a step kept holds other models' frees until its
   // next step, its destruction or its next other call drops it.)
+  // The logits' parts of a step (matmul_logits, below).
+  static constexpr int kMaxParts = 8;
+  struct LogitParts {
+    const float* y = nullptr;
+    int64_t n = 0, V = 0;
+    int count = 0;  // 0: none
+    int64_t first[kMaxParts + 1] = {};
+  };
   struct Deferred {
     bool on = false, graphable = false;
     std::vector<std::function<void(cudaStream_t)>> ops;
     std::vector<uint8_t> sig, blob;
+    LogitParts parts;
   } deferred_;
   bool defer_steps() const override { return true; }
   bool deferred_pending() const override { return deferred_.on; }
@@ -445,6 +460,7 @@ class CudaBackend final : public Backend {
     prepare_mega();
     Deferred& d = deferred_;
     d.ops.swap(ops_), d.sig.swap(sig_), d.blob.swap(blob_);
+    d.parts = parts_rec_;
     d.graphable = max_rows_ <= kGraphMaxRows && !no_graph_;
     d.on = true;
     rec_ = false;  // (g_recording: see Deferred)
@@ -459,6 +475,7 @@ class CudaBackend final : public Backend {
     Deferred d;
     std::swap(d, deferred_);
     sig_.swap(d.sig), blob_.swap(d.blob);
+    parts_rec_ = d.parts;
     --g_recording;
     issue(d.ops, d.graphable);
   }
@@ -480,7 +497,7 @@ class CudaBackend final : public Backend {
     if (dl_started_) download_finish();
     if (!bytes || !in_host_block(dst, bytes)) return download(dst, src, bytes);
     if (!dl_start_ev_) check(cudaEventCreateWithFlags(&dl_start_ev_, cudaEventDisableTiming), "cudaEventCreate");
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
+    if (!copy_parts(dst, src, bytes)) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st_), "download");
     check(cudaEventRecord(dl_start_ev_, st_), "download");
     dl_started_ = true;
     dl_t0_ = HostProf::now();
@@ -491,6 +508,83 @@ class CudaBackend final : public Backend {
     check(cudaEventSynchronize(dl_start_ev_), "download (a kernel before it failed)");
     hp_.downloaded(dl_t0_, HostProf::now());  // "wait": from the copy's issue (the speculated recording inside)
   }
+  // ---- logits in parts (Backend::matmul_logits) ----
+  // The head's rows in up to kMaxParts slices of the vocabulary, each slice's product an n x
+  // (its rows) block of y at offset n * (its first row), each followed by an event; a download
+  // of y copies each block into its columns of the host rows on a second stream once the
+  // block's event fires, so the copy of one slice overlaps the product of the next.
+  LogitParts parts_rec_;   // made by the step being recorded
+  LogitParts parts_live_;  // made by the step last issued, not yet downloaded
+  cudaEvent_t part_ev_[kMaxParts] = {}, parts_done_ = nullptr;
+  cudaStream_t cs_ = nullptr;  // the parts' copies
+  // Parts for n rows of a V-row head: DASLLAMA_CUDA_LOGIT_PARTS (read at each call; default 0,
+  // one product and one copy), from 2 rows (one row's 0.5 MB is not worth it).
+  static int logit_parts(int64_t n, int64_t V) {
+    const char* e = std::getenv("DASLLAMA_CUDA_LOGIT_PARTS");
+    const int p = e && *e ? std::atoi(e) : 0;
+    if (p < 2 || n < 2 || V < 2 * 64) return 0;
+    return std::min(p, kMaxParts);
+  }
+  bool matmul_logits(const Weight& w, const float* x, int64_t n, float* y, float cap) override {
+    const int want = logit_parts(n, w.rows);
+    if (want < 2) return false;
+    use();
+    if (!cs_) check(cudaStreamCreateWithFlags(&cs_, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (auto& ev : part_ev_)
+      if (!ev) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    if (!parts_done_) check(cudaEventCreateWithFlags(&parts_done_, cudaEventDisableTiming), "cudaEventCreate");
+    const cuda::Mat m = mat(w);
+    LogitParts lp;
+    lp.y = y, lp.n = n, lp.V = w.rows;
+    const int64_t per = (w.rows + want - 1) / want, step = (per + 63) / 64 * 64;  // whole 64-row tiles a slice
+    for (int64_t r0 = 0; r0 < w.rows && lp.count < want; r0 += step) lp.first[lp.count++] = r0;
+    lp.first[lp.count] = w.rows;
+    for (int p = 0; p < lp.count; ++p) {
+      Weight ws = w;
+      ws.data = w.data + (size_t)lp.first[p] * m.row_bytes;
+      ws.rows = lp.first[p + 1] - lp.first[p];
+      float* yp = y + n * lp.first[p];
+      reuse_q_ = p > 0;  // a q8 product's rounded x: the first slice's, the same x and n
+      try {
+        matmul(ws, x, n, yp);
+      } catch (...) {
+        reuse_q_ = false;
+        throw;
+      }
+      reuse_q_ = false;
+      if (cap > 0) softcap(yp, cap, n * ws.rows);
+      const cudaEvent_t ev = part_ev_[p];
+      // (in a capture, an external event node: the graph's launch records it where the node runs)
+      op(Tag::mark, [ev](cudaStream_t st) {
+        check(cudaEventRecordWithFlags(ev, st, cudaEventRecordExternal), "logits part");
+      }, ev);
+    }
+    (rec_ ? parts_rec_ : parts_live_) = lp;
+    return true;
+  }
+  bool parts_of(const void* src, size_t bytes) const {
+    const LogitParts& lp = parts_live_;
+    return lp.count && src == lp.y && bytes == (size_t)(lp.n * lp.V) * sizeof(float);
+  }
+  // The live parts' copies into dst (n x V floats in host rows), st_ held behind them; false
+  // where src is not the live parts' buffer.
+  bool copy_parts(void* dst, const void* src, size_t bytes) {
+    if (!parts_of(src, bytes)) return false;
+    LogitParts lp = parts_live_;
+    parts_live_.count = 0;
+    auto* d = static_cast<float*>(dst);
+    for (int p = 0; p < lp.count; ++p) {
+      const int64_t r0 = lp.first[p], w = lp.first[p + 1] - r0;
+      check(cudaStreamWaitEvent(cs_, part_ev_[p], 0), "download");
+      check(cudaMemcpy2DAsync(d + r0, (size_t)lp.V * 4, lp.y + lp.n * r0, (size_t)w * 4, (size_t)w * 4, (size_t)lp.n,
+                              cudaMemcpyDeviceToHost, cs_),
+            "download");
+    }
+    check(cudaEventRecord(parts_done_, cs_), "download");
+    check(cudaStreamWaitEvent(st_, parts_done_, 0), "download");  // nothing after on st_ overwrites y first
+    return true;
+  }
+
   // Issues a recorded step's ops (sig_ and blob_ hold its signature and arguments).
   void issue(std::vector<std::function<void(cudaStream_t)>>& ops, bool graphable) {
     const auto tu = hp_.on ? HostProf::now() : HostProf::clock::time_point{};
@@ -512,10 +606,12 @@ class CudaBackend final : public Backend {
       if (!done)
         for (auto& f : ops) f(st_);
     } catch (...) {
+      parts_live_ = LogitParts();
       clear_step();
       free_deferred();
       throw;
     }
+    parts_live_ = parts_rec_;
     clear_step();
     free_deferred();
   }
@@ -1055,7 +1151,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store, argmax, mega
+    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store, argmax, mega, mark
   };
   template <class T>
   void sig1(const T& v) {
@@ -1366,6 +1462,7 @@ class CudaBackend final : public Backend {
     rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
+    parts_rec_ = LogitParts();
   }
   // Issues the recorded ops as a graph; false when they must be launched directly.
   bool launch_graph(std::vector<std::function<void(cudaStream_t)>>& ops) {

@@ -588,6 +588,42 @@ def test_speculated_batch_steps_equal_plain(files):
     C.speculated_stepper_streams_equal_plain(files["llama"]["q8_0"], "cuda")
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_logits_in_parts_equal_one_product(files, monkeypatch, name):
+    """The logits made and downloaded in parts of the vocabulary (DASLLAMA_CUDA_LOGIT_PARTS: each
+    part's download overlapping the next part's product; gemma2's final softcap applied a part at
+    a time): batched decode steps of 3 and 12 sessions (the GEMVs, the tiles and cuBLAS's
+    ranges), speculated as by default, give the one product's logits; a prefill asking for every
+    row's logits gives the CPU's in fp32 mode."""
+    rng = np.random.default_rng(5)
+    prompts = [[1] + rng.integers(3, E.VOCAB, 4 + i).tolist() for i in range(12)]
+    toks = rng.integers(3, E.VOCAB, (5, 12)).tolist()
+
+    def steps(path, parts, B):
+        monkeypatch.setenv("DASLLAMA_CUDA_LOGIT_PARTS", parts)
+        m = d.load_model(path, d.QuantMode.q8, device="cuda")
+        pool = d.create_kv_pool(m, page_rows=16)
+        ws = d.create_batch_workspace(m)
+        ss = [d.create_session(m, pool) for _ in range(B)]
+        for s, p in zip(ss, prompts):
+            d.eval(m, s, p)
+        out = []
+        for t in toks:
+            d.eval_batch(m, ws, ss, t[:B])
+            out.append(np.array([s.logits for s in ss]))
+        return np.array(out)
+
+    for ft, path in files[name].items():
+        for B in (3, 12):
+            one, parts = steps(path, "0", B), steps(path, "3", B)
+            e = nmse(parts, one)
+            assert e <= 1e-12, f"{name} {ft} B={B}: logits in parts against one product, NMSE {e:.3g}"
+        monkeypatch.setenv("DASLLAMA_CUDA_LOGIT_PARTS", "3")
+        ids = [1] + rng.integers(3, E.VOCAB, 40).tolist()
+        e = nmse(teacher_forced(path, "cuda", ids), teacher_forced(path, "cpu", ids))
+        assert e <= LOGIT_BAR, f"{name} {ft}: a prefill's logits in parts against the CPU, NMSE {e:.3g}"
+
+
 def test_paged_prefix_cache_and_ragged_batch(files):
     prompt = [1] + np.random.default_rng(3).integers(3, E.VOCAB, 70).tolist()
     C.paged_prefix_cache_and_ragged_batch(files["qwen3"]["q8_0"], "cuda", prompt)

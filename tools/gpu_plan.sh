@@ -76,7 +76,10 @@ for stage in "$@"; do
       step prof1 100 bash -c "cd benchmarks && DASLLAMA_CUDA_Q56K_I8=1 python profile_cuda.py --type q4_k_m --steps 16"
       ;;
     s32)  # K-quant steps on int8 mmas (default from 9 tokens; timed only at 16): where they should start
-      step tests 200 python -m pytest -q -x tests/test_cuda.py -k "k_quant or mixed"
+      step tests 200 python -m pytest -q -x tests/test_cuda.py -k "k_quant or mixed or logits_in_parts"
+      # the logits in parts of the vocabulary, each part's download beside the next part's product
+      step parts 300 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --rounds 2 \
+        DASLLAMA_CUDA_LOGIT_PARTS=0 DASLLAMA_CUDA_LOGIT_PARTS=2 DASLLAMA_CUDA_LOGIT_PARTS=4 DASLLAMA_CUDA_LOGIT_PARTS=8
       step kmma 300 python benchmarks/ab_cuda.py --types q4_k_m,q6_K,q5_K --no-tg --batches 4,8,16 --rounds 2 \
         DASLLAMA_CUDA_KMMA=0 DASLLAMA_CUDA_KMMA=1
       # 17-32 tokens: the decoding to f16 + cuBLAS (default) against the mmas
@@ -84,6 +87,8 @@ for stage in "$@"; do
         DASLLAMA_CUDA_KMMA_MAX=16 DASLLAMA_CUDA_KMMA_MAX=32
       # Q8_0's batched steps kernel by kernel, PDL off so no kernel's time holds its wait (the
       # head's product against the logits' download)
+      step prof4 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --batch 4 --steps 16
+      step prof4p 120 python benchmarks/profile_cuda.py --batch 4 --steps 16
       step prof16 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --batch 16 --steps 16
       step prof64 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --batch 64 --steps 8
       step prof64p 120 python benchmarks/profile_cuda.py --batch 64 --steps 8
