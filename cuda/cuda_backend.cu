@@ -517,11 +517,14 @@ class CudaBackend final : public Backend {
   LogitParts parts_live_;  // made by the step last issued, not yet downloaded
   cudaEvent_t part_ev_[kMaxParts] = {}, parts_done_ = nullptr;
   cudaStream_t cs_ = nullptr;  // the parts' copies
-  // Parts for n rows of a V-row head: DASLLAMA_CUDA_LOGIT_PARTS (read at each call; default 0,
-  // one product and one copy), from 2 rows (one row's 0.5 MB is not worth it).
+  // Parts for n rows of a V-row head: DASLLAMA_CUDA_LOGIT_PARTS (read at each call; 0 or 1: one
+  // product and one copy; default 4), from 2 rows (one row's 0.5 MB is not worth it). H100,
+  // Llama-1B Q8_0 (ab_cuda.py, best of 2), B = 4 / 16 / 64 with 1 / 2 / 4 / 8 parts: 3,279 /
+  // 9,696 / 18,337, 3,293 / 9,929 / 18,778, 3,285 / 10,035 / 19,073, 3,220 / 10,020 / 18,990. At 64
+  // the head takes 0.22 ms and the copy 0.60 (profile_cuda.py, PDL off): the copy bounds it.
   static int logit_parts(int64_t n, int64_t V) {
     const char* e = std::getenv("DASLLAMA_CUDA_LOGIT_PARTS");
-    const int p = e && *e ? std::atoi(e) : 0;
+    const int p = e && *e ? std::atoi(e) : 4;
     if (p < 2 || n < 2 || V < 2 * 64) return 0;
     return std::min(p, kMaxParts);
   }
@@ -556,7 +559,11 @@ class CudaBackend final : public Backend {
       const cudaEvent_t ev = part_ev_[p];
       // (in a capture, an external event node: the graph's launch records it where the node runs)
       op(Tag::mark, [ev](cudaStream_t st) {
-        check(cudaEventRecordWithFlags(ev, st, cudaEventRecordExternal), "logits part");
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        check(cudaStreamIsCapturing(st, &cs), "logits part");
+        check(cs == cudaStreamCaptureStatusActive ? cudaEventRecordWithFlags(ev, st, cudaEventRecordExternal)
+                                                  : cudaEventRecord(ev, st),
+              "logits part");
       }, ev);
     }
     (rec_ ? parts_rec_ : parts_live_) = lp;

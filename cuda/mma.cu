@@ -1148,15 +1148,19 @@ void mma_f16h_slabs(const Mat& m, void* dq, int64_t slab_rows, const float* x, i
   check_launch("matmul (f16 slabs)");
 }
 
-// H100, Llama-1B Q4_K_M, a batched step of 16: 4,005 t/s on gemv_k_i8_k, 7,082 on mma_k_i8_k (one
-// round). Below 9 tokens not yet timed, so the default starts there. DASLLAMA_CUDA_KMMA_MAX (16,
-// up to 32; read at each call): the most tokens it takes, past which the decoding to f16 does
-// (17-32 on the mmas not yet run on a GPU).
+// Where the K-quants' batched steps take mma_k_i8_k (DASLLAMA_CUDA_KMMA: 1 from 2 tokens, 0 never;
+// default from 5). H100, Llama-1B, gemv_k_i8_k -> mma_k_i8_k (ab_cuda.py, best of 2), B = 4 / 8 /
+// 16: Q4_K_M 2,615 / 2,808 / 4,000 -> 2,569 / 4,721 / 7,147, Q6_K 2,307 / 2,751 / 3,997 -> 2,488 /
+// 4,600 / 7,122, Q5_K 2,750 / 2,829 / 4,027 -> 2,469 / 4,469 / 6,722: the mmas' step barely grows
+// with the tokens, the GEMV's doubles from 4 to 8. DASLLAMA_CUDA_KMMA_MAX (16 to 32, default 32;
+// read at each call): the most tokens they take, past which the decoding to f16 does; the same
+// runs at B = 24 / 32, f16 + cuBLAS -> mmas: Q4_K_M 6,445 / 8,280 -> 7,626 / 9,213, Q6_K 6,144 /
+// 7,926 -> 7,887 / 9,580.
 bool k_mma_on(int64_t n) {
   const char* e = std::getenv("DASLLAMA_CUDA_KMMA");
   if (e && e[0] == '0') return false;
-  const int64_t from = e && e[0] == '1' ? 2 : 9;
-  const int64_t most = std::min<int64_t>(32, std::max<int64_t>(16, env_int("DASLLAMA_CUDA_KMMA_MAX", 16)));
+  const int64_t from = e && e[0] == '1' ? 2 : 5;
+  const int64_t most = std::min<int64_t>(32, std::max<int64_t>(16, env_int("DASLLAMA_CUDA_KMMA_MAX", 32)));
   return n >= from && n <= most;
 }
 

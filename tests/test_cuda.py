@@ -161,6 +161,7 @@ def test_block_formats_prefill_decoded_to_f16(monkeypatch, wtype):
     from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse as op_nmse
 
     b = d._core.Backend("cuda:0", exact=False)
+    monkeypatch.setenv("DASLLAMA_CUDA_KMMA_MAX", "16")  # (by default K-quants' 17-32 take the int8 mmas)
     for rows, cols, n, dmin, slab in [(200, 512, 130, "65", "0"), (67, 1024, 80, "65", "0"), (130, 256, 200, "65", "0"),
                                       (130, 512, 40, "33", "0"), (130, 512, 40, "33", "32"), (130, 512, 24, "17", "0")]:
         monkeypatch.setenv("DASLLAMA_CUDA_DQF16_MIN", dmin)

@@ -93,6 +93,11 @@ for stage in "$@"; do
       step prof64 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --batch 64 --steps 8
       step prof64p 120 python benchmarks/profile_cuda.py --batch 64 --steps 8
       ;;
+    s32b)  # the defaults s32 set (K-quant mmas from 5 to 32 tokens, logits in 4 parts): every CUDA
+      # test, then the tree's table
+      step all 420 python -m pytest -q tests/test_cuda.py -k "not pre_ampere"
+      step table 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16,q4_k_m --batches 4,8,16,64 --rounds 1 DASLLAMA_NONE=1
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \
@@ -155,7 +160,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
