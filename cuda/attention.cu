@@ -2,8 +2,6 @@
 // the KV-cache store (f32 / f16 / q8_0 rows through the block table).
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "common.cuh"
@@ -15,7 +13,7 @@ namespace dl::cuda {
 namespace {
 
 // One block per (split, query head, row z): attn_item with the block's 128 threads.
-template <int KT, int NI, int KBR>
+template <int KT, int NI>
 __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok,
                                                      int splits, float* __restrict__ part, int* __restrict__ cnt,
                                                      AttnQuant qo) {
@@ -27,9 +25,9 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs
   // after the first of a group got wrong outputs on the H200 (its args read back right).
   if (dargs) {
     const AttnArgs a = dargs[z / maxtok];
-    attn_item<KT, NI, KBR>(a, z % maxtok, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm, qo);
+    attn_item<KT, NI>(a, z % maxtok, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm, qo);
   } else {
-    attn_item<KT, NI, KBR>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm, qo);
+    attn_item<KT, NI>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, threadIdx.x, 0, sm, qo);
   }
 }
 
@@ -78,19 +76,14 @@ template <int KT>
 void launch_kt(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* part, int* cnt,
                cudaStream_t st, const AttnQuant& qo) {
   const dim3 grid((unsigned)splits, (unsigned)a.n_heads, (unsigned)rows);
-  const bool k8 = attn_kb() == 8;
-  if (a.head_dim <= 64 && k8)
-    launch(attn_k<KT, 2, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
-  else if (a.head_dim <= 64)
-    launch(attn_k<KT, 2, KB>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
-  else if (a.head_dim <= 128 && k8)
-    launch(attn_k<KT, 4, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
+  if (a.head_dim <= 64)
+    launch(attn_k<KT, 2>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
   else if (a.head_dim <= 128)
-    launch(attn_k<KT, 4, KB>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
+    launch(attn_k<KT, 4>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
   else if (a.head_dim <= 256)
-    launch(attn_k<KT, 8, KB>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
+    launch(attn_k<KT, 8>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
   else  // Gemma-4's global layers (512): every row here, flash_fits stops at 256
-    launch(attn_k<KT, 16, KB>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
+    launch(attn_k<KT, 16>, grid, WARPS * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
 }
 
 void launch_attn(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* scratch,
@@ -107,14 +100,6 @@ void launch_attn(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t r
 }
 
 }  // namespace
-
-// Keys a warp of the decode attention scores a round (DASLLAMA_CUDA_ATTN_KB: 4, the default, or
-// 8 for head sizes up to 128: twice the keys' loads in flight, half the rounds; read at each
-// launch and in the step's signature).
-int attn_kb() {
-  const char* e = std::getenv("DASLLAMA_CUDA_ATTN_KB");
-  return e && std::strcmp(e, "8") == 0 ? 8 : KB;
-}
 
 int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm) {
   // Enough blocks for ~8 per SM, at least 16 keys a split: a block walks its keys 16 at a

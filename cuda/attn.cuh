@@ -76,11 +76,11 @@ __device__ __forceinline__ void combine_splits(const AttnArgs& a, int64_t t, int
 }
 
 // Split s of query row t (row slot z) and head h, by 128 threads (tid in [0, 128)). Lane holds
-// dims lane + 32 i (i < NI) of q and of its running output; warps take KBR keys at a time from
+// dims lane + 32 i (i < NI) of q and of its running output; warps take KB keys at a time from
 // the split's range. splits == 1 writes the normalized output; else (m, l, acc[hd]) partials to
 // `part`, and the split that finishes last (counted in cnt[z][h], left at 0 again) merges them.
 // q is read from L2: in the fused layer it was written earlier in the same kernel.
-template <int KT, int NI, int KBR = KB>
+template <int KT, int NI>
 __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t z, int h, int s, int splits,
                                           float* __restrict__ part, int* __restrict__ cnt, int tid, int bar,
                                           AttnSmem<NI>& sm, const AttnQuant& qo = AttnQuant()) {
@@ -106,12 +106,12 @@ __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t 
     acc[i] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
-  for (int64_t j = j0 + warp * KBR; j < j1; j += WARPS * KBR) {
+  for (int64_t j = j0 + warp * KB; j < j1; j += WARPS * KB) {
     // The round's V values are loaded with its keys: the scores do not gate their reads, so
     // a round waits on the memory once, not twice.
-    float sc[KBR], vv[KBR][NI];
+    float sc[KB], vv[KB][NI];
 #pragma unroll
-    for (int b = 0; b < KBR; ++b) {
+    for (int b = 0; b < KB; ++b) {
       float p = 0.f;
       if (j + b < j1) {
         const uint8_t* kr = kv_row(a.kv, koff, j + b);
@@ -128,10 +128,10 @@ __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t 
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-      for (int b = 0; b < KBR; ++b) sc[b] += __shfl_xor_sync(0xffffffffu, sc[b], o);
+      for (int b = 0; b < KB; ++b) sc[b] += __shfl_xor_sync(0xffffffffu, sc[b], o);
     float mx = m;
 #pragma unroll
-    for (int b = 0; b < KBR; ++b) {
+    for (int b = 0; b < KB; ++b) {
       if (j + b < j1) {
         sc[b] = a.softcap > 0.f ? a.softcap * tanhf(sc[b] * a.scale / a.softcap) : sc[b] * a.scale;
         mx = fmaxf(mx, sc[b]);
@@ -142,7 +142,7 @@ __device__ __forceinline__ void attn_item(const AttnArgs& a, int64_t t, int64_t 
 #pragma unroll
     for (int i = 0; i < NI; ++i) acc[i] *= corr;
 #pragma unroll
-    for (int b = 0; b < KBR; ++b) {
+    for (int b = 0; b < KB; ++b) {
       if (j + b < j1) {
         const float p = expf(sc[b] - mx);
         l += p;

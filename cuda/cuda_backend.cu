@@ -843,7 +843,7 @@ class CudaBackend final : public Backend {
           const auto* d = reinterpret_cast<const AttnArgs*>(static_cast<uint8_t*>(dblob_->data()) + off);
           cuda::attention_group(shape, d, cnt, mt, splits, scratch, counters, s);
         },
-        cnt, mt, shape.n_heads, shape.head_dim, shape.kv.type, splits, scratch, counters, off, cuda::attn_kb());
+        cnt, mt, shape.n_heads, shape.head_dim, shape.kv.type, splits, scratch, counters, off);
     // Where the sessions' outputs are consecutive rows of one matrix, the matmul reading it may
     // have this launch round them (AttnRec).
     const int64_t width = (int64_t)shape.n_heads * shape.head_dim;

@@ -160,7 +160,6 @@ void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out, cudaStrea
 // scratch floats they need; split > 1 needs that scratch, and rows * n_heads counters
 // (ints, zero before the first call; each call leaves them zero).
 int attn_splits(const AttnArgs& a, int n_sm);
-int attn_kb();  // keys a warp of the decode attention scores a round (DASLLAMA_CUDA_ATTN_KB)
 int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm);
 size_t attn_scratch_floats(const AttnArgs& a, int splits);
 void attn_check(const AttnArgs& a);  // throws what attention() would refuse

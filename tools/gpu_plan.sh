@@ -96,11 +96,6 @@ for stage in "$@"; do
     s32b)  # the defaults s32 set (K-quant mmas from 5 to 32 tokens, logits in 4 parts): every CUDA
       # test, then the tree's table
       step all 420 python -m pytest -q tests/test_cuda.py -k "not pre_ampere"
-      # the decode attention with 8 keys a warp a round (opt-in): the harness, then end to end
-      step attnt 200 env DASLLAMA_CUDA_ATTN_KB=8 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py \
-        -k "attention or kv_types or greedy or speculated"
-      step attn 300 python benchmarks/ab_cuda.py --types q8_0 --batches 4,16,64 --rounds 2 \
-        DASLLAMA_CUDA_ATTN_KB=4 DASLLAMA_CUDA_ATTN_KB=8
       step table 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16,q4_k_m --batches 4,8,16,64 --rounds 1 DASLLAMA_NONE=1
       ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
