@@ -73,11 +73,14 @@ def main() -> None:
                 wall.append(time.perf_counter() - t)
         if args.trace:
             prof.export_chrome_trace(args.trace)
-    kernels = []
+    kernels, api = [], []
     for e in prof.events():
         if e.device_type.name == "CUDA" or str(e.device_type).endswith("CUDA"):
             kernels.append((e.time_range.start, e.time_range.end, e.name))
+        elif e.name.startswith("cuda"):  # the host's CUDA runtime calls (CUPTI's runtime activity)
+            api.append((e.time_range.start, e.time_range.end, e.name))
     kernels.sort()
+    api.sort()
     print(f"{args.shape} {args.type}: {len(kernels)} GPU activities over {args.steps} steps "
           f"({len(kernels) / args.steps:.0f} per step)")
     print(f"host wall per step: median {statistics.median(wall) * 1e3:.3f} ms, min {min(wall) * 1e3:.3f} ms")
@@ -93,6 +96,19 @@ def main() -> None:
     print(f"GPU per step: span {span / 1e3:.3f} ms, kernels busy {busy / 1e3:.3f} ms, "
           f"in-step gaps {sum(small) / args.steps / 1e3:.3f} ms (median gap {statistics.median(small):.2f} us), "
           f"between-step gaps {sum(g for g in gaps if g >= 200) / args.steps / 1e3:.3f} ms")
+    # The device idle between steps (gaps of 20 us or more), and the host's runtime calls that
+    # ran inside those gaps: what the host was doing while the device waited for it.
+    idle = [(b0, a1) for (_, b0, _), (a1, _, _) in zip(kernels, kernels[1:]) if a1 - b0 >= 20]
+    if idle:
+        inside = collections.defaultdict(list)
+        for g0, g1 in idle:
+            for a, b, n in api:
+                if b > g0 and a < g1:
+                    inside[n].append(min(b, g1) - max(a, g0))
+        print(f"device idle >= 20 us: {len(idle)} gaps, mean {statistics.mean(g1 - g0 for g0, g1 in idle):.1f} us; "
+              "runtime calls inside them (us of the gaps they cover, per gap):")
+        for n, ts in sorted(inside.items(), key=lambda kv: -sum(kv[1])):
+            print(f"  {n:40s} {len(ts) / len(idle):5.1f} calls {sum(ts) / len(idle):8.1f} us")
     by = collections.defaultdict(list)
     for a, b, n in kernels:
         n = n.replace("dl::cuda::(anonymous namespace)::", "").replace("void ", "")

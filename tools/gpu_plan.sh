@@ -98,6 +98,14 @@ for stage in "$@"; do
       step all 420 python -m pytest -q tests/test_cuda.py -k "not pre_ampere"
       step table 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16,q4_k_m --batches 4,8,16,64 --rounds 1 DASLLAMA_NONE=1
       ;;
+    s32c)  # where a batched step's device idles on the host, and why the 4-token GEMV is slower than one token's
+      step gap4 120 python benchmarks/profile_cuda.py --batch 4 --steps 16
+      step gap16 120 python benchmarks/profile_cuda.py --batch 16 --steps 16
+      step ncu4 200 ncu --clock-control none --kernel-name regex:gemv_q8_k --launch-skip 200 --launch-count 4 \
+        --section SpeedOfLight --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
+        --section SchedulerStats --section LaunchStats python benchmarks/bench_cuda_batch.py --batch 4 --steps 6
+      step table 200 python benchmarks/ab_cuda.py --types q8_0,q4_k_m --batches 4,16,64 --rounds 1 DASLLAMA_NONE=1
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \
@@ -160,7 +168,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
