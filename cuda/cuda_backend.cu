@@ -576,7 +576,14 @@ class CudaBackend final : public Backend {
   // The live parts' copies into dst (n x V floats in host rows), st_ held behind them; false
   // where src is not the live parts' buffer.
   bool copy_parts(void* dst, const void* src, size_t bytes) {
-    if (!parts_of(src, bytes)) return false;
+    if (!parts_of(src, bytes)) {
+      const LogitParts& lp = parts_live_;
+      const auto* a = static_cast<const uint8_t*>(src);
+      const auto* y = reinterpret_cast<const uint8_t*>(lp.y);
+      if (lp.count && a < y + lp.n * lp.V * 4 && a + bytes > y)  // its bytes are in the parts' order
+        throw Error("cuda: logits made in parts downloaded other than whole");
+      return false;
+    }
     LogitParts lp = parts_live_;
     parts_live_.count = 0;
     auto* d = static_cast<float*>(dst);
