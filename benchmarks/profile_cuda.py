@@ -109,6 +109,12 @@ def main() -> None:
               "runtime calls inside them (us of the gaps they cover, per gap):")
         for n, ts in sorted(inside.items(), key=lambda kv: -sum(kv[1])):
             print(f"  {n:40s} {len(ts) / len(idle):5.1f} calls {sum(ts) / len(idle):8.1f} us")
+    calls = collections.defaultdict(list)
+    for a, b, n in api:
+        calls[n].append(b - a)
+    print("runtime calls per step (all of them): " + ", ".join(
+        f"{n} {len(ts) / args.steps:.1f} x {statistics.mean(ts):.1f} us"
+        for n, ts in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:6]))
     by = collections.defaultdict(list)
     for a, b, n in kernels:
         n = n.replace("dl::cuda::(anonymous namespace)::", "").replace("void ", "")

@@ -106,6 +106,12 @@ for stage in "$@"; do
         --section SchedulerStats --section LaunchStats python benchmarks/bench_cuda_batch.py --batch 4 --steps 6
       step table 200 python benchmarks/ab_cuda.py --types q8_0,q4_k_m --batches 4,16,64 --rounds 1 DASLLAMA_NONE=1
       ;;
+    s32d)  # what makes a batched step's graph launch slow: PDL's edges, the logits' event nodes
+      step gap4 60 python benchmarks/profile_cuda.py --batch 4 --steps 16
+      step gap4pdl0 60 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --batch 4 --steps 16
+      step gap4parts0 60 env DASLLAMA_CUDA_LOGIT_PARTS=0 python benchmarks/profile_cuda.py --batch 4 --steps 16
+      step gap1 60 python benchmarks/profile_cuda.py --steps 16
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \
@@ -168,7 +174,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
