@@ -111,6 +111,11 @@ for stage in "$@"; do
       step gap4pdl0 60 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --batch 4 --steps 16
       step gap4parts0 60 env DASLLAMA_CUDA_LOGIT_PARTS=0 python benchmarks/profile_cuda.py --batch 4 --steps 16
       step gap1 60 python benchmarks/profile_cuda.py --steps 16
+      # the same launches without CUPTI (whose tracing may slow a graph's launch): the backend's own clock
+      step host4 60 env DASLLAMA_CUDA_HOSTPROF=1 python benchmarks/bench_cuda_batch.py --batch 4 --steps 64
+      step host4pdl0 60 env DASLLAMA_CUDA_HOSTPROF=1 DASLLAMA_CUDA_PDL=0 python benchmarks/bench_cuda_batch.py --batch 4 --steps 64
+      step host4parts0 60 env DASLLAMA_CUDA_HOSTPROF=1 DASLLAMA_CUDA_LOGIT_PARTS=0 python benchmarks/bench_cuda_batch.py --batch 4 --steps 64
+      step host16 60 env DASLLAMA_CUDA_HOSTPROF=1 python benchmarks/bench_cuda_batch.py --batch 16 --steps 64
       ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
