@@ -135,8 +135,7 @@ class CudaBackend final : public Backend {
     drop_recording();
     if (deferred_.on) deferred_ = Deferred(), --g_recording;
     cudaStreamSynchronize(st_);
-    for (Cached& c : cache_)
-      for (cudaGraphExec_t ex : c.execs) cudaGraphExecDestroy(ex);
+    for (Cached& c : cache_) cudaGraphExecDestroy(c.exec);
     if (pinned_) cudaFreeHost(pinned_);
     if (up_ring_) {
       for (auto& ev : up_ev_) cudaEventDestroy(ev);
@@ -1479,36 +1478,15 @@ class CudaBackend final : public Backend {
     max_rows_ = 0, no_graph_ = false;
     parts_rec_ = LogitParts();
   }
-  // How many graphs a step's ops are captured into (DASLLAMA_CUDA_GRAPH_CHUNKS, 1-4, default 1;
-  // read at each launch): a graph's launch costs the host time in proportion to its nodes, and
-  // the device starts none of them until the call returns, so a batched step (whose launch waits
-  // for the last step's logits on the host) starts on a short first graph while the host
-  // launches the rest. Chunk k < P ends at ops >> 2 (P - 1 - k): a quarter, a sixteenth, ...
-  static int graph_chunks(size_t ops) {
-    const char* e = std::getenv("DASLLAMA_CUDA_GRAPH_CHUNKS");
-    const int p = e && *e ? std::atoi(e) : 1;
-    return ops < 32 ? 1 : std::max(1, std::min(p, 4));
-  }
-  static std::vector<size_t> chunk_ends(size_t ops, int parts) {
-    std::vector<size_t> ends;
-    for (int k = 0; k < parts - 1; ++k) {
-      const size_t e = std::max<size_t>(ends.empty() ? 1 : ends.back() + 1, ops >> (2 * (parts - 1 - k)));
-      if (e < ops) ends.push_back(e);
-    }
-    ends.push_back(ops);
-    return ends;
-  }
-  // Issues the recorded ops as a graph (or a few, graph_chunks); false when they must be
-  // launched directly.
+  // Issues the recorded ops as a graph; false when they must be launched directly.
   bool launch_graph(std::vector<std::function<void(cudaStream_t)>>& ops) {
     std::vector<uint8_t> sig;
     sig.swap(sig_);
-    const std::vector<size_t> ends = chunk_ends(ops.size(), graph_chunks(ops.size()));
     const auto t0 = hp_.on ? HostProf::now() : HostProf::clock::time_point{};
     for (Cached& c : cache_)
-      if (c.sig == sig && c.execs.size() == ends.size()) {
+      if (c.sig == sig) {
         c.used = ++clock_;
-        for (cudaGraphExec_t ex : c.execs) check(cudaGraphLaunch(ex, st_), "graph launch");
+        check(cudaGraphLaunch(c.exec, st_), "graph launch");
         if (hp_.on) hp_.launch += HostProf::us(HostProf::now() - t0), ++hp_.hits;
         return true;
       }
@@ -1519,78 +1497,57 @@ class CudaBackend final : public Backend {
         if (h.on) h.capture += HostProf::us(HostProf::now() - t0), ++h.captures;
       }
     } timed{hp_, t0};
-    std::vector<cudaGraph_t> gs;
-    auto drop = [&] {
-      for (cudaGraph_t g : gs) cudaGraphDestroy(g);
-    };
-    size_t b = 0;
-    for (size_t e : ends) {
-      cudaGraph_t g = nullptr;
-      if (cudaStreamBeginCapture(st_, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
-        cudaGetLastError();
-        drop();
-        return false;  // (a capture runs nothing: the caller launches every op directly)
-      }
-      bool ok = true;
-      try {
-        for (size_t i = b; i < e; ++i) ops[i](st_);
-      } catch (...) {
-        ok = false;  // a launch refused under capture: end it, then launch directly (which reports a real error)
-      }
-      const cudaError_t err = cudaStreamEndCapture(st_, &g);
-      if (!ok || err != cudaSuccess || !g) {
-        cudaGetLastError();
-        if (g) cudaGraphDestroy(g);
-        drop();
-        graphs_ = false;  // this device or driver will not capture: stop trying
-        std::fprintf(stderr, "dasllama cuda: graph capture failed (%s); launching directly\n", cudaGetErrorName(err));
-        return false;
-      }
-      gs.push_back(g);
-      b = e;
+    cudaGraph_t g = nullptr;
+    if (cudaStreamBeginCapture(st_, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
     }
-    // Reuse the least recently used exec graphs when the cache is full and the topology
+    bool ok = true;
+    try {
+      for (auto& f : ops) f(st_);
+    } catch (...) {
+      ok = false;  // a launch refused under capture: end it, then launch directly (which reports a real error)
+    }
+    const cudaError_t e = cudaStreamEndCapture(st_, &g);
+    if (!ok || e != cudaSuccess || !g) {
+      cudaGetLastError();
+      if (g) cudaGraphDestroy(g);
+      graphs_ = false;  // this device or driver will not capture: stop trying
+      std::fprintf(stderr, "dasllama cuda: graph capture failed (%s); launching directly\n", cudaGetErrorName(e));
+      return false;
+    }
+    // Reuse the least recently used exec graph when the cache is full and the topology
     // matches (an update is cheaper than an instantiation); else instantiate.
     Cached* slot = nullptr;
     if (cache_.size() >= kMaxGraphs) {
       slot = &cache_[0];
       for (Cached& c : cache_)
         if (c.used < slot->used) slot = &c;
-      bool updated = slot->execs.size() == gs.size();
-      for (size_t k = 0; updated && k < gs.size(); ++k) {
-        cudaGraphExecUpdateResultInfo info{};
-        updated = cudaGraphExecUpdate(slot->execs[k], gs[k], &info) == cudaSuccess;
-      }
-      if (!updated) {
+      cudaGraphExecUpdateResultInfo info{};
+      if (cudaGraphExecUpdate(slot->exec, g, &info) != cudaSuccess) {
         cudaGetLastError();
-        for (cudaGraphExec_t ex : slot->execs) cudaGraphExecDestroy(ex);
-        slot->execs.clear();
+        cudaGraphExecDestroy(slot->exec);
+        slot->exec = nullptr;
       }
     }
-    if (!slot || slot->execs.empty()) {
-      std::vector<cudaGraphExec_t> exs;
-      for (cudaGraph_t g : gs) {
-        cudaGraphExec_t ex = nullptr;
-        if (cudaGraphInstantiate(&ex, g, 0) != cudaSuccess || !ex) {
-          cudaGetLastError();
-          for (cudaGraphExec_t x : exs) cudaGraphExecDestroy(x);
-          drop();
-          if (slot) cache_.erase(cache_.begin() + (slot - cache_.data()));
-          // Nothing of the step has run yet: the caller launches it directly.
-          return false;
-        }
-        exs.push_back(ex);
+    if (!slot || !slot->exec) {
+      cudaGraphExec_t ex = nullptr;
+      if (cudaGraphInstantiate(&ex, g, 0) != cudaSuccess || !ex) {
+        cudaGetLastError();
+        cudaGraphDestroy(g);
+        if (slot) cache_.erase(cache_.begin() + (slot - cache_.data()));
+        return false;
       }
       if (!slot) {
         cache_.emplace_back();
         slot = &cache_.back();
       }
-      slot->execs = std::move(exs);
+      slot->exec = ex;
     }
-    drop();
+    cudaGraphDestroy(g);
     slot->sig = std::move(sig);
     slot->used = ++clock_;
-    for (cudaGraphExec_t ex : slot->execs) check(cudaGraphLaunch(ex, st_), "graph launch");
+    check(cudaGraphLaunch(slot->exec, st_), "graph launch");
     return true;
   }
 
@@ -1871,7 +1828,7 @@ class CudaBackend final : public Backend {
   BufferPtr dblob_;  // the blob on the device (kernels of the step read it)
   struct Cached {
     std::vector<uint8_t> sig;
-    std::vector<cudaGraphExec_t> execs;  // launched in order (graph_chunks)
+    cudaGraphExec_t exec = nullptr;
     uint64_t used = 0;
   };
   std::vector<Cached> cache_;

@@ -625,42 +625,6 @@ def test_logits_in_parts_equal_one_product(files, monkeypatch, name):
         assert e <= LOGIT_BAR, f"{name} {ft}: a prefill's logits in parts against the CPU, NMSE {e:.3g}"
 
 
-def test_graph_chunks_equal_one_graph(files, monkeypatch):
-    """A step captured into several graphs launched in turn (DASLLAMA_CUDA_GRAPH_CHUNKS: the
-    device starts on the first while the host launches the rest) runs the same kernels in the
-    same order: batched steps of 3 and 12 sessions and a greedy generation give the one graph's
-    logits and tokens bit for bit."""
-    rng = np.random.default_rng(9)
-    prompts = [[1] + rng.integers(3, E.VOCAB, 4 + i).tolist() for i in range(12)]
-    toks = rng.integers(3, E.VOCAB, (6, 12)).tolist()
-
-    def run(path, chunks):
-        monkeypatch.setenv("DASLLAMA_CUDA_GRAPH_CHUNKS", chunks)
-        m = d.load_model(path, d.QuantMode.q8, device="cuda")
-        pool = d.create_kv_pool(m, page_rows=16)
-        ws = d.create_batch_workspace(m)
-        out = []
-        for B in (3, 12):
-            ss = [d.create_session(m, pool) for _ in range(B)]
-            for s, p in zip(ss, prompts):
-                d.eval(m, s, p)
-            for t in toks:
-                d.eval_batch(m, ws, ss, t[:B])
-                out.append(np.array([s.logits for s in ss]))
-            for s in ss:
-                d.release_kv_pages(s)
-        s = d.create_session(m, n_ctx=128)
-        d.generate(m, s, prompts[0], d.SamplingParams(), 40, stop_ids=[])
-        return out, list(s.history)
-
-    for ft in ("q8_0", "f16"):
-        path = files["llama"][ft]
-        (one, g1), (three, g3) = run(path, "1"), run(path, "3")
-        assert g1 == g3, f"{ft}: greedy tokens differ with the step in three graphs"
-        for k, (a, b) in enumerate(zip(one, three)):
-            assert np.array_equal(a, b), f"{ft} step {k}: logits differ with the step in three graphs"
-
-
 def test_paged_prefix_cache_and_ragged_batch(files):
     prompt = [1] + np.random.default_rng(3).integers(3, E.VOCAB, 70).tolist()
     C.paged_prefix_cache_and_ragged_batch(files["qwen3"]["q8_0"], "cuda", prompt)

@@ -116,11 +116,6 @@ for stage in "$@"; do
       step host4pdl0 60 env DASLLAMA_CUDA_HOSTPROF=1 DASLLAMA_CUDA_PDL=0 python benchmarks/bench_cuda_batch.py --batch 4 --steps 64
       step host4parts0 60 env DASLLAMA_CUDA_HOSTPROF=1 DASLLAMA_CUDA_LOGIT_PARTS=0 python benchmarks/bench_cuda_batch.py --batch 4 --steps 64
       step host16 60 env DASLLAMA_CUDA_HOSTPROF=1 python benchmarks/bench_cuda_batch.py --batch 16 --steps 64
-      # a step in 1 / 2 / 3 graphs (DASLLAMA_CUDA_GRAPH_CHUNKS): tests, the host clock, then the A/B
-      step chunkt 120 python -m pytest -q tests/test_cuda.py -k "graph_chunks or logits_in_parts or speculated"
-      step host4c3 60 env DASLLAMA_CUDA_HOSTPROF=1 DASLLAMA_CUDA_GRAPH_CHUNKS=3 python benchmarks/bench_cuda_batch.py --batch 4 --steps 64
-      step chunks 240 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --rounds 2 \
-        DASLLAMA_CUDA_GRAPH_CHUNKS=1 DASLLAMA_CUDA_GRAPH_CHUNKS=3
       ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
