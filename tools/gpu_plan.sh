@@ -117,6 +117,13 @@ for stage in "$@"; do
       step host4parts0 60 env DASLLAMA_CUDA_HOSTPROF=1 DASLLAMA_CUDA_LOGIT_PARTS=0 python benchmarks/bench_cuda_batch.py --batch 4 --steps 64
       step host16 60 env DASLLAMA_CUDA_HOSTPROF=1 python benchmarks/bench_cuda_batch.py --batch 16 --steps 64
       ;;
+    s33)  # the thirty-second session's defaults (logits in 4 parts, K-quant mmas 5-32) on an H200,
+      # where the marks were taken (that session had only H100s)
+      step tests 240 python -m pytest -q tests/test_cuda.py -k "k_quant or mixed or logits_in_parts or speculated"
+      step table 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16,q4_k_m --batches 4,16,64 --rounds 1 DASLLAMA_NONE=1
+      step parts 240 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --rounds 2 \
+        DASLLAMA_CUDA_LOGIT_PARTS=0 DASLLAMA_CUDA_LOGIT_PARTS=4
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \
@@ -179,7 +186,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
