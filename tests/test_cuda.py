@@ -612,6 +612,10 @@ def test_logits_in_parts_equal_one_product(files, monkeypatch, name):
         for t in toks:
             d.eval_batch(m, ws, ss, t[:B])
             out.append(np.array([s.logits for s in ss]))
+        # every batched step's head was made in parts (a speculated recording left unissued counts
+        # too), or none was
+        n = m._m.parted_logits
+        assert (n >= len(toks)) if parts != "0" else n == 0, (parts, n)
         return np.array(out)
 
     for ft, path in files[name].items():

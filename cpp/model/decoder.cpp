@@ -1047,7 +1047,9 @@ int64_t Model::logits_block(const Run* runs, int n_runs, int64_t n, bool all_log
   if (rows == 0) return 0;  // a run that continues in the next chunk wants no logits yet
   float* lg = logits_dst_ ? logits_dst_ : scratch(logits_, rows * c.vocab_size, "logits");
   // (logits_dst_: the greedy step's device argmax reads the logits in place, so never in parts)
-  if (logits_dst_ || !be.matmul_logits(output_, xn, rows, lg, c.final_softcap)) {
+  if (!logits_dst_ && be.matmul_logits(output_, xn, rows, lg, c.final_softcap)) {
+    ++parted_logits_;
+  } else {
     be.matmul(output_, xn, rows, lg);
     if (c.final_softcap > 0) be.softcap(lg, c.final_softcap, rows * c.vocab_size);
   }

@@ -121,6 +121,8 @@ class Model : public std::enable_shared_from_this<Model> {
   // Layers a backend ran fused (Backend::decode_layer) since load: tests check the path is taken.
   int64_t fused_layers() const { return fused_layers_; }
   int64_t fused_ops() const { return backend_->fused_ops(); }
+  // Logits blocks made in parts of the vocabulary (Backend::matmul_logits) since load.
+  int64_t parted_logits() const { return parted_logits_; }
   // eval_batch steps issued from their speculated recording (Model::speculate) since load.
   int64_t speculated_steps() const { return spec_hits_; }
   bool speculation_pending() const { return spec_.on; }
@@ -211,6 +213,7 @@ class Model : public std::enable_shared_from_this<Model> {
 
  private:
   int64_t fused_layers_ = 0;
+  int64_t parted_logits_ = 0;
   Model() = default;
   static std::shared_ptr<Model> open(const std::string& path, QuantMode mode, const std::string& device,
                                      int n_threads, bool dry_run);
