@@ -1205,7 +1205,7 @@ class CudaBackend final : public Backend {
     // f16 / bf16 batched steps from f16_min tokens: norm, then matmul()'s tensor-core tiles.
     if ((j.type == cuda::T_F16 || j.type == cuda::T_BF16) && s.n >= f16_min(*s.w[0], s.n)) return false;
     // From mma_min_ tokens on, q8 matmuls run on tensor cores (the GEMV turns compute-bound).
-    // (K-quants: gemv_k_i8_k, or mma_k_i8_k where cuda::k_mma_on says: from 9 tokens by default.)
+    // (K-quants: gemv_k_i8_k, or mma_k_i8_k where cuda::k_mma_on says: 5-32 tokens by default.)
     const bool mma = q8 && (kq ? cuda::k_mma_on(s.n) : s.n >= mma_min_) && prop_.major >= 8;
     if (!mma && s.n > 32) return false;  // the staged GEMV's range (kStagedMax in matmul.cu)
     void* qb = nullptr;

@@ -6,7 +6,7 @@
 // token tiles of one row block adjacent in the grid so the weights come from L2) and batched
 // decode from 9 tokens (tiles 16 / 32 / 64 tokens wide, k split over a cluster where the tiles
 // are few); 8 tokens, or where the tiles do not fit, take mma_q8_k (a warp per 16 rows, eight
-// warps splitting k, the weights streamed once). K-quant batched steps of 9-16 tokens take
+// warps splitting k, the weights streamed once). K-quant batched steps of 5-32 tokens take
 // mma_k_i8_k, the same shape over gemv_k_i8_k's pairs of sub-blocks.
 // The prefill of f16 weights runs on f16 mmas here too (mma_f16h_k), of bf16 on TF32 (mma_f16_k).
 #include <cooperative_groups.h>
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(WM * WK * 32, MINB) mma_q8_k(GemvJob j) {
   }
 }
 
-// ---- K-quants (q4_K, q5_K, q6_K) of 2-32 tokens on int8 mmas (k_mma_on: 9-16 by default) ----
+// ---- K-quants (q4_K, q5_K, q6_K) of 2-32 tokens on int8 mmas (k_mma_on: 5-32 by default) ----
 // gemv_k_i8_k's pairs of sub-blocks (matmul.cu: q4_K / q5_K sub-blocks 2k and 2k + 1, the low
 // and high nibbles of the same 32 bytes; q6_K sub-blocks s and s + 2 of half h) as A fragments:
 // lane (g, c) holds the words of elements 4c.. and 16 + 4c.. of rows g and g + 8, and x's block
