@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda or vulkan (cuda:N / vulkan:N)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-tg", action="store_true", help="pp512 (and batches) only")
+    ap.add_argument("--greedy", action="store_true", help="batches also as greedy streams (G<B>)")
     ap.add_argument("settings", nargs="+", help="VAR=VALUE[,VAR=VALUE...]")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -49,7 +50,8 @@ def main() -> None:
                         os.environ.update(base)
                         os.environ.update(kv.split("=", 1) for kv in st.split(",") if kv)
                         with ClockLog(gpu) as clk:
-                            r = B.bench(path, args.device, batches if shape == "llama1b" else [], tg=not args.no_tg)
+                            r = B.bench(path, args.device, batches if shape == "llama1b" else [], tg=not args.no_tg,
+                                        greedy=args.greedy)
                         mhz[st] += [m for _, m in clk.samples]
                         for k, v in r.items():
                             if k != "weight_bytes":

@@ -121,7 +121,7 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 20 / (time.perf_counter() - t)
 
 
-def bench(path: str, device: str, batches, tg: bool = True) -> dict:
+def bench(path: str, device: str, batches, tg: bool = True, greedy: bool = False) -> dict:
     import dasllama as d
 
     m = d.load_model(path, device=device)
@@ -154,6 +154,16 @@ def bench(path: str, device: str, batches, tg: bool = True) -> dict:
         for _ in range(64):
             d.eval_batch(m, ws, ss, [5] * B)
         out[f"B{B}"] = B * 64 / (time.perf_counter() - t)
+        if greedy:
+            # B greedy streams: each step evaluates the ids the last step's device argmax gave (only
+            # B ids cross back a step, not B x vocab logits).
+            for s in ss:
+                s.truncate(17)
+            ids = d.eval_batch(m, ws, ss, [5] * B, greedy=True)
+            t = time.perf_counter()
+            for _ in range(64):
+                ids = d.eval_batch(m, ws, ss, ids, greedy=True)
+            out[f"G{B}"] = B * 64 / (time.perf_counter() - t)
     return out
 
 
@@ -164,6 +174,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="4,16,64")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--greedy", action="store_true", help="also batched greedy streams (G<B>: ids from the device)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s")
@@ -173,11 +184,13 @@ def main() -> None:
             for ft in args.types.split(","):
                 path = os.path.join(tmp, f"{shape}-{ft}.gguf")
                 write_model(path, shape, ft)
-                r = bench(path, args.device, [int(b) for b in args.batches.split(",") if shape == "llama1b" and b])
+                r = bench(path, args.device, [int(b) for b in args.batches.split(",") if shape == "llama1b" and b],
+                          greedy=args.greedy)
                 os.remove(path)
                 r.update(shape=shape, type=ft, floor_tps=bw / r["weight_bytes"])
                 rows.append(r)
-                extra = " ".join(f"B{b}={r[f'B{b}']:.0f}" for b in args.batches.split(",") if f"B{b}" in r)
+                extra = " ".join(f"{k}{b}={r[f'{k}{b}']:.0f}" for b in args.batches.split(",") for k in "BG"
+                                 if f"{k}{b}" in r)
                 print(f"{shape:11s} {ft:5s} tg {r['tg256']:7.0f} t/s ({r['tg256'] / r['floor_tps']:.0%} of the floor "
                       f"{r['floor_tps']:.0f})  pp512 {r['pp512']:8.0f} t/s  {extra}", flush=True)
     if args.json:

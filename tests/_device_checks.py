@@ -600,6 +600,86 @@ def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
     assert spec == plain
 
 
+def greedy_batch_steps_equal_logits_argmax(path: str, device: str, mode=d.QuantMode.q8) -> None:
+    """eval_batch(greedy=True) takes each session's argmax on the backend and copies back only the
+    ids: they must be numpy's argmax (the first of equal maxima) of the logits the plain steps give,
+    over 3 and 12 sessions (a GPU's GEMV and tile ranges), steady decode steps (speculated, the
+    default: a greedy recording must serve only a greedy call), a subset, a ragged step, and a
+    ragged step of 540+ rows, past a chunk (256 rows on the CPU, 512 on a GPU: its ids come from
+    two or three chunks' argmaxes). The plain run's
+    argmaxes feed both runs, so a wrong id shows at its own step. Then the serving loop
+    (BatchStepper) with greedy streams gives the tokens of the same loop sampling on the host
+    (DASLLAMA_DEVICE_GREEDY=0)."""
+    from dasllama.llm import BatchStepper
+
+    rng = np.random.default_rng(21)
+    prompts = [[1] + rng.integers(3, 500, 3 + i).tolist() for i in range(12)]
+    long = rng.integers(3, 500, 179).tolist()
+    for B in (3, 12):
+        ids_of = {}
+
+        def run(greedy: bool):
+            m = d.load_model(path, mode, device=device)
+            pool = d.create_kv_pool(m, page_rows=16)
+            ws = d.create_batch_workspace(m)
+            ss = [d.create_session(m, pool) for _ in range(B)]
+            for s, p in zip(ss, prompts):
+                d.eval(m, s, p)
+            plan = [("all", None)] * 6 + [("sub", None)] + [("all", None)] * 2 + [("ragged", None)] + \
+                [("all", None)] * 3 + [("long", None)] + [("all", None)] * 2
+            got = []
+            nxt = [int(np.argmax(s.logits)) for s in ss]
+            for j, (kind, _) in enumerate(plan):
+                group = ss if kind != "sub" else ss[::2]
+                toks = [nxt[ss.index(s)] for s in group]
+                if kind == "ragged":
+                    toks[1] = [toks[1], 7, 9]
+                if kind == "long":
+                    for i in range(3):
+                        toks[i] = [toks[i]] + long
+                out = d.eval_batch(m, ws, group, toks, greedy=greedy)
+                if greedy:
+                    assert len(out) == len(group) and all(len(s.logits) == 0 for s in group)
+                    got.append(out)
+                else:
+                    assert out is None
+                    got.append([int(np.argmax(s.logits)) for s in group])
+                ids = ids_of.setdefault(j, got[-1])  # the plain run's ids feed both runs
+                for s, t in zip(group, ids):
+                    nxt[ss.index(s)] = t
+            return got, m._m.speculated_steps
+
+        plain, _ = run(False)
+        greedy, n_spec = run(True)
+        for j, (a, b) in enumerate(zip(plain, greedy)):
+            assert a == b, f"B={B} step {j}: device argmax {b} against the logits' {a}"
+        assert device == "cpu" or n_spec > 0, "no greedy step ran from its recording"
+
+    params = [d.SamplingParams(), d.SamplingParams(seed=4), d.SamplingParams(), d.SamplingParams()]
+
+    def streams(on: str):
+        with _env("DASLLAMA_DEVICE_GREEDY", on):
+            m = d.load_model(path, mode, device=device)
+            pool = d.create_kv_pool(m, page_rows=16)
+            ss = [d.create_session(m, pool) for _ in params]
+            st = BatchStepper(ss)
+            got = [[] for _ in params]
+            for i in (0, 1, 2):
+                st.start(i, prompts[i], params[i], 8 + 4 * i)
+            steps = 0
+            while any(st.active(i) for i in range(len(params))) or steps < 3:
+                if steps == 3:
+                    st.start(3, prompts[3], params[3], 10)  # joins later
+                events, _ = st.step()
+                steps += 1
+                for e in events:
+                    if e[1] != BatchStepper.STOP:
+                        got[e[0]].append(e[2])
+            return got
+
+    assert streams("1") == streams("0")
+
+
 # A tiny llama whose matrices are in the block formats a GPU's q8-mode prefill decodes to f16
 # (q4_K, q5_K, q6_K: random blocks with sane scales, as no quantizer writes them here; q4_1,
 # q5_0, q5_1: gguf-py's quantizer): layer 0 laid out as a Q4_K_M file is (Q6_K for V and

@@ -589,6 +589,15 @@ def test_speculated_batch_steps_equal_plain(files):
     C.speculated_stepper_streams_equal_plain(files["llama"]["q8_0"], "cuda")
 
 
+def test_greedy_batch_steps_equal_logits_argmax(files):
+    """Batched greedy steps take their argmaxes on the GPU (eval_batch(greedy=True), BatchStepper's
+    greedy streams): numpy's argmax of the plain steps' logits, across the GEMVs' and tiles'
+    token counts, speculated steps, ragged steps and steps of several chunks."""
+    for ft in ("f16", "q8_0", "q4_0"):
+        C.greedy_batch_steps_equal_logits_argmax(files["llama"][ft], "cuda")
+    C.greedy_batch_steps_equal_logits_argmax(files["gemma2"]["q8_0"], "cuda")  # the final softcap
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_logits_in_parts_equal_one_product(files, monkeypatch, name):
     """The logits made and downloaded in parts of the vocabulary (DASLLAMA_CUDA_LOGIT_PARTS: each

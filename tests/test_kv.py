@@ -634,6 +634,16 @@ def tiny_f32(tmp_path_factory):
     return paths, E.VOCAB
 
 
+@pytest.mark.parametrize("mode", [d.QuantMode.fp32, d.QuantMode.q8])
+def test_greedy_batch_steps_equal_logits_argmax(tiny_f32, mode):
+    """eval_batch(greedy=True) and greedy BatchStepper streams on the CPU: the ids are numpy's argmax
+    of the logits the plain steps give (tests/_device_checks.py says what it covers)."""
+    import _device_checks as C
+
+    paths, _ = tiny_f32
+    C.greedy_batch_steps_equal_logits_argmax(paths["llama"], "cpu", mode)
+
+
 def test_paged_equals_flat_every_family(tiny_f32):
     """Sliding windows, softcaps, biases and QK norms read through pages of 4 rows (the window of 8
     is crossed many times): bitwise equal to the flat session, prefill and incremental decode."""

@@ -178,6 +178,10 @@ def test_speculated_batch_steps_equal_plain(tiny):
     C.speculated_stepper_streams_equal_plain(tiny["q8_0"], "vulkan")
 
 
+def test_greedy_batch_steps_equal_logits_argmax(tiny):
+    C.greedy_batch_steps_equal_logits_argmax(tiny["q8_0"], "vulkan")
+
+
 def test_paged_prefix_cache_and_ragged_batch(tiny):
     prompt = [1] + np.random.default_rng(3).integers(3, VOCAB, 40).tolist()
     C.paged_prefix_cache_and_ragged_batch(tiny["q8_0"], "vulkan", prompt)

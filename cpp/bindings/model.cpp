@@ -253,7 +253,7 @@ void bind_model(py::module_& m) {
   // omitted means one token each (a plain decode step).
   m.def("eval_batch",
         [](std::vector<std::shared_ptr<Session>> sessions, const std::vector<int64_t>& tokens,
-           std::vector<int64_t> counts) {
+           std::vector<int64_t> counts, bool greedy) -> py::object {
           if (counts.empty()) counts.assign(sessions.size(), 1);
           if (counts.size() != sessions.size())
             throw py::value_error("eval_batch: " + std::to_string(sessions.size()) + " sessions but " +
@@ -266,7 +266,7 @@ void bind_model(py::module_& m) {
           if (total != (int64_t)tokens.size())
             throw py::value_error("eval_batch: " + std::to_string(tokens.size()) + " tokens but the groups hold " +
                                   std::to_string(total));
-          if (sessions.empty()) return;
+          if (sessions.empty()) return greedy ? py::object(py::list()) : py::object(py::none());
           std::vector<Session*> ptrs;
           for (auto& s : sessions) {
             if (!s) throw py::value_error("eval_batch: None in sessions");
@@ -274,10 +274,17 @@ void bind_model(py::module_& m) {
           }
           Model& model = ptrs[0]->model();
           auto ids = ids_from(model, tokens);
-          py::gil_scoped_release rel;
-          model.forward_ragged(ptrs.data(), ids.data(), counts.data(), (int64_t)ptrs.size());
+          std::vector<int32_t> next(greedy ? ptrs.size() : 0);
+          {
+            py::gil_scoped_release rel;
+            model.forward_ragged(ptrs.data(), ids.data(), counts.data(), (int64_t)ptrs.size(),
+                                 greedy ? next.data() : nullptr);
+          }
+          if (!greedy) return py::none();
+          return py::cast(next);
         },
-        py::arg("sessions"), py::arg("tokens"), py::arg("counts") = std::vector<int64_t>{});
+        py::arg("sessions"), py::arg("tokens"), py::arg("counts") = std::vector<int64_t>{},
+        py::arg("greedy") = false);
   m.def("eval_embd",
         [](Session& s, py::array_t<float, py::array::c_style | py::array::forcecast> embd, int64_t npos,
            const std::vector<int64_t>& ids, int64_t span_lo, int64_t span_hi) {

@@ -201,7 +201,8 @@ void Model::forward_batch(Session* const* sessions, const int32_t* tokens, int64
   forward_ragged(sessions, tokens, counts.data(), B);
 }
 
-void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, const int64_t* counts, int64_t B) {
+void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, const int64_t* counts, int64_t B,
+                           int32_t* greedy_ids) {
   if (B <= 0) return;
   int64_t total = 0;
   const KVPool* pool = sessions[0]->kv_->pool();
@@ -233,6 +234,16 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
     }
   }
   const int64_t V = cfg_.vocab_size;
+  // Greedy: every chunk's argmax lands in batch_ids_ (a chunk's rows at most: never regrown, so
+  // a recorded step's pointer to it stays good), and the want-runs' ids go to greedy_ids in
+  // session order: each session's last run is its only one that wants logits, and runs are
+  // made in session order.
+  struct Reset {
+    Model* m;
+    ~Reset() { m->greedy_out_ = nullptr; }
+  } reset{this};
+  greedy_out_ = greedy_ids ? reinterpret_cast<int32_t*>(scratch(batch_ids_, max_chunk_, "greedy ids")) : nullptr;
+  int64_t next_b = 0;
   std::vector<Run>& runs = batch_runs_;
   std::vector<int32_t>& chunk_tokens = batch_tokens_;
   runs.clear();
@@ -242,6 +253,27 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
   for (int64_t b = 0; b < B && decode_only; ++b) decode_only = counts[b] == 1 && !sessions[b]->recurrent_state();
   // The chunk's logits down and into the sessions (rows of them, made by the step just issued).
   auto finish = [&](int64_t rows) {
+    if (greedy_ids) {
+      batch_ids_host_.resize((size_t)std::max<int64_t>(rows, 1));
+      if (rows > 0 && decode_only && (int64_t)runs.size() == B) {
+        backend_->download_start(batch_ids_host_.data(), greedy_out_, (size_t)rows * 4);
+        speculate(sessions, B);
+        backend_->download_finish();
+      } else if (rows > 0) {
+        backend_->download(batch_ids_host_.data(), greedy_out_, (size_t)rows * 4);
+      }
+      int64_t k = 0;
+      for (const Run& r : runs) {
+        for (int64_t i = 0; i < r.n_rows; ++i) r.s->history.push_back(chunk_tokens[r.first_row + i]);
+        if (!r.want_logits) continue;
+        r.s->drop_lazy_logits();
+        r.s->logits.clear();  // not this step's: the step kept its logits on the backend
+        greedy_ids[next_b++] = batch_ids_host_[(size_t)k++];
+      }
+      runs.clear();
+      chunk_tokens.clear();
+      return;
+    }
     // Every session's logits in one download, into a host block the sessions then point
     // into (no copy of B x vocab floats -- 32.8 MB at B = 64 for a 128K vocabulary -- a step:
     // a session copies its row when it is read as a vector, a sampler reads it in place).
@@ -289,7 +321,7 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
                          false));
   };
   if (spec_.on) {
-    if (spec_matches(sessions, counts, B) && backend_->deferred_pending()) {
+    if (spec_matches(sessions, counts, B, greedy_ids != nullptr) && backend_->deferred_pending()) {
       // This step was recorded while the last one ran: its ids in, then it is issued.
       backend_->upload(spec_.ids_dev, tokens, (size_t)B * 4);
       backend_->launch_deferred();
@@ -457,7 +489,8 @@ int64_t Model::forward_chunk(const Run* runs, int n_runs, const int32_t* tokens,
   }
   for (int ri = 0; ri < n_runs; ++ri) runs[ri].s->n_past_ += runs[ri].n_rows;
   const int64_t rows = logits_block(runs, n_runs, n, all_logits);
-  if (greedy_out_ && rows > 0) be.argmax(logits_dst_, rows, c.vocab_size, greedy_out_);
+  if (greedy_out_ && rows > 0)
+    be.argmax(logits_dst_ ? logits_dst_ : static_cast<const float*>(logits_->data()), rows, c.vocab_size, greedy_out_);
   if (defer_end_) spec_kept_ = be.end_step_deferred();
   else be.end_step();
   return rows;
@@ -512,14 +545,15 @@ void Model::speculate(Session* const* sessions, int64_t B) {
     spec_.pages[(size_t)b] = sessions[b]->kv_->page_ids();
   }
   spec_.ids_dev = const_cast<int32_t*>(tokens_dev_);
+  spec_.greedy = greedy_out_ != nullptr;
   spec_.on = true;
 }
 
 // Whether this call is the speculated step: the same sessions (address and serial) in the same
 // order, one token each, each where the recording left it, with the same pages, still writable
 // in place.
-bool Model::spec_matches(Session* const* sessions, const int64_t* counts, int64_t B) const {
-  if (!spec_.on || (size_t)B != spec_.sessions.size()) return false;
+bool Model::spec_matches(Session* const* sessions, const int64_t* counts, int64_t B, bool greedy) const {
+  if (!spec_.on || (size_t)B != spec_.sessions.size() || spec_.greedy != greedy) return false;
   for (int64_t b = 0; b < B; ++b) {
     const Session& s = *sessions[b];
     const size_t i = (size_t)b;
@@ -1046,8 +1080,8 @@ int64_t Model::logits_block(const Run* runs, int n_runs, int64_t n, bool all_log
   }
   if (rows == 0) return 0;  // a run that continues in the next chunk wants no logits yet
   float* lg = logits_dst_ ? logits_dst_ : scratch(logits_, rows * c.vocab_size, "logits");
-  // (logits_dst_: the greedy step's device argmax reads the logits in place, so never in parts)
-  if (!logits_dst_ && be.matmul_logits(output_, xn, rows, lg, c.final_softcap)) {
+  // (greedy_out_: the greedy steps' device argmax reads whole rows, so never in parts)
+  if (!greedy_out_ && be.matmul_logits(output_, xn, rows, lg, c.final_softcap)) {
     ++parted_logits_;
   } else {
     be.matmul(output_, xn, rows, lg);

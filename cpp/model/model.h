@@ -196,7 +196,12 @@ class Model : public std::enable_shared_from_this<Model> {
   // decode one token each; each session gets the logits of its last row. KV
   // pages for every session are taken before any compute: on PoolExhaustedError
   // (index = the session asking) no session has moved.
-  void forward_ragged(Session* const* sessions, const int32_t* tokens, const int64_t* counts, int64_t B);
+  // greedy_ids (B ids, or null): each session's next id by Backend::argmax of its last row's
+  // logits, taken on the backend; only the ids come back to the host and the sessions keep
+  // no logits (a greedy stream samples argmax_first of them anyway: 4 bytes a row instead of
+  // vocab floats, 32.8 MB over PCIe at B = 64 for a 128K vocabulary).
+  void forward_ragged(Session* const* sessions, const int32_t* tokens, const int64_t* counts, int64_t B,
+                      int32_t* greedy_ids = nullptr);
 
   // The KV cache geometry of this model for a codec (checks q8_0's block constraint).
   KVGeometry kv_geometry(KVType t) const;
@@ -290,9 +295,13 @@ class Model : public std::enable_shared_from_this<Model> {
   // forward_greedy's step: its token on the backend (dev_ids_), where its argmax goes
   // (greedy_out_) and its logits (logits_dst_): the session's own (Session::greedy_), since
   // another thread's step may run between two of a greedy stream's.
+  // forward_ragged's greedy steps set greedy_out_ alone (into batch_ids_): the argmax of each
+  // row of logits_, made in one product, never in parts (the argmax reads whole rows).
   const int32_t* dev_ids_ = nullptr;
   int32_t* greedy_out_ = nullptr;
   float* logits_dst_ = nullptr;
+  BufferPtr batch_ids_;
+  std::vector<int32_t> batch_ids_host_;
   const int32_t* pos_dev_ = nullptr;
   // The positions attention masks by (each row sees keys up to its own); == pos_dev_ but for
   // the rows of a non-causal span, which see up to the span's last position.
@@ -340,6 +349,7 @@ class Model : public std::enable_shared_from_this<Model> {
     std::vector<int64_t> n_past;  // each session's position for the step's row
     std::vector<std::vector<int32_t>> pages;  // (a session's table is its own for life: the serial names it)
     int32_t* ids_dev = nullptr;  // the step's ids on the backend (the start of its metadata)
+    bool greedy = false;         // recorded with the argmax of each row (forward_ragged's greedy_ids)
   } spec_;
   bool spec_making_ = false, defer_end_ = false, spec_kept_ = false;
   int64_t spec_hits_ = 0;
@@ -347,7 +357,7 @@ class Model : public std::enable_shared_from_this<Model> {
   std::vector<int32_t> spec_ids_;
   static bool spec_on();
   void speculate(Session* const* sessions, int64_t B);
-  bool spec_matches(Session* const* sessions, const int64_t* counts, int64_t B) const;
+  bool spec_matches(Session* const* sessions, const int64_t* counts, int64_t B, bool greedy) const;
   void drop_spec();
 };
 

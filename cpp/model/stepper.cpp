@@ -2,6 +2,7 @@
 #include "model/stepper.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "core/errors.h"
 #include "core/backend.h"
@@ -101,19 +102,37 @@ std::vector<StepEvent> Stepper::step(bool prefill, int64_t* n_decoded) {
   if (n_decoded) *n_decoded = n_dec;
   std::vector<StepEvent> out;
   if (batch_.empty()) return out;
+  // A step whose streams all sample greedily takes its argmaxes on the backend (forward_ragged's
+  // greedy_ids, the same argmax_first rule): only the ids cross back, not B x vocab logits.
+  // DASLLAMA_DEVICE_GREEDY=0: the logits come back and the host samples (A/B runs, tests).
+  const char* e = std::getenv("DASLLAMA_DEVICE_GREEDY");
+  bool greedy = !(e && e[0] == '0');
+  for (int slot : batch_slot_) greedy = greedy && greedy_only(jobs_[slot].params);
+  ids_.resize(batch_.size());
   try {
-    batch_[0]->model().forward_ragged(batch_.data(), tokens_.data(), counts_.data(), (int64_t)batch_.size());
+    batch_[0]->model().forward_ragged(batch_.data(), tokens_.data(), counts_.data(), (int64_t)batch_.size(),
+                                      greedy ? ids_.data() : nullptr);
   } catch (const PoolExhaustedError& e) {
     const int64_t b = e.index;
     throw PoolExhaustedError(e.what(), b >= 0 && b < (int64_t)batch_slot_.size() ? batch_slot_[b] : batch_slot_[0]);
   }
   to_sample_.clear();
+  drawn_.clear();
   for (size_t b = 0; b < batch_.size(); ++b) {
     const int slot = batch_slot_[b];
     const Job& j = jobs_[slot];
     // A prefilling stream samples once its whole prompt is in the KV.
     if (j.next_tok < 0 && slots_[slot]->n_past() < (int64_t)j.prompt.size()) continue;
     to_sample_.push_back(slot);
+    drawn_.push_back(ids_[b]);
+  }
+  if (greedy) {
+    for (size_t k = 0; k < to_sample_.size(); ++k) {
+      const Job& j = jobs_[to_sample_[k]];
+      if (j.params.seed >= 0) slots_[to_sample_[k]]->rng.reseed((uint64_t)j.params.seed);  // as draw() leaves it
+      sampled(to_sample_[k], drawn_[k], out);
+    }
+    return out;
   }
   // The draws on the host threads (each session has its own generator and scratch, so the same
   // tokens in any order), then the events in slot order.

@@ -68,6 +68,7 @@ class Stepper {
   std::vector<int> order_;
   std::vector<int> to_sample_;
   std::vector<int32_t> drawn_;
+  std::vector<int32_t> ids_;  // a greedy step's ids, one a batch row
 };
 
 }  // namespace dl

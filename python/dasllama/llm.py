@@ -134,7 +134,7 @@ def create_batch_workspace(model: Model) -> BatchWorkspace:
 
 
 def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
-               tokens: Sequence[Union[int, Sequence[int]]]) -> None:
+               tokens: Sequence[Union[int, Sequence[int]]], greedy: bool = False) -> Optional[List[int]]:
     """One batched step, one pass over the weights for every row of every session.
 
     ``tokens[i]`` is an int (a decode step: one token at ``sessions[i]``'s position) or a
@@ -147,6 +147,11 @@ def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
     paged batch, pages for every session are taken before any compute: if the pool
     cannot serve one, :class:`~dasllama.PoolExhaustedError` is raised with
     ``session_index`` naming it, and no session has moved.
+
+    With ``greedy=True`` each session's next token, the argmax of its last row's logits
+    (the first of equal maxima, as ``temp=0`` sampling picks), is taken on the model's device
+    and returned, one id per session; the logits stay there (``session.logits`` is empty
+    after it), so a GPU step copies B ids back instead of B x vocab floats.
     """
     if ws.model is not model:
         raise ValueError("workspace belongs to another model")
@@ -166,7 +171,7 @@ def eval_batch(model: Model, ws: BatchWorkspace, sessions: Sequence[Session],
                 raise ValueError("eval_batch: an empty token group")
             flat.extend(g)
             counts.append(len(g))
-    _core.eval_batch([s._s for s in sessions], flat, counts)
+    return _core.eval_batch([s._s for s in sessions], flat, counts, bool(greedy))
 
 
 class BatchStepper:
