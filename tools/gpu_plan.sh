@@ -119,7 +119,10 @@ for stage in "$@"; do
       ;;
     s33)  # the thirty-second session's defaults (logits in 4 parts, K-quant mmas 5-32) on an H200,
       # where the marks were taken (that session had only H100s)
-      step tests 240 python -m pytest -q tests/test_cuda.py -k "k_quant or mixed or logits_in_parts or speculated"
+      step tests 300 python -m pytest -q tests/test_cuda.py -k "k_quant or mixed or logits_in_parts or speculated or greedy_batch"
+      step vktests 200 python -m pytest -q tests/test_vulkan.py -k "greedy_batch or speculated"
+      # batched greedy streams (ids from the device) beside eval_batch's logits, one process
+      step greedy 300 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --greedy --rounds 2 DASLLAMA_NONE=1
       step table 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16,q4_k_m --batches 4,16,64 --rounds 1 DASLLAMA_NONE=1
       step parts 240 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --rounds 2 \
         DASLLAMA_CUDA_LOGIT_PARTS=0 DASLLAMA_CUDA_LOGIT_PARTS=4
