@@ -149,6 +149,7 @@ class CudaBackend final : public Backend {
     scratch_.reset();
     qact_.reset();
     counters_.reset();
+    argmax_.reset();
     bar_.reset();
     dblob_.reset();
     cudaStreamDestroy(st_);
@@ -1116,7 +1117,21 @@ class CudaBackend final : public Backend {
   void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out) override {
     use();
     if (dim <= 0 || dim > INT32_MAX) throw Error("cuda argmax: row width must be in [1, 2^31)");
-    op(Tag::argmax, [=](cudaStream_t s) { cuda::argmax(x, n_rows, dim, out, s); }, x, n_rows, dim, out);
+    const int splits = cuda::argmax_splits(n_rows, dim, prop_.multiProcessorCount);
+    float* pv = nullptr;
+    int *pi = nullptr, *cnt = nullptr;
+    if (splits > 1) {
+      if (!argmax_) {  // fixed size, never regrown: a captured step's pointers stay good
+        const size_t bytes = (size_t)cuda::kArgmaxParts * 8 + (size_t)cuda::kArgmaxRows * 4;
+        argmax_ = alloc(bytes, "argmax partials");
+        check(cudaMemsetAsync(argmax_->data(), 0, bytes, st_), "argmax partials");
+      }
+      pv = static_cast<float*>(argmax_->data());
+      pi = reinterpret_cast<int*>(pv + cuda::kArgmaxParts);
+      cnt = pi + cuda::kArgmaxParts;
+    }
+    op(Tag::argmax, [=](cudaStream_t s) { cuda::argmax(x, n_rows, dim, out, splits, pv, pi, cnt, s); }, x, n_rows,
+       dim, out);
   }
   void matmul_id(const Weight& w, const float* x, int64_t x_div, const int32_t* ids, int64_t n_pairs,
                  const float* bias, float* y) override {
@@ -1805,7 +1820,7 @@ class CudaBackend final : public Backend {
     return v > 0 ? (int64_t)v : INT64_MAX;
   }();
   cudaStream_t st_ = nullptr;
-  BufferPtr scratch_, qact_, split_, counters_, tailc_;
+  BufferPtr scratch_, qact_, split_, counters_, tailc_, argmax_;
   BufferPtr dq_;  // q8 mode's block-format weights decoded to f16 (the largest matrix so far, whole)
   size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;

@@ -153,8 +153,13 @@ void matmul_id(const Mat& m, int64_t expert_rows, const float* x, int64_t x_div,
 void moe_route(const float* logits, int64_t n, int n_expert, int k, int gate, bool norm, int32_t* ids, float* w,
                cudaStream_t st);
 void moe_sum(const float* y, const float* w, int64_t n, int k, int64_t dim, float* out, cudaStream_t st);
-// Backend::argmax: each row's first largest value's index.
-void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out, cudaStream_t st);
+// Backend::argmax: each row's first largest value's index, each row over `splits` blocks
+// (argmax_splits) whose partials go to part_v / part_i (room for kArgmaxParts) and whose
+// per-row counters (kArgmaxRows, zeroed, left zeroed) pick the joining block.
+constexpr int64_t kArgmaxParts = 4096, kArgmaxRows = 1024;
+int argmax_splits(int64_t n_rows, int64_t dim, int n_sm);
+void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out, int splits, float* part_v, int* part_i,
+            int* cnt, cudaStream_t st);
 
 // Attention: splits of the key range per (query, head) (flash-decoding) and the
 // scratch floats they need; split > 1 needs that scratch, and rows * n_heads counters

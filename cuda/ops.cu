@@ -333,19 +333,17 @@ void moe_route(const float* logits, int64_t n, int n_expert, int k, int gate, bo
   check_launch("moe_route");
 }
 
-// A block per row: each thread keeps its first largest over a strided walk, then the block
-// joins them, the smaller index winning ties (the first index overall). v > b never holds for
-// a NaN; a -inf row keeps its first -inf through i < bi.
+// Each row split over S blocks (gridDim.x; a row's blocks adjacent): each thread keeps its first
+// largest over a strided walk of its block's range, 8 loads in flight a round, then the block
+// joins them, the smaller index winning ties (so the first index overall, in any join order).
+// v > b never holds for a NaN; a -inf row keeps its first -inf through i < bi. With S > 1 each
+// block leaves its (value, index) in part[row][s], and the row's last block to finish (counted
+// in cnt[row], left at 0 again) joins the S of them: a one-block row walked 125 dependent loads
+// a thread (~40-70 us on an H100 for a 128K vocabulary; the greedy step's whole head is ~100).
 __device__ __forceinline__ void argmax_join(float& b, int& bi, float v, int i) {
   if (v > b || (v == b && i < bi)) b = v, bi = i;
 }
-__global__ void __launch_bounds__(1024) argmax_k(const float* __restrict__ x, int64_t dim, int32_t* __restrict__ out) {
-  pdl_wait();
-  pdl_trigger();
-  const float* r = x + (int64_t)blockIdx.x * dim;
-  float b = -INFINITY;
-  int bi = INT_MAX;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) argmax_join(b, bi, r[i], (int)i);
+__device__ __forceinline__ void argmax_block(float& b, int& bi) {
   for (int o = 16; o > 0; o >>= 1)
     argmax_join(b, bi, __shfl_xor_sync(0xffffffffu, b, o), __shfl_xor_sync(0xffffffffu, bi, o));
   __shared__ float sb[32];
@@ -353,19 +351,80 @@ __global__ void __launch_bounds__(1024) argmax_k(const float* __restrict__ x, in
   const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
   if ((threadIdx.x & 31) == 0) sb[w] = b, si[w] = bi;
   __syncthreads();
-  if (w == 0) {
-    b = threadIdx.x < nw ? sb[threadIdx.x] : -INFINITY;
-    bi = threadIdx.x < nw ? si[threadIdx.x] : INT_MAX;
+  b = (int)threadIdx.x < nw ? sb[threadIdx.x] : -INFINITY;
+  bi = (int)threadIdx.x < nw ? si[threadIdx.x] : INT_MAX;
+  if (w == 0)
     for (int o = 16; o > 0; o >>= 1)
       argmax_join(b, bi, __shfl_xor_sync(0xffffffffu, b, o), __shfl_xor_sync(0xffffffffu, bi, o));
-    if (threadIdx.x == 0) out[blockIdx.x] = bi == INT_MAX ? 0 : bi;
+}
+constexpr int kArgmaxThreads = 256, kArgmaxUnroll = 8;
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_k(const float* __restrict__ x, int64_t dim,
+                                                          int32_t* __restrict__ out, float* __restrict__ part_v,
+                                                          int* __restrict__ part_i, int* __restrict__ cnt) {
+  pdl_wait();
+  pdl_trigger();
+  const int S = gridDim.x, s = blockIdx.x;
+  const int64_t row = blockIdx.y;
+  const float* r = x + row * dim;
+  const int64_t chunk = (dim + S - 1) / S, lo = s * chunk, hi = min(dim, lo + chunk);
+  float b = -INFINITY;
+  int bi = INT_MAX;
+  constexpr int step = kArgmaxThreads * kArgmaxUnroll;
+  for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += step) {
+    float v[kArgmaxUnroll];
+#pragma unroll
+    for (int u = 0; u < kArgmaxUnroll; ++u) {
+      const int64_t i = i0 + (int64_t)u * kArgmaxThreads;
+      v[u] = i < hi ? __ldg(r + i) : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < kArgmaxUnroll; ++u) {
+      const int64_t i = i0 + (int64_t)u * kArgmaxThreads;
+      if (i < hi) argmax_join(b, bi, v[u], (int)i);
+    }
   }
+  argmax_block(b, bi);
+  if (S == 1) {
+    if (threadIdx.x == 0) out[row] = bi == INT_MAX ? 0 : bi;
+    return;
+  }
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    part_v[row * S + s] = b, part_i[row * S + s] = bi;
+    __threadfence();  // the partial is visible before it is counted
+    last = atomicAdd(cnt + row, 1) == S - 1;
+    if (last) cnt[row] = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  b = -INFINITY, bi = INT_MAX;
+  for (int k = threadIdx.x; k < S; k += blockDim.x) argmax_join(b, bi, __ldcg(part_v + row * S + k), __ldcg(part_i + row * S + k));
+  argmax_block(b, bi);
+  if (threadIdx.x == 0) out[row] = bi == INT_MAX ? 0 : bi;
 }
 
-void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out, cudaStream_t st) {
+int argmax_splits(int64_t n_rows, int64_t dim, int n_sm) {
+  const char* e = std::getenv("DASLLAMA_ARGMAX_SPLIT");  // 0: a block a row (A/B runs)
+  if (e && e[0] == '0') return 1;
+  // About two blocks an SM over all rows, each block 2K values at least, within kArgmaxParts.
+  int64_t S = std::min<int64_t>((2 * (int64_t)n_sm + n_rows - 1) / n_rows, (dim + 2047) / 2048);
+  S = std::max<int64_t>(1, std::min<int64_t>(S, 64));
+  while (S > 1 && (n_rows * S > kArgmaxParts || n_rows > kArgmaxRows)) --S;
+  return (int)S;
+}
+
+void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out, int splits, float* part_v, int* part_i,
+            int* cnt, cudaStream_t st) {
   if (n_rows <= 0) return;
   if (dim <= 0 || dim > INT32_MAX || n_rows > INT32_MAX) throw Error("cuda argmax: rows past 2^31 or an empty row");
-  launch(argmax_k, (unsigned)n_rows, 1024, 0, st, x, dim, out);
+  if (splits > 1 && (!part_v || !part_i || !cnt || n_rows * splits > kArgmaxParts || n_rows > kArgmaxRows))
+    throw Error("cuda argmax: split without room for its partials");
+  for (int64_t r0 = 0; r0 < n_rows; r0 += 65535) {  // (grid y's limit; only unsplit rows get past it)
+    const int64_t n = std::min<int64_t>(65535, n_rows - r0);
+    launch(argmax_k, dim3((unsigned)splits, (unsigned)n), kArgmaxThreads, 0, st, x + r0 * dim, dim, out + r0, part_v,
+           part_i, cnt);
+  }
   check_launch("argmax");
 }
 

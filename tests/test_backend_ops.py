@@ -723,10 +723,13 @@ def argmax_ref(x: np.ndarray) -> np.ndarray:
     return np.array(out, np.int32)
 
 
-@pytest.mark.parametrize("dim", [1, 33, 1000, 128256])
-def test_argmax(backends, dim):
-    rng = np.random.default_rng(dim)
-    x = rng.standard_normal((7, dim)).astype(np.float32)
+@pytest.mark.parametrize("dim,rows", [(1, 7), (33, 7), (1000, 7), (5000, 1), (5000, 300), (128256, 7),
+                                      (128256, 1), (100003, 40)])
+def test_argmax(backends, dim, rows):
+    """Rows split over many blocks (a GPU's few rows of a vocabulary) and rows whole (many rows):
+    a tie far apart in the row (so in different splits), NaN at the row's ends."""
+    rng = np.random.default_rng(dim + rows)
+    x = rng.standard_normal((max(rows, 7), dim)).astype(np.float32)
     x[1, dim // 2] = x[1, dim - 1] = x[1].max() + 1  # a tie: the first wins
     x[2, 0] = np.nan  # a NaN where the walks start
     x[2, dim - 1] = np.nan
@@ -735,6 +738,8 @@ def test_argmax(backends, dim):
     x[4, dim // 3] = np.nan
     x[5, :] = 0.25  # all equal
     x[6, dim - 1] = np.inf
+    if rows < 7:
+        x = x[[1, 2, 3, 4, 5, 6, 0][:rows]]  # the special rows first
     ref = argmax_ref(x)
     for dev, got in run_all(backends, "argmax", x).items():
         assert np.array_equal(got, ref), f"argmax on {dev}: {got} against {ref}"

@@ -127,6 +127,14 @@ for stage in "$@"; do
       step parts 240 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --rounds 2 \
         DASLLAMA_CUDA_LOGIT_PARTS=0 DASLLAMA_CUDA_LOGIT_PARTS=4
       ;;
+    s33b)  # argmax split over blocks (CUDA) / workgroups (Vulkan) with a last-block join
+      step tests 300 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py tests/test_vulkan.py \
+        -k "argmax or greedy or speculated or pipelined"
+      step cuda 420 python benchmarks/ab_cuda.py --types q8_0,f16 --batches 4,16,64 --greedy --rounds 2 \
+        DASLLAMA_ARGMAX_SPLIT=0 DASLLAMA_NONE=1
+      step vk 400 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --batches 4,16 --greedy --rounds 2 \
+        DASLLAMA_ARGMAX_SPLIT=0 DASLLAMA_NONE=1
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \

@@ -1542,6 +1542,7 @@ class VulkanBackend final : public Backend {
     const_bufs_.clear();
     attn_part_.reset();
     attn_cnt_.reset();
+    argmax_buf_.reset();
     glu_cnt_.reset();
     try {
       c_->flush();
@@ -3158,14 +3159,31 @@ class VulkanBackend final : public Backend {
     if (dim <= 0 || dim > INT32_MAX) throw Error("vulkan argmax: row width must be in [1, 2^31)");
     if (n_rows <= 0) return;
     Lock g(c_->mu);
+    // Each row over S workgroups (about 256 over all rows, 2K values each at least), its
+    // partials and counter in a buffer made once at its full size (a replayed step's addresses
+    // stay good); the counters start (and are left) at 0.
+    constexpr int64_t kParts = 4096, kRows = 1024;
+    int64_t S = std::max<int64_t>(1, std::min<int64_t>({(256 + n_rows - 1) / n_rows, (dim + 2047) / 2048, 64}));
+    while (S > 1 && (n_rows * S > kParts || n_rows > kRows)) --S;
+    const char* e = std::getenv("DASLLAMA_ARGMAX_SPLIT");  // 0: a workgroup a row (A/B runs)
+    if (e && e[0] == '0') S = 1;
+    uint64_t part = 0, cnt = 0;
+    if (S > 1) {
+      if (!argmax_buf_) {
+        argmax_buf_ = alloc(kParts * 8 + kRows * 4, "argmax partials");
+        c_->zero(A(argmax_buf_->data()) + kParts * 8, kRows * 4);
+      }
+      part = A(argmax_buf_->data()), cnt = part + kParts * 8;
+    }
     struct {
-      uint64_t x, out;
-      uint32_t dim, row_base;
-    } pc{A(x), A(out), (uint32_t)dim, 0};
+      uint64_t x, out, part, cnt;
+      uint32_t dim, row_base, S;
+    } pc{A(x), A(out), part, cnt, (uint32_t)dim, 0, (uint32_t)S};
     for (int64_t r0 = 0; r0 < n_rows; r0 += kMaxGroups) {
       pc.row_base = (uint32_t)r0;
-      c_->uses({{A(x), (uint64_t)(n_rows * dim * 4), false}, {A(out), (uint64_t)n_rows * 4, true}});
-      c_->dispatch("argmax", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n_rows - r0));
+      c_->uses({{A(x), (uint64_t)(n_rows * dim * 4), false}, {A(out), (uint64_t)n_rows * 4, true},
+                {part, (uint64_t)(n_rows * S * 8), true}, {cnt, (uint64_t)n_rows * 4, true}});
+      c_->dispatch("argmax", &pc, sizeof pc, (uint32_t)S, (uint32_t)std::min(kMaxGroups, n_rows - r0));
     }
   }
   void moe_route(const float* logits, int64_t n, int n_expert, int k, MoeGate gate, bool norm, int32_t* ids,
@@ -3412,6 +3430,7 @@ class VulkanBackend final : public Backend {
   std::vector<BufferPtr> const_bufs_;
   uint64_t i8_xq_ = 0, i8_xd_ = 0;
   BufferPtr attn_part_, attn_cnt_;  // attention's split partials (a ring) and counters (a ring)
+  BufferPtr argmax_buf_;  // argmax's split partials, then its counters
   size_t part_at_ = 0, cnt_at_ = 0;  // the rings' next regions (bytes, slots); 0 at a step's start
   std::unordered_map<uint32_t, std::string> sg_names_;  // matmul_sg_<type>
 };
