@@ -741,6 +741,7 @@ class CudaBackend final : public Backend {
     for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
   }
   int64_t fused_ops() const override { return fused_ops_; }
+  int64_t path_count(const std::string& name) const override { return name == "attn_gqa" ? gqa_attn_ : 0; }
   void matmul_step(const MatmulStep& s) override {
     if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
       throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
@@ -808,12 +809,16 @@ class CudaBackend final : public Backend {
       op(Tag::attention, [=](cudaStream_t s) { cuda::flash_attention(a, s); });
       return;
     }
-    const int splits = cuda::attn_splits(a, prop_.multiProcessorCount);
+    // DASLLAMA_CUDA_ATTN_GQA=1 (read at each call): the grouped-query kernel where it takes a.
+    const bool gqa = cuda::attn_gqa_on() && cuda::attn_gqa_heads(a) > 0;
+    const int splits = gqa ? cuda::attn_gqa_splits(a.n_tok, a, a.n_kv, prop_.multiProcessorCount)
+                           : cuda::attn_splits(a, prop_.multiProcessorCount);
     float* scratch = scratch_for(cuda::attn_scratch_floats(a, splits));
     int* cnt = splits > 1 ? counters_for((size_t)a.n_tok * a.n_heads) : nullptr;
     // Its args are baked into the launch, not the signature: a step with one runs directly.
     if (rec_) no_graph_ = true;
-    op(Tag::attention, [=](cudaStream_t s) { cuda::attention(a, splits, scratch, cnt, s); });
+    if (gqa) ++gqa_attn_;
+    op(Tag::attention, [=](cudaStream_t s) { cuda::attention(a, splits, scratch, cnt, s, gqa); });
   }
   void attention_multi(const AttnArgs* a, int count) override {
     use();
@@ -838,27 +843,34 @@ class CudaBackend final : public Backend {
       for (int i = 0; i < count; ++i) attention(a[i]);
       return;
     }
-    const int splits = cuda::attn_splits(total, a[0].n_heads, max_kv, prop_.multiProcessorCount);
+    // DASLLAMA_CUDA_ATTN_GQA=1 (read at each call): the grouped-query kernel where it takes every
+    // session (its choice is in the signature).
+    bool gqa = cuda::attn_gqa_on();
+    for (int i = 0; i < count && gqa; ++i)
+      gqa = a[i].n_kv_heads == a[0].n_kv_heads && cuda::attn_gqa_heads(a[i]) > 0;
+    const int splits = gqa ? cuda::attn_gqa_splits(total, a[0], max_kv, prop_.multiProcessorCount)
+                           : cuda::attn_splits(total, a[0].n_heads, max_kv, prop_.multiProcessorCount);
     const size_t floats = splits <= 1 ? 0 : (size_t)slots * a[0].n_heads * splits * (a[0].head_dim + 2);
     float* scratch = scratch_for(floats);
     int* counters = splits > 1 ? counters_for((size_t)slots * a[0].n_heads) : nullptr;
     const size_t off = blob_put(a, sizeof(AttnArgs) * count);
     const AttnArgs shape = a[0];
     const int cnt = count, mt = (int)maxtok;
+    if (gqa) ++gqa_attn_;
     op(
         Tag::attention_group,
         [=](cudaStream_t s) {
           const auto* d = reinterpret_cast<const AttnArgs*>(static_cast<uint8_t*>(dblob_->data()) + off);
-          cuda::attention_group(shape, d, cnt, mt, splits, scratch, counters, s);
+          cuda::attention_group(shape, d, cnt, mt, splits, scratch, counters, s, cuda::AttnQuant(), gqa);
         },
-        cnt, mt, shape.n_heads, shape.head_dim, shape.kv.type, splits, scratch, counters, off);
+        cnt, mt, shape.n_heads, shape.head_dim, shape.kv.type, splits, scratch, counters, off, gqa);
     // Where the sessions' outputs are consecutive rows of one matrix, the matmul reading it may
     // have this launch round them (AttnRec).
     const int64_t width = (int64_t)shape.n_heads * shape.head_dim;
     bool rows_ok = shape.head_dim % 32 == 0;
     for (int i = 0; i < count && rows_ok; ++i)
       rows_ok = a[i].out_stride == width && a[i].out == a[0].out + rows_before(a, i) * width;
-    attn_ = rows_ok ? AttnRec{ops_.size() - 1, shape, off, cnt, mt, splits, scratch, counters, a[0].out, total, width}
+    attn_ = rows_ok ? AttnRec{ops_.size() - 1, shape, off, cnt, mt, splits, scratch, counters, a[0].out, total, width, gqa}
                     : AttnRec{};
   }
   static int64_t rows_before(const AttnArgs* a, int i) {
@@ -1292,7 +1304,7 @@ class CudaBackend final : public Backend {
         const AttnRec a = ar;
         ops_.back() = [this, a, qo](cudaStream_t st) {
           const auto* d = reinterpret_cast<const AttnArgs*>(static_cast<uint8_t*>(dblob_->data()) + a.off);
-          cuda::attention_group(a.shape, d, a.cnt, a.mt, a.splits, a.scratch, a.counters, st, qo);
+          cuda::attention_group(a.shape, d, a.cnt, a.mt, a.splits, a.scratch, a.counters, st, qo, a.gqa);
         };
         sig1(Tag::quant), sig1(qb);
         attn_.at = SIZE_MAX, ++fused_ops_;
@@ -1480,6 +1492,7 @@ class CudaBackend final : public Backend {
     int* counters = nullptr;
     const float* out = nullptr;
     int64_t rows = 0, width = 0;
+    bool gqa = false;  // the grouped-query kernel (DASLLAMA_CUDA_ATTN_GQA)
   } attn_;
   // The last q8 GEMV recorded in this step, which the rounding (or GLU) after it may join.
   struct GemvRec {
@@ -1824,6 +1837,7 @@ class CudaBackend final : public Backend {
   BufferPtr dq_;  // q8 mode's block-format weights decoded to f16 (the largest matrix so far, whole)
   size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;
+  int64_t gqa_attn_ = 0;  // attentions issued or recorded on the grouped-query kernel (path_count)
   float* pinned_ = nullptr;  // host_staging's buffer
   std::mutex blocks_mu_;  // host_block's live blocks (address, bytes), for download()
   std::vector<std::pair<float*, size_t>> blocks_;

@@ -168,7 +168,17 @@ int attn_splits(const AttnArgs& a, int n_sm);
 int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm);
 size_t attn_scratch_floats(const AttnArgs& a, int splits);
 void attn_check(const AttnArgs& a);  // throws what attention() would refuse
-void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cudaStream_t st);
+// gqa: the grouped-query decode kernel (below) instead of attn_k; splits then from attn_gqa_splits.
+void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cudaStream_t st, bool gqa = false);
+// The grouped-query decode kernel (DASLLAMA_CUDA_ATTN_GQA=1, opt-in until timed): a block per
+// (row, GH query heads of one KV head, key split), each K / V row loaded once for the GH heads
+// in 16-byte pieces. It takes head_dim 64 / 128 / 256 over f32, f16 or q8_0 caches whose rows
+// are 16-byte (q8_0: 2-byte) aligned, any group size, windows, softcaps, sinks and the output's
+// rounding (AttnQuant); the same f32 arithmetic as attn_k up to the order of sums. Its split
+// partials and counters are attn_k's (attn_scratch_floats), with at most 64 splits.
+bool attn_gqa_on();                       // the switch, read at each call
+int attn_gqa_heads(const AttnArgs& a);    // GH (1, 2 or 4) where the kernel takes a, else 0
+int attn_gqa_splits(int64_t rows, const AttnArgs& a, int64_t n_kv, int n_sm);  // a: the shape
 // Where attention also writes its output rounded to q8 blocks, as quantize_act (no norm) would
 // round it for the next matmul: element e of the rows from `base` (the output's first row,
 // rows `cols` apart; head_dim a multiple of 32) goes to xq[e], block e / 32 to xd / xs.
@@ -182,7 +192,7 @@ struct AttnQuant {
 // with shape's n_heads, head_dim and KV type; rows z = session * maxtok + token; the
 // scratch holds count * maxtok rows of partials.
 void attention_group(const AttnArgs& shape, const AttnArgs* dargs, int count, int maxtok, int splits, float* scratch,
-                     int* counters, cudaStream_t st, const AttnQuant& qo = AttnQuant());
+                     int* counters, cudaStream_t st, const AttnQuant& qo = AttnQuant(), bool gqa = false);
 // flash.cu: attention of many query rows (prefill, encoders) in key tiles shared by a block's
 // rows; one launch, no splits. Fits: head_dim <= 256 and the tiles' shared memory on the device.
 bool flash_fits(const AttnArgs& a, int max_smem_optin);

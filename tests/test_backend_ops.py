@@ -997,3 +997,122 @@ def test_paged_attention_multi(backends, kv, depth):
         q_pos = np.arange(k.shape[0] - q.shape[0], k.shape[0])
         ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, 0, scale, 0.0)
         check(f"attention_multi {kv}, session {i} of {len(spec)}", {d: o[i] for d, o in outs.items()}, ref, F32_DOT)
+
+
+# ---- CUDA's grouped-query decode kernel (DASLLAMA_CUDA_ATTN_GQA=1) -----------------------------
+# A block per (row, query heads of one KV head, key split) with 16-byte K / V loads: the same f32
+# arithmetic as the default decode kernel (attn_k) but for the order of sums, so it is held to the
+# float64 reference (F32_DOT) and to attn_k's output within GQA_ORDER; Backend.path_count tells
+# that it ran. Forced split counts (DASLLAMA_CUDA_ATTN_GQA_SPLITS) give splits with no keys, a
+# count that is no power of two and the most the kernel takes.
+GQA_ORDER = 1e-11
+
+GQA_CASES = [
+    # n_tok, n_kv, heads, kv heads, head_dim, page_rows, window, softcap
+    (1, 1, 4, 4, 64, 16, 0, 0.0),  # one key, a query head a KV head
+    (1, 17, 32, 8, 64, 16, 0, 0.0),  # Llama-3.2-1B's heads
+    (1, 100, 32, 8, 64, 16, 0, 0.0),
+    (1, 700, 32, 8, 64, 16, 0, 0.0),  # splits
+    (3, 700, 8, 4, 128, 64, 0, 0.0),  # rows of one session at three positions
+    (1, 100, 8, 1, 128, 16, 0, 30.0),  # 8 heads a KV head (items of 2), a softcap
+    (1, 700, 4, 4, 128, 16, 0, 0.0),
+    (5, 133, 6, 2, 64, 64, 40, 0.0),  # 3 heads a KV head (items of 1), a window
+    (1, 2050, 16, 4, 64, 16, 512, 0.0),  # a window over a long context
+    (1, 4100, 32, 8, 64, 64, 0, 0.0),  # many splits
+    (1, 700, 8, 4, 256, 16, 512, 0.0),  # a Gemma-3 decode: head size 256, a window
+    (15, 90, 8, 2, 64, 16, 0, 20.0),  # the most rows the row kernels take (FLASH_MIN 16)
+]
+
+
+def _cuda_backends(backends):
+    cu = {d: b for d, b in backends.items() if d.startswith("cuda")}
+    if not cu:
+        pytest.skip("no CUDA device here: " + (NOT_FOUND.get("cuda") or "none found"))
+    return cu
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("kv", list(KV_TYPES))
+@pytest.mark.parametrize("case", GQA_CASES, ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}-cap{}".format(*c))
+def test_paged_attention_gqa(backends, monkeypatch, kv, case, sinks):
+    """DASLLAMA_CUDA_ATTN_GQA=1 on one session's decode rows (Backend::attention): 1 to 4100 keys,
+    1, 2, 3, 4 and 8 query heads a KV head, head sizes 64, 128 and 256, windows, softcaps and
+    sinks, every KV type, the split rule and forced splits."""
+    cu = _cuda_backends(backends)
+    n_tok, n_kv, H, KVH, hd, P, window, cap = case
+    rng = np.random.default_rng(n_kv + hd + H + 3)
+    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
+    scale = 1 / math.sqrt(hd)
+    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
+
+    def run(b):
+        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
+                                 cap, 64, sinks=sk)[0]
+
+    for d, b in cu.items():
+        monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", "0")
+        monkeypatch.delenv("DASLLAMA_CUDA_ATTN_GQA_SPLITS", raising=False)
+        n0 = b.path_count("attn_gqa")
+        old = run(b)
+        assert b.path_count("attn_gqa") == n0, "the switch off still took the grouped-query kernel"
+        monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", "1")
+        for i, splits in enumerate(["", "3", "64"]):
+            monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA_SPLITS", splits)
+            got = run(b)
+            assert b.path_count("attn_gqa") == n0 + i + 1, f"{d}: the grouped-query kernel did not run"
+            e, e_old = nmse(got, ref), nmse(got, old)
+            assert e <= F32_DOT, f"gqa {case} {kv} splits {splits or 'rule'} on {d}: NMSE {e:.3g} vs float64"
+            assert e_old <= GQA_ORDER, f"gqa {case} {kv} splits {splits or 'rule'} on {d}: NMSE {e_old:.3g} vs attn_k"
+
+
+GQA_MULTI = {  # (rows already cached, new rows) per session
+    "one": [(699, 1)],
+    "three": [(0, 1), (16, 1), (99, 1)],
+    "twelve": [(p, 1) for p in (0, 16, 99, 699, 5, 40, 63, 64, 200, 1, 31, 300)],
+    "ragged": [(10, 3), (16, 1), (99, 5), (0, 2)],  # several rows a session, padded row slots
+}
+GQA_HEADS = [(32, 8, 64), (8, 8, 64), (12, 4, 64), (8, 4, 128), (8, 1, 128), (4, 2, 256)]
+
+
+@pytest.mark.parametrize("heads", GQA_HEADS, ids=lambda h: "h{}/{}-d{}".format(*h))
+@pytest.mark.parametrize("kv", list(KV_TYPES))
+@pytest.mark.parametrize("spec", list(GQA_MULTI))
+def test_paged_attention_multi_gqa(backends, monkeypatch, spec, kv, heads):
+    """DASLLAMA_CUDA_ATTN_GQA=1 on a batched step's sessions in one launch (Backend::attention_multi,
+    each session's arguments in the step's blob): 1, 3 and 12 sessions of 1 to 700 keys, and a
+    ragged step; every session equals the float64 reference and attn_k's output."""
+    cu = _cuda_backends(backends)
+    H, KVH, hd = heads
+    P = 16
+    rng = np.random.default_rng(43)
+    sessions, at = [], 0
+    plan = GQA_MULTI[spec]
+    pool = sum(-(-(past + new) // P) for past, new in plan) + 2
+    ids = rng.permutation(pool).astype(np.int32)
+    for past, new in plan:
+        n_kv = past + new
+        n_pages = -(-n_kv // P)
+        sessions.append((rng.standard_normal((new, H * hd)).astype(np.float32),
+                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32),
+                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32), ids[at:at + n_pages]))
+        at += n_pages
+    scale = 1 / math.sqrt(hd)
+    for d, b in cu.items():
+        monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", "0")
+        n0 = b.path_count("attn_gqa")
+        old = b.paged_attention_multi(sessions, H, KVH, hd, KV_TYPES[kv], P, pool, scale)
+        monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", "1")
+        got = b.paged_attention_multi(sessions, H, KVH, hd, KV_TYPES[kv], P, pool, scale)
+        assert b.path_count("attn_gqa") == n0 + 1, f"{d}: the grouped-query kernel did not run"
+        for i, (q, k, v, _) in enumerate(sessions):
+            q_pos = np.arange(k.shape[0] - q.shape[0], k.shape[0])
+            ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, 0, scale, 0.0)
+            e, e_old = nmse(got[i], ref), nmse(got[i], old[i])
+            assert e <= F32_DOT, f"gqa multi {spec} {kv} {heads} session {i} on {d}: NMSE {e:.3g} vs float64"
+            assert e_old <= GQA_ORDER, f"gqa multi {spec} {kv} {heads} session {i} on {d}: NMSE {e_old:.3g} vs attn_k"

@@ -135,6 +135,20 @@ for stage in "$@"; do
       step vk 400 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --batches 4,16 --greedy --rounds 2 \
         DASLLAMA_ARGMAX_SPLIT=0 DASLLAMA_NONE=1
       ;;
+    gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
+      # its harness and model tests, the batched steps A/B, the split rule against forced counts,
+      # and the kernels' times (attn_gqa_k against attn_k) with PDL off
+      step tests 480 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py -k "gqa or paged_attention"
+      step ab 400 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --rounds 2 \
+        DASLLAMA_CUDA_ATTN_GQA=0 DASLLAMA_CUDA_ATTN_GQA=1
+      step splits 300 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --rounds 2 \
+        DASLLAMA_CUDA_ATTN_GQA=1,DASLLAMA_CUDA_ATTN_GQA_SPLITS=1 DASLLAMA_CUDA_ATTN_GQA=1,DASLLAMA_CUDA_ATTN_GQA_SPLITS=2 \
+        DASLLAMA_CUDA_ATTN_GQA=1,DASLLAMA_CUDA_ATTN_GQA_SPLITS=4
+      step prof64 120 env DASLLAMA_CUDA_PDL=0 DASLLAMA_CUDA_ATTN_GQA=1 python benchmarks/profile_cuda.py --batch 64 --steps 8
+      step prof16 120 env DASLLAMA_CUDA_PDL=0 DASLLAMA_CUDA_ATTN_GQA=1 python benchmarks/profile_cuda.py --batch 16 --steps 16
+      step prof4 120 env DASLLAMA_CUDA_PDL=0 DASLLAMA_CUDA_ATTN_GQA=1 python benchmarks/profile_cuda.py --batch 4 --steps 16
+      step prof1 120 env DASLLAMA_CUDA_PDL=0 DASLLAMA_CUDA_ATTN_GQA=1 python benchmarks/profile_cuda.py --steps 16
+      ;;
     vk_ki8)  # the thirtieth session's Vulkan K-quant GEMVs on int8 (opt-in, checked on lavapipe only)
       step tests 200 python -m pytest -q tests/test_vulkan.py -k "k_quant_int8 or block_formats"
       step ab 240 python benchmarks/ab_cuda.py --device vulkan --types q4_k_m,q6_K,q5_K --rounds 2 \
@@ -197,7 +211,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -94,6 +94,8 @@ void bind_backend(py::module_& m) {
            py::arg("device") = "cpu", py::arg("n_threads") = 0, py::arg("exact") = true)
       .def_property_readonly("name", [](const Dev& d) { return std::string(d.be->name()); })
       .def_property_readonly("device", [](const Dev& d) { return device_dict(d.be->info()); })
+      // Ops the backend ran on a named optional path since it was made (Backend::path_count).
+      .def("path_count", [](const Dev& d, const std::string& name) { return d.be->path_count(name); }, py::arg("name"))
       .def("supports", [](const Dev& d, const std::string& op, uint32_t type) {
         const Op o = op == "matmul" ? Op::matmul : op == "get_rows" ? Op::get_rows : op == "attention" ? Op::attention : Op::kv_store;
         return d.be->supports(o, type);

@@ -109,6 +109,7 @@ void bind_model(py::module_& m) {
       .def_property_readonly("weight_bytes", &Model::weight_bytes)
       .def_property_readonly("fused_layers", &Model::fused_layers)
       .def_property_readonly("fused_ops", &Model::fused_ops)
+      .def("path_count", &Model::path_count, py::arg("name"))
       .def_property_readonly("parted_logits", &Model::parted_logits)
       .def_property_readonly("speculated_steps", &Model::speculated_steps)
       .def_property_readonly("speculation_pending", &Model::speculation_pending)

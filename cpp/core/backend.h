@@ -372,6 +372,13 @@ class Backend {
   // Ops a backend ran as part of the op before them since it was made (CUDA's GEMV tails):
   // tests check a fused path is taken.
   virtual int64_t fused_ops() const { return 0; }
+  // Ops a backend issued (or recorded) on a named optional path since it was made (CUDA:
+  // "attn_gqa", the grouped-query decode attention of DASLLAMA_CUDA_ATTN_GQA=1): tests check a
+  // switch's path is taken. 0 for a name the backend does not know.
+  virtual int64_t path_count(const std::string& name) const {
+    (void)name;
+    return 0;
+  }
   // Rows of table w for ids (backend memory; checked in range by the caller), dequantized to f32.
   virtual void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) = 0;
   // y = x / rms(x) * w over rows of dim elements; w may be null; y may alias x.

@@ -121,6 +121,8 @@ class Model : public std::enable_shared_from_this<Model> {
   // Layers a backend ran fused (Backend::decode_layer) since load: tests check the path is taken.
   int64_t fused_layers() const { return fused_layers_; }
   int64_t fused_ops() const { return backend_->fused_ops(); }
+  // Ops the backend ran on a named optional path since load (Backend::path_count).
+  int64_t path_count(const std::string& name) const { return backend_->path_count(name); }
   // Logits blocks made in parts of the vocabulary (Backend::matmul_logits) since load.
   int64_t parted_logits() const { return parted_logits_; }
   // eval_batch steps issued from their speculated recording (Model::speculate) since load.
