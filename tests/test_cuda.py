@@ -581,10 +581,11 @@ def test_mega_decode_chain_against_the_cpu(files, tmp_path, monkeypatch, kv):
             assert e <= 2 * e_cpu, f"{name} {ft} kv {kv.name}: NMSE {e:.3g} against fp32, the CPU's q8 {e_cpu:.3g}"
 
 
-def _greedy_batch(path, mode, kv, B, monkeypatch, gqa, n_steps=24):
-    """Greedy batched decode of B sessions (prompts of 200 and 6 to 105 tokens; a ragged step of
-    3, 1 and 2 rows first): each step's tokens and logits, and the attentions the grouped-query
-    kernel ran (path_count)."""
+def _forced_batch(path, mode, kv, B, monkeypatch, gqa, n_steps=24):
+    """Batched decode of B sessions (prompts of 200 and 6 to 105 tokens; a ragged step of 3, 1 and
+    2 rows first), then n_steps steps of tokens drawn in advance (the same inputs however the
+    logits come out): each step's logits, and the attentions the grouped-query kernel ran
+    (path_count)."""
     monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", gqa)
     m = d.load_model(path, mode, device="cuda")
     pool = d.create_kv_pool(m, page_rows=16, kv_dtype=kv, max_pages=B * 20)
@@ -595,23 +596,22 @@ def _greedy_batch(path, mode, kv, B, monkeypatch, gqa, n_steps=24):
         d.eval(m, s, [1] + rng.integers(3, E.VOCAB, 200 if B == 1 else 5 + 9 * i).tolist())
     if B > 1:
         d.eval_batch(m, ws, ss, [[5, 6, 7], [8], [9, 10]][:B] + [[11]] * (B - 3))
-    toks, logits = [], []
-    for _ in range(n_steps):
-        nxt = [int(np.argmax(s.logits)) for s in ss]
-        d.eval_batch(m, ws, ss, [[t] for t in nxt])
-        toks.append(nxt)
+    logits = []
+    for t in rng.integers(3, E.VOCAB, (n_steps, B)).tolist():
+        d.eval_batch(m, ws, ss, [[x] for x in t])
         logits.append(np.array([s.logits for s in ss]))
-    return np.array(toks), np.array(logits), m._m.path_count("attn_gqa")
+    return np.array(logits), m._m.path_count("attn_gqa")
 
 
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
-def test_gqa_decode_attention_greedy_batches(tmp_path, monkeypatch, kv):
-    """DASLLAMA_CUDA_ATTN_GQA=1 (cuda/attention.cu's grouped-query decode kernel): greedy batched
-    decode of 1, 3 and 12 sessions on random Llamas of head size 64 with 4 and 1 query heads a KV
-    head and of head size 128 with 2, in q8 mode (the attention rounding its output for O,
-    AttnQuant) and fp32 mode: the tokens of the switch off, logits within the order of f32 sums
-    (fp32 mode: LOGIT_BAR; q8 mode, where such an order may tip an activation's 8-bit rounding:
-    1e-4, a wrong op gives 1e-2 or more), and every step's attentions took the kernel."""
+def test_gqa_decode_attention_batches(tmp_path, monkeypatch, kv):
+    """DASLLAMA_CUDA_ATTN_GQA=1 (cuda/attention.cu's grouped-query decode kernel): batched decode
+    steps of 1, 3 and 12 sessions, teacher-forced, on random Llamas of head size 64 with 4 and 1
+    query heads a KV head and of head size 128 with 2, in q8 mode (the attention rounding its
+    output for O, AttnQuant) and fp32 mode: the logits of the switch off within the order of f32
+    sums (fp32 mode: LOGIT_BAR, and the same argmax every step; q8 mode, where that order may tip
+    an activation's 8-bit rounding: 1e-4, where a wrong op gives 1e-2 or more), and every step's
+    attentions took the kernel."""
     for sub in ("g4", "g1", "g2"):
         (tmp_path / sub).mkdir()
     shapes = {"hd64-g4": _llama_file(tmp_path / "g4", 512, 8, 2, 1024),
@@ -621,13 +621,15 @@ def test_gqa_decode_attention_greedy_batches(tmp_path, monkeypatch, kv):
     for name, paths in shapes.items():
         for mode in modes:
             for B in (1, 3, 12):
-                want, lw, n_off = _greedy_batch(paths["q8_0"], mode, kv, B, monkeypatch, "0")
-                got, lg, n_on = _greedy_batch(paths["q8_0"], mode, kv, B, monkeypatch, "1")
+                lw, n_off = _forced_batch(paths["q8_0"], mode, kv, B, monkeypatch, "0")
+                lg, n_on = _forced_batch(paths["q8_0"], mode, kv, B, monkeypatch, "1")
                 tag = f"{name} {mode.name} kv {kv.name} B={B}"
                 assert n_off == 0 and n_on >= 2 * 24, (tag, n_off, n_on)  # 2 layers, 24 steps at least
-                assert np.array_equal(got, want), f"{tag}: tokens differ at step {np.argwhere(got != want)[0][0]}"
                 e = nmse(lg, lw)
+                print(f"{tag}: logits NMSE {e:.3g}")
                 assert e <= (LOGIT_BAR if mode == d.QuantMode.fp32 else 1e-4), f"{tag}: logits NMSE {e:.3g}"
+                if mode == d.QuantMode.fp32:
+                    assert np.array_equal(lg.argmax(-1), lw.argmax(-1)), tag
 
 
 def test_speculated_batch_steps_equal_plain(files):

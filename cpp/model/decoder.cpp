@@ -254,13 +254,14 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
   // The chunk's logits down and into the sessions (rows of them, made by the step just issued).
   auto finish = [&](int64_t rows) {
     if (greedy_ids) {
-      batch_ids_host_.resize((size_t)std::max<int64_t>(rows, 1));
+      if (!batch_ids_host_) batch_ids_host_ = backend_->host_block((size_t)max_chunk_);
+      int32_t* hids = reinterpret_cast<int32_t*>(batch_ids_host_.get());
       if (rows > 0 && decode_only && (int64_t)runs.size() == B) {
-        backend_->download_start(batch_ids_host_.data(), greedy_out_, (size_t)rows * 4);
+        backend_->download_start(hids, greedy_out_, (size_t)rows * 4);
         speculate(sessions, B);
         backend_->download_finish();
       } else if (rows > 0) {
-        backend_->download(batch_ids_host_.data(), greedy_out_, (size_t)rows * 4);
+        backend_->download(hids, greedy_out_, (size_t)rows * 4);
       }
       int64_t k = 0;
       for (const Run& r : runs) {
@@ -268,7 +269,7 @@ void Model::forward_ragged(Session* const* sessions, const int32_t* tokens, cons
         if (!r.want_logits) continue;
         r.s->drop_lazy_logits();
         r.s->logits.clear();  // not this step's: the step kept its logits on the backend
-        greedy_ids[next_b++] = batch_ids_host_[(size_t)k++];
+        greedy_ids[next_b++] = hids[k++];
       }
       runs.clear();
       chunk_tokens.clear();

@@ -303,7 +303,7 @@ class Model : public std::enable_shared_from_this<Model> {
   int32_t* greedy_out_ = nullptr;
   float* logits_dst_ = nullptr;
   BufferPtr batch_ids_;
-  std::vector<int32_t> batch_ids_host_;
+  std::shared_ptr<float> batch_ids_host_;  // a host block (pinned on CUDA: its copy overlaps the next recording)
   const int32_t* pos_dev_ = nullptr;
   // The positions attention masks by (each row sees keys up to its own); == pos_dev_ but for
   // the rows of a non-causal span, which see up to the span's last position.
