@@ -138,7 +138,7 @@ for stage in "$@"; do
     s33c)  # the greedy ids into a pinned block (their copy overlapping the next recording), the GQA
       # kernel's teacher-forced model test, and greedy / logits steps with GQA off and on
       step tests 300 python -m pytest -q tests/test_cuda.py -k "gqa_decode or greedy_batch"
-      step ab 400 python benchmarks/ab_cuda.py --types q8_0 --no-tg --batches 4,16,64 --greedy --rounds 2 \
+      step ab 400 python benchmarks/ab_cuda.py --types q8_0 --batches 4,16,64 --greedy --rounds 2 \
         DASLLAMA_CUDA_ATTN_GQA=0 DASLLAMA_CUDA_ATTN_GQA=1
       ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
