@@ -502,9 +502,9 @@ int attn_splits(int64_t rows, int n_heads, int64_t n_kv, int n_sm) {
 }
 int attn_splits(const AttnArgs& a, int n_sm) { return attn_splits(a.n_tok, a.n_heads, a.n_kv, n_sm); }
 
-bool attn_gqa_on() {
+bool attn_gqa_on() {  // on by default (H200, Llama-1B Q8_0 B = 4 / 16: +1.6% / +2.9%); 0 turns it off
   const char* e = std::getenv("DASLLAMA_CUDA_ATTN_GQA");
-  return e && std::strcmp(e, "1") == 0;
+  return !(e && std::strcmp(e, "0") == 0);
 }
 
 int attn_gqa_heads(const AttnArgs& a) {

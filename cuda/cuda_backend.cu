@@ -809,7 +809,7 @@ class CudaBackend final : public Backend {
       op(Tag::attention, [=](cudaStream_t s) { cuda::flash_attention(a, s); });
       return;
     }
-    // DASLLAMA_CUDA_ATTN_GQA=1 (read at each call): the grouped-query kernel where it takes a.
+    // The grouped-query kernel where it takes a (DASLLAMA_CUDA_ATTN_GQA=0 off; read at each call).
     const bool gqa = cuda::attn_gqa_on() && cuda::attn_gqa_heads(a) > 0;
     const int splits = gqa ? cuda::attn_gqa_splits(a.n_tok, a, a.n_kv, prop_.multiProcessorCount)
                            : cuda::attn_splits(a, prop_.multiProcessorCount);
@@ -843,7 +843,7 @@ class CudaBackend final : public Backend {
       for (int i = 0; i < count; ++i) attention(a[i]);
       return;
     }
-    // DASLLAMA_CUDA_ATTN_GQA=1 (read at each call): the grouped-query kernel where it takes every
+    // The grouped-query kernel where it takes every (DASLLAMA_CUDA_ATTN_GQA=0 off; read at each call)
     // session (its choice is in the signature).
     bool gqa = cuda::attn_gqa_on();
     for (int i = 0; i < count && gqa; ++i)

@@ -170,7 +170,7 @@ size_t attn_scratch_floats(const AttnArgs& a, int splits);
 void attn_check(const AttnArgs& a);  // throws what attention() would refuse
 // gqa: the grouped-query decode kernel (below) instead of attn_k; splits then from attn_gqa_splits.
 void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cudaStream_t st, bool gqa = false);
-// The grouped-query decode kernel (DASLLAMA_CUDA_ATTN_GQA=1, opt-in until timed): a block per
+// The grouped-query decode kernel (default; DASLLAMA_CUDA_ATTN_GQA=0 turns it off): a block per
 // (row, GH query heads of one KV head, key split), each K / V row loaded once for the GH heads
 // in 16-byte pieces. It takes head_dim 64 / 128 / 256 over f32, f16 or q8_0 caches whose rows
 // are 16-byte (q8_0: 2-byte) aligned, any group size, windows, softcaps, sinks and the output's

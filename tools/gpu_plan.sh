@@ -140,6 +140,7 @@ for stage in "$@"; do
       step tests 300 python -m pytest -q tests/test_cuda.py -k "gqa_decode or greedy_batch"
       step ab 400 python benchmarks/ab_cuda.py --types q8_0 --batches 4,16,64 --greedy --rounds 2 \
         DASLLAMA_CUDA_ATTN_GQA=0 DASLLAMA_CUDA_ATTN_GQA=1
+      step table 300 python benchmarks/bench_cuda.py --types q8_0,q4_0,f16 --batches 4,16,64 --greedy
       ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
       # its harness and model tests, the batched steps A/B, the split rule against forced counts,
