@@ -563,12 +563,33 @@ def speculated_batch_steps_equal_plain(path: str, device: str, mode=d.QuantMode.
             assert np.array_equal(la, lb), f"step {j}, session {i}: logits differ"
 
 
+def _stepper_streams(m, page_rows: int, prompts: list, params: list, lens: list) -> list:
+    """BatchStepper over paged sessions of m: streams 0-2 start at once, stream 3 joins at the
+    fourth step, stream i stopping after lens[i] tokens; each stream's tokens."""
+    from dasllama.llm import BatchStepper
+
+    pool = d.create_kv_pool(m, page_rows=page_rows)
+    ss = [d.create_session(m, pool) for _ in params]
+    st = BatchStepper(ss)
+    got = [[] for _ in params]
+    for i in (0, 1, 2):
+        st.start(i, prompts[i], params[i], lens[i])
+    steps = 0
+    while any(st.active(i) for i in range(len(params))) or steps < 3:
+        if steps == 3:
+            st.start(3, prompts[3], params[3], lens[3])  # joins later
+        events, _ = st.step()
+        steps += 1
+        for e in events:
+            if e[1] != BatchStepper.STOP:
+                got[e[0]].append(e[2])
+    return got
+
+
 def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
     """The serving loop (BatchStepper) over paged sessions with speculated steps (the default):
     streams of different lengths, greedy and sampled, started at different steps, give the tokens of the
     plain loop, and some of its steps ran from their speculated recording."""
-    from dasllama.llm import BatchStepper
-
     rng = np.random.default_rng(12)
     prompts = [[1] + rng.integers(3, 500, n).tolist() for n in (3, 8, 12, 5)]
     params = [d.SamplingParams(), d.SamplingParams(temp=0.8, top_p=0.9, seed=7), d.SamplingParams(),
@@ -577,22 +598,7 @@ def speculated_stepper_streams_equal_plain(path: str, device: str) -> None:
     def run(spec: str):
         with _env("DASLLAMA_SPECULATE", spec):
             m = d.load_model(path, device=device)
-            pool = d.create_kv_pool(m, page_rows=4)
-            ss = [d.create_session(m, pool) for _ in prompts]
-            st = BatchStepper(ss)
-            got = [[] for _ in prompts]
-            for i in (0, 1, 2):
-                st.start(i, prompts[i], params[i], 10 + 5 * i)
-            steps = 0
-            while any(st.active(i) for i in range(len(prompts))) or steps < 3:
-                if steps == 3:
-                    st.start(3, prompts[3], params[3], 12)  # joins later
-                events, _ = st.step()
-                steps += 1
-                for e in events:
-                    if e[1] != BatchStepper.STOP:
-                        got[e[0]].append(e[2])
-            return got, m._m.speculated_steps
+            return _stepper_streams(m, 4, prompts, params, [10, 15, 20, 12]), m._m.speculated_steps
 
     plain, n0 = run("0")
     spec, n1 = run("1")
@@ -606,12 +612,10 @@ def greedy_batch_steps_equal_logits_argmax(path: str, device: str, mode=d.QuantM
     over 3 and 12 sessions (a GPU's GEMV and tile ranges), steady decode steps (speculated, the
     default: a greedy recording must serve only a greedy call), a subset, a ragged step, and a
     ragged step of 540+ rows, past a chunk (256 rows on the CPU, 512 on a GPU: its ids come from
-    two or three chunks' argmaxes). The plain run's
-    argmaxes feed both runs, so a wrong id shows at its own step. Then the serving loop
+    two or three chunks' argmaxes). The plain run's argmaxes feed both runs, so a wrong id shows
+    at its own step. Then the serving loop
     (BatchStepper) with greedy streams gives the tokens of the same loop sampling on the host
     (DASLLAMA_DEVICE_GREEDY=0)."""
-    from dasllama.llm import BatchStepper
-
     rng = np.random.default_rng(21)
     prompts = [[1] + rng.integers(3, 500, 3 + i).tolist() for i in range(12)]
     long = rng.integers(3, 500, 179).tolist()
@@ -659,23 +663,7 @@ def greedy_batch_steps_equal_logits_argmax(path: str, device: str, mode=d.QuantM
 
     def streams(on: str):
         with _env("DASLLAMA_DEVICE_GREEDY", on):
-            m = d.load_model(path, mode, device=device)
-            pool = d.create_kv_pool(m, page_rows=16)
-            ss = [d.create_session(m, pool) for _ in params]
-            st = BatchStepper(ss)
-            got = [[] for _ in params]
-            for i in (0, 1, 2):
-                st.start(i, prompts[i], params[i], 8 + 4 * i)
-            steps = 0
-            while any(st.active(i) for i in range(len(params))) or steps < 3:
-                if steps == 3:
-                    st.start(3, prompts[3], params[3], 10)  # joins later
-                events, _ = st.step()
-                steps += 1
-                for e in events:
-                    if e[1] != BatchStepper.STOP:
-                        got[e[0]].append(e[2])
-            return got
+            return _stepper_streams(d.load_model(path, mode, device=device), 16, prompts, params, [8, 12, 16, 10])
 
     assert streams("1") == streams("0")
 

@@ -973,6 +973,21 @@ MULTI_SPECS = {  # (rows already cached, new rows) per session; the pool's pages
 }
 
 
+def multi_sessions(rng, plan, pool: int, H: int, KVH: int, hd: int, P: int) -> list:
+    """A batched step's sessions for paged_attention_multi: per (past, new) of plan, new query
+    rows, past + new K and V rows, and its pages (a shuffle of the pool's, each session its own)."""
+    ids = rng.permutation(pool).astype(np.int32)
+    sessions, at = [], 0
+    for past, new in plan:
+        n_kv = past + new
+        n_pages = -(-n_kv // P)
+        sessions.append((rng.standard_normal((new, H * hd)).astype(np.float32),
+                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32),
+                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32), ids[at:at + n_pages]))
+        at += n_pages
+    return sessions
+
+
 @pytest.mark.parametrize("kv", list(KV_TYPES))
 @pytest.mark.parametrize("depth", list(MULTI_SPECS))
 def test_paged_attention_multi(backends, kv, depth):
@@ -982,15 +997,7 @@ def test_paged_attention_multi(backends, kv, depth):
     rng = np.random.default_rng(41)
     spec, pool = MULTI_SPECS[depth]
     H, KVH, hd, P = 4, 2, 32, 16
-    ids = rng.permutation(pool).astype(np.int32)
-    sessions, at = [], 0
-    for past, new in spec:
-        n_kv = past + new
-        n_pages = -(-n_kv // P)
-        sessions.append((rng.standard_normal((new, H * hd)).astype(np.float32),
-                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32),
-                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32), ids[at:at + n_pages]))
-        at += n_pages
+    sessions = multi_sessions(rng, spec, pool, H, KVH, hd, P)
     scale = 1 / math.sqrt(hd)
     outs = {d: b.paged_attention_multi(sessions, H, KVH, hd, KV_TYPES[kv], P, pool, scale) for d, b in backends.items()}
     for i, (q, k, v, _) in enumerate(sessions):
@@ -1091,17 +1098,9 @@ def test_paged_attention_multi_gqa(backends, monkeypatch, spec, kv, heads):
     H, KVH, hd = heads
     P = 16
     rng = np.random.default_rng(43)
-    sessions, at = [], 0
     plan = GQA_MULTI[spec]
     pool = sum(-(-(past + new) // P) for past, new in plan) + 2
-    ids = rng.permutation(pool).astype(np.int32)
-    for past, new in plan:
-        n_kv = past + new
-        n_pages = -(-n_kv // P)
-        sessions.append((rng.standard_normal((new, H * hd)).astype(np.float32),
-                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32),
-                         rng.standard_normal((n_kv, KVH * hd)).astype(np.float32), ids[at:at + n_pages]))
-        at += n_pages
+    sessions = multi_sessions(rng, plan, pool, H, KVH, hd, P)
     scale = 1 / math.sqrt(hd)
     for d, b in cu.items():
         monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", "0")
