@@ -178,6 +178,8 @@ class BatchStepper:
     """The serving step loop in C++: streams over ``sessions`` (distinct sessions of one model, flat or of
     one pool), one :meth:`step` per ragged batch, with the GIL released for the forward, the samples and
     the stop checks. Used by one thread; text, stop strings and caching stay with the caller.
+    A step whose streams all sample greedily (temperature 0, no penalties) takes their argmaxes on
+    the model's device and copies back only the ids (``DASLLAMA_DEVICE_GREEDY=0``: the logits).
     """
 
     TOKEN, STOP, LENGTH = 0, 1, 2  # event kinds: a token; the stream ended at a stop id / at its length
