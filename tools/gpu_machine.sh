@@ -34,7 +34,7 @@ llsrc="${DASLLAMA_HOME:-$HOME/.cache/dasllama}/llama.cpp-src"
 # llama.cpp's CUDA build (benchmarks/README.md: llama-bench and llama-server for sm_90, built where
 # nvcc is), if carried: wrappers give each its own libraries (libggml's names clash with skb's).
 [ -d /tmp/llcuda ] || { [ -f .peers/llcuda.tar.xz ] && tar xJf .peers/llcuda.tar.xz -C /tmp; }
-for t in llama-bench:lb llama-server:ls; do
+for t in llama-bench:lb llama-server:ls llama-batched-bench:lbb; do
   if [ -x "/tmp/llcuda/bin/${t%%:*}" ]; then
     printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/llcuda/bin:/usr/local/cuda-13.0/targets/x86_64-linux/lib exec /tmp/llcuda/bin/%s "$@"\n' \
       "${t%%:*}" > "/tmp/${t##*:}.sh"

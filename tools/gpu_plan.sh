@@ -208,9 +208,10 @@ for stage in "$@"; do
         DASLLAMA_VULKAN_ATTN_DEC=0 DASLLAMA_VULKAN_ATTN_DEC=1
       ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
+      # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
       step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \
         --batches 4,16,64 --batch-devices cuda --ours cuda,vulkan --llama-bench /tmp/lb.sh \
-        --llama-server /tmp/skb/llama-server
+        $( [ -x /tmp/lbb.sh ] && echo --llama-batched-bench /tmp/lbb.sh ) --llama-server /tmp/skb/llama-server
       ;;
     small)  # the issue's small shapes at one stream, where launches are everything
       for sh in gemma270m smollm135m; do
