@@ -419,7 +419,6 @@ class CudaBackend final : public Backend {
     drop_deferred();
     rec_ = true;
     ++g_recording;
-    pf_window_ = pf_window_env();
   }
   void end_step() override {
     if (!rec_) return;
@@ -427,7 +426,6 @@ class CudaBackend final : public Backend {
     use();
     flush_kv();
     prepare_mega();
-    plan_prefetch();
     std::vector<std::function<void(cudaStream_t)>> ops;
     ops.swap(ops_);
     const bool graphable = max_rows_ <= kGraphMaxRows && !no_graph_;
@@ -461,7 +459,6 @@ class CudaBackend final : public Backend {
     drop_deferred();
     flush_kv();
     prepare_mega();
-    plan_prefetch();
     Deferred& d = deferred_;
     d.ops.swap(ops_), d.sig.swap(sig_), d.blob.swap(blob_);
     d.parts = parts_rec_;
@@ -744,9 +741,7 @@ class CudaBackend final : public Backend {
     for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
   }
   int64_t fused_ops() const override { return fused_ops_; }
-  int64_t path_count(const std::string& name) const override {
-    return name == "attn_gqa" ? gqa_attn_ : name == "l2_prefetch" ? pf_gemvs_ : 0;
-  }
+  int64_t path_count(const std::string& name) const override { return name == "attn_gqa" ? gqa_attn_ : 0; }
   void matmul_step(const MatmulStep& s) override {
     if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
       throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");
@@ -1045,76 +1040,6 @@ class CudaBackend final : public Backend {
     ++fused_ops_;
     return true;
   }
-  // ---- L2 prefetch ahead of the step's GEMVs (DASLLAMA_CUDA_L2PF_MB=N, read at each step) ----
-  // The weights the step's GEMVs read, in order, are one byte stream; each GEMV asks the next N MB
-  // of it past its own weights into L2 as it starts (only what an earlier GEMV has not asked), so
-  // the memory keeps streaming weights while the latency-bound kernels between GEMVs run (norms,
-  // rope, attention, the small Q/K/V and O GEMVs). The ranges are filled in once the step is
-  // recorded (plan_prefetch), into a slot each GEMV's closure reads when it is issued or captured.
-  struct PfSlot {
-    const uint8_t* p[4] = {};
-    uint64_t n[4] = {};
-    void apply(cuda::GemvJob& j) const {
-      for (int i = 0; i < 4; ++i) j.pf[i] = p[i], j.pf_bytes[i] = n[i];
-    }
-  };
-  struct PfRec {
-    std::shared_ptr<PfSlot> slot;
-    const uint8_t* w[3] = {};
-    uint64_t n[3] = {};
-  };
-  std::vector<PfRec> pf_recs_;  // this step's GEMVs, in order
-  int64_t pf_window_ = 0;       // bytes; 0: off
-  int64_t pf_gemvs_ = 0;        // GEMVs recorded with ranges to ask (path_count("l2_prefetch"))
-  static int64_t pf_window_env() {
-    const char* e = std::getenv("DASLLAMA_CUDA_L2PF_MB");
-    return e && *e ? std::max<int64_t>(0, std::min<int64_t>(std::atoll(e), 1024)) << 20 : 0;
-  }
-  // A slot for a recorded GEMV over job j's weights (null where prefetching is off or the
-  // device has no bulk prefetch).
-  std::shared_ptr<PfSlot> pf_slot(const cuda::GemvJob& j) {
-    if (!rec_ || pf_window_ <= 0 || prop_.major < 9) return nullptr;
-    PfRec r;
-    r.slot = std::make_shared<PfSlot>();
-    for (int i = 0; i < j.count && i < 3; ++i) r.w[i] = j.w[i], r.n[i] = (uint64_t)j.rows[i] * j.rb[i];
-    pf_recs_.push_back(r);
-    return r.slot;
-  }
-  void plan_prefetch() {
-    if (pf_recs_.empty()) return;
-    // The stream: every GEMV's matrices in order; a matrix read twice in a step (none in a
-    // decoder) would be asked twice, which costs an L2 lookup.
-    struct Piece {
-      const uint8_t* w;
-      uint64_t n, at;  // at: its offset in the stream
-    };
-    std::vector<Piece> st;
-    std::vector<uint64_t> end(pf_recs_.size());
-    uint64_t total = 0;
-    for (size_t g = 0; g < pf_recs_.size(); ++g) {
-      for (int i = 0; i < 3; ++i)
-        if (pf_recs_[g].n[i]) st.push_back({pf_recs_[g].w[i], pf_recs_[g].n[i], total}), total += pf_recs_[g].n[i];
-      end[g] = total;
-    }
-    uint64_t asked = 0;
-    for (size_t g = 0; g < pf_recs_.size(); ++g) {
-      const uint64_t a = std::max(asked, end[g]), b = std::min<uint64_t>(total, end[g] + (uint64_t)pf_window_);
-      PfSlot& sl = *pf_recs_[g].slot;
-      int k = 0;
-      for (const Piece& pc : st) {
-        if (k == 4) break;
-        const uint64_t lo = std::max(a, pc.at), hi = std::min(b, pc.at + pc.n);
-        if (lo >= hi) continue;
-        // whole 16-byte units from a 16-byte boundary (weights start 256-aligned)
-        const uint64_t off = (lo - pc.at + 15) & ~uint64_t(15), lim = (hi - pc.at) & ~uint64_t(15);
-        if (off < lim) sl.p[k] = pc.w + off, sl.n[k] = lim - off, ++k;
-      }
-      pf_gemvs_ += k > 0;
-      if (b > asked) asked = b;
-    }
-    sig1(pf_window_);
-    pf_recs_.clear();
-  }
   // The device plans of this step's chains (before its ops run or are captured).
   void prepare_mega() {
     for (auto& c : chains_) {
@@ -1336,8 +1261,7 @@ class CudaBackend final : public Backend {
           (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
         ops_.pop_back();
         const cuda::GemvJob rj = r.j;
-        const auto pf = r.pf;
-        ops_.back() = [rj, t, pf](cudaStream_t st) { cuda::gemv_tailed(with_pf(rj, pf), t, st); };
+        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
         sig1(Tag::gemv_tail), sig1(t.cnt);
         gemv_.at = SIZE_MAX, ++fused_ops_;
       } else {
@@ -1388,8 +1312,7 @@ class CudaBackend final : public Backend {
           (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
         // The GEMV just recorded wrote x (a residual row): its last block rounds it.
         const cuda::GemvJob rj = r.j;
-        const auto pf = r.pf;
-        ops_.back() = [rj, t, pf](cudaStream_t st) { cuda::gemv_tailed(with_pf(rj, pf), t, st); };
+        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
         sig1(Tag::gemv_tail), sig1(t.cnt), sig1(x), sig1(cols), sig1(norm), sig1(nw), sig1(eps), sig1(qb);
         gemv_.at = SIZE_MAX, ++fused_ops_;
       } else {
@@ -1405,13 +1328,9 @@ class CudaBackend final : public Backend {
     sig1(Tag::gemv), sig1(mma);
     const auto* p = reinterpret_cast<const uint8_t*>(&j);
     sig_.insert(sig_.end(), p, p + sizeof j);
-    if (mma) {
-      ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
-      return true;
-    }
-    const auto pf = pf_slot(j);
-    ops_.emplace_back([j, pf](cudaStream_t st) { cuda::gemv_staged(with_pf(j, pf), st); });
-    if (q8) gemv_ = GemvRec{ops_.size() - 1, j, pf};
+    if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
+    else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
+    if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j};
     return true;
   }
   // A step over K-quants of more than one type (a Q4_K_M file's Q / K beside a q6_K V, in half its
@@ -1579,18 +1498,11 @@ class CudaBackend final : public Backend {
   struct GemvRec {
     size_t at = SIZE_MAX;
     cuda::GemvJob j;
-    std::shared_ptr<PfSlot> pf;
   } gemv_;
-  // Job j with its prefetch ranges (where it has a slot).
-  static cuda::GemvJob with_pf(cuda::GemvJob j, const std::shared_ptr<PfSlot>& pf) {
-    if (pf) pf->apply(j);
-    return j;
-  }
   void clear_step() {
     chains_.clear();
     rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
-    pf_recs_.clear();
     max_rows_ = 0, no_graph_ = false;
     parts_rec_ = LogitParts();
   }

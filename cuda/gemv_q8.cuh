@@ -73,26 +73,6 @@ __device__ __forceinline__ void load_units(const uint8_t* base, size_t rb, int64
     }
 }
 
-// This block's share of the job's L2 prefetch ranges (GemvJob::pf), issued by one thread as bulk
-// prefetches of at most 64 KB: fire and forget, so the kernel does not wait on them.
-__device__ __forceinline__ void l2_prefetch(const GemvJob& j) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x != 0) return;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint64_t n = j.pf_bytes[i];
-    if (!n) break;
-    const uint64_t per = ((n + gridDim.x - 1) / gridDim.x + 15) & ~uint64_t(15);
-    uint64_t a = per * blockIdx.x;
-    const uint64_t e = a + per < n ? a + per : n;
-    for (; a < e; a += 65536) {
-      const uint32_t sz = (uint32_t)(e - a < 65536 ? e - a : 65536);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(j.pf[i] + a), "r"(sz) : "memory");
-    }
-  }
-#endif
-}
-
 // Where the GEMV reads its quantized activations: through the read-only path (written by an
 // earlier kernel), from shared memory, or from L2 (written earlier in the same kernel by other
 // blocks, so L1 may hold stale lines).

@@ -43,11 +43,6 @@ struct GemvJob {
   const int8_t* xq = nullptr;
   const float* xd = nullptr;
   const int32_t* xs = nullptr;
-  // Weights a later matmul of the step reads, asked into L2 when the kernel starts (sm_90 bulk
-  // prefetches, each block a share of every range; bytes multiples of 16): the backend's
-  // DASLLAMA_CUDA_L2PF_MB window. Zero bytes: none.
-  const uint8_t* pf[4] = {};
-  uint64_t pf_bytes[4] = {};
 };
 // Bytes of n rows of quantized activations of `cols` (cols % 32 == 0): quants, scales, sums.
 inline size_t qact_bytes(int64_t n, int64_t cols) { return (size_t)(n * cols + n * (cols / 32) * 8); }

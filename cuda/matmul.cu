@@ -388,7 +388,6 @@ __global__ void __launch_bounds__(SW * 32) gemv_k_i8_k(GemvJob j) {
     }
   };
   if (live) load(lane);  // the weights are constant: in flight before x (the step before) is ready
-  l2_prefetch(j);
   pdl_wait();
   pdl_trigger();
   if (!live) return;
@@ -604,7 +603,6 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   // The weights are constant: the first round is in flight before the wait for x.
   const int64_t u_first = ub + lane;
   if (r0 < rows && u_first < ue) load_units<T, U, R>(base, rb, rows - r0, cols, u_first, ue, q, d);
-  l2_prefetch(j);
   if (early) pdl_wait(), pdl_trigger();
   for (int64_t u0 = u_first; r0 < rows && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) load_units<T, U, R>(base, rb, rows - r0, cols, u0, ue, q, d);
@@ -831,9 +829,9 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
 
 template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2)>
 __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bool early, GemvTail tail) {
-  if (!early) pdl_wait(), pdl_trigger(), l2_prefetch(j);
-  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, blockIdx.x, [&j, early] {
-    if (early) l2_prefetch(j), pdl_wait(), pdl_trigger();  // (the prefetch after this block's first loads)
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, blockIdx.x, [early] {
+    if (early) pdl_wait(), pdl_trigger();
   });
   if constexpr (kTail) gemv_tail<R>(j, ks, tail);
 }
@@ -1168,8 +1166,6 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
   const int n = j.n;
   for (int t0 = 0; t0 < n; t0 += 16) {
     GemvJob p = j;
-    if (t0 > 0)
-      for (uint64_t& b : p.pf_bytes) b = 0;  // the first pass asked for them
     p.n = std::min(16, n - t0);
     p.x = j.x ? j.x + t0 * j.cols : nullptr;
     if (j.xq) p.xq = j.xq + t0 * j.cols, p.xd = j.xd + t0 * (j.cols / 32), p.xs = j.xs + t0 * (j.cols / 32);

@@ -522,27 +522,6 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
             assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched steps' logits differ"
 
 
-@pytest.mark.parametrize("ft", ["f16", "q8_0", "q4_0"])
-def test_l2_prefetch_keeps_logits(files, tmp_path, monkeypatch, ft):
-    """Asking the step's next weights into L2 as each GEMV starts (DASLLAMA_CUDA_L2PF_MB) is only a
-    hint: decode steps (graphs replayed) and batched steps give the logits of the switch off bit
-    for bit, and on sm_90 the GEMVs did carry ranges (path_count)."""
-    paths = {"tiny": files["llama"][ft], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024).get(ft)}
-    for name, path in paths.items():
-        if path is None:  # (_llama_file writes q8_0 and q4_0 only)
-            continue
-        want, m_off = _decode_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_L2PF_MB": "0"}, monkeypatch, n_steps=40)
-        assert m_off._m.path_count("l2_prefetch") == 0
-        for mb in ("1", "64"):
-            got, m = _decode_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_L2PF_MB": mb}, monkeypatch, n_steps=40)
-            if float(m.device_info["compute_capability"]) >= 9:
-                assert m._m.path_count("l2_prefetch") >= 40, (name, ft, mb)
-            assert np.array_equal(got, want), f"{name} {ft} {mb} MB: logits differ"
-        want, _ = _batch_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_L2PF_MB": "0"}, monkeypatch)
-        got, _ = _batch_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_L2PF_MB": "8"}, monkeypatch)
-        assert np.array_equal(got, want), f"{name} {ft}: batched steps' logits differ"
-
-
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
 def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
     """Decode steps give the op-by-op kernels' logits bit for bit when each GEMV rounds its own

@@ -142,16 +142,6 @@ for stage in "$@"; do
         DASLLAMA_CUDA_ATTN_GQA=0 DASLLAMA_CUDA_ATTN_GQA=1
       step table 300 python benchmarks/bench_cuda.py --types q8_0,q4_0,f16 --batches 4,16,64 --greedy
       ;;
-    s34)  # L2 prefetch ahead of the step's GEMVs (DASLLAMA_CUDA_L2PF_MB, opt-in, not yet run on a GPU):
-      # bit-for-bit test, then windows of 8-48 MB against none, one process a format
-      step tests 300 python -m pytest -q tests/test_cuda.py -k "l2_prefetch"
-      step q8 400 python benchmarks/ab_cuda.py --types q8_0 --batches 4 --rounds 2 DASLLAMA_CUDA_L2PF_MB=0 \
-        DASLLAMA_CUDA_L2PF_MB=8 DASLLAMA_CUDA_L2PF_MB=16 DASLLAMA_CUDA_L2PF_MB=32 DASLLAMA_CUDA_L2PF_MB=48
-      step f16 400 python benchmarks/ab_cuda.py --types f16,q4_0 --batches 4 --rounds 2 DASLLAMA_CUDA_L2PF_MB=0 \
-        DASLLAMA_CUDA_L2PF_MB=16 DASLLAMA_CUDA_L2PF_MB=32
-      step prof0 120 env DASLLAMA_CUDA_L2PF_MB=0 python benchmarks/profile_cuda.py --steps 16
-      step prof16 120 env DASLLAMA_CUDA_L2PF_MB=16 python benchmarks/profile_cuda.py --steps 16
-      ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
       # its harness and model tests, the batched steps A/B, the split rule against forced counts,
       # and the kernels' times (attn_gqa_k against attn_k) with PDL off
@@ -229,7 +219,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
