@@ -531,8 +531,14 @@ int attn_gqa_splits(int64_t rows, const AttnArgs& a, int64_t n_kv, int n_sm) {
   // merge.
   const int64_t items = std::max<int64_t>(1, rows * (a.n_heads / gh));
   const int64_t want = std::max<int64_t>(1, 4 * (int64_t)n_sm / items);
+  // A step of several rows (batched sessions) keeps at least MINB batches a split (default 4):
+  // its blocks are many already, and a split's partial and merge cost more than the keys it
+  // takes off a block. H100, Llama-1B Q8_0 B = 4 at contexts 17-82: one batch a split 3,304 t/s,
+  // one split 3,454; a one-row step loses with fewer splits (tg256 1,047 -> 948 with one).
+  const char* mb = std::getenv("DASLLAMA_CUDA_ATTN_GQA_MINB");  // read at each step (ab_cuda.py)
+  const int64_t min_batches = rows > 1 ? (mb && std::atoi(mb) > 0 ? std::min(std::atoi(mb), 64) : 4) : 1;
   int64_t cap = 1;
-  while (cap * per_batch < keys && cap < 64) cap *= 2;
+  while (cap * per_batch * min_batches < keys && cap < 64) cap *= 2;
   return (int)std::min<int64_t>({want, cap, 64});
 }
 

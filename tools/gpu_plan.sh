@@ -142,6 +142,12 @@ for stage in "$@"; do
         DASLLAMA_CUDA_ATTN_GQA=0 DASLLAMA_CUDA_ATTN_GQA=1
       step table 300 python benchmarks/bench_cuda.py --types q8_0,q4_0,f16 --batches 4,16,64 --greedy
       ;;
+    s34)  # decode attention's key splits in steps of several rows (DASLLAMA_CUDA_ATTN_GQA_MINB, default 4;
+      # 1 is the rule before): the attention harness and model tests, then the batched rows
+      step tests 400 python -m pytest -q tests/test_backend_ops.py tests/test_cuda.py -k "gqa or greedy_batch or speculated"
+      step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
+        DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
+      ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
       # its harness and model tests, the batched steps A/B, the split rule against forced counts,
       # and the kernels' times (attn_gqa_k against attn_k) with PDL off
@@ -219,7 +225,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
