@@ -741,7 +741,9 @@ class CudaBackend final : public Backend {
     for (int i = 0; i < count; ++i) matmul(*ws[i], x, n, ys[i]);
   }
   int64_t fused_ops() const override { return fused_ops_; }
-  int64_t path_count(const std::string& name) const override { return name == "attn_gqa" ? gqa_attn_ : 0; }
+  int64_t path_count(const std::string& name) const override {
+    return name == "attn_gqa" ? gqa_attn_ : name == "gemv_lean" ? cuda::gemv_lean_launches() : 0;
+  }
   void matmul_step(const MatmulStep& s) override {
     if (s.count < 1 || s.count > 3 || (s.residual && s.count != 1))
       throw Error("matmul_step: 1 to 3 matmuls, and a residual only with one");

@@ -183,6 +183,134 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int64_t 
   __syncthreads();  // red is free again (the fused layer runs several blocks in one)
 }
 
+// gemv_q8_block's sums (the same products, added in the same order, so the same bits) with fewer
+// instructions a warp, for the standalone kernel (DASLLAMA_CUDA_GEMV_LEAN=1): the job's matrix
+// picked by constant indices (a dynamic index copied the job's arrays into local memory), offsets
+// inside a matrix in 32 bits, one bound check a row instead of one a load. Rows of a matrix are
+// at most 2^31 bytes from its start (gemv_lean_fits). ncu of the one-token Q/K/V GEMV (H100):
+// ~520 instructions a warp, stalled mostly on its own dependent integer work at two warps a
+// scheduler, where a plain read of the same bytes needs a fraction of the time.
+template <uint32_t T, int NT, int R, int U = 2, class Wait>
+__device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int bid, Wait wait) {
+  constexpr int UE = Unit<T>::e;
+  __shared__ float red[SW][R][NT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ksl = __ffs(ks) - 1;  // ks is a power of two (direct_ks): shifts, not divisions
+  const int group = warp >> ksl, part = warp & (ks - 1), groups = SW >> ksl;
+  const uint8_t* w = j.w[0];
+  uint32_t rb = (uint32_t)j.rb[0];
+  int rows = (int)j.rows[0], fb = 0;
+  float* y = j.y[0];
+  if (j.count > 1 && bid >= (int)j.first_block[1])
+    w = j.w[1], rb = (uint32_t)j.rb[1], rows = (int)j.rows[1], fb = (int)j.first_block[1], y = j.y[1];
+  if (j.count > 2 && bid >= (int)j.first_block[2])
+    w = j.w[2], rb = (uint32_t)j.rb[2], rows = (int)j.rows[2], fb = (int)j.first_block[2], y = j.y[2];
+  const int r0 = ((bid - fb) * groups + group) * R;
+  const int cols = (int)j.cols, nu = cols / UE, nb = cols / 32;
+  const int per = (nu + ks - 1) >> ksl, ub = part * per, ue = ub + per < nu ? ub + per : nu;
+  const uint8_t* base = w + (size_t)(r0 < rows ? r0 : rows - 1) * rb;
+  const int left = rows - r0;  // rows of this group still in the matrix (<= 0: none)
+  float acc[R][NT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  uint4 q[U][R];
+  float d[U][R];
+  // A row past the end loads zeros (as load_units), its outputs never stored.
+  auto load = [&](int u0) {
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int u = u0 + 32 * k;
+        const bool ok = u < ue && r < left;
+        const uint8_t* row = base + r * rb;
+        q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
+        if constexpr (T == T_Q8_0S) d[k][r] = ok ? h2f(ld16(row + cols + (u >> 1) * 2)) : 0.f;
+        else d[k][r] = ok ? h2f(ld16(row + cols / 2 + u * 2)) : 0.f;
+      }
+  };
+  const int u_first = ub + lane;
+  const bool live = left > 0;
+  if (live && u_first < ue) load(u_first);
+  wait();
+  // The lane that stores output (r, t) = (lane / NT, lane % NT) of its group reads the residual
+  // now, while the weights are in flight (this block alone writes those rows).
+  static_assert(R * NT <= 32, "one lane an output");
+  const int my_r = lane / NT, my_t = lane % NT;
+  const bool store = part == 0 && lane < R * NT && my_t < j.n && my_r < left;
+  float* const o = y + my_t * rows + r0 + my_r;
+  const float res = store && j.accumulate ? __ldcg(o) : 0.f;
+  for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
+    if (u0 != u_first) load(u0);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = u0 + 32 * k;
+      if (u >= ue) break;
+      const int b = T == T_Q8_0S ? u >> 1 : u;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t >= j.n) continue;
+        const int8_t* xr = j.xq + t * cols + u * UE;
+        const float dx = __ldg(j.xd + t * nb + b);
+        if constexpr (T == T_Q8_0S) {
+          const int4 xa = __ldg(reinterpret_cast<const int4*>(xr));
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            int s = __dp4a((int)q[k][r].x, xa.x, 0);
+            s = __dp4a((int)q[k][r].y, xa.y, s);
+            s = __dp4a((int)q[k][r].z, xa.z, s);
+            s = __dp4a((int)q[k][r].w, xa.w, s);
+            acc[r][t] += (float)s * __fmul_rn(d[k][r], dx);
+          }
+        } else {
+          const int4 xa = __ldg(reinterpret_cast<const int4*>(xr)), xb = __ldg(reinterpret_cast<const int4*>(xr) + 1);
+          const int off = 8 * __ldg(j.xs + t * nb + b);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint4 wq = q[k][r];
+            int s = __dp4a((int)(wq.x & 0x0F0F0F0Fu), xa.x, 0);
+            s = __dp4a((int)(wq.y & 0x0F0F0F0Fu), xa.y, s);
+            s = __dp4a((int)(wq.z & 0x0F0F0F0Fu), xa.z, s);
+            s = __dp4a((int)(wq.w & 0x0F0F0F0Fu), xa.w, s);
+            s = __dp4a((int)((wq.x >> 4) & 0x0F0F0F0Fu), xb.x, s);
+            s = __dp4a((int)((wq.y >> 4) & 0x0F0F0F0Fu), xb.y, s);
+            s = __dp4a((int)((wq.z >> 4) & 0x0F0F0F0Fu), xb.z, s);
+            s = __dp4a((int)((wq.w >> 4) & 0x0F0F0F0Fu), xb.w, s);
+            acc[r][t] += (float)(s - off) * __fmul_rn(d[k][r], dx);
+          }
+        }
+      }
+    }
+  }
+  if (ks == 1) {  // the warp holds whole rows: no shared memory (every lane gets each row's sum)
+    float mine = 0.f;
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float s = 0.f + warp_sum(acc[r][t]);  // (as gemv_q8_block's sum from 0: -0 becomes +0)
+        if (lane == r * NT + t) mine = s;
+      }
+    if (store) *o = j.accumulate ? res + mine : mine;
+    return;
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = warp_sum(acc[r][t]);
+      if (lane == 0) red[warp][r][t] = s;
+    }
+  __syncthreads();
+  if (store) {
+    float s = 0.f;
+    for (int p = 0; p < ks; ++p) s += red[warp + p][my_r][my_t];
+    *o = j.accumulate ? res + s : s;
+  }
+}
+
 // Widest row the GEMVs round into shared memory themselves (8 values a thread: 16 spilled
 // where the first weights are live across the rounding).
 constexpr int kQuantMax = 8 * SW * 32;

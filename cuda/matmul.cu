@@ -4,6 +4,7 @@
 // for prefill).
 #include <algorithm>
 #include <cstdlib>
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -836,6 +837,16 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bo
   if constexpr (kTail) gemv_tail<R>(j, ks, tail);
 }
 
+// gemv_q8_k on gemv_q8_lean_block (DASLLAMA_CUDA_GEMV_LEAN=1): the same bits.
+template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2)>
+__global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_lean_k(GemvJob j, int ks, bool early, GemvTail tail) {
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_q8_lean_block<T, NT, R>(j, ks, (int)blockIdx.x, [early] {
+    if (early) pdl_wait(), pdl_trigger();
+  });
+  if constexpr (kTail) gemv_tail<R>(j, ks, tail);
+}
+
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
 // (RMS-normed times nw when norm) into its shared memory as quantize_act_k would, while its
 // first weights are in flight, so a decode matmul is one launch, not two.
@@ -877,8 +888,35 @@ int rows1() {
   const char* e = std::getenv("DASLLAMA_CUDA_R1");
   return e && std::strcmp(e, "2") == 0 ? 2 : 4;
 }
+// Whether the q8 GEMVs take gemv_q8_lean_k (DASLLAMA_CUDA_GEMV_LEAN=1; read at each launch, so a
+// captured step keeps what it read) where the job's sizes fit its 32-bit offsets.
+bool gemv_lean(const GemvJob& j) {
+  const char* e = std::getenv("DASLLAMA_CUDA_GEMV_LEAN");
+  if (!(e && std::strcmp(e, "1") == 0)) return false;
+  if (j.first_block[j.count] >= (int64_t(1) << 31) || j.cols >= (int64_t(1) << 31)) return false;
+  for (int i = 0; i < j.count; ++i)
+    if (j.rows[i] >= (int64_t(1) << 31) || j.rb[i] >= (size_t(1) << 32)) return false;
+  return true;
+}
+std::atomic<int64_t> g_lean_launches{0};
+int64_t gemv_lean_launches() { return g_lean_launches.load(); }
+template <uint32_t T>
+void launch_q8_lean(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail) {
+  ++g_lean_launches;
+  const unsigned grid = (unsigned)j.first_block[j.count];
+  const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
+  if (j.n == 1 && tl && r2) launch(gemv_q8_lean_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n == 1 && tl) launch(gemv_q8_lean_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n == 1 && r2) launch(gemv_q8_lean_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n == 1) launch(gemv_q8_lean_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n <= 4 && rows4() == 2) launch(gemv_q8_lean_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n <= 4) launch(gemv_q8_lean_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else if (j.n <= 8) launch(gemv_q8_lean_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+  else launch(gemv_q8_lean_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+}
 template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail = GemvTail()) {
+  if (ks >= 1 && ks <= SW && (ks & (ks - 1)) == 0 && gemv_lean(j)) return launch_q8_lean<T>(j, ks, st, tail);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
   if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);

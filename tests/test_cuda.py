@@ -522,6 +522,25 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
             assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched steps' logits differ"
 
 
+def test_lean_gemv_equals_default(files, tmp_path, monkeypatch):
+    """The q8 GEMVs on gemv_q8_lean_k (DASLLAMA_CUDA_GEMV_LEAN=1: the same products in the same order,
+    fewer instructions) give the default kernel's logits bit for bit: decode steps (the GLU tail too)
+    and batched steps of 3 sessions, q8_0 and q4_0, rows split over 1 to 8 warps (hidden 64 / 256,
+    ffn 8192); and the lean kernel did run (path_count counts its launches)."""
+    shapes = {"tiny": files["llama"], "ffn8k": _llama_file(tmp_path, 256, 4, 2, 8192)}
+    for name, paths in shapes.items():
+        for ft in ("q8_0", "q4_0"):
+            want, _ = _decode_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "0"}, monkeypatch, n_steps=40)
+            got, m = _decode_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "1"}, monkeypatch, n_steps=40)
+            n = m._m.path_count("gemv_lean")
+            assert n > 0, (name, ft)
+            assert np.array_equal(got, want), f"{name} {ft}: decode logits differ, max {np.abs(got - want).max():.3g}"
+            want, _ = _batch_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "0"}, monkeypatch)
+            got, m = _batch_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "1"}, monkeypatch)
+            assert m._m.path_count("gemv_lean") > n, (name, ft)
+            assert np.array_equal(got, want), f"{name} {ft}: batched logits differ"
+
+
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
 def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
     """Decode steps give the op-by-op kernels' logits bit for bit when each GEMV rounds its own

@@ -148,6 +148,11 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
+    lean)  # the q8 GEMVs with fewer instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1, opt-in): bits, then speed
+      step tests 300 python -m pytest -q tests/test_cuda.py -k "lean_gemv"
+      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4 --rounds 3 DASLLAMA_CUDA_GEMV_LEAN=0 \
+        DASLLAMA_CUDA_GEMV_LEAN=1
+      ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
       # its harness and model tests, the batched steps A/B, the split rule against forced counts,
       # and the kernels' times (attn_gqa_k against attn_k) with PDL off
@@ -225,7 +230,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, lean, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
