@@ -899,7 +899,6 @@ bool gemv_lean(const GemvJob& j) {
   return true;
 }
 std::atomic<int64_t> g_lean_launches{0};
-int64_t gemv_lean_launches() { return g_lean_launches.load(); }
 template <uint32_t T>
 void launch_q8_lean(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail) {
   ++g_lean_launches;
@@ -1065,6 +1064,8 @@ void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* nw, float eps,
   else launch(gemv_q8_x_k<T_Q4_0S>, grid, SW * 32, 0, st, j, ks, x, norm, nw, eps);
   check_launch("gemv_q8_x");
 }
+
+int64_t gemv_lean_launches() { return g_lean_launches.load(); }
 
 int gemv_q8_plan(GemvJob& j, int rows) {
   const int ks = direct_ks(j.cols / unit_elems(j.type));
