@@ -62,7 +62,8 @@ void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols);
 // The q8 GEMV's blocks for j (one token, `rows` rows a warp group; fills first_block, as
 // gemv_staged would) and the warps that split a row (its ks).
 int gemv_q8_plan(GemvJob& j, int rows = 4);
-// q8 GEMV launches on gemv_q8_lean_k since the process started (DASLLAMA_CUDA_GEMV_LEAN=1).
+// GEMV launches on the lean kernels (gemv_q8_lean_k, gemv_direct_lean_k) since the process
+// started (DASLLAMA_CUDA_GEMV_LEAN=1).
 int64_t gemv_lean_launches();
 // One token's q8 GEMV that rounds its own input x (RMS-normed times norm_w when norm) in each
 // block, instead of a quantize_act launch before it; for matrices of at most kQuantBlocksMax

@@ -673,6 +673,125 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   }
 }
 
+// gemv_direct_k's sums (the same products, added in the same order, so the same bits) with fewer
+// instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1, as gemv_q8_lean_block): the matrix picked by
+// constant indices, offsets inside a matrix in 32 bits, shifts for the warp split (ks a power of
+// two), the residual each storing lane adds read while the weights are in flight.
+template <uint32_t T, int NT, int R>
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_lean_k(GemvJob j, int ks, bool early) {
+  if (!early) pdl_wait(), pdl_trigger();
+  constexpr int UE = Unit<T>::e, U = 2;
+  constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
+  static_assert(R * NT <= 32, "one lane an output");
+  __shared__ float red[SW][R + 1][NT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, bid = (int)blockIdx.x;
+  const int ksl = __ffs(ks) - 1;
+  const int group = warp >> ksl, part = warp & (ks - 1), groups = SW >> ksl;
+  const uint8_t* w = j.w[0];
+  uint32_t rb = (uint32_t)j.rb[0];
+  int rows = (int)j.rows[0], fb = 0;
+  float* y = j.y[0];
+  if (j.count > 1 && bid >= (int)j.first_block[1])
+    w = j.w[1], rb = (uint32_t)j.rb[1], rows = (int)j.rows[1], fb = (int)j.first_block[1], y = j.y[1];
+  if (j.count > 2 && bid >= (int)j.first_block[2])
+    w = j.w[2], rb = (uint32_t)j.rb[2], rows = (int)j.rows[2], fb = (int)j.first_block[2], y = j.y[2];
+  const int r0 = ((bid - fb) * groups + group) * R;
+  const int cols = (int)j.cols, nu = cols / UE;
+  const int per = (nu + ks - 1) >> ksl, ub = part * per, ue = ub + per < nu ? ub + per : nu;
+  const uint8_t* base = w + (size_t)(r0 < rows ? r0 : rows - 1) * rb;
+  const int left = rows - r0;
+  float acc[R][NT], ss[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    ss[t] = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r][t] = 0.f;
+  }
+  uint4 q[U][R];
+  float d[U][R];
+  auto load = [&](int u0) {  // as load_units
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int u = u0 + 32 * k;
+        const bool ok = u < ue && r < left;
+        const uint8_t* row = base + r * rb;
+        q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
+        if constexpr (T == T_Q8_0S) d[k][r] = ok ? h2f(ld16(row + cols + (u >> 1) * 2)) : 0.f;
+        else if constexpr (T == T_Q4_0S) d[k][r] = ok ? h2f(ld16(row + cols / 2 + u * 2)) : 0.f;
+        else d[k][r] = ok ? 1.f : 0.f;
+      }
+  };
+  const int u_first = ub + lane;
+  const bool live = left > 0;
+  if (live && u_first < ue) load(u_first);
+  if (early) pdl_wait(), pdl_trigger();
+  const int my_r = lane / NT, my_t = lane % NT;
+  const bool store = part == 0 && lane < R * NT && my_t < j.n && my_r < left;
+  float* const o = y + my_t * rows + r0 + my_r;
+  const float res = store && j.accumulate ? *o : 0.f;
+  for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
+    if (u0 != u_first) load(u0);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = u0 + 32 * k;
+      if (u >= ue) break;
+#pragma unroll
+      for (int h = 0; h < UE / 8; ++h) {
+        float wv[R][8];
+        int off = 0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) off = unit_group<T>(q[k][r], h, wv[r]);
+        const int e = u * UE + off;
+        float nw[8];
+        if (j.norm_w) {
+          const float4 a = __ldg(reinterpret_cast<const float4*>(j.norm_w + e));
+          const float4 b = __ldg(reinterpret_cast<const float4*>(j.norm_w + e) + 1);
+          nw[0] = a.x, nw[1] = a.y, nw[2] = a.z, nw[3] = a.w, nw[4] = b.x, nw[5] = b.y, nw[6] = b.z, nw[7] = b.w;
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (t < j.n) {
+            float xv[8];
+            ld_x8(j.x + t * cols, e, cols, true, xv);
+            if (j.norm) {
+#pragma unroll
+              for (int i = 0; i < 8; ++i) ss[t] += xv[i] * xv[i];
+              if (j.norm_w)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) xv[i] *= nw[i];
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              float p = 0.f;
+#pragma unroll
+              for (int i = 0; i < 8; ++i) p += wv[r][i] * xv[i];
+              acc[r][t] += scaled ? d[k][r] * p : p;
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = warp_sum(acc[r][t]);
+      if (lane == 0) red[warp][r][t] = s;
+    }
+    const float qs = warp_sum(ss[t]);
+    if (lane == 0) red[warp][R][t] = qs;
+  }
+  __syncthreads();
+  if (!store) return;
+  float s = 0.f, qs = 0.f;
+  for (int p = 0; p < ks; ++p) s += red[warp + p][my_r][my_t], qs += red[warp + p][R][my_t];
+  if (j.norm) s *= 1.f / sqrtf(qs / (float)cols + j.eps);
+  *o = j.accumulate ? res + s : s;
+}
+
 // ---- Quantized activations (q8 mode): the CPU's A8 rounding, then int8 dot products -----
 // Blocks of (token row, 8 quant blocks): each block sums the row's squares itself (the
 // row is a few kilobytes, read from L2) so no pass waits for another; the RMS scale as
@@ -935,7 +1054,19 @@ int direct_ks(int64_t nu) {
   return ks;
 }
 template <uint32_t T>
+void launch_direct_lean(const GemvJob& j, int ks, cudaStream_t st) {
+  ++g_lean_launches;
+  const unsigned grid = (unsigned)j.first_block[j.count];
+  if (j.n == 1 && rows1() == 2) launch(gemv_direct_lean_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n == 1) launch(gemv_direct_lean_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_lean_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n <= 4) launch(gemv_direct_lean_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else if (j.n <= 8) launch(gemv_direct_lean_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  else launch(gemv_direct_lean_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
+}
+template <uint32_t T>
 void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
+  if (ks >= 1 && ks <= SW && (ks & (ks - 1)) == 0 && gemv_lean(j)) return launch_direct_lean<T>(j, ks, st);
   const unsigned grid = (unsigned)j.first_block[j.count];
   if (j.n == 1 && rows1() == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
   else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());

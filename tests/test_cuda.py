@@ -439,8 +439,9 @@ def _greedy(m, s, prompt, n):
     return toks
 
 
-def _llama_file(tmp, hidden, heads, kv_heads, ffn, layers=2):
-    """A random Llama of these sizes as the exporter writes it (f32), requantized to q8_0 and q4_0."""
+def _llama_file(tmp, hidden, heads, kv_heads, ffn, layers=2, formats=("q8_0", "q4_0")):
+    """A random Llama of these sizes as the exporter writes it (f32), requantized to q8_0 and q4_0
+    (or the given formats)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     build = E._seeded(lambda: LlamaForCausalLM(LlamaConfig(
@@ -451,7 +452,7 @@ def _llama_file(tmp, hidden, heads, kv_heads, ffn, layers=2):
     f32 = str(tmp / f"llama-{hidden}-{heads}-f32.gguf")
     E.write_gguf(E.FAMILIES["llama"], build(), f32, "f32", E.spm_model_proto())
     out = {}
-    for ft in ("q8_0", "q4_0"):
+    for ft in formats:
         out[ft] = str(tmp / f"llama-{hidden}-{heads}-{ft}.gguf")
         requantize(f32, out[ft], ft)
     return out
@@ -523,13 +524,14 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
 
 
 def test_lean_gemv_equals_default(files, tmp_path, monkeypatch):
-    """The q8 GEMVs on gemv_q8_lean_k (DASLLAMA_CUDA_GEMV_LEAN=1: the same products in the same order,
-    fewer instructions) give the default kernel's logits bit for bit: decode steps (the GLU tail too)
-    and batched steps of 3 sessions, q8_0 and q4_0, rows split over 1 to 8 warps (hidden 64 / 256,
-    ffn 8192); and the lean kernel did run (path_count counts its launches)."""
-    shapes = {"tiny": files["llama"], "ffn8k": _llama_file(tmp_path, 256, 4, 2, 8192)}
+    """The GEMVs on the lean kernels (DASLLAMA_CUDA_GEMV_LEAN=1: gemv_q8_lean_k for q8 mode's q8_0 /
+    q4_0, gemv_direct_lean_k for f16 with its fused norm; the same products in the same order, fewer
+    instructions) give the default kernels' logits bit for bit: decode steps (the GLU tail too) and
+    batched steps of 3 sessions, rows split over 1 to 8 warps (hidden 64 / 256, ffn 8192); and the
+    lean kernels did run (path_count counts their launches)."""
+    shapes = {"tiny": files["llama"], "ffn8k": _llama_file(tmp_path, 256, 4, 2, 8192, formats=("q8_0", "q4_0", "f16"))}
     for name, paths in shapes.items():
-        for ft in ("q8_0", "q4_0"):
+        for ft in ("q8_0", "q4_0", "f16"):
             want, _ = _decode_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "0"}, monkeypatch, n_steps=40)
             got, m = _decode_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "1"}, monkeypatch, n_steps=40)
             n = m._m.path_count("gemv_lean")

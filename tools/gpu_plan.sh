@@ -148,9 +148,9 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    lean)  # the q8 GEMVs with fewer instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1, opt-in): bits, then speed
+    lean)  # the GEMVs with fewer instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1, opt-in: q8 and direct): bits, then speed
       step tests 300 python -m pytest -q tests/test_cuda.py -k "lean_gemv"
-      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4 --rounds 3 DASLLAMA_CUDA_GEMV_LEAN=0 \
+      step ab 400 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 3 DASLLAMA_CUDA_GEMV_LEAN=0 \
         DASLLAMA_CUDA_GEMV_LEAN=1
       ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
