@@ -799,8 +799,10 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_lean_k(G
 // q = rint(x * (127 / amax)), and the quant sum.
 // Rounds token row t of x (xr, cols floats) from 32-block b on, every step-th block, with the
 // block's 256 threads (a warp per 32-block). kL2: x was written earlier in this kernel by other
-// blocks, so it is read from L2 (L1 may hold stale lines).
-template <bool kL2>
+// blocks, so it is read from L2 (L1 may hold stale lines). kBatch (DASLLAMA_CUDA_GEMV_LEAN=1): the
+// norm's loads go out 8 at a time before their squares are added, in the same order (the sum
+// loop's one load in flight a thread made a 2048-wide row 8 dependent trips to L2).
+template <bool kL2, bool kBatch = false>
 __device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool norm, const float* nw, float eps,
                                           int64_t t, int64_t b, int64_t step, int8_t* xq, float* xd, int32_t* xs) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -809,9 +811,24 @@ __device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool no
   if (norm) {
     __shared__ double sh[8];
     double ss = 0;
-    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-      const float v = kL2 ? __ldcg(xr + i) : __ldg(xr + i);
-      ss += (double)v * v;
+    if constexpr (kBatch) {
+      constexpr int K = 8;
+      for (int64_t i0 = threadIdx.x; i0 < cols; i0 += (int64_t)blockDim.x * K) {
+        float v[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int64_t i = i0 + (int64_t)k * blockDim.x;
+          v[k] = i < cols ? (kL2 ? __ldcg(xr + i) : __ldg(xr + i)) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+          if (i0 + (int64_t)k * blockDim.x < cols) ss += (double)v[k] * v[k];
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = kL2 ? __ldcg(xr + i) : __ldg(xr + i);
+        ss += (double)v * v;
+      }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -830,6 +847,7 @@ __device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool no
   }
 }
 
+template <bool kBatch>
 __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ x, int64_t cols, bool norm,
                                                       const float* __restrict__ nw, float eps, int8_t* __restrict__ xq,
                                                       float* __restrict__ xd, int32_t* __restrict__ xs) {
@@ -840,7 +858,7 @@ __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ 
   const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
   // A grid one block wide (normed prefill rows) walks all of the row's blocks: the norm's sum
   // is then formed once a row, not once per 8 blocks (the same sum, the same bits).
-  round_row<false>(x + t * cols, cols, norm, nw, eps, t, b, gridDim.x == 1 ? 8 : nb, xq, xd, xs);
+  round_row<false, kBatch>(x + t * cols, cols, norm, nw, eps, t, b, gridDim.x == 1 ? 8 : nb, xq, xd, xs);
 }
 
 // The down projection's input in q8 mode: the GLU (written out as the glu op does) and its
@@ -1009,9 +1027,12 @@ int rows1() {
 }
 // Whether the q8 GEMVs take gemv_q8_lean_k (DASLLAMA_CUDA_GEMV_LEAN=1; read at each launch, so a
 // captured step keeps what it read) where the job's sizes fit its 32-bit offsets.
-bool gemv_lean(const GemvJob& j) {
+bool lean_on() {
   const char* e = std::getenv("DASLLAMA_CUDA_GEMV_LEAN");
-  if (!(e && std::strcmp(e, "1") == 0)) return false;
+  return e && std::strcmp(e, "1") == 0;
+}
+bool gemv_lean(const GemvJob& j) {
+  if (!lean_on()) return false;
   if (j.first_block[j.count] >= (int64_t(1) << 31) || j.cols >= (int64_t(1) << 31)) return false;
   for (int i = 0; i < j.count; ++i)
     if (j.rows[i] >= (int64_t(1) << 31) || j.rb[i] >= (size_t(1) << 32)) return false;
@@ -1226,8 +1247,8 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   const char* e = std::getenv("DASLLAMA_CUDA_QACT_ROWS");  // read at each call (ab_cuda.py)
   const int64_t one_from = e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(65);
   const unsigned gx = norm && n >= one_from ? 1u : (unsigned)ceil_div(cols / 32, 8);
-  launch(quantize_act_k, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm, norm_w, eps, const_cast<int8_t*>(j.xq),
-                                             const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
+  launch(lean_on() ? quantize_act_k<true> : quantize_act_k<false>, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm,
+         norm_w, eps, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
   check_launch("quantize_act");
 }
 
