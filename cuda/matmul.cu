@@ -1027,10 +1027,6 @@ int rows1() {
 }
 // Whether the q8 GEMVs take gemv_q8_lean_k (DASLLAMA_CUDA_GEMV_LEAN=1; read at each launch, so a
 // captured step keeps what it read) where the job's sizes fit its 32-bit offsets.
-bool lean_on() {
-  const char* e = std::getenv("DASLLAMA_CUDA_GEMV_LEAN");
-  return e && std::strcmp(e, "1") == 0;
-}
 bool gemv_lean(const GemvJob& j) {
   if (!lean_on()) return false;
   if (j.first_block[j.count] >= (int64_t(1) << 31) || j.cols >= (int64_t(1) << 31)) return false;
@@ -1218,6 +1214,10 @@ void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* nw, float eps,
 }
 
 int64_t gemv_lean_launches() { return g_lean_launches.load(); }
+bool lean_on() {
+  const char* e = std::getenv("DASLLAMA_CUDA_GEMV_LEAN");
+  return e && std::strcmp(e, "1") == 0;
+}
 
 int gemv_q8_plan(GemvJob& j, int rows) {
   const int ks = direct_ks(j.cols / unit_elems(j.type));

@@ -43,4 +43,40 @@ __device__ __forceinline__ void rope_token(float* x, int64_t stride, int n_heads
   }
 }
 
+// rope_token with each thread's pairs (its first K rounds over the block) loaded before the
+// angles are formed, so the loads' wait overlaps the double-precision trig instead of following
+// it round after round; the same values rotated the same way (DASLLAMA_CUDA_GEMV_LEAN=1).
+template <int K = 8>
+__device__ __forceinline__ void rope_token_batched(float* x, int64_t stride, int n_heads, float* x2, int64_t stride2,
+                                                   int n_heads2, int head_dim, int64_t t, const int32_t* pos,
+                                                   const RopeParams& p, float (*cs)[kRopeMaxHalf]) {
+  const int half = p.n_rot / 2, total = (n_heads + n_heads2) * half;
+  auto head = [&](int h) {
+    return h < n_heads ? x + t * stride + (int64_t)h * head_dim : x2 + t * stride2 + (int64_t)(h - n_heads) * head_dim;
+  };
+  float a[K], b[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int idx = threadIdx.x + k * blockDim.x;
+    if (idx < total) {
+      const int i = idx % half;
+      const float* v = head(idx / half);
+      a[k] = v[p.neox ? i : 2 * i], b[k] = v[p.neox ? i + half : 2 * i + 1];
+    }
+  }
+  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cs(p, pos[t], i, &cs[0][i], &cs[1][i]);
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int idx = threadIdx.x + k * blockDim.x;
+    if (idx < total) {
+      const int i = idx % half, i0 = p.neox ? i : 2 * i, i1 = p.neox ? i + half : 2 * i + 1;
+      float* v = head(idx / half);
+      rope_rot(a[k], b[k], cs[0][i], cs[1][i], &v[i0], &v[i1]);
+    }
+  }
+  for (int idx = threadIdx.x + K * blockDim.x; idx < total; idx += blockDim.x)
+    rope_pair(head(idx / half), idx % half, half, p.neox, cs[0][idx % half], cs[1][idx % half]);
+}
+
 }  // namespace dl::cuda

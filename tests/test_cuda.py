@@ -526,8 +526,8 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
 def test_lean_gemv_equals_default(files, tmp_path, monkeypatch):
     """The GEMVs on the lean kernels (DASLLAMA_CUDA_GEMV_LEAN=1: gemv_q8_lean_k for q8 mode's q8_0 /
     q4_0, gemv_direct_lean_k for f16 with its fused norm; the same products in the same order, fewer
-    instructions; q8 mode's rounding with its norm's loads batched) give the default kernels' logits
-    bit for bit: decode steps (the GLU tail too) and
+    instructions; q8 mode's rounding with its norm's loads batched; the rope + KV store's pairs loaded
+    before the angles) give the default kernels' logits bit for bit: decode steps (the GLU tail too) and
     batched steps of 3 sessions, rows split over 1 to 8 warps (hidden 64 / 256, ffn 8192); and the
     lean kernels did run (path_count counts their launches)."""
     shapes = {"tiny": files["llama"], "ffn8k": _llama_file(tmp_path, 256, 4, 2, 8192, formats=("q8_0", "q4_0", "f16"))}
