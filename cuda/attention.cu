@@ -579,8 +579,10 @@ void rope_store_group(const RopeStore& r, const KVStoreDesc* d, int count, int64
                       int64_t dim, cudaStream_t st) {
   if (count <= 0 || max_n <= 0) return;
   if (r.p.n_rot / 2 > kRopeMaxHalf) throw Error("cuda rope_store: rotary width past the one-block kernel's");
-  launch(lean_on() ? rope_store_group_k<true> : rope_store_group_k<false>, dim3((unsigned)max_n, 2, (unsigned)count), 256,
-         0, st, r, d, src_stride, dim);
+  const bool lean = lean_on();
+  if (lean) ++lean_count(LeanPath::rope);
+  launch(lean ? rope_store_group_k<true> : rope_store_group_k<false>, dim3((unsigned)max_n, 2, (unsigned)count), 256, 0,
+         st, r, d, src_stride, dim);
   check_launch("rope + kv_store group");
 }
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,

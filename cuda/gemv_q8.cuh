@@ -183,42 +183,46 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int64_t 
   __syncthreads();  // red is free again (the fused layer runs several blocks in one)
 }
 
-// gemv_q8_block's sums (the same products, added in the same order, so the same bits) with fewer
-// instructions a warp, for the standalone kernel (DASLLAMA_CUDA_GEMV_LEAN=1): the job's matrix
-// picked by constant indices (a dynamic index copied the job's arrays into local memory), offsets
-// inside a matrix in 32 bits, one bound check a row instead of one a load. Rows of a matrix are
-// at most 2^31 bytes from its start (gemv_lean_fits). ncu of the one-token Q/K/V GEMV (H100):
-// ~520 instructions a warp, stalled mostly on its own dependent integer work at two warps a
-// scheduler, where a plain read of the same bytes needs a fraction of the time.
-template <uint32_t T, int NT, int R, int U = 2, class Wait>
-__device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int bid, Wait wait) {
-  constexpr int UE = Unit<T>::e;
-  __shared__ float red[SW][R][NT];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ksl = __ffs(ks) - 1;  // ks is a power of two (direct_ks): shifts, not divisions
-  const int group = warp >> ksl, part = warp & (ks - 1), groups = SW >> ksl;
-  const uint8_t* w = j.w[0];
-  uint32_t rb = (uint32_t)j.rb[0];
-  int rows = (int)j.rows[0], fb = 0;
-  float* y = j.y[0];
-  if (j.count > 1 && bid >= (int)j.first_block[1])
-    w = j.w[1], rb = (uint32_t)j.rb[1], rows = (int)j.rows[1], fb = (int)j.first_block[1], y = j.y[1];
-  if (j.count > 2 && bid >= (int)j.first_block[2])
-    w = j.w[2], rb = (uint32_t)j.rb[2], rows = (int)j.rows[2], fb = (int)j.first_block[2], y = j.y[2];
-  const int r0 = ((bid - fb) * groups + group) * R;
-  const int cols = (int)j.cols, nu = cols / UE, nb = cols / 32;
-  const int per = (nu + ks - 1) >> ksl, ub = part * per, ue = ub + per < nu ? ub + per : nu;
-  const uint8_t* base = w + (size_t)(r0 < rows ? r0 : rows - 1) * rb;
-  const int left = rows - r0;  // rows of this group still in the matrix (<= 0: none)
-  float acc[R][NT];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
-  uint4 q[U][R];
-  float d[U][R];
-  // A row past the end loads zeros (as load_units), its outputs never stored.
-  auto load = [&](int u0) {
+// A lean GEMV's rows (gemv_q8_lean_block, gemv_direct_lean_k): the block's place as gemv_q8_block
+// and gemv_direct_k compute it, with the job's matrix picked by constant indices (a dynamic index
+// copied the job's arrays into local memory), offsets inside a matrix in 32 bits (gemv_lean checks
+// that they fit) and shifts for the warp split (ks a power of two). `store`: whether this lane
+// writes output (r, t) = (lane / NT, lane % NT) of its group; `res`: that output's residual, read
+// once the kernel before has finished (after wait()), while the weights are still in flight; only
+// this block writes those rows.
+template <uint32_t T, int NT, int R>
+struct LeanRows {
+  static_assert(R * NT <= 32, "one lane an output");
+  const uint8_t* base;
+  float* y;
+  float* o = nullptr;
+  float res = 0.f;
+  uint32_t rb;
+  int rows, cols, r0, ub, ue, left, part, my_r, my_t;
+  bool store = false;
+  __device__ __forceinline__ LeanRows(const GemvJob& j, int ks, int bid) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ksl = __ffs(ks) - 1;
+    const int group = warp >> ksl, groups = SW >> ksl;
+    part = warp & (ks - 1);
+    const uint8_t* w = j.w[0];
+    rb = (uint32_t)j.rb[0], rows = (int)j.rows[0], y = j.y[0];
+    int fb = 0;
+    if (j.count > 1 && bid >= (int)j.first_block[1])
+      w = j.w[1], rb = (uint32_t)j.rb[1], rows = (int)j.rows[1], fb = (int)j.first_block[1], y = j.y[1];
+    if (j.count > 2 && bid >= (int)j.first_block[2])
+      w = j.w[2], rb = (uint32_t)j.rb[2], rows = (int)j.rows[2], fb = (int)j.first_block[2], y = j.y[2];
+    r0 = ((bid - fb) * groups + group) * R;
+    cols = (int)j.cols;
+    const int nu = cols / Unit<T>::e, per = (nu + ks - 1) >> ksl;
+    ub = part * per, ue = ub + per < nu ? ub + per : nu;
+    base = w + (size_t)(r0 < rows ? r0 : rows - 1) * rb;
+    left = rows - r0;  // rows of this group still in the matrix (<= 0: none)
+    my_r = lane / NT, my_t = lane % NT;
+  }
+  // U units of each of the R rows from unit u0 (as load_units: units past ue and rows past the
+  // end load zeros, their outputs never stored).
+  template <int U>
+  __device__ __forceinline__ void load(int u0, uint4 (&q)[U][R], float (&d)[U][R]) const {
 #pragma unroll
     for (int k = 0; k < U; ++k)
 #pragma unroll
@@ -228,22 +232,44 @@ __device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int
         const uint8_t* row = base + r * rb;
         q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
         if constexpr (T == T_Q8_0S) d[k][r] = ok ? h2f(ld16(row + cols + (u >> 1) * 2)) : 0.f;
-        else d[k][r] = ok ? h2f(ld16(row + cols / 2 + u * 2)) : 0.f;
+        else if constexpr (T == T_Q4_0S) d[k][r] = ok ? h2f(ld16(row + cols / 2 + u * 2)) : 0.f;
+        else d[k][r] = ok ? 1.f : 0.f;
       }
-  };
-  const int u_first = ub + lane;
-  const bool live = left > 0;
-  if (live && u_first < ue) load(u_first);
+  }
+  // After wait(): the storing lane's place and residual.
+  __device__ __forceinline__ void output(const GemvJob& j) {
+    store = part == 0 && (int)(threadIdx.x & 31) < R * NT && my_t < j.n && my_r < left;
+    o = y + my_t * rows + r0 + my_r;
+    if (store && j.accumulate) res = __ldcg(o);
+  }
+};
+
+// gemv_q8_block's sums (the same products, added in the same order, so the same bits) with fewer
+// instructions a warp, for the standalone kernel (DASLLAMA_CUDA_GEMV_LEAN=1), on LeanRows. ncu
+// of the one-token Q/K/V GEMV (H100): ~520 instructions a warp, stalled mostly on its own
+// dependent integer work at two warps a scheduler, where a plain read of the same bytes needs a
+// fraction of the time.
+template <uint32_t T, int NT, int R, int U = 2, class Wait>
+__device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int bid, Wait wait) {
+  constexpr int UE = Unit<T>::e;
+  __shared__ float red[SW][R][NT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  LeanRows<T, NT, R> m(j, ks, bid);
+  const int cols = m.cols, nb = cols / 32;
+  float acc[R][NT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  uint4 q[U][R];
+  float d[U][R];
+  const int u_first = m.ub + lane, ue = m.ue;
+  const bool live = m.left > 0;
+  if (live && u_first < ue) m.load(u_first, q, d);
   wait();
-  // The lane that stores output (r, t) = (lane / NT, lane % NT) of its group reads the residual
-  // now, while the weights are in flight (this block alone writes those rows).
-  static_assert(R * NT <= 32, "one lane an output");
-  const int my_r = lane / NT, my_t = lane % NT;
-  const bool store = part == 0 && lane < R * NT && my_t < j.n && my_r < left;
-  float* const o = y + my_t * rows + r0 + my_r;
-  const float res = store && j.accumulate ? __ldcg(o) : 0.f;
+  m.output(j);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
-    if (u0 != u_first) load(u0);
+    if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = u0 + 32 * k;
@@ -293,7 +319,7 @@ __device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int
         const float s = 0.f + warp_sum(acc[r][t]);  // (as gemv_q8_block's sum from 0: -0 becomes +0)
         if (lane == r * NT + t) mine = s;
       }
-    if (store) *o = j.accumulate ? res + mine : mine;
+    if (m.store) *m.o = j.accumulate ? m.res + mine : mine;
     return;
   }
 #pragma unroll
@@ -304,10 +330,10 @@ __device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int
       if (lane == 0) red[warp][r][t] = s;
     }
   __syncthreads();
-  if (store) {
+  if (m.store) {
     float s = 0.f;
-    for (int p = 0; p < ks; ++p) s += red[warp + p][my_r][my_t];
-    *o = j.accumulate ? res + s : s;
+    for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t];
+    *m.o = j.accumulate ? m.res + s : s;
   }
 }
 

@@ -3,8 +3,8 @@
 // matmul_id over stacks of experts (a warp per row and pair for decode, pairs gathered per expert
 // for prefill).
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -674,32 +674,16 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
 }
 
 // gemv_direct_k's sums (the same products, added in the same order, so the same bits) with fewer
-// instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1, as gemv_q8_lean_block): the matrix picked by
-// constant indices, offsets inside a matrix in 32 bits, shifts for the warp split (ks a power of
-// two), the residual each storing lane adds read while the weights are in flight.
+// instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1), on LeanRows as gemv_q8_lean_block.
 template <uint32_t T, int NT, int R>
 __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_lean_k(GemvJob j, int ks, bool early) {
   if (!early) pdl_wait(), pdl_trigger();
   constexpr int UE = Unit<T>::e, U = 2;
   constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
-  static_assert(R * NT <= 32, "one lane an output");
   __shared__ float red[SW][R + 1][NT];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, bid = (int)blockIdx.x;
-  const int ksl = __ffs(ks) - 1;
-  const int group = warp >> ksl, part = warp & (ks - 1), groups = SW >> ksl;
-  const uint8_t* w = j.w[0];
-  uint32_t rb = (uint32_t)j.rb[0];
-  int rows = (int)j.rows[0], fb = 0;
-  float* y = j.y[0];
-  if (j.count > 1 && bid >= (int)j.first_block[1])
-    w = j.w[1], rb = (uint32_t)j.rb[1], rows = (int)j.rows[1], fb = (int)j.first_block[1], y = j.y[1];
-  if (j.count > 2 && bid >= (int)j.first_block[2])
-    w = j.w[2], rb = (uint32_t)j.rb[2], rows = (int)j.rows[2], fb = (int)j.first_block[2], y = j.y[2];
-  const int r0 = ((bid - fb) * groups + group) * R;
-  const int cols = (int)j.cols, nu = cols / UE;
-  const int per = (nu + ks - 1) >> ksl, ub = part * per, ue = ub + per < nu ? ub + per : nu;
-  const uint8_t* base = w + (size_t)(r0 < rows ? r0 : rows - 1) * rb;
-  const int left = rows - r0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  LeanRows<T, NT, R> m(j, ks, (int)blockIdx.x);
+  const int cols = m.cols;
   float acc[R][NT], ss[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -709,30 +693,13 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_lean_k(G
   }
   uint4 q[U][R];
   float d[U][R];
-  auto load = [&](int u0) {  // as load_units
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int u = u0 + 32 * k;
-        const bool ok = u < ue && r < left;
-        const uint8_t* row = base + r * rb;
-        q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
-        if constexpr (T == T_Q8_0S) d[k][r] = ok ? h2f(ld16(row + cols + (u >> 1) * 2)) : 0.f;
-        else if constexpr (T == T_Q4_0S) d[k][r] = ok ? h2f(ld16(row + cols / 2 + u * 2)) : 0.f;
-        else d[k][r] = ok ? 1.f : 0.f;
-      }
-  };
-  const int u_first = ub + lane;
-  const bool live = left > 0;
-  if (live && u_first < ue) load(u_first);
+  const int u_first = m.ub + lane, ue = m.ue;
+  const bool live = m.left > 0;
+  if (live && u_first < ue) m.load(u_first, q, d);
   if (early) pdl_wait(), pdl_trigger();
-  const int my_r = lane / NT, my_t = lane % NT;
-  const bool store = part == 0 && lane < R * NT && my_t < j.n && my_r < left;
-  float* const o = y + my_t * rows + r0 + my_r;
-  const float res = store && j.accumulate ? *o : 0.f;
+  m.output(j);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
-    if (u0 != u_first) load(u0);
+    if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = u0 + 32 * k;
@@ -785,11 +752,11 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_lean_k(G
     if (lane == 0) red[warp][R][t] = qs;
   }
   __syncthreads();
-  if (!store) return;
+  if (!m.store) return;
   float s = 0.f, qs = 0.f;
-  for (int p = 0; p < ks; ++p) s += red[warp + p][my_r][my_t], qs += red[warp + p][R][my_t];
+  for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t], qs += red[warp + p][R][m.my_t];
   if (j.norm) s *= 1.f / sqrtf(qs / (float)cols + j.eps);
-  *o = j.accumulate ? res + s : s;
+  *m.o = j.accumulate ? m.res + s : s;
 }
 
 // ---- Quantized activations (q8 mode): the CPU's A8 rounding, then int8 dot products -----
@@ -1025,19 +992,19 @@ int rows1() {
   const char* e = std::getenv("DASLLAMA_CUDA_R1");
   return e && std::strcmp(e, "2") == 0 ? 2 : 4;
 }
-// Whether the q8 GEMVs take gemv_q8_lean_k (DASLLAMA_CUDA_GEMV_LEAN=1; read at each launch, so a
-// captured step keeps what it read) where the job's sizes fit its 32-bit offsets.
-bool gemv_lean(const GemvJob& j) {
-  if (!lean_on()) return false;
+// Whether a GEMV takes the lean kernels (DASLLAMA_CUDA_GEMV_LEAN=1; read at each launch, so a
+// captured step keeps what it read): where ks is a power of two and the job's sizes fit their
+// 32-bit offsets.
+bool gemv_lean(const GemvJob& j, int ks) {
+  if (!lean_on() || ks < 1 || ks > SW || (ks & (ks - 1)) != 0) return false;
   if (j.first_block[j.count] >= (int64_t(1) << 31) || j.cols >= (int64_t(1) << 31)) return false;
   for (int i = 0; i < j.count; ++i)
     if (j.rows[i] >= (int64_t(1) << 31) || j.rb[i] >= (size_t(1) << 32)) return false;
   return true;
 }
-std::atomic<int64_t> g_lean_launches{0};
 template <uint32_t T>
 void launch_q8_lean(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail) {
-  ++g_lean_launches;
+  ++lean_count(LeanPath::gemv);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
   if (j.n == 1 && tl && r2) launch(gemv_q8_lean_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -1051,7 +1018,7 @@ void launch_q8_lean(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& t
 }
 template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail = GemvTail()) {
-  if (ks >= 1 && ks <= SW && (ks & (ks - 1)) == 0 && gemv_lean(j)) return launch_q8_lean<T>(j, ks, st, tail);
+  if (gemv_lean(j, ks)) return launch_q8_lean<T>(j, ks, st, tail);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
   if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -1072,7 +1039,7 @@ int direct_ks(int64_t nu) {
 }
 template <uint32_t T>
 void launch_direct_lean(const GemvJob& j, int ks, cudaStream_t st) {
-  ++g_lean_launches;
+  ++lean_count(LeanPath::gemv);
   const unsigned grid = (unsigned)j.first_block[j.count];
   if (j.n == 1 && rows1() == 2) launch(gemv_direct_lean_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
   else if (j.n == 1) launch(gemv_direct_lean_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
@@ -1083,7 +1050,7 @@ void launch_direct_lean(const GemvJob& j, int ks, cudaStream_t st) {
 }
 template <uint32_t T>
 void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
-  if (ks >= 1 && ks <= SW && (ks & (ks - 1)) == 0 && gemv_lean(j)) return launch_direct_lean<T>(j, ks, st);
+  if (gemv_lean(j, ks)) return launch_direct_lean<T>(j, ks, st);
   const unsigned grid = (unsigned)j.first_block[j.count];
   if (j.n == 1 && rows1() == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
   else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
@@ -1213,7 +1180,10 @@ void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* nw, float eps,
   check_launch("gemv_q8_x");
 }
 
-int64_t gemv_lean_launches() { return g_lean_launches.load(); }
+std::atomic<int64_t>& lean_count(LeanPath p) {
+  static std::atomic<int64_t> n[3];
+  return n[(int)p];
+}
 bool lean_on() {
   const char* e = std::getenv("DASLLAMA_CUDA_GEMV_LEAN");
   return e && std::strcmp(e, "1") == 0;
@@ -1247,8 +1217,10 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   const char* e = std::getenv("DASLLAMA_CUDA_QACT_ROWS");  // read at each call (ab_cuda.py)
   const int64_t one_from = e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(65);
   const unsigned gx = norm && n >= one_from ? 1u : (unsigned)ceil_div(cols / 32, 8);
-  launch(lean_on() ? quantize_act_k<true> : quantize_act_k<false>, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm,
-         norm_w, eps, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
+  const bool lean = lean_on();
+  if (lean) ++lean_count(LeanPath::round);
+  launch(lean ? quantize_act_k<true> : quantize_act_k<false>, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm, norm_w,
+         eps, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
   check_launch("quantize_act");
 }
 

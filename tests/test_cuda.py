@@ -533,10 +533,13 @@ def test_lean_gemv_equals_default(files, tmp_path, monkeypatch):
     shapes = {"tiny": files["llama"], "ffn8k": _llama_file(tmp_path, 256, 4, 2, 8192, formats=("q8_0", "q4_0", "f16"))}
     for name, paths in shapes.items():
         for ft in ("q8_0", "q4_0", "f16"):
-            want, _ = _decode_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "0"}, monkeypatch, n_steps=40)
+            want, m0 = _decode_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "0"}, monkeypatch, n_steps=40)
+            before = {p: m0._m.path_count(f"{p}_lean") for p in ("gemv", "round", "rope")}  # (counts of the process)
             got, m = _decode_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "1"}, monkeypatch, n_steps=40)
             n = m._m.path_count("gemv_lean")
-            assert n > 0, (name, ft)
+            # every path ran: the GEMVs, q8 mode's roundings (f16 weights take the GEMV's own norm), the rope
+            for p in ("gemv", "rope") + (("round",) if ft != "f16" else ()):
+                assert m._m.path_count(f"{p}_lean") > before[p], (name, ft, p)
             assert np.array_equal(got, want), f"{name} {ft}: decode logits differ, max {np.abs(got - want).max():.3g}"
             want, _ = _batch_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "0"}, monkeypatch)
             got, m = _batch_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_GEMV_LEAN": "1"}, monkeypatch)

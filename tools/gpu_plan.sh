@@ -149,7 +149,7 @@ for stage in "$@"; do
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
     lean)  # the GEMVs with fewer instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1, opt-in: q8 and direct): bits, then speed
-      step tests 300 python -m pytest -q tests/test_cuda.py -k "lean_gemv"
+      step tests 400 python -m pytest -q tests/test_cuda.py -k "lean_gemv or every_family_and_format or greedy_tokens_agree"
       step ab 400 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 3 DASLLAMA_CUDA_GEMV_LEAN=0 \
         DASLLAMA_CUDA_GEMV_LEAN=1
       ;;
