@@ -410,7 +410,6 @@ __global__ void kv_store_group_k(const KVStoreDesc* __restrict__ d, int64_t src_
 // token's Q and K heads (rope_token; every token is one session's row), then stores the K row
 // it just wrote (the block's own writes, visible after the barrier); V blocks store V. The
 // same arithmetic as the two launches, so the same bits.
-template <bool kBatch>
 __global__ void rope_store_group_k(RopeStore r, const KVStoreDesc* __restrict__ d, int64_t src_stride, int64_t dim) {
   pdl_wait();
   pdl_trigger();
@@ -420,8 +419,7 @@ __global__ void rope_store_group_k(RopeStore r, const KVStoreDesc* __restrict__ 
   if (!is_v) {
     __shared__ float cs[2][kRopeMaxHalf];
     const int64_t t = (e.k - r.x2) / r.stride2 + blockIdx.x;
-    if constexpr (kBatch) rope_token_batched(r.x, r.stride, r.n_heads, r.x2, r.stride2, r.n_heads2, r.head_dim, t, r.pos, r.p, cs);
-    else rope_token(r.x, r.stride, r.n_heads, r.x2, r.stride2, r.n_heads2, r.head_dim, t, r.pos, r.p, cs);
+    rope_token(r.x, r.stride, r.n_heads, r.x2, r.stride2, r.n_heads2, r.head_dim, t, r.pos, r.p, cs);
     __syncthreads();
   }
   kv_store_slice(e.kv, e.first + blockIdx.x, (is_v ? e.v : e.k) + blockIdx.x * src_stride, is_v, 0, dim, threadIdx.x,
@@ -579,9 +577,7 @@ void rope_store_group(const RopeStore& r, const KVStoreDesc* d, int count, int64
                       int64_t dim, cudaStream_t st) {
   if (count <= 0 || max_n <= 0) return;
   if (r.p.n_rot / 2 > kRopeMaxHalf) throw Error("cuda rope_store: rotary width past the one-block kernel's");
-  const bool lean = lean_on();
-  if (lean) ++lean_count(LeanPath::rope);
-  launch(lean ? rope_store_group_k<true> : rope_store_group_k<false>, dim3((unsigned)max_n, 2, (unsigned)count), 256, 0,
+  launch(rope_store_group_k, dim3((unsigned)max_n, 2, (unsigned)count), 256, 0,
          st, r, d, src_stride, dim);
   check_launch("rope + kv_store group");
 }

@@ -743,9 +743,6 @@ class CudaBackend final : public Backend {
   int64_t fused_ops() const override { return fused_ops_; }
   int64_t path_count(const std::string& name) const override {
     if (name == "attn_gqa") return gqa_attn_;
-    if (name == "gemv_lean") return cuda::lean_count(cuda::LeanPath::gemv).load();
-    if (name == "round_lean") return cuda::lean_count(cuda::LeanPath::round).load();
-    if (name == "rope_lean") return cuda::lean_count(cuda::LeanPath::rope).load();
     return 0;
   }
   void matmul_step(const MatmulStep& s) override {

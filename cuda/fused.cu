@@ -78,10 +78,12 @@ template <uint32_t T, XLoad XL, class Prep>
 __device__ __forceinline__ void gemv_phase(const GemvJob& j, int ks, Prep prep) {
   bool first = true;
   const int64_t blocks = j.first_block[j.count];
-  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x)
-    gemv_q8_block<T, 1, 4, XL, kUnits>(j, ks, b, [&] {
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    gemv_q8_block<T, 1, 4, XL, kUnits>(j, ks, (int)b, [&] {
       if (first) prep(), first = false;
     });
+    __syncthreads();  // the block's shared sums are free again
+  }
   if (first) prep();
 }
 

@@ -21,7 +21,7 @@ template <> struct Unit<T_Q8_0S> { static constexpr int e = 16; };
 template <> struct Unit<T_Q4_0S> { static constexpr int e = 32; };
 
 template <uint32_t T>
-__device__ __forceinline__ float unit_scale(const uint8_t* row, int64_t cols, int64_t u) {
+__device__ __forceinline__ float unit_scale(const uint8_t* row, int cols, int u) {
   if constexpr (T == T_Q8_0S) return h2f(ld16(row + cols + (u >> 1) * 2));
   else if constexpr (T == T_Q4_0S) return h2f(ld16(row + cols / 2 + u * 2));
   else return 1.f;
@@ -56,23 +56,6 @@ __device__ __forceinline__ int unit_group(const uint4& q, int h, float v[8]) {
   }
 }
 
-// One round of a direct GEMV's loads: U units of each of R rows (of `left` rows still in
-// the matrix), with their block scales; units past ue and rows past the end load zeros.
-template <uint32_t T, int U, int R>
-__device__ __forceinline__ void load_units(const uint8_t* base, size_t rb, int64_t left, int64_t cols, int64_t u0,
-                                           int64_t ue, uint4 (&q)[U][R], float (&d)[U][R]) {
-#pragma unroll
-  for (int k = 0; k < U; ++k)
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t u = u0 + 32 * k;
-      const bool ok = u < ue && r < left;
-      const uint8_t* row = base + r * rb;
-      q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
-      d[k][r] = ok ? unit_scale<T>(row, cols, u) : 0.f;
-    }
-}
-
 // Where the GEMV reads its quantized activations: through the read-only path (written by an
 // earlier kernel), from shared memory, or from L2 (written earlier in the same kernel by other
 // blocks, so L1 may hold stale lines).
@@ -84,114 +67,18 @@ __device__ __forceinline__ V xload(const V* p) {
   else return *p;
 }
 
-// Block `bid` of the q8-mode GEMV over job j (gemv_q8_k's grid): the block's 8 warps form 8 / ks
-// groups of R rows; the ks warps of a group split the row's 16-byte units, and their partial
-// sums meet in shared memory. A unit is 16 q8_0 weights (4 dp4a against the token's quants) or
-// a whole q4_0 block (8 dp4a, less 8 * its quant sum); per unit, the integer sum times the
-// weight and activation scales. wait() runs once the first round of weights is in flight (the
-// weights are constant; x may not be ready before it). Every output is the same sum in the same
-// order whichever kernel runs the block.
-// U units of each row are in flight per lane (any U gives the same sums: each lane adds its
-// units in increasing order).
-template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait>
-__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int64_t bid, Wait wait) {
-  constexpr int UE = Unit<T>::e;
-  __shared__ float red[SW][R][NT];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int group = warp / ks, part = warp % ks, groups = SW / ks;
-  int mi = 0;
-  while (mi + 1 < j.count && bid >= j.first_block[mi + 1]) ++mi;
-  const int64_t rows = j.rows[mi];
-  const int64_t r0 = ((bid - j.first_block[mi]) * groups + group) * R;
-  const int64_t cols = j.cols, nu = cols / UE, nb = cols / 32;
-  const int64_t per = (nu + ks - 1) / ks, ub = part * per, ue = ub + per < nu ? ub + per : nu;
-  const size_t rb = j.rb[mi];
-  const uint8_t* base = j.w[mi] + (r0 < rows ? r0 : rows - 1) * rb;
-  float acc[R][NT];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
-  uint4 q[U][R];
-  float d[U][R];
-  const int64_t u_first = ub + lane;
-  if (r0 < rows && u_first < ue) load_units<T, U, R>(base, rb, rows - r0, cols, u_first, ue, q, d);
-  wait();
-  for (int64_t u0 = u_first; r0 < rows && u0 < ue; u0 += 32 * U) {
-    if (u0 != u_first) load_units<T, U, R>(base, rb, rows - r0, cols, u0, ue, q, d);
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const int64_t u = u0 + 32 * k;
-      if (u >= ue) break;
-      const int64_t b = T == T_Q8_0S ? u >> 1 : u;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (t >= j.n) continue;
-        const int8_t* xr = j.xq + t * cols + u * UE;
-        const float dx = xload<XL>(j.xd + t * nb + b);
-        if constexpr (T == T_Q8_0S) {
-          const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr));
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            int s = __dp4a((int)q[k][r].x, xa.x, 0);
-            s = __dp4a((int)q[k][r].y, xa.y, s);
-            s = __dp4a((int)q[k][r].z, xa.z, s);
-            s = __dp4a((int)q[k][r].w, xa.w, s);
-            acc[r][t] += (float)s * __fmul_rn(d[k][r], dx);
-          }
-        } else {
-          const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr)),
-                     xb = xload<XL>(reinterpret_cast<const int4*>(xr) + 1);
-          const int off = 8 * xload<XL>(j.xs + t * nb + b);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const uint4 w = q[k][r];
-            int s = __dp4a((int)(w.x & 0x0F0F0F0Fu), xa.x, 0);
-            s = __dp4a((int)(w.y & 0x0F0F0F0Fu), xa.y, s);
-            s = __dp4a((int)(w.z & 0x0F0F0F0Fu), xa.z, s);
-            s = __dp4a((int)(w.w & 0x0F0F0F0Fu), xa.w, s);
-            s = __dp4a((int)((w.x >> 4) & 0x0F0F0F0Fu), xb.x, s);
-            s = __dp4a((int)((w.y >> 4) & 0x0F0F0F0Fu), xb.y, s);
-            s = __dp4a((int)((w.z >> 4) & 0x0F0F0F0Fu), xb.z, s);
-            s = __dp4a((int)((w.w >> 4) & 0x0F0F0F0Fu), xb.w, s);
-            acc[r][t] += (float)(s - off) * __fmul_rn(d[k][r], dx);
-          }
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float s = warp_sum(acc[r][t]);
-      if (lane == 0) red[warp][r][t] = s;
-    }
-  __syncthreads();
-  if (part == 0 && r0 < rows) {
-    float* y = j.y[mi];
-    for (int idx = lane; idx < R * NT; idx += 32) {
-      const int r = idx / NT, t = idx % NT;
-      if (t >= j.n || r0 + r >= rows) continue;
-      float s = 0.f;
-      for (int p = 0; p < ks; ++p) s += red[warp + p][r][t];
-      // The residual is read from L2: in the fused layer other blocks wrote it in this kernel.
-      if (j.accumulate) y[t * rows + r0 + r] = __ldcg(y + t * rows + r0 + r) + s;
-      else y[t * rows + r0 + r] = s;
-    }
-  }
-  __syncthreads();  // red is free again (the fused layer runs several blocks in one)
-}
-
-// A lean GEMV's rows (gemv_q8_lean_block, gemv_direct_lean_k): the block's place as gemv_q8_block
-// and gemv_direct_k compute it, with the job's matrix picked by constant indices (a dynamic index
-// copied the job's arrays into local memory), offsets inside a matrix in 32 bits (gemv_lean checks
-// that they fit) and shifts for the warp split (ks a power of two). `store`: whether this lane
-// writes output (r, t) = (lane / NT, lane % NT) of its group; `res`: that output's residual, read
-// once the kernel before has finished (after wait()), while the weights are still in flight; only
-// this block writes those rows.
+// A GEMV block's rows (gemv_q8_block, gemv_direct_k): the block's 8 warps form 8 / ks groups of R
+// rows; the ks warps of a group (ks a power of two: shifts, not divisions) split the row's 16-byte
+// units. The job's matrix is picked by constant indices (a dynamic index copied the job's arrays
+// into local memory) and offsets inside a matrix are 32-bit (gemv_fits checks that they fit): ncu
+// of the one-token Q/K/V GEMV (H100) had shown ~520 instructions a warp, stalled mostly on its own
+// dependent integer work at two warps a scheduler. `store`: whether this lane writes output
+// (r, t) = (lane / NT, lane % NT) of its group; `res`: that output's residual, read once the kernel
+// before has finished (after wait()), while the weights are still in flight; only this block
+// writes those rows (in the fused layer, other blocks wrote them before the phase's barrier: read
+// from L2).
 template <uint32_t T, int NT, int R>
-struct LeanRows {
+struct GemvRows {
   static_assert(R * NT <= 32, "one lane an output");
   const uint8_t* base;
   float* y;
@@ -200,7 +87,7 @@ struct LeanRows {
   uint32_t rb;
   int rows, cols, r0, ub, ue, left, part, my_r, my_t;
   bool store = false;
-  __device__ __forceinline__ LeanRows(const GemvJob& j, int ks, int bid) {
+  __device__ __forceinline__ GemvRows(const GemvJob& j, int ks, int bid) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ksl = __ffs(ks) - 1;
     const int group = warp >> ksl, groups = SW >> ksl;
     part = warp & (ks - 1);
@@ -219,8 +106,8 @@ struct LeanRows {
     left = rows - r0;  // rows of this group still in the matrix (<= 0: none)
     my_r = lane / NT, my_t = lane % NT;
   }
-  // U units of each of the R rows from unit u0 (as load_units: units past ue and rows past the
-  // end load zeros, their outputs never stored).
+  // U units of each of the R rows from unit u0, with their block scales; units past ue and rows
+  // past the end load zeros (their outputs are never stored).
   template <int U>
   __device__ __forceinline__ void load(int u0, uint4 (&q)[U][R], float (&d)[U][R]) const {
 #pragma unroll
@@ -231,9 +118,7 @@ struct LeanRows {
         const bool ok = u < ue && r < left;
         const uint8_t* row = base + r * rb;
         q[k][r] = ok ? __ldg(reinterpret_cast<const uint4*>(row) + u) : make_uint4(0, 0, 0, 0);
-        if constexpr (T == T_Q8_0S) d[k][r] = ok ? h2f(ld16(row + cols + (u >> 1) * 2)) : 0.f;
-        else if constexpr (T == T_Q4_0S) d[k][r] = ok ? h2f(ld16(row + cols / 2 + u * 2)) : 0.f;
-        else d[k][r] = ok ? 1.f : 0.f;
+        d[k][r] = ok ? unit_scale<T>(row, cols, u) : 0.f;
       }
   }
   // After wait(): the storing lane's place and residual.
@@ -244,17 +129,19 @@ struct LeanRows {
   }
 };
 
-// gemv_q8_block's sums (the same products, added in the same order, so the same bits) with fewer
-// instructions a warp, for the standalone kernel (DASLLAMA_CUDA_GEMV_LEAN=1), on LeanRows. ncu
-// of the one-token Q/K/V GEMV (H100): ~520 instructions a warp, stalled mostly on its own
-// dependent integer work at two warps a scheduler, where a plain read of the same bytes needs a
-// fraction of the time.
-template <uint32_t T, int NT, int R, int U = 2, class Wait>
-__device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int bid, Wait wait) {
+// Block `bid` of the q8-mode GEMV over job j (gemv_q8_k's grid) on GemvRows; the partial sums of a
+// row's ks warps meet in shared memory. A unit is 16 q8_0 weights (4 dp4a against the token's
+// quants) or a whole q4_0 block (8 dp4a, less 8 * its quant sum); per unit, the integer sum times
+// the weight and activation scales. wait() runs once the first round of weights is in flight (the
+// weights are constant; x may not be ready before it). U units of each row are in flight per lane
+// (any U gives the same sums: each lane adds its units in increasing order). A caller that runs
+// several blocks in one (the fused layer) syncs the block between them (red is reused).
+template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait>
+__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait) {
   constexpr int UE = Unit<T>::e;
   __shared__ float red[SW][R][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  LeanRows<T, NT, R> m(j, ks, bid);
+  GemvRows<T, NT, R> m(j, ks, bid);
   const int cols = m.cols, nb = cols / 32;
   float acc[R][NT];
 #pragma unroll
@@ -279,9 +166,9 @@ __device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int
       for (int t = 0; t < NT; ++t) {
         if (t >= j.n) continue;
         const int8_t* xr = j.xq + t * cols + u * UE;
-        const float dx = __ldg(j.xd + t * nb + b);
+        const float dx = xload<XL>(j.xd + t * nb + b);
         if constexpr (T == T_Q8_0S) {
-          const int4 xa = __ldg(reinterpret_cast<const int4*>(xr));
+          const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr));
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             int s = __dp4a((int)q[k][r].x, xa.x, 0);
@@ -291,8 +178,9 @@ __device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int
             acc[r][t] += (float)s * __fmul_rn(d[k][r], dx);
           }
         } else {
-          const int4 xa = __ldg(reinterpret_cast<const int4*>(xr)), xb = __ldg(reinterpret_cast<const int4*>(xr) + 1);
-          const int off = 8 * __ldg(j.xs + t * nb + b);
+          const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr)),
+                     xb = xload<XL>(reinterpret_cast<const int4*>(xr) + 1);
+          const int off = 8 * xload<XL>(j.xs + t * nb + b);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const uint4 wq = q[k][r];
@@ -316,7 +204,7 @@ __device__ __forceinline__ void gemv_q8_lean_block(const GemvJob& j, int ks, int
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const float s = 0.f + warp_sum(acc[r][t]);  // (as gemv_q8_block's sum from 0: -0 becomes +0)
+        const float s = 0.f + warp_sum(acc[r][t]);  // (a sum from 0, as with ks > 1: -0 becomes +0)
         if (lane == r * NT + t) mine = s;
       }
     if (m.store) *m.o = j.accumulate ? m.res + mine : mine;

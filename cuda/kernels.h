@@ -63,12 +63,6 @@ void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols);
 // The q8 GEMV's blocks for j (one token, `rows` rows a warp group; fills first_block, as
 // gemv_staged would) and the warps that split a row (its ks).
 int gemv_q8_plan(GemvJob& j, int rows = 4);
-// Whether DASLLAMA_CUDA_GEMV_LEAN=1 (read at each call): the lean GEMVs, and the decode step's
-// small kernels with their loads batched (quantize_act_k's norm, the rope + KV store).
-bool lean_on();
-// Launches on each of those paths since the process started (the backend's path_count).
-enum class LeanPath { gemv, round, rope };
-std::atomic<int64_t>& lean_count(LeanPath p);
 // One token's q8 GEMV that rounds its own input x (RMS-normed times norm_w when norm) in each
 // block, instead of a quantize_act launch before it; for matrices of at most kQuantBlocksMax
 // blocks and cols <= 2048. Results equal quantize_act + gemv_staged's bit for bit; slower on

@@ -583,106 +583,7 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
   __shared__ float red[SW][R + 1][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int group = warp / ks, part = warp % ks, groups = SW / ks;
-  int mi = 0;
-  while (mi + 1 < j.count && (int64_t)blockIdx.x >= j.first_block[mi + 1]) ++mi;
-  const int64_t rows = j.rows[mi];
-  const int64_t r0 = (((int64_t)blockIdx.x - j.first_block[mi]) * groups + group) * R;
-  const int64_t cols = j.cols, nu = cols / UE;
-  const int64_t per = (nu + ks - 1) / ks, ub = part * per, ue = ub + per < nu ? ub + per : nu;
-  const size_t rb = j.rb[mi];
-  const uint8_t* base = j.w[mi] + (r0 < rows ? r0 : rows - 1) * rb;
-  float acc[R][NT], ss[NT];
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    ss[t] = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r][t] = 0.f;
-  }
-  uint4 q[U][R];
-  float d[U][R];
-  // The weights are constant: the first round is in flight before the wait for x.
-  const int64_t u_first = ub + lane;
-  if (r0 < rows && u_first < ue) load_units<T, U, R>(base, rb, rows - r0, cols, u_first, ue, q, d);
-  if (early) pdl_wait(), pdl_trigger();
-  for (int64_t u0 = u_first; r0 < rows && u0 < ue; u0 += 32 * U) {
-    if (u0 != u_first) load_units<T, U, R>(base, rb, rows - r0, cols, u0, ue, q, d);
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const int64_t u = u0 + 32 * k;
-      if (u >= ue) break;
-#pragma unroll
-      for (int h = 0; h < UE / 8; ++h) {
-        float wv[R][8];
-        int off = 0;
-#pragma unroll
-        for (int r = 0; r < R; ++r) off = unit_group<T>(q[k][r], h, wv[r]);
-        const int64_t e = u * UE + off;
-        float nw[8];
-        if (j.norm_w) {
-          const float4 a = __ldg(reinterpret_cast<const float4*>(j.norm_w + e));
-          const float4 b = __ldg(reinterpret_cast<const float4*>(j.norm_w + e) + 1);
-          nw[0] = a.x, nw[1] = a.y, nw[2] = a.z, nw[3] = a.w, nw[4] = b.x, nw[5] = b.y, nw[6] = b.z, nw[7] = b.w;
-        }
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          if (t < j.n) {
-            float xv[8];
-            ld_x8(j.x + t * cols, e, cols, true, xv);
-            if (j.norm) {
-#pragma unroll
-              for (int i = 0; i < 8; ++i) ss[t] += xv[i] * xv[i];
-              if (j.norm_w)
-#pragma unroll
-                for (int i = 0; i < 8; ++i) xv[i] *= nw[i];
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              float p = 0.f;
-#pragma unroll
-              for (int i = 0; i < 8; ++i) p += wv[r][i] * xv[i];
-              acc[r][t] += scaled ? d[k][r] * p : p;
-            }
-          }
-        }
-      }
-    }
-  }
-  // Warp sums, then the group's KS partials in shared memory.
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float s = warp_sum(acc[r][t]);
-      if (lane == 0) red[warp][r][t] = s;
-    }
-    const float q = warp_sum(ss[t]);
-    if (lane == 0) red[warp][R][t] = q;
-  }
-  __syncthreads();
-  if (part != 0 || r0 >= rows) return;
-  float* y = j.y[mi];
-  for (int idx = lane; idx < R * NT; idx += 32) {
-    const int r = idx / NT, t = idx % NT;
-    if (t >= j.n || r0 + r >= rows) continue;
-    float s = 0.f, q = 0.f;
-    for (int p = 0; p < ks; ++p) s += red[warp + p][r][t], q += red[warp + p][R][t];
-    if (j.norm) s *= 1.f / sqrtf(q / (float)cols + j.eps);
-    if (j.accumulate) y[t * rows + r0 + r] += s;
-    else y[t * rows + r0 + r] = s;
-  }
-}
-
-// gemv_direct_k's sums (the same products, added in the same order, so the same bits) with fewer
-// instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1), on LeanRows as gemv_q8_lean_block.
-template <uint32_t T, int NT, int R>
-__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_lean_k(GemvJob j, int ks, bool early) {
-  if (!early) pdl_wait(), pdl_trigger();
-  constexpr int UE = Unit<T>::e, U = 2;
-  constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
-  __shared__ float red[SW][R + 1][NT];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  LeanRows<T, NT, R> m(j, ks, (int)blockIdx.x);
+  GemvRows<T, NT, R> m(j, ks, (int)blockIdx.x);
   const int cols = m.cols;
   float acc[R][NT], ss[NT];
 #pragma unroll
@@ -766,10 +667,10 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_lean_k(G
 // q = rint(x * (127 / amax)), and the quant sum.
 // Rounds token row t of x (xr, cols floats) from 32-block b on, every step-th block, with the
 // block's 256 threads (a warp per 32-block). kL2: x was written earlier in this kernel by other
-// blocks, so it is read from L2 (L1 may hold stale lines). kBatch (DASLLAMA_CUDA_GEMV_LEAN=1): the
-// norm's loads go out 8 at a time before their squares are added, in the same order (the sum
-// loop's one load in flight a thread made a 2048-wide row 8 dependent trips to L2).
-template <bool kL2, bool kBatch = false>
+// blocks, so it is read from L2 (L1 may hold stale lines). The
+// norm's loads go out 8 at a time before their squares are added, in order (one load in flight
+// a thread had made a 2048-wide row 8 dependent trips to L2: H100 Llama-1B, 4.0 us a launch).
+template <bool kL2>
 __device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool norm, const float* nw, float eps,
                                           int64_t t, int64_t b, int64_t step, int8_t* xq, float* xd, int32_t* xs) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -778,24 +679,17 @@ __device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool no
   if (norm) {
     __shared__ double sh[8];
     double ss = 0;
-    if constexpr (kBatch) {
-      constexpr int K = 8;
-      for (int64_t i0 = threadIdx.x; i0 < cols; i0 += (int64_t)blockDim.x * K) {
-        float v[K];
+    constexpr int K = 8;
+    for (int64_t i0 = threadIdx.x; i0 < cols; i0 += (int64_t)blockDim.x * K) {
+      float v[K];
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-          const int64_t i = i0 + (int64_t)k * blockDim.x;
-          v[k] = i < cols ? (kL2 ? __ldcg(xr + i) : __ldg(xr + i)) : 0.f;
-        }
+      for (int k = 0; k < K; ++k) {
+        const int64_t i = i0 + (int64_t)k * blockDim.x;
+        v[k] = i < cols ? (kL2 ? __ldcg(xr + i) : __ldg(xr + i)) : 0.f;
+      }
 #pragma unroll
-        for (int k = 0; k < K; ++k)
-          if (i0 + (int64_t)k * blockDim.x < cols) ss += (double)v[k] * v[k];
-      }
-    } else {
-      for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = kL2 ? __ldcg(xr + i) : __ldg(xr + i);
-        ss += (double)v * v;
-      }
+      for (int k = 0; k < K; ++k)
+        if (i0 + (int64_t)k * blockDim.x < cols) ss += (double)v[k] * v[k];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -814,7 +708,6 @@ __device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool no
   }
 }
 
-template <bool kBatch>
 __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ x, int64_t cols, bool norm,
                                                       const float* __restrict__ nw, float eps, int8_t* __restrict__ xq,
                                                       float* __restrict__ xd, int32_t* __restrict__ xs) {
@@ -825,7 +718,7 @@ __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ 
   const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
   // A grid one block wide (normed prefill rows) walks all of the row's blocks: the norm's sum
   // is then formed once a row, not once per 8 blocks (the same sum, the same bits).
-  round_row<false, kBatch>(x + t * cols, cols, norm, nw, eps, t, b, gridDim.x == 1 ? 8 : nb, xq, xd, xs);
+  round_row<false>(x + t * cols, cols, norm, nw, eps, t, b, gridDim.x == 1 ? 8 : nb, xq, xd, xs);
 }
 
 // The down projection's input in q8 mode: the GLU (written out as the glu op does) and its
@@ -935,17 +828,7 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
 template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2)>
 __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bool early, GemvTail tail) {
   if (!early) pdl_wait(), pdl_trigger();
-  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, blockIdx.x, [early] {
-    if (early) pdl_wait(), pdl_trigger();
-  });
-  if constexpr (kTail) gemv_tail<R>(j, ks, tail);
-}
-
-// gemv_q8_k on gemv_q8_lean_block (DASLLAMA_CUDA_GEMV_LEAN=1): the same bits.
-template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2)>
-__global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_lean_k(GemvJob j, int ks, bool early, GemvTail tail) {
-  if (!early) pdl_wait(), pdl_trigger();
-  gemv_q8_lean_block<T, NT, R>(j, ks, (int)blockIdx.x, [early] {
+  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
     if (early) pdl_wait(), pdl_trigger();
   });
   if constexpr (kTail) gemv_tail<R>(j, ks, tail);
@@ -962,7 +845,7 @@ __global__ void __launch_bounds__(SW * 32, 3) gemv_q8_x_k(GemvJob j, int ks, con
   __shared__ int32_t ss[kQuantMax / 32];
   __shared__ double red[SW];
   j.xq = sq, j.xd = sd, j.xs = ss;
-  gemv_q8_block<T, 1, 4, XLoad::shared>(j, ks, blockIdx.x, [&] {
+  gemv_q8_block<T, 1, 4, XLoad::shared>(j, ks, (int)blockIdx.x, [&] {
     pdl_wait();
     pdl_trigger();
     quant_smem<XLoad::nc>(x, j.cols, norm, nw, eps, sq, sd, ss, red);
@@ -992,33 +875,17 @@ int rows1() {
   const char* e = std::getenv("DASLLAMA_CUDA_R1");
   return e && std::strcmp(e, "2") == 0 ? 2 : 4;
 }
-// Whether a GEMV takes the lean kernels (DASLLAMA_CUDA_GEMV_LEAN=1; read at each launch, so a
-// captured step keeps what it read): where ks is a power of two and the job's sizes fit their
-// 32-bit offsets.
-bool gemv_lean(const GemvJob& j, int ks) {
-  if (!lean_on() || ks < 1 || ks > SW || (ks & (ks - 1)) != 0) return false;
-  if (j.first_block[j.count] >= (int64_t(1) << 31) || j.cols >= (int64_t(1) << 31)) return false;
-  for (int i = 0; i < j.count; ++i)
-    if (j.rows[i] >= (int64_t(1) << 31) || j.rb[i] >= (size_t(1) << 32)) return false;
-  return true;
-}
-template <uint32_t T>
-void launch_q8_lean(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail) {
-  ++lean_count(LeanPath::gemv);
-  const unsigned grid = (unsigned)j.first_block[j.count];
-  const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
-  if (j.n == 1 && tl && r2) launch(gemv_q8_lean_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-  else if (j.n == 1 && tl) launch(gemv_q8_lean_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-  else if (j.n == 1 && r2) launch(gemv_q8_lean_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-  else if (j.n == 1) launch(gemv_q8_lean_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-  else if (j.n <= 4 && rows4() == 2) launch(gemv_q8_lean_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-  else if (j.n <= 4) launch(gemv_q8_lean_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-  else if (j.n <= 8) launch(gemv_q8_lean_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-  else launch(gemv_q8_lean_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+// The GEMVs' 32-bit offsets (GemvRows): a matrix's rows, a row's bytes, the columns and the grid.
+// Real models sit far below; a matrix past them is refused rather than misread.
+void gemv_fits(const GemvJob& j, int ks) {
+  bool ok = ks >= 1 && ks <= SW && (ks & (ks - 1)) == 0 && j.count >= 1 && j.count <= 3 &&
+            j.first_block[j.count] < (int64_t(1) << 31) && j.cols < (int64_t(1) << 31);
+  for (int i = 0; ok && i < j.count; ++i) ok = j.rows[i] < (int64_t(1) << 31) && j.rb[i] < (size_t(1) << 32);
+  if (!ok) throw Error("cuda: a matrix past the GEMVs' 32-bit offsets");
 }
 template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail = GemvTail()) {
-  if (gemv_lean(j, ks)) return launch_q8_lean<T>(j, ks, st, tail);
+  gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
   if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -1038,19 +905,8 @@ int direct_ks(int64_t nu) {
   return ks;
 }
 template <uint32_t T>
-void launch_direct_lean(const GemvJob& j, int ks, cudaStream_t st) {
-  ++lean_count(LeanPath::gemv);
-  const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1 && rows1() == 2) launch(gemv_direct_lean_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n == 1) launch(gemv_direct_lean_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_lean_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n <= 4) launch(gemv_direct_lean_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n <= 8) launch(gemv_direct_lean_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else launch(gemv_direct_lean_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
-}
-template <uint32_t T>
 void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
-  if (gemv_lean(j, ks)) return launch_direct_lean<T>(j, ks, st);
+  gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   if (j.n == 1 && rows1() == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
   else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
@@ -1180,21 +1036,13 @@ void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* nw, float eps,
   check_launch("gemv_q8_x");
 }
 
-std::atomic<int64_t>& lean_count(LeanPath p) {
-  static std::atomic<int64_t> n[3];
-  return n[(int)p];
-}
-bool lean_on() {
-  const char* e = std::getenv("DASLLAMA_CUDA_GEMV_LEAN");
-  return e && std::strcmp(e, "1") == 0;
-}
-
 int gemv_q8_plan(GemvJob& j, int rows) {
   const int ks = direct_ks(j.cols / unit_elems(j.type));
   const int64_t per_block = SW / ks * rows;
   int64_t b = 0;
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
   j.first_block[j.count] = b;
+  gemv_fits(j, ks);
   return ks;
 }
 
@@ -1217,9 +1065,7 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   const char* e = std::getenv("DASLLAMA_CUDA_QACT_ROWS");  // read at each call (ab_cuda.py)
   const int64_t one_from = e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(65);
   const unsigned gx = norm && n >= one_from ? 1u : (unsigned)ceil_div(cols / 32, 8);
-  const bool lean = lean_on();
-  if (lean) ++lean_count(LeanPath::round);
-  launch(lean ? quantize_act_k<true> : quantize_act_k<false>, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm, norm_w,
+  launch(quantize_act_k, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm, norm_w,
          eps, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
   check_launch("quantize_act");
 }

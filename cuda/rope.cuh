@@ -28,28 +28,15 @@ __device__ __forceinline__ void rope_pair(float* v, int i, int half, bool neox, 
 }
 
 // Token t of x (n_heads heads) and of x2 (n_heads2, may be 0) by the whole block: each pair's
-// angle once into cs (shared), then a thread per (head, pair).
+// angle once into cs (shared), then a thread per (head, pair). Each thread's pairs of its first K
+// rounds over the block are loaded before the angles are formed, so the loads' wait overlaps the
+// double-precision trig instead of following it round after round (one block of the decode
+// step's rope + KV store had done 5 rounds, each load after the last round's store).
 constexpr int kRopeMaxHalf = 256;
+template <int K = 8>
 __device__ __forceinline__ void rope_token(float* x, int64_t stride, int n_heads, float* x2, int64_t stride2,
                                            int n_heads2, int head_dim, int64_t t, const int32_t* pos,
                                            const RopeParams& p, float (*cs)[kRopeMaxHalf]) {
-  const int half = p.n_rot / 2;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cs(p, pos[t], i, &cs[0][i], &cs[1][i]);
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < (n_heads + n_heads2) * half; idx += blockDim.x) {
-    const int h = idx / half, i = idx % half;
-    float* v = h < n_heads ? x + t * stride + (int64_t)h * head_dim : x2 + t * stride2 + (int64_t)(h - n_heads) * head_dim;
-    rope_pair(v, i, half, p.neox, cs[0][i], cs[1][i]);
-  }
-}
-
-// rope_token with each thread's pairs (its first K rounds over the block) loaded before the
-// angles are formed, so the loads' wait overlaps the double-precision trig instead of following
-// it round after round; the same values rotated the same way (DASLLAMA_CUDA_GEMV_LEAN=1).
-template <int K = 8>
-__device__ __forceinline__ void rope_token_batched(float* x, int64_t stride, int n_heads, float* x2, int64_t stride2,
-                                                   int n_heads2, int head_dim, int64_t t, const int32_t* pos,
-                                                   const RopeParams& p, float (*cs)[kRopeMaxHalf]) {
   const int half = p.n_rot / 2, total = (n_heads + n_heads2) * half;
   auto head = [&](int h) {
     return h < n_heads ? x + t * stride + (int64_t)h * head_dim : x2 + t * stride2 + (int64_t)(h - n_heads) * head_dim;

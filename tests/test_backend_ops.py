@@ -100,8 +100,9 @@ def make_weight(rng, name: str, rows: int, cols: int):
 
 
 @pytest.mark.parametrize("wtype", MATMUL_TYPES)
+# (19, 16384, 2): a row over all 8 warps of a GEMV block (CUDA's direct kernels, f16 / bf16).
 @pytest.mark.parametrize("rows,cols,n", [(64, 256, 1), (67, 512, 3), (40, 512, 12), (130, 256, 17), (256, 1024, 64),
-                                         (33, 2048, 300), (37, 4096, 1), (21, 8192, 9)])
+                                         (33, 2048, 300), (37, 4096, 1), (21, 8192, 9), (19, 16384, 2)])
 def test_matmul(backends, wtype, rows, cols, n):
     rng = np.random.default_rng(rows * 7 + cols + n)
     raw, w = make_weight(rng, wtype, rows, cols)
@@ -239,7 +240,9 @@ def q8_backends():
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
 # (150, 416): several 64-token tiles and 13 blocks of k, not a multiple of a GPU tile's 4;
 # (2, 288), (3, 1056): Vulkan's 2- and 4-token GEMV with 9 and 33 blocks (ragged chunks).
-@pytest.mark.parametrize("n,cols", [(1, 512), (2, 288), (3, 1056), (7, 512), (20, 512), (100, 512), (150, 416)])
+# (4, 16384), (1, 32768): rows split over 4 and 8 warps of CUDA's q8 GEMV block.
+@pytest.mark.parametrize("n,cols", [(1, 512), (2, 288), (3, 1056), (7, 512), (20, 512), (100, 512), (150, 416),
+                                    (4, 16384), (1, 32768)])
 def test_matmul_q8_mode(q8_backends, wtype, n, cols):
     """Weights loaded as in q8 mode: a backend either quantizes the activations to 8-bit
     blocks of 32 with the CPU's rounding (act_blocks.h), and then equals the CPU's matmul up

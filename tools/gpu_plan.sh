@@ -148,10 +148,15 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    lean)  # the GEMVs with fewer instructions a warp (DASLLAMA_CUDA_GEMV_LEAN=1, opt-in: q8 and direct): bits, then speed
-      step tests 400 python -m pytest -q tests/test_cuda.py -k "lean_gemv or every_family_and_format or greedy_tokens_agree"
-      step ab 400 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 3 DASLLAMA_CUDA_GEMV_LEAN=0 \
-        DASLLAMA_CUDA_GEMV_LEAN=1
+    fold)  # the lean GEMVs, rounding and rope as the only kernels (the same sums as before): the op
+      # harness's matmuls (rows over 8 warps), the model tests against the CPU, the fused / tail paths
+      # against op by op; then the speed and where an F16 / Q8_0 one-token step goes (PDL off: each
+      # kernel's own time)
+      step ops 300 python -m pytest -q tests/test_backend_ops.py -k "matmul"
+      step tests 400 python -m pytest -q tests/test_cuda.py -k "every_family_and_format or greedy or fused or tail or batch or speculated"
+      step bench 200 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 2 DASLLAMA_CUDA_PDL=1
+      step prof16 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
+      step prof8 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type q8_0 --steps 16
       ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
       # its harness and model tests, the batched steps A/B, the split rule against forced counts,
@@ -230,7 +235,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, lean, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, fold, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
