@@ -743,6 +743,7 @@ class CudaBackend final : public Backend {
   int64_t fused_ops() const override { return fused_ops_; }
   int64_t path_count(const std::string& name) const override {
     if (name == "attn_gqa") return gqa_attn_;
+    if (name == "gemv_rope") return gemv_rope_;
     return 0;
   }
   void matmul_step(const MatmulStep& s) override {
@@ -1195,7 +1196,7 @@ class CudaBackend final : public Backend {
   enum class Tag : uint8_t {
     copy = 1, zero, matmul, get_rows, rms_norm, rope, kv_group, attention, attention_group, glu, add, add_bias, scale,
     softcap, layer_norm, gelu_erf, copy_rows, im2col_1d, im2col_rows, avg_pool_rows, gemv, quant, moe_route, matmul_id, moe_sum,
-    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store, argmax, mega, mark
+    conv1d_causal, delta_rule, im2col_2d, fused_layer, gemv_x, gemv_tail, rope_store, argmax, mega, mark, gemv_rope
   };
   template <class T>
   void sig1(const T& v) {
@@ -1334,6 +1335,7 @@ class CudaBackend final : public Backend {
     if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
     else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
     if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j};
+    if (!mma && !kq && s.count == 3 && !s.residual && s.n <= 4) qkv_ = GemvRec{ops_.size() - 1, j};
     return true;
   }
   // A step over K-quants of more than one type (a Q4_K_M file's Q / K beside a q6_K V, in half its
@@ -1402,8 +1404,24 @@ class CudaBackend final : public Backend {
     int64_t max_n = 0;
     for (const auto& d : kvq_) max_n = std::max(max_n, d.n);
     const bool with_rope = rope_stores();
+    cuda::GemvRope g;
+    const bool in_gemv = with_rope && rope_in_gemv(g);
     const size_t off = blob_put(kvq_.data(), sizeof(cuda::KVStoreDesc) * kvq_.size());
     kvq_.clear();
+    if (in_gemv) {
+      // The Q / K / V GEMV before that rope does both in its epilogue (one launch, not two).
+      ops_.pop_back();
+      const cuda::GemvJob j = qkv_.j;
+      sig1(Tag::gemv_rope), sig1(cnt), sig1(off);
+      ops_.back() = [=](cudaStream_t s) {
+        cuda::GemvRope r = g;
+        r.d = reinterpret_cast<const cuda::KVStoreDesc*>(static_cast<uint8_t*>(dblob_->data()) + off);
+        cuda::gemv_roped(j, r, s);
+      };
+      if (gemv_.at == qkv_.at) gemv_.at = SIZE_MAX;
+      rope2_.at = SIZE_MAX, qkv_.at = SIZE_MAX, ++fused_ops_, ++gemv_rope_;
+      return;
+    }
     if (with_rope) {
       // The Q / K rope just recorded and these stores as one launch.
       const cuda::RopeStore r = rope2_.r;
@@ -1420,6 +1438,27 @@ class CudaBackend final : public Backend {
       const auto* d = reinterpret_cast<const cuda::KVStoreDesc*>(static_cast<uint8_t*>(dblob_->data()) + off);
       cuda::kv_store_group(d, cnt, max_n, ss, dim, s);
     });
+  }
+  // Whether the Q / K / V GEMV recorded right before the Q / K rope (rope_stores() holds) can do
+  // the rope and the queued stores itself (cuda::gemv_roped; DASLLAMA_CUDA_GEMV_ROPE=0: never;
+  // read at each step): its outputs are the rope's rows and the stores' K and V, token for token,
+  // into f16 / f32 caches. Fills g (its descriptors' address is the blob's, at launch).
+  bool rope_in_gemv(cuda::GemvRope& g) const {
+    const char* e = std::getenv("DASLLAMA_CUDA_GEMV_ROPE");
+    if ((e && std::strcmp(e, "0") == 0) || qkv_.at + 2 != ops_.size()) return false;
+    const cuda::GemvJob& j = qkv_.j;
+    const cuda::RopeStore& r = rope2_.r;
+    const int hd = r.head_dim;
+    if (rope2_.n_tok != j.n || r.x != j.y[0] || r.stride != j.rows[0] || (int64_t)r.n_heads * hd != j.rows[0] ||
+        r.x2 != j.y[1] || (int64_t)r.n_heads2 * hd != j.rows[1] || kvq_dim_ != j.rows[1])
+      return false;
+    for (const cuda::KVStoreDesc& d : kvq_) {
+      const int64_t t0 = (d.k - r.x2) / r.stride2;  // (rope_stores: a whole row of x2)
+      if ((d.kv.type != KVType::f16 && d.kv.type != KVType::f32) || d.v != j.y[2] + t0 * j.rows[2]) return false;
+    }
+    g.pos = r.pos, g.p = r.p, g.head_dim = hd, g.count = (int)kvq_.size(), g.x2 = r.x2, g.stride2 = r.stride2;
+    g.d = reinterpret_cast<const cuda::KVStoreDesc*>(kvq_.data());  // (non-null for the check; the blob's at launch)
+    return cuda::gemv_rope_fits(j, g);
   }
   // Whether the queued stores take exactly the rows of the Q / K rope recorded last (each
   // token's K row stored once, from where rope wrote it), so one launch can do both.
@@ -1502,9 +1541,11 @@ class CudaBackend final : public Backend {
     size_t at = SIZE_MAX;
     cuda::GemvJob j;
   } gemv_;
+  GemvRec qkv_;  // the last GEMV of three matrices and 1-4 tokens (a Q / K / V one), for rope_in_gemv
   void clear_step() {
     chains_.clear();
     rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
+    qkv_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
     parts_rec_ = LogitParts();
@@ -1840,6 +1881,7 @@ class CudaBackend final : public Backend {
   BufferPtr dq_;  // q8 mode's block-format weights decoded to f16 (the largest matrix so far, whole)
   size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;
+  int64_t gemv_rope_ = 0;  // Q / K / V GEMVs recorded with the rope and KV stores (path_count)
   int64_t gqa_attn_ = 0;  // attentions issued or recorded on the grouped-query kernel (path_count)
   float* pinned_ = nullptr;  // host_staging's buffer
   std::mutex blocks_mu_;  // host_block's live blocks (address, bytes), for download()

@@ -85,7 +85,7 @@ struct GemvRows {
   float* o = nullptr;
   float res = 0.f;
   uint32_t rb;
-  int rows, cols, r0, ub, ue, left, part, my_r, my_t;
+  int mi = 0, rows, cols, r0, ub, ue, left, part, my_r, my_t;  // mi: the job's matrix
   bool store = false;
   __device__ __forceinline__ GemvRows(const GemvJob& j, int ks, int bid) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ksl = __ffs(ks) - 1;
@@ -95,9 +95,9 @@ struct GemvRows {
     rb = (uint32_t)j.rb[0], rows = (int)j.rows[0], y = j.y[0];
     int fb = 0;
     if (j.count > 1 && bid >= (int)j.first_block[1])
-      w = j.w[1], rb = (uint32_t)j.rb[1], rows = (int)j.rows[1], fb = (int)j.first_block[1], y = j.y[1];
+      w = j.w[1], rb = (uint32_t)j.rb[1], rows = (int)j.rows[1], fb = (int)j.first_block[1], y = j.y[1], mi = 1;
     if (j.count > 2 && bid >= (int)j.first_block[2])
-      w = j.w[2], rb = (uint32_t)j.rb[2], rows = (int)j.rows[2], fb = (int)j.first_block[2], y = j.y[2];
+      w = j.w[2], rb = (uint32_t)j.rb[2], rows = (int)j.rows[2], fb = (int)j.first_block[2], y = j.y[2], mi = 2;
     r0 = ((bid - fb) * groups + group) * R;
     cols = (int)j.cols;
     const int nu = cols / Unit<T>::e, per = (nu + ks - 1) >> ksl;
@@ -129,6 +129,18 @@ struct GemvRows {
   }
 };
 
+// What a GEMV does with its finished outputs: called by every lane of a warp of part 0 (lanes
+// past R * NT with s = 0), so an output may take a value from another lane (RopeOut). prepare()
+// runs once the kernel before has finished, while the first weights are in flight.
+struct StoreOut {
+  template <class Rows>
+  __device__ __forceinline__ void prepare(const Rows&) {}
+  template <class Rows>
+  __device__ __forceinline__ void operator()(const GemvJob& j, const Rows& m, float s) const {
+    if (m.store) *m.o = j.accumulate ? m.res + s : s;
+  }
+};
+
 // Block `bid` of the q8-mode GEMV over job j (gemv_q8_k's grid) on GemvRows; the partial sums of a
 // row's ks warps meet in shared memory. A unit is 16 q8_0 weights (4 dp4a against the token's
 // quants) or a whole q4_0 block (8 dp4a, less 8 * its quant sum); per unit, the integer sum times
@@ -136,8 +148,8 @@ struct GemvRows {
 // weights are constant; x may not be ready before it). U units of each row are in flight per lane
 // (any U gives the same sums: each lane adds its units in increasing order). A caller that runs
 // several blocks in one (the fused layer) syncs the block between them (red is reused).
-template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait>
-__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait) {
+template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait, class Out = StoreOut>
+__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait, Out out = Out()) {
   constexpr int UE = Unit<T>::e;
   __shared__ float red[SW][R][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -155,6 +167,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
   if (live && u_first < ue) m.load(u_first, q, d);
   wait();
   m.output(j);
+  out.prepare(m);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll
@@ -207,7 +220,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
         const float s = 0.f + warp_sum(acc[r][t]);  // (a sum from 0, as with ks > 1: -0 becomes +0)
         if (lane == r * NT + t) mine = s;
       }
-    if (m.store) *m.o = j.accumulate ? m.res + mine : mine;
+    out(j, m, mine);
     return;
   }
 #pragma unroll
@@ -218,10 +231,11 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
       if (lane == 0) red[warp][r][t] = s;
     }
   __syncthreads();
-  if (m.store) {
+  if (m.part == 0) {  // (warp-uniform)
     float s = 0.f;
-    for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t];
-    *m.o = j.accumulate ? m.res + s : s;
+    if (lane < R * NT)
+      for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t];
+    out(j, m, s);
   }
 }
 

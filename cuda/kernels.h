@@ -209,6 +209,22 @@ struct KVStoreDesc {
   int64_t n = 0;
 };
 void kv_store_group(const KVStoreDesc* d, int count, int64_t max_n, int64_t src_stride, int64_t dim, cudaStream_t st);
+// A Q / K / V GEMV (j: three matrices, 1-4 tokens, q8 mode's q8_0 / q4_0 or a direct layout)
+// that also does what rope_store_group would after it: Q's and K's rows turned by normal (adjacent
+// pairs) rope at pos, K's and V's rows stored into the cache rows of the count descriptors d
+// (device memory; f16 / f32 caches: the caller checks), whose k point into x2 = j.y[1] (stride2 =
+// its rows). One launch instead of two; the same bits.
+struct GemvRope {
+  const int32_t* pos = nullptr;
+  RopeParams p{};
+  int head_dim = 0;
+  const KVStoreDesc* d = nullptr;
+  int count = 0;
+  const float* x2 = nullptr;
+  int64_t stride2 = 0;
+};
+bool gemv_rope_fits(const GemvJob& j, const GemvRope& r);
+void gemv_roped(GemvJob j, const GemvRope& r, cudaStream_t st);
 // rope2(x, x2) at positions pos, then kv_store_group, in one launch: every token of x2 is one
 // descriptor's row (its k points into x2, src_stride == stride2).
 struct RopeStore {

@@ -9,10 +9,12 @@
 #include <string>
 
 #include "act.cuh"
+#include "attn.cuh"
 #include "common.cuh"
 #include "dequant.cuh"
 #include "gemv_q8.cuh"
 #include "kernels.h"
+#include "rope.cuh"
 
 namespace dl::cuda {
 namespace {
@@ -576,8 +578,8 @@ constexpr int64_t kStagedMax = 32;
 // The block's 8 warps form 8 / KS groups of R rows; the KS warps of a group split the
 // row's units, and their partial sums meet in shared memory. KS grows with the row length
 // so that short rows still give every lane two units, and long rows many warps.
-template <uint32_t T, int NT, int R>
-__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early) {
+template <uint32_t T, int NT, int R, class Out = StoreOut>
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early, Out out) {
   if (!early) pdl_wait(), pdl_trigger();
   constexpr int UE = Unit<T>::e, U = 2;
   constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
@@ -599,6 +601,7 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   if (live && u_first < ue) m.load(u_first, q, d);
   if (early) pdl_wait(), pdl_trigger();
   m.output(j);
+  out.prepare(m);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll
@@ -653,11 +656,14 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
     if (lane == 0) red[warp][R][t] = qs;
   }
   __syncthreads();
-  if (!m.store) return;
-  float s = 0.f, qs = 0.f;
-  for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t], qs += red[warp + p][R][m.my_t];
-  if (j.norm) s *= 1.f / sqrtf(qs / (float)cols + j.eps);
-  *m.o = j.accumulate ? m.res + s : s;
+  if (m.part != 0) return;  // (warp-uniform)
+  float s = 0.f;
+  if (lane < R * NT) {
+    float qs = 0.f;
+    for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t], qs += red[warp + p][R][m.my_t];
+    if (j.norm) s *= 1.f / sqrtf(qs / (float)cols + j.eps);
+  }
+  out(j, m, s);
 }
 
 // ---- Quantized activations (q8 mode): the CPU's A8 rounding, then int8 dot products -----
@@ -852,6 +858,52 @@ __global__ void __launch_bounds__(SW * 32, 3) gemv_q8_x_k(GemvJob j, int ks, con
   });
 }
 
+// A Q / K / V GEMV's outputs as rope_store_group_k would leave them (gemv_roped): Q's and K's
+// rows turned by rope, K's and V's rows also stored into each token's cache row. Normal rope's
+// pairs are adjacent rows, so the two lanes of a pair (R even, lanes NT apart) trade values by a
+// shuffle and each forms its half of rope_rot's products. The angles (double) are formed after
+// the sums: formed while the weights were in flight, they spilled the registers that hold them.
+// The same values as the rope + store launch, so the same bits.
+template <int NT>
+struct RopeOut {
+  GemvRope r;
+  template <class Rows>
+  __device__ __forceinline__ void prepare(const Rows&) {}
+  template <class Rows>
+  __device__ __forceinline__ void operator()(const GemvJob&, const Rows& m, float v) const {
+    const float w = __shfl_xor_sync(0xffffffffu, v, NT);  // the pair's other row (row ^ 1)
+    const int row = m.r0 + m.my_r, hd = r.head_dim;
+    float o = v;
+    if (m.store && m.mi < 2 && row % hd < r.p.n_rot) {
+      float c, s;
+      rope_cs(r.p, r.pos[m.my_t], (row % hd) >> 1, &c, &s);
+      o = (m.my_r & 1) == 0 ? __fmul_rn(v, c) - __fmul_rn(w, s) : __fmul_rn(w, s) + __fmul_rn(v, c);
+    }
+    if (!m.store) return;
+    *m.o = o;
+    if (m.mi == 0) return;
+    const int64_t t = m.my_t;
+    for (int e = 0; e < r.count; ++e) {  // the session (descriptor) whose rows hold token t
+      const KVStoreDesc& d = r.d[e];
+      const int64_t t0 = (d.k - r.x2) / r.stride2;
+      if (t < t0 || t >= t0 + d.n) continue;
+      uint8_t* dst = const_cast<uint8_t*>(kv_row(d.kv, m.mi == 2 ? d.kv.v_off : d.kv.k_off, d.first + t - t0));
+      const int el = m.r0 + m.my_r;
+      if (d.kv.type == KVType::f16) reinterpret_cast<__half*>(dst)[el] = __float2half_rn(o);
+      else reinterpret_cast<float*>(dst)[el] = o;
+      break;
+    }
+  }
+};
+
+template <uint32_t T, int NT, int R>
+__global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rope_k(GemvJob j, int ks, bool early, RopeOut<NT> out) {
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
+    if (early) pdl_wait(), pdl_trigger();
+  }, out);
+}
+
 // Whether the GEMVs issue their first weight loads before waiting for the kernel before them
 // (the weights are constant; DASLLAMA_CUDA_EARLY=0: wait first, as before the tenth session).
 bool pdl_early() {
@@ -908,12 +960,33 @@ template <uint32_t T>
 void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
-  if (j.n == 1 && rows1() == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early());
-  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early());
+  const StoreOut o;
+  if (j.n == 1 && rows1() == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+}
+// gemv_roped's launch (1-4 tokens): the q8 kernel where x is rounded (q8), else the direct one.
+template <uint32_t T>
+void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) {
+  gemv_fits(j, ks);
+  const unsigned grid = (unsigned)j.first_block[j.count];
+  const bool one = j.n == 1, r2 = one ? rows1() == 2 : rows4() == 2;
+  if constexpr (T == T_Q8_0S || T == T_Q4_0S) {
+    if (j.xq) {
+      if (one && r2) launch(gemv_q8_rope_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+      else if (one) launch(gemv_q8_rope_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+      else if (r2) launch(gemv_q8_rope_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
+      else launch(gemv_q8_rope_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
+      return;
+    }
+  }
+  if (one && r2) launch(gemv_direct_k<T, 1, 2, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+  else if (one) launch(gemv_direct_k<T, 1, 4, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+  else if (r2) launch(gemv_direct_k<T, 4, 2, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
+  else launch(gemv_direct_k<T, 4, 4, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
 }
 // Rows a warp group of the direct kernel takes for n tokens (as launch_direct picks).
 int direct_rows(int n) { return n <= 1 ? rows1() : n <= 4 ? rows4() : n <= 8 ? 4 : 2; }
@@ -1247,6 +1320,33 @@ void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
   if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(j, ks, st, t);
   else launch_q8<T_Q4_0S>(j, ks, st, t);
   check_launch("matmul (tailed)");
+}
+
+bool gemv_rope_fits(const GemvJob& j, const GemvRope& r) {
+  if (j.n < 1 || j.n > 4 || j.count != 3 || j.accumulate || !is_direct(j.type) || !gemv_staged_fits(j)) return false;
+  if (j.xq && j.type != T_Q8_0S && j.type != T_Q4_0S) return false;
+  for (int i = 0; i < 3; ++i)
+    if (j.rb[i] % 16 != 0 || !aligned16(j.w[i]) || j.rows[i] % 2 != 0) return false;
+  const int hd = r.head_dim;
+  return !r.p.neox && hd > 0 && hd % 2 == 0 && r.p.n_rot % 2 == 0 && r.p.n_rot <= hd && j.rows[0] % hd == 0 &&
+         j.rows[1] % hd == 0 && j.rows[1] == j.rows[2] && r.pos && r.d && r.count > 0 && r.x2 == j.y[1] &&
+         r.stride2 == j.rows[1];
+}
+
+void gemv_roped(GemvJob j, const GemvRope& r, cudaStream_t st) {
+  if (!gemv_rope_fits(j, r)) throw Error("cuda: a Q / K / V GEMV the rope epilogue does not take");
+  const int ks = direct_ks(j.cols / unit_elems(j.type));
+  const int64_t per_block = SW / ks * direct_rows(j.n);
+  int64_t b = 0;
+  for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
+  j.first_block[j.count] = b;
+  switch (j.type) {
+    case T_F16: launch_roped<T_F16>(j, ks, r, st); break;
+    case T_BF16: launch_roped<T_BF16>(j, ks, r, st); break;
+    case T_Q8_0S: launch_roped<T_Q8_0S>(j, ks, r, st); break;
+    default: launch_roped<T_Q4_0S>(j, ks, r, st); break;
+  }
+  check_launch("matmul (roped)");
 }
 
 void matmul(const Mat& m, const float* x, int64_t n, float* y, cudaStream_t st) {

@@ -523,6 +523,31 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
             assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched steps' logits differ"
 
 
+def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):
+    """The Q / K / V GEMV that also ropes Q and K and stores K and V into the cache
+    (cuda::gemv_roped, the default where it fits: normal rope, f16 / f32 caches, 1-4 tokens) gives
+    the GEMV-then-rope-and-store launches' logits bit for bit (DASLLAMA_CUDA_GEMV_ROPE=0): decode
+    steps and batched steps of three sessions, head sizes 32 / 64 / 128 (rows over 1-8 warps), q8
+    mode's q8_0 / q4_0 and f16; it ran (path_count), and a q8_0 cache keeps the two launches."""
+    shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024, formats=("q8_0", "f16")),
+              "hd128": _llama_file(tmp_path, 1024, 8, 2, 1024, formats=("q4_0", "f16"))}
+    for name, paths in shapes.items():
+        for ft in ("q8_0", "q4_0", "f16"):
+            if ft not in paths:
+                continue
+            for kv in (d.KVDtype.f16, d.KVDtype.f32, d.KVDtype.q8_0):
+                want, _ = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_GEMV_ROPE": "0"}, monkeypatch, n_steps=40)
+                got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_GEMV_ROPE": "1"}, monkeypatch, n_steps=40)
+                n = m._m.path_count("gemv_rope")
+                assert (n > 0) == (kv != d.KVDtype.q8_0), (name, ft, kv.name, n)
+                assert np.array_equal(got, want), \
+                    f"{name} {ft} kv {kv.name}: decode logits differ, max {np.abs(got - want).max():.3g}"
+                want, _ = _batch_steps(paths[ft], kv, {"DASLLAMA_CUDA_GEMV_ROPE": "0"}, monkeypatch)
+                got, m = _batch_steps(paths[ft], kv, {"DASLLAMA_CUDA_GEMV_ROPE": "1"}, monkeypatch)
+                assert (m._m.path_count("gemv_rope") > 0) == (kv != d.KVDtype.q8_0), (name, ft, kv.name)
+                assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched logits differ"
+
+
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
 def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
     """Decode steps give the op-by-op kernels' logits bit for bit when each GEMV rounds its own

@@ -158,6 +158,13 @@ for stage in "$@"; do
       step prof16 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
       step prof8 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type q8_0 --steps 16
       ;;
+    rope)  # the Q / K / V GEMV doing the rope and KV stores (DASLLAMA_CUDA_GEMV_ROPE, default on): bits
+      # against the two launches, the model tests, then the speed and the one-token step's kernels
+      step tests 420 python -m pytest -q tests/test_cuda.py -k "gemv_rope or every_family_and_format or greedy or batch or speculated"
+      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 3 DASLLAMA_CUDA_GEMV_ROPE=0 \
+        DASLLAMA_CUDA_GEMV_ROPE=1
+      step prof8 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type q8_0 --steps 16
+      ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
       # its harness and model tests, the batched steps A/B, the split rule against forced counts,
       # and the kernels' times (attn_gqa_k against attn_k) with PDL off
@@ -235,7 +242,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, fold, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, fold, rope, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -373,8 +373,8 @@ class Backend {
   // tests check a fused path is taken.
   virtual int64_t fused_ops() const { return 0; }
   // Ops a backend issued (or recorded) on a named optional path since it was made (CUDA:
-  // "attn_gqa", the grouped-query decode attention of DASLLAMA_CUDA_ATTN_GQA=1): tests check a
-  // switch's path is taken. 0 for a name the backend does not know.
+  // "attn_gqa", the grouped-query decode attention of DASLLAMA_CUDA_ATTN_GQA=1; "gemv_rope", Q / K / V
+  // GEMVs that also rope and store K / V): tests check a switch's path is taken. 0 for a name the backend does not know.
   virtual int64_t path_count(const std::string& name) const {
     (void)name;
     return 0;
