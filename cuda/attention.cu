@@ -147,7 +147,7 @@ struct Smem {
 template <int KT, int NC, int GH>
 __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, int hb, int s, int splits,
                                      float* __restrict__ part, int* __restrict__ cnt, const AttnQuant& qo,
-                                     Smem<NC, GH>& sm) {
+                                     bool early_kv, Smem<NC, GH>& sm) {
   constexpr int HD = 64 * NC, E = 8 * NC, R = rounds(KT, NC, GH), KPB = W * 4 * R;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 3, sl = lane & 7;
   const int h0 = hb * GH, kvh = h0 / (a.n_heads / a.n_kv_heads);
@@ -174,6 +174,23 @@ __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, in
   int pg[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) pg[r] = live(j0, r) ? pages[min(key(j0, r), j1 - 1) >> shift] : 0;
+  Raw<KT, NC> kr[R], vr[R];
+  auto load_batch = [&](int64_t jb) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (live(jb, r)) {
+        const size_t row = (size_t)pg[r] * a.kv.page_bytes + (size_t)(min(key(jb, r), j1 - 1) & mask) * a.kv.row_bytes;
+        load<KT, NC>(kb + row, sl, kr[r]);
+        load<KT, NC>(vb + row, sl, vr[r]);
+      }
+    }
+  };
+  // The kernel before this one stores only the step's new rows, the session's last n_tok; earlier
+  // rows were written by kernels that have finished (that kernel waited for them before letting
+  // this one start). So a first batch of only such rows loads before pdl_wait, while the kernel
+  // before finishes (early_kv: DASLLAMA_CUDA_ATTN_EARLY).
+  const bool pre = early_kv && live(j0, 0) && min(j0 + KPB, j1) <= a.n_kv - a.n_tok;
+  if (pre) load_batch(j0);
   pdl_wait();
   pdl_trigger();
 
@@ -187,15 +204,7 @@ __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, in
   }
   __syncthreads();  // sm.q
   for (int64_t jb = j0; live(jb, 0); jb += KPB) {
-    Raw<KT, NC> kr[R], vr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (live(jb, r)) {
-        const size_t row = (size_t)pg[r] * a.kv.page_bytes + (size_t)(min(key(jb, r), j1 - 1) & mask) * a.kv.row_bytes;
-        load<KT, NC>(kb + row, sl, kr[r]);
-        load<KT, NC>(vb + row, sl, vr[r]);
-      }
-    }
+    if (jb != j0 || !pre) load_batch(jb);
     // The next batch's page ids, in flight while this one is scored.
 #pragma unroll
     for (int r = 0; r < R; ++r) pg[r] = live(jb + KPB, r) ? pages[min(key(jb + KPB, r), j1 - 1) >> shift] : 0;
@@ -367,7 +376,7 @@ __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, in
 template <int KT, int NC, int GH>
 __global__ void __launch_bounds__(W * 32, 4) attn_gqa_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok,
                                                      int splits, float* __restrict__ part, int* __restrict__ cnt,
-                                                     AttnQuant qo) {
+                                                     AttnQuant qo, bool early_kv) {
   __shared__ Smem<NC, GH> sm;
   const int64_t z = blockIdx.z;
   // Two calls, not one on a selected struct (attn_k's lesson). A row slot past its session's
@@ -376,10 +385,10 @@ __global__ void __launch_bounds__(W * 32, 4) attn_gqa_k(AttnArgs a0, const AttnA
     const AttnArgs a = dargs[z / maxtok];
     const int64_t t = z % maxtok;
     if (t >= a.n_tok) return;
-    item<KT, NC, GH>(a, t, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, sm);
+    item<KT, NC, GH>(a, t, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, sm);
   } else {
     if (z >= a0.n_tok) return;
-    item<KT, NC, GH>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, sm);
+    item<KT, NC, GH>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, sm);
   }
 }
 
@@ -444,7 +453,9 @@ template <int KT, int NC, int GH>
 void launch_gqa3(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t rows, int splits, float* part, int* cnt,
                  cudaStream_t st, const AttnQuant& qo) {
   const dim3 grid((unsigned)splits, (unsigned)(a.n_heads / GH), (unsigned)rows);
-  launch(gqa::attn_gqa_k<KT, NC, GH>, grid, gqa::W * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo);
+  const char* e = std::getenv("DASLLAMA_CUDA_ATTN_EARLY");  // read at each launch (ab_cuda.py)
+  const bool early_kv = !(e && std::strcmp(e, "0") == 0);
+  launch(gqa::attn_gqa_k<KT, NC, GH>, grid, gqa::W * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo, early_kv);
 }
 
 template <int KT>

@@ -548,6 +548,22 @@ def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):
                 assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched logits differ"
 
 
+def test_attention_early_loads_equal_late(files, tmp_path, monkeypatch):
+    """The grouped-query decode attention loading its first key batch before waiting on the kernel
+    before it (DASLLAMA_CUDA_ATTN_EARLY, the default; only rows earlier steps wrote) gives the
+    logits of loading it after, bit for bit: decode steps whose splits grow with the context, and
+    batched steps, over f16 and q8_0 caches."""
+    path = _llama_file(tmp_path, 512, 8, 2, 1024, formats=("q8_0",))["q8_0"]
+    for kv in (d.KVDtype.f16, d.KVDtype.q8_0):
+        want, _ = _decode_steps(path, kv, {"DASLLAMA_CUDA_ATTN_EARLY": "0"}, monkeypatch)
+        got, m = _decode_steps(path, kv, {"DASLLAMA_CUDA_ATTN_EARLY": "1"}, monkeypatch)
+        assert m._m.path_count("attn_gqa") > 0
+        assert np.array_equal(got, want), f"kv {kv.name}: decode logits differ, max {np.abs(got - want).max():.3g}"
+        want, _ = _batch_steps(path, kv, {"DASLLAMA_CUDA_ATTN_EARLY": "0"}, monkeypatch)
+        got, _ = _batch_steps(path, kv, {"DASLLAMA_CUDA_ATTN_EARLY": "1"}, monkeypatch)
+        assert np.array_equal(got, want), f"kv {kv.name}: batched logits differ"
+
+
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
 def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
     """Decode steps give the op-by-op kernels' logits bit for bit when each GEMV rounds its own

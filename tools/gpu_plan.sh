@@ -165,6 +165,12 @@ for stage in "$@"; do
         DASLLAMA_CUDA_GEMV_ROPE=1
       step prof8 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type q8_0 --steps 16
       ;;
+    early)  # decode attention's first key batch loaded before pdl_wait (DASLLAMA_CUDA_ATTN_EARLY), and the
+      # GEMV tail that rounds the next input (TAILS bit 1) again now that the GEMVs are lean
+      step tests 400 python -m pytest -q tests/test_cuda.py tests/test_backend_ops.py -k "attention_early or gqa or paged_attention or greedy or gemv_rope"
+      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 3 DASLLAMA_CUDA_ATTN_EARLY=0 \
+        DASLLAMA_CUDA_ATTN_EARLY=1 DASLLAMA_CUDA_ATTN_EARLY=1,DASLLAMA_CUDA_TAILS=3
+      ;;
     gqa)  # the grouped-query decode attention (DASLLAMA_CUDA_ATTN_GQA=1, opt-in, not yet run on a GPU):
       # its harness and model tests, the batched steps A/B, the split rule against forced counts,
       # and the kernels' times (attn_gqa_k against attn_k) with PDL off
@@ -242,7 +248,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, fold, rope, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
