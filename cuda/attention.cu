@@ -588,8 +588,7 @@ void rope_store_group(const RopeStore& r, const KVStoreDesc* d, int count, int64
                       int64_t dim, cudaStream_t st) {
   if (count <= 0 || max_n <= 0) return;
   if (r.p.n_rot / 2 > kRopeMaxHalf) throw Error("cuda rope_store: rotary width past the one-block kernel's");
-  launch(rope_store_group_k, dim3((unsigned)max_n, 2, (unsigned)count), 256, 0,
-         st, r, d, src_stride, dim);
+  launch(rope_store_group_k, dim3((unsigned)max_n, 2, (unsigned)count), 256, 0, st, r, d, src_stride, dim);
   check_launch("rope + kv_store group");
 }
 void kv_store(const KVView& kv, int64_t first, const float* k, const float* v, int64_t n, int64_t src_stride,

@@ -130,11 +130,8 @@ struct GemvRows {
 };
 
 // What a GEMV does with its finished outputs: called by every lane of a warp of part 0 (lanes
-// past R * NT with s = 0), so an output may take a value from another lane (RopeOut). prepare()
-// runs once the kernel before has finished, while the first weights are in flight.
+// past R * NT with s = 0), so an output may take a value from another lane (RopeOut).
 struct StoreOut {
-  template <class Rows>
-  __device__ __forceinline__ void prepare(const Rows&) {}
   template <class Rows>
   __device__ __forceinline__ void operator()(const GemvJob& j, const Rows& m, float s) const {
     if (m.store) *m.o = j.accumulate ? m.res + s : s;
@@ -167,7 +164,6 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
   if (live && u_first < ue) m.load(u_first, q, d);
   wait();
   m.output(j);
-  out.prepare(m);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll

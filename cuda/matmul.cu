@@ -3,7 +3,6 @@
 // matmul_id over stacks of experts (a warp per row and pair for decode, pairs gathered per expert
 // for prefill).
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -601,7 +600,6 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   if (live && u_first < ue) m.load(u_first, q, d);
   if (early) pdl_wait(), pdl_trigger();
   m.output(j);
-  out.prepare(m);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll
@@ -673,9 +671,9 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
 // q = rint(x * (127 / amax)), and the quant sum.
 // Rounds token row t of x (xr, cols floats) from 32-block b on, every step-th block, with the
 // block's 256 threads (a warp per 32-block). kL2: x was written earlier in this kernel by other
-// blocks, so it is read from L2 (L1 may hold stale lines). The
-// norm's loads go out 8 at a time before their squares are added, in order (one load in flight
-// a thread had made a 2048-wide row 8 dependent trips to L2: H100 Llama-1B, 4.0 us a launch).
+// blocks, so it is read from L2 (L1 may hold stale lines). The norm's loads go out 8 at a time
+// before their squares are added, in order (one load in flight a thread had made a 2048-wide row 8
+// dependent trips to L2: H100 Llama-1B, 4.0 us a launch).
 template <bool kL2>
 __device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool norm, const float* nw, float eps,
                                           int64_t t, int64_t b, int64_t step, int8_t* xq, float* xd, int32_t* xs) {
@@ -867,8 +865,6 @@ __global__ void __launch_bounds__(SW * 32, 3) gemv_q8_x_k(GemvJob j, int ks, con
 template <int NT>
 struct RopeOut {
   GemvRope r;
-  template <class Rows>
-  __device__ __forceinline__ void prepare(const Rows&) {}
   template <class Rows>
   __device__ __forceinline__ void operator()(const GemvJob&, const Rows& m, float v) const {
     const float w = __shfl_xor_sync(0xffffffffu, v, NT);  // the pair's other row (row ^ 1)
