@@ -148,6 +148,19 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
+    s36)  # decode attention's key splits merged inside a thread-block cluster (DASLLAMA_CUDA_ATTN_CLUSTER,
+      # default 16 on sm_90; 0: the last block's merge through global partials): bits against that
+      # merge, the attention harness and model tests, the speed; then where Vulkan's pp512 and F16
+      # decode go, shader by shader (each dispatch behind a barrier)
+      step tests 420 python -m pytest -q tests/test_cuda.py -k "attention_cluster or attention_early or gemv_rope or every_family_and_format or greedy"
+      step ops 300 python -m pytest -q tests/test_backend_ops.py -k "attention"
+      step ab 400 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 2 DASLLAMA_CUDA_ATTN_CLUSTER=0 \
+        DASLLAMA_CUDA_ATTN_CLUSTER=8 DASLLAMA_CUDA_ATTN_CLUSTER=16
+      step prof8 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type q8_0 --steps 16
+      step vkpp 200 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --no-tg --rounds 1 DASLLAMA_VULKAN_PROFILE=each=24
+      step vktg 150 env DASLLAMA_VULKAN_PROFILE=each=16 python benchmarks/profile_vulkan.py --type f16 --rounds 1 --steps 8 \
+        --configs "all on"
+      ;;
     fold)  # the lean GEMVs, rounding and rope as the only kernels (the same sums as before): the op
       # harness's matmuls (rows over 8 warps), the model tests against the CPU, the fused / tail paths
       # against op by op; then the speed and where an F16 / Q8_0 one-token step goes (PDL off: each
@@ -248,7 +261,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
