@@ -157,6 +157,10 @@ for stage in "$@"; do
       step ab 400 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 2 DASLLAMA_CUDA_ATTN_CLUSTER=0 \
         DASLLAMA_CUDA_ATTN_CLUSTER=8 DASLLAMA_CUDA_ATTN_CLUSTER=16
       step prof8 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type q8_0 --steps 16
+      # Vulkan: the Q / K / V GEMV's own stores doing the ropes and KV store (gemv.comp -DKVE,
+      # DASLLAMA_VULKAN_KVE, default on): bits against the kv_store dispatch, then F16 decode
+      step vktests 300 python -m pytest -q tests/test_vulkan.py -k "gemv_tails or kv_types or decode or greedy"
+      step vkab 240 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 3 DASLLAMA_VULKAN_KVE=0 DASLLAMA_VULKAN_KVE=1
       step vkpp 200 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --no-tg --rounds 1 DASLLAMA_VULKAN_PROFILE=each=24
       step vktg 150 env DASLLAMA_VULKAN_PROFILE=each=16 python benchmarks/profile_vulkan.py --type f16 --rounds 1 --steps 8 \
         --configs "all on"
