@@ -6,8 +6,6 @@
 #include <cstring>
 #include <string>
 
-#include <cooperative_groups.h>
-
 #include "common.cuh"
 #include "attn.cuh"
 #include "rope.cuh"
@@ -143,16 +141,13 @@ struct Smem {
   float cm[GH * 64], cl[GH * 64], cw[GH * 64];  // the combine: each split's m, l and weight (<= 64 splits)
   float cM[GH];
   int last;
-  // A cluster's merge: this split's partial (the layout of `part`, kept here for the other ranks).
-  __align__(16) float pv[GH * 64 * NC];
-  float pm[GH], pl[GH];
 };
 
 // Item (row t of its session, row slot z, heads hb * GH.., split s) by the block's 128 threads.
 template <int KT, int NC, int GH>
 __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, int hb, int s, int splits,
                                      float* __restrict__ part, int* __restrict__ cnt, const AttnQuant& qo,
-                                     bool early_kv, bool clustered, Smem<NC, GH>& sm) {
+                                     bool early_kv, Smem<NC, GH>& sm) {
   constexpr int HD = 64 * NC, E = 8 * NC, R = rounds(KT, NC, GH), KPB = W * 4 * R;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 3, sl = lane & 7;
   const int h0 = hb * GH, kvh = h0 / (a.n_heads / a.n_kv_heads);
@@ -322,53 +317,15 @@ __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, in
       for (int w = 0; w < W; ++w) v += sm.acc[w][i] * f[w];
       out_put(qo, a.out + t * a.out_stride + (int64_t)(h0 + h) * HD, d, v * inv, lane);
     } else {
+      float* p = part + ((z * a.n_heads + h0 + h) * splits + s) * (int64_t)(HD + 2);
+      if (d == 0) p[0] = M, p[1] = L;
       float v = 0.f;
 #pragma unroll
       for (int w = 0; w < W; ++w) v += sm.acc[w][i] * f[w];
-      if (clustered) {
-        if (d == 0) sm.pm[h] = M, sm.pl[h] = L;
-        sm.pv[i] = v;
-      } else {
-        float* p = part + ((z * a.n_heads + h0 + h) * splits + s) * (int64_t)(HD + 2);
-        if (d == 0) p[0] = M, p[1] = L;
-        p[2 + d] = v;
-      }
+      p[2 + d] = v;
     }
   }
   if (splits == 1) return;
-#if __CUDA_ARCH__ >= 900
-  if (clustered) {
-    // The splits are one thread-block cluster (rank = split): after its barrier each rank merges
-    // some 32-dim pieces of the output from every rank's shared memory, with the arithmetic and
-    // order of the last-block merge below (so the same bits), without its global partials, fence
-    // and counter.
-    namespace cg = cooperative_groups;
-    cg::cluster_group cl = cg::this_cluster();
-    cl.sync();
-    constexpr int kMax = 16;  // the largest cluster launched (attn_cluster_max)
-    for (int u = s + splits * warp; u < GH * HD / 32; u += splits * W) {  // warp-uniform
-      const int i = 32 * u + lane, h = i / HD, d = i % HD;
-      float M = -INFINITY;
-#pragma unroll 4
-      for (int sp = 0; sp < kMax; ++sp)
-        if (sp < splits) M = fmaxf(M, cl.map_shared_rank(sm.pm, sp)[h]);
-      if (a.sinks) M = fmaxf(M, a.sinks[h0 + h]);
-      float L = a.sinks ? expf(a.sinks[h0 + h] - M) : 0.f, v = 0.f;
-#pragma unroll 4
-      for (int sp = 0; sp < kMax; ++sp)
-        if (sp < splits) {
-          const float ms = cl.map_shared_rank(sm.pm, sp)[h];
-          const float w = ms != -INFINITY ? expf(ms - M) : 0.f;
-          L += cl.map_shared_rank(sm.pl, sp)[h] * w;
-          if (w != 0.f) v += cl.map_shared_rank(sm.pv, sp)[i] * w;
-        }
-      const float inv = L > 0.f ? 1.f / L : 0.f;
-      out_put(qo, a.out + t * a.out_stride + (int64_t)(h0 + h) * HD, d, v * inv, lane);
-    }
-    cl.sync();  // every rank's partial stays until all have read it
-    return;
-  }
-#endif
   __threadfence();  // this item's partials are visible before it is counted
   __syncthreads();
   if (tid == 0) {
@@ -419,7 +376,7 @@ __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, in
 template <int KT, int NC, int GH>
 __global__ void __launch_bounds__(W * 32, 4) attn_gqa_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok,
                                                      int splits, float* __restrict__ part, int* __restrict__ cnt,
-                                                     AttnQuant qo, bool early_kv, bool clustered) {
+                                                     AttnQuant qo, bool early_kv) {
   __shared__ Smem<NC, GH> sm;
   const int64_t z = blockIdx.z;
   // Two calls, not one on a selected struct (attn_k's lesson). A row slot past its session's
@@ -428,10 +385,10 @@ __global__ void __launch_bounds__(W * 32, 4) attn_gqa_k(AttnArgs a0, const AttnA
     const AttnArgs a = dargs[z / maxtok];
     const int64_t t = z % maxtok;
     if (t >= a.n_tok) return;
-    item<KT, NC, GH>(a, t, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, clustered, sm);
+    item<KT, NC, GH>(a, t, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, sm);
   } else {
     if (z >= a0.n_tok) return;
-    item<KT, NC, GH>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, clustered, sm);
+    item<KT, NC, GH>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, sm);
   }
 }
 
@@ -498,14 +455,7 @@ void launch_gqa3(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t r
   const dim3 grid((unsigned)splits, (unsigned)(a.n_heads / GH), (unsigned)rows);
   const char* e = std::getenv("DASLLAMA_CUDA_ATTN_EARLY");  // read at each launch (ab_cuda.py)
   const bool early_kv = !(e && std::strcmp(e, "0") == 0);
-  const bool clustered = splits > 1 && splits <= attn_cluster_max();
-  if (clustered && splits > 8) {  // past a portable cluster (the H100 / H200 take 16)
-    static const cudaError_t ok = cudaFuncSetAttribute(gqa::attn_gqa_k<KT, NC, GH>,
-                                                       cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    check(ok, "attention: clusters of 16");
-  }
-  launch_cluster(gqa::attn_gqa_k<KT, NC, GH>, grid, gqa::W * 32, 0, st, clustered ? dim3((unsigned)splits, 1, 1) : dim3(1, 1, 1),
-                 a, dargs, maxtok, splits, part, cnt, qo, early_kv, clustered);
+  launch(gqa::attn_gqa_k<KT, NC, GH>, grid, gqa::W * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo, early_kv);
 }
 
 template <int KT>
@@ -601,12 +551,6 @@ int attn_gqa_splits(int64_t rows, const AttnArgs& a, int64_t n_kv, int n_sm) {
   int64_t cap = 1;
   while (cap * per_batch * min_batches < keys && cap < 64) cap *= 2;
   return (int)std::min<int64_t>({want, cap, 64});
-}
-
-int attn_cluster_max() {
-  if (cluster_sms() == 0) return 0;
-  const char* e = std::getenv("DASLLAMA_CUDA_ATTN_CLUSTER");
-  return e && *e ? std::clamp(std::atoi(e), 0, 16) : 16;
 }
 
 size_t attn_scratch_floats(const AttnArgs& a, int splits) {

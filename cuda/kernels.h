@@ -179,12 +179,6 @@ void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cud
 bool attn_gqa_on();                       // the switch, read at each call
 int attn_gqa_heads(const AttnArgs& a);    // GH (1, 2 or 4) where the kernel takes a, else 0
 int attn_gqa_splits(int64_t rows, const AttnArgs& a, int64_t n_kv, int n_sm);  // a: the shape
-// The most key splits the grouped-query kernel merges inside one thread-block cluster (sm_90:
-// each rank reads the others' partials from their shared memory, no global partials, fence or
-// counter); more splits, or none of them (0), merge through the partials and the last block.
-// DASLLAMA_CUDA_ATTN_CLUSTER=N (default 16, at most 16; 0 off), read at each launch.
-int attn_cluster_max();
-int cluster_sms();  // the SMs of a device with thread-block clusters (sm_90+), else 0
 // Where attention also writes its output rounded to q8 blocks, as quantize_act (no norm) would
 // round it for the next matmul: element e of the rows from `base` (the output's first row,
 // rows `cols` apart; head_dim a multiple of 32) goes to xq[e], block e / 32 to xd / xs.

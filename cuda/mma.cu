@@ -663,6 +663,17 @@ int64_t env_int(const char* name, int64_t dflt);
 // occupancy) holds, at most 8 (a portable cluster) and at least two stages a split; 1 below
 // sm_90 (no clusters).
 // DASLLAMA_CUDA_TILE_SPLIT=N forces N (1: never), read at each launch.
+// The SMs of a device with thread-block clusters (sm_90+), else 0.
+int cluster_sms() {
+  static const int sms = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return cc_major() >= 9 ? v : 0;
+  }();
+  return sms;
+}
+
 // Splits fill at most one wave (floor): gate/up's 256 tiles of a batched step took 3 splits by
 // the ceiling, 768 blocks for 528 slots (1.45 waves); 2 fill 512. On the H200 (ab_cuda.py, one
 // call) Llama-1B Q8_0 B = 16 / 32 / 64 went 9,078 / 12,873 / 14,833 -> 9,599 / 13,962 / 16,746
@@ -1054,17 +1065,6 @@ void run_mma(const GemvJob& j, cudaStream_t st) {
 }
 
 }  // namespace
-
-// The SMs of a device with thread-block clusters (sm_90+), else 0.
-int cluster_sms() {
-  static const int sms = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return cc_major() >= 9 ? v : 0;
-  }();
-  return sms;
-}
 
 bool mma_f16_fits(const Mat& m, const float* x, int64_t n) {
   if (m.type != T_F16 && m.type != T_BF16) return false;

@@ -564,35 +564,6 @@ def test_attention_early_loads_equal_late(files, tmp_path, monkeypatch):
         assert np.array_equal(got, want), f"kv {kv.name}: batched logits differ"
 
 
-def test_attention_cluster_merge_equals_last_block(files, tmp_path, monkeypatch):
-    """Decode attention's key splits merged inside a thread-block cluster (each rank reading the
-    others' partials from their shared memory; DASLLAMA_CUDA_ATTN_CLUSTER, the default on sm_90)
-    give the logits of the merge by the last block through global partials, bit for bit: head
-    sizes 64, 128 and 256 (2, 1 and 1 query heads a block), f16 / q8_0 / f32 caches, decode steps
-    over 200-300 keys (8 then 16 splits), forced counts that leave ranks without output
-    (3, 5, 16), and batched steps. It asserts which merge ran."""
-    shapes = {"hd64": _llama_file(tmp_path, 512, 8, 2, 1024, formats=("q8_0",))["q8_0"],
-              "hd128": _llama_file(tmp_path, 512, 4, 2, 1024, formats=("q8_0",))["q8_0"],
-              "hd256": _llama_file(tmp_path, 512, 2, 1, 1024, formats=("q8_0",))["q8_0"]}
-    for name, path in shapes.items():
-        for kv in (d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32):
-            forced = ("", "3", "5", "16") if name == "hd64" and kv == d.KVDtype.f16 else ("",)
-            for n in forced:
-                env = {"DASLLAMA_CUDA_ATTN_GQA_SPLITS": n}
-                want, m0 = _decode_steps(path, kv, {**env, "DASLLAMA_CUDA_ATTN_CLUSTER": "0"}, monkeypatch,
-                                         n_prompt=200, n_steps=100)
-                got, m1 = _decode_steps(path, kv, {**env, "DASLLAMA_CUDA_ATTN_CLUSTER": "16"}, monkeypatch,
-                                        n_prompt=200, n_steps=100)
-                assert m0._m.path_count("attn_cluster") == 0 and m1._m.path_count("attn_cluster") > 0, (name, kv, n)
-                assert np.array_equal(got, want), f"{name} kv {kv.name} splits {n or 'auto'}: decode logits " \
-                    f"differ, max {np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
-            env = {"DASLLAMA_CUDA_ATTN_GQA_SPLITS": "4"}  # (a batched step's own rule splits only long contexts)
-            want, _ = _batch_steps(path, kv, {**env, "DASLLAMA_CUDA_ATTN_CLUSTER": "0"}, monkeypatch)
-            got, m1 = _batch_steps(path, kv, {**env, "DASLLAMA_CUDA_ATTN_CLUSTER": "16"}, monkeypatch)
-            assert m1._m.path_count("attn_cluster") > 0
-            assert np.array_equal(got, want), f"{name} kv {kv.name}: batched logits differ"
-
-
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0, d.KVDtype.f32])
 def test_fused_decode_layer_equals_op_by_op(files, tmp_path, monkeypatch, kv):
     """Decode steps give the op-by-op kernels' logits bit for bit when each GEMV rounds its own
