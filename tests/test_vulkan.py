@@ -443,19 +443,25 @@ def test_flash_cm_on_lavapipe(built_dir):
     import re
 
     feats = _VK["devices"][0]["features"]
-    runs = [("emu", ("flash_cme64", "flash_cme128", "flash_cme256"))]
+    # (FLASH_CM, FLASH_CM_TILE, the shaders that must run): the tile switch's variants too (r32:
+    # rows 32 a workgroup; b64: and 64 keys a tile at head size 64; head 256 keeps its own).
+    runs = [("emu", "", ("flash_cme64", "flash_cme128", "flash_cme256")),
+            ("emu", "r32", ("flash_cme64r", "flash_cme128r", "flash_cme256")),
+            ("emu", "b64", ("flash_cme64b", "flash_cme128", "flash_cme256"))]
     if "f16 coopmat" in feats:
         sfx = "" if "16x8x16" in feats else "_16"
-        runs.append(("1", (f"flash_cm64{sfx}", f"flash_cm128{sfx}", f"flash_cm256{sfx}")))
-    for mode, names in runs:
+        runs += [("1", "", (f"flash_cm64{sfx}", f"flash_cm128{sfx}", f"flash_cm256{sfx}")),
+                 ("1", "r32", (f"flash_cm64{sfx}r", f"flash_cm128{sfx}r")),
+                 ("1", "b64", (f"flash_cm64{sfx}b",))]
+    for mode, tile, names in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1",
-                               "DASLLAMA_VULKAN_FLASH_CM": mode},
+                               "DASLLAMA_VULKAN_FLASH_CM": mode, "DASLLAMA_VULKAN_FLASH_CM_TILE": tile},
                    ("test_backend_ops.py", "test_vulkan.py"), "attention_q8_mode or q8_mode_prefill_f16_cache", s=True)
         out = r.stdout + r.stderr
-        assert r.returncode == 0, f"FLASH_CM={mode}\n" + r.stdout[-3000:] + r.stderr[-2000:]
+        assert r.returncode == 0, f"FLASH_CM={mode} TILE={tile}\n" + r.stdout[-3000:] + r.stderr[-2000:]
         assert re.search(r"(\d+) passed", out) and "skipped" not in out, out[-3000:]
         for name in names:
-            assert re.search(rf"^\s+{name}\s", out, re.M), f"FLASH_CM={mode}: {name} did not run\n" + out[-3000:]
+            assert re.search(rf"^\s+{name}\s", out, re.M), f"FLASH_CM={mode} TILE={tile}: {name} did not run\n" + out[-3000:]
 
 
 def test_block_formats_prefill_on_lavapipe(built_dir):

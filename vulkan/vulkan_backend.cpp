@@ -2651,12 +2651,16 @@ class VulkanBackend final : public Backend {
                 {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
                 {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
     }
+    // DASLLAMA_VULKAN_GEMV_U=4 (read at each matmul; A/B): one token's plain products on gemv1u4_*,
+    // four units of each row in flight a lane where gemv1_* has two.
+    const char* ue4 = std::getenv("DASLLAMA_VULKAN_GEMV_U");
+    const bool u4 = direct && n == 1 && !fuse && !kt && ue4 && std::strcmp(ue4, "4") == 0;
     const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u) | (kt ? 1u << 21 : 0u) |
-                         (kt && kve ? 1u << 22 : 0u);
+                         (kt && kve ? 1u << 22 : 0u) | (u4 ? 1u << 23 : 0u);
     auto it = sg_names_.find(key);
     if (it == sg_names_.end())
       it = sg_names_
-               .emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") +
+               .emplace(key, (direct ? (n == 1 ? (u4 ? "gemv1u4_" : "gemv1_") : "gemv8_") : "matmul_sg_") +
                                  std::string(fuse ? "glu_" : kt && kve ? "kve_" : kt ? "kv_" : "") + std::to_string(t))
                .first;
     const size_t sig0 = c_->sig_bytes();
@@ -2990,19 +2994,27 @@ class VulkanBackend final : public Backend {
         !c_->shuffle8 || a.q_stride % 4 != 0 || A(a.q) % 16 != 0 ||
         (A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off) % 16 != 0)
       return nullptr;
+    // DASLLAMA_VULKAN_FLASH_CM_TILE (A/B, read at each call): r32, row tiles of 32 (heads 64 and
+    // 128); b64, those with 64-key tiles (head 64). Unset: 64 rows x 32 keys (head 256: 32 x 16).
+    const char* te = std::getenv("DASLLAMA_VULKAN_FLASH_CM_TILE");
+    const int tile = hd == 256 || !te ? 0 : std::strcmp(te, "r32") == 0 ? 1 : std::strcmp(te, "b64") == 0 && hd == 64 ? 2 : 0;
     // Shared memory: K and V tiles (bc rows of head_dim + 8 halves), the scores and probabilities
     // (br rows of 1.5 bc words), the corrections; coop adds Q (br rows) and the positions.
-    const uint32_t br = hd == 256 ? 32 : 64, bc = hd == 256 ? 16 : 32, rs = (uint32_t)(hd / 8 + 1) * 16;
+    const uint32_t br = hd == 256 || tile ? 32 : 64, bc = hd == 256 ? 16 : tile == 2 ? 64 : 32,
+                   rs = (uint32_t)(hd / 8 + 1) * 16;
     const uint32_t need = 2 * bc * rs + br * (bc * 3 / 2) * 4 + br * 4 + (coop ? br * rs + 16 * 16 * 4 : 0);
     if (c_->max_shared() < need) return nullptr;
     if (rows) *rows = br;
-    static const std::string names[3][3] = {{"flash_cme64", "flash_cm64", "flash_cm64_16"},
-                                            {"flash_cme128", "flash_cm128", "flash_cm128_16"},
-                                            {"flash_cme256", "flash_cm256", "flash_cm256_16"}};
+    static const std::string names[3][3][3] = {
+        {{"flash_cme64", "flash_cm64", "flash_cm64_16"},
+         {"flash_cme128", "flash_cm128", "flash_cm128_16"},
+         {"flash_cme256", "flash_cm256", "flash_cm256_16"}},
+        {{"flash_cme64r", "flash_cm64r", "flash_cm64_16r"}, {"flash_cme128r", "flash_cm128r", "flash_cm128_16r"}, {}},
+        {{"flash_cme64b", "flash_cm64b", "flash_cm64_16b"}, {}, {}}};
     const int i = hd == 64 ? 0 : hd == 128 ? 1 : 2;
-    if (emu) return names[i][0].c_str();
+    if (emu) return names[tile][i][0].c_str();
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16)) return nullptr;
-    return names[i][c_->f16n8 ? 1 : 2].c_str();
+    return names[tile][i][c_->f16n8 ? 1 : 2].c_str();
   }
   void flash(const AttnArgs& a) {
     attn_q8_ = AttnQ8{};
