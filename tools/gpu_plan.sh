@@ -165,6 +165,17 @@ for stage in "$@"; do
       step vktg 150 env DASLLAMA_VULKAN_PROFILE=each=16 python benchmarks/profile_vulkan.py --type f16 --rounds 1 --steps 8 \
         --configs "all on"
       ;;
+    s36b)  # Vulkan A/Bs: gemv.comp with four units of a row in flight a lane (DASLLAMA_VULKAN_GEMV_U=4)
+      # per shape and in F16 decode; flash_cm's row tiles of 32 and 64-key tiles (FLASH_CM_TILE) after
+      # their check against numpy; and the KV stores' registers (gemv1_kve_1 against gemv1_1)
+      step regs 120 env DASLLAMA_VULKAN_PIPESTATS=1 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 1 \
+        DASLLAMA_VULKAN_KVE=1
+      step gemv 200 python benchmarks/bench_vk_gemv.py --type f16 --shapes qkv,o,gate_up,down,head --settings GEMV_U=2,GEMV_U=4
+      step tg 240 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 3 DASLLAMA_VULKAN_GEMV_U=2 DASLLAMA_VULKAN_GEMV_U=4
+      step flashtests 240 python -m pytest -q tests/test_vulkan.py -k "flash_cm_on_lavapipe or flash_variants"
+      step flash 300 python benchmarks/ab_cuda.py --device vulkan --types q8_0,f16 --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_FLASH_CM_TILE=0 DASLLAMA_VULKAN_FLASH_CM_TILE=r32 DASLLAMA_VULKAN_FLASH_CM_TILE=b64
+      ;;
     fold)  # the lean GEMVs, rounding and rope as the only kernels (the same sums as before): the op
       # harness's matmuls (rows over 8 warps), the model tests against the CPU, the fused / tail paths
       # against op by op; then the speed and where an F16 / Q8_0 one-token step goes (PDL off: each
@@ -265,7 +276,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s36b, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
