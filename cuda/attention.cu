@@ -48,6 +48,9 @@ __global__ void __launch_bounds__(WARPS * 32) attn_k(AttnArgs a0, const AttnArgs
 namespace gqa {
 
 constexpr int W = 4;  // warps a block
+// The wide block: a one-row step's item unsplit over 16 warps (attn_gqa_wide), so that its keys
+// take few batches (each a wait on memory) and no partials, counter or merge by a last block.
+constexpr int WW = 16;
 
 // Sub-rounds of 4 keys a warp loads a batch (KT: the KVType's value, NC: the head's 64-dim
 // chunks, GH: heads an item): about 32 registers of raw K and V a lane (f16: 8 NC a sub-round,
@@ -132,7 +135,7 @@ __device__ __forceinline__ void decode(const Raw<KT, NC>& o, float (&x)[8 * NC])
   }
 }
 
-template <int NC, int GH>
+template <int NC, int GH, int W>
 struct Smem {
   static_assert(GH <= W, "a warp a head in the combine");
   float m[W][GH], l[W][GH];
@@ -143,11 +146,11 @@ struct Smem {
   int last;
 };
 
-// Item (row t of its session, row slot z, heads hb * GH.., split s) by the block's 128 threads.
-template <int KT, int NC, int GH>
+// Item (row t of its session, row slot z, heads hb * GH.., split s) by the block's W warps.
+template <int KT, int NC, int GH, int W>
 __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, int hb, int s, int splits,
                                      float* __restrict__ part, int* __restrict__ cnt, const AttnQuant& qo,
-                                     bool early_kv, Smem<NC, GH>& sm) {
+                                     bool early_kv, Smem<NC, GH, W>& sm) {
   constexpr int HD = 64 * NC, E = 8 * NC, R = rounds(KT, NC, GH), KPB = W * 4 * R;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 3, sl = lane & 7;
   const int h0 = hb * GH, kvh = h0 / (a.n_heads / a.n_kv_heads);
@@ -373,11 +376,11 @@ __device__ __forceinline__ void item(const AttnArgs& a, int64_t t, int64_t z, in
   }
 }
 
-template <int KT, int NC, int GH>
-__global__ void __launch_bounds__(W * 32, 4) attn_gqa_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok,
-                                                     int splits, float* __restrict__ part, int* __restrict__ cnt,
-                                                     AttnQuant qo, bool early_kv) {
-  __shared__ Smem<NC, GH> sm;
+template <int KT, int NC, int GH, int WW>
+__global__ void __launch_bounds__(WW * 32, WW == W ? 4 : 1)
+    attn_gqa_k(AttnArgs a0, const AttnArgs* __restrict__ dargs, int maxtok, int splits, float* __restrict__ part,
+               int* __restrict__ cnt, AttnQuant qo, bool early_kv) {
+  __shared__ Smem<NC, GH, WW> sm;
   const int64_t z = blockIdx.z;
   // Two calls, not one on a selected struct (attn_k's lesson). A row slot past its session's
   // rows exits before pdl_wait: it reads nothing an earlier kernel wrote.
@@ -385,10 +388,10 @@ __global__ void __launch_bounds__(W * 32, 4) attn_gqa_k(AttnArgs a0, const AttnA
     const AttnArgs a = dargs[z / maxtok];
     const int64_t t = z % maxtok;
     if (t >= a.n_tok) return;
-    item<KT, NC, GH>(a, t, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, sm);
+    item<KT, NC, GH, WW>(a, t, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, sm);
   } else {
     if (z >= a0.n_tok) return;
-    item<KT, NC, GH>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, sm);
+    item<KT, NC, GH, WW>(a0, z, z, blockIdx.y, blockIdx.x, splits, part, cnt, qo, early_kv, sm);
   }
 }
 
@@ -455,7 +458,12 @@ void launch_gqa3(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t r
   const dim3 grid((unsigned)splits, (unsigned)(a.n_heads / GH), (unsigned)rows);
   const char* e = std::getenv("DASLLAMA_CUDA_ATTN_EARLY");  // read at each launch (ab_cuda.py)
   const bool early_kv = !(e && std::strcmp(e, "0") == 0);
-  launch(gqa::attn_gqa_k<KT, NC, GH>, grid, gqa::W * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo, early_kv);
+  if (rows == 1 && splits == 1 && attn_gqa_wide() > 0)  // (attn_gqa_splits left it whole)
+    launch(gqa::attn_gqa_k<KT, NC, GH, gqa::WW>, grid, gqa::WW * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo,
+           early_kv);
+  else
+    launch(gqa::attn_gqa_k<KT, NC, GH, gqa::W>, grid, gqa::W * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo,
+           early_kv);
 }
 
 template <int KT>
@@ -531,12 +539,19 @@ int attn_gqa_heads(const AttnArgs& a) {
   return 1;
 }
 
+int attn_gqa_wide() {
+  const char* e = std::getenv("DASLLAMA_CUDA_ATTN_WIDE");  // read at each launch (ab_cuda.py)
+  return e && *e ? std::max(0, std::atoi(e)) : 0;
+}
+
 int attn_gqa_splits(int64_t rows, const AttnArgs& a, int64_t n_kv, int n_sm) {
   const char* e = std::getenv("DASLLAMA_CUDA_ATTN_GQA_SPLITS");  // A/B: a forced split count
   if (e && std::atoi(e) > 0) return std::min(std::atoi(e), 64);
   const int gh = std::max(1, attn_gqa_heads(a)), chunks = std::max(1, a.head_dim / 64);
   const int64_t per_batch = gqa::W * 4 * gqa::rounds((int)a.kv.type, chunks, gh);  // keys a block takes a batch
   const int64_t keys = a.window > 0 ? std::min<int64_t>(n_kv, a.window) : n_kv;
+  // A one-row step whose keys fit attn_gqa_wide() batches of the wide block: one split, on it.
+  if (rows == 1 && keys <= (int64_t)attn_gqa_wide() * per_batch * (gqa::WW / gqa::W)) return 1;
   // About one wave of blocks (4 an SM: 128 registers a thread), and no split shorter than a
   // batch: a block's batch of keys costs one wait on the memory, a split one more write and a
   // merge.

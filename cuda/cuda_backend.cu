@@ -743,6 +743,7 @@ class CudaBackend final : public Backend {
   int64_t fused_ops() const override { return fused_ops_; }
   int64_t path_count(const std::string& name) const override {
     if (name == "attn_gqa") return gqa_attn_;
+    if (name == "attn_wide") return wide_attn_;
     if (name == "gemv_rope") return gemv_rope_;
     return 0;
   }
@@ -821,7 +822,7 @@ class CudaBackend final : public Backend {
     int* cnt = splits > 1 ? counters_for((size_t)a.n_tok * a.n_heads) : nullptr;
     // Its args are baked into the launch, not the signature: a step with one runs directly.
     if (rec_) no_graph_ = true;
-    if (gqa) ++gqa_attn_;
+    if (gqa) ++gqa_attn_, wide_attn_ += a.n_tok == 1 && splits == 1 && cuda::attn_gqa_wide() > 0;
     op(Tag::attention, [=](cudaStream_t s) { cuda::attention(a, splits, scratch, cnt, s, gqa); });
   }
   void attention_multi(const AttnArgs* a, int count) override {
@@ -860,7 +861,7 @@ class CudaBackend final : public Backend {
     const size_t off = blob_put(a, sizeof(AttnArgs) * count);
     const AttnArgs shape = a[0];
     const int cnt = count, mt = (int)maxtok;
-    if (gqa) ++gqa_attn_;
+    if (gqa) ++gqa_attn_, wide_attn_ += slots == 1 && splits == 1 && cuda::attn_gqa_wide() > 0;
     op(
         Tag::attention_group,
         [=](cudaStream_t s) {
@@ -1883,6 +1884,7 @@ class CudaBackend final : public Backend {
   int64_t fused_ops_ = 0;
   int64_t gemv_rope_ = 0;  // Q / K / V GEMVs recorded with the rope and KV stores (path_count)
   int64_t gqa_attn_ = 0;  // attentions issued or recorded on the grouped-query kernel (path_count)
+  int64_t wide_attn_ = 0;  // those of them on its wide block, one row unsplit (path_count)
   float* pinned_ = nullptr;  // host_staging's buffer
   std::mutex blocks_mu_;  // host_block's live blocks (address, bytes), for download()
   std::vector<std::pair<float*, size_t>> blocks_;

@@ -44,6 +44,12 @@ for stage in "$@"; do
         DASLLAMA_VULKAN_KVTAIL=1 DASLLAMA_VULKAN_KVTAIL=2
       # the suspicion for its loss: the tail's registers in every workgroup of the GEMV (the
       # driver's statistics of gemv1_1 beside gemv1_kv_1)
+      # CUDA: a one-row step's decode attention unsplit on a 16-warp block (DASLLAMA_CUDA_ATTN_WIDE=N: up
+      # to N of its batches of keys; 0 off): the harness against float64, the model tests with it, the speed
+      step wideops 300 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa"
+      step widetests 300 env DASLLAMA_CUDA_ATTN_WIDE=4 python -m pytest -q tests/test_cuda.py -k "every_family_and_format or greedy"
+      step wide 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --rounds 2 DASLLAMA_CUDA_ATTN_WIDE=0 \
+        DASLLAMA_CUDA_ATTN_WIDE=2 DASLLAMA_CUDA_ATTN_WIDE=4
       step regs 120 env DASLLAMA_VULKAN_PIPESTATS=1 DASLLAMA_VULKAN_KVTAIL=2 python benchmarks/ab_cuda.py \
         --device vulkan --types f16 --rounds 1 DASLLAMA_VULKAN_KVTAIL=2
       ;;
@@ -168,6 +174,12 @@ for stage in "$@"; do
     s36b)  # Vulkan A/Bs: gemv.comp with four units of a row in flight a lane (DASLLAMA_VULKAN_GEMV_U=4)
       # per shape and in F16 decode; flash_cm's row tiles of 32 and 64-key tiles (FLASH_CM_TILE) after
       # their check against numpy; and the KV stores' registers (gemv1_kve_1 against gemv1_1)
+      # CUDA: a one-row step's decode attention unsplit on a 16-warp block (DASLLAMA_CUDA_ATTN_WIDE=N: up
+      # to N of its batches of keys; 0 off): the harness against float64, the model tests with it, the speed
+      step wideops 300 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa"
+      step widetests 300 env DASLLAMA_CUDA_ATTN_WIDE=4 python -m pytest -q tests/test_cuda.py -k "every_family_and_format or greedy"
+      step wide 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --rounds 2 DASLLAMA_CUDA_ATTN_WIDE=0 \
+        DASLLAMA_CUDA_ATTN_WIDE=2 DASLLAMA_CUDA_ATTN_WIDE=4
       step regs 120 env DASLLAMA_VULKAN_PIPESTATS=1 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 1 \
         DASLLAMA_VULKAN_KVE=1
       step gemv 200 python benchmarks/bench_vk_gemv.py --type f16 --shapes qkv,o,gate_up,down,head --settings GEMV_U=2,GEMV_U=4
