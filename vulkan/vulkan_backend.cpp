@@ -2253,14 +2253,6 @@ class VulkanBackend final : public Backend {
     const char* e = std::getenv("DASLLAMA_VULKAN_KVTAIL");
     return e && std::strcmp(e, "0") == 0 ? 0 : e && std::strcmp(e, "2") == 0 ? 2 : 1;
   }
-  // DASLLAMA_VULKAN_KVE (read at each store; KVTAIL=0 turns it off too): in recorded decode steps
-  // on gemv.comp, the ropes and KV store done by the Q/K/V GEMV's own output stores (gemv.comp
-  // -DKVE: a pair's rows trade sums by a shuffle; normal rope, f32 / f16 caches), where KVTAIL=2
-  // would take them in a tail a head; the same bits either way. Unset or 1: on; 0: off.
-  static bool kve_on() {
-    const char* e = std::getenv("DASLLAMA_VULKAN_KVE");
-    return !(e && std::strcmp(e, "0") == 0);
-  }
   // DASLLAMA_VULKAN_GLUTAIL=0 (read at each fold): in recorded decode steps with GEMVI8 on, the
   // glu before ffn down stays folded into quant_act32 rather than into the gate / up GEMV's
   // per-block tail (gemv_i8x.comp flags 4; for A/B runs: the same bits either way).
@@ -2573,8 +2565,7 @@ class VulkanBackend final : public Backend {
   // One dispatch of the subgroup path over 1-3 weights of one type and width.
   // kt (three weights, Q, K and V, on gemv.comp): the KV tail (its _kv variants), as gemv_i8x's.
   void matmul_sg(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n, bool norm = false,
-                 const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false, const KvTail* kt = nullptr,
-                 bool kve = false) {
+                 const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false, const KvTail* kt = nullptr) {
     struct {
       uint64_t w[3], y[3];
       uint64_t x, row_bytes, norm_w;
@@ -2597,6 +2588,8 @@ class VulkanBackend final : public Backend {
     const uint32_t ue = t == kQ8Split ? 16 : t == kQ4Split ? 32 : (t == 1 || t == 30) ? 8 : 0;
     bool direct = ue && gemv_on() && pc.cols % ue == 0 && pc.row_bytes % 16 == 0 && pc.x % 16 == 0 && pc.norm_w % 16 == 0;
     for (int i = 0; direct && i < count; ++i) direct = pc.w[i] % 16 == 0;
+    int64_t rows_all = 0;
+    for (int i = 0; i < count; ++i) rows_all += ws[i]->rows;
     uint32_t rpw = 4;
     if (direct) {
       const uint32_t S = c_->subgroup_size, nsg = std::max<uint32_t>(1, 128 / S), nu = pc.cols / ue;
@@ -2607,8 +2600,6 @@ class VulkanBackend final : public Backend {
       // (bench_vk_gemv.py --type f16 on the H200); a few thousand rows are faster split.
       // DASLLAMA_VULKAN_GEMV_KS1_ROWS: that row count (default 8192; 0: never); _GEMV_KS=1|2|4:
       // ks forced. Both for A/B runs, read at each matmul.
-      int64_t rows_all = 0;
-      for (int i = 0; i < count; ++i) rows_all += ws[i]->rows;
       const char* k1 = std::getenv("DASLLAMA_VULKAN_GEMV_KS1_ROWS");
       const int64_t ks1_rows = k1 && *k1 ? std::atoll(k1) : 8192;
       if (ks1_rows > 0 && rows_all >= ks1_rows) ks = 1;
@@ -2630,11 +2621,9 @@ class VulkanBackend final : public Backend {
     auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
     if (kt) {
       pc.kvp = kt->params;
-      // (KVE: no counters; the tail's are found again here, as its parameters name them)
-      const uint64_t cnt = kve ? 0 : tail_counters(1, kt->heads);
       c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
                 {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
-                {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}, {cnt, kve ? 0 : (uint64_t)kt->heads * 4, true},
+                {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}, {tail_counters(1, kt->heads), (uint64_t)kt->heads * 4, true},
                 {kt->params, 256, false}, {kt->base, Ctx::kWhole, true, true}, {kt->pages, Ctx::kWhole, false},
                 {kt->pos, (uint64_t)n * 4, false}, {kt->inv, Ctx::kWhole, false}, {kt->factors, Ctx::kWhole, false},
                 {kt->args, Ctx::kWhole, false}});
@@ -2651,17 +2640,20 @@ class VulkanBackend final : public Backend {
                 {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
                 {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
     }
-    // DASLLAMA_VULKAN_GEMV_U=4 (read at each matmul; A/B): one token's plain products on gemv1u4_*,
-    // four units of each row in flight a lane where gemv1_* has two.
-    const char* ue4 = std::getenv("DASLLAMA_VULKAN_GEMV_U");
-    const bool u4 = direct && n == 1 && !fuse && !kt && ue4 && std::strcmp(ue4, "4") == 0;
+    // gemv1u4_*: four units of each row in flight a lane where gemv1_* has two, for one token's
+    // plain products of 65536 rows and more (the head: H100, F16 128256 x 2048, 257.6 -> 211.6 us
+    // a product behind its barrier; Q / K / V, O, gate + up and down lost 3-11%: bench_vk_gemv.py).
+    // DASLLAMA_VULKAN_GEMV_U=2 / 4 (A/B, read at each matmul): never / always.
+    const char* ue = std::getenv("DASLLAMA_VULKAN_GEMV_U");
+    const bool u4 = direct && n == 1 && !fuse && !kt &&
+                    (ue && *ue ? std::strcmp(ue, "4") == 0 : rows_all >= 65536);
     const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u) | (kt ? 1u << 21 : 0u) |
-                         (kt && kve ? 1u << 22 : 0u) | (u4 ? 1u << 23 : 0u);
+                         (u4 ? 1u << 22 : 0u);
     auto it = sg_names_.find(key);
     if (it == sg_names_.end())
       it = sg_names_
                .emplace(key, (direct ? (n == 1 ? (u4 ? "gemv1u4_" : "gemv1_") : "gemv8_") : "matmul_sg_") +
-                                 std::string(fuse ? "glu_" : kt && kve ? "kve_" : kt ? "kv_" : "") + std::to_string(t))
+                                 std::string(fuse ? "glu_" : kt ? "kv_" : "") + std::to_string(t))
                .first;
     const size_t sig0 = c_->sig_bytes();
     c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
@@ -2778,15 +2770,10 @@ class VulkanBackend final : public Backend {
         // gemv_i8x's workgroups cover part of a head (R rows); gemv.comp's rpw rows may cover
         // several heads too.
         const int tm = kvtail_mode();
-        // gemv.comp's stores do it themselves (KVE) where the rope is normal (a pair is two
-        // adjacent rows, in one subgroup's four) and the cache rows take 4-byte stores.
-        const bool kve = gq.valid && gq.sg && tm != 0 && kve_on() && !((r.rot >> 16) & 1u) && hd % 2 == 0 &&
-                         gq.r % 4 == 0 && (kv.type == KVType::f32 || kv.type == KVType::f16) &&
-                         ((uint64_t)A(kv.base) | kv.page_bytes | kv.k_off | kv.v_off | kv.row_bytes) % 4 == 0;
-        if (gq.valid && (kve || tm >= (gq.sg ? 2 : 1)) && gq.serial == c_->step_serial() && gq.kept == c_->kept() &&
+        if (gq.valid && tm >= (gq.sg ? 2 : 1) && gq.serial == c_->step_serial() && gq.kept == c_->kept() &&
             A(gq.y) == rq.x && A(gq.y1) == A(k) && A(gq.y2) == A(v) && gq.n == n && src_stride == dim &&
             gq.w->rows == (int64_t)rq.n_heads * hd && gq.w1->rows == dim && gq.w2->rows == dim && hd <= 256 &&
-            (kve || hd % gq.r == 0 || (gq.sg && gq.r % hd == 0)) && (kv.type != KVType::q8_0 || hd % 32 == 0) &&
+            (hd % gq.r == 0 || (gq.sg && gq.r % hd == 0)) && (kv.type != KVType::q8_0 || hd % 32 == 0) &&
             kv.page_shift >= 0 && kv.page_shift <= 63) {
           // The GEMV is the last kept command: taken back before the counters are found (their
           // first use records a fill), then issued again, with the tail unless no constant
@@ -2796,13 +2783,13 @@ class VulkanBackend final : public Backend {
           const KvTailParams kp{A(kv.base), A(kv.pages), c_->args_addr(), pc.pos, pc.inv, pc.factors,
                                 (uint32_t)kv.page_bytes, (uint32_t)kv.k_off, (uint32_t)kv.v_off, (uint32_t)kv.row_bytes,
                                 pc.first, kv.page_shift, (int32_t)kv.type, r.rot, (uint32_t)hd, r.freq_scale, r.mscale,
-                                kve ? 0 : tail_counters(1, heads)};
+                                tail_counters(1, heads)};
           const uint64_t params = const_block(&kp, sizeof kp);
           const KvTail kt{params, A(kv.base), A(kv.pages), pc.pos, pc.inv, pc.factors, c_->args_addr(), heads};
           const Weight* ws[3] = {gq.w, gq.w1, gq.w2};
           float* ys[3] = {gq.y, gq.y1, gq.y2};
           if (gq.sg) {
-            matmul_sg(ws, ys, 3, gq.x, n, gq.norm, gq.norm_w, gq.eps, false, params ? &kt : nullptr, kve);
+            matmul_sg(ws, ys, 3, gq.x, n, gq.norm, gq.norm_w, gq.eps, false, params ? &kt : nullptr);
           } else {
             const uint64_t keep_q = i8_xq_, keep_d = i8_xd_;
             i8_xq_ = gq.in_q, i8_xd_ = gq.in_d;  // the GEMV's own input, as it was

@@ -20,19 +20,11 @@
 // it; one pass of tokens, grid y 1): the step's ropes and KV store folded in as gemv_i8x.comp's
 // KV tail does them (kvtail.glsl): the last workgroup to finish a head's rows (a KV head's: of
 // its K and V rows) does that head's; the parameters and counters at kvp (KvTailParams).
-// With -DKVE (the same three weights and parameters; normal rope, an f32 or f16 cache): the ropes
-// and the KV store in the output's store instead, without counters or a tail: rows 2j and 2j + 1
-// of a head are lanes 2i and 2i + 1 of the subgroup that stores them (R rows from a multiple of
-// 4), which trade their sums by a shuffle; each lane then stores its K / V element into its
-// token's cache row, as kv_store.comp computes and rounds it (the same bits).
 #version 450
 #include "common.glsl"
 #include "dequant.glsl"
-#if defined(KVT) || defined(KVE)
+#ifdef KVT
 #extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
-#endif
-#ifdef KVE
-#extension GL_KHR_shader_subgroup_shuffle : require
 #endif
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
@@ -65,50 +57,15 @@ float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu
 #endif
 const uint MAXSG = 32u;  // 128 invocations over subgroups of 4 or more
 shared float red[MAXSG][R + 1u][NT];
-#if defined(KVT) || defined(KVE)
+#ifdef KVT
 shared float kv_h[256], kv_amax[32];
 shared bool tail_last;
 #define KV_H(e) kv_h[e]
 #define KV_AMAX(i) kv_amax[i]
 #include "kvtail.glsl"
-#endif
-#ifdef KVT
 #define YV F32C  // y read back by a tail in another workgroup
 #else
 #define YV F32
-#endif
-
-#ifdef KVE
-// Row `row` of weight mi (0 Q, 1 K, 2 V) for token tok, its sum v: Q and K rows turned (normal
-// rope: the pair's other row is lane ^ 1's), K and V rows stored into tok's cache row; returns
-// the value y keeps. Every lane of the subgroup calls it (shuffles); lanes < R with row < rows
-// store.
-float kv_epilogue(float v, uint mi, uint row, uint rows, uint tok, uint lane) {
-  KvP P = KvP(pc.kvp);
-  const uint hd = P.head_dim, half_ = (P.rope & 0xffffu) / 2u, e = row % hd, head = row / hd;
-  const bool odd = (lane & 1u) != 0u;
-  const float o = subgroupShuffleXor(v, 1u);
-  if (mi < 2u && e / 2u < half_) {
-    float c, s;
-    rope_cs(P.inv, P.factors, e / 2u, I32(P.pos).v[tok], P.freq_scale, P.mscale, c, s);
-    const float a = odd ? o : v, b = odd ? v : o;
-    precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;
-    v = odd ? as_ + bc : ac - bs;
-  }
-  if (mi > 0u) {  // (uniform)
-    const float pv = subgroupShuffleXor(v, 1u);  // the pair's other value, turned
-    if (lane < R && row < rows) {
-      const int first = P.first_ >= 0 ? P.first_ : I32(P.args).v[-P.first_ - 1];
-      const int64_t jj = int64_t(first) + int64_t(tok);
-      const int64_t page = int64_t(I32(P.pages).v[uint(jj >> P.page_shift)]);
-      const uint64_t dst = P.base + uint64_t(page) * P.page_bytes + (mi == 1u ? P.k_off : P.v_off) +
-                           uint64_t(jj & ((int64_t(1) << P.page_shift) - 1)) * P.row_bytes;
-      if (P.kvtype == 0) F32(dst).v[head * hd + e] = v;
-      else if (!odd) U32(dst + uint64_t(head * hd + e) * 2u).v[0] = f2h(v) | f2h(pv) << 16;  // (4-byte aligned: the host)
-    }
-  }
-  return v;
-}
 #endif
 
 // The 8 values of half h of unit q (before the unit's scale), and their first element's offset.
@@ -267,14 +224,8 @@ void main() {
         float s[R];
         [[unroll]] for (uint r = 0u; r < R; ++r) s[r] = acc[r][t];
         const float sc = norm ? 1.0f / sqrt(ss[t] / float(pc.cols) + pc.eps) : 1.0f;
-#ifdef KVE
-        const float v = kv_epilogue((lane == 0u ? s[0] : lane == 1u ? s[1] : lane == 2u ? s[2] : s[3]) * sc, mi,
-                                    r0 + lane, rows, t0 + t, lane);
-        if (lane < R && r0 + lane < rows) {
-#else
         if (lane < R && r0 + lane < rows) {
           const float v = (lane == 0u ? s[0] : lane == 1u ? s[1] : lane == 2u ? s[2] : s[3]) * sc;
-#endif
           YV yo = YV(pc.y[mi] + (uint64_t(t0 + t) * rows + r0 + lane) * 4u);
           yo.v[0] = (pc.flags & 2u) != 0u ? yo.v[0] + v : v;
         }
