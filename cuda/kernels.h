@@ -179,8 +179,9 @@ void attention(const AttnArgs& a, int splits, float* scratch, int* counters, cud
 bool attn_gqa_on();                       // the switch, read at each call
 int attn_gqa_heads(const AttnArgs& a);    // GH (1, 2 or 4) where the kernel takes a, else 0
 int attn_gqa_splits(int64_t rows, const AttnArgs& a, int64_t n_kv, int n_sm);  // a: the shape
-// DASLLAMA_CUDA_ATTN_WIDE=N (A/B; unset or 0: off): a one-row step whose keys fit N batches of a
-// 16-warp block takes one such block an item, unsplit (no partials or merge).
+// A one-row step whose keys fit N batches of a 16-warp block takes one such block an item,
+// unsplit (no partials, counter or merge by a last block): DASLLAMA_CUDA_ATTN_WIDE=N (default 2;
+// 0 off), read at each launch.
 int attn_gqa_wide();
 // Where attention also writes its output rounded to q8 blocks, as quantize_act (no norm) would
 // round it for the next matmul: element e of the rows from `base` (the output's first row,

@@ -443,25 +443,19 @@ def test_flash_cm_on_lavapipe(built_dir):
     import re
 
     feats = _VK["devices"][0]["features"]
-    # (FLASH_CM, FLASH_CM_TILE, the shaders that must run): the tile switch's variants too (r32:
-    # rows 32 a workgroup; b64: and 64 keys a tile at head size 64; head 256 keeps its own).
-    runs = [("emu", "", ("flash_cme64", "flash_cme128", "flash_cme256")),
-            ("emu", "r32", ("flash_cme64r", "flash_cme128r", "flash_cme256")),
-            ("emu", "b64", ("flash_cme64b", "flash_cme128", "flash_cme256"))]
+    runs = [("emu", ("flash_cme64", "flash_cme128", "flash_cme256"))]
     if "f16 coopmat" in feats:
         sfx = "" if "16x8x16" in feats else "_16"
-        runs += [("1", "", (f"flash_cm64{sfx}", f"flash_cm128{sfx}", f"flash_cm256{sfx}")),
-                 ("1", "r32", (f"flash_cm64{sfx}r", f"flash_cm128{sfx}r")),
-                 ("1", "b64", (f"flash_cm64{sfx}b",))]
-    for mode, tile, names in runs:
+        runs.append(("1", (f"flash_cm64{sfx}", f"flash_cm128{sfx}", f"flash_cm256{sfx}")))
+    for mode, names in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1",
-                               "DASLLAMA_VULKAN_FLASH_CM": mode, "DASLLAMA_VULKAN_FLASH_CM_TILE": tile},
+                               "DASLLAMA_VULKAN_FLASH_CM": mode},
                    ("test_backend_ops.py", "test_vulkan.py"), "attention_q8_mode or q8_mode_prefill_f16_cache", s=True)
         out = r.stdout + r.stderr
-        assert r.returncode == 0, f"FLASH_CM={mode} TILE={tile}\n" + r.stdout[-3000:] + r.stderr[-2000:]
+        assert r.returncode == 0, f"FLASH_CM={mode}\n" + r.stdout[-3000:] + r.stderr[-2000:]
         assert re.search(r"(\d+) passed", out) and "skipped" not in out, out[-3000:]
         for name in names:
-            assert re.search(rf"^\s+{name}\s", out, re.M), f"FLASH_CM={mode} TILE={tile}: {name} did not run\n" + out[-3000:]
+            assert re.search(rf"^\s+{name}\s", out, re.M), f"FLASH_CM={mode}: {name} did not run\n" + out[-3000:]
 
 
 def test_block_formats_prefill_on_lavapipe(built_dir):
@@ -971,7 +965,8 @@ def test_matmul_gemv_rows_split_or_whole(monkeypatch):
     shared memory, or whole in one (the default for dispatches of 8192 rows and more), against
     float64 numpy: one weight of 8200 rows (a workgroup's 16 rows ragged at the end) and three
     of 40 / 8 / 3 rows (Q, K, V; norm fused), under the default rule, the rule off
-    (DASLLAMA_VULKAN_GEMV_KS1_ROWS=0) and the split forced to 1 and 4. Which split ran shows in
+    (DASLLAMA_VULKAN_GEMV_KS1_ROWS=0), the split forced to 1 and 4, and four units of a row
+    loaded at a time (DASLLAMA_VULKAN_GEMV_U=4, gemv1u4: the head's default). Which split ran shows in
     the bits (the sums' order): the rule keeps the 8200 rows whole (those of the forced 1, not of
     the rule off) and leaves Q, K, V split as before (where gemv.comp runs: a GPU, or lavapipe
     forced onto the GPUs' path by test_subgroup_path_on_lavapipe)."""
@@ -989,8 +984,9 @@ def test_matmul_gemv_rows_split_or_whole(monkeypatch):
     ref3 = np.concatenate([xn @ a.astype(np.float64).T for a in ws], axis=1)
     big, qkv = {}, {}
     for split, env in {"rule": {}, "rule off": {"DASLLAMA_VULKAN_GEMV_KS1_ROWS": "0"},
-                       "1": {"DASLLAMA_VULKAN_GEMV_KS": "1"}, "4": {"DASLLAMA_VULKAN_GEMV_KS": "4"}}.items():
-        for key in ("DASLLAMA_VULKAN_GEMV_KS", "DASLLAMA_VULKAN_GEMV_KS1_ROWS"):
+                       "1": {"DASLLAMA_VULKAN_GEMV_KS": "1"}, "4": {"DASLLAMA_VULKAN_GEMV_KS": "4"},
+                       "u4": {"DASLLAMA_VULKAN_GEMV_U": "4"}}.items():
+        for key in ("DASLLAMA_VULKAN_GEMV_KS", "DASLLAMA_VULKAN_GEMV_KS1_ROWS", "DASLLAMA_VULKAN_GEMV_U"):
             monkeypatch.delenv(key, raising=False)
         for key, val in env.items():
             monkeypatch.setenv(key, val)
@@ -1004,6 +1000,9 @@ def test_matmul_gemv_rows_split_or_whole(monkeypatch):
     assert np.array_equal(big["rule"], big["1"]), "the rule did not keep 8200 rows whole"
     assert not np.array_equal(big["rule"], big["rule off"]), "the rule's switch did not reach the shader"
     assert np.array_equal(qkv["rule"], qkv["rule off"]), "the rule changed a dispatch under 8192 rows"
+    # gemv1u4 (four units of a row in flight a lane; the default from 65536 rows) adds each lane's
+    # units in the same order as two a pass: the same bits.
+    assert np.array_equal(big["u4"], big["rule"]), "four units a lane changed the 8200 rows' sums"
 
 
 def _tiny_f16(tiny, built_dir):

@@ -188,6 +188,16 @@ for stage in "$@"; do
       step flash 300 python benchmarks/ab_cuda.py --device vulkan --types q8_0,f16 --no-tg --rounds 2 \
         DASLLAMA_VULKAN_FLASH_CM_TILE=0 DASLLAMA_VULKAN_FLASH_CM_TILE=r32 DASLLAMA_VULKAN_FLASH_CM_TILE=b64
       ;;
+    s36c)  # the defaults this session set: decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE=2) and
+      # Vulkan's gemv1u4 for the head (65536 rows and more): the harness, model tests, then the speed
+      step ops 300 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa or paged_attention_multi"
+      step tests 300 python -m pytest -q tests/test_cuda.py -k "every_family_and_format or greedy or attention_early or gemv_rope"
+      step vktests 240 python -m pytest -q tests/test_vulkan.py -k "gemv_rows_split or subgroup_path or greedy_batch"
+      step wide 240 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 2 DASLLAMA_CUDA_ATTN_WIDE=0 \
+        DASLLAMA_CUDA_ATTN_WIDE=2
+      step u4 200 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 3 DASLLAMA_VULKAN_GEMV_U=2 \
+        DASLLAMA_VULKAN_GEMV_U=
+      ;;
     fold)  # the lean GEMVs, rounding and rope as the only kernels (the same sums as before): the op
       # harness's matmuls (rows over 8 warps), the model tests against the CPU, the fused / tail paths
       # against op by op; then the speed and where an F16 / Q8_0 one-token step goes (PDL off: each
@@ -288,7 +298,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s36b, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s36b, s36c, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -2981,27 +2981,21 @@ class VulkanBackend final : public Backend {
         !c_->shuffle8 || a.q_stride % 4 != 0 || A(a.q) % 16 != 0 ||
         (A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off) % 16 != 0)
       return nullptr;
-    // DASLLAMA_VULKAN_FLASH_CM_TILE (A/B, read at each call): r32, row tiles of 32 (heads 64 and
-    // 128); b64, those with 64-key tiles (head 64). Unset: 64 rows x 32 keys (head 256: 32 x 16).
-    const char* te = std::getenv("DASLLAMA_VULKAN_FLASH_CM_TILE");
-    const int tile = hd == 256 || !te ? 0 : std::strcmp(te, "r32") == 0 ? 1 : std::strcmp(te, "b64") == 0 && hd == 64 ? 2 : 0;
     // Shared memory: K and V tiles (bc rows of head_dim + 8 halves), the scores and probabilities
-    // (br rows of 1.5 bc words), the corrections; coop adds Q (br rows) and the positions.
-    const uint32_t br = hd == 256 || tile ? 32 : 64, bc = hd == 256 ? 16 : tile == 2 ? 64 : 32,
-                   rs = (uint32_t)(hd / 8 + 1) * 16;
+    // (br rows of 1.5 bc words), the corrections; coop adds Q (br rows) and the positions. (Row
+    // tiles of 32, and 64-key tiles at head size 64, measured no faster on the H100: pp512 Q8_0
+    // 40,227 -> 40,339 / 35,589, RESULTS.md's thirty-sixth session.)
+    const uint32_t br = hd == 256 ? 32 : 64, bc = hd == 256 ? 16 : 32, rs = (uint32_t)(hd / 8 + 1) * 16;
     const uint32_t need = 2 * bc * rs + br * (bc * 3 / 2) * 4 + br * 4 + (coop ? br * rs + 16 * 16 * 4 : 0);
     if (c_->max_shared() < need) return nullptr;
     if (rows) *rows = br;
-    static const std::string names[3][3][3] = {
-        {{"flash_cme64", "flash_cm64", "flash_cm64_16"},
-         {"flash_cme128", "flash_cm128", "flash_cm128_16"},
-         {"flash_cme256", "flash_cm256", "flash_cm256_16"}},
-        {{"flash_cme64r", "flash_cm64r", "flash_cm64_16r"}, {"flash_cme128r", "flash_cm128r", "flash_cm128_16r"}, {}},
-        {{"flash_cme64b", "flash_cm64b", "flash_cm64_16b"}, {}, {}}};
+    static const std::string names[3][3] = {{"flash_cme64", "flash_cm64", "flash_cm64_16"},
+                                            {"flash_cme128", "flash_cm128", "flash_cm128_16"},
+                                            {"flash_cme256", "flash_cm256", "flash_cm256_16"}};
     const int i = hd == 64 ? 0 : hd == 128 ? 1 : 2;
-    if (emu) return names[tile][i][0].c_str();
+    if (emu) return names[i][0].c_str();
     if (c_->subgroup_size != 32 || !(c_->f16n8 || c_->f16n16)) return nullptr;
-    return names[tile][i][c_->f16n8 ? 1 : 2].c_str();
+    return names[i][c_->f16n8 ? 1 : 2].c_str();
   }
   void flash(const AttnArgs& a) {
     attn_q8_ = AttnQ8{};
