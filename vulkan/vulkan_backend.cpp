@@ -2644,9 +2644,9 @@ class VulkanBackend final : public Backend {
     // plain products of 65536 rows and more (the head: H100, F16 128256 x 2048, 257.6 -> 211.6 us
     // a product behind its barrier; Q / K / V, O, gate + up and down lost 3-11%: bench_vk_gemv.py).
     // DASLLAMA_VULKAN_GEMV_U=2 / 4 (A/B, read at each matmul): never / always.
-    const char* ue = std::getenv("DASLLAMA_VULKAN_GEMV_U");
+    const char* gu = std::getenv("DASLLAMA_VULKAN_GEMV_U");
     const bool u4 = direct && n == 1 && !fuse && !kt &&
-                    (ue && *ue ? std::strcmp(ue, "4") == 0 : rows_all >= 65536);
+                    (gu && *gu ? std::strcmp(gu, "4") == 0 : rows_all >= 65536);
     const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u) | (kt ? 1u << 21 : 0u) |
                          (u4 ? 1u << 22 : 0u);
     auto it = sg_names_.find(key);
