@@ -198,6 +198,13 @@ for stage in "$@"; do
       step u4 200 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 3 DASLLAMA_VULKAN_GEMV_U=2 \
         DASLLAMA_VULKAN_GEMV_U=
       ;;
+    s36d)  # s36c within the few device minutes left: the harness, the Vulkan bits, both A/Bs in short
+      step ops 120 python -m pytest -q -x tests/test_backend_ops.py -k "paged_attention_gqa and tok1"
+      step vktests 120 python -m pytest -q tests/test_vulkan.py -k "gemv_rows_split"
+      step u4 100 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 DASLLAMA_VULKAN_GEMV_U=2 \
+        DASLLAMA_VULKAN_GEMV_U=
+      step wide 100 python benchmarks/ab_cuda.py --types q8_0,f16 --rounds 2 DASLLAMA_CUDA_ATTN_WIDE=0 DASLLAMA_CUDA_ATTN_WIDE=2
+      ;;
     fold)  # the lean GEMVs, rounding and rope as the only kernels (the same sums as before): the op
       # harness's matmuls (rows over 8 warps), the model tests against the CPU, the fused / tail paths
       # against op by op; then the speed and where an F16 / Q8_0 one-token step goes (PDL off: each
@@ -298,7 +305,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s36b, s36c, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s36b, s36c, s36d, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
