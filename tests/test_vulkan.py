@@ -965,8 +965,7 @@ def test_matmul_gemv_rows_split_or_whole(monkeypatch):
     shared memory, or whole in one (the default for dispatches of 8192 rows and more), against
     float64 numpy: one weight of 8200 rows (a workgroup's 16 rows ragged at the end) and three
     of 40 / 8 / 3 rows (Q, K, V; norm fused), under the default rule, the rule off
-    (DASLLAMA_VULKAN_GEMV_KS1_ROWS=0), the split forced to 1 and 4, and four units of a row
-    loaded at a time (DASLLAMA_VULKAN_GEMV_U=4, gemv1u4: the head's default). Which split ran shows in
+    (DASLLAMA_VULKAN_GEMV_KS1_ROWS=0) and the split forced to 1 and 4. Which split ran shows in
     the bits (the sums' order): the rule keeps the 8200 rows whole (those of the forced 1, not of
     the rule off) and leaves Q, K, V split as before (where gemv.comp runs: a GPU, or lavapipe
     forced onto the GPUs' path by test_subgroup_path_on_lavapipe)."""
@@ -984,9 +983,8 @@ def test_matmul_gemv_rows_split_or_whole(monkeypatch):
     ref3 = np.concatenate([xn @ a.astype(np.float64).T for a in ws], axis=1)
     big, qkv = {}, {}
     for split, env in {"rule": {}, "rule off": {"DASLLAMA_VULKAN_GEMV_KS1_ROWS": "0"},
-                       "1": {"DASLLAMA_VULKAN_GEMV_KS": "1"}, "4": {"DASLLAMA_VULKAN_GEMV_KS": "4"},
-                       "u4": {"DASLLAMA_VULKAN_GEMV_U": "4"}}.items():
-        for key in ("DASLLAMA_VULKAN_GEMV_KS", "DASLLAMA_VULKAN_GEMV_KS1_ROWS", "DASLLAMA_VULKAN_GEMV_U"):
+                       "1": {"DASLLAMA_VULKAN_GEMV_KS": "1"}, "4": {"DASLLAMA_VULKAN_GEMV_KS": "4"}}.items():
+        for key in ("DASLLAMA_VULKAN_GEMV_KS", "DASLLAMA_VULKAN_GEMV_KS1_ROWS"):
             monkeypatch.delenv(key, raising=False)
         for key, val in env.items():
             monkeypatch.setenv(key, val)
@@ -1000,9 +998,6 @@ def test_matmul_gemv_rows_split_or_whole(monkeypatch):
     assert np.array_equal(big["rule"], big["1"]), "the rule did not keep 8200 rows whole"
     assert not np.array_equal(big["rule"], big["rule off"]), "the rule's switch did not reach the shader"
     assert np.array_equal(qkv["rule"], qkv["rule off"]), "the rule changed a dispatch under 8192 rows"
-    # gemv1u4 (four units of a row in flight a lane; the default from 65536 rows) adds each lane's
-    # units in the same order as two a pass: the same bits.
-    assert np.array_equal(big["u4"], big["rule"]), "four units a lane changed the 8200 rows' sums"
 
 
 def _tiny_f16(tiny, built_dir):

@@ -2588,8 +2588,6 @@ class VulkanBackend final : public Backend {
     const uint32_t ue = t == kQ8Split ? 16 : t == kQ4Split ? 32 : (t == 1 || t == 30) ? 8 : 0;
     bool direct = ue && gemv_on() && pc.cols % ue == 0 && pc.row_bytes % 16 == 0 && pc.x % 16 == 0 && pc.norm_w % 16 == 0;
     for (int i = 0; direct && i < count; ++i) direct = pc.w[i] % 16 == 0;
-    int64_t rows_all = 0;
-    for (int i = 0; i < count; ++i) rows_all += ws[i]->rows;
     uint32_t rpw = 4;
     if (direct) {
       const uint32_t S = c_->subgroup_size, nsg = std::max<uint32_t>(1, 128 / S), nu = pc.cols / ue;
@@ -2600,6 +2598,8 @@ class VulkanBackend final : public Backend {
       // (bench_vk_gemv.py --type f16 on the H200); a few thousand rows are faster split.
       // DASLLAMA_VULKAN_GEMV_KS1_ROWS: that row count (default 8192; 0: never); _GEMV_KS=1|2|4:
       // ks forced. Both for A/B runs, read at each matmul.
+      int64_t rows_all = 0;
+      for (int i = 0; i < count; ++i) rows_all += ws[i]->rows;
       const char* k1 = std::getenv("DASLLAMA_VULKAN_GEMV_KS1_ROWS");
       const int64_t ks1_rows = k1 && *k1 ? std::atoll(k1) : 8192;
       if (ks1_rows > 0 && rows_all >= ks1_rows) ks = 1;
@@ -2640,19 +2640,11 @@ class VulkanBackend final : public Backend {
                 {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
                 {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
     }
-    // gemv1u4_*: four units of each row in flight a lane where gemv1_* has two, for one token's
-    // plain products of 65536 rows and more (the head: H100, F16 128256 x 2048, 257.6 -> 211.6 us
-    // a product behind its barrier; Q / K / V, O, gate + up and down lost 3-11%: bench_vk_gemv.py).
-    // DASLLAMA_VULKAN_GEMV_U=2 / 4 (A/B, read at each matmul): never / always.
-    const char* gu = std::getenv("DASLLAMA_VULKAN_GEMV_U");
-    const bool u4 = direct && n == 1 && !fuse && !kt &&
-                    (gu && *gu ? std::strcmp(gu, "4") == 0 : rows_all >= 65536);
-    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u) | (kt ? 1u << 21 : 0u) |
-                         (u4 ? 1u << 22 : 0u);
+    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u) | (kt ? 1u << 21 : 0u);
     auto it = sg_names_.find(key);
     if (it == sg_names_.end())
       it = sg_names_
-               .emplace(key, (direct ? (n == 1 ? (u4 ? "gemv1u4_" : "gemv1_") : "gemv8_") : "matmul_sg_") +
+               .emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") +
                                  std::string(fuse ? "glu_" : kt ? "kv_" : "") + std::to_string(t))
                .first;
     const size_t sig0 = c_->sig_bytes();

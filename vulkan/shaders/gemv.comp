@@ -40,10 +40,7 @@ layout(push_constant, std430) uniform PC {
   uint64_t kvp;  // KVT: the KV tail's parameters
 } pc;
 
-#ifndef UNITS  // units of each row a lane loads before using any (gemv1u4_*: 4)
-#define UNITS 2
-#endif
-const uint R = 4u, U = UNITS;
+const uint R = 4u, U = 2u;
 #if TYPE == T_Q8_0S
 const uint UE = 16u;
 #elif TYPE == T_Q4_0S
