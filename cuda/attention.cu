@@ -540,8 +540,8 @@ int attn_gqa_heads(const AttnArgs& a) {
 }
 
 // Default 2: H100, Llama-1B tg256 (contexts to ~270 keys), 0 / 2 / 4: Q8_0 1,105 / 1,138 /
-// 1,136 t/s, Q4_0 1,401 / 1,452 / 1,452, F16 864 / 886 / 885. Past two batches a split's
-// partial and merge (about two waits) cost less than the batches a whole block walks in turn.
+// 1,136 t/s, Q4_0 1,401 / 1,452 / 1,452, F16 864 / 886 / 885. Longer contexts keep the splits
+// (a block walks its batches one wait after another; not timed past these contexts).
 int attn_gqa_wide() {
   const char* e = std::getenv("DASLLAMA_CUDA_ATTN_WIDE");  // read at each launch (ab_cuda.py)
   return e && *e ? std::max(0, std::atoi(e)) : 2;
