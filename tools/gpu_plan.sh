@@ -154,56 +154,16 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    s36)  # decode attention's key splits merged inside a thread-block cluster (DASLLAMA_CUDA_ATTN_CLUSTER,
-      # default 16 on sm_90; 0: the last block's merge through global partials): bits against that
-      # merge, the attention harness and model tests, the speed; then where Vulkan's pp512 and F16
-      # decode go, shader by shader (each dispatch behind a barrier)
-      step tests 420 python -m pytest -q tests/test_cuda.py -k "attention_cluster or attention_early or gemv_rope or every_family_and_format or greedy"
-      step ops 300 python -m pytest -q tests/test_backend_ops.py -k "attention"
-      step ab 400 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 2 DASLLAMA_CUDA_ATTN_CLUSTER=0 \
-        DASLLAMA_CUDA_ATTN_CLUSTER=8 DASLLAMA_CUDA_ATTN_CLUSTER=16
-      step prof8 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type q8_0 --steps 16
-      # Vulkan: the Q / K / V GEMV's own stores doing the ropes and KV store (gemv.comp -DKVE,
-      # DASLLAMA_VULKAN_KVE, default on): bits against the kv_store dispatch, then F16 decode
-      step vktests 300 python -m pytest -q tests/test_vulkan.py -k "gemv_tails or kv_types or decode or greedy"
-      step vkab 240 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 3 DASLLAMA_VULKAN_KVE=0 DASLLAMA_VULKAN_KVE=1
+    s36)  # decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE, default 2; 0: the key splits as before):
+      # the harness against float64 (every one-row case on it too), the model tests with it over more keys,
+      # the A/B; then where Vulkan's pp512 and F16 decode go, shader by shader (each dispatch behind a barrier)
+      step ops 300 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa or paged_attention_multi"
+      step tests 300 env DASLLAMA_CUDA_ATTN_WIDE=4 python -m pytest -q tests/test_cuda.py -k "every_family_and_format or greedy or attention_early or gemv_rope"
+      step wide 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --rounds 2 DASLLAMA_CUDA_ATTN_WIDE=0 \
+        DASLLAMA_CUDA_ATTN_WIDE=2 DASLLAMA_CUDA_ATTN_WIDE=4
       step vkpp 200 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --no-tg --rounds 1 DASLLAMA_VULKAN_PROFILE=each=24
       step vktg 150 env DASLLAMA_VULKAN_PROFILE=each=16 python benchmarks/profile_vulkan.py --type f16 --rounds 1 --steps 8 \
         --configs "all on"
-      ;;
-    s36b)  # Vulkan A/Bs: gemv.comp with four units of a row in flight a lane (DASLLAMA_VULKAN_GEMV_U=4)
-      # per shape and in F16 decode; flash_cm's row tiles of 32 and 64-key tiles (FLASH_CM_TILE) after
-      # their check against numpy; and the KV stores' registers (gemv1_kve_1 against gemv1_1)
-      # CUDA: a one-row step's decode attention unsplit on a 16-warp block (DASLLAMA_CUDA_ATTN_WIDE=N: up
-      # to N of its batches of keys; 0 off): the harness against float64, the model tests with it, the speed
-      step wideops 300 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa"
-      step widetests 300 env DASLLAMA_CUDA_ATTN_WIDE=4 python -m pytest -q tests/test_cuda.py -k "every_family_and_format or greedy"
-      step wide 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --rounds 2 DASLLAMA_CUDA_ATTN_WIDE=0 \
-        DASLLAMA_CUDA_ATTN_WIDE=2 DASLLAMA_CUDA_ATTN_WIDE=4
-      step regs 120 env DASLLAMA_VULKAN_PIPESTATS=1 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 1 \
-        DASLLAMA_VULKAN_KVE=1
-      step gemv 200 python benchmarks/bench_vk_gemv.py --type f16 --shapes qkv,o,gate_up,down,head --settings GEMV_U=2,GEMV_U=4
-      step tg 240 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 3 DASLLAMA_VULKAN_GEMV_U=2 DASLLAMA_VULKAN_GEMV_U=4
-      step flashtests 240 python -m pytest -q tests/test_vulkan.py -k "flash_cm_on_lavapipe or flash_variants"
-      step flash 300 python benchmarks/ab_cuda.py --device vulkan --types q8_0,f16 --no-tg --rounds 2 \
-        DASLLAMA_VULKAN_FLASH_CM_TILE=0 DASLLAMA_VULKAN_FLASH_CM_TILE=r32 DASLLAMA_VULKAN_FLASH_CM_TILE=b64
-      ;;
-    s36c)  # the defaults this session set: decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE=2) and
-      # Vulkan's gemv1u4 for the head (65536 rows and more): the harness, model tests, then the speed
-      step ops 300 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa or paged_attention_multi"
-      step tests 300 python -m pytest -q tests/test_cuda.py -k "every_family_and_format or greedy or attention_early or gemv_rope"
-      step vktests 240 python -m pytest -q tests/test_vulkan.py -k "gemv_rows_split or subgroup_path or greedy_batch"
-      step wide 240 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 2 DASLLAMA_CUDA_ATTN_WIDE=0 \
-        DASLLAMA_CUDA_ATTN_WIDE=2
-      step u4 200 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 3 DASLLAMA_VULKAN_GEMV_U=2 \
-        DASLLAMA_VULKAN_GEMV_U=
-      ;;
-    s36d)  # s36c within the few device minutes left: the harness, the Vulkan bits, both A/Bs in short
-      step ops 120 python -m pytest -q -x tests/test_backend_ops.py -k "paged_attention_gqa and tok1"
-      step vktests 120 python -m pytest -q tests/test_vulkan.py -k "gemv_rows_split"
-      step u4 100 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 DASLLAMA_VULKAN_GEMV_U=2 \
-        DASLLAMA_VULKAN_GEMV_U=
-      step wide 100 python benchmarks/ab_cuda.py --types q8_0,f16 --rounds 2 DASLLAMA_CUDA_ATTN_WIDE=0 DASLLAMA_CUDA_ATTN_WIDE=2
       ;;
     fold)  # the lean GEMVs, rounding and rope as the only kernels (the same sums as before): the op
       # harness's matmuls (rows over 8 warps), the model tests against the CPU, the fused / tail paths
@@ -305,7 +265,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s36b, s36c, s36d, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
