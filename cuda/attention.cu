@@ -458,7 +458,7 @@ void launch_gqa3(const AttnArgs& a, const AttnArgs* dargs, int maxtok, int64_t r
   const dim3 grid((unsigned)splits, (unsigned)(a.n_heads / GH), (unsigned)rows);
   const char* e = std::getenv("DASLLAMA_CUDA_ATTN_EARLY");  // read at each launch (ab_cuda.py)
   const bool early_kv = !(e && std::strcmp(e, "0") == 0);
-  if (rows == 1 && splits == 1 && attn_gqa_wide() > 0)  // (attn_gqa_splits left it whole)
+  if (attn_gqa_on_wide(rows, splits))
     launch(gqa::attn_gqa_k<KT, NC, GH, gqa::WW>, grid, gqa::WW * 32, 0, st, a, dargs, maxtok, splits, part, cnt, qo,
            early_kv);
   else
@@ -546,6 +546,9 @@ int attn_gqa_wide() {
   const char* e = std::getenv("DASLLAMA_CUDA_ATTN_WIDE");  // read at each launch (ab_cuda.py)
   return e && *e ? std::max(0, std::atoi(e)) : 2;
 }
+
+// (attn_gqa_splits left such an item whole.)
+bool attn_gqa_on_wide(int64_t rows, int splits) { return rows == 1 && splits == 1 && attn_gqa_wide() > 0; }
 
 int attn_gqa_splits(int64_t rows, const AttnArgs& a, int64_t n_kv, int n_sm) {
   const char* e = std::getenv("DASLLAMA_CUDA_ATTN_GQA_SPLITS");  // A/B: a forced split count

@@ -822,7 +822,7 @@ class CudaBackend final : public Backend {
     int* cnt = splits > 1 ? counters_for((size_t)a.n_tok * a.n_heads) : nullptr;
     // Its args are baked into the launch, not the signature: a step with one runs directly.
     if (rec_) no_graph_ = true;
-    if (gqa) ++gqa_attn_, wide_attn_ += a.n_tok == 1 && splits == 1 && cuda::attn_gqa_wide() > 0;
+    if (gqa) ++gqa_attn_, wide_attn_ += cuda::attn_gqa_on_wide(a.n_tok, splits);
     op(Tag::attention, [=](cudaStream_t s) { cuda::attention(a, splits, scratch, cnt, s, gqa); });
   }
   void attention_multi(const AttnArgs* a, int count) override {
@@ -861,7 +861,7 @@ class CudaBackend final : public Backend {
     const size_t off = blob_put(a, sizeof(AttnArgs) * count);
     const AttnArgs shape = a[0];
     const int cnt = count, mt = (int)maxtok;
-    if (gqa) ++gqa_attn_, wide_attn_ += slots == 1 && splits == 1 && cuda::attn_gqa_wide() > 0;
+    if (gqa) ++gqa_attn_, wide_attn_ += cuda::attn_gqa_on_wide(slots, splits);
     op(
         Tag::attention_group,
         [=](cudaStream_t s) {

@@ -183,6 +183,9 @@ int attn_gqa_splits(int64_t rows, const AttnArgs& a, int64_t n_kv, int n_sm);  /
 // unsplit (no partials, counter or merge by a last block): DASLLAMA_CUDA_ATTN_WIDE=N (default 2;
 // 0 off), read at each launch.
 int attn_gqa_wide();
+// Whether a launch of `rows` query rows in `splits` key splits takes the wide block (the launcher
+// and the backend's path_count agree through this one test).
+bool attn_gqa_on_wide(int64_t rows, int splits);
 // Where attention also writes its output rounded to q8 blocks, as quantize_act (no norm) would
 // round it for the next matmul: element e of the rows from `base` (the output's first row,
 // rows `cols` apart; head_dim a multiple of 32) goes to xq[e], block e / 32 to xd / xs.
