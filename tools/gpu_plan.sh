@@ -154,6 +154,19 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
+    s37)  # Vulkan's decode prefetch (DASLLAMA_VULKAN_PREFETCH_MB: O and gate / up read into L2 beside the
+      # attention): its bits on the driver, then the A/B; the wide block's condition in one helper (the
+      # one-row harness again); where a CUDA F16 / Q8_0 one-token step goes (PDL off: each kernel's own time)
+      step vktest 200 python -m pytest -q tests/test_vulkan.py -k "prefetch_alike or decode_steps or gemv_tails_alike"
+      step vkpf 420 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0,q4_0 --rounds 2 \
+        DASLLAMA_VULKAN_PREFETCH_MB=0 DASLLAMA_VULKAN_PREFETCH_MB=8 DASLLAMA_VULKAN_PREFETCH_MB=16 DASLLAMA_VULKAN_PREFETCH_MB=32
+      step ops 300 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa and tok1"
+      # the f16 / bf16 gate / up GEMV forming the GLU in its tail (TAILS bit 2; no glu_k launch): bits, then speed
+      step glutest 300 python -m pytest -x -q tests/test_cuda.py -k "f16_glu_tail or fused_decode_ops or gemv_rope or greedy"
+      step glu 300 python benchmarks/ab_cuda.py --shapes llama1b,smollm135m --types f16 --batches 4 --rounds 3 \
+        DASLLAMA_CUDA_TAILS=0 DASLLAMA_CUDA_TAILS=2
+      step prof16 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
+      ;;
     s36)  # decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE, default 2; 0: the key splits as before):
       # the harness against float64 (every one-row case on it too), the model tests with it over more keys,
       # the A/B; then where Vulkan's pp512 and F16 decode go, shader by shader (each dispatch behind a barrier)
@@ -265,7 +278,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
