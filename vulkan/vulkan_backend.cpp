@@ -758,7 +758,17 @@ class Ctx {
     begin();
     order();
     record_dispatch(p, push, (uint32_t)push_bytes, gx, gy, gz);
-    if (qpool_) stamp(shader);
+    if (qpool_) {
+      // DASLLAMA_VULKAN_PROFILE_GRID=1: each grid its own row (a GEMM's matrices apart).
+      static const bool by_grid = std::getenv("DASLLAMA_VULKAN_PROFILE_GRID") != nullptr;
+      if (by_grid) {
+        const std::string n = std::string(shader) + "@" + std::to_string(gx) + "x" + std::to_string(gy) +
+                              (gz > 1 ? "x" + std::to_string(gz) : "");
+        stamp(n.c_str());
+      } else {
+        stamp(shader);
+      }
+    }
   }
   void record_dispatch(VkPipeline p, const void* push, uint32_t push_bytes, uint32_t gx, uint32_t gy, uint32_t gz) {
     if (p != bound_) f_.vkCmdBindPipeline(cb_, VK_PIPELINE_BIND_POINT_COMPUTE, p), bound_ = p;
