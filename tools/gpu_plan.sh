@@ -166,6 +166,9 @@ for stage in "$@"; do
       step glu 300 python benchmarks/ab_cuda.py --shapes llama1b,smollm135m --types f16 --batches 4 --rounds 3 \
         DASLLAMA_CUDA_TAILS=0 DASLLAMA_CUDA_TAILS=2
       step prof16 120 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
+      # Vulkan's pp512 by shader and grid (each GEMM's matrix apart; every dispatch behind a barrier)
+      step vkgrid 200 env DASLLAMA_VULKAN_PROFILE=each=40 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
+        --device vulkan --types f16,q8_0 --no-tg --rounds 1 DASLLAMA_NONE=1
       ;;
     s36)  # decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE, default 2; 0: the key splits as before):
       # the harness against float64 (every one-row case on it too), the model tests with it over more keys,
