@@ -115,12 +115,14 @@ def test_matmul(backends, wtype, rows, cols, n):
 
 
 @pytest.mark.parametrize("wtype", ["f16", "bf16"])
-def test_matmul_token_scales(backends, wtype):
+# (256, 1024, 256): whole tiles of every size, k a multiple of 512 (Vulkan's workgroup-scope tiles'
+# unclamped, unrolled path).
+@pytest.mark.parametrize("rows,cols,n", [(70, 512, 80), (256, 1024, 256)])
+def test_matmul_token_scales(backends, wtype, rows, cols, n):
     """Prefill rows of very different magnitudes (1e-12 .. 1e12, a zero row, one outlier) against
     float weights: each token's outputs keep f32 precision on its own scale (a device that splits
     activations into halves with a scale per token must pick each token's scale)."""
     rng = np.random.default_rng(61)
-    rows, cols, n = 70, 512, 80
     raw, w = make_weight(rng, wtype, rows, cols)
     x = rng.standard_normal((n, cols)).astype(np.float32)
     x *= (10.0 ** rng.integers(-12, 13, n)).astype(np.float32)[:, None]
@@ -304,7 +306,7 @@ def f16_rounded_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hi, 1.0 / s
 
 
-@pytest.mark.parametrize("rows,cols,n", [(70, 512, 1), (67, 512, 33), (130, 1000, 80), (200, 544, 130)])
+@pytest.mark.parametrize("rows,cols,n", [(70, 512, 1), (67, 512, 33), (130, 1000, 80), (200, 544, 130), (256, 1024, 256)])
 def test_matmul_f16_q8_mode(q8_backends, rows, cols, n):
     """f16 weights loaded as in q8 mode, with tokens of very different magnitudes (1e-12 ..
     1e12, a zero row, an outlier): a backend either keeps the activations in f32 (the CPU; a

@@ -555,7 +555,7 @@ def test_f16_prefill_coopmat2(built_dir):
     """The f16 prefill on NVIDIA's workgroup-scope cooperative matrices (gemm_f16m.comp: a tile a
     workgroup's matrix, tensor loads straight from memory; DASLLAMA_VULKAN_COOPMAT2=1 enables the
     extensions, DASLLAMA_VULKAN_F16C=cm2* picks the tiles): each tile (128 x 128, 128 x 64, 64 x 64,
-    and the rule's) holds the op harness's f16 matmul cases at F32_DOT against float64 numpy
+    128 x 256, and the rule's; whole tiles with k a multiple of 512 take the unclamped, unrolled loop) holds the op harness's f16 matmul cases at F32_DOT against float64 numpy
     (tokens from 1e-12 to 1e12, rows, tokens and k ending mid-tile) and an f16 model's prefill
     logits, then in q8 mode (x rounded to f16 once, one product) against numpy's own rounding;
     the profile shows those shaders ran. Needs a device with VK_NV_cooperative_matrix2 and a build
@@ -567,7 +567,7 @@ def test_f16_prefill_coopmat2(built_dir):
                     "with glslang 15: NVIDIA's driver)")
     exact = "(matmul and f16 and not bf16 and not q8_mode) or f16_model_prefill"
     q8 = "f16_q8_mode or f16_model_q8_mode"
-    for mode, tile in (("cm2l", "L"), ("cm2m", "M"), ("cm2s", "S"), ("cm2", "")):
+    for mode, tile in (("cm2l", "L"), ("cm2m", "M"), ("cm2s", "S"), ("cm2x", "X"), ("cm2", "")):
         for k, sh in ((exact, "gemm_f16m"), (q8, "gemm_f16mo")):
             r = _child(built_dir, {"DASLLAMA_VULKAN_COOPMAT2": "1", "DASLLAMA_VULKAN_PROFILE": "1",
                                    "DASLLAMA_VULKAN_F16C": mode}, ("test_backend_ops.py", "test_vulkan.py"), k, s=True)
@@ -579,7 +579,7 @@ def test_f16_prefill_coopmat2(built_dir):
     # q8 mode's split q8_0 / q4_0 with each block decoded in the tiles' loads (DASLLAMA_VULKAN_Q8CM2=1)
     if "coopmat2 block loads" not in _VK["devices"][0]["features"]:
         return
-    for mode, tile in (("cm2l", "L"), ("cm2s", "S"), ("cm2", "")):
+    for mode, tile in (("cm2l", "L"), ("cm2s", "S"), ("cm2x", "X"), ("cm2", "")):
         r = _child(built_dir, {"DASLLAMA_VULKAN_COOPMAT2": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
                                "DASLLAMA_VULKAN_Q8CM2": "1"}, ("test_vulkan.py",), "q8_mode_prefill_on_coopmat2_tiles", s=True)
         out = r.stdout + r.stderr
@@ -605,7 +605,7 @@ def test_q8_mode_prefill_on_coopmat2_tiles(wtype):
                     "matrices with block loads)")
     b = d._core.Backend("vulkan:0", exact=False)
     qt = int(T[wtype.upper()])
-    for rows, cols, n in [(200, 544, 130), (67, 96, 33), (130, 2080, 70)]:
+    for rows, cols, n in [(200, 544, 130), (67, 96, 33), (130, 2080, 70), (256, 1024, 256)]:
         rng = np.random.default_rng(rows + cols + n)
         parts = [make_weight(rng, wtype, r, cols) for r in (rows, 40, 129)]
         x = rng.standard_normal((n, cols)).astype(np.float32)

@@ -1900,11 +1900,12 @@ class VulkanBackend final : public Backend {
   // f16 once instead (f16_round, one product: gemm_f16o* / gemm_f16eo*), as llama.cpp does;
   // k32 and emuw keep the split (A/B variants of it). (Each stage's loads two stages ahead, and
   // k split over a tile's workgroups, were tried and lost on the H100: twenty-eighth session.)
-  // cm2, cm2l, cm2m, cm2s: NVIDIA's workgroup-scope matrices (gemm_f16m.comp, where the device
-  // was created with them: DASLLAMA_VULKAN_COOPMAT2=1; else as unset): tiles of 128 x 128, 128 x
-  // 64 or 64 x 64 (rows x tokens), cm2 picking by their count (cm2_tile); A/B until timed.
+  // cm2, cm2l, cm2m, cm2s, cm2x: NVIDIA's workgroup-scope matrices (gemm_f16m.comp, where the
+  // device was created with them: DASLLAMA_VULKAN_COOPMAT2=1; else as unset): tiles of 128 x 128,
+  // 128 x 64, 64 x 64 or 128 x 256 (rows x tokens), cm2 picking by their count (cm2_tile); A/B
+  // until timed.
   enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cCm2, kF16cCm2L,
-                  kF16cCm2M, kF16cCm2S };
+                  kF16cCm2M, kF16cCm2S, kF16cCm2X };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
     if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "k64") == 0) return kF16cAuto;
@@ -1917,6 +1918,7 @@ class VulkanBackend final : public Backend {
     if (std::strcmp(e, "cm2l") == 0) return kF16cCm2L;
     if (std::strcmp(e, "cm2m") == 0) return kF16cCm2M;
     if (std::strcmp(e, "cm2s") == 0) return kF16cCm2S;
+    if (std::strcmp(e, "cm2x") == 0) return kF16cCm2X;
     return kF16cOff;
   }
   // The shader family of this f16 prefill: its name before the tile's mark and after it
@@ -1962,7 +1964,7 @@ class VulkanBackend final : public Backend {
           (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups || f16_need(n, w.cols) >= f16c_failed_)
         return p;
       p.one = true, p.pre = lt == kQ8Split ? "gemm_f16mq40" : "gemm_f16mq41";
-      p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : 'a';
+      p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : m == kF16cCm2X ? 'X' : 'a';
       return p;
     }
     if (m == kF16cOff || (lay_type(w) != (uint32_t)GGMLType::F16 && !dq) || n <= kTileMin || w.rows <= 0 ||
@@ -1974,7 +1976,7 @@ class VulkanBackend final : public Backend {
     p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || cm2);
     if (cm2) {  // (16-aligned rows and x as the tiles below; any subgroup size: the driver's)
       p.pre = p.one ? "gemm_f16mo" : "gemm_f16m";
-      p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : 'a';
+      p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : m == kF16cCm2X ? 'X' : 'a';
       return p;
     }
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
@@ -2080,7 +2082,7 @@ class VulkanBackend final : public Backend {
       c_->uses({{pc.w, p.dq ? dq_bytes_ : Ctx::kWhole, false}, {f16_xh_, f16_bytes_, false}, {A(y), y_bytes, true}});
       if (p.cm2) {
         const char t = p.cm2 == 'a' ? cm2_tile(rows, n) : p.cm2;
-        const int64_t bm = t == 'S' ? 64 : 128, bn = t == 'L' ? 128 : 64;
+        const int64_t bm = t == 'S' ? 64 : 128, bn = t == 'X' ? 256 : t == 'L' ? 128 : 64;
         c_->dispatch((std::string(p.pre) + t).c_str(), &pc, sizeof pc, (uint32_t)((n + bn - 1) / bn),
                      (uint32_t)((rows + bm - 1) / bm));
         return;

@@ -5,8 +5,8 @@
 // driver stages them through shared memory and spreads the products over the subgroups itself,
 // with what Vulkan otherwise lacks (asynchronous copies, more than 48 KB a workgroup). This is
 // the path llama.cpp's Vulkan build takes on NVIDIA (its *_cm2 shaders); 64 of k a stage and
-// 128 x 128 / 64 x 64 tiles as its f16 ones (its largest, 128 x 256, would leave pp512's
-// matrices a wave or less on a large GPU). Rows, tokens and k past the ends read zeros
+// 128 x 128 / 64 x 64 tiles as its f16 ones, and its largest, 128 x 256 (X, F16C=cm2x: pp512's
+// matrices a wave or less on a large GPU, which its build takes for them all). Rows, tokens and k past the ends read zeros
 // (clamp-to-constant layouts) and are not stored; the sums' order is the driver's, so the
 // result is held to float64 numpy, not to gemm_f16c's bits.
 // QT=40 / 41 (gemm_f16mq40* / q41*: q8 mode's q8_0 / q4_0 in the split layout, with
@@ -44,6 +44,9 @@
 #endif
 #ifndef NTH
 #define NTH 256
+#endif
+#ifndef UNROLL  // k stages a pass of the fast path's loop (llama.cpp's *_cm2: 8)
+#define UNROLL 8
 #endif
 
 layout(local_size_x = NTH) in;
@@ -114,20 +117,46 @@ void main() {
 #endif
   coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator> acc =
       coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>(0.0);
-  for (uint k = 0; k < pc.cols; k += BK) {
-    coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;
-    coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;
 #ifdef QT
-    coopMatLoadTensorNV(a, w.v, 0, sliceTensorLayoutNV(lw, r0, BM, k, BK), decode_q);
+#define LOAD_A(LW, k) coopMatLoadTensorNV(a, w.v, 0, sliceTensorLayoutNV(LW, r0, BM, k, BK), decode_q);
 #else
-    coopMatLoadTensorNV(a, w.v, 0, sliceTensorLayoutNV(lw, r0, BM, k, BK));
+#define LOAD_A(LW, k) coopMatLoadTensorNV(a, w.v, 0, sliceTensorLayoutNV(LW, r0, BM, k, BK));
 #endif
-    coopMatLoadTensorNV(b, xh.v, 0, sliceTensorLayoutNV(lx, t0, BN, k, BK), tr);
-    acc = coopMatMulAdd(a, b, acc);
 #if LO
-    coopMatLoadTensorNV(b, xl.v, 0, sliceTensorLayoutNV(lx, t0, BN, k, BK), tr);
-    acc = coopMatMulAdd(a, b, acc);
+#define MMA_LO(LX, k)                                                                              \
+  coopMatLoadTensorNV(b, xl.v, 0, sliceTensorLayoutNV(LX, t0, BN, k, BK), tr);                      \
+  acc = coopMatMulAdd(a, b, acc);
+#else
+#define MMA_LO(LX, k)
 #endif
+#define STAGE(LW, LX, k)                                                                           \
+  {                                                                                                \
+    coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;                                \
+    coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;                                \
+    LOAD_A(LW, k)                                                                                  \
+    coopMatLoadTensorNV(b, xh.v, 0, sliceTensorLayoutNV(LX, t0, BN, k, BK), tr);                    \
+    acc = coopMatMulAdd(a, b, acc);                                                                \
+    MMA_LO(LX, k)                                                                                  \
+  }
+  if (r0 + BM <= pc.rows && t0 + BN <= pc.n && pc.cols % (BK * UNROLL) == 0) {
+    // The tile wholly inside (llama.cpp's fast path): layouts without clamping, so the loads
+    // need no bounds, and UNROLL stages a pass, so the driver can pipeline their loads. The
+    // same products in the same order as the loop below.
+    tensorLayoutNV<2> fw = createTensorLayoutNV(2);
+    fw = setTensorLayoutDimensionNV(fw, pc.rows, pc.cols);
+#ifdef QT
+    fw = setTensorLayoutBlockSizeNV(fw, 1, QT == 40 ? 16u : 32u);
+    fw = setTensorLayoutStrideNV(fw, uint(pc.row_bytes / 16u), 1);
+#else
+    fw = setTensorLayoutStrideNV(fw, uint(pc.row_bytes / 2) & ~7u, 1);  // (16-byte rows: a hint)
+#endif
+    tensorLayoutNV<2> fx = createTensorLayoutNV(2);
+    fx = setTensorLayoutDimensionNV(fx, pc.n, pc.cols);
+    fx = setTensorLayoutStrideNV(fx, pc.cols & ~7u, 1);
+    for (uint k0 = 0; k0 < pc.cols; k0 += BK * UNROLL)
+      [[unroll]] for (uint j = 0; j < UNROLL; ++j) STAGE(fw, fx, k0 + j * BK)
+  } else {
+    for (uint k = 0; k < pc.cols; k += BK) STAGE(lw, lx, k)
   }
   coopMatPerElementNV(acc, acc, scale_token, t0);
   tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> ly =
