@@ -745,7 +745,6 @@ class CudaBackend final : public Backend {
     if (name == "attn_gqa") return gqa_attn_;
     if (name == "attn_wide") return wide_attn_;
     if (name == "gemv_rope") return gemv_rope_;
-    if (name == "f16_glu_tail") return glu_tail_;
     return 0;
   }
   void matmul_step(const MatmulStep& s) override {
@@ -1062,29 +1061,9 @@ class CudaBackend final : public Backend {
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
     use();
-    if (rec_ && glu_in_gemv(gate, gs, up, us, out, n_rows, dim, act)) return;
     op(Tag::glu, [=](cudaStream_t s) { cuda::glu(gate, gs, up, us, out, n_rows, dim, act, s); }, gate, gs, up, us, out,
        n_rows, dim, act);
     if (rec_) glu_ = GluRec{ops_.size() - 1, gate, gs, up, us, out, n_rows, dim, act};
-  }
-  // Whether the f16 / bf16 gate / up GEMV recorded right before this GLU (one token, gate and up
-  // its two outputs) forms it in its tail, as each 32-row chunk of both completes (glu_k's
-  // values, no launch of its own; DASLLAMA_CUDA_TAILS bit 2, as q8 mode's GLU tail). Records it.
-  bool glu_in_gemv(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows,
-                   int64_t dim, Act act) {
-    const GemvRec& r = gu_;
-    if (!(tails_ & 2) || n_rows != 1 || !kvq_.empty() || r.at + 1 != ops_.size() || r.j.y[0] != gate ||
-        r.j.y[1] != up)
-      return false;
-    cuda::GemvTail t;
-    t.kind = cuda::GemvTail::glu, t.act = cuda::act_code(act), t.out = out, t.cols = dim;
-    if (!(t.cnt = tail_counters()) || !cuda::gemv_tail_fits(r.j, t)) return false;
-    const cuda::GemvJob rj = r.j;
-    ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
-    sig1(Tag::gemv_tail), sig1(t.cnt), sig1(Tag::glu), sig1(gate), sig1(gs), sig1(up), sig1(us), sig1(out),
-        sig1(n_rows), sig1(dim), sig1(act);
-    gu_.at = SIZE_MAX, glu_.at = SIZE_MAX, ++fused_ops_, ++glu_tail_;
-    return true;
   }
   void add(float* y, const float* x, int64_t n) override {
     use();
@@ -1357,8 +1336,6 @@ class CudaBackend final : public Backend {
     if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
     else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
     if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j};
-    if (!q8 && !mma && s.n == 1 && s.count == 2 && (j.type == cuda::T_F16 || j.type == cuda::T_BF16))
-      gu_ = GemvRec{ops_.size() - 1, j};
     if (!mma && !kq && s.count == 3 && !s.residual && s.n <= 4) qkv_ = GemvRec{ops_.size() - 1, j};
     return true;
   }
@@ -1566,11 +1543,10 @@ class CudaBackend final : public Backend {
     cuda::GemvJob j;
   } gemv_;
   GemvRec qkv_;  // the last GEMV of three matrices and 1-4 tokens (a Q / K / V one), for rope_in_gemv
-  GemvRec gu_;   // the last f16 / bf16 GEMV of two matrices and one token (gate / up), for glu_in_gemv
   void clear_step() {
     chains_.clear();
     rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
-    qkv_.at = SIZE_MAX, gu_.at = SIZE_MAX;
+    qkv_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
     parts_rec_ = LogitParts();
@@ -1838,8 +1814,7 @@ class CudaBackend final : public Backend {
   int dev_;
   cudaDeviceProp prop_{};
   // A one-token q8 GEMV does the rounding (bit 1) or the GLU + rounding (bit 2) that follows it
-  // in its own last blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS, default 2);
-  // bit 2 also has a one-token f16 / bf16 gate / up GEMV form the GLU (glu_in_gemv).
+  // in its own last blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS, default 2).
   // The roundings stay off: on the H200 one block rounding a whole row after the others cost
   // more than the launch (Llama-1B Q8_0 decode 785 -> 718 t/s, RESULTS.md).
   int tails_ = [] {
@@ -1908,7 +1883,6 @@ class CudaBackend final : public Backend {
   size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;
   int64_t gemv_rope_ = 0;  // Q / K / V GEMVs recorded with the rope and KV stores (path_count)
-  int64_t glu_tail_ = 0;  // f16 / bf16 gate / up GEMVs recorded with the GLU in their tail (path_count)
   int64_t gqa_attn_ = 0;  // attentions issued or recorded on the grouped-query kernel (path_count)
   int64_t wide_attn_ = 0;  // those of them on its wide block, one row unsplit (path_count)
   float* pinned_ = nullptr;  // host_staging's buffer

@@ -130,10 +130,8 @@ struct GemvRows {
 };
 
 // What a GEMV does with its finished outputs: called by every lane of a warp of part 0 (lanes
-// past R * NT with s = 0), so an output may take a value from another lane (RopeOut). kTail: the
-// direct kernel then calls tail<R>(j, ks) with every thread of the block (GluOut, matmul.cu).
+// past R * NT with s = 0), so an output may take a value from another lane (RopeOut).
 struct StoreOut {
-  static constexpr bool kTail = false;
   template <class Rows>
   __device__ __forceinline__ void operator()(const GemvJob& j, const Rows& m, float s) const {
     if (m.store) *m.o = j.accumulate ? m.res + s : s;

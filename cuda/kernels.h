@@ -84,8 +84,7 @@ void gemv_staged(GemvJob j, cudaStream_t st);
 //   round: the block that finishes last rounds row x (RMS-normed times nw when norm; x is
 //          usually the GEMV's own residual output) into q, as quantize_act does;
 //   glu:   over gate = y[0], up = y[1] (count 2, equal rows), the block that completes a 32-row
-//          chunk of both writes out = act(gate, up) and its q8 form into q, as glu_quantize does;
-//          over f16 / bf16 weights (f32 x, the direct GEMV) out alone, as glu does (q unused).
+//          chunk of both writes out = act(gate, up) and its q8 form into q, as glu_quantize does.
 // cnt: zeroed counters (one for round, rows / 32 for glu), left zeroed.
 struct GemvTail {
   enum Kind : int { none = 0, round = 1, glu = 2 } kind = none;

@@ -654,16 +654,14 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
     if (lane == 0) red[warp][R][t] = qs;
   }
   __syncthreads();
-  if (m.part == 0) {  // (warp-uniform)
-    float s = 0.f;
-    if (lane < R * NT) {
-      float qs = 0.f;
-      for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t], qs += red[warp + p][R][m.my_t];
-      if (j.norm) s *= 1.f / sqrtf(qs / (float)cols + j.eps);
-    }
-    out(j, m, s);
+  if (m.part != 0) return;  // (warp-uniform)
+  float s = 0.f;
+  if (lane < R * NT) {
+    float qs = 0.f;
+    for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t], qs += red[warp + p][R][m.my_t];
+    if (j.norm) s *= 1.f / sqrtf(qs / (float)cols + j.eps);
   }
-  if constexpr (Out::kTail) out.template tail<R>(j, ks);  // (every thread: it syncs the block)
+  out(j, m, s);
 }
 
 // ---- Quantized activations (q8 mode): the CPU's A8 rounding, then int8 dot products -----
@@ -792,18 +790,16 @@ __device__ __forceinline__ void round_row_regs(const float* xr, int64_t cols, bo
   }
 }
 
-// The GemvTail of a one-token GEMV block (gemv_q8_k, or gemv_direct_k through GluOut; R rows a
-// warp group), after its outputs. The block counts itself in once its stores are fenced
-// (grid-sync style: the barrier, then one thread's fence and atomic), so the block that counts
-// last sees every block's outputs. kQuant: the q8 GEMV's tail (glu: the GLU and its rounding);
-// false: the direct GEMV's (f16 / bf16 weights), the GLU alone, as glu_k forms it.
-template <int R, bool kQuant = true>
+// The GemvTail of a one-token gemv_q8_k block (R rows a warp group), after its outputs.
+// The block counts itself in once its stores are fenced (grid-sync style: the barrier, then
+// one thread's fence and atomic), so the block that counts last sees every block's outputs.
+template <int R>
 __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTail& t) {
   __shared__ int go;
   int64_t chunk = 0;
   unsigned* c = t.cnt;
   unsigned need = gridDim.x;
-  if (!kQuant || t.kind == GemvTail::glu) {
+  if (t.kind == GemvTail::glu) {
     const int64_t bid = blockIdx.x, per_block = (SW / ks) * R;
     const int mi = bid >= j.first_block[1] ? 1 : 0;
     chunk = (bid - j.first_block[mi]) * per_block / 32;
@@ -817,13 +813,6 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
   }
   __syncthreads();
   if (!go) return;
-  if constexpr (!kQuant) {
-    if (threadIdx.x < 32) {  // glu_k's values for this chunk's rows
-      const int64_t i = chunk * 32 + threadIdx.x;
-      t.out[i] = glu_value(t.act, __ldcg(j.y[0] + i), __ldcg(j.y[1] + i));
-    }
-    return;
-  }
   int8_t* xq = static_cast<int8_t*>(t.q);
   float* xd = reinterpret_cast<float*>(xq + t.cols);
   int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
@@ -839,17 +828,6 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
     quant_store(v, lane, i, chunk, xq, xd, xs);
   }
 }
-
-// gemv_direct_k's Out for gemv_tailed over f16 / bf16 gate / up (one token, t.kind glu): the
-// outputs stored as StoreOut stores them, then gemv_tail's GLU of each completed 32-row chunk.
-struct GluOut : StoreOut {
-  static constexpr bool kTail = true;
-  GemvTail t;
-  template <int R>
-  __device__ __forceinline__ void tail(const GemvJob& j, int ks) const {
-    gemv_tail<R, false>(j, ks, t);
-  }
-};
 
 template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2)>
 __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bool early, GemvTail tail) {
@@ -886,7 +864,6 @@ __global__ void __launch_bounds__(SW * 32, 3) gemv_q8_x_k(GemvJob j, int ks, con
 // The same values as the rope + store launch, so the same bits.
 template <int NT>
 struct RopeOut {
-  static constexpr bool kTail = false;
   GemvRope r;
   template <class Rows>
   __device__ __forceinline__ void operator()(const GemvJob&, const Rows& m, float v) const {
@@ -986,16 +963,6 @@ void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
   else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
   else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
-}
-// gemv_tailed's launch over f16 / bf16 weights (one token; the GLU tail, GluOut).
-template <uint32_t T>
-void launch_direct_glu(const GemvJob& j, int ks, const GemvTail& t, cudaStream_t st) {
-  gemv_fits(j, ks);
-  const unsigned grid = (unsigned)j.first_block[j.count];
-  GluOut o;
-  o.t = t;
-  if (rows1() == 2) launch(gemv_direct_k<T, 1, 2, GluOut>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
-  else launch(gemv_direct_k<T, 1, 4, GluOut>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
 }
 // gemv_roped's launch (1-4 tokens): the q8 kernel where x is rounded (q8), else the direct one.
 template <uint32_t T>
@@ -1329,16 +1296,9 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
   check_launch("matmul (staged)");
 }
 
-// Whether float ranges [a, a + na) and [b, b + nb) share an element.
-static bool overlap(const float* a, int64_t na, const float* b, int64_t nb) { return a < b + nb && b < a + na; }
-
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
-  // q8 mode's q8_0 / q4_0 (x rounded: xq), or f16 / bf16 with f32 x (the direct kernel; glu
-  // only, without the rounding: t.q unused).
-  const bool q8 = j.xq && (j.type == T_Q8_0S || j.type == T_Q4_0S);
-  const bool f16 = !j.xq && (j.type == T_F16 || j.type == T_BF16) && t.kind == GemvTail::glu;
-  if (j.n != 1 || !(q8 || f16) || !gemv_staged_fits(j) || !t.cnt || (q8 && !t.q) || t.cols <= 0 ||
-      t.cols % 32 != 0)
+  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) || !t.cnt || !t.q ||
+      t.cols <= 0 || t.cols % 32 != 0)
     return false;
   for (int i = 0; i < j.count; ++i)
     if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
@@ -1346,26 +1306,15 @@ bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
   if (t.kind != GemvTail::glu) return false;
   // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
   const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
-  if (!(j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
-        t.cols / 32 <= kTailCounters))
-    return false;
-  // The direct kernel reads x while other blocks' tails write out: out apart from x, and gate /
-  // up (a chunk's rows written only once that chunk is complete) either out itself or apart.
-  if (f16)
-    for (int i = 0; i < 2; ++i)
-      if (t.out != j.y[i] && overlap(t.out, t.cols, j.y[i], j.rows[i])) return false;
-  return !(f16 && (j.accumulate || overlap(t.out, t.cols, j.x, j.cols)));
+  return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
+         t.cols / 32 <= kTailCounters;
 }
 
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
   if (!gemv_tail_fits(j, t)) throw Error("cuda: a GEMV tail the kernel does not take");
-  const int ks = gemv_q8_plan(j, direct_rows(1));  // (the direct kernel's blocks too)
-  switch (j.type) {
-    case T_Q8_0S: launch_q8<T_Q8_0S>(j, ks, st, t); break;
-    case T_Q4_0S: launch_q8<T_Q4_0S>(j, ks, st, t); break;
-    case T_F16: launch_direct_glu<T_F16>(j, ks, t, st); break;
-    default: launch_direct_glu<T_BF16>(j, ks, t, st); break;
-  }
+  const int ks = gemv_q8_plan(j, direct_rows(1));
+  if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(j, ks, st, t);
+  else launch_q8<T_Q4_0S>(j, ks, st, t);
   check_launch("matmul (tailed)");
 }
 

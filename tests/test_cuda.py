@@ -523,28 +523,6 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
             assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched steps' logits differ"
 
 
-def test_f16_glu_tail_equals_glu_launch(files, tmp_path, monkeypatch):
-    """A one-token f16 / bf16 gate / up GEMV that forms the GLU in its tail as each 32-row chunk of
-    both completes (cuda::GemvTail on the direct kernel, DASLLAMA_CUDA_TAILS bit 2, the default)
-    gives the glu_k launch's logits bit for bit (TAILS=0): rows over 1 and 2 warps (hidden 512 /
-    1024), 4 and 2 rows a warp group (DASLLAMA_CUDA_R1); it ran (path_count), and not when off."""
-    shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024, formats=("f16", "bf16")),
-              "hd128": _llama_file(tmp_path, 1024, 8, 2, 1024, formats=("f16", "bf16"))}
-    for name, paths in shapes.items():
-        for ft in ("f16", "bf16"):
-            for r1 in ("4", "2"):
-                base = {"DASLLAMA_CUDA_R1": r1}
-                want, m_off = _decode_steps(paths[ft], d.KVDtype.f16, base | {"DASLLAMA_CUDA_TAILS": "0"}, monkeypatch,
-                                            n_steps=60)
-                assert m_off._m.path_count("f16_glu_tail") == 0, (name, ft, r1)
-                got, m = _decode_steps(paths[ft], d.KVDtype.f16, base | {"DASLLAMA_CUDA_TAILS": "2"}, monkeypatch,
-                                       n_steps=60)
-                # Every decode step is recorded (then replays its graph): a tail a layer a step.
-                assert m._m.path_count("f16_glu_tail") >= 60 * 2, (name, ft, r1, m._m.path_count("f16_glu_tail"))
-                assert np.array_equal(got, want), f"{name} {ft} R1 {r1}: logits differ, max " \
-                    f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
-
-
 def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):
     """The Q / K / V GEMV that also ropes Q and K and stores K and V into the cache
     (cuda::gemv_roped, the default where it fits: normal rope, f16 / f32 caches, 1-4 tokens) gives
