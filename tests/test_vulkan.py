@@ -1108,39 +1108,6 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
         assert kv and {n - layers for n in plain_} == kv, (t, kv, plain_, out[-3000:])
 
 
-@pytest.mark.parametrize("file,mode", [("q8_0", "q8"), ("f16", "q8"), ("q8_0", "fp32")])
-def test_prefetch_alike(tiny, built_dir, monkeypatch, file, mode):
-    """DASLLAMA_VULKAN_PREFETCH_MB: after each decode step's attention a dispatch reads the next
-    matrices (O, gate, up) and drops them. It changes no value: decode logits (one session's
-    recorded and replayed steps, and a three-session batched step) equal those without it bit for
-    bit, and the dispatch ran (path_count) only with the switch on. 0.05 MB stops inside a matrix
-    of the tiny model, 64 MB covers them all."""
-    path = _tiny_f16(tiny, built_dir) if file == "f16" else tiny[file]
-    ids = [1] + np.random.default_rng(15).integers(3, VOCAB, 12).tolist()
-    m = d.load_model(path, d.QuantMode.q8 if mode == "q8" else d.QuantMode.fp32, device="vulkan")
-
-    def decode(mb):
-        monkeypatch.setenv("DASLLAMA_VULKAN_PREFETCH_MB", mb)
-        n0 = m._m.path_count("prefetch")
-        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
-        for i, t in enumerate(ss):
-            d.eval(m, t, ids[:6 + i])
-        rows = []
-        for tok in ids[6:9]:
-            d.eval(m, ss[0], [tok])
-            rows.append(np.array(ss[0].logits))
-        ws = d.create_batch_workspace(m)
-        d.eval_batch(m, ws, ss, [ids[9 + i] for i in range(3)])
-        rows += [np.array(t.logits) for t in ss]
-        return np.stack(rows), m._m.path_count("prefetch") - n0
-
-    want, n_off = decode("0")
-    for mb in ("0.05", "64"):
-        got, n_on = decode(mb)
-        assert n_off == 0 and n_on > 0, (mb, n_off, n_on)
-        assert np.array_equal(got, want), f"{mb} MB: logits differ (max {np.abs(got - want).max():.3g})"
-
-
 # The tiled prefill attention's variants (read at each call): flash2.comp by default (heads up to
 # 64), its reductions through shared memory, its 64-row workgroups, and flash.comp's tiles.
 FLASH_VARIANTS = {"flash2": {}, "flash2 sg0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},

@@ -3168,41 +3168,6 @@ class VulkanBackend final : public Backend {
     }
   }
 
-  // DASLLAMA_VULKAN_PREFETCH_MB (default 0: off; read at each call, for A/B runs): a decode
-  // step's attention is followed by a dispatch that reads up to this many MB of the matrices the
-  // model names next (O, then gate / up), which lands them in L2 while the attention leaves the
-  // memory idle. Without dependent launches each GEMV after a barrier starts cold; the O GEMV is
-  // a few us of bytes and ~9 us of latency (H100, F16). No barrier is added: the weights are
-  // never written, so the dispatch joins the attention's; the next barrier waits for it too.
-  static uint64_t prefetch_bytes() {
-    const char* e = std::getenv("DASLLAMA_VULKAN_PREFETCH_MB");
-    const double mb = e && *e ? std::atof(e) : 0.0;
-    return mb > 0 ? (uint64_t)(mb * 1048576.0) : 0;
-  }
-  void prefetch(const Weight* const* ws, int count, int64_t n) override {
-    uint64_t left = prefetch_bytes();
-    if (!left || n > 8) return;
-    Lock g(c_->mu);
-    for (int i = 0; i < count && left >= 16; ++i) {
-      const Weight& w = *ws[i];
-      if (!w.data || w.rows <= 0 || A(w.data) % 16 != 0) continue;
-      const uint64_t take = std::min<uint64_t>(left, (uint64_t)w.rows * lay_rb(w)) / 16 * 16;
-      if (!take) continue;
-      struct {
-        uint64_t a, n16, sink;
-        uint32_t magic;
-      } pc{A(w.data), take / 16, A(w.data), 0u};
-      c_->uses({{A(w.data), take, false}});
-      // 32 KB a workgroup a round (256 invocations x eight 16-byte loads), at most 1024 of them.
-      c_->dispatch("prefetch", &pc, sizeof pc, (uint32_t)std::min<uint64_t>((take + 32767) / 32768, 1024));
-      ++prefetches_;
-      left -= take;
-    }
-  }
-  int64_t path_count(const std::string& name) const override {
-    return name == "prefetch" ? (int64_t)prefetches_ : 0;
-  }
-
   // ---- mixture of experts ----
   void argmax(const float* x, int64_t n_rows, int64_t dim, int32_t* out) override {
     if (dim <= 0 || dim > INT32_MAX) throw Error("vulkan argmax: row width must be in [1, 2^31)");
@@ -3431,7 +3396,6 @@ class VulkanBackend final : public Backend {
   } rope_, prev_rope_;  // prev_rope_: the rope kept just before rope_ (the queries', when rope_ is the keys')
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
-  uint64_t prefetches_ = 0;  // prefetch dispatches recorded or issued (path_count("prefetch"))
   uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
            fused_kv_tail_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).

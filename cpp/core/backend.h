@@ -366,11 +366,6 @@ class Backend {
                                const MatmulEpilogue* eps);
   // See MatmulStep; the default runs rms_norm, matmul_multi and add.
   virtual void matmul_step(const MatmulStep& s);
-  // A hint, no values change: the matrices the step reads next, in the order it reads them (a
-  // decode step's O, then its FFN's gate / up), given while the ops before them barely use the
-  // memory (decode attention). A backend without dependent launches may start bringing their first
-  // bytes into its caches (Vulkan: DASLLAMA_VULKAN_PREFETCH_MB); n: the step's rows.
-  virtual void prefetch(const Weight* const* ws, int count, int64_t n) { (void)ws, (void)count, (void)n; }
   // See DecodeLayer: true when the backend ran (or recorded) the layer, false to have the
   // model run it op by op.
   virtual bool decode_layer(const DecodeLayer& l) { (void)l; return false; }

@@ -826,17 +826,6 @@ void Model::attention_block(int il, const Run* runs, int n_runs, int64_t n) {
     be.attention_multi(attn_args_.data(), n_runs);
   }
   if (gated) be.glu(gate, q_dim, att, q_dim, att, n, q_dim, Act::sigmoid);
-  // While the attention runs, the memory is idle: the O projection and the FFN's gate / up come
-  // next (a dense FFN's; an MoE layer's experts are not known yet).
-  {
-    const Weight* next[3] = {&L.wo, nullptr, nullptr};
-    int cnt = 1;
-    if (L.router.empty() && L.ffn_pre_norm_2.empty()) {
-      if (!L.w_gate_up.empty()) next[cnt++] = &L.w_gate_up;
-      else if (!L.w_gate.empty()) next[cnt++] = &L.w_gate, next[cnt++] = &L.w_up;
-    }
-    be.prefetch(next, cnt, n);
-  }
 
   project_residual(L.wo, L.bo, L.attn_post_norm, att, n, o);
 }
