@@ -466,7 +466,8 @@ def test_block_formats_prefill_on_lavapipe(built_dir):
     f16 rounding of gguf-py's decoded weights) and the model's logits, with whole matrices and
     with 128-row slices; the profile shows each format's decoder ran. DASLLAMA_VULKAN_DQF16=0
     keeps the f32 tiles, which then run instead. Where the device has f16 cooperative matrices,
-    its own GEMM the same way."""
+    its own GEMM the same way (k64: the subgroup-scope tiles; with workgroup-scope ones, the
+    default: those)."""
     import re
 
     feats = _VK["devices"][0]["features"]
@@ -474,7 +475,9 @@ def test_block_formats_prefill_on_lavapipe(built_dir):
     decoders = tuple(f"dequant_f16_{t}" for t in (3, 6, 7, 12, 13, 14))
     runs = [("emu", "", ("f16_round", "gemm_f16eo") + decoders, ""), ("emu", "128", ("gemm_f16eo",) + decoders, "")]
     if "f16 coopmat" in feats:
-        runs.append(("1", "", ("f16_round", "gemm_f16ok64" if "16x8x16" in feats else "gemm_f16o16") + decoders, ""))
+        runs.append(("k64", "", ("f16_round", "gemm_f16ok64" if "16x8x16" in feats else "gemm_f16o16") + decoders, ""))
+    if "f16 coopmat2" in feats:  # the default there: the workgroup-scope tiles
+        runs.append(("", "", ("f16_round", r"gemm_f16mo\w") + decoders, ""))
     runs.append(("emu", "", ("matmul_tile_12", "matmul_tile_14"), "0"))
     for mode, rows, names, dq in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
@@ -499,7 +502,8 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
     harness's f16 matmul cases at F32_DOT against float64 numpy (tokens from 1e-12 to 1e12, a
     zero token, an outlier; rows, tokens and k ending mid-tile) and an f16 model's prefill
     logits, and the profile (which names every shader dispatched) shows they ran. Where the
-    device has f16 cooperative matrices (NVIDIA), the default and each variant the same way.
+    device has f16 cooperative matrices (NVIDIA), each subgroup-scope variant the same way (k64:
+    the default where there are no workgroup-scope ones, test_f16_prefill_coopmat2's).
     Then q8 mode, where x is rounded to f16 once and one product runs (f16_round, gemm_f16o* /
     the stand-ins gemm_f16eo*), against numpy's own rounding, and DASLLAMA_F16_SPLIT=1 there;
     and an audio tower in q8 mode, whose f16 weights keep the split (rows equal to the CPU's)."""
@@ -514,7 +518,7 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
         runs = runs[1:2]  # (the stand-in once: the device's time goes to the matrices)
         n8 = "16x8x16" in feats
         for tile, h in (("128", ""), ("", "h")):
-            runs.append(("1", tile, f"gemm_f16c{h}k64" if n8 else f"gemm_f16c{h}16"))
+            runs.append(("k64", tile, f"gemm_f16c{h}k64" if n8 else f"gemm_f16c{h}16"))
             if n8:
                 runs.append(("k32", tile, f"gemm_f16c{h}"))
                 if not h:
@@ -529,8 +533,8 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
     q8 = "f16_q8_mode or f16_model_q8_mode"
     if "f16 coopmat" in feats:
         n8 = "16x8x16" in feats
-        runs += [("1", "", ("f16_round", "gemm_f16ok64" if n8 else "gemm_f16o16"), q8, ""),
-                 ("1", "64", ("f16_round", "gemm_f16ohk64" if n8 else "gemm_f16oh16"), q8, "")]
+        runs += [("k64", "", ("f16_round", "gemm_f16ok64" if n8 else "gemm_f16o16"), q8, ""),
+                 ("k64", "64", ("f16_round", "gemm_f16ohk64" if n8 else "gemm_f16oh16"), q8, "")]
         if n8:
             runs.append(("w", "", ("f16_round", "gemm_f16ow"), q8, ""))
     runs += [("emu", "", ("f16_round", "gemm_f16eo"), q8, ""), ("emu", "64", ("f16_round", "gemm_f16eoh"), q8, ""),
@@ -553,8 +557,8 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
 
 def test_f16_prefill_coopmat2(built_dir):
     """The f16 prefill on NVIDIA's workgroup-scope cooperative matrices (gemm_f16m.comp: a tile a
-    workgroup's matrix, tensor loads straight from memory; DASLLAMA_VULKAN_COOPMAT2=1 enables the
-    extensions, DASLLAMA_VULKAN_F16C=cm2* picks the tiles): each tile (128 x 128, 128 x 64, 64 x 64,
+    workgroup's matrix, tensor loads straight from memory; the extensions are on unless
+    DASLLAMA_VULKAN_COOPMAT2=0, DASLLAMA_VULKAN_F16C=cm2* picks the tiles, unset the rule's): each tile (128 x 128, 128 x 64, 64 x 64,
     128 x 256, and the rule's; whole tiles with k a multiple of 512 take the unclamped, unrolled loop) holds the op harness's f16 matmul cases at F32_DOT against float64 numpy
     (tokens from 1e-12 to 1e12, rows, tokens and k ending mid-tile) and an f16 model's prefill
     logits, then in q8 mode (x rounded to f16 once, one product) against numpy's own rounding;

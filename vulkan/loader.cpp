@@ -32,10 +32,10 @@ const Api* api(std::string* why) {
     VkApplicationInfo app{VK_STRUCTURE_TYPE_APPLICATION_INFO};
     app.pApplicationName = "dasllama";
     app.apiVersion = VK_API_VERSION_1_2;  // buffer device addresses are core from 1.2
-    // DASLLAMA_VULKAN_COOPMAT2=1 (read once, at the first device): Vulkan 1.3 where the loader
-    // has it, whose SPIR-V 1.6 NVIDIA's workgroup-scope cooperative matrices need (gemm_f16m.comp);
-    // opt-in with them until timed.
-    if (const char* e = std::getenv("DASLLAMA_VULKAN_COOPMAT2"); e && std::strcmp(e, "1") == 0) {
+    // Vulkan 1.3 where the loader has it, whose SPIR-V 1.6 NVIDIA's workgroup-scope cooperative
+    // matrices need (gemm_f16m.comp); DASLLAMA_VULKAN_COOPMAT2=0 (read once, at the first device)
+    // keeps 1.2 and the matrices off.
+    if (const char* e = std::getenv("DASLLAMA_VULKAN_COOPMAT2"); !(e && std::strcmp(e, "0") == 0)) {
       auto ver = reinterpret_cast<PFN_vkEnumerateInstanceVersion>(
           a.vkGetInstanceProcAddr(nullptr, "vkEnumerateInstanceVersion"));
       uint32_t v = 0;

@@ -456,16 +456,16 @@ class Ctx {
       exts.push_back(VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME);
       pipe_stats_ = true;
     }
-    // DASLLAMA_VULKAN_COOPMAT2=1 (read at each device's creation; with it the instance is Vulkan
-    // 1.3): NVIDIA's workgroup-scope cooperative matrices enabled where offered (i8_caps' cm2),
-    // for DASLLAMA_VULKAN_F16C=cm2*; opt-in until timed. A device that refuses them is created
+    // NVIDIA's workgroup-scope cooperative matrices enabled where offered (i8_caps' cm2) and the
+    // instance is Vulkan 1.3, for the f16 prefill (F16C unset or cm2*); DASLLAMA_VULKAN_COOPMAT2=0
+    // (read at each device's creation) leaves them off. A device that refuses them is created
     // without.
     CoopMatFeaturesKHR ck;
     CoopMat2FeaturesNV c2;
     VkPhysicalDeviceVulkan11Features f11{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES};
     const char* cm2e = std::getenv("DASLLAMA_VULKAN_COOPMAT2");
     // (Only where this build has the shaders: glslang 15 at build time.)
-    const bool want_cm2 = ic.cm2 && cm2e && std::strcmp(cm2e, "1") == 0 && a.api_version >= VK_API_VERSION_1_3 &&
+    const bool want_cm2 = ic.cm2 && !(cm2e && std::strcmp(cm2e, "0") == 0) && a.api_version >= VK_API_VERSION_1_3 &&
                           find_spirv("gemm_f16mL");
     std::vector<const char*> exts2 = exts;
     if (want_cm2) {
@@ -1887,7 +1887,8 @@ class VulkanBackend final : public Backend {
   // DASLLAMA_VULKAN_F16C: prefill (past kTileMin tokens) of f16 weights on NVIDIA's f16
   // cooperative matrices, f32 activations kept: f16_split.comp splits each token's x * s into
   // two f16 halves (s a power of two per token), gemm_f16c.comp sums W * hi + W * lo in f32 and
-  // scales by 1 / s (CUDA's mma_f16h). Unset, 1 or "k64": where the device has them (16 x 8 x 16
+  // scales by 1 / s (CUDA's mma_f16h). Unset or 1: the workgroup-scope tiles (cm2, below) where
+  // the device has them, else as k64. "k64": where the device has subgroup-scope ones (16 x 8 x 16
   // products, else 16 x 16 x 16), 64 of k a stage (one); "k32": 32 of k a stage, two stages in
   // shared memory (the H200, Llama-1B F16 pp512: k32 16.8k, w 23.7k, k64 24.7k t/s, the f32 tiles
   // 8.7k); "n16": 16 x 16 x 16 products where offered; "w": 128 x 64 tiles of four
@@ -1901,14 +1902,15 @@ class VulkanBackend final : public Backend {
   // k32 and emuw keep the split (A/B variants of it). (Each stage's loads two stages ahead, and
   // k split over a tile's workgroups, were tried and lost on the H100: twenty-eighth session.)
   // cm2, cm2l, cm2m, cm2s, cm2x: NVIDIA's workgroup-scope matrices (gemm_f16m.comp, where the
-  // device was created with them: DASLLAMA_VULKAN_COOPMAT2=1; else as unset): tiles of 128 x 128,
-  // 128 x 64, 64 x 64 or 128 x 256 (rows x tokens), cm2 picking by their count (cm2_tile); A/B
-  // until timed.
-  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cCm2, kF16cCm2L,
-                  kF16cCm2M, kF16cCm2S, kF16cCm2X };
+  // device was created with them: unless DASLLAMA_VULKAN_COOPMAT2=0; else as k64): tiles of 128 x
+  // 128, 128 x 64, 64 x 64 or 128 x 256 (rows x tokens), cm2 picking by their count (cm2_tile).
+  // H100, Llama-1B F16 pp512 (s37v): k64 33,808, cm2 50,306, cm2x 41,204 t/s.
+  enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK64, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cCm2,
+                  kF16cCm2L, kF16cCm2M, kF16cCm2S, kF16cCm2X };
   static F16cMode f16c_mode() {
     const char* e = std::getenv("DASLLAMA_VULKAN_F16C");
-    if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "k64") == 0) return kF16cAuto;
+    if (!e || !*e || std::strcmp(e, "1") == 0) return kF16cAuto;
+    if (std::strcmp(e, "k64") == 0) return kF16cK64;
     if (std::strcmp(e, "k32") == 0) return kF16cK32;
     if (std::strcmp(e, "n16") == 0) return kF16cN16;
     if (std::strcmp(e, "emu") == 0) return kF16cEmu;
@@ -1949,9 +1951,12 @@ class VulkanBackend final : public Backend {
   }
   F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
     F16cMode m = f16c_mode();
+    // Unset: the workgroup-scope tiles where the device has them at both workgroup sizes (H100,
+    // Llama-1B F16 pp512 33,808 -> 50,306 t/s against gemm_f16ok64), else coopmat's k64.
+    if (m == kF16cAuto) m = (c_->cm2 & 3u) == 3u ? kF16cCm2 : kF16cK64;
     const uint32_t cm2_need = m == kF16cCm2S ? 1u : m == kF16cCm2 ? 3u : 2u;  // (I8Caps::cm2's bits)
     const bool cm2 = m >= kF16cCm2 && (c_->cm2 & cm2_need) == cm2_need;
-    if (m >= kF16cCm2 && !cm2) m = kF16cAuto;
+    if (m >= kF16cCm2 && !cm2) m = kF16cK64;
     F16cPick p;
     // q8 mode (weights not exact: their f16 rounding is q8 mode's kind of error, 11 bits where
     // its int8 activations keep about 8), block formats: decoded to f16 rows first.
@@ -1973,7 +1978,7 @@ class VulkanBackend final : public Backend {
       return p;
     if (f16_need(n, w.cols) + (dq ? (uint64_t)dq_slice_rows(w) * (uint64_t)w.cols * 2 : 0) >= f16c_failed_) return p;
     p.dq = dq;
-    p.one = !f16_act_split(w) && (m == kF16cAuto || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || cm2);
+    p.one = !f16_act_split(w) && (m == kF16cK64 || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || cm2);
     if (cm2) {  // (16-aligned rows and x as the tiles below; any subgroup size: the driver's)
       p.pre = p.one ? "gemm_f16mo" : "gemm_f16m";
       p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : m == kF16cCm2X ? 'X' : 'a';
