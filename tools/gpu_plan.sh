@@ -176,6 +176,19 @@ for stage in "$@"; do
       step vkgrid 150 env DASLLAMA_VULKAN_PROFILE=each=40 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
         --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
       ;;
+    s37d)  # the workgroup-scope f16 tiles as Vulkan's default (COOPMAT2 on, F16C unset: cm2): every Vulkan
+      # test; prefill against the subgroup-scope k64 tiles (F16C=k64) for each format that takes the f16 GEMM;
+      # decode with the matrices off (COOPMAT2=0, a process of its own) beside the default; where an F16 pp512
+      # goes now, by shader and grid; the CUDA F16 step's kernels without the reverted GLU tail
+      step vkall 330 python -m pytest -q -x tests/test_vulkan.py
+      step vkab 240 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m,q8_0 --rounds 2 \
+        DASLLAMA_VULKAN_F16C=k64 DASLLAMA_VULKAN_F16C=1
+      step vkoff 120 env DASLLAMA_VULKAN_COOPMAT2=0 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 \
+        DASLLAMA_NONE=1
+      step vkgrid 120 env DASLLAMA_VULKAN_PROFILE=each=30 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
+        --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
+      step prof16 90 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
+      ;;
     s36)  # decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE, default 2; 0: the key splits as before):
       # the harness against float64 (every one-row case on it too), the model tests with it over more keys,
       # the A/B; then where Vulkan's pp512 and F16 decode go, shader by shader (each dispatch behind a barrier)
@@ -287,7 +300,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37v, s37c, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37v, s37c, s37d, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
