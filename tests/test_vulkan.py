@@ -580,33 +580,38 @@ def test_f16_prefill_coopmat2(built_dir):
             assert "refused" not in out, out[-2000:]
             assert re.search(rf"^\s+{sh}{tile}\w?\s", out, re.M), f"F16C={mode}: {sh}{tile} did not run\n" + out[-3000:]
             assert not re.search(r"^\s+gemm_f16[ceo]", out, re.M), f"F16C={mode}: other f16 tiles ran\n" + out[-3000:]
-    # q8 mode's split q8_0 / q4_0 with each block decoded in the tiles' loads (DASLLAMA_VULKAN_Q8CM2=1)
-    if "coopmat2 block loads" not in _VK["devices"][0]["features"]:
-        return
-    for mode, tile in (("cm2l", "L"), ("cm2s", "S"), ("cm2x", "X"), ("cm2", "")):
+    # q8 mode's split q8_0 / q4_0 on those tiles: decoded to f16 first (DASLLAMA_VULKAN_Q8CM2=dq: dequant_f16_40 /
+    # _41, then gemm_f16mo*), and with block loads each block decoded in the tiles' loads (=1: gemm_f16mq40* / q41*)
+    runs = [("", "", "dq", [r"dequant_f16_40", r"dequant_f16_41", r"gemm_f16mo\w"])]
+    if "coopmat2 block loads" in _VK["devices"][0]["features"]:
+        runs += [(mode, tile, "1", [rf"gemm_f16mq{q}{tile}\w?" for q in ("40", "41")])
+                 for mode, tile in (("cm2l", "L"), ("cm2s", "S"), ("cm2x", "X"), ("cm2", ""))]
+    for mode, tile, q8m, names in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_COOPMAT2": "1", "DASLLAMA_VULKAN_PROFILE": "1", "DASLLAMA_VULKAN_F16C": mode,
-                               "DASLLAMA_VULKAN_Q8CM2": "1"}, ("test_vulkan.py",), "q8_mode_prefill_on_coopmat2_tiles", s=True)
+                               "DASLLAMA_VULKAN_Q8CM2": q8m}, ("test_vulkan.py",), "q8_mode_prefill_on_coopmat2_tiles", s=True)
         out = r.stdout + r.stderr
-        assert r.returncode == 0 and re.search(r"\b2 passed", out), f"Q8CM2 F16C={mode}\n" + out[-3000:]
-        for q in ("40", "41"):
-            assert re.search(rf"^\s+gemm_f16mq{q}{tile}\w?\s", out, re.M), f"Q8CM2 F16C={mode}: mq{q}{tile} did not run\n" + out[-3000:]
-        assert not re.search(r"^\s+gemm_i8", out, re.M), f"Q8CM2 F16C={mode}: the int8 tiles ran\n" + out[-3000:]
+        what = f"Q8CM2={q8m} F16C={mode}"
+        assert r.returncode == 0 and re.search(r"\b2 passed", out), what + "\n" + out[-3000:]
+        for name in names:
+            assert re.search(rf"^\s+{name}\s", out, re.M), f"{what}: {name} did not run\n" + out[-3000:]
+        assert not re.search(r"^\s+gemm_i8", out, re.M), f"{what}: the int8 tiles ran\n" + out[-3000:]
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
 def test_q8_mode_prefill_on_coopmat2_tiles(wtype):
     """(test_f16_prefill_coopmat2's children: DASLLAMA_VULKAN_Q8CM2=1 on a device with workgroup-scope
-    matrices and block loads.) q8 mode's prefill of split q8_0 / q4_0 on the workgroup-scope tiles,
-    each block decoded to f16 in the tile's load: over rows, tokens and k ending mid-tile, tokens from
+    matrices and block loads, or =dq on one with those matrices.) q8 mode's prefill of split q8_0 /
+    q4_0 on the workgroup-scope tiles, each block decoded to f16 in the tile's load or first: over rows, tokens and k ending mid-tile, tokens from
     1e-12 to 1e12 and a zero one, one matmul and three over one x, each token equal to float64 numpy
     over numpy's f16 rounding of gguf-py's decoded weights and of the token's scaled row (as
     test_backend_ops.py's block formats decoded to f16) at the f32 bar."""
     from gguf.constants import GGMLQuantizationType as T
     from test_backend_ops import F32_DOT, f16_rounded_rows, make_weight, nmse
 
-    if os.environ.get("DASLLAMA_VULKAN_Q8CM2") != "1" or "coopmat2 block loads" not in _VK["devices"][0]["features"]:
-        pytest.skip("run by test_f16_prefill_coopmat2's children (DASLLAMA_VULKAN_Q8CM2=1, workgroup-scope "
-                    "matrices with block loads)")
+    q8m, feats = os.environ.get("DASLLAMA_VULKAN_Q8CM2"), _VK["devices"][0]["features"]
+    if not ((q8m == "1" and "coopmat2 block loads" in feats) or (q8m == "dq" and "f16 coopmat2" in feats)):
+        pytest.skip("run by test_f16_prefill_coopmat2's children (DASLLAMA_VULKAN_Q8CM2=1 with block loads, or dq, "
+                    "on workgroup-scope matrices)")
     b = d._core.Backend("vulkan:0", exact=False)
     qt = int(T[wtype.upper()])
     for rows, cols, n in [(200, 544, 130), (67, 96, 33), (130, 2080, 70), (256, 1024, 256)]:

@@ -177,17 +177,22 @@ for stage in "$@"; do
         --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
       ;;
     s37d)  # the workgroup-scope f16 tiles as Vulkan's default (COOPMAT2 on, F16C unset: cm2): every Vulkan
-      # test; prefill against the subgroup-scope k64 tiles (F16C=k64) for each format that takes the f16 GEMM;
-      # decode with the matrices off (COOPMAT2=0, a process of its own) beside the default; where an F16 pp512
-      # goes now, by shader and grid; the CUDA F16 step's kernels without the reverted GLU tail
-      step vkall 330 python -m pytest -q tests/test_vulkan.py -k "not smollm2"
-      step vkab 240 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m,q8_0 --rounds 2 \
-        DASLLAMA_VULKAN_F16C=k64 DASLLAMA_VULKAN_F16C=1
-      step vkoff 120 env DASLLAMA_VULKAN_COOPMAT2=0 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 \
-        DASLLAMA_NONE=1
-      step vkgrid 120 env DASLLAMA_VULKAN_PROFILE=each=30 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
-        --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
+      # test but the one that downloads (test_f16_prefill_coopmat2's children include Q8CM2=dq); the CUDA
+      # F16 step's kernels without the reverted GLU tail (PDL off)
+      step vkall 420 python -m pytest -q tests/test_vulkan.py -k "not smollm2"
       step prof16 90 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
+      ;;
+    s37e)  # timings of s37d's default: prefill against the subgroup-scope k64 tiles for each format that takes
+      # the f16 GEMM; q8 mode's q8_0 / q4_0 prefill on the f16 tiles (Q8CM2=1: decoded in the loads, dq: first);
+      # decode with the matrices off (COOPMAT2=0, a process of its own) beside the default; an F16 pp512 by grid
+      step vkab 200 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m --rounds 2 \
+        DASLLAMA_VULKAN_F16C=k64 DASLLAMA_VULKAN_F16C=1
+      step q8ab 150 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
+        DASLLAMA_VULKAN_Q8CM2=0 DASLLAMA_VULKAN_Q8CM2=1 DASLLAMA_VULKAN_Q8CM2=dq
+      step vkoff 100 env DASLLAMA_VULKAN_COOPMAT2=0 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 \
+        DASLLAMA_NONE=1
+      step vkgrid 90 env DASLLAMA_VULKAN_PROFILE=each=30 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
+        --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
       ;;
     s36)  # decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE, default 2; 0: the key splits as before):
       # the harness against float64 (every one-row case on it too), the model tests with it over more keys,
@@ -300,7 +305,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37v, s37c, s37d, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37v, s37c, s37d, s37e, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

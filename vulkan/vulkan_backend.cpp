@@ -1960,10 +1960,11 @@ class VulkanBackend final : public Backend {
     F16cPick p;
     // q8 mode (weights not exact: their f16 rounding is q8 mode's kind of error, 11 bits where
     // its int8 activations keep about 8), block formats: decoded to f16 rows first.
-    const bool dq = !w.exact && dq_f16_type(lay_type(w)) && dq_f16_on();
+    const int q8m = cm2 ? q8_cm2_mode(w) : 0;
+    const bool dq = !w.exact && ((dq_f16_type(lay_type(w)) && dq_f16_on()) || q8m == 2);
     // q8 mode's split q8_0 / q4_0 decoded in the workgroup-scope tiles' loads (q8_cm2).
     const uint32_t lt = lay_type(w);
-    const bool qs = cm2 && q8_cm2(w) && lay_rb(w) % 16 == 0;  // (the split layout's rows: always)
+    const bool qs = q8m == 1 && lay_rb(w) % 16 == 0;  // (the split layout's rows: always)
     if (qs) {
       if (n <= kTileMin || w.rows <= 0 || w.cols % 32 != 0 || A(w.data) % 16 != 0 || A(x) % 16 != 0 ||
           (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups || f16_need(n, w.cols) >= f16c_failed_)
@@ -2005,15 +2006,22 @@ class VulkanBackend final : public Backend {
   // of a short prefill: a large GPU's cores without a second workgroup each), as gemm_i8's
   // choice; one product (one) 128 always (H200, Llama-1B F16 pp512: that rule 29,715 t/s, 128
   // rows 32,011). Read at each matmul.
-  // DASLLAMA_VULKAN_Q8CM2=1 (read at each matmul; with F16C=cm2* on a device with them): q8
-  // mode's prefill of split q8_0 / q4_0 past kTileMin tokens on the workgroup-scope tiles, each
-  // block decoded to f16 in the tile's load and x rounded to f16 once (gemm_f16m.comp QT), not
-  // on the int8 tiles; opt-in until timed. Decode (up to kTileMin tokens) keeps the int8 GEMVs.
-  bool q8_cm2(const Weight& w) const {
+  // DASLLAMA_VULKAN_Q8CM2 (read at each matmul; F16C unset or cm2*, on a device with the
+  // workgroup-scope tiles): q8 mode's prefill of split q8_0 / q4_0 past kTileMin tokens on those
+  // tiles instead of the int8 ones, x rounded to f16 once: `1` each block decoded to f16 in the
+  // tile's load (gemm_f16m.comp QT; needs block loads), `dq` the matrix decoded to f16 first
+  // (dequant_f16_40 / _41, slices as the other block formats), then the plain f16 tiles, whose
+  // whole tiles take the unclamped, unrolled loop. Opt-in until timed. Decode (up to kTileMin
+  // tokens) keeps the int8 GEMVs. 0: neither; 1: in the loads; 2: decoded first.
+  int q8_cm2_mode(const Weight& w) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_Q8CM2");
     const uint32_t lt = lay_type(w);
-    return e && std::strcmp(e, "1") == 0 && (c_->cm2 & 4u) && !w.exact && (lt == kQ8Split || lt == kQ4Split);
+    if (!e || w.exact || (lt != kQ8Split && lt != kQ4Split)) return 0;
+    if (std::strcmp(e, "1") == 0) return (c_->cm2 & 4u) ? 1 : 0;
+    if (std::strcmp(e, "dq") == 0) return (c_->cm2 & 3u) == 3u ? 2 : 0;
+    return 0;
   }
+  bool q8_cm2(const Weight& w) const { return q8_cm2_mode(w) != 0; }
   // gemm_f16m's tile for a matrix (F16C=cm2): the largest of 128 x 128, 128 x 64 and 64 x 64
   // (rows x tokens) that still gives about two workgroups for each of a large GPU's ~128 cores
   // (pp512: ffn gate / up 128 x 128, Q, O and down 128 x 64, K and V 64 x 64), 64 x 64 where
@@ -2547,6 +2555,9 @@ class VulkanBackend final : public Backend {
     // GEMM / GEMV as it stores (the values of rms_norm and add): two dispatches and passes fewer.
     bool i8 = c_->subgroup && s.n > 0 && (!s.norm || A(s.norm_w) % 4 == 0);
     for (int i = 0; i8 && i < s.count; ++i) i8 = s.w[i]->cols == s.w[0]->cols && i8_fits(*s.w[i], s.x, s.n);
+    // (DASLLAMA_VULKAN_Q8CM2: a prefill's q8_0 / q4_0 on the f16 tiles, through the composition:
+    // rms_norm, matmul_multi's f16 branch, add.)
+    for (int i = 0; i8 && s.n > kTileMin && i < s.count; ++i) i8 = !q8_cm2(*s.w[i]);
     if (i8) {
       Lock g(c_->mu);
       c_->note_rows(s.n);
