@@ -182,15 +182,15 @@ for stage in "$@"; do
       step vkall 420 python -m pytest -q tests/test_vulkan.py -k "not smollm2"
       step prof16 90 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
       ;;
-    s37e)  # timings of s37d's default: prefill against the subgroup-scope k64 tiles for each format that takes
-      # the f16 GEMM; q8 mode's q8_0 / q4_0 prefill on the f16 tiles (Q8CM2=1: decoded in the loads, dq: first);
-      # decode with the matrices off (COOPMAT2=0, a process of its own) beside the default; an F16 pp512 by grid
+    s37e)  # timings of s37d's default: prefill (and decode) against the subgroup-scope k64 tiles for each format
+      # that takes the f16 GEMM; q8 mode's q8_0 / q4_0 prefill on the f16 tiles (Q8CM2=1: decoded in the loads,
+      # dq: first); beside llama.cpp's Vulkan llama-server (carry .peers/skb.tar.xz); an F16 pp512 by grid
       step vkab 200 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m --rounds 2 \
         DASLLAMA_VULKAN_F16C=k64 DASLLAMA_VULKAN_F16C=1
-      step q8ab 150 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
+      step q8ab 150 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --no-tg --rounds 2 \
         DASLLAMA_VULKAN_Q8CM2=0 DASLLAMA_VULKAN_Q8CM2=1 DASLLAMA_VULKAN_Q8CM2=dq
-      step vkoff 100 env DASLLAMA_VULKAN_COOPMAT2=0 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 \
-        DASLLAMA_NONE=1
+      step vkpeers 240 python benchmarks/bench_gpu_peers.py --types f16,q8_0,q4_0 --rounds 2 --ours vulkan \
+        --llama-server /tmp/skb/llama-server
       step vkgrid 90 env DASLLAMA_VULKAN_PROFILE=each=30 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
         --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
       ;;
