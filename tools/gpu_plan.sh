@@ -154,37 +154,13 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    s37v)  # Vulkan: the decode prefetch (DASLLAMA_VULKAN_PREFETCH_MB: O and gate / up read into L2 beside the
-      # attention): its bits on the driver, then the A/B; the workgroup-scope f16 tiles' unclamped, unrolled
-      # loop (whole tiles) and their 128 x 256 tile (F16C=cm2x): the harness, then pp512 against the default
-      step vktest 200 python -m pytest -q tests/test_vulkan.py -k "prefetch_alike or decode_steps or gemv_tails_alike"
-      step vkpf 300 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 \
-        DASLLAMA_VULKAN_PREFETCH_MB=0 DASLLAMA_VULKAN_PREFETCH_MB=16 DASLLAMA_VULKAN_PREFETCH_MB=32
-      step cm2test 240 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2"
-      step cm2ab 240 env DASLLAMA_VULKAN_COOPMAT2=1 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --no-tg \
-        --rounds 2 DASLLAMA_VULKAN_F16C=1 DASLLAMA_VULKAN_F16C=cm2 DASLLAMA_VULKAN_F16C=cm2x \
-        DASLLAMA_VULKAN_F16C=cm2,DASLLAMA_VULKAN_Q8CM2=1 DASLLAMA_VULKAN_F16C=cm2x,DASLLAMA_VULKAN_Q8CM2=1
-      ;;
-    s37c)  # CUDA: the wide block's condition in one helper (the one-row harness again); the f16 / bf16
-      # gate / up GEMV forming the GLU in its tail (TAILS bit 2; no glu_k launch): bits, then speed; where
-      # an F16 one-token step goes (PDL off: each kernel's own time); Vulkan's pp512 by shader and grid
-      step ops 200 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa and tok1"
-      step glutest 200 python -m pytest -x -q tests/test_cuda.py -k "f16_glu_tail or fused_decode_ops or gemv_rope or greedy"
-      step glu 200 python benchmarks/ab_cuda.py --shapes llama1b --types f16 --batches 4 --rounds 3 \
-        DASLLAMA_CUDA_TAILS=0 DASLLAMA_CUDA_TAILS=2
-      step prof16 90 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
-      step vkgrid 150 env DASLLAMA_VULKAN_PROFILE=each=40 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
-        --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
-      ;;
-    s37d)  # the workgroup-scope f16 tiles as Vulkan's default (COOPMAT2 on, F16C unset: cm2): every Vulkan
-      # test but the one that downloads (test_f16_prefill_coopmat2's children include Q8CM2=dq); the CUDA
-      # F16 step's kernels without the reverted GLU tail (PDL off)
-      step vkall 420 python -m pytest -q tests/test_vulkan.py -k "not smollm2"
-      step prof16 90 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
-      ;;
-    s37e)  # timings of s37d's default: prefill (and decode) against the subgroup-scope k64 tiles for each format
-      # that takes the f16 GEMM; q8 mode's q8_0 / q4_0 prefill on the f16 tiles (Q8CM2=1: decoded in the loads,
-      # dq: first); beside llama.cpp's Vulkan llama-server (carry .peers/skb.tar.xz); an F16 pp512 by grid
+    s37)  # Vulkan's f16 prefill on the workgroup-scope tiles by default (their whole tiles unclamped and
+      # unrolled): the harness of every tile (with the Q8CM2=dq child) and the whole-tile cases; prefill
+      # against the subgroup-scope k64 tiles; Q8CM2's two forms; beside llama.cpp's Vulkan llama-server (carry
+      # .peers/skb.tar.xz); an F16 pp512 by shader and grid; the wide block's helper (CUDA one-row harness);
+      # where a CUDA F16 step goes (PDL off). Past one call's 10 minutes: STEPS="..." splits it.
+      step cm2test 300 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2 or block_formats_prefill or f16_prefill_split"
+      step wholetiles 120 python -m pytest -q tests/test_backend_ops.py -k "token_scales or matmul_f16_q8_mode"
       step vkab 200 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m --rounds 2 \
         DASLLAMA_VULKAN_F16C=k64 DASLLAMA_VULKAN_F16C=1
       step q8ab 150 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --no-tg --rounds 2 \
@@ -193,6 +169,8 @@ for stage in "$@"; do
         --llama-server /tmp/skb/llama-server
       step vkgrid 90 env DASLLAMA_VULKAN_PROFILE=each=30 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
         --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
+      step ops 200 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa and tok1"
+      step prof16 90 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
       ;;
     s36)  # decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE, default 2; 0: the key splits as before):
       # the harness against float64 (every one-row case on it too), the model tests with it over more keys,
@@ -305,7 +283,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37v, s37c, s37d, s37e, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
