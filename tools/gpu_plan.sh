@@ -172,12 +172,6 @@ for stage in "$@"; do
       step ops 200 python -m pytest -q tests/test_backend_ops.py -k "paged_attention_gqa and tok1"
       step prof16 90 env DASLLAMA_CUDA_PDL=0 python benchmarks/profile_cuda.py --type f16 --steps 16
       ;;
-    s37r)  # the workgroup-scope tiles adding a prefill's O / down into the residual as they store (F16C_RESIDUAL):
-      # the model tests on those tiles, then pp512
-      step tests 200 python -m pytest -q tests/test_vulkan.py -k "f16_model_prefill or f16_model_q8_mode or block_formats_q8_mode_prefill"
-      step ab 150 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m --no-tg --rounds 2 \
-        DASLLAMA_VULKAN_F16C_RESIDUAL=0 DASLLAMA_VULKAN_F16C_RESIDUAL=1
-      ;;
     s36)  # decode attention's wide block (DASLLAMA_CUDA_ATTN_WIDE, default 2; 0: the key splits as before):
       # the harness against float64 (every one-row case on it too), the model tests with it over more keys,
       # the A/B; then where Vulkan's pp512 and F16 decode go, shader by shader (each dispatch behind a barrier)
@@ -289,7 +283,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, s37r, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -2083,15 +2083,13 @@ class VulkanBackend final : public Backend {
   // y = w x over the halves f16_split just wrote (p: f16c_pick's). p.dq: slices of w's rows
   // decoded to f16 into the scratch f16c_room grew (dq_slice_rows), each slice's GEMM storing
   // its columns of y.
-  // accumulate (workgroup-scope tiles only, p.cm2): y += the product, y a residual.
-  void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y, bool accumulate = false) {
-    if (accumulate && !p.cm2) throw Error("vulkan: only the workgroup-scope f16 tiles add into y");
+  void f16c_gemm(const F16cPick& p, const Weight& w, int64_t n, float* y) {
     const uint64_t hb = (uint64_t)n * (uint64_t)w.cols * 2;
     struct {
       uint64_t w, xh, xl, inv, y, row_bytes;
-      uint32_t rows, cols, n, ys, flags;
+      uint32_t rows, cols, n, ys;
     } pc{A(w.data), f16_xh_, f16_xh_ + hb, f16_xh_ + 2 * hb, A(y), lay_rb(w), (uint32_t)w.rows, (uint32_t)w.cols,
-         (uint32_t)n, (uint32_t)w.rows, accumulate ? 1u : 0u};
+         (uint32_t)n, (uint32_t)w.rows};
     const uint64_t y_bytes = (uint64_t)n * (uint64_t)w.rows * 4;
     const auto gemm = [&](int64_t rows) {
       pc.rows = (uint32_t)rows;
@@ -2578,30 +2576,11 @@ class VulkanBackend final : public Backend {
         if (s.w[i]->rows > 0) gemm_i8(*s.w[i], s.y[i], s.n);
       return;
     }
-    if (s.residual && s.n > kTileMin && c_->subgroup && f16c_residual(s)) return;
     if (!sg_fits(s.w, s.count, s.n)) return Backend::matmul_step(s);
     Lock g(c_->mu);
     // With a residual the product goes straight into it (y[0] and xn are scratch to callers).
     float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
     matmul_sg(s.w, ys, s.count, s.x, s.n, s.norm, s.norm_w, s.eps, s.residual != nullptr);
-  }
-  // A prefill's residual matmul (O, ffn down) on the workgroup-scope f16 tiles: the product
-  // added into the residual as the tile stores (gemm_f16m.comp flags 1), not an add dispatch
-  // after it (H100 F16 pp512: 48 ops dispatches a prefill, 12.6 us each). False: not taken.
-  // DASLLAMA_VULKAN_F16C_RESIDUAL=0 (read at each call): the add dispatch, for A/B runs.
-  bool f16c_residual(const MatmulStep& s) {
-    if (const char* e = std::getenv("DASLLAMA_VULKAN_F16C_RESIDUAL"); e && std::strcmp(e, "0") == 0) return false;
-    const Weight& w = *s.w[0];
-    check_w(w);
-    const float* in = s.norm ? s.xn : s.x;
-    const F16cPick p = f16c_pick(w, in, s.n);
-    if (!p.pre || !p.cm2 || !f16c_room(p, w, s.n)) return false;
-    Lock g(c_->mu);
-    c_->note_rows(s.n);
-    if (s.norm) rms_norm(s.x, s.norm_w, s.xn, s.n, w.cols, s.eps);
-    f16_split(in, s.n, w.cols, p.one);
-    f16c_gemm(p, w, s.n, s.residual, true);
-    return true;
   }
   bool sg_fits(const Weight* const* ws, int count, int64_t n) const {
     bool one = c_->subgroup && count >= 1 && count <= 3 && n > 0 && n <= kTileMin;

@@ -55,7 +55,6 @@ layout(push_constant, std430) uniform PC {
   uint64_t w, xh, xl, inv, y;
   uint64_t row_bytes;
   uint rows, cols, n, ys;
-  uint flags;  // 1: y += the product (a residual; gemm_f16c.comp has no such field)
 } pc;
 
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer H16 { float16_t v[]; };
@@ -87,16 +86,10 @@ float16_t decode_q(const in QBlk b, const in uint32_t bc[2], const in uint32_t c
 #endif
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer Y32 { float v[]; };  // (y may be a slice's)
 
-// Each token's column scaled by its 1 / s (f16_split's power of two; f16_round's 1); with flags
-// 1, y's value added (precise: the product rounded before the sum, as the add dispatch it
-// replaces would have it).
-float scale_token(const in uint32_t r, const in uint32_t c, const in float e, const in uint32_t t0,
-                  const in uint32_t r0) {
+// Each token's column scaled by its 1 / s (f16_split's power of two; f16_round's 1).
+float scale_token(const in uint32_t r, const in uint32_t c, const in float e, const in uint32_t t0) {
   const uint t = t0 + c;
-  if (t >= pc.n) return e;
-  precise float v = e * F32(pc.inv).v[t];
-  if ((pc.flags & 1u) != 0u && r0 + r < pc.rows) v = v + F32(pc.y + (uint64_t(t) * pc.ys + r0 + r) * 4u).v[0];
-  return v;
+  return t < pc.n ? e * F32(pc.inv).v[t] : e;
 }
 
 void main() {
@@ -165,7 +158,7 @@ void main() {
   } else {
     for (uint k = 0; k < pc.cols; k += BK) STAGE(lw, lx, k)
   }
-  coopMatPerElementNV(acc, acc, scale_token, t0, r0);
+  coopMatPerElementNV(acc, acc, scale_token, t0);
   tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> ly =
       createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
   ly = setTensorLayoutDimensionNV(ly, pc.n, pc.rows);
