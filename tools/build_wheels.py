@@ -17,6 +17,12 @@ Python, compiles once; only the bindings compile per version.
 
 Needs: ziglang, auditwheel (pip), cmake and ninja on PATH; for the Vulkan backend, glslc and
 the Vulkan headers (Debian: glslc, libvulkan-dev). Writes dist/.
+
+The Vulkan backend's f16 prefill on NVIDIA's workgroup-scope matrices (gemm_f16m.comp, the
+default there: H100 Llama-1B F16 pp512 1.5x) needs glslang 15, which Debian 12 lacks: unless
+DASLLAMA_GLSLANG names one, tools/build_glslang.sh builds it into build/glslang (about a minute;
+Debian's source of it). Where that fails the wheels are built without those shaders, with a
+warning, and keep the subgroup-scope tiles.
 """
 from __future__ import annotations
 
@@ -103,6 +109,20 @@ def find_python(ver: str) -> Path | None:
             if ok.returncode == 0:
                 return Path(c)
     return None
+
+
+def glslang(build: Path) -> None:
+    """DASLLAMA_GLSLANG for the wheels' builds: as given, else a glslang 15 built once here."""
+    if os.environ.get("DASLLAMA_GLSLANG"):
+        return
+    exe = build / "glslang" / "glslang"
+    if not exe.exists():
+        try:
+            run(["bash", ROOT / "tools" / "build_glslang.sh", exe], cwd=ROOT, timeout=900)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+            log(f"warning: no glslang 15 ({e}): the wheels lack the workgroup-scope f16 tiles")
+            return
+    os.environ["DASLLAMA_GLSLANG"] = str(exe)
 
 
 def tools_python(ver: str, interp: Path, build: Path) -> Path:
@@ -271,6 +291,7 @@ def main(argv=None) -> int:
     if not interps:
         sys.exit("build_wheels: no CPython interpreter found")
 
+    glslang(build)
     first = next(iter(interps))
     sdist = build_sdist(dist, tools_python(first, interps[first], build))
     log(f"sdist: {sdist.name} ({sdist.stat().st_size / 1e6:.2f} MB)")
