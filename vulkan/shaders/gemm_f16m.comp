@@ -6,9 +6,11 @@
 // with what Vulkan otherwise lacks (asynchronous copies, more than 48 KB a workgroup). This is
 // the path llama.cpp's Vulkan build takes on NVIDIA (its *_cm2 shaders); 64 of k a stage and
 // 128 x 128 / 64 x 64 tiles as its f16 ones, and its largest, 128 x 256 (X, F16C=cm2x: pp512's
-// matrices a wave or less on a large GPU, which its build takes for them all). Rows, tokens and k past the ends read zeros
-// (clamp-to-constant layouts) and are not stored; the sums' order is the driver's, so the
-// result is held to float64 numpy, not to gemm_f16c's bits.
+// matrices a wave or less on a large GPU; slower here). Rows, tokens and k past the ends read
+// zeros (clamp-to-constant layouts) and are not stored; a whole tile takes unclamped layouts
+// and an unrolled loop instead (its fast path, which is what made these tiles pay: H100 F16
+// pp512 33.8k -> 50.3k t/s). The sums' order is the driver's, so the result is held to float64
+// numpy, not to gemm_f16c's bits.
 // QT=40 / 41 (gemm_f16mq40* / q41*: q8 mode's q8_0 / q4_0 in the split layout, with
 // DASLLAMA_VULKAN_Q8CM2=1): W's tiles decoded in the tensor load itself (a decode function a
 // 16-byte block of quants, where the layout's block stride puts it, and its 32-block's f16
