@@ -1904,7 +1904,7 @@ class VulkanBackend final : public Backend {
   // cm2, cm2l, cm2m, cm2s, cm2x: NVIDIA's workgroup-scope matrices (gemm_f16m.comp, where the
   // device was created with them: unless DASLLAMA_VULKAN_COOPMAT2=0; else as k64): tiles of 128 x
   // 128, 128 x 64, 64 x 64 or 128 x 256 (rows x tokens), cm2 picking by their count (cm2_tile).
-  // H100, Llama-1B F16 pp512 (s37v): k64 33,808, cm2 50,306, cm2x 41,204 t/s.
+  // H100, Llama-1B F16 pp512 (RESULTS.md, thirty-seventh session): k64 33,808, cm2 50,306, cm2x 41,204.
   enum F16cMode { kF16cOff = 0, kF16cAuto, kF16cK64, kF16cK32, kF16cN16, kF16cEmu, kF16cWide, kF16cEmuWide, kF16cCm2,
                   kF16cCm2L, kF16cCm2M, kF16cCm2S, kF16cCm2X };
   static F16cMode f16c_mode() {
