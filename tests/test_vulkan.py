@@ -558,9 +558,11 @@ def test_f16_prefill_split_on_lavapipe(built_dir):
 def test_f16_prefill_coopmat2(built_dir):
     """The f16 prefill on NVIDIA's workgroup-scope cooperative matrices (gemm_f16m.comp: a tile a
     workgroup's matrix, tensor loads straight from memory; the extensions are on unless
-    DASLLAMA_VULKAN_COOPMAT2=0, DASLLAMA_VULKAN_F16C=cm2* picks the tiles, unset the rule's): each tile (128 x 128, 128 x 64, 64 x 64,
-    128 x 256, and the rule's; whole tiles with k a multiple of 512 take the unclamped, unrolled loop) holds the op harness's f16 matmul cases at F32_DOT against float64 numpy
-    (tokens from 1e-12 to 1e12, rows, tokens and k ending mid-tile) and an f16 model's prefill
+    DASLLAMA_VULKAN_COOPMAT2=0, DASLLAMA_VULKAN_F16C=cm2* picks the tiles, unset the rule's):
+    each tile (128 x 128, 128 x 64, 64 x 64, 128 x 256, and the rule's; whole tiles with k a
+    multiple of 512 take the unclamped, unrolled loop) holds the op harness's f16 matmul cases at
+    F32_DOT against float64 numpy (tokens from 1e-12 to 1e12, rows, tokens and k ending mid-tile,
+    and whole tiles) and an f16 model's prefill
     logits, then in q8 mode (x rounded to f16 once, one product) against numpy's own rounding;
     the profile shows those shaders ran. Needs a device with VK_NV_cooperative_matrix2 and a build
     whose glslang has it (vulkan/CMakeLists.txt): NVIDIA's, never lavapipe."""
@@ -580,8 +582,9 @@ def test_f16_prefill_coopmat2(built_dir):
             assert "refused" not in out, out[-2000:]
             assert re.search(rf"^\s+{sh}{tile}\w?\s", out, re.M), f"F16C={mode}: {sh}{tile} did not run\n" + out[-3000:]
             assert not re.search(r"^\s+gemm_f16[ceo]", out, re.M), f"F16C={mode}: other f16 tiles ran\n" + out[-3000:]
-    # q8 mode's split q8_0 / q4_0 on those tiles: decoded to f16 first (DASLLAMA_VULKAN_Q8CM2=dq: dequant_f16_40 /
-    # _41, then gemm_f16mo*), and with block loads each block decoded in the tiles' loads (=1: gemm_f16mq40* / q41*)
+    # q8 mode's split q8_0 / q4_0 on those tiles: decoded to f16 first (DASLLAMA_VULKAN_Q8CM2=dq:
+    # dequant_f16_40 / _41, then gemm_f16mo*), and with block loads each block decoded in the
+    # tiles' loads (=1: gemm_f16mq40* / q41*)
     runs = [("", "", "dq", [r"dequant_f16_40", r"dequant_f16_41", r"gemm_f16mo\w"])]
     if "coopmat2 block loads" in _VK["devices"][0]["features"]:
         runs += [(mode, tile, "1", [rf"gemm_f16mq{q}{tile}\w?" for q in ("40", "41")])
@@ -601,8 +604,8 @@ def test_f16_prefill_coopmat2(built_dir):
 def test_q8_mode_prefill_on_coopmat2_tiles(wtype):
     """(test_f16_prefill_coopmat2's children: DASLLAMA_VULKAN_Q8CM2=1 on a device with workgroup-scope
     matrices and block loads, or =dq on one with those matrices.) q8 mode's prefill of split q8_0 /
-    q4_0 on the workgroup-scope tiles, each block decoded to f16 in the tile's load or first: over rows, tokens and k ending mid-tile, tokens from
-    1e-12 to 1e12 and a zero one, one matmul and three over one x, each token equal to float64 numpy
+    q4_0 on the workgroup-scope tiles, each block decoded to f16 in the tile's load or first: over
+    rows, tokens and k ending mid-tile and whole tiles, tokens from 1e-12 to 1e12 and a zero one, one matmul and three over one x, each token equal to float64 numpy
     over numpy's f16 rounding of gguf-py's decoded weights and of the token's scaled row (as
     test_backend_ops.py's block formats decoded to f16) at the f32 bar."""
     from gguf.constants import GGMLQuantizationType as T
