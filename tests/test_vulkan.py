@@ -605,7 +605,8 @@ def test_q8_mode_prefill_on_coopmat2_tiles(wtype):
     """(test_f16_prefill_coopmat2's children: DASLLAMA_VULKAN_Q8CM2=1 on a device with workgroup-scope
     matrices and block loads, or =dq on one with those matrices.) q8 mode's prefill of split q8_0 /
     q4_0 on the workgroup-scope tiles, each block decoded to f16 in the tile's load or first: over
-    rows, tokens and k ending mid-tile and whole tiles, tokens from 1e-12 to 1e12 and a zero one, one matmul and three over one x, each token equal to float64 numpy
+    rows, tokens and k ending mid-tile and whole tiles, tokens from 1e-12 to 1e12 and a zero one,
+    one matmul and three over one x, each token equal to float64 numpy
     over numpy's f16 rounding of gguf-py's decoded weights and of the token's scaled row (as
     test_backend_ops.py's block formats decoded to f16) at the f32 bar."""
     from gguf.constants import GGMLQuantizationType as T
