@@ -929,10 +929,15 @@ ATTN_F16 = 1e-6
 ATTN_Q8_CASES = [(33, 33, 6, 2, 64, 16, 0, 0.0), (130, 300, 4, 2, 64, 16, 0, 0.0), (70, 200, 8, 2, 128, 16, 48, 20.0),
                  (100, 260, 8, 8, 128, 64, 0, 0.0), (64, 64, 4, 4, 64, 16, 0, 0.0), (90, 1000, 4, 1, 64, 16, 100, 0.0),
                  # Gemma's head size 256: a window and a softcap, rows past a 32-row tile
-                 (40, 120, 4, 2, 256, 16, 32, 50.0), (70, 70, 2, 1, 256, 16, 0, 0.0)]
+                 (40, 120, 4, 2, 256, 16, 32, 50.0), (70, 70, 2, 1, 256, 16, 0, 0.0),
+                 # pages of whole 64-key tiles (32 at head size 256; a device's workgroup-scope
+                 # tiles need them): a ragged last tile, windows, softcaps, gpt-oss's sinks
+                 (130, 300, 4, 2, 64, 64, 0, 0.0, True), (90, 1000, 4, 1, 64, 128, 100, 0.0),
+                 (70, 200, 8, 2, 128, 64, 48, 20.0), (40, 120, 4, 2, 256, 32, 32, 50.0, True)]
 
 
-@pytest.mark.parametrize("case", ATTN_Q8_CASES, ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}-cap{}".format(*c))
+@pytest.mark.parametrize("case", ATTN_Q8_CASES, ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}-cap{}".format(*c) +
+                         ("-sinks" if c[8:] and c[8] else ""))
 def test_paged_attention_q8_mode(q8_backends, case):
     """Prefill attention over an f16 cache in q8 mode, queries 4x sharper than the harness's
     others: a device either keeps f32 (equal to float64 numpy at the f32 bar), or rounds each
@@ -949,24 +954,25 @@ def test_paged_attention_q8_mode(q8_backends, case):
 def attention_q8_errors(backends, case):
     """{device: (each row's NMSE against float64 numpy, against it over Q * scale rounded to f16)}
     for test_paged_attention_q8_mode's case."""
-    n_tok, n_kv, H, KVH, hd, P, window, cap = case
+    n_tok, n_kv, H, KVH, hd, P, window, cap = case[:8]
     rng = np.random.default_rng(n_kv + hd + H + 1)
     q = (rng.standard_normal((n_tok, H * hd)) * 4).astype(np.float32)
     k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
     v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    sinks = (rng.standard_normal(H) * 3).astype(np.float32) if case[8:] and case[8] else None
     q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
     n_pages = -(-n_kv // P)
     page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
     scale = 1 / math.sqrt(hd)
     ks, vs = stored(k, "f16"), stored(v, "f16")
-    ref = attention_ref(q, ks, vs, q_pos, H, KVH, hd, window, scale, cap)
+    ref = attention_ref(q, ks, vs, q_pos, H, KVH, hd, window, scale, cap, sinks)
     q16 = (q * np.float32(scale)).astype(np.float16).astype(np.float64)
-    ref16 = attention_ref(q16, ks, vs, q_pos, H, KVH, hd, window, 1.0, cap)
+    ref16 = attention_ref(q16, ks, vs, q_pos, H, KVH, hd, window, 1.0, cap, sinks)
     assert nmse(ref16, ref) > F32_DOT  # the rounding of Q is told apart
     out = {}
     for d, b in backends.items():
         o = b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES["f16"], P, page_ids, n_pages + 3, window, scale,
-                              cap, n_tok)[0]
+                              cap, n_tok, sinks=sinks)[0]
         out[d] = ([nmse(o[t], ref[t]) for t in range(n_tok)], [nmse(o[t], ref16[t]) for t in range(n_tok)])
     return out
 

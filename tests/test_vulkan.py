@@ -439,7 +439,8 @@ def test_flash_cm_on_lavapipe(built_dir):
     Q * scale and the probabilities rounded to f16, the same softmax) on the op harness's q8-mode
     attention cases (against numpy's own f16 rounding of Q * scale) and the block model's f16-cache
     prefill, and the profile shows it ran for head sizes 64, 128 and 256. Where the device has f16
-    cooperative matrices, its own variant the same way."""
+    cooperative matrices, its own variant the same way; and where it has NVIDIA's workgroup-scope
+    ones, flash_cm2.comp's (on the cases whose pages hold its whole tiles)."""
     import re
 
     feats = _VK["devices"][0]["features"]
@@ -447,6 +448,8 @@ def test_flash_cm_on_lavapipe(built_dir):
     if "f16 coopmat" in feats:
         sfx = "" if "16x8x16" in feats else "_16"
         runs.append(("1", (f"flash_cm64{sfx}", f"flash_cm128{sfx}", f"flash_cm256{sfx}")))
+    if "coopmat2 flash" in feats:
+        runs.append(("cm2", ("flash_cm2_64", "flash_cm2_128", "flash_cm2_256")))
     for mode, names in runs:
         r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_PROFILE": "1",
                                "DASLLAMA_VULKAN_FLASH_CM": mode},

@@ -193,7 +193,9 @@ struct I8Caps {
   // VK_KHR_cooperative_matrix, Vulkan 1.3) for gemm_f16m.comp's f16 x f16 -> f32 tiles: bit 0
   // where 128 invocations may hold its 64 x 64 tiles (64 of k a stage), bit 1 where 256 may hold
   // its 128 x 64 and 128 x 128 ones (DASLLAMA_VULKAN_COOPMAT_LIST=1 prints what is offered); bit
-  // 2 where tensor loads may decode blocks too (the q8_0 / q4_0 variants, gemm_f16mq*).
+  // 2 where tensor loads may decode blocks too (the q8_0 / q4_0 variants, gemm_f16mq*); bit 3
+  // where they may also reduce rows and convert an accumulator to an operand (flash_cm2.comp),
+  // its tiles (64 x 64, 32 x 32; k 32 to 256) fitting the 128-invocation shape's granularities.
   uint32_t cm2 = 0;
 };
 // VK_KHR_cooperative_matrix's and VK_NV_cooperative_matrix2's structures, which the Vulkan
@@ -316,11 +318,14 @@ I8Caps i8_caps_query(const vk::Api& a, VkPhysicalDevice pd) {
                        p.mGranularity, p.nGranularity, p.kGranularity, p.aType, p.bType, p.cType, p.resultType, p.scope,
                        p.workgroupInvocations);
         if (p.aType != 0 || p.bType != 0 || p.cType != 1 || p.resultType != 1 || p.scope != 2) continue;
-        if (p.workgroupInvocations == 128 && c2p.workgroupScopeMaxWorkgroupSize >= 128 && fits(p, 64, 64, 64)) c.cm2 |= 1;
+        if (p.workgroupInvocations == 128 && c2p.workgroupScopeMaxWorkgroupSize >= 128 && fits(p, 64, 64, 64)) {
+          c.cm2 |= 1;
+          if (c2.reductions && c2.conversions && fits(p, 32, 32, 32)) c.cm2 |= 8;
+        }
         if (p.workgroupInvocations == 256 && c2p.workgroupScopeMaxWorkgroupSize >= 256 && fits(p, 128, 64, 64))
           c.cm2 |= 2;
       }
-      if (c.cm2 && c2.blockLoads) c.cm2 |= 4;
+      if ((c.cm2 & 3u) && c2.blockLoads) c.cm2 |= 4;
     }
   }
   return c;
@@ -370,6 +375,7 @@ DeviceInfo describe(const vk::Api& a, VkPhysicalDevice pd, int index, size_t use
     d.features += std::string(", f16 coopmat") + (ic.f16n8 ? " 16x8x16" : "") + (ic.f16n16 ? " 16x16x16" : "");
   // (and where this build has its shaders: glslang 15 found at build time)
   if (ic.cm2 && find_spirv("gemm_f16mL")) d.features += (ic.cm2 & 4u) ? ", f16 coopmat2 block loads" : ", f16 coopmat2";
+  if ((ic.cm2 & 8u) && find_spirv("flash_cm2_64")) d.features += ", coopmat2 flash";
   // Subgroup width (a range where it varies, as on Intel): which shader variants a device takes.
   const uint32_t sg_min = sc.minSubgroupSize && sc.minSubgroupSize < sp.subgroupSize ? sc.minSubgroupSize : 0;
   d.features += ", subgroups " + (sg_min ? std::to_string(sg_min) + "-" : std::string()) + std::to_string(sp.subgroupSize);
@@ -472,6 +478,7 @@ class Ctx {
       ck.cooperativeMatrix = VK_TRUE;
       c2.workgroupScope = c2.flexibleDimensions = c2.perElementOperations = c2.tensorAddressing = VK_TRUE;
       c2.blockLoads = (ic.cm2 & 4u) ? VK_TRUE : VK_FALSE;
+      c2.reductions = c2.conversions = (ic.cm2 & 8u) ? VK_TRUE : VK_FALSE;
       f11.storageBuffer16BitAccess = VK_TRUE;
       f11.pNext = &ck, ck.pNext = &c2, c2.pNext = f.pNext;
       exts2.push_back("VK_KHR_cooperative_matrix");
@@ -2988,11 +2995,13 @@ class VulkanBackend final : public Backend {
     return std::string(hd == 32 ? "flash2_d32" : "flash2") + (r4 ? "_r4" : "_r2") + (sg ? "_sg" : "");
   }
   // DASLLAMA_VULKAN_FLASH_CM: q8 mode's prefill attention (a.exact false) over an f16 cache, head
-  // sizes 64, 128 and 256, on f16 cooperative matrices (flash_cm.comp: Q and P rounded to f16, as
-  // llama.cpp's flash attention does), where the device has them (H200 pp512: Q8_0 38,841 ->
-  // 39,639, F16 32,602 -> 32,827); "emu": its f32-FMA stand-in on any device whose subgroups
-  // shuffle (lavapipe's check); "0": flash2 / flash / attention.comp. Read at each call. The
-  // shader's rows a workgroup (64, or 32 at head size 256) in *rows.
+  // sizes 64, 128 and 256, on f16 cooperative matrices (Q and P rounded to f16, as llama.cpp's
+  // flash attention does), where the device has them. Unset or "cm2": NVIDIA's workgroup-scope
+  // matrices (flash_cm2.comp) where the device has them and a page holds whole tiles of keys,
+  // else as "1": subgroup-scope ones (flash_cm.comp; H200 pp512 against flash2: Q8_0 38,841 ->
+  // 39,639, F16 32,602 -> 32,827); "emu": flash_cm's f32-FMA stand-in on any device whose
+  // subgroups shuffle (lavapipe's check); "0": flash2 / flash / attention.comp. Read at each
+  // call. The shader's rows a workgroup (64, or 32 at head size 256) in *rows.
   const char* flash_cm_pick(const AttnArgs& a, int64_t* rows = nullptr) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_FLASH_CM");
     const bool coop = !(e && (std::strcmp(e, "0") == 0 || std::strcmp(e, "emu") == 0)),
@@ -3002,6 +3011,19 @@ class VulkanBackend final : public Backend {
         !c_->shuffle8 || a.q_stride % 4 != 0 || A(a.q) % 16 != 0 ||
         (A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off) % 16 != 0)
       return nullptr;
+    if (coop && !(e && std::strcmp(e, "1") == 0) && (c_->cm2 & 8u)) {
+      // 64 x 64 tiles (32 x 32 at head size 256): a tile of keys inside one page. For A/B runs at
+      // head size 64: cm2p (the next tile's loads early), cm2r32 (32 rows a workgroup).
+      const int bc = hd == 256 ? 32 : 64;
+      const bool pf = e && std::strcmp(e, "cm2p") == 0, r32 = e && std::strcmp(e, "cm2r32") == 0;
+      static const std::string cm2[5] = {"flash_cm2_64", "flash_cm2_128", "flash_cm2_256", "flash_cm2_64p",
+                                         "flash_cm2_64r32"};
+      const std::string& name = cm2[hd == 64 ? (pf ? 3 : r32 ? 4 : 0) : hd == 128 ? 1 : 2];
+      if ((int64_t(1) << std::min(a.kv.page_shift, 62)) >= bc && find_spirv(name.c_str())) {
+        if (rows) *rows = hd == 64 && r32 ? 32 : bc;  // (as many rows as keys a tile, but r32)
+        return name.c_str();
+      }
+    }
     // Shared memory: K and V tiles (bc rows of head_dim + 8 halves), the scores and probabilities
     // (br rows of 1.5 bc words), the corrections; coop adds Q (br rows) and the positions. (Row
     // tiles of 32, and 64-key tiles at head size 64, measured no faster on the H100: pp512 Q8_0
