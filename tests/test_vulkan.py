@@ -496,6 +496,41 @@ def test_block_formats_prefill_on_lavapipe(built_dir):
             assert not re.search(r"^\s+dequant_f16", out, re.M), f"{what}: decoded to f16\n" + out[-3000:]
 
 
+def test_norm_round_on_lavapipe(built_dir):
+    """q8 mode's f16 prefill takes a layer's norm and the rounding of its rows to f16 in one
+    dispatch (norm.comp's mode 2) where they were two (rms_norm, f16_round): on lavapipe forced
+    onto the GPUs' path (DASLLAMA_VULKAN_F16C=emu), the block model's all-row prefill logits equal,
+    bit for bit, those of the two dispatches (DASLLAMA_VULKAN_NORM_ROUND=0), and the model's path
+    count shows the fused dispatch ran (and not with the switch off)."""
+    import re
+
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_F16C": "emu",
+                           "DASLLAMA_TEST_NORM_ROUND": "1"}, ("test_vulkan.py",), "norm_round_child", s=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and re.search(r"1 passed", out), out[-3000:]
+
+
+def test_norm_round_child(built_dir, monkeypatch):
+    """test_norm_round_on_lavapipe's child (and, on a device with f16 cooperative matrices, its
+    own tiles')."""
+    if not os.environ.get("DASLLAMA_TEST_NORM_ROUND") and "f16 coopmat" not in _VK["devices"][0]["features"]:
+        pytest.skip("run by test_norm_round_on_lavapipe's child (lavapipe on the GPUs' f16 path)")
+    (path,) = C.built_once(built_dir, "llama-blocks",
+                           lambda out: [C.write_block_model(os.path.join(out, "llama-blocks.gguf"))])
+    ids = [1] + np.random.default_rng(9).integers(3, C.BLOCK_MODEL["vocab"], 99).tolist()
+    m = d.load_model(path, d.QuantMode.q8, device="vulkan")
+    rows = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("DASLLAMA_VULKAN_NORM_ROUND", on)
+        n0 = m._m.path_count("norm_round")
+        s = d.create_session(m, d.KVDtype.f32, n_ctx=len(ids))
+        d.eval(m, s, ids, all_logits=True)
+        rows[on] = np.array(s.logits).reshape(len(ids), -1)
+        ran = m._m.path_count("norm_round") - n0
+        assert (ran > 0) == (on == "1"), f"NORM_ROUND={on}: {ran} fused dispatches"
+    np.testing.assert_array_equal(rows["1"], rows["0"])
+
+
 def test_f16_prefill_split_on_lavapipe(built_dir):
     """f16 prefill (past 32 tokens on a GPU's path) on f16 cooperative matrices keeps f32
     activations: each token's x split into two f16 halves under a power-of-two scale

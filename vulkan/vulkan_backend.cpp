@@ -1567,6 +1567,8 @@ class VulkanBackend final : public Backend {
     }
   }
   const char* name() const override { return "vulkan"; }
+  // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step).
+  int64_t path_count(const std::string& name) const override { return name == "norm_round" ? norm_rounds_ : 0; }
   DeviceInfo info() const override { return c_->info(); }
 
   // ---- memory ----
@@ -2075,6 +2077,7 @@ class VulkanBackend final : public Backend {
     }
   }
   uint64_t f16c_failed_ = UINT64_MAX;  // the least f16 prefill scratch the device could not hold
+  int64_t norm_rounds_ = 0;              // norm_round_step's dispatches (path_count)
   // (After f16c_room, which grew the scratch.)
   void f16_split(const float* x, int64_t n, int64_t cols, bool one) {
     const uint64_t hb = (uint64_t)n * (uint64_t)cols * 2, need = f16_need(n, cols);
@@ -2583,11 +2586,52 @@ class VulkanBackend final : public Backend {
         if (s.w[i]->rows > 0) gemm_i8(*s.w[i], s.y[i], s.n);
       return;
     }
+    if (c_->subgroup && s.norm && s.n > kTileMin && norm_round_on() && norm_round_step(s)) return;
     if (!sg_fits(s.w, s.count, s.n)) return Backend::matmul_step(s);
     Lock g(c_->mu);
     // With a residual the product goes straight into it (y[0] and xn are scratch to callers).
     float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
     matmul_sg(s.w, ys, s.count, s.x, s.n, s.norm, s.norm_w, s.eps, s.residual != nullptr);
+  }
+  // A prefill's norm and the rounding of its rows to f16 for the f16 tiles (q8 mode: x rounded
+  // once, f16c_pick's `one`) as one dispatch (norm.comp's mode 2), where they were two: rms_norm,
+  // then f16_round. H100 F16 pp512: norm 8.8 us and f16_round 8.9 us, each twice a layer
+  // (RESULTS.md, thirty-eighth session). DASLLAMA_VULKAN_NORM_ROUND=0: the two, for A/B runs
+  // (read at each call). False where it does not apply (the caller composes the ops then).
+  static bool norm_round_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_NORM_ROUND");
+    return !(e && std::strcmp(e, "0") == 0);
+  }
+  bool norm_round_step(const MatmulStep& s) {
+    const int64_t cols = s.w[0]->cols;
+    if (cols % 8 != 0 || (s.norm_w && A(s.norm_w) % 4 != 0)) return false;
+    F16cPick p[3];
+    for (int i = 0; i < s.count; ++i) {
+      check_w(*s.w[i]);
+      p[i] = f16c_pick(*s.w[i], s.x, s.n);
+      if (s.w[i]->cols != cols || !p[i].pre || !p[i].one) return false;
+    }
+    for (int i = 0; i < s.count; ++i)
+      if (!f16c_room(p[i], *s.w[i], s.n)) return false;
+    Lock g(c_->mu);
+    c_->note_rows(s.n);
+    const uint64_t hb = (uint64_t)s.n * (uint64_t)cols * 2;
+    f16_xh_ = A(f16_buf_->data()), f16_bytes_ = f16_need(s.n, cols);
+    struct {
+      uint64_t x, w, b, y;
+      uint32_t dim, mode, row_base;
+      float eps;
+    } pc{A(s.x), A(s.norm_w), f16_xh_ + 2 * hb, f16_xh_, (uint32_t)cols, 2, 0, s.eps};  // (f16_split's layout)
+    c_->uses({{A(s.x), (uint64_t)(s.n * cols * 4), false}, {A(s.norm_w), (uint64_t)cols * 4, false},
+              {f16_xh_, f16_bytes_, true}});
+    for (int64_t r0 = 0; r0 < s.n; r0 += kMaxGroups) {
+      pc.row_base = (uint32_t)r0;
+      c_->dispatch("norm", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, s.n - r0));
+    }
+    ++norm_rounds_;
+    for (int i = 0; i < s.count; ++i) f16c_gemm(p[i], *s.w[i], s.n, s.y[i]);
+    if (s.residual) add(s.residual, s.y[0], s.n * s.w[0]->rows);
+    return true;
   }
   bool sg_fits(const Weight* const* ws, int count, int64_t n) const {
     bool one = c_->subgroup && count >= 1 && count <= 3 && n > 0 && n <= kTileMin;
