@@ -62,12 +62,14 @@ layout(push_constant, std430) uniform PC {
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer H16 { float16_t v[]; };
 
 #ifdef QT
-// d * q (exact in f32) to f16, nearest even, whatever the driver's conversion rounding (f2h's
-// bits, which float16_t then holds exactly).
-float16_t f16_rne(float v) { return float16_t(unpackHalf2x16(f2h(v)).x); }
 // A row's f16 scale of 32-block kb: after its quants (cols bytes for q8_0, cols / 2 for q4_0).
-float block_scale(uint row, uint kb) {
-  return h2f(rd16(pc.w + uint64_t(row) * pc.row_bytes + uint64_t(QT == 40 ? pc.cols : pc.cols / 2u) + uint64_t(kb) * 2u));
+// Each weight is q * d as one f16 product (llama.cpp's *_cm2 decoders' form): q and d are exact
+// in f16 and q * d exact in f32, so the product rounded to nearest even is gguf-py's decoded
+// value through numpy's f16. (That rounding done in integer ops, f2h, a weight at a time, held
+// these tiles to 8-9k t/s of pp512.)
+layout(buffer_reference, std430, buffer_reference_align = 2) buffer S16 { float16_t v[]; };
+float16_t block_scale(uint row, uint kb) {
+  return S16(pc.w + uint64_t(row) * pc.row_bytes + uint64_t(QT == 40 ? pc.cols : pc.cols / 2u)).v[kb];
 }
 // A decode block is a row's 16 bytes (rows are 16-aligned, so the layout's stride in blocks is
 // whole): 16 of q8_0's quants (half a 32-block), or 32 of q4_0's nibbles (a whole one).
@@ -76,13 +78,13 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer QBlk { uvec
 float16_t decode_q(const in QBlk b, const in uint32_t bc[2], const in uint32_t ci[2]) {
   const uint i = ci[1];
   const uint wd = b.q[i >> 2u];
-  return f16_rne(float(bitfieldExtract(int(wd), int((i & 3u) * 8u), 8)) * block_scale(bc[0], bc[1] / 2u));
+  return float16_t(bitfieldExtract(int(wd), int((i & 3u) * 8u), 8)) * block_scale(bc[0], bc[1] / 2u);
 }
 #else
 float16_t decode_q(const in QBlk b, const in uint32_t bc[2], const in uint32_t ci[2]) {
   const uint i = ci[1], j = i & 15u;  // elements 0-15: byte j's low nibble; 16-31: its high one
   const uint by = (b.q[j >> 2u] >> ((j & 3u) * 8u)) & 0xffu;
-  return f16_rne(float(int(i < 16u ? by & 15u : by >> 4u) - 8) * block_scale(bc[0], bc[1]));
+  return float16_t(int(i < 16u ? by & 15u : by >> 4u) - 8) * block_scale(bc[0], bc[1]);
 }
 #endif
 #endif
