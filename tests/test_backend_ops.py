@@ -250,7 +250,9 @@ def test_matmul_q8_mode(q8_backends, wtype, n, cols):
     blocks of 32 with the CPU's rounding (act_blocks.h), and then equals the CPU's matmul up
     to the order of float sums, or keeps them in f32 and equals float64 numpy at the f32
     bar; either way it is in the ACT_QUANT class against numpy. Plain, normed with three
-    outputs, and into a residual."""
+    outputs, and into a residual. A device that rounds x and the decoded weights to f16 for its
+    f16 tiles (Vulkan's prefill on NVIDIA's workgroup-scope matrices) equals float64 numpy over
+    numpy's f16 rounding of both instead (f16_product)."""
     rng = np.random.default_rng(29 + n)
     qt = int(T[wtype.upper()])
     rows = [96, 32, 40]
@@ -261,26 +263,37 @@ def test_matmul_q8_mode(q8_backends, wtype, n, cols):
     res = rng.standard_normal((n, rows[0])).astype(np.float32)
     xn = rms_rows(x, nw.astype(np.float64), 1e-6)
     cases = [
-        ("matmul", "matmul", (raws[0], qt, rows[0], cols, x), x.astype(np.float64) @ parts[0][1].T),
+        ("matmul", "matmul", (raws[0], qt, rows[0], cols, x), x.astype(np.float64) @ parts[0][1].T,
+         f16_product(x, parts[0][1])),
         ("step norm+3", "matmul_step", (raws, qt, rows, cols, x, True, nw, 1e-6, None),
-         np.concatenate([(xn @ p[1].T).reshape(-1) for p in parts])),
+         np.concatenate([(xn @ p[1].T).reshape(-1) for p in parts]),
+         np.concatenate([f16_product(xn, p[1]).reshape(-1) for p in parts])),
         ("step residual", "matmul_step", (raws[:1], qt, rows[:1], cols, x, False, None, 0.0, res),
-         res + x.astype(np.float64) @ parts[0][1].T),
+         res + x.astype(np.float64) @ parts[0][1].T, res + f16_product(x, parts[0][1])),
     ]
-    for name, op, args, ref in cases:
-        check_q8(f"q8 {name} {wtype} n={n}", run_all(q8_backends, op, *args), ref)
+    for name, op, args, ref, ref16 in cases:
+        check_q8(f"q8 {name} {wtype} n={n}", run_all(q8_backends, op, *args), ref, ref16)
 
 
-def check_q8(name, outs, ref):
+def f16_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T in float64 over numpy's f16 rounding of each row of x on its power-of-two scale
+    (f16_rounded_rows) and of w's values (gguf-py's decoded weights)."""
+    hi, inv = f16_rounded_rows(np.asarray(x, np.float32))
+    return (hi @ w.astype(np.float32).astype(np.float16).astype(np.float64).T) * inv[:, None]
+
+
+def check_q8(name, outs, ref, ref16=None):
     """q8 mode's bars: every backend in the ACT_QUANT class against float64; a device backend
-    equal to the CPU's q8 sums up to the order of float adds, or to f32's at the f32 bar."""
+    equal to the CPU's q8 sums up to the order of float adds, or to f32's at the f32 bar, or (where
+    given) to ref16, float64 over x and the weights rounded to f16, at the f32 bar."""
     for d, o in outs.items():
         ref_ = ref.reshape(np.shape(o))
         assert nmse(o, ref_) <= ACT_QUANT, f"{name} on {d}: NMSE {nmse(o, ref_):.3g}"
         if d != "cpu":
             e_cpu, e_f32 = nmse(o, outs["cpu"]), nmse(o, ref_)
-            assert min(e_cpu, e_f32) <= F32_DOT, \
-                f"{name} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32"
+            e16 = nmse(o, ref16.reshape(np.shape(o))) if ref16 is not None else np.inf
+            assert min(e_cpu, e_f32, e16) <= F32_DOT, \
+                f"{name} on {d}: NMSE {e_cpu:.3g} against the CPU's, {e_f32:.3g} against f32, {e16:.3g} over f16"
 
 
 def a8_rounded(x: np.ndarray) -> np.ndarray:
@@ -405,17 +418,20 @@ def test_matmul_q8_mode_prefill(q8_backends, wtype, rows, cols, n):
     64 tokens on Vulkan's int8 GEMM) with rows, tokens and 32-blocks that leave every tile edge
     ragged: one matmul, and
     three weights over the same x (which may round x once for all). As test_matmul_q8_mode:
-    the CPU's q8 sums up to the order of float adds, or f32's."""
+    the CPU's q8 sums up to the order of float adds, or f32's, or (x and the weights rounded to
+    f16 for f16 tiles) f16_product's."""
     rng = np.random.default_rng(rows + cols + n)
     qt = int(T[wtype.upper()])
     rs = [rows, 40, 129]
     parts = [make_weight(rng, wtype, r, cols) for r in rs]
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    cases = [("matmul", "matmul", (parts[0][0], qt, rows, cols, x), x.astype(np.float64) @ parts[0][1].T),
+    cases = [("matmul", "matmul", (parts[0][0], qt, rows, cols, x), x.astype(np.float64) @ parts[0][1].T,
+              f16_product(x, parts[0][1])),
              ("multi", "matmul_multi", ([p[0] for p in parts], qt, rs, cols, x),
-              np.concatenate([(x.astype(np.float64) @ p[1].T).reshape(-1) for p in parts]))]
-    for name, op, args, ref in cases:
-        check_q8(f"q8 {name} {wtype} {rows}x{cols} n={n}", run_all(q8_backends, op, *args), ref)
+              np.concatenate([(x.astype(np.float64) @ p[1].T).reshape(-1) for p in parts]),
+              np.concatenate([f16_product(x, p[1]).reshape(-1) for p in parts]))]
+    for name, op, args, ref, ref16 in cases:
+        check_q8(f"q8 {name} {wtype} {rows}x{cols} n={n}", run_all(q8_backends, op, *args), ref, ref16)
 
 
 @pytest.mark.parametrize("wtype", ["f16", "bf16"])

@@ -154,6 +154,53 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
+    s38)  # Vulkan's prefill attention on the workgroup-scope matrices (flash_cm2.comp, default where the device
+      # has them; DASLLAMA_VULKAN_FLASH_CM=1: the subgroup-scope flash_cm): the harness against float64 (the
+      # cases with pages of whole tiles, sinks), each variant by name, the models' prefill; the A/B; where an
+      # F16 pp512 goes now; beside llama.cpp's Vulkan build (carry .peers/skb.tar.xz)
+      step flashops 200 python -m pytest -q tests/test_backend_ops.py -k "attention_q8_mode"
+      step flashtests 300 python -m pytest -q tests/test_vulkan.py -k "(flash_cm or q8_mode_prefill or f16_model or greedy) and not smollm2"
+      step flashab 240 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0,q4_0 --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_FLASH_CM=1 DASLLAMA_VULKAN_FLASH_CM=cm2
+      step vkgrid 90 env DASLLAMA_VULKAN_PROFILE=each=30 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
+        --device vulkan --types f16 --no-tg --rounds 1 DASLLAMA_NONE=1
+      step vkgrid8 90 env DASLLAMA_VULKAN_PROFILE=each=30 DASLLAMA_VULKAN_PROFILE_GRID=1 python benchmarks/ab_cuda.py \
+        --device vulkan --types q8_0 --no-tg --rounds 1 DASLLAMA_VULKAN_Q8CM2=0 DASLLAMA_VULKAN_Q8CM2=dq
+      step vkpeers 240 python benchmarks/bench_gpu_peers.py --types f16,q8_0,q4_0 --rounds 2 --ours vulkan \
+        --llama-server /tmp/skb/llama-server
+      # CUDA: what holds an F16 decode step's GEMVs (Q / K / V with its rope at 1.4 TB/s) under the copy
+      step ncugemv 200 ncu --clock-control none --kernel-name regex:gemv_direct_k --launch-skip 64 --launch-count 8 \
+        --section SpeedOfLight --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
+        --section SchedulerStats --section LaunchStats python benchmarks/ab_cuda.py --types f16 --rounds 1 DASLLAMA_NONE=1
+      ;;
+    s38b)  # a prefill's norm and f16 rounding as one dispatch (norm.comp's mode 2; DASLLAMA_VULKAN_NORM_ROUND=0:
+      # the two): bits against the two, the models' prefill; q8_0 / q4_0 decoded in the workgroup-scope tiles'
+      # loads as one f16 product a weight (DASLLAMA_VULKAN_Q8CM2=1, formerly 8-9k t/s): its harness; the A/Bs
+      step tests 300 python -m pytest -q tests/test_vulkan.py \
+        -k "norm_round or block_formats or f16_model or q8_mode_prefill or f16_prefill_coopmat2"
+      step nrab 200 python benchmarks/ab_cuda.py --device vulkan --types f16,q4_k_m --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_NORM_ROUND=0 DASLLAMA_VULKAN_NORM_ROUND=1
+      step q8ab 200 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_Q8CM2=0 DASLLAMA_VULKAN_Q8CM2=1 DASLLAMA_VULKAN_Q8CM2=dq
+      # flash_cm2's two A/B variants at head size 64 (the next tile's loads early; 32 rows a workgroup):
+      # the harness on each, then the speed
+      step fvops 200 bash -c 'for v in cm2p cm2r32; do DASLLAMA_VULKAN_PROFILE=1 DASLLAMA_VULKAN_FLASH_CM=$v \
+        python -m pytest -q -s tests/test_backend_ops.py -k "attention_q8_mode and d64" > /tmp/fv.log 2>&1 ||
+        { tail -40 /tmp/fv.log; exit 1; }; grep -E "passed|flash_cm" /tmp/fv.log | head -4; done'
+      step fvab 200 python benchmarks/ab_cuda.py --device vulkan --types f16 --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_FLASH_CM=cm2 DASLLAMA_VULKAN_FLASH_CM=cm2p DASLLAMA_VULKAN_FLASH_CM=cm2r32
+      ;;
+    s38c)  # the session's final defaults (flash_cm2 with 32 rows at head size 64, q8_0 / q4_0 prefill decoded
+      # to f16, the fused norm): the harness (q8-mode attention and matmuls), the Vulkan tests they touch,
+      # the tile A/B, then beside llama.cpp's Vulkan build
+      step ops 200 python -m pytest -q tests/test_backend_ops.py -k "attention_q8_mode or matmul_q8_mode"
+      step tests 330 python -m pytest -q tests/test_vulkan.py \
+        -k "(flash_cm or q8_mode or norm_round or f16_model or f16_prefill_coopmat2 or int8_prefill) and not smollm2"
+      step r64 120 python benchmarks/ab_cuda.py --device vulkan --types f16 --no-tg --rounds 2 \
+        DASLLAMA_VULKAN_FLASH_CM=cm2r64 DASLLAMA_VULKAN_FLASH_CM=cm2
+      step vkpeers 240 python benchmarks/bench_gpu_peers.py --types f16,q8_0,q4_0 --rounds 2 --ours vulkan \
+        --llama-server /tmp/skb/llama-server
+      ;;
     s37)  # Vulkan's f16 prefill on the workgroup-scope tiles by default (their whole tiles unclamped and
       # unrolled): the harness of every tile (with the Q8CM2=dq child) and the whole-tile cases; prefill
       # against the subgroup-scope k64 tiles; Q8CM2's two forms; beside llama.cpp's Vulkan llama-server (carry
@@ -283,7 +330,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -2020,13 +2020,16 @@ class VulkanBackend final : public Backend {
   // tiles instead of the int8 ones, x rounded to f16 once: `1` each block decoded to f16 in the
   // tile's load (gemm_f16m.comp QT; needs block loads), `dq` the matrix decoded to f16 first
   // (dequant_f16_40 / _41, slices as the other block formats), then the plain f16 tiles, whose
-  // whole tiles take the unclamped, unrolled loop. H100 Llama-1B pp512 Q8_0 / Q4_0: int8 tiles
-  // 40.1k / 40.6k, dq 41.4k / 40.7k, 1 8.3k / 9.0k t/s: A/B only. Decode (up to kTileMin tokens)
-  // keeps the int8 GEMVs. 0: neither; 1: in the loads; 2: decoded first.
+  // whole tiles take the unclamped, unrolled loop. Unset: dq where F16C is unset too and the
+  // device has the tiles at both workgroup sizes; `0`: the int8 tiles. H100 Llama-1B pp512 Q8_0 /
+  // Q4_0 (RESULTS.md, thirty-eighth session, with flash_cm2 and the fused norm): int8 tiles
+  // 44.5k / 46.7k, dq 48.3k / 47.4k, 1 38.2k / 41.4k t/s. Decode (up to kTileMin tokens) keeps
+  // the int8 GEMVs. 0: neither; 1: in the loads; 2: decoded first.
   int q8_cm2_mode(const Weight& w) const {
     const char* e = std::getenv("DASLLAMA_VULKAN_Q8CM2");
     const uint32_t lt = lay_type(w);
-    if (!e || w.exact || (lt != kQ8Split && lt != kQ4Split)) return 0;
+    if (w.exact || (lt != kQ8Split && lt != kQ4Split)) return 0;
+    if (!e || !*e) return f16c_mode() == kF16cAuto && (c_->cm2 & 3u) == 3u ? 2 : 0;
     if (std::strcmp(e, "1") == 0) return (c_->cm2 & 4u) ? 1 : 0;
     if (std::strcmp(e, "dq") == 0) return (c_->cm2 & 3u) == 3u ? 2 : 0;
     return 0;
@@ -3056,15 +3059,15 @@ class VulkanBackend final : public Backend {
         (A(a.kv.base) | a.kv.page_bytes | a.kv.row_bytes | a.kv.k_off | a.kv.v_off) % 16 != 0)
       return nullptr;
     if (coop && !(e && std::strcmp(e, "1") == 0) && (c_->cm2 & 8u)) {
-      // 64 x 64 tiles (32 x 32 at head size 256): a tile of keys inside one page. For A/B runs at
-      // head size 64: cm2p (the next tile's loads early), cm2r32 (32 rows a workgroup).
+      // Tiles of 64 keys (32 at head size 256) inside one page; 32 query rows a workgroup at head
+      // size 64 (`cm2r64`: 64, for A/B runs; H100 F16 pp512 59,207 -> 60,470 with 32), 64 at 128,
+      // 32 at 256.
       const int bc = hd == 256 ? 32 : 64;
-      const bool pf = e && std::strcmp(e, "cm2p") == 0, r32 = e && std::strcmp(e, "cm2r32") == 0;
-      static const std::string cm2[5] = {"flash_cm2_64", "flash_cm2_128", "flash_cm2_256", "flash_cm2_64p",
-                                         "flash_cm2_64r32"};
-      const std::string& name = cm2[hd == 64 ? (pf ? 3 : r32 ? 4 : 0) : hd == 128 ? 1 : 2];
+      const bool r64 = e && std::strcmp(e, "cm2r64") == 0;
+      static const std::string cm2[4] = {"flash_cm2_64", "flash_cm2_128", "flash_cm2_256", "flash_cm2_64r64"};
+      const std::string& name = cm2[hd == 64 ? (r64 ? 3 : 0) : hd == 128 ? 1 : 2];
       if ((int64_t(1) << std::min(a.kv.page_shift, 62)) >= bc && find_spirv(name.c_str())) {
-        if (rows) *rows = hd == 64 && r32 ? 32 : bc;  // (as many rows as keys a tile, but r32)
+        if (rows) *rows = hd == 128 || r64 ? 64 : 32;
         return name.c_str();
       }
     }

@@ -6,7 +6,8 @@
 // per-element operations, and the probabilities are converted to an A operand in registers for
 // P V. flash_cm.comp instead wrote the scores to shared memory for two lanes a row to take the
 // softmax, and read them back, behind four barriers a tile of 32 keys: 132 us a layer of an H100
-// pp512, about 8 TFLOPS. This is the form of llama.cpp's flash_attn_cm2.
+// pp512, about 8 TFLOPS; this takes 51 (64-row tiles). This is the form of llama.cpp's
+// flash_attn_cm2.
 // K and V tiles load straight from the paged cache through tensor layouts: a tile of BC keys lies
 // in one page (the backend takes this shader only where a page holds a multiple of BC rows), so
 // its rows are a plain strided matrix there. A tile past the last key clamps (zeros), and its
@@ -15,7 +16,8 @@
 // attention rounds them), the sums of the rounded probabilities (a product with a matrix of
 // ones), the maxima, sums and O in f32. The order of the sums is the driver's: held to float64
 // numpy (test_paged_attention_q8_mode), not to flash_cm's bits.
-// HD: the head size (64, 128 or 256); BR x BC: 64 x 64, 32 x 32 at 256. Needs glslang 15, the
+// HD: the head size (64, 128 or 256); BR x BC: query rows x keys a tile (the backend's: 32 x 64,
+// 64 x 64 at 128, 32 x 32 at 256). Needs glslang 15, the
 // device's workgroup scope, tensor addressing, per-element operations, reductions and
 // conversions (I8Caps::cm2's bit 8).
 #version 450
@@ -40,9 +42,6 @@
 #define BC 64
 #endif
 #define NTH 128
-#ifndef PF  // 1: the next tile's K (and this tile's V) loads issued before this tile's softmax
-#define PF 0
-#endif
 
 layout(local_size_x = NTH) in;
 // flash_cm.comp's constants (the backend fills one struct for both).
@@ -145,44 +144,21 @@ void main() {
   lw = setTensorLayoutStrideNV(lw, rs & ~7u, 1);
   tensorViewNV<2, false, 1, 0> tr = createTensorViewNV(2, false, 1, 0);
   const int first = lo >= hi ? hi : lo - lo % BC;
-  coopmat<float16_t, gl_ScopeWorkgroup, HD, BC, gl_MatrixUseB> kt;  // K^T: dims x keys
-  coopmat<float16_t, gl_ScopeWorkgroup, BC, HD, gl_MatrixUseB> v;
-  // Tile j0's K^T (clamped past the last key: its rows read zeros).
-#define LOAD_K(j0_)                                                                                \
-  {                                                                                                \
-    const uint64_t kb_ = kv_row_at(pc.base, pc.pages, pc.page_bytes, pc.row_bytes, PSHIFT, (j0_)) + koff; \
-    if ((j0_) + BC <= hi) {                                                                        \
-      coopMatLoadTensorNV(kt, H16(kb_).v, 0, sliceTensorLayoutNV(lw, 0, BC, 0, HD), tr);           \
-    } else {                                                                                       \
-      tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lk_ =                            \
-          createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);                       \
-      lk_ = setTensorLayoutDimensionNV(lk_, uint(hi - (j0_)), HD);                                 \
-      lk_ = setTensorLayoutStrideNV(lk_, rs, 1);                                                   \
-      coopMatLoadTensorNV(kt, H16(kb_).v, 0, sliceTensorLayoutNV(lk_, 0, BC, 0, HD), tr);          \
-    }                                                                                              \
-  }
-#if PF
-  if (first < hi) LOAD_K(first)
-#endif
   for (int j0 = first; j0 < hi; j0 += BC) {
     const uint64_t rb = kv_row_at(pc.base, pc.pages, pc.page_bytes, pc.row_bytes, PSHIFT, j0);
     const bool whole = j0 + BC <= hi;
+    coopmat<float16_t, gl_ScopeWorkgroup, HD, BC, gl_MatrixUseB> kt;  // K^T: dims x keys
+    coopmat<float16_t, gl_ScopeWorkgroup, BC, HD, gl_MatrixUseB> v;
     tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lc =
         createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
     lc = setTensorLayoutDimensionNV(lc, uint(hi - j0), HD);
     lc = setTensorLayoutStrideNV(lc, rs, 1);
-#if !PF
-    LOAD_K(j0)
-#endif
+    if (whole)
+      coopMatLoadTensorNV(kt, H16(rb + koff).v, 0, sliceTensorLayoutNV(lw, 0, BC, 0, HD), tr);
+    else
+      coopMatLoadTensorNV(kt, H16(rb + koff).v, 0, sliceTensorLayoutNV(lc, 0, BC, 0, HD), tr);
     SMAT s = SMAT(0.0f);
     s = coopMatMulAdd(qa, kt, s);
-#if PF
-    if (whole)
-      coopMatLoadTensorNV(v, H16(rb + voff).v, 0, sliceTensorLayoutNV(lw, 0, BC, 0, HD));
-    else
-      coopMatLoadTensorNV(v, H16(rb + voff).v, 0, sliceTensorLayoutNV(lc, 0, BC, 0, HD));
-    if (j0 + BC < hi) LOAD_K(j0 + BC)
-#endif
     if (pc.softcap > 0.0f)
       [[unroll]] for (int e = 0; e < s.length(); ++e) s[e] = pc.softcap * tanh_safe(s[e] / pc.softcap);
     // Tiles wholly below every row's causal edge and inside every row's window skip the mask.
@@ -201,12 +177,12 @@ void main() {
     OMAT emo;  // each row's correction across O's columns
     coopMatReduceNV(emo, em, gl_CooperativeMatrixReduceRowNV, keep_first);
     o = o * emo;
-#if !PF
+    // (V's load and the next tile's K issued before the softmax measured slower: H100 F16 pp512
+    // 59,207 -> 58,419.)
     if (whole)
       coopMatLoadTensorNV(v, H16(rb + voff).v, 0, sliceTensorLayoutNV(lw, 0, BC, 0, HD));
     else
       coopMatLoadTensorNV(v, H16(rb + voff).v, 0, sliceTensorLayoutNV(lc, 0, BC, 0, HD));
-#endif
     o = coopMatMulAdd(pa, v, o);
   }
 
