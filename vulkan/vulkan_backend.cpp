@@ -1958,6 +1958,10 @@ class VulkanBackend final : public Backend {
         return false;
     }
   }
+  // gemm_f16m's tile a workgroup-scope mode names (F16cPick::cm2): 'a' picks by count (cm2_tile).
+  static char cm2_mark(F16cMode m) {
+    return m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : m == kF16cCm2X ? 'X' : 'a';
+  }
   F16cPick f16c_pick(const Weight& w, const float* x, int64_t n) const {
     F16cMode m = f16c_mode();
     // Unset: the workgroup-scope tiles where the device has them at both workgroup sizes (H100,
@@ -1979,7 +1983,7 @@ class VulkanBackend final : public Backend {
           (w.rows + 63) / 64 > kMaxGroups || (n + 63) / 64 > kMaxGroups || f16_need(n, w.cols) >= f16c_failed_)
         return p;
       p.one = true, p.pre = lt == kQ8Split ? "gemm_f16mq40" : "gemm_f16mq41";
-      p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : m == kF16cCm2X ? 'X' : 'a';
+      p.cm2 = cm2_mark(m);
       return p;
     }
     if (m == kF16cOff || (lay_type(w) != (uint32_t)GGMLType::F16 && !dq) || n <= kTileMin || w.rows <= 0 ||
@@ -1991,7 +1995,7 @@ class VulkanBackend final : public Backend {
     p.one = !f16_act_split(w) && (m == kF16cK64 || m == kF16cN16 || m == kF16cEmu || m == kF16cWide || cm2);
     if (cm2) {  // (16-aligned rows and x as the tiles below; any subgroup size: the driver's)
       p.pre = p.one ? "gemm_f16mo" : "gemm_f16m";
-      p.cm2 = m == kF16cCm2L ? 'L' : m == kF16cCm2M ? 'M' : m == kF16cCm2S ? 'S' : m == kF16cCm2X ? 'X' : 'a';
+      p.cm2 = cm2_mark(m);
       return p;
     }
     // Shared memory: 41.5 KB at most (gemm_f16c16's two stages), gemm_f16eh 30 KB.
