@@ -182,13 +182,8 @@ for stage in "$@"; do
         DASLLAMA_VULKAN_NORM_ROUND=0 DASLLAMA_VULKAN_NORM_ROUND=1
       step q8ab 200 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --no-tg --rounds 2 \
         DASLLAMA_VULKAN_Q8CM2=0 DASLLAMA_VULKAN_Q8CM2=1 DASLLAMA_VULKAN_Q8CM2=dq
-      # flash_cm2's two A/B variants at head size 64 (the next tile's loads early; 32 rows a workgroup):
-      # the harness on each, then the speed
-      step fvops 200 bash -c 'for v in cm2p cm2r32; do DASLLAMA_VULKAN_PROFILE=1 DASLLAMA_VULKAN_FLASH_CM=$v \
-        python -m pytest -q -s tests/test_backend_ops.py -k "attention_q8_mode and d64" > /tmp/fv.log 2>&1 ||
-        { tail -40 /tmp/fv.log; exit 1; }; grep -E "passed|flash_cm" /tmp/fv.log | head -4; done'
-      step fvab 200 python benchmarks/ab_cuda.py --device vulkan --types f16 --no-tg --rounds 2 \
-        DASLLAMA_VULKAN_FLASH_CM=cm2 DASLLAMA_VULKAN_FLASH_CM=cm2p DASLLAMA_VULKAN_FLASH_CM=cm2r32
+      # (The session's flash_cm2 variants, cm2p and cm2r32, ran here: cm2p was removed, cm2r32's 32 rows are now
+      # the default at head size 64; s38c's r64 step times it against 64 rows.)
       ;;
     s38c)  # the session's final defaults (flash_cm2 with 32 rows at head size 64, q8_0 / q4_0 prefill decoded
       # to f16, the fused norm): the harness (q8-mode attention and matmuls), the Vulkan tests they touch,
