@@ -154,6 +154,14 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
+    s39)  # zero-code A/Bs first: CUDA's one-row GEMVs at 2 rows a warp for F16 (DASLLAMA_CUDA_R1=2, timed for
+      # q8_0 / q4_0 only so far); Vulkan q8 mode with x rounded inside each GEMV (DASLLAMA_VULKAN_GEMVQ=1, last
+      # timed in the twelfth session on GEMVs since replaced); the cm2_mark helper's test (not yet run on a GPU)
+      step r1 200 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_R1=4 DASLLAMA_CUDA_R1=2
+      step gemvq 240 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
+        DASLLAMA_VULKAN_GEMVQ=0 DASLLAMA_VULKAN_GEMVQ=1
+      step cm2 150 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2"
+      ;;
     s38)  # Vulkan's prefill attention on the workgroup-scope matrices (flash_cm2.comp, default where the device
       # has them; DASLLAMA_VULKAN_FLASH_CM=1: the subgroup-scope flash_cm): the harness against float64 (the
       # cases with pages of whole tiles, sinks), each variant by name, the models' prefill; the A/B; where an
@@ -325,7 +333,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s39, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
