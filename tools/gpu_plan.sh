@@ -158,6 +158,9 @@ for stage in "$@"; do
       # q8_0 / q4_0 only so far); Vulkan q8 mode with x rounded inside each GEMV (DASLLAMA_VULKAN_GEMVQ=1, last
       # timed in the twelfth session on GEMVs since replaced); the cm2_mark helper's test (not yet run on a GPU)
       step r1 200 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_R1=4 DASLLAMA_CUDA_R1=2
+      # the one-token GEMVs of wide rows only (ffn down) at 2 rows a warp: 1,024 blocks where 512 made 1.3 waves
+      step r1w 200 python benchmarks/ab_cuda.py --types f16,q8_0 --rounds 2 DASLLAMA_CUDA_R1_WIDE=0 \
+        DASLLAMA_CUDA_R1_WIDE=8192
       step gemvq 240 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
         DASLLAMA_VULKAN_GEMVQ=0 DASLLAMA_VULKAN_GEMVQ=1
       step cm2 150 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2"
