@@ -177,6 +177,28 @@ def test_pipelined_generate_on_a_queue_thread(built_dir, tiny):
     assert busy > 0 and abs(busy - sum(each) * 1e-3) <= 1e-3 * len(each) + 1e-6 * busy, (busy, sum(each))
 
 
+def test_step_profile(built_dir, tiny):
+    """DASLLAMA_VULKAN_STEPPROF=1 stamps each dispatch inside recorded steps, so replayed decode
+    steps are timed as they run: the decode test still passes under it (the same logits), and
+    each profiled step's dispatch lines add up to its per-run total, with the decode attention
+    among them (one a layer)."""
+    import re
+
+    r = _child(built_dir, {"DASLLAMA_VULKAN_STEPPROF": "1"}, ("test_vulkan.py",), "decode_steps_replayed", s=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    heads = list(re.finditer(r"vulkan step profile \(.*\): step \d+, (\d+) runs, (\d+) dispatches, ([\d.]+) us a run\n", out))
+    assert heads, out[-3000:]
+    for h in heads:
+        n = int(h.group(2))
+        lines = out[h.end():].splitlines()[:n]
+        spans = [float(re.match(r"\s+\d+ (\S+)\s+([\d.]+) us$", ln).group(2)) for ln in lines]
+        assert len(spans) == n and all(x >= 0 for x in spans), lines
+        total = float(h.group(3))
+        assert abs(sum(spans) - total) <= 0.01 * n + 1e-3 * total, (sum(spans), total)
+        assert any(re.search(r"attn|attention", ln) for ln in lines), lines
+
+
 def test_speculated_batch_steps_equal_plain(tiny):
     C.speculated_batch_steps_equal_plain(tiny["q8_0"], "vulkan")
     C.speculated_stepper_streams_equal_plain(tiny["q8_0"], "vulkan")

@@ -164,6 +164,10 @@ for stage in "$@"; do
       step gemvq 240 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
         DASLLAMA_VULKAN_GEMVQ=0 DASLLAMA_VULKAN_GEMVQ=1
       step cm2 150 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2"
+      # where a replayed Vulkan decode step's time goes, dispatch by dispatch (DASLLAMA_VULKAN_STEPPROF: stamps
+      # recorded into the step's own command buffer, fusions and replay as they run)
+      step stepprof 200 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan \
+        --types f16,q8_0,q4_0 --rounds 1 DASLLAMA_NONE=1
       ;;
     s38)  # Vulkan's prefill attention on the workgroup-scope matrices (flash_cm2.comp, default where the device
       # has them; DASLLAMA_VULKAN_FLASH_CM=1: the subgroup-scope flash_cm): the harness against float64 (the

@@ -34,7 +34,8 @@
 // _SUBGROUP (benchmarks/profile_vulkan.py runs most; vulkan/README.md tables them all). Measuring:
 // DASLLAMA_VULKAN_PROFILE (each dispatch timed, serialized, no replay),
 // DASLLAMA_VULKAN_GPUTIME (each submission's span on the GPU, everything else as it runs),
-// DASLLAMA_VULKAN_STEPS (replay counts, each recorded step's dispatches), DASLLAMA_VULKAN_PIPESTATS
+// DASLLAMA_VULKAN_STEPS (replay counts, each recorded step's dispatches), DASLLAMA_VULKAN_STEPPROF
+// (replayed steps timed dispatch by dispatch), DASLLAMA_VULKAN_PIPESTATS
 // (the driver's statistics of each pipeline: registers and the like), _COOPMAT_LIST.
 #include "vulkan_backend.h"
 
@@ -544,6 +545,13 @@ class Ctx {
       qpi.queryCount = kQueries;
       vcheck(f_.vkCreateQueryPool(dev_, &qpi, nullptr, &qpool_), "vkCreateQueryPool");
     }
+    const char* spe = std::getenv("DASLLAMA_VULKAN_STEPPROF");
+    if (spe && *spe && std::strcmp(spe, "0") != 0 && ts_bits_ > 0 && !qpool_) {
+      VkQueryPoolCreateInfo qpi{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};
+      qpi.queryType = VK_QUERY_TYPE_TIMESTAMP;
+      qpi.queryCount = (uint32_t)(kMaxSteps * kStepStamps);
+      vcheck(f_.vkCreateQueryPool(dev_, &qpi, nullptr, &spool_), "vkCreateQueryPool");
+    }
     const char* gt = std::getenv("DASLLAMA_VULKAN_GPUTIME");
     if (gt && *gt && std::strcmp(gt, "0") != 0 && ts_bits_ > 0 && !qpool_) {
       VkQueryPoolCreateInfo qpi{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};
@@ -566,6 +574,10 @@ class Ctx {
       std::fprintf(stderr, "vulkan gpu time: %llu submissions, busy %.3f ms, idle between them %.3f ms\n",
                    (unsigned long long)gt_subs_, gt_busy_ * 1e-6, gt_idle_ * 1e-6);
       f_.vkDestroyQueryPool(dev_, tpool_, nullptr);
+    }
+    if (spool_) {
+      print_step_profile();
+      f_.vkDestroyQueryPool(dev_, spool_, nullptr);
     }
     if (qpool_) {
       print_profile();
@@ -752,7 +764,7 @@ class Ctx {
       Rec r;
       r.p = p, r.g[0] = gx, r.g[1] = gy, r.g[2] = gz;
       r.push.assign(static_cast<const uint8_t*>(push), static_cast<const uint8_t*>(push) + push_bytes);
-      if (steps_log()) r.name = shader;
+      if (steps_log() || spool_) r.name = shader;
       resolve(next_);
       r.uses.swap(next_);
       sig_put(&p, sizeof p), sig_put(r.g, sizeof r.g), sig_put(push, push_bytes);
@@ -887,11 +899,19 @@ class Ctx {
       vcheck(f_.vkBeginCommandBuffer(hit->cb, &bi), "vkBeginCommandBuffer");
       // The primary's barrier before the execute orders everything before it.
       cb_ = hit->cb, bound_ = VK_NULL_HANDLE, pending_.clear(), pending_all_ = false;
+      hit->names.clear(), hit->sums.clear(), hit->runs = 0;
+      const uint32_t sbase = (uint32_t)(hit - steps_.data()) * kStepStamps;
       try {
+        if (spool_) f_.vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, spool_, sbase);
         for (Rec& r : recs) {
           next_ = std::move(r.uses);
           order();
           record_dispatch(r.p, r.push.data(), (uint32_t)r.push.size(), r.g[0], r.g[1], r.g[2]);
+          if (spool_ && hit->names.size() + 1 < kStepStamps) {
+            hit->names.push_back(r.name);
+            f_.vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, spool_,
+                                   sbase + (uint32_t)hit->names.size());
+          }
         }
         cb_ = cmd_;
         vcheck(f_.vkEndCommandBuffer(hit->cb), "vkEndCommandBuffer");
@@ -905,6 +925,11 @@ class Ctx {
     }
     hit->used = ++clock_;
     begin();
+    if (spool_) {
+      const size_t k = (size_t)(hit - steps_.data());
+      f_.vkCmdResetQueryPool(cmd_, spool_, (uint32_t)(k * kStepStamps), (uint32_t)hit->names.size() + 1);
+      if (std::find(sp_pending_.begin(), sp_pending_.end(), k) == sp_pending_.end()) sp_pending_.push_back(k);
+    }
     barrier();
     f_.vkCmdExecuteCommands(cmd_, 1, &hit->cb);
     bound_ = VK_NULL_HANDLE, pending_.clear(), pending_all_ = true;  // the step's commands: unknown here
@@ -953,6 +978,7 @@ class Ctx {
     if (open_) submit();
     wait_done(seq_ - 1);
     if (had && qpool_) read_stamps();
+    if (spool_) read_step_stamps();
     for (auto& g : grave_) destroy(g.first);
     grave_.clear();
     // Keep one staging chunk for the next uploads.
@@ -966,7 +992,7 @@ class Ctx {
   // timestamps are read back per submission. Read at each call, so one process A/Bs it.
   bool async_on() const {
     const char* e = std::getenv("DASLLAMA_VULKAN_ASYNC");
-    return !(e && std::strcmp(e, "0") == 0) && !qpool_;
+    return !(e && std::strcmp(e, "0") == 0) && !qpool_ && !spool_;
   }
   // The copy of a few bytes (a greedy step's id) into a host slot, submitted with what is
   // recorded before it and not waited for: download_wait(ticket) waits for that submission.
@@ -1209,6 +1235,51 @@ class Ctx {
     }
     ++prof_subs_;
     stamped_.clear();
+  }
+  // DASLLAMA_VULKAN_STEPPROF=1: a timestamp after each dispatch of a recorded step, written by
+  // the step's own secondary buffer, so replayed steps are timed as they run (fusions, replay
+  // and the barriers that the step's uses need; steps then wait for each other, ASYNC off).
+  // The gap between two stamps is what that dispatch cost inside the step: its wait behind the
+  // barrier before it, its launch and its run. A step run twice in one submission is read once.
+  // At close, each step recorded at least 4 times: its dispatches in order, the mean of each.
+  void read_step_stamps() {
+    const uint64_t mask = ts_bits_ >= 64 ? ~uint64_t(0) : (uint64_t(1) << ts_bits_) - 1;
+    for (size_t k : sp_pending_) {
+      Step& st = steps_[k];
+      const size_t n = st.names.size();
+      if (!n) continue;
+      std::vector<uint64_t> t(n + 1);
+      if (f_.vkGetQueryPoolResults(dev_, spool_, (uint32_t)(k * kStepStamps), (uint32_t)(n + 1), t.size() * 8,
+                                   t.data(), 8, VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT) != VK_SUCCESS)
+        continue;
+      st.sums.resize(n, 0.0);
+      for (size_t i = 0; i < n; ++i) st.sums[i] += (double)((t[i + 1] - t[i]) & mask) * props_.limits.timestampPeriod;
+      ++st.runs;
+    }
+    sp_pending_.clear();
+  }
+  void print_step_profile() const {
+    for (size_t k = 0; k < steps_.size(); ++k) {
+      const Step& st = steps_[k];
+      if (st.runs < 4 || st.sums.empty()) continue;
+      double total = 0;
+      std::map<std::string, std::pair<double, uint64_t>> by;
+      for (size_t i = 0; i < st.sums.size(); ++i) {
+        total += st.sums[i];
+        auto& e = by[st.names[i]];
+        e.first += st.sums[i] / (double)st.runs, e.second += 1;
+      }
+      std::fprintf(stderr, "vulkan step profile (%s): step %zu, %llu runs, %zu dispatches, %.1f us a run\n",
+                   props_.deviceName, k, (unsigned long long)st.runs, st.sums.size(), total * 1e-3 / (double)st.runs);
+      for (size_t i = 0; i < st.sums.size(); ++i)
+        std::fprintf(stderr, "  %4zu %-24s %8.2f us\n", i, st.names[i].c_str(), st.sums[i] * 1e-3 / (double)st.runs);
+      std::vector<std::pair<std::string, std::pair<double, uint64_t>>> v(by.begin(), by.end());
+      std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+      for (const auto& e : v)
+        std::fprintf(stderr, "  by shader: %-24s %9.1f us a run, %4llu dispatches, %7.2f us each\n", e.first.c_str(),
+                     e.second.first * 1e-3, (unsigned long long)e.second.second,
+                     e.second.first * 1e-3 / (double)e.second.second);
+    }
   }
   // DASLLAMA_VULKAN_PROFILE=each: every submission's own table as well (a prefill or a step is
   // one while profiling), so one slow prefill shows apart from the others instead of raising the
@@ -1463,6 +1534,9 @@ class Ctx {
   uint32_t ts_bits_ = 0;
   VkQueryPool qpool_ = VK_NULL_HANDLE;  // DASLLAMA_VULKAN_PROFILE only
   VkQueryPool tpool_ = VK_NULL_HANDLE;  // DASLLAMA_VULKAN_GPUTIME only: a submission's two ends a ring slot
+  VkQueryPool spool_ = VK_NULL_HANDLE;  // DASLLAMA_VULKAN_STEPPROF only: kStepStamps a recorded step
+  static constexpr size_t kStepStamps = 2048;
+  std::vector<size_t> sp_pending_;      // steps executed since their stamps were last read
   uint64_t gt_subs_ = 0, gt_end_ = 0;   // submissions read; the latest end (ticks)
   double gt_busy_ = 0, gt_idle_ = 0;    // ns
   bool gt_each_ = false;
@@ -1495,6 +1569,10 @@ class Ctx {
     std::vector<uint8_t> sig;
     VkCommandBuffer cb = VK_NULL_HANDLE;
     uint64_t used = 0;
+    // DASLLAMA_VULKAN_STEPPROF: each dispatch's shader, and its summed span over the runs read
+    std::vector<std::string> names;
+    std::vector<double> sums;  // ns
+    uint64_t runs = 0;
   };
   static constexpr size_t kMaxSteps = 8, kArgSlots = 4096;
   bool rec_ = false, uncacheable_ = false;
