@@ -1199,6 +1199,86 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
         assert kv and {n - layers for n in plain_} == kv, (t, kv, plain_, out[-3000:])
 
 
+def _tiny_q4(tiny, built_dir):
+    from dasllama.convert import requantize
+
+    (q4,) = C.built_once(built_dir, "llama-tiny-q4_0",
+                         lambda out: [str(requantize(tiny["f32"], os.path.join(out, "llama-q4_0.gguf"), "q4_0",
+                                                     progress=False))])
+    return q4
+
+
+# gemv_i8x rounding x itself (QX): the file, and the GLU / KV tails' switches around it.
+QX_CASES = {"q8_0, tails": ("q8_0", "1", "1"), "q8_0, no tails": ("q8_0", "0", "0"), "q4_0, tails": ("q4_0", "1", "1")}
+
+
+@pytest.mark.parametrize("case", list(QX_CASES))
+def test_gemv_qx_alike(tiny, built_dir, monkeypatch, case):
+    """q8-mode decode steps whose Q / K / V and gate / up GEMVs RMS-norm and round x themselves
+    (gemv_i8x.comp's QX, DASLLAMA_VULKAN_QX=1) get the logits of the same steps with quant_act
+    dispatches before them (QX=0) bit for bit: one session's one-token steps (recorded, then
+    replayed), with and without the GLU and KV tails that issue those GEMVs again, a 3-session
+    batch step between them (not QX's: its own path, the state handed on), and the f32 and q8_0
+    caches. Run on the GPUs' path by test_gemv_qx_on_lavapipe, which checks that QX ran."""
+    file, glu, kv = QX_CASES[case]
+    path = _tiny_q4(tiny, built_dir) if file == "q4_0" else tiny[file]
+    monkeypatch.setenv("DASLLAMA_VULKAN_GLUTAIL", glu)
+    monkeypatch.setenv("DASLLAMA_VULKAN_KVTAIL", kv)
+    ids = [1] + np.random.default_rng(15).integers(3, VOCAB, 12).tolist()
+    m = d.load_model(path, d.QuantMode.q8, device="vulkan")
+
+    def decode(qx):
+        monkeypatch.setenv("DASLLAMA_VULKAN_QX", qx)
+        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
+        for i, t in enumerate(ss):
+            d.eval(m, t, ids[:6 + i])
+        rows = []
+        for tok in ids[6:9]:
+            d.eval(m, ss[0], [tok])
+            rows.append(np.array(ss[0].logits))
+        ws = d.create_batch_workspace(m)
+        d.eval_batch(m, ws, ss, [ids[9 + i] for i in range(3)])
+        rows += [np.array(t.logits) for t in ss]
+        d.eval(m, ss[0], [ids[12]])
+        rows.append(np.array(ss[0].logits))
+        for kvt in (d.KVDtype.f32, d.KVDtype.q8_0):
+            t = d.create_session(m, kvt, n_ctx=len(ids))
+            d.eval(m, t, ids[:6])
+            for tok in ids[6:9]:
+                d.eval(m, t, [tok])
+                rows.append(np.array(t.logits))
+        return np.stack(rows)
+
+    want = decode("0")
+    got = decode("1")
+    assert np.array_equal(got, want), \
+        f"decode logits with x rounded by the GEMVs differ (max {np.abs(got - want).max():.3g})"
+
+
+def test_gemv_qx_on_lavapipe(built_dir, tiny):
+    """test_gemv_qx_alike forced onto the GPUs' path (q8-mode decode on gemv_i8x), with
+    DASLLAMA_VULKAN_STEPS=1: QX ran (the fold count), and a one-token step with it has two
+    quant_act dispatches a layer fewer than without it (Q / K / V's and gate / up's)."""
+    import re
+
+    _tiny_q4(tiny, built_dir)  # made here, not in a child
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1", "DASLLAMA_VULKAN_GEMVQ": "0"},
+               ("test_vulkan.py",), "gemv_qx_alike", s=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    qx = [int(n) for n in re.findall(r"normed rows rounded by their GEMV: (\d+)", out)]
+    assert qx and max(qx) > 0, out[-3000:]
+    steps = [(int(m.group(1)), {k: int(v) for k, v in re.findall(r" (\S+) x(\d+)", m.group(2))})
+             for m in re.finditer(r"^vulkan step recorded: (\d+) dispatches:(.*)$", out, re.M)]
+    with_qx = [c for _, c in steps if any(re.match(r"gemv_i8[xy]qp?1r", k) for k in c)]
+    without = [c for _, c in steps if any(re.match(r"gemv_i8[xy]p?1r", k) for k in c)
+               and not any(re.match(r"gemv_i8[xy]qp?1r", k) for k in c) and "gemv_i8_40" not in c]
+    assert with_qx and without, out[-3000:]
+    layers = with_qx[0]["attn_dec"]
+    assert min(c.get("quant_act", 0) for c in without) - max(c.get("quant_act", 0) for c in with_qx) == 2 * layers, \
+        out[-3000:]
+
+
 # The tiled prefill attention's variants (read at each call): flash2.comp by default (heads up to
 # 64), its reductions through shared memory, its 64-row workgroups, and flash.comp's tiles.
 FLASH_VARIANTS = {"flash2": {}, "flash2 sg0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},

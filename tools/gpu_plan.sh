@@ -154,20 +154,24 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    s39)  # zero-code A/Bs first: CUDA's one-row GEMVs at 2 rows a warp for F16 (DASLLAMA_CUDA_R1=2, timed for
-      # q8_0 / q4_0 only so far); Vulkan q8 mode with x rounded inside each GEMV (DASLLAMA_VULKAN_GEMVQ=1, last
-      # timed in the twelfth session on GEMVs since replaced); the cm2_mark helper's test (not yet run on a GPU)
-      step r1 200 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_R1=4 DASLLAMA_CUDA_R1=2
-      # the one-token GEMVs of wide rows only (ffn down) at 2 rows a warp: 1,024 blocks where 512 made 1.3 waves
+    s39)  # Vulkan q8 mode's Q / K / V and gate / up GEMVs rounding x themselves (DASLLAMA_VULKAN_QX=1; gemv_i8x.comp's
+      # QX): bits against quant_act's, the A/B; replayed decode steps timed dispatch by dispatch
+      # (DASLLAMA_VULKAN_STEPPROF); CUDA's one-token GEMVs over wide rows (ffn down) at 2 rows a warp
+      step qxtests 200 python -m pytest -q tests/test_vulkan.py -k "gemv_qx_alike or step_profile"
+      step qx 240 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
+        DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
+      step stepprof 150 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan \
+        --types q8_0,f16 --rounds 1 DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
       step r1w 200 python benchmarks/ab_cuda.py --types f16,q8_0 --rounds 2 DASLLAMA_CUDA_R1_WIDE=0 \
         DASLLAMA_CUDA_R1_WIDE=8192
+      ;;
+    s39b)  # zero-code A/Bs: CUDA's one-row GEMVs at 2 rows a warp for F16 (DASLLAMA_CUDA_R1=2, timed for q8_0 /
+      # q4_0 only so far); Vulkan q8 mode on gemv_q.comp (DASLLAMA_VULKAN_GEMVQ=1, last timed in the twelfth
+      # session); the cm2_mark helper's test (not yet run on a GPU)
       step gemvq 240 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
-        DASLLAMA_VULKAN_GEMVQ=0 DASLLAMA_VULKAN_GEMVQ=1
+        DASLLAMA_VULKAN_GEMVQ=0 DASLLAMA_VULKAN_GEMVQ=1 DASLLAMA_VULKAN_QX=1
+      step r1 200 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_R1=4 DASLLAMA_CUDA_R1=2
       step cm2 150 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2"
-      # where a replayed Vulkan decode step's time goes, dispatch by dispatch (DASLLAMA_VULKAN_STEPPROF: stamps
-      # recorded into the step's own command buffer, fusions and replay as they run)
-      step stepprof 200 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan \
-        --types f16,q8_0,q4_0 --rounds 1 DASLLAMA_NONE=1
       ;;
     s38)  # Vulkan's prefill attention on the workgroup-scope matrices (flash_cm2.comp, default where the device
       # has them; DASLLAMA_VULKAN_FLASH_CM=1: the subgroup-scope flash_cm): the harness against float64 (the
@@ -340,7 +344,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s39, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s39, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
