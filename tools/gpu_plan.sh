@@ -157,13 +157,13 @@ for stage in "$@"; do
     s39)  # Vulkan q8 mode's Q / K / V and gate / up GEMVs rounding x themselves (DASLLAMA_VULKAN_QX=1; gemv_i8x.comp's
       # QX): bits against quant_act's, the A/B; replayed decode steps timed dispatch by dispatch
       # (DASLLAMA_VULKAN_STEPPROF); CUDA's one-token GEMVs over wide rows (ffn down) at 2 rows a warp
-      step qxtests 200 python -m pytest -q tests/test_vulkan.py -k "gemv_qx_alike or step_profile"
-      step qx 240 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
+      step qx 220 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
         DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
-      step stepprof 150 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan \
-        --types q8_0,f16 --rounds 1 DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
-      step r1w 200 python benchmarks/ab_cuda.py --types f16,q8_0 --rounds 2 DASLLAMA_CUDA_R1_WIDE=0 \
+      step qxtests 150 python -m pytest -q tests/test_vulkan.py -k "gemv_qx_alike or step_profile"
+      step r1w 150 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_R1_WIDE=0 \
         DASLLAMA_CUDA_R1_WIDE=8192
+      step stepprof 100 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan \
+        --types q8_0 --rounds 1 DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
       ;;
     s39b)  # zero-code A/Bs: CUDA's one-row GEMVs at 2 rows a warp for F16 (DASLLAMA_CUDA_R1=2, timed for q8_0 /
       # q4_0 only so far); Vulkan q8 mode on gemv_q.comp (DASLLAMA_VULKAN_GEMVQ=1, last timed in the twelfth
