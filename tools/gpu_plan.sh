@@ -165,6 +165,11 @@ for stage in "$@"; do
       step stepprof 100 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan \
         --types q8_0 --rounds 1 DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
       ;;
+    s39m)  # s39's first decision alone, for a lease with a few minutes left: QX's A/B and its bits on the GPU
+      step qx 200 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
+        DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
+      step qxtests 150 python -m pytest -q tests/test_vulkan.py -k "gemv_qx_alike"
+      ;;
     s39b)  # zero-code A/Bs: CUDA's one-row GEMVs at 2 rows a warp for F16 (DASLLAMA_CUDA_R1=2, timed for q8_0 /
       # q4_0 only so far); Vulkan q8 mode on gemv_q.comp (DASLLAMA_VULKAN_GEMVQ=1, last timed in the twelfth
       # session); the cm2_mark helper's test (not yet run on a GPU)
@@ -344,7 +349,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s39, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s39, s39m, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
