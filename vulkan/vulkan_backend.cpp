@@ -2287,13 +2287,13 @@ class VulkanBackend final : public Backend {
     uint64_t out, q;
     uint32_t code;
   };
-  // kt (three weights, Q, K and V): the KV tail (gemv_i8x.comp flags 8): the ropes and the KV
-  // store, with their parameters in a block at kt->params (KvTailParams).
   // gemv_i8x's own rounding of x (QX): x, the norm weight (0: none) and the norm's eps.
   struct QxIn {
     uint64_t x, nw;
     float eps;
   };
+  // kt (three weights, Q, K and V): the KV tail (gemv_i8x.comp flags 8): the ropes and the KV
+  // store, with their parameters in a block at kt->params (KvTailParams).
   struct KvTail {
     uint64_t params, base, pages, pos, inv, factors, args;
     int64_t heads;  // query heads + KV heads: the counters
@@ -2395,10 +2395,11 @@ class VulkanBackend final : public Backend {
     int64_t total = 0;
     for (int i = 0; i < count; ++i) total += ws[i]->rows;
     const uint32_t r = gemvx_rows(mode, total, n, ws[0]->cols);
-    const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split;
-    // the variants built: gemv_i8y (q8_0) / gemv_i8x (q4_0) at 4 or 8 rows, x of at most 128 blocks
-    return (y || (mode >> 4 == 2 && lay_type(*ws[0]) == kQ4Split) || (mode >> 4 == 3 && lay_type(*ws[0]) == kQ4Split)) &&
-           (r == 4 || r == 8) && ws[0]->cols / 32 <= 128;
+    // The variants built: q8_0 on gemv_i8y (GEMVI8 3), q4_0 on gemv_i8x (2 or 3: the same
+    // shader for q4_0), 4 or 8 rows a workgroup, x of at most 128 blocks.
+    const uint32_t t = lay_type(*ws[0]);
+    const bool built = (t == kQ8Split && mode >> 4 == 3) || (t == kQ4Split && (mode >> 4 == 2 || mode >> 4 == 3));
+    return built && (r == 4 || r == 8) && ws[0]->cols / 32 <= 128;
   }
   static bool normtail_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_NORMTAIL");
