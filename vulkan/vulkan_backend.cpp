@@ -2379,9 +2379,6 @@ class VulkanBackend final : public Backend {
       gu_.keep_qx(qx);
     }
   }
-  // DASLLAMA_VULKAN_NORMTAIL=1 (with GEMVI8 on, in recorded steps): a normed quant_act right
-  // after a gemv_i8x into a residual is done by that GEMV's last workgroup instead (gemv_i8x.comp,
-  // flags 2): one dispatch and barrier fewer, twice a layer. Read at each call.
   // DASLLAMA_VULKAN_QX=1 (read at each matmul): a one-token step's normed q8-mode matmuls (Q / K / V,
   // gate / up) on gemv_i8x rounding x itself (QX), where quant_act's dispatch and barrier came
   // before; the same bits. Off by default until timed on a GPU.
@@ -2401,6 +2398,9 @@ class VulkanBackend final : public Backend {
     const bool built = (t == kQ8Split && mode >> 4 == 3) || (t == kQ4Split && (mode >> 4 == 2 || mode >> 4 == 3));
     return built && (r == 4 || r == 8) && ws[0]->cols / 32 <= 128;
   }
+  // DASLLAMA_VULKAN_NORMTAIL=1 (with GEMVI8 on, in recorded steps): a normed quant_act right
+  // after a gemv_i8x into a residual is done by that GEMV's last workgroup instead (gemv_i8x.comp,
+  // flags 2): one dispatch and barrier fewer, twice a layer. Read at each call.
   static bool normtail_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_NORMTAIL");
     return e && std::strcmp(e, "1") == 0;
