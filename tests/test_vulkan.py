@@ -1227,8 +1227,11 @@ def test_gemv_qx_alike(tiny, built_dir, monkeypatch, case):
     ids = [1] + np.random.default_rng(15).integers(3, VOCAB, 12).tolist()
     m = d.load_model(path, d.QuantMode.q8, device="vulkan")
 
+    ran = {}
+
     def decode(qx):
         monkeypatch.setenv("DASLLAMA_VULKAN_QX", qx)
+        n0 = m._m.path_count("qx")
         ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
         for i, t in enumerate(ss):
             d.eval(m, t, ids[:6 + i])
@@ -1247,10 +1250,15 @@ def test_gemv_qx_alike(tiny, built_dir, monkeypatch, case):
             for tok in ids[6:9]:
                 d.eval(m, t, [tok])
                 rows.append(np.array(t.logits))
+        ran[qx] = m._m.path_count("qx") - n0
         return np.stack(rows)
 
     want = decode("0")
     got = decode("1")
+    # QX takes the subgroup path's matmuls (a GPU's, or lavapipe's when forced): there it ran
+    # (Q / K / V and gate / up of every one-token step), and never with the switch off.
+    sub = "subgroup matmul" in _VK["devices"][0]["features"]
+    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
     assert np.array_equal(got, want), \
         f"decode logits with x rounded by the GEMVs differ (max {np.abs(got - want).max():.3g})"
 
