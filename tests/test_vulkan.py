@@ -1287,6 +1287,98 @@ def test_gemv_qx_on_lavapipe(built_dir, tiny):
         out[-3000:]
 
 
+def _tiny_family(built_dir, name):
+    """A tiny random model of one of export.py's families, f32 from the exporter."""
+    import export as E  # tests/oracles/export.py
+
+    def make(out):
+        fam = E.FAMILIES[name]
+        f32 = os.path.join(out, f"{name}-f32.gguf")
+        E.write_gguf(fam, fam.make(), f32, "f32", E.spm_model_proto())
+        return [f32]
+
+    (f32,) = C.built_once(built_dir, f"{name}-tiny", make)
+    return f32
+
+
+# A one-row step's KV store folded into its decode attention (attn_dec_kf): the file, and the
+# cache types (qwen2's head size 16 has no q8_0 cache). Llama's rope turns adjacent pairs, with
+# 2 query heads a KV head; qwen2-yarn's turns half-rotations (neox) with YaRN's scale.
+KVF_CASES = {"llama f32": ("llama", "f32", ("f16", "f32", "q8_0")),
+             "llama q8_0": ("llama", "q8_0", ("f16", "q8_0")),
+             "qwen2-yarn f32": ("qwen2-yarn", "f32", ("f16", "f32"))}
+
+
+@pytest.mark.parametrize("case", list(KVF_CASES))
+def test_attn_kv_fold_alike(tiny, built_dir, monkeypatch, case):
+    """fp32-mode decode steps whose KV store is done by the decode attention (attn_dec_kf,
+    DASLLAMA_VULKAN_KVFOLD=1: the keys rotated, both rows rounded as the cache holds them, the
+    queries rotated, by the attention's workgroups) get the logits of the same steps with a
+    kv_store dispatch before the attention (KVFOLD=0) bit for bit: one session's one-token steps
+    over each cache type, keys split 4 a split (the new key in a later split than the workgroups
+    that store it), with a 3-session batch step between them (stores, then attentions: not
+    folded). Run on the GPUs' path by test_attn_kv_fold_on_lavapipe, which checks it ran."""
+    fam, file, kvts = KVF_CASES[case]
+    path = tiny[file] if fam == "llama" else _tiny_family(built_dir, fam)
+    monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_KEYS", "4")
+    ids = [1] + np.random.default_rng(17).integers(3, VOCAB, 16).tolist()
+    m = d.load_model(path, d.QuantMode.fp32, device="vulkan")
+    ran = {}
+
+    def decode(on):
+        monkeypatch.setenv("DASLLAMA_VULKAN_KVFOLD", on)
+        n0 = m._m.path_count("attn_kv")
+        rows = []
+        for kvt in kvts:
+            t = d.create_session(m, getattr(d.KVDtype, kvt), n_ctx=len(ids))
+            d.eval(m, t, ids[:5])
+            for tok in ids[5:13]:
+                d.eval(m, t, [tok])
+                rows.append(np.array(t.logits))
+        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
+        for i, t in enumerate(ss):
+            d.eval(m, t, ids[:6 + i])
+        d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[9 + i] for i in range(3)])
+        rows += [np.array(t.logits) for t in ss]
+        for tok in ids[13:16]:
+            d.eval(m, ss[0], [tok])
+            rows.append(np.array(ss[0].logits))
+        ran[on] = m._m.path_count("attn_kv") - n0
+        return np.stack(rows)
+
+    want = decode("0")
+    got = decode("1")
+    # attn_dec runs on the subgroup path (a GPU's, or lavapipe's when forced): there the fold ran,
+    # and never with the switch off.
+    sub = "subgroup matmul" in _VK["devices"][0]["features"]
+    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
+    assert np.array_equal(got, want), \
+        f"decode logits with the KV store in the attention differ (max {np.abs(got - want).max():.3g})"
+
+
+def test_attn_kv_fold_on_lavapipe(built_dir, tiny):
+    """test_attn_kv_fold_alike forced onto the GPUs' path, with DASLLAMA_VULKAN_STEPS=1: the fold
+    ran (its count), and each one-token step recorded with attn_dec_kf has no kv_store and one
+    dispatch a layer fewer than the same step recorded with the switch off."""
+    import re
+
+    for fam in ("qwen2-yarn",):
+        _tiny_family(built_dir, fam)  # made here, not in a child
+    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1"},
+               ("test_vulkan.py",), "attn_kv_fold_alike", s=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    n = [int(x) for x in re.findall(r"KV stores done by decode attention: (\d+)", out)]
+    assert n and max(n) > 0, out[-3000:]
+    steps = [(int(m.group(1)), {k: int(v) for k, v in re.findall(r" (\S+) x(\d+)", m.group(2))})
+             for m in re.finditer(r"^vulkan step recorded: (\d+) dispatches:(.*)$", out, re.M)]
+    kf = [(k, c) for k, c in steps if "attn_dec_kf" in c]
+    assert kf, out[-3000:]
+    plain = {k - c["attn_dec"] for k, c in steps if "attn_dec" in c and c.get("kv_store") == c["attn_dec"]}
+    for k, c in kf:
+        assert "kv_store" not in c and "attn_dec" not in c and k in plain, (k, c, sorted(plain))
+
+
 # The tiled prefill attention's variants (read at each call): flash2.comp by default (heads up to
 # 64), its reductions through shared memory, its 64-row workgroups, and flash.comp's tiles.
 FLASH_VARIANTS = {"flash2": {}, "flash2 sg0": {"DASLLAMA_VULKAN_FLASH_SG": "0"},

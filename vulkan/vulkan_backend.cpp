@@ -1624,10 +1624,12 @@ class VulkanBackend final : public Backend {
       std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu; "
                    "attention outputs rounded by attention: %llu; normed rows rounded by a GEMV's last workgroup: %llu; "
                    "glu computed and rounded by the gate/up GEMV's block tails: %llu; "
-                   "ropes and KV stores done by the Q/K/V GEMV's head tails: %llu; normed rows rounded by their GEMV: %llu\n",
+                   "ropes and KV stores done by the Q/K/V GEMV's head tails: %llu; normed rows rounded by their GEMV: %llu; "
+                   "KV stores done by decode attention: %llu\n",
                    (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_,
                    (unsigned long long)fused_attn_q8_, (unsigned long long)fused_norm_tail_,
-                   (unsigned long long)fused_glu_tail_, (unsigned long long)fused_kv_tail_, (unsigned long long)fused_qx_);
+                   (unsigned long long)fused_glu_tail_, (unsigned long long)fused_kv_tail_, (unsigned long long)fused_qx_,
+                   (unsigned long long)fused_attn_kv_);
     rope_tables_.clear();
     i8_buf_.reset();
     i8_glu_.reset();
@@ -1645,9 +1647,11 @@ class VulkanBackend final : public Backend {
     }
   }
   const char* name() const override { return "vulkan"; }
-  // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step).
+  // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step);
+  // "qx": GEMVs that rounded their own x (QX); "attn_kv": KV stores done by decode attention.
   int64_t path_count(const std::string& name) const override {
-    return name == "norm_round" ? norm_rounds_ : name == "qx" ? (int64_t)fused_qx_ : 0;
+    return name == "norm_round" ? norm_rounds_ : name == "qx" ? (int64_t)fused_qx_
+                                  : name == "attn_kv" ? (int64_t)fused_attn_kv_ : 0;
   }
   DeviceInfo info() const override { return c_->info(); }
 
@@ -2952,6 +2956,7 @@ class VulkanBackend final : public Backend {
     // walks the heads one after another): one dispatch where there were three.
     const Rope r = rope_, rq = prev_rope_;
     rope_ = prev_rope_ = Rope{};
+    kvs_ = KvSt{};
     const int fold = fuse_rope_mode();
     uint32_t ny = 2;
     uint64_t qbytes = 0;
@@ -3021,8 +3026,22 @@ class VulkanBackend final : public Backend {
       c_->uses({{A(kv.base), Ctx::kWhole, true, true}, {A(kv.pages), Ctx::kWhole, false},
                 {A(k), src, pc.rope != 0}, {A(v), src, false}, {pc.pos, (uint64_t)n * 4, false},
                 {pc.inv, Ctx::kWhole, false}, {pc.factors, Ctx::kWhole, false}, {pc.q, qbytes, true}});
+      const size_t sig0 = c_->sig_bytes();
       c_->dispatch("kv_store", &pc, sizeof pc, (uint32_t)std::min(kMaxGroups, n - i0), ny);
+      if (n == 1 && c_->recording())
+        kvs_ = KvSt{true, c_->step_serial(), c_->kept(), sig0,
+                    KvTailParams{pc.base, pc.pages, pc.args, pc.pos, pc.inv, pc.factors, pc.page_bytes, pc.k_off, pc.v_off,
+                                 pc.row_bytes, pc.first, pc.page_shift, pc.kvtype, pc.rope & 0x1ffffu, pc.head_dim,
+                                 pc.freq_scale, pc.mscale, 0},
+                    pc.k, pc.v, pc.q, dim, (int64_t)(pc.rope >> 17), first};
     }
+  }
+  // DASLLAMA_VULKAN_KVFOLD=1 (read at each attention call): a recorded one-row step's KV store
+  // is folded into its decode attention (attn_dec_kf): one dispatch and barrier a layer fewer
+  // where no Q / K / V GEMV tail stores the row (F16 files; q8 mode with KVTAIL=0).
+  static bool kvfold_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_KVFOLD");
+    return e && std::strcmp(e, "1") == 0;
   }
   // DASLLAMA_VULKAN_FUSE_ROPE=0: the ropes stay their own dispatches; =k: only the keys' is
   // folded into the KV store (as before the twelfth session); else both (for A/B runs; read at
@@ -3119,11 +3138,38 @@ class VulkanBackend final : public Backend {
     const bool qfold = pc.split >= 0 && !a.sinks && a.n_tok <= 4 && a.head_dim % 32 == 0 && a.out_stride == hd &&
                        A(a.out) % 16 == 0 && gemvi8_mode() && c_->recording() && i8_buf_ && i8_buf_->size() >= qb + db;
     if (qfold) pc.sinks = A(i8_buf_->data()), pc.shape |= 1u << 31;
+    // The one-row KV store just kept for this call's cache (kv_store): taken back, and done by
+    // attn_dec_kf (the store's parameters in a constant block at pc.sinks).
+    const KvSt ks = kvs_;
+    kvs_ = KvSt{};
+    uint64_t kvf = 0;
+    if (ks.valid && kvfold_on() && dec && std::strcmp(dec_sh, "attn_dec") == 0 && !qfold && !a.sinks &&
+        a.n_tok == 1 && a.n_kv == ks.first + 1 && pc.split >= 0 && c_->recording() && ks.serial == c_->step_serial() &&
+        ks.kept == c_->kept() &&
+        ks.p.base == A(a.kv.base) && ks.p.pages == A(a.kv.pages) && ks.p.page_bytes == (uint32_t)a.kv.page_bytes &&
+        ks.p.k_off == (uint32_t)a.kv.k_off && ks.p.v_off == (uint32_t)a.kv.v_off &&
+        ks.p.row_bytes == (uint32_t)a.kv.row_bytes && ks.p.page_shift == a.kv.page_shift &&
+        ks.p.kvtype == (int32_t)a.kv.type && ks.dim == (int64_t)a.n_kv_heads * a.head_dim && a.head_dim <= 256 &&
+        (ks.p.rope == 0 || ks.p.head_dim == (uint32_t)a.head_dim) &&
+        (ks.q == 0 || (ks.q == A(a.q) && ks.q_heads == a.n_heads))) {
+      KvFoldParams fp{ks.p, ks.k, ks.v, ks.q ? 1u : 0u, 0u};
+      fp.t.head_dim = (uint32_t)a.head_dim;
+      kvf = const_block(&fp, sizeof fp);
+      if (kvf) {
+        c_->unkeep_last(ks.sig0);
+        pc.sinks = kvf, dec_sh = "attn_dec_kf";
+        ++fused_attn_kv_;
+      }
+    }
+    const uint64_t kvd = (uint64_t)ks.dim * 4;
     c_->uses({{A(a.q), (uint64_t)(((a.n_tok - 1) * a.q_stride + hd) * 4), false}, {pc.part, part_bytes, true},
               {pc.split > 0 ? pc.cnt : 0, cnt_bytes, true}, {pc.split >= 0 ? A(a.out) : 0, out_bytes, true},
-              {A(a.kv.base), Ctx::kWhole, false}, {A(a.kv.pages), Ctx::kWhole, false},
+              {A(a.kv.base), Ctx::kWhole, kvf != 0}, {A(a.kv.pages), Ctx::kWhole, false},
               {A(a.q_pos), (uint64_t)a.n_tok * 4, false}, {A(a.sinks), (uint64_t)a.n_heads * 4, false},
-              {qfold ? pc.sinks : 0, qb + db, true}});
+              {qfold ? pc.sinks : 0, qb + db, true}, {kvf, sizeof(KvFoldParams), false},
+              {kvf ? ks.k : 0, kvd, false}, {kvf ? ks.v : 0, kvd, false}, {kvf ? ks.p.pos : 0, 4, false},
+              {kvf ? ks.p.inv : 0, Ctx::kWhole, false}, {kvf ? ks.p.factors : 0, Ctx::kWhole, false},
+              {kvf ? ks.p.args : 0, Ctx::kWhole, false}});
     const char* sh = dec ? dec_sh : a.head_dim > 256 ? "attention_512" : "attention";
     c_->dispatch(sh, &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
     attn_q8_ = AttnQ8{};
@@ -3603,6 +3649,22 @@ class VulkanBackend final : public Backend {
     uint64_t cnt;
   };
   static_assert(sizeof(KvTailParams) == 104, "KvP's layout");
+  // attn_dec.comp -DKVF's constant block: KvP, then its KvF (the row's K and V, the queries' rope).
+  struct KvFoldParams {
+    KvTailParams t;
+    uint64_t k, v;
+    uint32_t qrope, pad;
+  };
+  static_assert(offsetof(KvFoldParams, k) == 104 && sizeof(KvFoldParams) == 128, "KvF's layout");
+  // The step's last kv_store of one row, while it is the last kept command (attention folds it).
+  struct KvSt {
+    bool valid = false;
+    uint64_t serial = 0;
+    size_t kept = 0, sig0 = 0;
+    KvTailParams p{};  // the cache row, the view and the keys' rope (head_dim set by attention)
+    uint64_t k = 0, v = 0, q = 0;
+    int64_t dim = 0, q_heads = 0, first = 0;
+  } kvs_;
   // The step's last rope, while it is the last kept command (see kv_store).
   struct Rope {
     bool valid = false;
@@ -3617,7 +3679,7 @@ class VulkanBackend final : public Backend {
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
   uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
-           fused_kv_tail_ = 0, fused_qx_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+           fused_kv_tail_ = 0, fused_qx_ = 0, fused_attn_kv_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
   struct GemvX {
     bool valid = false;

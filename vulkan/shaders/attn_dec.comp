@@ -13,6 +13,10 @@
 // sizes past 8 dims a lane (Gemma-4's 512 on 32 lanes; 128 and 256 where subgroups are narrow:
 // lavapipe's 8 lanes, Intel's); attn_dec_w takes fewer keys a round, so that its key and value
 // registers stay attn_dec_8's.
+// KVF 1 (attn_dec_kf): a one-row step's KV store folded in (vulkan_backend.cpp, attention): pc.sinks
+// holds kv_store's parameters (KvFold); the row's key is rotated and rounded as kv_store.comp
+// stores it and read from shared memory by the split that holds it, a workgroup per KV head
+// stores the row, and each workgroup rotates its own query head (kv_store's third row did).
 #version 450
 #extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -20,6 +24,44 @@
 #include "common.glsl"
 #include "kv.glsl"
 #include "qact.glsl"
+#ifndef KVF
+#define KVF 0
+#endif
+#if KVF
+shared float kvrow[512];  // the new row's key (0-255) and value (256-511) slices
+shared float kvamax[32];
+uint kv_sel = 0u;         // which of them kv_put stores
+#define KV_H(e) kvrow[kv_sel * 256u + (e)]
+#define KV_AMAX(i) kvamax[i]
+#include "kvtail.glsl"
+// After kvtail.glsl's KvP (104 bytes) in the same constant block: the row's K and V sources, and
+// whether the queries are still to be rotated.
+layout(buffer_reference, std430, buffer_reference_align = 8) buffer KvF { uint64_t k, v; uint qrope; };
+// kvrow[e] as the cache gives it back once stored (kv_put's rounding, kv_pair's read).
+float kv_back(uint e, int kvtype) {
+  const float x = kvrow[e];
+  if (kvtype == 0) return x;
+  if (kvtype == 1) return unpackHalf2x16(f2h(x)).x;
+  const uint b0 = e & ~31u;
+  float mx = 0.0f;
+  for (uint k = 0u; k < 32u; ++k) mx = max(mx, abs(kvrow[b0 + k]));
+  const float d = float(double(mx) / 127.0lf);
+  const float id = d == 0.0f ? 0.0f : float(1.0lf / double(d));
+  precise float xs = x * id;
+  return float(int(roundf_away(xs))) * h2f(f2h(d));
+}
+// Pairs j of a head's slice at `at` (in kvrow, or qs) turned as kv_store.comp turns them.
+#define KVF_ROPE(ARR, at)                                                           \
+  for (uint j = uint(tid); j < half_; j += 128u) {                                  \
+    float c, s;                                                                     \
+    rope_cs(P.inv, P.factors, j, rp, P.freq_scale, P.mscale, c, s);                 \
+    const uint i0 = (at) + (neox ? j : 2u * j), i1 = (at) + (neox ? j + half_ : 2u * j + 1u); \
+    const float a = ARR[i0], b = ARR[i1];                                           \
+    precise float ac = a * c, bs = b * s, as_ = a * s, bc = b * c;                  \
+    ARR[i0] = ac - bs;                                                              \
+    ARR[i1] = as_ + bc;                                                             \
+  }
+#endif
 
 #ifndef KB
 #define KB 4   // keys a subgroup scores a round
@@ -89,9 +131,57 @@ void main() {
   const uint koff = pc.k_off + head_off, voff = pc.v_off + head_off;
 
   F32 qr = F32(pc.q + (uint64_t(t) * uint64_t(pc.q_stride) + uint64_t(h * hd)) * 4u);
+#if KVF
+  // One row (t 0): the store's row is key kf. Where this split reads it, or where this workgroup
+  // stores it (the first query head of its KV head, split 0), the key is rotated and both are
+  // rounded here; everything below is uniform in the workgroup.
+  KvP P = KvP(pc.sinks);
+  KvF X = KvF(pc.sinks + 104ul);
+  const int kf = P.first_ >= 0 ? P.first_ : I32(P.args).v[-P.first_ - 1];
+  const bool writer = h % (NH / NKVH) == 0 && z == 0, need = j0 <= kf && kf < j1;
+  const uint half_ = (P.rope & 0xffffu) / 2u;
+  const bool neox = ((P.rope >> 16) & 1u) != 0u;
+  const int rp = I32(P.pos).v[0];
+  if (X.qrope != 0u) {
+    for (int e = tid; e < hd; e += 128) qs[e] = qr.v[e];
+    barrier();
+    KVF_ROPE(qs, 0u)
+    barrier();
+  }
+  if (need || writer) {
+    F32 ks = F32(X.k + uint64_t(kvh * hd) * 4u), vs = F32(X.v + uint64_t(kvh * hd) * 4u);
+    for (int e = tid; e < hd; e += 128) kvrow[e] = ks.v[e], kvrow[256 + e] = vs.v[e];
+    barrier();
+    KVF_ROPE(kvrow, 0u)
+    barrier();
+    if (writer) {
+      const uint64_t row = kv_row_at(P.base, P.pages, P.page_bytes, P.row_bytes, P.page_shift, kf);
+      kv_sel = 0u;
+      kv_put(P, row + P.k_off, uint(kvh), uint(hd), uint(tid), 128u);
+      barrier();
+      kv_sel = 1u;
+      kv_put(P, row + P.v_off, uint(kvh), uint(hd), uint(tid), 128u);
+    }
+    float r[4];
+    [[unroll]] for (int k2 = 0; k2 < 4; ++k2) {
+      const int e = tid + 128 * (k2 & 1);
+      r[k2] = e < hd ? kv_back(uint(e + 256 * (k2 >> 1)), P.kvtype) : 0.0f;
+    }
+    barrier();
+    [[unroll]] for (int k2 = 0; k2 < 4; ++k2) {
+      const int e = tid + 128 * (k2 & 1);
+      if (e < hd) kvrow[e + 256 * (k2 >> 1)] = r[k2];
+    }
+    barrier();
+  }
+#endif
   vec2 q[NU], acc[NU];
   [[unroll]] for (int i = 0; i < NU; ++i) {
     const uint u = lane + SG * uint(i);
+#if KVF
+    if (X.qrope != 0u) q[i] = u < uint(np) ? vec2(qs[2u * u], qs[2u * u + 1u]) : vec2(0.0f);
+    else
+#endif
     q[i] = u < uint(np) ? vec2(qr.v[2u * u], qr.v[2u * u + 1u]) : vec2(0.0f);
     acc[i] = vec2(0.0f);
   }
@@ -103,12 +193,26 @@ void main() {
       float p = 0.0f;
       const bool ok = j + b < j1;
       const uint64_t rb = ok ? kv_base(j + b) : 0ul;
+#if KVF
+      const bool nw = need && j + b == kf;  // the store's row: from kvrow, not the cache
+#endif
       [[unroll]] for (int i = 0; i < NU; ++i) {
         const uint u = lane + SG * uint(i);
         vv[b][i] = vec2(0.0f);
         if (ok && u < uint(np)) {
+#if KVF
+          vec2 kk, vn;
+          if (nw) {
+            kk = vec2(kvrow[2u * u], kvrow[2u * u + 1u]), vn = vec2(kvrow[256u + 2u * u], kvrow[257u + 2u * u]);
+          } else {
+            kk = kv_pair(rb + koff, u), vn = kv_pair(rb + voff, u);
+          }
+          p += dot(q[i], kk);
+          vv[b][i] = vn;
+#else
           p += dot(q[i], kv_pair(rb + koff, u));
           vv[b][i] = kv_pair(rb + voff, u);
+#endif
         }
       }
       sc[b] = p;
@@ -195,7 +299,11 @@ void main() {
   }
   // No visible key anywhere: M stays -inf, L 0, the output 0 (as attention.comp).
   float c = 1.0f;
+#if KVF
+  if (false) {  // (pc.sinks holds the store's parameters)
+#else
   if (pc.sinks != 0ul && !QFOLD) {  // the sink joins the denominator: rescale to the joint max
+#endif
     const float sink = F32(pc.sinks).v[h], mx = max(M, sink);
     c = L > 0.0f ? exp(M - mx) : 0.0f;
     L = L * c + exp(sink - mx);
