@@ -234,6 +234,38 @@ def test_matmul_step(backends, wtype, n):
             assert nmse(got, plain) <= F32_DOT, f"matmul_step {name} {wtype} n={n} on {d}: not its plain ops"
 
 
+@pytest.mark.parametrize("wtype", ["f16", "q8_0"])
+def test_glu_then_matmul_step(backends, wtype):
+    """A step's glu, in place into up as the decoder's FFN writes it, then the matmul that reads it
+    (ffn down), recorded as one step, where a backend may fold the glu into the matmul (Vulkan's
+    gemv.comp -DGLU computes x on the way, and its last workgroup writes the glu's output). The
+    glu's output equals the backend's own glu op bit for bit and float64 numpy at its bar; the
+    product is held to numpy where activations stay f32, and is the CPU's own matmul of that glu
+    output where it rounds them to q8 (its class against numpy is test_matmul's). 1 and 3
+    tokens, each activation the fold takes."""
+    rng = np.random.default_rng(23)
+    qt = int(T[wtype.upper()])
+    cols, rows = 2048, 64
+    raw, w64 = make_weight(rng, wtype, rows, cols)
+    for n in (1, 3):
+        g = (rng.standard_normal((n, cols)) * 2).astype(np.float32)
+        u = rng.standard_normal((n, cols)).astype(np.float32)
+        g64, u64 = g.astype(np.float64), u.astype(np.float64)
+        gt = 0.5 * g64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64 ** 3)))
+        for act, ref, bar in ((0, g64 / (1 + np.exp(-g64)) * u64, EXACT), (1, gt * u64, 1e-9),
+                              (4, np.maximum(g64, 0) * u64, EXACT)):
+            for d, b in backends.items():
+                h, y = b.glu_matmul_step(g, u, act, raw, qt, rows)
+                what = f"glu {act} then matmul {wtype} n={n} on {d}"
+                assert np.array_equal(h, b.glu(g, u, act)), f"{what}: the glu's output is not its glu op's"
+                assert nmse(h, ref) <= bar, f"{what}: glu NMSE {nmse(h, ref):.3g}"
+                if d == "cpu":
+                    assert np.array_equal(y, b.matmul(raw, qt, rows, cols, h)), f"{what}: not its matmul of the glu"
+                    continue
+                e = nmse(y, ref @ w64.T)
+                assert e <= F32_DOT, f"{what}: product NMSE {e:.3g}"
+
+
 @pytest.fixture(scope="module")
 def q8_backends():
     return {d: _core.Backend(d, exact=False) for d in DEVICES}

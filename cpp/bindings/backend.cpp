@@ -316,6 +316,30 @@ void bind_backend(py::module_& m) {
         d.be->glu(gd, c, ud, c, y, r, c, (Act)act);
         return d.get(y, {r, c});
       })
+      // A step's glu (in place into up, as the decoder's FFN does) and the matmul that reads it
+      // (ffn down), recorded as one step: a backend may fold the glu into the matmul. Returns
+      // (the glu's output, the matmul's).
+      .def("glu_matmul_step", [](Dev& d, const py::object& go, const py::object& uo, int act, const py::array& wb,
+                                 uint32_t type, int64_t rows) {
+        F32 g = f32(go, "gate", 2), u = f32(uo, "up", 2);
+        need(g.shape(0) == u.shape(0) && g.shape(1) == u.shape(1), "gate and up must have one shape");
+        need(act >= 0 && act <= 4, "act must be 0 (silu), 1 (gelu_tanh), 2 (swiglu_oai), 3 (sigmoid) or 4 (relu)");
+        const int64_t n = g.shape(0), c = g.shape(1);
+        Weight w = weight(d, wb, type, rows, c, WeightUse::matmul);
+        float* gd = d.put(g);
+        float* ud = d.put(u);
+        float* y = d.poisoned((size_t)(n * rows));
+        MatmulStep st;
+        st.x = ud, st.n = n, st.count = 1, st.w[0] = &w, st.y[0] = y;
+        st.xn = d.poisoned((size_t)(n * c));
+        d.be->begin_step();
+        d.be->glu(gd, c, ud, c, ud, n, c, (Act)act);
+        d.be->matmul_step(st);
+        d.be->end_step();
+        py::array_t<float> out({n, c});
+        d.be->download(out.mutable_data(), ud, (size_t)out.size() * 4);
+        return py::make_tuple(out, d.get(y, {n, rows}));
+      }, py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("w"), py::arg("type"), py::arg("rows"))
       .def("unary", [](Dev& d, const std::string& op, const py::object& xo, float a) {
         F32 x = f32(xo, "x");
         const int64_t n = x.size();

@@ -50,7 +50,7 @@ const uint UE = 8u;
 #endif
 #ifdef GLU
 shared bool glu_last;
-float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu_tanh(g) : max(g, 0.0f); }
+#include "glu.glsl"
 #endif
 const uint MAXSG = 32u;  // 128 invocations over subgroups of 4 or more
 shared float red[MAXSG][R + 1u][NT];
@@ -238,14 +238,9 @@ void main() {
     if (glu_last) cnt.v[0] = 0u;
   }
   barrier();
-  if (glu_last) {
-    const uint gs = uint(pc.y[1]), us = uint(pc.y[1] >> 32), act = uint(pc.y[2]);
-    F32 gr = F32(pc.x), ur = F32(pc.w[1]), o = F32(pc.w[2]);
-    for (uint i = gl_LocalInvocationIndex; i < pc.n * pc.cols; i += gl_WorkGroupSize.x) {
-      const uint t = i / pc.cols, k = i % pc.cols;
-      o.v[i] = glu_act(act, gr.v[t * gs + k]) * ur.v[t * us + k];
-    }
-  }
+  if (glu_last)
+    glu_write(pc.x, pc.w[1], pc.w[2], uint(pc.y[1]), uint(pc.y[1] >> 32), pc.n, pc.cols, uint(pc.y[2]),
+              gl_LocalInvocationIndex, gl_WorkGroupSize.x);
 #endif
 #ifdef KVT
   // The heads this workgroup's rows cover (one, or rpw / head_dim of them): each counted, and

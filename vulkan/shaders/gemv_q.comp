@@ -73,7 +73,7 @@ float i2f(int s) {  // gemm_i8.comp's exact block sum to float
   precise float f = intBitsToFloat(0x4B400000 + s) - 12582912.0f;
   return f;
 }
-float glu_act(uint act, float g) { return act == 5u ? silu(g) : act == 6u ? gelu_tanh(g) : max(g, 0.0f); }
+#include "glu.glsl"
 
 void main() {
   const uint tid = gl_LocalInvocationID.x;
@@ -228,11 +228,5 @@ void main() {
     if (glu_last) cnt.v[0] = 0u;
   }
   barrier();
-  if (glu_last) {
-    F32 gr = F32(pc.x), ur = F32(pc.w[1]), o = F32(pc.w[2]);
-    for (uint i = tid; i < n * pc.cols; i += 256u) {
-      const uint t = i / pc.cols, k = i % pc.cols;
-      o.v[i] = glu_act(act, gr.v[t * gs + k]) * ur.v[t * us + k];
-    }
-  }
+  if (glu_last) glu_write(pc.x, pc.w[1], pc.w[2], gs, us, n, pc.cols, act, tid, 256u);
 }
