@@ -154,38 +154,24 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    s40)  # one A/B for two switches: F16 takes KVFOLD (the KV store in the decode attention,
-      # attn_dec_kf; q8 mode's GEMV tail stores the rows instead), q8_0 / q4_0 take QX (gemv_i8x
-      # rounding x itself); then both folds' bits on the GPU; CUDA's wide-row GEMVs
-      step ab 300 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0,q4_0 --rounds 2 \
-        DASLLAMA_VULKAN_QX=0,DASLLAMA_VULKAN_KVFOLD=0 DASLLAMA_VULKAN_QX=1,DASLLAMA_VULKAN_KVFOLD=1
-      step tests 150 python -m pytest -q tests/test_vulkan.py -k "gemv_qx_alike or attn_kv_fold_alike or step_profile"
+    s40)  # as run in the fortieth session (QX since removed: q8_0 tg256 736 -> 380): F16's KV store in
+      # the decode attention (KVFOLD), both folds' bits, CUDA's wide-row GEMVs (R1_WIDE: 886 -> 890)
+      step ab 300 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 \
+        DASLLAMA_VULKAN_KVFOLD=0 DASLLAMA_VULKAN_KVFOLD=1
+      step tests 150 python -m pytest -q tests/test_vulkan.py -k "attn_kv_fold_alike or step_profile"
       step r1w 150 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_R1_WIDE=0 \
         DASLLAMA_CUDA_R1_WIDE=8192
-      ;;
-    s39)  # Vulkan q8 mode's Q / K / V and gate / up GEMVs rounding x themselves (DASLLAMA_VULKAN_QX=1; gemv_i8x.comp's
-      # QX): bits against quant_act's, the A/B; replayed decode steps timed dispatch by dispatch
-      # (DASLLAMA_VULKAN_STEPPROF); CUDA's one-token GEMVs over wide rows (ffn down) at 2 rows a warp
-      step qx 220 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
-        DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
-      step qxtests 150 python -m pytest -q tests/test_vulkan.py -k "gemv_qx_alike or step_profile"
-      step r1w 150 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_R1_WIDE=0 \
-        DASLLAMA_CUDA_R1_WIDE=8192
-      step stepprof 100 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan \
-        --types q8_0 --rounds 1 DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
-      ;;
-    s39m)  # s39's first decision alone, for a lease with a few minutes left: QX's A/B and its bits on the GPU
-      step qx 200 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
-        DASLLAMA_VULKAN_QX=0 DASLLAMA_VULKAN_QX=1
-      step qxtests 150 python -m pytest -q tests/test_vulkan.py -k "gemv_qx_alike"
       ;;
     s39b)  # zero-code A/Bs: CUDA's one-row GEMVs at 2 rows a warp for F16 (DASLLAMA_CUDA_R1=2, timed for q8_0 /
       # q4_0 only so far); Vulkan q8 mode on gemv_q.comp (DASLLAMA_VULKAN_GEMVQ=1, last timed in the twelfth
       # session); the cm2_mark helper's test (not yet run on a GPU)
       step gemvq 240 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 \
-        DASLLAMA_VULKAN_GEMVQ=0 DASLLAMA_VULKAN_GEMVQ=1 DASLLAMA_VULKAN_QX=1
-      step r1 200 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_R1=4 DASLLAMA_CUDA_R1=2
+        DASLLAMA_VULKAN_GEMVQ=0 DASLLAMA_VULKAN_GEMVQ=1
       step cm2 150 python -m pytest -q tests/test_vulkan.py -k "f16_prefill_coopmat2"
+      # where a replayed Vulkan decode step's time goes, dispatch by dispatch (DASLLAMA_VULKAN_STEPPROF: stamps
+      # recorded into the step's own command buffer, fusions and replay as they run)
+      step stepprof 200 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan \
+        --types f16,q8_0,q4_0 --rounds 1 DASLLAMA_NONE=1
       ;;
     s38)  # Vulkan's prefill attention on the workgroup-scope matrices (flash_cm2.comp, default where the device
       # has them; DASLLAMA_VULKAN_FLASH_CM=1: the subgroup-scope flash_cm): the harness against float64 (the
@@ -358,7 +344,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s40, s39, s39m, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -1624,12 +1624,10 @@ class VulkanBackend final : public Backend {
       std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu; "
                    "attention outputs rounded by attention: %llu; normed rows rounded by a GEMV's last workgroup: %llu; "
                    "glu computed and rounded by the gate/up GEMV's block tails: %llu; "
-                   "ropes and KV stores done by the Q/K/V GEMV's head tails: %llu; normed rows rounded by their GEMV: %llu; "
-                   "KV stores done by decode attention: %llu\n",
+                   "ropes and KV stores done by the Q/K/V GEMV's head tails: %llu; KV stores done by decode attention: %llu\n",
                    (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_,
                    (unsigned long long)fused_attn_q8_, (unsigned long long)fused_norm_tail_,
-                   (unsigned long long)fused_glu_tail_, (unsigned long long)fused_kv_tail_, (unsigned long long)fused_qx_,
-                   (unsigned long long)fused_attn_kv_);
+                   (unsigned long long)fused_glu_tail_, (unsigned long long)fused_kv_tail_, (unsigned long long)fused_attn_kv_);
     rope_tables_.clear();
     i8_buf_.reset();
     i8_glu_.reset();
@@ -1648,10 +1646,9 @@ class VulkanBackend final : public Backend {
   }
   const char* name() const override { return "vulkan"; }
   // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step);
-  // "qx": GEMVs that rounded their own x (QX); "attn_kv": KV stores done by decode attention.
+  // "attn_kv": KV stores done by decode attention (attn_dec_kf).
   int64_t path_count(const std::string& name) const override {
-    return name == "norm_round" ? norm_rounds_ : name == "qx" ? (int64_t)fused_qx_
-                                  : name == "attn_kv" ? (int64_t)fused_attn_kv_ : 0;
+    return name == "norm_round" ? norm_rounds_ : name == "attn_kv" ? (int64_t)fused_attn_kv_ : 0;
   }
   DeviceInfo info() const override { return c_->info(); }
 
@@ -1834,21 +1831,16 @@ class VulkanBackend final : public Backend {
            lay_rb(w) % 16 == 0 && A(w.data) % 16 == 0 && A(x) % 16 == 0 && n <= kMaxGroups &&
            (n > kTileMin || (m != kI8Prefill && (w.rows + 7) / 8 <= kMaxGroups));
   }
-  // The int8 scratch for n rows of cols (i8_xq_, i8_xd_), made or grown here.
-  void i8_scratch(int64_t n, int64_t cols) {
+  // x's n rows (cols wide) rounded into the int8 scratch: quants [n][cols], then scales [n][cols / 32];
+  // norm: RMS-normed first (times norm_w where given), as rms_norm would have.
+  void quant_act(const float* x, int64_t n, int64_t cols, bool norm = false, const float* norm_w = nullptr,
+                 float eps = 0.f) {
     const size_t qb = ((size_t)(n * cols) + 255) & ~size_t(255), db = (size_t)(n * (cols / 32)) * 4;
     if (!i8_buf_ || i8_buf_->size() < qb + db) {
       i8_buf_.reset();  // a recorded step that used it keeps it alive (Ctx::release)
       i8_buf_ = alloc(std::max<size_t>(qb + db, 4 << 20), "int8 activations");
     }
     i8_xq_ = A(i8_buf_->data()), i8_xd_ = i8_xq_ + qb;
-  }
-  // x's n rows (cols wide) rounded into the int8 scratch: quants [n][cols], then scales [n][cols / 32];
-  // norm: RMS-normed first (times norm_w where given), as rms_norm would have.
-  void quant_act(const float* x, int64_t n, int64_t cols, bool norm = false, const float* norm_w = nullptr,
-                 float eps = 0.f) {
-    const size_t qb = ((size_t)(n * cols) + 255) & ~size_t(255), db = (size_t)(n * (cols / 32)) * 4;
-    i8_scratch(n, cols);
     // The residual GEMV just kept made x: its last workgroup rounds it (normtail_on).
     const GemvX gx = gx_;
     gx_ = GemvX{};
@@ -1907,8 +1899,7 @@ class VulkanBackend final : public Backend {
         const Weight* ws[2] = {gu.w, gu.w1};
         float* ys[2] = {gu.y, gu.y1};
         i8_xq_ = gu.in_q, i8_xd_ = gu.in_d;  // the GEMV's own input, as it was
-        const QxIn gqx = gu.qx_in();
-        gemv_i8x(ws, ys, 2, n, false, false, nullptr, 0.f, &gt, nullptr, gu.qx ? &gqx : nullptr);
+        gemv_i8x(ws, ys, 2, n, false, false, nullptr, 0.f, &gt);
         i8_xq_ = out_q, i8_xd_ = out_q + qb;  // where ffn down reads the rounded glu
         ++fused_glu_, ++fused_glu_tail_;  // (the glu folded, into the GEMV this time)
         return;
@@ -2291,22 +2282,15 @@ class VulkanBackend final : public Backend {
     uint64_t out, q;
     uint32_t code;
   };
-  // gemv_i8x's own rounding of x (QX): x, the norm weight (0: none) and the norm's eps.
-  struct QxIn {
-    uint64_t x, nw;
-    float eps;
-  };
   // kt (three weights, Q, K and V): the KV tail (gemv_i8x.comp flags 8): the ropes and the KV
   // store, with their parameters in a block at kt->params (KvTailParams).
   struct KvTail {
     uint64_t params, base, pages, pos, inv, factors, args;
     int64_t heads;  // query heads + KV heads: the counters
   };
-  // qx (one token, no tail): x rounded by the GEMV itself, RMS-normed (gemv_i8x.comp's QX; the
-  // scratch is neither read nor written).
   void gemv_i8x(const Weight* const* ws, float* const* ys, int count, int64_t n, bool accumulate = false,
                 bool tail = false, const float* tail_nw = nullptr, float tail_eps = 0.f, const GluTail* gt = nullptr,
-                const KvTail* kt = nullptr, const QxIn* qx = nullptr) {
+                const KvTail* kt = nullptr) {
     struct {
       uint64_t w[3], y[3];
       uint64_t xq, xd, row_bytes;
@@ -2321,12 +2305,7 @@ class VulkanBackend final : public Backend {
       total += ws[i]->rows;
     }
     const int64_t cols = ws[0]->cols;
-    if (qx && (tail || n != 1)) throw Error("vulkan: gemv_i8x rounds x itself for one token and no norm tail");
-    pc.xq = qx ? qx->x : i8_xq_, pc.xd = qx ? qx->nw : i8_xd_, pc.row_bytes = lay_rb(*ws[0]);
-    if (qx) pc.eps = qx->eps;
-    // What x the GEMV reads: the scratch's quants and scales, or (qx) x and the norm weight.
-    const Ctx::Use xin0{pc.xq, qx ? (uint64_t)(n * cols * 4) : (uint64_t)(n * cols), false};
-    const Ctx::Use xin1{pc.xd, qx ? (uint64_t)cols * 4 : (uint64_t)(n * (cols / 32) * 4), false};
+    pc.xq = i8_xq_, pc.xd = i8_xd_, pc.row_bytes = lay_rb(*ws[0]);
     pc.cols = (uint32_t)cols, pc.n = (uint32_t)n, pc.flags = accumulate ? 1u : 0u;
     const uint32_t nt = n <= 1 ? 1 : n <= 2 ? 2 : 4;
     const int mode = gemvi8_mode();
@@ -2344,25 +2323,26 @@ class VulkanBackend final : public Backend {
     if (kt) {  // Q, K, V: the ropes and the KV store in per-head tails
       pc.flags |= 8u, pc.nw = kt->params, pc.cnt = tail_counters(1, kt->heads);
       c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
-                xin0, xin1, {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
+                {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
+                {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
                 {pc.cnt, (uint64_t)kt->heads * 4, true}, {kt->params, 256, false},
                 {kt->base, Ctx::kWhole, true, true}, {kt->pages, Ctx::kWhole, false}, {kt->pos, (uint64_t)n * 4, false},
                 {kt->inv, Ctx::kWhole, false}, {kt->factors, Ctx::kWhole, false}, {kt->args, Ctx::kWhole, false}});
     } else if (gt) {  // gate and up (count 2, equal heights): y[2] and w[2] carry the glu's output and its scratch
       pc.flags |= 4u | gt->code << 8, pc.y[2] = gt->out, pc.w[2] = gt->q, pc.cnt = tail_counters(0, tc / 32);
-      c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, xin0, xin1,
+      c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false},
+                {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
                 {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {gt->out, yb(0), true},
                 {gt->q, tqb + tdb, true}, {pc.cnt, (uint64_t)(tc / 32) * 4, true}});
     } else {
       c_->uses({{pc.w[0], Ctx::kWhole, false}, {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false},
-                xin0, xin1, {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
+                {i8_xq_, (uint64_t)(n * cols), false}, {i8_xd_, (uint64_t)(n * (cols / 32) * 4), false},
+                {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true},
                 {sb, tqb + tdb, true}, {pc.cnt, 256, true}, {pc.nw, (uint64_t)tc * 4, false}});
     }
     const bool dot = i8_mode() != kI8Plain && c_->i8dot;
     const bool y = mode >> 4 == 3 && lay_type(*ws[0]) == kQ8Split;
-    if (qx && (z || nt != 1 || (r != 4 && r != 8) || cols / 32 > 128))
-      throw Error("vulkan: no gemv_i8x variant rounds x itself for this shape");
-    const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (qx ? "q" : "") + (dot ? "" : "p") +
+    const std::string sh = std::string(y ? "gemv_i8y" : z ? "gemv_i8z" : "gemv_i8x") + (dot ? "" : "p") +
                            std::to_string(nt) + "r" + std::to_string(r) + "_" + std::to_string(lay_type(*ws[0]));
     const size_t sig0 = c_->sig_bytes();
     c_->dispatch(sh.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + nt - 1) / nt));
@@ -2371,36 +2351,13 @@ class VulkanBackend final : public Backend {
     if (count == 1 && accumulate && !tail && c_->recording())
       gx_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, i8_xq_, i8_xd_};
     // Kept for the ropes and KV store of its three outputs that may come next (the KV tail).
-    if (count == 3 && !accumulate && !tail && !gt && !kt && n <= (int64_t)nt && c_->recording()) {
+    if (count == 3 && !accumulate && !tail && !gt && !kt && n <= (int64_t)nt && c_->recording())
       gq_ = GemvX{true,   c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, i8_xq_, i8_xd_, ws[1], ys[1],
                   ws[2], ys[2], r};
-      gq_.keep_qx(qx);
-    }
     // Kept for a glu of its two outputs that a quant_act may fold in next (the GLU tail; one
     // token group: the tail counts a block's workgroups over the grid's x only).
-    if (count == 2 && !accumulate && !tail && !gt && n <= (int64_t)nt && c_->recording()) {
+    if (count == 2 && !accumulate && !tail && !gt && n <= (int64_t)nt && c_->recording())
       gu_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, i8_xq_, i8_xd_, ws[1], ys[1]};
-      gu_.keep_qx(qx);
-    }
-  }
-  // DASLLAMA_VULKAN_QX=1 (read at each matmul): a one-token step's normed q8-mode matmuls (Q / K / V,
-  // gate / up) on gemv_i8x rounding x itself (QX), where quant_act's dispatch and barrier came
-  // before; the same bits. Off by default until timed on a GPU.
-  static bool qx_on() {
-    const char* e = std::getenv("DASLLAMA_VULKAN_QX");
-    return e && std::strcmp(e, "1") == 0;
-  }
-  bool qx_fits(const Weight* const* ws, int count, int64_t n) const {
-    if (!qx_on() || n != 1 || !gemvx_fits(ws, count, n)) return false;
-    const int mode = gemvi8_mode();
-    int64_t total = 0;
-    for (int i = 0; i < count; ++i) total += ws[i]->rows;
-    const uint32_t r = gemvx_rows(mode, total, n, ws[0]->cols);
-    // The variants built: q8_0 on gemv_i8y (GEMVI8 3), q4_0 on gemv_i8x (2 or 3: the same
-    // shader for q4_0), 4 or 8 rows a workgroup, x of at most 128 blocks.
-    const uint32_t t = lay_type(*ws[0]);
-    const bool built = (t == kQ8Split && mode >> 4 == 3) || (t == kQ4Split && (mode >> 4 == 2 || mode >> 4 == 3));
-    return built && (r == 4 || r == 8) && ws[0]->cols / 32 <= 128;
   }
   // DASLLAMA_VULKAN_NORMTAIL=1 (with GEMVI8 on, in recorded steps): a normed quant_act right
   // after a gemv_i8x into a residual is done by that GEMV's last workgroup instead (gemv_i8x.comp,
@@ -2707,15 +2664,6 @@ class VulkanBackend final : public Backend {
         float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
         return gemv_q(s.w, ys, s.count, s.x, s.n, s.norm, s.norm_w, s.eps, s.residual != nullptr);
       }
-      if (s.norm && qx_fits(s.w, s.count, s.n)) {  // x rounded by the GEMV itself
-        i8_scratch(s.n, s.w[0]->cols);  // (where the attention rounds its rows, for the O GEMV)
-        gx_ = GemvX{};
-        attn_q8_ = AttnQ8{};
-        float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
-        const QxIn qx{A(s.x), A(s.norm_w), s.eps};
-        ++fused_qx_;
-        return gemv_i8x(s.w, ys, s.count, s.n, s.residual != nullptr, false, nullptr, 0.f, nullptr, nullptr, &qx);
-      }
       quant_act(s.x, s.n, s.w[0]->cols, s.norm, s.norm_w, s.eps);
       if (gemvx_fits(s.w, s.count, s.n)) {
         float* ys[3] = {s.residual ? s.residual : s.y[0], s.y[1], s.y[2]};
@@ -3006,8 +2954,7 @@ class VulkanBackend final : public Backend {
           } else {
             const uint64_t keep_q = i8_xq_, keep_d = i8_xd_;
             i8_xq_ = gq.in_q, i8_xd_ = gq.in_d;  // the GEMV's own input, as it was
-            const QxIn gqx = gq.qx_in();
-            gemv_i8x(ws, ys, 3, n, false, false, nullptr, 0.f, nullptr, params ? &kt : nullptr, gq.qx ? &gqx : nullptr);
+            gemv_i8x(ws, ys, 3, n, false, false, nullptr, 0.f, nullptr, params ? &kt : nullptr);
             i8_xq_ = keep_q, i8_xd_ = keep_d;
           }
           gq_ = GemvX{};
@@ -3036,12 +2983,13 @@ class VulkanBackend final : public Backend {
                     pc.k, pc.v, pc.q, dim, (int64_t)(pc.rope >> 17), first};
     }
   }
-  // DASLLAMA_VULKAN_KVFOLD=1 (read at each attention call): a recorded one-row step's KV store
-  // is folded into its decode attention (attn_dec_kf): one dispatch and barrier a layer fewer
-  // where no Q / K / V GEMV tail stores the row (F16 files; q8 mode with KVTAIL=0).
+  // DASLLAMA_VULKAN_KVFOLD (read at each attention call; 0 off): a recorded one-row step's KV
+  // store is folded into its decode attention (attn_dec_kf): one dispatch and barrier a layer
+  // fewer where no Q / K / V GEMV tail stores the row (F16 files; q8 mode with KVTAIL=0). H100
+  // F16 tg256 566 -> 583 (fortieth session).
   static bool kvfold_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_KVFOLD");
-    return e && std::strcmp(e, "1") == 0;
+    return !(e && std::strcmp(e, "0") == 0);
   }
   // DASLLAMA_VULKAN_FUSE_ROPE=0: the ropes stay their own dispatches; =k: only the keys' is
   // folded into the KV store (as before the twelfth session); else both (for A/B runs; read at
@@ -3679,7 +3627,7 @@ class VulkanBackend final : public Backend {
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
   uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
-           fused_kv_tail_ = 0, fused_qx_ = 0, fused_attn_kv_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+           fused_kv_tail_ = 0, fused_attn_kv_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
   struct GemvX {
     bool valid = false;
@@ -3699,13 +3647,6 @@ class VulkanBackend final : public Backend {
     bool norm = false;
     const float* norm_w = nullptr;
     float eps = 0.f;
-    bool qx = false;  // gq_, gu_: gemv_i8x rounded x itself (x, norm_w, eps above)
-    void keep_qx(const QxIn* q) {
-      if (!q) return;
-      qx = true, in_q = in_d = 0, x = reinterpret_cast<const float*>(q->x);
-      norm_w = reinterpret_cast<const float*>(q->nw), eps = q->eps;
-    }
-    QxIn qx_in() const { return QxIn{A(x), A(norm_w), eps}; }
   } gx_, gu_, gq_;  // gu_: the step's last gemv_i8x of gate and up (the GLU tail's); gq_: of Q, K, V (the KV tail's)
   // The step's last attention, while it is the last kept command, when it rounded its output
   // rows into the q8-mode scratch at buf (see quant_act).

@@ -36,11 +36,6 @@
 // into the cache row through the block table, each as kv_store.comp would (rope_cs, f2h, q8_0's
 // blocks): the kv_store dispatch (which had the ropes folded in) and its barrier taken back. The
 // store's parameters lie in a block at nw (KvP); a counter a head at cnt (queries', then KV heads').
-// QX=1 (one token; DASLLAMA_VULKAN_QX): x rounded here, not by a quant_act dispatch before: xq is
-// then x (f32 [cols], cols <= 32 QXB), xd the norm weight (or 0) and eps the norm's. After its
-// first window's weight loads are issued, the workgroup RMS-norms and rounds x into shared memory
-// as quant_act.comp would (qact.glsl, its order: the last workgroup's code of flags 2), while those
-// loads are in flight; the windows then read x there. The same bits as quant_act + this GEMV.
 #version 450
 #extension GL_EXT_shader_explicit_arithmetic_types_float64 : require
 #include "common.glsl"
@@ -56,17 +51,6 @@
 #define PAIRS (TYPE == T_Q8_0S && SWAP == 1)
 #ifndef PF
 #define PF 1  // windows loaded ahead
-#endif
-#ifndef QX
-#define QX 0
-#endif
-#if QX
-#if NT != 1 || PF != 1
-#error "QX: one token, one window ahead"
-#endif
-const uint QXB = 128u;  // x's blocks at most (the host checks)
-shared uvec4 Xq[QXB][2];  // x rounded: a block's 32 quants as two 16-byte units
-shared float Xd[QXB];     // and its scale
 #endif
 #if DOT
 #extension GL_EXT_spirv_intrinsics : require
@@ -157,7 +141,7 @@ void main() {
 #define UNITS(kb0)                                                                                    \
   const uint ua = 2u * min((kb0) + l, nb - 1u), ub = ua + 1u;
 #endif
-#define LOADQ(kb0, q, dw)                                                                          \
+#define LOADW(kb0, q, dw, x, dx)                                                                   \
   {                                                                                                \
     UNITS(kb0)                                                                                       \
     const uint bs = min((kb0) + bw, nb - 1u);                                                      \
@@ -166,89 +150,30 @@ void main() {
       q[r][1] = V4U(wrow[r] + uint64_t(ub) * 16u).v[0];                                            \
       dw[r] = h2f(rd16(wrow[r] + scales + uint64_t(bs) * 2u));                                     \
     }                                                                                              \
-  }
-#define LOADX(kb0, x, dx)                                                                          \
-  {                                                                                                \
-    UNITS(kb0)                                                                                       \
-    const uint bs = min((kb0) + bw, nb - 1u);                                                      \
     [[unroll]] for (uint t = 0u; t < NT; ++t) {                                                    \
-      x[t][0] = XUNIT(t, ua);                                                                      \
-      x[t][1] = XUNIT(t, ub);                                                                      \
-      dx[t] = XSCALE(t, bs);                                                                       \
+      const uint64_t xr = pc.xq + uint64_t(t0 + min(t, nt - 1u)) * pc.cols;                        \
+      x[t][0] = V4U(xr + uint64_t(ua) * 16u).v[0];                                                 \
+      x[t][1] = V4U(xr + uint64_t(ub) * 16u).v[0];                                                 \
+      dx[t] = F32(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + bs) * 4u).v[0];                   \
     }                                                                                              \
   }
 #else
-#define LOADQ(kb0, q, dw)                                                                          \
+#define LOADW(kb0, q, dw, x, dx)                                                                   \
   {                                                                                                \
     const uint bs = min((kb0) + l, nb - 1u);                                                       \
     [[unroll]] for (uint r = 0u; r < R; ++r) {                                                     \
       q[r][0] = V4U(wrow[r] + uint64_t(bs) * 16u).v[0];                                            \
       dw[r] = h2f(rd16(wrow[r] + scales + uint64_t(bs) * 2u));                                     \
     }                                                                                              \
-  }
-#define LOADX(kb0, x, dx)                                                                          \
-  {                                                                                                \
-    const uint bs = min((kb0) + l, nb - 1u);                                                       \
     [[unroll]] for (uint t = 0u; t < NT; ++t) {                                                    \
-      x[t][0] = XUNIT(t, 2u * bs);                                                                 \
-      x[t][1] = XUNIT(t, 2u * bs + 1u);                                                            \
-      dx[t] = XSCALE(t, bs);                                                                       \
+      const uint64_t xr = pc.xq + uint64_t(t0 + min(t, nt - 1u)) * pc.cols + uint64_t(bs) * 32u;   \
+      x[t][0] = V4U(xr).v[0];                                                                      \
+      x[t][1] = V4U(xr + 16u).v[0];                                                                \
+      dx[t] = F32(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + bs) * 4u).v[0];                   \
     }                                                                                              \
   }
 #endif
-// x's 16-byte unit u and block bs's scale, of token row t: the scratch quant_act wrote, or (QX)
-// this workgroup's rounding in shared memory.
-#if QX
-#define XUNIT(t, u) Xq[(u) >> 1][(u) & 1u]
-#define XSCALE(t, bs) Xd[bs]
-#else
-#define XUNIT(t, u) V4U(pc.xq + uint64_t(t0 + min(t, nt - 1u)) * pc.cols + uint64_t(u) * 16u).v[0]
-#define XSCALE(t, bs) F32(pc.xd + (uint64_t(t0 + min(t, nt - 1u)) * nb + (bs)) * 4u).v[0]
-#endif
-#define LOADW(kb0, q, dw, x, dx) LOADQ(kb0, q, dw) LOADX(kb0, x, dx)
-#if QX
-  LOADQ(0u, q, dw)  // in flight while x is rounded
-  {
-    // quant_act.comp's norm path for the one token, as flags 2's last workgroup does it below:
-    // invocation l sums for qact.glsl's lanes l + 32 j (j < 8), each over its elements in order.
-    const uint cols = pc.cols;
-    F32 xv = F32(pc.xq);
-    precise double ss[8];
-    [[unroll]] for (uint j = 0u; j < 8u; ++j) ss[j] = 0.0lf;
-    for (uint i0 = 0u; i0 < cols; i0 += 1024u) {
-      float e[4][8];
-      [[unroll]] for (uint k = 0u; k < 4u; ++k)
-        [[unroll]] for (uint j = 0u; j < 8u; ++j) {
-          const uint i = i0 + 256u * k + 32u * j + l;
-          e[k][j] = i < cols ? xv.v[i] : 0.0f;
-        }
-      [[unroll]] for (uint k = 0u; k < 4u; ++k)
-        [[unroll]] for (uint j = 0u; j < 8u; ++j)
-          if (i0 + 256u * k + 32u * j + l < cols) ss[j] += double(e[k][j]) * double(e[k][j]);
-    }
-    [[unroll]] for (uint j = 0u; j < 8u; ++j) red[32u * j + l] = ss[j];
-    barrier();
-    for (uint h = 128u; h > 0u; h >>= 1) {
-      for (uint v = l; v < h; v += 32u) red[v] += red[v + h];
-      barrier();
-    }
-    const float sc = qa_scale(red[0], cols, pc.eps);
-    for (uint b = l; b < nb; b += 32u) {
-      V4 xr = V4(pc.xq + uint64_t(b) * 128u);
-      vec4 v[8];
-      [[unroll]] for (uint i = 0u; i < 8u; ++i) v[i] = xr.v[i];
-      qa_norm(v, sc, pc.xd, b * 32u);
-      uint w[8];
-      Xd[b] = qa_round(v, w);
-      Xq[b][0] = uvec4(w[0], w[1], w[2], w[3]);
-      Xq[b][1] = uvec4(w[4], w[5], w[6], w[7]);
-    }
-    barrier();  // (red is read no more until a tail's own use, behind barriers of its own)
-  }
-  LOADX(0u, x, dx)
-#else
   LOADW(0u, q, dw, x, dx)
-#endif
 #if PF == 2
   // PF=2: two windows ahead in flight, not one (long rows: ffn down's 8192 columns).
   uvec4 q1[R][QU], x1[NT][2];
