@@ -923,15 +923,6 @@ int rows1() {
   const char* e = std::getenv("DASLLAMA_CUDA_R1");
   return e && std::strcmp(e, "2") == 0 ? 2 : 4;
 }
-// One token over rows of at least DASLLAMA_CUDA_R1_WIDE columns (unset or 0: none): 2 rows a warp
-// whatever rows1() says, so that a short, wide matrix (ffn down: 2048 x 8192 in Llama-1B, 512
-// blocks of 4 rows, 1.3 waves of 3 blocks an SM) spreads over more blocks. For A/B runs; read at
-// each launch.
-int rows_one(int64_t cols) {
-  const char* e = std::getenv("DASLLAMA_CUDA_R1_WIDE");
-  const long long w = e && *e ? std::atoll(e) : 0;
-  return w > 0 && cols >= w ? 2 : rows1();
-}
 // The GEMVs' 32-bit offsets (GemvRows): a matrix's rows, a row's bytes, the columns and the grid.
 // Real models sit far below; a matrix past them is refused rather than misread.
 void gemv_fits(const GemvJob& j, int ks) {
@@ -944,7 +935,7 @@ template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail = GemvTail()) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
-  const bool r2 = rows_one(j.cols) == 2, tl = tail.kind != GemvTail::none;
+  const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
   if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n == 1 && tl) launch(gemv_q8_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n == 1 && r2) launch(gemv_q8_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -966,7 +957,7 @@ void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const StoreOut o;
-  if (j.n == 1 && rows_one(j.cols) == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  if (j.n == 1 && rows1() == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
   else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
   else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
   else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
@@ -978,7 +969,7 @@ template <uint32_t T>
 void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
-  const bool one = j.n == 1, r2 = one ? rows_one(j.cols) == 2 : rows4() == 2;
+  const bool one = j.n == 1, r2 = one ? rows1() == 2 : rows4() == 2;
   if constexpr (T == T_Q8_0S || T == T_Q4_0S) {
     if (j.xq) {
       if (one && r2) launch(gemv_q8_rope_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
@@ -994,7 +985,7 @@ void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) 
   else launch(gemv_direct_k<T, 4, 4, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
 }
 // Rows a warp group of the direct kernel takes for n tokens (as launch_direct picks).
-int direct_rows(int n, int64_t cols) { return n <= 1 ? rows_one(cols) : n <= 4 ? rows4() : n <= 8 ? 4 : 2; }
+int direct_rows(int n) { return n <= 1 ? rows1() : n <= 4 ? rows4() : n <= 8 ? 4 : 2; }
 bool is_direct(uint32_t t) { return t == T_F16 || t == T_BF16 || t == T_Q8_0S || t == T_Q4_0S; }
 int unit_elems(uint32_t t) { return t == T_Q8_0S ? 16 : t == T_Q4_0S ? 32 : 8; }
 
@@ -1271,7 +1262,7 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
       continue;
     }
     const int ks = direct ? direct_ks(j.cols / unit_elems(j.type)) : 1;
-    const int64_t per_block = direct ? SW / ks * direct_rows(p.n, j.cols) : SW;
+    const int64_t per_block = direct ? SW / ks * direct_rows(p.n) : SW;
     int64_t b = 0;
     for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
     p.first_block[j.count] = b;
@@ -1313,15 +1304,15 @@ bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
     if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
   if (t.kind == GemvTail::round) return j.count == 1 && t.x;
   if (t.kind != GemvTail::glu) return false;
-  // Each block's rows lie inside one 32-row chunk (direct_rows rows a group, 8 / ks groups).
-  const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1, j.cols);
+  // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
+  const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
   return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
          t.cols / 32 <= kTailCounters;
 }
 
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
   if (!gemv_tail_fits(j, t)) throw Error("cuda: a GEMV tail the kernel does not take");
-  const int ks = gemv_q8_plan(j, direct_rows(1, j.cols));
+  const int ks = gemv_q8_plan(j, direct_rows(1));
   if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(j, ks, st, t);
   else launch_q8<T_Q4_0S>(j, ks, st, t);
   check_launch("matmul (tailed)");
@@ -1341,7 +1332,7 @@ bool gemv_rope_fits(const GemvJob& j, const GemvRope& r) {
 void gemv_roped(GemvJob j, const GemvRope& r, cudaStream_t st) {
   if (!gemv_rope_fits(j, r)) throw Error("cuda: a Q / K / V GEMV the rope epilogue does not take");
   const int ks = direct_ks(j.cols / unit_elems(j.type));
-  const int64_t per_block = SW / ks * direct_rows(j.n, j.cols);
+  const int64_t per_block = SW / ks * direct_rows(j.n);
   int64_t b = 0;
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
   j.first_block[j.count] = b;
