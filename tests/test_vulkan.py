@@ -1268,27 +1268,66 @@ def test_attn_kv_fold_alike(tiny, built_dir, monkeypatch, case):
         f"decode logits with the KV store in the attention differ (max {np.abs(got - want).max():.3g})"
 
 
+def test_attn_pmerge_alike(tiny, monkeypatch):
+    """Decode steps whose attention splits are joined with their loads issued together
+    (attn_dec.comp -DPMERGE, DASLLAMA_VULKAN_ATTN_PMERGE=1) get the logits of the same steps
+    joined split by split (=0) bit for bit: keys split 4 a split, so 2 to 16 splits over the
+    steps (past 8: two rounds of loads), with and without the KV store folded in, and a 3-session
+    batch step between. Run on the GPUs' path by test_attn_kv_fold_on_lavapipe."""
+    monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_KEYS", "4")
+    ids = [1] + np.random.default_rng(19).integers(3, VOCAB, 44).tolist()
+    m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
+    ran = {}
+
+    def decode(on):
+        monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_PMERGE", on)
+        n0 = m._m.path_count("attn_pm")
+        rows = []
+        for fold in ("1", "0"):
+            monkeypatch.setenv("DASLLAMA_VULKAN_KVFOLD", fold)
+            t = d.create_session(m, n_ctx=len(ids))
+            d.eval(m, t, ids[:5])
+            for tok in ids[5:41]:
+                d.eval(m, t, [tok])
+                rows.append(np.array(t.logits))
+        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
+        for i, t in enumerate(ss):
+            d.eval(m, t, ids[:30 + i])
+        d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[40 + i] for i in range(3)])
+        rows += [np.array(t.logits) for t in ss]
+        ran[on] = m._m.path_count("attn_pm") - n0
+        return np.stack(rows)
+
+    want = decode("0")
+    got = decode("1")
+    sub = "subgroup matmul" in _VK["devices"][0]["features"]
+    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
+    assert np.array_equal(got, want), f"decode logits with the joined loads differ (max {np.abs(got - want).max():.3g})"
+
+
 def test_attn_kv_fold_on_lavapipe(built_dir, tiny):
-    """test_attn_kv_fold_alike forced onto the GPUs' path, with DASLLAMA_VULKAN_STEPS=1: the fold
-    ran (its count), and each one-token step recorded with attn_dec_kf has no kv_store and one
-    dispatch a layer fewer than the same step recorded with the switch off."""
+    """test_attn_kv_fold_alike and test_attn_pmerge_alike forced onto the GPUs' path, with
+    DASLLAMA_VULKAN_STEPS=1: the fold ran (its count), and each one-token step recorded with
+    attn_dec_kf has no kv_store and one dispatch a layer fewer than the same step recorded with
+    the switch off."""
     import re
 
     for fam in ("qwen2-yarn",):
         _tiny_family(built_dir, fam)  # made here, not in a child
     r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1"},
-               ("test_vulkan.py",), "attn_kv_fold_alike", s=True)
+               ("test_vulkan.py",), "attn_kv_fold_alike or attn_pmerge_alike", s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     n = [int(x) for x in re.findall(r"KV stores done by decode attention: (\d+)", out)]
     assert n and max(n) > 0, out[-3000:]
     steps = [(int(m.group(1)), {k: int(v) for k, v in re.findall(r" (\S+) x(\d+)", m.group(2))})
              for m in re.finditer(r"^vulkan step recorded: (\d+) dispatches:(.*)$", out, re.M)]
-    kf = [(k, c) for k, c in steps if "attn_dec_kf" in c]
+    kf = [(k, c) for k, c in steps if "attn_dec_kf" in c or "attn_dec_kf_pm" in c]
     assert kf, out[-3000:]
-    plain = {k - c["attn_dec"] for k, c in steps if "attn_dec" in c and c.get("kv_store") == c["attn_dec"]}
+    dec = lambda c: c.get("attn_dec", 0) + c.get("attn_dec_pm", 0)  # noqa: E731
+    plain = {k - dec(c) for k, c in steps if dec(c) and c.get("kv_store") == dec(c)}
     for k, c in kf:
-        assert "kv_store" not in c and "attn_dec" not in c and k in plain, (k, c, sorted(plain))
+        assert "kv_store" not in c and not dec(c) and k in plain, (k, c, sorted(plain))
 
 
 # The tiled prefill attention's variants (read at each call): flash2.comp by default (heads up to

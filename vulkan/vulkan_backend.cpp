@@ -1646,9 +1646,13 @@ class VulkanBackend final : public Backend {
   }
   const char* name() const override { return "vulkan"; }
   // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step);
-  // "attn_kv": KV stores done by decode attention (attn_dec_kf).
+  // "attn_kv": KV stores done by decode attention (attn_dec_kf); "attn_pm": attn_dec calls whose
+  // splits joined on the PMERGE variants.
   int64_t path_count(const std::string& name) const override {
-    return name == "norm_round" ? norm_rounds_ : name == "attn_kv" ? (int64_t)fused_attn_kv_ : 0;
+    return name == "norm_round"  ? norm_rounds_
+           : name == "attn_kv" ? (int64_t)fused_attn_kv_
+           : name == "attn_pm" ? (int64_t)attn_pmerged_
+                               : 0;
   }
   DeviceInfo info() const override { return c_->info(); }
 
@@ -2825,12 +2829,9 @@ class VulkanBackend final : public Backend {
     }
   }
   // DASLLAMA_VULKAN_FUSE_GLU=0: the glu before ffn down stays its own dispatch (for A/B runs).
-  static bool fuse_glu_on() {
-    static const bool on = [] {
-      const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_GLU");
-      return !(e && std::strcmp(e, "0") == 0);
-    }();
-    return on;
+  static bool fuse_glu_on() {  // (read at each call: benchmarks/ab_cuda.py switches it between loads)
+    const char* e = std::getenv("DASLLAMA_VULKAN_FUSE_GLU");
+    return !(e && std::strcmp(e, "0") == 0);
   }
   void get_rows(const Weight& w, const int32_t* ids, int64_t n, float* out) override {
     if (n <= 0) return;
@@ -2987,6 +2988,12 @@ class VulkanBackend final : public Backend {
   // store is folded into its decode attention (attn_dec_kf): one dispatch and barrier a layer
   // fewer where no Q / K / V GEMV tail stores the row (F16 files; q8 mode with KVTAIL=0). H100
   // F16 tg256 566 -> 583 (fortieth session).
+  // DASLLAMA_VULKAN_ATTN_PMERGE=1 (read at each call): attn_dec's last split joins the splits
+  // with one load of each split's (m, l) and the partials 8 loads at a time (the same sums).
+  static bool attn_pmerge_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_PMERGE");
+    return e && std::strcmp(e, "1") == 0;
+  }
   static bool kvfold_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_KVFOLD");
     return !(e && std::strcmp(e, "0") == 0);
@@ -3118,6 +3125,11 @@ class VulkanBackend final : public Backend {
               {kvf ? ks.k : 0, kvd, false}, {kvf ? ks.v : 0, kvd, false}, {kvf ? ks.p.pos : 0, 4, false},
               {kvf ? ks.p.inv : 0, Ctx::kWhole, false}, {kvf ? ks.p.factors : 0, Ctx::kWhole, false},
               {kvf ? ks.p.args : 0, Ctx::kWhole, false}});
+    // The splits joined with their loads issued together (attn_dec.comp -DPMERGE).
+    if (dec && pc.split > 0 && attn_pmerge_on() && (kvf || std::strcmp(dec_sh, "attn_dec") == 0)) {
+      dec_sh = kvf ? "attn_dec_kf_pm" : "attn_dec_pm";
+      ++attn_pmerged_;
+    }
     const char* sh = dec ? dec_sh : a.head_dim > 256 ? "attention_512" : "attention";
     c_->dispatch(sh, &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
     attn_q8_ = AttnQ8{};
@@ -3627,7 +3639,7 @@ class VulkanBackend final : public Backend {
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
   uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
-           fused_kv_tail_ = 0, fused_attn_kv_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+           fused_kv_tail_ = 0, fused_attn_kv_ = 0, attn_pmerged_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
   struct GemvX {
     bool valid = false;
