@@ -1305,17 +1305,66 @@ def test_attn_pmerge_alike(tiny, monkeypatch):
     assert np.array_equal(got, want), f"decode logits with the joined loads differ (max {np.abs(got - want).max():.3g})"
 
 
+def _tiny_f16(tiny, built_dir):
+    from dasllama.convert import requantize
+
+    (f16,) = C.built_once(built_dir, "llama-tiny-f16",
+                          lambda out: [str(requantize(tiny["f32"], os.path.join(out, "llama-f16.gguf"), "f16",
+                                                      progress=False))])
+    return f16
+
+
+@pytest.mark.parametrize("file", ["f16", "q8_0"])
+def test_gemv_glu_tail_alike(tiny, built_dir, monkeypatch, file):
+    """fp32-mode decode steps whose glu is written by the gate / up GEMV's block tails (gemv.comp
+    -DGLUT, DASLLAMA_VULKAN_GLUT=1; ffn down then a plain GEMV) get the logits of the same steps
+    with the glu computed on the way by ffn down (GLUT=0) bit for bit: an f16 file and q8_0's
+    split layout, one session's one-token steps, a 3-session batch step between them (not the
+    tail's). Run on the GPUs' path by test_attn_kv_fold_on_lavapipe, which checks it ran."""
+    path = _tiny_f16(tiny, built_dir) if file == "f16" else tiny[file]
+    ids = [1] + np.random.default_rng(21).integers(3, VOCAB, 14).tolist()
+    m = d.load_model(path, d.QuantMode.fp32, device="vulkan")
+    ran = {}
+
+    def decode(on):
+        monkeypatch.setenv("DASLLAMA_VULKAN_GLUT", on)
+        n0 = m._m.path_count("glu_sg")
+        t = d.create_session(m, n_ctx=len(ids))
+        d.eval(m, t, ids[:5])
+        rows = []
+        for tok in ids[5:10]:
+            d.eval(m, t, [tok])
+            rows.append(np.array(t.logits))
+        ss = [t] + [d.create_session(m, n_ctx=len(ids)) for _ in range(2)]
+        for i, u in enumerate(ss[1:]):
+            d.eval(m, u, ids[:6 + i])
+        d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[10 + i] for i in range(3)])
+        rows += [np.array(u.logits) for u in ss]
+        for tok in ids[13:15]:
+            d.eval(m, t, [tok])
+            rows.append(np.array(t.logits))
+        ran[on] = m._m.path_count("glu_sg") - n0
+        return np.stack(rows)
+
+    want = decode("0")
+    got = decode("1")
+    sub = "subgroup matmul" in _VK["devices"][0]["features"]
+    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
+    assert np.array_equal(got, want), f"decode logits with the GLU tail differ (max {np.abs(got - want).max():.3g})"
+
+
 def test_attn_kv_fold_on_lavapipe(built_dir, tiny):
-    """test_attn_kv_fold_alike and test_attn_pmerge_alike forced onto the GPUs' path, with
-    DASLLAMA_VULKAN_STEPS=1: the fold ran (its count), and each one-token step recorded with
-    attn_dec_kf has no kv_store and one dispatch a layer fewer than the same step recorded with
-    the switch off."""
+    """test_attn_kv_fold_alike, test_attn_pmerge_alike and test_gemv_glu_tail_alike forced onto
+    the GPUs' path, with DASLLAMA_VULKAN_STEPS=1: the KV fold ran (its count), and each one-token
+    step recorded with attn_dec_kf has no kv_store and one dispatch a layer fewer than the same
+    step recorded with the switch off; steps with the GLU tail (gemv1_gt_*) read a plain ffn down
+    (no gemv1_glu_*)."""
     import re
 
     for fam in ("qwen2-yarn",):
         _tiny_family(built_dir, fam)  # made here, not in a child
     r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1"},
-               ("test_vulkan.py",), "attn_kv_fold_alike or attn_pmerge_alike", s=True)
+               ("test_vulkan.py",), "attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike", s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     n = [int(x) for x in re.findall(r"KV stores done by decode attention: (\d+)", out)]
@@ -1328,6 +1377,8 @@ def test_attn_kv_fold_on_lavapipe(built_dir, tiny):
     plain = {k - dec(c) for k, c in steps if dec(c) and c.get("kv_store") == dec(c)}
     for k, c in kf:
         assert "kv_store" not in c and not dec(c) and k in plain, (k, c, sorted(plain))
+    gt = [c for _, c in steps if any(x.startswith("gemv1_gt_") for x in c)]
+    assert gt and all(not any(x.startswith("gemv1_glu_") for x in c) for c in gt), out[-3000:]
 
 
 # The tiled prefill attention's variants (read at each call): flash2.comp by default (heads up to

@@ -155,19 +155,24 @@ for stage in "$@"; do
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
     s41)  # the fortieth session's second round on F16 decode: the folded GLU's output in 16-byte units (no
-      # switch; FUSE_GLU=0 is the unfused glu), KVFOLD's default, the splits' join with its loads issued
-      # together (ATTN_PMERGE), fewer splits (ATTN_KEYS=64); where the F16 and Q8_0 steps go now (STEPPROF)
-      step ab 240 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 DASLLAMA_VULKAN_KVFOLD=0 \
-        DASLLAMA_NONE=1 DASLLAMA_VULKAN_FUSE_GLU=0 DASLLAMA_VULKAN_ATTN_PMERGE=1 DASLLAMA_VULKAN_ATTN_KEYS=64
-      step stepprof 120 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 \
-        --rounds 1 DASLLAMA_NONE=1
+      # switch; FUSE_GLU=0 is the unfused glu), the glu in the gate / up GEMV's block tails instead (GLUT=1),
+      # KVFOLD's default, the splits' join with its loads issued together (ATTN_PMERGE), fewer splits
+      # (ATTN_KEYS=64)
+      step ab 300 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 DASLLAMA_VULKAN_KVFOLD=0 \
+        DASLLAMA_NONE=1 DASLLAMA_VULKAN_FUSE_GLU=0 DASLLAMA_VULKAN_GLUT=1 DASLLAMA_VULKAN_ATTN_PMERGE=1 \
+        DASLLAMA_VULKAN_ATTN_KEYS=64
       ;;
-    s41b)  # the join and the split count in q8 mode (its attn_dec rounds the output, QFOLD); the new harness
-      # and model checks on the GPU
+    s41b)  # where the F16 and Q8_0 steps go now (STEPPROF; F16 with GLUT=1 too); the join and the split
+      # count in q8 mode (its attn_dec rounds the output, QFOLD)
+      step stepprof 120 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 \
+        --rounds 1 DASLLAMA_NONE=1 DASLLAMA_VULKAN_GLUT=1
       step abq8 240 python benchmarks/ab_cuda.py --device vulkan --types q8_0,q4_0 --rounds 2 DASLLAMA_NONE=1 \
         DASLLAMA_VULKAN_ATTN_PMERGE=1 DASLLAMA_VULKAN_ATTN_KEYS=64
-      step tests 200 python -m pytest -q tests/test_backend_ops.py tests/test_vulkan.py -k \
-        "glu_then_matmul or paged_attention_multi or attn_kv_fold_alike or attn_pmerge_alike or gemv_tails or decode_steps or greedy"
+      ;;
+    s41c)  # the new harness and model checks on the GPU
+      step tests 240 env DASLLAMA_VULKAN_GLUT=1 DASLLAMA_VULKAN_ATTN_PMERGE=1 python -m pytest -q \
+        tests/test_backend_ops.py tests/test_vulkan.py -k "glu_then_matmul or paged_attention_multi or \
+attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or decode_steps or greedy"
       ;;
     s41p)  # then beside llama.cpp's Vulkan build (carry .peers/skb.tar.xz)
       step vkpeers 300 python benchmarks/bench_gpu_peers.py --types f16,q8_0,q4_0 --rounds 2 --ours vulkan \
@@ -363,7 +368,7 @@ for stage in "$@"; do
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s41, s41b, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -1647,11 +1647,12 @@ class VulkanBackend final : public Backend {
   const char* name() const override { return "vulkan"; }
   // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step);
   // "attn_kv": KV stores done by decode attention (attn_dec_kf); "attn_pm": attn_dec calls whose
-  // splits joined on the PMERGE variants.
+  // splits joined on the PMERGE variants; "glu_sg": glus done by gemv.comp's gate / up tails (GLUT).
   int64_t path_count(const std::string& name) const override {
     return name == "norm_round"  ? norm_rounds_
            : name == "attn_kv" ? (int64_t)fused_attn_kv_
            : name == "attn_pm" ? (int64_t)attn_pmerged_
+           : name == "glu_sg"  ? (int64_t)fused_glu_sg_
                                : 0;
   }
   DeviceInfo info() const override { return c_->info(); }
@@ -2736,8 +2737,11 @@ class VulkanBackend final : public Backend {
   }
   // One dispatch of the subgroup path over 1-3 weights of one type and width.
   // kt (three weights, Q, K and V, on gemv.comp): the KV tail (its _kv variants), as gemv_i8x's.
+  // gt (gate and up, one token, gemv.comp -DGLUT): the GLU's output act(gate) * up written to gt->out
+  // by the block pairs' tails (gt->q unused).
   void matmul_sg(const Weight* const* ws, float* const* ys, int count, const float* x, int64_t n, bool norm = false,
-                 const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false, const KvTail* kt = nullptr) {
+                 const float* norm_w = nullptr, float eps = 0.f, bool accumulate = false, const KvTail* kt = nullptr,
+                 const GluTail* gt = nullptr) {
     struct {
       uint64_t w[3], y[3];
       uint64_t x, row_bytes, norm_w;
@@ -2790,8 +2794,15 @@ class VulkanBackend final : public Backend {
     const uint64_t xb = (uint64_t)(n * ws[0]->cols * 4);
     if (kt && (!direct || count != 3 || accumulate || n > 8))
       throw Error("vulkan: the KV tail needs gemv.comp over Q, K and V of at most 8 tokens");
+    if (gt && (!direct || count != 2 || accumulate || n != 1 || fuse || b[0] != b[1]))
+      throw Error("vulkan: the GLU tail needs gemv.comp over gate and up of one height, one token");
     auto yb = [&](int i) { return i < count ? (uint64_t)(n * ws[i]->rows * 4) : 0; };
-    if (kt) {
+    if (gt) {
+      pc.y[2] = gt->out, pc.w[2] = gt->code, pc.kvp = tail_counters(0, b[0]);
+      c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
+                {pc.w[1], Ctx::kWhole, false}, {pc.y[0], yb(0), true}, {pc.y[1], yb(1), true}, {gt->out, yb(0), true},
+                {pc.kvp, (uint64_t)b[0] * 4, true}});
+    } else if (kt) {
       pc.kvp = kt->params;
       c_->uses({{pc.x, xb, false}, {pc.norm_w, (uint64_t)ws[0]->cols * 4, false}, {pc.w[0], Ctx::kWhole, false},
                 {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
@@ -2812,21 +2823,34 @@ class VulkanBackend final : public Backend {
                 {pc.w[1], Ctx::kWhole, false}, {pc.w[2], Ctx::kWhole, false}, {pc.y[0], yb(0), true},
                 {pc.y[1], yb(1), true}, {pc.y[2], yb(2), true}});
     }
-    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u) | (kt ? 1u << 21 : 0u);
+    const uint32_t key = t | (direct ? (n == 1 ? 1u : 2u) << 16 : 0u) | (fuse ? 1u << 20 : 0u) | (kt ? 1u << 21 : 0u) |
+                         (gt ? 1u << 22 : 0u);
     auto it = sg_names_.find(key);
     if (it == sg_names_.end())
       it = sg_names_
                .emplace(key, (direct ? (n == 1 ? "gemv1_" : "gemv8_") : "matmul_sg_") +
-                                 std::string(fuse ? "glu_" : kt ? "kv_" : "") + std::to_string(t))
+                                 std::string(fuse ? "glu_" : kt ? "kv_" : gt ? "gt_" : "") + std::to_string(t))
                .first;
     const size_t sig0 = c_->sig_bytes();
     c_->dispatch(it->second.c_str(), &pc, sizeof pc, blocks, (uint32_t)((n + 7) / 8));
-    // Kept for the ropes and KV store of its three outputs that may come next (the KV tail).
-    gq_ = GemvX{};
+    // Kept for the ropes and KV store of its three outputs that may come next (the KV tail), or
+    // for the glu of its two that may come next (the GLU tail, glu).
+    gq_ = gsu_ = GemvX{};
     if (direct && count == 3 && !accumulate && !fuse && !kt && n <= 8 && c_->recording()) {
       gq_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, 0, 0, ws[1], ys[1], ws[2], ys[2], rpw};
       gq_.sg = true, gq_.x = x, gq_.norm = norm, gq_.norm_w = norm_w, gq_.eps = eps;
     }
+    if (direct && count == 2 && !accumulate && !fuse && !gt && n == 1 && b[0] == b[1] && c_->recording()) {
+      gsu_ = GemvX{true, c_->step_serial(), c_->kept(), sig0, ws[0], ys[0], n, 0, 0, ws[1], ys[1]};
+      gsu_.sg = true, gsu_.x = x, gsu_.norm = norm, gsu_.norm_w = norm_w, gsu_.eps = eps;
+    }
+  }
+  // DASLLAMA_VULKAN_GLUT=1 (read at each glu): a recorded one-token step's glu right after its
+  // gate / up GEMV on gemv.comp is done by that GEMV's block tails (gemv1_gt_*), so ffn down is a
+  // plain GEMV rather than one that computes the glu for its x in every workgroup.
+  static bool glut_on() {
+    const char* e = std::getenv("DASLLAMA_VULKAN_GLUT");
+    return e && std::strcmp(e, "1") == 0;
   }
   // DASLLAMA_VULKAN_FUSE_GLU=0: the glu before ffn down stays its own dispatch (for A/B runs).
   static bool fuse_glu_on() {  // (read at each call: benchmarks/ab_cuda.py switches it between loads)
@@ -3272,10 +3296,25 @@ class VulkanBackend final : public Backend {
            Act act) override {
     if (n_rows <= 0 || dim <= 0) return;
     Lock g(c_->mu);
-    c_->uses({{A(gate), (uint64_t)(((n_rows - 1) * gs + dim) * 4), false},
-              {A(up), (uint64_t)(((n_rows - 1) * us + dim) * 4), false}, {A(out), (uint64_t)(n_rows * dim * 4), true}});
     const uint32_t code =
         act == Act::silu ? 5 : act == Act::gelu_tanh ? 6 : act == Act::swiglu_oai ? 10 : act == Act::sigmoid ? 11 : 13;
+    // The gate / up GEMV (gemv.comp) just kept made gate and up: issued again with the GLU tail.
+    const GemvX gu = gsu_;
+    gsu_ = GemvX{};
+    if (glut_on() && gu.valid && c_->recording() && gu.serial == c_->step_serial() && gu.kept == c_->kept() &&
+        A(gu.y) == A(gate) && A(gu.y1) == A(up) && n_rows == 1 && gu.w->rows == dim && gu.w1->rows == dim &&
+        (code == 5 || code == 6 || code == 13)) {
+      c_->unkeep_last(gu.sig0);
+      const GluTail gt{A(out), 0, code};
+      const Weight* ws[2] = {gu.w, gu.w1};
+      float* ys[2] = {gu.y, gu.y1};
+      matmul_sg(ws, ys, 2, gu.x, 1, gu.norm, gu.norm_w, gu.eps, false, nullptr, &gt);
+      glu_ = Glu{};
+      ++fused_glu_sg_;
+      return;
+    }
+    c_->uses({{A(gate), (uint64_t)(((n_rows - 1) * gs + dim) * 4), false},
+              {A(up), (uint64_t)(((n_rows - 1) * us + dim) * 4), false}, {A(out), (uint64_t)(n_rows * dim * 4), true}});
     const size_t sig0 = c_->sig_bytes();
     op(code, gate, up, out, n_rows * dim, {(uint32_t)dim, (uint32_t)gs, (uint32_t)us});
     // Kept for the matmul that may read out next (matmul_sg folds this dispatch into it).
@@ -3639,7 +3678,7 @@ class VulkanBackend final : public Backend {
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
   uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
-           fused_kv_tail_ = 0, fused_attn_kv_ = 0, attn_pmerged_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+           fused_kv_tail_ = 0, fused_attn_kv_ = 0, attn_pmerged_ = 0, fused_glu_sg_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
   struct GemvX {
     bool valid = false;
@@ -3659,7 +3698,8 @@ class VulkanBackend final : public Backend {
     bool norm = false;
     const float* norm_w = nullptr;
     float eps = 0.f;
-  } gx_, gu_, gq_;  // gu_: the step's last gemv_i8x of gate and up (the GLU tail's); gq_: of Q, K, V (the KV tail's)
+  } gx_, gu_, gq_, gsu_;  // gu_: the step's last gemv_i8x of gate and up (the GLU tail's); gq_: of Q, K, V (the KV
+                         // tail's); gsu_: its last gemv.comp of gate and up (GLUT's)
   // The step's last attention, while it is the last kept command, when it rounded its output
   // rows into the q8-mode scratch at buf (see quant_act).
   struct AttnQ8 {

@@ -16,6 +16,10 @@
 // (a counter at norm_w, left at 0 again): out may be up itself, which every workgroup reads.
 // Its fields ride in unused slots: w[1] up, w[2] the GLU's out, y[1] the gate and up row
 // strides (low, high 32 bits), y[2] the activation (ops.comp's op code), norm_w the counter.
+// With -DGLUT (two weights, gate and up, of equal height; one token): the GLU's output
+// act(gate) * up written by the second of the two workgroups that cover the same rows of gate and
+// of up to finish (a counter a block at kvp; y[2] the output, w[2] the activation code), so the
+// glu's dispatch is taken back and ffn down reads a plain x.
 // With -DKVT (three weights Q, K and V; heads of head_dim rows, rpw a multiple or a divisor of
 // it; one pass of tokens, grid y 1): the step's ropes and KV store folded in as gemv_i8x.comp's
 // KV tail does them (kvtail.glsl): the last workgroup to finish a head's rows (a KV head's: of
@@ -48,7 +52,7 @@ const uint UE = 32u;
 #else
 const uint UE = 8u;
 #endif
-#ifdef GLU
+#if defined(GLU) || defined(GLUT)
 shared bool glu_last;
 #include "glu.glsl"
 #endif
@@ -61,6 +65,8 @@ shared bool tail_last;
 #define KV_AMAX(i) kv_amax[i]
 #include "kvtail.glsl"
 #define YV F32C  // y read back by a tail in another workgroup
+#elif defined(GLUT)
+#define YV F32C
 #else
 #define YV F32
 #endif
@@ -241,6 +247,27 @@ void main() {
   if (glu_last)
     glu_write(pc.x, pc.w[1], pc.w[2], uint(pc.y[1]), uint(pc.y[1] >> 32), pc.n, pc.cols, uint(pc.y[2]),
               gl_LocalInvocationIndex, gl_WorkGroupSize.x);
+#endif
+#ifdef GLUT
+  // This workgroup's rows of gate (or up) are out: the second of the pair to count writes the GLU.
+  memoryBarrierBuffer();
+  barrier();
+  if (gl_LocalInvocationIndex == 0u) {
+    U32 c = U32(pc.kvp + uint64_t(wg) * 4u);
+    glu_last = atomicAdd(c.v[0], 1u) == 1u;
+    if (glu_last) c.v[0] = 0u;  // both have counted: ready for the next dispatch
+  }
+  barrier();
+  if (glu_last) {
+    memoryBarrierBuffer();
+    F32C gr = F32C(pc.y[0]), ur = F32C(pc.y[1]);
+    F32 o = F32(pc.y[2]);
+    const uint act = uint(pc.w[2]);
+    for (uint i = gl_LocalInvocationIndex; i < pc.rpw; i += gl_WorkGroupSize.x) {
+      const uint r = wg * pc.rpw + i;
+      if (r < rows) o.v[r] = glu_act(act, gr.v[r]) * ur.v[r];
+    }
+  }
 #endif
 #ifdef KVT
   // The heads this workgroup's rows cover (one, or rpw / head_dim of them): each counted, and
