@@ -1199,6 +1199,27 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
         assert kv and {n - layers for n in plain_} == kv, (t, kv, plain_, out[-3000:])
 
 
+def _switch_alike(m, monkeypatch, var, counter, run, what):
+    """run() (a list of logits rows) with the switch `var` at 0, then at 1: the same bits, and the
+    backend's `counter` (path_count) moved only with it on, and then exactly where the device
+    takes the subgroup path (a GPU's, or lavapipe's when forced)."""
+    ran, got = {}, {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(var, on)
+        n0 = m._m.path_count(counter)
+        got[on] = np.stack(run())
+        ran[on] = m._m.path_count(counter) - n0
+    sub = "subgroup matmul" in _VK["devices"][0]["features"]
+    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
+    assert np.array_equal(got["1"], got["0"]), f"{what} differ (max {np.abs(got['1'] - got['0']).max():.3g})"
+
+
+def _batch_rows(m, ss, ids):
+    """One batch step of sessions ss (their next ids), as eval_batch runs it: their logits."""
+    d.eval_batch(m, d.create_batch_workspace(m), ss, ids)
+    return [np.array(t.logits) for t in ss]
+
+
 def _tiny_family(built_dir, name):
     """A tiny random model of one of export.py's families, f32 from the exporter."""
     import export as E  # tests/oracles/export.py
@@ -1235,11 +1256,8 @@ def test_attn_kv_fold_alike(tiny, built_dir, monkeypatch, case):
     monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_KEYS", "4")
     ids = [1] + np.random.default_rng(17).integers(3, VOCAB, 16).tolist()
     m = d.load_model(path, d.QuantMode.fp32, device="vulkan")
-    ran = {}
 
-    def decode(on):
-        monkeypatch.setenv("DASLLAMA_VULKAN_KVFOLD", on)
-        n0 = m._m.path_count("attn_kv")
+    def run():
         rows = []
         for kvt in kvts:
             t = d.create_session(m, getattr(d.KVDtype, kvt), n_ctx=len(ids))
@@ -1250,22 +1268,14 @@ def test_attn_kv_fold_alike(tiny, built_dir, monkeypatch, case):
         ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
         for i, t in enumerate(ss):
             d.eval(m, t, ids[:6 + i])
-        d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[9 + i] for i in range(3)])
-        rows += [np.array(t.logits) for t in ss]
+        rows += _batch_rows(m, ss, ids[9:12])
         for tok in ids[13:16]:
             d.eval(m, ss[0], [tok])
             rows.append(np.array(ss[0].logits))
-        ran[on] = m._m.path_count("attn_kv") - n0
-        return np.stack(rows)
+        return rows
 
-    want = decode("0")
-    got = decode("1")
-    # attn_dec runs on the subgroup path (a GPU's, or lavapipe's when forced): there the fold ran,
-    # and never with the switch off.
-    sub = "subgroup matmul" in _VK["devices"][0]["features"]
-    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
-    assert np.array_equal(got, want), \
-        f"decode logits with the KV store in the attention differ (max {np.abs(got - want).max():.3g})"
+    _switch_alike(m, monkeypatch, "DASLLAMA_VULKAN_KVFOLD", "attn_kv", run,
+                  "decode logits with the KV store in the attention")
 
 
 def test_attn_pmerge_alike(tiny, monkeypatch):
@@ -1277,11 +1287,8 @@ def test_attn_pmerge_alike(tiny, monkeypatch):
     monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_KEYS", "4")
     ids = [1] + np.random.default_rng(19).integers(3, VOCAB, 44).tolist()
     m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
-    ran = {}
 
-    def decode(on):
-        monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_PMERGE", on)
-        n0 = m._m.path_count("attn_pm")
+    def run():
         rows = []
         for fold in ("1", "0"):
             monkeypatch.setenv("DASLLAMA_VULKAN_KVFOLD", fold)
@@ -1293,16 +1300,9 @@ def test_attn_pmerge_alike(tiny, monkeypatch):
         ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
         for i, t in enumerate(ss):
             d.eval(m, t, ids[:30 + i])
-        d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[40 + i] for i in range(3)])
-        rows += [np.array(t.logits) for t in ss]
-        ran[on] = m._m.path_count("attn_pm") - n0
-        return np.stack(rows)
+        return rows + _batch_rows(m, ss, ids[40:43])
 
-    want = decode("0")
-    got = decode("1")
-    sub = "subgroup matmul" in _VK["devices"][0]["features"]
-    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
-    assert np.array_equal(got, want), f"decode logits with the joined loads differ (max {np.abs(got - want).max():.3g})"
+    _switch_alike(m, monkeypatch, "DASLLAMA_VULKAN_ATTN_PMERGE", "attn_pm", run, "decode logits with the joined loads")
 
 
 def _tiny_f16(tiny, built_dir):
@@ -1324,11 +1324,8 @@ def test_gemv_glu_tail_alike(tiny, built_dir, monkeypatch, file):
     path = _tiny_f16(tiny, built_dir) if file == "f16" else tiny[file]
     ids = [1] + np.random.default_rng(21).integers(3, VOCAB, 14).tolist()
     m = d.load_model(path, d.QuantMode.fp32, device="vulkan")
-    ran = {}
 
-    def decode(on):
-        monkeypatch.setenv("DASLLAMA_VULKAN_GLUT", on)
-        n0 = m._m.path_count("glu_sg")
+    def run():
         t = d.create_session(m, n_ctx=len(ids))
         d.eval(m, t, ids[:5])
         rows = []
@@ -1338,19 +1335,13 @@ def test_gemv_glu_tail_alike(tiny, built_dir, monkeypatch, file):
         ss = [t] + [d.create_session(m, n_ctx=len(ids)) for _ in range(2)]
         for i, u in enumerate(ss[1:]):
             d.eval(m, u, ids[:6 + i])
-        d.eval_batch(m, d.create_batch_workspace(m), ss, [ids[10 + i] for i in range(3)])
-        rows += [np.array(u.logits) for u in ss]
+        rows += _batch_rows(m, ss, ids[10:13])
         for tok in ids[13:15]:
             d.eval(m, t, [tok])
             rows.append(np.array(t.logits))
-        ran[on] = m._m.path_count("glu_sg") - n0
-        return np.stack(rows)
+        return rows
 
-    want = decode("0")
-    got = decode("1")
-    sub = "subgroup matmul" in _VK["devices"][0]["features"]
-    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
-    assert np.array_equal(got, want), f"decode logits with the GLU tail differ (max {np.abs(got - want).max():.3g})"
+    _switch_alike(m, monkeypatch, "DASLLAMA_VULKAN_GLUT", "glu_sg", run, "decode logits with the GLU tail")
 
 
 def test_attn_kv_fold_on_lavapipe(built_dir, tiny):
