@@ -154,7 +154,17 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    s41)  # the fortieth session's second round on F16 decode: the folded GLU's output in 16-byte units (no
+    s42)  # the fortieth session's final defaults (GLUT and KVFOLD on, the splits' join with its loads issued
+      # together): the checks on the GPU, the A/B against each fold off, beside llama.cpp's Vulkan build
+      step tests 200 python -m pytest -q tests/test_backend_ops.py tests/test_vulkan.py -k "glu_then_matmul or \
+paged_attention_gqa or attn_kv_fold_alike or decode_split_joins or gemv_glu_tail_alike or gemv_tails or decode_steps or \
+greedy or f16_model"
+      step ab 150 python benchmarks/ab_cuda.py --device vulkan --types f16 --rounds 2 DASLLAMA_NONE=1 \
+        DASLLAMA_VULKAN_GLUT=0 DASLLAMA_VULKAN_KVFOLD=0,DASLLAMA_VULKAN_GLUT=0
+      step vkpeers 300 python benchmarks/bench_gpu_peers.py --types f16,q8_0,q4_0 --rounds 2 --ours vulkan \
+        --llama-server /tmp/skb/llama-server
+      ;;
+    s41)  # as run (ATTN_PMERGE since made the only join; GLUT the default): the second round on F16 decode: the folded GLU's output in 16-byte units (no
       # switch; FUSE_GLU=0 is the unfused glu), the glu in the gate / up GEMV's block tails instead (GLUT=1),
       # KVFOLD's default, the splits' join with its loads issued together (ATTN_PMERGE), fewer splits
       # (ATTN_KEYS=64)
@@ -368,7 +378,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -1646,12 +1646,11 @@ class VulkanBackend final : public Backend {
   }
   const char* name() const override { return "vulkan"; }
   // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step);
-  // "attn_kv": KV stores done by decode attention (attn_dec_kf); "attn_pm": attn_dec calls whose
-  // splits joined on the PMERGE variants; "glu_sg": glus done by gemv.comp's gate / up tails (GLUT).
+  // "attn_kv": KV stores done by decode attention (attn_dec_kf); "glu_sg": glus done by gemv.comp's
+  // gate / up tails (GLUT).
   int64_t path_count(const std::string& name) const override {
     return name == "norm_round"  ? norm_rounds_
            : name == "attn_kv" ? (int64_t)fused_attn_kv_
-           : name == "attn_pm" ? (int64_t)attn_pmerged_
            : name == "glu_sg"  ? (int64_t)fused_glu_sg_
                                : 0;
   }
@@ -2845,12 +2844,13 @@ class VulkanBackend final : public Backend {
       gsu_.sg = true, gsu_.x = x, gsu_.norm = norm, gsu_.norm_w = norm_w, gsu_.eps = eps;
     }
   }
-  // DASLLAMA_VULKAN_GLUT=1 (read at each glu): a recorded one-token step's glu right after its
+  // DASLLAMA_VULKAN_GLUT (read at each glu; 0 off): a recorded one-token step's glu right after its
   // gate / up GEMV on gemv.comp is done by that GEMV's block tails (gemv1_gt_*), so ffn down is a
-  // plain GEMV rather than one that computes the glu for its x in every workgroup.
+  // plain GEMV rather than one that computes the glu for its x in every workgroup (H100 F16 tg256
+  // 615 -> 674; the glu as its own dispatch: 669; fortieth session).
   static bool glut_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_GLUT");
-    return e && std::strcmp(e, "1") == 0;
+    return !(e && std::strcmp(e, "0") == 0);
   }
   // DASLLAMA_VULKAN_FUSE_GLU=0: the glu before ffn down stays its own dispatch (for A/B runs).
   static bool fuse_glu_on() {  // (read at each call: benchmarks/ab_cuda.py switches it between loads)
@@ -3012,12 +3012,6 @@ class VulkanBackend final : public Backend {
   // store is folded into its decode attention (attn_dec_kf): one dispatch and barrier a layer
   // fewer where no Q / K / V GEMV tail stores the row (F16 files; q8 mode with KVTAIL=0). H100
   // F16 tg256 566 -> 583 (fortieth session).
-  // DASLLAMA_VULKAN_ATTN_PMERGE=1 (read at each call): attn_dec's last split joins the splits
-  // with one load of each split's (m, l) and the partials 8 loads at a time (the same sums).
-  static bool attn_pmerge_on() {
-    const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_PMERGE");
-    return e && std::strcmp(e, "1") == 0;
-  }
   static bool kvfold_on() {
     const char* e = std::getenv("DASLLAMA_VULKAN_KVFOLD");
     return !(e && std::strcmp(e, "0") == 0);
@@ -3149,11 +3143,6 @@ class VulkanBackend final : public Backend {
               {kvf ? ks.k : 0, kvd, false}, {kvf ? ks.v : 0, kvd, false}, {kvf ? ks.p.pos : 0, 4, false},
               {kvf ? ks.p.inv : 0, Ctx::kWhole, false}, {kvf ? ks.p.factors : 0, Ctx::kWhole, false},
               {kvf ? ks.p.args : 0, Ctx::kWhole, false}});
-    // The splits joined with their loads issued together (attn_dec.comp -DPMERGE).
-    if (dec && pc.split > 0 && attn_pmerge_on() && (kvf || std::strcmp(dec_sh, "attn_dec") == 0)) {
-      dec_sh = kvf ? "attn_dec_kf_pm" : "attn_dec_pm";
-      ++attn_pmerged_;
-    }
     const char* sh = dec ? dec_sh : a.head_dim > 256 ? "attention_512" : "attention";
     c_->dispatch(sh, &pc, sizeof pc, (uint32_t)a.n_heads, (uint32_t)a.n_tok, (uint32_t)n_split);
     attn_q8_ = AttnQ8{};
@@ -3678,7 +3667,7 @@ class VulkanBackend final : public Backend {
   std::unordered_map<uint64_t, BufferPtr> rope_tables_;
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
   uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
-           fused_kv_tail_ = 0, fused_attn_kv_ = 0, attn_pmerged_ = 0, fused_glu_sg_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
+           fused_kv_tail_ = 0, fused_attn_kv_ = 0, fused_glu_sg_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
   struct GemvX {
     bool valid = false;
