@@ -321,15 +321,9 @@ SUBGROUP_WIDTH_CASES = ("(test_paged_attention and not multi and not gqa and tok
                         " or (test_matmul_q8_mode and (1-512 or 2-288 or 3-1056)) or gemma4_released")
 
 
-@pytest.mark.parametrize("bits,lanes,shaders", [(512, 16, tuple(dec_variants(16, (64, 256, 512))) + ("flash2_r2_sg",)),
-                                                 (128, 4, ("attention", "flash2_r2"))])
-def test_subgroup_widths_on_lavapipe(built_dir, bits, lanes, shaders):
-    """The GPUs' paths (DASLLAMA_VULKAN_SUBGROUP=1) at 16- and 4-lane subgroups: the op harness's
-    matmuls (decode GEMVs, subgroup and tiled matmuls, experts), decode attention and tiled
-    prefill attention against float64 numpy and the CPU, Gemma-4's released head sizes end to end,
-    and the profile naming the shaders the width picks (besides gemv.comp and the subgroup matmul
-    at both)."""
-    import re
+def _lavapipe_width(bits: int, lanes: int) -> dict:
+    """The environment that puts llvmpipe's subgroups at `lanes` (LP_NATIVE_VECTOR_WIDTH=bits) on
+    the GPUs' path; skips where the device is not llvmpipe or its CPU caps the width."""
     import subprocess
 
     if "llvmpipe" not in _VK["devices"][0]["name"]:
@@ -341,12 +335,40 @@ def test_subgroup_widths_on_lavapipe(built_dir, bits, lanes, shaders):
     assert probe.returncode == 0 and "subgroups" in probe.stdout, probe.stdout + probe.stderr
     if not probe.stdout.strip().endswith(f"subgroups {lanes}"):  # (a CPU whose llvmpipe caps the width)
         pytest.skip(f"llvmpipe gives {probe.stdout.strip().split()[-1]} lanes at {bits} bits on this CPU")
+    return env
+
+
+@pytest.mark.parametrize("bits,lanes,shaders", [(512, 16, tuple(dec_variants(16, (64, 256, 512))) + ("flash2_r2_sg",)),
+                                                 (128, 4, ("attention", "flash2_r2"))])
+def test_subgroup_widths_on_lavapipe(built_dir, bits, lanes, shaders):
+    """The GPUs' paths (DASLLAMA_VULKAN_SUBGROUP=1) at 16- and 4-lane subgroups: the op harness's
+    matmuls (decode GEMVs, subgroup and tiled matmuls, experts), decode attention and tiled
+    prefill attention against float64 numpy and the CPU, Gemma-4's released head sizes end to end,
+    and the profile naming the shaders the width picks (besides gemv.comp and the subgroup matmul
+    at both)."""
+    import re
+
+    env = _lavapipe_width(bits, lanes)
     r = _child(built_dir, dict(env, DASLLAMA_VULKAN_PROFILE="1"), ("test_backend_ops.py", "test_vulkan.py"),
                SUBGROUP_WIDTH_CASES, s=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and re.search(r"\d+ passed", out) and "skipped" not in out, out[-3000:]
     for sh in shaders + ("gemv1_1", "matmul_sg_0"):
         assert re.search(rf"^\s*{sh}\s+[\d.]+ ms\s+\d+ calls", out, re.M), f"{sh} did not run\n" + out[-3000:]
+
+
+@pytest.mark.parametrize("bits,lanes", [(512, 16), (128, 4)])
+def test_decode_folds_at_other_widths(built_dir, tiny, bits, lanes):
+    """The one-token decode folds (the KV store in attn_dec, the GLU in the gate / up GEMV's tails)
+    and the attention splits' join on the GPUs' path at 16- and 4-lane subgroups (at 4, decode
+    attention is attention.comp's and keeps its kv_store: the tests expect the fold only where
+    attn_dec runs). Without the profile, which turns folds off."""
+    env = _lavapipe_width(bits, lanes)
+    _tiny_family(built_dir, "qwen2-yarn")  # made here, not in a child
+    _tiny_f16(tiny, built_dir)
+    r = _child(built_dir, env, ("test_vulkan.py",), "attn_kv_fold_alike or decode_split_joins or gemv_glu_tail_alike")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "6 passed" in out and "skipped" not in out, out[-3000:]
 
 
 def test_q8_mode_prefill_logits(tiny):
@@ -1199,17 +1221,21 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
         assert kv and {n - layers for n in plain_} == kv, (t, kv, plain_, out[-3000:])
 
 
-def _switch_alike(m, monkeypatch, var, counter, run, what):
+def _switch_alike(m, monkeypatch, var, counter, run, what, head_dim=None):
     """run() (a list of logits rows) with the switch `var` at 0, then at 1: the same bits, and the
     backend's `counter` (path_count) moved only with it on, and then exactly where the device
-    takes the subgroup path (a GPU's, or lavapipe's when forced)."""
+    takes the subgroup path (a GPU's, or lavapipe's when forced) -- with head_dim given, where
+    that path's decode attention is attn_dec.comp's base variant too (dec_variants)."""
     ran, got = {}, {}
     for on in ("0", "1"):
         monkeypatch.setenv(var, on)
         n0 = m._m.path_count(counter)
         got[on] = np.stack(run())
         ran[on] = m._m.path_count(counter) - n0
-    sub = "subgroup matmul" in _VK["devices"][0]["features"]
+    feats = _VK["devices"][0]["features"]
+    sub = "subgroup matmul" in feats
+    if head_dim is not None:
+        sub = sub and "attn_dec" in dec_variants(int(feats.split("subgroups ")[1].split("-")[0]), (head_dim,))
     assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
     assert np.array_equal(got["1"], got["0"]), f"{what} differ (max {np.abs(got['1'] - got['0']).max():.3g})"
 
@@ -1275,7 +1301,7 @@ def test_attn_kv_fold_alike(tiny, built_dir, monkeypatch, case):
         return rows
 
     _switch_alike(m, monkeypatch, "DASLLAMA_VULKAN_KVFOLD", "attn_kv", run,
-                  "decode logits with the KV store in the attention")
+                  "decode logits with the KV store in the attention", head_dim=32 if fam == "llama" else 16)
 
 
 def test_decode_split_joins(tiny, monkeypatch):
@@ -1407,17 +1433,21 @@ def test_gemv_tails_on_lavapipe(built_dir, tiny):
         assert kv and {n - layers for n in plain_} == kv, (t, kv, plain_, out[-3000:])
 
 
-def _switch_alike(m, monkeypatch, var, counter, run, what):
+def _switch_alike(m, monkeypatch, var, counter, run, what, head_dim=None):
     """run() (a list of logits rows) with the switch `var` at 0, then at 1: the same bits, and the
     backend's `counter` (path_count) moved only with it on, and then exactly where the device
-    takes the subgroup path (a GPU's, or lavapipe's when forced)."""
+    takes the subgroup path (a GPU's, or lavapipe's when forced) -- with head_dim given, where
+    that path's decode attention is attn_dec.comp's base variant too (dec_variants)."""
     ran, got = {}, {}
     for on in ("0", "1"):
         monkeypatch.setenv(var, on)
         n0 = m._m.path_count(counter)
         got[on] = np.stack(run())
         ran[on] = m._m.path_count(counter) - n0
-    sub = "subgroup matmul" in _VK["devices"][0]["features"]
+    feats = _VK["devices"][0]["features"]
+    sub = "subgroup matmul" in feats
+    if head_dim is not None:
+        sub = sub and "attn_dec" in dec_variants(int(feats.split("subgroups ")[1].split("-")[0]), (head_dim,))
     assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
     assert np.array_equal(got["1"], got["0"]), f"{what} differ (max {np.abs(got['1'] - got['0']).max():.3g})"
 
@@ -1483,7 +1513,7 @@ def test_attn_kv_fold_alike(tiny, built_dir, monkeypatch, case):
         return rows
 
     _switch_alike(m, monkeypatch, "DASLLAMA_VULKAN_KVFOLD", "attn_kv", run,
-                  "decode logits with the KV store in the attention")
+                  "decode logits with the KV store in the attention", head_dim=32 if fam == "llama" else 16)
 
 
 def test_attn_pmerge_alike(tiny, monkeypatch):
