@@ -163,6 +163,9 @@ greedy or f16_model"
         DASLLAMA_VULKAN_GLUT=0 DASLLAMA_VULKAN_KVFOLD=0,DASLLAMA_VULKAN_GLUT=0
       step vkpeers 300 python benchmarks/bench_gpu_peers.py --types f16,q8_0,q4_0 --rounds 2 --ours vulkan \
         --llama-server /tmp/skb/llama-server
+      # where the final F16 step goes (STEPPROF), after the table
+      step stepprof 90 env DASLLAMA_VULKAN_STEPPROF=1 python benchmarks/ab_cuda.py --device vulkan --types f16 \
+        --rounds 1 DASLLAMA_NONE=1
       ;;
     s41)  # as run (ATTN_PMERGE since made the only join; GLUT the default): the second round on F16 decode: the folded GLU's output in 16-byte units (no
       # switch; FUSE_GLU=0 is the unfused glu), the glu in the gate / up GEMV's block tails instead (GLUT=1),
