@@ -135,14 +135,20 @@ def test_decode_steps_replayed(tiny):
     ids = [1] + np.random.default_rng(4).integers(3, VOCAB, 229).tolist()
     ref = teacher_forced(tiny["q8_0"], "cpu", ids, d.KVDtype.f16)[69:]
     m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
+    e = nmse(_decode_logits(m, ids, 70), ref)
+    assert e <= LOGIT_BAR, f"decode steps: NMSE {e:.3g} against the CPU"
+
+
+def _decode_logits(m, ids, n_prefill):
+    """A fresh f16-cache session's logits after prefilling ids[:n_prefill], then after each later id
+    decoded one at a time."""
     s = d.create_session(m, d.KVDtype.f16, n_ctx=len(ids))
-    d.eval(m, s, ids[:70])
+    d.eval(m, s, ids[:n_prefill])
     got = [np.array(s.logits).reshape(-1)]
-    for t in ids[70:]:
+    for t in ids[n_prefill:]:
         d.eval(m, s, [t])
         got.append(np.array(s.logits).reshape(-1))
-    e = nmse(np.stack(got), ref)
-    assert e <= LOGIT_BAR, f"decode steps: NMSE {e:.3g} against the CPU"
+    return np.stack(got)
 
 
 # (No "greedy" in the name: test_tiled_attention_on_lavapipe's child selects that word.)
@@ -1315,241 +1321,8 @@ def test_decode_split_joins(tiny, monkeypatch):
     m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
     for fold in ("1", "0"):
         monkeypatch.setenv("DASLLAMA_VULKAN_KVFOLD", fold)
-        s = d.create_session(m, d.KVDtype.f16, n_ctx=len(ids))
-        d.eval(m, s, ids[:5])
-        got = [np.array(s.logits).reshape(-1)]
-        for t in ids[5:]:
-            d.eval(m, s, [t])
-            got.append(np.array(s.logits).reshape(-1))
-        e = nmse(np.stack(got), ref)
+        e = nmse(_decode_logits(m, ids, 5), ref)
         assert e <= LOGIT_BAR, f"decode over split keys (KVFOLD={fold}): NMSE {e:.3g} against the CPU"
-
-
-def _tiny_f16(tiny, built_dir):
-    from dasllama.convert import requantize
-
-    (f16,) = C.built_once(built_dir, "llama-tiny-f16",
-                          lambda out: [str(requantize(tiny["f32"], os.path.join(out, "llama-f16.gguf"), "f16",
-                                                      progress=False))])
-    return f16
-
-
-# The tails' cases: a file, its mode, the switches (GLU tail, KV tail) set for the run with the
-# tails, and gemv.comp's split forced (its rows a workgroup: with the tiny model's 32-dim heads,
-# on lavapipe's 8 lanes, 64 rows (two heads a workgroup) unset, 32 at 2, 4 at 16; on 32 lanes, 4).
-TAIL_CASES = {"q8_0 q8 (gemv_i8x)": ("q8_0", "q8", "1", "1", None),
-              "f16 q8 (gemv.comp)": ("f16", "q8", "0", "2", None),
-              "f16 q8, a head a workgroup": ("f16", "q8", "0", "2", "2"),
-              "f16 q8, heads over workgroups": ("f16", "q8", "0", "2", "16"),
-              "q8_0 fp32 (gemv.comp)": ("q8_0", "fp32", "0", "2", None)}
-
-
-@pytest.mark.parametrize("case", list(TAIL_CASES))
-def test_gemv_tails_alike(tiny, built_dir, monkeypatch, case):
-    """Decodes whose glu before ffn down is computed (and in q8 mode rounded) by the gate / up
-    GEMV's per-block tails (gemv_i8x.comp flags 4, DASLLAMA_VULKAN_GLUTAIL unset) and whose ropes
-    and KV store are done by the Q/K/V GEMV's per-head tails (kvtail.glsl: gemv_i8x.comp's flags
-    8, KVTAIL=1, in q8 mode over q8_0; gemv.comp's _kv variants, KVTAIL=2, over f16 weights and
-    in fp32 mode over q8_0) get the logits of the same decodes without them (quant_act32 and
-    kv_store dispatches) bit for bit: one session (1 token a step, and a 3-token step) over f16,
-    f32 and q8_0 caches, and three sessions stepping together (3 tokens: their ropes and stores
-    stay apart). Run on the GPUs' paths by test_gemv_tails_on_lavapipe, which checks that the
-    tails ran; lavapipe's own path keeps f32 activations and no subgroup GEMV, where the switches
-    change nothing."""
-    file, mode, glu_on, kv_on, ks = TAIL_CASES[case]
-    path = _tiny_f16(tiny, built_dir) if file == "f16" else tiny[file]
-    if ks:
-        monkeypatch.setenv("DASLLAMA_VULKAN_GEMV_KS", ks)
-    ids = [1] + np.random.default_rng(14).integers(3, VOCAB, 12).tolist()
-    m = d.load_model(path, d.QuantMode.q8 if mode == "q8" else d.QuantMode.fp32, device="vulkan")
-
-    def decode(glu, kv):
-        monkeypatch.setenv("DASLLAMA_VULKAN_GLUTAIL", glu)
-        monkeypatch.setenv("DASLLAMA_VULKAN_KVTAIL", kv)
-        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
-        for i, t in enumerate(ss):
-            d.eval(m, t, ids[:6 + i])
-        rows = []
-        for tok in ids[6:9]:  # one session alone, each step recorded then replayed
-            d.eval(m, ss[0], [tok])
-            rows.append(np.array(ss[0].logits))
-        ws = d.create_batch_workspace(m)
-        d.eval_batch(m, ws, ss, [ids[9 + i] for i in range(3)])
-        rows += [np.array(t.logits) for t in ss]
-        for kvt in (d.KVDtype.f32, d.KVDtype.q8_0):  # the tail's other cache rows (f16 above)
-            t = d.create_session(m, kvt, n_ctx=len(ids))
-            d.eval(m, t, ids[:6])
-            for tok in ids[6:8]:
-                d.eval(m, t, [tok])
-                rows.append(np.array(t.logits))
-            d.eval(m, t, ids[8:11], all_logits=True)  # 3 tokens of one session: the tails too
-            rows += list(np.array(t.logits).reshape(3, -1))
-        return np.stack(rows)
-
-    want = decode("0", "0")
-    got = decode(glu_on, kv_on)
-    assert np.array_equal(got, want), \
-        f"decode logits with the tails differ from those without (max {np.abs(got - want).max():.3g})"
-
-
-def test_gemv_tails_on_lavapipe(built_dir, tiny):
-    """test_gemv_tails_alike forced onto the GPUs' paths (q8-mode decode of q8_0 on gemv_i8x, of
-    f16 and fp32 mode's on gemv.comp), with DASLLAMA_VULKAN_STEPS=1 so the backend reports its
-    folds and each recorded step's dispatches: both tails ran, and the one-token step lost one
-    dispatch a layer to each (the GLU tail a quant_act32, the KV tail the kv_store), on gemv.comp
-    in each of its splits' cases."""
-    import re
-
-    _tiny_f16(tiny, built_dir)  # made here, not in a child
-    r = _child(built_dir, {"DASLLAMA_VULKAN_SUBGROUP": "1", "DASLLAMA_VULKAN_STEPS": "1", "DASLLAMA_VULKAN_GEMVI8": "2",
-                           "DASLLAMA_VULKAN_GEMVQ": "0"}, ("test_vulkan.py",), "gemv_tails_alike", s=True)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    folds = [line for line in out.splitlines() if "by the gate/up GEMV's block tails:" in line]
-    assert folds, out[-3000:]
-    counts = [max(c) for c in zip(*[[int(part.rsplit(":", 1)[1]) for part in line.split(";")] for line in folds])]
-    assert counts[4] > 0 and counts[5] > 0, out[-3000:]  # GLU tails, KV tails (each model's, the most)
-    steps = [(int(m.group(1)), {k: int(v) for k, v in re.findall(r" (\S+) x(\d+)", m.group(2))})
-             for m in re.finditer(r"^vulkan step recorded: (\d+) dispatches:(.*)$", out, re.M)]
-    # One-token steps of one session (no prefill's gemv_i8): without the tails and with them; a
-    # layer is one attention (attn_dec.comp's, or attention.comp's where that does not fit).
-    ones = {}
-    for n, c in steps:
-        if any(k.startswith("gemv_i8x1r") for k in c) and not any(k.startswith("gemv_i8_") for k in c):
-            ones[n] = (c.get("attention", 0) + c.get("attn_dec", 0), c.get("quant_act32", 0), c.get("kv_store", 0))
-    assert len(ones) == 2, out[-3000:]
-    (both, b), (plain, p) = sorted(ones.items())
-    layers = p[0]
-    # The one-token steps' attention is attn_dec.comp's on the GPUs' path (the tiny model's heads fit it).
-    dec = [c["attn_dec"] for _, c in steps if any(k.startswith("gemv_i8x1r") for k in c) and "attn_dec" in c]
-    assert dec and all(n == layers for n in dec), out[-3000:]
-    assert b[0] == layers and plain - both == 2 * layers, out[-3000:]
-    assert p[1] - b[1] == layers and p[2] == layers and b[2] == 0, out[-3000:]
-    # gemv.comp's KV tail: for f16 (type 1) and fp32 mode's q8_0 (40), one-token steps with the
-    # _kv variant (one a layer) and no kv_store, one dispatch a layer fewer than those without.
-    for t in (1, 40):
-        kv = {n for n, c in steps if c.get(f"gemv1_kv_{t}") == layers and "kv_store" not in c}
-        plain_ = {n for n, c in steps if f"gemv1_{t}" in c and f"gemv1_kv_{t}" not in c and c.get("kv_store") == layers}
-        assert kv and {n - layers for n in plain_} == kv, (t, kv, plain_, out[-3000:])
-
-
-def _switch_alike(m, monkeypatch, var, counter, run, what, head_dim=None):
-    """run() (a list of logits rows) with the switch `var` at 0, then at 1: the same bits, and the
-    backend's `counter` (path_count) moved only with it on, and then exactly where the device
-    takes the subgroup path (a GPU's, or lavapipe's when forced) -- with head_dim given, where
-    that path's decode attention is attn_dec.comp's base variant too (dec_variants)."""
-    ran, got = {}, {}
-    for on in ("0", "1"):
-        monkeypatch.setenv(var, on)
-        n0 = m._m.path_count(counter)
-        got[on] = np.stack(run())
-        ran[on] = m._m.path_count(counter) - n0
-    feats = _VK["devices"][0]["features"]
-    sub = "subgroup matmul" in feats
-    if head_dim is not None:
-        sub = sub and "attn_dec" in dec_variants(int(feats.split("subgroups ")[1].split("-")[0]), (head_dim,))
-    assert ran["0"] == 0 and (ran["1"] > 0) == sub, ran
-    assert np.array_equal(got["1"], got["0"]), f"{what} differ (max {np.abs(got['1'] - got['0']).max():.3g})"
-
-
-def _batch_rows(m, ss, ids):
-    """One batch step of sessions ss (their next ids), as eval_batch runs it: their logits."""
-    d.eval_batch(m, d.create_batch_workspace(m), ss, ids)
-    return [np.array(t.logits) for t in ss]
-
-
-def _tiny_family(built_dir, name):
-    """A tiny random model of one of export.py's families, f32 from the exporter."""
-    import export as E  # tests/oracles/export.py
-
-    def make(out):
-        fam = E.FAMILIES[name]
-        f32 = os.path.join(out, f"{name}-f32.gguf")
-        E.write_gguf(fam, fam.make(), f32, "f32", E.spm_model_proto())
-        return [f32]
-
-    (f32,) = C.built_once(built_dir, f"{name}-tiny", make)
-    return f32
-
-
-# A one-row step's KV store folded into its decode attention (attn_dec_kf): the file, and the
-# cache types (qwen2's head size 16 has no q8_0 cache). Llama's rope turns adjacent pairs, with
-# 2 query heads a KV head; qwen2-yarn's turns half-rotations (neox) with YaRN's scale.
-KVF_CASES = {"llama f32": ("llama", "f32", ("f16", "f32", "q8_0")),
-             "llama q8_0": ("llama", "q8_0", ("f16", "q8_0")),
-             "qwen2-yarn f32": ("qwen2-yarn", "f32", ("f16", "f32"))}
-
-
-@pytest.mark.parametrize("case", list(KVF_CASES))
-def test_attn_kv_fold_alike(tiny, built_dir, monkeypatch, case):
-    """fp32-mode decode steps whose KV store is done by the decode attention (attn_dec_kf,
-    DASLLAMA_VULKAN_KVFOLD=1: the keys rotated, both rows rounded as the cache holds them, the
-    queries rotated, by the attention's workgroups) get the logits of the same steps with a
-    kv_store dispatch before the attention (KVFOLD=0) bit for bit: one session's one-token steps
-    over each cache type, keys split 4 a split (the new key in a later split than the workgroups
-    that store it), with a 3-session batch step between them (stores, then attentions: not
-    folded). Run on the GPUs' path by test_attn_kv_fold_on_lavapipe, which checks it ran."""
-    fam, file, kvts = KVF_CASES[case]
-    path = tiny[file] if fam == "llama" else _tiny_family(built_dir, fam)
-    monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_KEYS", "4")
-    ids = [1] + np.random.default_rng(17).integers(3, VOCAB, 16).tolist()
-    m = d.load_model(path, d.QuantMode.fp32, device="vulkan")
-
-    def run():
-        rows = []
-        for kvt in kvts:
-            t = d.create_session(m, getattr(d.KVDtype, kvt), n_ctx=len(ids))
-            d.eval(m, t, ids[:5])
-            for tok in ids[5:13]:
-                d.eval(m, t, [tok])
-                rows.append(np.array(t.logits))
-        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
-        for i, t in enumerate(ss):
-            d.eval(m, t, ids[:6 + i])
-        rows += _batch_rows(m, ss, ids[9:12])
-        for tok in ids[13:16]:
-            d.eval(m, ss[0], [tok])
-            rows.append(np.array(ss[0].logits))
-        return rows
-
-    _switch_alike(m, monkeypatch, "DASLLAMA_VULKAN_KVFOLD", "attn_kv", run,
-                  "decode logits with the KV store in the attention", head_dim=32 if fam == "llama" else 16)
-
-
-def test_attn_pmerge_alike(tiny, monkeypatch):
-    """Decode steps whose attention splits are joined with their loads issued together
-    (attn_dec.comp -DPMERGE, DASLLAMA_VULKAN_ATTN_PMERGE=1) get the logits of the same steps
-    joined split by split (=0) bit for bit: keys split 4 a split, so 2 to 16 splits over the
-    steps (past 8: two rounds of loads), with and without the KV store folded in, and a 3-session
-    batch step between. Run on the GPUs' path by test_attn_kv_fold_on_lavapipe."""
-    monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_KEYS", "4")
-    ids = [1] + np.random.default_rng(19).integers(3, VOCAB, 44).tolist()
-    m = d.load_model(tiny["q8_0"], d.QuantMode.fp32, device="vulkan")
-
-    def run():
-        rows = []
-        for fold in ("1", "0"):
-            monkeypatch.setenv("DASLLAMA_VULKAN_KVFOLD", fold)
-            t = d.create_session(m, n_ctx=len(ids))
-            d.eval(m, t, ids[:5])
-            for tok in ids[5:41]:
-                d.eval(m, t, [tok])
-                rows.append(np.array(t.logits))
-        ss = [d.create_session(m, n_ctx=len(ids)) for _ in range(3)]
-        for i, t in enumerate(ss):
-            d.eval(m, t, ids[:30 + i])
-        return rows + _batch_rows(m, ss, ids[40:43])
-
-    _switch_alike(m, monkeypatch, "DASLLAMA_VULKAN_ATTN_PMERGE", "attn_pm", run, "decode logits with the joined loads")
-
-
-def _tiny_f16(tiny, built_dir):
-    from dasllama.convert import requantize
-
-    (f16,) = C.built_once(built_dir, "llama-tiny-f16",
-                          lambda out: [str(requantize(tiny["f32"], os.path.join(out, "llama-f16.gguf"), "f16",
-                                                      progress=False))])
-    return f16
 
 
 @pytest.mark.parametrize("file", ["f16", "q8_0"])
