@@ -266,6 +266,19 @@ def test_glu_then_matmul_step(backends, wtype):
                     continue
                 e = nmse(y, ref @ w64.T)
                 assert e <= F32_DOT, f"{what}: product NMSE {e:.3g}"
+    # Bad calls are ValueErrors, and the backend still runs the step after them.
+    g1 = rng.standard_normal((1, cols)).astype(np.float32)
+    for b in backends.values():
+        with pytest.raises(ValueError):
+            b.glu_matmul_step(g1, g1[:, :-8], 0, raw, qt, rows)  # gate and up of two shapes
+        with pytest.raises(ValueError):
+            b.glu_matmul_step(g1, g1, 9, raw, qt, rows)  # no such activation
+        with pytest.raises(ValueError):
+            b.glu_matmul_step(g1, g1, 0, raw[:-1], qt, rows)  # weight bytes short of rows x cols
+        with pytest.raises(ValueError):
+            b.glu_matmul_step(g1[:0], g1[:0], 0, raw, qt, rows)  # no tokens
+        h, _ = b.glu_matmul_step(g1, g1, 4, raw, qt, rows)
+        assert np.array_equal(h, np.maximum(g1, 0) * g1)
 
 
 @pytest.fixture(scope="module")

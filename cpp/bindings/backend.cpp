@@ -325,6 +325,8 @@ void bind_backend(py::module_& m) {
         need(g.shape(0) == u.shape(0) && g.shape(1) == u.shape(1), "gate and up must have one shape");
         need(act >= 0 && act <= 4, "act must be 0 (silu), 1 (gelu_tanh), 2 (swiglu_oai), 3 (sigmoid) or 4 (relu)");
         const int64_t n = g.shape(0), c = g.shape(1);
+        need(n > 0 && c > 0 && rows > 0, "gate, up and the weight must not be empty");
+        need(d.be->supports(Op::matmul, type), "this backend has no matmul for the weight type");
         Weight w = weight(d, wb, type, rows, c, WeightUse::matmul);
         float* gd = d.put(g);
         float* ud = d.put(u);
@@ -333,8 +335,16 @@ void bind_backend(py::module_& m) {
         st.x = ud, st.n = n, st.count = 1, st.w[0] = &w, st.y[0] = y;
         st.xn = d.poisoned((size_t)(n * c));
         d.be->begin_step();
-        d.be->glu(gd, c, ud, c, ud, n, c, (Act)act);
-        d.be->matmul_step(st);
+        try {
+          d.be->glu(gd, c, ud, c, ud, n, c, (Act)act);
+          d.be->matmul_step(st);
+        } catch (...) {  // the step ended either way: the backend is not left recording
+          try {
+            d.be->end_step();
+          } catch (...) {
+          }
+          throw;
+        }
         d.be->end_step();
         py::array_t<float> out({n, c});
         d.be->download(out.mutable_data(), ud, (size_t)out.size() * 4);
