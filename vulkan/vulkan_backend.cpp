@@ -1624,10 +1624,12 @@ class VulkanBackend final : public Backend {
       std::fprintf(stderr, "vulkan glu folded into gemv_q or quant_act: %llu; queries' rope folded into kv_store: %llu; "
                    "attention outputs rounded by attention: %llu; normed rows rounded by a GEMV's last workgroup: %llu; "
                    "glu computed and rounded by the gate/up GEMV's block tails: %llu; "
-                   "ropes and KV stores done by the Q/K/V GEMV's head tails: %llu; KV stores done by decode attention: %llu\n",
+                   "ropes and KV stores done by the Q/K/V GEMV's head tails: %llu; KV stores done by decode attention: %llu; "
+                   "glus written by gemv.comp's gate/up tails: %llu\n",
                    (unsigned long long)fused_glu_, (unsigned long long)fused_rope_q_,
                    (unsigned long long)fused_attn_q8_, (unsigned long long)fused_norm_tail_,
-                   (unsigned long long)fused_glu_tail_, (unsigned long long)fused_kv_tail_, (unsigned long long)fused_attn_kv_);
+                   (unsigned long long)fused_glu_tail_, (unsigned long long)fused_kv_tail_, (unsigned long long)fused_attn_kv_,
+                   (unsigned long long)fused_glu_sg_);
     rope_tables_.clear();
     i8_buf_.reset();
     i8_glu_.reset();
