@@ -154,6 +154,16 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
+    s43)  # a one-row step's decode attention on one 512-invocation workgroup a head, unsplit
+      # (attn_dec_wd / attn_dec_kfw, DASLLAMA_VULKAN_ATTN_WIDE up to N keys, opt-in): its checks, then
+      # the A/B at tg256 (contexts up to ~260 keys: 256 covers most of the steps, 512 all)
+      # (with s42's checks of the fortieth session's final defaults, in one process)
+      step tests 260 python -m pytest -q tests/test_backend_ops.py tests/test_vulkan.py -k "vulkan_wide or \
+glu_then_matmul or paged_attention_gqa or attn_kv_fold_alike or decode_split_joins or gemv_glu_tail_alike or \
+gemv_tails or decode_steps or greedy or f16_model"
+      step ab 240 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 \
+        DASLLAMA_VULKAN_ATTN_WIDE=0 DASLLAMA_VULKAN_ATTN_WIDE=256
+      ;;
     s42)  # the fortieth session's final defaults (GLUT and KVFOLD on, the splits' join with its loads issued
       # together): the checks on the GPU, the A/B against each fold off, beside llama.cpp's Vulkan build
       step tests 200 python -m pytest -q tests/test_backend_ops.py tests/test_vulkan.py -k "glu_then_matmul or \
@@ -381,7 +391,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
