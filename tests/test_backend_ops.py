@@ -1105,6 +1105,28 @@ GQA_CASES = [
 ]
 
 
+def _session_rows(case, kv: str, sinks: bool, seed: int):
+    """One session's decode rows of a GQA_CASES entry (random q, k, v; with sinks, a sink a head;
+    pages out of order): the float64 reference, and a function that runs them on a backend."""
+    n_tok, n_kv, H, KVH, hd, P, window, cap = case
+    rng = np.random.default_rng(n_kv + hd + H + seed)
+    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
+    scale = 1 / math.sqrt(hd)
+    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
+
+    def run(b):
+        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
+                                 cap, 64, sinks=sk)[0]
+
+    return ref, run
+
+
 def _cuda_backends(backends):
     cu = {d: b for d, b in backends.items() if d.startswith("cuda")}
     if not cu:
@@ -1120,22 +1142,8 @@ def test_paged_attention_gqa(backends, monkeypatch, kv, case, sinks):
     1, 2, 3, 4 and 8 query heads a KV head, head sizes 64, 128 and 256, windows, softcaps and
     sinks, every KV type, the split rule and forced splits."""
     cu = _cuda_backends(backends)
-    n_tok, n_kv, H, KVH, hd, P, window, cap = case
-    rng = np.random.default_rng(n_kv + hd + H + 3)
-    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
-    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    n_pages = -(-n_kv // P)
-    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
-    scale = 1 / math.sqrt(hd)
-    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
-
-    def run(b):
-        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
-                                 cap, 64, sinks=sk)[0]
-
+    n_tok = case[0]
+    ref, run = _session_rows(case, kv, sinks, 3)
     for d, b in cu.items():
         monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", "0")
         monkeypatch.delenv("DASLLAMA_CUDA_ATTN_GQA_SPLITS", raising=False)
@@ -1186,22 +1194,8 @@ def test_paged_attention_vulkan_wide(backends, monkeypatch, kv, case, sinks):
     vk = {d: b for d, b in backends.items() if d.startswith("vulkan")}
     if not vk:
         pytest.skip("no Vulkan device here: " + (NOT_FOUND.get("vulkan") or "none found"))
-    n_tok, n_kv, H, KVH, hd, P, window, cap = case
-    rng = np.random.default_rng(n_kv + hd + H + 5)
-    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
-    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    n_pages = -(-n_kv // P)
-    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
-    scale = 1 / math.sqrt(hd)
-    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
-
-    def run(b):
-        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
-                                 cap, 64, sinks=sk)[0]
-
+    hd = case[4]
+    ref, run = _session_rows(case, kv, sinks, 5)
     for d, b in vk.items():
         monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_WIDE", "0")
         n0 = b.path_count("attn_wide")
