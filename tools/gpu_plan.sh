@@ -158,12 +158,11 @@ for stage in "$@"; do
       # (attn_dec_wd / attn_dec_kfw, DASLLAMA_VULKAN_ATTN_WIDE up to N keys, opt-in): its checks, then
       # the A/B at tg256 (contexts up to ~260 keys: 256 covers most of the steps, 512 all)
       # (with s42's checks of the fortieth session's final defaults, in one process)
-      step tests 170 python -m pytest -q tests/test_backend_ops.py tests/test_vulkan.py -k "vulkan_wide or \
+      step tests 150 python -m pytest -q tests/test_backend_ops.py tests/test_vulkan.py -k "vulkan_wide or \
 glu_then_matmul or attn_kv_fold_alike or decode_split_joins or gemv_glu_tail_alike or gemv_tails_alike or \
 decode_steps or (greedy and not smollm2) or f16_model"
-      # (and q8 mode's NORMTAIL again, last timed in the twenty-second session: a no-op on F16)
-      step ab 330 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 \
-        DASLLAMA_VULKAN_ATTN_WIDE=0 DASLLAMA_VULKAN_ATTN_WIDE=256 DASLLAMA_VULKAN_ATTN_WIDE=256,DASLLAMA_VULKAN_NORMTAIL=1
+      step ab 230 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 \
+        DASLLAMA_VULKAN_ATTN_WIDE=0 DASLLAMA_VULKAN_ATTN_WIDE=256
       ;;
     s42)  # the fortieth session's final defaults (GLUT and KVFOLD on, the splits' join with its loads issued
       # together): the checks on the GPU, the A/B against each fold off, beside llama.cpp's Vulkan build
