@@ -1105,28 +1105,6 @@ GQA_CASES = [
 ]
 
 
-def _session_rows(case, kv: str, sinks: bool, seed: int):
-    """One session's decode rows of a GQA_CASES entry (random q, k, v; with sinks, a sink a head;
-    pages out of order): the float64 reference, and a function that runs them on a backend."""
-    n_tok, n_kv, H, KVH, hd, P, window, cap = case
-    rng = np.random.default_rng(n_kv + hd + H + seed)
-    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
-    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    n_pages = -(-n_kv // P)
-    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
-    scale = 1 / math.sqrt(hd)
-    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
-
-    def run(b):
-        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
-                                 cap, 64, sinks=sk)[0]
-
-    return ref, run
-
-
 def _cuda_backends(backends):
     cu = {d: b for d, b in backends.items() if d.startswith("cuda")}
     if not cu:
@@ -1142,8 +1120,22 @@ def test_paged_attention_gqa(backends, monkeypatch, kv, case, sinks):
     1, 2, 3, 4 and 8 query heads a KV head, head sizes 64, 128 and 256, windows, softcaps and
     sinks, every KV type, the split rule and forced splits."""
     cu = _cuda_backends(backends)
-    n_tok = case[0]
-    ref, run = _session_rows(case, kv, sinks, 3)
+    n_tok, n_kv, H, KVH, hd, P, window, cap = case
+    rng = np.random.default_rng(n_kv + hd + H + 3)
+    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
+    scale = 1 / math.sqrt(hd)
+    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
+
+    def run(b):
+        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
+                                 cap, 64, sinks=sk)[0]
+
     for d, b in cu.items():
         monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", "0")
         monkeypatch.delenv("DASLLAMA_CUDA_ATTN_GQA_SPLITS", raising=False)
@@ -1168,45 +1160,6 @@ def test_paged_attention_gqa(backends, monkeypatch, kv, case, sinks):
             e, e_old = nmse(got, ref), nmse(got, old)
             assert e <= F32_DOT, f"gqa {case} {kv} wide on {d}: NMSE {e:.3g} vs float64"
             assert e_old <= GQA_ORDER, f"gqa {case} {kv} wide on {d}: NMSE {e_old:.3g} vs attn_k"
-
-
-def _vulkan_wide_expected(hd: int) -> bool:
-    """Whether Vulkan's one-row decode attention takes attn_dec_wd (DASLLAMA_VULKAN_ATTN_WIDE) at head
-    size hd on the first device: its subgroup path (attn_dec's base variant, 8 dim pairs a lane of the
-    narrowest subgroup), 2 pairs a lane, its 512 / subgroup states of hd floats within 4096."""
-    feats = INFO["vulkan"]["devices"][0]["features"]
-    if "subgroup matmul" not in feats:
-        return False
-    sg = int(feats.split("subgroups ")[1].split("-")[0])
-    return 8 <= sg and hd <= 4 * sg and hd <= 256 and (512 // sg) * hd <= 4096
-
-
-@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-@pytest.mark.parametrize("kv", list(KV_TYPES))
-@pytest.mark.parametrize("case", [GQA_CASES[i] for i in (0, 1, 5, 6, 8, 10)],
-                         ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}-cap{}".format(*c))
-def test_paged_attention_vulkan_wide(backends, monkeypatch, kv, case, sinks):
-    """Vulkan's one-row decode attention on one 512-invocation workgroup a head, its keys unsplit
-    (attn_dec_wd, DASLLAMA_VULKAN_ATTN_WIDE up to 100000 keys), against float64 numpy and the split
-    path's output (ATTN_WIDE=0): 1 to 2050 keys, 1-8 query heads a KV head, head sizes 64-256,
-    windows, softcaps, sinks, every cache type; path_count says it ran where its arrays hold the
-    head (test_vulkan's lavapipe children force the GPUs' path)."""
-    vk = {d: b for d, b in backends.items() if d.startswith("vulkan")}
-    if not vk:
-        pytest.skip("no Vulkan device here: " + (NOT_FOUND.get("vulkan") or "none found"))
-    hd = case[4]
-    ref, run = _session_rows(case, kv, sinks, 5)
-    for d, b in vk.items():
-        monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_WIDE", "0")
-        n0 = b.path_count("attn_wide")
-        old = run(b)
-        assert b.path_count("attn_wide") == n0, "the switch off still took the wide workgroup"
-        monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_WIDE", "100000")
-        got = run(b)
-        assert b.path_count("attn_wide") - n0 == int(_vulkan_wide_expected(hd)), f"{d}: wide path count"
-        e, e_old = nmse(got, ref), nmse(got, old)
-        assert e <= F32_DOT, f"wide {case} {kv} on {d}: NMSE {e:.3g} vs float64"
-        assert e_old <= GQA_ORDER, f"wide {case} {kv} on {d}: NMSE {e_old:.3g} vs the split keys"
 
 
 GQA_MULTI = {  # (rows already cached, new rows) per session

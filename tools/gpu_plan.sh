@@ -154,9 +154,10 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    s43)  # a one-row step's decode attention on one 512-invocation workgroup a head, unsplit
-      # (attn_dec_wd / attn_dec_kfw, DASLLAMA_VULKAN_ATTN_WIDE up to N keys, opt-in): its checks, then
-      # the A/B at tg256 (contexts up to ~260 keys: 256 covers most of the steps, 512 all)
+    s43)  # as run in the forty-first session (attn_dec_wd since removed: H200 tg256 F16 829 -> 768,
+      # Q8_0 854 -> 786): a one-row step's decode attention on one 512-invocation workgroup a head,
+      # unsplit (attn_dec_wd / attn_dec_kfw, DASLLAMA_VULKAN_ATTN_WIDE up to N keys, opt-in): its
+      # checks, then the A/B at tg256 (contexts up to ~260 keys: 256 covers most of the steps)
       # (with s42's checks of the fortieth session's final defaults, in one process)
       step tests 150 python -m pytest -q tests/test_backend_ops.py tests/test_vulkan.py -k "vulkan_wide or \
 glu_then_matmul or attn_kv_fold_alike or decode_split_joins or gemv_glu_tail_alike or gemv_tails_alike or \

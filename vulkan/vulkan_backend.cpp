@@ -605,9 +605,6 @@ class Ctx {
   uint32_t cm2 = 0;  // workgroup-scope f16 matrices enabled (DASLLAMA_VULKAN_COOPMAT2): I8Caps::cm2's bits
   bool f16n8 = false, f16n16 = false;  // f16 cooperative matrices 16 x 8 x 16, 16 x 16 x 16 (i8_caps)
   uint32_t max_shared() const { return props_.limits.maxComputeSharedMemorySize; }
-  uint32_t max_wg() const {
-    return std::min(props_.limits.maxComputeWorkGroupInvocations, props_.limits.maxComputeWorkGroupSize[0]);
-  }
 
   DeviceInfo info() const { return describe(a_, pd_, index_, used_); }
   std::string where() const { return "vulkan:" + std::to_string(index_) + " (" + props_.deviceName + ")"; }
@@ -1652,12 +1649,11 @@ class VulkanBackend final : public Backend {
   const char* name() const override { return "vulkan"; }
   // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step);
   // "attn_kv": KV stores done by decode attention (attn_dec_kf); "glu_sg": glus done by gemv.comp's
-  // gate / up tails (GLUT); "attn_wide": decode attentions on one workgroup a head (attn_dec_wd).
+  // gate / up tails (GLUT).
   int64_t path_count(const std::string& name) const override {
     return name == "norm_round"  ? norm_rounds_
            : name == "attn_kv" ? (int64_t)fused_attn_kv_
            : name == "glu_sg"  ? (int64_t)fused_glu_sg_
-           : name == "attn_wide" ? (int64_t)wide_attn_
                                : 0;
   }
   DeviceInfo info() const override { return c_->info(); }
@@ -2533,20 +2529,6 @@ class VulkanBackend final : public Backend {
     if (hd <= 8 * sg && hd <= 256) return "attn_dec";
     return hd <= 16 * sg ? "attn_dec_8" : hd <= 32 * sg ? "attn_dec_w" : nullptr;
   }
-  // A one-row step over at most this many keys (DASLLAMA_VULKAN_ATTN_WIDE, read at each call; 0:
-  // never) takes attn_dec_wd: one 512-invocation workgroup a head, its keys unsplit, so no
-  // partials, counter or join (CUDA's ATTN_WIDE, a 16-warp block, likewise).
-  static int64_t attn_wide_keys() {
-    const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_WIDE");
-    return e && *e ? std::max(0L, std::strtol(e, nullptr, 10)) : 0;
-  }
-  // Where attn_dec_wd's arrays hold a call's head: 2 dim pairs a lane of the narrowest subgroup, its
-  // 512 / subgroup states of head_dim floats within 4096, and the device's workgroup limits.
-  bool attn_wide_fits(const AttnArgs& a) const {
-    const int64_t sg = c_->subgroup_min, hd = a.head_dim;
-    return a.n_tok == 1 && a.n_kv <= attn_wide_keys() && hd <= 4 * sg && hd <= 256 && (512 / sg) * hd <= 4096 &&
-           c_->max_wg() >= 512 && c_->max_shared() >= 24576;
-  }
   static bool split_on() {
     static const bool on = [] {
       const char* e = std::getenv("DASLLAMA_VULKAN_SPLIT");
@@ -3083,12 +3065,8 @@ class VulkanBackend final : public Backend {
     const int mode = attn_split_mode();
     const char* dec_sh = attn_dec_pick(a, mode);
     const bool dec = dec_sh != nullptr;
-    const bool wide = dec && mode == 1 && std::strcmp(dec_sh, "attn_dec") == 0 && attn_wide_fits(a);
     size_t part_bytes = 0, cnt_bytes = 0;
-    if (wide) {
-      dec_sh = "attn_dec_wd";
-      ++wide_attn_;
-    } else if (dec && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
+    if (dec && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
       // attn_dec.comp: splits for ~8 workgroups a core (128 cores assumed; Vulkan does not
       // say), at least attn_dec_keys() keys a split, in powers of two, so a replayed step's grid
       // changes a few times over a context (cuda::attn_splits' rule).
@@ -3140,7 +3118,7 @@ class VulkanBackend final : public Backend {
     const KvSt ks = kvs_;
     kvs_ = KvSt{};
     uint64_t kvf = 0;
-    if (ks.valid && kvfold_on() && dec && (wide || std::strcmp(dec_sh, "attn_dec") == 0) && !qfold && !a.sinks &&
+    if (ks.valid && kvfold_on() && dec && std::strcmp(dec_sh, "attn_dec") == 0 && !qfold && !a.sinks &&
         a.n_tok == 1 && a.n_kv == ks.first + 1 && pc.split >= 0 && c_->recording() && ks.serial == c_->step_serial() &&
         ks.kept == c_->kept() &&
         ks.p.base == A(a.kv.base) && ks.p.pages == A(a.kv.pages) && ks.p.page_bytes == (uint32_t)a.kv.page_bytes &&
@@ -3154,7 +3132,7 @@ class VulkanBackend final : public Backend {
       kvf = const_block(&fp, sizeof fp);
       if (kvf) {
         c_->unkeep_last(ks.sig0);
-        pc.sinks = kvf, dec_sh = wide ? "attn_dec_kfw" : "attn_dec_kf";
+        pc.sinks = kvf, dec_sh = "attn_dec_kf";
         ++fused_attn_kv_;
       }
     }
@@ -3692,7 +3670,6 @@ class VulkanBackend final : public Backend {
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
   uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
            fused_kv_tail_ = 0, fused_attn_kv_ = 0, fused_glu_sg_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
-  uint64_t wide_attn_ = 0;  // attn_dec_wd / attn_dec_kfw calls recorded (path_count("attn_wide"))
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
   struct GemvX {
     bool valid = false;

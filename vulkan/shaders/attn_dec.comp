@@ -52,7 +52,7 @@ float kv_back(uint e, int kvtype) {
 }
 // Pairs j of a head's slice at `at` (in kvrow, or qs) turned as kv_store.comp turns them.
 #define KVF_ROPE(ARR, at)                                                           \
-  for (uint j = uint(tid); j < half_; j += uint(WG)) {                              \
+  for (uint j = uint(tid); j < half_; j += 128u) {                                  \
     float c, s;                                                                     \
     rope_cs(P.inv, P.factors, j, rp, P.freq_scale, P.mscale, c, s);                 \
     const uint i0 = (at) + (neox ? j : 2u * j), i1 = (at) + (neox ? j + half_ : 2u * j + 1u); \
@@ -66,14 +66,11 @@ float kv_back(uint e, int kvtype) {
 #ifndef KB
 #define KB 4   // keys a subgroup scores a round
 #endif
-#ifndef WG
-#define WG 128  // invocations a workgroup (512: attn_dec_wd / attn_dec_kfw, one workgroup a head, unsplit)
-#endif
 #ifndef NU
 #define NU 4   // units (dim pairs) a lane at most: head_dim <= 2 NU x the subgroup size (the host checks)
 #endif
 
-layout(local_size_x = WG) in;
+layout(local_size_x = 128) in;
 layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer PartF { float v[]; };
 layout(push_constant, std430) uniform PC {
   uint64_t q, base, pages, q_pos, out_, sinks;
@@ -97,16 +94,10 @@ layout(push_constant, std430) uniform PC {
 #define QFOLD ((pc.shape >> 31) != 0u)
 #define NKV (pc.n_kv_ >= 0 ? pc.n_kv_ : I32(pc.args).v[-pc.n_kv_ - 1])
 
-shared float s_m[WG / 8], s_l[WG / 8], s_f[WG / 8];  // (subgroups of 8 lanes and more: the host checks)
-#if WG > 128
-// (WG / SG) subgroups x head_dim: the host keeps it within 4096 floats and head_dim within 256.
-shared float s_acc[4096];
-shared float qs[256];
-#else
+shared float s_m[16], s_l[16], s_f[16];
 // [subgroup][dim]: (128 / SG) subgroups x head_dim <= 2 NU x SG floats (NU 4: as before, twice that)
 shared float s_acc[NU == 4 ? 2048 : 256 * NU];
 shared float qs[NU == 4 ? 256 : 512];  // the output row (for its int8 rounding)
-#endif
 shared bool last;
 shared float s_pm[64], s_pl[64];  // the splits' maxima and sums (64 splits at most: the host's cap)
 
@@ -153,33 +144,33 @@ void main() {
   const bool neox = ((P.rope >> 16) & 1u) != 0u;
   const int rp = I32(P.pos).v[0];
   if (X.qrope != 0u) {
-    for (int e = tid; e < hd; e += WG) qs[e] = qr.v[e];
+    for (int e = tid; e < hd; e += 128) qs[e] = qr.v[e];
     barrier();
     KVF_ROPE(qs, 0u)
     barrier();
   }
   if (need || writer) {
     F32 ks = F32(X.k + uint64_t(kvh * hd) * 4u), vs = F32(X.v + uint64_t(kvh * hd) * 4u);
-    for (int e = tid; e < hd; e += WG) kvrow[e] = ks.v[e], kvrow[256 + e] = vs.v[e];
+    for (int e = tid; e < hd; e += 128) kvrow[e] = ks.v[e], kvrow[256 + e] = vs.v[e];
     barrier();
     KVF_ROPE(kvrow, 0u)
     barrier();
     if (writer) {
       const uint64_t row = kv_row_at(P.base, P.pages, P.page_bytes, P.row_bytes, P.page_shift, kf);
       kv_sel = 0u;
-      kv_put(P, row + P.k_off, uint(kvh), uint(hd), uint(tid), uint(WG));
+      kv_put(P, row + P.k_off, uint(kvh), uint(hd), uint(tid), 128u);
       barrier();
       kv_sel = 1u;
-      kv_put(P, row + P.v_off, uint(kvh), uint(hd), uint(tid), uint(WG));
+      kv_put(P, row + P.v_off, uint(kvh), uint(hd), uint(tid), 128u);
     }
     float r[4];
     [[unroll]] for (int k2 = 0; k2 < 4; ++k2) {
-      const int e = tid + WG * (k2 & 1);
+      const int e = tid + 128 * (k2 & 1);
       r[k2] = e < hd ? kv_back(uint(e + 256 * (k2 >> 1)), P.kvtype) : 0.0f;
     }
     barrier();
     [[unroll]] for (int k2 = 0; k2 < 4; ++k2) {
-      const int e = tid + WG * (k2 & 1);
+      const int e = tid + 128 * (k2 & 1);
       if (e < hd) kvrow[e + 256 * (k2 >> 1)] = r[k2];
     }
     barrier();
@@ -265,7 +256,7 @@ void main() {
     const uint64_t mine = pc.part + uint64_t((t * NH + h) * nz) * uint64_t(hd + 2) * 4u;
     PartF pr = PartF(mine + uint64_t(z * (hd + 2)) * 4u);
     if (tid == 0) pr.v[0] = M, pr.v[1] = L;
-    for (int d = tid; d < hd; d += WG) {
+    for (int d = tid; d < hd; d += 128) {
       float v = 0.0f;
       for (int w = 0; w < NSG; ++w) v += s_acc[w * hd + d] * s_f[w];
       pr.v[2 + d] = v;
@@ -296,7 +287,7 @@ void main() {
     L = 0.0f;
     for (int s2 = 0; s2 < nz; ++s2)
       if (s_pl[s2] > 0.0f) L += s_pl[s2] * exp(s_pm[s2] - M);
-    for (int d = tid; d < hd; d += WG) {
+    for (int d = tid; d < hd; d += 128) {
       float v = 0.0f;
       for (int s0 = 0; s0 < nz; s0 += 8) {
         float pv[8];
@@ -308,7 +299,7 @@ void main() {
       qs[d] = v;
     }
   } else {
-    for (int d = tid; d < hd; d += WG) {
+    for (int d = tid; d < hd; d += 128) {
       float v = 0.0f;
       for (int w = 0; w < NSG; ++w) v += s_acc[w * hd + d] * s_f[w];
       qs[d] = v;
@@ -327,7 +318,7 @@ void main() {
   }
   const float inv = L > 0.0f ? c / L : 0.0f;
   F32 o = F32(pc.out_ + (uint64_t(t) * uint64_t(pc.out_stride) + uint64_t(h * hd)) * 4u);
-  for (int d = tid; d < hd; d += WG) {
+  for (int d = tid; d < hd; d += 128) {
     const float val = qs[d] * inv;
     o.v[d] = val;
     qs[d] = val;
