@@ -154,6 +154,17 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
+    s44)  # issue 14's last items on an H200: SmolLM2's end-to-end check on Vulkan (its Q4_1 GGUF, 94 MiB,
+      # carried in three parts: .hub/smollm2.gguf.part0, part1, part2, one named in each of three warm
+      # calls' carry beside .whl, .gl, .vkb and .dlb, which leaves the others in place there; run this
+      # stage on the third), then llama.cpp's Vulkan build beside ours again, to confirm the forty-first
+      # session's one-run ratios
+      step smollm2 200 bash -c 'd=${DASLLAMA_HOME:-$HOME/.cache/dasllama}/smollm2-135m-instruct && mkdir -p "$d" &&
+        cat .hub/smollm2.gguf.part0 .hub/smollm2.gguf.part1 .hub/smollm2.gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" &&
+        python -m pytest -q tests/test_vulkan.py tests/test_devices.py -k "smollm2 or unknown_and_malformed"'
+      step vkpeers 300 python benchmarks/bench_gpu_peers.py --types f16,q8_0,q4_0 --rounds 2 --ours vulkan \
+        --llama-server /tmp/skb/llama-server
+      ;;
     s43)  # as run in the forty-first session (attn_dec_wd since removed: H200 tg256 F16 829 -> 768,
       # Q8_0 854 -> 786): a one-row step's decode attention on one 512-invocation workgroup a head,
       # unsplit (attn_dec_wd / attn_dec_kfw, DASLLAMA_VULKAN_ATTN_WIDE up to N keys, opt-in): its
@@ -392,7 +403,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
