@@ -93,22 +93,11 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 // kernel wrote, or writes anything an earlier kernel reads: the wait returns once the
 // previous grid has completed and its writes are visible. Work that touches only
 // constant data (a GEMV's weights) may come before it. pdl_trigger() lets the next
-// kernel be scheduled. pdl_wait() triggers first, so each kernel lets the next one be
-// scheduled when it reaches its wait (before the wait): kernels that are waiting sit
-// resident and issue their constant-data loads (weights) early. Correctness is
-// unchanged, since every dependent still waits for the previous grid's completion; the
-// kernels' own pdl_trigger() after the wait is then a harmless repeat. The old placement
-// (trigger after the wait, at most one kernel ahead) is built with
-// -DDASLLAMA_CUDA_PDL_LATE (CMake option DASLLAMA_CUDA_PDL_LATE=ON). Measured with
-// benchmarks/bench_cuda_chain.cu on an H100: a Llama-1B-shaped step's pure weight reads
-// chained as dependent launches took 496 us with the trigger after the wait and 437 us
-// with it first (Q8_0 sizes; F16 852 -> 800 us). Launched without the attribute (older
-// GPUs, DASLLAMA_CUDA_PDL=0), both are no-ops.
+// kernel be scheduled; each kernel calls it after its own wait, so at most one kernel
+// runs ahead. Launched without the attribute (older GPUs, DASLLAMA_CUDA_PDL=0), both
+// are no-ops.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#ifndef DASLLAMA_CUDA_PDL_LATE
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
