@@ -1105,28 +1105,6 @@ GQA_CASES = [
 ]
 
 
-def _session_rows(case, kv: str, sinks: bool, seed: int):
-    """One session's decode rows of a GQA_CASES entry (random q, k, v; with sinks, a sink a head;
-    pages out of order): the float64 reference, and a function that runs them on a backend."""
-    n_tok, n_kv, H, KVH, hd, P, window, cap = case
-    rng = np.random.default_rng(n_kv + hd + H + seed)
-    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
-    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    n_pages = -(-n_kv // P)
-    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
-    scale = 1 / math.sqrt(hd)
-    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
-
-    def run(b):
-        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
-                                 cap, 64, sinks=sk)[0]
-
-    return ref, run
-
-
 def _cuda_backends(backends):
     cu = {d: b for d, b in backends.items() if d.startswith("cuda")}
     if not cu:
@@ -1142,8 +1120,22 @@ def test_paged_attention_gqa(backends, monkeypatch, kv, case, sinks):
     1, 2, 3, 4 and 8 query heads a KV head, head sizes 64, 128 and 256, windows, softcaps and
     sinks, every KV type, the split rule and forced splits."""
     cu = _cuda_backends(backends)
-    n_tok = case[0]
-    ref, run = _session_rows(case, kv, sinks, 3)
+    n_tok, n_kv, H, KVH, hd, P, window, cap = case
+    rng = np.random.default_rng(n_kv + hd + H + 3)
+    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
+    scale = 1 / math.sqrt(hd)
+    ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
+
+    def run(b):
+        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
+                                 cap, 64, sinks=sk)[0]
+
     for d, b in cu.items():
         monkeypatch.setenv("DASLLAMA_CUDA_ATTN_GQA", "0")
         monkeypatch.delenv("DASLLAMA_CUDA_ATTN_GQA_SPLITS", raising=False)
@@ -1168,47 +1160,6 @@ def test_paged_attention_gqa(backends, monkeypatch, kv, case, sinks):
             e, e_old = nmse(got, ref), nmse(got, old)
             assert e <= F32_DOT, f"gqa {case} {kv} wide on {d}: NMSE {e:.3g} vs float64"
             assert e_old <= GQA_ORDER, f"gqa {case} {kv} wide on {d}: NMSE {e_old:.3g} vs attn_k"
-
-
-def _vulkan_kb8_expected(hd: int) -> bool:
-    """Whether Vulkan's decode attention takes attn_dec_k8 (DASLLAMA_VULKAN_ATTN_KB=8) at head size hd
-    on the first device: its subgroup path (attn_dec's base variant) with 2 dim pairs a lane of the
-    narrowest subgroup."""
-    feats = INFO["vulkan"]["devices"][0]["features"]
-    if "subgroup matmul" not in feats:
-        return False
-    sg = int(feats.split("subgroups ")[1].split("-")[0])
-    return 8 <= sg and hd <= 4 * sg and hd <= 256
-
-
-@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-@pytest.mark.parametrize("kv", list(KV_TYPES))
-@pytest.mark.parametrize("case", [GQA_CASES[i] for i in (0, 1, 3, 4, 5, 6, 9)],
-                         ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}-cap{}".format(*c))
-def test_paged_attention_vulkan_kb8(backends, monkeypatch, kv, case, sinks):
-    """Vulkan's decode attention at 8 keys a subgroup a round (attn_dec_k8, DASLLAMA_VULKAN_ATTN_KB=8;
-    splits of at least 32 keys, or of 4 with ATTN_KEYS=4) against float64 numpy and the default
-    variant's output: 1 to 4100 keys, 1-3 rows, 1-8 query heads a KV head, head sizes 64 and 128,
-    windows, softcaps, sinks, every cache type; path_count says it ran where 2 dim pairs a lane
-    hold the head (test_vulkan's lavapipe children force the GPUs' path)."""
-    vk = {d: b for d, b in backends.items() if d.startswith("vulkan")}
-    if not vk:
-        pytest.skip("no Vulkan device here: " + (NOT_FOUND.get("vulkan") or "none found"))
-    ref, run = _session_rows(case, kv, sinks, 5)
-    for d, b in vk.items():
-        monkeypatch.delenv("DASLLAMA_VULKAN_ATTN_KB", raising=False)
-        monkeypatch.delenv("DASLLAMA_VULKAN_ATTN_KEYS", raising=False)
-        n0 = b.path_count("attn_kb8")
-        old = run(b)
-        assert b.path_count("attn_kb8") == n0, "the default took attn_dec_k8"
-        monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_KB", "8")
-        for i, keys in enumerate(["", "4"]):
-            monkeypatch.setenv("DASLLAMA_VULKAN_ATTN_KEYS", keys)
-            got = run(b)
-            assert b.path_count("attn_kb8") - n0 == (i + 1) * int(_vulkan_kb8_expected(case[4])), f"{d}: kb8 count"
-            e, e_old = nmse(got, ref), nmse(got, old)
-            assert e <= F32_DOT, f"kb8 {case} {kv} keys {keys or 'rule'} on {d}: NMSE {e:.3g} vs float64"
-            assert e_old <= GQA_ORDER, f"kb8 {case} {kv} keys {keys or 'rule'} on {d}: NMSE {e_old:.3g} vs attn_dec"
 
 
 GQA_MULTI = {  # (rows already cached, new rows) per session

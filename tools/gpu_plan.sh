@@ -154,13 +154,6 @@ for stage in "$@"; do
       step ab 450 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4,16,64 --rounds 2 DASLLAMA_CUDA_ATTN_GQA_MINB=1 \
         DASLLAMA_CUDA_ATTN_GQA_MINB=2 DASLLAMA_CUDA_ATTN_GQA_MINB=4 DASLLAMA_CUDA_ATTN_GQA_MINB=8
       ;;
-    s45)  # branch kb8 (not on main): decode attention at 8 keys a subgroup a round, splits of 32 keys
-      # (attn_dec_k8 / attn_dec_kf8, DASLLAMA_VULKAN_ATTN_KB=8, opt-in): its checks, then the A/B
-      step tests 150 python -m pytest -q tests/test_backend_ops.py tests/test_vulkan.py -k "vulkan_kb8 or \
-attn_kv_fold_alike or decode_split_joins or (greedy and not smollm2)"
-      step ab 230 python benchmarks/ab_cuda.py --device vulkan --types f16,q8_0 --rounds 2 DASLLAMA_NONE=1 \
-        DASLLAMA_VULKAN_ATTN_KB=8 DASLLAMA_VULKAN_ATTN_KEYS=32
-      ;;
     s44)  # issue 14's last items on an H200: SmolLM2's end-to-end check on Vulkan (its Q4_1 GGUF, 94 MiB,
       # carried in three parts: .hub/smollm2.gguf.part0, part1, part2, one named in each of three warm
       # calls' carry beside .whl, .gl, .vkb and .dlb, which leaves the others in place there; run this
@@ -410,7 +403,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s45, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"

@@ -1649,12 +1649,11 @@ class VulkanBackend final : public Backend {
   const char* name() const override { return "vulkan"; }
   // "norm_round": prefill norms dispatched with the rounding of their rows to f16 (norm_round_step);
   // "attn_kv": KV stores done by decode attention (attn_dec_kf); "glu_sg": glus done by gemv.comp's
-  // gate / up tails (GLUT); "attn_kb8": decode attentions on attn_dec_k8 / attn_dec_kf8 (ATTN_KB=8).
+  // gate / up tails (GLUT).
   int64_t path_count(const std::string& name) const override {
     return name == "norm_round"  ? norm_rounds_
            : name == "attn_kv" ? (int64_t)fused_attn_kv_
            : name == "glu_sg"  ? (int64_t)fused_glu_sg_
-           : name == "attn_kb8" ? (int64_t)kb8_attn_
                                : 0;
   }
   DeviceInfo info() const override { return c_->info(); }
@@ -2506,20 +2505,11 @@ class VulkanBackend final : public Backend {
   }
   static constexpr int64_t kCntSlots = 16384;  // attention split counters
   // The fewest keys an attn_dec split takes (DASLLAMA_VULKAN_ATTN_KEYS, a power of two from 4 to
-  // 4096; default a workgroup's keys a round: 16, attn_dec_k8's 32): fewer splits, fewer partials
-  // to join.
-  static int64_t attn_dec_keys(bool k8) {
-    const int64_t d = k8 ? 32 : 16;
+  // 4096; default 16, a workgroup's keys a round): fewer splits, fewer partials to join.
+  static int64_t attn_dec_keys() {
     const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_KEYS");
-    const long v = e && *e ? std::strtol(e, nullptr, 10) : d;
-    return v >= 4 && v <= 4096 && (v & (v - 1)) == 0 ? v : d;
-  }
-  // DASLLAMA_VULKAN_ATTN_KB=8 (read at each call; opt-in until timed): attn_dec's decode rows on
-  // attn_dec_k8 (8 keys a subgroup a round, so a split of 32 keys is one round of its workgroup:
-  // half the splits and partials of the default 16) where 2 dim pairs a lane hold the head.
-  static bool attn_kb8() {
-    const char* e = std::getenv("DASLLAMA_VULKAN_ATTN_KB");
-    return e && std::strcmp(e, "8") == 0;
+    const long v = e && *e ? std::strtol(e, nullptr, 10) : 16;
+    return v >= 4 && v <= 4096 && (v & (v - 1)) == 0 ? v : 16;
   }
   // Which shader a call's rows take: attn_dec.comp (decode rows on a subgroup-path device: keys a
   // subgroup at a time, K and V loaded together; "attn_dec", or "attn_dec_8" / "attn_dec_w" where
@@ -2536,7 +2526,7 @@ class VulkanBackend final : public Backend {
           a.head_dim % 2 == 0 && a.head_dim <= 512 && al % 4 == 0))
       return nullptr;
     const uint32_t hd = (uint32_t)a.head_dim;
-    if (hd <= 8 * sg && hd <= 256) return attn_kb8() && hd <= 4 * sg ? "attn_dec_k8" : "attn_dec";
+    if (hd <= 8 * sg && hd <= 256) return "attn_dec";
     return hd <= 16 * sg ? "attn_dec_8" : hd <= 32 * sg ? "attn_dec_w" : nullptr;
   }
   static bool split_on() {
@@ -3075,14 +3065,12 @@ class VulkanBackend final : public Backend {
     const int mode = attn_split_mode();
     const char* dec_sh = attn_dec_pick(a, mode);
     const bool dec = dec_sh != nullptr;
-    const bool k8 = dec && std::strcmp(dec_sh, "attn_dec_k8") == 0;
-    if (k8) ++kb8_attn_;
     size_t part_bytes = 0, cnt_bytes = 0;
     if (dec && (int64_t)a.n_tok * a.n_heads <= kCntSlots) {
       // attn_dec.comp: splits for ~8 workgroups a core (128 cores assumed; Vulkan does not
       // say), at least attn_dec_keys() keys a split, in powers of two, so a replayed step's grid
       // changes a few times over a context (cuda::attn_splits' rule).
-      const int64_t base = std::max<int64_t>(1, (int64_t)a.n_tok * a.n_heads), keys = attn_dec_keys(k8);
+      const int64_t base = std::max<int64_t>(1, (int64_t)a.n_tok * a.n_heads), keys = attn_dec_keys();
       int64_t cap = 1;
       while (cap * keys < a.n_kv) cap *= 2;
       n_split = mode ? (int32_t)std::max<int64_t>(1, std::min<int64_t>({(1024 + base - 1) / base, cap, 64})) : 1;
@@ -3130,7 +3118,7 @@ class VulkanBackend final : public Backend {
     const KvSt ks = kvs_;
     kvs_ = KvSt{};
     uint64_t kvf = 0;
-    if (ks.valid && kvfold_on() && dec && (k8 || std::strcmp(dec_sh, "attn_dec") == 0) && !qfold && !a.sinks &&
+    if (ks.valid && kvfold_on() && dec && std::strcmp(dec_sh, "attn_dec") == 0 && !qfold && !a.sinks &&
         a.n_tok == 1 && a.n_kv == ks.first + 1 && pc.split >= 0 && c_->recording() && ks.serial == c_->step_serial() &&
         ks.kept == c_->kept() &&
         ks.p.base == A(a.kv.base) && ks.p.pages == A(a.kv.pages) && ks.p.page_bytes == (uint32_t)a.kv.page_bytes &&
@@ -3144,7 +3132,7 @@ class VulkanBackend final : public Backend {
       kvf = const_block(&fp, sizeof fp);
       if (kvf) {
         c_->unkeep_last(ks.sig0);
-        pc.sinks = kvf, dec_sh = k8 ? "attn_dec_kf8" : "attn_dec_kf";
+        pc.sinks = kvf, dec_sh = "attn_dec_kf";
         ++fused_attn_kv_;
       }
     }
@@ -3682,7 +3670,6 @@ class VulkanBackend final : public Backend {
   BufferPtr glu_cnt_;  // gemv.comp's and gemv_q.comp's GLU counter
   uint64_t fused_glu_ = 0, fused_rope_q_ = 0, fused_attn_q8_ = 0, fused_norm_tail_ = 0, fused_glu_tail_ = 0,
            fused_kv_tail_ = 0, fused_attn_kv_ = 0, fused_glu_sg_ = 0;  // folds done (DASLLAMA_VULKAN_STEPS=1 prints the counts)
-  uint64_t kb8_attn_ = 0;  // attention calls on attn_dec_k8 / attn_dec_kf8 (path_count("attn_kb8"))
   // The step's last gemv_i8x into a residual, while it is the last kept command (quant_act).
   struct GemvX {
     bool valid = false;
