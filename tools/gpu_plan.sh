@@ -391,6 +391,10 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step attn_dec256 120 python benchmarks/ab_cuda.py --device vulkan --shapes gemma270m --types q8_0 --rounds 2 \
         DASLLAMA_VULKAN_ATTN_DEC=0 DASLLAMA_VULKAN_ATTN_DEC=1
       ;;
+    chain)  # a decode step's weight reads chained as its kernels are (bench_cuda_chain.cu; RESULTS.md,
+      # forty-second session, H100 only so far): the launches' boundaries alone, on this card
+      step chain 120 bash -c 'nvcc -O3 -arch=sm_90 benchmarks/bench_cuda_chain.cu -o /tmp/chain && /tmp/chain'
+      ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
       step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \
@@ -403,7 +407,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, chain, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
