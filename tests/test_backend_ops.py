@@ -886,6 +886,20 @@ def stored(x: np.ndarray, kv: str) -> np.ndarray:
     return g_dequantize(g_quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
 
 
+def paged_session(rng, n_tok, n_kv, H, KVH, hd, P, spare, sinks=False, q_mul=1.0):
+    """One session's random attention inputs: q for its last n_tok of n_kv rows (times q_mul), k, v,
+    a sink logit a head (or None), the rows' positions, and their pages drawn out of order from a
+    pool of n_pages + spare. Returns (q, k, v, sinks, q_pos, page_ids, pool_pages)."""
+    q = (rng.standard_normal((n_tok, H * hd)) * q_mul).astype(np.float32)
+    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
+    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    n_pages = -(-n_kv // P)
+    page_ids = rng.permutation(n_pages + spare)[:n_pages].astype(np.int32)
+    return q, k, v, sk, q_pos, page_ids, n_pages + spare
+
+
 def attention_ref(q, k, v, q_pos, n_heads, n_kv_heads, hd, window, scale, softcap, sinks=None):
     out = np.zeros((q.shape[0], n_heads * hd))
     group = n_heads // n_kv_heads
@@ -938,16 +952,10 @@ def test_attention_sinks(backends, kv, case):
     """gpt-oss's sinks: a logit per head in each softmax's denominator (decode over many keys,
     where a device splits the keys; a windowed prefill)."""
     n_tok, n_kv, H, KVH, hd, P, window = case
-    rng = np.random.default_rng(n_kv + 7)
-    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    sinks = (rng.standard_normal(H) * 3).astype(np.float32)
-    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    n_pages = -(-n_kv // P)
-    page_ids = rng.permutation(n_pages + 2)[:n_pages].astype(np.int32)
+    q, k, v, sinks, q_pos, page_ids, pool = paged_session(np.random.default_rng(n_kv + 7), n_tok, n_kv, H, KVH, hd, P,
+                                                          2, sinks=True)
     scale = 1 / math.sqrt(hd)
-    outs = {d: b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 2, window, scale,
+    outs = {d: b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, pool, window, scale,
                                  0.0, n_kv, sinks=sinks)[0] for d, b in backends.items()}
     ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, 0.0, sinks)
     check(f"attention with sinks {case} {kv}", outs, ref, F32_DOT)
@@ -957,14 +965,8 @@ def test_attention_sinks(backends, kv, case):
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "tok{}-kv{}-h{}/{}-d{}-p{}-w{}-cap{}".format(*c[:8]))
 def test_paged_attention(backends, kv, case):
     n_tok, n_kv, H, KVH, hd, P, window, cap, chunk = case
-    rng = np.random.default_rng(n_kv + hd + H)
-    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    n_pages = -(-n_kv // P)
-    pool_pages = n_pages + 3
-    page_ids = rng.permutation(pool_pages)[:n_pages].astype(np.int32)  # pages out of order
+    q, k, v, _, q_pos, page_ids, pool_pages = paged_session(np.random.default_rng(n_kv + hd + H), n_tok, n_kv, H, KVH,
+                                                            hd, P, 3)
     scale = 1 / math.sqrt(hd)
     res = {d: b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, pool_pages, window,
                                 scale, cap, chunk) for d, b in backends.items()}
@@ -1018,14 +1020,8 @@ def attention_q8_errors(backends, case):
     """{device: (each row's NMSE against float64 numpy, against it over Q * scale rounded to f16)}
     for test_paged_attention_q8_mode's case."""
     n_tok, n_kv, H, KVH, hd, P, window, cap = case[:8]
-    rng = np.random.default_rng(n_kv + hd + H + 1)
-    q = (rng.standard_normal((n_tok, H * hd)) * 4).astype(np.float32)
-    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    sinks = (rng.standard_normal(H) * 3).astype(np.float32) if case[8:] and case[8] else None
-    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    n_pages = -(-n_kv // P)
-    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
+    q, k, v, sinks, q_pos, page_ids, pool = paged_session(np.random.default_rng(n_kv + hd + H + 1), n_tok, n_kv, H, KVH,
+                                                          hd, P, 3, sinks=bool(case[8:] and case[8]), q_mul=4.0)
     scale = 1 / math.sqrt(hd)
     ks, vs = stored(k, "f16"), stored(v, "f16")
     ref = attention_ref(q, ks, vs, q_pos, H, KVH, hd, window, scale, cap, sinks)
@@ -1034,7 +1030,7 @@ def attention_q8_errors(backends, case):
     assert nmse(ref16, ref) > F32_DOT  # the rounding of Q is told apart
     out = {}
     for d, b in backends.items():
-        o = b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES["f16"], P, page_ids, n_pages + 3, window, scale,
+        o = b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES["f16"], P, page_ids, pool, window, scale,
                               cap, n_tok, sinks=sinks)[0]
         out[d] = ([nmse(o[t], ref[t]) for t in range(n_tok)], [nmse(o[t], ref16[t]) for t in range(n_tok)])
     return out
@@ -1121,19 +1117,13 @@ def test_paged_attention_gqa(backends, monkeypatch, kv, case, sinks):
     sinks, every KV type, the split rule and forced splits."""
     cu = _cuda_backends(backends)
     n_tok, n_kv, H, KVH, hd, P, window, cap = case
-    rng = np.random.default_rng(n_kv + hd + H + 3)
-    q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-    sk = (rng.standard_normal(H) * 3).astype(np.float32) if sinks else None
-    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    n_pages = -(-n_kv // P)
-    page_ids = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
+    q, k, v, sk, q_pos, page_ids, pool = paged_session(np.random.default_rng(n_kv + hd + H + 3), n_tok, n_kv, H, KVH,
+                                                       hd, P, 3, sinks=sinks)
     scale = 1 / math.sqrt(hd)
     ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sk)
 
     def run(b):
-        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, n_pages + 3, window, scale,
+        return b.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, page_ids, pool, window, scale,
                                  cap, 64, sinks=sk)[0]
 
     for d, b in cu.items():

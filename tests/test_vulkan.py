@@ -1399,7 +1399,7 @@ def test_flash_variants(monkeypatch):
     padded to the tile (48), a head of 32 (its own tiles), heads of 256 and 160 (past the tiles:
     attention.comp), and every cache type (f16 read as pairs). The end-to-end checks
     (logits, greedy tokens, towers) run on the default variant in this run."""
-    from test_backend_ops import F32_DOT, KV_TYPES, attention_ref, stored
+    from test_backend_ops import F32_DOT, KV_TYPES, attention_ref, paged_session, stored
 
     be = d._core.Backend("vulkan:%d" % _VK["devices"][0]["index"])
     cases = [  # n_tok, n_kv, heads, kv heads, head_dim, page_rows, window, softcap, cache, sinks
@@ -1413,14 +1413,8 @@ def test_flash_variants(monkeypatch):
         (23, 300, 2, 1, 160, 16, 64, 0.0, "q8_0", True),  # padded to 256, a window, sinks
     ]
     for n_tok, n_kv, H, KVH, hd, P, window, cap, kv, with_sinks in cases:
-        rng = np.random.default_rng(n_tok + n_kv)
-        q = rng.standard_normal((n_tok, H * hd)).astype(np.float32)
-        k = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-        v = rng.standard_normal((n_kv, KVH * hd)).astype(np.float32)
-        sinks = (rng.standard_normal(H) * 3).astype(np.float32) if with_sinks else None
-        q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-        n_pages = -(-n_kv // P)
-        ids = rng.permutation(n_pages + 2)[:n_pages].astype(np.int32)
+        q, k, v, sinks, q_pos, ids, pool = paged_session(np.random.default_rng(n_tok + n_kv), n_tok, n_kv, H, KVH, hd,
+                                                         P, 2, sinks=with_sinks)
         scale = 1 / np.sqrt(hd)
         ref = attention_ref(q, stored(k, kv), stored(v, kv), q_pos, H, KVH, hd, window, scale, cap, sinks)
         for name, env in (FLASH_VARIANTS if hd <= 128 else FLASH_VARIANTS_WIDE).items():
@@ -1430,7 +1424,7 @@ def test_flash_variants(monkeypatch):
             for key, val in env.items():
                 monkeypatch.setenv(key, val)
             extra = {"sinks": sinks} if with_sinks else {}
-            got = be.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, ids, n_pages + 2, window, scale,
+            got = be.paged_attention(q, k, v, q_pos, H, KVH, hd, KV_TYPES[kv], P, ids, pool, window, scale,
                                      cap, n_kv, **extra)[0]
             e = nmse(got, ref)
             assert e <= F32_DOT, f"{name}, {n_tok} rows over {n_kv} keys, head {hd}, {kv}: NMSE {e:.3g}"
