@@ -124,7 +124,10 @@ def copy_bandwidth() -> float:
 def bench(path: str, device: str, batches, tg: bool = True, greedy: bool = False) -> dict:
     import dasllama as d
 
-    m = d.load_model(path, device=device)
+    # BENCH_MODE=fp32 (a QuantMode name) loads the model in that mode, so ab_cuda.py can set modes
+    # beside each other as it sets environment variables.
+    mode = os.environ.get("BENCH_MODE")
+    m = d.load_model(path, device=device, **({"mode": d.QuantMode[mode]} if mode else {}))
     out = {"weight_bytes": m._m.weight_bytes}
     prompt = list(range(3, 3 + 512))
     # pp512: a fresh session prefilling 512 tokens (best of 3, after a warm-up).

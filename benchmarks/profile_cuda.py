@@ -5,9 +5,11 @@ every kernel of the process, ours included. Run on the GPU machine:
     python benchmarks/profile_cuda.py --shape llama1b --type q8_0 [--steps 32] [--trace out.json]
     python benchmarks/profile_cuda.py --shape llama1b --type q8_0 --prefill 512 --steps 4   # prefills
     python benchmarks/profile_cuda.py --shape llama1b --type q8_0 --batch 64                # batched steps
+    BENCH_MODE=fp32 python benchmarks/profile_cuda.py ...                                    # another QuantMode
 
 Prints, per decode step: host wall time, GPU span (first kernel start to last end), the
-sum of kernel times, the gaps between them, and the kernels grouped by name.
+sum of kernel times, the gaps between them, and the kernels grouped by name, each with its own
+share of the timeline (where dependent launches overlap, the part no earlier kernel covers).
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.gguf")
         write_model(path, args.shape, args.type)
-        m = d.load_model(path, device="cuda")
+        mode = os.environ.get("BENCH_MODE")
+        m = d.load_model(path, device="cuda", **({"mode": d.QuantMode[mode]} if mode else {}))
         if args.prefill:
             prompt = list(range(3, 3 + args.prefill))
 
@@ -115,13 +118,21 @@ def main() -> None:
     print("runtime calls per step (all of them): " + ", ".join(
         f"{n} {len(ts) / args.steps:.1f} x {statistics.mean(ts):.1f} us"
         for n, ts in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:6]))
-    by = collections.defaultdict(list)
+    # With dependent launches a kernel starts while the one before still runs, so durations
+    # overlap. Its own share of the timeline: from where every earlier activity had ended (or its
+    # start, if later) to its end. These shares sum to the busy span.
+    by, own = collections.defaultdict(list), collections.defaultdict(float)
+    done = kernels[0][0]
     for a, b, n in kernels:
         n = n.replace("dl::cuda::(anonymous namespace)::", "").replace("void ", "")
-        by[n.split("(")[0][:90]].append(b - a)
-    print(f"{'kernel':90s} {'per step':>8s} {'mean us':>8s} {'max us':>8s} {'ms/step':>8s}")
-    for n, ts in sorted(by.items(), key=lambda kv: -sum(kv[1])):
-        print(f"{n:90s} {len(ts) / args.steps:8.1f} {statistics.mean(ts):8.2f} {max(ts):8.2f} {sum(ts) / args.steps / 1e3:8.3f}")
+        n = n.split("(")[0][:80]
+        by[n].append(b - a)
+        own[n] += max(0.0, b - max(a, done))
+        done = max(done, b)
+    print(f"{'kernel':80s} {'per step':>8s} {'mean us':>8s} {'max us':>8s} {'ms/step':>8s} {'own us':>8s} {'own ms':>8s}")
+    for n, ts in sorted(by.items(), key=lambda kv: -own[kv[0]]):
+        print(f"{n:80s} {len(ts) / args.steps:8.1f} {statistics.mean(ts):8.2f} {max(ts):8.2f} {sum(ts) / args.steps / 1e3:8.3f}"
+              f" {own[n] / len(ts):8.2f} {own[n] / args.steps / 1e3:8.3f}")
 
 
 if __name__ == "__main__":

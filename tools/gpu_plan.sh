@@ -395,6 +395,14 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       # forty-second session, H100 only so far): the launches' boundaries alone, on this card
       step chain 120 bash -c 'nvcc -O3 -arch=sm_90 benchmarks/bench_cuda_chain.cu -o /tmp/chain && /tmp/chain'
       ;;
+    modes)  # forty-third session: a one-token step with f32 activations (fp32 mode: direct GEMVs that norm
+      # x themselves, no rounding launches) beside q8 mode's int8 GEMVs, and each kernel's own share
+      # of the step's timeline in both
+      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4 --rounds 2 BENCH_MODE=q8 BENCH_MODE=fp32
+      step prof8 120 bash -c "cd benchmarks && python profile_cuda.py --type q8_0 --steps 16"
+      step prof32 120 bash -c "cd benchmarks && BENCH_MODE=fp32 python profile_cuda.py --type q8_0 --steps 16"
+      step prof16 120 bash -c "cd benchmarks && python profile_cuda.py --type f16 --steps 16"
+      ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
       step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \
