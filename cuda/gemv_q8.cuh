@@ -278,4 +278,51 @@ __device__ __forceinline__ void quant_smem(const float* x, int64_t cols, bool no
   __syncthreads();
 }
 
+// QXN: one token's x (cols <= kQuantMax) times nw rounded into q8 blocks in shared memory before
+// the RMS norm's scale is known, by the whole block of SW warps; returns that scale, formed from
+// the same double sum as quantize_act_k's (the same strided order), for the GEMV to apply to its
+// sums. An RMS norm scales the whole row by one factor, so the blocks of x * nw round to the
+// normed row's quants up to float rounding, and one barrier waits for the sum, not two.
+template <XLoad XL>
+__device__ __forceinline__ float quant_smem_n(const float* x, int cols, const float* nw, float eps, int8_t* xq,
+                                              float* xd, int32_t* xs, double* red) {
+  constexpr int K = kQuantMax / (SW * 32);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float v[K], w[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int i = threadIdx.x + k * (SW * 32);
+    v[k] = i < cols ? xload<XL>(x + i) : 0.f;
+    w[k] = nw && i < cols ? __ldg(nw + i) : 1.f;
+  }
+  double ss = 0;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+    if (threadIdx.x + k * (SW * 32) < cols) ss += (double)v[k] * v[k];
+  ss = warp_sum_d(ss);
+  if (lane == 0) red[warp] = ss;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int b = warp + k * SW;
+    if (b >= cols / 32) break;  // uniform over the warp
+    quant_store(nw ? __fmul_rn(v[k], w[k]) : v[k], lane, b * 32 + lane, b, xq, xd, xs);
+  }
+  __syncthreads();
+  double tot = 0;
+#pragma unroll
+  for (int i = 0; i < SW; ++i) tot += red[i];
+  return (float)(1.0 / sqrt(tot / cols + eps));
+}
+
+// A GEMV's outputs times the RMS norm's scale (QXN), then as Out stores them.
+template <class Out>
+struct ScaledOut {
+  Out inner;
+  const float* sc;
+  template <class Rows>
+  __device__ __forceinline__ void operator()(const GemvJob& j, const Rows& m, float s) const {
+    inner(j, m, __fmul_rn(s, *sc));
+  }
+};
+
 }  // namespace dl::cuda

@@ -403,6 +403,13 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step prof32 120 bash -c "cd benchmarks && BENCH_MODE=fp32 python profile_cuda.py --type q8_0 --steps 16"
       step prof16 120 bash -c "cd benchmarks && python profile_cuda.py --type f16 --steps 16"
       ;;
+    qxn)  # forty-third session: one token's normed q8 GEMVs round x * norm_w themselves and scale their
+      # sums by the norm (DASLLAMA_CUDA_QXN=1, opt-in): its check against the CPU, the default paths'
+      # bit-for-bit checks (their kernels became templates on it), then the speed and the profile
+      step tests 300 python -m pytest -q -x tests/test_cuda.py -k "qxn or fused_decode_ops or gemv_rope or greedy_tokens"
+      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4 --rounds 3 DASLLAMA_CUDA_QXN=0 DASLLAMA_CUDA_QXN=1
+      step prof 120 bash -c "cd benchmarks && DASLLAMA_CUDA_QXN=1 python profile_cuda.py --type q8_0 --steps 16"
+      ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
       step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \
