@@ -1275,7 +1275,8 @@ class CudaBackend final : public Backend {
       }
       sig1(Tag::quant), sig1(qb);
       glu_.at = SIZE_MAX;
-    } else if (q8 && !mma && qxn_ && s.norm && cuda::gemv_qxn_fits(j)) {
+    } else if (q8 && !mma && qxn_ && s.norm && reinterpret_cast<uintptr_t>(s.x) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(s.norm_w) % 16 == 0 && cuda::gemv_qxn_fits(j)) {
       // One decode token: the GEMV (and the tail or rope that may join it) rounds x * norm_w
       // itself and scales its sums by the RMS norm (QXN; opt-in): no quantize launch before it.
       j.x = s.x, j.norm_w = s.norm_w, j.eps = s.eps;  // (j.norm stays false: xq is set)

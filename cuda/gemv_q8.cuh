@@ -278,34 +278,51 @@ __device__ __forceinline__ void quant_smem(const float* x, int64_t cols, bool no
   __syncthreads();
 }
 
-// QXN: one token's x (cols <= kQuantMax) times nw rounded into q8 blocks in shared memory before
-// the RMS norm's scale is known, by the whole block of SW warps; returns that scale, formed from
-// the same double sum as quantize_act_k's (the same strided order), for the GEMV to apply to its
-// sums. An RMS norm scales the whole row by one factor, so the blocks of x * nw round to the
-// normed row's quants up to float rounding, and one barrier waits for the sum, not two.
-template <XLoad XL>
+// QXN: one token's x (cols <= kQuantMax, 16-byte aligned) times nw rounded into q8 blocks in
+// shared memory before the RMS norm's scale is known, by the whole block of SW warps; returns that
+// scale (a double sum of squares) for the GEMV to apply to its sums. An RMS norm scales the whole
+// row by one factor, so the blocks of x * nw round to the normed row's quants up to float
+// rounding, and one barrier waits for the sum, not two. Thread t holds elements 8t..8t+7, so a
+// 32-block is 4 lanes (two shuffles a reduction, where a warp a block took five, eight times).
+// x is read from L2: the kernel before wrote it.
 __device__ __forceinline__ float quant_smem_n(const float* x, int cols, const float* nw, float eps, int8_t* xq,
                                               float* xd, int32_t* xs, double* red) {
-  constexpr int K = kQuantMax / (SW * 32);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float v[K], w[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int i = threadIdx.x + k * (SW * 32);
-    v[k] = i < cols ? xload<XL>(x + i) : 0.f;
-    w[k] = nw && i < cols ? __ldg(nw + i) : 1.f;
+  static_assert(kQuantMax == SW * 32 * 8, "8 values a thread");
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, i0 = tid * 8;
+  const bool in = i0 < cols;  // (cols % 32 == 0: a 32-block's 4 lanes are all in or all out)
+  float v[8], w[8];
+  {
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f), o = make_float4(1.f, 1.f, 1.f, 1.f);
+    const float4 a = in ? __ldcg(reinterpret_cast<const float4*>(x + i0)) : z,
+                 b = in ? __ldcg(reinterpret_cast<const float4*>(x + i0) + 1) : z;
+    const float4 c = in && nw ? __ldg(reinterpret_cast<const float4*>(nw + i0)) : o,
+                 e = in && nw ? __ldg(reinterpret_cast<const float4*>(nw + i0) + 1) : o;
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    w[0] = c.x, w[1] = c.y, w[2] = c.z, w[3] = c.w, w[4] = e.x, w[5] = e.y, w[6] = e.z, w[7] = e.w;
   }
   double ss = 0;
 #pragma unroll
-  for (int k = 0; k < K; ++k)
-    if (threadIdx.x + k * (SW * 32) < cols) ss += (double)v[k] * v[k];
+  for (int k = 0; k < 8; ++k) ss += (double)v[k] * v[k];
   ss = warp_sum_d(ss);
   if (lane == 0) red[warp] = ss;
+  float amax = 0.f;
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int b = warp + k * SW;
-    if (b >= cols / 32) break;  // uniform over the warp
-    quant_store(nw ? __fmul_rn(v[k], w[k]) : v[k], lane, b * 32 + lane, b, xq, xd, xs);
+  for (int k = 0; k < 8; ++k) v[k] = nw ? __fmul_rn(v[k], w[k]) : v[k], amax = fmaxf(amax, fabsf(v[k]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  uint32_t pk[2] = {0u, 0u};
+  int qs = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int q = amax > 0.f ? max(-127, min(127, (int)rintf(__fmul_rn(v[k], 127.f / amax)))) : 0;
+    qs += q;
+    pk[k >> 2] |= (uint32_t)(q & 0xff) << (8 * (k & 3));
+  }
+  qs += __shfl_xor_sync(0xffffffffu, qs, 1);
+  qs += __shfl_xor_sync(0xffffffffu, qs, 2);
+  if (in) {
+    *reinterpret_cast<uint2*>(xq + i0) = make_uint2(pk[0], pk[1]);
+    if ((tid & 3) == 0) xd[tid >> 2] = amax / 127.f, xs[tid >> 2] = qs;
   }
   __syncthreads();
   double tot = 0;

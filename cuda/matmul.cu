@@ -852,7 +852,7 @@ __device__ __forceinline__ void gemv_q8_run(GemvJob& j, int ks, bool early, Out 
     float sc = 1.f;
     gemv_q8_block<T, NT, R, XLoad::shared>(j, ks, (int)blockIdx.x, [&] {
       if (early) pdl_wait(), pdl_trigger();
-      sc = quant_smem_n<XLoad::nc>(x, (int)j.cols, nw, eps, sm.q, sm.d, sm.s, sm.red);
+      sc = quant_smem_n(x, (int)j.cols, nw, eps, sm.q, sm.d, sm.s, sm.red);
     }, ScaledOut<Out>{out, &sc});
   } else {
     gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
@@ -922,7 +922,7 @@ struct RopeOut {
 };
 
 template <uint32_t T, int NT, int R, bool kX = false>
-__global__ void __launch_bounds__(SW * 32, kX && R == 4 ? 3 : 4) gemv_q8_rope_k(GemvJob j, int ks, bool early, RopeOut<NT> out) {
+__global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rope_k(GemvJob j, int ks, bool early, RopeOut<NT> out) {
   gemv_q8_run<T, NT, R, kX>(j, ks, early, out);
 }
 
@@ -963,11 +963,10 @@ void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail =
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
   if (j.n == 1 && j.x) {  // QXN: the block rounds x itself
-    // (three blocks an SM at 4 rows a group: at four, x's 16 values spilled the weights in flight)
     if (tl && r2) launch(gemv_q8_k<T, 1, 2, true, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-    else if (tl) launch(gemv_q8_k<T, 1, 4, true, 3, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+    else if (tl) launch(gemv_q8_k<T, 1, 4, true, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
     else if (r2) launch(gemv_q8_k<T, 1, 2, false, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-    else launch(gemv_q8_k<T, 1, 4, false, 3, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+    else launch(gemv_q8_k<T, 1, 4, false, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
     return;
   }
   if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);

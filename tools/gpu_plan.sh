@@ -410,6 +410,16 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4 --rounds 3 DASLLAMA_CUDA_QXN=0 DASLLAMA_CUDA_QXN=1
       step prof 120 bash -c "cd benchmarks && DASLLAMA_CUDA_QXN=1 python profile_cuda.py --type q8_0 --steps 16"
       ;;
+    qxn2)  # why QXN loses: with and without the GLU tail, and ncu of its gate / up GEMV (local memory,
+      # instructions, stalls) beside the default's
+      step ab 240 python benchmarks/ab_cuda.py --types q8_0 --rounds 2 DASLLAMA_CUDA_QXN=0 DASLLAMA_CUDA_QXN=1 \
+        DASLLAMA_CUDA_QXN=0,DASLLAMA_CUDA_TAILS=0 DASLLAMA_CUDA_QXN=1,DASLLAMA_CUDA_TAILS=0
+      for q in 0 1; do
+        step ncu$q 150 env DASLLAMA_CUDA_QXN=$q ncu --clock-control none --kernel-name regex:gemv_q8 \
+          --launch-skip 200 --launch-count 8 --metrics gpu__time_duration.sum,smsp__inst_executed.sum,smsp__warps_launched.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum,dram__bytes_read.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,launch__occupancy_limit_registers \
+          python benchmarks/bench_cuda_batch.py --batch 1 --steps 6
+      done
+      ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
       step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \
