@@ -745,7 +745,6 @@ class CudaBackend final : public Backend {
     if (name == "attn_gqa") return gqa_attn_;
     if (name == "attn_wide") return wide_attn_;
     if (name == "gemv_rope") return gemv_rope_;
-    if (name == "qxn") return qxn_ops_;
     return 0;
   }
   void matmul_step(const MatmulStep& s) override {
@@ -1275,12 +1274,6 @@ class CudaBackend final : public Backend {
       }
       sig1(Tag::quant), sig1(qb);
       glu_.at = SIZE_MAX;
-    } else if (q8 && !mma && qxn_ && s.norm && reinterpret_cast<uintptr_t>(s.x) % 16 == 0 &&
-               reinterpret_cast<uintptr_t>(s.norm_w) % 16 == 0 && cuda::gemv_qxn_fits(j)) {
-      // One decode token: the GEMV (and the tail or rope that may join it) rounds x * norm_w
-      // itself and scales its sums by the RMS norm (QXN; opt-in): no quantize launch before it.
-      j.x = s.x, j.norm_w = s.norm_w, j.eps = s.eps;  // (j.norm stays false: xq is set)
-      ++qxn_ops_;
     } else if (q8 && !mma && qx_ && cuda::gemv_q8_x_fits(j)) {
       // One decode token: each GEMV block rounds its input itself (one launch, not two; opt-in).
       const float* x = s.x;
@@ -1847,13 +1840,6 @@ class CudaBackend final : public Backend {
     const char* e = std::getenv("DASLLAMA_CUDA_QX");
     return e && std::strcmp(e, "1") == 0;
   }();
-  // One token's normed q8 GEMVs round x * norm_w themselves and scale their sums by the norm
-  // (DASLLAMA_CUDA_QXN=1; opt-in until timed): a layer's two quantize launches go. Not the
-  // quantize launch's bits: the quants are those of the row before its norm's scale.
-  bool qxn_ = [] {
-    const char* e = std::getenv("DASLLAMA_CUDA_QXN");
-    return e && std::strcmp(e, "1") == 0;
-  }();
   // Tokens from which q8 matmuls take the int8 mma kernel (DASLLAMA_CUDA_MMA_MIN; 0: never).
   int64_t mma_min_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_MMA_MIN");
@@ -1897,7 +1883,6 @@ class CudaBackend final : public Backend {
   size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;
   int64_t gemv_rope_ = 0;  // Q / K / V GEMVs recorded with the rope and KV stores (path_count)
-  int64_t qxn_ops_ = 0;  // one-token GEMVs recorded or issued rounding their normed input (path_count)
   int64_t gqa_attn_ = 0;  // attentions issued or recorded on the grouped-query kernel (path_count)
   int64_t wide_attn_ = 0;  // those of them on its wide block, one row unsplit (path_count)
   float* pinned_ = nullptr;  // host_staging's buffer

@@ -38,8 +38,7 @@ struct GemvJob {
   bool norm = false, accumulate = false;
   const float* norm_w = nullptr;
   float eps = 0.f;
-  // Quantized activations (set: norm is already applied, and x unused, but for QXN's one-token
-  // GEMVs, which round x * norm_w into their own shared memory and scale by the norm): per token row,
+  // Quantized activations (set: x is unused, norm is already applied): per token row,
   // cols int8 quants, then per 32-block the scale d and the sum of the block's quants.
   const int8_t* xq = nullptr;
   const float* xd = nullptr;
@@ -69,9 +68,6 @@ int gemv_q8_plan(GemvJob& j, int rows = 4);
 // the H200 so far (DASLLAMA_CUDA_QX=1 only).
 constexpr int64_t kQuantBlocksMax = 1024;
 bool gemv_q8_x_fits(const GemvJob& j);
-// QXN: whether one token's q8 GEMV over j (gemv_staged's direct kernels, a tail or the rope
-// epilogue) can round x * norm_w itself, j.x set, and scale its sums by the RMS norm.
-bool gemv_qxn_fits(const GemvJob& j);
 void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* norm_w, float eps, cudaStream_t st);
 // Whether j can run on the staged GEMV (n <= 32, cols % 8 == 0, rows 4-byte aligned;
 // 16-byte for float types), and the launch (first_block is filled there).

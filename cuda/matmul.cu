@@ -829,41 +829,12 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
   }
 }
 
-// QXN's shared memory: x * nw rounded (quant_smem_n), the norm's warp sums.
-struct QxnSmem {
-  __align__(16) int8_t q[kQuantMax];
-  float d[kQuantMax / 32];
-  int32_t s[kQuantMax / 32];
-  double red[SW];
-};
-
-// One token's GEMV over j; kX (QXN, j.x set): the block rounds x * j.norm_w itself once its first
-// weights are in flight and scales its sums by the RMS norm (quant_smem_n), instead of reading a
-// quantize_act launch's rounding. Out: what the sums become (StoreOut, RopeOut).
-template <uint32_t T, int NT, int R, bool kX, class Out>
-__device__ __forceinline__ void gemv_q8_run(GemvJob& j, int ks, bool early, Out out) {
-  if (!early) pdl_wait(), pdl_trigger();
-  if constexpr (kX) {
-    __shared__ QxnSmem sm;
-    const float* x = j.x;
-    const float* nw = j.norm_w;
-    const float eps = j.eps;
-    j.xq = sm.q, j.xd = sm.d, j.xs = sm.s;
-    float sc = 1.f;
-    gemv_q8_block<T, NT, R, XLoad::shared>(j, ks, (int)blockIdx.x, [&] {
-      if (early) pdl_wait(), pdl_trigger();
-      sc = quant_smem_n(x, (int)j.cols, nw, eps, sm.q, sm.d, sm.s, sm.red);
-    }, ScaledOut<Out>{out, &sc});
-  } else {
-    gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
-      if (early) pdl_wait(), pdl_trigger();
-    }, out);
-  }
-}
-
-template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2), bool kX = false>
+template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2)>
 __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bool early, GemvTail tail) {
-  gemv_q8_run<T, NT, R, kX>(j, ks, early, StoreOut());
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
+    if (early) pdl_wait(), pdl_trigger();
+  });
   if constexpr (kTail) gemv_tail<R>(j, ks, tail);
 }
 
@@ -921,9 +892,12 @@ struct RopeOut {
   }
 };
 
-template <uint32_t T, int NT, int R, bool kX = false>
+template <uint32_t T, int NT, int R>
 __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rope_k(GemvJob j, int ks, bool early, RopeOut<NT> out) {
-  gemv_q8_run<T, NT, R, kX>(j, ks, early, out);
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
+    if (early) pdl_wait(), pdl_trigger();
+  }, out);
 }
 
 // Whether the GEMVs issue their first weight loads before waiting for the kernel before them
@@ -962,13 +936,6 @@ void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail =
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
-  if (j.n == 1 && j.x) {  // QXN: the block rounds x itself
-    if (tl && r2) launch(gemv_q8_k<T, 1, 2, true, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-    else if (tl) launch(gemv_q8_k<T, 1, 4, true, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-    else if (r2) launch(gemv_q8_k<T, 1, 2, false, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-    else launch(gemv_q8_k<T, 1, 4, false, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
-    return;
-  }
   if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n == 1 && tl) launch(gemv_q8_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n == 1 && r2) launch(gemv_q8_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -1004,11 +971,6 @@ void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) 
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool one = j.n == 1, r2 = one ? rows1() == 2 : rows4() == 2;
   if constexpr (T == T_Q8_0S || T == T_Q4_0S) {
-    if (j.xq && one && j.x) {  // QXN
-      if (r2) launch(gemv_q8_rope_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
-      else launch(gemv_q8_rope_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
-      return;
-    }
     if (j.xq) {
       if (one && r2) launch(gemv_q8_rope_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
       else if (one) launch(gemv_q8_rope_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
@@ -1132,17 +1094,6 @@ bool gemv_q8_x_fits(const GemvJob& j) {
   GemvJob p = j;
   // Past a few blocks per SM the blocks' repeated rounding costs more than the launch it saves.
   return gemv_q8_plan(p) >= 1 && p.first_block[p.count] <= kQuantBlocksMax;
-}
-
-bool gemv_qxn_fits(const GemvJob& j) {
-  if (j.n != 1 || j.cols > kQuantMax || j.cols % 32 != 0 || (j.type != T_Q8_0S && j.type != T_Q4_0S)) return false;
-  int64_t rows = 0;
-  for (int i = 0; i < j.count; ++i) {
-    if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;  // gemv_staged's direct kernels
-    rows += j.rows[i];
-  }
-  // Each block rounds the row again: not for a vocabulary's head (thousands of blocks).
-  return rows <= 32768;
 }
 
 void gemv_q8_x(GemvJob j, const float* x, bool norm, const float* nw, float eps, cudaStream_t st) {
@@ -1273,9 +1224,7 @@ bool gemv_staged_fits(const GemvJob& j) {
       if (!k_i8_rows_fit(j.type, j.cols, j.rows[i], j.rb[i], j.w[i])) return false;
     return !j.norm && j.n <= 16;
   }
-  // (x beside xq: QXN, the one-token kernels round x * norm_w themselves)
-  if (j.xq) return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && !j.norm &&
-                   (!j.x || (j.n == 1 && j.cols <= kQuantMax));
+  if (j.xq) return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && !j.norm;
   if (j.type == T_Q8_0S || j.type == T_Q4_0S) return j.cols % 32 == 0;  // aligned by construction
   bool v16 = true;
   for (int i = 0; i < j.count; ++i) {
