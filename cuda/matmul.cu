@@ -892,8 +892,8 @@ struct RopeOut {
   }
 };
 
-template <uint32_t T, int NT, int R>
-__global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rope_k(GemvJob j, int ks, bool early, RopeOut<NT> out) {
+template <uint32_t T, int NT, int R, int MINB = 4>
+__global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_rope_k(GemvJob j, int ks, bool early, RopeOut<NT> out) {
   if (!early) pdl_wait(), pdl_trigger();
   gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
     if (early) pdl_wait(), pdl_trigger();
@@ -923,6 +923,25 @@ int rows1() {
   const char* e = std::getenv("DASLLAMA_CUDA_R1");
   return e && std::strcmp(e, "2") == 0 ? 2 : 4;
 }
+// Blocks an SM a one-token q8 GEMV of `grid` blocks at 4 rows a group is built for: at four its
+// 64 registers spill ~100 bytes a thread (ncu, H100: the gate / up GEMV stores 491,520 local
+// sectors a launch), at three (80 registers) none for q8_0, 20-44 bytes for q4_0. Three by
+// default: H100 Llama-1B tg256 Q8_0 1,155 -> 1,182, Q4_0 1,459 -> 1,532 (RESULTS.md, forty-third
+// session), though gate / up and down alone take longer at three (more waves). DASLLAMA_CUDA_MINB1=4
+// for four, `auto` for three only where the grid fits one wave of three an SM (Q / K / V, O: Q4_0
+// 1,548, Q8_0 1,159); read at each launch.
+int minb1(unsigned grid) {
+  static const int sms = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return v;
+  }();
+  const char* e = std::getenv("DASLLAMA_CUDA_MINB1");
+  if (e && std::strcmp(e, "4") == 0) return 4;
+  if (e && std::strcmp(e, "auto") == 0) return grid <= 3u * (unsigned)sms ? 3 : 4;
+  return 3;
+}
 // The GEMVs' 32-bit offsets (GemvRows): a matrix's rows, a row's bytes, the columns and the grid.
 // Real models sit far below; a matrix past them is refused rather than misread.
 void gemv_fits(const GemvJob& j, int ks) {
@@ -936,6 +955,11 @@ void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail =
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
+  if (j.n == 1 && !r2 && minb1(grid) == 3) {
+    if (tl) launch(gemv_q8_k<T, 1, 4, true, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+    else launch(gemv_q8_k<T, 1, 4, false, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+    return;
+  }
   if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n == 1 && tl) launch(gemv_q8_k<T, 1, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
   else if (j.n == 1 && r2) launch(gemv_q8_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -973,6 +997,7 @@ void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) 
   if constexpr (T == T_Q8_0S || T == T_Q4_0S) {
     if (j.xq) {
       if (one && r2) launch(gemv_q8_rope_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+      else if (one && minb1(grid) == 3) launch(gemv_q8_rope_k<T, 1, 4, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
       else if (one) launch(gemv_q8_rope_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
       else if (r2) launch(gemv_q8_rope_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
       else launch(gemv_q8_rope_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});

@@ -403,20 +403,20 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step prof32 120 bash -c "cd benchmarks && BENCH_MODE=fp32 python profile_cuda.py --type q8_0 --steps 16"
       step prof16 120 bash -c "cd benchmarks && python profile_cuda.py --type f16 --steps 16"
       ;;
-    qxn)  # forty-third session: one token's normed q8 GEMVs round x * norm_w themselves and scale their
-      # sums by the norm (DASLLAMA_CUDA_QXN=1, opt-in): its check against the CPU, the default paths'
-      # bit-for-bit checks (their kernels became templates on it), then the speed and the profile
-      step tests 300 python -m pytest -q -x tests/test_cuda.py -k "qxn or fused_decode_ops or gemv_rope or greedy_tokens"
-      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4 --rounds 3 DASLLAMA_CUDA_QXN=0 DASLLAMA_CUDA_QXN=1
-      step prof 120 bash -c "cd benchmarks && DASLLAMA_CUDA_QXN=1 python profile_cuda.py --type q8_0 --steps 16"
+    minb)  # forty-third session: the one-token q8 GEMVs at three blocks an SM (80 registers, unspilled)
+      # against four (64, ~100 bytes spilled a thread), and auto (three where the grid fits one wave
+      # of three; the build's default then); the same sums, so the model tests with the default
+      step tests 300 python -m pytest -q -x tests/test_cuda.py -k "greedy_tokens or every_family or fused_decode_ops or gemv_rope"
+      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 3 DASLLAMA_CUDA_MINB1=4 \
+        DASLLAMA_CUDA_MINB1=3 DASLLAMA_CUDA_MINB1=auto
       ;;
-    qxn2)  # why QXN loses: with and without the GLU tail, and ncu of its gate / up GEMV (local memory,
-      # instructions, stalls) beside the default's
-      step ab 240 python benchmarks/ab_cuda.py --types q8_0 --rounds 2 DASLLAMA_CUDA_QXN=0 DASLLAMA_CUDA_QXN=1 \
-        DASLLAMA_CUDA_QXN=0,DASLLAMA_CUDA_TAILS=0 DASLLAMA_CUDA_QXN=1,DASLLAMA_CUDA_TAILS=0
-      for q in 0 1; do
-        step ncu$q 150 env DASLLAMA_CUDA_QXN=$q ncu --clock-control none --kernel-name regex:gemv_q8 \
-          --launch-skip 200 --launch-count 8 --metrics gpu__time_duration.sum,smsp__inst_executed.sum,smsp__warps_launched.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum,dram__bytes_read.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,launch__occupancy_limit_registers \
+    minb2)  # the same with three as the default: the tests, and four beside the default
+      step tests 300 python -m pytest -q -x tests/test_cuda.py -k "greedy_tokens or every_family or fused_decode_ops or gemv_rope or lean or speculated"
+      step ab 200 python benchmarks/ab_cuda.py --types q8_0,q4_0 --rounds 2 DASLLAMA_CUDA_MINB1=4 DASLLAMA_NONE=1
+      for q in 4 3; do
+        [ -n "${NCU:-}" ] || continue
+        step ncu$q 150 env DASLLAMA_CUDA_MINB1=$q ncu --clock-control none --kernel-name regex:gemv_q8 \
+          --launch-skip 200 --launch-count 5 --metrics gpu__time_duration.sum,smsp__inst_executed.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio \
           python benchmarks/bench_cuda_batch.py --batch 1 --steps 6
       done
       ;;
