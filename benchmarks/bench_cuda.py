@@ -121,13 +121,21 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 20 / (time.perf_counter() - t)
 
 
+def load(path: str, device: str):
+    """The model on device; BENCH_MODE=fp32 (a QuantMode name) loads it in that mode, so ab_cuda.py
+    can set modes beside each other as it sets environment variables."""
+    import dasllama as d
+
+    mode = os.environ.get("BENCH_MODE")
+    if mode and mode not in d.QuantMode.__members__:
+        raise SystemExit(f"BENCH_MODE={mode}: not one of {', '.join(d.QuantMode.__members__)}")
+    return d.load_model(path, device=device, **({"mode": d.QuantMode[mode]} if mode else {}))
+
+
 def bench(path: str, device: str, batches, tg: bool = True, greedy: bool = False) -> dict:
     import dasllama as d
 
-    # BENCH_MODE=fp32 (a QuantMode name) loads the model in that mode, so ab_cuda.py can set modes
-    # beside each other as it sets environment variables.
-    mode = os.environ.get("BENCH_MODE")
-    m = d.load_model(path, device=device, **({"mode": d.QuantMode[mode]} if mode else {}))
+    m = load(path, device)
     out = {"weight_bytes": m._m.weight_bytes}
     prompt = list(range(3, 3 + 512))
     # pp512: a fresh session prefilling 512 tokens (best of 3, after a warm-up).

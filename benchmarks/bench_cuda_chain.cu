@@ -195,7 +195,7 @@ int main() {
       CK(cudaGraphInstantiate(&ex, g, 0));
       cudaEvent_t a, b;
       CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
+      CK(cudaEventCreate(&b));
       std::vector<float> t;
       for (int r = 0; r < 12; ++r) {
         CK(cudaEventRecord(a, st));

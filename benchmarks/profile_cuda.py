@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import time
 
-from bench_cuda import SHAPES, write_model
+from bench_cuda import SHAPES, load, write_model
 
 
 def main() -> None:
@@ -45,8 +45,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.gguf")
         write_model(path, args.shape, args.type)
-        mode = os.environ.get("BENCH_MODE")
-        m = d.load_model(path, device="cuda", **({"mode": d.QuantMode[mode]} if mode else {}))
+        m = load(path, "cuda")
         if args.prefill:
             prompt = list(range(3, 3 + args.prefill))
 

@@ -410,8 +410,9 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --batches 4 --rounds 3 DASLLAMA_CUDA_MINB1=4 \
         DASLLAMA_CUDA_MINB1=3 DASLLAMA_CUDA_MINB1=auto
       ;;
-    minb2)  # the same with three as the default: the tests, and four beside the default
-      step tests 300 python -m pytest -q -x tests/test_cuda.py -k "greedy_tokens or every_family or fused_decode_ops or gemv_rope or lean or speculated"
+    minb2)  # the same with three as the default: the tests, and four beside the default (NCU=1: also
+      # ncu of the one-token GEMVs at four and three)
+      step tests 300 python -m pytest -q -x tests/test_cuda.py -k "greedy_tokens or every_family or fused_decode_ops or gemv_rope or speculated"
       step ab 200 python benchmarks/ab_cuda.py --types q8_0,q4_0 --rounds 2 DASLLAMA_CUDA_MINB1=4 DASLLAMA_NONE=1
       for q in 4 3; do
         [ -n "${NCU:-}" ] || continue
@@ -432,7 +433,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, chain, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, chain, modes, minb, minb2, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
