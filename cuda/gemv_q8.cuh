@@ -164,11 +164,6 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
   if (live && u_first < ue) m.load(u_first, q, d);
   wait();
   m.output(j);
-  // An input not yet RMS-normed (one token, GemvJob::xn): its 32-blocks' sums of squares, read
-  // now, added up after the loop (one scale for every sum of the row).
-  double xss = 0;
-  if (j.xn)
-    for (int c = lane; c < nb; c += 32) xss += xload<XL>(j.xn + c);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll
@@ -212,8 +207,6 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
       }
     }
   }
-  float rs = 1.f;
-  if (j.xn) rs = (float)(1.0 / sqrt(warp_sum_d(xss) / cols + j.eps));
   if (ks == 1) {  // the warp holds whole rows: no shared memory (every lane gets each row's sum)
     float mine = 0.f;
 #pragma unroll
@@ -223,7 +216,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
         const float s = 0.f + warp_sum(acc[r][t]);  // (a sum from 0, as with ks > 1: -0 becomes +0)
         if (lane == r * NT + t) mine = s;
       }
-    out(j, m, j.xn ? __fmul_rn(mine, rs) : mine);
+    out(j, m, mine);
     return;
   }
 #pragma unroll
@@ -238,7 +231,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
     float s = 0.f;
     if (lane < R * NT)
       for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t];
-    out(j, m, j.xn ? __fmul_rn(s, rs) : s);
+    out(j, m, s);
   }
 }
 

@@ -43,9 +43,6 @@ struct GemvJob {
   const int8_t* xq = nullptr;
   const float* xd = nullptr;
   const int32_t* xs = nullptr;
-  // One token whose quants are of x * norm_w, not yet RMS-normed (a NORMTAIL GemvTail made them):
-  // per 32-block the sum of squares of x; the sums are scaled by 1 / sqrt(mean + eps) (j.eps).
-  const double* xn = nullptr;
 };
 // Bytes of n rows of quantized activations of `cols` (cols % 32 == 0): quants, scales, sums.
 inline size_t qact_bytes(int64_t n, int64_t cols) { return (size_t)(n * cols + n * (cols / 32) * 8); }
@@ -87,15 +84,11 @@ void gemv_staged(GemvJob j, cudaStream_t st);
 //   round: the block that finishes last rounds row x (RMS-normed times nw when norm; x is
 //          usually the GEMV's own residual output) into q, as quantize_act does;
 //   glu:   over gate = y[0], up = y[1] (count 2, equal rows), the block that completes a 32-row
-//          chunk of both writes out = act(gate, up) and its q8 form into q, as glu_quantize does;
-//   rms:   over x = y[0] (count 1, rows = cols), the block that completes a 32-row chunk writes
-//          the q8 form of x * nw (no RMS scale: that is a common factor the next GEMV applies to
-//          its sums, GemvJob::xn) into q and the chunk's sum of squares into xn. Not quantize_act's
-//          bits: the quants of the row before its norm's scale.
-// cnt: zeroed counters (one for round, rows / 32 for glu and rms), left zeroed. q must not be
-// the buffer the GEMV reads its own input from: the chunks complete while later blocks still read.
+//          chunk of both writes out = act(gate, up) and its q8 form into q, as glu_quantize does.
+// cnt: zeroed counters (one for round, rows / 32 for glu), left zeroed. A glu tail's q is not the
+// scratch its GEMV reads its own input from: chunks complete while later blocks still read it.
 struct GemvTail {
-  enum Kind : int { none = 0, round = 1, glu = 2, rms = 3 } kind = none;
+  enum Kind : int { none = 0, round = 1, glu = 2 } kind = none;
   unsigned* cnt = nullptr;
   const float* x = nullptr;
   bool norm = false;
@@ -105,7 +98,6 @@ struct GemvTail {
   float* out = nullptr;
   int64_t cols = 0;  // of the rounded row
   void* q = nullptr;
-  double* xn = nullptr;  // rms: per 32-block sums of squares
 };
 constexpr int64_t kTailCounters = 4096;  // glu tails: rows up to 32 times this
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t);

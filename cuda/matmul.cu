@@ -799,11 +799,11 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
   int64_t chunk = 0;
   unsigned* c = t.cnt;
   unsigned need = gridDim.x;
-  if (t.kind == GemvTail::glu || t.kind == GemvTail::rms) {
+  if (t.kind == GemvTail::glu) {
     const int64_t bid = blockIdx.x, per_block = (SW / ks) * R;
-    const int mi = j.count > 1 && bid >= j.first_block[1] ? 1 : 0;
+    const int mi = bid >= j.first_block[1] ? 1 : 0;
     chunk = (bid - j.first_block[mi]) * per_block / 32;
-    c += chunk, need = (unsigned)(j.count * (32 / per_block));
+    c += chunk, need = 2 * (unsigned)(32 / per_block);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -820,15 +820,6 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
     if (t.cols <= 2048) round_row_regs<8>(t.x, t.cols, t.norm, t.nw, t.eps, xq, xd, xs);
     else if (t.cols <= 4096) round_row_regs<16>(t.x, t.cols, t.norm, t.nw, t.eps, xq, xd, xs);
     else round_row<true>(t.x, t.cols, t.norm, t.nw, t.eps, 0, threadIdx.x >> 5, 8, xq, xd, xs);
-  } else if (t.kind == GemvTail::rms) {
-    if (threadIdx.x < 32) {  // x * nw of this 32-block rounded, and its sum of squares
-      const int lane = threadIdx.x;
-      const int64_t i = chunk * 32 + lane;
-      const float v = __ldcg(t.x + i);
-      const double ss = warp_sum_d((double)v * v);
-      quant_store(t.nw ? v * __ldg(t.nw + i) : v, lane, i, chunk, xq, xd, xs);
-      if (lane == 0) t.xn[chunk] = ss;
-    }
   } else if (threadIdx.x < 32) {  // as glu_quantize_k's warp for this 32-block
     const int lane = threadIdx.x;
     const int64_t i = chunk * 32 + lane;
@@ -1337,12 +1328,11 @@ bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
   for (int i = 0; i < j.count; ++i)
     if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
   if (t.kind == GemvTail::round) return j.count == 1 && t.x;
+  if (t.kind != GemvTail::glu) return false;
   // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
   const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
-  if (32 % per_block != 0 || t.cols / 32 > kTailCounters) return false;
-  if (t.kind == GemvTail::rms) return j.count == 1 && j.rows[0] == t.cols && t.x == j.y[0] && t.xn;
-  if (t.kind != GemvTail::glu) return false;
-  return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && t.out;
+  return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
+         t.cols / 32 <= kTailCounters;
 }
 
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {

@@ -421,10 +421,10 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           python benchmarks/bench_cuda_batch.py --batch 1 --steps 6
       done
       ;;
-    rms)  # the rms tail (TAILS bit 4) and the GLU tail over several waves: their tests and the
-      # three-block default's, then the tails' A/B
-      step tests 420 python -m pytest -q -x tests/test_cuda.py -k "glu_tail_over or rms_tail or greedy_tokens or every_family or fused_decode_ops or gemv_rope or speculated"
-      step ab 240 python benchmarks/ab_cuda.py --types q8_0,q4_0 --batches 4 --rounds 3 DASLLAMA_CUDA_TAILS=2 DASLLAMA_CUDA_TAILS=6
+    glu)  # the GLU tail writing ffn down's input beside its own (not over it): the tests, the
+      # three-block default's, and the tail against the glu_quantize launch
+      step tests 300 python -m pytest -q -x tests/test_cuda.py -k "glu_tail_over or fused_decode_ops or greedy_tokens or every_family or gemv_rope or speculated"
+      step ab 200 python benchmarks/ab_cuda.py --types q8_0,q4_0 --rounds 3 DASLLAMA_CUDA_TAILS=0 DASLLAMA_CUDA_TAILS=2
       ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
@@ -438,7 +438,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, chain, modes, minb, minb2, rms, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, chain, modes, minb, minb2, glu, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
