@@ -1832,12 +1832,14 @@ class CudaBackend final : public Backend {
   int dev_;
   cudaDeviceProp prop_{};
   // A one-token q8 GEMV does the rounding (bit 1) or the GLU + rounding (bit 2) that follows it
-  // in its own last blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS, default 2).
+  // in its own last blocks instead of a launch (cuda::GemvTail; DASLLAMA_CUDA_TAILS, default 0).
   // The roundings stay off: on the H200 one block rounding a whole row after the others cost
-  // more than the launch (Llama-1B Q8_0 decode 785 -> 718 t/s, RESULTS.md).
+  // more than the launch (Llama-1B Q8_0 decode 785 -> 718 t/s, RESULTS.md). So does the GLU since
+  // the forty-fourth session: with its scratch apart from the GEMV's input, H100 tg256 Q8_0
+  // 1,199 -> 1,235 and Q4_0 1,562 -> 1,616 without it.
   int tails_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
-    return e ? std::atoi(e) & 3 : 2;
+    return e ? std::atoi(e) & 3 : 0;
   }();
   // The Q / K rope and the KV stores after it go out as one launch (Rope2Rec; DASLLAMA_CUDA_ROPEST=0:
   // two launches).

@@ -917,13 +917,18 @@ int rows4() {
   const char* e = std::getenv("DASLLAMA_CUDA_R4");
   return e && std::strcmp(e, "4") == 0 ? 4 : 2;
 }
-// The same for one token (DASLLAMA_CUDA_R1=2 for 2 rows): 4 spill a little there too, but 2
-// measured slower for q8_0 (779 -> 748 t/s) and faster for q4_0 (862 -> 891), so 4 stay.
-int rows1() {
+// The same for one token: 2 for the q8 kernels (int8 activations), 4 for the float-activation
+// ones (f16, bf16; fp32 mode's blocks). DASLLAMA_CUDA_R1=2 or 4 sets both. Once the GLU tail was
+// off, 2 gained for q8 (H100 tg256 Q8_0 1,230 -> 1,259, Q4_0 1,615 -> 1,681) and lost for F16
+// (886 -> 863), RESULTS.md's forty-fourth session; in the eleventh, with the tail and wider kernels,
+// 2 had lost for q8_0 (779 -> 748).
+int rows1(bool q8) {
   const char* e = std::getenv("DASLLAMA_CUDA_R1");
-  return e && std::strcmp(e, "2") == 0 ? 2 : 4;
+  if (e && std::strcmp(e, "2") == 0) return 2;
+  if (e && std::strcmp(e, "4") == 0) return 4;
+  return q8 ? 2 : 4;
 }
-// Blocks an SM a one-token q8 GEMV of `grid` blocks at 4 rows a group is built for: at four its
+// (With DASLLAMA_CUDA_R1=4:) blocks an SM a one-token q8 GEMV of `grid` blocks at 4 rows a group is built for: at four its
 // 64 registers spill ~100 bytes a thread (ncu, H100: the gate / up GEMV stores 491,520 local
 // sectors a launch), at three (80 registers) none for q8_0, 20-44 bytes for q4_0. Three by
 // default: H100 Llama-1B tg256 Q8_0 1,155 -> 1,182, Q4_0 1,459 -> 1,532 (RESULTS.md, forty-third
@@ -954,7 +959,7 @@ template <uint32_t T>
 void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail = GemvTail()) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
-  const bool r2 = rows1() == 2, tl = tail.kind != GemvTail::none;
+  const bool r2 = rows1(true) == 2, tl = tail.kind != GemvTail::none;
   if (j.n == 1 && !r2 && minb1(grid) == 3) {
     if (tl) launch(gemv_q8_k<T, 1, 4, true, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
     else launch(gemv_q8_k<T, 1, 4, false, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -981,7 +986,7 @@ void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const StoreOut o;
-  if (j.n == 1 && rows1() == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  if (j.n == 1 && rows1(false) == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
   else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
   else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
   else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
@@ -993,7 +998,7 @@ template <uint32_t T>
 void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
-  const bool one = j.n == 1, r2 = one ? rows1() == 2 : rows4() == 2;
+  const bool one = j.n == 1, r2 = one ? rows1(j.xq != nullptr) == 2 : rows4() == 2;
   if constexpr (T == T_Q8_0S || T == T_Q4_0S) {
     if (j.xq) {
       if (one && r2) launch(gemv_q8_rope_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
@@ -1009,8 +1014,9 @@ void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) 
   else if (r2) launch(gemv_direct_k<T, 4, 2, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
   else launch(gemv_direct_k<T, 4, 4, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
 }
-// Rows a warp group of the direct kernel takes for n tokens (as launch_direct picks).
-int direct_rows(int n) { return n <= 1 ? rows1() : n <= 4 ? rows4() : n <= 8 ? 4 : 2; }
+// Rows a warp group of the direct kernels takes for n tokens (as launch_direct and launch_q8
+// pick; q8: int8 activations).
+int direct_rows(int n, bool q8) { return n <= 1 ? rows1(q8) : n <= 4 ? rows4() : n <= 8 ? 4 : 2; }
 bool is_direct(uint32_t t) { return t == T_F16 || t == T_BF16 || t == T_Q8_0S || t == T_Q4_0S; }
 int unit_elems(uint32_t t) { return t == T_Q8_0S ? 16 : t == T_Q4_0S ? 32 : 8; }
 
@@ -1287,7 +1293,7 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
       continue;
     }
     const int ks = direct ? direct_ks(j.cols / unit_elems(j.type)) : 1;
-    const int64_t per_block = direct ? SW / ks * direct_rows(p.n) : SW;
+    const int64_t per_block = direct ? SW / ks * direct_rows(p.n, j.xq != nullptr) : SW;
     int64_t b = 0;
     for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
     p.first_block[j.count] = b;
@@ -1330,14 +1336,14 @@ bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
   if (t.kind == GemvTail::round) return j.count == 1 && t.x;
   if (t.kind != GemvTail::glu) return false;
   // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
-  const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1);
+  const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1, true);
   return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
          t.cols / 32 <= kTailCounters;
 }
 
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
   if (!gemv_tail_fits(j, t)) throw Error("cuda: a GEMV tail the kernel does not take");
-  const int ks = gemv_q8_plan(j, direct_rows(1));
+  const int ks = gemv_q8_plan(j, direct_rows(1, true));
   if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(j, ks, st, t);
   else launch_q8<T_Q4_0S>(j, ks, st, t);
   check_launch("matmul (tailed)");
@@ -1357,7 +1363,7 @@ bool gemv_rope_fits(const GemvJob& j, const GemvRope& r) {
 void gemv_roped(GemvJob j, const GemvRope& r, cudaStream_t st) {
   if (!gemv_rope_fits(j, r)) throw Error("cuda: a Q / K / V GEMV the rope epilogue does not take");
   const int ks = direct_ks(j.cols / unit_elems(j.type));
-  const int64_t per_block = SW / ks * direct_rows(j.n);
+  const int64_t per_block = SW / ks * direct_rows(j.n, j.xq != nullptr);
   int64_t b = 0;
   for (int i = 0; i < j.count; ++i) j.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
   j.first_block[j.count] = b;

@@ -426,6 +426,13 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step tests 300 python -m pytest -q -x tests/test_cuda.py -k "glu_tail_over or fused_decode_ops or greedy_tokens or every_family or gemv_rope or speculated"
       step ab 200 python benchmarks/ab_cuda.py --types q8_0,q4_0 --rounds 3 DASLLAMA_CUDA_TAILS=0 DASLLAMA_CUDA_TAILS=2
       ;;
+    defaults44)  # the new one-token defaults (q8 at 2 rows a group, no GLU tail): the tests that cover
+      # those kernels, then the defaults beside the old ones
+      step tests 300 python -m pytest -q -x tests/test_cuda.py -k "glu_tail_over or fused_decode_ops or greedy_tokens or every_family or gemv_rope or speculated or tail or q8_mode"
+      step ops 200 python -m pytest -q -x tests/test_backend_ops.py -k "matmul_q8_mode or matmul_step"
+      step ab 200 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --rounds 3 DASLLAMA_NONE=1 \
+        DASLLAMA_CUDA_R1=4,DASLLAMA_CUDA_TAILS=2
+      ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
       step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \
@@ -438,7 +445,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, chain, modes, minb, minb2, glu, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, chain, modes, minb, minb2, glu, defaults44, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
