@@ -920,17 +920,17 @@ int rows4() {
 // The same for one token: 2 for the q8 kernels (int8 activations), 4 for the float-activation
 // ones (f16, bf16; fp32 mode's blocks). DASLLAMA_CUDA_R1=2 or 4 sets both. Once the GLU tail was
 // off, 2 gained for q8 (H100 tg256 Q8_0 1,230 -> 1,259, Q4_0 1,615 -> 1,681) and lost for F16
-// (886 -> 863), RESULTS.md's forty-fourth session; in the eleventh, with the tail and wider kernels,
-// 2 had lost for q8_0 (779 -> 748).
+// (886 -> 863), RESULTS.md's forty-fourth session; an earlier build had measured 2 slower for
+// q8_0 (779 -> 748).
 int rows1(bool q8) {
   const char* e = std::getenv("DASLLAMA_CUDA_R1");
   if (e && std::strcmp(e, "2") == 0) return 2;
   if (e && std::strcmp(e, "4") == 0) return 4;
   return q8 ? 2 : 4;
 }
-// (With DASLLAMA_CUDA_R1=4:) blocks an SM a one-token q8 GEMV of `grid` blocks at 4 rows a group is built for: at four its
-// 64 registers spill ~100 bytes a thread (ncu, H100: the gate / up GEMV stores 491,520 local
-// sectors a launch), at three (80 registers) none for q8_0, 20-44 bytes for q4_0. Three by
+// With DASLLAMA_CUDA_R1=4, the blocks an SM a one-token q8 GEMV of `grid` blocks at 4 rows a
+// group is built for (2 rows build for four): at four its 64 registers spill ~100 bytes a thread
+// (ncu, H100: the gate / up GEMV stores 491,520 local sectors a launch), at three (80 registers) none for q8_0, 20-44 bytes for q4_0. Three by
 // default: H100 Llama-1B tg256 Q8_0 1,155 -> 1,182, Q4_0 1,459 -> 1,532 (RESULTS.md, forty-third
 // session), though gate / up and down alone take longer at three (more waves). DASLLAMA_CUDA_MINB1=4
 // for four, `auto` for three only where the grid fits one wave of three an SM (Q / K / V, O: Q4_0
