@@ -930,11 +930,11 @@ int rows1(bool q8) {
 }
 // With DASLLAMA_CUDA_R1=4, the blocks an SM a one-token q8 GEMV of `grid` blocks at 4 rows a
 // group is built for (2 rows build for four): at four its 64 registers spill ~100 bytes a thread
-// (ncu, H100: the gate / up GEMV stores 491,520 local sectors a launch), at three (80 registers) none for q8_0, 20-44 bytes for q4_0. Three by
-// default: H100 Llama-1B tg256 Q8_0 1,155 -> 1,182, Q4_0 1,459 -> 1,532 (RESULTS.md, forty-third
-// session), though gate / up and down alone take longer at three (more waves). DASLLAMA_CUDA_MINB1=4
-// for four, `auto` for three only where the grid fits one wave of three an SM (Q / K / V, O: Q4_0
-// 1,548, Q8_0 1,159); read at each launch.
+// (ncu, H100: the gate / up GEMV stores 491,520 local sectors a launch), at three (80 registers)
+// none for q8_0, 20-44 bytes for q4_0. Three by default: H100 Llama-1B tg256 Q8_0 1,155 -> 1,182,
+// Q4_0 1,459 -> 1,532 (RESULTS.md, forty-third session), though gate / up and down alone take
+// longer at three (more waves). DASLLAMA_CUDA_MINB1=4 for four, `auto` for three only where the
+// grid fits one wave of three an SM (Q / K / V, O: Q4_0 1,548, Q8_0 1,159); read at each launch.
 int minb1(unsigned grid) {
   static const int sms = [] {
     int dev = 0, v = 0;

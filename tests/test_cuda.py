@@ -526,7 +526,8 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
 def test_glu_tail_over_several_waves(files, tmp_path, monkeypatch):
     """The GLU tail's 32-row chunks complete while blocks of the same gate / up GEMV that started
     later still read their input: over a grid of more blocks than the GPU holds at once (ffn
-    8192 over hidden 1024: 512 blocks of 32 rows, against three an SM on 132 SMs), the tail gives
+    8192 over hidden 1024: 1,024 blocks of 16 rows at two rows a warp group, against four an SM on
+    132 SMs; f7ceb50's build, whose tail wrote over its GEMV's input, gave NaN logits), the tail gives
     the logits of separate launches bit for bit (it writes the down projection's input beside the
     GEMV's own, not over it); q8_0 and q4_0, an f16 and a q8_0 cache."""
     paths = _llama_file(tmp_path, 1024, 16, 4, 8192)
