@@ -746,6 +746,8 @@ class CudaBackend final : public Backend {
     if (name == "attn_gqa") return gqa_attn_;
     if (name == "attn_wide") return wide_attn_;
     if (name == "gemv_rope") return gemv_rope_;
+    if (name == "gemv_loop") return loop_gemvs_;
+    if (name == "gemv_loop_qx") return loop_qx_;
     return 0;
   }
   void matmul_step(const MatmulStep& s) override {
@@ -1250,7 +1252,21 @@ class CudaBackend final : public Backend {
     if (mma ? !cuda::mma_q8_fits(j) : !cuda::gemv_staged_fits(j)) return false;
     max_rows_ = std::max(max_rows_, s.n);
     const GluRec& g = glu_;
-    if (q8 && reuse_q_) {
+    // One decode token's input that neither the GLU nor the attention just recorded rounds as
+    // it writes it (a normed row: Q / K / V, gate / up, the head): the persistent GEMV rounds it
+    // itself (GemvJob::loop 2), normed on the way where s.norm.
+    const AttnRec& ar0 = attn_;
+    const bool from_glu = rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x;
+    const bool from_attn = attnq_ && rec_ && !s.norm && kvq_.empty() && ar0.at + 1 == ops_.size() && ar0.out == s.x;
+    const bool lqx = q8 && !mma && !kq && (loop_ & 1) && s.n == 1 && !from_glu && !from_attn && !reuse_q_ && [&] {
+      cuda::GemvJob t = j;
+      t.loop = 2, t.x = s.x, t.norm = s.norm, t.norm_w = s.norm ? s.norm_w : nullptr, t.eps = s.eps;
+      return cuda::gemv_staged_fits(t);
+    }();
+    if (lqx) {
+      j.loop = 2 | (loop_ & 4), j.x = s.x, j.norm = s.norm, j.norm_w = s.norm ? s.norm_w : nullptr, j.eps = s.eps;
+      ++loop_qx_;
+    } else if (q8 && reuse_q_) {
       // (mixed_k: the run before rounded x into this scratch)
     } else if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
         g.dim == j.cols) {
@@ -1328,6 +1344,12 @@ class CudaBackend final : public Backend {
            norm, nw, eps, qb);
       }
     }
+    if (q8 && !mma && !kq && s.n == 1 && (loop_ & 2) && !j.loop) {  // the persistent GEMV over x rounded before
+      cuda::GemvJob t = j;
+      t.loop = 1 | (loop_ & 4);
+      if (cuda::gemv_staged_fits(t)) j = t;
+    }
+    if (j.loop) ++loop_gemvs_;
     if (!rec_) {
       mma ? cuda::mma_q8(j, st_) : cuda::gemv_staged(j, st_);
       return true;
@@ -1860,6 +1882,13 @@ class CudaBackend final : public Backend {
     const char* e = std::getenv("DASLLAMA_CUDA_QX");
     return e && std::strcmp(e, "1") == 0;
   }();
+  // One decode token's q8 GEMVs as persistent grids (cuda::GemvJob::loop; DASLLAMA_CUDA_LOOP, bits):
+  // 1, those over a normed input round it themselves (no quantize_act launch); 2, the others loop
+  // too (O, down, over x rounded before them); 4, with 1 or 2: each block asks its next weights into L2.
+  int loop_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_LOOP");
+    return e ? std::atoi(e) & 7 : 0;
+  }();
   // Tokens from which q8 matmuls take the int8 mma kernel (DASLLAMA_CUDA_MMA_MIN; 0: never).
   int64_t mma_min_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_MMA_MIN");
@@ -1903,6 +1932,7 @@ class CudaBackend final : public Backend {
   size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;
   int64_t gemv_rope_ = 0;  // Q / K / V GEMVs recorded with the rope and KV stores (path_count)
+  int64_t loop_gemvs_ = 0, loop_qx_ = 0;  // persistent GEMVs recorded, and those rounding x (path_count)
   int64_t gqa_attn_ = 0;  // attentions issued or recorded on the grouped-query kernel (path_count)
   int64_t wide_attn_ = 0;  // those of them on its wide block, one row unsplit (path_count)
   float* pinned_ = nullptr;  // host_staging's buffer

@@ -144,9 +144,14 @@ struct StoreOut {
 // the weight and activation scales. wait() runs once the first round of weights is in flight (the
 // weights are constant; x may not be ready before it). U units of each row are in flight per lane
 // (any U gives the same sums: each lane adds its units in increasing order). A caller that runs
-// several blocks in one (the fused layer) syncs the block between them (red is reused).
+// several blocks in one (the fused layer) syncs the block between them (red is reused). xq / xd /
+// xs, where given, replace the job's (a kernel's shared copy: changing j instead puts the whole
+// job into local memory).
 template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait, class Out = StoreOut>
-__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait, Out out = Out()) {
+__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait, Out out = Out(),
+                                              const int8_t* xq = nullptr, const float* xd = nullptr,
+                                              const int32_t* xs = nullptr) {
+  if (!xq) xq = j.xq, xd = j.xd, xs = j.xs;
   constexpr int UE = Unit<T>::e;
   __shared__ float red[SW][R][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -174,8 +179,8 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         if (t >= j.n) continue;
-        const int8_t* xr = j.xq + t * cols + u * UE;
-        const float dx = xload<XL>(j.xd + t * nb + b);
+        const int8_t* xr = xq + t * cols + u * UE;
+        const float dx = xload<XL>(xd + t * nb + b);
         if constexpr (T == T_Q8_0S) {
           const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr));
 #pragma unroll
@@ -189,7 +194,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
         } else {
           const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr)),
                      xb = xload<XL>(reinterpret_cast<const int4*>(xr) + 1);
-          const int off = 8 * xload<XL>(j.xs + t * nb + b);
+          const int off = 8 * xload<XL>(xs + t * nb + b);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const uint4 wq = q[k][r];

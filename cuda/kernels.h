@@ -43,6 +43,11 @@ struct GemvJob {
   const int8_t* xq = nullptr;
   const float* xd = nullptr;
   const int32_t* xs = nullptr;
+  // One token's q8 GEMV as a persistent grid (gemv_loop_k, DASLLAMA_CUDA_LOOP): 1, its blocks
+  // loop over the job's blocks; 2, each also rounds x (RMS-normed times norm_w when norm; cols
+  // <= 2048) into its shared memory first, so no quantize_act launch comes before it; bit 4, each
+  // block asks its next job block's weights into L2 (one bulk prefetch) before summing the current.
+  int loop = 0;
 };
 // Bytes of n rows of quantized activations of `cols` (cols % 32 == 0): quants, scales, sums.
 inline size_t qact_bytes(int64_t n, int64_t cols) { return (size_t)(n * cols + n * (cols / 32) * 8); }

@@ -540,6 +540,33 @@ def test_glu_tail_over_several_waves(files, tmp_path, monkeypatch):
                 f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
 
 
+@pytest.mark.parametrize("loop", ["1", "3", "7"])
+def test_persistent_gemv_equals_separate_launches(files, tmp_path, monkeypatch, loop):
+    """One decode token's q8 GEMVs as persistent grids (DASLLAMA_CUDA_LOOP: bit 1, those over a
+    normed input round it in each block's shared memory instead of a quantize_act launch before
+    them; bit 2, the others loop too; bit 4, each block asks its next weights into L2) give the
+    default launches' logits bit for bit: decode steps (the rope epilogue's Q / K / V GEMV
+    included, over an f16 cache; a q8_0 cache keeps the rope launch) and batched steps (which never
+    take it), q8_0 and q4_0, head sizes 32 and 64, and a grid of several rounds a block (ffn 8192
+    over hidden 1024: more job blocks than the grid holds); and the persistent GEMVs ran."""
+    shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
+              "wide": _llama_file(tmp_path, 1024, 16, 4, 8192)}
+    for name, paths in shapes.items():
+        for ft in ("q8_0", "q4_0"):
+            for kv in (d.KVDtype.f16, d.KVDtype.q8_0):
+                n_steps = 24 if name == "wide" else 60
+                want, _ = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_LOOP": "0"}, monkeypatch, n_steps=n_steps)
+                got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_LOOP": loop}, monkeypatch, n_steps=n_steps)
+                n_qx, n_loop = m._m.path_count("gemv_loop_qx"), m._m.path_count("gemv_loop")
+                # per layer Q / K / V and gate / up over normed inputs, then the head's; O and down
+                assert n_qx >= 5 * n_steps and n_loop >= (n_qx if loop == "1" else 2 * n_qx), (name, ft, n_qx, n_loop)
+                assert np.array_equal(got, want), f"{name} {ft} kv {kv.name} LOOP={loop}: logits differ, max " \
+                    f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
+            want, _ = _batch_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_LOOP": "0"}, monkeypatch)
+            got, _ = _batch_steps(paths[ft], d.KVDtype.f16, {"DASLLAMA_CUDA_LOOP": loop}, monkeypatch)
+            assert np.array_equal(got, want), f"{name} {ft} LOOP={loop}: batched logits differ"
+
+
 def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):
     """The Q / K / V GEMV that also ropes Q and K and stores K and V into the cache
     (cuda::gemv_roped, the default where it fits: normal rope, f16 / f32 caches, 1-4 tokens) gives

@@ -433,6 +433,12 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step ab 200 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --rounds 3 DASLLAMA_NONE=1 \
         DASLLAMA_CUDA_R1=4,DASLLAMA_CUDA_TAILS=2
       ;;
+    loop)  # the one-token q8 GEMVs as persistent grids (DASLLAMA_CUDA_LOOP): bit for bit, then timed
+      step tests 400 python -m pytest -q -x tests/test_cuda.py -k "persistent_gemv"
+      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0 --rounds 3 DASLLAMA_CUDA_LOOP=0 \
+        DASLLAMA_CUDA_LOOP=1 DASLLAMA_CUDA_LOOP=3 DASLLAMA_CUDA_LOOP=5 DASLLAMA_CUDA_LOOP=7
+      step prof 120 env DASLLAMA_CUDA_LOOP=3 python benchmarks/profile_cuda.py --type q8_0 --steps 16
+      ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
       step table 560 python benchmarks/bench_gpu_peers.py --types q8_0,q4_0,f16,q4_k_m --rounds 2 \
@@ -445,7 +451,7 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
           --ours cuda,vulkan --llama-bench /tmp/lb.sh --llama-server /tmp/skb/llama-server
       done
       ;;
-    *) echo "unknown stage $stage (checks, defaults, chain, modes, minb, minb2, glu, defaults44, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
+    *) echo "unknown stage $stage (checks, defaults, chain, modes, minb, minb2, glu, defaults44, loop, s44, s43, s42, s41, s41b, s41c, s41p, s40, s39b, s38, s38b, s38c, vk_new, cuda_new, s29, s30, s32, s32b, s32c, s32d, s33, s34, s36, s37, fold, rope, early, gqa, vk_ki8, cublas, cm2, vk_defaults, compat, cuda, vulkan, peers, small)" ;;
   esac
 done
 echo "gpu_plan: $* in $((SECONDS - t_all)) s"
