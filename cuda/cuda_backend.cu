@@ -1285,7 +1285,8 @@ class CudaBackend final : public Backend {
         cuda::point_qact(j, t.q, 1, cols);  // (ffn down reads the tail's scratch)
         ops_.pop_back();
         const cuda::GemvJob rj = r.j;
-        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
+        const auto nx = r.nx;
+        ops_.back() = [rj, t, nx](cudaStream_t st) { cuda::gemv_tailed(with_next(rj, nx), t, st); };
         sig1(Tag::gemv_tail), sig1(t.cnt);
         gemv_.at = SIZE_MAX, ++fused_ops_;
       } else {
@@ -1336,7 +1337,8 @@ class CudaBackend final : public Backend {
           (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
         // The GEMV just recorded wrote x (a residual row): its last block rounds it.
         const cuda::GemvJob rj = r.j;
-        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
+        const auto nx = r.nx;
+        ops_.back() = [rj, t, nx](cudaStream_t st) { cuda::gemv_tailed(with_next(rj, nx), t, st); };
         sig1(Tag::gemv_tail), sig1(t.cnt), sig1(x), sig1(cols), sig1(norm), sig1(nw), sig1(eps), sig1(qb);
         gemv_.at = SIZE_MAX, ++fused_ops_;
       } else {
@@ -1358,10 +1360,26 @@ class CudaBackend final : public Backend {
     sig1(Tag::gemv), sig1(mma);
     const auto* p = reinterpret_cast<const uint8_t*>(&j);
     sig_.insert(sig_.end(), p, p + sizeof j);
+    // A one-token q8 GEMV: its weights are what the one before asks into L2 (PF_NEXT), and it
+    // asks for the next one's.
+    std::shared_ptr<cuda::NextWeights> nx;
+    if (q8 && !mma && !kq && s.n == 1 && pf_next_ > 0) {
+      if (last_nx_) {
+        cuda::NextWeights& w = *last_nx_;
+        uint64_t left = pf_next_;
+        for (int i = 0; i < 2 && i < j.count && left > 0; ++i) {
+          const uint64_t b = std::min<uint64_t>(left, (uint64_t)j.rows[i] * j.rb[i]) & ~uint64_t(15);
+          w.p[i] = j.w[i], w.n[i] = (uint32_t)b, left -= b;
+        }
+        w.blocks = 4 * prop_.multiProcessorCount;
+      }
+      nx = last_nx_ = std::make_shared<cuda::NextWeights>();
+    }
     if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
+    else if (nx) ops_.emplace_back([j, nx](cudaStream_t st) { cuda::gemv_staged(with_next(j, nx), st); });
     else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
-    if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j};
-    if (!mma && !kq && s.count == 3 && !s.residual && s.n <= 4) qkv_ = GemvRec{ops_.size() - 1, j};
+    if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j, nx};
+    if (!mma && !kq && s.count == 3 && !s.residual && s.n <= 4) qkv_ = GemvRec{ops_.size() - 1, j, nx};
     return true;
   }
   // A step over K-quants of more than one type (a Q4_K_M file's Q / K beside a q6_K V, in half its
@@ -1438,11 +1456,12 @@ class CudaBackend final : public Backend {
       // The Q / K / V GEMV before that rope does both in its epilogue (one launch, not two).
       ops_.pop_back();
       const cuda::GemvJob j = qkv_.j;
+      const auto nx = qkv_.nx;
       sig1(Tag::gemv_rope), sig1(cnt), sig1(off);
       ops_.back() = [=](cudaStream_t s) {
         cuda::GemvRope r = g;
         r.d = reinterpret_cast<const cuda::KVStoreDesc*>(static_cast<uint8_t*>(dblob_->data()) + off);
-        cuda::gemv_roped(j, r, s);
+        cuda::gemv_roped(with_next(j, nx), r, s);
       };
       if (gemv_.at == qkv_.at) gemv_.at = SIZE_MAX;
       rope2_.at = SIZE_MAX, qkv_.at = SIZE_MAX, ++fused_ops_, ++gemv_rope_;
@@ -1566,12 +1585,19 @@ class CudaBackend final : public Backend {
   struct GemvRec {
     size_t at = SIZE_MAX;
     cuda::GemvJob j;
+    std::shared_ptr<cuda::NextWeights> nx;  // (PF_NEXT: filled when the next GEMV is recorded)
   } gemv_;
+  std::shared_ptr<cuda::NextWeights> last_nx_;  // the last one-token q8 GEMV's, this step
+  static cuda::GemvJob with_next(cuda::GemvJob j, const std::shared_ptr<cuda::NextWeights>& nx) {
+    if (nx) j.next = *nx;
+    return j;
+  }
   GemvRec qkv_;  // the last GEMV of three matrices and 1-4 tokens (a Q / K / V one), for rope_in_gemv
   void clear_step() {
     chains_.clear();
     rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
     qkv_.at = SIZE_MAX;
+    last_nx_.reset();
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
     parts_rec_ = LogitParts();
@@ -1888,6 +1914,13 @@ class CudaBackend final : public Backend {
   int loop_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_LOOP");
     return e ? std::atoi(e) & 7 : 0;
+  }();
+  // Bytes of the next one-token q8 GEMV's weights each one asks into L2 as its last blocks end
+  // (DASLLAMA_CUDA_PF_NEXT, MiB; 0: none).
+  uint64_t pf_next_ = [] {
+    const char* e = std::getenv("DASLLAMA_CUDA_PF_NEXT");
+    const long v = e ? std::atol(e) : 0;
+    return v > 0 ? (uint64_t)std::min(v, 1024L) << 20 : 0;
   }();
   // Tokens from which q8 matmuls take the int8 mma kernel (DASLLAMA_CUDA_MMA_MIN; 0: never).
   int64_t mma_min_ = [] {

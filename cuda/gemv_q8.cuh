@@ -56,6 +56,28 @@ __device__ __forceinline__ int unit_group(const uint4& q, int h, float v[8]) {
   }
 }
 
+// Block k of nb's slice of the next GEMV's weights, asked into L2 by one thread (NextWeights).
+__device__ __forceinline__ void prefetch_next(const NextWeights& nx, int k, int nb) {
+  if (threadIdx.x != 0 || k < 0 || k >= nb) return;
+  const uint64_t tot = (uint64_t)nx.n[0] + nx.n[1];
+  const uint64_t per = ((tot + nb - 1) / nb + 15) & ~uint64_t(15);
+  uint64_t a = (uint64_t)k * per;
+  const uint64_t e = a + per < tot ? a + per : tot;
+  for (int r = 0; r < 2 && a < e; ++r) {
+    const uint64_t lo = r == 0 ? 0 : nx.n[0], hi = lo + nx.n[r];
+    if (a >= hi) continue;
+    const uint64_t b = e < hi ? e : hi;
+    prefetch_l2(nx.p[r] + (a - lo), (uint32_t)(b - a));
+    a = b;
+  }
+}
+// The last nx.blocks blocks of a grid each take a slice.
+__device__ __forceinline__ void prefetch_next_tail(const NextWeights& nx) {
+  if (nx.blocks <= 0) return;
+  const int nb = nx.blocks < (int)gridDim.x ? nx.blocks : (int)gridDim.x;
+  prefetch_next(nx, (int)blockIdx.x - ((int)gridDim.x - nb), nb);
+}
+
 // Where the GEMV reads its quantized activations: through the read-only path (written by an
 // earlier kernel), from shared memory, or from L2 (written earlier in the same kernel by other
 // blocks, so L1 may hold stale lines).

@@ -836,6 +836,7 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bo
     if (early) pdl_wait(), pdl_trigger();
   });
   if constexpr (kTail) gemv_tail<R>(j, ks, tail);
+  prefetch_next_tail(j.next);
 }
 
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
@@ -898,6 +899,7 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_rope_k(GemvJob j, int k
   gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
     if (early) pdl_wait(), pdl_trigger();
   }, out);
+  prefetch_next_tail(j.next);
 }
 
 // One token's q8 GEMV as a persistent grid (GemvJob::loop): each block runs gemv_q8_block for
@@ -942,6 +944,7 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_loop_k(const GemvJob j, in
     first = false;
     if (ks > 1) __syncthreads();  // (gemv_q8_block's shared partial sums, reused by the next)
   }
+  if (j.next.blocks > 0) prefetch_next(j.next, (int)blockIdx.x, (int)gridDim.x);  // (every block is of the last wave)
 }
 
 // Whether the GEMVs issue their first weight loads before waiting for the kernel before them

@@ -433,11 +433,13 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step ab 200 python benchmarks/ab_cuda.py --types q8_0,q4_0,f16 --rounds 3 DASLLAMA_NONE=1 \
         DASLLAMA_CUDA_R1=4,DASLLAMA_CUDA_TAILS=2
       ;;
-    loop)  # the one-token q8 GEMVs as persistent grids (DASLLAMA_CUDA_LOOP): bit for bit, then timed
-      step tests 400 python -m pytest -q -x tests/test_cuda.py -k "persistent_gemv"
-      step ab 300 python benchmarks/ab_cuda.py --types q8_0,q4_0 --rounds 3 DASLLAMA_CUDA_LOOP=0 \
-        DASLLAMA_CUDA_LOOP=1 DASLLAMA_CUDA_LOOP=3 DASLLAMA_CUDA_LOOP=5 DASLLAMA_CUDA_LOOP=7
+    loop)  # the one-token q8 GEMVs as persistent grids (DASLLAMA_CUDA_LOOP), the next GEMV's weights
+      # asked into L2 (DASLLAMA_CUDA_PF_NEXT): timed, then bit for bit
+      step ab 420 python benchmarks/ab_cuda.py --types q8_0,q4_0 --rounds 2 DASLLAMA_CUDA_LOOP=0 \
+        DASLLAMA_CUDA_LOOP=1 DASLLAMA_CUDA_LOOP=3 DASLLAMA_CUDA_LOOP=7 DASLLAMA_CUDA_PF_NEXT=8 \
+        DASLLAMA_CUDA_PF_NEXT=32 DASLLAMA_CUDA_LOOP=3,DASLLAMA_CUDA_PF_NEXT=8
       step prof 120 env DASLLAMA_CUDA_LOOP=3 python benchmarks/profile_cuda.py --type q8_0 --steps 16
+      step tests 500 python -m pytest -q -x tests/test_cuda.py -k "persistent_gemv"
       ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
