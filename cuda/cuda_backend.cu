@@ -1363,7 +1363,8 @@ class CudaBackend final : public Backend {
     // A one-token q8 GEMV: its weights are what the one before asks into L2 (PF_NEXT), and it
     // asks for the next one's.
     std::shared_ptr<cuda::NextWeights> nx;
-    if (q8 && !mma && !kq && s.n == 1 && pf_next_ > 0) {
+    const bool f16_gemv = !q8 && (j.type == cuda::T_F16 || j.type == cuda::T_BF16);
+    if (!mma && s.n == 1 && pf_next_ > 0 && (q8 ? !kq : f16_gemv)) {
       if (last_nx_) {
         cuda::NextWeights& w = *last_nx_;
         uint64_t left = pf_next_;

@@ -654,6 +654,7 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
     if (lane == 0) red[warp][R][t] = qs;
   }
   __syncthreads();
+  prefetch_next_tail(j.next);
   if (m.part != 0) return;  // (warp-uniform)
   float s = 0.f;
   if (lane < R * NT) {

@@ -573,6 +573,11 @@ def test_persistent_gemv_equals_separate_launches(files, tmp_path, monkeypatch, 
             want, _ = _batch_steps(paths[ft], d.KVDtype.f16, base, monkeypatch)
             got, _ = _batch_steps(paths[ft], d.KVDtype.f16, base | on, monkeypatch)
             assert np.array_equal(got, want), f"{name} {ft} {env}: batched logits differ"
+    if "DASLLAMA_CUDA_PF_NEXT" in on:  # f16 weights' one-token GEMVs (gemv_direct_k) ask too
+        path = files["llama"]["f16"]
+        want, _ = _decode_steps(path, d.KVDtype.f16, base, monkeypatch, n_steps=40)
+        got, _ = _decode_steps(path, d.KVDtype.f16, base | on, monkeypatch, n_steps=40)
+        assert np.array_equal(got, want), f"f16 {env}: logits differ"
 
 
 def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):

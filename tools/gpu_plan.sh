@@ -438,6 +438,8 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
       step ab 420 python benchmarks/ab_cuda.py --types q8_0,q4_0 --rounds 2 DASLLAMA_CUDA_LOOP=0 \
         DASLLAMA_CUDA_LOOP=1 DASLLAMA_CUDA_LOOP=3 DASLLAMA_CUDA_LOOP=7 DASLLAMA_CUDA_PF_NEXT=8 \
         DASLLAMA_CUDA_PF_NEXT=32 DASLLAMA_CUDA_LOOP=3,DASLLAMA_CUDA_PF_NEXT=8
+      step abf16 200 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_PF_NEXT=0 \
+        DASLLAMA_CUDA_PF_NEXT=8 DASLLAMA_CUDA_PF_NEXT=32
       step prof 120 env DASLLAMA_CUDA_LOOP=3 python benchmarks/profile_cuda.py --type q8_0 --steps 16
       step tests 500 python -m pytest -q -x tests/test_cuda.py -k "persistent_gemv"
       ;;
