@@ -440,8 +440,8 @@ attn_kv_fold_alike or attn_pmerge_alike or gemv_glu_tail_alike or gemv_tails or 
         DASLLAMA_CUDA_PF_NEXT=32 DASLLAMA_CUDA_LOOP=3,DASLLAMA_CUDA_PF_NEXT=8
       step abf16 200 python benchmarks/ab_cuda.py --types f16 --rounds 2 DASLLAMA_CUDA_PF_NEXT=0 \
         DASLLAMA_CUDA_PF_NEXT=8 DASLLAMA_CUDA_PF_NEXT=32
-      step prof 120 env DASLLAMA_CUDA_LOOP=3 python benchmarks/profile_cuda.py --type q8_0 --steps 16
-      step tests 500 python -m pytest -q -x tests/test_cuda.py -k "persistent_gemv"
+      step tests 240 python -m pytest -q -x tests/test_cuda.py -k "persistent_gemv"
+      step prof 90 env DASLLAMA_CUDA_LOOP=3 python benchmarks/profile_cuda.py --type q8_0 --steps 16
       ;;
     peers)  # the issues' side-by-side table: ours (CUDA, Vulkan) beside llama.cpp's CUDA and Vulkan builds
       # (batched rows beside llama-batched-bench's where .peers/llcuda.tar.xz has it: /tmp/lbb.sh)
