@@ -169,10 +169,13 @@ struct StoreOut {
 // several blocks in one (the fused layer) syncs the block between them (red is reused). xq / xd /
 // xs, where given, replace the job's (a kernel's shared copy: changing j instead puts the whole
 // job into local memory).
-template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait, class Out = StoreOut>
+struct NoPre {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait, class Out = StoreOut, class Pre = NoPre>
 __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait, Out out = Out(),
                                               const int8_t* xq = nullptr, const float* xd = nullptr,
-                                              const int32_t* xs = nullptr) {
+                                              const int32_t* xs = nullptr, Pre pre = Pre()) {
   if (!xq) xq = j.xq, xd = j.xd, xs = j.xs;
   constexpr int UE = Unit<T>::e;
   __shared__ float red[SW][R][NT];
@@ -188,6 +191,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
   float d[U][R];
   const int u_first = m.ub + lane, ue = m.ue;
   const bool live = m.left > 0;
+  pre();  // (before the first weights: loads it issues go first)
   if (live && u_first < ue) m.load(u_first, q, d);
   wait();
   m.output(j);
@@ -270,16 +274,29 @@ constexpr int kQuantMax = 8 * SW * 32;
 // by the whole block of SW warps (x read as XL says). Thread (warp w, lane l) holds elements 32 (w + 8 k) + l: the strided
 // order of quantize_act_k's sum of squares (double; warp sums, then the 8 warps in order) and
 // lane l of block w + 8 k for its rounding (quant_store), from one read of x.
+// quant_smem in two halves: the loads of x into v, then the rounding (a caller may issue other
+// loads between them).
+constexpr int kQuantPer = kQuantMax / (SW * 32);
 template <XLoad XL>
-__device__ __forceinline__ void quant_smem(const float* x, int64_t cols, bool norm, const float* nw, float eps,
-                                           int8_t* xq, float* xd, int32_t* xs, double* red) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float v[kQuantMax / (SW * 32)];
+__device__ __forceinline__ void quant_smem_load(const float* x, int64_t cols, float (&v)[kQuantPer]) {
 #pragma unroll
-  for (int k = 0; k < kQuantMax / (SW * 32); ++k) {
+  for (int k = 0; k < kQuantPer; ++k) {
     const int64_t i = threadIdx.x + (int64_t)k * (SW * 32);
     v[k] = i < cols ? xload<XL>(x + i) : 0.f;
   }
+}
+__device__ __forceinline__ void quant_smem_round(const float (&v)[kQuantPer], int64_t cols, bool norm, const float* nw,
+                                                 float eps, int8_t* xq, float* xd, int32_t* xs, double* red);
+template <XLoad XL>
+__device__ __forceinline__ void quant_smem(const float* x, int64_t cols, bool norm, const float* nw, float eps,
+                                           int8_t* xq, float* xd, int32_t* xs, double* red) {
+  float v[kQuantPer];
+  quant_smem_load<XL>(x, cols, v);
+  quant_smem_round(v, cols, norm, nw, eps, xq, xd, xs, red);
+}
+__device__ __forceinline__ void quant_smem_round(const float (&v)[kQuantPer], int64_t cols, bool norm, const float* nw,
+                                                 float eps, int8_t* xq, float* xd, int32_t* xs, double* red) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float sc = 1.f;
   if (norm) {
     double ss = 0;

@@ -923,6 +923,7 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_loop_k(const GemvJob j, in
   const float eps = j.eps;
   const int nvb = (int)j.first_block[j.count];
   bool first = true;
+  float v[kQuantPer];  // (kQX: x, loaded after the wait and before the first weights, rounded while they come)
   for (int vb = (int)blockIdx.x; vb < nvb; vb += (int)gridDim.x) {
     if (kPF && threadIdx.x == 0 && vb + (int)gridDim.x < nvb) {
       const int nb = vb + (int)gridDim.x, per = (SW / ks) * 2;  // the next job block, its rows
@@ -936,12 +937,18 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_loop_k(const GemvJob j, in
       const int64_t n = rows - r0 < per ? rows - r0 : per;
       prefetch_l2(w + r0 * rb, (uint32_t)(n * rb));
     }
-    gemv_q8_block<T, 1, 2, kQX ? XLoad::shared : XLoad::nc>(j, ks, vb, [first, x, nw, cols, norm, eps] {
+    const auto pre = [&] {
       if (!first) return;
       pdl_wait();
       pdl_trigger();
-      if constexpr (kQX) quant_smem<XLoad::nc>(x, cols, norm, nw, eps, sq, sd, ss, red);
-    }, out, kQX ? sq : nullptr, kQX ? sd : nullptr, kQX ? ss : nullptr);
+      if constexpr (kQX) quant_smem_load<XLoad::nc>(x, cols, v);
+    };
+    const auto wait = [&] {
+      if constexpr (kQX)
+        if (first) quant_smem_round(v, cols, norm, nw, eps, sq, sd, ss, red);
+    };
+    gemv_q8_block<T, 1, 2, kQX ? XLoad::shared : XLoad::nc>(j, ks, vb, wait, out, kQX ? sq : nullptr,
+                                                            kQX ? sd : nullptr, kQX ? ss : nullptr, pre);
     first = false;
     if (ks > 1) __syncthreads();  // (gemv_q8_block's shared partial sums, reused by the next)
   }
