@@ -122,13 +122,6 @@ bool tensor_cores();
 // k<<<grid, block, smem, st>>>(args...), as a dependent launch where pdl_on() and st is
 // being captured into a graph (the decode steps, whose many small kernels gain from it;
 // prefill's large grids, launched directly, measured 25 % slower with it on the H200).
-// Asks n bytes at p (both multiples of 16) into L2 with one bulk request (sm_90; elsewhere a no-op):
-// a whole block's weights on their way while the block still sums the ones it holds.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
-#endif
-}
 // Only for kernels that call pdl_wait() as said above.
 // With `cluster` (sm_90+), blocks form thread-block clusters of those dimensions.
 template <class... P, class... A>

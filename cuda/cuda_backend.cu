@@ -746,8 +746,6 @@ class CudaBackend final : public Backend {
     if (name == "attn_gqa") return gqa_attn_;
     if (name == "attn_wide") return wide_attn_;
     if (name == "gemv_rope") return gemv_rope_;
-    if (name == "gemv_loop") return loop_gemvs_;
-    if (name == "gemv_loop_qx") return loop_qx_;
     return 0;
   }
   void matmul_step(const MatmulStep& s) override {
@@ -1252,21 +1250,7 @@ class CudaBackend final : public Backend {
     if (mma ? !cuda::mma_q8_fits(j) : !cuda::gemv_staged_fits(j)) return false;
     max_rows_ = std::max(max_rows_, s.n);
     const GluRec& g = glu_;
-    // One decode token's input that neither the GLU nor the attention just recorded rounds as
-    // it writes it (a normed row: Q / K / V, gate / up, the head): the persistent GEMV rounds it
-    // itself (GemvJob::loop 2), normed on the way where s.norm.
-    const AttnRec& ar0 = attn_;
-    const bool from_glu = rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x;
-    const bool from_attn = attnq_ && rec_ && !s.norm && kvq_.empty() && ar0.at + 1 == ops_.size() && ar0.out == s.x;
-    const bool lqx = q8 && !mma && !kq && (loop_ & 1) && s.n == 1 && !from_glu && !from_attn && !reuse_q_ && [&] {
-      cuda::GemvJob t = j;
-      t.loop = 2, t.x = s.x, t.norm = s.norm, t.norm_w = s.norm ? s.norm_w : nullptr, t.eps = s.eps;
-      return cuda::gemv_staged_fits(t);
-    }();
-    if (lqx) {
-      j.loop = 2 | (loop_ & 4), j.x = s.x, j.norm = s.norm, j.norm_w = s.norm ? s.norm_w : nullptr, j.eps = s.eps;
-      ++loop_qx_;
-    } else if (q8 && reuse_q_) {
+    if (q8 && reuse_q_) {
       // (mixed_k: the run before rounded x into this scratch)
     } else if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
         g.dim == j.cols) {
@@ -1285,8 +1269,7 @@ class CudaBackend final : public Backend {
         cuda::point_qact(j, t.q, 1, cols);  // (ffn down reads the tail's scratch)
         ops_.pop_back();
         const cuda::GemvJob rj = r.j;
-        const auto nx = r.nx;
-        ops_.back() = [rj, t, nx](cudaStream_t st) { cuda::gemv_tailed(with_next(rj, nx), t, st); };
+        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
         sig1(Tag::gemv_tail), sig1(t.cnt);
         gemv_.at = SIZE_MAX, ++fused_ops_;
       } else {
@@ -1337,8 +1320,7 @@ class CudaBackend final : public Backend {
           (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
         // The GEMV just recorded wrote x (a residual row): its last block rounds it.
         const cuda::GemvJob rj = r.j;
-        const auto nx = r.nx;
-        ops_.back() = [rj, t, nx](cudaStream_t st) { cuda::gemv_tailed(with_next(rj, nx), t, st); };
+        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
         sig1(Tag::gemv_tail), sig1(t.cnt), sig1(x), sig1(cols), sig1(norm), sig1(nw), sig1(eps), sig1(qb);
         gemv_.at = SIZE_MAX, ++fused_ops_;
       } else {
@@ -1346,12 +1328,6 @@ class CudaBackend final : public Backend {
            norm, nw, eps, qb);
       }
     }
-    if (q8 && !mma && !kq && s.n == 1 && (loop_ & 2) && !j.loop) {  // the persistent GEMV over x rounded before
-      cuda::GemvJob t = j;
-      t.loop = 1 | (loop_ & 4);
-      if (cuda::gemv_staged_fits(t)) j = t;
-    }
-    if (j.loop) ++loop_gemvs_;
     if (!rec_) {
       mma ? cuda::mma_q8(j, st_) : cuda::gemv_staged(j, st_);
       return true;
@@ -1360,27 +1336,10 @@ class CudaBackend final : public Backend {
     sig1(Tag::gemv), sig1(mma);
     const auto* p = reinterpret_cast<const uint8_t*>(&j);
     sig_.insert(sig_.end(), p, p + sizeof j);
-    // A one-token q8 GEMV: its weights are what the one before asks into L2 (PF_NEXT), and it
-    // asks for the next one's.
-    std::shared_ptr<cuda::NextWeights> nx;
-    const bool f16_gemv = !q8 && (j.type == cuda::T_F16 || j.type == cuda::T_BF16);
-    if (!mma && s.n == 1 && pf_next_ > 0 && (q8 ? !kq : f16_gemv)) {
-      if (last_nx_) {
-        cuda::NextWeights& w = *last_nx_;
-        uint64_t left = pf_next_;
-        for (int i = 0; i < 2 && i < j.count && left > 0; ++i) {
-          const uint64_t b = std::min<uint64_t>(left, (uint64_t)j.rows[i] * j.rb[i]) & ~uint64_t(15);
-          w.p[i] = j.w[i], w.n[i] = (uint32_t)b, left -= b;
-        }
-        w.blocks = 4 * prop_.multiProcessorCount;
-      }
-      nx = last_nx_ = std::make_shared<cuda::NextWeights>();
-    }
     if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
-    else if (nx) ops_.emplace_back([j, nx](cudaStream_t st) { cuda::gemv_staged(with_next(j, nx), st); });
     else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
-    if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j, nx};
-    if (!mma && !kq && s.count == 3 && !s.residual && s.n <= 4) qkv_ = GemvRec{ops_.size() - 1, j, nx};
+    if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j};
+    if (!mma && !kq && s.count == 3 && !s.residual && s.n <= 4) qkv_ = GemvRec{ops_.size() - 1, j};
     return true;
   }
   // A step over K-quants of more than one type (a Q4_K_M file's Q / K beside a q6_K V, in half its
@@ -1457,12 +1416,11 @@ class CudaBackend final : public Backend {
       // The Q / K / V GEMV before that rope does both in its epilogue (one launch, not two).
       ops_.pop_back();
       const cuda::GemvJob j = qkv_.j;
-      const auto nx = qkv_.nx;
       sig1(Tag::gemv_rope), sig1(cnt), sig1(off);
       ops_.back() = [=](cudaStream_t s) {
         cuda::GemvRope r = g;
         r.d = reinterpret_cast<const cuda::KVStoreDesc*>(static_cast<uint8_t*>(dblob_->data()) + off);
-        cuda::gemv_roped(with_next(j, nx), r, s);
+        cuda::gemv_roped(j, r, s);
       };
       if (gemv_.at == qkv_.at) gemv_.at = SIZE_MAX;
       rope2_.at = SIZE_MAX, qkv_.at = SIZE_MAX, ++fused_ops_, ++gemv_rope_;
@@ -1586,19 +1544,12 @@ class CudaBackend final : public Backend {
   struct GemvRec {
     size_t at = SIZE_MAX;
     cuda::GemvJob j;
-    std::shared_ptr<cuda::NextWeights> nx;  // (PF_NEXT: filled when the next GEMV is recorded)
   } gemv_;
-  std::shared_ptr<cuda::NextWeights> last_nx_;  // the last one-token q8 GEMV's, this step
-  static cuda::GemvJob with_next(cuda::GemvJob j, const std::shared_ptr<cuda::NextWeights>& nx) {
-    if (nx) j.next = *nx;
-    return j;
-  }
   GemvRec qkv_;  // the last GEMV of three matrices and 1-4 tokens (a Q / K / V one), for rope_in_gemv
   void clear_step() {
     chains_.clear();
     rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
     qkv_.at = SIZE_MAX;
-    last_nx_.reset();
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
     parts_rec_ = LogitParts();
@@ -1909,20 +1860,6 @@ class CudaBackend final : public Backend {
     const char* e = std::getenv("DASLLAMA_CUDA_QX");
     return e && std::strcmp(e, "1") == 0;
   }();
-  // One decode token's q8 GEMVs as persistent grids (cuda::GemvJob::loop; DASLLAMA_CUDA_LOOP, bits):
-  // 1, those over a normed input round it themselves (no quantize_act launch); 2, the others loop
-  // too (O, down, over x rounded before them); 4, with 1 or 2: each block asks its next weights into L2.
-  int loop_ = [] {
-    const char* e = std::getenv("DASLLAMA_CUDA_LOOP");
-    return e ? std::atoi(e) & 7 : 0;
-  }();
-  // Bytes of the next one-token q8 GEMV's weights each one asks into L2 as its last blocks end
-  // (DASLLAMA_CUDA_PF_NEXT, MiB; 0: none).
-  uint64_t pf_next_ = [] {
-    const char* e = std::getenv("DASLLAMA_CUDA_PF_NEXT");
-    const long v = e ? std::atol(e) : 0;
-    return v > 0 ? (uint64_t)std::min(v, 1024L) << 20 : 0;
-  }();
   // Tokens from which q8 matmuls take the int8 mma kernel (DASLLAMA_CUDA_MMA_MIN; 0: never).
   int64_t mma_min_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_MMA_MIN");
@@ -1966,7 +1903,6 @@ class CudaBackend final : public Backend {
   size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;
   int64_t gemv_rope_ = 0;  // Q / K / V GEMVs recorded with the rope and KV stores (path_count)
-  int64_t loop_gemvs_ = 0, loop_qx_ = 0;  // persistent GEMVs recorded, and those rounding x (path_count)
   int64_t gqa_attn_ = 0;  // attentions issued or recorded on the grouped-query kernel (path_count)
   int64_t wide_attn_ = 0;  // those of them on its wide block, one row unsplit (path_count)
   float* pinned_ = nullptr;  // host_staging's buffer

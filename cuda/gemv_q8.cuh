@@ -56,28 +56,6 @@ __device__ __forceinline__ int unit_group(const uint4& q, int h, float v[8]) {
   }
 }
 
-// Block k of nb's slice of the next GEMV's weights, asked into L2 by one thread (NextWeights).
-__device__ __forceinline__ void prefetch_next(const NextWeights& nx, int k, int nb) {
-  if (threadIdx.x != 0 || k < 0 || k >= nb) return;
-  const uint64_t tot = (uint64_t)nx.n[0] + nx.n[1];
-  const uint64_t per = ((tot + nb - 1) / nb + 15) & ~uint64_t(15);
-  uint64_t a = (uint64_t)k * per;
-  const uint64_t e = a + per < tot ? a + per : tot;
-  for (int r = 0; r < 2 && a < e; ++r) {
-    const uint64_t lo = r == 0 ? 0 : nx.n[0], hi = lo + nx.n[r];
-    if (a >= hi) continue;
-    const uint64_t b = e < hi ? e : hi;
-    prefetch_l2(nx.p[r] + (a - lo), (uint32_t)(b - a));
-    a = b;
-  }
-}
-// The last nx.blocks blocks of a grid each take a slice.
-__device__ __forceinline__ void prefetch_next_tail(const NextWeights& nx) {
-  if (nx.blocks <= 0) return;
-  const int nb = nx.blocks < (int)gridDim.x ? nx.blocks : (int)gridDim.x;
-  prefetch_next(nx, (int)blockIdx.x - ((int)gridDim.x - nb), nb);
-}
-
 // Where the GEMV reads its quantized activations: through the read-only path (written by an
 // earlier kernel), from shared memory, or from L2 (written earlier in the same kernel by other
 // blocks, so L1 may hold stale lines).
@@ -166,17 +144,9 @@ struct StoreOut {
 // the weight and activation scales. wait() runs once the first round of weights is in flight (the
 // weights are constant; x may not be ready before it). U units of each row are in flight per lane
 // (any U gives the same sums: each lane adds its units in increasing order). A caller that runs
-// several blocks in one (the fused layer) syncs the block between them (red is reused). xq / xd /
-// xs, where given, replace the job's (a kernel's shared copy: changing j instead puts the whole
-// job into local memory).
-struct NoPre {
-  __device__ __forceinline__ void operator()() const {}
-};
-template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait, class Out = StoreOut, class Pre = NoPre>
-__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait, Out out = Out(),
-                                              const int8_t* xq = nullptr, const float* xd = nullptr,
-                                              const int32_t* xs = nullptr, Pre pre = Pre()) {
-  if (!xq) xq = j.xq, xd = j.xd, xs = j.xs;
+// several blocks in one (the fused layer) syncs the block between them (red is reused).
+template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait, class Out = StoreOut>
+__device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait, Out out = Out()) {
   constexpr int UE = Unit<T>::e;
   __shared__ float red[SW][R][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -191,7 +161,6 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
   float d[U][R];
   const int u_first = m.ub + lane, ue = m.ue;
   const bool live = m.left > 0;
-  pre();  // (before the first weights: loads it issues go first)
   if (live && u_first < ue) m.load(u_first, q, d);
   wait();
   m.output(j);
@@ -205,8 +174,8 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         if (t >= j.n) continue;
-        const int8_t* xr = xq + t * cols + u * UE;
-        const float dx = xload<XL>(xd + t * nb + b);
+        const int8_t* xr = j.xq + t * cols + u * UE;
+        const float dx = xload<XL>(j.xd + t * nb + b);
         if constexpr (T == T_Q8_0S) {
           const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr));
 #pragma unroll
@@ -220,7 +189,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
         } else {
           const int4 xa = xload<XL>(reinterpret_cast<const int4*>(xr)),
                      xb = xload<XL>(reinterpret_cast<const int4*>(xr) + 1);
-          const int off = 8 * xload<XL>(xs + t * nb + b);
+          const int off = 8 * xload<XL>(j.xs + t * nb + b);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const uint4 wq = q[k][r];
@@ -274,29 +243,16 @@ constexpr int kQuantMax = 8 * SW * 32;
 // by the whole block of SW warps (x read as XL says). Thread (warp w, lane l) holds elements 32 (w + 8 k) + l: the strided
 // order of quantize_act_k's sum of squares (double; warp sums, then the 8 warps in order) and
 // lane l of block w + 8 k for its rounding (quant_store), from one read of x.
-// quant_smem in two halves: the loads of x into v, then the rounding (a caller may issue other
-// loads between them).
-constexpr int kQuantPer = kQuantMax / (SW * 32);
-template <XLoad XL>
-__device__ __forceinline__ void quant_smem_load(const float* x, int64_t cols, float (&v)[kQuantPer]) {
-#pragma unroll
-  for (int k = 0; k < kQuantPer; ++k) {
-    const int64_t i = threadIdx.x + (int64_t)k * (SW * 32);
-    v[k] = i < cols ? xload<XL>(x + i) : 0.f;
-  }
-}
-__device__ __forceinline__ void quant_smem_round(const float (&v)[kQuantPer], int64_t cols, bool norm, const float* nw,
-                                                 float eps, int8_t* xq, float* xd, int32_t* xs, double* red);
 template <XLoad XL>
 __device__ __forceinline__ void quant_smem(const float* x, int64_t cols, bool norm, const float* nw, float eps,
                                            int8_t* xq, float* xd, int32_t* xs, double* red) {
-  float v[kQuantPer];
-  quant_smem_load<XL>(x, cols, v);
-  quant_smem_round(v, cols, norm, nw, eps, xq, xd, xs, red);
-}
-__device__ __forceinline__ void quant_smem_round(const float (&v)[kQuantPer], int64_t cols, bool norm, const float* nw,
-                                                 float eps, int8_t* xq, float* xd, int32_t* xs, double* red) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float v[kQuantMax / (SW * 32)];
+#pragma unroll
+  for (int k = 0; k < kQuantMax / (SW * 32); ++k) {
+    const int64_t i = threadIdx.x + (int64_t)k * (SW * 32);
+    v[k] = i < cols ? xload<XL>(x + i) : 0.f;
+  }
   float sc = 1.f;
   if (norm) {
     double ss = 0;

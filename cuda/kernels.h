@@ -24,15 +24,6 @@ bool matmul_type_ok(uint32_t type);
 // Up to 3 matrices of one type and equal cols over the same n tokens of x, one launch:
 // y[i][t][r] = s * sum_k W_i[r][k] xn[t][k], xn = x * norm_w when norm_w is set and
 // s = 1 / rms(x[t]) when norm, else xn = x and s = 1; accumulate adds into y.
-// The weights of the GEMV after a one-token q8 GEMV, asked into L2 by that GEMV's last `blocks`
-// blocks (each a slice) once their outputs are written (DASLLAMA_CUDA_PF_NEXT): HBM keeps
-// streaming through the launches between the two (a quantize, attention), where it idled.
-// Up to two regions (the next job's first matrices), byte counts multiples of 16.
-struct NextWeights {
-  const uint8_t* p[2] = {};
-  uint32_t n[2] = {};
-  int blocks = 0;  // 0: none
-};
 struct GemvJob {
   uint32_t type = 0;
   int count = 0;
@@ -52,12 +43,6 @@ struct GemvJob {
   const int8_t* xq = nullptr;
   const float* xd = nullptr;
   const int32_t* xs = nullptr;
-  // One token's q8 GEMV as a persistent grid (gemv_loop_k, DASLLAMA_CUDA_LOOP): 1, its blocks
-  // loop over the job's blocks; 2, each also rounds x (RMS-normed times norm_w when norm; cols
-  // <= 2048) into its shared memory first, so no quantize_act launch comes before it; bit 4, each
-  // block asks its next job block's weights into L2 (one bulk prefetch) before summing the current.
-  int loop = 0;
-  NextWeights next;  // (set at launch by the backend; not part of a step's signature)
 };
 // Bytes of n rows of quantized activations of `cols` (cols % 32 == 0): quants, scales, sums.
 inline size_t qact_bytes(int64_t n, int64_t cols) { return (size_t)(n * cols + n * (cols / 32) * 8); }

@@ -654,7 +654,6 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
     if (lane == 0) red[warp][R][t] = qs;
   }
   __syncthreads();
-  prefetch_next_tail(j.next);
   if (m.part != 0) return;  // (warp-uniform)
   float s = 0.f;
   if (lane < R * NT) {
@@ -837,7 +836,6 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bo
     if (early) pdl_wait(), pdl_trigger();
   });
   if constexpr (kTail) gemv_tail<R>(j, ks, tail);
-  prefetch_next_tail(j.next);
 }
 
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
@@ -900,59 +898,6 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_rope_k(GemvJob j, int k
   gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
     if (early) pdl_wait(), pdl_trigger();
   }, out);
-  prefetch_next_tail(j.next);
-}
-
-// One token's q8 GEMV as a persistent grid (GemvJob::loop): each block runs gemv_q8_block for
-// the job's blocks blockIdx.x, blockIdx.x + gridDim.x, ... (the same sums in the same order, so the
-// same bits). With kQX (loop 2) the block first rounds x (normed when j.norm) into its shared
-// memory, as quantize_act_k would, while its first weights are in flight: the rounding happens
-// once a block, not once a block of a multi-wave grid (QX's cost), and its launch goes. With kPF
-// (loop bit 4) a block asks its next job block's weight rows into L2 before summing the current one.
-template <uint32_t T, bool kQX, bool kPF, int MINB, class Out = StoreOut>
-__global__ void __launch_bounds__(SW * 32, MINB) gemv_loop_k(const GemvJob j, int ks, Out out) {
-  constexpr int QN = kQX ? kQuantMax : 32;
-  __shared__ __align__(16) int8_t sq[QN];
-  __shared__ float sd[QN / 32];
-  __shared__ int32_t ss[QN / 32];
-  __shared__ double red[SW];
-  const float* x = j.x;
-  const float* nw = j.norm_w;
-  const int64_t cols = j.cols;
-  const bool norm = j.norm;
-  const float eps = j.eps;
-  const int nvb = (int)j.first_block[j.count];
-  bool first = true;
-  float v[kQuantPer];  // (kQX: x, loaded after the wait and before the first weights, rounded while they come)
-  for (int vb = (int)blockIdx.x; vb < nvb; vb += (int)gridDim.x) {
-    if (kPF && threadIdx.x == 0 && vb + (int)gridDim.x < nvb) {
-      const int nb = vb + (int)gridDim.x, per = (SW / ks) * 2;  // the next job block, its rows
-      int mi = 0;
-      if (j.count > 1 && nb >= (int)j.first_block[1]) mi = 1;
-      if (j.count > 2 && nb >= (int)j.first_block[2]) mi = 2;
-      const uint8_t* w = mi == 0 ? j.w[0] : mi == 1 ? j.w[1] : j.w[2];
-      const int64_t rows = mi == 0 ? j.rows[0] : mi == 1 ? j.rows[1] : j.rows[2];
-      const size_t rb = mi == 0 ? j.rb[0] : mi == 1 ? j.rb[1] : j.rb[2];
-      const int64_t r0 = (int64_t)(nb - (int)(mi == 0 ? 0 : mi == 1 ? j.first_block[1] : j.first_block[2])) * per;
-      const int64_t n = rows - r0 < per ? rows - r0 : per;
-      prefetch_l2(w + r0 * rb, (uint32_t)(n * rb));
-    }
-    const auto pre = [&] {
-      if (!first) return;
-      pdl_wait();
-      pdl_trigger();
-      if constexpr (kQX) quant_smem_load<XLoad::nc>(x, cols, v);
-    };
-    const auto wait = [&] {
-      if constexpr (kQX)
-        if (first) quant_smem_round(v, cols, norm, nw, eps, sq, sd, ss, red);
-    };
-    gemv_q8_block<T, 1, 2, kQX ? XLoad::shared : XLoad::nc>(j, ks, vb, wait, out, kQX ? sq : nullptr,
-                                                            kQX ? sd : nullptr, kQX ? ss : nullptr, pre);
-    first = false;
-    if (ks > 1) __syncthreads();  // (gemv_q8_block's shared partial sums, reused by the next)
-  }
-  if (j.next.blocks > 0) prefetch_next(j.next, (int)blockIdx.x, (int)gridDim.x);  // (every block is of the last wave)
 }
 
 // Whether the GEMVs issue their first weight loads before waiting for the kernel before them
@@ -1002,33 +947,6 @@ int minb1(unsigned grid) {
   if (e && std::strcmp(e, "auto") == 0) return grid <= 3u * (unsigned)sms ? 3 : 4;
   return 3;
 }
-// Blocks an SM of the persistent one-token GEMV (gemv_loop_k): its grid is at most this many a
-// SM (DASLLAMA_CUDA_LOOP_BPS, 1-8; read at each launch); the kernels are built for three (QX,
-// whose rounding holds x beside the first weights) or four.
-unsigned loop_grid(const GemvJob& j) {
-  static const int sms = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return v;
-  }();
-  const char* e = std::getenv("DASLLAMA_CUDA_LOOP_BPS");
-  const int b = e ? std::atoi(e) : 0;
-  const int bps = b >= 1 && b <= 8 ? b : (j.loop & 3) == 2 ? 3 : 4;
-  return (unsigned)std::min<int64_t>(j.first_block[j.count], (int64_t)bps * sms);
-}
-template <uint32_t T, class Out>
-void launch_loop(const GemvJob& j, int ks, cudaStream_t st, Out out) {
-  const unsigned grid = loop_grid(j);
-  const bool pf = (j.loop & 4) != 0;  // (split rows are 16-byte multiples: bulk prefetches take them)
-  if ((j.loop & 3) == 2) {
-    if (pf) launch(gemv_loop_k<T, true, true, 3, Out>, grid, SW * 32, 0, st, j, ks, out);
-    else launch(gemv_loop_k<T, true, false, 3, Out>, grid, SW * 32, 0, st, j, ks, out);
-  } else {
-    if (pf) launch(gemv_loop_k<T, false, true, 4, Out>, grid, SW * 32, 0, st, j, ks, out);
-    else launch(gemv_loop_k<T, false, false, 4, Out>, grid, SW * 32, 0, st, j, ks, out);
-  }
-}
 // The GEMVs' 32-bit offsets (GemvRows): a matrix's rows, a row's bytes, the columns and the grid.
 // Real models sit far below; a matrix past them is refused rather than misread.
 void gemv_fits(const GemvJob& j, int ks) {
@@ -1042,11 +960,6 @@ void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail =
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1(true) == 2, tl = tail.kind != GemvTail::none;
-  if (j.loop) {
-    if (j.n != 1 || tl || !r2) throw Error("cuda: the persistent GEMV takes one token at 2 rows a group, no tail");
-    launch_loop<T>(j, ks, st, StoreOut());
-    return;
-  }
   if (j.n == 1 && !r2 && minb1(grid) == 3) {
     if (tl) launch(gemv_q8_k<T, 1, 4, true, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
     else launch(gemv_q8_k<T, 1, 4, false, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -1087,11 +1000,6 @@ void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) 
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool one = j.n == 1, r2 = one ? rows1(j.xq != nullptr) == 2 : rows4() == 2;
   if constexpr (T == T_Q8_0S || T == T_Q4_0S) {
-    if (j.xq && j.loop) {
-      if (!one || !r2) throw Error("cuda: the persistent GEMV takes one token at 2 rows a group");
-      launch_loop<T>(j, ks, st, RopeOut<1>{r});
-      return;
-    }
     if (j.xq) {
       if (one && r2) launch(gemv_q8_rope_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
       else if (one && minb1(grid) == 3) launch(gemv_q8_rope_k<T, 1, 4, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
@@ -1347,10 +1255,7 @@ bool gemv_staged_fits(const GemvJob& j) {
       if (!k_i8_rows_fit(j.type, j.cols, j.rows[i], j.rb[i], j.w[i])) return false;
     return !j.norm && j.n <= 16;
   }
-  if (j.xq)
-    return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && (!j.norm || (j.loop & 3) == 2) &&
-           (j.loop == 0 || (j.n == 1 && direct_rows(1, true) == 2)) &&
-           ((j.loop & 3) != 2 || (j.x && aligned16(j.x) && j.cols <= kQuantMax));
+  if (j.xq) return (j.type == T_Q8_0S || j.type == T_Q4_0S) && j.cols % 32 == 0 && !j.norm;
   if (j.type == T_Q8_0S || j.type == T_Q4_0S) return j.cols % 32 == 0;  // aligned by construction
   bool v16 = true;
   for (int i = 0; i < j.count; ++i) {
@@ -1423,7 +1328,7 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
 }
 
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
-  if (j.n != 1 || !j.xq || j.loop || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) || !t.cnt || !t.q ||
+  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) || !t.cnt || !t.q ||
       t.cols <= 0 || t.cols % 32 != 0)
     return false;
   for (int i = 0; i < j.count; ++i)

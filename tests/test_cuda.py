@@ -540,46 +540,6 @@ def test_glu_tail_over_several_waves(files, tmp_path, monkeypatch):
                 f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
 
 
-@pytest.mark.parametrize("env", ["LOOP=1", "LOOP=3", "LOOP=7,PF_NEXT=8", "PF_NEXT=8"])
-def test_persistent_gemv_equals_separate_launches(files, tmp_path, monkeypatch, env):
-    """One decode token's q8 GEMVs as persistent grids (DASLLAMA_CUDA_LOOP: bit 1, those whose
-    input no launch before rounds (a normed row: Q / K / V, gate / up, the head) round it in each
-    block's shared memory instead of a quantize_act launch before them; bit 2, the others loop
-    too; bit 4, each block asks its next weights into L2), and each GEMV asking the next one's
-    weights into L2 (DASLLAMA_CUDA_PF_NEXT), give the default launches' logits bit for bit:
-    decode steps (the rope epilogue's Q / K / V GEMV included, over an f16 cache; a q8_0 cache
-    keeps the rope launch) and batched steps (which never take them), q8_0 and q4_0, head sizes
-    32 and 64, and a grid of several rounds a block (ffn 8192 over hidden 1024: more job blocks
-    than the grid holds); and the persistent GEMVs ran."""
-    on = {"DASLLAMA_CUDA_" + kv.split("=")[0]: kv.split("=")[1] for kv in env.split(",")}
-    loop = int(on.get("DASLLAMA_CUDA_LOOP", "0"))
-    base = {"DASLLAMA_CUDA_LOOP": "0", "DASLLAMA_CUDA_PF_NEXT": "0"}
-    shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
-              "wide": _llama_file(tmp_path, 1024, 16, 4, 8192)}
-    for name, paths in shapes.items():
-        for ft in ("q8_0", "q4_0"):
-            for kv in (d.KVDtype.f16, d.KVDtype.q8_0):
-                n_steps = 24 if name == "wide" else 60
-                want, _ = _decode_steps(paths[ft], kv, base, monkeypatch, n_steps=n_steps)
-                got, m = _decode_steps(paths[ft], kv, base | on, monkeypatch, n_steps=n_steps)
-                n_qx, n_loop = m._m.path_count("gemv_loop_qx"), m._m.path_count("gemv_loop")
-                # a step's persistent GEMVs: per layer Q / K / V and gate / up, then the head (bit 1);
-                # O and down (bit 2)
-                want_qx = 5 * n_steps if loop & 1 else 0
-                want_loop = want_qx + (4 * n_steps if loop & 2 else 0)
-                assert n_qx >= want_qx and n_loop >= want_loop and (loop or n_loop == 0), (name, ft, n_qx, n_loop)
-                assert np.array_equal(got, want), f"{name} {ft} kv {kv.name} {env}: logits differ, max " \
-                    f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
-            want, _ = _batch_steps(paths[ft], d.KVDtype.f16, base, monkeypatch)
-            got, _ = _batch_steps(paths[ft], d.KVDtype.f16, base | on, monkeypatch)
-            assert np.array_equal(got, want), f"{name} {ft} {env}: batched logits differ"
-    if "DASLLAMA_CUDA_PF_NEXT" in on:  # f16 weights' one-token GEMVs (gemv_direct_k) ask too
-        path = files["llama"]["f16"]
-        want, _ = _decode_steps(path, d.KVDtype.f16, base, monkeypatch, n_steps=40)
-        got, _ = _decode_steps(path, d.KVDtype.f16, base | on, monkeypatch, n_steps=40)
-        assert np.array_equal(got, want), f"f16 {env}: logits differ"
-
-
 def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):
     """The Q / K / V GEMV that also ropes Q and K and stores K and V into the cache
     (cuda::gemv_roped, the default where it fits: normal rope, f16 / f32 caches, 1-4 tokens) gives
