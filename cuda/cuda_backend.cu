@@ -1251,7 +1251,7 @@ class CudaBackend final : public Backend {
     max_rows_ = std::max(max_rows_, s.n);
     const GluRec& g = glu_;
     if (q8 && reuse_q_) {
-      // (mixed_k: the run before rounded x into this scratch)
+      // (mixed_k, the logits' later slices: the run before rounded x into this scratch)
     } else if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
         g.dim == j.cols) {
       // The GLU just recorded makes this input: it quantizes in the same pass, and where the
