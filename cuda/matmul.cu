@@ -669,60 +669,104 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
 // row is a few kilobytes, read from L2) so no pass waits for another; the RMS scale as
 // rms_norm_k computes it (double sum), then a warp per 32-block: amax, d = amax / 127,
 // q = rint(x * (127 / amax)), and the quant sum.
-// Rounds token row t of x (xr, cols floats) from 32-block b on, every step-th block, with the
-// block's 256 threads (a warp per 32-block). kL2: x was written earlier in this kernel by other
-// blocks, so it is read from L2 (L1 may hold stale lines). The norm's loads go out 8 at a time
-// before their squares are added, in order (one load in flight a thread had made a 2048-wide row 8
-// dependent trips to L2: H100 Llama-1B, 4.0 us a launch).
+// The RMS scale of token row xr (cols floats) with the block's 256 threads, as rms_norm_k forms
+// it (double sum). kL2: x was written earlier in this kernel by other blocks, so it is read from
+// L2 (L1 may hold stale lines). The loads go out 8 at a time before their squares are added, in
+// order (one load in flight a thread had made a 2048-wide row 8 dependent trips to L2: H100
+// Llama-1B, 4.0 us a launch). .own: element own's value, if the thread loaded it (own < 0: none).
+struct RmsScale {
+  float sc, own;
+};
 template <bool kL2>
-__device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool norm, const float* nw, float eps,
-                                          int64_t t, int64_t b, int64_t step, int8_t* xq, float* xd, int32_t* xs) {
+__device__ __forceinline__ RmsScale row_rms_scale(const float* xr, int64_t cols, float eps, int64_t own) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t nb = cols / 32;
-  float sc = 1.f;
-  if (norm) {
-    __shared__ double sh[8];
-    double ss = 0;
-    constexpr int K = 8;
-    for (int64_t i0 = threadIdx.x; i0 < cols; i0 += (int64_t)blockDim.x * K) {
-      float v[K];
+  __shared__ double sh[8];
+  double ss = 0;
+  float mine = 0.f;
+  constexpr int K = 8;
+  for (int64_t i0 = threadIdx.x; i0 < cols; i0 += (int64_t)blockDim.x * K) {
+    float v[K];
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int64_t i = i0 + (int64_t)k * blockDim.x;
-        v[k] = i < cols ? (kL2 ? __ldcg(xr + i) : __ldg(xr + i)) : 0.f;
-      }
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (i0 + (int64_t)k * blockDim.x < cols) ss += (double)v[k] * v[k];
+    for (int k = 0; k < K; ++k) {
+      const int64_t i = i0 + (int64_t)k * blockDim.x;
+      v[k] = i < cols ? (kL2 ? __ldcg(xr + i) : __ldg(xr + i)) : 0.f;
+      if (i == own) mine = v[k];
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) sh[warp] = ss;
-    __syncthreads();
-    double tot = 0;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) tot += sh[w];
-    sc = (float)(1.0 / sqrt(tot / cols + eps));
+    for (int k = 0; k < K; ++k)
+      if (i0 + (int64_t)k * blockDim.x < cols) ss += (double)v[k] * v[k];
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) sh[warp] = ss;
+  __syncthreads();
+  double tot = 0;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) tot += sh[w];
+  return {(float)(1.0 / sqrt(tot / cols + eps)), mine};
+}
+
+// Rounds token row t of x (xr, cols floats) from 32-block b on, every step-th block, with the
+// block's 256 threads (a warp per 32-block).
+template <bool kL2, bool kRedux = false>
+__device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool norm, const float* nw, float eps,
+                                          int64_t t, int64_t b, int64_t step, int8_t* xq, float* xd, int32_t* xs) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nb = cols / 32;
+  const float sc = norm ? row_rms_scale<kL2>(xr, cols, eps, -1).sc : 1.f;
   for (int64_t bb = b; bb < nb; bb += step) {
     const int64_t i = bb * 32 + lane;
     float v = kL2 ? __ldcg(xr + i) : __ldg(xr + i);
     if (norm) v = nw ? __fmul_rn(v, sc) * nw[i] : v * sc;
-    quant_store(v, lane, t * cols + i, t * nb + bb, xq, xd, xs);
+    quant_store<kRedux>(v, lane, t * cols + i, t * nb + bb, xq, xd, xs);
   }
 }
 
+// round_row for a grid of a block per 8 32-blocks (decode and batched steps): the warp's one
+// block b. The same values: the lane's own element is kept from the norm's loads and its norm
+// weight nwv was read before the kernel's wait, so nothing is read after the norm's barrier.
+template <bool kRedux>
+__device__ __forceinline__ void round_block(const float* xr, int64_t cols, bool norm, bool has_nw, float nwv,
+                                            float eps, int64_t t, int64_t b, int8_t* xq, float* xd, int32_t* xs) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nb = cols / 32, i = b * 32 + lane;
+  float v = 0.f, sc = 1.f;
+  if (norm) {
+    const RmsScale r = row_rms_scale<false>(xr, cols, eps, b < nb ? i : -1);
+    sc = r.sc, v = r.own;
+  } else if (b < nb) {
+    v = __ldg(xr + i);
+  }
+  if (b >= nb) return;
+  if (norm) v = has_nw ? __fmul_rn(v, sc) * nwv : v * sc;
+  quant_store<kRedux>(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
+}
+
+// mode (DASLLAMA_CUDA_QACT_FAST): bit 1 round_block where the grid is a block per 8 32-blocks,
+// bit 2 quant_store's redux.
 __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ x, int64_t cols, bool norm,
                                                       const float* __restrict__ nw, float eps, int8_t* __restrict__ xq,
-                                                      float* __restrict__ xd, int32_t* __restrict__ xs) {
+                                                      float* __restrict__ xd, int32_t* __restrict__ xs, int mode) {
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
+  const bool one = gridDim.x > 1 && (mode & 1);
+  // The norm weights are the model's, never written by a launch: read before the wait, so their
+  // trip (from HBM: a step's weights pass through L2 between two reads) overlaps the kernel before.
+  const float nwv = one && norm && nw && b < nb ? __ldg(nw + b * 32 + lane) : 1.f;
   pdl_wait();
   pdl_trigger();
-  const int64_t t = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
+  const float* xr = x + t * cols;
+  if (one) {
+    if (mode & 2) round_block<true>(xr, cols, norm, nw != nullptr, nwv, eps, t, b, xq, xd, xs);
+    else round_block<false>(xr, cols, norm, nw != nullptr, nwv, eps, t, b, xq, xd, xs);
+    return;
+  }
   // A grid one block wide (normed prefill rows) walks all of the row's blocks: the norm's sum
   // is then formed once a row, not once per 8 blocks (the same sum, the same bits).
-  round_row<false>(x + t * cols, cols, norm, nw, eps, t, b, gridDim.x == 1 ? 8 : nb, xq, xd, xs);
+  const int64_t step = gridDim.x == 1 ? 8 : nb;
+  if (mode & 2) round_row<false, true>(xr, cols, norm, nw, eps, t, b, step, xq, xd, xs);
+  else round_row<false>(xr, cols, norm, nw, eps, t, b, step, xq, xd, xs);
 }
 
 // The down projection's input in q8 mode: the GLU (written out as the glu op does) and its
@@ -730,7 +774,7 @@ __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ 
 __global__ void __launch_bounds__(256) glu_quantize_k(const float* __restrict__ gate, int64_t gs,
                                                       const float* __restrict__ up, int64_t us, int act, float* out,
                                                       int64_t cols, int8_t* __restrict__ xq, float* __restrict__ xd,
-                                                      int32_t* __restrict__ xs) {
+                                                      int32_t* __restrict__ xs, bool redux) {
   pdl_wait();
   pdl_trigger();
   const int64_t t = blockIdx.y;
@@ -740,7 +784,8 @@ __global__ void __launch_bounds__(256) glu_quantize_k(const float* __restrict__ 
   const int64_t i = b * 32 + lane;
   const float v = glu_value(act, gate[t * gs + i], up[t * us + i]);
   out[t * cols + i] = v;
-  quant_store(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
+  if (redux) quant_store<true>(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
+  else quant_store(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
 }
 
 // The direct kernel's shape with int8 dot products: a 16-byte unit is 16 q8_0 weights (4
@@ -1152,6 +1197,13 @@ void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols) {
   j.xs = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(q) + n * cols + n * (cols / 32) * 4);
 }
 
+// quantize_act_k's mode: DASLLAMA_CUDA_QACT_FAST (read at each call, so ab_cuda.py can set it; the
+// launches of a captured step keep the value read at its capture), bit 1 round_block, bit 2 redux.
+static int qact_fast() {
+  const char* e = std::getenv("DASLLAMA_CUDA_QACT_FAST");
+  return e && *e ? std::atoi(e) : 0;
+}
+
 void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const float* norm_w, float eps, void* q,
                   cudaStream_t st) {
   if (n <= 0) return;
@@ -1166,7 +1218,7 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   const int64_t one_from = e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(65);
   const unsigned gx = norm && n >= one_from ? 1u : (unsigned)ceil_div(cols / 32, 8);
   launch(quantize_act_k, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm, norm_w,
-         eps, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
+         eps, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs), qact_fast());
   check_launch("quantize_act");
 }
 
@@ -1177,7 +1229,7 @@ void glu_quantize(const float* gate, int64_t gs, const float* up, int64_t us, in
   GemvJob j;
   point_qact(j, q, n, cols);
   launch(glu_quantize_k, dim3((unsigned)ceil_div(cols / 32, 8), (unsigned)n), 256, 0, st, gate, gs, up, us, act, out,
-         cols, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
+         cols, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs), (qact_fast() & 2) != 0);
   check_launch("glu_quantize");
 }
 
