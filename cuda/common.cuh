@@ -43,6 +43,9 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // One lane's value of a 32-block into the A8 form: amax over the warp, d = amax / 127,
 // q = rint(v * (127 / amax)), and the block's quant sum (q4_0's offset term).
+// Asks the line holding p into L2; nothing waits on it.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // kRedux: the max and the sum as one redux.sync each (sm_80+) where the shuffles take five
 // dependent steps each. |v|'s bits order as unsigned ints do, so the max is the same value (a NaN
 // aside: fmaxf drops it, the bits' max keeps it).

@@ -578,7 +578,7 @@ constexpr int64_t kStagedMax = 32;
 // row's units, and their partial sums meet in shared memory. KS grows with the row length
 // so that short rows still give every lane two units, and long rows many warps.
 template <uint32_t T, int NT, int R, class Out = StoreOut>
-__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early, Out out) {
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early, Out out, bool nw_pf) {
   if (!early) pdl_wait(), pdl_trigger();
   constexpr int UE = Unit<T>::e, U = 2;
   constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
@@ -598,6 +598,13 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   const int u_first = m.ub + lane, ue = m.ue;
   const bool live = m.left > 0;
   if (live && u_first < ue) m.load(u_first, q, d);
+  // nw_pf (DASLLAMA_CUDA_NWPF): the norm weights of the lane's first units asked into L2 before the
+  // wait, while the kernel before runs, so their first reads after it need not go to HBM (a step's
+  // weights pass through L2 between two reads of them).
+  if (nw_pf && early && j.norm_w && live)
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+      if (u_first + 32 * k < ue) prefetch_l2(j.norm_w + (int64_t)(u_first + 32 * k) * UE);
   if (early) pdl_wait(), pdl_trigger();
   m.output(j);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
@@ -955,6 +962,13 @@ bool pdl_early() {
   return on;
 }
 
+// gemv_direct_k's nw_pf: DASLLAMA_CUDA_NWPF=1 (read at each call, so ab_cuda.py can set it; a
+// captured step keeps the value read at its capture). Off until timed.
+bool nw_pf() {
+  const char* e = std::getenv("DASLLAMA_CUDA_NWPF");
+  return e && std::strcmp(e, "1") == 0;
+}
+
 // Rows a warp group of the direct kernels takes for 2-4 tokens: 2, since 4 spilled registers
 // under the four-blocks-an-SM bound (H200, Llama-1B Q8_0 B=4: 1,347 -> 1,634 t/s; the same sums
 // either way). DASLLAMA_CUDA_R4=4 for 4; read at each launch, so ab_cuda.py can switch it.
@@ -1031,12 +1045,12 @@ void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const StoreOut o;
-  if (j.n == 1 && rows1(false) == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
-  else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
-  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
-  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
-  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
-  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  if (j.n == 1 && rows1(false) == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
+  else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
+  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
+  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
+  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
+  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
 }
 // gemv_roped's launch (1-4 tokens): the q8 kernel where x is rounded (q8), else the direct one.
 template <uint32_t T>
@@ -1054,10 +1068,10 @@ void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) 
       return;
     }
   }
-  if (one && r2) launch(gemv_direct_k<T, 1, 2, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
-  else if (one) launch(gemv_direct_k<T, 1, 4, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
-  else if (r2) launch(gemv_direct_k<T, 4, 2, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
-  else launch(gemv_direct_k<T, 4, 4, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
+  if (one && r2) launch(gemv_direct_k<T, 1, 2, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r}, nw_pf());
+  else if (one) launch(gemv_direct_k<T, 1, 4, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r}, nw_pf());
+  else if (r2) launch(gemv_direct_k<T, 4, 2, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r}, nw_pf());
+  else launch(gemv_direct_k<T, 4, 4, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r}, nw_pf());
 }
 // Rows a warp group of the direct kernels takes for n tokens (as launch_direct and launch_q8
 // pick; q8: int8 activations).
