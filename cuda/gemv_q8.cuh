@@ -131,7 +131,10 @@ struct GemvRows {
 
 // What a GEMV does with its finished outputs: called by every lane of a warp of part 0 (lanes
 // past R * NT with s = 0), so an output may take a value from another lane (RopeOut).
+// prepare(): at the block's start, before its first weight loads and the wait (RopeOut's angles).
 struct StoreOut {
+  template <class Rows>
+  __device__ __forceinline__ void prepare(const GemvJob&, const Rows&) const {}
   template <class Rows>
   __device__ __forceinline__ void operator()(const GemvJob& j, const Rows& m, float s) const {
     if (m.store) *m.o = j.accumulate ? m.res + s : s;
@@ -151,6 +154,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
   __shared__ float red[SW][R][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   GemvRows<T, NT, R> m(j, ks, bid);
+  out.prepare(j, m);
   const int cols = m.cols, nb = cols / 32;
   float acc[R][NT];
 #pragma unroll

@@ -229,6 +229,7 @@ struct GemvRope {
   int count = 0;
   const float* x2 = nullptr;
   int64_t stride2 = 0;
+  bool early_cs = false;  // the angles at the block's start (RopeOut::prepare)
 };
 bool gemv_rope_fits(const GemvJob& j, const GemvRope& r);
 void gemv_roped(GemvJob j, const GemvRope& r, cudaStream_t st);

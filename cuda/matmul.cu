@@ -913,18 +913,43 @@ __global__ void __launch_bounds__(SW * 32, 3) gemv_q8_x_k(GemvJob j, int ks, con
 // pairs are adjacent rows, so the two lanes of a pair (R even, lanes NT apart) trade values by a
 // shuffle and each forms its half of rope_rot's products. The angles (double) are formed after
 // the sums: formed while the weights were in flight, they spilled the registers that hold them.
-// The same values as the rope + store launch, so the same bits.
+// The same values as the rope + store launch, so the same bits. With r.early_cs
+// (DASLLAMA_CUDA_ROPE_EARLY=1) the q8 kernels' prepare() (gemv_q8_block calls it; gemv_direct_k
+// does not: f16's one-token kernel spilled) forms the lane's angle at the block's start instead, into
+// shared memory, before any weights are live: a launch that starts early does it while the kernel
+// before still runs. (Its inputs are safe to read then: the positions are uploaded before a step's
+// first kernel, the frequencies with the model.)
 template <int NT>
 struct RopeOut {
   GemvRope r;
   template <class Rows>
-  __device__ __forceinline__ void operator()(const GemvJob&, const Rows& m, float v) const {
+  __device__ __forceinline__ bool roped(const GemvJob& j, const Rows& m) const {
+    return m.part == 0 && m.my_t < j.n && m.mi < 2 && (m.r0 + m.my_r) % r.head_dim < r.p.n_rot;
+  }
+  __device__ __forceinline__ float2* cs_slot() const {
+    __shared__ float2 cs[SW * 32];
+    return cs + threadIdx.x;
+  }
+  template <class Rows>
+  __device__ __forceinline__ void prepare(const GemvJob& j, const Rows& m) const {
+    if (NT != 1 || !r.early_cs || !roped(j, m)) return;  // (one token: the batched kernels' registers are full)
+    float c, s;
+    rope_cs(r.p, r.pos[m.my_t], ((m.r0 + m.my_r) % r.head_dim) >> 1, &c, &s);
+    *cs_slot() = make_float2(c, s);
+  }
+  template <class Rows>
+  __device__ __forceinline__ void operator()(const GemvJob& j, const Rows& m, float v) const {
     const float w = __shfl_xor_sync(0xffffffffu, v, NT);  // the pair's other row (row ^ 1)
     const int row = m.r0 + m.my_r, hd = r.head_dim;
     float o = v;
     if (m.store && m.mi < 2 && row % hd < r.p.n_rot) {
       float c, s;
-      rope_cs(r.p, r.pos[m.my_t], (row % hd) >> 1, &c, &s);
+      if (NT == 1 && r.early_cs && j.xq) {
+        const float2 cs = *cs_slot();
+        c = cs.x, s = cs.y;
+      } else {
+        rope_cs(r.p, r.pos[m.my_t], (row % hd) >> 1, &c, &s);
+      }
       o = (m.my_r & 1) == 0 ? __fmul_rn(v, c) - __fmul_rn(w, s) : __fmul_rn(w, s) + __fmul_rn(v, c);
     }
     if (!m.store) return;
@@ -1426,8 +1451,11 @@ bool gemv_rope_fits(const GemvJob& j, const GemvRope& r) {
          r.stride2 == j.rows[1];
 }
 
-void gemv_roped(GemvJob j, const GemvRope& r, cudaStream_t st) {
-  if (!gemv_rope_fits(j, r)) throw Error("cuda: a Q / K / V GEMV the rope epilogue does not take");
+void gemv_roped(GemvJob j, const GemvRope& r0, cudaStream_t st) {
+  if (!gemv_rope_fits(j, r0)) throw Error("cuda: a Q / K / V GEMV the rope epilogue does not take");
+  GemvRope r = r0;
+  const char* e = std::getenv("DASLLAMA_CUDA_ROPE_EARLY");  // read at each call (ab_cuda.py); off until timed
+  r.early_cs = e && std::strcmp(e, "1") == 0;
   const int ks = direct_ks(j.cols / unit_elems(j.type));
   const int64_t per_block = SW / ks * direct_rows(j.n, j.xq != nullptr);
   int64_t b = 0;

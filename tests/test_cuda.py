@@ -565,30 +565,33 @@ def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):
                 assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched logits differ"
 
 
-def test_quantize_launch_variants_equal(files, tmp_path, monkeypatch):
-    """quantize_act_k's decode layout that keeps each lane's value from the norm's loads and reads its
-    norm weight before the wait (DASLLAMA_CUDA_QACT_FAST bit 1), and one redux.sync each for the
-    rounding's max and quant sum (bit 2, glu_quantize_k's too), give the plain launches' logits bit
-    for bit: an 80-token prefill (a block a row), then decode steps, and ragged batched steps; q8_0 /
-    q4_0, an f16 and a q8_0 cache; hidden 64, 320 and 512 (one block a row; two with a part-empty
-    second; two full). Likewise f16's direct GEMVs asking their norm weights into L2 before the wait
-    (DASLLAMA_CUDA_NWPF=1)."""
-    shapes = {"tiny": files["llama"], "h320": _llama_file(tmp_path, 320, 5, 1, 640, formats=("q8_0", "q4_0", "f16")),
-              "h512": _llama_file(tmp_path, 512, 8, 2, 1024, formats=("q8_0", "q4_0", "f16"))}
+def test_decode_launch_variants_equal(files, tmp_path, monkeypatch):
+    """Switches that move work, not change it, give the plain launches' logits bit for bit:
+    quantize_act_k's decode layout that keeps each lane's value from the norm's loads and reads its
+    norm weight before the wait (DASLLAMA_CUDA_QACT_FAST bit 1), one redux.sync each for the
+    rounding's max and quant sum (bit 2, glu_quantize_k's too), the one-token Q / K / V GEMV forming
+    its rope angles at its start (DASLLAMA_CUDA_ROPE_EARLY), and f16's direct GEMVs asking their
+    norm weights into L2 before the wait (DASLLAMA_CUDA_NWPF). An 80-token prefill (a block a row),
+    then decode steps, and ragged batched steps; q8_0 / q4_0 / f16, an f16 and a q8_0 cache; hidden
+    64, 320 and 512 (one block a row; two with a part-empty second; two full)."""
+    fmts = ("q8_0", "q4_0", "f16")
+    shapes = {"tiny": files["llama"], "h320": _llama_file(tmp_path, 320, 5, 1, 640, formats=fmts),
+              "h512": _llama_file(tmp_path, 512, 8, 2, 1024, formats=fmts)}
+    plain = {"DASLLAMA_CUDA_QACT_FAST": "0", "DASLLAMA_CUDA_NWPF": "0", "DASLLAMA_CUDA_ROPE_EARLY": "0"}
+    q8 = [{"DASLLAMA_CUDA_QACT_FAST": m} for m in ("1", "2", "3")] + [
+        {"DASLLAMA_CUDA_ROPE_EARLY": "1"}, {"DASLLAMA_CUDA_QACT_FAST": "3", "DASLLAMA_CUDA_ROPE_EARLY": "1"}]
+    f16 = [{"DASLLAMA_CUDA_NWPF": "1"}]
     for name, paths in shapes.items():
-        for ft in ("q8_0", "q4_0", "f16"):
-            var = "DASLLAMA_CUDA_NWPF" if ft == "f16" else "DASLLAMA_CUDA_QACT_FAST"
+        for ft in fmts:
             for kv in (d.KVDtype.f16, d.KVDtype.q8_0):
-                plain = {"DASLLAMA_CUDA_QACT_FAST": "0", "DASLLAMA_CUDA_NWPF": "0"}
                 want, _ = _decode_steps(paths[ft], kv, plain, monkeypatch, n_prompt=80, n_steps=40)
                 wantb, _ = _batch_steps(paths[ft], kv, plain, monkeypatch)
-                for mode in ("1",) if ft == "f16" else ("1", "2", "3"):
-                    on = plain | {var: mode}
-                    got, _ = _decode_steps(paths[ft], kv, on, monkeypatch, n_prompt=80, n_steps=40)
-                    assert np.array_equal(got, want), f"{name} {ft} kv {kv.name} mode {mode}: decode logits " \
-                        f"differ, max {np.abs(got - want).max():.3g}"
-                    got, _ = _batch_steps(paths[ft], kv, on, monkeypatch)
-                    assert np.array_equal(got, wantb), f"{name} {ft} kv {kv.name} mode {mode}: batched logits differ"
+                for on in f16 if ft == "f16" else q8:
+                    got, _ = _decode_steps(paths[ft], kv, plain | on, monkeypatch, n_prompt=80, n_steps=40)
+                    assert np.array_equal(got, want), f"{name} {ft} kv {kv.name} {on}: decode logits differ, " \
+                        f"max {np.abs(got - want).max():.3g}"
+                    got, _ = _batch_steps(paths[ft], kv, plain | on, monkeypatch)
+                    assert np.array_equal(got, wantb), f"{name} {ft} kv {kv.name} {on}: batched logits differ"
 
 
 def test_attention_early_loads_equal_late(files, tmp_path, monkeypatch):
