@@ -43,40 +43,15 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // One lane's value of a 32-block into the A8 form: amax over the warp, d = amax / 127,
 // q = rint(v * (127 / amax)), and the block's quant sum (q4_0's offset term).
-// Asks the line holding p into L2; nothing waits on it.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-// kRedux: the max and the sum as one redux.sync each (sm_80+) where the shuffles take five
-// dependent steps each. |v|'s bits order as unsigned ints do, so the max is the same value (a NaN
-// aside: fmaxf drops it, the bits' max keeps it).
-template <bool kRedux = false>
 __device__ __forceinline__ void quant_store(float v, int lane, int64_t at, int64_t blk, int8_t* xq, float* xd,
                                             int32_t* xs) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr bool redux = kRedux;
-#else
-  constexpr bool redux = false;
-#endif
-  float amax;
-  if constexpr (redux) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
-#endif
-  } else {
-    amax = warp_max(fabsf(v));
-  }
+  const float amax = warp_max(fabsf(v));
   int q = 0;
   if (amax > 0.f) q = max(-127, min(127, (int)rintf(__fmul_rn(v, 127.f / amax))));
   xq[at] = (int8_t)q;
   int qs = q;
-  if constexpr (redux) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    qs = __reduce_add_sync(0xffffffffu, q);
-#endif
-  } else {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
-  }
+  for (int o = 16; o > 0; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
   if (lane == 0) xd[blk] = amax / 127.f, xs[blk] = qs;
 }
 

@@ -578,7 +578,7 @@ constexpr int64_t kStagedMax = 32;
 // row's units, and their partial sums meet in shared memory. KS grows with the row length
 // so that short rows still give every lane two units, and long rows many warps.
 template <uint32_t T, int NT, int R, class Out = StoreOut>
-__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early, Out out, bool nw_pf) {
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early, Out out) {
   if (!early) pdl_wait(), pdl_trigger();
   constexpr int UE = Unit<T>::e, U = 2;
   constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
@@ -598,13 +598,6 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   const int u_first = m.ub + lane, ue = m.ue;
   const bool live = m.left > 0;
   if (live && u_first < ue) m.load(u_first, q, d);
-  // nw_pf (DASLLAMA_CUDA_NWPF): the norm weights of the lane's first units asked into L2 before the
-  // wait, while the kernel before runs, so their first reads after it need not go to HBM (a step's
-  // weights pass through L2 between two reads of them).
-  if (nw_pf && early && j.norm_w && live)
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (u_first + 32 * k < ue) prefetch_l2(j.norm_w + (int64_t)(u_first + 32 * k) * UE);
   if (early) pdl_wait(), pdl_trigger();
   m.output(j);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
@@ -676,104 +669,60 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
 // row is a few kilobytes, read from L2) so no pass waits for another; the RMS scale as
 // rms_norm_k computes it (double sum), then a warp per 32-block: amax, d = amax / 127,
 // q = rint(x * (127 / amax)), and the quant sum.
-// The RMS scale of token row xr (cols floats) with the block's 256 threads, as rms_norm_k forms
-// it (double sum). kL2: x was written earlier in this kernel by other blocks, so it is read from
-// L2 (L1 may hold stale lines). The loads go out 8 at a time before their squares are added, in
-// order (one load in flight a thread had made a 2048-wide row 8 dependent trips to L2: H100
-// Llama-1B, 4.0 us a launch). .own: element own's value, if the thread loaded it (own < 0: none).
-struct RmsScale {
-  float sc, own;
-};
-template <bool kL2>
-__device__ __forceinline__ RmsScale row_rms_scale(const float* xr, int64_t cols, float eps, int64_t own) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __shared__ double sh[8];
-  double ss = 0;
-  float mine = 0.f;
-  constexpr int K = 8;
-  for (int64_t i0 = threadIdx.x; i0 < cols; i0 += (int64_t)blockDim.x * K) {
-    float v[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t i = i0 + (int64_t)k * blockDim.x;
-      v[k] = i < cols ? (kL2 ? __ldcg(xr + i) : __ldg(xr + i)) : 0.f;
-      if (i == own) mine = v[k];
-    }
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (i0 + (int64_t)k * blockDim.x < cols) ss += (double)v[k] * v[k];
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (lane == 0) sh[warp] = ss;
-  __syncthreads();
-  double tot = 0;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) tot += sh[w];
-  return {(float)(1.0 / sqrt(tot / cols + eps)), mine};
-}
-
 // Rounds token row t of x (xr, cols floats) from 32-block b on, every step-th block, with the
-// block's 256 threads (a warp per 32-block).
-template <bool kL2, bool kRedux = false>
+// block's 256 threads (a warp per 32-block). kL2: x was written earlier in this kernel by other
+// blocks, so it is read from L2 (L1 may hold stale lines). The norm's loads go out 8 at a time
+// before their squares are added, in order (one load in flight a thread had made a 2048-wide row 8
+// dependent trips to L2: H100 Llama-1B, 4.0 us a launch).
+template <bool kL2>
 __device__ __forceinline__ void round_row(const float* xr, int64_t cols, bool norm, const float* nw, float eps,
                                           int64_t t, int64_t b, int64_t step, int8_t* xq, float* xd, int32_t* xs) {
-  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t nb = cols / 32;
-  const float sc = norm ? row_rms_scale<kL2>(xr, cols, eps, -1).sc : 1.f;
+  float sc = 1.f;
+  if (norm) {
+    __shared__ double sh[8];
+    double ss = 0;
+    constexpr int K = 8;
+    for (int64_t i0 = threadIdx.x; i0 < cols; i0 += (int64_t)blockDim.x * K) {
+      float v[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t i = i0 + (int64_t)k * blockDim.x;
+        v[k] = i < cols ? (kL2 ? __ldcg(xr + i) : __ldg(xr + i)) : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (i0 + (int64_t)k * blockDim.x < cols) ss += (double)v[k] * v[k];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) sh[warp] = ss;
+    __syncthreads();
+    double tot = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) tot += sh[w];
+    sc = (float)(1.0 / sqrt(tot / cols + eps));
+  }
   for (int64_t bb = b; bb < nb; bb += step) {
     const int64_t i = bb * 32 + lane;
     float v = kL2 ? __ldcg(xr + i) : __ldg(xr + i);
     if (norm) v = nw ? __fmul_rn(v, sc) * nw[i] : v * sc;
-    quant_store<kRedux>(v, lane, t * cols + i, t * nb + bb, xq, xd, xs);
+    quant_store(v, lane, t * cols + i, t * nb + bb, xq, xd, xs);
   }
 }
 
-// round_row for a grid of a block per 8 32-blocks (decode and batched steps): the warp's one
-// block b. The same values: the lane's own element is kept from the norm's loads and its norm
-// weight nwv was read before the kernel's wait, so nothing is read after the norm's barrier.
-template <bool kRedux>
-__device__ __forceinline__ void round_block(const float* xr, int64_t cols, bool norm, bool has_nw, float nwv,
-                                            float eps, int64_t t, int64_t b, int8_t* xq, float* xd, int32_t* xs) {
-  const int lane = threadIdx.x & 31;
-  const int64_t nb = cols / 32, i = b * 32 + lane;
-  float v = 0.f, sc = 1.f;
-  if (norm) {
-    const RmsScale r = row_rms_scale<false>(xr, cols, eps, b < nb ? i : -1);
-    sc = r.sc, v = r.own;
-  } else if (b < nb) {
-    v = __ldg(xr + i);
-  }
-  if (b >= nb) return;
-  if (norm) v = has_nw ? __fmul_rn(v, sc) * nwv : v * sc;
-  quant_store<kRedux>(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
-}
-
-// mode (DASLLAMA_CUDA_QACT_FAST): bit 1 round_block where the grid is a block per 8 32-blocks,
-// bit 2 quant_store's redux.
 __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ x, int64_t cols, bool norm,
                                                       const float* __restrict__ nw, float eps, int8_t* __restrict__ xq,
-                                                      float* __restrict__ xd, int32_t* __restrict__ xs, int mode) {
-  const int64_t t = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
-  const bool one = gridDim.x > 1 && (mode & 1);
-  // The norm weights are the model's, never written by a launch: read before the wait, so their
-  // trip (from HBM: a step's weights pass through L2 between two reads) overlaps the kernel before.
-  const float nwv = one && norm && nw && b < nb ? __ldg(nw + b * 32 + lane) : 1.f;
+                                                      float* __restrict__ xd, int32_t* __restrict__ xs) {
   pdl_wait();
   pdl_trigger();
-  const float* xr = x + t * cols;
-  if (one) {
-    if (mode & 2) round_block<true>(xr, cols, norm, nw != nullptr, nwv, eps, t, b, xq, xd, xs);
-    else round_block<false>(xr, cols, norm, nw != nullptr, nwv, eps, t, b, xq, xd, xs);
-    return;
-  }
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int64_t nb = cols / 32, b = (int64_t)blockIdx.x * 8 + warp;
   // A grid one block wide (normed prefill rows) walks all of the row's blocks: the norm's sum
   // is then formed once a row, not once per 8 blocks (the same sum, the same bits).
-  const int64_t step = gridDim.x == 1 ? 8 : nb;
-  if (mode & 2) round_row<false, true>(xr, cols, norm, nw, eps, t, b, step, xq, xd, xs);
-  else round_row<false>(xr, cols, norm, nw, eps, t, b, step, xq, xd, xs);
+  round_row<false>(x + t * cols, cols, norm, nw, eps, t, b, gridDim.x == 1 ? 8 : nb, xq, xd, xs);
 }
 
 // The down projection's input in q8 mode: the GLU (written out as the glu op does) and its
@@ -781,7 +730,7 @@ __global__ void __launch_bounds__(256) quantize_act_k(const float* __restrict__ 
 __global__ void __launch_bounds__(256) glu_quantize_k(const float* __restrict__ gate, int64_t gs,
                                                       const float* __restrict__ up, int64_t us, int act, float* out,
                                                       int64_t cols, int8_t* __restrict__ xq, float* __restrict__ xd,
-                                                      int32_t* __restrict__ xs, bool redux) {
+                                                      int32_t* __restrict__ xs) {
   pdl_wait();
   pdl_trigger();
   const int64_t t = blockIdx.y;
@@ -791,8 +740,7 @@ __global__ void __launch_bounds__(256) glu_quantize_k(const float* __restrict__ 
   const int64_t i = b * 32 + lane;
   const float v = glu_value(act, gate[t * gs + i], up[t * us + i]);
   out[t * cols + i] = v;
-  if (redux) quant_store<true>(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
-  else quant_store(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
+  quant_store(v, lane, t * cols + i, t * nb + b, xq, xd, xs);
 }
 
 // The direct kernel's shape with int8 dot products: a 16-byte unit is 16 q8_0 weights (4
@@ -913,12 +861,11 @@ __global__ void __launch_bounds__(SW * 32, 3) gemv_q8_x_k(GemvJob j, int ks, con
 // pairs are adjacent rows, so the two lanes of a pair (R even, lanes NT apart) trade values by a
 // shuffle and each forms its half of rope_rot's products. The angles (double) are formed after
 // the sums: formed while the weights were in flight, they spilled the registers that hold them.
-// The same values as the rope + store launch, so the same bits. With r.early_cs
-// (DASLLAMA_CUDA_ROPE_EARLY=1) the q8 kernels' prepare() (gemv_q8_block calls it; gemv_direct_k
-// does not: f16's one-token kernel spilled) forms the lane's angle at the block's start instead, into
-// shared memory, before any weights are live: a launch that starts early does it while the kernel
-// before still runs. (Its inputs are safe to read then: the positions are uploaded before a step's
-// first kernel, the frequencies with the model.)
+// Or, with r.early_cs, at the block's start, before any weights are live, into shared memory:
+// the q8 kernels' prepare() (gemv_q8_block calls it; gemv_direct_k does not: f16's one-token
+// kernel spilled). A launch that starts early then forms them while the kernel before still runs.
+// (Their inputs are safe to read then: the positions are uploaded before a step's first kernel,
+// the frequencies with the model.) The same values as the rope + store launch, so the same bits.
 template <int NT>
 struct RopeOut {
   GemvRope r;
@@ -985,13 +932,6 @@ bool pdl_early() {
     return !(e && std::strcmp(e, "0") == 0);
   }();
   return on;
-}
-
-// gemv_direct_k's nw_pf: DASLLAMA_CUDA_NWPF=1 (read at each call, so ab_cuda.py can set it; a
-// captured step keeps the value read at its capture). Off until timed.
-bool nw_pf() {
-  const char* e = std::getenv("DASLLAMA_CUDA_NWPF");
-  return e && std::strcmp(e, "1") == 0;
 }
 
 // Rows a warp group of the direct kernels takes for 2-4 tokens: 2, since 4 spilled registers
@@ -1070,12 +1010,12 @@ void launch_direct(const GemvJob& j, int ks, cudaStream_t st) {
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const StoreOut o;
-  if (j.n == 1 && rows1(false) == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
-  else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
-  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
-  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
-  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
-  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o, nw_pf());
+  if (j.n == 1 && rows1(false) == 2) launch(gemv_direct_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else if (j.n == 1) launch(gemv_direct_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else if (j.n <= 4 && rows4() == 2) launch(gemv_direct_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else if (j.n <= 4) launch(gemv_direct_k<T, 4, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else if (j.n <= 8) launch(gemv_direct_k<T, 8, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
+  else launch(gemv_direct_k<T, 16, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), o);
 }
 // gemv_roped's launch (1-4 tokens): the q8 kernel where x is rounded (q8), else the direct one.
 template <uint32_t T>
@@ -1093,10 +1033,10 @@ void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) 
       return;
     }
   }
-  if (one && r2) launch(gemv_direct_k<T, 1, 2, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r}, nw_pf());
-  else if (one) launch(gemv_direct_k<T, 1, 4, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r}, nw_pf());
-  else if (r2) launch(gemv_direct_k<T, 4, 2, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r}, nw_pf());
-  else launch(gemv_direct_k<T, 4, 4, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r}, nw_pf());
+  if (one && r2) launch(gemv_direct_k<T, 1, 2, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+  else if (one) launch(gemv_direct_k<T, 1, 4, RopeOut<1>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+  else if (r2) launch(gemv_direct_k<T, 4, 2, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
+  else launch(gemv_direct_k<T, 4, 4, RopeOut<4>>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
 }
 // Rows a warp group of the direct kernels takes for n tokens (as launch_direct and launch_q8
 // pick; q8: int8 activations).
@@ -1236,13 +1176,6 @@ void point_qact(GemvJob& j, void* q, int64_t n, int64_t cols) {
   j.xs = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(q) + n * cols + n * (cols / 32) * 4);
 }
 
-// quantize_act_k's mode: DASLLAMA_CUDA_QACT_FAST (read at each call, so ab_cuda.py can set it; the
-// launches of a captured step keep the value read at its capture), bit 1 round_block, bit 2 redux.
-static int qact_fast() {
-  const char* e = std::getenv("DASLLAMA_CUDA_QACT_FAST");
-  return e && *e ? std::atoi(e) : 0;
-}
-
 void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const float* norm_w, float eps, void* q,
                   cudaStream_t st) {
   if (n <= 0) return;
@@ -1257,7 +1190,7 @@ void quantize_act(const float* x, int64_t n, int64_t cols, bool norm, const floa
   const int64_t one_from = e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(65);
   const unsigned gx = norm && n >= one_from ? 1u : (unsigned)ceil_div(cols / 32, 8);
   launch(quantize_act_k, dim3(gx, (unsigned)n), 256, 0, st, x, cols, norm, norm_w,
-         eps, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs), qact_fast());
+         eps, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
   check_launch("quantize_act");
 }
 
@@ -1268,7 +1201,7 @@ void glu_quantize(const float* gate, int64_t gs, const float* up, int64_t us, in
   GemvJob j;
   point_qact(j, q, n, cols);
   launch(glu_quantize_k, dim3((unsigned)ceil_div(cols / 32, 8), (unsigned)n), 256, 0, st, gate, gs, up, us, act, out,
-         cols, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs), (qact_fast() & 2) != 0);
+         cols, const_cast<int8_t*>(j.xq), const_cast<float*>(j.xd), const_cast<int32_t*>(j.xs));
   check_launch("glu_quantize");
 }
 
@@ -1453,9 +1386,13 @@ bool gemv_rope_fits(const GemvJob& j, const GemvRope& r) {
 
 void gemv_roped(GemvJob j, const GemvRope& r0, cudaStream_t st) {
   if (!gemv_rope_fits(j, r0)) throw Error("cuda: a Q / K / V GEMV the rope epilogue does not take");
+  // The angles at the block's start (RopeOut): for one token of q8_0 weights by default. H100
+  // Llama-1B tg256, three interleaved runs (RESULTS.md, forty-sixth session): Q8_0 +1.2-1.6%
+  // (the Q / K / V kernel's own share 3.72 -> 3.36 us), Q4_0 -0.2 to -0.5%.
+  // DASLLAMA_CUDA_ROPE_EARLY=0 / 1 sets it for both (read at each call, so ab_cuda.py can).
   GemvRope r = r0;
-  const char* e = std::getenv("DASLLAMA_CUDA_ROPE_EARLY");  // read at each call (ab_cuda.py); off until timed
-  r.early_cs = e && std::strcmp(e, "1") == 0;
+  const char* e = std::getenv("DASLLAMA_CUDA_ROPE_EARLY");
+  r.early_cs = e && *e ? std::strcmp(e, "0") != 0 : j.type == T_Q8_0S;
   const int ks = direct_ks(j.cols / unit_elems(j.type));
   const int64_t per_block = SW / ks * direct_rows(j.n, j.xq != nullptr);
   int64_t b = 0;

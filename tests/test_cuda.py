@@ -565,33 +565,27 @@ def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):
                 assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched logits differ"
 
 
-def test_decode_launch_variants_equal(files, tmp_path, monkeypatch):
-    """Switches that move work, not change it, give the plain launches' logits bit for bit:
-    quantize_act_k's decode layout that keeps each lane's value from the norm's loads and reads its
-    norm weight before the wait (DASLLAMA_CUDA_QACT_FAST bit 1), one redux.sync each for the
-    rounding's max and quant sum (bit 2, glu_quantize_k's too), the one-token Q / K / V GEMV forming
-    its rope angles at its start (DASLLAMA_CUDA_ROPE_EARLY), and f16's direct GEMVs asking their
-    norm weights into L2 before the wait (DASLLAMA_CUDA_NWPF). An 80-token prefill (a block a row),
-    then decode steps, and ragged batched steps; q8_0 / q4_0 / f16, an f16 and a q8_0 cache; hidden
-    64, 320 and 512 (one block a row; two with a part-empty second; two full)."""
-    fmts = ("q8_0", "q4_0", "f16")
+def test_rope_angles_at_the_start_equal_at_the_end(files, tmp_path, monkeypatch):
+    """The one-token q8 Q / K / V GEMV forming its rope angles at its start, before its weights and
+    its wait (DASLLAMA_CUDA_ROPE_EARLY=1; q8_0's default), gives the logits of forming them after
+    the sums bit for bit: decode steps after an 80-token prefill, and ragged batched steps (their
+    kernels keep the late angles); q8_0 / q4_0, an f16 and an f32 cache; hidden 64, 320 and 512
+    (head sizes 16 and 64)."""
+    fmts = ("q8_0", "q4_0")
     shapes = {"tiny": files["llama"], "h320": _llama_file(tmp_path, 320, 5, 1, 640, formats=fmts),
               "h512": _llama_file(tmp_path, 512, 8, 2, 1024, formats=fmts)}
-    plain = {"DASLLAMA_CUDA_QACT_FAST": "0", "DASLLAMA_CUDA_NWPF": "0", "DASLLAMA_CUDA_ROPE_EARLY": "0"}
-    q8 = [{"DASLLAMA_CUDA_QACT_FAST": m} for m in ("1", "2", "3")] + [
-        {"DASLLAMA_CUDA_ROPE_EARLY": "1"}, {"DASLLAMA_CUDA_QACT_FAST": "3", "DASLLAMA_CUDA_ROPE_EARLY": "1"}]
-    f16 = [{"DASLLAMA_CUDA_NWPF": "1"}]
     for name, paths in shapes.items():
         for ft in fmts:
-            for kv in (d.KVDtype.f16, d.KVDtype.q8_0):
-                want, _ = _decode_steps(paths[ft], kv, plain, monkeypatch, n_prompt=80, n_steps=40)
-                wantb, _ = _batch_steps(paths[ft], kv, plain, monkeypatch)
-                for on in f16 if ft == "f16" else q8:
-                    got, _ = _decode_steps(paths[ft], kv, plain | on, monkeypatch, n_prompt=80, n_steps=40)
-                    assert np.array_equal(got, want), f"{name} {ft} kv {kv.name} {on}: decode logits differ, " \
-                        f"max {np.abs(got - want).max():.3g}"
-                    got, _ = _batch_steps(paths[ft], kv, plain | on, monkeypatch)
-                    assert np.array_equal(got, wantb), f"{name} {ft} kv {kv.name} {on}: batched logits differ"
+            for kv in (d.KVDtype.f16, d.KVDtype.f32):
+                late, early = {"DASLLAMA_CUDA_ROPE_EARLY": "0"}, {"DASLLAMA_CUDA_ROPE_EARLY": "1"}
+                want, _ = _decode_steps(paths[ft], kv, late, monkeypatch, n_prompt=80, n_steps=40)
+                got, m = _decode_steps(paths[ft], kv, early, monkeypatch, n_prompt=80, n_steps=40)
+                assert m._m.path_count("gemv_rope") > 0, (name, ft, kv.name)
+                assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: decode logits differ, " \
+                    f"max {np.abs(got - want).max():.3g}"
+                want, _ = _batch_steps(paths[ft], kv, late, monkeypatch)
+                got, _ = _batch_steps(paths[ft], kv, early, monkeypatch)
+                assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched logits differ"
 
 
 def test_attention_early_loads_equal_late(files, tmp_path, monkeypatch):
