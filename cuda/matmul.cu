@@ -1387,7 +1387,7 @@ bool gemv_rope_fits(const GemvJob& j, const GemvRope& r) {
 void gemv_roped(GemvJob j, const GemvRope& r0, cudaStream_t st) {
   if (!gemv_rope_fits(j, r0)) throw Error("cuda: a Q / K / V GEMV the rope epilogue does not take");
   // The angles at the block's start (RopeOut): for one token of q8_0 weights by default. H100
-  // Llama-1B tg256, three interleaved runs (RESULTS.md, forty-sixth session): Q8_0 +1.2-1.6%
+  // Llama-1B tg256, four interleaved runs (RESULTS.md, forty-sixth session): Q8_0 +1.1-1.6%
   // (the Q / K / V kernel's own share 3.72 -> 3.36 us), Q4_0 -0.2 to -0.5%.
   // DASLLAMA_CUDA_ROPE_EARLY=0 / 1 sets it for both (read at each call, so ab_cuda.py can).
   GemvRope r = r0;
