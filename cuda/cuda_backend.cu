@@ -746,6 +746,7 @@ class CudaBackend final : public Backend {
     if (name == "attn_gqa") return gqa_attn_;
     if (name == "attn_wide") return wide_attn_;
     if (name == "gemv_rope") return gemv_rope_;
+    if (name == "rms_tail") return rms_tails_;
     return 0;
   }
   void matmul_step(const MatmulStep& s) override {
@@ -1251,7 +1252,8 @@ class CudaBackend final : public Backend {
     max_rows_ = std::max(max_rows_, s.n);
     const GluRec& g = glu_;
     if (q8 && reuse_q_) {
-      // (mixed_k, the logits' later slices: the run before rounded x into this scratch)
+      // (mixed_k, the logits' later slices: the run before rounded x, maybe not into qb)
+      j.xq = last_q_.xq, j.xd = last_q_.xd, j.xs = last_q_.xs, j.xn = last_q_.xn, j.eps = last_q_.eps;
     } else if (q8 && rec_ && !s.norm && kvq_.empty() && g.at + 1 == ops_.size() && g.out == s.x && g.n_rows == s.n &&
         g.dim == j.cols) {
       // The GLU just recorded makes this input: it quantizes in the same pass, and where the
@@ -1263,14 +1265,20 @@ class CudaBackend final : public Backend {
       cuda::GemvTail t;
       t.kind = cuda::GemvTail::glu, t.act = act, t.out = out, t.cols = cols;
       const GemvRec& r = gemv_;
-      if ((tails_ & 2) && n == 1 && r.at + 2 == ops_.size() && r.j.count == 2 && r.j.y[0] == gate && r.j.y[1] == up &&
-          (t.q = tail_qact(r.j.xq, cuda::qact_bytes(1, cols))) && (t.cnt = tail_counters()) &&
-          cuda::gemv_tail_fits(r.j, t)) {
+      bool fits = (tails_ & 10) && n == 1 && r.at + 2 == ops_.size() && r.j.count == 2 && r.j.y[0] == gate &&
+                  r.j.y[1] == up && (t.q = tail_qact(r.j.xq, cuda::qact_bytes(1, cols)));
+      if (fits && (tails_ & 8)) {  // bit 8: each chunk of gate and up a cluster, no counter
+        t.kind = cuda::GemvTail::glu_cluster;
+        if (!cuda::gemv_tail_fits(r.j, t)) t.kind = cuda::GemvTail::glu;
+      }
+      if (fits && t.kind == cuda::GemvTail::glu)  // bit 2: the chunks' blocks counted
+        fits = (tails_ & 2) && (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t);
+      if (fits) {
         cuda::point_qact(j, t.q, 1, cols);  // (ffn down reads the tail's scratch)
         ops_.pop_back();
         const cuda::GemvJob rj = r.j;
         ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_tailed(rj, t, st); };
-        sig1(Tag::gemv_tail), sig1(t.cnt);
+        sig1(Tag::gemv_tail), sig1(t.cnt), sig1(t.kind);
         gemv_.at = SIZE_MAX, ++fused_ops_;
       } else {
         ops_.back() = [=](cudaStream_t st) { cuda::glu_quantize(gate, gs, up, us, act, out, n, cols, qb, st); };
@@ -1316,6 +1324,16 @@ class CudaBackend final : public Backend {
         };
         sig1(Tag::quant), sig1(qb);
         attn_.at = SIZE_MAX, ++fused_ops_;
+      } else if (cuda::GemvTail rt = rms_tail(r, j, x, norm, nw); rt.kind == cuda::GemvTail::rms && !mma && !kq) {
+        // The residual GEMV just recorded wrote x: the blocks of each 32-row chunk, a cluster,
+        // round x * nw and sum its squares; this GEMV scales its sums by the norm (no launch
+        // between them).
+        cuda::point_qact(j, rt.q, 1, cols);
+        j.xn = rt.xn, j.eps = eps;
+        const cuda::GemvJob rj = r.j;
+        ops_.back() = [rj, rt](cudaStream_t st) { cuda::gemv_tailed(rj, rt, st); };
+        sig1(Tag::gemv_tail), sig1(rt.kind), sig1(x), sig1(cols), sig1(nw), sig1(rt.q);
+        gemv_.at = SIZE_MAX, ++fused_ops_, ++rms_tails_;
       } else if ((tails_ & 1) && rec_ && n == 1 && kvq_.empty() && r.at + 1 == ops_.size() && r.j.count == 1 && r.j.y[0] == x &&
           (t.cnt = tail_counters()) && cuda::gemv_tail_fits(r.j, t)) {
         // The GEMV just recorded wrote x (a residual row): its last block rounds it.
@@ -1328,6 +1346,7 @@ class CudaBackend final : public Backend {
            norm, nw, eps, qb);
       }
     }
+    if (q8) last_q_ = j;
     if (!rec_) {
       mma ? cuda::mma_q8(j, st_) : cuda::gemv_staged(j, st_);
       return true;
@@ -1349,6 +1368,7 @@ class CudaBackend final : public Backend {
   // 2,328 / 3,013). False where a run would not fit gemv_k_i8_k (checked before anything is
   // recorded).
   bool reuse_q_ = false;
+  cuda::GemvJob last_q_;  // the last q8 matmul's job: where its rounded x lies (for reuse_q_)
   bool mixed_k(const MatmulStep& s) {
     const char* e = std::getenv("DASLLAMA_CUDA_KMIX");
     if ((e && e[0] == '0') || s.residual || s.count < 2 || (s.n > 16 && !cuda::k_mma_on(s.n))) return false;
@@ -1712,12 +1732,30 @@ class CudaBackend final : public Backend {
     return static_cast<unsigned*>(tailc_->data());
   }
 
-  // Where a GLU tail writes ffn down's quantized input: not the scratch its own gate / up GEMV
-  // reads (`busy`), since a 32-row chunk's tail runs while blocks that started later still read
-  // their input (a grid of several waves: Llama-1B's 1,024 blocks; the same scratch gave other
-  // logits than the glu_quantize launch). So qact_ or alt_, whichever holds no part of it; alt_
-  // is fixed (never reallocated: a captured graph or an op recorded earlier in the step names
-  // it). Null where `bytes` does not fit.
+  // The rms tail (DASLLAMA_CUDA_TAILS bit 4) for j, a one-token normed matmul over x, where the
+  // GEMV recorded just before (r) wrote x alone (a residual row); kind none where either does not
+  // fit.
+  // Its q holds the quants, then the chunks' sums of squares (doubles; qact_bytes is a multiple
+  // of 8 for cols % 32 == 0).
+  cuda::GemvTail rms_tail(const GemvRec& r, const cuda::GemvJob& j, const float* x, bool norm, const float* nw) {
+    cuda::GemvTail t;
+    const int64_t cols = j.cols;
+    if (!(tails_ & 4) || !rec_ || j.n != 1 || !norm || !kvq_.empty() || r.at + 1 != ops_.size() || r.j.count != 1 ||
+        r.j.y[0] != x || !cuda::gemv_xn_fits(j))
+      return t;
+    const size_t qb = cuda::qact_bytes(1, cols);
+    t.kind = cuda::GemvTail::rms, t.x = x, t.nw = nw, t.cols = cols, t.q = tail_qact(r.j.xq, qb + cols / 4);
+    t.xn = t.q ? reinterpret_cast<double*>(static_cast<uint8_t*>(t.q) + qb) : nullptr;
+    if (!t.q || !cuda::gemv_tail_fits(r.j, t)) t.kind = cuda::GemvTail::none;
+    return t;
+  }
+
+  // Where a GLU or rms tail writes the next matmul's quantized input: not the scratch its own
+  // GEMV reads (`busy`), since a 32-row chunk's tail runs while other blocks still read their
+  // input (a grid of several waves: Llama-1B's 1,024 blocks; the same scratch gave other logits
+  // than the glu_quantize launch). So qact_ or alt_, whichever holds no part of it; alt_ is fixed
+  // (never reallocated: a captured graph or an op recorded earlier in the step names it). Null
+  // where `bytes` does not fit.
   void* tail_qact(const void* busy, size_t bytes) {
     constexpr size_t kAlt = size_t(1) << 18;
     if (!alt_) alt_ = alloc(kAlt, "GEMV tail activations");
@@ -1836,10 +1874,13 @@ class CudaBackend final : public Backend {
   // The roundings stay off: on the H200 one block rounding a whole row after the others cost
   // more than the launch (Llama-1B Q8_0 decode 785 -> 718 t/s, RESULTS.md). So does the GLU since
   // the forty-fourth session: with its scratch apart from the GEMV's input, H100 tg256 Q8_0
-  // 1,199 -> 1,235 and Q4_0 1,562 -> 1,616 without it.
+  // 1,199 -> 1,235 and Q4_0 1,562 -> 1,616 without it. Bit 4 (opt-in, not yet timed): the
+  // residual GEMVs' 32-row chunks, each a thread-block cluster, round x * norm_w and the next
+  // GEMV applies the norm (rms_tail; it takes the place of bit 1 where both fit). Bit 8 (the
+  // same): the GLU tail with each chunk of gate and up a cluster, no counter (bit 2's place).
   int tails_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
-    return e ? std::atoi(e) & 3 : 0;
+    return e ? std::atoi(e) & 15 : 0;
   }();
   // The Q / K rope and the KV stores after it go out as one launch (Rope2Rec; DASLLAMA_CUDA_ROPEST=0:
   // two launches).
@@ -1903,6 +1944,7 @@ class CudaBackend final : public Backend {
   size_t dq_failed_ = SIZE_MAX;  // the smallest copy the device could not hold
   int64_t fused_ops_ = 0;
   int64_t gemv_rope_ = 0;  // Q / K / V GEMVs recorded with the rope and KV stores (path_count)
+  int64_t rms_tails_ = 0;  // residual GEMVs recorded rounding the next input by chunks (path_count)
   int64_t gqa_attn_ = 0;  // attentions issued or recorded on the grouped-query kernel (path_count)
   int64_t wide_attn_ = 0;  // those of them on its wide block, one row unsplit (path_count)
   float* pinned_ = nullptr;  // host_staging's buffer

@@ -148,7 +148,9 @@ struct StoreOut {
 // weights are constant; x may not be ready before it). U units of each row are in flight per lane
 // (any U gives the same sums: each lane adds its units in increasing order). A caller that runs
 // several blocks in one (the fused layer) syncs the block between them (red is reused).
-template <uint32_t T, int NT, int R, XLoad XL, int U = 2, class Wait, class Out = StoreOut>
+// kXN: one token whose input may be not yet normed (GemvJob::xn; a kernel of its own, so the
+// others keep their registers).
+template <uint32_t T, int NT, int R, XLoad XL, int U = 2, bool kXN = false, class Wait, class Out = StoreOut>
 __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid, Wait wait, Out out = Out()) {
   constexpr int UE = Unit<T>::e;
   __shared__ float red[SW][R][NT];
@@ -168,6 +170,13 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
   if (live && u_first < ue) m.load(u_first, q, d);
   wait();
   m.output(j);
+  // An input not yet RMS-normed (one token, GemvJob::xn): its 32-blocks' sums of squares, read
+  // beside x's first loads and added up after the loop (one scale for every sum of the row).
+  static_assert(!kXN || NT == 1, "xn: one token");
+  double xss = 0;
+  if constexpr (kXN)
+    if (j.xn)
+      for (int c = lane; c < nb; c += 32) xss += xload<XL>(j.xn + c);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll
@@ -211,6 +220,12 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
       }
     }
   }
+  // (the norm's scale formed as quantize_act_k forms it, in double, from the chunks' sums)
+  const auto normed = [&](float v) {
+    if constexpr (kXN)
+      if (j.xn) return __fmul_rn(v, (float)(1.0 / sqrt(warp_sum_d(xss) / cols + j.eps)));
+    return v;
+  };
   if (ks == 1) {  // the warp holds whole rows: no shared memory (every lane gets each row's sum)
     float mine = 0.f;
 #pragma unroll
@@ -220,7 +235,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
         const float s = 0.f + warp_sum(acc[r][t]);  // (a sum from 0, as with ks > 1: -0 becomes +0)
         if (lane == r * NT + t) mine = s;
       }
-    out(j, m, mine);
+    out(j, m, normed(mine));
     return;
   }
 #pragma unroll
@@ -235,7 +250,7 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
     float s = 0.f;
     if (lane < R * NT)
       for (int p = 0; p < ks; ++p) s += red[warp + p][m.my_r][m.my_t];
-    out(j, m, s);
+    out(j, m, normed(s));
   }
 }
 

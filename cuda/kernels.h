@@ -43,6 +43,10 @@ struct GemvJob {
   const int8_t* xq = nullptr;
   const float* xd = nullptr;
   const int32_t* xs = nullptr;
+  // One token whose quants are of x * norm_w, not yet RMS-normed (an rms GemvTail made them):
+  // per 32-block the sum of squares of x; the q8 GEMV scales its sums by 1 / sqrt(mean + eps)
+  // (eps above). Null: xq is the normed row's.
+  const double* xn = nullptr;
 };
 // Bytes of n rows of quantized activations of `cols` (cols % 32 == 0): quants, scales, sums.
 inline size_t qact_bytes(int64_t n, int64_t cols) { return (size_t)(n * cols + n * (cols / 32) * 8); }
@@ -84,11 +88,19 @@ void gemv_staged(GemvJob j, cudaStream_t st);
 //   round: the block that finishes last rounds row x (RMS-normed times nw when norm; x is
 //          usually the GEMV's own residual output) into q, as quantize_act does;
 //   glu:   over gate = y[0], up = y[1] (count 2, equal rows), the block that completes a 32-row
-//          chunk of both writes out = act(gate, up) and its q8 form into q, as glu_quantize does.
-// cnt: zeroed counters (one for round, rows / 32 for glu), left zeroed. A glu tail's q is not the
-// scratch its GEMV reads its own input from: chunks complete while later blocks still read it.
+//          chunk of both writes out = act(gate, up) and its q8 form into q, as glu_quantize does;
+//   rms:   over x = y[0] (count 1, a residual row, rows = cols; sm_90), the blocks that make a
+//          32-row chunk run as one thread-block cluster: they hand their outputs to rank 0 in its
+//          shared memory, which writes the q8 form of x * nw (no RMS scale: a common factor of
+//          the row, applied by the next GEMV, GemvJob::xn) into q and the chunk's sum of
+//          squares into xn. Not quantize_act's bits: the row's quants before its norm's scale;
+//   glu_cluster: glu's work with the blocks of a 32-row chunk of gate and of up as one cluster
+//          (sm_90), their rows handed to rank 0 over shared memory: no counter (cnt unused).
+// cnt: zeroed counters (one for round, rows / 32 for glu; rms none), left zeroed. A glu or rms
+// tail's q is not the scratch its GEMV reads its own input from: chunks complete while other
+// blocks still read it.
 struct GemvTail {
-  enum Kind : int { none = 0, round = 1, glu = 2 } kind = none;
+  enum Kind : int { none = 0, round = 1, glu = 2, rms = 3, glu_cluster = 4 } kind = none;
   unsigned* cnt = nullptr;
   const float* x = nullptr;
   bool norm = false;
@@ -98,9 +110,13 @@ struct GemvTail {
   float* out = nullptr;
   int64_t cols = 0;  // of the rounded row
   void* q = nullptr;
+  double* xn = nullptr;  // rms: per 32-block sums of squares
 };
 constexpr int64_t kTailCounters = 4096;  // glu tails: rows up to 32 times this
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t);
+// Whether j (q8 mode, one token) can take an input an rms tail made (GemvJob::xn): the q8 GEMV
+// kernels at 2 rows a group over the aligned split layouts.
+bool gemv_xn_fits(const GemvJob& j);
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st);
 // The q8-mode matmul on tensor cores (sm_80 on): j with quantized activations (xq set) over
 // T_Q8_0S / T_Q4_0S weights, any n; for batched decode and prefill.

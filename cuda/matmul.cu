@@ -829,13 +829,117 @@ __device__ __forceinline__ void gemv_tail(const GemvJob& j, int ks, const GemvTa
   }
 }
 
-template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2)>
+template <uint32_t T, int NT, int R, bool kTail = false, int MINB = (NT <= 4 ? 4 : 2), bool kXN = false>
 __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bool early, GemvTail tail) {
   if (!early) pdl_wait(), pdl_trigger();
-  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
+  gemv_q8_block<T, NT, R, XLoad::nc, 2, kXN>(j, ks, (int)blockIdx.x, [early] {
     if (early) pdl_wait(), pdl_trigger();
   });
   if constexpr (kTail) gemv_tail<R>(j, ks, tail);
+}
+
+// The rms tail's outputs: stored as StoreOut stores them, and each also into the cluster's
+// rank-0 copy of the 32-row chunk (shared::cluster address `chunk`; a block's rows lie in one
+// chunk, so row & 31 is the place).
+struct ChunkOut {
+  uint32_t chunk;
+  template <class Rows>
+  __device__ __forceinline__ void prepare(const GemvJob&, const Rows&) const {}
+  template <class Rows>
+  __device__ __forceinline__ void operator()(const GemvJob& j, const Rows& m, float s) const {
+    if (!m.store) return;
+    const float v = j.accumulate ? m.res + s : s;
+    *m.o = v;
+    cluster_store(chunk + 4u * (uint32_t)((m.r0 + m.my_r) & 31), v);
+  }
+};
+
+// The GLU cluster tail's outputs: gate's rows (the job's matrix 0) and up's into rank 0's
+// copies of the chunk.
+struct GluChunkOut {
+  uint32_t gate, up;
+  template <class Rows>
+  __device__ __forceinline__ void prepare(const GemvJob&, const Rows&) const {}
+  template <class Rows>
+  __device__ __forceinline__ void operator()(const GemvJob&, const Rows& m, float s) const {
+    if (!m.store) return;
+    *m.o = s;
+    cluster_store((m.mi ? up : gate) + 4u * (uint32_t)((m.r0 + m.my_r) & 31), s);
+  }
+};
+
+// One token's gate / up GEMV with the GLU tail on clusters (GemvTail::glu_cluster): cluster c is
+// the blocks of gate's 32-row chunk c, then those of up's (block ids remapped; the same blocks'
+// sums as gemv_q8_k's), and rank 0's first warp forms the chunk's GLU and its rounding from the
+// values handed to it, as glu_quantize_k does (the same bits). kXN: its input came from an rms tail.
+template <uint32_t T, bool kXN>
+__global__ void __launch_bounds__(SW * 32, 4) gemv_q8_gluc_k(GemvJob j, int ks, bool early, GemvTail t) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float gv[32], uv[32];
+  cluster_arrive_relaxed();  // phase 1, as gemv_q8_rms_k
+  const unsigned rank = cluster_rank(), half = cluster_blocks() / 2;
+  const int64_t ci = blockIdx.x / (2 * half);
+  const int bid = (int)(rank < half ? ci * half + rank : j.first_block[1] + ci * half + (rank - half));
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_q8_block<T, 1, 2, XLoad::nc, 2, kXN>(
+      j, ks, bid,
+      [early] {
+        if (early) pdl_wait(), pdl_trigger();
+        cluster_wait();
+      },
+      GluChunkOut{cluster_map(gv, 0), cluster_map(uv, 0)});
+  cluster_arrive_release();
+  if (rank != 0) return;
+  cluster_wait();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int64_t i = ci * 32 + lane;
+    int8_t* xq = static_cast<int8_t*>(t.q);
+    float* xd = reinterpret_cast<float*>(xq + t.cols);
+    int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
+    const float v = glu_value(t.act, gv[lane], uv[lane]);
+    t.out[i] = v;
+    quant_store(v, lane, i, ci, xq, xd, xs);
+  }
+#endif
+}
+
+// One token's residual GEMV (O, down) with the rms tail (GemvTail::rms): a cluster's blocks make
+// one 32-row chunk of x and hand it to rank 0, whose first warp rounds the chunk of x * nw and
+// writes its sum of squares. No counter, fence or global read: the chunk's values come over the
+// cluster's shared memory, nw is read before the wait. (The counter version of this tail cost
+// about what the rounding launches it replaced did: RESULTS.md, forty-fourth session.)
+template <uint32_t T, int R>
+__global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rms_k(GemvJob j, int ks, bool early, GemvTail t) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float chunk[32];
+  cluster_arrive_relaxed();  // this block runs: the others may write its chunk (phase 1)
+  const unsigned rank = cluster_rank();
+  const int64_t ci = blockIdx.x / cluster_blocks();
+  const int lane = threadIdx.x & 31;
+  float w = 1.f;
+  if (rank == 0 && threadIdx.x < 32 && t.nw) w = __ldg(t.nw + ci * 32 + lane);
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_q8_block<T, 1, R, XLoad::nc>(
+      j, ks, (int)blockIdx.x,
+      [early] {
+        if (early) pdl_wait(), pdl_trigger();
+        cluster_wait();  // phase 1: every block of the cluster runs
+      },
+      ChunkOut{cluster_map(chunk, 0)});
+  cluster_arrive_release();  // phase 2: this block's share of the chunk is in rank 0's copy
+  if (rank != 0) return;
+  cluster_wait();
+  if (threadIdx.x < 32) {
+    const float v = chunk[lane];
+    const double ss = warp_sum_d((double)v * v);
+    int8_t* xq = static_cast<int8_t*>(t.q);
+    float* xd = reinterpret_cast<float*>(xq + t.cols);
+    int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
+    quant_store(v * w, lane, ci * 32 + lane, ci, xq, xd, xs);
+    if (lane == 0) t.xn[ci] = ss;
+  }
+#endif
 }
 
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
@@ -916,10 +1020,10 @@ struct RopeOut {
   }
 };
 
-template <uint32_t T, int NT, int R, int MINB = 4>
+template <uint32_t T, int NT, int R, int MINB = 4, bool kXN = false>
 __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_rope_k(GemvJob j, int ks, bool early, RopeOut<NT> out) {
   if (!early) pdl_wait(), pdl_trigger();
-  gemv_q8_block<T, NT, R, XLoad::nc>(j, ks, (int)blockIdx.x, [early] {
+  gemv_q8_block<T, NT, R, XLoad::nc, 2, kXN>(j, ks, (int)blockIdx.x, [early] {
     if (early) pdl_wait(), pdl_trigger();
   }, out);
 }
@@ -984,9 +1088,28 @@ void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail =
   gemv_fits(j, ks);
   const unsigned grid = (unsigned)j.first_block[j.count];
   const bool r2 = rows1(true) == 2, tl = tail.kind != GemvTail::none;
+  // The cluster tails (gemv_tail_fits: one token, 2 rows a group, clusters of 2-8 blocks).
+  const unsigned per_block = (unsigned)(SW / ks * 2);
+  if (tail.kind == GemvTail::rms) {
+    if (j.xn) throw Error("cuda: an rms tail over an unnormed input");
+    launch_cluster(gemv_q8_rms_k<T, 2>, grid, SW * 32, 0, st, dim3(32 / per_block, 1, 1), j, ks, pdl_early(), tail);
+    return;
+  }
+  if (tail.kind == GemvTail::glu_cluster) {
+    const dim3 cl(2 * (32 / per_block), 1, 1);
+    if (j.xn) launch_cluster(gemv_q8_gluc_k<T, true>, grid, SW * 32, 0, st, cl, j, ks, pdl_early(), tail);
+    else launch_cluster(gemv_q8_gluc_k<T, false>, grid, SW * 32, 0, st, cl, j, ks, pdl_early(), tail);
+    return;
+  }
   if (j.n == 1 && !r2 && minb1(grid) == 3) {
     if (tl) launch(gemv_q8_k<T, 1, 4, true, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
     else launch(gemv_q8_k<T, 1, 4, false, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+    return;
+  }
+  if (j.xn) {  // (rms_tail made the input: one token, 2 rows a group; the GLU tail may follow)
+    if (j.n != 1 || !r2) throw Error("cuda: an input left unnormed for a GEMV that cannot norm it");
+    if (tl) launch(gemv_q8_k<T, 1, 2, true, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
+    else launch(gemv_q8_k<T, 1, 2, false, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
     return;
   }
   if (j.n == 1 && tl && r2) launch(gemv_q8_k<T, 1, 2, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), tail);
@@ -1025,7 +1148,9 @@ void launch_roped(const GemvJob& j, int ks, const GemvRope& r, cudaStream_t st) 
   const bool one = j.n == 1, r2 = one ? rows1(j.xq != nullptr) == 2 : rows4() == 2;
   if constexpr (T == T_Q8_0S || T == T_Q4_0S) {
     if (j.xq) {
-      if (one && r2) launch(gemv_q8_rope_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+      if (j.xn && !(one && r2)) throw Error("cuda: an input left unnormed for a GEMV that cannot norm it");
+      if (one && r2 && j.xn) launch(gemv_q8_rope_k<T, 1, 2, 4, true>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
+      else if (one && r2) launch(gemv_q8_rope_k<T, 1, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
       else if (one && minb1(grid) == 3) launch(gemv_q8_rope_k<T, 1, 4, 3>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
       else if (one) launch(gemv_q8_rope_k<T, 1, 4>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<1>{r});
       else if (r2) launch(gemv_q8_rope_k<T, 4, 2>, grid, SW * 32, 0, st, j, ks, pdl_early(), RopeOut<4>{r});
@@ -1321,6 +1446,7 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
     int64_t b = 0;
     for (int i = 0; i < j.count; ++i) p.first_block[i] = b, b += ceil_div(j.rows[i], per_block);
     p.first_block[j.count] = b;
+    if (j.xn && !(direct && j.xq && gemv_xn_fits(p))) throw Error("cuda: an input left unnormed for a GEMV that cannot norm it");
     if (direct && j.xq) {
       if (j.type == T_Q8_0S) launch_q8<T_Q8_0S>(p, ks, st);
       else launch_q8<T_Q4_0S>(p, ks, st);
@@ -1352,17 +1478,33 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
 }
 
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
-  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) || !t.cnt || !t.q ||
+  if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) ||
+      (!t.cnt && t.kind != GemvTail::rms && t.kind != GemvTail::glu_cluster) || !t.q ||
       t.cols <= 0 || t.cols % 32 != 0)
     return false;
   for (int i = 0; i < j.count; ++i)
     if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
   if (t.kind == GemvTail::round) return j.count == 1 && t.x;
-  if (t.kind != GemvTail::glu) return false;
   // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
   const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1, true);
+  if (t.kind == GemvTail::rms)  // a chunk's blocks as one portable cluster (sm_90), its kernel's 2 rows a group
+    return cc_major() >= 9 && direct_rows(1, true) == 2 && 32 % per_block == 0 && 32 / per_block <= 8 &&
+           j.count == 1 && j.accumulate && j.rows[0] == t.cols && t.x == j.y[0] && t.xn && !j.xn;
+  if (t.kind == GemvTail::glu_cluster)  // a chunk of gate and of up as one portable cluster
+    return cc_major() >= 9 && direct_rows(1, true) == 2 && 32 % per_block == 0 && 2 * (32 / per_block) <= 8 &&
+           j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && !j.accumulate && t.out &&
+           (!j.xn || gemv_xn_fits(j));
+  if (t.kind != GemvTail::glu) return false;
   return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
          t.cols / 32 <= kTailCounters;
+}
+
+bool gemv_xn_fits(const GemvJob& j) {
+  if (j.n != 1 || (j.type != T_Q8_0S && j.type != T_Q4_0S) || rows1(true) != 2 || j.count < 1 || j.count > 3)
+    return false;
+  for (int i = 0; i < j.count; ++i)
+    if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
+  return true;
 }
 
 void gemv_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {

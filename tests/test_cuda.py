@@ -523,21 +523,68 @@ def test_fused_decode_ops_equal_separate_launches(files, tmp_path, monkeypatch, 
             assert np.array_equal(got, want), f"{name} {ft} kv {kv.name}: batched steps' logits differ"
 
 
-def test_glu_tail_over_several_waves(files, tmp_path, monkeypatch):
+def _need_clusters(path):
+    """Skips a test of thread-block clusters on a GPU without them (compute capability below 9.0),
+    where those paths are never taken."""
+    cc = d.load_model(path, device="cuda").device_info["compute_capability"]
+    if float(cc) < 9.0:
+        pytest.skip(f"thread-block clusters need compute capability 9.0; this GPU is {cc}")
+
+
+@pytest.mark.parametrize("tails", ["2", "8"])
+def test_glu_tail_over_several_waves(files, tmp_path, monkeypatch, tails):
     """The GLU tail's 32-row chunks complete while blocks of the same gate / up GEMV that started
     later still read their input: over a grid of more blocks than the GPU holds at once (ffn
     8192 over hidden 1024: 1,024 blocks of 16 rows at two rows a warp group, against four an SM on
     132 SMs; f7ceb50's build, whose tail wrote over its GEMV's input, gave NaN logits), the tail gives
     the logits of separate launches bit for bit (it writes the down projection's input beside the
-    GEMV's own, not over it); q8_0 and q4_0, an f16 and a q8_0 cache."""
+    GEMV's own, not over it); q8_0 and q4_0, an f16 and a q8_0 cache; each chunk's blocks counted
+    (TAILS=2) or run as one thread-block cluster of gate's and up's blocks, renumbered (TAILS=8,
+    sm_90; clusters of 8 blocks for q8_0, 4 for q4_0)."""
     paths = _llama_file(tmp_path, 1024, 16, 4, 8192)
+    if tails == "8":
+        _need_clusters(paths["q8_0"])
     for ft in ("q8_0", "q4_0"):
         for kv in (d.KVDtype.f16, d.KVDtype.q8_0):
             want, _ = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": "0"}, monkeypatch, n_steps=24)
-            got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": "2"}, monkeypatch, n_steps=24)
+            got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": tails}, monkeypatch, n_steps=24)
             assert m._m.fused_ops >= 2 * len(got), (ft, kv.name, m._m.fused_ops)
             assert np.array_equal(got, want), f"{ft} kv {kv.name}: logits differ, max " \
                 f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
+
+
+@pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0])
+def test_rms_tail_decode_against_the_cpu(files, tmp_path, monkeypatch, kv):
+    """DASLLAMA_CUDA_TAILS bit 4 (rms_tail): the residual GEMVs (O, down) run the blocks of each
+    32-row chunk of x as one thread-block cluster whose rank 0 rounds x * norm_w and writes the
+    chunk's sum of squares, and the next GEMV (gate / up, Q / K / V with its rope) scales its sums
+    by the RMS norm, so no rounding launch comes between them. Its quants are not the normed row's
+    bit for bit, so the logits are held to the reference as the q8 checks are: teacher-forced
+    decode steps (40 to 190 rows of a paged cache), q8_0 and q4_0, head sizes 32, 64 and 128 and
+    an ffn of 8192 (clusters of 2 to 8 blocks, gate / up over several waves), at most twice as far
+    from the CPU's fp32 logits (NMSE) as the CPU's own q8 mode, where a wrong op gives 1e-2 or
+    more; the tail ran 2L - 1 times a step (O of every layer, down of all but the last), beside
+    the cluster GLU tail (bit 8) in half the cases and, on an f16 cache, the rope epilogue."""
+    shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
+              "hd128": _llama_file(tmp_path, 512, 4, 2, 1536), "waves": _llama_file(tmp_path, 1024, 16, 4, 8192)}
+    _need_clusters(files["llama"]["q8_0"])
+    ids = [1] + np.random.default_rng(6).integers(3, E.VOCAB, 189).tolist()
+    for name, paths in shapes.items():
+        for ft in ("q8_0", "q4_0"):
+            ref, _ = _forced_steps(paths[ft], "cpu", d.QuantMode.fp32, kv, ids)
+            cpu_q8, _ = _forced_steps(paths[ft], "cpu", d.QuantMode.q8, kv, ids)
+            for tails in ("4", "12"):
+                monkeypatch.setenv("DASLLAMA_CUDA_TAILS", tails)
+                got, m = _forced_steps(paths[ft], "cuda", d.QuantMode.q8, kv, ids)
+                monkeypatch.delenv("DASLLAMA_CUDA_TAILS")
+                layers = 2
+                assert m._m.path_count("rms_tail") >= (2 * layers - 1) * len(got), \
+                    (name, ft, tails, m._m.path_count("rms_tail"))
+                assert (m._m.path_count("gemv_rope") >= layers * len(got)) == (kv == d.KVDtype.f16), (name, ft)
+                e, e_cpu = nmse(got, ref), nmse(cpu_q8, ref)
+                print(f"{name} {ft} kv {kv.name} TAILS={tails}: NMSE {e:.3g}, the CPU's q8 {e_cpu:.3g}")
+                assert e <= 2 * e_cpu, \
+                    f"{name} {ft} kv {kv.name} TAILS={tails}: NMSE {e:.3g} against fp32, the CPU's q8 {e_cpu:.3g}"
 
 
 def test_gemv_rope_equals_two_launches(files, tmp_path, monkeypatch):
