@@ -838,48 +838,35 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bo
   if constexpr (kTail) gemv_tail<R>(j, ks, tail);
 }
 
-// The rms tail's outputs: stored as StoreOut stores them, and each also into the cluster's
-// rank-0 copy of the 32-row chunk (shared::cluster address `chunk`; a block's rows lie in one
-// chunk, so row & 31 is the place).
-struct ChunkOut {
-  uint32_t chunk;
+// The cluster tails (GemvTail::rms, glu_cluster; sm_90). Cluster c holds the blocks of 32-row
+// chunk c of one matrix (rms: the residual row x) or of two (glu: gate's, then up's). A block's
+// outputs go to its own shared memory (OwnOut), then to the cluster's rank 0 over distributed
+// shared memory; only then, after the cluster barrier's release, to global memory, so the release
+// waits on no global store. Rank 0's first warp then has the chunk. No counter, fence or global
+// read: the counted tails' fence and atomic in every block had cost more than the launches they
+// replaced (RESULTS.md, thirty-seventh and forty-fourth sessions).
+struct OwnOut {
+  float* own;  // 32 floats: this block's rows at their places in the chunk
   template <class Rows>
   __device__ __forceinline__ void prepare(const GemvJob&, const Rows&) const {}
   template <class Rows>
   __device__ __forceinline__ void operator()(const GemvJob& j, const Rows& m, float s) const {
-    if (!m.store) return;
-    const float v = j.accumulate ? m.res + s : s;
-    *m.o = v;
-    cluster_store(chunk + 4u * (uint32_t)((m.r0 + m.my_r) & 31), v);
+    if (m.store) own[(m.r0 + m.my_r) & 31] = j.accumulate ? m.res + s : s;
   }
 };
 
-// The GLU cluster tail's outputs: gate's rows (the job's matrix 0) and up's into rank 0's
-// copies of the chunk.
-struct GluChunkOut {
-  uint32_t gate, up;
-  template <class Rows>
-  __device__ __forceinline__ void prepare(const GemvJob&, const Rows&) const {}
-  template <class Rows>
-  __device__ __forceinline__ void operator()(const GemvJob&, const Rows& m, float s) const {
-    if (!m.store) return;
-    *m.o = s;
-    cluster_store((m.mi ? up : gate) + 4u * (uint32_t)((m.r0 + m.my_r) & 31), s);
-  }
-};
-
-// One token's gate / up GEMV with the GLU tail on clusters (GemvTail::glu_cluster): cluster c is
-// the blocks of gate's 32-row chunk c, then those of up's (block ids remapped; the same blocks'
-// sums as gemv_q8_k's), and rank 0's first warp forms the chunk's GLU and its rounding from the
-// values handed to it, as glu_quantize_k does (the same bits). kXN: its input came from an rms tail.
-template <uint32_t T, bool kXN>
-__global__ void __launch_bounds__(SW * 32, 4) gemv_q8_gluc_k(GemvJob j, int ks, bool early, GemvTail t) {
+// One cluster's GEMV blocks (gemv_q8_block at 2 rows a group over `parts` matrices of the job: the
+// block's rank picks the matrix and its blocks' place in the chunk); returns on rank 0 only, with
+// the chunk's rows of matrix p in got[p][0..31] (the other ranks return false).
+template <uint32_t T, bool kXN, int P>
+__device__ __forceinline__ bool cluster_chunk(const GemvJob& j, int ks, bool early, float (&got)[P][32]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ float gv[32], uv[32];
-  cluster_arrive_relaxed();  // phase 1, as gemv_q8_rms_k
-  const unsigned rank = cluster_rank(), half = cluster_blocks() / 2;
-  const int64_t ci = blockIdx.x / (2 * half);
-  const int bid = (int)(rank < half ? ci * half + rank : j.first_block[1] + ci * half + (rank - half));
+  __shared__ float own[32];
+  cluster_arrive_relaxed();  // phase 1: this block runs, so the others may write its got[]
+  const unsigned rank = cluster_rank(), per = cluster_blocks() / P, mi = rank / per, at = rank % per;
+  const int64_t ci = blockIdx.x / cluster_blocks();
+  const int bid = (int)((mi ? j.first_block[mi] : 0) + ci * per + at);
+  const int per_block = 32 / (int)per;
   if (!early) pdl_wait(), pdl_trigger();
   gemv_q8_block<T, 1, 2, XLoad::nc, 2, kXN>(
       j, ks, bid,
@@ -887,59 +874,58 @@ __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_gluc_k(GemvJob j, int ks, 
         if (early) pdl_wait(), pdl_trigger();
         cluster_wait();
       },
-      GluChunkOut{cluster_map(gv, 0), cluster_map(uv, 0)});
-  cluster_arrive_release();
-  if (rank != 0) return;
-  cluster_wait();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const int64_t i = ci * 32 + lane;
-    int8_t* xq = static_cast<int8_t*>(t.q);
-    float* xd = reinterpret_cast<float*>(xq + t.cols);
-    int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
-    const float v = glu_value(t.act, gv[lane], uv[lane]);
-    t.out[i] = v;
-    quant_store(v, lane, i, ci, xq, xd, xs);
+      OwnOut{own});
+  __syncthreads();
+  const int slot = (int)at * per_block + (int)threadIdx.x;
+  float v = 0.f;
+  if ((int)threadIdx.x < per_block) {
+    v = own[slot];
+    cluster_store(cluster_map(&got[mi][slot], 0), v);
   }
+  cluster_arrive_release();  // phase 2: this block's rows are in rank 0's got[]
+  if ((int)threadIdx.x < per_block) j.y[mi == 2 ? 2 : mi == 1 ? 1 : 0][ci * 32 + slot] = v;
+  if (rank != 0) return false;
+  cluster_wait();
+  return true;
+#else
+  return false;
 #endif
 }
 
-// One token's residual GEMV (O, down) with the rms tail (GemvTail::rms): a cluster's blocks make
-// one 32-row chunk of x and hand it to rank 0, whose first warp rounds the chunk of x * nw and
-// writes its sum of squares. No counter, fence or global read: the chunk's values come over the
-// cluster's shared memory, nw is read before the wait. (The counter version of this tail cost
-// about what the rounding launches it replaced did: RESULTS.md, forty-fourth session.)
-template <uint32_t T, int R>
+// One token's residual GEMV (O, down) with the rms tail: rank 0 rounds its chunk of x * nw (nw
+// read before the wait) and writes the chunk's sum of squares; the next GEMV applies the norm.
+template <uint32_t T>
 __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rms_k(GemvJob j, int ks, bool early, GemvTail t) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ float chunk[32];
-  cluster_arrive_relaxed();  // this block runs: the others may write its chunk (phase 1)
-  const unsigned rank = cluster_rank();
-  const int64_t ci = blockIdx.x / cluster_blocks();
+  __shared__ float got[1][32];
   const int lane = threadIdx.x & 31;
+  const int64_t ci = blockIdx.x / cluster_blocks();
   float w = 1.f;
-  if (rank == 0 && threadIdx.x < 32 && t.nw) w = __ldg(t.nw + ci * 32 + lane);
-  if (!early) pdl_wait(), pdl_trigger();
-  gemv_q8_block<T, 1, R, XLoad::nc>(
-      j, ks, (int)blockIdx.x,
-      [early] {
-        if (early) pdl_wait(), pdl_trigger();
-        cluster_wait();  // phase 1: every block of the cluster runs
-      },
-      ChunkOut{cluster_map(chunk, 0)});
-  cluster_arrive_release();  // phase 2: this block's share of the chunk is in rank 0's copy
-  if (rank != 0) return;
-  cluster_wait();
-  if (threadIdx.x < 32) {
-    const float v = chunk[lane];
-    const double ss = warp_sum_d((double)v * v);
-    int8_t* xq = static_cast<int8_t*>(t.q);
-    float* xd = reinterpret_cast<float*>(xq + t.cols);
-    int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
-    quant_store(v * w, lane, ci * 32 + lane, ci, xq, xd, xs);
-    if (lane == 0) t.xn[ci] = ss;
-  }
-#endif
+  if (threadIdx.x < 32 && t.nw && cluster_rank() == 0) w = __ldg(t.nw + ci * 32 + lane);
+  if (!cluster_chunk<T, false, 1>(j, ks, early, got) || threadIdx.x >= 32) return;
+  const float v = got[0][lane];
+  const double ss = warp_sum_d((double)v * v);
+  int8_t* xq = static_cast<int8_t*>(t.q);
+  float* xd = reinterpret_cast<float*>(xq + t.cols);
+  int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
+  quant_store(v * w, lane, ci * 32 + lane, ci, xq, xd, xs);
+  if (lane == 0) t.xn[ci] = ss;
+}
+
+// One token's gate / up GEMV with the GLU tail on clusters: gate's blocks of chunk c, then up's
+// (block ids renumbered; each block's sums as gemv_q8_k's), and rank 0 forms the chunk's GLU and
+// its rounding as glu_quantize_k does (the same bits). kXN: its input came from an rms tail.
+template <uint32_t T, bool kXN>
+__global__ void __launch_bounds__(SW * 32, 4) gemv_q8_gluc_k(GemvJob j, int ks, bool early, GemvTail t) {
+  __shared__ float got[2][32];
+  if (!cluster_chunk<T, kXN, 2>(j, ks, early, got) || threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const int64_t ci = blockIdx.x / cluster_blocks(), i = ci * 32 + lane;
+  int8_t* xq = static_cast<int8_t*>(t.q);
+  float* xd = reinterpret_cast<float*>(xq + t.cols);
+  int32_t* xs = reinterpret_cast<int32_t*>(xd + t.cols / 32);
+  const float v = glu_value(t.act, got[0][lane], got[1][lane]);
+  t.out[i] = v;
+  quant_store(v, lane, i, ci, xq, xd, xs);
 }
 
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
@@ -1092,7 +1078,7 @@ void launch_q8(const GemvJob& j, int ks, cudaStream_t st, const GemvTail& tail =
   const unsigned per_block = (unsigned)(SW / ks * 2);
   if (tail.kind == GemvTail::rms) {
     if (j.xn) throw Error("cuda: an rms tail over an unnormed input");
-    launch_cluster(gemv_q8_rms_k<T, 2>, grid, SW * 32, 0, st, dim3(32 / per_block, 1, 1), j, ks, pdl_early(), tail);
+    launch_cluster(gemv_q8_rms_k<T>, grid, SW * 32, 0, st, dim3(32 / per_block, 1, 1), j, ks, pdl_early(), tail);
     return;
   }
   if (tail.kind == GemvTail::glu_cluster) {
