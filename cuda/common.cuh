@@ -108,17 +108,12 @@ __device__ __forceinline__ void pdl_trigger() {
 }
 // ---- Thread-block clusters (sm_90+; compiled out below, where no cluster is launched) ----
 // The cluster barrier in two halves, each thread of the block taking part (.aligned: the warp
-// in step). arrive_relaxed orders nothing (a block announcing that it runs, so its shared
-// memory may be written by the others); arrive_release makes this thread's earlier writes,
-// shared::cluster ones included, visible to a thread past its wait (acquire).
+// in step). arrive_relaxed orders nothing: a block announcing that it runs, so the others may
+// write its shared memory once past their wait. (A release arrive would be a GPU-wide memory
+// barrier in SASS, MEMBAR.ALL.GPU: data is handed over by st_async instead.)
 __device__ __forceinline__ void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void cluster_wait() {
@@ -148,9 +143,40 @@ __device__ __forceinline__ uint32_t cluster_map(const void* p, unsigned rank) {
 #endif
   return a;
 }
-__device__ __forceinline__ void cluster_store(uint32_t a, float v) {
+// A shared-memory barrier that completes once `bytes` have come in by st_async (one thread of
+// the block that owns it, before the cluster barrier's phase that the senders wait on: the
+// init's fence makes it visible across the cluster).
+__device__ __forceinline__ void mbar_init_tx(uint64_t* bar, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(bar);
+  uint64_t state;
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;" : "=l"(state) : "r"(a), "r"(bytes) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  (void)state;
+#endif
+}
+// v into shared::cluster address `a` of another block (or this one), counted on that block's
+// barrier `bar` (a shared::cluster address too): no fence, the barrier sees the bytes land.
+__device__ __forceinline__ void st_async(uint32_t a, float v, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(a),
+               "r"(__float_as_uint(v)), "r"(bar)
+               : "memory");
+#endif
+}
+// Waits for phase `parity` of this block's barrier to complete (what came in is then visible).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
 #endif
 }
 

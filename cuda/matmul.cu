@@ -840,11 +840,12 @@ __global__ void __launch_bounds__(SW * 32, MINB) gemv_q8_k(GemvJob j, int ks, bo
 
 // The cluster tails (GemvTail::rms, glu_cluster; sm_90). Cluster c holds the blocks of 32-row
 // chunk c of one matrix (rms: the residual row x) or of two (glu: gate's, then up's). A block's
-// outputs go to its own shared memory (OwnOut), then to the cluster's rank 0 over distributed
-// shared memory; only then, after the cluster barrier's release, to global memory, so the release
-// waits on no global store. Rank 0's first warp then has the chunk. No counter, fence or global
-// read: the counted tails' fence and atomic in every block had cost more than the launches they
-// replaced (RESULTS.md, thirty-seventh and forty-fourth sessions).
+// outputs go to its own shared memory (OwnOut), then to the cluster's rank 0 by st_async, counted
+// on rank 0's shared-memory barrier, and to global memory; rank 0's first warp waits on that
+// barrier and has the chunk. No counter, no fence (a cluster barrier's release is a GPU-wide
+// memory barrier in SASS), no global read: the counted tails' fence and atomic in every block had
+// cost more than the launches they replaced (RESULTS.md, thirty-seventh and forty-fourth
+// sessions).
 struct OwnOut {
   float* own;  // 32 floats: this block's rows at their places in the chunk
   template <class Rows>
@@ -855,15 +856,17 @@ struct OwnOut {
   }
 };
 
-// One cluster's GEMV blocks (gemv_q8_block at 2 rows a group over `parts` matrices of the job: the
-// block's rank picks the matrix and its blocks' place in the chunk); returns on rank 0 only, with
-// the chunk's rows of matrix p in got[p][0..31] (the other ranks return false).
+// One cluster's GEMV blocks (gemv_q8_block at 2 rows a group over `P` matrices of the job: the
+// block's rank picks the matrix and its blocks' place in the chunk). True on rank 0's first warp
+// only, once the chunk's rows of matrix p are in got[p][0..31].
 template <uint32_t T, bool kXN, int P>
 __device__ __forceinline__ bool cluster_chunk(const GemvJob& j, int ks, bool early, float (&got)[P][32]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ float own[32];
-  cluster_arrive_relaxed();  // phase 1: this block runs, so the others may write its got[]
+  __shared__ __align__(8) uint64_t bar;
   const unsigned rank = cluster_rank(), per = cluster_blocks() / P, mi = rank / per, at = rank % per;
+  if (rank == 0 && threadIdx.x == 0) mbar_init_tx(&bar, P * 32 * 4);
+  cluster_arrive_relaxed();  // phase 1: this block runs (rank 0: its barrier is set up)
   const int64_t ci = blockIdx.x / cluster_blocks();
   const int bid = (int)((mi ? j.first_block[mi] : 0) + ci * per + at);
   const int per_block = 32 / (int)per;
@@ -876,16 +879,14 @@ __device__ __forceinline__ bool cluster_chunk(const GemvJob& j, int ks, bool ear
       },
       OwnOut{own});
   __syncthreads();
-  const int slot = (int)at * per_block + (int)threadIdx.x;
-  float v = 0.f;
   if ((int)threadIdx.x < per_block) {
-    v = own[slot];
-    cluster_store(cluster_map(&got[mi][slot], 0), v);
+    const int slot = (int)at * per_block + (int)threadIdx.x;
+    const float v = own[slot];
+    st_async(cluster_map(&got[mi][slot], 0), v, cluster_map(&bar, 0));
+    j.y[mi == 2 ? 2 : mi == 1 ? 1 : 0][ci * 32 + slot] = v;
   }
-  cluster_arrive_release();  // phase 2: this block's rows are in rank 0's got[]
-  if ((int)threadIdx.x < per_block) j.y[mi == 2 ? 2 : mi == 1 ? 1 : 0][ci * 32 + slot] = v;
-  if (rank != 0) return false;
-  cluster_wait();
+  if (rank != 0 || threadIdx.x >= 32) return false;
+  mbar_wait(&bar, 0);
   return true;
 #else
   return false;
@@ -901,7 +902,7 @@ __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rms_k(GemvJob j, int ks, b
   const int64_t ci = blockIdx.x / cluster_blocks();
   float w = 1.f;
   if (threadIdx.x < 32 && t.nw && cluster_rank() == 0) w = __ldg(t.nw + ci * 32 + lane);
-  if (!cluster_chunk<T, false, 1>(j, ks, early, got) || threadIdx.x >= 32) return;
+  if (!cluster_chunk<T, false, 1>(j, ks, early, got)) return;
   const float v = got[0][lane];
   const double ss = warp_sum_d((double)v * v);
   int8_t* xq = static_cast<int8_t*>(t.q);
@@ -917,7 +918,7 @@ __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rms_k(GemvJob j, int ks, b
 template <uint32_t T, bool kXN>
 __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_gluc_k(GemvJob j, int ks, bool early, GemvTail t) {
   __shared__ float got[2][32];
-  if (!cluster_chunk<T, kXN, 2>(j, ks, early, got) || threadIdx.x >= 32) return;
+  if (!cluster_chunk<T, kXN, 2>(j, ks, early, got)) return;
   const int lane = threadIdx.x;
   const int64_t ci = blockIdx.x / cluster_blocks(), i = ci * 32 + lane;
   int8_t* xq = static_cast<int8_t*>(t.q);
