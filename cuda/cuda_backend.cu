@@ -1734,9 +1734,8 @@ class CudaBackend final : public Backend {
 
   // The rms tail (DASLLAMA_CUDA_TAILS bit 4) for j, a one-token normed matmul over x, where the
   // GEMV recorded just before (r) wrote x alone (a residual row); kind none where either does not
-  // fit.
-  // Its q holds the quants, then the chunks' sums of squares (doubles; qact_bytes is a multiple
-  // of 8 for cols % 32 == 0).
+  // fit. Its q holds the quants, then the chunks' sums of squares (doubles; qact_bytes is a
+  // multiple of 8 for cols % 32 == 0).
   cuda::GemvTail rms_tail(const GemvRec& r, const cuda::GemvJob& j, const float* x, bool norm, const float* nw) {
     cuda::GemvTail t;
     const int64_t cols = j.cols;
