@@ -149,11 +149,9 @@ __device__ __forceinline__ uint32_t cluster_map(const void* p, unsigned rank) {
 __device__ __forceinline__ void mbar_init_tx(uint64_t* bar, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const uint32_t a = (uint32_t)__cvta_generic_to_shared(bar);
-  uint64_t state;
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;" : "=l"(state) : "r"(a), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  (void)state;
 #endif
 }
 // v into shared::cluster address `a` of another block (or this one), counted on that block's

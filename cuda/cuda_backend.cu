@@ -1063,6 +1063,21 @@ class CudaBackend final : public Backend {
   void glu(const float* gate, int64_t gs, const float* up, int64_t us, float* out, int64_t n_rows, int64_t dim,
            Act act) override {
     use();
+    const GemvRec& r = dgemv_;
+    if ((tails_ & 8) && rec_ && n_rows == 1 && r.at + 1 == ops_.size() && r.j.count == 2 && r.j.y[0] == gate &&
+        r.j.y[1] == up) {
+      // The float-activation gate / up GEMV just recorded makes gate and up: its clusters of a
+      // 32-row chunk form the GLU (DASLLAMA_CUDA_TAILS bit 8), no launch of its own.
+      cuda::GemvTail t;
+      t.kind = cuda::GemvTail::glu_cluster, t.act = cuda::act_code(act), t.out = out, t.cols = dim;
+      if (cuda::gemv_direct_glu_fits(r.j, t)) {
+        const cuda::GemvJob rj = r.j;
+        ops_.back() = [rj, t](cudaStream_t st) { cuda::gemv_direct_tailed(rj, t, st); };
+        sig1(Tag::gemv_tail), sig1(t.kind), sig1(t.act), sig1(out), sig1(dim);
+        dgemv_.at = SIZE_MAX, ++fused_ops_;
+        return;
+      }
+    }
     op(Tag::glu, [=](cudaStream_t s) { cuda::glu(gate, gs, up, us, out, n_rows, dim, act, s); }, gate, gs, up, us, out,
        n_rows, dim, act);
     if (rec_) glu_ = GluRec{ops_.size() - 1, gate, gs, up, us, out, n_rows, dim, act};
@@ -1358,6 +1373,7 @@ class CudaBackend final : public Backend {
     if (mma) ops_.emplace_back([j](cudaStream_t st) { cuda::mma_q8(j, st); });
     else ops_.emplace_back([j](cudaStream_t st) { cuda::gemv_staged(j, st); });
     if (q8 && !mma) gemv_ = GemvRec{ops_.size() - 1, j};
+    if (!q8 && !mma && s.n == 1 && s.count == 2 && !s.residual) dgemv_ = GemvRec{ops_.size() - 1, j};
     if (!mma && !kq && s.count == 3 && !s.residual && s.n <= 4) qkv_ = GemvRec{ops_.size() - 1, j};
     return true;
   }
@@ -1566,10 +1582,11 @@ class CudaBackend final : public Backend {
     cuda::GemvJob j;
   } gemv_;
   GemvRec qkv_;  // the last GEMV of three matrices and 1-4 tokens (a Q / K / V one), for rope_in_gemv
+  GemvRec dgemv_;  // the last float-activation GEMV of two matrices and one token (gate / up), for glu()
   void clear_step() {
     chains_.clear();
     rope_.at = SIZE_MAX, glu_.at = SIZE_MAX, gemv_.at = SIZE_MAX, attn_.at = SIZE_MAX, rope2_.at = SIZE_MAX;
-    qkv_.at = SIZE_MAX;
+    qkv_.at = SIZE_MAX, dgemv_.at = SIZE_MAX;
     sig_.clear(), blob_.clear();
     max_rows_ = 0, no_graph_ = false;
     parts_rec_ = LogitParts();
@@ -1876,7 +1893,8 @@ class CudaBackend final : public Backend {
   // 1,199 -> 1,235 and Q4_0 1,562 -> 1,616 without it. Bit 4 (opt-in, not yet timed): the
   // residual GEMVs' 32-row chunks, each a thread-block cluster, round x * norm_w and the next
   // GEMV applies the norm (rms_tail; it takes the place of bit 1 where both fit). Bit 8 (the
-  // same): the GLU tail with each chunk of gate and up a cluster, no counter (bit 2's place).
+  // same): the GLU tail with each chunk of gate and up a cluster, no counter (bit 2's place), and
+  // the same for f16 / bf16 weights' gate / up (no glu launch).
   int tails_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
     return e ? std::atoi(e) & 15 : 0;

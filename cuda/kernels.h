@@ -114,6 +114,11 @@ struct GemvTail {
 };
 constexpr int64_t kTailCounters = 4096;  // glu tails: rows up to 32 times this
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t);
+// The GLU cluster tail (glu_cluster; t.act, t.out, t.cols) on a float-activation gate / up GEMV
+// (f16 / bf16 weights, one token): the chunk's GLU written to t.out as the glu op writes it, so
+// no glu launch follows.
+bool gemv_direct_glu_fits(const GemvJob& j, const GemvTail& t);
+void gemv_direct_tailed(GemvJob j, const GemvTail& t, cudaStream_t st);
 // Whether j (q8 mode, one token) can take an input an rms tail made (GemvJob::xn): the q8 GEMV
 // kernels at 2 rows a group over the aligned split layouts.
 bool gemv_xn_fits(const GemvJob& j);

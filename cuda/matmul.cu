@@ -577,14 +577,15 @@ constexpr int64_t kStagedMax = 32;
 // The block's 8 warps form 8 / KS groups of R rows; the KS warps of a group split the
 // row's units, and their partial sums meet in shared memory. KS grows with the row length
 // so that short rows still give every lane two units, and long rows many warps.
-template <uint32_t T, int NT, int R, class Out = StoreOut>
-__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early, Out out) {
-  if (!early) pdl_wait(), pdl_trigger();
+// Block `bid` of it (gemv_direct_k's grid); wait() runs once the first round of weights is in
+// flight, as in gemv_q8_block.
+template <uint32_t T, int NT, int R, class Wait, class Out>
+__device__ __forceinline__ void gemv_direct_block(const GemvJob& j, int ks, int bid, Wait wait, Out out) {
   constexpr int UE = Unit<T>::e, U = 2;
   constexpr bool scaled = T == T_Q8_0S || T == T_Q4_0S;
   __shared__ float red[SW][R + 1][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  GemvRows<T, NT, R> m(j, ks, (int)blockIdx.x);
+  GemvRows<T, NT, R> m(j, ks, bid);
   const int cols = m.cols;
   float acc[R][NT], ss[NT];
 #pragma unroll
@@ -598,7 +599,7 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
   const int u_first = m.ub + lane, ue = m.ue;
   const bool live = m.left > 0;
   if (live && u_first < ue) m.load(u_first, q, d);
-  if (early) pdl_wait(), pdl_trigger();
+  wait();
   m.output(j);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) m.load(u0, q, d);
@@ -662,6 +663,13 @@ __global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJo
     if (j.norm) s *= 1.f / sqrtf(qs / (float)cols + j.eps);
   }
   out(j, m, s);
+}
+template <uint32_t T, int NT, int R, class Out = StoreOut>
+__global__ void __launch_bounds__(SW * 32, NT <= 4 ? 3 : 2) gemv_direct_k(GemvJob j, int ks, bool early, Out out) {
+  if (!early) pdl_wait(), pdl_trigger();
+  gemv_direct_block<T, NT, R>(j, ks, (int)blockIdx.x, [early] {
+    if (early) pdl_wait(), pdl_trigger();
+  }, out);
 }
 
 // ---- Quantized activations (q8 mode): the CPU's A8 rounding, then int8 dot products -----
@@ -856,11 +864,11 @@ struct OwnOut {
   }
 };
 
-// One cluster's GEMV blocks (gemv_q8_block at 2 rows a group over `P` matrices of the job: the
-// block's rank picks the matrix and its blocks' place in the chunk). True on rank 0's first warp
-// only, once the chunk's rows of matrix p are in got[p][0..31].
-template <uint32_t T, bool kXN, int P>
-__device__ __forceinline__ bool cluster_chunk(const GemvJob& j, int ks, bool early, float (&got)[P][32]) {
+// One cluster's GEMV blocks over `P` matrices of the job (the block's rank picks the matrix and
+// its blocks' place in the chunk): run(bid, wait, out) runs block bid of the GEMV's grid. True on
+// rank 0's first warp only, once the chunk's rows of matrix p are in got[p][0..31].
+template <int P, class Run>
+__device__ __forceinline__ bool cluster_chunk(const GemvJob& j, bool early, float (&got)[P][32], Run run) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ float own[32];
   __shared__ __align__(8) uint64_t bar;
@@ -871,8 +879,7 @@ __device__ __forceinline__ bool cluster_chunk(const GemvJob& j, int ks, bool ear
   const int bid = (int)((mi ? j.first_block[mi] : 0) + ci * per + at);
   const int per_block = 32 / (int)per;
   if (!early) pdl_wait(), pdl_trigger();
-  gemv_q8_block<T, 1, 2, XLoad::nc, 2, kXN>(
-      j, ks, bid,
+  run(bid,
       [early] {
         if (early) pdl_wait(), pdl_trigger();
         cluster_wait();
@@ -902,7 +909,8 @@ __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rms_k(GemvJob j, int ks, b
   const int64_t ci = blockIdx.x / cluster_blocks();
   float w = 1.f;
   if (threadIdx.x < 32 && t.nw && cluster_rank() == 0) w = __ldg(t.nw + ci * 32 + lane);
-  if (!cluster_chunk<T, false, 1>(j, ks, early, got)) return;
+  const auto run = [&](int bid, auto wait, OwnOut o) { gemv_q8_block<T, 1, 2, XLoad::nc>(j, ks, bid, wait, o); };
+  if (!cluster_chunk<1>(j, early, got, run)) return;
   const float v = got[0][lane];
   const double ss = warp_sum_d((double)v * v);
   int8_t* xq = static_cast<int8_t*>(t.q);
@@ -918,7 +926,10 @@ __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_rms_k(GemvJob j, int ks, b
 template <uint32_t T, bool kXN>
 __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_gluc_k(GemvJob j, int ks, bool early, GemvTail t) {
   __shared__ float got[2][32];
-  if (!cluster_chunk<T, kXN, 2>(j, ks, early, got)) return;
+  const auto run = [&](int bid, auto wait, OwnOut o) {
+    gemv_q8_block<T, 1, 2, XLoad::nc, 2, kXN>(j, ks, bid, wait, o);
+  };
+  if (!cluster_chunk<2>(j, early, got, run)) return;
   const int lane = threadIdx.x;
   const int64_t ci = blockIdx.x / cluster_blocks(), i = ci * 32 + lane;
   int8_t* xq = static_cast<int8_t*>(t.q);
@@ -927,6 +938,17 @@ __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_gluc_k(GemvJob j, int ks, 
   const float v = glu_value(t.act, got[0][lane], got[1][lane]);
   t.out[i] = v;
   quant_store(v, lane, i, ci, xq, xd, xs);
+}
+
+// The same for a float-activation gate / up GEMV (f16, bf16: gemv_direct_k at 4 rows a group):
+// rank 0 writes the chunk's GLU as glu_k does (the same bits), and no glu launch follows.
+template <uint32_t T>
+__global__ void __launch_bounds__(SW * 32, 3) gemv_direct_gluc_k(GemvJob j, int ks, bool early, GemvTail t) {
+  __shared__ float got[2][32];
+  const auto run = [&](int bid, auto wait, OwnOut o) { gemv_direct_block<T, 1, 4>(j, ks, bid, wait, o); };
+  if (!cluster_chunk<2>(j, early, got, run)) return;
+  const int lane = threadIdx.x;
+  t.out[blockIdx.x / cluster_blocks() * 32 + lane] = glu_value(t.act, got[0][lane], got[1][lane]);
 }
 
 // gemv_q8_k for one token with the rounding of its input in the prologue: each block rounds x
@@ -1484,6 +1506,30 @@ bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
   if (t.kind != GemvTail::glu) return false;
   return j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && 32 % per_block == 0 && t.out &&
          t.cols / 32 <= kTailCounters;
+}
+
+bool gemv_direct_glu_fits(const GemvJob& j, const GemvTail& t) {
+  if (t.kind != GemvTail::glu_cluster || !t.out || cc_major() < 9 || j.n != 1 || j.xq || j.count != 2 ||
+      (j.type != T_F16 && j.type != T_BF16) || j.accumulate || !gemv_staged_fits(j) || rows1(false) != 4 ||
+      j.rows[0] != j.rows[1] || j.rows[0] != t.cols || t.cols % 32 != 0)
+    return false;
+  for (int i = 0; i < 2; ++i)
+    if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
+  const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * 4;
+  return 32 % per_block == 0 && 2 * (32 / per_block) <= 8;
+}
+
+void gemv_direct_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
+  if (!gemv_direct_glu_fits(j, t)) throw Error("cuda: a GEMV GLU tail the kernel does not take");
+  const int ks = direct_ks(j.cols / unit_elems(j.type));
+  const int64_t per_block = SW / ks * 4;
+  j.first_block[0] = 0, j.first_block[1] = j.rows[0] / per_block, j.first_block[2] = 2 * (j.rows[0] / per_block);
+  gemv_fits(j, ks);
+  const dim3 cl((unsigned)(2 * (32 / per_block)), 1, 1);
+  const unsigned grid = (unsigned)j.first_block[2];
+  if (j.type == T_F16) launch_cluster(gemv_direct_gluc_k<T_F16>, grid, SW * 32, 0, st, cl, j, ks, pdl_early(), t);
+  else launch_cluster(gemv_direct_gluc_k<T_BF16>, grid, SW * 32, 0, st, cl, j, ks, pdl_early(), t);
+  check_launch("matmul (direct, GLU tail)");
 }
 
 bool gemv_xn_fits(const GemvJob& j) {

@@ -553,6 +553,23 @@ def test_glu_tail_over_several_waves(files, tmp_path, monkeypatch, tails):
                 f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
 
 
+def test_f16_glu_cluster_tail_equals_the_glu_launch(files, tmp_path, monkeypatch):
+    """DASLLAMA_CUDA_TAILS bit 8 on f16 weights: the one-token gate / up GEMV (float activations,
+    4 rows a warp group) runs each 32-row chunk of gate and of up as one thread-block cluster whose
+    rank 0 writes the chunk's GLU, so no glu launch follows; the logits of decode steps equal the
+    glu launch's bit for bit (the tiny shape in f16 and bf16, and ffn 8192 over hidden 1024 in f16:
+    1,024 blocks, several waves), and it ran in every layer of every step."""
+    _need_clusters(files["llama"]["f16"])
+    shapes = {"tiny": files["llama"]["f16"], "tiny bf16": files["llama"]["bf16"],
+              "waves": _llama_file(tmp_path, 1024, 16, 4, 8192, formats=("f16",))["f16"]}
+    for name, path in shapes.items():
+        want, _ = _decode_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_TAILS": "0"}, monkeypatch, n_steps=24)
+        got, m = _decode_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_TAILS": "8"}, monkeypatch, n_steps=24)
+        assert m._m.fused_ops >= 2 * len(got), (name, m._m.fused_ops)
+        assert np.array_equal(got, want), f"{name}: logits differ, max " \
+            f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
+
+
 @pytest.mark.parametrize("kv", [d.KVDtype.f16, d.KVDtype.q8_0])
 def test_rms_tail_decode_against_the_cpu(files, tmp_path, monkeypatch, kv):
     """DASLLAMA_CUDA_TAILS bit 4 (rms_tail): the residual GEMVs (O, down) run the blocks of each
