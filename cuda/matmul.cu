@@ -1486,6 +1486,14 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
   check_launch("matmul (staged)");
 }
 
+// The largest cluster a cluster tail takes (DASLLAMA_CUDA_CLUSTER_MAX, 2-8, default 8, a portable
+// cluster; read at each call): a cluster's blocks must find room in one GPC together, which a
+// large one may wait for while the kernel before still holds the SMs.
+int cluster_max() {
+  const char* e = std::getenv("DASLLAMA_CUDA_CLUSTER_MAX");
+  return e && *e ? std::max(2, std::min(8, std::atoi(e))) : 8;
+}
+
 bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
   if (j.n != 1 || !j.xq || (j.type != T_Q8_0S && j.type != T_Q4_0S) || !gemv_staged_fits(j) ||
       (!t.cnt && t.kind != GemvTail::rms && t.kind != GemvTail::glu_cluster) || !t.q ||
@@ -1497,10 +1505,10 @@ bool gemv_tail_fits(const GemvJob& j, const GemvTail& t) {
   // Each block's rows lie inside one 32-row chunk (direct_rows(1) rows a group, 8 / ks groups).
   const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * direct_rows(1, true);
   if (t.kind == GemvTail::rms)  // a chunk's blocks as one portable cluster (sm_90), its kernel's 2 rows a group
-    return cc_major() >= 9 && direct_rows(1, true) == 2 && 32 % per_block == 0 && 32 / per_block <= 8 &&
+    return cc_major() >= 9 && direct_rows(1, true) == 2 && 32 % per_block == 0 && 32 / per_block <= cluster_max() &&
            j.count == 1 && j.accumulate && j.rows[0] == t.cols && t.x == j.y[0] && t.xn && !j.xn;
   if (t.kind == GemvTail::glu_cluster)  // a chunk of gate and of up as one portable cluster
-    return cc_major() >= 9 && direct_rows(1, true) == 2 && 32 % per_block == 0 && 2 * (32 / per_block) <= 8 &&
+    return cc_major() >= 9 && direct_rows(1, true) == 2 && 32 % per_block == 0 && 2 * (32 / per_block) <= cluster_max() &&
            j.count == 2 && j.rows[0] == j.rows[1] && j.rows[0] == t.cols && !j.accumulate && t.out &&
            (!j.xn || gemv_xn_fits(j));
   if (t.kind != GemvTail::glu) return false;
@@ -1516,7 +1524,7 @@ bool gemv_direct_glu_fits(const GemvJob& j, const GemvTail& t) {
   for (int i = 0; i < 2; ++i)
     if (j.rb[i] % 16 != 0 || !aligned16(j.w[i])) return false;
   const int64_t per_block = SW / direct_ks(j.cols / unit_elems(j.type)) * 4;
-  return 32 % per_block == 0 && 2 * (32 / per_block) <= 8;
+  return 32 % per_block == 0 && 2 * (32 / per_block) <= cluster_max();
 }
 
 void gemv_direct_tailed(GemvJob j, const GemvTail& t, cudaStream_t st) {
