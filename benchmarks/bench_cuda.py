@@ -154,6 +154,15 @@ def bench(path: str, device: str, batches, tg: bool = True, greedy: bool = False
         tgs.append(d.stats(s).gen_tps)
     if tgs:
         out["tg256"] = max(tgs)
+    # Launches joined into others over the steps so far (CUDA), so that an A/B row whose setting
+    # did not take (a condition not met on this model) shows it.
+    for k, get in (("fused_ops", lambda: m._m.fused_ops), ("rms_tail", lambda: m._m.path_count("rms_tail"))):
+        try:
+            v = get()
+        except (AttributeError, RuntimeError):
+            continue
+        if v:
+            out[k] = v
     # Batched decode: B sessions of a pool, 64 steps of one token each after a 16-token prefill.
     for B in batches:
         pool = d.create_kv_pool(m, page_rows=16, max_pages=B * 8)
