@@ -866,9 +866,12 @@ struct OwnOut {
 
 // One cluster's GEMV blocks over `P` matrices of the job (the block's rank picks the matrix and
 // its blocks' place in the chunk): run(bid, wait, out) runs block bid of the GEMV's grid. True on
-// rank 0's first warp only, once the chunk's rows of matrix p are in got[p][0..31].
+// rank 0's first warp only, once the chunk's rows of matrix p are in got[p][0..31]. A matrix
+// whose output is `dead` (the GLU's, written in place over up by rank 0) is not stored: another
+// block's store could land after rank 0's.
 template <int P, class Run>
-__device__ __forceinline__ bool cluster_chunk(const GemvJob& j, bool early, float (&got)[P][32], Run run) {
+__device__ __forceinline__ bool cluster_chunk(const GemvJob& j, bool early, float (&got)[P][32], Run run,
+                                              const float* dead = nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ float own[32];
   __shared__ __align__(8) uint64_t bar;
@@ -890,7 +893,8 @@ __device__ __forceinline__ bool cluster_chunk(const GemvJob& j, bool early, floa
     const int slot = (int)at * per_block + (int)threadIdx.x;
     const float v = own[slot];
     st_async(cluster_map(&got[mi][slot], 0), v, cluster_map(&bar, 0));
-    j.y[mi == 2 ? 2 : mi == 1 ? 1 : 0][ci * 32 + slot] = v;
+    float* y = j.y[mi == 2 ? 2 : mi == 1 ? 1 : 0];
+    if (y != dead) y[ci * 32 + slot] = v;
   }
   if (rank != 0 || threadIdx.x >= 32) return false;
   mbar_wait(&bar, 0);
@@ -929,7 +933,7 @@ __global__ void __launch_bounds__(SW * 32, 4) gemv_q8_gluc_k(GemvJob j, int ks, 
   const auto run = [&](int bid, auto wait, OwnOut o) {
     gemv_q8_block<T, 1, 2, XLoad::nc, 2, kXN>(j, ks, bid, wait, o);
   };
-  if (!cluster_chunk<2>(j, early, got, run)) return;
+  if (!cluster_chunk<2>(j, early, got, run, t.out)) return;
   const int lane = threadIdx.x;
   const int64_t ci = blockIdx.x / cluster_blocks(), i = ci * 32 + lane;
   int8_t* xq = static_cast<int8_t*>(t.q);
@@ -946,7 +950,7 @@ template <uint32_t T>
 __global__ void __launch_bounds__(SW * 32, 3) gemv_direct_gluc_k(GemvJob j, int ks, bool early, GemvTail t) {
   __shared__ float got[2][32];
   const auto run = [&](int bid, auto wait, OwnOut o) { gemv_direct_block<T, 1, 4>(j, ks, bid, wait, o); };
-  if (!cluster_chunk<2>(j, early, got, run)) return;
+  if (!cluster_chunk<2>(j, early, got, run, t.out)) return;
   const int lane = threadIdx.x;
   t.out[blockIdx.x / cluster_blocks() * 32 + lane] = glu_value(t.act, got[0][lane], got[1][lane]);
 }
