@@ -580,7 +580,8 @@ def test_rms_tail_decode_against_the_cpu(files, tmp_path, monkeypatch, kv):
     decode steps (40 to 190 rows of a paged cache), q8_0 and q4_0, head sizes 32, 64 and 128 and
     an ffn of 8192 (clusters of 2 to 8 blocks, gate / up over several waves), at most twice as far
     from the CPU's fp32 logits (NMSE) as the CPU's own q8 mode, where a wrong op gives 1e-2 or
-    more; the tail ran 2L - 1 times a step (O of every layer, down of all but the last), beside
+    more; the tail ran 2L - 1 times a step (O of every layer, down of all but the last, where a
+    chunk's blocks fit a portable cluster), beside
     the cluster GLU tail (bit 8) in half the cases and, on an f16 cache, the rope epilogue."""
     shapes = {"tiny": files["llama"], "hd64": _llama_file(tmp_path, 512, 8, 2, 1024),
               "hd128": _llama_file(tmp_path, 512, 4, 2, 1536), "waves": _llama_file(tmp_path, 1024, 16, 4, 8192)}
@@ -594,9 +595,11 @@ def test_rms_tail_decode_against_the_cpu(files, tmp_path, monkeypatch, kv):
                 monkeypatch.setenv("DASLLAMA_CUDA_TAILS", tails)
                 got, m = _forced_steps(paths[ft], "cuda", d.QuantMode.q8, kv, ids)
                 monkeypatch.delenv("DASLLAMA_CUDA_TAILS")
+                # O's tail in every layer; down's in all but the last, where its chunk's blocks make a
+                # portable cluster (q8_0 at ffn 8192 splits each row over 8 warps: 16 blocks a chunk)
                 layers = 2
-                assert m._m.path_count("rms_tail") >= (2 * layers - 1) * len(got), \
-                    (name, ft, tails, m._m.path_count("rms_tail"))
+                want = 2 * layers - 1 if not (name == "waves" and ft == "q8_0") else layers
+                assert m._m.path_count("rms_tail") >= want * len(got), (name, ft, tails, m._m.path_count("rms_tail"))
                 assert (m._m.path_count("gemv_rope") >= layers * len(got)) == (kv == d.KVDtype.f16), (name, ft)
                 e, e_cpu = nmse(got, ref), nmse(cpu_q8, ref)
                 print(f"{name} {ft} kv {kv.name} TAILS={tails}: NMSE {e:.3g}, the CPU's q8 {e_cpu:.3g}")
