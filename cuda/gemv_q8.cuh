@@ -171,12 +171,15 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
   wait();
   m.output(j);
   // An input not yet RMS-normed (one token, GemvJob::xn): its 32-blocks' sums of squares, read
-  // beside x's first loads and added up after the loop (one scale for every sum of the row).
+  // beside x's first loads by the warps that store (part 0) and added up after the loop (one
+  // scale for every sum of the row). In float, with rsqrtf: double's division and square root
+  // are software sequences, ~3M instructions more over a Llama-1B gate / up (ncu, H100), where
+  // the tail's rounding is held to the reference by NMSE, not to a launch's bits.
   static_assert(!kXN || NT == 1, "xn: one token");
-  double xss = 0;
+  float xss = 0.f;
   if constexpr (kXN)
-    if (j.xn)
-      for (int c = lane; c < nb; c += 32) xss += xload<XL>(j.xn + c);
+    if (j.xn && m.part == 0)
+      for (int c = lane; c < nb; c += 32) xss += (float)xload<XL>(j.xn + c);
   for (int u0 = u_first; live && u0 < ue; u0 += 32 * U) {
     if (u0 != u_first) m.load(u0, q, d);
 #pragma unroll
@@ -220,10 +223,10 @@ __device__ __forceinline__ void gemv_q8_block(const GemvJob& j, int ks, int bid,
       }
     }
   }
-  // (the norm's scale formed as quantize_act_k forms it, in double, from the chunks' sums)
+  // (called by part 0's warps only, each whole)
   const auto normed = [&](float v) {
     if constexpr (kXN)
-      if (j.xn) return __fmul_rn(v, (float)(1.0 / sqrt(warp_sum_d(xss) / cols + j.eps)));
+      if (j.xn) return __fmul_rn(v, rsqrtf(__fdividef(warp_sum(xss), (float)cols) + j.eps));
     return v;
   };
   if (ks == 1) {  // the warp holds whole rows: no shared memory (every lane gets each row's sum)
