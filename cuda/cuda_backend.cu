@@ -1897,7 +1897,7 @@ class CudaBackend final : public Backend {
   // the same for f16 / bf16 weights' gate / up (no glu launch).
   int tails_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
-    return e ? std::atoi(e) & 15 : 0;
+    return e ? std::atoi(e) & 15 : 12;
   }();
   // The Q / K rope and the KV stores after it go out as one launch (Rope2Rec; DASLLAMA_CUDA_ROPEST=0:
   // two launches).

@@ -547,7 +547,8 @@ def test_glu_tail_over_several_waves(files, tmp_path, monkeypatch, tails):
     for ft in ("q8_0", "q4_0"):
         for kv in (d.KVDtype.f16, d.KVDtype.q8_0):
             want, m_off = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": "0"}, monkeypatch, n_steps=24)
-            got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": tails}, monkeypatch, n_steps=24)
+            got, m = _decode_steps(paths[ft], kv, {"DASLLAMA_CUDA_TAILS": tails, "DASLLAMA_CUDA_CLUSTER_MAX": "8"},
+                                   monkeypatch, n_steps=24)
             # (the tail in both layers of every step, beyond what joins launches without it)
             assert m._m.fused_ops - m_off._m.fused_ops >= 2 * len(got), (ft, kv.name, m._m.fused_ops)
             assert np.array_equal(got, want), f"{ft} kv {kv.name}: logits differ, max " \
@@ -565,7 +566,8 @@ def test_f16_glu_cluster_tail_equals_the_glu_launch(files, tmp_path, monkeypatch
               "waves": _llama_file(tmp_path, 1024, 16, 4, 8192, formats=("f16",))["f16"]}
     for name, path in shapes.items():
         want, m_off = _decode_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_TAILS": "0"}, monkeypatch, n_steps=24)
-        got, m = _decode_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_TAILS": "8"}, monkeypatch, n_steps=24)
+        got, m = _decode_steps(path, d.KVDtype.f16, {"DASLLAMA_CUDA_TAILS": "8", "DASLLAMA_CUDA_CLUSTER_MAX": "8"},
+                               monkeypatch, n_steps=24)
         assert m._m.fused_ops - m_off._m.fused_ops >= 2 * len(got), (name, m._m.fused_ops, m_off._m.fused_ops)
         assert np.array_equal(got, want), f"{name}: logits differ, max " \
             f"{np.abs(got - want).max():.3g} at step {np.argwhere(got != want)[0][0]}"
