@@ -1890,14 +1890,16 @@ class CudaBackend final : public Backend {
   // The roundings stay off: on the H200 one block rounding a whole row after the others cost
   // more than the launch (Llama-1B Q8_0 decode 785 -> 718 t/s, RESULTS.md). So does the GLU since
   // the forty-fourth session: with its scratch apart from the GEMV's input, H100 tg256 Q8_0
-  // 1,199 -> 1,235 and Q4_0 1,562 -> 1,616 without it. Bit 4 (opt-in, not yet timed): the
-  // residual GEMVs' 32-row chunks, each a thread-block cluster, round x * norm_w and the next
-  // GEMV applies the norm (rms_tail; it takes the place of bit 1 where both fit). Bit 8 (the
-  // same): the GLU tail with each chunk of gate and up a cluster, no counter (bit 2's place), and
-  // the same for f16 / bf16 weights' gate / up (no glu launch).
+  // 1,199 -> 1,235 and Q4_0 1,562 -> 1,616 without it. Bit 4 (opt-in): the residual GEMVs'
+  // 32-row chunks, each a thread-block cluster, round x * norm_w and the next GEMV applies the
+  // norm (rms_tail; it takes the place of bit 1 where both fit). Bit 8: the GLU tail with each
+  // chunk of gate and up a cluster, no counter (bit 2's place), and the same for f16 / bf16
+  // weights' gate / up (no glu launch). With both (12), H100 tg256 SmolLM2-135M / Gemma-3-270M
+  // +9-20%, Llama-1B level at clusters of at most 4 (RESULTS.md, forty-eighth session); still
+  // opt-in until the whole CUDA suite has run with them on.
   int tails_ = [] {
     const char* e = std::getenv("DASLLAMA_CUDA_TAILS");
-    return e ? std::atoi(e) & 15 : 12;
+    return e ? std::atoi(e) & 15 : 0;
   }();
   // The Q / K rope and the KV stores after it go out as one launch (Rope2Rec; DASLLAMA_CUDA_ROPEST=0:
   // two launches).

@@ -1493,7 +1493,7 @@ void gemv_staged(GemvJob j, cudaStream_t st) {
 // The largest cluster a cluster tail takes (DASLLAMA_CUDA_CLUSTER_MAX, 2-16, default 4; 16 is
 // sm_90's non-portable size; read at each call): on the H100, Llama-1B's tails on 8- and 16-block
 // clusters lost 3-4% to the launches they replace, those on 2-4 blocks did not (RESULTS.md,
-// forty-eighth session).
+// forty-eighth session; measured before the xn GEMVs' norm went from double to float).
 int cluster_max() {
   const char* e = std::getenv("DASLLAMA_CUDA_CLUSTER_MAX");
   return e && *e ? std::max(2, std::min(16, std::atoi(e))) : 4;
