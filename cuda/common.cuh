@@ -210,7 +210,7 @@ void launch_cluster(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStr
     at[na++].val.programmaticStreamSerializationAllowed = 1;
   }
   if (cluster.x * cluster.y * cluster.z > 8)  // past a portable cluster (sm_90 takes 16)
-    check(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "cluster size 16");
+    check(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "a non-portable cluster size");
   if (cluster.x * cluster.y * cluster.z > 1) {
     at[na].id = cudaLaunchAttributeClusterDimension;
     at[na].val.clusterDim.x = cluster.x, at[na].val.clusterDim.y = cluster.y, at[na++].val.clusterDim.z = cluster.z;
